@@ -1,0 +1,77 @@
+"""Windowed joint attention of the NaDiT.
+
+Every window is one sequence: the window's video tokens followed by all text tokens of the
+same sample. Video outputs return to their positions; a text token's output is the mean of
+its outputs over the sample's windows. Windows of equal (video, text) length are stacked and
+run through one ``scaled_dot_product_attention`` call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .norm import RMSNorm, rms_norm
+from .packing import Packing
+from .rope import apply_rotary
+from .streams import PerStream
+from .window import WindowLayout
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Softmax attention, scale 1/sqrt(head_dim). q/k/v: (batch, seq, heads, head_dim)."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return out.transpose(1, 2)
+
+
+class WindowAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, head_dim: int, eps: float, shared: bool,
+                 rope: nn.Module):
+        super().__init__()
+        self.heads, self.head_dim, self.eps = heads, head_dim, eps
+        inner = heads * head_dim
+        self.proj_qkv = PerStream(lambda: nn.Linear(dim, 3 * inner, bias=False), shared)
+        self.proj_out = PerStream(lambda: nn.Linear(inner, dim), shared)
+        self.norm_q = PerStream(lambda: RMSNorm(head_dim, eps), shared)
+        self.norm_k = PerStream(lambda: RMSNorm(head_dim, eps), shared)
+        self.rope = rope
+
+    def _qkv(self, x: torch.Tensor, stream: str, angles: torch.Tensor | None):
+        """(N, dim) -> q, k, v each (N, heads, head_dim); q/k normed and rotated in fp32."""
+        q, k, v = self.proj_qkv[stream](x).unflatten(-1, (3, self.heads, self.head_dim)).unbind(1)
+        q = rms_norm(q, self.eps, self.norm_q[stream].weight)
+        k = rms_norm(k, self.eps, self.norm_k[stream].weight)
+        if angles is not None:
+            q, k = apply_rotary(q, angles), apply_rotary(k, angles)
+        return q.to(x.dtype), k.to(x.dtype), v
+
+    def forward(self, vid: torch.Tensor, txt: torch.Tensor, packing: Packing,
+                layout: WindowLayout, need_txt: bool = True):
+        """vid (Nv, dim), txt (Nt, dim) -> attention outputs (Nv, dim), (Nt, dim) or None."""
+        # Video tokens in window order, so each group's windows are contiguous rows.
+        vid_angles = self.rope.video_angles(layout, packing.txt_lens_tensor())
+        q_v, k_v, v_v = self._qkv(vid[layout.perm], "vid", vid_angles)
+        txt_angles = self.rope.text_angles(packing.txt_positions()) if self.rope.rotates_text \
+            else None
+        q_t, k_t, v_t = self._qkv(txt, "txt", txt_angles)
+
+        inner = self.heads * self.head_dim
+        out_v = torch.empty(vid.shape[0], inner, dtype=vid.dtype, device=vid.device)
+        out_t = torch.zeros(txt.shape[0], inner, dtype=torch.float32, device=txt.device) \
+            if need_txt else None
+        for g in layout.groups:
+            rows = slice(g.start, g.start + g.count * g.vid_len)
+            window = lambda x: x[rows].unflatten(0, (g.count, g.vid_len))  # noqa: E731
+            k = torch.cat([window(k_v), k_t[g.txt_index]], dim=1)
+            v = torch.cat([window(v_v), v_t[g.txt_index]], dim=1)
+            q = torch.cat([window(q_v), q_t[g.txt_index]], dim=1) if need_txt else window(q_v)
+            o = attend(q, k, v).flatten(2)  # (count, seq, inner)
+            out_v[rows] = o[:, : g.vid_len].flatten(0, 1)
+            if need_txt:
+                out_t.index_add_(0, g.txt_index.flatten(), o[:, g.vid_len:].flatten(0, 1).float())
+        out_v = self.proj_out["vid"](out_v[layout.inverse_perm])
+        if not need_txt:
+            return out_v, None
+        out_t = (out_t / layout.txt_windows[:, None]).to(txt.dtype)
+        return out_v, self.proj_out["txt"](out_t)

@@ -1,0 +1,124 @@
+"""Attention windows of the NaDiT and the packed-token bookkeeping built from them.
+
+Each sample's patched video grid (t, h, w) is cut into 3-D windows of roughly 400 tokens,
+independent of resolution. Every window becomes one attention sequence: its video tokens
+followed by all of the sample's text tokens. Blocks alternate a regular grid
+(``720pwin_by_size_bysize``) and a half-window-shifted grid (``720pswin_by_size_bysize``).
+
+:class:`WindowLayout` turns the windows of all samples of a call into index tensors so that
+windows of equal length run as one batched attention call instead of a Python loop.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+Window = tuple[int, int, int, int, int, int]  # (t0, t1, h0, h1, w0, w1), half-open
+
+
+def window_sizes(t: int, h: int, w: int, num: tuple[int, int, int]) -> tuple[int, int, int]:
+    """Window extent per axis: the grid is scaled to 45x80 patches, then cut into num cells."""
+    nt, nh, nw = num
+    scale = math.sqrt(45 * 80 / (h * w))
+    resized_h, resized_w = round(h * scale), round(w * scale)  # round half to even, as Python
+    return math.ceil(min(t, 30) / nt), math.ceil(resized_h / nh), math.ceil(resized_w / nw)
+
+
+def _regular_ranges(n: int, win: int) -> list[tuple[int, int]]:
+    return [(i, min(i + win, n)) for i in range(0, n, win)]
+
+
+def _shifted_ranges(n: int, win: int) -> list[tuple[int, int]]:
+    shift = 0.5 if win < n else 0.0
+    count = math.ceil((n - shift) / win) + 1 if shift > 0 else 1
+    ranges = [(max(int((i - shift) * win), 0), min(int((i - shift + 1) * win), n))
+              for i in range(count)]
+    return [(a, b) for a, b in ranges if b > a]
+
+
+def make_windows(method: str, thw: tuple[int, int, int], num: tuple[int, int, int]) -> list[Window]:
+    """The windows of one sample's patched grid under one window rule."""
+    sizes = window_sizes(*thw, num)
+    ranges = _shifted_ranges if method == "720pswin_by_size_bysize" else _regular_ranges
+    rt, rh, rw = (ranges(n, s) for n, s in zip(thw, sizes))
+    return [(t0, t1, h0, h1, w0, w1) for t0, t1 in rt for h0, h1 in rh for w0, w1 in rw]
+
+
+@dataclass
+class WindowGroup:
+    """Windows of equal video length and equal text length, attended in one batched call.
+
+    Their video tokens are the contiguous rows ``[start, start + count·vid_len)`` of the
+    window-ordered token array (see :attr:`WindowLayout.perm`).
+    """
+
+    start: int
+    count: int
+    vid_len: int
+    txt_index: torch.Tensor  # (count, txt_len) rows of the packed text array
+
+
+@dataclass
+class WindowLayout:
+    """All windows of one rule for a packed call.
+
+    ``perm`` lists the packed video token indices window after window, windows of one group
+    adjacent; ``local_pos`` is each of those tokens' (t, h, w) inside its window and
+    ``window_size`` that window's extent (both needed by RoPE, which is window-local).
+    """
+
+    perm: torch.Tensor  # (Nv,) int64
+    inverse_perm: torch.Tensor  # (Nv,) int64
+    local_pos: torch.Tensor  # (Nv, 3) int64, window order
+    window_size: torch.Tensor  # (Nv, 3) int64, window order
+    sample_of_token: torch.Tensor  # (Nv,) int64, window order
+    groups: list[WindowGroup]
+    txt_windows: torch.Tensor  # (Nt,) float: how many windows each text token appears in
+    cache: dict = field(default_factory=dict)  # per-call derived tensors (RoPE positions)
+
+    @staticmethod
+    def build(method: str, num: tuple[int, int, int], patched_thw: list[tuple[int, int, int]],
+              txt_lens: list[int], device: torch.device) -> "WindowLayout":
+        by_key: dict[tuple[int, int], list] = {}
+        vid_offset = txt_offset = 0
+        txt_windows = []
+        for sample, ((t, h, w), txt_len) in enumerate(zip(patched_thw, txt_lens)):
+            grid = torch.arange(t * h * w).view(t, h, w) + vid_offset
+            windows = make_windows(method, (t, h, w), num)
+            for t0, t1, h0, h1, w0, w1 in windows:
+                size = (t1 - t0, h1 - h0, w1 - w0)
+                tokens = grid[t0:t1, h0:h1, w0:w1].reshape(-1)
+                by_key.setdefault((tokens.numel(), txt_len), []).append(
+                    (tokens, size, sample, txt_offset))
+            txt_windows.append(torch.full((txt_len,), float(len(windows))))
+            vid_offset += t * h * w
+            txt_offset += txt_len
+
+        perm, local, sizes, samples, groups = [], [], [], [], []
+        start = 0
+        for (vid_len, txt_len), members in by_key.items():
+            for tokens, size, sample, _ in members:
+                perm.append(tokens)
+                st, sh, sw = size
+                pos = torch.stack(torch.meshgrid(torch.arange(st), torch.arange(sh),
+                                                 torch.arange(sw), indexing="ij"), -1)
+                local.append(pos.reshape(-1, 3))
+                sizes.append(torch.tensor(size).expand(vid_len, 3))
+                samples.append(torch.full((vid_len,), sample))
+            txt_index = torch.stack([torch.arange(txt_len) + off for *_, off in members])
+            groups.append(WindowGroup(start, len(members), vid_len, txt_index.to(device)))
+            start += len(members) * vid_len
+
+        perm_t = torch.cat(perm)
+        return WindowLayout(
+            perm=perm_t.to(device),
+            inverse_perm=torch.argsort(perm_t).to(device),
+            local_pos=torch.cat(local).to(device),
+            window_size=torch.cat(sizes).to(device),
+            sample_of_token=torch.cat(samples).to(device),
+            groups=groups,
+            txt_windows=torch.cat(txt_windows).to(device),
+        )
