@@ -31,6 +31,13 @@ class FrequencyTable(nn.Module):
         super().__init__()
         self.register_buffer("freqs", freqs, persistent=True)
 
+    def _apply(self, fn, recurse=True):
+        # Follow device moves but never lose precision: a model cast to bf16 keeps fp32 values.
+        values = self.freqs
+        super()._apply(fn, recurse)
+        self.freqs = values.to(device=self.freqs.device, dtype=torch.float32)
+        return self
+
 
 def apply_rotary(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs of x (N, heads, D) by angles (N, P); returns fp32."""

@@ -1,0 +1,141 @@
+"""Weight files, opened lazily: keys, shapes and dtypes without reading tensor data.
+
+The format is told by the file's first bytes, never by its name.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import struct
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+class CheckpointError(ValueError):
+    """A weight file that cannot be loaded; the message names the file and what was expected."""
+
+
+@dataclass
+class TensorSource:
+    """One weight file's tensors: shapes/dtypes up front, data on request (mmap where possible)."""
+
+    path: Path
+    format: str  # "safetensors" or "pickle"
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, torch.dtype]
+    metadata: dict[str, str] = field(default_factory=dict)
+    _get: Callable[[str], torch.Tensor] | None = None
+    _close: Callable[[], None] | None = None
+
+    def get(self, key: str) -> torch.Tensor:
+        return self._get(key)
+
+    def close(self):
+        if self._close:
+            self._close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def metadata_config(self) -> dict | None:
+        """The JSON ``config`` metadata entry (our own files and re-saved conformance files)."""
+        raw = self.metadata.get("config")
+        if raw is None:
+            return None
+        try:
+            config = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{self.path}: metadata entry 'config' is not valid JSON ({e})")
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{self.path}: metadata entry 'config' must be a JSON object")
+        return config.get("constructor_kwargs", config)
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+def sniff_format(path: Path) -> str:
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if head[:4] == b"GGUF":
+        return "gguf"
+    if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":
+        return "pickle"
+    if len(head) >= 9 and head[8:9] == b"{":
+        return "safetensors"
+    raise CheckpointError(f"{path}: unrecognised weight file (expected safetensors, a torch "
+                          f".pth/.pt state dict, or GGUF; first bytes {head[:8]!r})")
+
+
+def open_weights(path) -> TensorSource:
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: weight file not found")
+    fmt = sniff_format(path)
+    if fmt == "safetensors":
+        return _open_safetensors(path)
+    if fmt == "pickle":
+        return _open_pickle(path)
+    raise CheckpointError(f"{path}: GGUF weights are not supported by this version")
+
+
+def _open_safetensors(path: Path) -> TensorSource:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        if header_len > size - 8:
+            raise CheckpointError(f"{path}: truncated safetensors file (header of {header_len} "
+                                  f"bytes, file of {size})")
+        try:
+            header = json.loads(f.read(header_len))
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path}: corrupt safetensors header ({e})")
+    metadata = header.pop("__metadata__", None) or {}
+    end = max((v["data_offsets"][1] for v in header.values()), default=0)
+    if 8 + header_len + end > size:
+        raise CheckpointError(f"{path}: truncated safetensors file (tensors need "
+                              f"{8 + header_len + end} bytes, file has {size})")
+    unknown = {v["dtype"] for v in header.values()} - _SAFETENSORS_DTYPES.keys()
+    if unknown:
+        raise CheckpointError(f"{path}: unsupported tensor dtype(s) {sorted(unknown)}")
+    from safetensors import safe_open
+
+    handle = safe_open(str(path), framework="pt", device="cpu")
+    return TensorSource(
+        path, "safetensors",
+        shapes={k: tuple(v["shape"]) for k, v in header.items()},
+        dtypes={k: _SAFETENSORS_DTYPES[v["dtype"]] for k, v in header.items()},
+        metadata=dict(metadata), _get=handle.get_tensor,
+        _close=lambda: handle.__exit__(None, None, None))
+
+
+def _open_pickle(path: Path) -> TensorSource:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True,
+                           mmap=zipfile.is_zipfile(path))
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{path}: this .pth needs code to unpickle, which is refused for "
+                              f"safety (weights_only=True); save a plain state dict of tensors "
+                              f"or convert it to safetensors. Detail: {str(e).splitlines()[0]}")
+    except (RuntimeError, EOFError, zipfile.BadZipFile) as e:
+        raise CheckpointError(f"{path}: unreadable torch checkpoint ({e})")
+    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{path}: expected a state dict of tensors (name -> tensor)")
+    return TensorSource(path, "pickle",
+                        shapes={k: tuple(v.shape) for k, v in state.items()},
+                        dtypes={k: v.dtype for k, v in state.items()},
+                        _get=state.__getitem__, _close=state.clear)

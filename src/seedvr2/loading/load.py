@@ -1,0 +1,165 @@
+"""One loader for every weight file: open, detect, build on meta, check, assign tensor by tensor.
+
+The model is never materialised twice: parameters are created on ``meta`` and replaced by the
+file's tensors (converted one at a time), so peak memory is about one copy of the weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..models import build_dit, build_vae
+from ..models.config import ConfigError, DiTConfig, VAEConfig, dit_config, dit_family, vae_config
+from ..models.rope import FrequencyTable
+from .detect import describe_unknown, detect_dit, detect_vae, model_kind
+from .formats import CheckpointError, TensorSource, open_weights
+
+log = logging.getLogger("seedvr2")
+
+_STANDARD_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _config_for(src: TensorSource, kind: str) -> DiTConfig | VAEConfig:
+    found = model_kind(src.shapes)
+    if found != kind:
+        what = describe_unknown(src.shapes) if found is None else f"this is a {found.upper()} file"
+        raise CheckpointError(f"{src.path}: expected a SeedVR2 {kind.upper()} checkpoint, but {what}")
+    override = src.metadata_config()
+    try:
+        if kind == "vae":
+            return vae_config({**detect_vae(src.shapes), **(override or {})})
+        detected = detect_dit(src.shapes)
+        if override is not None:
+            try:
+                same_family = dit_family(override) == dit_family(detected)
+            except ConfigError:
+                same_family = True
+            detected = {**detected, **override} if same_family else override
+        return dit_config(detected)
+    except (ConfigError, CheckpointError) as e:
+        raise CheckpointError(f"{src.path}: {e}") from None
+
+
+def _target_dtype(src: TensorSource, requested: torch.dtype | None) -> torch.dtype:
+    """The requested dtype, else the file's dominant float dtype (fp8 -> fp16, fp64 -> fp32)."""
+    if requested is not None:
+        return requested
+    weight: dict[torch.dtype, int] = {}
+    for key, dt in src.dtypes.items():
+        if dt.is_floating_point:
+            dt = dt if dt in _STANDARD_FLOATS else torch.float32 if dt == torch.float64 else torch.float16
+            n = 1
+            for s in src.shapes[key]:
+                n *= s
+            weight[dt] = weight.get(dt, 0) + n
+    return max(weight, key=weight.get) if weight else torch.float32
+
+
+def _check_tensors(src: TensorSource, model: nn.Module, cfg) -> list[str]:
+    """Compare the file with the model's state dict; returns the RoPE buffers the file lacks."""
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    summary = _summary(cfg)
+    missing = [k for k in expected if k not in src.shapes]
+    rope_missing = [k for k in missing if k.endswith("rope.rope.freqs")]
+    missing = [k for k in missing if k not in rope_missing]
+    unexpected = [k for k in src.shapes if k not in expected]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} tensor(s), e.g. {missing[:3]}")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} tensor(s), e.g. {unexpected[:3]}")
+        raise CheckpointError(f"{src.path}: {'; '.join(parts)} for {summary}")
+    for key, shape in expected.items():
+        if key in src.shapes and src.shapes[key] != shape:
+            raise CheckpointError(f"{src.path}: tensor {key!r} has shape {list(src.shapes[key])}, "
+                                  f"expected {list(shape)} for {summary}")
+        if key in src.dtypes and not src.dtypes[key].is_floating_point:
+            raise CheckpointError(f"{src.path}: tensor {key!r} has dtype {src.dtypes[key]}, "
+                                  f"expected a floating-point tensor")
+    return rope_missing
+
+
+def _summary(cfg) -> str:
+    if isinstance(cfg, DiTConfig):
+        return (f"a {cfg.family.upper()}-family DiT (vid_dim {cfg.vid_dim}, {cfg.heads} heads x "
+                f"{cfg.head_dim}, {cfg.num_layers} layers, txt_in_dim {cfg.txt_in_dim})")
+    return f"a VAE (block_out_channels {list(cfg.block_out_channels)})"
+
+
+def _assign(model: nn.Module, key: str, tensor: torch.Tensor):
+    module_name, _, name = key.rpartition(".")
+    module = model.get_submodule(module_name)
+    if name in module._parameters:
+        module._parameters[name] = nn.Parameter(tensor, requires_grad=False)
+    else:
+        module._buffers[name] = tensor
+
+
+def _load(path, kind: str, dtype: torch.dtype | None, device) -> nn.Module:
+    with open_weights(path) as src:
+        cfg = _config_for(src, kind)
+        with torch.device("meta"):
+            model = build_dit(cfg) if kind == "dit" else build_vae(cfg)
+        rope_missing = _check_tensors(src, model, cfg)
+        target = _target_dtype(src, dtype)
+        for key in src.shapes:
+            tensor = src.get(key)
+            keep_fp32 = key.endswith("rope.rope.freqs")
+            tensor = tensor.to(device=device, dtype=torch.float32 if keep_fp32 else target)
+            _assign(model, key, tensor)
+        if rope_missing:
+            log.info("%s: %d RoPE frequency buffers absent from the file; recomputed",
+                     Path(path).name, len(rope_missing))
+            for key in rope_missing:
+                rope = model.get_submodule(key.rsplit(".", 2)[0])
+                table: FrequencyTable = rope.rope
+                table.freqs = type(rope).default_freqs(rope.axis_dim).to(device)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def load_dit(path, dtype: torch.dtype | None = None, device="cpu") -> nn.Module:
+    """A NaDiT (3B or 7B family, detected) from a safetensors or .pth/.pt file.
+
+    ``dtype`` converts floating tensors (RoPE frequency tables stay fp32); None keeps the
+    file's dtype.
+    """
+    return _load(path, "dit", dtype, torch.device(device))
+
+
+def load_vae(path, dtype: torch.dtype | None = None, device="cpu") -> nn.Module:
+    """The video VAE from a safetensors or .pth/.pt file (see :func:`load_dit`)."""
+    return _load(path, "vae", dtype, torch.device(device))
+
+
+def describe(path) -> dict:
+    """What a weight file holds, read from its header alone (no tensor data is loaded)."""
+    with open_weights(path) as src:
+        kind = model_kind(src.shapes)
+        if kind is None:
+            raise CheckpointError(f"{src.path}: {describe_unknown(src.shapes)}")
+        cfg = _config_for(src, kind)
+        dtypes = sorted({str(d).replace("torch.", "") for d in src.dtypes.values()})
+        count = 0
+        for key, shape in src.shapes.items():
+            if key.endswith("rope.rope.freqs"):
+                continue
+            n = 1
+            for s in shape:
+                n *= s
+            count += n
+        info = {"file": str(src.path), "format": src.format, "kind": kind, "dtypes": dtypes,
+                "parameters": count, "tensors": len(src.shapes)}
+        if isinstance(cfg, DiTConfig):
+            info.update(family=cfg.family, vid_dim=cfg.vid_dim, heads=cfg.heads,
+                        head_dim=cfg.head_dim, num_layers=cfg.num_layers,
+                        mm_layers=cfg.mm_layers, txt_in_dim=cfg.txt_in_dim, mlp_type=cfg.mlp_type)
+        else:
+            info.update(block_out_channels=list(cfg.block_out_channels),
+                        latent_channels=cfg.latent_channels, norm_num_groups=cfg.norm_num_groups)
+        return info

@@ -1,0 +1,356 @@
+"""Building blocks of the causal video VAE (see ``vae.py`` for the architecture as a whole).
+
+Every block works on channels-first video tensors ``(B, C, T, H, W)``. Two rules make the
+network *causal* in time, so that frame ``t`` of any output depends on input frames ``<= t``
+only, and so that a single image (``T = 1``) is a valid video:
+
+* convolutions never look ahead: the temporal receptive field is padded in front by repeating
+  the first frame (:class:`CausalConv3d`) instead of zero padding on both sides;
+* everything that is not a convolution acts on each frame on its own: GroupNorm statistics
+  (:class:`FrameGroupNorm`) and the mid-block self-attention (:class:`FrameAttention`).
+
+Because of that, a long video can be processed in consecutive temporal chunks if every
+causal convolution hands the last frames of its (padded) input on to the next chunk. The
+modules take an optional :class:`CausalCache` for this; without one they process the whole
+clip in one pass, which is what the model does today.
+
+Module and parameter names follow the diffusers-style names of the official checkpoint
+(``resnets.N.norm1``, ``downsamplers.0.conv``, ``attentions.0.to_q`` ...), so a released
+state dict loads strictly.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+_int3 = Union[int, Tuple[int, int, int]]
+
+NORM_EPS = 1e-6
+
+# Largest attention score matrix (elements) built at once per call to SDPA. When no fused
+# kernel applies (e.g. head dim 512 exceeds the flash kernels' limit) SDPA falls back to the
+# explicit ``N x N`` matrix; frames are then attended in groups whose matrices fit this budget.
+ATTENTION_SCORE_BUDGET = 1 << 28
+
+
+def _triple(value: _int3) -> Tuple[int, int, int]:
+    return (value,) * 3 if isinstance(value, int) else tuple(value)
+
+
+class CausalCache:
+    """State carried between consecutive temporal chunks of the same clip.
+
+    Each causal convolution stores the trailing frames of its padded input (what its next
+    window needs from the past); each temporal up-sampler remembers that it has seen the
+    first chunk. Use one fresh cache per clip and per direction (encode / decode), and feed
+    the chunks in order; chunk lengths must respect the temporal strides (``1 + 4k`` frames
+    for the first encoder chunk, then multiples of 4; any split of the latent for decoding).
+    """
+
+    def __init__(self) -> None:
+        self._tails: Dict[nn.Module, Tensor] = {}
+        self._seen: set = set()
+
+    def tail(self, module: nn.Module) -> Optional[Tensor]:
+        return self._tails.get(module)
+
+    def set_tail(self, module: nn.Module, frames: Tensor) -> None:
+        # A copy, so that the (much larger) padded input it is sliced from can be freed.
+        self._tails[module] = frames.detach().clone()
+
+    def first_visit(self, module: nn.Module) -> bool:
+        """True the first time ``module`` asks, i.e. while it processes the first chunk."""
+        if module in self._seen:
+            return False
+        self._seen.add(module)
+        return True
+
+
+class CausalConv3d(nn.Conv3d):
+    """A 3-D convolution that is causal in time.
+
+    ``padding`` is given like the official layer's ``(p_t, p_h, p_w)``: the temporal part is
+    *not* zero padding but ``2 * p_t`` copies of the first frame prepended, so the output has
+    the same length as a symmetric ``p_t`` padding would give while seeing only the past.
+    Space is zero padded, symmetrically by ``(p_h, p_w)`` or by an explicit
+    ``spatial_pad = (left, right, top, bottom)`` (the encoder's down-samplers pad right and
+    bottom only).
+
+    With a :class:`CausalCache`, chunks after the first are prefixed by the last
+    ``kernel_t - stride_t`` frames of the previous chunk's padded input instead of the
+    replicated first frame, which reproduces the single-pass result exactly.
+
+    Parameters are the plain ``nn.Conv3d`` ``weight`` ``(out, in, kt, kh, kw)`` and ``bias``.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: _int3,
+                 stride: _int3 = 1, padding: _int3 = 0, bias: bool = True,
+                 spatial_pad: Optional[Tuple[int, int, int, int]] = None) -> None:
+        super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=0,
+                         bias=bias)
+        pad_t, pad_h, pad_w = _triple(padding)
+        self.head_frames = 2 * pad_t
+        # Frames of the padded input that the next chunk's first window overlaps.
+        self.tail_frames = max(self.kernel_size[0] - self.stride[0], 0)
+        if spatial_pad is None:
+            self.conv_padding = (0, pad_h, pad_w)  # zero padding done inside conv3d, no copy
+            self.spatial_pad = None
+        else:
+            self.conv_padding = (0, 0, 0)
+            self.spatial_pad = tuple(spatial_pad)
+
+    def pad(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
+        """Prepend the causal temporal context (and apply asymmetric spatial padding)."""
+        head = cache.tail(self) if cache is not None else None
+        if head is None and self.head_frames:
+            head = x[:, :, :1].expand(-1, -1, self.head_frames, -1, -1)
+        if self.spatial_pad is not None:
+            x = F.pad(x, self.spatial_pad)
+            if head is not None and cache is None or head is not None and head.shape[-2:] != x.shape[-2:]:
+                head = F.pad(head, self.spatial_pad)
+        if head is not None:
+            x = torch.cat([head.to(x.dtype), x], dim=2)
+        if cache is not None and self.tail_frames:
+            cache.set_tail(self, x[:, :, x.shape[2] - self.tail_frames:])
+        return x
+
+    def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
+        return F.conv3d(self.pad(x, cache), self.weight, self.bias, self.stride,
+                        self.conv_padding)
+
+
+class FrameGroupNorm(nn.GroupNorm):
+    """GroupNorm with statistics per frame, computed in float32 whatever the model dtype.
+
+    Equivalent to folding time into the batch, ``(B, C, T, H, W) -> (B*T, C, H, W)``, and
+    applying ``nn.GroupNorm``, but without the two transposing copies that would need: the
+    mean and variance of every (channel, frame) plane are reduced over ``H*W`` (contiguous),
+    combined exactly into per-(group, frame) statistics (law of total variance), and the
+    normalisation plus affine transform is one fused ``scale * x + shift`` pass.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.ndim != 5:
+            raise ValueError(f"FrameGroupNorm expects (B, C, T, H, W), got shape {tuple(x.shape)}")
+        B, C, T = x.shape[:3]
+        G = self.num_groups
+        compute_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        x_c = x.reshape(B, C, T, -1).to(compute_dtype)  # no copy in float32
+
+        var_c, mean_c = torch.var_mean(x_c, dim=-1, correction=0)  # (B, C, T) per plane
+        mean_c = mean_c.view(B, G, C // G, T)
+        var_c = var_c.view(B, G, C // G, T)
+        mean_g = mean_c.mean(dim=2, keepdim=True)  # (B, G, 1, T)
+        var_g = var_c.mean(dim=2, keepdim=True) + (mean_c - mean_g).square().mean(dim=2,
+                                                                                   keepdim=True)
+        rstd = torch.rsqrt(var_g + self.eps)
+
+        weight = self.weight.to(compute_dtype).view(1, G, C // G, 1)
+        bias = self.bias.to(compute_dtype).view(1, G, C // G, 1)
+        scale = (weight * rstd).reshape(B, C, T, 1)
+        shift = (bias - mean_g * weight * rstd).reshape(B, C, T, 1)
+        if x_c.dtype is x.dtype:
+            out = torch.addcmul(shift, x_c, scale)
+        else:  # x_c is already a private upcast copy: normalise it in place
+            out = x_c.mul_(scale).add_(shift)
+        return out.view(x.shape).to(x.dtype)
+
+
+def _norm_act(norm: FrameGroupNorm, x: Tensor) -> Tensor:
+    # The norm returns a fresh tensor, so SiLU can overwrite it instead of allocating again.
+    return F.silu(norm(x), inplace=True)
+
+
+class ResnetBlock3D(nn.Module):
+    """Pre-norm residual block: ``x + conv2(silu(norm2(conv1(silu(norm1(x))))))``.
+
+    Both convolutions are causal 3x3x3 (the released config uses the "full" temporal
+    receptive field). A causal 1x1x1 ``conv_shortcut`` projects ``x`` when the channel count
+    changes.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, groups: int) -> None:
+        super().__init__()
+        self.norm1 = FrameGroupNorm(groups, in_channels, eps=NORM_EPS)
+        self.conv1 = CausalConv3d(in_channels, out_channels, 3, padding=1)
+        self.norm2 = FrameGroupNorm(groups, out_channels, eps=NORM_EPS)
+        self.conv2 = CausalConv3d(out_channels, out_channels, 3, padding=1)
+        self.conv_shortcut = (CausalConv3d(in_channels, out_channels, 1)
+                              if in_channels != out_channels else None)
+
+    def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
+        h = self.conv1(_norm_act(self.norm1, x), cache)
+        h = self.conv2(_norm_act(self.norm2, h), cache)
+        shortcut = x if self.conv_shortcut is None else self.conv_shortcut(x, cache)
+        return h.add_(shortcut)  # h is conv2's fresh output
+
+
+class FrameAttention(nn.Module):
+    """Single-head self-attention over the ``H*W`` positions of each frame, with residual.
+
+    ``x + to_out(softmax(q k^T / sqrt(C)) v)`` where ``q, k, v`` are linear maps (with bias)
+    of the group-normalised input and the head spans all ``C`` channels. Frames never attend
+    to each other, which keeps the block causal. Names match diffusers' ``Attention``.
+    """
+
+    def __init__(self, channels: int, groups: int) -> None:
+        super().__init__()
+        self.group_norm = FrameGroupNorm(groups, channels, eps=NORM_EPS)
+        self.to_q = nn.Linear(channels, channels)
+        self.to_k = nn.Linear(channels, channels)
+        self.to_v = nn.Linear(channels, channels)
+        self.to_out = nn.ModuleList([nn.Linear(channels, channels)])
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, C, T, H, W = x.shape
+        # One sequence of H*W tokens per frame: (B*T, H*W, C).
+        tokens = self.group_norm(x).permute(0, 2, 3, 4, 1).reshape(B * T, H * W, C)
+        q = self.to_q(tokens).unsqueeze(1)  # (B*T, 1 head, H*W, C)
+        k = self.to_k(tokens).unsqueeze(1)
+        v = self.to_v(tokens).unsqueeze(1)
+        del tokens
+        frames_per_call = max(1, ATTENTION_SCORE_BUDGET // (H * W) ** 2)
+        if frames_per_call >= B * T:
+            out = F.scaled_dot_product_attention(q, k, v)
+        else:
+            out = torch.cat([F.scaled_dot_product_attention(qc, kc, vc) for qc, kc, vc in zip(
+                q.split(frames_per_call), k.split(frames_per_call), v.split(frames_per_call))])
+        out = self.to_out[0](out.squeeze(1))  # (B*T, H*W, C)
+        # x first: the sum then takes x's contiguous channels-first layout.
+        return x + out.view(B, T, H, W, C).permute(0, 4, 1, 2, 3)
+
+
+class Downsample3D(nn.Module):
+    """Strided causal conv halving H and W, and T too when ``temporal``.
+
+    Space: zero pad right/bottom by one, then 3x3 stride 2 without padding (H -> H/2).
+    Time (if ``temporal``): kernel 3, stride 2 after prepending two copies of the first frame,
+    so ``T = 2n+1 -> n+1`` and latent frame 0 sees only input frame 0.
+    """
+
+    def __init__(self, channels: int, temporal: bool) -> None:
+        super().__init__()
+        self.conv = CausalConv3d(
+            channels, channels,
+            kernel_size=(3 if temporal else 1, 3, 3),
+            stride=(2 if temporal else 1, 2, 2),
+            padding=(1 if temporal else 0, 0, 0),
+            spatial_pad=(0, 1, 0, 1))
+
+    def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
+        return self.conv(x, cache)
+
+
+class Upsample3D(nn.Module):
+    """Learned depth-to-space up-sampling (x2 in H, W and, if ``temporal``, in T), then a conv.
+
+    ``upscale_conv`` (plain 1x1x1) makes ``r * C`` channels, ``r = 2*2*(2 if temporal else 1)``,
+    read as ``(x, y, z, c)`` with ``c`` fastest and moved to row offset ``x``, column offset
+    ``y`` and time offset ``z``. Frame 0 expands into two identical-purpose frames of which
+    the second is dropped, so ``T -> 2T - 1`` keeps the ``4n+1`` frame structure (only in the
+    first chunk of a clip). A causal 3x3x3 ``conv`` follows.
+    """
+
+    def __init__(self, channels: int, temporal: bool) -> None:
+        super().__init__()
+        self.channels = channels
+        self.time_ratio = 2 if temporal else 1
+        self.space_ratio = 2
+        ratio = self.time_ratio * self.space_ratio ** 2
+        self.upscale_conv = nn.Conv3d(channels, channels * ratio, kernel_size=1)
+        self.conv = CausalConv3d(channels, channels, 3, padding=1)
+
+    def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
+        first_chunk = cache is None or cache.first_visit(self)
+        return self.conv(self.depth_to_space(self.upscale_conv(x), first_chunk), cache)
+
+    def depth_to_space(self, y: Tensor, drop_duplicate_head: bool) -> Tensor:
+        B, _, T, H, W = y.shape
+        C, r, z = self.channels, self.space_ratio, self.time_ratio
+        # (B, x, y, z, C, T, H, W) -> (B, C, T, z, H, x, W, y), written straight into the
+        # output so that dropping the duplicate head frame costs no extra copy.
+        src = y.view(B, r, r, z, C, T, H, W).permute(0, 4, 5, 3, 6, 1, 7, 2)
+        drop = z > 1 and drop_duplicate_head
+        out = y.new_empty(B, C, T * z - drop, H * r, W * r)
+        if not drop:
+            out.view(B, C, T, z, H, r, W, r).copy_(src)
+        else:
+            out[:, :, 0].view(B, C, H, r, W, r).copy_(src[:, :, 0, 0])
+            out[:, :, 1:].view(B, C, T - 1, z, H, r, W, r).copy_(src[:, :, 1:])
+        return out
+
+
+class DownEncoderBlock3D(nn.Module):
+    """``num_layers`` residual blocks, then an optional :class:`Downsample3D`."""
+
+    def __init__(self, in_channels: int, out_channels: int, num_layers: int, groups: int,
+                 downsample: Optional[str]) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList(
+            ResnetBlock3D(in_channels if i == 0 else out_channels, out_channels, groups)
+            for i in range(num_layers))
+        self.downsamplers = (nn.ModuleList([Downsample3D(out_channels, downsample == "time")])
+                             if downsample else None)
+
+    def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
+        for resnet in self.resnets:
+            x = resnet(x, cache)
+        if self.downsamplers is not None:
+            x = self.downsamplers[0](x, cache)
+        return x
+
+
+class UpDecoderBlock3D(nn.Module):
+    """``num_layers`` residual blocks, then an optional :class:`Upsample3D`."""
+
+    def __init__(self, in_channels: int, out_channels: int, num_layers: int, groups: int,
+                 upsample: Optional[str]) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList(
+            ResnetBlock3D(in_channels if i == 0 else out_channels, out_channels, groups)
+            for i in range(num_layers))
+        self.upsamplers = (nn.ModuleList([Upsample3D(out_channels, upsample == "time")])
+                           if upsample else None)
+
+    def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
+        for resnet in self.resnets:
+            x = resnet(x, cache)
+        if self.upsamplers is not None:
+            x = self.upsamplers[0](x, cache)
+        return x
+
+
+class UNetMidBlock3D(nn.Module):
+    """Residual block, per-frame self-attention, residual block (at the lowest resolution)."""
+
+    def __init__(self, channels: int, groups: int) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList([ResnetBlock3D(channels, channels, groups),
+                                      ResnetBlock3D(channels, channels, groups)])
+        self.attentions = nn.ModuleList([FrameAttention(channels, groups)])
+
+    def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
+        x = self.resnets[0](x, cache)
+        x = self.attentions[0](x)
+        return self.resnets[1](x, cache)
+
+
+def down_kinds(num_blocks: int, temporal_scale_num: int) -> Sequence[Optional[str]]:
+    """Down-sampling of each encoder block: ``"time"`` (space and time), ``"space"`` or None.
+
+    The last block never down-samples; the ``temporal_scale_num`` blocks before it also halve
+    time, the earlier ones only space (released model: space, time, time, none).
+    """
+    first_temporal = num_blocks - 1 - temporal_scale_num
+    return [None if i == num_blocks - 1 else "time" if i >= first_temporal else "space"
+            for i in range(num_blocks)]
+
+
+def up_kinds(num_blocks: int, temporal_scale_num: int) -> Sequence[Optional[str]]:
+    """Up-sampling of each decoder block, mirroring :func:`down_kinds`
+    (released model: time, time, space, none)."""
+    return list(reversed(down_kinds(num_blocks, temporal_scale_num)))[1:] + [None]
