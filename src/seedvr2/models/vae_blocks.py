@@ -105,15 +105,14 @@ class CausalConv3d(nn.Conv3d):
 
     def pad(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
         """Prepend the causal temporal context (and apply asymmetric spatial padding)."""
+        if self.spatial_pad is not None:
+            x = F.pad(x, self.spatial_pad)
+        # A cached tail was stored after padding, so it already has the padded spatial size.
         head = cache.tail(self) if cache is not None else None
         if head is None and self.head_frames:
             head = x[:, :, :1].expand(-1, -1, self.head_frames, -1, -1)
-        if self.spatial_pad is not None:
-            x = F.pad(x, self.spatial_pad)
-            if head is not None and cache is None or head is not None and head.shape[-2:] != x.shape[-2:]:
-                head = F.pad(head, self.spatial_pad)
         if head is not None:
-            x = torch.cat([head.to(x.dtype), x], dim=2)
+            x = torch.cat([head, x], dim=2)
         if cache is not None and self.tail_frames:
             cache.set_tail(self, x[:, :, x.shape[2] - self.tail_frames:])
         return x

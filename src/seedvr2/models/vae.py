@@ -1,0 +1,265 @@
+"""The causal 3-D video VAE of SeedVR2 (official ``VideoAutoencoderKLWrapper``, video_vae_v3).
+
+Overview
+--------
+A KL autoencoder that compresses RGB video by 8x in each spatial direction and 4x in time
+into 16 latent channels::
+
+    video (B, 3, 4n+1, H, W) in [-1, 1]  --encoder-->  posterior N(mean, exp(logvar))
+                                                        mean, logvar: (B, 16, n+1, H/8, W/8)
+    latent (B, 16, t, h, w)              --decoder-->  video (B, 3, 4(t-1)+1, 8h, 8w)
+
+It is the Stable-Diffusion image VAE (diffusers ``AutoencoderKL``) inflated to 3-D, with all
+convolutions made *causal* in time: a latent frame depends on the current and earlier video
+frames only. Frame 0 is therefore encoded exactly like a still image, and a single image is
+simply a one-frame video (``T = 1 -> t = 1``). The ``4n + 1`` frame counts come from the two
+temporal stride-2 stages, each mapping ``2m + 1`` frames to ``m + 1`` (the first frame keeps
+its own latent frame, every following group of 4 frames shares one).
+
+Encoder (channels ``C0..C3`` = ``block_out_channels``, (128, 256, 512, 512) when released)
+    ``conv_in`` causal 3x3x3, ``3 -> C0``;
+    4 ``down_blocks``, each ``layers_per_block`` (=2) residual blocks (GroupNorm -> SiLU ->
+    causal 3x3x3 conv, twice, plus a 1x1x1 shortcut when the width changes), followed in
+    blocks 0..2 by a strided conv: block 0 halves space only (kernel 1x3x3), blocks 1 and 2
+    halve space and time (kernel 3x3x3, stride 2). Spatial down-sampling pads the right and
+    bottom edge by one zero instead of both sides, as in the SD VAE;
+    ``mid_block``: residual block, single-head self-attention within each frame, residual;
+    GroupNorm -> SiLU -> ``conv_out`` causal 3x3x3 to ``2 * 16`` channels, read as the
+    posterior mean (first 16) and log-variance (last 16, clamped to [-30, 20]).
+
+Decoder (mirror image)
+    ``conv_in`` ``16 -> C3``; ``mid_block``; 4 ``up_blocks`` of ``layers_per_block + 1`` (=3)
+    residual blocks, followed in blocks 0..2 by a learned depth-to-space up-sampler (a 1x1x1
+    conv to ``r * C`` channels rearranged into a ``2x`` larger grid, ``r = 8`` for blocks 0
+    and 1 which also double time, ``r = 4`` for block 2) and a causal 3x3x3 conv. Doubling
+    time turns frame 0 into two frames of which the second is dropped (``t -> 2t - 1``),
+    matching the encoder's treatment of frame 0. GroupNorm -> SiLU -> ``conv_out`` to RGB.
+
+Causality and normalisation
+    A causal conv with temporal padding ``p`` prepends ``2p`` copies of the first frame
+    (no zero padding in time); space is zero padded. GroupNorm (eps 1e-6) and attention act
+    on each frame separately (time folded into the batch), so no layer mixes future frames
+    in. Norm statistics are always computed in float32.
+
+Temporal chunking
+    Causality means a long clip can be processed in chunks if each causal conv keeps the
+    tail of its input for the next chunk (the official pipeline does this with 4-frame
+    chunks; it is numerically equivalent to one pass). :class:`Encoder` and :class:`Decoder`
+    accept a :class:`~.vae_blocks.CausalCache` for that; :class:`VideoAutoencoder` currently
+    runs every clip in a single pass.
+
+Scaling
+    ``encode`` returns the raw posterior mean. The SeedVR2 pipeline multiplies it by 0.9152
+    (shift 0) before the DiT and divides by 0.9152 before ``decode``; that belongs to the
+    pipeline, not to this module (the model's own ``scaling_factor`` field is unused).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .config import VAEConfig
+from .vae_blocks import (
+    NORM_EPS,
+    CausalCache,
+    CausalConv3d,
+    DownEncoderBlock3D,
+    FrameGroupNorm,
+    UNetMidBlock3D,
+    UpDecoderBlock3D,
+    _norm_act,
+    down_kinds,
+    up_kinds,
+)
+
+LOGVAR_MIN, LOGVAR_MAX = -30.0, 20.0
+
+
+class Encoder(nn.Module):
+    """Video ``(B, in_channels, T, H, W)`` -> posterior moments ``(B, 2*latent, t, h, w)``."""
+
+    def __init__(self, in_channels: int, latent_channels: int,
+                 block_out_channels: Sequence[int], layers_per_block: int, groups: int,
+                 temporal_scale_num: int) -> None:
+        super().__init__()
+        widths = list(block_out_channels)
+        self.conv_in = CausalConv3d(in_channels, widths[0], 3, padding=1)
+        kinds = down_kinds(len(widths), temporal_scale_num)
+        self.down_blocks = nn.ModuleList(
+            DownEncoderBlock3D(widths[max(i - 1, 0)], widths[i], layers_per_block, groups,
+                               downsample=kinds[i])
+            for i in range(len(widths)))
+        self.mid_block = UNetMidBlock3D(widths[-1], groups)
+        self.conv_norm_out = FrameGroupNorm(groups, widths[-1], eps=NORM_EPS)
+        self.conv_out = CausalConv3d(widths[-1], 2 * latent_channels, 3, padding=1)
+
+    def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
+        x = self.conv_in(x, cache)
+        for block in self.down_blocks:
+            x = block(x, cache)
+        x = self.mid_block(x, cache)
+        return self.conv_out(_norm_act(self.conv_norm_out, x), cache)
+
+
+class Decoder(nn.Module):
+    """Latent ``(B, latent, t, h, w)`` -> video ``(B, out_channels, T, H, W)``."""
+
+    def __init__(self, latent_channels: int, out_channels: int,
+                 block_out_channels: Sequence[int], layers_per_block: int, groups: int,
+                 temporal_scale_num: int) -> None:
+        super().__init__()
+        widths = list(reversed(block_out_channels))
+        self.conv_in = CausalConv3d(latent_channels, widths[0], 3, padding=1)
+        self.mid_block = UNetMidBlock3D(widths[0], groups)
+        kinds = up_kinds(len(widths), temporal_scale_num)
+        self.up_blocks = nn.ModuleList(
+            UpDecoderBlock3D(widths[max(i - 1, 0)], widths[i], layers_per_block + 1, groups,
+                             upsample=kinds[i])
+            for i in range(len(widths)))
+        self.conv_norm_out = FrameGroupNorm(groups, widths[-1], eps=NORM_EPS)
+        self.conv_out = CausalConv3d(widths[-1], out_channels, 3, padding=1)
+
+    def forward(self, z: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
+        x = self.conv_in(z, cache)
+        x = self.mid_block(x, cache)
+        for block in self.up_blocks:
+            x = block(x, cache)
+        return self.conv_out(_norm_act(self.conv_norm_out, x), cache)
+
+
+class VideoAutoencoder(nn.Module):
+    """The SeedVR2 causal video VAE; state dict keys are those of the official checkpoint
+    (``encoder.*``, ``decoder.*``, plus ``quant_conv.*`` / ``post_quant_conv.*`` only when
+    the config enables them; the released model does not).
+
+    Inputs are cast to the model's parameter dtype; outputs come back in that dtype.
+    Building under ``torch.device("meta")`` allocates nothing.
+    """
+
+    def __init__(self, config: VAEConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.latent_channels = config.latent_channels
+        self.spatial_factor = config.spatial_downsample_factor
+        self.temporal_factor = config.temporal_downsample_factor
+        common = dict(block_out_channels=config.block_out_channels,
+                      layers_per_block=config.layers_per_block, groups=config.norm_num_groups,
+                      temporal_scale_num=config.temporal_scale_num)
+        self.encoder = Encoder(config.in_channels, config.latent_channels, **common)
+        self.decoder = Decoder(config.latent_channels, config.out_channels, **common)
+        latent2 = 2 * config.latent_channels
+        self.quant_conv = (CausalConv3d(latent2, latent2, 1) if config.use_quant_conv
+                           else None)
+        self.post_quant_conv = (CausalConv3d(config.latent_channels, config.latent_channels, 1)
+                                if config.use_post_quant_conv else None)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.encoder.conv_in.weight.dtype
+
+    # -- encoding ---------------------------------------------------------------------------
+
+    def encode_posterior(self, video: Tensor) -> Tuple[Tensor, Tensor]:
+        """Posterior moments ``(mean, logvar)`` of ``video``, each ``(B, 16, t, H/8, W/8)``.
+
+        ``video``: ``(B, 3, T, H, W)`` in [-1, 1], ``T = 4n + 1`` (a single image is ``T = 1``),
+        ``H`` and ``W`` multiples of 8; ``t = n + 1``. ``logvar`` is clamped to [-30, 20].
+        """
+        self._check_video(video)
+        moments = self.encoder(video.to(self.dtype))
+        if self.quant_conv is not None:
+            moments = self.quant_conv(moments)
+        mean, logvar = moments.chunk(2, dim=1)
+        return mean.contiguous(), logvar.clamp(LOGVAR_MIN, LOGVAR_MAX)
+
+    def encode(self, video: Tensor) -> Tensor:
+        """The posterior mean (mode) of ``video``.
+
+        ``video``: ``(B, 3, T, H, W)`` in [-1, 1] with ``T = 4n + 1`` and ``H, W`` multiples
+        of 8. Returns ``(B, 16, n + 1, H/8, W/8)``, channels-first, *unscaled*: the SeedVR2
+        pipeline's latent is ``encode(video) * 0.9152`` moved to channels-last
+        ``(t, h, w, 16)`` per sample. For the sampled latent the official pipeline uses, see
+        :meth:`encode_posterior` and :meth:`sample_posterior`.
+        """
+        return self.encode_posterior(video)[0]
+
+    @staticmethod
+    def sample_posterior(mean: Tensor, logvar: Tensor,
+                         generator: Optional[torch.Generator] = None, *,
+                         noise: Optional[Tensor] = None) -> Tensor:
+        """A draw ``mean + exp(logvar / 2) * eps`` from the diagonal Gaussian posterior.
+
+        ``eps`` is ``noise`` when given, else ``torch.randn(mean.shape, generator=generator)``
+        drawn in float32 on the generator's device (so a seed gives the same latent for any
+        model dtype) and moved to ``mean``'s device and dtype.
+        """
+        if noise is None:
+            device = generator.device if generator is not None else mean.device
+            noise = torch.randn(mean.shape, generator=generator, device=device,
+                                dtype=torch.float32)
+        if noise.shape != mean.shape:
+            raise ValueError(f"noise must have the shape of mean {tuple(mean.shape)}, "
+                             f"got {tuple(noise.shape)}")
+        return mean + torch.exp(0.5 * logvar) * noise.to(device=mean.device, dtype=mean.dtype)
+
+    # -- decoding ---------------------------------------------------------------------------
+
+    def decode(self, latent: Tensor) -> Tensor:
+        """Video ``(B, 3, 4(t - 1) + 1, 8h, 8w)`` from an unscaled latent ``(B, 16, t, h, w)``.
+
+        Always 5-D (a one-frame latent gives a one-frame video). Values are nominally in
+        [-1, 1] but not clamped.
+        """
+        self._check_latent(latent)
+        z = latent.to(self.dtype)
+        if self.post_quant_conv is not None:
+            z = self.post_quant_conv(z)
+        return self.decoder(z)
+
+    def forward(self, video: Tensor) -> Tensor:
+        """Reconstruction through the posterior mean: ``decode(encode(video))``."""
+        return self.decode(self.encode(video))
+
+    # -- argument checks --------------------------------------------------------------------
+
+    def _check_video(self, video: Tensor) -> None:
+        if not isinstance(video, Tensor):
+            raise TypeError(f"video must be a torch.Tensor, got {type(video).__name__}")
+        if video.ndim != 5:
+            hint = " (for single images add a time axis: video.unsqueeze(2))" \
+                if video.ndim == 4 else ""
+            raise ValueError(f"video must be 5-D (B, C, T, H, W), got shape "
+                             f"{tuple(video.shape)}{hint}")
+        _, channels, frames, height, width = video.shape
+        if channels != self.config.in_channels:
+            raise ValueError(f"video must have {self.config.in_channels} channels at dim 1 of "
+                             f"(B, C, T, H, W), got {channels} (shape {tuple(video.shape)})")
+        f = self.temporal_factor
+        if frames < 1 or (frames - 1) % f:
+            raise ValueError(f"video frame count T must be {f}n+1 (1, {f + 1}, {2 * f + 1}, "
+                             f"...), got T={frames}")
+        s = self.spatial_factor
+        if height % s or width % s or height == 0 or width == 0:
+            raise ValueError(f"video height and width must be positive multiples of {s}, "
+                             f"got H={height}, W={width}")
+
+    def _check_latent(self, latent: Tensor) -> None:
+        if not isinstance(latent, Tensor):
+            raise TypeError(f"latent must be a torch.Tensor, got {type(latent).__name__}")
+        if latent.ndim != 5:
+            raise ValueError(f"latent must be 5-D (B, C, t, h, w) channels-first, got shape "
+                             f"{tuple(latent.shape)}")
+        if latent.shape[1] != self.latent_channels:
+            raise ValueError(f"latent must have {self.latent_channels} channels at dim 1 of "
+                             f"(B, C, t, h, w), got {latent.shape[1]} (shape "
+                             f"{tuple(latent.shape)}; channels-last latents need "
+                             f"permute(0, 4, 1, 2, 3))")
+        if 0 in latent.shape[2:]:
+            raise ValueError(f"latent must have non-empty t, h, w, got shape "
+                             f"{tuple(latent.shape)}")
+
+
+__all__ = ["VideoAutoencoder", "Encoder", "Decoder", "CausalCache"]
