@@ -121,6 +121,8 @@ def test_rope_table_stays_fp32_when_cast(conformance):
     freqs = model.blocks[0].attn.rope.rope.freqs
     assert freqs.dtype == torch.float32
     assert not torch.equal(freqs, freqs.to(torch.bfloat16).float())  # precision really kept
+    # Equal tables stay one tensor across casts, so rotations are computed once per call.
+    assert all(b.attn.rope.rope.freqs is freqs for b in model.blocks)
 
 
 # ---------------------------------------------------------------------------------------------

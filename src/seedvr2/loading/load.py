@@ -14,7 +14,7 @@ from torch import nn
 
 from ..models import build_dit, build_vae
 from ..models.config import ConfigError, DiTConfig, VAEConfig, dit_config, dit_family, vae_config
-from ..models.rope import FrequencyTable
+from ..models.rope import FrequencyTable, share_equal_tables
 from .detect import describe_unknown, detect_dit, detect_vae, model_kind
 from .formats import CheckpointError, TensorSource, open_weights
 
@@ -119,8 +119,11 @@ def _load(path, kind: str, dtype: torch.dtype | None, device) -> nn.Module:
                 rope = model.get_submodule(key.rsplit(".", 2)[0])
                 table: FrequencyTable = rope.rope
                 table.freqs = type(rope).default_freqs(rope.axis_dim).to(device)
+    if kind == "dit":
+        share_equal_tables(model)
     model.eval().requires_grad_(False)
     return model
+
 
 
 def load_dit(path, dtype: torch.dtype | None = None, device="cpu") -> nn.Module:

@@ -37,29 +37,27 @@ class WindowAttention(nn.Module):
         self.norm_k = PerStream(lambda: RMSNorm(head_dim, eps), shared)
         self.rope = rope
 
-    def _qkv(self, x: torch.Tensor, stream: str, angles: torch.Tensor | None):
+    def _qkv(self, x: torch.Tensor, stream: str, cis: torch.Tensor | None):
         """(N, dim) -> q, k, v each (N, heads, head_dim); q/k normed and rotated in fp32."""
         q, k, v = self.proj_qkv[stream](x).unflatten(-1, (3, self.heads, self.head_dim)).unbind(1)
         q = rms_norm(q, self.eps, self.norm_q[stream].weight)
         k = rms_norm(k, self.eps, self.norm_k[stream].weight)
-        if angles is not None:
-            q, k = apply_rotary(q, angles), apply_rotary(k, angles)
+        if cis is not None:
+            q, k = apply_rotary(q, cis), apply_rotary(k, cis)
         return q.to(x.dtype), k.to(x.dtype), v
 
     def forward(self, vid: torch.Tensor, txt: torch.Tensor, packing: Packing,
                 layout: WindowLayout, need_txt: bool = True):
         """vid (Nv, dim), txt (Nt, dim) -> attention outputs (Nv, dim), (Nt, dim) or None."""
         # Video tokens in window order, so each group's windows are contiguous rows.
-        vid_angles = self.rope.video_angles(layout, packing.txt_lens_tensor())
-        q_v, k_v, v_v = self._qkv(vid[layout.perm], "vid", vid_angles)
-        txt_angles = self.rope.text_angles(packing.txt_positions()) if self.rope.rotates_text \
-            else None
-        q_t, k_t, v_t = self._qkv(txt, "txt", txt_angles)
+        cis_v = self.rope.video_rotation(layout, packing.txt_lens_tensor())
+        q_v, k_v, v_v = self._qkv(vid[layout.perm], "vid", cis_v)
+        cis_t = self.rope.text_rotation(packing.txt_positions()) if self.rope.rotates_text else None
+        q_t, k_t, v_t = self._qkv(txt, "txt", cis_t)
 
-        inner = self.heads * self.head_dim
-        out_v = torch.empty(vid.shape[0], inner, dtype=vid.dtype, device=vid.device)
-        out_t = torch.zeros(txt.shape[0], inner, dtype=torch.float32, device=txt.device) \
-            if need_txt else None
+        out_v = torch.empty(vid.shape[0], self.heads * self.head_dim, dtype=vid.dtype,
+                            device=vid.device)
+        out_t = torch.zeros_like(out_v[: txt.shape[0]], dtype=torch.float32) if need_txt else None
         for g in layout.groups:
             rows = slice(g.start, g.start + g.count * g.vid_len)
             window = lambda x: x[rows].unflatten(0, (g.count, g.vid_len))  # noqa: E731
@@ -67,10 +65,13 @@ class WindowAttention(nn.Module):
             v = torch.cat([window(v_v), v_t[g.txt_index]], dim=1)
             q = torch.cat([window(q_v), q_t[g.txt_index]], dim=1) if need_txt else window(q_v)
             o = attend(q, k, v).flatten(2)  # (count, seq, inner)
-            out_v[rows] = o[:, : g.vid_len].flatten(0, 1)
+            out_v.index_copy_(0, layout.perm[rows], o[:, : g.vid_len].flatten(0, 1))
             if need_txt:
-                out_t.index_add_(0, g.txt_index.flatten(), o[:, g.vid_len:].flatten(0, 1).float())
-        out_v = self.proj_out["vid"](out_v[layout.inverse_perm])
+                # A sample's windows are adjacent in a group: sum each sample's text outputs.
+                for txt_start, first, last in g.txt_segments:
+                    out_t[txt_start: txt_start + o.shape[1] - g.vid_len] += \
+                        o[first:last, g.vid_len:].sum(0, dtype=torch.float32)
+        out_v = self.proj_out["vid"](out_v)
         if not need_txt:
             return out_v, None
         out_t = (out_t / layout.txt_windows[:, None]).to(txt.dtype)

@@ -28,7 +28,7 @@ class MMDiTBlock(nn.Module):
         self.eps = cfg.norm_eps
         self.window_method = cfg.window_method[index]
         self.window = cfg.window[index]
-        rope = MMRoPE3d(cfg.rope_dim) if is_3b else PixelRoPE3d(cfg.head_dim)
+        rope = MMRoPE3d(cfg.rope_dim, cfg.head_dim) if is_3b else PixelRoPE3d(cfg.head_dim)
         self.attn = WindowAttention(dim, cfg.heads, cfg.head_dim, cfg.norm_eps, shared, rope)
         mlp = SwiGLU if cfg.mlp_type == "swiglu" else GeluMLP
         self.mlp = PerStream(lambda: mlp(dim, cfg.mlp_hidden_dim), shared, self.video_only)
@@ -37,7 +37,7 @@ class MMDiTBlock(nn.Module):
     def _sublayer_in(self, x, emb, stream, slot, packing):
         shift, scale, gate = (packing.per_token(v.to(x.dtype), stream)
                               for v in self.ada[stream].values(emb, slot))
-        return rms_norm(x, self.eps).to(x.dtype) * scale + shift, gate
+        return torch.addcmul(shift, rms_norm(x, self.eps).to(x.dtype), scale), gate
 
     def forward(self, vid: torch.Tensor, txt: torch.Tensor, emb: torch.Tensor,
                 packing: Packing) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,13 +47,14 @@ class MMDiTBlock(nn.Module):
         if self.video_only:
             h_t = rms_norm(txt, self.eps).to(txt.dtype)
             a_v, _ = self.attn(h_v, h_t, packing, layout, need_txt=False)
-            vid = vid + a_v * gate_v
+            vid = torch.addcmul(vid, a_v, gate_v)
             h_v, gate_v = self._sublayer_in(vid, emb, "vid", MLP, packing)
-            return vid + self.mlp["vid"](h_v) * gate_v, txt
+            return torch.addcmul(vid, self.mlp["vid"](h_v), gate_v), txt
 
         h_t, gate_t = self._sublayer_in(txt, emb, "txt", ATTN, packing)
         a_v, a_t = self.attn(h_v, h_t, packing, layout)
-        vid, txt = vid + a_v * gate_v, txt + a_t * gate_t
+        vid, txt = torch.addcmul(vid, a_v, gate_v), torch.addcmul(txt, a_t, gate_t)
         h_v, gate_v = self._sublayer_in(vid, emb, "vid", MLP, packing)
         h_t, gate_t = self._sublayer_in(txt, emb, "txt", MLP, packing)
-        return vid + self.mlp["vid"](h_v) * gate_v, txt + self.mlp["txt"](h_t) * gate_t
+        return (torch.addcmul(vid, self.mlp["vid"](h_v), gate_v),
+                torch.addcmul(txt, self.mlp["txt"](h_t), gate_t))

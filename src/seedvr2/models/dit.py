@@ -25,6 +25,7 @@ from .embedding import PATCH, PatchIn, PatchOut, TimestepEmbedding
 from .modulation import ATTN, SCALE, SHIFT, embedding_slot
 from .norm import RMSNorm, rms_norm
 from .packing import Packing
+from .rope import share_equal_tables
 
 
 class OutputModulation(nn.Module):
@@ -60,6 +61,11 @@ class NaDiT(nn.Module):
             self.vid_out_norm = RMSNorm(dim, cfg.norm_eps)
             self.vid_out_ada = OutputModulation(dim)
         self.vid_out = PatchOut(dim, cfg.vid_out_channels)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        share_equal_tables(self)  # device moves copy each table; keep equal ones shared
+        return self
 
     def forward(self, vid: torch.Tensor, txt: torch.Tensor, vid_shape: torch.Tensor,
                 txt_shape: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:

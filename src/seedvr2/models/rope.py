@@ -39,15 +39,37 @@ class FrequencyTable(nn.Module):
         return self
 
 
-def apply_rotary(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of x (N, heads, D) by angles (N, P); returns fp32."""
-    x = x.float()
-    rot = 2 * angles.shape[-1]
-    pairs = x[..., :rot].unflatten(-1, (-1, 2))
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    cos, sin = angles.cos()[:, None], angles.sin()[:, None]
-    rotated = torch.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], dim=-1).flatten(-2)
-    return torch.cat([rotated, x[..., rot:]], dim=-1) if rot < x.shape[-1] else rotated
+def share_equal_tables(model: nn.Module):
+    """Blocks whose tables hold equal values get one tensor, so rotations are computed once."""
+    seen: list[torch.Tensor] = []
+    for table in (m for m in model.modules() if isinstance(m, FrequencyTable)):
+        if table.freqs.is_meta:
+            return
+        same = next((t for t in seen if t.shape == table.freqs.shape
+                     and t.device == table.freqs.device and torch.equal(t, table.freqs)), None)
+        if same is None:
+            seen.append(table.freqs)
+        else:
+            table.freqs = same
+
+
+def rotation(angles: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Angles (N, P) -> unit complex rotations (N, 1, head_dim/2); pass-through pairs get 1."""
+    cis = torch.polar(torch.ones_like(angles), angles)
+    rest = head_dim // 2 - angles.shape[-1]
+    if rest:
+        cis = torch.cat([cis, cis.new_ones(cis.shape[0], rest)], dim=-1)
+    return cis[:, None]
+
+
+def apply_rotary(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of x (N, heads, D) by ``cis`` from :func:`rotation`; fp32 out.
+
+    A pair (x0, x1) as the complex number x0 + i·x1 times e^{iθ} is exactly
+    (x0·cos − x1·sin, x1·cos + x0·sin).
+    """
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
+    return torch.view_as_real(pairs * cis).flatten(-2)
 
 
 def _axis_angles(pos: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -55,56 +77,66 @@ def _axis_angles(pos: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return (pos.float()[:, :, None] * freqs.float()[None, None]).flatten(1)
 
 
-class MMRoPE3d(nn.Module):
+class _RoPE3d(nn.Module):
+    def __init__(self, freqs: torch.Tensor, head_dim: int):
+        super().__init__()
+        self.head_dim = head_dim
+        self.rope = FrequencyTable(freqs)
+
+    def video_rotation(self, layout: WindowLayout, txt_lens: torch.Tensor) -> torch.Tensor:
+        """(Nv, 1, head_dim/2) rotations of the video tokens in window order, cached per call
+        for blocks sharing one table (the loader shares tables holding equal values)."""
+        freqs = self.rope.freqs
+        key = (type(self).__name__, freqs.data_ptr(), freqs._version)
+        if key not in layout.cache:
+            angles = _axis_angles(self.video_positions(layout, txt_lens), freqs)
+            layout.cache[key] = rotation(angles, self.head_dim)
+        return layout.cache[key]
+
+
+class MMRoPE3d(_RoPE3d):
     rotates_text = True
 
-    def __init__(self, rope_dim: int):
-        super().__init__()
+    def __init__(self, rope_dim: int, head_dim: int):
         self.axis_dim = rope_dim // 3
-        self.rope = FrequencyTable(self.default_freqs(self.axis_dim))
+        super().__init__(self.default_freqs(self.axis_dim), head_dim)
 
     @staticmethod
     def default_freqs(axis_dim: int) -> torch.Tensor:
         return 1.0 / (10000 ** (torch.arange(0, axis_dim, 2)[: axis_dim // 2].float() / axis_dim))
 
-    def video_angles(self, layout: WindowLayout, txt_lens: torch.Tensor) -> torch.Tensor:
-        pos = layout.cache.get("mmrope3d")
-        if pos is None:
-            pos = layout.local_pos.clone()
-            pos[:, 0] += txt_lens[layout.sample_of_token]
-            layout.cache["mmrope3d"] = pos
-        return _axis_angles(pos, self.rope.freqs)
+    @staticmethod
+    def video_positions(layout: WindowLayout, txt_lens: torch.Tensor) -> torch.Tensor:
+        pos = layout.local_pos.clone()
+        pos[:, 0] += txt_lens[layout.sample_of_token]
+        return pos
 
-    def text_angles(self, txt_pos: torch.Tensor) -> torch.Tensor:
-        return _axis_angles(txt_pos[:, None].expand(-1, 3), self.rope.freqs)
+    def text_rotation(self, txt_pos: torch.Tensor) -> torch.Tensor:
+        return rotation(_axis_angles(txt_pos[:, None].expand(-1, 3), self.rope.freqs), self.head_dim)
 
 
-class PixelRoPE3d(nn.Module):
+class PixelRoPE3d(_RoPE3d):
     rotates_text = False
 
     def __init__(self, head_dim: int):
-        super().__init__()
         self.axis_dim = (head_dim // 2) // 3
-        self.rope = FrequencyTable(self.default_freqs(self.axis_dim))
+        super().__init__(self.default_freqs(self.axis_dim), head_dim)
 
     @staticmethod
     def default_freqs(axis_dim: int, max_freq: float = 256.0) -> torch.Tensor:
         return torch.linspace(1.0, max_freq / 2, axis_dim // 2) * math.pi
 
-    def video_angles(self, layout: WindowLayout, txt_lens: torch.Tensor) -> torch.Tensor:
-        pos = layout.cache.get("pixel")
-        if pos is None:
-            # linspace(-1, 1, extent)[i] looked up per distinct extent: bit-equal to the reference.
-            pos = torch.empty(layout.local_pos.shape, dtype=torch.float32,
-                              device=layout.local_pos.device)
-            for axis in range(3):
-                extent = layout.window_size[:, axis]
-                for size in extent.unique().tolist():
-                    mask = extent == size
-                    table = torch.linspace(-1.0, 1.0, size, device=pos.device)
-                    pos[mask, axis] = table[layout.local_pos[mask, axis]]
-            layout.cache["pixel"] = pos
-        return _axis_angles(pos, self.rope.freqs)
+    @staticmethod
+    def video_positions(layout: WindowLayout, txt_lens: torch.Tensor) -> torch.Tensor:
+        # linspace(-1, 1, extent)[i] looked up per distinct extent: bit-equal to the reference.
+        pos = torch.empty(layout.local_pos.shape, dtype=torch.float32, device=layout.local_pos.device)
+        for axis in range(3):
+            extent = layout.window_size[:, axis]
+            for size in extent.unique().tolist():
+                mask = extent == size
+                table = torch.linspace(-1.0, 1.0, size, device=pos.device)
+                pos[mask, axis] = table[layout.local_pos[mask, axis]]
+        return pos
 
-    def text_angles(self, txt_pos: torch.Tensor) -> None:
+    def text_rotation(self, txt_pos: torch.Tensor) -> None:
         return None

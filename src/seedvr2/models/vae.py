@@ -70,8 +70,8 @@ from .vae_blocks import (
     FrameGroupNorm,
     UNetMidBlock3D,
     UpDecoderBlock3D,
-    _norm_act,
     down_kinds,
+    norm_act_conv,
     up_kinds,
 )
 
@@ -101,7 +101,7 @@ class Encoder(nn.Module):
         for block in self.down_blocks:
             x = block(x, cache)
         x = self.mid_block(x, cache)
-        return self.conv_out(_norm_act(self.conv_norm_out, x), cache)
+        return norm_act_conv(self.conv_norm_out, self.conv_out, x, cache)
 
 
 class Decoder(nn.Module):
@@ -127,7 +127,7 @@ class Decoder(nn.Module):
         x = self.mid_block(x, cache)
         for block in self.up_blocks:
             x = block(x, cache)
-        return self.conv_out(_norm_act(self.conv_norm_out, x), cache)
+        return norm_act_conv(self.conv_norm_out, self.conv_out, x, cache)
 
 
 class VideoAutoencoder(nn.Module):

@@ -76,13 +76,18 @@ class CausalConv3d(nn.Conv3d):
     ``padding`` is given like the official layer's ``(p_t, p_h, p_w)``: the temporal part is
     *not* zero padding but ``2 * p_t`` copies of the first frame prepended, so the output has
     the same length as a symmetric ``p_t`` padding would give while seeing only the past.
-    Space is zero padded, symmetrically by ``(p_h, p_w)`` or by an explicit
-    ``spatial_pad = (left, right, top, bottom)`` (the encoder's down-samplers pad right and
-    bottom only).
+    Space is zero padded, symmetrically by ``(p_h, p_w)`` (inside ``conv3d``, no copy) or by
+    an explicit ``spatial_pad = (left, right, top, bottom)`` (the encoder's down-samplers pad
+    right and bottom only).
 
     With a :class:`CausalCache`, chunks after the first are prefixed by the last
     ``kernel_t - stride_t`` frames of the previous chunk's padded input instead of the
     replicated first frame, which reproduces the single-pass result exactly.
+
+    Two ways to call it: ``conv(x)`` pads ``x`` by concatenation (one copy of ``x``); or a
+    producer that creates ``x`` anyway (norm, up-sampler) writes it straight into
+    ``buf, body = conv.input_buffer(...)`` and calls ``conv.forward_padded(buf)``, which
+    saves that copy and the memory of holding ``x`` and its padded version at once.
 
     Parameters are the plain ``nn.Conv3d`` ``weight`` ``(out, in, kt, kh, kw)`` and ``bias``.
     """
@@ -97,14 +102,13 @@ class CausalConv3d(nn.Conv3d):
         # Frames of the padded input that the next chunk's first window overlaps.
         self.tail_frames = max(self.kernel_size[0] - self.stride[0], 0)
         if spatial_pad is None:
-            self.conv_padding = (0, pad_h, pad_w)  # zero padding done inside conv3d, no copy
+            self.conv_padding = (0, pad_h, pad_w)
             self.spatial_pad = None
         else:
             self.conv_padding = (0, 0, 0)
             self.spatial_pad = tuple(spatial_pad)
 
-    def pad(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
-        """Prepend the causal temporal context (and apply asymmetric spatial padding)."""
+    def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
         if self.spatial_pad is not None:
             x = F.pad(x, self.spatial_pad)
         # A cached tail was stored after padding, so it already has the padded spatial size.
@@ -113,13 +117,35 @@ class CausalConv3d(nn.Conv3d):
             head = x[:, :, :1].expand(-1, -1, self.head_frames, -1, -1)
         if head is not None:
             x = torch.cat([head, x], dim=2)
-        if cache is not None and self.tail_frames:
-            cache.set_tail(self, x[:, :, x.shape[2] - self.tail_frames:])
-        return x
+        return self._conv(x, cache)
 
-    def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
-        return F.conv3d(self.pad(x, cache), self.weight, self.bias, self.stride,
-                        self.conv_padding)
+    def input_buffer(self, like: Tensor, shape: Sequence[int],
+                     cache: Optional[CausalCache] = None) -> Tuple[Tensor, Tensor]:
+        """An uninitialised padded input for an unpadded input of ``shape`` (B, C, T, H, W),
+        and the view of it where that input goes. Same dtype/device as ``like``."""
+        if self.spatial_pad is not None:
+            raise NotImplementedError("input_buffer supports symmetric spatial padding only")
+        B, C, T, H, W = shape
+        n = self._head_length(cache)
+        buf = like.new_empty(B, C, n + T, H, W)
+        return buf, buf[:, :, n:]
+
+    def forward_padded(self, buf: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
+        """Convolve a buffer from :meth:`input_buffer` whose body has been filled."""
+        n = self._head_length(cache)
+        if n:
+            tail = cache.tail(self) if cache is not None else None
+            buf[:, :, :n].copy_(buf[:, :, n:n + 1] if tail is None else tail)
+        return self._conv(buf, cache)
+
+    def _head_length(self, cache: Optional[CausalCache]) -> int:
+        tail = cache.tail(self) if cache is not None else None
+        return self.head_frames if tail is None else tail.shape[2]
+
+    def _conv(self, padded: Tensor, cache: Optional[CausalCache]) -> Tensor:
+        if cache is not None and self.tail_frames:
+            cache.set_tail(self, padded[:, :, padded.shape[2] - self.tail_frames:])
+        return F.conv3d(padded, self.weight, self.bias, self.stride, self.conv_padding)
 
 
 class FrameGroupNorm(nn.GroupNorm):
@@ -129,10 +155,11 @@ class FrameGroupNorm(nn.GroupNorm):
     applying ``nn.GroupNorm``, but without the two transposing copies that would need: the
     mean and variance of every (channel, frame) plane are reduced over ``H*W`` (contiguous),
     combined exactly into per-(group, frame) statistics (law of total variance), and the
-    normalisation plus affine transform is one fused ``scale * x + shift`` pass.
+    normalisation plus affine transform is one fused ``scale * x + shift`` pass, written to
+    ``out`` when given (e.g. the body of a causal conv's padded input).
     """
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, out: Optional[Tensor] = None) -> Tensor:
         if x.ndim != 5:
             raise ValueError(f"FrameGroupNorm expects (B, C, T, H, W), got shape {tuple(x.shape)}")
         B, C, T = x.shape[:3]
@@ -152,16 +179,22 @@ class FrameGroupNorm(nn.GroupNorm):
         bias = self.bias.to(compute_dtype).view(1, G, C // G, 1)
         scale = (weight * rstd).reshape(B, C, T, 1)
         shift = (bias - mean_g * weight * rstd).reshape(B, C, T, 1)
-        if x_c.dtype is x.dtype:
-            out = torch.addcmul(shift, x_c, scale)
-        else:  # x_c is already a private upcast copy: normalise it in place
-            out = x_c.mul_(scale).add_(shift)
-        return out.view(x.shape).to(x.dtype)
+        if out is None:
+            out = torch.empty_like(x)
+        if x_c.dtype == x.dtype:
+            torch.addcmul(shift, x_c, scale, out=out.view(B, C, T, -1))
+        else:  # x_c is a private upcast copy: normalise it in place, cast while storing
+            out.view(B, C, T, -1).copy_(x_c.mul_(scale).add_(shift))
+        return out
 
 
-def _norm_act(norm: FrameGroupNorm, x: Tensor) -> Tensor:
-    # The norm returns a fresh tensor, so SiLU can overwrite it instead of allocating again.
-    return F.silu(norm(x), inplace=True)
+def norm_act_conv(norm: FrameGroupNorm, conv: CausalConv3d, x: Tensor,
+                  cache: Optional[CausalCache] = None) -> Tensor:
+    """``conv(silu(norm(x)))`` with the activation written straight into the conv's padded
+    input buffer (the pattern of every conv inside the residual blocks and before conv_out)."""
+    buf, body = conv.input_buffer(x, x.shape, cache)
+    F.silu(norm(x, out=body), inplace=True)
+    return conv.forward_padded(buf, cache)
 
 
 class ResnetBlock3D(nn.Module):
@@ -182,8 +215,8 @@ class ResnetBlock3D(nn.Module):
                               if in_channels != out_channels else None)
 
     def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
-        h = self.conv1(_norm_act(self.norm1, x), cache)
-        h = self.conv2(_norm_act(self.norm2, h), cache)
+        h = norm_act_conv(self.norm1, self.conv1, x, cache)
+        h = norm_act_conv(self.norm2, self.conv2, h, cache)
         shortcut = x if self.conv_shortcut is None else self.conv_shortcut(x, cache)
         return h.add_(shortcut)  # h is conv2's fresh output
 
@@ -264,23 +297,22 @@ class Upsample3D(nn.Module):
         self.conv = CausalConv3d(channels, channels, 3, padding=1)
 
     def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
-        first_chunk = cache is None or cache.first_visit(self)
-        return self.conv(self.depth_to_space(self.upscale_conv(x), first_chunk), cache)
-
-    def depth_to_space(self, y: Tensor, drop_duplicate_head: bool) -> Tensor:
+        y = self.upscale_conv(x)  # (B, r*C, T, H, W)
         B, _, T, H, W = y.shape
         C, r, z = self.channels, self.space_ratio, self.time_ratio
-        # (B, x, y, z, C, T, H, W) -> (B, C, T, z, H, x, W, y), written straight into the
-        # output so that dropping the duplicate head frame costs no extra copy.
+        # Only the clip's first frame has a duplicate: later chunks keep all 2T frames.
+        drop = z > 1 and (cache is None or cache.first_visit(self))
+        # Depth-to-space straight into the conv's padded input: (B, x, y, z, C, T, H, W) ->
+        # (B, C, T, z, H, x, W, y), skipping (t=0, z=1) instead of cutting it out afterwards.
         src = y.view(B, r, r, z, C, T, H, W).permute(0, 4, 5, 3, 6, 1, 7, 2)
-        drop = z > 1 and drop_duplicate_head
-        out = y.new_empty(B, C, T * z - drop, H * r, W * r)
+        buf, out = self.conv.input_buffer(y, (B, C, T * z - drop, H * r, W * r), cache)
         if not drop:
             out.view(B, C, T, z, H, r, W, r).copy_(src)
         else:
             out[:, :, 0].view(B, C, H, r, W, r).copy_(src[:, :, 0, 0])
             out[:, :, 1:].view(B, C, T - 1, z, H, r, W, r).copy_(src[:, :, 1:])
-        return out
+        del y, src
+        return self.conv.forward_padded(buf, cache)
 
 
 class DownEncoderBlock3D(nn.Module):

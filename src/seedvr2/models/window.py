@@ -59,6 +59,7 @@ class WindowGroup:
     count: int
     vid_len: int
     txt_index: torch.Tensor  # (count, txt_len) rows of the packed text array
+    txt_segments: list[tuple[int, int, int]]  # (first text row, first window, end window)
 
 
 @dataclass
@@ -71,7 +72,6 @@ class WindowLayout:
     """
 
     perm: torch.Tensor  # (Nv,) int64
-    inverse_perm: torch.Tensor  # (Nv,) int64
     local_pos: torch.Tensor  # (Nv, 3) int64, window order
     window_size: torch.Tensor  # (Nv, 3) int64, window order
     sample_of_token: torch.Tensor  # (Nv,) int64, window order
@@ -108,14 +108,16 @@ class WindowLayout:
                 local.append(pos.reshape(-1, 3))
                 sizes.append(torch.tensor(size).expand(vid_len, 3))
                 samples.append(torch.full((vid_len,), sample))
-            txt_index = torch.stack([torch.arange(txt_len) + off for *_, off in members])
-            groups.append(WindowGroup(start, len(members), vid_len, txt_index.to(device)))
+            offsets = [off for *_, off in members]
+            txt_index = torch.stack([torch.arange(txt_len) + off for off in offsets])
+            segments = [(off, offsets.index(off), len(offsets) - offsets[::-1].index(off))
+                        for off in dict.fromkeys(offsets)]
+            groups.append(WindowGroup(start, len(members), vid_len, txt_index.to(device), segments))
             start += len(members) * vid_len
 
         perm_t = torch.cat(perm)
         return WindowLayout(
             perm=perm_t.to(device),
-            inverse_perm=torch.argsort(perm_t).to(device),
             local_pos=torch.cat(local).to(device),
             window_size=torch.cat(sizes).to(device),
             sample_of_token=torch.cat(samples).to(device),

@@ -1,0 +1,244 @@
+"""Causal video VAE against the conformance goldens (reference run in float32 on CPU).
+
+Data: ``$SEEDVR2_CONFORMANCE`` or ``<repo>/../shared/conformance`` (README sections 2, 6, 10).
+Missing data is a failure, not a skip.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from seedvr2.models import VAEConfig, build_vae
+from seedvr2.models.vae import VideoAutoencoder
+from seedvr2.models.vae_blocks import CausalCache
+
+CASES = ("video_9f", "image_1f")
+ATOL = 1e-4  # README section 10 for fp32 VAE latents/decodes; measured ~5e-6
+PIPELINE_SCALE = 0.9152
+
+
+def conformance_dir() -> Path:
+    env = os.environ.get("SEEDVR2_CONFORMANCE")
+    root = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "conformance"
+    if not (root / "vae_tiny" / "weights.safetensors").is_file():
+        pytest.fail(f"VAE conformance data not found: looked for {root / 'vae_tiny'} "
+                    f"({'from $SEEDVR2_CONFORMANCE' if env else 'default location'}); "
+                    f"set SEEDVR2_CONFORMANCE to the conformance kit folder")
+    return root
+
+
+@lru_cache(maxsize=None)
+def _tiny_files():
+    root = conformance_dir() / "vae_tiny"
+    return json.loads((root / "config.json").read_text()), load_file(root / "weights.safetensors")
+
+
+def load_case(name: str) -> dict:
+    return load_file(conformance_dir() / "vae_tiny" / "cases" / f"{name}.safetensors")
+
+
+@pytest.fixture(scope="module")
+def tiny_vae() -> VideoAutoencoder:
+    config, weights = _tiny_files()
+    model = build_vae(config["constructor_kwargs"]).eval()
+    model.load_state_dict(weights, strict=True)
+    return model
+
+
+def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected).norm() / expected.norm()).item()
+
+
+def max_abs(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return (actual.float() - expected).abs().max().item()
+
+
+# -- structure --------------------------------------------------------------------------------
+
+def test_tiny_weights_load_strictly():
+    config, weights = _tiny_files()
+    model = build_vae(config["constructor_kwargs"])
+    result = model.load_state_dict(weights, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
+    assert shapes == config["state_dict_keys"]
+    assert sum(p.numel() for p in model.parameters()) == config["num_parameters"]
+
+
+@pytest.mark.parametrize("source", ["shipped", "manifest"])
+def test_full_size_manifest_on_meta(source):
+    manifest = json.loads((conformance_dir() / "manifests" / "vae_full.json").read_text())
+    with torch.device("meta"):
+        model = build_vae("vae" if source == "shipped" else manifest["config"])
+    state = model.state_dict()
+    assert {k: list(v.shape) for k, v in state.items()} == \
+        {k: v["shape"] for k, v in manifest["keys"].items()}
+    assert len(state) == manifest["num_state_dict_keys"] == 250
+    assert all(v.is_meta for v in state.values()), "building on meta must allocate nothing"
+    assert not list(model.buffers())
+    assert sum(p.numel() for p in model.parameters()) == manifest["num_parameters"]
+
+
+def test_quant_convs_exist_only_when_configured():
+    config, _ = _tiny_files()
+    kwargs = dict(config["constructor_kwargs"], use_quant_conv=True, use_post_quant_conv=True)
+    with torch.device("meta"):
+        plain = build_vae(config["constructor_kwargs"])
+        model = build_vae(kwargs)
+    extra = {k: tuple(v.shape) for k, v in model.state_dict().items()
+             if k not in plain.state_dict()}
+    assert extra == {"quant_conv.weight": (32, 32, 1, 1, 1), "quant_conv.bias": (32,),
+                     "post_quant_conv.weight": (16, 16, 1, 1, 1), "post_quant_conv.bias": (16,)}
+
+
+def test_quant_convs_are_applied_on_the_moments_and_the_latent():
+    config, weights = _tiny_files()
+    model = build_vae(dict(config["constructor_kwargs"], use_quant_conv=True,
+                           use_post_quant_conv=True)).eval()
+    swap = torch.eye(32).roll(16, dims=0)  # output = (logvar, mean): swaps the halves
+    extra = {"quant_conv.weight": swap.view(32, 32, 1, 1, 1), "quant_conv.bias": torch.zeros(32),
+             "post_quant_conv.weight": 2 * torch.eye(16).view(16, 16, 1, 1, 1),
+             "post_quant_conv.bias": torch.zeros(16)}
+    model.load_state_dict({**weights, **extra}, strict=True)
+    case = load_case("image_1f")
+    with torch.no_grad():
+        mean, logvar = model.encode_posterior(case["inputs.video"])
+        decoded = model.decode(case["outputs.posterior_mean"] / 2)
+    assert max_abs(mean, case["outputs.posterior_logvar"]) < ATOL
+    assert max_abs(logvar, case["outputs.posterior_mean"]) < ATOL
+    assert max_abs(decoded, case["outputs.decoded_from_mean"]) < ATOL
+
+
+# -- numerics against the goldens -------------------------------------------------------------
+
+@pytest.mark.parametrize("name", CASES)
+def test_golden_case(tiny_vae, name):
+    case = load_case(name)
+    video = case["inputs.video"]
+    with torch.no_grad():
+        mean, logvar = tiny_vae.encode_posterior(video)
+        encoded = tiny_vae.encode(video)
+        decoded = tiny_vae.decode(case["outputs.posterior_mean"])
+
+    assert mean.shape == logvar.shape == case["outputs.posterior_mean"].shape
+    assert max_abs(mean, case["outputs.posterior_mean"]) < ATOL
+    assert max_abs(logvar, case["outputs.posterior_logvar"]) < ATOL
+    assert torch.equal(encoded, mean)
+    assert decoded.shape == video.shape  # 5-D even for a single frame
+    assert max_abs(decoded, case["outputs.decoded_from_mean"]) < ATOL
+    # The documented pipeline convention: scaled, channels-last per sample.
+    latent = (encoded * PIPELINE_SCALE).permute(0, 2, 3, 4, 1)
+    assert max_abs(latent, case["outputs.latent_pipeline"]) < ATOL
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_posterior_sample(name):
+    case = load_case(name)
+    mean, logvar = case["outputs.posterior_mean"], case["outputs.posterior_logvar"]
+    sample = VideoAutoencoder.sample_posterior(mean, logvar, noise=case["aux.eps"])
+    assert max_abs(sample, case["aux.posterior_sample_with_eps"]) < 1e-5
+
+    drawn = VideoAutoencoder.sample_posterior(mean, logvar, torch.Generator().manual_seed(7))
+    eps = torch.randn(mean.shape, generator=torch.Generator().manual_seed(7))
+    torch.testing.assert_close(drawn, mean + torch.exp(logvar / 2) * eps)
+
+
+def test_logvar_is_clamped(tiny_vae):
+    model = copy.deepcopy(tiny_vae)
+    with torch.no_grad():
+        model.encoder.conv_out.bias[16:] += 100.0  # push logvar far above the clamp
+        _, logvar = model.encode_posterior(load_case("image_1f")["inputs.video"])
+    assert logvar.max().item() == 20.0
+
+
+# -- causality / temporal chunking ------------------------------------------------------------
+
+def test_chunked_causal_state_matches_single_pass(tiny_vae):
+    # A spatial crop keeps this cheap; all 9 frames are needed for two encoder chunks.
+    video = load_case("video_9f")["inputs.video"][:, :, :, :16, :24]
+    latent = load_case("video_9f")["outputs.posterior_mean"]
+    with torch.no_grad():
+        full = tiny_vae.encoder(video)
+        cache = CausalCache()
+        first = tiny_vae.encoder(video[:, :, :5], cache)
+        chunked = torch.cat([first, tiny_vae.encoder(video[:, :, 5:], cache)], dim=2)
+        # Causal: the first 5 frames alone give the first 2 latent frames of the whole clip.
+        assert torch.equal(first, full[:, :, :2])
+        assert max_abs(chunked, full) < 1e-6
+
+        full = tiny_vae.decoder(latent)
+        cache = CausalCache()
+        chunked = torch.cat([tiny_vae.decoder(latent[:, :, :2], cache),
+                             tiny_vae.decoder(latent[:, :, 2:], cache)], dim=2)
+        assert chunked.shape == full.shape
+        assert max_abs(chunked, full) < 1e-6
+
+
+# -- argument checks --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape, match", [
+    ((1, 3, 40, 56), r"video must be 5-D \(B, C, T, H, W\).*unsqueeze\(2\)"),
+    ((1, 4, 1, 40, 56), r"video must have 3 channels.*got 4"),
+    ((1, 3, 4, 40, 56), r"video frame count T must be 4n\+1.*got T=4"),
+    ((1, 3, 1, 44, 56), r"video height and width must be positive multiples of 8.*H=44"),
+    ((1, 3, 1, 40, 50), r"multiples of 8.*W=50"),
+])
+def test_encode_rejects_bad_video(tiny_vae, shape, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_vae.encode(torch.zeros(shape))
+
+
+@pytest.mark.parametrize("shape, match", [
+    ((1, 16, 5, 7), r"latent must be 5-D \(B, C, t, h, w\)"),
+    ((1, 8, 1, 5, 7), r"latent must have 16 channels.*got 8"),
+    ((1, 1, 5, 7, 16), r"latent must have 16 channels.*channels-last"),
+])
+def test_decode_rejects_bad_latent(tiny_vae, shape, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_vae.decode(torch.zeros(shape))
+
+
+# -- reduced precision ------------------------------------------------------------------------
+
+# rel-L2 against float32. Measured on this tiny random-weight model: bf16 <= 2.1e-2 (half of
+# it is merely rounding the weights to bf16), fp16 <= 2.5e-3; the bounds leave ~2x margin.
+# A structural or casting bug gives O(1) errors; fp16 is the sharper of the two checks.
+LOW_PRECISION_BOUND = {torch.bfloat16: 4e-2, torch.float16: 6e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_low_precision_stays_close_to_float32(tiny_vae, dtype):
+    model = copy.deepcopy(tiny_vae).to(dtype)
+    bound = LOW_PRECISION_BOUND[dtype]
+    image = load_case("image_1f")
+    # A small crop of the video covers the temporal down/up-sampling paths cheaply (CPU
+    # reduced-precision conv3d is slow).
+    clip = load_case("video_9f")["inputs.video"][:, :, :5, :16, :24]
+    with torch.no_grad():
+        clip_mean, clip_logvar = tiny_vae.encode_posterior(clip)
+        clip_decoded = tiny_vae.decode(clip_mean)
+        checks = [
+            (model.encode_posterior(image["inputs.video"]),
+             (image["outputs.posterior_mean"], image["outputs.posterior_logvar"])),
+            ((model.decode(image["outputs.posterior_mean"]),), (image["outputs.decoded_from_mean"],)),
+            (model.encode_posterior(clip), (clip_mean, clip_logvar)),
+            ((model.decode(clip_mean),), (clip_decoded,)),
+        ]
+    for outputs, references in checks:
+        for out, ref in zip(outputs, references):
+            assert out.dtype == dtype and torch.isfinite(out).all()
+            assert rel_l2(out, ref) < bound, f"{dtype} rel-L2 {rel_l2(out, ref):.3g} >= {bound}"
+
+
+def test_config_dataclass_is_accepted_directly():
+    with torch.device("meta"):
+        model = VideoAutoencoder(VAEConfig(block_out_channels=(16, 24, 32, 32), norm_num_groups=8))
+    assert model.encoder.conv_out.weight.shape == (32, 32, 3, 3, 3)
