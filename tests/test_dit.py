@@ -167,3 +167,15 @@ def test_rejects_unknown_config_key(conformance):
 def test_rejects_config_of_unknown_family():
     with pytest.raises(ConfigError, match="does not say its family"):
         build_dit({"vid_dim": 128})
+
+
+def test_optional_attention_backend_falls_back_to_sdpa(dit3b):
+    model, case = dit3b
+    expected = run(model, case)
+    model.set_attention_backend("flash_attn_2")  # needs CUDA: must fall back, same numbers
+    with pytest.warns(UserWarning, match="attention backend flash_attn_2 unavailable"):
+        out = run(model, case)
+    assert {b.attn.backend for b in model.blocks} == {"sdpa"}
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    with pytest.raises(ValueError, match=r"attention_backend 'xformers': expected one of"):
+        model.set_attention_backend("xformers")

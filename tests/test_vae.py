@@ -171,7 +171,7 @@ def test_chunked_causal_state_matches_single_pass(tiny_vae):
         first = tiny_vae.encoder(video[:, :, :5], cache)
         chunked = torch.cat([first, tiny_vae.encoder(video[:, :, 5:], cache)], dim=2)
         # Causal: the first 5 frames alone give the first 2 latent frames of the whole clip.
-        assert torch.equal(first, full[:, :, :2])
+        assert max_abs(first, full[:, :, :2]) < 1e-6
         assert max_abs(chunked, full) < 1e-6
 
         full = tiny_vae.decoder(latent)

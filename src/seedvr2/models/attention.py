@@ -8,6 +8,8 @@ run through one ``scaled_dot_product_attention`` call.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,10 +21,46 @@ from .streams import PerStream
 from .window import WindowLayout
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Softmax attention, scale 1/sqrt(head_dim). q/k/v: (batch, seq, heads, head_dim)."""
+def _sdpa(q, k, v):
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     return out.transpose(1, 2)
+
+
+def _flash_attn_2(q, k, v):
+    from flash_attn import flash_attn_func
+
+    return flash_attn_func(q, k, v)
+
+
+def _flash_attn_3(q, k, v):
+    from flash_attn_interface import flash_attn_func
+
+    out = flash_attn_func(q, k, v)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _sageattn_2(q, k, v):
+    from sageattention import sageattn
+
+    return sageattn(q, k, v, tensor_layout="NHD")
+
+
+# Optional kernels are imported on first use only; the package never needs them.
+BACKENDS = {"sdpa": _sdpa, "flash_attn_2": _flash_attn_2, "flash_attn_3": _flash_attn_3,
+            "sageattn_2": _sageattn_2}
+ATTENTION_BACKENDS = ("auto", *BACKENDS)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "sdpa") -> torch.Tensor:
+    """Softmax attention, scale 1/sqrt(head_dim). q/k/v: (batch, seq, heads, head_dim).
+
+    The optional kernels need CUDA and fp16/bf16 and raise where they cannot run.
+    """
+    if backend in ("auto", "sdpa"):
+        return _sdpa(q, k, v)
+    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
+        raise RuntimeError(f"{backend} needs CUDA tensors in fp16/bf16")
+    return BACKENDS[backend](q, k, v)
 
 
 class WindowAttention(nn.Module):
@@ -36,6 +74,7 @@ class WindowAttention(nn.Module):
         self.norm_q = PerStream(lambda: RMSNorm(head_dim, eps), shared)
         self.norm_k = PerStream(lambda: RMSNorm(head_dim, eps), shared)
         self.rope = rope
+        self.backend = "sdpa"
 
     def _qkv(self, x: torch.Tensor, stream: str, cis: torch.Tensor | None):
         """(N, dim) -> q, k, v each (N, heads, head_dim); q/k normed and rotated in fp32."""
@@ -45,6 +84,14 @@ class WindowAttention(nn.Module):
         if cis is not None:
             q, k = apply_rotary(q, cis), apply_rotary(k, cis)
         return q.to(x.dtype), k.to(x.dtype), v
+
+    def _attend(self, q, k, v):
+        try:
+            return attend(q, k, v, self.backend)
+        except Exception as e:  # missing package, unsupported GPU/shape: keep working on SDPA
+            warnings.warn(f"attention backend {self.backend} unavailable ({e}); using sdpa")
+            self.backend = "sdpa"
+            return attend(q, k, v)
 
     def forward(self, vid: torch.Tensor, txt: torch.Tensor, packing: Packing,
                 layout: WindowLayout, need_txt: bool = True):
@@ -64,7 +111,7 @@ class WindowAttention(nn.Module):
             k = torch.cat([window(k_v), k_t[g.txt_index]], dim=1)
             v = torch.cat([window(v_v), v_t[g.txt_index]], dim=1)
             q = torch.cat([window(q_v), q_t[g.txt_index]], dim=1) if need_txt else window(q_v)
-            o = attend(q, k, v).flatten(2)  # (count, seq, inner)
+            o = self._attend(q, k, v).flatten(2)  # (count, seq, inner)
             out_v.index_copy_(0, layout.perm[rows], o[:, : g.vid_len].flatten(0, 1))
             if need_txt:
                 # A sample's windows are adjacent in a group: sum each sample's text outputs.

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .attention import ATTENTION_BACKENDS
 from .block import MMDiTBlock
 from .config import DIT_3B, DiTConfig
 from .embedding import PATCH, PatchIn, PatchOut, TimestepEmbedding
@@ -61,6 +62,13 @@ class NaDiT(nn.Module):
             self.vid_out_norm = RMSNorm(dim, cfg.norm_eps)
             self.vid_out_ada = OutputModulation(dim)
         self.vid_out = PatchOut(dim, cfg.vid_out_channels)
+
+    def set_attention_backend(self, backend: str):
+        """``auto`` / ``sdpa`` / ``flash_attn_2`` / ``flash_attn_3`` / ``sageattn_2``."""
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend {backend!r}: expected one of {list(ATTENTION_BACKENDS)}")
+        for block in self.blocks:
+            block.attn.backend = backend
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
