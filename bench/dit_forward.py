@@ -11,15 +11,12 @@ Prints achieved FLOP/s, matmul FLOP/s on 2048x2048 and their ratio (goal >= 0.75
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from common import DTYPES, best_time, matmul_flops_per_s, synchronizer
 
 from seedvr2.models import build_dit, dit_config
 from seedvr2.models.window import WindowLayout
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 def config():
     cfg = dit_config("3b").to_dict()
@@ -51,18 +48,6 @@ def count_flops(model, thw, txt_len) -> float:
     return float(flops)
 
 
-def best_time(fn, repeats: int, sync) -> float:
-    fn()
-    sync()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
@@ -70,13 +55,9 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = synchronizer(device)
     torch.manual_seed(0)
-
-    a = torch.randn(2048, 2048, device=device, dtype=dtype)
-    b = torch.randn(2048, 2048, device=device, dtype=dtype)
-    matmul_s = best_time(lambda: torch.matmul(a, b), max(args.repeats, 10), sync)
-    matmul_flops = 2 * 2048 ** 3 / matmul_s
+    matmul_flops = matmul_flops_per_s(device, dtype)
 
     with torch.device(device):
         model = build_dit(config()).to(dtype).eval()
