@@ -135,7 +135,10 @@ class VideoAutoencoder(nn.Module):
     (``encoder.*``, ``decoder.*``, plus ``quant_conv.*`` / ``post_quant_conv.*`` only when
     the config enables them; the released model does not).
 
-    Inputs are cast to the model's parameter dtype; outputs come back in that dtype.
+    Inputs are cast to the model's parameter dtype (not moved between devices) and made
+    contiguous channels-first; outputs come back in that dtype. Run inference under
+    ``torch.no_grad()`` / ``torch.inference_mode()``: that enables the write-in-place fast
+    paths (with autograd recording, the same maths runs out of place).
     Building under ``torch.device("meta")`` allocates nothing.
     """
 
@@ -169,7 +172,7 @@ class VideoAutoencoder(nn.Module):
         ``H`` and ``W`` multiples of 8; ``t = n + 1``. ``logvar`` is clamped to [-30, 20].
         """
         self._check_video(video)
-        moments = self.encoder(video.to(self.dtype))
+        moments = self.encoder(video.to(self.dtype).contiguous())
         if self.quant_conv is not None:
             moments = self.quant_conv(moments)
         mean, logvar = moments.chunk(2, dim=1)
@@ -214,7 +217,7 @@ class VideoAutoencoder(nn.Module):
         [-1, 1] but not clamped.
         """
         self._check_latent(latent)
-        z = latent.to(self.dtype)
+        z = latent.to(self.dtype).contiguous()
         if self.post_quant_conv is not None:
             z = self.post_quant_conv(z)
         return self.decoder(z)

@@ -31,10 +31,16 @@ _int3 = Union[int, Tuple[int, int, int]]
 
 NORM_EPS = 1e-6
 
-# Largest attention score matrix (elements) built at once per call to SDPA. When no fused
-# kernel applies (e.g. head dim 512 exceeds the flash kernels' limit) SDPA falls back to the
-# explicit ``N x N`` matrix; frames are then attended in groups whose matrices fit this budget.
+# Largest attention score matrix (elements) per SDPA call. If no fused kernel takes the shape
+# (flash kernels stop at head dim 256; the released model attends with one head of 512) SDPA
+# materialises ``N x N`` scores per frame, so frames are attended in groups within this budget.
 ATTENTION_SCORE_BUDGET = 1 << 28
+
+
+def _records_graph(*tensors: Tensor) -> bool:
+    """Whether autograd records ops on ``tensors``; the write-in-place fast paths (``out=``,
+    in-place activations) are taken only when it does not (inference, ``no_grad``)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _triple(value: _int3) -> Tuple[int, int, int]:
@@ -179,8 +185,12 @@ class FrameGroupNorm(nn.GroupNorm):
         bias = self.bias.to(compute_dtype).view(1, G, C // G, 1)
         scale = (weight * rstd).reshape(B, C, T, 1)
         shift = (bias - mean_g * weight * rstd).reshape(B, C, T, 1)
+        if _records_graph(x, self.weight, self.bias):
+            # out= and in-place ops would break the autograd graph: plain ops, then copy.
+            y = torch.addcmul(shift, x_c, scale).view(x.shape).to(x.dtype)
+            return y if out is None else out.copy_(y)
         if out is None:
-            out = torch.empty_like(x)
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         if x_c.dtype == x.dtype:
             torch.addcmul(shift, x_c, scale, out=out.view(B, C, T, -1))
         else:  # x_c is a private upcast copy: normalise it in place, cast while storing
@@ -193,7 +203,10 @@ def norm_act_conv(norm: FrameGroupNorm, conv: CausalConv3d, x: Tensor,
     """``conv(silu(norm(x)))`` with the activation written straight into the conv's padded
     input buffer (the pattern of every conv inside the residual blocks and before conv_out)."""
     buf, body = conv.input_buffer(x, x.shape, cache)
-    F.silu(norm(x, out=body), inplace=True)
+    if _records_graph(x, norm.weight, norm.bias):
+        body.copy_(F.silu(norm(x)))
+    else:
+        F.silu(norm(x, out=body), inplace=True)
     return conv.forward_padded(buf, cache)
 
 
@@ -282,9 +295,10 @@ class Upsample3D(nn.Module):
 
     ``upscale_conv`` (plain 1x1x1) makes ``r * C`` channels, ``r = 2*2*(2 if temporal else 1)``,
     read as ``(x, y, z, c)`` with ``c`` fastest and moved to row offset ``x``, column offset
-    ``y`` and time offset ``z``. Frame 0 expands into two identical-purpose frames of which
-    the second is dropped, so ``T -> 2T - 1`` keeps the ``4n+1`` frame structure (only in the
-    first chunk of a clip). A causal 3x3x3 ``conv`` follows.
+    ``y`` and time offset ``z``. Doubling time would turn latent frame 0 into two frames, but
+    the encoder gave video frame 0 a latent frame of its own, so the second copy is dropped:
+    ``t -> 2t - 1`` restores the ``4n + 1`` frame count (in the first chunk of a clip only).
+    A causal 3x3x3 ``conv`` follows.
     """
 
     def __init__(self, channels: int, temporal: bool) -> None:
