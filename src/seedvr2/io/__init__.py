@@ -1,0 +1,1 @@
+"""Media in and out as frame streams: videos (PyAV, audio passthrough), images, image sequences."""

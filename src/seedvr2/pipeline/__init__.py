@@ -1,0 +1,1 @@
+"""One process's upscaling job: batch plan, encode -> DiT -> decode -> colour -> blend, streaming."""
