@@ -179,3 +179,12 @@ def test_optional_attention_backend_falls_back_to_sdpa(dit3b):
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
     with pytest.raises(ValueError, match=r"attention_backend 'xformers': expected one of"):
         model.set_attention_backend("xformers")
+
+
+def test_more_text_tokens_than_video_tokens(conformance):
+    """A tiny latent (4 patches) with 9 text tokens: text bookkeeping must not assume Nt <= Nv."""
+    model = load_dit(conformance / "dit3b_tiny" / "weights.safetensors")
+    torch.manual_seed(0)
+    vid, txt = torch.randn(16, 33), torch.randn(9, 64)
+    out = model(vid, txt, torch.tensor([[1, 4, 4]]), torch.tensor([[9]]), torch.tensor([1000.0]))
+    assert out.shape == (16, 16) and torch.isfinite(out).all()

@@ -104,7 +104,8 @@ class WindowAttention(nn.Module):
 
         out_v = torch.empty(vid.shape[0], self.heads * self.head_dim, dtype=vid.dtype,
                             device=vid.device)
-        out_t = torch.zeros_like(out_v[: txt.shape[0]], dtype=torch.float32) if need_txt else None
+        out_t = torch.zeros(txt.shape[0], out_v.shape[1], dtype=torch.float32, device=txt.device) \
+            if need_txt else None
         for g in layout.groups:
             rows = slice(g.start, g.start + g.count * g.vid_len)
             window = lambda x: x[rows].unflatten(0, (g.count, g.vid_len))  # noqa: E731

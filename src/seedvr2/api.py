@@ -1,0 +1,62 @@
+"""The facade every interface calls: ``upscale`` (frames in memory) and ``upscale_file``.
+
+Options are validated once (``seedvr2.options``); models may be given loaded, or by registered
+name or path and are then loaded here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from .loading import load_dit, load_vae
+from .loading.registry import DEFAULT_DIT, DEFAULT_VAE, default_model_dir, resolve_model_file
+from .loading.text import load_text_embeddings
+from .memory import resolve_device, resolve_dtype
+from .options import Options, resolve_options
+from .pipeline.plan import make_plan
+from .pipeline.runner import JobStats, Models, Upscaler
+
+Progress = Callable[[str, int, int], None]
+
+
+def load_models(dit=None, vae=None, *, opts: Options, model_dir=None) -> Models:
+    """DiT, VAE and text embedding on the options' device and precision."""
+    device = resolve_device(opts.device)
+    dtype = resolve_dtype(opts.dtype, device)
+    model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
+    if not isinstance(dit, torch.nn.Module):
+        dit = load_dit(resolve_model_file(dit or DEFAULT_DIT, model_dir, "dit"), dtype, device)
+    if not isinstance(vae, torch.nn.Module):
+        vae = load_vae(resolve_model_file(vae or DEFAULT_VAE, model_dir, "vae"), dtype, device)
+    text = load_text_embeddings(opts.text_embeddings, dit.config.txt_in_dim, model_dir)
+    return Models(dit.to(device=device, dtype=dtype), vae.to(device=device, dtype=dtype), text)
+
+
+def _upscaler(models: Models, opts: Options, progress, should_stop) -> Upscaler:
+    device = resolve_device(opts.device)
+    return Upscaler(models, opts, device, resolve_dtype(opts.dtype, device), progress, should_stop)
+
+
+def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Progress] = None,
+            should_stop: Optional[Callable[[], bool]] = None, stats: Optional[JobStats] = None,
+            **options) -> torch.Tensor:
+    """Upscale frames in memory: ComfyUI's IMAGE convention in and out.
+
+    ``frames``: float (T, H, W, C) in [0, 1] (or uint8/uint16), C = 1, 3 or 4; a single
+    (H, W, C) image is one frame. Returns float32 (T, H', W', C) in [0, 1] on the CPU.
+    """
+    opts = resolve_options(**options)
+    if frames.dim() == 3 if isinstance(frames, torch.Tensor) else frames.ndim == 3:
+        frames = frames[None]
+    if len(frames) == 0:
+        raise ValueError("frames: the input has no frames")
+    models = load_models(dit, vae, opts=opts, model_dir=model_dir)
+    upscaler = _upscaler(models, opts, progress, should_stop)
+    plan = make_plan(len(frames), opts)
+    pieces = [out for _, out in upscaler.run(iter(frames), plan)]
+    if stats is not None:
+        stats.__dict__.update(upscaler.stats.__dict__)
+    return torch.cat(pieces)

@@ -1,0 +1,151 @@
+"""Shared pieces of :mod:`seedvr2.io`: the error type, :class:`MediaInfo`, file-type tables and
+small helpers used by both the readers and the writers.
+
+Nothing here imports PyAV or Pillow; those load inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+
+# Extensions decide the *output* kind. For input, content (magic bytes) wins over the extension.
+VIDEO_EXTENSIONS = {".mp4": "mp4", ".m4v": "mp4", ".mov": "mov", ".mkv": "matroska",
+                    ".webm": "webm"}
+IMAGE_EXTENSIONS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP",
+                    ".tif": "TIFF", ".tiff": "TIFF", ".bmp": "BMP"}
+
+
+class MediaError(ValueError):
+    """A media file or folder can't be read or written as asked. The message names the path.
+
+    Every error :mod:`seedvr2.io` raises for bad input or output is a ``MediaError``, except
+    refusing to replace an existing output, which is a :class:`FileExistsError` so callers can
+    catch it on its own (e.g. to ask the user or suggest ``--overwrite``).
+    """
+
+
+@dataclass(frozen=True)
+class MediaInfo:
+    """What a reader found, or what a writer should produce.
+
+    ``kind`` is ``"video"``, ``"image"`` (one still image) or ``"sequence"`` (numbered images).
+    ``frame_count`` is exact when ``frame_count_exact`` is true. For videos it comes from the
+    container's frame count when it stores one (MP4/MOV always do); otherwise it is estimated
+    from the stream (or container) duration times the frame rate, and ``frame_count_exact`` is
+    false -- :meth:`VideoReader.count_frames` counts packets for an exact number.
+    ``fps`` is an exact :class:`~fractions.Fraction` (e.g. 30000/1001) for videos, ``None`` for
+    images and sequences (the files carry no rate). ``bit_depth`` is 8 or 16: sources with
+    more than 8 bits (10-bit video, 16-bit PNG) are delivered as 16-bit frames.
+    ``rotation`` is the video's display rotation in degrees counter-clockwise (phone videos);
+    frames are delivered as stored and writers given ``like=`` tag the same rotation.
+    """
+
+    kind: str
+    path: str
+    frame_count: int
+    width: int
+    height: int
+    channels: int
+    bit_depth: int
+    fps: Fraction | None = None
+    has_audio: bool = False
+    frame_count_exact: bool = True
+    codec: str | None = None
+    rotation: int = 0
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The numpy dtype of frames: uint8 for 8-bit, uint16 for 16-bit."""
+        return np.dtype(np.uint16 if self.bit_depth == 16 else np.uint8)
+
+    @property
+    def duration(self) -> float | None:
+        """Seconds of video (frame_count / fps), or None without a frame rate."""
+        return float(self.frame_count / self.fps) if self.fps else None
+
+
+def sniff_image(path: Path) -> str | None:
+    """Pillow format name if the file's first bytes are a still-image signature, else None.
+
+    Content beats extension so a PNG named ``.jpg`` or a video named ``.png`` still opens
+    with the right decoder.
+    """
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if head.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "PNG"
+    if head.startswith(b"\xff\xd8\xff"):
+        return "JPEG"
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "WEBP"
+    if head[:4] in (b"II*\x00", b"MM\x00*"):
+        return "TIFF"
+    if head[:2] == b"BM":
+        return "BMP"
+    return None
+
+
+def as_fraction(fps) -> Fraction:
+    """An exact frame rate from an int, Fraction, ``"30000/1001"`` or float.
+
+    Floats are snapped to the nearest rate with a small denominator so 29.97 becomes
+    30000/1001 and 23.976 becomes 24000/1001, as every tool means by them.
+    """
+    if isinstance(fps, Fraction):
+        rate = fps
+    elif isinstance(fps, (int, str)):
+        rate = Fraction(fps)
+    else:
+        rate = Fraction(float(fps))
+        for den in (1, 1001, 100, 1000):
+            candidate = Fraction(round(float(fps) * den), den)
+            if abs(float(candidate) - float(fps)) < 5e-4:
+                rate = candidate
+                break
+    if rate <= 0:
+        raise MediaError(f"frame rate must be positive, got {fps!r}")
+    return rate
+
+
+def check_frame(frame: np.ndarray, *, width: int, height: int, channels: int, bit_depth: int,
+                where: str) -> np.ndarray:
+    """Validate one frame handed to a writer and return it as (H, W, C).
+
+    A wrong size or dtype is a pipeline bug; saying so here is kinder than a garbled file.
+    A 2-D array is accepted for 1-channel frames.
+    """
+    if not isinstance(frame, np.ndarray):
+        raise MediaError(f"{where}: frames must be numpy arrays, got {type(frame).__name__}")
+    if frame.ndim == 2:
+        frame = frame[:, :, None]
+    expected_dtype = np.uint16 if bit_depth == 16 else np.uint8
+    if frame.shape != (height, width, channels) or frame.dtype != expected_dtype:
+        raise MediaError(
+            f"{where}: expected a frame of shape ({height}, {width}, {channels}) "
+            f"{np.dtype(expected_dtype).name}, got {frame.shape} {frame.dtype}")
+    return frame
+
+
+def to_8bit(frame: np.ndarray) -> np.ndarray:
+    """16-bit -> 8-bit with rounding (65535 -> 255, 32896 -> 128); 8-bit passes through."""
+    if frame.dtype == np.uint8:
+        return frame
+    return ((frame.astype(np.uint32) * 255 + 32767) // 65535).astype(np.uint8)
+
+
+def writable_folder(folder: Path) -> None:
+    """Raise a MediaError naming ``folder`` unless it exists and is a directory."""
+    if not folder.exists():
+        raise MediaError(f"output folder {folder} does not exist; create it first")
+    if not folder.is_dir():
+        raise MediaError(f"output folder {folder} is not a directory")
+
+
+def fspath(path) -> Path:
+    """Path from str/PathLike, with ``~`` expanded (users type it in configs and UIs)."""
+    return Path(os.path.expanduser(os.fspath(path)))

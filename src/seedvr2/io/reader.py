@@ -1,0 +1,601 @@
+"""Readers: a video, a single image or a numbered image sequence, all as a stream of frames.
+
+:func:`open_media` picks the reader. Every reader has ``.info`` (a :class:`MediaInfo`) and
+``.frames(start=0, stop=None)``, an iterator of (H, W, C) uint8/uint16 numpy arrays, and is a
+context manager. Frame ``i`` is always the ``i``-th frame in presentation order, the same frame
+a full decode from the start would give; ``frames(start)`` just gets there faster.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import re
+import warnings
+import weakref
+from collections.abc import Iterator
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+
+from ._common import IMAGE_EXTENSIONS, MediaError, MediaInfo, fspath, sniff_image
+from ._images import ImageProbe, load_image, probe_image
+
+# (channels, bit depth) -> the FFmpeg pixel format we convert decoded video frames to.
+_ARRAY_FORMATS = {(1, 8): "gray", (3, 8): "rgb24", (4, 8): "rgba",
+                  (1, 16): "gray16le", (3, 16): "rgb48le", (4, 16): "rgba64le"}
+# printf-style frame number in a sequence pattern: %d, %5d, %05d.
+_PRINTF = re.compile(r"%(0?)(\d*)d")
+# Counting packets makes an inexact frame count exact; it reads the whole file, so only do it
+# up front for files small enough that this is quick.
+_COUNT_PACKETS_MAX_BYTES = 256 * 2**20
+# Damaged packets skipped in one pass before decoding is given up as hopeless.
+_MAX_DECODE_FAILURES = 100
+# Give up waiting for a keyframe after a seek (then decode from the start) after this many.
+_KEYFRAME_SEARCH_LIMIT = 1000
+
+
+def open_media(path) -> MediaReader:
+    """Open a video, an image, a folder of numbered images or a pattern like ``f/%05d.png``.
+
+    The kind is decided by content: a folder or a pattern is a sequence; a file whose first
+    bytes are a PNG/JPEG/WebP/TIFF/BMP signature is a single image (read with Pillow, or FFmpeg
+    for 16-bit colour); anything else is handed to FFmpeg as a video. A glob such as
+    ``f/*.png`` also works as a sequence. Raises :class:`MediaError` naming the path when it is
+    missing, unreadable, empty, or not something we can decode.
+    """
+    p = fspath(path)
+    if p.is_dir():
+        return SequenceReader.from_directory(p)
+    if not p.exists():  # an existing file named "100%done.png" is a file, not a pattern
+        if _PRINTF.search(p.name):
+            return SequenceReader.from_pattern(p)
+        if any(ch in p.name for ch in "*?["):
+            return SequenceReader.from_glob(p)
+        raise MediaError(f"{p}: no such file or directory")
+    if not p.is_file():
+        raise MediaError(f"{p}: not a regular file")
+    if p.stat().st_size == 0:
+        raise MediaError(f"{p}: file is empty")
+    try:
+        fmt = sniff_image(p)
+    except OSError as e:
+        raise MediaError(f"{p}: cannot read file: {e.strerror or e}") from e
+    if fmt is not None:
+        return ImageReader(p, fmt)
+    return VideoReader(p)
+
+
+class MediaReader:
+    """Base class: ``info``, ``frames()``, iteration and context management."""
+
+    info: MediaInfo
+
+    def frames(self, start: int = 0, stop: int | None = None) -> Iterator[np.ndarray]:
+        """Frames ``start`` .. ``stop - 1`` (``stop=None``: to the end) as (H, W, C) arrays."""
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return self.frames()
+
+    def close(self) -> None:
+        """Release files and decoders. Iterators still running are closed too."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.info!r})"
+
+    @staticmethod
+    def _check_range(start: int, stop: int | None) -> None:
+        if start < 0 or (stop is not None and stop < 0):
+            raise ValueError(f"frame indices must be >= 0, got start={start}, stop={stop}")
+
+
+# --------------------------------------------------------------------------------------------
+# Images and sequences
+
+
+class ImageReader(MediaReader):
+    """One still image, decoded once at open (so a corrupt file fails before any work).
+
+    Animated PNG/WebP files give their first frame only (animated GIFs open as videos).
+    """
+
+    def __init__(self, path: Path, fmt: str):
+        self.path = path
+        probe = probe_image(path, fmt)
+        self._image: np.ndarray | None = load_image(path, probe)
+        height, width = self._image.shape[:2]
+        self.info = MediaInfo(kind="image", path=str(path), frame_count=1, width=width,
+                              height=height, channels=probe.channels,
+                              bit_depth=probe.bit_depth, codec=fmt.lower())
+
+    def frames(self, start: int = 0, stop: int | None = None) -> Iterator[np.ndarray]:
+        self._check_range(start, stop)
+        if self._image is None:
+            raise MediaError(f"{self.path}: reader is closed")
+        if start == 0 and (stop is None or stop > 0):
+            return iter([self._image.copy()])  # callers may modify frames in place
+        return iter([])
+
+    def close(self) -> None:
+        self._image = None
+
+
+class SequenceReader(MediaReader):
+    """Numbered images read in numeric order (``9.png`` before ``10.png``).
+
+    Gaps in the numbering are allowed: frame ``i`` is the ``i``-th file. Every file's header is
+    checked at open, so a size or pixel-format mismatch is reported (naming the first
+    offending file) before any processing. A file whose pixels fail to decode is only found
+    when that frame is read.
+    """
+
+    def __init__(self, source: Path, files: list[Path]):
+        if not files:
+            raise MediaError(f"{source}: no images found")
+        self.path = source
+        self.files = files
+        first = files[0]
+        self._fmt = _sniff_sequence_file(first)
+        self._probe = probe_image(first, self._fmt)
+        for f in files[1:]:
+            probe = probe_image(f, _sniff_sequence_file(f))
+            if _shape(probe) != _shape(self._probe):
+                raise MediaError(
+                    f"{f}: {_describe(probe)} differs from the first frame {first.name} "
+                    f"({_describe(self._probe)}); all images of a sequence must have the same "
+                    f"size, channels and bit depth")
+        self.info = MediaInfo(kind="sequence", path=str(source), frame_count=len(files),
+                              width=self._probe.width, height=self._probe.height,
+                              channels=self._probe.channels, bit_depth=self._probe.bit_depth,
+                              codec=self._fmt.lower())
+
+    @classmethod
+    def from_directory(cls, folder: Path) -> SequenceReader:
+        """Images in ``folder`` sharing one name pattern; the last number in a name orders it.
+
+        Hidden files and non-image files are ignored. Names following several patterns
+        (``a_001.png`` and ``b_001.png``) are an error asking for an explicit pattern.
+        """
+        try:
+            names = [f for f in folder.iterdir() if not f.name.startswith(".")
+                     and f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file()]
+        except OSError as e:
+            raise MediaError(f"{folder}: cannot list folder: {e.strerror or e}") from e
+        if not names:
+            raise MediaError(f"{folder}: no images found in this folder "
+                             f"(looked for {', '.join(sorted(IMAGE_EXTENSIONS))})")
+        groups: dict[tuple[str, str], list[tuple[int, Path]]] = {}
+        unnumbered = []
+        for f in names:
+            m = re.fullmatch(r"(.*?)(\d+)(\D*)", f.name)
+            if m is None:
+                unnumbered.append(f.name)
+                continue
+            groups.setdefault((m[1], m[3]), []).append((int(m[2]), f))
+        if len(groups) != 1 or unnumbered:
+            kinds = [f"{pre}#{suf}" for pre, suf in sorted(groups)] + sorted(unnumbered)[:3]
+            if not groups:
+                raise MediaError(f"{folder}: no numbered images (found {', '.join(kinds)})")
+            raise MediaError(
+                f"{folder}: images follow several naming patterns ({', '.join(kinds[:6])}); "
+                f"pass a pattern such as {folder / '<prefix>%05d.png'} to choose one")
+        return cls(folder, _sorted_unique(folder, next(iter(groups.values()))))
+
+    @classmethod
+    def from_pattern(cls, pattern: Path) -> SequenceReader:
+        """Files matching a printf pattern like ``frames/%05d.png`` (exactly as printf writes
+        them, so ``%05d`` matches ``00042`` and ``123456`` but not ``42``)."""
+        folder, name = pattern.parent, pattern.name
+        matches = list(_PRINTF.finditer(name))
+        if len(matches) != 1 or "%" in name.replace(matches[0][0], "", 1).replace("%%", ""):
+            raise MediaError(f"{pattern}: a sequence pattern needs exactly one %d, %05d or "
+                             f"similar, in the file name")
+        m = matches[0]
+        prefix, suffix = name[:m.start()].replace("%%", "%"), name[m.end():].replace("%%", "%")
+        spec = m[0]
+        if not folder.is_dir():
+            raise MediaError(f"{pattern}: folder {folder} does not exist")
+        found = []
+        for f in folder.iterdir():
+            if f.name.startswith(prefix) and f.name.endswith(suffix) and \
+                    len(f.name) > len(prefix) + len(suffix):
+                digits = f.name[len(prefix):len(f.name) - len(suffix)]
+                if digits.isdigit() and spec % int(digits) == digits:
+                    found.append((int(digits), f))
+        if not found:
+            raise MediaError(f"{pattern}: no files match this pattern")
+        return cls(pattern, _sorted_unique(pattern, found))
+
+    @classmethod
+    def from_glob(cls, pattern: Path) -> SequenceReader:
+        """Files matching a glob like ``frames/*.png``, ordered by the last number in the
+        name (then by name, for names without numbers)."""
+        if not pattern.parent.is_dir():
+            raise MediaError(f"{pattern}: folder {pattern.parent} does not exist")
+        files = [f for f in pattern.parent.glob(pattern.name) if f.is_file()]
+        if not files:
+            raise MediaError(f"{pattern}: no files match this pattern")
+
+        def key(f: Path):
+            numbers = re.findall(r"\d+", f.name)
+            return (int(numbers[-1]) if numbers else -1, f.name)
+
+        return cls(pattern, sorted(files, key=key))
+
+    def frames(self, start: int = 0, stop: int | None = None) -> Iterator[np.ndarray]:
+        self._check_range(start, stop)
+        return self._iterate(start, stop)
+
+    def _iterate(self, start: int, stop: int | None) -> Iterator[np.ndarray]:
+        for f in self.files[start:stop]:
+            fmt = _sniff_sequence_file(f)
+            probe = self._probe if fmt == self._fmt else probe_image(f, fmt)
+            frame = load_image(f, probe)
+            if frame.shape != (self.info.height, self.info.width, self.info.channels):
+                # Headers were checked at open; this catches files replaced since then.
+                raise MediaError(f"{f}: decoded to shape {frame.shape}, expected "
+                                 f"{(self.info.height, self.info.width, self.info.channels)}")
+            yield frame
+
+
+def _sniff_sequence_file(f: Path) -> str:
+    try:
+        fmt = sniff_image(f)
+    except OSError as e:
+        raise MediaError(f"{f}: cannot read file: {e.strerror or e}") from e
+    if fmt is None:
+        raise MediaError(f"{f}: not a PNG, JPEG, WebP, TIFF or BMP image (empty or corrupt?)")
+    return fmt
+
+
+def _sorted_unique(source: Path, numbered: list[tuple[int, Path]]) -> list[Path]:
+    numbered.sort(key=lambda item: item[0])
+    for (a, fa), (b, fb) in zip(numbered, numbered[1:]):
+        if a == b:
+            raise MediaError(f"{source}: {fa.name} and {fb.name} have the same frame number")
+    return [f for _, f in numbered]
+
+
+def _shape(probe: ImageProbe) -> tuple[int, int, int, int]:
+    return (probe.width, probe.height, probe.channels, probe.bit_depth)
+
+
+def _describe(probe: ImageProbe) -> str:
+    kind = {1: "gray", 3: "RGB", 4: "RGBA"}[probe.channels]
+    return f"{probe.width}x{probe.height} {kind} {probe.bit_depth}-bit"
+
+
+# --------------------------------------------------------------------------------------------
+# Videos
+
+
+class VideoReader(MediaReader):
+    """A video file through FFmpeg (PyAV): the first video stream that is not cover art.
+
+    The first frame is decoded at open, so undecodable files fail before any work, and the
+    real pixel format (channels, bit depth), colour tags and rotation are known. Each
+    ``frames()`` call opens its own demuxer, so several iterators can run independently.
+
+    Seeking: frame ``i`` is the ``i``-th decoded frame. Its timestamp is
+    ``first_pts + i / fps`` only for constant-frame-rate video without gaps (cameras,
+    encoders, our own output), so ``frames(start)`` seeks by timestamp only when the video
+    looks like that: the frame count matches duration x fps (when both are known), and every
+    frame looked at while seeking -- from the keyframe before ``start`` to ``start`` -- sits on
+    the 1/fps grid to within one timestamp tick and at the expected index. Otherwise
+    (variable frame rate, dropped frames, missing timestamps, unseekable files) it decodes
+    from the beginning and counts: slow, but the same frames as a full decode. Frames before
+    the first keyframe after a seek are never used (open-GOP leading pictures may be broken).
+    Large files whose frame count is only estimated can't be checked for gaps.
+    """
+
+    def __init__(self, path: Path):
+        import av
+
+        self.path = path
+        self._iterators: weakref.WeakSet = weakref.WeakSet()
+        try:
+            container = av.open(str(path), metadata_errors="replace")
+        except av.FFmpegError as e:
+            raise MediaError(f"{path}: not a video or image that FFmpeg or Pillow can read "
+                             f"({_ffmpeg_message(e)}); is it corrupt or truncated?") from e
+        try:
+            self._stream_index = _pick_video_stream(path, container)
+            stream = container.streams[self._stream_index]
+            fps = _frame_rate(stream)
+            if fps is None:
+                raise MediaError(f"{path}: the video's frame rate is unknown")
+            first = next(self._decode(container), None)
+            if first is None:
+                raise MediaError(f"{path}: video stream has zero frames")
+            channels, bit_depth = _pixel_layout(first.format)
+            self._array_format = _ARRAY_FORMATS[channels, bit_depth]
+            self._time_base = stream.time_base
+            self._first_pts = first.pts if first.pts is not None else 0
+            self._src_colour = _source_colour_kwargs(first)
+            frame_count, exact = _estimate_frame_count(stream, container, fps)
+            self._video_seconds = _video_duration(stream, container)
+            self.info = MediaInfo(
+                kind="video", path=str(path), frame_count=frame_count, width=first.width,
+                height=first.height, channels=channels, bit_depth=bit_depth, fps=fps,
+                has_audio=bool(container.streams.audio), frame_count_exact=exact,
+                codec=stream.codec_context.name, rotation=int(round(first.rotation or 0)))
+            # A timestamp-based frame index needs a constant rate; FFmpeg's r_frame_rate
+            # (base_rate) differing from the average rate is the tell-tale of variable rate.
+            base, avg = stream.base_rate, stream.average_rate
+            self._constant_rate = (first.pts is not None and base is not None
+                                   and avg is not None and abs(base / avg - 1) < 1e-3)
+        finally:
+            container.close()
+        if not exact and path.stat().st_size <= _COUNT_PACKETS_MAX_BYTES:
+            self.count_frames()  # also decides seekability
+        else:
+            self._update_seekable()
+
+    def _update_seekable(self) -> None:
+        """Seek only if the count agrees with duration x fps: a shortfall means dropped
+        frames, after which timestamps and frame indices part ways."""
+        consistent = True
+        if self.info.frame_count_exact and self._video_seconds is not None:
+            expected = self._video_seconds * self.info.fps
+            consistent = abs(self.info.frame_count - expected) <= Fraction(1, 2)
+        self._seekable = self._constant_rate and consistent
+
+    def count_frames(self) -> int:
+        """Count the video's packets (demux only, no decoding) to make ``info.frame_count``
+        exact; returns it. Reads the whole file, so it costs I/O on long videos."""
+        import dataclasses
+
+        import av
+
+        count = 0
+        try:
+            with av.open(str(self.path)) as container:
+                for packet in container.demux(container.streams[self._stream_index]):
+                    if packet.size:
+                        count += 1
+        except av.FFmpegError as e:
+            raise MediaError(f"{self.path}: cannot read video: {_ffmpeg_message(e)}") from e
+        if count == 0:
+            raise MediaError(f"{self.path}: video stream has zero frames")
+        self.info = dataclasses.replace(self.info, frame_count=count, frame_count_exact=True)
+        self._update_seekable()
+        return count
+
+    def frames(self, start: int = 0, stop: int | None = None) -> Iterator[np.ndarray]:
+        self._check_range(start, stop)
+        iterator = self._iterate(start, stop)
+        self._iterators.add(iterator)
+        return iterator
+
+    def close(self) -> None:
+        for iterator in list(self._iterators):
+            iterator.close()  # runs its finally: closes its container
+        self._iterators.clear()
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _iterate(self, start: int, stop: int | None) -> Iterator[np.ndarray]:
+        import av
+
+        container = None
+        try:
+            if stop is not None and stop <= start:
+                return
+            container = self._open()
+            decoded = None
+            if start > 0 and self._seekable:
+                decoded = self._seek(container, start)
+                if decoded is None:  # timestamps didn't line up: decode from the start instead
+                    container.close()
+                    container = self._open()
+            if decoded is None:
+                decoded = itertools.islice(self._decode(container), start, None)
+            convert = self._converter()
+            index = start
+            for frame in decoded:
+                if stop is not None and index >= stop:
+                    break
+                yield convert(frame, index)
+                index += 1
+        except av.FFmpegError as e:
+            raise MediaError(f"{self.path}: cannot read video: {_ffmpeg_message(e)}") from e
+        finally:
+            if container is not None:
+                container.close()
+
+    def _open(self):
+        import av
+
+        container = av.open(str(self.path), metadata_errors="replace")
+        # Frame + slice threads: several times faster decoding. Only settable before the
+        # decoder opens, i.e. before the first packet.
+        container.streams[self._stream_index].thread_type = "AUTO"
+        return container
+
+    def _decode(self, container) -> Iterator:
+        import av
+
+        stream = container.streams[self._stream_index]
+        failures = 0
+        try:
+            for packet in container.demux(stream):  # ends with an empty packet: flush
+                try:
+                    frames = stream.decode(packet)
+                except av.InvalidDataError as e:
+                    # Like the ffmpeg tool, skip a damaged packet rather than give up on the
+                    # whole video; the decoder resyncs at the next keyframe.
+                    failures += 1
+                    if failures == 1:
+                        at = "" if packet.pts is None else \
+                            f" near {float(packet.pts * stream.time_base):.2f}s"
+                        warnings.warn(f"{self.path}: skipping undecodable video data{at} "
+                                      f"({_ffmpeg_message(e)})", stacklevel=2)
+                    if failures > _MAX_DECODE_FAILURES:
+                        raise
+                    continue
+                yield from frames
+        except av.FFmpegError as e:
+            raise MediaError(f"{self.path}: decoding failed: {_ffmpeg_message(e)}") from e
+
+    def _index_of(self, pts: int | None) -> int | None:
+        """The frame index timestamp ``pts`` stands for, or None if it is off the 1/fps grid
+        by more than one timestamp tick (so the video isn't constant-rate here)."""
+        if pts is None:
+            return None
+        position = (pts - self._first_pts) * self._time_base * self.info.fps
+        index = round(position)
+        tick = self._time_base * self.info.fps  # one timestamp unit, in frames
+        return index if abs(position - index) <= tick else None
+
+    def _seek(self, container, start: int) -> Iterator | None:
+        """Decoded frames from frame ``start`` on, or None if that can't be done exactly."""
+        import av
+
+        stream = container.streams[self._stream_index]
+        target = self._first_pts + Fraction(start) / self.info.fps / self._time_base
+        back = Fraction(0)  # seconds before the target; grows when a seek lands too late
+        for _ in range(4):
+            offset = math.floor(target - back / self._time_base)
+            if offset <= self._first_pts:
+                return None  # the start is near the beginning: plain decoding is as fast
+            try:
+                container.seek(offset, stream=stream, backward=True, any_frame=False)
+            except av.FFmpegError:
+                return None  # unseekable input (pipe-like formats): decode from the start
+            decoded = self._decode(container)
+            # Frames shown before the first keyframe after a seek (open-GOP leading
+            # pictures) may reference data we skipped, so trust nothing before a keyframe.
+            frame = None
+            for frame in itertools.islice(decoded, _KEYFRAME_SEARCH_LIMIT):
+                if frame.key_frame:
+                    break
+            else:
+                past_end = self.info.frame_count_exact and start >= self.info.frame_count
+                return iter(()) if frame is None and past_end else None
+            index = self._index_of(frame.pts)
+            if index is None:
+                return None
+            if index > start:
+                back = max(Fraction(1), 2 * back)
+                continue
+            while index < start:
+                frame = next(decoded, None)
+                if frame is None:
+                    return iter(())  # the video ends before ``start``
+                index += 1
+                if self._index_of(frame.pts) != index:
+                    return None
+            return itertools.chain([frame], decoded)
+        return None
+
+    def _converter(self):
+        """A function decoded frame -> (H, W, C) array, with one swscale context for the whole
+        iteration: PyAV's ``to_ndarray(format=...)`` builds a new one, and a new thread pool,
+        for every frame, which costs more than the conversion itself on small frames."""
+        from av.video.reformatter import VideoReformatter
+
+        reformatter = VideoReformatter()
+        kwargs = dict(self._src_colour, format=self._array_format,
+                      threads=0 if self.info.width * self.info.height >= 640 * 480 else 1)
+
+        def convert(frame, index: int) -> np.ndarray:
+            try:
+                array = reformatter.reformat(frame, **kwargs).to_ndarray()
+            except Exception as e:  # noqa: BLE001 -- name the frame whatever went wrong
+                raise MediaError(f"{self.path}: cannot convert frame {index}: {e}") from e
+            return array[:, :, None] if array.ndim == 2 else array
+
+        return convert
+
+
+def _pick_video_stream(path: Path, container) -> int:
+    from av.stream import Disposition
+
+    for stream in container.streams.video:
+        if not stream.disposition & Disposition.attached_pic:
+            return stream.index
+    what = "audio only" if container.streams.audio else "no streams FFmpeg can use"
+    raise MediaError(f"{path}: has no video stream ({what})")
+
+
+def _frame_rate(stream) -> Fraction | None:
+    """The stream's frame rate as an exact fraction.
+
+    The average rate is the honest one; FFmpeg's r_frame_rate (base_rate) is usually the same
+    number as a cleaner fraction (30000/1001 rather than 1798200/60001 from rounded MKV
+    timestamps), so prefer it when the two agree.
+    """
+    avg, base = stream.average_rate, stream.base_rate
+    if avg and base and abs(base / avg - 1) < 1e-3:
+        return Fraction(base)
+    rate = avg or stream.guessed_rate or base
+    return Fraction(rate) if rate else None
+
+
+def _estimate_frame_count(stream, container, fps: Fraction) -> tuple[int, bool]:
+    """(count, exact): the container's count (MP4/MOV store it), else duration x rate."""
+    if stream.frames and stream.frames > 0:
+        return int(stream.frames), True
+    if stream.duration and stream.time_base:
+        return max(1, round(stream.duration * stream.time_base * fps)), False
+    if container.duration:
+        return max(1, round(Fraction(container.duration, 1_000_000) * fps)), False
+    return 1, False  # unknown: count_frames() finds out
+
+
+def _video_duration(stream, container) -> Fraction | None:
+    """Seconds of video: the stream's duration, Matroska's DURATION tag, or the container's
+    (which may include longer audio; then seeking is just switched off, never wrong)."""
+    if stream.duration and stream.time_base:
+        return stream.duration * stream.time_base
+    tag = stream.metadata.get("DURATION") or stream.metadata.get("duration")
+    if tag:
+        m = re.fullmatch(r"(\d+):(\d\d):(\d\d(?:\.\d+)?)", tag.strip())
+        if m:
+            return (int(m[1]) * 3600 + int(m[2]) * 60) + Fraction(m[3])
+    if container.duration:
+        return Fraction(container.duration, 1_000_000)
+    return None
+
+
+def _pixel_layout(fmt) -> tuple[int, int]:
+    """(channels, bit depth) for frames of FFmpeg pixel format ``fmt``.
+
+    Alpha -> 4 channels (gray+alpha too: it becomes RGBA); one luma plane, no chroma -> gray;
+    anything else -> RGB. More than 8 bits per component -> 16-bit frames.
+    """
+    components = list(fmt.components)
+    alpha = any(c.is_alpha for c in components)
+    colour = [c for c in components if not c.is_alpha]
+    gray = len(colour) == 1 and not fmt.has_palette
+    channels = 4 if alpha else (1 if gray else 3)
+    bit_depth = 16 if max(c.bits for c in components) > 8 else 8
+    return channels, bit_depth
+
+
+def _source_colour_kwargs(frame) -> dict:
+    """YUV->RGB matrix for untagged video: BT.709 for HD, BT.601 below, as players assume.
+
+    Tagged frames are converted by their own tags (PyAV's default). swscale would use BT.601
+    for every untagged frame, which shifts colours of untagged HD video.
+    """
+    fmt = frame.format
+    # 2 is "unspecified"; 0 ("RGB") on a YUV format is a bogus tag, so treat it the same.
+    if fmt.is_rgb or len(fmt.components) < 3 or frame.colorspace not in (0, 2):
+        return {}  # RGB and gray sources have no matrix; tagged YUV converts by its tags
+    return {"src_colorspace": "ITU709"} if frame.height >= 720 or frame.width >= 1280 else {}
+
+
+def _ffmpeg_message(e: Exception) -> str:
+    """FFmpeg's own words without PyAV's errno prefix and the repeated file name."""
+    text = getattr(e, "strerror", None) or str(e)
+    return text.replace(os.linesep, " ")

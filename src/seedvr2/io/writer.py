@@ -1,0 +1,599 @@
+"""Writers: frames in, a video / an image / numbered images out, without ever losing work.
+
+:func:`open_writer` picks the writer from the destination. All writers:
+
+* write into a hidden temporary name in the destination folder
+  (``.name.partial-<random>.mp4``, or a ``.name.partial-<random>`` folder for images) and move
+  it to the final name only when :meth:`MediaWriter.close` succeeds -- the final path never
+  holds a half-written file, and a crash leaves only the clearly named partial behind;
+* refuse to replace an existing output unless ``overwrite=True`` (:class:`FileExistsError`),
+  checked at open and again, race-free, at the final move (a hard link, which fails if the
+  name was taken meanwhile; the finished temporary is then kept and named in the error);
+* find problems at open -- missing or unwritable folder, odd size for yuv420, codec the
+  container can't hold -- so nothing is discovered after hours of processing;
+* discard everything on :meth:`MediaWriter.abort`, or when the ``with`` block raises.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import warnings
+from collections.abc import Iterable
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+
+from ._common import (IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError, MediaInfo, as_fraction,
+                      check_frame, fspath, writable_folder)
+
+# Image formats we write (BMP is read only).
+_WRITE_IMAGE_FORMATS = {ext: fmt for ext, fmt in IMAGE_EXTENSIONS.items() if fmt != "BMP"}
+# codec -> (FFmpeg encoder, codec name in container support lists, pixel format, default CRF,
+# extra encoder options).
+# H.265 is written 10-bit: it keeps 16-bit sources' extra precision and bands less.
+_VIDEO_CODECS = {
+    "h264": ("libx264", "h264", "yuv420p", 18, {}),
+    "h265": ("libx265", "hevc", "yuv420p10le", 20, {"x265-params": "log-level=error"}),
+}
+_CODEC_ALIASES = {"h264": "h264", "avc": "h264", "libx264": "h264", "x264": "h264",
+                  "h265": "h265", "hevc": "h265", "libx265": "h265", "x265": "h265"}
+_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow",
+            "slower", "veryslow", "placebo")  # the same names in x264 and x265
+_ARRAY_FORMATS = {(1, 8): "gray", (3, 8): "rgb24", (1, 16): "gray16le", (3, 16): "rgb48le"}
+
+
+def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
+                height: int | None = None, channels: int | None = None,
+                bit_depth: int | None = None, fps=None, codec: str = "h264",
+                crf: int | None = None, preset: str | None = None, quality: int = 95,
+                audio_from=None, overwrite: bool = False) -> MediaWriter:
+    """Open a writer for frames of ``height x width x channels`` at ``bit_depth`` bits.
+
+    Any of ``width``, ``height``, ``channels``, ``bit_depth`` and ``fps`` left out is taken
+    from ``like`` (typically the source's :class:`MediaInfo`; pass the upscaled size
+    explicitly). Frames must then be (H, W, C) arrays of uint8 (8-bit) or uint16 (16-bit);
+    (H, W) is accepted for one channel.
+
+    The destination decides the output:
+
+    * ``.mp4``/``.m4v``/``.mov``/``.mkv`` -- a video: ``codec="h264"`` (libx264, 8-bit
+      yuv420p, ``crf`` default 18) or ``"h265"`` (libx265, 10-bit yuv420p10le, default 20;
+      16-bit frames keep their precision down to 10 bits); ``preset`` is the x264/x265
+      speed preset (default "medium"; "faster" keeps up with 4K output better). ``fps`` is
+      kept exactly (use a Fraction such as 30000/1001); frames get constant-rate
+      timestamps. Width and height must be even (yuv420 halves chroma): an odd size is an
+      error at open. Alpha is dropped, with a warning. ``audio_from`` (a path, or a
+      MediaInfo) copies that file's audio streams packet for packet, without re-encoding
+      (MP4 strips the ADTS headers of AAC from MPEG-TS, as it must), shifted by the
+      source video's start time so the sync with the first frame is kept. The whole track
+      is copied, so write all of the source's frames. A source without audio adds nothing;
+      ``audio_from`` is ignored for image outputs. ``.webm`` is refused (VP8/VP9/AV1 only).
+    * ``.png``/``.jpg``/``.jpeg``/``.webp``/``.tif``/``.tiff`` -- one image; if more than one
+      frame is written, numbered siblings ``name_00000.png``, ``name_00001.png`` ... instead.
+      PNG and TIFF keep 16 bits, gray and alpha; JPEG and WebP are 8-bit (``quality``),
+      JPEG drops alpha (warned at open).
+    * an existing folder, or a path ending in ``/`` -- a numbered PNG sequence inside it:
+      ``00000.png``, ``00001.png`` ... (more digits when ``like.frame_count`` needs them).
+
+    Raises :class:`FileExistsError` when the output exists and ``overwrite`` is false, and
+    :class:`MediaError` for everything else that can be known before writing.
+    """
+    text = os.fspath(dst)
+    path = fspath(dst)
+    width = _pick("width", width, like)
+    height = _pick("height", height, like)
+    channels = _pick("channels", channels, like)
+    bit_depth = _pick("bit_depth", bit_depth, like)
+    if channels not in (1, 3, 4):
+        raise MediaError(f"{path}: frames must have 1, 3 or 4 channels, not {channels}")
+    if bit_depth not in (8, 16):
+        raise MediaError(f"{path}: bit depth must be 8 or 16, not {bit_depth}")
+    if width <= 0 or height <= 0:
+        raise MediaError(f"{path}: invalid frame size {width}x{height}")
+    if not 1 <= quality <= 100:
+        raise MediaError(f"{path}: quality must be between 1 and 100, got {quality}")
+    expected = like.frame_count if like is not None else None
+    common = dict(width=width, height=height, channels=channels, bit_depth=bit_depth,
+                  overwrite=overwrite)
+    ext = path.suffix.lower()
+    known = ext in VIDEO_EXTENSIONS or ext in _WRITE_IMAGE_FORMATS
+    if text.endswith(("/", os.sep)) or (path.is_dir() and not known):
+        return SequenceWriter(path, expected_frames=expected, **common)
+    if path.is_dir():
+        raise MediaError(f"{path} is a folder; give a file name, or end the path with '/' "
+                         f"to write a PNG sequence into the folder")
+    if ext in VIDEO_EXTENSIONS:
+        if fps is None:
+            fps = like.fps if like is not None else None
+        if fps is None:
+            raise MediaError(f"{path}: a video needs a frame rate; pass fps= "
+                             f"(the source has none: images carry no rate)")
+        audio = audio_from
+        if isinstance(audio_from, MediaInfo):  # e.g. like=info, audio_from=info for any source
+            audio = audio_from.path if audio_from.has_audio else None
+        return VideoWriter(path, fps=as_fraction(fps), codec=codec, crf=crf, preset=preset,
+                           audio_from=audio,
+                           rotation=like.rotation if like is not None else 0, **common)
+    if ext in _WRITE_IMAGE_FORMATS:
+        return ImageWriter(path, quality=quality, expected_frames=expected, **common)
+    raise MediaError(
+        f"{path}: can't tell what to write from the extension {ext or '(none)'!r}; use a video "
+        f"extension ({', '.join(e for e in VIDEO_EXTENSIONS if e != '.webm')}), an image one "
+        f"({', '.join(_WRITE_IMAGE_FORMATS)}) or end the path with '/' for a PNG sequence folder")
+
+
+def _pick(name: str, value, like: MediaInfo | None):
+    if value is None and like is not None:
+        value = getattr(like, name)
+    if value is None:
+        raise MediaError(f"open_writer: pass {name}= (or like= a MediaInfo to copy it from)")
+    return value
+
+
+class MediaWriter:
+    """Base class: frame checks, the temporary -> final protocol and context management."""
+
+    def __init__(self, path: Path, *, width: int, height: int, channels: int, bit_depth: int,
+                 overwrite: bool):
+        self.path = path
+        self.width, self.height = width, height
+        self.channels, self.bit_depth = channels, bit_depth
+        self.overwrite = overwrite
+        self.frames_written = 0
+        self._state = "open"  # -> "closed" | "aborted" | "kept" (finished but not moved)
+        self._temp: Path | None = None  # the partial file or folder we own
+
+    # -- public API -------------------------------------------------------------------------
+
+    def write(self, frame: np.ndarray) -> None:
+        """Append one (H, W, C) frame."""
+        if self._state != "open":
+            raise MediaError(f"{self.path}: writer is already {self._state}")
+        frame = check_frame(frame, width=self.width, height=self.height,
+                            channels=self.channels, bit_depth=self.bit_depth,
+                            where=f"{self.path} frame {self.frames_written}")
+        try:
+            self._write(frame)
+        except MediaError:
+            raise
+        except Exception as e:  # name the file; the caller decides whether to abort
+            raise MediaError(f"{self.path}: writing frame {self.frames_written} failed: "
+                             f"{e}") from e
+        self.frames_written += 1
+
+    def write_many(self, frames: Iterable[np.ndarray]) -> None:
+        """Append frames from an iterable or a (N, H, W, C) array."""
+        for frame in frames:
+            self.write(frame)
+
+    def close(self) -> None:
+        """Finish the output and move it to its final name. A no-op once closed.
+
+        With no frames written this is an error and the partial output is removed.
+        """
+        if self._state == "closed":
+            return
+        if self._state != "open":
+            raise MediaError(f"{self.path}: writer is already {self._state}")
+        if self.frames_written == 0:
+            self.abort()
+            raise MediaError(f"{self.path}: no frames were written; nothing saved")
+        try:
+            self._finish()
+        except FileExistsError:
+            raise  # its message says where the finished output is kept
+        except OSError as e:
+            if self._state == "kept":  # complete, but the final move failed: keep it
+                raise MediaError(f"{self.path}: could not move the finished output into "
+                                 f"place ({e}); it is kept at {self._temp}") from e
+            self.abort()
+            raise MediaError(f"{self.path}: finishing the output failed: {e}") from e
+        except BaseException:
+            if self._state == "open":  # failed before the output was complete
+                self.abort()
+            raise
+        self._state = "closed"
+
+    def abort(self) -> None:
+        """Discard everything written so far. The final path is never touched."""
+        if self._state in ("closed", "aborted", "kept"):
+            return
+        self._state = "aborted"
+        try:
+            self._release()
+        finally:
+            if self._temp is not None:
+                if self._temp.is_dir():
+                    shutil.rmtree(self._temp, ignore_errors=True)
+                else:
+                    self._temp.unlink(missing_ok=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def __del__(self):
+        # Dropped without close(): the output is unfinished, so discard it rather than leave
+        # a partial file behind. close() is the only way to produce a final file.
+        try:
+            if getattr(self, "_state", None) == "open":
+                self.abort()
+        except Exception:  # noqa: BLE001 -- never raise from a finaliser
+            pass
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.path)!r}, {self._state}, " \
+               f"{self.frames_written} frames)"
+
+    # -- for subclasses ---------------------------------------------------------------------
+
+    def _write(self, frame: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _finish(self) -> None:
+        """Complete the temporary output, set state "kept" (from now on a failure must not
+        delete it), then move it into place."""
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        """Close open handles without finishing (abort)."""
+
+    def _refuse_existing(self, target: Path) -> None:
+        if (target.exists() or target.is_symlink()) and not self.overwrite:
+            raise FileExistsError(f"{target} already exists; pass overwrite=True to replace "
+                                  f"it, or choose another output name")
+
+    def _temp_path(self, suffix: str = "") -> Path:
+        token = secrets.token_hex(4)
+        return self.path.parent / f".{self.path.stem if suffix else self.path.name}" \
+                                  f".partial-{token}{suffix}"
+
+    def _check_folder(self, folder: Path) -> None:
+        writable_folder(folder)
+
+    def _folder_error(self, folder: Path, e: OSError) -> MediaError:
+        return MediaError(f"cannot write to output folder {folder}: {e.strerror or e}")
+
+    def _place(self, temp: Path, final: Path) -> None:
+        """Move finished ``temp`` to ``final`` without ever clobbering unless overwriting."""
+        if self.overwrite:
+            os.replace(temp, final)
+            return
+        try:
+            os.link(temp, final)  # atomic, and fails if ``final`` appeared meanwhile
+        except FileExistsError:
+            raise FileExistsError(
+                f"{final} appeared while writing and overwrite is off; the finished output is "
+                f"kept at {temp} -- rename it yourself, or pass overwrite=True") from None
+        except OSError:  # no hard links on this filesystem (FAT, some network mounts)
+            if final.exists():
+                raise FileExistsError(f"{final} appeared while writing and overwrite is off; "
+                                      f"the finished output is kept at {temp}") from None
+            os.rename(temp, final)
+        else:
+            os.unlink(temp)
+
+
+def _create_exclusive(path: Path) -> None:
+    """Create an empty file that must not exist yet, with the usual umask permissions
+    (tempfile.mkstemp would make the final output owner-only)."""
+    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+
+
+# --------------------------------------------------------------------------------------------
+# Video
+
+
+class VideoWriter(MediaWriter):
+    """H.264 / H.265 through PyAV, with optional audio packet copy. See :func:`open_writer`."""
+
+    def __init__(self, path: Path, *, fps: Fraction, codec: str, crf: int | None = None,
+                 preset: str | None = None, audio_from=None, rotation: int = 0, **common):
+        import av
+
+        super().__init__(path, **common)
+        self._container = self._audio = None
+        ext = path.suffix.lower()
+        key = _CODEC_ALIASES.get(str(codec).lower())
+        if key is None:
+            raise MediaError(f"{path}: unknown video codec {codec!r}; use 'h264' or 'h265'")
+        encoder, codec_name, self._pix_fmt, default_crf, options = _VIDEO_CODECS[key]
+        if ext == ".webm":
+            raise MediaError(f"{path}: WebM holds only VP8/VP9/AV1 video, and this writer "
+                             f"encodes H.264/H.265; use .mp4, .mkv or .mov")
+        if self.width % 2 or self.height % 2:
+            raise MediaError(
+                f"{path}: {key.upper()} in yuv420 needs an even width and height, got "
+                f"{self.width}x{self.height}; choose an even output size (or write PNGs)")
+        if crf is not None and not 0 <= crf <= 51:
+            raise MediaError(f"{path}: crf must be between 0 (lossless) and 51, got {crf}")
+        if preset is not None and preset not in _PRESETS:
+            raise MediaError(f"{path}: unknown preset {preset!r}; use one of "
+                             f"{', '.join(_PRESETS)}")
+        if self.channels == 4:
+            warnings.warn(f"{path}: {key.upper()} video has no alpha channel; alpha is dropped "
+                          f"(write a PNG sequence to keep it)", stacklevel=3)
+        self.fps = fps
+        self._refuse_existing(path)
+        self._check_folder(path.parent)
+        temp = self._temp_path(suffix=path.suffix)
+        try:
+            _create_exclusive(temp)
+        except OSError as e:
+            raise self._folder_error(path.parent, e) from e
+        self._temp = temp
+        try:
+            self._container = av.open(str(temp), "w", format=VIDEO_EXTENSIONS[ext])
+            if codec_name not in self._container.supported_codecs:
+                raise MediaError(f"{path}: {ext} files can't hold {key.upper()} video")
+            if encoder not in av.codecs_available:
+                raise MediaError(f"{path}: this FFmpeg build has no {encoder} encoder")
+            stream = self._container.add_stream(encoder, rate=fps)
+            stream.width, stream.height, stream.pix_fmt = self.width, self.height, self._pix_fmt
+            self._frame_time_base = Fraction(1) / fps
+            stream.time_base = self._frame_time_base
+            options = {"crf": str(default_crf if crf is None else crf), **options}
+            if preset is not None:
+                options["preset"] = str(preset)
+            stream.options = options
+            if key == "h265" and ext in (".mp4", ".mov", ".m4v"):
+                stream.codec_tag = "hvc1"  # Apple players only accept HEVC tagged hvc1
+            # Tag BT.709 limited range: the matrix _write converts with, so players agree.
+            cc = stream.codec_context
+            cc.colorspace, cc.color_primaries, cc.color_trc, cc.color_range = 1, 1, 1, 1
+            if rotation:
+                stream.set_display_rotation(rotation)
+            self._stream = stream
+            # One swscale context for all frames (frame.reformat() would make one per frame).
+            self._reformatter = av.video.reformatter.VideoReformatter()
+            if audio_from is not None:
+                self._audio = _AudioCopy(fspath(audio_from), self._container, path)
+            # Write the header now: encoder and muxer problems surface here, not at the end.
+            self._container.start_encoding()
+        except BaseException as e:
+            self.abort()
+            if isinstance(e, (av.FFmpegError, OSError)):
+                raise MediaError(f"{path}: cannot start writing video: {e}") from e
+            raise
+
+    def _write(self, frame: np.ndarray) -> None:
+        import av
+
+        if self.channels == 4:
+            frame = frame[:, :, :3]
+        channels = min(self.channels, 3)
+        picture = av.VideoFrame.from_ndarray(
+            np.ascontiguousarray(frame[:, :, 0] if channels == 1 else frame),
+            format=_ARRAY_FORMATS[channels, self.bit_depth])
+        # Convert to YUV ourselves with the BT.709 matrix the stream is tagged with; the
+        # encoder's own conversion would use BT.601 and shift colours.
+        picture = self._reformatter.reformat(
+            picture, format=self._pix_fmt, dst_colorspace="ITU709", dst_color_range="MPEG",
+            threads=0 if self.width * self.height >= 640 * 480 else 1)
+        picture.pts = self.frames_written
+        # Frame timestamps count frames (1/fps); the muxer may pick another stream time base
+        # (MP4 uses 1/12800 for 25 fps), and PyAV rescales packets to it.
+        picture.time_base = self._frame_time_base
+        for packet in self._stream.encode(picture):
+            self._container.mux(packet)
+        if self._audio is not None:
+            self._audio.mux_until(Fraction(self.frames_written + 1) / self.fps)
+
+    def _finish(self) -> None:
+        for packet in self._stream.encode(None):
+            self._container.mux(packet)
+        if self._audio is not None:
+            self._audio.mux_until(None)
+            self._audio.close()
+        self._container.close()
+        self._state = "kept"
+        self._place(self._temp, self.path)
+
+    def _release(self) -> None:
+        for thing in (self._audio, self._container):
+            if thing is not None:
+                try:
+                    thing.close()
+                except Exception:  # noqa: BLE001 -- aborting; the file is deleted anyway
+                    pass
+
+
+class _AudioCopy:
+    """Copies every audio stream of ``source`` into ``output`` packet for packet.
+
+    Packets are interleaved with the video as frames are written (``mux_until``), so the
+    output is well interleaved and nothing is buffered. Timestamps are shifted by the
+    source video's start time, keeping the sync the source had with its first frame.
+    """
+
+    def __init__(self, source: Path, output, dst: Path):
+        import av
+
+        if not source.is_file():
+            raise MediaError(f"audio source {source}: no such file")
+        try:
+            self._input = av.open(str(source), metadata_errors="replace")
+        except av.FFmpegError as e:
+            raise MediaError(f"audio source {source}: cannot read: {e}") from e
+        self._pending = None
+        self._map = {}
+        self._shift = {}
+        try:
+            streams = list(self._input.streams.audio)
+            video = next(iter(self._input.streams.video), None)
+            start = (video.start_time or 0) * video.time_base if video is not None else 0
+            for s in streams:
+                name = s.codec_context.name
+                if name not in output.supported_codecs:
+                    raise MediaError(
+                        f"{dst}: {dst.suffix} files can't hold the {name} audio of {source}; "
+                        f"write .mkv (holds any audio) instead")
+                out = output.add_stream_from_template(s)
+                for key in ("language", "title", "handler_name"):
+                    if key in s.metadata:
+                        out.metadata[key] = s.metadata[key]
+                self._map[s.index] = out
+                self._shift[s.index] = round(start / s.time_base)
+            self._packets = self._input.demux(streams) if streams else iter(())
+            self._pull()
+        except BaseException:
+            self._input.close()
+            raise
+        self._output = output
+
+    def _pull(self) -> None:
+        self._pending = None
+        for packet in self._packets:
+            if packet.size == 0:  # the demuxer's end-of-stream markers
+                continue
+            self._pending = packet
+            return
+
+    def mux_until(self, seconds: Fraction | None) -> None:
+        """Mux audio packets up to ``seconds`` of output time (None: all that remain)."""
+        while self._pending is not None:
+            packet = self._pending
+            index = packet.stream.index
+            shift = self._shift[index]
+            pts = packet.pts if packet.pts is not None else packet.dts
+            if seconds is not None and pts is not None and \
+                    (pts - shift) * packet.time_base > seconds:
+                return
+            if shift:
+                if packet.pts is not None:
+                    packet.pts -= shift
+                if packet.dts is not None:
+                    packet.dts -= shift
+            packet.stream = self._map[index]
+            self._output.mux(packet)
+            self._pull()
+
+    def close(self) -> None:
+        self._input.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Images
+
+
+class _ImageFilesWriter(MediaWriter):
+    """Shared by the image writers: frames go to a hidden partial folder first."""
+
+    _fmt: str
+    _ext: str
+    _quality: int = 95
+
+    def _open_temp_folder(self) -> None:
+        temp = self._temp_path()
+        try:
+            os.mkdir(temp)
+        except OSError as e:
+            raise self._folder_error(self.path.parent, e) from e
+        self._temp = temp
+
+    def _frame_file(self, index: int) -> Path:
+        return self._temp / f"{index:0{self._digits}d}{self._ext}"
+
+    def _write(self, frame: np.ndarray) -> None:
+        from ._images import save_image
+
+        save_image(self._frame_file(self.frames_written), frame, self._fmt, self._quality)
+
+
+class ImageWriter(_ImageFilesWriter):
+    """One image at ``path``, or ``stem_00000.ext``... next to it if several frames come."""
+
+    def __init__(self, path: Path, *, quality: int, expected_frames: int | None, **common):
+        super().__init__(path, **common)
+        self._ext = path.suffix
+        self._fmt = _WRITE_IMAGE_FORMATS[path.suffix.lower()]
+        self._quality = quality
+        self._digits = max(5, len(str((expected_frames or 1) - 1)))
+        if self.channels == 4 and self._fmt == "JPEG":
+            warnings.warn(f"{path}: JPEG has no alpha channel; alpha is dropped (use .png or "
+                          f".webp to keep it)", stacklevel=3)
+        if self.bit_depth == 16 and self._fmt in ("JPEG", "WEBP"):
+            warnings.warn(f"{path}: {self._fmt} is 8-bit; 16-bit frames are rounded to 8 bits "
+                          f"(use .png or .tiff to keep 16 bits)", stacklevel=3)
+        if expected_frames is not None and expected_frames > 1:
+            self._refuse_existing(self._numbered(0))
+        else:
+            self._refuse_existing(path)
+        self._check_folder(path.parent)
+        self._open_temp_folder()
+
+    def _numbered(self, index: int) -> Path:
+        return self.path.with_name(f"{self.path.stem}_{index:0{self._digits}d}{self._ext}")
+
+    def _finish(self) -> None:
+        self._state = "kept"
+        if self.frames_written == 1:
+            self._place(self._frame_file(0), self.path)
+        else:
+            targets = [self._numbered(i) for i in range(self.frames_written)]
+            if not self.overwrite:
+                taken = [t for t in targets if t.exists()]
+                if taken:
+                    raise FileExistsError(
+                        f"{taken[0]} already exists; the finished frames are kept in "
+                        f"{self._temp} -- pass overwrite=True or choose another name")
+            for i, target in enumerate(targets):
+                self._place(self._frame_file(i), target)
+        self._temp.rmdir()
+
+
+class SequenceWriter(_ImageFilesWriter):
+    """Numbered PNGs (``00000.png``...) in the folder ``path``.
+
+    The frames are written to a hidden sibling folder which is renamed to ``path`` on close.
+    If ``path`` exists and is empty it is replaced. If it holds files, that is refused unless
+    ``overwrite=True``; then the new frames are moved in one by one (each replace atomic),
+    numbered PNGs left over from a longer earlier run are deleted, and other files are left
+    alone.
+    """
+
+    _fmt, _ext = "PNG", ".png"
+
+    def __init__(self, path: Path, *, expected_frames: int | None, **common):
+        super().__init__(path, **common)
+        self._digits = max(5, len(str((expected_frames or 1) - 1)))
+        if path.exists() and not path.is_dir():
+            raise MediaError(f"{path} exists and is not a folder; a frame sequence needs one")
+        if path.is_dir() and any(path.iterdir()) and not self.overwrite:
+            raise FileExistsError(f"{path} already exists and is not empty; pass "
+                                  f"overwrite=True to replace its frames, or choose another "
+                                  f"output folder")
+        self._check_folder(path.parent)
+        self._open_temp_folder()
+
+    def _finish(self) -> None:
+        self._state = "kept"
+        if self.path.is_dir() and not any(self.path.iterdir()):
+            self.path.rmdir()
+        if not self.path.exists():
+            try:
+                os.rename(self._temp, self.path)
+                return
+            except OSError:  # the folder appeared (and filled) meanwhile
+                if not self.overwrite:
+                    raise FileExistsError(f"{self.path} appeared while writing; the finished "
+                                          f"frames are kept in {self._temp}") from None
+        elif not self.overwrite:
+            raise FileExistsError(f"{self.path} appeared while writing; the finished frames "
+                                  f"are kept in {self._temp}")
+        new = {f.name for f in self._temp.iterdir()}
+        for name in sorted(new):
+            os.replace(self._temp / name, self.path / name)
+        for old in self.path.iterdir():
+            if re.fullmatch(r"\d+\.png", old.name) and old.name not in new:
+                old.unlink()
+        self._temp.rmdir()

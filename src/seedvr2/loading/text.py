@@ -1,0 +1,77 @@
+"""Text embeddings for the DiT: SeedVR2 conditions on one fixed positive prompt embedding.
+
+The official download ships ``pos_emb.pt`` (58 x 5120) and ``neg_emb.pt``; with guidance
+scale 1 only ``pos`` is used. ``auto`` picks the embedding in the model folder whose width
+matches the DiT's ``txt_in_dim``; a path to a .safetensors/.pt file with a ``pos`` tensor (or
+a .pt holding one bare tensor) overrides it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .formats import CheckpointError, open_weights
+
+
+def _read_pos(path: Path) -> torch.Tensor:
+    if path.suffix == ".pt" or path.suffix == ".pth":
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"{path}: cannot read text embeddings ({str(e).splitlines()[0]})")
+        if isinstance(obj, torch.Tensor):
+            return obj
+        if isinstance(obj, dict) and isinstance(obj.get("pos"), torch.Tensor):
+            return obj["pos"]
+        raise CheckpointError(f"{path}: expected a tensor or a dict with a 'pos' tensor")
+    with open_weights(path) as src:
+        if "pos" not in src.shapes:
+            raise CheckpointError(f"{path}: expected a 'pos' tensor (found {sorted(src.shapes)[:5]})")
+        return src.get("pos")
+
+
+def _check(pos: torch.Tensor, path: Path, txt_in_dim: int) -> torch.Tensor:
+    if pos.dim() == 3 and pos.shape[0] == 1:
+        pos = pos[0]
+    if pos.dim() != 2 or pos.shape[0] < 1:
+        raise CheckpointError(f"{path}: text embeddings must be (tokens, width), got {tuple(pos.shape)}")
+    if pos.shape[1] != txt_in_dim:
+        raise CheckpointError(f"{path}: text embeddings have width {pos.shape[1]} but the DiT "
+                              f"expects txt_in_dim {txt_in_dim}; use the embeddings that ship "
+                              f"with this model")
+    return pos.float()
+
+
+def load_text_embeddings(spec: str, txt_in_dim: int, model_dir: Path) -> torch.Tensor:
+    """The positive text embedding (tokens, txt_in_dim) in fp32."""
+    if spec != "auto":
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise CheckpointError(f"{path}: text embeddings file not found")
+        return _check(_read_pos(path), path, txt_in_dim)
+    model_dir = Path(model_dir)
+    candidates = [model_dir / "pos_emb.pt"] + sorted(model_dir.glob("*.safetensors"))
+    widths = []
+    for path in candidates:
+        if not path.is_file():
+            continue
+        if path.suffix == ".safetensors":
+            try:
+                with open_weights(path) as src:
+                    shape = src.shapes.get("pos")
+            except CheckpointError:
+                continue
+            if shape is None:
+                continue
+            widths.append(f"{path.name} ({shape[-1]})")
+            if shape[-1] != txt_in_dim:
+                continue
+        pos = _read_pos(path)
+        if pos.shape[-1] == txt_in_dim:
+            return _check(pos, path, txt_in_dim)
+        widths.append(f"{path.name} ({pos.shape[-1]})")
+    found = f"; found {', '.join(widths)}" if widths else ""
+    raise CheckpointError(f"no text embeddings of width {txt_in_dim} in {model_dir}: put the "
+                          f"model's pos_emb.pt there or pass text_embeddings=PATH{found}")

@@ -1,0 +1,148 @@
+"""Every user-facing option, defined once: name, type, default, range/choices, help.
+
+The CLI flags (kebab-case), the ComfyUI node inputs and the workflow inputs are generated from
+or checked against this table. ``resolve_options(**given)`` validates a set of options and
+returns them complete, with defaults filled in; errors name the option and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+COLOR_CORRECTIONS = ("lab", "wavelet", "wavelet_adaptive", "hsv", "adain", "none")
+DTYPE_NAMES = ("auto", "fp32", "fp16", "bf16")
+
+
+class OptionError(ValueError):
+    """An option value that cannot be used; the message names the option and the fix."""
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    type: type
+    default: Any
+    help: str
+    choices: Optional[tuple] = None
+    min: Optional[float] = None
+    max: Optional[float] = None
+    check: Optional[Callable[[Any], Optional[str]]] = None  # returns an error text or None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def _batch_size_problem(value: int) -> Optional[str]:
+    if value % 4 == 1:
+        return None
+    lower = max(1, value - (value - 1) % 4)
+    upper = lower + 4
+    return f"must be 4n+1 (1, 5, 9, 13, 17, 21, ...); nearest valid values: {lower} or {upper}"
+
+
+def _device_problem(value: str) -> Optional[str]:
+    if value in ("auto", "cpu", "cuda", "mps") or value.startswith("cuda:") and value[5:].isdigit():
+        return None
+    return "expected auto, cpu, cuda, cuda:N or mps"
+
+
+OPTIONS: dict[str, Option] = {o.name: o for o in [
+    Option("seed", int, 42, "random seed; each batch draws from (seed, its first frame), so "
+           "results do not depend on chunking or on which process runs a batch", min=0,
+           max=2 ** 63 - 1),
+    Option("resolution", int, 1080, "target short edge of the output in pixels (even sizes; "
+           "padded to a multiple of 16 internally and cropped back)", min=16, max=16384),
+    Option("max_resolution", int, 0, "cap on the output's long edge (0 = none); a larger "
+           "result is scaled down to fit", min=0, max=16384),
+    Option("batch_size", int, 5, "frames per temporal batch, 4n+1 (1 for single images; "
+           "larger = better temporal consistency, more memory)", min=1, max=1001,
+           check=_batch_size_problem),
+    Option("uniform_batch_size", bool, False, "pad the last batch to batch_size so every "
+           "batch has the same shape (helps torch.compile)"),
+    Option("temporal_overlap", int, 0, "frames shared by consecutive batches and cross-faded "
+           "in the output (must be < batch_size)", min=0, max=1000),
+    Option("prepend_frames", int, 0, "reversed copies of the first frames prepended as "
+           "temporal context and removed from the output", min=0, max=1000),
+    Option("chunk_size", int, 0, "frames in flight: batches are encoded, upscaled and decoded "
+           "phase by phase per chunk of about this many frames (0 = one batch per chunk)",
+           min=0, max=1_000_000),
+    Option("color_correction", str, "wavelet", "colour correction of the output against the "
+           "resized input", choices=COLOR_CORRECTIONS),
+    Option("input_noise_scale", float, 0.0, "noise blended into the input frames before "
+           "encoding (0-1); can reduce artifacts on very clean or high-resolution inputs",
+           min=0.0, max=1.0),
+    Option("latent_noise_scale", float, 0.0, "noise augmentation of the low-resolution latent "
+           "(0-1), with the official resolution-dependent timestep shift", min=0.0, max=1.0),
+    Option("text_embeddings", str, "auto", "text embeddings: auto (the file in the model "
+           "folder whose width matches the DiT) or a path to .safetensors/.pt with 'pos'"),
+    Option("device", str, "auto", "compute device: auto (cuda if available, else cpu), cpu, "
+           "cuda, cuda:N", check=_device_problem),
+    Option("dtype", str, "auto", "compute precision: auto (bf16 on GPUs that support it, "
+           "else fp16; fp32 on CPU), fp32, fp16, bf16", choices=DTYPE_NAMES),
+]}
+
+
+@dataclass(frozen=True)
+class Options:
+    """A complete, validated option set (attribute per option)."""
+
+    values: dict
+
+    def __getattr__(self, name):
+        try:
+            return self.values[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def replace(self, **changes) -> "Options":
+        return resolve_options(**{**self.values, **changes})
+
+
+def _coerce(opt: Option, value):
+    if opt.type is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise OptionError(f"{opt.name} = {value!r}: expected true or false")
+    if opt.type is int and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if opt.type is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if opt.type in (int, float) and isinstance(value, str):
+        try:
+            value = opt.type(value)
+        except ValueError:
+            raise OptionError(f"{opt.name} = {value!r}: expected a number") from None
+    if not isinstance(value, opt.type) or isinstance(value, bool) and opt.type is not bool:
+        raise OptionError(f"{opt.name} = {value!r}: expected {opt.type.__name__}")
+    return value
+
+
+def resolve_options(**given) -> Options:
+    """Validate ``given`` against :data:`OPTIONS` and fill in defaults."""
+    unknown = [k for k in given if k not in OPTIONS]
+    if unknown:
+        name = unknown[0]
+        close = difflib.get_close_matches(name, OPTIONS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else f"; known options: {', '.join(OPTIONS)}"
+        raise OptionError(f"unknown option {name!r}{hint}")
+    values = {}
+    for name, opt in OPTIONS.items():
+        value = _coerce(opt, given.get(name, opt.default))
+        if opt.choices is not None and value not in opt.choices:
+            raise OptionError(f"{name} = {value!r}: expected one of {', '.join(map(str, opt.choices))}")
+        if opt.min is not None and value < opt.min:
+            raise OptionError(f"{name} = {value!r}: must be at least {opt.min}")
+        if opt.max is not None and value > opt.max:
+            raise OptionError(f"{name} = {value!r}: must be at most {opt.max}")
+        if opt.check is not None and (problem := opt.check(value)):
+            raise OptionError(f"{name} = {value!r}: {problem}")
+        values[name] = value
+    if values["temporal_overlap"] >= values["batch_size"]:
+        raise OptionError(f"temporal_overlap = {values['temporal_overlap']}: must be smaller than "
+                          f"batch_size ({values['batch_size']})")
+    return Options(values)

@@ -1,0 +1,169 @@
+"""Alpha-channel upscaling for RGBA inputs, guided by the upscaled colour image.
+
+The diffusion model only sees RGB; the alpha channel of an RGBA input is upscaled apart and
+has to land on the object boundaries the model drew. Plain interpolation leaves a rim about
+two input pixels wide (a blurred halo on hard mattes) and ignores where the upscaled RGB
+actually put the edge. Following numz's edge-guided idea, with the changes noted,
+:func:`upscale_alpha` works in four steps:
+
+1. **Base.** Bicubic interpolation of alpha to the output size (antialiased where it
+   shrinks), limited to the range of the input's 3×3 neighbourhood around each output
+   pixel's nearest source pixel. The limit removes bicubic over- and undershoot and makes
+   any region with a constant neighbourhood -- fully opaque, fully transparent or any
+   other constant -- exactly that constant.
+2. **Guided filter** (He, Sun & Tang, TPAMI 2013) of the base, with the luminance of the
+   upscaled RGB as guide: in every (2r+1)² window alpha is fitted as ``a·Y + b`` (ridge
+   regression, ``eps = 3e-4``, i.e. luminance contrasts above ~0.02 count), and the
+   averaged fits give alpha transitions that follow the luminance edges of the upscaled
+   image. The radius grows with the scale factor, ``r = min(8, 2·ceil(scale))``, so that a
+   window spans the interpolated rim and the edge it should snap to.
+3. **Confidence gating.** A guided filter on a guide that does not explain alpha (flat
+   areas, unrelated texture) degenerates into a double box blur. The filtered alpha is
+   therefore used in proportion to the squared correlation ``ρ²`` between guide and alpha
+   in the window, dilated by r (a pixel near a well-explained window is trusted), and the
+   base is kept elsewhere. numz filters everywhere, which softens smooth (non-binary)
+   mattes under textured RGB; a Sobel-magnitude gate was tried and fails the same way,
+   since texture has edges too.
+4. **Matte sharpening.** If the input alpha is a hard matte -- at least 95 % of its pixels
+   (over all frames) lie within 0.1 of 0 or 1 or on a rim between such pixels (an
+   intermediate pixel with both a near-0 and a near-1 pixel within two pixels) -- the
+   transition is steepened by a sigmoid of gain 12 around 0.5, rescaled so that 0 and 1
+   stay fixed. The rim shrinks to a fraction of its width but stays anti-aliased. numz
+   decides "binary" from the 95 % count alone (which small or detailed mattes fail, since
+   their rim pixels are many) and snaps everything away from RGB edges to hard 0/1, which
+   aliases.
+
+The result is clamped to the neighbourhood range of step 1 once more: no step can create
+alpha values the input does not have locally, and constant alpha stays exactly constant.
+Edges can thus move by at most about one input pixel toward the RGB edge.
+
+Everything is deterministic (no atomics, no randomness), computes in float32, processes a
+few frames at a time to bound memory (about 15 single-channel full-size maps per chunk),
+and returns alpha's dtype on rgb's device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+GUIDED_EPS = 3e-4
+MAX_RADIUS = 8
+RANGE_WINDOW = 3
+BINARY_TOLERANCE = 0.1
+BINARY_FRACTION = 0.95
+RIM_WINDOW = 5
+SHARPEN_GAIN = 12.0
+_CORRELATION_EPS = 1e-4  # variance floor of alpha in the correlation, ~0.01 alpha std
+_LUMA = (0.2126, 0.7152, 0.0722)  # Rec. 709
+_CHUNK_PIXELS = 1 << 22
+
+
+def _box(x: Tensor, radius: int) -> Tensor:
+    """Mean over a (2r+1)² window, averaging only pixels inside the image."""
+    size = 2 * radius + 1
+    # The valid part of a window is a rectangle, so two 1-D means compose exactly.
+    x = F.avg_pool2d(x, (size, 1), stride=1, padding=(radius, 0), count_include_pad=False)
+    return F.avg_pool2d(x, (1, size), stride=1, padding=(0, radius), count_include_pad=False)
+
+
+def _dilate(x: Tensor, radius: int) -> Tensor:
+    """Max over a (2r+1)² window (separable)."""
+    size = 2 * radius + 1
+    x = F.max_pool2d(x, (size, 1), stride=1, padding=(radius, 0))
+    return F.max_pool2d(x, (1, size), stride=1, padding=(0, radius))
+
+
+def _guided_filter(guide: Tensor, src: Tensor, radius: int, eps: float) -> tuple[Tensor, Tensor]:
+    """Guided filter output and its confidence (dilated squared guide/src correlation)."""
+    mean_i, mean_p = _box(guide, radius), _box(src, radius)
+    var_i = _box(guide * guide, radius).sub_(mean_i * mean_i).add_(eps)
+    var_p = _box(src * src, radius).sub_(mean_p * mean_p).add_(_CORRELATION_EPS)
+    cov = _box(guide * src, radius).sub_(mean_i * mean_p)
+    confidence = _dilate((cov * cov).div_(var_i * var_p).clamp_(0.0, 1.0), radius)
+    del var_p
+    a = cov.div_(var_i)
+    del var_i
+    b = mean_p.sub_(a * mean_i)
+    del mean_i
+    return _box(a, radius).mul_(guide).add_(_box(b, radius)), confidence
+
+
+def _sharpen(x: Tensor) -> Tensor:
+    """Sigmoid contrast around 0.5, rescaled so that 0 -> 0 and 1 -> 1."""
+    half = SHARPEN_GAIN / 2.0
+    low = 1.0 / (1.0 + math.exp(half))
+    high = 1.0 / (1.0 + math.exp(-half))
+    return torch.sigmoid((x - 0.5) * SHARPEN_GAIN).sub_(low).div_(high - low)
+
+
+def _is_hard_matte(alpha: Tensor) -> bool:
+    """True when (almost) every pixel is near 0, near 1, or on a thin rim between both."""
+    near0 = alpha <= BINARY_TOLERANCE
+    near1 = alpha >= 1.0 - BINARY_TOLERANCE
+    pad = RIM_WINDOW // 2
+    has0 = F.max_pool2d(near0.float(), RIM_WINDOW, stride=1, padding=pad) > 0
+    has1 = F.max_pool2d(near1.float(), RIM_WINDOW, stride=1, padding=pad) > 0
+    settled = near0 | near1 | (has0 & has1)
+    return bool(settled.float().mean() >= BINARY_FRACTION)
+
+
+def _local_range(alpha: Tensor, size: tuple[int, int], window: int) -> tuple[Tensor, Tensor]:
+    """Min and max of alpha over a window around each output pixel's nearest source pixel."""
+    pad = window // 2
+    high = F.max_pool2d(alpha, window, stride=1, padding=pad)
+    low = -F.max_pool2d(-alpha, window, stride=1, padding=pad)
+    return (F.interpolate(low, size=size, mode="nearest"),
+            F.interpolate(high, size=size, mode="nearest"))
+
+
+def _upscale_chunk(alpha: Tensor, rgb: Tensor, radius: int, window: int, hard: bool) -> Tensor:
+    size = tuple(rgb.shape[-2:])
+    shrinks = size[0] < alpha.shape[-2] or size[1] < alpha.shape[-1]
+    base = F.interpolate(alpha, size=size, mode="bicubic", align_corners=False, antialias=shrinks)
+    low, high = _local_range(alpha, size, window)
+    base = torch.clamp(base, low, high)
+
+    weights = torch.tensor(_LUMA, dtype=rgb.dtype, device=rgb.device).view(1, 3, 1, 1)
+    luma = (rgb.clamp(0.0, 1.0) * weights).sum(dim=1, keepdim=True)
+    filtered, confidence = _guided_filter(luma, base, radius, GUIDED_EPS)
+    del luma
+    refined = base.lerp_(filtered, confidence)
+    del filtered, confidence
+    if hard:
+        refined = _sharpen(refined)
+    return torch.clamp(refined, low, high)
+
+
+def upscale_alpha(alpha: Tensor, rgb: Tensor) -> Tensor:
+    """Alpha (T, 1, h, w) in [0, 1] resized to the upscaled RGB (T, 3, H, W) in [0, 1].
+
+    Returns (T, 1, H, W) in [0, 1] with alpha's dtype, on rgb's device; transitions are
+    aligned with the RGB edges and, for hard mattes, sharpened (see the module docstring).
+    """
+    if alpha.ndim != 4 or alpha.shape[1] != 1:
+        raise ValueError(f"alpha must be (T, 1, h, w), got {tuple(alpha.shape)}")
+    if rgb.ndim != 4 or rgb.shape[1] != 3 or rgb.shape[0] != alpha.shape[0]:
+        raise ValueError(f"rgb must be (T, 3, H, W) with T = {alpha.shape[0]} like alpha, "
+                         f"got {tuple(rgb.shape)}")
+    frames, _, height, width = rgb.shape
+    src = alpha.to(device=rgb.device, dtype=torch.float32).clamp(0.0, 1.0)
+    scale = max(height / src.shape[-2], width / src.shape[-1])
+    radius = min(MAX_RADIUS, 2 * math.ceil(scale))
+    # When shrinking, one output pixel draws on several source pixels: widen the range window.
+    window = RANGE_WINDOW if scale >= 1.0 else 2 * math.ceil(1.0 / scale) + 1
+    hard = _is_hard_matte(src)
+
+    chunk = max(1, _CHUNK_PIXELS // (height * width))
+    out = torch.empty((frames, 1, height, width), dtype=alpha.dtype, device=rgb.device)
+    for start in range(0, frames, chunk):
+        part = _upscale_chunk(src[start:start + chunk], rgb[start:start + chunk].float(),
+                              radius, window, hard)
+        out[start:start + chunk] = part.clamp_(0.0, 1.0)
+    return out
+
+
+__all__ = ["upscale_alpha"]

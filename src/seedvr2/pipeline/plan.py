@@ -1,0 +1,104 @@
+"""The batch plan: the single source of truth for how a video is cut into temporal batches.
+
+Computed once for the whole video from the frame count and the options, before any frame is
+read; every worker (one process or many) derives the same plan.
+
+Timeline. ``prepend_frames`` P reversed copies of frames 1..P are put in front of the video
+(temporal context for its first frames) and dropped from the output, so plan frame i is
+source frame ``P - i`` for i < P and ``i - P`` after.
+
+Batches. Consecutive windows of ``batch_size`` plan frames, each starting ``temporal_overlap``
+frames before the previous one ends. The VAE needs 4n+1 frames: a short last batch is padded
+by repeating its last frame, to the next 4n+1 length or, with ``uniform_batch_size``, to
+``batch_size``. Frames shared by two batches are cross-faded (see :func:`blend_weights`).
+
+Chunks. Batches are grouped into chunks of about ``chunk_size`` new frames; the pipeline runs
+encode → DiT → decode phase by phase over a chunk, so at most a chunk's frames are in flight.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..options import Options
+
+
+@dataclass(frozen=True)
+class Batch:
+    index: int
+    start: int  # first plan frame
+    stop: int  # one past the last plan frame
+    length: int  # frames fed to the VAE: stop - start padded to 4n+1
+    overlap: int  # leading frames shared with the previous batch (cross-faded)
+
+    @property
+    def frames(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    source_frames: int  # frames of the input video
+    prepend: int  # reversed frames added in front
+    batches: tuple[Batch, ...]
+    chunks: tuple[tuple[int, ...], ...]  # batch indices per chunk
+
+    @property
+    def plan_frames(self) -> int:
+        return self.source_frames + self.prepend
+
+    def source_index(self, plan_frame: int) -> int:
+        """Which source frame a plan frame shows."""
+        return self.prepend - plan_frame if plan_frame < self.prepend else plan_frame - self.prepend
+
+    def emit_stop(self, batch: Batch) -> int:
+        """Plan frames before this index are final once ``batch`` is blended in."""
+        following = batch.index + 1
+        return self.batches[following].start if following < len(self.batches) else self.plan_frames
+
+
+def next_4n1(n: int) -> int:
+    return n + (1 - n) % 4
+
+
+def make_plan(source_frames: int, opts: Options) -> BatchPlan:
+    if source_frames < 1:
+        raise ValueError("the input has no frames")
+    prepend = min(opts.prepend_frames, source_frames - 1)
+    total = source_frames + prepend
+    size, overlap = opts.batch_size, opts.temporal_overlap
+    step = size - overlap
+    batches, start = [], 0
+    while True:
+        stop = min(start + size, total)
+        frames = stop - start
+        length = size if opts.uniform_batch_size else next_4n1(frames)
+        batches.append(Batch(len(batches), start, stop, length, overlap if batches else 0))
+        if stop == total:
+            break
+        start += step
+    chunk_frames = max(opts.chunk_size, 1)
+    chunks, current, fresh = [], [], 0
+    for b in batches:
+        new = b.frames - b.overlap
+        if current and fresh + new > chunk_frames:
+            chunks.append(tuple(current))
+            current, fresh = [], 0
+        current.append(b.index)
+        fresh += new
+    chunks.append(tuple(current))
+    return BatchPlan(source_frames, prepend, tuple(batches), tuple(chunks))
+
+
+def blend_weights(overlap: int) -> torch.Tensor:
+    """Weights of the *later* batch across an overlap of n frames (the earlier gets 1 − w).
+
+    A raised cosine rising from 0 to 1 over the n frames (excluding both end points) keeps the
+    cross-fade smooth; under 3 frames a cosine has no room to differ from a line, so it is linear.
+    """
+    steps = torch.arange(1, overlap + 1, dtype=torch.float64) / (overlap + 1)
+    weights = steps if overlap < 3 else 0.5 - 0.5 * torch.cos(math.pi * steps)
+    return weights.float()

@@ -1,0 +1,302 @@
+"""One process's upscaling job, streaming: frames in, upscaled frames out.
+
+Per chunk of the batch plan the phases run over all of the chunk's batches in turn —
+encode every batch, then the DiT on every latent, then decode every batch — so the models
+are switched once per chunk rather than once per batch. Decoded batches are colour-corrected
+against their resized input, blended where batches overlap, and yielded as soon as no later
+batch can change them. Nothing holds the whole video.
+
+Every random draw of a batch comes from generators seeded by (seed, the batch's first plan
+frame, purpose), drawn on the CPU: the same seed gives the same frames whatever the chunking,
+the device, or which process runs the batch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..options import Options
+from .alpha import upscale_alpha
+from .color import color_correct
+from .plan import Batch, BatchPlan, blend_weights
+from .sampling import LATENT_SCALE, T, augment_latent, dit_input, make_condition, x0_from_velocity
+
+Progress = Callable[[str, int, int], None]
+
+MODEL_MULTIPLE = 16  # the VAE (x8) and the DiT's 2x2 patches need multiples of 16 pixels
+_LUMA = torch.tensor([0.299, 0.587, 0.114])  # ITU-R BT.601, to return grayscale inputs as gray
+
+
+class Interrupted(Exception):
+    """The job was stopped by its interrupt check; nothing partial is kept."""
+
+
+class InputError(ValueError):
+    """Input frames that cannot be upscaled; the message names the frame and the problem."""
+
+
+@dataclass
+class Models:
+    dit: torch.nn.Module
+    vae: torch.nn.Module
+    text: torch.Tensor  # (tokens, txt_in_dim) positive text embedding
+
+
+@dataclass
+class JobStats:
+    """Time per phase (seconds) and peak memory, for the end summary."""
+
+    seconds: dict = field(default_factory=dict)
+    frames: int = 0
+    peak_device_bytes: int = 0
+
+    def add(self, phase: str, seconds: float):
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+
+def output_size(height: int, width: int, opts: Options) -> tuple[int, int]:
+    """Output (H, W): short edge = resolution, long edge capped by max_resolution, even sizes."""
+    scale = opts.resolution / min(height, width)
+    if opts.max_resolution and max(height, width) * scale > opts.max_resolution:
+        scale = opts.max_resolution / max(height, width)
+    out_h, out_w = (max(2, 2 * round(n * scale / 2)) for n in (height, width))
+    if min(out_h, out_w) < 16:
+        raise InputError(f"output size {out_w}x{out_h} is under 16 px on its short edge: raise "
+                         f"resolution (or max_resolution) so both edges are at least 16 px")
+    return out_h, out_w
+
+
+def batch_seed(seed: int, first_frame: int, purpose: int) -> int:
+    """A 63-bit seed per (job seed, batch, purpose); purposes keep the draws independent."""
+    mixed = (seed * 0x9E3779B97F4A7C15 + first_frame * 0xBF58476D1CE4E5B9 + purpose) % (1 << 64)
+    mixed ^= mixed >> 31
+    return (mixed * 0x94D049BB133111EB % (1 << 64)) >> 1
+
+
+def _randn(shape, seed: int, device, dtype=torch.float32) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
+
+
+EPS, NOISE, AUG_NOISE, INPUT_NOISE = range(4)
+
+
+def to_float_frame(frame, index: int) -> torch.Tensor:
+    """One input frame (H, W, C) as float32 in [0, 1]; uint8/uint16 keep their full precision."""
+    if isinstance(frame, np.ndarray):
+        if frame.dtype == np.uint16:
+            frame = torch.from_numpy(frame.astype(np.float32)) / 65535.0
+        elif frame.dtype == np.uint8:
+            frame = torch.from_numpy(frame).float() / 255.0
+        else:
+            frame = torch.from_numpy(np.asarray(frame, dtype=np.float32))
+    elif frame.dtype == torch.uint8:
+        frame = frame.float() / 255.0
+    else:
+        frame = frame.float()
+    if frame.dim() == 2:
+        frame = frame[..., None]
+    if frame.dim() != 3 or frame.shape[-1] not in (1, 3, 4):
+        raise InputError(f"frame {index} has shape {tuple(frame.shape)}: expected (H, W, C) with "
+                         f"C = 1 (gray), 3 (RGB) or 4 (RGBA)")
+    if not torch.isfinite(frame).all():
+        raise InputError(f"frame {index} contains NaN or infinite values")
+    return frame
+
+
+class FrameSource:
+    """Plan frames on demand from a forward-only frame iterator, keeping only what is still needed."""
+
+    def __init__(self, frames: Iterable, plan: BatchPlan):
+        self._iter = iter(frames)
+        self._plan = plan
+        self._cache: dict[int, torch.Tensor] = {}
+        self._next = 0  # next source index the iterator yields
+        self.shape: Optional[tuple] = None
+
+    def _pull(self, until: int):
+        while self._next <= until:
+            try:
+                raw = next(self._iter)
+            except StopIteration:
+                raise InputError(f"the input ended after {self._next} frames; "
+                                 f"{self._plan.source_frames} were expected") from None
+            frame = to_float_frame(raw, self._next)
+            if self.shape is None:
+                self.shape = tuple(frame.shape)
+            elif tuple(frame.shape) != self.shape:
+                raise InputError(f"frame {self._next} has shape {tuple(frame.shape)} but frame 0 "
+                                 f"has {self.shape}: all frames must have the same size and channels")
+            self._cache[self._next] = frame
+            self._next += 1
+
+    def get(self, start: int, stop: int) -> torch.Tensor:
+        """Plan frames [start, stop) stacked: (n, H, W, C) float32."""
+        indices = [self._plan.source_index(i) for i in range(start, stop)]
+        self._pull(max(indices))
+        return torch.stack([self._cache[i] for i in indices])
+
+    def release_before(self, plan_frame: int):
+        """Frames no batch starting at or after ``plan_frame`` can need are dropped."""
+        keep_from = 0 if plan_frame <= self._plan.prepend else plan_frame - self._plan.prepend
+        for i in [i for i in self._cache if i < keep_from]:
+            del self._cache[i]
+
+
+@dataclass
+class _Encoded:
+    batch: Batch
+    latent: torch.Tensor  # (t, h, w, 16) scaled, channels-last
+    reference: torch.Tensor  # (n, 3, H, W) resized input in [-1, 1], for colour correction
+    alpha: Optional[torch.Tensor]  # (n, 1, h0, w0) input alpha in [0, 1]
+    gray: bool
+    result: Optional[torch.Tensor] = None  # x0 latent, then decoded frames
+
+
+class Upscaler:
+    """Runs a batch plan over a frame stream with loaded models."""
+
+    def __init__(self, models: Models, opts: Options, device: torch.device, dtype: torch.dtype,
+                 progress: Optional[Progress] = None, should_stop: Optional[Callable[[], bool]] = None,
+                 offload_device: torch.device = torch.device("cpu")):
+        self.models, self.opts, self.device, self.dtype = models, opts, device, dtype
+        self.progress = progress or (lambda phase, done, total: None)
+        self.should_stop = should_stop or (lambda: False)
+        self.offload = offload_device
+        self.stats = JobStats()
+
+    # -- phases ---------------------------------------------------------------------------
+
+    def _encode(self, batch: Batch, frames: torch.Tensor, size: tuple[int, int]) -> _Encoded:
+        opts, vae = self.opts, self.models.vae
+        channels = frames.shape[-1]
+        x = frames.to(self.device).permute(0, 3, 1, 2)  # (n, C, H, W)
+        alpha = x[:, 3:4].to(self.offload) if channels == 4 else None
+        rgb = x[:, :3] if channels >= 3 else x.expand(-1, 3, -1, -1)
+        resized = F.interpolate(rgb, size=size, mode="bicubic", antialias=True,
+                                align_corners=False).clamp_(0, 1)
+        reference = resized * 2 - 1
+        pad_h, pad_w = (-n % MODEL_MULTIPLE for n in size)
+        video = F.pad(reference, (0, pad_w, 0, pad_h), mode="replicate") if pad_h or pad_w else reference
+        if batch.length > batch.frames:  # repeat the last frame up to 4n+1
+            video = torch.cat([video, video[-1:].expand(batch.length - batch.frames, -1, -1, -1)])
+        video = video.permute(1, 0, 2, 3)[None]  # (1, 3, T, H, W)
+        if opts.input_noise_scale > 0:
+            noise = _randn(video.shape, batch_seed(opts.seed, batch.start, INPUT_NOISE), self.device)
+            video = video + 0.025 * opts.input_noise_scale * noise
+        mean, logvar = vae.encode_posterior(video.to(self.dtype))
+        eps = _randn(mean.shape, batch_seed(opts.seed, batch.start, EPS), self.device, mean.dtype)
+        latent = vae.sample_posterior(mean, logvar, noise=eps)
+        latent = (latent[0].permute(1, 2, 3, 0).float() * LATENT_SCALE).to(self.offload)
+        return _Encoded(batch, latent, reference.to(self.offload), alpha, channels == 1)
+
+    def _denoise(self, item: _Encoded):
+        opts, dit = self.opts, self.models.dit
+        latent = item.latent.to(self.device)
+        seed = lambda purpose: batch_seed(opts.seed, item.batch.start, purpose)  # noqa: E731
+        noise = _randn(latent.shape, seed(NOISE), self.device)
+        if opts.latent_noise_scale > 0:
+            latent = augment_latent(latent, _randn(latent.shape, seed(AUG_NOISE), self.device),
+                                    opts.latent_noise_scale)
+        vid = dit_input(noise, make_condition(latent))
+        t, h, w, _ = vid.shape
+        text = self.models.text.to(self.device)
+        v = dit(vid.reshape(-1, vid.shape[-1]).to(self.dtype), text.to(self.dtype),
+                torch.tensor([[t, h, w]], device=self.device),
+                torch.tensor([[text.shape[0]]], device=self.device),
+                torch.tensor([T], device=self.device))
+        item.result = x0_from_velocity(noise, v.float().reshape(noise.shape)).to(self.offload)
+        item.latent = None
+
+    def _decode(self, item: _Encoded, size: tuple[int, int]) -> torch.Tensor:
+        z = (item.result.to(self.device) / LATENT_SCALE).permute(3, 0, 1, 2)[None]
+        video = self.models.vae.decode(z.to(self.dtype))  # (1, 3, T, H16, W16)
+        n = item.batch.frames
+        frames = video[0, :, :n, : size[0], : size[1]].permute(1, 0, 2, 3).float()  # (n, 3, H, W)
+        frames = color_correct(frames, item.reference.to(self.device), self.opts.color_correction)
+        rgb = ((frames.clamp(-1, 1) + 1) / 2)
+        if item.gray:
+            out = (rgb * _LUMA.to(rgb.device)[None, :, None, None]).sum(1, keepdim=True)
+        elif item.alpha is not None:
+            out = torch.cat([rgb, upscale_alpha(item.alpha.to(self.device), rgb)], dim=1)
+        else:
+            out = rgb
+        item.result = None
+        return out.permute(0, 2, 3, 1).to(self.offload)  # (n, H, W, C)
+
+    # -- the job --------------------------------------------------------------------------
+
+    def _check_stop(self):
+        if self.should_stop():
+            raise Interrupted("upscaling interrupted")
+
+    def _timed(self, phase: str, fn, *args):
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.stats.add(phase, time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def run(self, frames: Iterable, plan: BatchPlan) -> Iterator[tuple[int, torch.Tensor]]:
+        """Yields (first source frame, frames (n, H, W, C) float32 in [0, 1]) in order."""
+        source = FrameSource(frames, plan)
+        total = len(plan.batches)
+        done = {"encode": 0, "dit": 0, "decode": 0}
+        pending: Optional[torch.Tensor] = None  # frames of the previous batch not yet final
+        pending_start = 0
+        emitted = 0
+        try:
+            for chunk in plan.chunks:
+                items = []
+                size = None
+                for i in chunk:
+                    self._check_stop()
+                    b = plan.batches[i]
+                    raw = source.get(b.start, b.stop)
+                    size = size or output_size(raw.shape[1], raw.shape[2], self.opts)
+                    items.append(self._timed("encode", self._encode, b, raw, size))
+                    del raw
+                    source.release_before(plan.batches[i + 1].start if i + 1 < len(plan.batches)
+                                          else plan.plan_frames)
+                    done["encode"] += 1
+                    self.progress("encode", done["encode"], total)
+                for item in items:
+                    self._check_stop()
+                    self._timed("dit", self._denoise, item)
+                    done["dit"] += 1
+                    self.progress("dit", done["dit"], total)
+                for item in items:
+                    self._check_stop()
+                    out = self._timed("decode", self._decode, item, size)
+                    done["decode"] += 1
+                    self.progress("decode", done["decode"], total)
+                    b = item.batch
+                    if b.overlap and pending is not None:
+                        w = blend_weights(b.overlap)[:, None, None, None]
+                        shared = pending[b.start - pending_start:]
+                        out[: b.overlap] = shared * (1 - w) + out[: b.overlap] * w
+                    final_stop = plan.emit_stop(b)
+                    final = out[: final_stop - b.start]
+                    pending, pending_start = out[final_stop - b.start:], final_stop
+                    first = max(b.start, plan.prepend)
+                    if first < final_stop:
+                        chunk_out = final[first - b.start:]
+                        yield first - plan.prepend, chunk_out
+                        emitted += chunk_out.shape[0]
+                        self.stats.frames = emitted
+                        self.progress("frames", emitted, plan.source_frames)
+                    del out, final
+        finally:
+            if self.device.type == "cuda":
+                self.stats.peak_device_bytes = max(self.stats.peak_device_bytes,
+                                                   torch.cuda.max_memory_allocated(self.device))
+                torch.cuda.empty_cache()
