@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+from fractions import Fraction
 from pathlib import Path
+
+import numpy as np
 
 import pytest
 from safetensors.torch import load_file
@@ -57,3 +60,46 @@ def tiny_options(tiny_model_dir) -> dict:
     return dict(dit=str(tiny_model_dir / "dit3b_tiny.safetensors"),
                 vae=str(tiny_model_dir / "vae_tiny.safetensors"), model_dir=tiny_model_dir,
                 device="cpu", dtype="fp32")
+
+
+# ---------------------------------------------------------------------------------------------
+# generated media
+
+W, H, FPS, N = 64, 48, Fraction(30000, 1001), 60  # 2 seconds at 29.97 fps
+SAMPLE_RATE = 48000
+
+
+def clip_frame(i: int) -> np.ndarray:
+    """A frame that shows its own index: brightness ramps and a white column moves."""
+    frame = np.zeros((H, W, 3), np.uint8)
+    frame[..., 0] = 4 * i
+    frame[..., 2] = np.linspace(0, 255, W, dtype=np.uint8)
+    frame[:, i % W, 1] = 255
+    return frame
+
+
+def make_clip(path: Path, *, container_format: str | None = None) -> None:
+    """H.264 (12-frame GOPs with B-frames, so seeking really seeks) + mono AAC sine."""
+    import av
+
+    with av.open(str(path), "w", format=container_format) as out:
+        video = out.add_stream("libx264", rate=FPS)
+        video.width, video.height, video.pix_fmt = W, H, "yuv420p"
+        video.codec_context.gop_size = 12
+        video.options = {"crf": "23", "x264-params": "scenecut=0:min-keyint=12"}
+        audio = out.add_stream("aac", rate=SAMPLE_RATE, layout="mono")
+        for i in range(N):
+            frame = av.VideoFrame.from_ndarray(clip_frame(i), format="rgb24")
+            frame.pts, frame.time_base = i, 1 / FPS
+            out.mux(video.encode(frame))
+        total = int(N / FPS * SAMPLE_RATE)
+        t = np.arange(total) / SAMPLE_RATE
+        samples = (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+        for start in range(0, total, 1024):
+            chunk = av.AudioFrame.from_ndarray(samples[None, start:start + 1024], format="flt",
+                                               layout="mono")
+            chunk.sample_rate, chunk.pts, chunk.time_base = SAMPLE_RATE, start, \
+                Fraction(1, SAMPLE_RATE)
+            out.mux(audio.encode(chunk))
+        out.mux(video.encode(None))
+        out.mux(audio.encode(None))

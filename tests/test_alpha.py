@@ -94,8 +94,8 @@ def test_soft_matte_is_not_blurred_by_texture():
     # stays as good as plain bicubic interpolation (no extra blur, no texture imprint).
     gen = torch.Generator().manual_seed(2)
     n, scale, ss = 32, 4, 8
-    yy, xx = torch.meshgrid(torch.linspace(0, 1, n * scale * ss), torch.linspace(0, 1, n * scale * ss),
-                            indexing="ij")
+    axis = torch.linspace(0, 1, n * scale * ss)
+    yy, xx = torch.meshgrid(axis, axis, indexing="ij")
     fine = (0.5 + 0.45 * torch.sin(6 * xx + 3 * yy))[None, None]
     truth, alpha = F.avg_pool2d(fine, ss), F.avg_pool2d(fine, ss * scale)
     rgb = (0.5 + 0.1 * torch.randn(1, 3, n * scale, n * scale, generator=gen)).clamp(0, 1)

@@ -24,42 +24,7 @@ from PIL import Image
 from seedvr2.io import MediaError, MediaInfo, open_media, open_writer
 from seedvr2.io import reader as reader_module
 
-W, H, FPS, N = 64, 48, Fraction(30000, 1001), 60  # 2 seconds at 29.97 fps
-SAMPLE_RATE = 48000
-
-
-def _clip_frame(i: int) -> np.ndarray:
-    """A frame that shows its own index: brightness ramps and a white column moves."""
-    frame = np.zeros((H, W, 3), np.uint8)
-    frame[..., 0] = 4 * i
-    frame[..., 2] = np.linspace(0, 255, W, dtype=np.uint8)
-    frame[:, i % W, 1] = 255
-    return frame
-
-
-def _make_clip(path: Path, *, container_format: str | None = None) -> None:
-    """H.264 (12-frame GOPs with B-frames, so seeking really seeks) + mono AAC sine."""
-    with av.open(str(path), "w", format=container_format) as out:
-        video = out.add_stream("libx264", rate=FPS)
-        video.width, video.height, video.pix_fmt = W, H, "yuv420p"
-        video.codec_context.gop_size = 12
-        video.options = {"crf": "23", "x264-params": "scenecut=0:min-keyint=12"}
-        audio = out.add_stream("aac", rate=SAMPLE_RATE, layout="mono")
-        for i in range(N):
-            frame = av.VideoFrame.from_ndarray(_clip_frame(i), format="rgb24")
-            frame.pts, frame.time_base = i, 1 / FPS
-            out.mux(video.encode(frame))
-        total = int(N / FPS * SAMPLE_RATE)
-        t = np.arange(total) / SAMPLE_RATE
-        samples = (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
-        for start in range(0, total, 1024):
-            chunk = av.AudioFrame.from_ndarray(samples[None, start:start + 1024], format="flt",
-                                               layout="mono")
-            chunk.sample_rate, chunk.pts, chunk.time_base = SAMPLE_RATE, start, \
-                Fraction(1, SAMPLE_RATE)
-            out.mux(audio.encode(chunk))
-        out.mux(video.encode(None))
-        out.mux(audio.encode(None))
+from conftest import FPS, SAMPLE_RATE, H, N, W, clip_frame as _clip_frame, make_clip as _make_clip  # noqa: E402,F401
 
 
 @pytest.fixture(scope="module")

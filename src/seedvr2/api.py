@@ -60,3 +60,44 @@ def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Pr
     if stats is not None:
         stats.__dict__.update(upscaler.stats.__dict__)
     return torch.cat(pieces)
+
+
+def _to_integers(frames: torch.Tensor, bit_depth: int):
+    scale = 65535.0 if bit_depth == 16 else 255.0
+    values = (frames * scale).round_().clamp_(0, scale).numpy()
+    return values.astype("uint16" if bit_depth == 16 else "uint8")
+
+
+def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: bool = False,
+                 codec: str = "h264", progress: Optional[Progress] = None,
+                 should_stop: Optional[Callable[[], bool]] = None,
+                 stats: Optional[JobStats] = None, **options) -> Path:
+    """Upscale a video, image or image sequence file to ``dst``, streaming frame by frame.
+
+    Video keeps its exact frame rate and its audio (copied, not re-encoded). The output is
+    written under a temporary name and appears at ``dst`` only when complete; an existing
+    ``dst`` is replaced only with ``overwrite=True``. Returns the output path.
+    """
+    from .io import open_media, open_writer
+    from .pipeline.runner import output_size
+
+    opts = resolve_options(**options)
+    with open_media(src) as reader:
+        info = reader.info
+        frame_count = info.frame_count if info.frame_count_exact else reader.count_frames()
+        plan = make_plan(frame_count, opts)
+        height, width = output_size(info.height, info.width, opts)
+        is_video_out = Path(dst).suffix.lower() in (".mp4", ".m4v", ".mov", ".mkv")
+        bit_depth = 16 if (info.bit_depth == 16 or is_video_out and codec == "h265") else 8
+        # Opening the writer first fails fast on an unwritable or existing output.
+        writer = open_writer(dst, like=info, width=width, height=height, bit_depth=bit_depth,
+                             codec=codec, audio_from=info if info.has_audio else None,
+                             overwrite=overwrite)
+        with writer:
+            models = load_models(dit, vae, opts=opts, model_dir=model_dir)
+            upscaler = _upscaler(models, opts, progress, should_stop)
+            for _, frames in upscaler.run(reader.frames(), plan):
+                writer.write_many(_to_integers(frames, bit_depth))
+        if stats is not None:
+            stats.__dict__.update(upscaler.stats.__dict__)
+    return Path(writer.path)

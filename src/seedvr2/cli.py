@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 
 def _inspect(args) -> int:
@@ -37,6 +38,126 @@ def _inspect(args) -> int:
     return status
 
 
+MEDIA_SUFFIXES = {".mp4", ".m4v", ".mov", ".mkv", ".avi", ".webm", ".ts", ".gif", ".png",
+                  ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".bmp"}
+
+
+def _default_output(src: Path, resolution: int) -> Path:
+    suffix = src.suffix if src.suffix.lower() in MEDIA_SUFFIXES - {".avi", ".webm", ".ts", ".gif"} \
+        else ".mp4"
+    return src.with_name(f"{src.stem}_seedvr2_{resolution}p{suffix}")
+
+
+class _Bars:
+    """tqdm bars per phase plus overall frames; silent with --quiet."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.bars = enabled, {}
+
+    def __call__(self, phase: str, done: int, total: int):
+        if not self.enabled:
+            return
+        from tqdm import tqdm
+
+        bar = self.bars.get(phase)
+        if bar is None or bar.total != total:
+            labels = {"encode": "VAE encode", "dit": "DiT", "decode": "VAE decode", "frames": "frames"}
+            bar = self.bars[phase] = tqdm(total=total, desc=f"{labels.get(phase, phase):>10}",
+                                          position=len(self.bars), leave=phase == "frames",
+                                          unit="frame" if phase == "frames" else "batch")
+        bar.update(done - bar.n)
+
+    def close(self):
+        for bar in self.bars.values():
+            bar.close()
+        self.bars = {}
+
+
+def _summary(path: Path, stats, seconds: float) -> str:
+    import resource
+
+    phases = ", ".join(f"{k} {v:.1f}s" for k, v in stats.seconds.items())
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
+    device = f", peak device memory {stats.peak_device_bytes / 2**20:.0f} MiB" \
+        if stats.peak_device_bytes else ""
+    fps = stats.frames / seconds if seconds else 0.0
+    return (f"{path}: {stats.frames} frames in {seconds:.1f}s ({fps:.2f} frames/s); {phases}; "
+            f"peak RSS {rss:.0f} MiB{device}")
+
+
+def _upscale(args) -> int:
+    import time
+
+    from .api import load_models, upscale_file
+    from .loading.formats import CheckpointError
+    from .options import OPTIONS, OptionError, resolve_options
+
+    given = {name: getattr(args, name) for name in OPTIONS if getattr(args, name) is not None}
+    try:
+        opts = resolve_options(**given)
+    except OptionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    src = Path(args.input)
+    if src.is_dir():
+        inputs = sorted(p for p in src.iterdir() if p.suffix.lower() in MEDIA_SUFFIXES)
+        out_dir = Path(args.output) if args.output else src.with_name(src.name + "_seedvr2")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        jobs = [(p, out_dir / p.name) for p in inputs]
+        if not jobs:
+            print(f"error: {src}: no video or image files in this folder (for an image "
+                  f"sequence give a pattern such as {src}/%05d.png)", file=sys.stderr)
+            return 2
+    else:
+        # A string keeps a trailing "/" (a PNG sequence folder), which Path would drop.
+        jobs = [(src, args.output or _default_output(src, opts.resolution))]
+    bars = _Bars(not args.quiet)
+    status = 0
+    try:
+        # Models load once for all inputs.
+        models = load_models(args.dit, args.vae, opts=opts, model_dir=args.model_dir)
+        for source, target in jobs:
+            from .pipeline.runner import JobStats
+
+            stats, start = JobStats(), time.perf_counter()
+            try:
+                out = upscale_file(source, target, models.dit, models.vae, model_dir=args.model_dir,
+                                   overwrite=args.overwrite, codec=args.codec, progress=bars,
+                                   stats=stats, **given)
+            except (ValueError, FileExistsError) as e:
+                bars.close()
+                print(f"error: {e}", file=sys.stderr)
+                status = 1
+                continue
+            bars.close()
+            if not args.quiet:
+                print(_summary(out, stats, time.perf_counter() - start))
+    except (CheckpointError, ValueError) as e:
+        bars.close()
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        bars.close()
+        print("interrupted; no partial output was kept", file=sys.stderr)
+        return 130
+    return status
+
+
+def _add_option_flags(parser: argparse.ArgumentParser):
+    from .options import OPTIONS
+
+    group = parser.add_argument_group("upscaling options")
+    for opt in OPTIONS.values():
+        kwargs = dict(default=None, help=f"{opt.help} (default: {opt.default})")
+        if opt.type is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = opt.type
+            if opt.choices:
+                kwargs["choices"] = opt.choices
+        group.add_argument(opt.flag, dest=opt.name, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="seedvr2", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -45,11 +166,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="+", help="safetensors or .pth/.pt weight files")
     p.add_argument("--json", action="store_true", help="one JSON object per file")
     p.set_defaults(run=_inspect)
+
+    p = sub.add_parser("upscale", help="upscale a video, an image, an image sequence "
+                       "(pattern like frames/%%05d.png) or every media file in a folder")
+    p.add_argument("input", help="video, image, sequence pattern or folder")
+    p.add_argument("-o", "--output", help="output file (or folder for a folder input); default: "
+                   "INPUT_seedvr2_<resolution>p next to the input")
+    p.add_argument("--dit", help="DiT: registered file name (looked up in --model-dir) or path")
+    p.add_argument("--vae", help="VAE: registered file name or path")
+    p.add_argument("--model-dir", help="folder with model files (default: $SEEDVR2_MODEL_DIR or "
+                   "~/.cache/seedvr2/models)")
+    p.add_argument("--codec", choices=("h264", "h265"), default="h264",
+                   help="video codec: h264 (8-bit) or h265 (10-bit)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars or summary")
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="debug logging")
+    _add_option_flags(p)
+    p.set_defaults(run=_upscale)
     return parser
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+    logging.basicConfig(level=logging.DEBUG if args.verbose else
+                        logging.WARNING if getattr(args, "quiet", False) else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     return args.run(args)

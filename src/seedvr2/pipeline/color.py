@@ -79,7 +79,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-COLOR_METHODS = ("lab", "wavelet", "wavelet_adaptive", "hsv", "adain", "none")
+from ..options import COLOR_CORRECTIONS
+
+COLOR_METHODS = COLOR_CORRECTIONS  # defined once, with the other options
 
 WAVELET_LEVELS = 5
 LAB_LUMINANCE_WEIGHT = 0.8
@@ -248,7 +250,8 @@ def _rgb_to_lab(rgb11: Tensor) -> Tensor:
     matrix = matrix / torch.tensor(_WHITE_D65, dtype=linear.dtype, device=linear.device)[:, None]
     xyz = torch.einsum("ij,njhw->nihw", matrix, linear)
     del linear
-    f = torch.where(xyz > _LAB_EPS ** 3, xyz.pow(1.0 / 3.0), xyz * (_LAB_KAPPA / 116.0) + 16.0 / 116.0)
+    f = torch.where(xyz > _LAB_EPS ** 3, xyz.pow(1.0 / 3.0),
+                    xyz * (_LAB_KAPPA / 116.0) + 16.0 / 116.0)
     del xyz
     fx, fy, fz = f.unbind(1)
     return torch.stack([116.0 * fy - 16.0, 500.0 * (fx - fy), 200.0 * (fy - fz)], dim=1)
@@ -297,7 +300,8 @@ def match_histogram(source: Tensor, reference: Tensor) -> Tensor:
     return out.reshape(source.shape)
 
 
-def lab_transfer(content: Tensor, style: Tensor, luminance_weight: float = LAB_LUMINANCE_WEIGHT) -> Tensor:
+def lab_transfer(content: Tensor, style: Tensor,
+                 luminance_weight: float = LAB_LUMINANCE_WEIGHT) -> Tensor:
     """Wavelet result with a*, b* histogram-matched to the style and L partly matched."""
     dtype = content.dtype
     content, style = _prepare(content, style)
@@ -379,7 +383,7 @@ def _rescale_chroma(x11: Tensor, new_sat: Tensor) -> Tensor:
     rgb = _to_unit(x11)
     value = rgb.amax(dim=1, keepdim=True)
     chroma = value[:, 0] - rgb.amin(dim=1)
-    # Each channel is v − v·s·w(hue), so scaling (v − c) by s'/s = s'·v/chroma changes s only.
+    # Each channel is v − v·s·w(hue): scaling (v − c) by s'/s = s'·v/chroma changes s only.
     keep = (new_sat < 0.0).unsqueeze(1)
     ratio = new_sat * value[:, 0] / chroma.clamp(min=1e-12)
     out = (value - rgb).mul_(ratio.unsqueeze(1)).neg_().add_(value)
@@ -408,7 +412,8 @@ def wavelet_adaptive(content: Tensor, style: Tensor) -> Tensor:
     still_over = (_saturation(base) - style_sat) > ADAPTIVE_THRESHOLD * 0.5
     if not bool(still_over.any()):
         return base.to(dtype)
-    weight = torch.sigmoid((_saturation(content) - style_sat - ADAPTIVE_THRESHOLD) * ADAPTIVE_SHARPNESS)
+    excess = _saturation(content).sub_(style_sat).sub_(ADAPTIVE_THRESHOLD)
+    weight = torch.sigmoid(excess.mul_(ADAPTIVE_SHARPNESS))
     del style_sat
     weight.mul_(still_over)
     del still_over

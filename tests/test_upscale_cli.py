@@ -1,0 +1,97 @@
+"""``seedvr2 upscale`` end to end on the CPU with the tiny models: real files in, real files out."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import av
+import numpy as np
+import pytest
+
+from seedvr2.cli import main
+from seedvr2.io import open_media
+
+from conftest import FPS, N, REPO, make_clip
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory):
+    path = tmp_path_factory.mktemp("clip") / "clip.mp4"
+    make_clip(path)  # 60 frames, 64x48, 29.97 fps, AAC audio
+    return path
+
+
+def _args(tiny_options, *extra):
+    return ["upscale", "--dit", tiny_options["dit"], "--vae", tiny_options["vae"],
+            "--model-dir", str(tiny_options["model_dir"]), "--device", "cpu", "--dtype", "fp32",
+            "--text-embeddings", str(tiny_options["model_dir"] / "text_64.safetensors"),
+            "--resolution", "64", "--batch-size", "9", "--quiet", *extra]
+
+
+def _frames(path):
+    with open_media(path) as media:
+        return np.stack(list(media.frames()))
+
+
+def test_video_with_audio(clip, tiny_options, tmp_path):
+    out = tmp_path / "out.mp4"
+    assert main(_args(tiny_options, str(clip), "-o", str(out))) == 0
+    with av.open(str(out)) as container:
+        video = container.streams.video[0]
+        assert (video.width, video.height) == (86, 64)
+        assert video.average_rate == FPS
+        assert len(container.streams.audio) == 1
+    assert _frames(out).shape == (N, 64, 86, 3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.mp4"]  # no temporary left
+
+
+def test_same_seed_same_frames_any_chunking(clip, tiny_options, tmp_path):
+    # Lossless PNG sequences compare the pipeline's frames exactly.
+    first, second = tmp_path / "a", tmp_path / "b"
+    assert main(_args(tiny_options, str(clip), "-o", f"{first}/", "--seed", "3",
+                      "--temporal-overlap", "2")) == 0
+    assert main(_args(tiny_options, str(clip), "-o", f"{second}/", "--seed", "3",
+                      "--temporal-overlap", "2", "--chunk-size", "40")) == 0
+    a, b = _frames(first), _frames(second)
+    assert a.shape == (N, 64, 86, 3)
+    assert np.array_equal(a, b)
+
+
+def test_existing_output_is_kept(clip, tiny_options, tmp_path, capsys):
+    out = tmp_path / "out.mp4"
+    out.write_bytes(b"precious")
+    assert main(_args(tiny_options, str(clip), "-o", str(out))) == 1
+    assert out.read_bytes() == b"precious"
+    assert "overwrite" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--batch-size", "8"], "batch_size = 8: must be 4n+1"),
+    (["--color-correction", "sepia"], "invalid choice: 'sepia'"),
+])
+def test_bad_options(clip, tiny_options, tmp_path, extra, message):
+    result = subprocess.run([sys.executable, "-m", "seedvr2", *_args(tiny_options, str(clip)), *extra],
+                            capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+def test_bad_inputs_leave_nothing(tiny_options, tmp_path, capsys):
+    missing = tmp_path / "missing.mp4"
+    assert main(_args(tiny_options, str(missing), "-o", str(tmp_path / "o.mp4"))) == 1
+    assert "missing.mp4" in capsys.readouterr().err
+    corrupt = tmp_path / "corrupt.mp4"
+    corrupt.write_bytes(b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 100)
+    assert main(_args(tiny_options, str(corrupt), "-o", str(tmp_path / "o.mp4"))) == 1
+    assert "corrupt.mp4" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corrupt.mp4"]
+
+
+def test_unknown_model_name(clip, tmp_path, capsys):
+    rc = main(["upscale", str(clip), "--dit", "seedvr2_ema_3b_fp16.safetensors",
+               "--model-dir", str(tmp_path), "--device", "cpu", "--quiet"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert f"is not in the model folder {tmp_path}" in err
+    assert "huggingface.co/numz/SeedVR2_comfyUI/resolve/main/seedvr2_ema_3b_fp16.safetensors" in err
