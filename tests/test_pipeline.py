@@ -104,7 +104,7 @@ def test_end_to_end_matches_reference(conformance, tiny_options, monkeypatch, ca
                          model_dir=tiny_options["model_dir"])
     models.text = data["inputs.txt_pos"]  # each case has its own random text
     frames = ((data["inputs.video_cthw"].permute(1, 2, 3, 0) + 1) / 2)
-    upscaler = Upscaler(models, opts, torch.device("cpu"), torch.float32)
+    upscaler = Upscaler(models, opts)
     out = torch.cat([o for _, o in upscaler.run(iter(frames), make_plan(len(frames), opts))])
     expected = (data["outputs.frames_final_clipped"].permute(0, 2, 3, 1) + 1) / 2
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=0)
@@ -170,8 +170,7 @@ def test_frames_of_different_sizes(tiny_options):
                                text_embeddings=str(tiny_options["model_dir"] / "text_64.safetensors"))
         models = load_models(tiny_options["dit"], tiny_options["vae"], opts=opts,
                              model_dir=tiny_options["model_dir"])
-        list(Upscaler(models, opts, torch.device("cpu"), torch.float32).run(iter(frames),
-                                                                            make_plan(2, opts)))
+        list(Upscaler(models, opts).run(iter(frames), make_plan(2, opts)))
 
 
 def test_tiny_output_and_text_width(clip, tiny_options, conformance):

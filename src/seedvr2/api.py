@@ -14,30 +14,73 @@ import torch
 from .loading import load_dit, load_vae
 from .loading.registry import DEFAULT_DIT, DEFAULT_VAE, default_model_dir, resolve_model_file
 from .loading.text import load_text_embeddings
-from .memory import resolve_device, resolve_dtype
-from .options import Options, resolve_options
+from .memory import MODEL_CACHE, ModelKey, resolve_device, resolve_dtype, resolve_offload
+from .memory.blockswap import BlockSwap
+from .memory.compile import CompileSettings, apply_compile
+from .options import OptionError, Options, resolve_options
 from .pipeline.plan import make_plan
 from .pipeline.runner import JobStats, Models, Upscaler
 
 Progress = Callable[[str, int, int], None]
 
 
+def _settings_of(opts: Options, kind: str) -> tuple:
+    """The options that shape a loaded model (its cache key besides file, dtype and device)."""
+    compiled = CompileSettings.from_options(opts)
+    if kind == "vae":
+        return (compiled,)
+    return (compiled, opts.blocks_to_swap, opts.swap_io_components, opts.dit_offload_device,
+            opts.attention_backend)
+
+
+def _load_dit(path: Path, opts: Options, dtype, device, offload):
+    swapping = opts.blocks_to_swap > 0 or opts.swap_io_components
+    if swapping and offload is None:
+        raise OptionError("blocks_to_swap/swap_io_components need an offload device for the "
+                          "swapped weights: set dit_offload_device (e.g. cpu)")
+    # With BlockSwap the weights load on the offload device; only resident ones reach the GPU.
+    dit = load_dit(path, dtype, offload if swapping else device)
+    dit.set_attention_backend(opts.attention_backend)
+    blockswap = BlockSwap(dit, opts.blocks_to_swap, opts.swap_io_components, device, offload) \
+        if swapping else None
+    apply_compile(dit, None, CompileSettings.from_options(opts))
+    return dit, blockswap
+
+
 def load_models(dit=None, vae=None, *, opts: Options, model_dir=None) -> Models:
-    """DiT, VAE and text embedding on the options' device and precision."""
+    """DiT, VAE and text embedding placed and prepared as the options say (cached if asked)."""
     device = resolve_device(opts.device)
-    dtype = resolve_dtype(opts.dtype, device)
+    dit_device = resolve_device(opts.dit_device) if opts.dit_device != "auto" else device
+    vae_device = resolve_device(opts.vae_device) if opts.vae_device != "auto" else device
+    dtype = resolve_dtype(opts.dtype, dit_device)
+    dit_offload, vae_offload = (resolve_offload(opts.dit_offload_device),
+                                resolve_offload(opts.vae_offload_device))
     model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
-    if not isinstance(dit, torch.nn.Module):
-        dit = load_dit(resolve_model_file(dit or DEFAULT_DIT, model_dir, "dit"), dtype, device)
-    if not isinstance(vae, torch.nn.Module):
-        vae = load_vae(resolve_model_file(vae or DEFAULT_VAE, model_dir, "vae"), dtype, device)
+    blockswap = None
+    if isinstance(dit, torch.nn.Module):
+        dit = dit.to(device=dit_device, dtype=dtype)
+    else:
+        path = resolve_model_file(dit or DEFAULT_DIT, model_dir, "dit")
+        key = ModelKey.for_file("dit", path, dtype, dit_device, _settings_of(opts, "dit"))
+        dit, blockswap = MODEL_CACHE.get_or_load(
+            key, lambda: _load_dit(path, opts, dtype, dit_device, dit_offload), opts.cache_dit)
+    if isinstance(vae, torch.nn.Module):
+        vae = vae.to(device=vae_device, dtype=dtype)
+    else:
+        path = resolve_model_file(vae or DEFAULT_VAE, model_dir, "vae")
+        key = ModelKey.for_file("vae", path, dtype, vae_device, _settings_of(opts, "vae"))
+
+        def load():
+            model = load_vae(path, dtype, vae_device)
+            apply_compile(None, model, CompileSettings.from_options(opts))
+            return model
+        vae = MODEL_CACHE.get_or_load(key, load, opts.cache_vae)
     text = load_text_embeddings(opts.text_embeddings, dit.config.txt_in_dim, model_dir)
-    return Models(dit.to(device=device, dtype=dtype), vae.to(device=device, dtype=dtype), text)
+    return Models(dit, vae, text, dit_device, vae_device, dtype, dit_offload, vae_offload, blockswap)
 
 
 def _upscaler(models: Models, opts: Options, progress, should_stop) -> Upscaler:
-    device = resolve_device(opts.device)
-    return Upscaler(models, opts, device, resolve_dtype(opts.dtype, device), progress, should_stop)
+    return Upscaler(models, opts, progress, should_stop)
 
 
 def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Progress] = None,

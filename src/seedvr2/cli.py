@@ -143,6 +143,29 @@ def _upscale(args) -> int:
     return status
 
 
+def _run_workflow(args) -> int:
+    from .workflow.errors import WorkflowError, WorkflowInterrupted
+    from .workflow.run import run_workflow
+
+    try:
+        result = run_workflow(args.workflow, args.set or (), server=args.server,
+                              model_dir=args.model_dir, input_dir=args.input_dir,
+                              output_dir=args.output_dir, quiet=args.quiet, timeout=args.timeout)
+    except WorkflowInterrupted as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 130
+    except WorkflowError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    if not args.quiet:
+        for path in result.files:
+            print(path)
+    return 0
+
+
 def _add_option_flags(parser: argparse.ArgumentParser):
     from .options import OPTIONS
 
@@ -184,6 +207,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="debug logging")
     _add_option_flags(p)
     p.set_defaults(run=_upscale)
+
+    p = sub.add_parser("run-workflow", help="run a ComfyUI workflow (editor or API format) "
+                       "without the editor: in this process, or on a running ComfyUI server")
+    p.add_argument("workflow", help="workflow .json (as saved by the editor, or API format)")
+    p.add_argument("--set", action="append", metavar="NODE.INPUT=VALUE",
+                   help="override an input; NODE is a node id, title or type; VALUE is JSON or "
+                   "a string (repeatable), e.g. --set 3.resolution=1440")
+    p.add_argument("--server", metavar="URL", help="run on this ComfyUI server (e.g. "
+                   "http://127.0.0.1:8188) and download its outputs")
+    p.add_argument("--model-dir", help="model folder for in-process runs (default: "
+                   "$SEEDVR2_MODEL_DIR or ~/.cache/seedvr2/models)")
+    p.add_argument("--input-dir", default=".", help="where LoadImage/LoadVideo file names are "
+                   "found (in-process; default: the current folder)")
+    p.add_argument("--output-dir", default="output", help="where outputs are saved or "
+                   "downloaded (default: ./output)")
+    p.add_argument("--timeout", type=float, help="with --server: give up after this many seconds")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars or file list")
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="debug logging")
+    p.set_defaults(run=_run_workflow)
     return parser
 
 

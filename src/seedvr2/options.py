@@ -43,10 +43,20 @@ def _batch_size_problem(value: int) -> Optional[str]:
     return f"must be 4n+1 (1, 5, 9, 13, 17, 21, ...); nearest valid values: {lower} or {upper}"
 
 
+def _is_device(value: str) -> bool:
+    return value in ("cpu", "cuda", "mps") or value.startswith("cuda:") and value[5:].isdigit()
+
+
 def _device_problem(value: str) -> Optional[str]:
-    if value in ("auto", "cpu", "cuda", "mps") or value.startswith("cuda:") and value[5:].isdigit():
-        return None
-    return "expected auto, cpu, cuda, cuda:N or mps"
+    return None if value == "auto" or _is_device(value) else "expected auto, cpu, cuda, cuda:N or mps"
+
+
+def _offload_problem(value: str) -> Optional[str]:
+    return None if value == "none" or _is_device(value) else "expected none, cpu, cuda or cuda:N"
+
+
+def _tile_problem(value: int) -> Optional[str]:
+    return None if value % 8 == 0 else f"must be a multiple of 8 pixels (e.g. {value - value % 8 or 8})"
 
 
 OPTIONS: dict[str, Option] = {o.name: o for o in [
@@ -82,6 +92,41 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "cuda, cuda:N", check=_device_problem),
     Option("dtype", str, "auto", "compute precision: auto (bf16 on GPUs that support it, "
            "else fp16; fp32 on CPU), fp32, fp16, bf16", choices=DTYPE_NAMES),
+    # -- placement and memory (seedvr2.memory) --
+    Option("dit_device", str, "auto", "device of the DiT (auto = device)", check=_device_problem),
+    Option("vae_device", str, "auto", "device of the VAE (auto = device)", check=_device_problem),
+    Option("dit_offload_device", str, "none", "where the DiT waits while the VAE runs (none = "
+           "stays on its device; cpu frees VRAM between phases)", check=_offload_problem),
+    Option("vae_offload_device", str, "none", "where the VAE waits while the DiT runs",
+           check=_offload_problem),
+    Option("tensor_offload_device", str, "cpu", "where latents and frames wait between phases",
+           check=_offload_problem),
+    Option("cache_dit", bool, False, "keep the loaded DiT for the next run (same settings)"),
+    Option("cache_vae", bool, False, "keep the loaded VAE for the next run (same settings)"),
+    Option("blocks_to_swap", int, 0, "DiT blocks kept on dit_offload_device and streamed to the "
+           "GPU one ahead of use (BlockSwap); more = less VRAM", min=0, max=1000),
+    Option("swap_io_components", bool, False, "also keep the DiT's input/output layers on the "
+           "offload device (BlockSwap)"),
+    Option("attention_backend", str, "auto", "attention kernel of the DiT", choices=(
+        "auto", "sdpa", "flash_attn_2", "flash_attn_3", "sageattn_2")),
+    Option("vae_encode_tiled", bool, False, "encode in spatial tiles (bounded VRAM at any size)"),
+    Option("vae_encode_tile_size", int, 512, "encode tile size in pixels", min=64, max=16384,
+           check=_tile_problem),
+    Option("vae_encode_tile_overlap", int, 64, "encode tile overlap in pixels", min=0, max=8192,
+           check=_tile_problem),
+    Option("vae_decode_tiled", bool, False, "decode in spatial tiles (bounded VRAM at any size)"),
+    Option("vae_decode_tile_size", int, 512, "decode tile size in pixels", min=64, max=16384,
+           check=_tile_problem),
+    Option("vae_decode_tile_overlap", int, 64, "decode tile overlap in pixels", min=0, max=8192,
+           check=_tile_problem),
+    Option("compile", bool, False, "torch.compile each DiT block and the VAE"),
+    Option("compile_backend", str, "inductor", "torch.compile backend", choices=(
+        "inductor", "cudagraphs", "eager", "aot_eager")),
+    Option("compile_mode", str, "default", "torch.compile mode", choices=(
+        "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")),
+    Option("compile_fullgraph", bool, False, "torch.compile fullgraph (fail on graph breaks)"),
+    Option("compile_dynamic", str, "auto", "torch.compile dynamic shapes: auto (after the first "
+           "change), true, false", choices=("auto", "true", "false")),
 ]}
 
 
@@ -142,6 +187,11 @@ def resolve_options(**given) -> Options:
         if opt.check is not None and (problem := opt.check(value)):
             raise OptionError(f"{name} = {value!r}: {problem}")
         values[name] = value
+    for stage in ("encode", "decode"):
+        size, overlap = values[f"vae_{stage}_tile_size"], values[f"vae_{stage}_tile_overlap"]
+        if overlap >= size:
+            raise OptionError(f"vae_{stage}_tile_overlap = {overlap}: must be smaller than "
+                              f"vae_{stage}_tile_size ({size}); lower the overlap or raise the size")
     if values["temporal_overlap"] >= values["batch_size"]:
         raise OptionError(f"temporal_overlap = {values['temporal_overlap']}: must be smaller than "
                           f"batch_size ({values['batch_size']})")

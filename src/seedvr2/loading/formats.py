@@ -25,15 +25,23 @@ class TensorSource:
     """One weight file's tensors: shapes/dtypes up front, data on request (mmap where possible)."""
 
     path: Path
-    format: str  # "safetensors" or "pickle"
-    shapes: dict[str, tuple[int, ...]]
+    format: str  # "safetensors", "pickle" or "gguf"
+    shapes: dict[str, tuple[int, ...]]  # logical shapes (what the model's tensors have)
     dtypes: dict[str, torch.dtype]
     metadata: dict[str, str] = field(default_factory=dict)
+    # Weights stored quantised (GGUF blocks, fp8, int8, ...): key -> storage label ("Q4_K").
+    packed: dict[str, str] = field(default_factory=dict)
     _get: Callable[[str], torch.Tensor] | None = None
     _close: Callable[[], None] | None = None
+    _get_packed: Callable[[str], object] | None = None
 
     def get(self, key: str) -> torch.Tensor:
+        """The tensor as a plain float (packed weights dequantised to fp32)."""
         return self._get(key)
+
+    def get_packed(self, key: str):
+        """A packed weight (``key in self.packed``) as a :class:`~.quantized.PackedWeight`."""
+        return self._get_packed(key)
 
     def close(self):
         if self._close:
@@ -63,7 +71,11 @@ _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
     "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E8M0": torch.float8_e8m0fnu,  # MXFP8 block scales
 }
+
+# ComfyUI prefixes diffusion-model keys in some files (and GGUF conversions keep it).
+COMFY_PREFIX = "model.diffusion_model."
 
 
 def sniff_format(path: Path) -> str:
@@ -88,7 +100,9 @@ def open_weights(path) -> TensorSource:
         return _open_safetensors(path)
     if fmt == "pickle":
         return _open_pickle(path)
-    raise CheckpointError(f"{path}: GGUF weights are not supported by this version")
+    from .gguf import open_gguf
+
+    return open_gguf(path)
 
 
 def _open_safetensors(path: Path) -> TensorSource:
@@ -112,12 +126,30 @@ def _open_safetensors(path: Path) -> TensorSource:
         raise CheckpointError(f"{path}: unsupported tensor dtype(s) {sorted(unknown)}")
     from safetensors import safe_open
 
+    from .quantized import LayoutError, scan_safetensors_layout
+
     handle = safe_open(str(path), framework="pt", device="cpu")
+    # Keys as the model names them: a ComfyUI prefix is dropped when every key has it.
+    prefix = COMFY_PREFIX if header and all(k.startswith(COMFY_PREFIX) for k in header) else ""
+    file_key = {k[len(prefix):]: k for k in header}
+    read = lambda key: handle.get_tensor(file_key[key])  # noqa: E731
+    try:
+        layout = scan_safetensors_layout(
+            {k: tuple(header[f]["shape"]) for k, f in file_key.items()},
+            {k: _SAFETENSORS_DTYPES[header[f]["dtype"]] for k, f in file_key.items()},
+            metadata, lambda key: read(key).numpy().tobytes())
+    except LayoutError as e:
+        handle.__exit__(None, None, None)
+        raise CheckpointError(f"{path}: {e}") from None
+
+    def get(key: str) -> torch.Tensor:
+        entry = layout.packed.get(key)
+        return read(key) if entry is None else entry.read(read).dequantize(torch.float32)
+
     return TensorSource(
-        path, "safetensors",
-        shapes={k: tuple(v["shape"]) for k, v in header.items()},
-        dtypes={k: _SAFETENSORS_DTYPES[v["dtype"]] for k, v in header.items()},
-        metadata=dict(metadata), _get=handle.get_tensor,
+        path, "safetensors", shapes=layout.shapes, dtypes=layout.dtypes,
+        metadata=dict(metadata), packed={k: e.label for k, e in layout.packed.items()},
+        _get=get, _get_packed=lambda key: layout.packed[key].read(read),
         _close=lambda: handle.__exit__(None, None, None))
 
 

@@ -17,10 +17,14 @@ from ..models.config import ConfigError, DiTConfig, VAEConfig, dit_config, dit_f
 from ..models.rope import FrequencyTable, share_equal_tables
 from .detect import describe_unknown, detect_dit, detect_vae, model_kind
 from .formats import CheckpointError, TensorSource, open_weights
+from .quantized import attach_packed_weight, can_pack
 
 log = logging.getLogger("seedvr2")
 
 _STANDARD_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+# Text embeddings that ComfyUI's repackaged DiT files carry beside the weights.
+EMBEDDED_TEXT_KEYS = {"positive_conditioning": "pos", "negative_conditioning": "neg"}
 
 
 def _config_for(src: TensorSource, kind: str) -> DiTConfig | VAEConfig:
@@ -50,6 +54,10 @@ def _target_dtype(src: TensorSource, requested: torch.dtype | None) -> torch.dty
         return requested
     weight: dict[torch.dtype, int] = {}
     for key, dt in src.dtypes.items():
+        if key in EMBEDDED_TEXT_KEYS:
+            continue
+        if key in src.packed:
+            dt = torch.float16  # quantised storage computes in fp16 unless asked otherwise
         if dt.is_floating_point:
             dt = dt if dt in _STANDARD_FLOATS else torch.float32 if dt == torch.float64 else torch.float16
             n = 1
@@ -66,7 +74,7 @@ def _check_tensors(src: TensorSource, model: nn.Module, cfg) -> list[str]:
     missing = [k for k in expected if k not in src.shapes]
     rope_missing = [k for k in missing if k.endswith("rope.rope.freqs")]
     missing = [k for k in missing if k not in rope_missing]
-    unexpected = [k for k in src.shapes if k not in expected]
+    unexpected = [k for k in src.shapes if k not in expected and k not in EMBEDDED_TEXT_KEYS]
     if missing or unexpected:
         parts = []
         if missing:
@@ -78,7 +86,7 @@ def _check_tensors(src: TensorSource, model: nn.Module, cfg) -> list[str]:
         if key in src.shapes and src.shapes[key] != shape:
             raise CheckpointError(f"{src.path}: tensor {key!r} has shape {list(src.shapes[key])}, "
                                   f"expected {list(shape)} for {summary}")
-        if key in src.dtypes and not src.dtypes[key].is_floating_point:
+        if key in src.dtypes and key not in src.packed and not src.dtypes[key].is_floating_point:
             raise CheckpointError(f"{src.path}: tensor {key!r} has dtype {src.dtypes[key]}, "
                                   f"expected a floating-point tensor")
     return rope_missing
@@ -100,14 +108,34 @@ def _assign(model: nn.Module, key: str, tensor: torch.Tensor):
         module._buffers[name] = tensor
 
 
-def _load(path, kind: str, dtype: torch.dtype | None, device) -> nn.Module:
+def _assign_packed(model: nn.Module, key: str, src: TensorSource, target: torch.dtype, device,
+                   keep_packed: bool):
+    """A quantised weight: kept packed in a linear/conv (dequantised per forward), else expanded."""
+    module_name, _, name = key.rpartition(".")
+    module = model.get_submodule(module_name)
+    packed = src.get_packed(key).to(device)
+    if keep_packed and can_pack(module, name):
+        attach_packed_weight(module, packed, target)
+    else:
+        _assign(model, key, packed.dequantize(target))
+
+
+def _load(path, kind: str, dtype: torch.dtype | None, device, keep_packed: bool = True
+          ) -> nn.Module:
     with open_weights(path) as src:
         cfg = _config_for(src, kind)
         with torch.device("meta"):
             model = build_dit(cfg) if kind == "dit" else build_vae(cfg)
         rope_missing = _check_tensors(src, model, cfg)
         target = _target_dtype(src, dtype)
+        embedded = {}
         for key in src.shapes:
+            if key in EMBEDDED_TEXT_KEYS:
+                embedded[EMBEDDED_TEXT_KEYS[key]] = src.get(key).float()
+                continue
+            if key in src.packed:
+                _assign_packed(model, key, src, target, device, keep_packed)
+                continue
             tensor = src.get(key)
             keep_fp32 = key.endswith("rope.rope.freqs")
             tensor = tensor.to(device=device, dtype=torch.float32 if keep_fp32 else target)
@@ -121,23 +149,30 @@ def _load(path, kind: str, dtype: torch.dtype | None, device) -> nn.Module:
                 table.freqs = type(rope).default_freqs(rope.axis_dim).to(device)
     if kind == "dit":
         share_equal_tables(model)
+    # Text embeddings shipped inside the weight file (ComfyUI repackages): {"pos", "neg"} in
+    # fp32 on the CPU, empty when the file has none; see loading.text.load_text_embeddings.
+    model.embedded_text_embeddings = embedded
     model.eval().requires_grad_(False)
     return model
 
 
 
-def load_dit(path, dtype: torch.dtype | None = None, device="cpu") -> nn.Module:
-    """A NaDiT (3B or 7B family, detected) from a safetensors or .pth/.pt file.
+def load_dit(path, dtype: torch.dtype | None = None, device="cpu", keep_packed: bool = True
+             ) -> nn.Module:
+    """A NaDiT (3B or 7B family, detected) from a safetensors, .pth/.pt or GGUF file.
 
     ``dtype`` converts floating tensors (RoPE frequency tables stay fp32); None keeps the
-    file's dtype.
+    file's dtype (fp16 for quantised files). Quantised weights (GGUF, fp8, int8, ComfyUI
+    layouts) of linear and convolution layers stay packed on ``device`` and are dequantised
+    to ``dtype`` inside each forward; ``keep_packed=False`` expands them once at load.
     """
-    return _load(path, "dit", dtype, torch.device(device))
+    return _load(path, "dit", dtype, torch.device(device), keep_packed)
 
 
-def load_vae(path, dtype: torch.dtype | None = None, device="cpu") -> nn.Module:
-    """The video VAE from a safetensors or .pth/.pt file (see :func:`load_dit`)."""
-    return _load(path, "vae", dtype, torch.device(device))
+def load_vae(path, dtype: torch.dtype | None = None, device="cpu", keep_packed: bool = True
+             ) -> nn.Module:
+    """The video VAE from a safetensors, .pth/.pt or GGUF file (see :func:`load_dit`)."""
+    return _load(path, "vae", dtype, torch.device(device), keep_packed)
 
 
 def describe(path) -> dict:
@@ -147,10 +182,11 @@ def describe(path) -> dict:
         if kind is None:
             raise CheckpointError(f"{src.path}: {describe_unknown(src.shapes)}")
         cfg = _config_for(src, kind)
-        dtypes = sorted({str(d).replace("torch.", "") for d in src.dtypes.values()})
+        dtypes = sorted({src.packed.get(k) or str(d).replace("torch.", "")
+                         for k, d in src.dtypes.items()})
         count = 0
         for key, shape in src.shapes.items():
-            if key.endswith("rope.rope.freqs"):
+            if key.endswith("rope.rope.freqs") or key in EMBEDDED_TEXT_KEYS:
                 continue
             n = 1
             for s in shape:

@@ -27,9 +27,15 @@ def _read_pos(path: Path) -> torch.Tensor:
             return obj["pos"]
         raise CheckpointError(f"{path}: expected a tensor or a dict with a 'pos' tensor")
     with open_weights(path) as src:
-        if "pos" not in src.shapes:
+        key = _positive_key(src.shapes)
+        if key is None:
             raise CheckpointError(f"{path}: expected a 'pos' tensor (found {sorted(src.shapes)[:5]})")
-        return src.get("pos")
+        return src.get(key)
+
+
+def _positive_key(shapes) -> str | None:
+    """``pos`` (our embedding files) or ``positive_conditioning`` (ComfyUI's DiT repackages)."""
+    return next((k for k in ("pos", "positive_conditioning") if k in shapes), None)
 
 
 def _check(pos: torch.Tensor, path: Path, txt_in_dim: int) -> torch.Tensor:
@@ -44,8 +50,17 @@ def _check(pos: torch.Tensor, path: Path, txt_in_dim: int) -> torch.Tensor:
     return pos.float()
 
 
-def load_text_embeddings(spec: str, txt_in_dim: int, model_dir: Path) -> torch.Tensor:
-    """The positive text embedding (tokens, txt_in_dim) in fp32."""
+def load_text_embeddings(spec: str, txt_in_dim: int, model_dir: Path,
+                         embedded: torch.Tensor | None = None, source=None) -> torch.Tensor:
+    """The positive text embedding (tokens, txt_in_dim) in fp32.
+
+    ``embedded``: the positive embedding that came inside the DiT's weight file (ComfyUI's
+    repackaged files carry ``positive_conditioning``; the loader returns it as
+    ``dit.embedded_text_embeddings["pos"]``). With ``spec="auto"`` it is used before the model
+    folder is searched; ``source`` (the DiT file) names it in errors.
+    """
+    if spec == "auto" and embedded is not None:
+        return _check(embedded, Path(source or "the DiT file's positive_conditioning"), txt_in_dim)
     if spec != "auto":
         path = Path(spec).expanduser()
         if not path.is_file():
@@ -60,7 +75,7 @@ def load_text_embeddings(spec: str, txt_in_dim: int, model_dir: Path) -> torch.T
         if path.suffix == ".safetensors":
             try:
                 with open_weights(path) as src:
-                    shape = src.shapes.get("pos")
+                    shape = src.shapes.get(_positive_key(src.shapes) or "pos")
             except CheckpointError:
                 continue
             if shape is None:

@@ -1,5 +1,8 @@
-"""Where tensors live and in what precision: the one device/precision policy."""
+"""Where tensors live and in what precision: device/precision policy, model cache, BlockSwap,
+torch.compile settings."""
 
-from .policy import resolve_device, resolve_dtype
+from .cache import MODEL_CACHE, ModelCache, ModelKey
+from .policy import resolve_device, resolve_dtype, resolve_offload
 
-__all__ = ["resolve_device", "resolve_dtype"]
+__all__ = ["MODEL_CACHE", "ModelCache", "ModelKey", "resolve_device", "resolve_dtype",
+           "resolve_offload"]

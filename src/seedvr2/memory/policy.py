@@ -30,3 +30,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.float32
+
+
+def resolve_offload(name: str) -> torch.device | None:
+    """``none`` = no offloading; otherwise a device (checked like a compute device)."""
+    return None if name == "none" else resolve_device(name)

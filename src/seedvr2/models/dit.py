@@ -24,7 +24,7 @@ from .block import MMDiTBlock
 from .config import DIT_3B, DiTConfig
 from .embedding import PATCH, PatchIn, PatchOut, TimestepEmbedding
 from .modulation import ATTN, SCALE, SHIFT, embedding_slot
-from .norm import RMSNorm, rms_norm
+from .norm import RMSNorm
 from .packing import Packing
 from .rope import share_equal_tables
 
@@ -86,7 +86,7 @@ class NaDiT(nn.Module):
         for block in self.blocks:
             x_v, x_t = block(x_v, x_t, emb, packing)
         if self.has_output_norm:
-            x_v = rms_norm(x_v, self.config.norm_eps, self.vid_out_norm.weight).to(x_v.dtype)
+            x_v = self.vid_out_norm(x_v)
             x_v = self.vid_out_ada(x_v, emb, packing)
         return self.vid_out(x_v, thw)
 

@@ -43,9 +43,36 @@ class InputError(ValueError):
 
 @dataclass
 class Models:
+    """Loaded models with their placement: each runs on its device and, when an offload device
+    is set, waits there while the other model's phase runs."""
+
     dit: torch.nn.Module
     vae: torch.nn.Module
     text: torch.Tensor  # (tokens, txt_in_dim) positive text embedding
+    dit_device: torch.device = torch.device("cpu")
+    vae_device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
+    dit_offload: Optional[torch.device] = None
+    vae_offload: Optional[torch.device] = None
+    blockswap: Optional[object] = None  # memory.blockswap.BlockSwap managing the DiT's weights
+
+    def activate(self, kind: str):
+        if kind == "vae":
+            if self.vae_offload is not None:
+                self.vae.to(self.vae_device)
+        elif self.blockswap is not None and self.blockswap.active:
+            self.blockswap.activate()
+        elif self.dit_offload is not None:
+            self.dit.to(self.dit_device)
+
+    def park(self, kind: str):
+        if kind == "vae":
+            if self.vae_offload is not None:
+                self.vae.to(self.vae_offload)
+        elif self.blockswap is not None and self.blockswap.active:
+            self.blockswap.park()
+        elif self.dit_offload is not None:
+            self.dit.to(self.dit_offload)
 
 
 @dataclass
@@ -162,21 +189,22 @@ class _Encoded:
 class Upscaler:
     """Runs a batch plan over a frame stream with loaded models."""
 
-    def __init__(self, models: Models, opts: Options, device: torch.device, dtype: torch.dtype,
-                 progress: Optional[Progress] = None, should_stop: Optional[Callable[[], bool]] = None,
-                 offload_device: torch.device = torch.device("cpu")):
-        self.models, self.opts, self.device, self.dtype = models, opts, device, dtype
+    def __init__(self, models: Models, opts: Options, progress: Optional[Progress] = None,
+                 should_stop: Optional[Callable[[], bool]] = None):
+        self.models, self.opts, self.dtype = models, opts, models.dtype
         self.progress = progress or (lambda phase, done, total: None)
         self.should_stop = should_stop or (lambda: False)
-        self.offload = offload_device
+        # Latents and frames wait here between phases ("none": on the device that made them).
+        self.offload = torch.device(opts.tensor_offload_device) \
+            if opts.tensor_offload_device != "none" else models.vae_device
         self.stats = JobStats()
 
     # -- phases ---------------------------------------------------------------------------
 
     def _encode(self, batch: Batch, frames: torch.Tensor, size: tuple[int, int]) -> _Encoded:
-        opts, vae = self.opts, self.models.vae
+        opts, vae, device = self.opts, self.models.vae, self.models.vae_device
         channels = frames.shape[-1]
-        x = frames.to(self.device).permute(0, 3, 1, 2)  # (n, C, H, W)
+        x = frames.to(device).permute(0, 3, 1, 2)  # (n, C, H, W)
         alpha = x[:, 3:4].to(self.offload) if channels == 4 else None
         rgb = x[:, :3] if channels >= 3 else x.expand(-1, 3, -1, -1)
         resized = F.interpolate(rgb, size=size, mode="bicubic", antialias=True,
@@ -188,43 +216,44 @@ class Upscaler:
             video = torch.cat([video, video[-1:].expand(batch.length - batch.frames, -1, -1, -1)])
         video = video.permute(1, 0, 2, 3)[None]  # (1, 3, T, H, W)
         if opts.input_noise_scale > 0:
-            noise = _randn(video.shape, batch_seed(opts.seed, batch.start, INPUT_NOISE), self.device)
+            noise = _randn(video.shape, batch_seed(opts.seed, batch.start, INPUT_NOISE), device)
             video = video + 0.025 * opts.input_noise_scale * noise
         mean, logvar = vae.encode_posterior(video.to(self.dtype))
-        eps = _randn(mean.shape, batch_seed(opts.seed, batch.start, EPS), self.device, mean.dtype)
+        eps = _randn(mean.shape, batch_seed(opts.seed, batch.start, EPS), device, mean.dtype)
         latent = vae.sample_posterior(mean, logvar, noise=eps)
         latent = (latent[0].permute(1, 2, 3, 0).float() * LATENT_SCALE).to(self.offload)
         return _Encoded(batch, latent, reference.to(self.offload), alpha, channels == 1)
 
     def _denoise(self, item: _Encoded):
-        opts, dit = self.opts, self.models.dit
-        latent = item.latent.to(self.device)
+        opts, dit, device = self.opts, self.models.dit, self.models.dit_device
+        latent = item.latent.to(device)
         seed = lambda purpose: batch_seed(opts.seed, item.batch.start, purpose)  # noqa: E731
-        noise = _randn(latent.shape, seed(NOISE), self.device)
+        noise = _randn(latent.shape, seed(NOISE), device)
         if opts.latent_noise_scale > 0:
-            latent = augment_latent(latent, _randn(latent.shape, seed(AUG_NOISE), self.device),
+            latent = augment_latent(latent, _randn(latent.shape, seed(AUG_NOISE), device),
                                     opts.latent_noise_scale)
         vid = dit_input(noise, make_condition(latent))
         t, h, w, _ = vid.shape
-        text = self.models.text.to(self.device)
+        text = self.models.text.to(device)
         v = dit(vid.reshape(-1, vid.shape[-1]).to(self.dtype), text.to(self.dtype),
-                torch.tensor([[t, h, w]], device=self.device),
-                torch.tensor([[text.shape[0]]], device=self.device),
-                torch.tensor([T], device=self.device))
+                torch.tensor([[t, h, w]], device=device),
+                torch.tensor([[text.shape[0]]], device=device),
+                torch.tensor([T], device=device))
         item.result = x0_from_velocity(noise, v.float().reshape(noise.shape)).to(self.offload)
         item.latent = None
 
     def _decode(self, item: _Encoded, size: tuple[int, int]) -> torch.Tensor:
-        z = (item.result.to(self.device) / LATENT_SCALE).permute(3, 0, 1, 2)[None]
+        device = self.models.vae_device
+        z = (item.result.to(device) / LATENT_SCALE).permute(3, 0, 1, 2)[None]
         video = self.models.vae.decode(z.to(self.dtype))  # (1, 3, T, H16, W16)
         n = item.batch.frames
         frames = video[0, :, :n, : size[0], : size[1]].permute(1, 0, 2, 3).float()  # (n, 3, H, W)
-        frames = color_correct(frames, item.reference.to(self.device), self.opts.color_correction)
+        frames = color_correct(frames, item.reference.to(device), self.opts.color_correction)
         rgb = ((frames.clamp(-1, 1) + 1) / 2)
         if item.gray:
             out = (rgb * _LUMA.to(rgb.device)[None, :, None, None]).sum(1, keepdim=True)
         elif item.alpha is not None:
-            out = torch.cat([rgb, upscale_alpha(item.alpha.to(self.device), rgb)], dim=1)
+            out = torch.cat([rgb, upscale_alpha(item.alpha.to(device), rgb)], dim=1)
         else:
             out = rgb
         item.result = None
@@ -241,8 +270,8 @@ class Upscaler:
         try:
             return fn(*args)
         finally:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             self.stats.add(phase, time.perf_counter() - start)
 
     @torch.inference_mode()
@@ -258,6 +287,7 @@ class Upscaler:
             for chunk in plan.chunks:
                 items = []
                 size = None
+                self.models.activate("vae")
                 for i in chunk:
                     self._check_stop()
                     b = plan.batches[i]
@@ -269,11 +299,15 @@ class Upscaler:
                                           else plan.plan_frames)
                     done["encode"] += 1
                     self.progress("encode", done["encode"], total)
+                self.models.park("vae")
+                self.models.activate("dit")
                 for item in items:
                     self._check_stop()
                     self._timed("dit", self._denoise, item)
                     done["dit"] += 1
                     self.progress("dit", done["dit"], total)
+                self.models.park("dit")
+                self.models.activate("vae")
                 for item in items:
                     self._check_stop()
                     out = self._timed("decode", self._decode, item, size)
@@ -296,7 +330,12 @@ class Upscaler:
                         self.progress("frames", emitted, plan.source_frames)
                     del out, final
         finally:
-            if self.device.type == "cuda":
+            # Also after an error or interrupt: no weights copies or tensors stay on the device.
+            if self.models.blockswap is not None:
+                self.models.blockswap.release_all()
+            self.models.park("dit")
+            self.models.park("vae")
+            if torch.cuda.is_available():
                 self.stats.peak_device_bytes = max(self.stats.peak_device_bytes,
-                                                   torch.cuda.max_memory_allocated(self.device))
+                                                   torch.cuda.max_memory_allocated())
                 torch.cuda.empty_cache()

@@ -1,0 +1,296 @@
+"""``seedvr2 quantize``: any supported weight file -> GGUF, fp8 or int8 weights.
+
+Targets:
+
+* GGUF ``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q5_0``, ``Q5_1``, ``BF16``, ``F16`` (quantised by the
+  ``gguf`` package, which cannot write the K-quants). The model config goes into the
+  ``seedvr2.config`` key; weights of more than 2 dimensions or whose rows do not tile into
+  blocks are stored flattened with their shape under ``comfy.gguf.orig_shape.<name>``.
+* ``fp8_e4m3fn`` / ``fp8_e5m2`` safetensors: fp8 values with a per-tensor fp32 ``weight_scale``
+  (absmax / largest fp8 value), marked for ComfyUI with a ``comfy_quant`` config tensor.
+* ``int8`` safetensors: int8 codes with a per-output-channel fp32 ``weight_scale`` (absmax of
+  the row / 127): ComfyUI's ``int8_tensorwise`` layout with row scales.
+
+What stays unquantised (in the input's float dtype, fp16 for quantised inputs): tensors of
+fewer than 2 dimensions (norms, biases, modulation vectors), tensors of fewer than
+:data:`SMALL_TENSOR` values, the input/output projections and embeddings of the DiT
+(``vid_in``, ``txt_in``, ``emb_in``, ``vid_out``) and of the VAE (``conv_in``, ``conv_out``,
+``quant_conv``, ``post_quant_conv``), any key under a ``keep`` prefix (e.g. ``blocks.35``),
+and embedded text embeddings. The output is written under a temporary name and renamed when
+complete; tensors are read, converted and written one at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .formats import CheckpointError, TensorSource, open_weights
+
+GGUF_TARGETS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16", "F16")
+SAFETENSORS_TARGETS = ("fp8_e4m3fn", "fp8_e5m2", "int8")
+TARGETS = GGUF_TARGETS + SAFETENSORS_TARGETS
+
+SMALL_TENSOR = 4096  # values; smaller weights stay unquantised
+ALWAYS_KEEP = ("vid_in.", "txt_in.", "emb_in.", "vid_out.", "encoder.conv_in.",
+               "decoder.conv_out.", "quant_conv.", "post_quant_conv.",
+               "positive_conditioning", "negative_conditioning")
+_BLOCK = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "BF16": 1, "F16": 1}
+_FP8 = {"fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+_ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+             torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int8: "I8",
+             torch.uint8: "U8"}
+
+
+def _keep_prefixes(keep: Sequence[str]) -> tuple[str, ...]:
+    return tuple(k if k.endswith(".") else k + "." for k in keep)
+
+
+def _stored_float(dtype: torch.dtype) -> torch.dtype:
+    """The dtype an unquantised tensor keeps: its own float dtype, fp16 for narrower ones."""
+    return dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float16
+
+
+def should_quantize(key: str, shape: Sequence[int], keep: tuple[str, ...] = ()) -> bool:
+    """Whether ``quantize`` packs this tensor (see the module doc for what stays)."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    return (key.endswith(".weight") and len(shape) >= 2 and numel >= SMALL_TENSOR
+            and not key.startswith(ALWAYS_KEEP) and not key.startswith(keep))
+
+
+def _model_config(src: TensorSource) -> tuple[str, dict]:
+    from .detect import describe_unknown, model_kind
+    from .load import _config_for
+
+    kind = model_kind(src.shapes)
+    if kind is None:
+        raise CheckpointError(f"{src.path}: {describe_unknown(src.shapes)}")
+    return kind, _config_for(src, kind).to_dict()
+
+
+@dataclass
+class QuantizeSummary:
+    output: Path
+    kind: str
+    target: str
+    quantized: int
+    kept: int
+    input_bytes: int
+    output_bytes: int
+
+
+def quantize_file(source, output, target: str, keep: Sequence[str] = (), overwrite: bool = False,
+                  progress: Optional[Callable[[int, int], None]] = None) -> QuantizeSummary:
+    """Convert ``source`` (any format the loader reads) to ``target`` at ``output``."""
+    if target not in TARGETS:
+        raise ValueError(f"--type {target!r}: expected one of {', '.join(TARGETS)}")
+    output = Path(output)
+    want = ".gguf" if target in GGUF_TARGETS else ".safetensors"
+    if output.suffix.lower() != want:
+        raise ValueError(f"{output}: a {target} file is written as {want}; name it "
+                         f"{output.with_suffix(want).name}")
+    if output.exists() and not overwrite:
+        raise FileExistsError(f"{output} exists; pass --overwrite to replace it")
+    tmp = output.with_name(output.name + ".partial")
+    with open_weights(source) as src:
+        kind, config = _model_config(src)
+        try:
+            writer = _write_gguf if target in GGUF_TARGETS else _write_safetensors
+            counts = writer(src, tmp, target, config, _keep_prefixes(keep), progress)
+            os.replace(tmp, output)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    return QuantizeSummary(output, kind, target, counts[0], counts[1],
+                           Path(source).stat().st_size, output.stat().st_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF
+
+
+@dataclass
+class _GGUFPlan:
+    key: str
+    qtype: str  # GGML type written
+    stored: tuple[int, ...]  # shape as written (torch order)
+    orig: Optional[tuple[int, ...]]  # logical shape when it differs from `stored`
+
+
+def _gguf_plan(src: TensorSource, target: str, keep) -> list[_GGUFPlan]:
+    plans = []
+    for key, shape in src.shapes.items():
+        shape = tuple(shape)
+        numel = 1
+        for s in shape:
+            numel *= s
+        quantize = should_quantize(key, shape, keep)
+        block = _BLOCK[target]
+        if quantize and (len(shape) > 2 or shape[-1] % block):
+            # Rows must tile into blocks: store flat in rows of 256 (or of one block).
+            rows = 256 if numel % 256 == 0 else block if numel % block == 0 else None
+            if rows is None:
+                quantize = False
+            else:
+                plans.append(_GGUFPlan(key, target, (numel // rows, rows), shape))
+                continue
+        if quantize:
+            plans.append(_GGUFPlan(key, target, shape, None))
+            continue
+        float_type = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}[
+            _stored_float(src.dtypes[key]) if key not in src.packed else torch.float16]
+        if len(shape) > 4:  # GGUF holds at most 4 dimensions
+            plans.append(_GGUFPlan(key, float_type, (shape[0], numel // shape[0]), shape))
+        else:
+            plans.append(_GGUFPlan(key, float_type, shape, None))
+    return plans
+
+
+def _gguf_bytes(tensor: torch.Tensor, qtype: str):
+    """The tensor in GGML type ``qtype`` as the numpy array the gguf writer takes."""
+    import gguf
+    import numpy as np
+
+    if qtype == "F32":
+        return tensor.to(torch.float32).contiguous().numpy()
+    if qtype == "F16":
+        return tensor.to(torch.float16).contiguous().numpy()
+    if qtype == "BF16":  # raw bytes, exact (torch rounds fp32 -> bf16 to nearest even)
+        bits = tensor.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
+        return bits.view(np.uint8)
+    return gguf.quants.quantize(tensor.to(torch.float32).contiguous().numpy(),
+                                getattr(gguf.GGMLQuantizationType, qtype))
+
+
+def _write_gguf(src: TensorSource, path: Path, target: str, config: dict, keep, progress):
+    import gguf
+    import numpy as np
+
+    from .gguf import CONFIG_KEY, ORIG_SHAPE_KEY, config_json
+
+    plans = _gguf_plan(src, target, keep)
+    writer = gguf.GGUFWriter(path, arch="seedvr2")
+    try:
+        writer.add_string(CONFIG_KEY, config_json(config))
+        writer.add_file_type({"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8,
+                              "Q5_1": 9, "BF16": 32}[target])
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        for plan in plans:
+            if plan.orig is not None:
+                writer.add_array(ORIG_SHAPE_KEY + plan.key, list(plan.orig))
+            ggml = getattr(gguf.GGMLQuantizationType, plan.qtype)
+            block, type_size = gguf.GGML_QUANT_SIZES[ggml]
+            numel = int(np.prod(plan.stored))
+            nbytes = numel // block * type_size
+            if plan.qtype in ("F32", "F16"):
+                numpy_dtype = np.dtype(np.float32 if plan.qtype == "F32" else np.float16)
+                writer.add_tensor_info(plan.key, plan.stored, numpy_dtype, nbytes)
+            else:
+                byte_shape = (*plan.stored[:-1], plan.stored[-1] // block * type_size)
+                writer.add_tensor_info(plan.key, byte_shape, np.dtype(np.uint8), nbytes, ggml)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for i, plan in enumerate(plans):
+            tensor = src.get(plan.key).reshape(plan.stored)
+            writer.write_tensor_data(_gguf_bytes(tensor, plan.qtype))
+            if progress:
+                progress(i + 1, len(plans))
+    finally:
+        writer.close()
+    quantized = sum(p.qtype == target and should_quantize(p.key, src.shapes[p.key], keep)
+                    for p in plans)
+    return quantized, len(plans) - quantized
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8 / int8 safetensors
+
+
+def quantize_fp8(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fp8 values, fp32 scale)`` with ``weight ≈ values·scale`` (per-tensor absmax scale)."""
+    largest = torch.finfo(dtype).max
+    w = weight.to(torch.float32)
+    scale = (w.abs().amax() / largest).clamp(min=torch.finfo(torch.float32).tiny)
+    return (w / scale).clamp(-largest, largest).to(dtype), scale.reshape(())
+
+
+def quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(int8 codes, fp32 scale (rows, 1))`` with one absmax scale per output channel."""
+    w = weight.to(torch.float32).reshape(weight.shape[0], -1)
+    scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    codes = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+    return codes.reshape(weight.shape), scale
+
+
+def _safetensors_plan(src: TensorSource, target: str, keep):
+    """[(key, produce() -> {name: tensor}, {name: (dtype, shape)})] in file order."""
+    plans = []
+    for key, shape in src.shapes.items():
+        shape = tuple(shape)
+        if should_quantize(key, shape, keep):
+            layer = key[: -len(".weight")]
+            if target == "int8":
+                fmt = {"format": "int8_tensorwise"}
+                layout = {key: (torch.int8, shape), f"{layer}.weight_scale": (torch.float32, (shape[0], 1))}
+            else:
+                fmt = {"format": "float8_e4m3fn" if target == "fp8_e4m3fn" else "float8_e5m2"}
+                layout = {key: (_FP8[target], shape), f"{layer}.weight_scale": (torch.float32, ())}
+            marker = torch.frombuffer(bytearray(json.dumps(fmt).encode()), dtype=torch.uint8)
+            layout[f"{layer}.comfy_quant"] = (torch.uint8, tuple(marker.shape))
+            plans.append((key, layout, marker, True))
+        else:
+            dtype = torch.float16 if key in src.packed else _stored_float(src.dtypes[key])
+            plans.append((key, {key: (dtype, shape)}, None, False))
+    return plans
+
+
+def _produce(src: TensorSource, key: str, layout: dict, marker, quantize: bool, target: str):
+    tensor = src.get(key)
+    if not quantize:
+        (dtype, _), = layout.values()
+        return [tensor.to(dtype)]
+    if target == "int8":
+        values, scale = quantize_int8_rows(tensor)
+    else:
+        values, scale = quantize_fp8(tensor, _FP8[target])
+    return [values, scale, marker]
+
+
+def _write_safetensors(src: TensorSource, path: Path, target: str, config: dict, keep,
+                       progress):
+    plans = _safetensors_plan(src, target, keep)
+    header, offset = {}, 0
+    for _, layout, _, _ in plans:
+        for name, (dtype, shape) in layout.items():
+            numel = 1
+            for s in shape:
+                numel *= s
+            size = numel * torch.empty(0, dtype=dtype).element_size()
+            header[name] = {"dtype": _ST_DTYPE[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + size]}
+            offset += size
+    header["__metadata__"] = {"config": json.dumps(config, sort_keys=True),
+                              "seedvr2.quantization": target}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # tensor data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for i, (key, layout, marker, quantize) in enumerate(plans):
+            for (name, (dtype, shape)), tensor in zip(layout.items(),
+                                                       _produce(src, key, layout, marker, quantize, target)):
+                assert tensor.dtype == dtype and tuple(tensor.shape) == shape, name
+                f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            if progress:
+                progress(i + 1, len(plans))
+    quantized = sum(p[3] for p in plans)
+    return quantized, len(plans) - quantized

@@ -1,0 +1,85 @@
+"""The model cache: the library's one piece of global mutable state, on purpose.
+
+ComfyUI runs workflow after workflow in one process, and the CLI upscales folder after folder;
+reloading a 7B model each time would waste minutes. ``MODEL_CACHE`` keeps loaded models keyed
+by everything that shaped them — file identity, format, precision, device, BlockSwap and
+compile settings — so a second run with the same settings reuses them and a changed setting
+reloads exactly the model it concerns. ``clear()`` frees everything.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelKey:
+    kind: str  # "dit" or "vae"
+    path: str
+    size: int
+    mtime_ns: int
+    dtype: str
+    device: str
+    settings: tuple  # BlockSwap / compile / attention settings that change the loaded module
+
+    @classmethod
+    def for_file(cls, kind: str, path: Path, dtype: torch.dtype, device: torch.device,
+                 settings: tuple) -> "ModelKey":
+        stat = Path(path).stat()
+        return cls(kind, str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns, str(dtype),
+                   str(device), settings)
+
+
+class ModelCache:
+    def __init__(self):
+        self._models: dict[ModelKey, object] = {}
+        self._lock = threading.Lock()
+
+    def get_or_load(self, key: ModelKey, load: Callable[[], object], keep: bool):
+        """The cached model for ``key``, else ``load()`` (cached when ``keep``).
+
+        A cached model of the same kind and file with other settings is evicted: it would
+        only hold memory.
+        """
+        with self._lock:
+            if key in self._models:
+                return self._models[key]
+            self._evict(lambda k: k.kind == key.kind)
+        model = load()
+        if keep:
+            with self._lock:
+                self._models[key] = model
+        return model
+
+    def _evict(self, match):
+        for k in [k for k in self._models if match(k)]:
+            del self._models[k]
+
+    def drop(self, kind: str | None = None):
+        with self._lock:
+            self._evict(lambda k: kind is None or k.kind == kind)
+        _free()
+
+    def clear(self):
+        self.drop()
+
+    def __len__(self):
+        return len(self._models)
+
+    def keys(self):
+        return list(self._models)
+
+
+def _free():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+MODEL_CACHE = ModelCache()

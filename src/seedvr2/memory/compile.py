@@ -1,0 +1,84 @@
+"""torch.compile settings, applied per DiT block and to the VAE's encoder and decoder.
+
+Compiling block by block (not the whole model) keeps BlockSwap's hooks outside the compiled
+graphs and lets all blocks of one shape share a compile; a new resolution recompiles one
+block graph (with dynamic shapes after the first change) instead of the whole model.
+A compile that fails — at the first call, where torch.compile fails — falls back to eager
+with one warning, so a missing compiler never stops a run.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass
+
+from torch import nn
+
+BACKENDS = ("inductor", "cudagraphs", "eager", "aot_eager")
+
+
+@dataclass(frozen=True)
+class CompileSettings:
+    backend: str = "inductor"
+    mode: str = "default"
+    fullgraph: bool = False
+    dynamic: str = "auto"  # "auto" = static first, dynamic after a shape change
+    cache_size_limit: int = 64
+    recompile_limit: int = 128
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"compile backend {self.backend!r}: expected one of {', '.join(BACKENDS)}")
+
+    @classmethod
+    def from_options(cls, opts) -> "CompileSettings | None":
+        if not opts.compile:
+            return None
+        return cls(opts.compile_backend, opts.compile_mode, opts.compile_fullgraph, opts.compile_dynamic)
+
+    def kwargs(self) -> dict:
+        dynamic = {"auto": None, "true": True, "false": False}[self.dynamic]
+        mode = None if self.mode == "default" or self.backend != "inductor" else self.mode
+        return dict(backend=self.backend, mode=mode, fullgraph=self.fullgraph, dynamic=dynamic)
+
+
+def _compile_forward(module: nn.Module, settings: CompileSettings):
+    import torch
+
+    eager = module.forward
+    compiled = torch.compile(eager, **settings.kwargs())
+
+    @functools.wraps(eager)
+    def forward(*args, **kwargs):
+        if module._compile_failed:
+            return eager(*args, **kwargs)
+        try:
+            return compiled(*args, **kwargs)
+        except Exception as e:  # a compiler problem must not stop the run
+            module._compile_failed = True
+            warnings.warn(f"torch.compile ({settings.backend}) failed for {type(module).__name__}, "
+                          f"running eager: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            return eager(*args, **kwargs)
+
+    module._compile_failed = False
+    module.forward = forward
+
+
+def apply_compile(dit: nn.Module | None, vae: nn.Module | None, settings: CompileSettings | None):
+    """Compile each DiT block's forward and the VAE encoder/decoder forwards, in place."""
+    if settings is None:
+        return
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
+                                                settings.cache_size_limit)
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                                   settings.recompile_limit)
+    if dit is not None:
+        for block in dit.blocks:
+            _compile_forward(block, settings)
+    if vae is not None:
+        _compile_forward(vae.encoder, settings)
+        _compile_forward(vae.decoder, settings)

@@ -1,0 +1,26 @@
+"""Our ComfyUI nodes defined once, and running workflows without the editor.
+
+* :mod:`.nodes` -- the node definitions (inputs, outputs, what each node does), independent of
+  ComfyUI. The ComfyUI pack (top-level ``nodes.py``) turns them into V3 or classic nodes;
+  the headless runner calls them directly.
+* :mod:`.core_nodes` -- headless equivalents of the ComfyUI core nodes our examples use
+  (LoadImage, SaveImage, PreviewImage, LoadVideo, GetVideoComponents, CreateVideo, SaveVideo).
+* :mod:`.convert` -- UI-format (editor) workflow -> API-format prompt.
+* :mod:`.execute` -- runs an API-format prompt in this process.
+* :mod:`.server` -- runs a prompt on a running ComfyUI server.
+* :mod:`.run` -- ``run_workflow``, behind ``seedvr2 run-workflow``.
+
+Importing this package is cheap: nothing here imports torch, PyAV or the models at import time.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {"run_workflow": ".run", "WorkflowError": ".errors"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

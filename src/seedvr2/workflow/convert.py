@@ -1,0 +1,156 @@
+"""UI-format (editor) workflow -> API-format prompt.
+
+The editor saves nodes with their links and a list of widget values; the API format names
+every input. Widget values are matched to input names in the order ``/object_info`` lists the
+node's widget inputs (a running server's, or our own table: our nodes' definitions plus the
+core nodes the examples use). The editor also stores values of widgets that are not inputs,
+and those are skipped: the "control after generate" choice after a seed (inputs flagged
+``control_after_generate``, and INTs named seed/noise_seed in older editors) and the upload
+button's value after a LoadImage/LoadVideo file (inputs flagged ``image_upload`` /
+``video_upload``).
+
+Frontend-only nodes are resolved: Reroute passes its link through, a PrimitiveNode gives its
+value, Note/MarkdownNote are dropped, a muted node (mode 2) is left out and a bypassed node
+(mode 4) passes its first input of the matching type through.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .errors import WorkflowError
+
+WIDGET_TYPES = ("INT", "FLOAT", "BOOLEAN", "STRING", "COMBO")
+CONTROL_VALUES = ("fixed", "increment", "decrement", "randomize")
+UPLOAD_FLAGS = ("image_upload", "video_upload", "animated_image_upload", "audio_upload")
+FRONTEND_ONLY = ("Note", "MarkdownNote", "Reroute", "PrimitiveNode")
+MUTED, BYPASSED = 2, 4
+
+
+def is_ui_format(workflow) -> bool:
+    return isinstance(workflow, dict) and isinstance(workflow.get("nodes"), list)
+
+
+def widget_inputs(info: dict) -> list[tuple[str, dict, str]]:
+    """(name, options, type) of a node's widget inputs, in the editor's order."""
+    inputs = info.get("input", {})
+    order = info.get("input_order") or {k: list(v) for k, v in inputs.items()}
+    found = []
+    for section in ("required", "optional"):
+        specs = inputs.get(section) or {}
+        for name in order.get(section, list(specs)):
+            spec = specs.get(name)
+            if not spec:
+                continue
+            kind, extra = spec[0], (spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {})
+            kind = "COMBO" if isinstance(kind, list) else kind
+            if kind in WIDGET_TYPES and not extra.get("forceInput"):
+                found.append((name, extra, kind))
+    return found
+
+
+def _map_widget_values(node: dict, info: dict) -> dict:
+    values = node.get("widgets_values")
+    widgets = widget_inputs(info)
+    if values is None:
+        return {}
+    if isinstance(values, dict):  # some nodes save widgets by name
+        return {name: values[name] for name, _, _ in widgets if name in values}
+    if not isinstance(values, list):
+        raise WorkflowError("widgets_values must be a list", str(node.get("id")), node.get("type"))
+    mapped, i = {}, 0
+    for index, (name, extra, kind) in enumerate(widgets):
+        if i >= len(values):
+            break  # a workflow saved before later inputs existed: those take their defaults
+        mapped[name] = values[i]
+        i += 1
+        left_widgets = len(widgets) - index - 1
+        has_control = extra.get("control_after_generate") or \
+            kind == "INT" and name in ("seed", "noise_seed")
+        if has_control and i < len(values) and values[i] in CONTROL_VALUES:
+            i += 1
+        elif any(extra.get(flag) for flag in UPLOAD_FLAGS) and len(values) - i > left_widgets:
+            i += 1
+    if i < len(values):
+        raise WorkflowError(f"{len(values)} widget values for the {len(widgets)} widgets "
+                            f"{[w[0] for w in widgets]}; the workflow was saved with a different "
+                            f"version of this node", str(node.get("id")), node.get("type"))
+    return mapped
+
+
+def _links(workflow: dict) -> dict:
+    """link id -> (origin node id, origin slot, target node id, target slot, type)."""
+    links = {}
+    for link in workflow.get("links") or []:
+        if isinstance(link, dict):
+            links[link["id"]] = (link["origin_id"], link["origin_slot"], link["target_id"],
+                                 link["target_slot"], link.get("type"))
+        elif isinstance(link, list) and len(link) >= 5:
+            links[link[0]] = tuple(link[1:6]) if len(link) >= 6 else (*link[1:5], None)
+        else:
+            raise WorkflowError(f"malformed link {link!r}: expected [id, origin, slot, target, "
+                                f"slot, type]")
+    return links
+
+
+def ui_to_api(workflow: dict, object_info: dict) -> dict:
+    """Convert an editor workflow; ``object_info`` is ``/object_info`` (or our built-in table)."""
+    nodes = {}
+    for node in workflow["nodes"]:
+        if not isinstance(node, dict) or "id" not in node or "type" not in node:
+            raise WorkflowError(f"malformed node {str(node)[:80]}: expected id and type")
+        nodes[node["id"]] = node
+    links = _links(workflow)
+    subgraphs = {g.get("id") for g in (workflow.get("definitions") or {}).get("subgraphs", [])}
+
+    def source_of(link_id, seen=()) -> Optional[list]:
+        """[node id, slot], a literal value (from a PrimitiveNode), or None (muted)."""
+        if link_id not in links:
+            raise WorkflowError(f"link {link_id} is missing from the workflow's links")
+        origin, slot, _, _, kind = links[link_id]
+        node = nodes.get(origin)
+        if node is None:
+            raise WorkflowError(f"link {link_id} comes from node {origin}, which does not exist")
+        if origin in seen:
+            raise WorkflowError(f"link {link_id}: Reroute/bypass nodes form a loop")
+        if node["type"] == "Reroute" or node.get("mode") == BYPASSED:
+            wanted = kind or (node.get("outputs") or [{}])[slot].get("type")
+            for inp in node.get("inputs") or []:
+                if inp.get("link") is not None and (node["type"] == "Reroute" or
+                                                    inp.get("type") in (wanted, "*")):
+                    return source_of(inp["link"], seen + (origin,))
+            return None
+        if node["type"] == "PrimitiveNode":
+            return ("literal", (node.get("widgets_values") or [None])[0])
+        if node.get("mode") == MUTED:
+            return None
+        return [str(origin), slot]
+
+    prompt = {}
+    for node_id, node in nodes.items():
+        kind = node["type"]
+        if kind in FRONTEND_ONLY or node.get("mode") in (MUTED, BYPASSED):
+            continue
+        if kind in subgraphs:
+            raise WorkflowError("subgraphs are not supported: unpack the subgraph into nodes "
+                                "in the editor", str(node_id), kind)
+        info = object_info.get(kind)
+        if info is None:
+            raise WorkflowError(f"unknown node type {kind!r} (not one of our nodes, nor a core "
+                                f"node this runner provides; run it with --server against a "
+                                f"ComfyUI that has it)", str(node_id), kind)
+        inputs = _map_widget_values(node, info)
+        for slot, inp in enumerate(node.get("inputs") or []):
+            if inp.get("link") is None:
+                continue
+            source = source_of(inp["link"])
+            name = (inp.get("widget") or {}).get("name") or inp.get("name")
+            if source is None:
+                inputs.pop(name, None)
+            elif isinstance(source, tuple):
+                inputs[name] = source[1]
+            else:
+                inputs[name] = source
+        title = node.get("title") or info.get("display_name") or kind
+        prompt[str(node_id)] = {"inputs": inputs, "class_type": kind, "_meta": {"title": title}}
+    return prompt

@@ -1,0 +1,166 @@
+"""Headless equivalents of the ComfyUI core nodes our example workflows use.
+
+Same node types, input names, order, defaults and outputs as ComfyUI's (a test compares them
+with a real server's ``/object_info``), so an example runs unchanged with or without ComfyUI.
+Only what the examples need is provided: LoadImage, SaveImage, PreviewImage, LoadVideo,
+GetVideoComponents, CreateVideo and SaveVideo.
+
+Headless VIDEO values are :class:`Video` objects; headless AUDIO values remember the file the
+audio came from, and SaveVideo copies that track unchanged (no re-encoding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Optional
+
+from .nodes import Input, NodeDef, NodeResult, Output
+
+_CORE = "core (headless)"
+
+
+@dataclass
+class Video:
+    """A video: a file, or frames (T, H, W, C) in [0, 1] with a frame rate and optional audio."""
+
+    path: Optional[Path] = None
+    images: object = None
+    fps: Optional[float] = None
+    audio: Optional[dict] = None
+
+
+def _load_image(host, image: str) -> NodeResult:
+    import numpy as np
+    import torch
+    from PIL import Image, ImageOps
+
+    path = host.input_path(image)
+    if not path.is_file():
+        raise ValueError(f"image {image!r}: no such file in the input folder {path.parent}")
+    with Image.open(path) as im:
+        im = ImageOps.exif_transpose(im)
+        rgb = np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0
+        if "A" in im.getbands():
+            mask = 1.0 - np.asarray(im.getchannel("A"), dtype=np.float32) / 255.0
+        else:
+            mask = np.zeros((64, 64), dtype=np.float32)  # ComfyUI's "no mask"
+    return NodeResult((torch.from_numpy(rgb)[None], torch.from_numpy(mask)[None]))
+
+
+def _save_images(host, images, filename_prefix: str = "ComfyUI") -> NodeResult:
+    import numpy as np
+    from PIL import Image
+
+    saved = []
+    for frame in images:
+        height, width = frame.shape[:2]
+        path, entry = host.output_file(filename_prefix, ".png", width, height)
+        pixels = np.clip(frame.cpu().numpy() * 255.0, 0, 255).astype(np.uint8)
+        Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels).save(path)
+        saved.append(entry)
+    return NodeResult(ui={"images": saved})
+
+
+def _preview_images(host, images) -> NodeResult:
+    host.warn(f"PreviewImage: {len(images)} frame(s) of {images.shape[2]}x{images.shape[1]} "
+              f"(headless: nothing is shown)")
+    return NodeResult(ui={})
+
+
+def _load_video(host, file: str) -> NodeResult:
+    path = host.input_path(file)
+    if not path.is_file():
+        raise ValueError(f"file {file!r}: no such video in the input folder {path.parent}")
+    return NodeResult((Video(path=path),))
+
+
+def _video_frames(video: Video):
+    import torch
+
+    from ..io import open_media
+    from ..pipeline.runner import to_float_frame
+
+    with open_media(video.path) as reader:
+        frames = [to_float_frame(f, i)[..., :3] for i, f in enumerate(reader.frames())]
+        info = reader.info
+    audio = {"source": str(video.path)} if info.has_audio else None
+    return torch.stack(frames), float(info.fps or 0.0), audio
+
+
+def _get_video_components(host, video: Video) -> NodeResult:
+    if video.path is not None:
+        images, fps, audio = _video_frames(video)
+        return NodeResult((images, audio, fps))
+    return NodeResult((video.images, video.audio, float(video.fps)))
+
+
+def _create_video(host, images, fps: float, audio: Optional[dict] = None) -> NodeResult:
+    return NodeResult((Video(images=images, fps=fps, audio=audio),))
+
+
+def _save_video(host, video: Video, filename_prefix: str = "video/ComfyUI", format: str = "auto",
+                codec: str = "auto") -> NodeResult:
+    import numpy as np
+
+    from ..io import open_writer
+
+    if video.path is not None:
+        images, fps, audio = _video_frames(video)
+    else:
+        images, fps, audio = video.images, video.fps, video.audio
+    if audio is not None and "source" not in audio:
+        raise ValueError("audio that does not come from a video file cannot be saved headless")
+    height, width = images.shape[1:3]
+    path, entry = host.output_file(filename_prefix, ".mp4", width, height)
+    rate = Fraction(fps).limit_denominator(1001)
+    with open_writer(path, width=width, height=height, channels=3, bit_depth=8, fps=rate,
+                     codec="h264", audio_from=audio["source"] if audio else None,
+                     overwrite=True) as writer:
+        for frame in images:
+            writer.write(np.clip(frame[..., :3].cpu().numpy() * 255.0 + 0.5, 0, 255).astype(np.uint8))
+    return NodeResult(ui={"images": [entry], "animated": [True]})
+
+
+def _input_files(host) -> list:
+    return host.input_names()
+
+
+CORE_NODES = (
+    NodeDef("LoadImage", "Load Image", "Load an image from the input folder.",
+            (Input("image", "COMBO", "an image in the input folder", choices=_input_files,
+                   upload="image_upload"),),
+            (Output("IMAGE", "IMAGE", ""), Output("MASK", "MASK", "")), _load_image,
+            category=_CORE),
+    NodeDef("SaveImage", "Save Image", "Save images to the output folder.",
+            (Input("images", "IMAGE", "The images to save."),
+             Input("filename_prefix", "STRING", "The prefix for the file to save.", "ComfyUI")),
+            (), _save_images, output_node=True, category=_CORE),
+    NodeDef("PreviewImage", "Preview Image", "Show images (headless: nothing).",
+            (Input("images", "IMAGE", ""),), (), _preview_images, output_node=True,
+            category=_CORE),
+    NodeDef("LoadVideo", "Load Video", "Load a video from the input folder.",
+            (Input("file", "COMBO", "a video in the input folder", choices=_input_files,
+                   upload="video_upload"),),
+            (Output("VIDEO", "VIDEO", ""),), _load_video, category=_CORE),
+    NodeDef("GetVideoComponents", "Get Video Components",
+            "Extracts all components from a video: frames, audio, and framerate.",
+            (Input("video", "VIDEO", "The video to extract components from."),),
+            (Output("images", "IMAGE", ""), Output("audio", "AUDIO", ""), Output("fps", "FLOAT", "")),
+            _get_video_components, category=_CORE),
+    NodeDef("CreateVideo", "Create Video", "Create a video from images.",
+            (Input("images", "IMAGE", "The images to create a video from."),
+             Input("fps", "FLOAT", "", 30.0, min=1.0, max=120.0, step=1.0),
+             Input("audio", "AUDIO", "The audio to add to the video.", optional=True)),
+            (Output("VIDEO", "VIDEO", ""),), _create_video, category=_CORE),
+    NodeDef("SaveVideo", "Save Video", "Saves the input images to your output directory.",
+            (Input("video", "VIDEO", "The video to save."),
+             Input("filename_prefix", "STRING", "The prefix for the file to save.",
+                   "video/ComfyUI"),
+             Input("format", "COMBO", "The format to save the video as.", "auto",
+                   choices=("auto", "mp4")),
+             Input("codec", "COMBO", "The codec to use for the video.", "auto",
+                   choices=("auto", "h264"))),
+            (), _save_video, output_node=True, category=_CORE),
+)

@@ -1,0 +1,186 @@
+"""Run an API-format prompt in this process: our nodes plus the headless core nodes.
+
+An API-format prompt maps node ids to ``{"class_type": ..., "inputs": {...}}``; an input is a
+value or a link ``[source node id, output index]``. Like ComfyUI, the whole prompt is checked
+first (node types, links, every value against its input's type, range and choices), then the
+output nodes and what they depend on run in dependency order. Every problem is a
+:class:`WorkflowError` naming the node.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .errors import WorkflowError
+from .nodes import Input, NodeDef, NodeResult
+
+
+def registry() -> dict[str, NodeDef]:
+    from .core_nodes import CORE_NODES
+    from .nodes import build_nodes
+
+    return {node.id: node for node in (*build_nodes(), *CORE_NODES)}
+
+
+def is_link(value) -> bool:
+    return (isinstance(value, list) and len(value) == 2 and isinstance(value[0], (str, int))
+            and not isinstance(value[0], bool) and isinstance(value[1], int)
+            and not isinstance(value[1], bool))
+
+
+def coerce(inp: Input, value, host):
+    """A widget value checked against its input; returns it in the input's Python type."""
+    kind = inp.type
+    try:
+        if kind == "INT":
+            if isinstance(value, bool) or isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            value = int(value)
+        elif kind == "FLOAT":
+            if isinstance(value, bool):
+                raise ValueError
+            value = float(value)
+        elif kind == "BOOLEAN":
+            if isinstance(value, str) and value.lower() in ("true", "false"):
+                value = value.lower() == "true"
+            elif not isinstance(value, bool):
+                raise ValueError
+        elif kind in ("STRING", "COMBO"):
+            if not isinstance(value, str):
+                if kind == "COMBO" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    pass
+                else:
+                    raise ValueError
+    except (TypeError, ValueError):
+        raise ValueError(f"{inp.name} = {value!r}: expected {kind.lower() if kind != 'COMBO' else 'one of the choices'}") from None
+    if inp.min is not None and value < inp.min:
+        raise ValueError(f"{inp.name} = {value!r}: below the minimum {inp.min}")
+    if inp.max is not None and value > inp.max:
+        raise ValueError(f"{inp.name} = {value!r}: above the maximum {inp.max}")
+    if kind == "COMBO":
+        options = inp.options(host)
+        if value not in options:
+            shown = ", ".join(map(str, options[:12])) + (", ..." if len(options) > 12 else "")
+            raise ValueError(f"{inp.name} = {value!r}: not one of the choices ({shown or 'none'})")
+    return value
+
+
+def _check_shape(prompt) -> None:
+    if not isinstance(prompt, dict) or not prompt:
+        raise WorkflowError("the prompt must be a JSON object of nodes: {\"1\": {\"class_type\": "
+                            "..., \"inputs\": {...}}, ...}")
+    for node_id, node in prompt.items():
+        if not isinstance(node, dict) or not isinstance(node.get("class_type"), str):
+            raise WorkflowError("not a node: expected {\"class_type\": ..., \"inputs\": {...}}",
+                                str(node_id), "?")
+        if not isinstance(node.get("inputs", {}), dict):
+            raise WorkflowError("'inputs' must be an object", str(node_id), node["class_type"])
+
+
+def validate(prompt: dict, nodes: dict[str, NodeDef], host) -> list[str]:
+    """Check the prompt; returns the ids of the nodes to run, in dependency order."""
+    _check_shape(prompt)
+    for node_id, node in prompt.items():
+        if node["class_type"] not in nodes:
+            ours = ", ".join(sorted(nodes))
+            raise WorkflowError(f"unknown node type {node['class_type']!r}; this runner has "
+                                f"{ours} (run other nodes on a ComfyUI server with --server)",
+                                str(node_id), node["class_type"])
+    outputs = [str(i) for i, n in prompt.items() if nodes[n["class_type"]].output_node]
+    if not outputs:
+        raise WorkflowError("the workflow has no output node (such as SaveImage, SaveVideo, "
+                            "PreviewImage or SeedVR2 Upscale Video File): nothing would run")
+    order: list[str] = []
+    state: dict[str, str] = {}
+    prompt = {str(k): v for k, v in prompt.items()}
+
+    def visit(node_id: str, chain: tuple):
+        if state.get(node_id) == "done":
+            return
+        if state.get(node_id) == "visiting":
+            raise WorkflowError(f"the workflow has a cycle: {' -> '.join(chain + (node_id,))}")
+        state[node_id] = "visiting"
+        node = prompt[node_id]
+        definition = nodes[node["class_type"]]
+        inputs = node.get("inputs", {})
+        for inp in definition.inputs:
+            value = inputs.get(inp.name)
+            if value is None:
+                if not inp.optional:
+                    raise WorkflowError(f"missing required input {inp.name!r}", node_id,
+                                        node["class_type"])
+                continue
+            if is_link(value):
+                source_id, slot = str(value[0]), value[1]
+                if source_id not in prompt:
+                    raise WorkflowError(f"input {inp.name!r} is linked to node {source_id}, which "
+                                        f"is not in the workflow", node_id, node["class_type"])
+                source = nodes[prompt[source_id]["class_type"]]
+                if not 0 <= slot < len(source.outputs):
+                    raise WorkflowError(f"input {inp.name!r} is linked to output {slot} of node "
+                                        f"{source_id} ({source.id}), which has "
+                                        f"{len(source.outputs)} outputs", node_id, node["class_type"])
+                produced = source.outputs[slot].type
+                if produced != inp.type and "*" not in (produced, inp.type):
+                    raise WorkflowError(f"input {inp.name!r} takes {inp.type} but is linked to "
+                                        f"{source.id} output {slot} ({produced})", node_id,
+                                        node["class_type"])
+                visit(source_id, chain + (node_id,))
+            elif not inp.is_widget:
+                raise WorkflowError(f"input {inp.name!r} takes {inp.type} and must be linked to "
+                                    f"another node's output, not given the value {value!r}",
+                                    node_id, node["class_type"])
+            else:
+                try:
+                    coerce(inp, value, host)
+                except ValueError as e:
+                    raise WorkflowError(str(e), node_id, node["class_type"]) from None
+        state[node_id] = "done"
+        order.append(node_id)
+
+    for node_id in outputs:
+        visit(node_id, ())
+    return order
+
+
+def execute(prompt: dict, host, nodes: Optional[dict[str, NodeDef]] = None) -> dict[str, NodeResult]:
+    """Validate, then run ``prompt``; returns every executed node's result by node id."""
+    from ..pipeline.runner import Interrupted
+    from .errors import WorkflowInterrupted
+
+    nodes = nodes or registry()
+    prompt = {str(k): v for k, v in prompt.items()} if isinstance(prompt, dict) else prompt
+    order = validate(prompt, nodes, host)
+    results: dict[str, NodeResult] = {}
+    for node_id in order:
+        node = prompt[node_id]
+        definition = nodes[node["class_type"]]
+        kwargs = {}
+        for inp in definition.inputs:
+            value = node.get("inputs", {}).get(inp.name)
+            if value is None:
+                continue
+            if is_link(value):
+                value = results[str(value[0])].outputs[value[1]]
+            elif inp.is_widget:
+                value = coerce(inp, value, host)
+            kwargs[inp.name] = value
+        host.label = f"{node_id} {definition.display_name}"
+        try:
+            results[node_id] = definition.run(host, **kwargs)
+        except (WorkflowInterrupted, Interrupted):
+            raise WorkflowInterrupted("interrupted", node_id, node["class_type"]) from None
+        except KeyboardInterrupt:
+            raise
+        except Exception as e:  # a node's failure, reported with the node it happened in
+            raise WorkflowError(_message(e), node_id, node["class_type"]) from e
+        finally:
+            if hasattr(host, "close_bar"):
+                host.close_bar()
+    return results
+
+
+def _message(e: Exception) -> str:
+    text = str(e) or type(e).__name__
+    return text if isinstance(e, (ValueError, FileExistsError, OSError)) else \
+        f"{type(e).__name__}: {text}"

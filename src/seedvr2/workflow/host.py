@@ -1,0 +1,119 @@
+"""The headless :class:`~seedvr2.workflow.nodes.Host`: folders on disk, a tqdm bar, Ctrl-C."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Optional
+
+log = logging.getLogger("seedvr2")
+
+
+class HeadlessHost:
+    """Runs nodes outside ComfyUI.
+
+    ``model_dir``: the model folder (default: ``$SEEDVR2_MODEL_DIR``, ComfyUI's models/SEEDVR2
+    when importable, else the user cache folder); ``input_dir``: where LoadImage / LoadVideo
+    names and relative video paths are looked up; ``output_dir``: where files are saved.
+    """
+
+    def __init__(self, model_dir=None, input_dir=".", output_dir="output", quiet: bool = False):
+        if model_dir is None:
+            from ..loading.registry import default_model_dir
+
+            model_dir = default_model_dir()
+        self.model_dir = Path(model_dir).expanduser()
+        self.input_dir = Path(input_dir).expanduser()
+        self.output_dir = Path(output_dir).expanduser()
+        self.quiet = quiet
+        self.stop = threading.Event()  # set to interrupt the running node
+        self.saved: list[Path] = []
+        self.warnings: list[str] = []
+        self._bar = None
+        self.label = ""
+
+    # -- files -----------------------------------------------------------------------------
+
+    def model_names(self) -> list[str]:
+        if not self.model_dir.is_dir():
+            return []
+        return sorted(str(p.relative_to(self.model_dir)) for p in self.model_dir.rglob("*")
+                      if p.is_file() and not p.name.startswith("."))
+
+    def model_path(self, name: str) -> Optional[Path]:
+        path = self.model_dir / name
+        return path if path.is_file() else None
+
+    def model_folder(self) -> Path:
+        return self.model_dir
+
+    def input_names(self) -> list[str]:
+        if not self.input_dir.is_dir():
+            return []
+        return sorted(p.name for p in self.input_dir.iterdir() if p.is_file())
+
+    def input_path(self, name: str) -> Path:
+        return Path(os.path.join(self.input_dir, os.path.expanduser(name)))
+
+    def output_file(self, prefix: str, suffix: str, width: int, height: int) -> tuple[Path, dict]:
+        """Next free ``<prefix>_NNNNN_<suffix>`` in the output folder, as ComfyUI numbers files."""
+        prefix = prefix.replace("%width%", str(width)).replace("%height%", str(height))
+        subfolder, name = os.path.split(os.path.normpath(prefix))
+        folder = (self.output_dir / subfolder).resolve()
+        if os.path.commonpath([self.output_dir.resolve(), folder]) != str(self.output_dir.resolve()):
+            raise ValueError(f"filename_prefix {prefix!r}: saving outside the output folder is "
+                             f"not allowed")
+        folder.mkdir(parents=True, exist_ok=True)
+        pattern = re.compile(re.escape(name) + r"_(\d+)_")
+        used = [int(m[1]) for p in folder.iterdir() if (m := pattern.match(p.name))]
+        path = folder / f"{name}_{max(used, default=0) + 1:05}_{suffix}"
+        self.saved.append(path)
+        return path, {"filename": path.name, "subfolder": subfolder, "type": "output"}
+
+    # -- progress, interruption, memory ------------------------------------------------------
+
+    def progress(self, value: int, total: int) -> None:
+        if self.quiet:
+            return
+        from tqdm import tqdm
+
+        if self._bar is None or self._bar.total != total:
+            self.close_bar()
+            self._bar = tqdm(total=total, desc=self.label, unit="step", leave=False)
+        self._bar.update(value - self._bar.n)
+
+    def close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def interrupted(self) -> bool:
+        return self.stop.is_set()
+
+    def raise_interrupted(self) -> None:
+        from .errors import WorkflowInterrupted
+
+        if self.stop.is_set():
+            raise WorkflowInterrupted("interrupted")
+
+    def before_load(self) -> None:
+        pass  # nothing else holds models in this process
+
+    def after_run(self) -> None:
+        import gc
+
+        gc.collect()
+        try:
+            import torch
+
+            if torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
+        except ImportError:
+            pass
+
+    def warn(self, message: str) -> None:
+        self.warnings.append(message)
+        log.warning(message)

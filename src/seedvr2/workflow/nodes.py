@@ -1,0 +1,662 @@
+"""Our ComfyUI nodes, defined once and independent of ComfyUI.
+
+Each :class:`NodeDef` says what a node takes (:class:`Input`: type, default, range, choices,
+tooltip), what it returns and what it does (``run(host, **inputs)``). The ComfyUI pack
+(top-level ``nodes.py``) turns these into V3 or classic nodes and gives them a ComfyUI
+:class:`Host` (progress bar, interrupt flag, model folders, memory); the headless runner gives
+them its own. Nodes stay thin: they parse inputs, call the facade (:mod:`seedvr2.api`) and
+report progress.
+
+Option names follow the one option table (:mod:`seedvr2.options`): the upscaler's pipeline
+inputs are generated from it, and :data:`LOADER_SETTINGS` / :data:`UPSCALER_SETTINGS` map the
+other node inputs to library option names. A setting the library does not know yet is passed
+on when it does, and until then reported ("... is not supported yet; ignored") whenever it is
+set to anything but its neutral default, never dropped silently.
+
+Import cost: this module imports only :mod:`seedvr2.options`; torch, the models and the
+model registry load when a node runs or its dropdowns are listed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Optional, Protocol, Union
+
+from ..options import DTYPE_NAMES, OPTIONS, Option
+
+log = logging.getLogger("seedvr2")
+
+CATEGORY = "SeedVR2"
+DIT_TYPE, VAE_TYPE, COMPILE_TYPE = "SEEDVR2_DIT", "SEEDVR2_VAE", "SEEDVR2_TORCH_COMPILE_ARGS"
+WIDGET_TYPES = ("INT", "FLOAT", "BOOLEAN", "STRING", "COMBO")
+MODEL_SUFFIXES = (".safetensors", ".gguf", ".pth", ".pt")
+ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn_2", "flash_attn_3", "sageattn_2")
+# A test hook, never set by users: the next upscaling run writes this file and then waits
+# until it is interrupted, so a test can interrupt a run at a known point instead of racing it.
+HOLD_UNTIL_INTERRUPT_ENV = "SEEDVR2_TEST_HOLD_UNTIL_INTERRUPT"
+
+
+# ---------------------------------------------------------------------------------------------
+# What a node looks like
+
+
+Choices = Union[tuple, Callable[["Host"], list]]
+
+
+@dataclass(frozen=True)
+class Input:
+    name: str
+    type: str  # ComfyUI type: INT, FLOAT, BOOLEAN, STRING, COMBO, IMAGE, SEEDVR2_DIT, ...
+    tooltip: str
+    default: Any = None
+    choices: Optional[Choices] = None  # COMBO options; a callable is asked each time
+    min: Optional[float] = None
+    max: Optional[float] = None
+    step: Optional[float] = None
+    optional: bool = False
+    control_after_generate: bool = False  # the editor adds a "control after generate" widget
+    upload: Optional[str] = None  # "image_upload" / "video_upload": the editor adds an upload widget
+
+    @property
+    def is_widget(self) -> bool:
+        return self.type in WIDGET_TYPES
+
+    def options(self, host: "Host") -> list:
+        choices = self.choices(host) if callable(self.choices) else self.choices
+        return list(choices or ())
+
+
+@dataclass(frozen=True)
+class Output:
+    name: str
+    type: str
+    tooltip: str
+
+
+@dataclass
+class NodeResult:
+    outputs: tuple = ()
+    ui: Optional[dict] = None  # what ComfyUI shows on the node (previews, saved files)
+
+
+@dataclass(frozen=True)
+class NodeDef:
+    id: str
+    display_name: str
+    description: str
+    inputs: tuple
+    outputs: tuple
+    run: Callable[..., NodeResult]  # run(host, **inputs)
+    output_node: bool = False
+    category: str = CATEGORY
+
+    def input(self, name: str) -> Input:
+        return next(i for i in self.inputs if i.name == name)
+
+
+class Host(Protocol):
+    """What a node needs from whoever runs it (ComfyUI, or the headless runner)."""
+
+    def model_names(self) -> list[str]: ...  # files in the model folders, relative names
+    def model_path(self, name: str) -> Optional[Path]: ...
+    def model_folder(self) -> Path: ...  # where missing model files should go
+    def input_path(self, name: str) -> Path: ...
+    def output_file(self, prefix: str, suffix: str, width: int, height: int) -> tuple[Path, dict]: ...
+    def progress(self, value: int, total: int) -> None: ...
+    def interrupted(self) -> bool: ...
+    def raise_interrupted(self) -> None: ...  # raises the host's own interruption, if flagged
+    def before_load(self) -> None: ...  # make room for our models
+    def after_run(self) -> None: ...  # give memory back
+    def warn(self, message: str) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs generated from the option table
+
+
+def option_input(opt: Option, name: Optional[str] = None, tooltip: Optional[str] = None) -> Input:
+    """A node input for a library option: same type, default, range, choices; help = tooltip."""
+    kw = dict(name=name or opt.name, tooltip=tooltip or opt.help, default=opt.default)
+    if opt.choices is not None:
+        return Input(type="COMBO", choices=tuple(opt.choices), **kw)
+    if opt.type is bool:
+        return Input(type="BOOLEAN", **kw)
+    if opt.type is int:
+        return Input(type="INT", min=opt.min, max=opt.max, step=1,
+                     control_after_generate=opt.name == "seed", **kw)
+    if opt.type is float:
+        return Input(type="FLOAT", min=opt.min, max=opt.max, step=0.01, **kw)
+    return Input(type="STRING", **kw)
+
+
+def _device_choices(host) -> list:
+    """auto, cpu and the accelerators this machine has (asked when the node is listed)."""
+    import torch
+
+    cuda = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    mps = ["mps"] if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available() else []
+    return ["auto", "cpu", *cuda, *mps]
+
+
+def _offload_choices(host) -> list:
+    return ["none"] + [d for d in _device_choices(host) if d not in ("auto", "mps")]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A node input that is not a pipeline option, and the library option(s) it becomes.
+
+    ``option`` is the library's name (architecture table). The input's type, default and help
+    come from :data:`seedvr2.options.OPTIONS` when the library defines that option, else from
+    ``fallback`` (so node inputs exist, and workflows stay stable, before the library catches
+    up). ``shared`` names today's library option that covers both models (``device``).
+    """
+
+    input: str
+    option: str
+    fallback: Input
+    shared: Optional[str] = None
+    to_options: Optional[Callable[[Any], dict]] = None  # value -> {library option: value}
+
+    def node_input(self) -> Input:
+        opt = OPTIONS.get(self.option)
+        base = self.fallback
+        if opt is None or self.to_options is not None:
+            return base
+        made = option_input(opt, name=self.input, tooltip=base.tooltip)
+        # Devices stay dropdowns of what this machine has; the library checks the value.
+        if base.type == "COMBO" and callable(base.choices):
+            return Input(self.input, "COMBO", made.tooltip, default=opt.default, choices=base.choices)
+        return replace(made, step=base.step) if base.step is not None else made
+
+    def library_options(self, value) -> dict:
+        return self.to_options(value) if self.to_options else {self.option: value}
+
+
+# torch_compile_args field -> library option; the compile settings node's cache limits have no
+# library option yet and are passed on (or reported) only when changed from their defaults.
+COMPILE_FIELDS = {"backend": "compile_backend", "mode": "compile_mode",
+                  "fullgraph": "compile_fullgraph", "dynamic": "compile_dynamic",
+                  "dynamo_cache_size_limit": "compile_dynamo_cache_size_limit",
+                  "dynamo_recompile_limit": "compile_dynamo_recompile_limit"}
+COMPILE_LIMIT_DEFAULTS = {"dynamo_cache_size_limit": 64, "dynamo_recompile_limit": 128}
+
+
+def _compile_options(args) -> dict:
+    if not args:
+        return {}
+    options = {"compile": True}
+    for key, option in COMPILE_FIELDS.items():
+        if key in args and args[key] != COMPILE_LIMIT_DEFAULTS.get(key, object()):
+            options[option] = args[key]
+    return options
+
+
+def _model_input(kind: str) -> Input:
+    return Input("model", "COMBO", f"the {kind.upper()} weights: a released file (if it is not in "
+                 f"models/SEEDVR2 yet, the error says where to download it) or a file found in "
+                 f"models/SEEDVR2 (fp16, fp8, int8, GGUF or repackaged)",
+                 choices=lambda host: model_choices(host, kind))
+
+
+def _compile_input() -> Input:
+    return Input("torch_compile_args", COMPILE_TYPE, "torch.compile settings from a SeedVR2 "
+                 "Torch Compile Settings node (leave unconnected to run without compiling)",
+                 optional=True)
+
+
+def _s(input_name, option, type_, tooltip, default, **kw) -> Setting:
+    shared = kw.pop("shared", None)
+    to_options = kw.pop("to_options", None)
+    return Setting(input_name, option, Input(input_name, type_, tooltip, default, **kw), shared,
+                   to_options)
+
+
+# The model-loader settings: node input -> library option (architecture table). The DiT and VAE
+# loaders output a handle carrying these; the upscaler turns them into facade options.
+LOADER_SETTINGS: dict[str, tuple] = {
+    "dit": (
+        _s("device", "dit_device", "COMBO", "device the DiT runs on (auto: the GPU if there is one, "
+           "else the CPU)", "auto", choices=_device_choices, shared="device"),
+        _s("offload_device", "dit_offload_device", "COMBO", "where the DiT waits while the VAE "
+           "runs (none: it stays on its device; cpu frees VRAM between phases)", "none",
+           choices=_offload_choices),
+        _s("cache_model", "cache_dit", "BOOLEAN", "keep the loaded DiT for the next run with the "
+           "same settings", False),
+        _s("blocks_to_swap", "blocks_to_swap", "INT", "DiT blocks kept on the offload device and "
+           "streamed in one ahead of use (BlockSwap); more = less VRAM, slower", 0, min=0,
+           max=1000, step=1),
+        _s("swap_io_components", "swap_io_components", "BOOLEAN", "also keep the DiT's input and "
+           "output layers on the offload device (BlockSwap)", False),
+        _s("attention_backend", "attention_backend", "COMBO", "attention kernel: auto, sdpa, "
+           "flash_attn_2/3 or sageattn_2 (an unavailable one falls back to sdpa with a warning)",
+           "auto", choices=ATTENTION_BACKENDS),
+        _s("dtype", "dtype", "COMBO", "compute precision: auto (bf16 on GPUs that support it, else "
+           "fp16; fp32 on the CPU), fp32, fp16, bf16", "auto", choices=DTYPE_NAMES),
+        _s("text_embeddings", "text_embeddings", "STRING", "text embeddings: auto (the file next "
+           "to the DiT whose width matches it) or a path to .safetensors/.pt", "auto"),
+        Setting("torch_compile_args", "compile", _compile_input(), to_options=_compile_options),
+    ),
+    "vae": (
+        _s("device", "vae_device", "COMBO", "device the VAE runs on (auto: the GPU if there is "
+           "one, else the CPU)", "auto", choices=_device_choices, shared="device"),
+        _s("offload_device", "vae_offload_device", "COMBO", "where the VAE waits while the DiT "
+           "runs (none: it stays on its device)", "none", choices=_offload_choices),
+        _s("cache_model", "cache_vae", "BOOLEAN", "keep the loaded VAE for the next run with the "
+           "same settings", False),
+        _s("encode_tiled", "vae_encode_tiled", "BOOLEAN", "encode in spatial tiles (bounded VRAM "
+           "at any size)", False),
+        _s("encode_tile_size", "vae_encode_tile_size", "INT", "encode tile size in pixels", 512,
+           min=64, max=16384, step=8),
+        _s("encode_tile_overlap", "vae_encode_tile_overlap", "INT", "encode tile overlap in "
+           "pixels", 64, min=0, max=8192, step=8),
+        _s("decode_tiled", "vae_decode_tiled", "BOOLEAN", "decode in spatial tiles (bounded VRAM "
+           "at any size)", False),
+        _s("decode_tile_size", "vae_decode_tile_size", "INT", "decode tile size in pixels", 512,
+           min=64, max=16384, step=8),
+        _s("decode_tile_overlap", "vae_decode_tile_overlap", "INT", "decode tile overlap in "
+           "pixels", 64, min=0, max=8192, step=8),
+        _s("dtype", "dtype", "COMBO", "compute precision: auto (bf16 on GPUs that support it, else "
+           "fp16; fp32 on the CPU), fp32, fp16, bf16", "auto", choices=DTYPE_NAMES),
+        Setting("torch_compile_args", "compile", _compile_input(), to_options=_compile_options),
+    ),
+}
+
+# Upscaler inputs that are not pipeline options.
+UPSCALER_SETTINGS: tuple = (
+    _s("devices", "devices", "STRING", "devices for a multi-GPU run: auto (every visible GPU, "
+       "else one CPU process), or a list such as cuda:0,cuda:1", "auto"),
+    _s("offload_device", "tensor_offload_device", "COMBO", "where latents and frames wait "
+       "between phases (cpu frees VRAM; none keeps them on the compute device)", "cpu",
+       choices=_offload_choices),
+)
+
+# Library options set through the loaders or the upscaler's own settings, not as pipeline inputs.
+_CLAIMED = ({s.option for group in LOADER_SETTINGS.values() for s in group}
+            | {s.shared for group in LOADER_SETTINGS.values() for s in group if s.shared}
+            | {s.option for s in UPSCALER_SETTINGS}
+            | {"compile", *COMPILE_FIELDS.values()})
+
+
+def pipeline_options() -> list[Option]:
+    """The options the upscaler nodes take directly, in table order."""
+    return [opt for name, opt in OPTIONS.items() if name not in _CLAIMED]
+
+
+# ---------------------------------------------------------------------------------------------
+# Model files
+
+
+@dataclass(frozen=True)
+class ModelHandle:
+    """What a loader node outputs: which file, and the loader's settings. Loading happens in the
+    upscaler (per run for now; a model cache keyed by this handle slots in there)."""
+
+    kind: str  # "dit" or "vae"
+    name: str  # as chosen in the dropdown
+    path: str  # the resolved file
+    settings: tuple = ()  # ((input name, value), ...) in LOADER_SETTINGS order
+
+    def setting(self, name: str):
+        return dict(self.settings)[name]
+
+
+_KIND_CACHE: dict = {}
+
+
+def _file_kind(path: Path) -> Optional[str]:
+    """'dit', 'vae', or None for a file that is neither (text embeddings, other weights)."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    key = (str(path), stat.st_size, stat.st_mtime_ns)
+    if key not in _KIND_CACHE:
+        from ..loading import CheckpointError, describe
+
+        try:
+            _KIND_CACHE[key] = describe(path)["kind"]
+        except (CheckpointError, OSError, ValueError):
+            _KIND_CACHE[key] = None
+    return _KIND_CACHE[key]
+
+
+def model_choices(host: Host, kind: str) -> list[str]:
+    """The model dropdown: the released files of this kind, then the other files of this kind
+    found in the model folders (header read once per file)."""
+    from ..loading.registry import KNOWN_FILES
+
+    registered = [n for n, k in KNOWN_FILES.items() if k.kind == kind]
+    found = []
+    for name in host.model_names():
+        if name in KNOWN_FILES or not name.lower().endswith(MODEL_SUFFIXES):
+            continue
+        path = host.model_path(name)
+        if path is not None and _file_kind(path) == kind:
+            found.append(name)
+    return registered + sorted(found)
+
+
+def _resolve_model(host: Host, kind: str, name: str) -> str:
+    from ..loading.registry import resolve_model_file
+
+    path = host.model_path(name)
+    if path is not None and path.is_file():
+        return str(path)
+    # Raises the registry's message: where to download a released file, or what is known.
+    return str(resolve_model_file(name, host.model_folder(), kind))
+
+
+def _load_model_node(kind: str):
+    def run(host: Host, model: str, **settings) -> NodeResult:
+        path = _resolve_model(host, kind, model)
+        ordered = tuple((s.input, settings.get(s.input)) for s in LOADER_SETTINGS[kind])
+        return NodeResult((ModelHandle(kind, model, path, ordered),))
+    return run
+
+
+def _torch_compile_settings(host: Host, **args) -> NodeResult:
+    return NodeResult((dict(args),))
+
+
+# ---------------------------------------------------------------------------------------------
+# Upscaling
+
+
+@dataclass
+class _Job:
+    """Facade options for one run, and what the library cannot honour yet (reported once)."""
+
+    options: dict = field(default_factory=dict)
+    unsupported: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+
+
+def _setting_default(setting: Setting):
+    return setting.node_input().default
+
+
+def plan_job(dit: ModelHandle, vae: ModelHandle, upscaler: dict, pipeline: dict) -> _Job:
+    """Turn loader handles, upscaler settings and pipeline inputs into facade options."""
+    job = _Job(options=dict(pipeline))
+    sources = [("SeedVR2 Load DiT Model", LOADER_SETTINGS["dit"], dict(dit.settings)),
+               ("SeedVR2 Load VAE Model", LOADER_SETTINGS["vae"], dict(vae.settings)),
+               ("upscaler", UPSCALER_SETTINGS, upscaler)]
+    shared_from: dict = {}
+    for label, settings, values in sources:
+        for setting in settings:
+            value = values.get(setting.input, _setting_default(setting))
+            options = setting.library_options(value)
+            for option, v in options.items():
+                name = setting.input if len(options) == 1 else \
+                    f"{setting.input}.{option.removeprefix('compile_')}"
+                target = option
+                if option not in OPTIONS and setting.shared in OPTIONS:
+                    target = setting.shared  # one device for both models, until per-model ones
+                if target in OPTIONS:
+                    if target in job.options and job.options[target] != v:
+                        first = shared_from.get(target, "")
+                        job.notes.append(f"{name} = {v!r} ({label}) differs from "
+                                         f"{job.options[target]!r} ({first}): one {target} for "
+                                         f"both models is supported; using {job.options[target]!r}")
+                        continue
+                    job.options[target] = v
+                    shared_from.setdefault(target, label)
+                elif setting.to_options is not None or v != _setting_default(setting):
+                    job.unsupported.append(f"{name} = {v!r} ({label}) is not supported yet; "
+                                           f"ignored")
+    devices = job.options.get("devices", upscaler.get("devices", "auto"))
+    if "devices" not in OPTIONS and devices == "auto" and _visible_gpus() > 1:
+        job.notes.append("devices = 'auto': multi-GPU runs are not supported yet; using one device")
+    return job
+
+
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _progress_callback(host: Host) -> Callable[[str, int, int], None]:
+    """One bar over encode + DiT + decode of every batch."""
+    done: dict = {}
+
+    def progress(phase: str, count: int, total: int):
+        if phase == "frames":
+            return
+        done[phase] = count
+        host.progress(sum(done.values()), 3 * total)
+    return progress
+
+
+def _stop_check(host: Host) -> Callable[[], bool]:
+    marker = os.environ.get(HOLD_UNTIL_INTERRUPT_ENV)
+    held = [False]
+
+    def should_stop() -> bool:
+        if marker and not held[0]:
+            held[0] = True
+            Path(marker).write_text("waiting for interrupt\n")
+            deadline = time.monotonic() + 300
+            while not host.interrupted() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return host.interrupted()
+    return should_stop
+
+
+def _run_facade(host: Host, dit: ModelHandle, vae: ModelHandle, upscaler: dict, pipeline: dict,
+                call: Callable):
+    """Run ``call(dit path, vae path, options, model dir, progress, stop)``: one facade call,
+    which loads the models (or takes them from the library's model cache)."""
+    from ..options import resolve_options
+    from ..pipeline.runner import Interrupted
+
+    job = plan_job(dit, vae, upscaler, pipeline)
+    for message in job.unsupported + job.notes:
+        host.warn(message)
+    resolve_options(**job.options)  # bad values fail here, before anything is loaded
+    model_dir = Path(dit.path).parent  # text embeddings "auto" look next to the DiT
+    host.before_load()
+    try:
+        return call(dit.path, vae.path, job.options, model_dir, _progress_callback(host),
+                    _stop_check(host))
+    except Interrupted:
+        host.raise_interrupted()
+        raise
+    finally:
+        host.after_run()
+
+
+def _as_comfy_image(frames):
+    """ComfyUI IMAGEs are RGB or RGBA: gray results come back as three equal channels."""
+    return frames.expand(-1, -1, -1, 3).contiguous() if frames.shape[-1] == 1 else frames
+
+
+def _split_inputs(inputs: dict) -> tuple[dict, dict]:
+    upscaler = {s.input: inputs.pop(s.input) for s in UPSCALER_SETTINGS if s.input in inputs}
+    return upscaler, inputs
+
+
+def _upscale_images(host: Host, image, dit: ModelHandle, vae: ModelHandle, **inputs) -> NodeResult:
+    from .. import api
+
+    upscaler, pipeline = _split_inputs(inputs)
+
+    def call(dit_path, vae_path, options, model_dir, progress, should_stop):
+        return api.upscale(image, dit_path, vae_path, model_dir=model_dir, progress=progress,
+                           should_stop=should_stop, **options)
+    return NodeResult((_as_comfy_image(_run_facade(host, dit, vae, upscaler, pipeline, call)),))
+
+
+PREVIEW_FRAMES = 4
+
+
+def _preview(path: Path):
+    """Up to PREVIEW_FRAMES frames spread over the output, as an IMAGE batch."""
+    import torch
+
+    from ..io import open_media
+    from ..pipeline.runner import to_float_frame
+
+    with open_media(path) as reader:
+        count = reader.info.frame_count
+        picks = sorted({round(i * (count - 1) / max(1, PREVIEW_FRAMES - 1))
+                        for i in range(min(PREVIEW_FRAMES, count))})
+        frames = []
+        for index in picks:
+            frame = next(iter(reader.frames(start=index, stop=index + 1)), None)
+            if frame is not None:
+                frames.append(to_float_frame(frame, index)[..., :3])
+    return _as_comfy_image(torch.stack(frames))
+
+
+def _upscale_video_file(host: Host, dit: ModelHandle, vae: ModelHandle, video_path: str,
+                        filename_prefix: str, codec: str, **inputs) -> NodeResult:
+    from .. import api
+    from ..io import open_media
+    from ..io._common import IMAGE_EXTENSIONS
+    from ..pipeline.runner import output_size
+
+    from ..options import resolve_options
+
+    upscaler, pipeline = _split_inputs(inputs)
+    if not video_path.strip():
+        raise ValueError("video_path is empty: give a video file (absolute path, or a name in "
+                         "the input folder)")
+    src = host.input_path(video_path.strip())
+
+    with open_media(src) as reader:  # a missing or unreadable input fails before any loading
+        info = reader.info
+    opts = resolve_options(**plan_job(dit, vae, upscaler, pipeline).options)
+    height, width = output_size(info.height, info.width, opts)
+    suffix = ".png" if info.kind == "image" and Path(src).suffix.lower() in IMAGE_EXTENSIONS else ".mp4"
+    dst, saved = host.output_file(filename_prefix, suffix, width, height)
+
+    def call(dit_path, vae_path, options, model_dir, progress, should_stop):
+        return api.upscale_file(src, dst, dit_path, vae_path, model_dir=model_dir, codec=codec,
+                                progress=progress, should_stop=should_stop, **options)
+    out = _run_facade(host, dit, vae, upscaler, pipeline, call)
+    return NodeResult((str(out), _preview(out)), ui={"seedvr2_outputs": [saved]})
+
+
+# ---------------------------------------------------------------------------------------------
+# The nodes
+
+
+def _loader_inputs(kind: str) -> tuple:
+    return (_model_input(kind), *(s.node_input() for s in LOADER_SETTINGS[kind]))
+
+
+def _upscaler_inputs() -> tuple:
+    return (*(s.node_input() for s in UPSCALER_SETTINGS),
+            *(option_input(opt) for opt in pipeline_options()))
+
+
+_DIT_IN = Input("dit", DIT_TYPE, "the DiT from a SeedVR2 Load DiT Model node")
+_VAE_IN = Input("vae", VAE_TYPE, "the VAE from a SeedVR2 Load VAE Model node")
+
+
+def _compile_settings_inputs() -> tuple:
+    def choices(name, fallback):
+        opt = OPTIONS.get(name)
+        return tuple(opt.choices) if opt is not None and opt.choices else fallback
+    return (
+        Input("backend", "COMBO", "torch.compile backend (inductor generates fused kernels)",
+              "inductor", choices=choices("compile_backend", ("inductor", "cudagraphs", "eager",
+                                                              "aot_eager"))),
+        Input("mode", "COMBO", "torch.compile mode (max-autotune searches longer for faster "
+              "kernels)", "default", choices=choices("compile_mode", (
+                  "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))),
+        Input("fullgraph", "BOOLEAN", "compile each block as one graph (fails on graph breaks)",
+              False),
+        Input("dynamic", "COMBO", "dynamic shapes: auto (after the first change), true, false",
+              "auto", choices=choices("compile_dynamic", ("auto", "true", "false"))),
+        Input("dynamo_cache_size_limit", "INT", "compiled variants kept per function (raise it "
+              "when many resolutions recompile)", 64, min=1, max=1024, step=1),
+        Input("dynamo_recompile_limit", "INT", "recompilations allowed per function before "
+              "falling back to eager", 128, min=1, max=1024, step=1),
+    )
+
+
+def build_nodes() -> tuple:
+    """The node definitions, built from the option table as it is now."""
+    return (
+        NodeDef("SeedVR2LoadDiTModel", "SeedVR2 Load DiT Model",
+                "Choose the SeedVR2 DiT (3B or 7B; fp16, fp8, int8 or GGUF) and how it runs. The "
+                "model loads when the upscaler runs.",
+                _loader_inputs("dit"), (Output("dit", DIT_TYPE, "the DiT, for the upscaler"),),
+                _load_model_node("dit")),
+        NodeDef("SeedVR2LoadVAEModel", "SeedVR2 Load VAE Model",
+                "Choose the SeedVR2 video VAE and how it runs (tiling bounds VRAM at high "
+                "resolutions). The model loads when the upscaler runs.",
+                _loader_inputs("vae"), (Output("vae", VAE_TYPE, "the VAE, for the upscaler"),),
+                _load_model_node("vae")),
+        NodeDef("SeedVR2TorchCompileSettings", "SeedVR2 Torch Compile Settings",
+                "torch.compile settings for the DiT and VAE loaders (faster after the first run; "
+                "needs a working compiler toolchain).",
+                _compile_settings_inputs(),
+                (Output("torch_compile_args", COMPILE_TYPE, "connect to a loader's "
+                        "torch_compile_args"),), _torch_compile_settings),
+        NodeDef("SeedVR2VideoUpscaler", "SeedVR2 Video Upscaler",
+                "Upscale an image or a batch of video frames with SeedVR2 (one diffusion step). "
+                "RGBA stays RGBA.",
+                (Input("image", "IMAGE", "the frames to upscale (a batch is a video)"), _DIT_IN,
+                 _VAE_IN, *_upscaler_inputs()),
+                (Output("image", "IMAGE", "the upscaled frames, same count and channels"),),
+                _upscale_images),
+        NodeDef("SeedVR2UpscaleVideoFile", "SeedVR2 Upscale Video File",
+                "Upscale a video file to a new file in the output folder, streaming: frames are "
+                "read, upscaled and written a batch at a time, so any length or resolution fits "
+                "in memory. Audio is copied unchanged.",
+                (_DIT_IN, _VAE_IN,
+                 Input("video_path", "STRING", "the video (or image / image sequence pattern): "
+                       "an absolute path, or a name in the ComfyUI input folder", ""),
+                 Input("filename_prefix", "STRING", "output name prefix in the output folder "
+                       "(may contain subfolders)", "SeedVR2/video"),
+                 Input("codec", "COMBO", "h264 (8-bit) or h265 (10-bit)", "h264",
+                       choices=("h264", "h265")),
+                 *_upscaler_inputs()),
+                (Output("path", "STRING", "the written file"),
+                 Output("preview", "IMAGE", f"up to {PREVIEW_FRAMES} frames of the result")),
+                _upscale_video_file, output_node=True),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The same nodes described as ComfyUI's /object_info describes them
+
+
+def input_spec(inp: Input, host: Host) -> list:
+    """One input as the classic API (and /object_info) writes it: [type or options, {...}]."""
+    extra = {"tooltip": inp.tooltip}
+    if inp.default is not None:
+        extra["default"] = inp.default
+    for key in ("min", "max", "step"):
+        if getattr(inp, key) is not None:
+            extra[key] = getattr(inp, key)
+    if inp.control_after_generate:
+        extra["control_after_generate"] = True
+    if inp.upload:
+        extra[inp.upload] = True
+    if inp.type == "COMBO":
+        return [inp.options(host), extra]
+    return [inp.type, extra]
+
+
+def object_info(node: NodeDef, host: Host) -> dict:
+    """``/object_info`` entry of a node: what the UI -> API conversion reads."""
+    required = {i.name: input_spec(i, host) for i in node.inputs if not i.optional}
+    optional = {i.name: input_spec(i, host) for i in node.inputs if i.optional}
+    info = {"input": {"required": required}, "input_order": {"required": list(required)},
+            "output": [o.type for o in node.outputs], "output_name": [o.name for o in node.outputs],
+            "output_tooltips": [o.tooltip for o in node.outputs],
+            "name": node.id, "display_name": node.display_name, "description": node.description,
+            "category": node.category, "output_node": node.output_node}
+    if optional:
+        info["input"]["optional"] = optional
+        info["input_order"]["optional"] = list(optional)
+    return info

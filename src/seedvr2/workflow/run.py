@@ -1,0 +1,129 @@
+"""``run_workflow``: a UI- or API-format workflow, run in this process or on a ComfyUI server."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional, Union
+
+from .convert import is_ui_format, ui_to_api
+from .errors import WorkflowError
+
+
+@dataclass
+class RunResult:
+    prompt: dict  # the API-format prompt that ran
+    files: list = field(default_factory=list)  # saved outputs (downloaded, with --server)
+    warnings: list = field(default_factory=list)
+
+
+def load_workflow(path) -> dict:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise WorkflowError(f"{path}: cannot read the workflow: {e.strerror or e}") from None
+    try:
+        workflow = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise WorkflowError(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column "
+                            f"{e.colno}") from None
+    if not isinstance(workflow, dict):
+        raise WorkflowError(f"{path}: a workflow is a JSON object, not {type(workflow).__name__}")
+    return workflow
+
+
+def builtin_object_info(host) -> dict:
+    """``/object_info`` of the nodes this runner has (ours and the headless core nodes)."""
+    from .execute import registry
+    from .nodes import object_info
+
+    return {node_id: object_info(node, host) for node_id, node in registry().items()}
+
+
+def to_api(workflow: dict, object_info: dict) -> dict:
+    if is_ui_format(workflow):
+        return ui_to_api(workflow, object_info)
+    if isinstance(workflow.get("prompt"), dict):  # a saved /prompt request body
+        workflow = workflow["prompt"]
+    if not all(isinstance(n, dict) and "class_type" in n for n in workflow.values()):
+        raise WorkflowError("not a workflow: expected the editor's format (with \"nodes\" and "
+                            "\"links\") or the API format ({\"1\": {\"class_type\": ..., "
+                            "\"inputs\": {...}}})")
+    return workflow
+
+
+def _parse_value(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # a bare string: --set 1.image=photo.png
+
+
+def _find_node(prompt: dict, key: str) -> str:
+    if key in prompt:
+        return key
+    by_title = [i for i, n in prompt.items() if n.get("_meta", {}).get("title") == key]
+    by_type = [i for i, n in prompt.items() if n.get("class_type") == key]
+    for matches in (by_title, by_type):
+        if len(matches) == 1:
+            return matches[0]
+        if len(matches) > 1:
+            raise WorkflowError(f"--set {key}: {len(matches)} nodes match ({', '.join(matches)}); "
+                                f"use the node id")
+    listing = ", ".join(f"{i} {n.get('class_type')}" for i, n in prompt.items())
+    raise WorkflowError(f"--set {key}: no node with this id, title or type (nodes: {listing})")
+
+
+def apply_sets(prompt: dict, sets: Iterable[str], object_info: dict) -> dict:
+    """``NODE.INPUT=VALUE`` overrides; NODE is a node id, title or (unique) type; VALUE is
+    JSON when it parses as JSON, else a string."""
+    prompt = json.loads(json.dumps(prompt))
+    for item in sets:
+        target, sep, raw = item.partition("=")
+        node_key, dot, name = target.rpartition(".")
+        if not sep or not dot or not node_key or not name:
+            raise WorkflowError(f"--set {item!r}: expected NODE.INPUT=VALUE, e.g. 3.resolution=1080")
+        node_id = _find_node(prompt, node_key)
+        node = prompt[node_id]
+        info = object_info.get(node["class_type"], {}).get("input", {})
+        known = [n for section in ("required", "optional") for n in (info.get(section) or {})]
+        if known and name not in known:
+            raise WorkflowError(f"--set {item!r}: {node['class_type']} has no input {name!r} "
+                                f"(inputs: {', '.join(known)})", node_id, node["class_type"])
+        node.setdefault("inputs", {})[name] = _parse_value(raw)
+    return prompt
+
+
+def run_workflow(workflow: Union[str, Path, dict], sets: Iterable[str] = (), *,
+                 server: Optional[str] = None, model_dir=None, input_dir=".",
+                 output_dir="output", quiet: bool = False, timeout: Optional[float] = None,
+                 host=None) -> RunResult:
+    """Run ``workflow`` (a path or a parsed workflow) with ``--set``-style overrides.
+
+    In process (default): our nodes and the headless core nodes; models from ``model_dir``,
+    inputs from ``input_dir``, files saved under ``output_dir``. With ``server``: the prompt
+    runs on that ComfyUI (its folders), and saved outputs are downloaded into ``output_dir``.
+    Raises :class:`WorkflowError` naming the failing node.
+    """
+    if not isinstance(workflow, dict):
+        workflow = load_workflow(workflow)
+    if server is not None:
+        from .server import ComfyServer
+
+        client = ComfyServer(server)
+        info = client.object_info()
+        prompt = apply_sets(to_api(workflow, info), sets, info)
+        entry = client.wait(client.submit(prompt), timeout=timeout)
+        return RunResult(prompt, client.download(entry, Path(output_dir)))
+
+    from .execute import execute
+    from .host import HeadlessHost
+
+    host = host or HeadlessHost(model_dir=model_dir, input_dir=input_dir, output_dir=output_dir,
+                                quiet=quiet)
+    info = builtin_object_info(host)
+    prompt = apply_sets(to_api(workflow, info), sets, info)
+    execute(prompt, host)
+    return RunResult(prompt, list(host.saved), list(host.warnings))
