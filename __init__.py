@@ -1,9 +1,17 @@
 """ComfyUI entry point of the SeedVR2 node pack.
 
 Loaded by ComfyUI as a custom-node folder of any name; relative imports only, and importing
-does no work (no models, no CUDA): the nodes import the library when they run.
+does no work (no models, no CUDA): the nodes import the library when they run. ComfyUI with the
+V3 node schema gets ``comfy_entrypoint``; older ComfyUI (and plain Python) the classic
+``NODE_CLASS_MAPPINGS``.
 """
 
+from . import nodes as _nodes
 from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
 
 __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]
+
+if _nodes.API == "v3":
+    from .nodes import comfy_entrypoint
+
+    __all__.append("comfy_entrypoint")

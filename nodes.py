@@ -1,8 +1,235 @@
 """ComfyUI nodes: thin adapters over the ``seedvr2`` library in ``src/seedvr2``.
 
-The node set arrives with the nodes issue; until then the pack registers nothing, so that
-ComfyUI loads it cleanly.
+The nodes are defined once in ``seedvr2.workflow.nodes`` (inputs generated from the option
+table; what each node does). This module only adapts them to ComfyUI:
+
+* the V3 schema (``comfy_api.latest``: ``comfy_entrypoint``) where ComfyUI has it, the classic
+  ``NODE_CLASS_MAPPINGS`` API on older ComfyUI and outside ComfyUI;
+* a :class:`ComfyHost` giving the nodes ComfyUI's services: ``folder_paths`` (models/SEEDVR2,
+  registered here so ``extra_model_paths.yaml`` entries named SEEDVR2 add to it), the input
+  and output folders, ``comfy.utils.ProgressBar``, ``comfy.model_management``'s interrupt flag,
+  and its memory (its models are unloaded before ours load, the cache emptied after a run).
+
+Importing this module does no work: the library's heavy parts load when a node runs.
 """
 
-NODE_CLASS_MAPPINGS: dict = {}
-NODE_DISPLAY_NAME_MAPPINGS: dict = {}
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+from .src.seedvr2.workflow.nodes import NodeDef, NodeResult, build_nodes, input_spec
+
+log = logging.getLogger("seedvr2")
+# seedvr2.loading.registry.COMFY_FOLDER, spelled out: importing the registry loads torch.
+COMFY_FOLDER = "SEEDVR2"
+
+try:  # inside ComfyUI only
+    import folder_paths
+
+    folder_paths.add_model_folder_path(COMFY_FOLDER, os.path.join(folder_paths.models_dir,
+                                                                  COMFY_FOLDER))
+except ImportError:
+    folder_paths = None
+
+
+class ComfyHost:
+    """What our nodes need, from ComfyUI."""
+
+    def __init__(self, node_id: Optional[str] = None):
+        self.node_id = node_id
+        self._bar = None
+
+    # -- folders ---------------------------------------------------------------------------
+
+    def model_names(self) -> list[str]:
+        if folder_paths is None:
+            return []
+        return list(folder_paths.get_filename_list(COMFY_FOLDER))
+
+    def model_path(self, name: str) -> Optional[Path]:
+        if folder_paths is None:
+            return None
+        path = folder_paths.get_full_path(COMFY_FOLDER, name)
+        return Path(path) if path else None
+
+    def model_folder(self) -> Path:
+        if folder_paths is None:
+            from .src.seedvr2.loading.registry import default_model_dir
+
+            return default_model_dir()
+        return Path(folder_paths.get_folder_paths(COMFY_FOLDER)[0])
+
+    def input_path(self, name: str) -> Path:
+        path = Path(os.path.expanduser(name))
+        if path.is_absolute() or folder_paths is None:
+            return path
+        return Path(folder_paths.get_annotated_filepath(name))
+
+    def output_file(self, prefix: str, suffix: str, width: int, height: int) -> tuple[Path, dict]:
+        output_dir = folder_paths.get_output_directory()
+        folder, name, counter, subfolder, _ = folder_paths.get_save_image_path(
+            prefix, output_dir, width, height)
+        os.makedirs(folder, exist_ok=True)
+        filename = f"{name}_{counter:05}_{suffix}"
+        return Path(folder) / filename, {"filename": filename, "subfolder": subfolder,
+                                         "type": "output"}
+
+    # -- progress, interruption, memory ------------------------------------------------------
+
+    def progress(self, value: int, total: int) -> None:
+        import comfy.utils
+
+        if self._bar is None:
+            self._bar = comfy.utils.ProgressBar(total, node_id=self.node_id)
+        self._bar.update_absolute(value, total)
+
+    def interrupted(self) -> bool:
+        import comfy.model_management
+
+        return comfy.model_management.processing_interrupted()
+
+    def raise_interrupted(self) -> None:
+        import comfy.model_management
+
+        comfy.model_management.throw_exception_if_processing_interrupted()
+
+    def before_load(self) -> None:
+        """Give our models room: unload what ComfyUI holds and empty its caches."""
+        import comfy.model_management as mm
+
+        mm.unload_all_models()
+        mm.soft_empty_cache()
+
+    def after_run(self) -> None:
+        import gc
+
+        import comfy.model_management as mm
+
+        gc.collect()
+        mm.soft_empty_cache()
+
+    def warn(self, message: str) -> None:
+        log.warning(f"SeedVR2: {message}")
+
+
+def _host(node_id=None) -> ComfyHost:
+    return ComfyHost(node_id)
+
+
+def _uses_v3() -> bool:
+    """ComfyUI with the V3 node schema (comfy_api.latest)? Outside ComfyUI: no, and nothing
+    is imported to find out."""
+    if importlib.util.find_spec("comfy_api") is None:
+        return False
+    try:
+        from comfy_api.latest import ComfyExtension, io  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _node_id_hidden(kwargs: dict) -> Optional[str]:
+    return kwargs.pop("unique_id", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Classic API
+
+
+def _classic_class(node: NodeDef) -> type:
+    def INPUT_TYPES(cls):
+        host = _host()
+        types = {"required": {i.name: tuple(input_spec(i, host)) for i in node.inputs
+                              if not i.optional},
+                 "hidden": {"unique_id": "UNIQUE_ID"}}
+        optional = {i.name: tuple(input_spec(i, host)) for i in node.inputs if i.optional}
+        if optional:
+            types["optional"] = optional
+        return types
+
+    def run(self, **kwargs):
+        result: NodeResult = node.run(_host(_node_id_hidden(kwargs)), **kwargs)
+        if result.ui:
+            return {"ui": result.ui, "result": tuple(result.outputs)}
+        return tuple(result.outputs)
+
+    return type(node.id, (), {
+        "INPUT_TYPES": classmethod(INPUT_TYPES),
+        "RETURN_TYPES": tuple(o.type for o in node.outputs),
+        "RETURN_NAMES": tuple(o.name for o in node.outputs),
+        "OUTPUT_TOOLTIPS": tuple(o.tooltip for o in node.outputs),
+        "FUNCTION": "run", "CATEGORY": node.category, "DESCRIPTION": node.description,
+        "OUTPUT_NODE": node.output_node, "run": run, "__doc__": node.description,
+    })
+
+
+# ---------------------------------------------------------------------------------------------
+# V3 schema
+
+
+def _v3_input(io, inp, host):
+    common = dict(tooltip=inp.tooltip, optional=inp.optional)
+    if inp.type == "INT":
+        return io.Int.Input(inp.name, default=inp.default, min=inp.min, max=inp.max, step=inp.step,
+                            control_after_generate=inp.control_after_generate or None, **common)
+    if inp.type == "FLOAT":
+        return io.Float.Input(inp.name, default=inp.default, min=inp.min, max=inp.max,
+                              step=inp.step, **common)
+    if inp.type == "BOOLEAN":
+        return io.Boolean.Input(inp.name, default=inp.default, **common)
+    if inp.type == "STRING":
+        return io.String.Input(inp.name, default=inp.default, **common)
+    if inp.type == "COMBO":
+        return io.Combo.Input(inp.name, options=inp.options(host), default=inp.default, **common)
+    if inp.type == "IMAGE":
+        return io.Image.Input(inp.name, **common)
+    return io.Custom(inp.type).Input(inp.name, **common)
+
+
+def _v3_output(io, out):
+    kinds = {"IMAGE": io.Image, "STRING": io.String}
+    kind = kinds.get(out.type) or io.Custom(out.type)
+    return kind.Output(out.name, display_name=out.name, tooltip=out.tooltip)
+
+
+def _v3_class(node: NodeDef, io) -> type:
+    class Node(io.ComfyNode):
+        @classmethod
+        def define_schema(cls):
+            host = _host()
+            return io.Schema(node_id=node.id, display_name=node.display_name,
+                             category=node.category, description=node.description,
+                             inputs=[_v3_input(io, i, host) for i in node.inputs],
+                             outputs=[_v3_output(io, o) for o in node.outputs],
+                             hidden=[io.Hidden.unique_id], is_output_node=node.output_node)
+
+        @classmethod
+        def execute(cls, **kwargs):
+            result = node.run(_host(cls.hidden.unique_id), **kwargs)
+            return io.NodeOutput(*result.outputs, ui=result.ui)
+
+    Node.__name__ = Node.__qualname__ = node.id
+    return Node
+
+
+NODE_DISPLAY_NAME_MAPPINGS = {node.id: node.display_name for node in build_nodes()}
+
+if _uses_v3():
+    from comfy_api.latest import ComfyExtension, io as _io
+
+    class SeedVR2Extension(ComfyExtension):
+        async def get_node_list(self):
+            return [_v3_class(node, _io) for node in build_nodes()]
+
+    async def comfy_entrypoint() -> SeedVR2Extension:
+        return SeedVR2Extension()
+
+    API = "v3"
+    NODE_CLASS_MAPPINGS = None  # ComfyUI reads the classic mappings first; V3 is used instead
+else:
+    API = "classic"
+    NODE_CLASS_MAPPINGS = {node.id: _classic_class(node) for node in build_nodes()}

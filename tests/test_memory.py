@@ -1,0 +1,137 @@
+"""Memory manager: BlockSwap schedule and mechanics, model cache, compile settings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import seedvr2
+from seedvr2.api import load_models
+from seedvr2.loading import load_dit
+from seedvr2.memory import MODEL_CACHE
+from seedvr2.memory.blockswap import BlockSwap, SwapSchedule
+from seedvr2.memory.compile import CompileSettings, apply_compile
+from seedvr2.options import OptionError, resolve_options
+
+from conftest import load_case
+
+
+def test_schedule_keeps_at_most_current_plus_prefetch_resident():
+    schedule = SwapSchedule(num_units=8, swapped=frozenset(range(6)), prefetch=1)
+    for i in range(8):
+        schedule.before(i)
+        assert len(schedule.resident) <= 2
+        schedule.after(i)
+    assert schedule.max_resident == 2
+    assert schedule.log[:4] == [("load", 0), ("load", 1), ("release", 0), ("load", 2)]
+    assert schedule.resident == set()
+
+
+def _forward(model, case):
+    with torch.no_grad():
+        return model(case["inputs.vid"], case["inputs.txt"], case["inputs.vid_shape"],
+                     case["inputs.txt_shape"], case["inputs.timestep"])
+
+
+def test_blockswap_mechanics_on_cpu_change_nothing(conformance):
+    """Forced on the CPU, the real hook path runs: same output, weights back on the host."""
+    folder = conformance / "dit3b_tiny"
+    case = load_case(folder, "video_ragged")
+    expected = _forward(load_dit(folder / "weights.safetensors"), case)
+    model = load_dit(folder / "weights.safetensors")
+    swap = BlockSwap(model, blocks_to_swap=3, swap_io=True, device=torch.device("cpu"),
+                     offload_device=torch.device("cpu"), force=True)
+    out = _forward(model, case)
+    assert torch.equal(out, expected)
+    assert swap.schedule.max_resident <= 2  # the running unit and the one being prefetched
+    assert swap.schedule.resident == set()
+    assert all(w.device_copy is None for w in swap.weights.values())
+    loads = [u for e, u in swap.schedule.log if e == "load"]
+    assert loads == sorted(swap.schedule.swapped)  # each swapped unit loaded once, in order
+    swap.detach()
+    assert torch.equal(_forward(model, case), expected)
+
+
+def test_blockswap_clamps_and_is_inactive_without_cuda(conformance, caplog):
+    model = load_dit(conformance / "dit7b_tiny" / "weights.safetensors")
+    with caplog.at_level("INFO", logger="seedvr2"):
+        swap = BlockSwap(model, 99, False, torch.device("cpu"), torch.device("cpu"))
+    assert swap.blocks_to_swap == 4 and not swap.active
+    assert "blocks_to_swap = 99 exceeds the model's 4 blocks" in caplog.text
+    assert "BlockSwap inactive: the compute device is cpu" in caplog.text
+
+
+def _upscale(tiny_options, clip, **options):
+    return seedvr2.upscale(clip, **tiny_options, resolution=32, batch_size=5,
+                           text_embeddings=str(tiny_options["model_dir"] / "text_64.safetensors"),
+                           **options)
+
+
+@pytest.fixture(scope="module")
+def clip():
+    torch.manual_seed(1)
+    return torch.rand(6, 16, 24, 3)
+
+
+def test_swap_options_give_identical_frames(tiny_options, clip):
+    plain = _upscale(tiny_options, clip)
+    swapped = _upscale(tiny_options, clip, blocks_to_swap=2, swap_io_components=True,
+                       dit_offload_device="cpu", vae_offload_device="cpu")
+    assert torch.equal(plain, swapped)
+
+
+def test_swap_needs_offload_device(tiny_options, clip):
+    with pytest.raises(OptionError, match=r"need an offload device .* set dit_offload_device"):
+        _upscale(tiny_options, clip, blocks_to_swap=2)
+
+
+def test_model_cache_reuses_and_reloads(tiny_options):
+    MODEL_CACHE.clear()
+    opts = resolve_options(device="cpu", dtype="fp32", cache_dit=True, cache_vae=True,
+                           text_embeddings=str(tiny_options["model_dir"] / "text_64.safetensors"))
+    args = (tiny_options["dit"], tiny_options["vae"])
+    first = load_models(*args, opts=opts, model_dir=tiny_options["model_dir"])
+    again = load_models(*args, opts=opts, model_dir=tiny_options["model_dir"])
+    assert again.dit is first.dit and again.vae is first.vae
+    changed = load_models(*args, opts=opts.replace(attention_backend="sdpa"),
+                          model_dir=tiny_options["model_dir"])
+    assert changed.dit is not first.dit and changed.vae is first.vae  # only what changed reloads
+    assert len(MODEL_CACHE) == 2
+    MODEL_CACHE.clear()
+    assert len(MODEL_CACHE) == 0
+    uncached = load_models(*args, opts=opts.replace(cache_dit=False, cache_vae=False),
+                           model_dir=tiny_options["model_dir"])
+    assert len(MODEL_CACHE) == 0 and uncached.dit is not first.dit
+
+
+def test_compile_aot_eager_matches_and_falls_back(conformance, monkeypatch):
+    folder = conformance / "dit3b_tiny"
+    case = load_case(folder, "image")
+    model = load_dit(folder / "weights.safetensors")
+    expected = _forward(model, case)
+    apply_compile(model, None, CompileSettings(backend="aot_eager"))
+    torch.testing.assert_close(_forward(model, case), expected, atol=1e-5, rtol=1e-5)
+
+    broken = load_dit(folder / "weights.safetensors")
+
+    def failing_compile(fn, **kwargs):
+        def run(*a, **k):
+            raise RuntimeError("no compiler here")
+        return run
+
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    apply_compile(broken, None, CompileSettings(backend="inductor"))
+    with pytest.warns(UserWarning, match=r"torch.compile \(inductor\) failed for MMDiTBlock, running eager"):
+        out = _forward(broken, case)
+    assert torch.equal(out, expected)
+
+
+def test_bad_memory_options():
+    with pytest.raises(OptionError, match=r"vae_decode_tile_overlap = 512: must be smaller than vae_decode_tile_size"):
+        resolve_options(vae_decode_tile_size=512, vae_decode_tile_overlap=512)
+    with pytest.raises(OptionError, match=r"compile_backend = 'tvm': expected one of inductor"):
+        resolve_options(compile_backend="tvm")
+    with pytest.raises(OptionError, match=r"dit_offload_device = 'disk': expected none, cpu, cuda"):
+        resolve_options(dit_offload_device="disk")
+    with pytest.raises(ValueError, match=r"compile backend 'tvm': expected one of"):
+        CompileSettings(backend="tvm")
