@@ -53,25 +53,33 @@ def test_import_seedvr2_is_light():
 
 
 def test_pack_loads_as_comfyui_custom_node_folder(tmp_path):
-    """ComfyUI imports the folder by path under its own (any) name; nothing heavy may load."""
+    """ComfyUI imports the folder by path under its own (any) name -- the folder path with "."
+    replaced by "_x_" -- and nothing heavy may load: no PyAV, gguf, huggingface_hub, no model
+    code, not even torch (so no CUDA context)."""
     folder = tmp_path / "custom_nodes" / "ComfyUI-SeedVR2.my-copy"
     folder.parent.mkdir()
     folder.symlink_to(REPO, target_is_directory=True)
     out = _run_isolated(f"""
         import importlib.util, sys
         path = {str(folder)!r}
-        spec = importlib.util.spec_from_file_location("ComfyUI-SeedVR2.my-copy", path + "/__init__.py")
+        name = path.replace(".", "_x_")  # as ComfyUI's load_custom_node names a folder module
+        spec = importlib.util.spec_from_file_location(name, path + "/__init__.py")
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)
-        heavy = [m for m in sys.modules if m.split(".")[0] in ("av", "gguf", "huggingface_hub")
+        heavy = [m for m in sys.modules if m.split(".")[0] in ("av", "gguf", "huggingface_hub", "torch")
                  or m.endswith("seedvr2.models") or m == "seedvr2"]
         print(type(module.NODE_CLASS_MAPPINGS).__name__, heavy)
+        print(sorted(module.NODE_CLASS_MAPPINGS))
         # The library inside the pack works through relative imports alone.
         import torch
         models = importlib.import_module(spec.name + ".src.seedvr2.models")
         with torch.device("meta"):
             print(sum(p.numel() for p in models.build_dit("7b").parameters()),
-                  "seedvr2" in sys.modules)
+                  "seedvr2" in sys.modules, torch.cuda.is_initialized())
     """)
-    assert out.split("\n")[:2] == ["dict []", "8239607872 False"]
+    assert out.split("\n")[:3] == [
+        "dict []",
+        "['SeedVR2LoadDiTModel', 'SeedVR2LoadVAEModel', 'SeedVR2TorchCompileSettings', "
+        "'SeedVR2UpscaleVideoFile', 'SeedVR2VideoUpscaler']",
+        "8239607872 False False"]

@@ -38,6 +38,37 @@ def _inspect(args) -> int:
     return status
 
 
+def _quantize(args) -> int:
+    from .loading.formats import CheckpointError
+    from .loading.quantize import quantize_file
+
+    bar = None
+    if not args.quiet:
+        from tqdm import tqdm
+
+        bar = tqdm(unit="tensor", desc=f"{args.type:>10}")
+
+    def progress(done: int, total: int):
+        if bar is not None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+    try:
+        summary = quantize_file(args.input, args.output, args.type, keep=args.keep,
+                                overwrite=args.overwrite, progress=progress)
+    except (CheckpointError, ValueError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if bar is not None:
+            bar.close()
+    if not args.quiet:
+        print(f"{summary.output}: {summary.kind.upper()} as {summary.target}, "
+              f"{summary.quantized} tensors quantised, {summary.kept} kept; "
+              f"{summary.input_bytes / 2**20:,.0f} MiB -> {summary.output_bytes / 2**20:,.0f} MiB")
+    return 0
+
+
 MEDIA_SUFFIXES = {".mp4", ".m4v", ".mov", ".mkv", ".avi", ".webm", ".ts", ".gif", ".png",
                   ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".bmp"}
 
@@ -189,6 +220,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="+", help="safetensors or .pth/.pt weight files")
     p.add_argument("--json", action="store_true", help="one JSON object per file")
     p.set_defaults(run=_inspect)
+
+    p = sub.add_parser("quantize", help="convert a weight file to GGUF, fp8 or int8 "
+                       "(small tensors, norms, biases and in/out projections stay unquantised)")
+    p.add_argument("input", help="any weight file the loader reads (safetensors, .pth, GGUF)")
+    p.add_argument("output", help="output file: .gguf for the GGUF types, .safetensors otherwise")
+    p.add_argument("--type", required=True,
+                   help="Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/BF16/F16 (GGUF), fp8_e4m3fn/fp8_e5m2 "
+                        "(per-tensor scale) or int8 (per-output-channel scale)")
+    p.add_argument("--keep", action="append", default=[], metavar="PREFIX",
+                   help="keep tensors under this key prefix unquantised, e.g. blocks.35 "
+                        "(repeatable)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
+    p.set_defaults(run=_quantize)
 
     p = sub.add_parser("upscale", help="upscale a video, an image, an image sequence "
                        "(pattern like frames/%%05d.png) or every media file in a folder")

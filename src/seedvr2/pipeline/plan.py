@@ -54,6 +54,10 @@ class BatchPlan:
         """Which source frame a plan frame shows."""
         return self.prepend - plan_frame if plan_frame < self.prepend else plan_frame - self.prepend
 
+    def source_start(self, plan_frame: int) -> int:
+        """First source frame that plan frames from ``plan_frame`` on can need."""
+        return 0 if plan_frame <= self.prepend else plan_frame - self.prepend
+
     def emit_stop(self, batch: Batch) -> int:
         """Plan frames before this index are final once ``batch`` is blended in."""
         following = batch.index + 1

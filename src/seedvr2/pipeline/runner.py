@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -140,11 +140,11 @@ def to_float_frame(frame, index: int) -> torch.Tensor:
 class FrameSource:
     """Plan frames on demand from a forward-only frame iterator, keeping only what is still needed."""
 
-    def __init__(self, frames: Iterable, plan: BatchPlan):
+    def __init__(self, frames: Iterable, plan: BatchPlan, first_source: int = 0):
         self._iter = iter(frames)
         self._plan = plan
         self._cache: dict[int, torch.Tensor] = {}
-        self._next = 0  # next source index the iterator yields
+        self._next = first_source  # source index of the next frame the iterator yields
         self.shape: Optional[tuple] = None
 
     def _pull(self, until: int):
@@ -171,7 +171,7 @@ class FrameSource:
 
     def release_before(self, plan_frame: int):
         """Frames no batch starting at or after ``plan_frame`` can need are dropped."""
-        keep_from = 0 if plan_frame <= self._plan.prepend else plan_frame - self._plan.prepend
+        keep_from = self._plan.source_start(plan_frame)
         for i in [i for i in self._cache if i < keep_from]:
             del self._cache[i]
 
@@ -275,16 +275,24 @@ class Upscaler:
             self.stats.add(phase, time.perf_counter() - start)
 
     @torch.inference_mode()
-    def run(self, frames: Iterable, plan: BatchPlan) -> Iterator[tuple[int, torch.Tensor]]:
-        """Yields (first source frame, frames (n, H, W, C) float32 in [0, 1]) in order."""
-        source = FrameSource(frames, plan)
-        total = len(plan.batches)
+    def batch_outputs(self, frames: Iterable, plan: BatchPlan,
+                      batches: Optional[Sequence[int]] = None) -> Iterator[tuple[Batch, torch.Tensor]]:
+        """Decoded, colour-corrected frames (n, H, W, C) of each batch, unblended, in plan order.
+
+        ``batches`` (contiguous, ascending) restricts the job to a share of the plan; ``frames``
+        must then start at :meth:`BatchPlan.source_start` of the first of them.
+        """
+        chosen = list(range(len(plan.batches))) if batches is None else list(batches)
+        first_source = plan.source_start(plan.batches[chosen[0]].start) if chosen else 0
+        source = FrameSource(frames, plan, first_source)
+        total = len(chosen)
         done = {"encode": 0, "dit": 0, "decode": 0}
-        pending: Optional[torch.Tensor] = None  # frames of the previous batch not yet final
-        pending_start = 0
-        emitted = 0
+        wanted = set(chosen)
         try:
             for chunk in plan.chunks:
+                chunk = [i for i in chunk if i in wanted]
+                if not chunk:
+                    continue
                 items = []
                 size = None
                 self.models.activate("vae")
@@ -313,22 +321,8 @@ class Upscaler:
                     out = self._timed("decode", self._decode, item, size)
                     done["decode"] += 1
                     self.progress("decode", done["decode"], total)
-                    b = item.batch
-                    if b.overlap and pending is not None:
-                        w = blend_weights(b.overlap)[:, None, None, None]
-                        shared = pending[b.start - pending_start:]
-                        out[: b.overlap] = shared * (1 - w) + out[: b.overlap] * w
-                    final_stop = plan.emit_stop(b)
-                    final = out[: final_stop - b.start]
-                    pending, pending_start = out[final_stop - b.start:], final_stop
-                    first = max(b.start, plan.prepend)
-                    if first < final_stop:
-                        chunk_out = final[first - b.start:]
-                        yield first - plan.prepend, chunk_out
-                        emitted += chunk_out.shape[0]
-                        self.stats.frames = emitted
-                        self.progress("frames", emitted, plan.source_frames)
-                    del out, final
+                    yield item.batch, out
+                    del out
         finally:
             # Also after an error or interrupt: no weights copies or tensors stay on the device.
             if self.models.blockswap is not None:
@@ -339,3 +333,36 @@ class Upscaler:
                 self.stats.peak_device_bytes = max(self.stats.peak_device_bytes,
                                                    torch.cuda.max_memory_allocated())
                 torch.cuda.empty_cache()
+
+    def run(self, frames: Iterable, plan: BatchPlan) -> Iterator[tuple[int, torch.Tensor]]:
+        """Yields (first source frame, frames (n, H, W, C) float32 in [0, 1]) in order."""
+        blender = OverlapBlender(plan)
+        for batch, out in self.batch_outputs(frames, plan):
+            for first, final in blender.add(batch, out):
+                self.stats.frames = blender.emitted
+                yield first, final
+                self.progress("frames", blender.emitted, plan.source_frames)
+
+
+class OverlapBlender:
+    """Turns per-batch outputs, given in plan order, into final frames: cross-fades each
+    overlap and drops the prepended frames. Whoever gathers batches (one process or the
+    writer rank of many) blends through this one class, so results are identical."""
+
+    def __init__(self, plan: BatchPlan):
+        self.plan = plan
+        self.pending: Optional[torch.Tensor] = None  # previous batch's frames not yet final
+        self.emitted = 0
+
+    def add(self, b: Batch, out: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+        plan = self.plan
+        if b.overlap and self.pending is not None:
+            w = blend_weights(b.overlap)[:, None, None, None]
+            out = torch.cat([self.pending * (1 - w) + out[: b.overlap] * w, out[b.overlap:]])
+        final_stop = plan.emit_stop(b)
+        self.pending = out[final_stop - b.start:]
+        first = max(b.start, plan.prepend)
+        if first < final_stop:
+            final = out[first - b.start: final_stop - b.start]
+            self.emitted += final.shape[0]
+            yield first - plan.prepend, final

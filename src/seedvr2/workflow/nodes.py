@@ -482,12 +482,12 @@ def _split_inputs(inputs: dict) -> tuple[dict, dict]:
 
 
 def _upscale_images(host: Host, image, dit: ModelHandle, vae: ModelHandle, **inputs) -> NodeResult:
-    from .. import api
+    from ..api import upscale, upscale_file
 
     upscaler, pipeline = _split_inputs(inputs)
 
     def call(dit_path, vae_path, options, model_dir, progress, should_stop):
-        return api.upscale(image, dit_path, vae_path, model_dir=model_dir, progress=progress,
+        return upscale(image, dit_path, vae_path, model_dir=model_dir, progress=progress,
                            should_stop=should_stop, **options)
     return NodeResult((_as_comfy_image(_run_facade(host, dit, vae, upscaler, pipeline, call)),))
 
@@ -516,7 +516,7 @@ def _preview(path: Path):
 
 def _upscale_video_file(host: Host, dit: ModelHandle, vae: ModelHandle, video_path: str,
                         filename_prefix: str, codec: str, **inputs) -> NodeResult:
-    from .. import api
+    from ..api import upscale, upscale_file
     from ..io import open_media
     from ..io._common import IMAGE_EXTENSIONS
     from ..pipeline.runner import output_size
@@ -537,7 +537,7 @@ def _upscale_video_file(host: Host, dit: ModelHandle, vae: ModelHandle, video_pa
     dst, saved = host.output_file(filename_prefix, suffix, width, height)
 
     def call(dit_path, vae_path, options, model_dir, progress, should_stop):
-        return api.upscale_file(src, dst, dit_path, vae_path, model_dir=model_dir, codec=codec,
+        return upscale_file(src, dst, dit_path, vae_path, model_dir=model_dir, codec=codec,
                                 progress=progress, should_stop=should_stop, **options)
     out = _run_facade(host, dit, vae, upscaler, pipeline, call)
     return NodeResult((str(out), _preview(out)), ui={"seedvr2_outputs": [saved]})
