@@ -78,7 +78,7 @@ def clip_frame(i: int) -> np.ndarray:
     return frame
 
 
-def make_clip(path: Path, *, container_format: str | None = None) -> None:
+def make_clip(path: Path, *, container_format: str | None = None, frames: int = N) -> None:
     """H.264 (12-frame GOPs with B-frames, so seeking really seeks) + mono AAC sine."""
     import av
 
@@ -88,11 +88,11 @@ def make_clip(path: Path, *, container_format: str | None = None) -> None:
         video.codec_context.gop_size = 12
         video.options = {"crf": "23", "x264-params": "scenecut=0:min-keyint=12"}
         audio = out.add_stream("aac", rate=SAMPLE_RATE, layout="mono")
-        for i in range(N):
+        for i in range(frames):
             frame = av.VideoFrame.from_ndarray(clip_frame(i), format="rgb24")
             frame.pts, frame.time_base = i, 1 / FPS
             out.mux(video.encode(frame))
-        total = int(N / FPS * SAMPLE_RATE)
+        total = int(frames / FPS * SAMPLE_RATE)
         t = np.arange(total) / SAMPLE_RATE
         samples = (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
         for start in range(0, total, 1024):

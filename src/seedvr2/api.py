@@ -19,7 +19,7 @@ from .memory.blockswap import BlockSwap
 from .memory.compile import CompileSettings, apply_compile
 from .options import OptionError, Options, resolve_options
 from .pipeline.plan import make_plan
-from .pipeline.runner import JobStats, Models, Upscaler
+from .pipeline.runner import JobStats, Models, Upscaler, to_integer_frames
 
 Progress = Callable[[str, int, int], None]
 
@@ -105,12 +105,6 @@ def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Pr
     return torch.cat(pieces)
 
 
-def _to_integers(frames: torch.Tensor, bit_depth: int):
-    scale = 65535.0 if bit_depth == 16 else 255.0
-    values = (frames * scale).round_().clamp_(0, scale).numpy()
-    return values.astype("uint16" if bit_depth == 16 else "uint8")
-
-
 def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: bool = False,
                  codec: str = "h264", progress: Optional[Progress] = None,
                  should_stop: Optional[Callable[[], bool]] = None,
@@ -121,10 +115,24 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
     written under a temporary name and appears at ``dst`` only when complete; an existing
     ``dst`` is replaced only with ``overwrite=True``. Returns the output path.
     """
+    from .distributed import in_distributed_launch, init_from_env
+    from .distributed.job import run_file_job
+    from .distributed.launch import parse_devices, spawn_file_job
     from .io import open_media, open_writer
     from .pipeline.runner import output_size
 
     opts = resolve_options(**options)
+    job = dict(model_dir=model_dir, overwrite=overwrite, codec=codec, **options)
+    if in_distributed_launch():  # torchrun / Slurm: this process is one rank
+        ctx = init_from_env(opts.devices if opts.devices != "auto" else "auto", opts.dist_timeout)
+        return run_file_job(ctx, src, dst, dit, vae, progress=progress, should_stop=should_stop, **job)
+    devices = parse_devices(opts.devices)
+    if len(devices) > 1:
+        if isinstance(dit, torch.nn.Module) or isinstance(vae, torch.nn.Module):
+            raise ValueError("several devices need the models by name or path (each worker "
+                             "loads its own), not loaded modules")
+        return spawn_file_job(devices, src, dst, dit, vae, **job)
+    opts = opts.replace(device=devices[0]) if opts.device == "auto" and opts.devices != "auto" else opts
     with open_media(src) as reader:
         info = reader.info
         frame_count = info.frame_count if info.frame_count_exact else reader.count_frames()
@@ -140,7 +148,7 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
             models = load_models(dit, vae, opts=opts, model_dir=model_dir)
             upscaler = _upscaler(models, opts, progress, should_stop)
             for _, frames in upscaler.run(reader.frames(), plan):
-                writer.write_many(_to_integers(frames, bit_depth))
+                writer.write_many(to_integer_frames(frames, bit_depth))
         if stats is not None:
             stats.__dict__.update(upscaler.stats.__dict__)
     return Path(writer.path)

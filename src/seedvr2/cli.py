@@ -145,24 +145,33 @@ def _upscale(args) -> int:
     bars = _Bars(not args.quiet)
     status = 0
     try:
-        # Models load once for all inputs.
-        models = load_models(args.dit, args.vae, opts=opts, model_dir=args.model_dir)
-        for source, target in jobs:
-            from .pipeline.runner import JobStats
+        from .distributed import in_distributed_launch
+        from .distributed.launch import parse_devices
+        from .pipeline.runner import JobStats
 
+        # One process: models load once for all inputs. Several: each worker loads its own.
+        several = in_distributed_launch() or len(parse_devices(opts.devices)) > 1
+        if several:
+            dit, vae = args.dit, args.vae
+        else:
+            models = load_models(args.dit, args.vae, opts=opts, model_dir=args.model_dir)
+            dit, vae = models.dit, models.vae
+        for source, target in jobs:
             stats, start = JobStats(), time.perf_counter()
             try:
-                out = upscale_file(source, target, models.dit, models.vae, model_dir=args.model_dir,
+                out = upscale_file(source, target, dit, vae, model_dir=args.model_dir,
                                    overwrite=args.overwrite, codec=args.codec, progress=bars,
                                    stats=stats, **given)
-            except (ValueError, FileExistsError) as e:
+            except (ValueError, FileExistsError, RuntimeError) as e:
                 bars.close()
                 print(f"error: {e}", file=sys.stderr)
                 status = 1
                 continue
             bars.close()
-            if not args.quiet:
+            if not args.quiet and out is not None and not several:
                 print(_summary(out, stats, time.perf_counter() - start))
+            elif not args.quiet and out is not None:
+                print(f"{out}: done in {time.perf_counter() - start:.1f}s")
     except (CheckpointError, ValueError) as e:
         bars.close()
         print(f"error: {e}", file=sys.stderr)

@@ -55,6 +55,18 @@ def _offload_problem(value: str) -> Optional[str]:
     return None if value == "none" or _is_device(value) else "expected none, cpu, cuda or cuda:N"
 
 
+def _devices_problem(value: str) -> Optional[str]:
+    if value == "auto":
+        return None
+    devices = [d.strip() for d in value.split(",")]
+    if not all(_is_device(d) and d != "mps" for d in devices):
+        return "expected auto or a comma-separated list such as cuda:0,cuda:1 or cpu,cpu"
+    kinds = {d.split(":")[0] for d in devices}
+    if len(kinds) > 1:
+        return "mixes CPU and GPU devices; use only cuda devices or only cpu"
+    return None
+
+
 def _tile_problem(value: int) -> Optional[str]:
     return None if value % 8 == 0 else f"must be a multiple of 8 pixels (e.g. {value - value % 8 or 8})"
 
@@ -119,6 +131,12 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            check=_tile_problem),
     Option("vae_decode_tile_overlap", int, 64, "decode tile overlap in pixels", min=0, max=8192,
            check=_tile_problem),
+    # -- several processes (seedvr2.distributed) --
+    Option("devices", str, "auto", "devices to split the video's batches over: auto (every "
+           "visible GPU, else one CPU process), or a list such as cuda:0,cuda:1 or cpu,cpu",
+           check=lambda v: _devices_problem(v)),
+    Option("dist_timeout", float, 60.0, "seconds a rank waits for another before the job "
+           "stops with an error naming it", min=1.0, max=86400.0),
     Option("compile", bool, False, "torch.compile each DiT block and the VAE"),
     Option("compile_backend", str, "inductor", "torch.compile backend", choices=(
         "inductor", "cudagraphs", "eager", "aot_eager")),

@@ -137,14 +137,23 @@ def to_float_frame(frame, index: int) -> torch.Tensor:
     return frame
 
 
+def to_integer_frames(frames: torch.Tensor, bit_depth: int):
+    """Float frames in [0, 1] -> uint8 / uint16 numpy arrays for the writers."""
+    scale = 65535.0 if bit_depth == 16 else 255.0
+    values = (frames * scale).round_().clamp_(0, scale).numpy()
+    return values.astype("uint16" if bit_depth == 16 else "uint8")
+
+
 class FrameSource:
     """Plan frames on demand from a forward-only frame iterator, keeping only what is still needed."""
 
-    def __init__(self, frames: Iterable, plan: BatchPlan, first_source: int = 0):
+    def __init__(self, frames: Iterable, plan: BatchPlan, first_source: int = 0,
+                 needed: Optional[set] = None):
         self._iter = iter(frames)
         self._plan = plan
         self._cache: dict[int, torch.Tensor] = {}
         self._next = first_source  # source index of the next frame the iterator yields
+        self._needed = needed  # source frames this job uses (None: all); others are skipped
         self.shape: Optional[tuple] = None
 
     def _pull(self, until: int):
@@ -154,6 +163,9 @@ class FrameSource:
             except StopIteration:
                 raise InputError(f"the input ended after {self._next} frames; "
                                  f"{self._plan.source_frames} were expected") from None
+            if self._needed is not None and self._next not in self._needed:
+                self._next += 1
+                continue
             frame = to_float_frame(raw, self._next)
             if self.shape is None:
                 self.shape = tuple(frame.shape)
@@ -284,7 +296,9 @@ class Upscaler:
         """
         chosen = list(range(len(plan.batches))) if batches is None else list(batches)
         first_source = plan.source_start(plan.batches[chosen[0]].start) if chosen else 0
-        source = FrameSource(frames, plan, first_source)
+        needed = None if batches is None else {
+            plan.source_index(f) for i in chosen for f in range(plan.batches[i].start, plan.batches[i].stop)}
+        source = FrameSource(frames, plan, first_source, needed)
         total = len(chosen)
         done = {"encode": 0, "dit": 0, "decode": 0}
         wanted = set(chosen)

@@ -35,8 +35,9 @@ DIT_TYPE, VAE_TYPE, COMPILE_TYPE = "SEEDVR2_DIT", "SEEDVR2_VAE", "SEEDVR2_TORCH_
 WIDGET_TYPES = ("INT", "FLOAT", "BOOLEAN", "STRING", "COMBO")
 MODEL_SUFFIXES = (".safetensors", ".gguf", ".pth", ".pt")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn_2", "flash_attn_3", "sageattn_2")
-# A test hook, never set by users: the next upscaling run writes this file and then waits
-# until it is interrupted, so a test can interrupt a run at a known point instead of racing it.
+# A test hook, never set by users: a path; while a file exists there, the next upscaling run
+# removes it, writes "<path>.waiting" and waits until it is interrupted, so a test interrupts a
+# run at a known point instead of racing it.
 HOLD_UNTIL_INTERRUPT_ENV = "SEEDVR2_TEST_HOLD_UNTIL_INTERRUPT"
 
 
@@ -434,18 +435,28 @@ def _progress_callback(host: Host) -> Callable[[str, int, int], None]:
 
 
 def _stop_check(host: Host) -> Callable[[], bool]:
-    marker = os.environ.get(HOLD_UNTIL_INTERRUPT_ENV)
-    held = [False]
+    hold = os.environ.get(HOLD_UNTIL_INTERRUPT_ENV)
+    checked = [False]
 
     def should_stop() -> bool:
-        if marker and not held[0]:
-            held[0] = True
-            Path(marker).write_text("waiting for interrupt\n")
-            deadline = time.monotonic() + 300
-            while not host.interrupted() and time.monotonic() < deadline:
-                time.sleep(0.05)
+        if hold and not checked[0]:
+            checked[0] = True
+            _hold_until_interrupted(host, Path(hold))
         return host.interrupted()
     return should_stop
+
+
+def _hold_until_interrupted(host: Host, request: Path):
+    """Test hook: if ``request`` exists, consume it, say so in ``<request>.waiting`` and wait
+    (at most 5 minutes) until the host is interrupted."""
+    try:
+        request.unlink()
+    except FileNotFoundError:
+        return
+    request.with_name(request.name + ".waiting").write_text("waiting for an interrupt\n")
+    deadline = time.monotonic() + 300
+    while not host.interrupted() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _run_facade(host: Host, dit: ModelHandle, vae: ModelHandle, upscaler: dict, pipeline: dict,

@@ -84,14 +84,14 @@ def apply_sets(prompt: dict, sets: Iterable[str], object_info: dict) -> dict:
         target, sep, raw = item.partition("=")
         node_key, dot, name = target.rpartition(".")
         if not sep or not dot or not node_key or not name:
-            raise WorkflowError(f"--set {item!r}: expected NODE.INPUT=VALUE, e.g. 3.resolution=1080")
+            raise WorkflowError(f"--set {item}: expected NODE.INPUT=VALUE, e.g. 3.resolution=1080")
         node_id = _find_node(prompt, node_key)
         node = prompt[node_id]
         info = object_info.get(node["class_type"], {}).get("input", {})
         known = [n for section in ("required", "optional") for n in (info.get(section) or {})]
         if known and name not in known:
-            raise WorkflowError(f"--set {item!r}: {node['class_type']} has no input {name!r} "
-                                f"(inputs: {', '.join(known)})", node_id, node["class_type"])
+            raise WorkflowError(f"--set {item}: node {node_id} ({node['class_type']}) has no "
+                                f"input {name!r} (inputs: {', '.join(known)})")
         node.setdefault("inputs", {})[name] = _parse_value(raw)
     return prompt
 

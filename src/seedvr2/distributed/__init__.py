@@ -1,0 +1,16 @@
+"""Several processes, one video: frame-batch parallelism over torch.distributed.
+
+Every rank derives the same batch plan; the plan's chunks (contiguous runs of batches) are
+dealt to the ranks in turn, each rank reads only the frames its chunks need, and finished
+batches travel to rank 0 — the writer — in plan order, where they are blended exactly as in
+one process. Bounded memory: a rank holds at most its current chunk and one finished batch in
+flight; results are bit-identical to the single-process run on CPU/gloo.
+
+Launch with ``torchrun --nproc-per-node N -m seedvr2 upscale ...`` (also across machines), under
+Slurm, or let ``--devices cuda:0,cuda:1`` (``cpu,cpu``) spawn the workers.
+"""
+
+from .assign import assign_batches
+from .groups import DistContext, init_from_env, in_distributed_launch
+
+__all__ = ["DistContext", "assign_batches", "in_distributed_launch", "init_from_env"]

@@ -1,0 +1,22 @@
+"""Which rank upscales which batches."""
+
+from __future__ import annotations
+
+from ..pipeline.plan import BatchPlan
+
+
+def assign_batches(plan: BatchPlan, world_size: int) -> list[list[int]]:
+    """Batch indices per rank: the plan's chunks (contiguous runs) dealt out in turn.
+
+    Dealing chunks round-robin keeps every rank busy and lets the writer take batches in
+    order as they finish, so no rank accumulates its share of the video while waiting.
+    Chunks hold about equal numbers of frames, so ranks get equal work to within a chunk.
+    """
+    shares: list[list[int]] = [[] for _ in range(world_size)]
+    for i, chunk in enumerate(plan.chunks):
+        shares[i % world_size].extend(chunk)
+    return shares
+
+
+def owner_of(shares: list[list[int]]) -> dict[int, int]:
+    return {batch: rank for rank, share in enumerate(shares) for batch in share}

@@ -1,0 +1,75 @@
+"""Process groups: who am I, how many are we, and the collective backend to talk with.
+
+NCCL when every rank has its own CUDA device, gloo otherwise. Rank and world size come from
+torchrun's variables, from Slurm's (with MASTER_ADDR/MASTER_PORT as rendezvous), or from our
+own spawn launcher. Every collective inherits the group's timeout, so a dead peer turns into
+an error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_writer(self) -> bool:
+        return self.rank == 0
+
+
+def in_distributed_launch() -> bool:
+    """True inside a multi-process launch (torchrun or Slurm with several tasks)."""
+    return int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))) > 1
+
+
+def _env_ranks() -> tuple[int, int, int]:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                int(os.environ.get("LOCAL_RANK", "0")))
+    if "SLURM_PROCID" in os.environ:
+        if "MASTER_ADDR" not in os.environ:
+            raise RuntimeError("under Slurm, set MASTER_ADDR (and MASTER_PORT) to the first "
+                               "node's address for the rendezvous")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        return (int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"]),
+                int(os.environ.get("SLURM_LOCALID", "0")))
+    return 0, 1, 0
+
+
+def init_from_env(device_spec: str = "auto", timeout_s: float = 60.0,
+                  rank: int | None = None, world_size: int | None = None,
+                  local_rank: int | None = None) -> DistContext:
+    """Join (or create) the default process group and pick this rank's device."""
+    env_rank, env_world, env_local = _env_ranks()
+    rank = env_rank if rank is None else rank
+    world_size = env_world if world_size is None else world_size
+    local_rank = env_local if local_rank is None else local_rank
+    if device_spec == "auto":
+        device = torch.device("cuda", local_rank % torch.cuda.device_count()) \
+            if torch.cuda.is_available() else torch.device("cpu")
+    else:
+        device = torch.device(device_spec)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if backend == "nccl" else None)
+    return DistContext(rank, world_size, local_rank, device)
+
+
+def destroy():
+    if dist.is_initialized():
+        dist.destroy_process_group()

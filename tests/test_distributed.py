@@ -1,0 +1,88 @@
+"""Frame-parallel upscaling over gloo on the CPU: same frames as one process, clean failures."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from seedvr2.distributed import assign_batches
+from seedvr2.io import open_media
+from seedvr2.options import resolve_options
+from seedvr2.pipeline.plan import make_plan
+
+from conftest import REPO, make_clip
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def test_assignment_deals_chunks_in_turn():
+    plan = make_plan(40, resolve_options(batch_size=5, chunk_size=10))
+    shares = assign_batches(plan, 3)
+    assert shares == [[0, 1, 6, 7], [2, 3], [4, 5]]
+    assert sorted(sum(shares, [])) == list(range(len(plan.batches)))
+    assert assign_batches(make_plan(3, resolve_options()), 4)[1:] == [[], [], []]
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dist") / "clip.mp4"
+    make_clip(path, frames=23)  # 23 frames in batches of 5: a batch count no rank count divides
+    return path
+
+
+def _cli(tiny_options, src, dst, *extra, env=None, timeout=300):
+    cmd = [sys.executable, "-m", "seedvr2", "upscale", str(src), "-o", dst, "--quiet",
+           "--dit", tiny_options["dit"], "--vae", tiny_options["vae"],
+           "--model-dir", str(tiny_options["model_dir"]), "--dtype", "fp32",
+           "--text-embeddings", str(tiny_options["model_dir"] / "text_64.safetensors"),
+           "--resolution", "32", "--batch-size", "5", "--temporal-overlap", "1",
+           "--dist-timeout", "10", *extra]
+    environment = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", **(env or {}))
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=environment,
+                          timeout=timeout)
+
+
+def _frames(folder):
+    with open_media(f"{folder}/%05d.png") as media:
+        return np.stack(list(media.frames()))
+
+
+@pytest.fixture(scope="module")
+def single(clip, tiny_options, tmp_path_factory):
+    out = tmp_path_factory.mktemp("single")
+    result = _cli(tiny_options, clip, f"{out}/", "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    return _frames(out)
+
+
+@pytest.mark.parametrize("devices", ["cpu,cpu", "cpu,cpu,cpu"])
+def test_ranks_give_identical_frames(clip, tiny_options, tmp_path, single, devices):
+    result = _cli(tiny_options, clip, f"{tmp_path}/out/", "--devices", devices)
+    assert result.returncode == 0, result.stderr
+    frames = _frames(tmp_path / "out")
+    assert frames.shape == single.shape == (23, 32, 42, 3)
+    assert np.array_equal(frames, single)
+
+
+def test_dead_rank_fails_the_job_without_output(clip, tiny_options, tmp_path):
+    start = time.monotonic()
+    result = _cli(tiny_options, clip, str(tmp_path / "out.mp4"), "--devices", "cpu,cpu",
+                  env={"SEEDVR2_FAULT": "1:after_batches=1"})
+    assert result.returncode != 0
+    assert time.monotonic() - start < 120
+    assert "rank 1" in result.stderr
+    assert list(tmp_path.iterdir()) == []  # no output, no partial file
+
+
+def test_devices_option_errors():
+    with pytest.raises(ValueError, match="mixes CPU and GPU devices"):
+        resolve_options(devices="cpu,cuda:0")
+    from seedvr2.distributed.launch import parse_devices
+    with pytest.raises(ValueError, match=r"devices names cuda:7, but this machine has 0 CUDA device"):
+        parse_devices("cuda:7")
+    assert parse_devices("auto") == ["cpu"]

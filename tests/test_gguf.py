@@ -1,0 +1,251 @@
+"""GGUF: torch dequantisation bit-for-bit equal to gguf.quants, files written by `quantize`
+(read back by the gguf package and by our loader), conventions and bad files."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+gguf = pytest.importorskip("gguf")
+
+from seedvr2.loading import CheckpointError, describe, load_dit, load_vae  # noqa: E402
+from seedvr2.loading.gguf import BLOCK_SIZES, dequantize_blocks  # noqa: E402
+from seedvr2.loading.quantize import quantize_file  # noqa: E402
+from seedvr2.loading.quantized import PackedWeightMixin, packed_modules  # noqa: E402
+
+from conftest import constructor_kwargs, load_case  # noqa: E402
+
+# Byte offsets of the fp16 scale fields of each block type: set to finite values so that
+# random blocks decode to numbers (random bytes there could be inf/NaN).
+FP16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2],
+               "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+               "IQ4_NL": [0], "IQ4_XS": [0]}
+
+
+def random_blocks(qtype: str, n_blocks: int, seed: int = 0) -> np.ndarray:
+    _, type_size = BLOCK_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (n_blocks, type_size), dtype=np.uint8)
+    for offset in FP16_FIELDS[qtype]:
+        scales = (rng.standard_normal((n_blocks, 1)) * 0.05).astype(np.float16)
+        blocks[:, offset:offset + 2] = scales.view(np.uint8)
+    return blocks
+
+
+def bits(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.float32).view(np.int32)
+
+
+@pytest.mark.parametrize("qtype", sorted(BLOCK_SIZES))
+def test_dequantize_is_bit_exact_on_random_blocks(qtype):
+    blocks = random_blocks(qtype, 96)
+    expected = gguf.quants.dequantize(blocks, getattr(gguf.GGMLQuantizationType, qtype))
+    ours = dequantize_blocks(torch.from_numpy(blocks), qtype)
+    assert np.array_equal(bits(ours.numpy()), bits(expected.reshape(-1)))
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_dequantize_is_bit_exact_on_quantised_weights(qtype):
+    weights = np.random.default_rng(1).standard_normal((64, 256)).astype(np.float32) * 0.02
+    packed = gguf.quants.quantize(weights, getattr(gguf.GGMLQuantizationType, qtype))
+    expected = gguf.quants.dequantize(packed, getattr(gguf.GGMLQuantizationType, qtype))
+    ours = dequantize_blocks(torch.from_numpy(packed), qtype).reshape(64, 256)
+    assert np.array_equal(bits(ours.numpy()), bits(expected))
+    assert float(np.abs(expected - weights).max()) < 0.02  # it is a quantisation of `weights`
+
+
+def test_dequantize_in_compute_dtype():
+    blocks = torch.from_numpy(random_blocks("Q4_K", 8))
+    assert dequantize_blocks(blocks, "Q4_K", torch.bfloat16).dtype == torch.bfloat16
+    torch.testing.assert_close(dequantize_blocks(blocks, "Q4_K", torch.float16),
+                               dequantize_blocks(blocks, "Q4_K").half(), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# files
+
+
+def output(model, case):
+    with torch.no_grad():
+        return model(case["inputs.vid"], case["inputs.txt"], case["inputs.vid_shape"],
+                     case["inputs.txt_shape"], case["inputs.timestep"])
+
+
+def relative_error(a, b) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def dit3b_file(conformance, tmp_path_factory):
+    folder = conformance / "dit3b_tiny"
+    path = tmp_path_factory.mktemp("gguf") / "dit3b.safetensors"
+    save_file(load_file(folder / "weights.safetensors"), path,
+              metadata={"config": json.dumps(constructor_kwargs(folder))})
+    return path
+
+
+@pytest.fixture(scope="module")
+def dit3b_q8(dit3b_file):
+    out = dit3b_file.with_name("dit3b_Q8_0.gguf")
+    quantize_file(dit3b_file, out, "Q8_0")
+    return out
+
+
+def test_quantized_gguf_opens_with_the_gguf_reader(dit3b_q8):
+    reader = gguf.GGUFReader(dit3b_q8)
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blocks.0.attn.proj_qkv.vid.weight"] == "Q8_0"
+    # norms, biases, modulation vectors and the input/output projections stay unquantised
+    assert types["blocks.0.attn.norm_q.vid.weight"] == "F32"
+    assert types["vid_in.proj.weight"] == types["vid_out.proj.weight"] == "F32"
+    assert types["txt_in.weight"] == types["emb_in.proj_in.weight"] == "F32"
+    config = json.loads(reader.fields["seedvr2.config"].contents())
+    assert config["vid_dim"] == 128 and config["mm_layers"] == 2
+
+
+@pytest.mark.parametrize("qtype,bound", [("Q8_0", 1e-2), ("Q4_0", 1e-1)])
+def test_dit_from_gguf_error_is_bounded(conformance, dit3b_file, dit3b_q8, qtype, bound, tmp_path):
+    path = dit3b_q8
+    if qtype != "Q8_0":
+        path = tmp_path / f"dit3b_{qtype}.gguf"
+        quantize_file(dit3b_file, path, qtype)
+    case = load_case(conformance / "dit3b_tiny", "video_ragged")
+    reference = output(load_dit(dit3b_file), case)
+    model = load_dit(path, dtype=torch.float32)
+    packed = packed_modules(model)
+    assert len(packed) == 30 and {p.label for p in packed.values()} == {qtype}
+    error = relative_error(output(model, case), reference)
+    print(f"DiT 3B tiny, {qtype} weights: relative output error {error:.2e}")
+    assert 1e-5 < error < bound
+
+
+def test_packed_and_expanded_weights_give_the_same_output(conformance, dit3b_q8):
+    case = load_case(conformance / "dit3b_tiny", "image")
+    packed = load_dit(dit3b_q8, dtype=torch.float32)
+    expanded = load_dit(dit3b_q8, dtype=torch.float32, keep_packed=False)
+    assert not packed_modules(expanded)
+    assert torch.equal(output(packed, case), output(expanded, case))
+
+
+def test_packed_weights_keep_storage_through_dtype_and_device_moves(dit3b_q8):
+    model = load_dit(dit3b_q8, dtype=torch.float32)
+    layer = model.blocks[0].attn.proj_qkv["vid"]
+    assert isinstance(layer, PackedWeightMixin) and isinstance(layer, torch.nn.Linear)
+    blocks = layer.weight_blocks
+    model.to(torch.bfloat16)
+    assert layer.weight_blocks.dtype == torch.uint8 and torch.equal(layer.weight_blocks, blocks)
+    assert layer.compute_dtype == torch.bfloat16 and layer.weight.dtype == torch.bfloat16
+    assert model.blocks[0].attn.norm_q["vid"].weight.dtype == torch.bfloat16
+    model.float()
+    assert layer.weight.dtype == torch.float32 and "packed=Q8_0" in repr(layer)
+    # The packed blocks are a view of the file's memory map, not a copy.
+    assert describe(dit3b_q8)["dtypes"] == ["Q8_0", "float32"]
+
+
+def test_vae_gguf_with_original_shapes(conformance, tmp_path):
+    folder = conformance / "vae_tiny"
+    src = tmp_path / "vae.safetensors"
+    save_file(load_file(folder / "weights.safetensors"), src,
+              metadata={"config": json.dumps(constructor_kwargs(folder))})
+    out = tmp_path / "vae_Q8_0.gguf"
+    quantize_file(src, out, "Q8_0")
+    reader = gguf.GGUFReader(out)
+    orig = reader.fields["comfy.gguf.orig_shape.encoder.down_blocks.1.resnets.0.conv1.weight"]
+    assert orig.contents() == [24, 16, 3, 3, 3]
+    assert max(len(t.shape) for t in reader.tensors) <= 4
+    case = load_file(folder / "cases" / "image_1f.safetensors")
+    vae = load_vae(out, dtype=torch.float32)
+    assert "encoder.down_blocks.1.resnets.0.conv1" in packed_modules(vae)
+    with torch.no_grad():
+        mean = vae.encode(case["inputs.video"])
+    error = relative_error(mean, case["outputs.posterior_mean"])
+    print(f"VAE tiny, Q8_0 weights: relative posterior-mean error {error:.2e}")
+    assert error < 5e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# hand-written GGUF files: conventions and bad files
+
+
+def write_gguf(path, tensors: dict, qtypes: dict | None = None, fields: dict | None = None):
+    """A GGUF with float32 numpy tensors (or raw uint8 blocks with a given GGML type)."""
+    writer = gguf.GGUFWriter(path, arch="seedvr2")
+    for key, value in (fields or {}).items():
+        writer.add_array(key, value) if isinstance(value, list) else writer.add_string(key, value)
+    for name, array in tensors.items():
+        qtype = (qtypes or {}).get(name)
+        if qtype is None:
+            writer.add_tensor(name, array)
+        else:
+            writer.add_tensor(name, array, raw_dtype=getattr(gguf.GGMLQuantizationType, qtype))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def dit3b_state(dit3b_file):
+    return {k: v.numpy() for k, v in load_file(dit3b_file).items()}
+
+
+def test_comfy_prefix_is_stripped(conformance, dit3b_state, tmp_path):
+    path = tmp_path / "prefixed.gguf"
+    config = json.dumps(constructor_kwargs(conformance / "dit3b_tiny"))
+    write_gguf(path, {f"model.diffusion_model.{k}": v for k, v in dit3b_state.items()},
+               fields={"seedvr2.config": config})
+    case = load_case(conformance / "dit3b_tiny", "image")
+    torch.testing.assert_close(output(load_dit(path), case), case["outputs.vid_sample"],
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_gguf_missing_tensor(dit3b_state, tmp_path):
+    path = tmp_path / "missing.gguf"
+    write_gguf(path, {k: v for k, v in dit3b_state.items() if k != "blocks.1.mlp.txt.proj_in.weight"})
+    with pytest.raises(CheckpointError, match=r"missing\.gguf: missing 1 tensor\(s\), e\.g\. "
+                                              r"\['blocks\.1\.mlp\.txt\.proj_in\.weight'\]"):
+        load_dit(path)
+
+
+def test_truncated_gguf(dit3b_q8, tmp_path):
+    data = dit3b_q8.read_bytes()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"cut\.gguf: (truncated GGUF file|unreadable GGUF)"):
+        load_dit(path)
+    path.write_bytes(data[:100])  # inside the header
+    with pytest.raises(CheckpointError, match=r"cut\.gguf: unreadable GGUF file, truncated or corrupt"):
+        load_dit(path)
+
+
+def test_unsupported_quant_type_names_tensor_and_type(dit3b_state, tmp_path):
+    path = tmp_path / "q8_1.gguf"
+    tensors = dict(dit3b_state)
+    # Q8_1 blocks: 32 values in 40 bytes; readable by gguf, not dequantised by us.
+    tensors["blocks.0.attn.proj_out.vid.weight"] = np.zeros((128, 128 // 32 * 40), np.uint8)
+    write_gguf(path, tensors, qtypes={"blocks.0.attn.proj_out.vid.weight": "Q8_1"})
+    with pytest.raises(CheckpointError, match=r"q8_1\.gguf: tensor 'blocks\.0\.attn\.proj_out\.vid"
+                                              r"\.weight' has GGML type Q8_1, which this loader "
+                                              r"cannot dequantise"):
+        load_dit(path)
+
+
+def test_gguf_of_another_architecture(tmp_path):
+    path = tmp_path / "sdxl.gguf"
+    write_gguf(path, {"input_blocks.0.0.weight": np.zeros((4, 4, 3, 3), np.float32),
+                      "time_embed.0.weight": np.zeros((8, 4), np.float32)})
+    with pytest.raises(CheckpointError, match=r"sdxl\.gguf: expected a SeedVR2 DIT checkpoint, "
+                                              r"but not a SeedVR2 model"):
+        load_dit(path)
+
+
+def test_gguf_wrong_original_shape(dit3b_state, tmp_path):
+    path = tmp_path / "shape.gguf"
+    write_gguf(path, dit3b_state, fields={"comfy.gguf.orig_shape.txt_in.weight": [3, 5]})
+    with pytest.raises(CheckpointError, match=r"shape\.gguf: tensor 'txt_in\.weight' has 8192 "
+                                              r"values but its shape \[3, 5\] needs 15"):
+        load_dit(path)
