@@ -4,7 +4,7 @@ Upscales a generated 640x360 clip of 30 and of 300 frames to 720p with the tiny 
 models (CPU, fp32), each in a fresh process, and prints both peak RSS values and their ratio
 (goal <= 1.1; holding 300 output frames as float32 would alone take ~3.3 GB).
 
-    python bench/stream_memory.py [--frames 30 300] [--conformance ../shared/conformance]
+    python bench/stream_memory.py [--frames 30 300] [--resolution 720]
 """
 
 from __future__ import annotations
@@ -50,12 +50,12 @@ def tiny_models(conformance: Path, folder: Path):
     save_file({"pos": e2e["inputs.txt_pos"].contiguous()}, folder / "text_64.safetensors")
 
 
-def peak_rss_of_upscale(src: Path, dst: Path, models: Path) -> tuple[float, float]:
+def peak_rss_of_upscale(src: Path, dst: Path, models: Path, resolution: int) -> tuple[float, float]:
     """(peak RSS in MiB, seconds) of one `seedvr2 upscale` process."""
     cmd = [sys.executable, "-m", "seedvr2", "upscale", str(src), "-o", str(dst), "--quiet",
            "--dit", str(models / "dit3b_tiny.safetensors"), "--vae", str(models / "vae_tiny.safetensors"),
            "--text-embeddings", str(models / "text_64.safetensors"), "--model-dir", str(models),
-           "--resolution", "720", "--batch-size", "5", "--device", "cpu", "--dtype", "fp32"]
+           "--resolution", str(resolution), "--batch-size", "5", "--device", "cpu", "--dtype", "fp32"]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -67,6 +67,7 @@ def peak_rss_of_upscale(src: Path, dst: Path, models: Path) -> tuple[float, floa
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--frames", type=int, nargs=2, default=[30, 300])
+    parser.add_argument("--resolution", type=int, default=720, help="output short edge")
     parser.add_argument("--conformance", type=Path, default=REPO.parent / "shared" / "conformance")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -75,9 +76,11 @@ def main():
         results = []
         for n in args.frames:
             make_clip(tmp / f"in_{n}.mp4", n)
-            rss, seconds = peak_rss_of_upscale(tmp / f"in_{n}.mp4", tmp / f"out_{n}.mp4", tmp)
+            rss, seconds = peak_rss_of_upscale(tmp / f"in_{n}.mp4", tmp / f"out_{n}.mp4", tmp,
+                                               args.resolution)
             results.append(rss)
-            print(f"{n} frames 640x360 -> 1280x720: peak RSS {rss:.0f} MiB, {seconds:.0f} s")
+            print(f"{n} frames 640x360 -> short edge {args.resolution}: peak RSS {rss:.0f} MiB, "
+                  f"{seconds:.0f} s")
         print(f"ratio peak RSS {args.frames[1]}/{args.frames[0]} frames: {results[1] / results[0]:.3f}"
               f"  (goal <= 1.1)")
 
