@@ -61,7 +61,8 @@ class ComfyHost:
             from .src.seedvr2.loading.registry import default_model_dir
 
             return default_model_dir()
-        return Path(folder_paths.get_folder_paths(COMFY_FOLDER)[0])
+        # models/SEEDVR2, even when extra_model_paths.yaml registered other folders first.
+        return Path(folder_paths.models_dir) / COMFY_FOLDER
 
     def input_path(self, name: str) -> Path:
         path = Path(os.path.expanduser(name))
@@ -193,7 +194,8 @@ def _v3_input(io, inp, host):
 def _v3_output(io, out):
     kinds = {"IMAGE": io.Image, "STRING": io.String}
     kind = kinds.get(out.type) or io.Custom(out.type)
-    return kind.Output(out.name, display_name=out.name, tooltip=out.tooltip)
+    # No id: V3 wants output ids distinct from input ids (the upscaler takes and gives "image").
+    return kind.Output(display_name=out.name, tooltip=out.tooltip)
 
 
 def _v3_class(node: NodeDef, io) -> type:

@@ -188,3 +188,14 @@ def test_more_text_tokens_than_video_tokens(conformance):
     vid, txt = torch.randn(16, 33), torch.randn(9, 64)
     out = model(vid, txt, torch.tensor([[1, 4, 4]]), torch.tensor([[9]]), torch.tensor([1000.0]))
     assert out.shape == (16, 16) and torch.isfinite(out).all()
+
+
+def test_runs_when_loaded_under_inference_mode(conformance):
+    """ComfyUI runs every node under inference mode; tensors made there have no version."""
+    folder = conformance / "dit7b_tiny"
+    with torch.inference_mode():
+        model = load_dit(folder / "weights.safetensors")
+        case = load_case(folder, "image")
+        out = model(case["inputs.vid"], case["inputs.txt"], case["inputs.vid_shape"],
+                    case["inputs.txt_shape"], case["inputs.timestep"])
+    torch.testing.assert_close(out, case["outputs.vid_sample"], atol=1e-4, rtol=1e-4)

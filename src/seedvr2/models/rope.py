@@ -87,7 +87,9 @@ class _RoPE3d(nn.Module):
         """(Nv, 1, head_dim/2) rotations of the video tokens in window order, cached per call
         for blocks sharing one table (the loader shares tables holding equal values)."""
         freqs = self.rope.freqs
-        key = (type(self).__name__, freqs.data_ptr(), freqs._version)
+        # Keyed by storage, not version: inference-mode tensors have no version counter, and
+        # tables never change during a call.
+        key = (type(self).__name__, freqs.data_ptr(), freqs.device)
         if key not in layout.cache:
             angles = _axis_angles(self.video_positions(layout, txt_lens), freqs)
             layout.cache[key] = rotation(angles, self.head_dim)

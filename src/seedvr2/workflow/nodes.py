@@ -471,10 +471,16 @@ def _run_facade(host: Host, dit: ModelHandle, vae: ModelHandle, upscaler: dict, 
         host.warn(message)
     resolve_options(**job.options)  # bad values fail here, before anything is loaded
     model_dir = Path(dit.path).parent  # text embeddings "auto" look next to the DiT
+    import torch
+
     host.before_load()
     try:
-        return call(dit.path, vae.path, job.options, model_dir, _progress_callback(host),
-                    _stop_check(host))
+        # ComfyUI runs nodes under torch.inference_mode(); models loaded there would hold
+        # inference tensors, which the DiT's RoPE cache cannot key on (no version counter).
+        # The pipeline enters inference mode itself.
+        with torch.inference_mode(False):
+            return call(dit.path, vae.path, job.options, model_dir, _progress_callback(host),
+                        _stop_check(host))
     except Interrupted:
         host.raise_interrupted()
         raise

@@ -1,0 +1,154 @@
+"""The node definitions: inputs from the option table, loader settings, running the nodes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from seedvr2.options import OPTIONS
+from seedvr2.workflow import nodes as defs
+from seedvr2.workflow.errors import WorkflowInterrupted
+from seedvr2.workflow.host import HeadlessHost
+
+
+def _by_id():
+    return {n.id: n for n in defs.build_nodes()}
+
+
+def test_every_input_has_a_tooltip_and_the_upscaler_follows_the_option_table():
+    nodes = _by_id()
+    assert sorted(nodes) == ["SeedVR2LoadDiTModel", "SeedVR2LoadVAEModel",
+                             "SeedVR2TorchCompileSettings", "SeedVR2UpscaleVideoFile",
+                             "SeedVR2VideoUpscaler"]
+    for node in nodes.values():
+        for inp in node.inputs:
+            assert inp.tooltip, (node.id, inp.name)
+    upscaler = nodes["SeedVR2VideoUpscaler"]
+    for opt in defs.pipeline_options():
+        inp = upscaler.input(opt.name)
+        assert (inp.default, inp.tooltip) == (opt.default, opt.help)
+        if opt.choices:
+            assert (inp.type, inp.choices) == ("COMBO", tuple(opt.choices))
+        if opt.type in (int, float):
+            assert (inp.min, inp.max) == (opt.min, opt.max)
+    for name in ("seed", "resolution", "max_resolution", "batch_size", "uniform_batch_size",
+                 "temporal_overlap", "prepend_frames", "chunk_size", "color_correction",
+                 "input_noise_scale", "latent_noise_scale"):
+        assert upscaler.input(name)
+    assert upscaler.input("seed").control_after_generate
+    assert upscaler.input("offload_device").default == "cpu"
+    assert upscaler.input("devices").default == "auto"
+    # Options that belong to the loaders are not upscaler inputs.
+    names = {i.name for i in upscaler.inputs}
+    assert not names & {"device", "dtype", "text_embeddings", "dit_device", "blocks_to_swap"}
+
+
+def test_loader_inputs_and_their_library_names():
+    nodes = _by_id()
+    assert [i.name for i in nodes["SeedVR2LoadDiTModel"].inputs] == [
+        "model", "device", "offload_device", "cache_model", "blocks_to_swap",
+        "swap_io_components", "attention_backend", "dtype", "text_embeddings",
+        "torch_compile_args"]
+    assert [i.name for i in nodes["SeedVR2LoadVAEModel"].inputs] == [
+        "model", "device", "offload_device", "cache_model", "encode_tiled", "encode_tile_size",
+        "encode_tile_overlap", "decode_tiled", "decode_tile_size", "decode_tile_overlap", "dtype",
+        "torch_compile_args"]
+    options = {s.input: s.option for s in defs.LOADER_SETTINGS["vae"]}
+    assert options["encode_tile_size"] == "vae_encode_tile_size"
+    assert options["cache_model"] == "cache_vae"
+    assert nodes["SeedVR2LoadDiTModel"].input("torch_compile_args").optional
+    from seedvr2.models.attention import ATTENTION_BACKENDS
+
+    assert defs.ATTENTION_BACKENDS == ATTENTION_BACKENDS
+
+
+def _handles(tmp_path, **dit_settings):
+    dit = {s.input: s.node_input().default for s in defs.LOADER_SETTINGS["dit"]}
+    vae = {s.input: s.node_input().default for s in defs.LOADER_SETTINGS["vae"]}
+    dit.update(dit_settings)
+    return (defs.ModelHandle("dit", "d", str(tmp_path / "d"), tuple(dit.items())),
+            defs.ModelHandle("vae", "v", str(tmp_path / "v"), tuple(vae.items())))
+
+
+def test_settings_the_library_does_not_know_yet_are_reported_not_dropped(tmp_path, monkeypatch):
+    for name in ("blocks_to_swap", "dit_device", "vae_device"):
+        monkeypatch.delitem(OPTIONS, name, raising=False)
+    dit, vae = _handles(tmp_path, blocks_to_swap=8, device="cpu")
+    job = defs.plan_job(dit, vae, {"devices": "auto", "offload_device": "cpu"}, {"seed": 1})
+    assert job.unsupported == ["blocks_to_swap = 8 (SeedVR2 Load DiT Model) is not supported "
+                               "yet; ignored"]
+    # Per-model devices fall back to the shared device option; a disagreement is reported.
+    assert job.options["device"] == "cpu" and job.options["seed"] == 1
+    assert job.notes == ["device = 'auto' (SeedVR2 Load VAE Model) differs from 'cpu' (SeedVR2 "
+                         "Load DiT Model): one device for both models is supported; using 'cpu'"]
+    dit, vae = _handles(tmp_path)
+    assert defs.plan_job(dit, vae, {}, {}).unsupported == []  # defaults ask for nothing
+
+
+def test_compile_settings_become_compile_options(tmp_path):
+    args = defs.build_nodes()[2].run(None, backend="inductor", mode="max-autotune",
+                                     fullgraph=False, dynamic="auto", dynamo_cache_size_limit=64,
+                                     dynamo_recompile_limit=128).outputs[0]
+    dit, vae = _handles(tmp_path, torch_compile_args=args)
+    job = defs.plan_job(dit, vae, {}, {})
+    if "compile" in OPTIONS:
+        assert job.options["compile"] is True and job.options["compile_mode"] == "max-autotune"
+    else:
+        assert job.unsupported[0] == ("torch_compile_args.compile = True (SeedVR2 Load DiT "
+                                      "Model) is not supported yet; ignored")
+
+
+def test_upscaler_node_keeps_rgba_and_reports_progress(tiny_model_dir, tmp_path):
+    host = HeadlessHost(model_dir=tiny_model_dir, output_dir=tmp_path, quiet=True)
+    seen = []
+    host.progress = lambda value, total: seen.append((value, total))
+    nodes = _by_id()
+    dit = nodes["SeedVR2LoadDiTModel"].run(host, model="dit3b_tiny.safetensors",
+                                           **{**_defaults("dit"), "dtype": "fp32"}).outputs[0]
+    vae = nodes["SeedVR2LoadVAEModel"].run(host, model="vae_tiny.safetensors",
+                                           **{**_defaults("vae"), "dtype": "fp32"}).outputs[0]
+    assert dit.path == str(tiny_model_dir / "dit3b_tiny.safetensors")
+    image = torch.rand(2, 24, 32, 4)
+    inputs = {i.name: i.default for i in nodes["SeedVR2VideoUpscaler"].inputs if i.is_widget}
+    out = nodes["SeedVR2VideoUpscaler"].run(host, image=image, dit=dit, vae=vae,
+                                            **{**inputs, "resolution": 32, "batch_size": 1}).outputs[0]
+    assert out.shape == (2, 32, 42, 4) and out.dtype == torch.float32
+    assert seen[-1] == (6, 6)  # encode + DiT + decode of two batches
+
+
+def _defaults(kind):
+    return {s.input: s.node_input().default for s in defs.LOADER_SETTINGS[kind]
+            if not s.node_input().optional}
+
+
+def test_interrupt_stops_the_node_with_nothing_kept(tiny_model_dir, tmp_path):
+    host = HeadlessHost(model_dir=tiny_model_dir, output_dir=tmp_path, quiet=True)
+    host.stop.set()
+    nodes = _by_id()
+    dit = nodes["SeedVR2LoadDiTModel"].run(host, model="dit3b_tiny.safetensors",
+                                           **_defaults("dit")).outputs[0]
+    vae = nodes["SeedVR2LoadVAEModel"].run(host, model="vae_tiny.safetensors",
+                                           **_defaults("vae")).outputs[0]
+    inputs = {i.name: i.default for i in nodes["SeedVR2VideoUpscaler"].inputs if i.is_widget}
+    with pytest.raises(WorkflowInterrupted, match="^interrupted$"):
+        nodes["SeedVR2VideoUpscaler"].run(host, image=torch.rand(1, 16, 16, 3), dit=dit, vae=vae,
+                                          **{**inputs, "resolution": 16, "batch_size": 1})
+
+
+def test_model_dropdown_lists_registered_and_found_files_by_kind(tiny_model_dir):
+    host = HeadlessHost(model_dir=tiny_model_dir)
+    dits = defs.model_choices(host, "dit")
+    vaes = defs.model_choices(host, "vae")
+    assert dits[0] == "seedvr2_ema_3b_fp16.safetensors" and dits[-1] == "dit3b_tiny.safetensors"
+    assert vaes == ["ema_vae_fp16.safetensors", "vae_tiny.safetensors"]
+    assert "text_64.safetensors" not in dits + vaes
+
+
+def test_comfy_folder_name_matches_the_registry():
+    import importlib.util
+
+    from seedvr2.loading.registry import COMFY_FOLDER
+
+    spec = importlib.util.find_spec("seedvr2")
+    text = (spec.origin and open(spec.origin.replace("src/seedvr2/__init__.py", "nodes.py")).read())
+    assert f'COMFY_FOLDER = "{COMFY_FOLDER}"' in text
