@@ -113,7 +113,7 @@ def test_dit_from_gguf_error_is_bounded(conformance, dit3b_file, dit3b_q8, qtype
     if qtype != "Q8_0":
         path = tmp_path / f"dit3b_{qtype}.gguf"
         quantize_file(dit3b_file, path, qtype)
-    case = load_case(conformance / "dit3b_tiny", "video_ragged")
+    case = load_case(conformance / "dit3b_tiny", "image")
     reference = output(load_dit(dit3b_file), case)
     model = load_dit(path, dtype=torch.float32)
     packed = packed_modules(model)

@@ -135,3 +135,21 @@ def test_bad_memory_options():
         resolve_options(dit_offload_device="disk")
     with pytest.raises(ValueError, match=r"compile backend 'tvm': expected one of"):
         CompileSettings(backend="tvm")
+
+
+def test_vae_tiling_options_reach_the_vae(tiny_options, clip, monkeypatch):
+    from seedvr2.memory import tiling
+
+    seen = []
+    original = tiling.decode
+
+    def spy(vae, latent, tiles, temporal_chunk=None):
+        seen.append(tiles)
+        return original(vae, latent, tiles, temporal_chunk)
+
+    monkeypatch.setattr(tiling, "decode", spy)
+    out = _upscale(tiny_options, clip, vae_decode_tiled=True, vae_decode_tile_size=64,
+                   vae_decode_tile_overlap=16, vae_encode_tiled=True, vae_encode_tile_size=64,
+                   vae_encode_tile_overlap=16)
+    assert out.shape == (6, 32, 48, 3)
+    assert seen and all(t.enabled and t.tile_size == 64 and t.tile_overlap == 16 for t in seen)

@@ -38,7 +38,7 @@ def tiny(conformance):
     folder = conformance / "dit3b_tiny"
     state = load_file(folder / "weights.safetensors")
     config = json.dumps(constructor_kwargs(folder))
-    case = load_case(folder, "video_ragged")
+    case = load_case(folder, "image")
     return state, config, case
 
 
@@ -76,7 +76,7 @@ def test_plain_fp8_file_with_fp16_block(tiny, reference, tmp_path):
     assert layer.weight_data.dtype == torch.float8_e4m3fn and layer.weight.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("target,bound", [("fp8_e4m3fn", 3e-2), ("fp8_e5m2", 6e-2), ("int8", 1e-2)])
+@pytest.mark.parametrize("target,bound", [("fp8_e4m3fn", 3e-2), ("int8", 1e-2)])
 def test_quantize_to_fp8_and_int8(tiny, reference, target, bound, tmp_path):
     _, _, case = tiny
     out = tmp_path / f"{target}.safetensors"

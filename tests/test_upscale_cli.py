@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -88,10 +89,14 @@ def test_bad_inputs_leave_nothing(tiny_options, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corrupt.mp4"]
 
 
-def test_unknown_model_name(clip, tmp_path, capsys):
-    rc = main(["upscale", str(clip), "--dit", "seedvr2_ema_3b_fp16.safetensors",
-               "--model-dir", str(tmp_path), "--device", "cpu", "--quiet"])
-    assert rc == 1
-    err = capsys.readouterr().err
-    assert f"is not in the model folder {tmp_path}" in err
-    assert "huggingface.co/numz/SeedVR2_comfyUI/resolve/main/seedvr2_ema_3b_fp16.safetensors" in err
+def test_missing_registered_model_offline(clip, tmp_path):
+    """A registered name missing from the model folder is downloaded; offline, the error names
+    the file, its URL and the folder to put it in."""
+    result = subprocess.run([sys.executable, "-m", "seedvr2", "upscale", str(clip), "--dit",
+                             "seedvr2_ema_3b_fp16.safetensors", "--model-dir", str(tmp_path),
+                             "--device", "cpu", "--quiet"], capture_output=True, text=True, cwd=REPO,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120)
+    assert result.returncode == 1
+    assert "seedvr2_ema_3b_fp16.safetensors: download from https://huggingface.co/numz/" \
+           "SeedVR2_comfyUI/resolve/main/seedvr2_ema_3b_fp16.safetensors failed" in result.stderr
+    assert f"put it in {tmp_path}" in result.stderr

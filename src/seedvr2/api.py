@@ -60,14 +60,14 @@ def load_models(dit=None, vae=None, *, opts: Options, model_dir=None) -> Models:
     if isinstance(dit, torch.nn.Module):
         dit = dit.to(device=dit_device, dtype=dtype)
     else:
-        path = resolve_model_file(dit or DEFAULT_DIT, model_dir, "dit")
+        path = resolve_model_file(dit or DEFAULT_DIT, model_dir, "dit", download_missing=True)
         key = ModelKey.for_file("dit", path, dtype, dit_device, _settings_of(opts, "dit"))
         dit, blockswap = MODEL_CACHE.get_or_load(
             key, lambda: _load_dit(path, opts, dtype, dit_device, dit_offload), opts.cache_dit)
     if isinstance(vae, torch.nn.Module):
         vae = vae.to(device=vae_device, dtype=dtype)
     else:
-        path = resolve_model_file(vae or DEFAULT_VAE, model_dir, "vae")
+        path = resolve_model_file(vae or DEFAULT_VAE, model_dir, "vae", download_missing=True)
         key = ModelKey.for_file("vae", path, dtype, vae_device, _settings_of(opts, "vae"))
 
         def load():
@@ -75,7 +75,9 @@ def load_models(dit=None, vae=None, *, opts: Options, model_dir=None) -> Models:
             apply_compile(None, model, CompileSettings.from_options(opts))
             return model
         vae = MODEL_CACHE.get_or_load(key, load, opts.cache_vae)
-    text = load_text_embeddings(opts.text_embeddings, dit.config.txt_in_dim, model_dir)
+    embedded = getattr(dit, "embedded_text_embeddings", None) or {}
+    text = load_text_embeddings(opts.text_embeddings, dit.config.txt_in_dim, model_dir,
+                                embedded=embedded.get("pos"))
     return Models(dit, vae, text, dit_device, vae_device, dtype, dit_offload, vae_offload, blockswap)
 
 

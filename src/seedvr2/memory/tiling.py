@@ -3,35 +3,39 @@
 The VAE's activations scale with ``T x H x W`` (the decoder's last stage holds several
 128-channel float maps of the full output), so a 4K clip does not fit on most GPUs in one
 pass. Two independent ways of cutting the work into pieces are offered here; each piece is
-run through the unmodified :class:`~..models.vae.VideoAutoencoder` modules, results go into
+run through the unmodified ``VideoAutoencoder`` modules, results go into
 one preallocated output (no list of pieces is kept), and peak memory is the output plus the
-activations of one piece.
+activations of one piece (plus, when slicing time, the few cached frames of that tile).
 
 Causal temporal slicing (exact)
     Every layer of the VAE is causal in time: convolutions see the current and earlier frames
     only (their temporal padding repeats the first frame), and GroupNorm and the mid-block
     attention act on each frame on its own. So a clip can be run in consecutive chunks if each
     causal convolution receives, in front of a chunk, the last frames of its input from the
-    previous chunk instead of the replicated first frame; :class:`~..models.vae_blocks.CausalCache`
+    previous chunk instead of the replicated first frame; a ``CausalCache`` (``vae_blocks``)
     carries exactly those frames (and the up-samplers' "first chunk" flag). The result is the
-    single-pass result up to float re-association (~1e-7 on the tiny VAE), as in the official
-    pipeline's ``split_size`` slicing. ``temporal_chunk = c`` (a multiple of the temporal
-    factor 4, in *video* frames) means: encode chunks of ``1 + c, c, c, ...`` frames (the
-    strided convs need ``4k + 1`` frames first, then multiples of 4), decode chunks of
-    ``1 + c/4, c/4, ...`` latent frames, i.e. the same ``1 + c, c, ...`` output frames. The
-    official pipeline uses ``c = 4``.
+    single-pass result up to float re-association (measured <= 8e-6 on the tiny VAE, often
+    bit-identical), as in the official pipeline's ``split_size`` slicing.
+    ``temporal_chunk = c`` (a multiple of the temporal factor 4, in *video* frames) means:
+    encode chunks of ``1 + c, c, c, ...`` frames (the strided convs need ``4k + 1`` frames
+    first, then multiples of 4), decode chunks of ``1 + c/4, c/4, ...`` latent frames, i.e.
+    the same ``1 + c, c, ...`` output frames. The official pipeline uses ``c = 4``.
 
 Spatial tiling with feathered blending (approximate)
     Space cannot be sliced exactly: a tile is zero padded at its borders where the whole frame
-    had neighbouring content, and GroupNorm statistics and the mid-block attention cover the
-    tile instead of the whole frame. Neighbouring tiles therefore disagree, mostly near their
-    borders and a little everywhere; placed side by side they would show seams. Tiles
-    therefore overlap and are cross-faded: in an overlap each tile's weight rises from ~0 at
-    its border to 1 (raised cosine, ``sin^2``) while its neighbour's falls, so the output is a
-    smooth partition-of-unity blend that down-weights exactly the border regions where a tile
-    is least reliable. Weights are separable (row weight x column weight) and normalised per
-    axis, so they sum to 1 wherever tiles overlap, also where the last tile was shifted back
-    inside the image and overlaps its neighbour by more than ``tile_overlap``.
+    had neighbouring content (this reaches ~6 latents = 48 pixels into the tile, measured on
+    the tiny VAE, which has the real VAE's layer structure), and GroupNorm statistics and the
+    mid-block attention cover the tile instead of the whole frame (a global effect; on the
+    tiny VAE the GroupNorm statistics dominate it, the attention hardly matters). Neighbouring
+    tiles therefore disagree; placed side by side they would show seams. Tiles therefore
+    overlap and are cross-faded: in an overlap each tile's weight rises from ~0 at its border
+    to 1 (raised cosine, ``sin^2``) while its neighbour's falls, so the output is a smooth
+    partition-of-unity blend that down-weights the border regions where a tile is least
+    reliable. Feathering removes seams; it cannot remove the tile-wide offset that different
+    normalisation statistics cause, which is why larger tiles are closer to the untiled
+    result. Weights are separable (row weight x column weight) and normalised per axis, so
+    they sum to 1 wherever tiles overlap, also where the last tile was shifted back inside the
+    image and overlaps its neighbour by more than ``tile_overlap``.
 
     Tiles are laid out on the latent grid (``tile_size / 8`` latents with ``tile_overlap / 8``
     overlap; the encoder reads ``tile_size`` pixels, the decoder writes them), so a tile's
@@ -50,7 +54,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -79,9 +83,9 @@ class TileSettings:
     needed: every tile edge is a multiple of 8 pixels, so all three stride-2 stages inside the
     tile see even sizes. This matches the ``vae_*_tile_size`` / ``vae_*_tile_overlap`` options.
     ``tile_overlap`` must be smaller than ``tile_size`` (tiles must advance); 0 means tiles
-    abut without blending (visible seams; not recommended). Around 1/8 of the tile is a good
-    overlap: the feathering then hides the border error at a modest extra cost
-    (``(tile / (tile - overlap))^2`` times the work on large frames).
+    abut without blending (seams; not recommended). The overlap should cover the reach of
+    the border error, ~48 pixels, as the default 64 does; the price is about
+    ``(tile / (tile - overlap))^2`` times the untiled work on large frames.
     """
 
     enabled: bool = False

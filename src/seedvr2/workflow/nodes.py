@@ -349,7 +349,9 @@ def _resolve_model(host: Host, kind: str, name: str) -> str:
     if path is not None and path.is_file():
         return str(path)
     # Raises the registry's message: where to download a released file, or what is known.
-    return str(resolve_model_file(name, host.model_folder(), kind))
+    # Names from workflows never reach outside the model folder.
+    return str(resolve_model_file(name, host.model_folder(), kind, allow_paths=False,
+                                  download_missing=True))
 
 
 def _load_model_node(kind: str):
