@@ -187,15 +187,22 @@ def test_bad_input_exits_non_zero_with_the_nodes_message(sets, message, tiny_mod
 
 
 def test_registered_model_not_downloaded_names_the_download(tiny_model_dir, inputs, tmp_path,
-                                                            capsys):
+                                                            capsys, monkeypatch):
+    """A registered file missing from the folder is downloaded; offline, the error says where
+    to get it and where to put it."""
+    import huggingface_hub
+
+    def offline(**kwargs):
+        raise ConnectionError("offline")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
     sets = [s for s in _tiny_image_sets() if not s.startswith("2.model")]
     rc = _cli(tmp_path, tiny_model_dir, inputs, EXAMPLES_DIR / "image_upscale_api.json", *sets)
     assert rc == 1
     assert capsys.readouterr().err == (
-        f"error: node 2 (SeedVR2LoadDiTModel): DIT model 'seedvr2_ema_3b_fp16.safetensors' is "
-        f"not in the model folder {tiny_model_dir}: download it from https://huggingface.co/"
-        f"numz/SeedVR2_comfyUI/resolve/main/seedvr2_ema_3b_fp16.safetensors and put it there "
-        f"(or pass --model-dir)\n")
+        f"error: node 2 (SeedVR2LoadDiTModel): seedvr2_ema_3b_fp16.safetensors: download from "
+        f"https://huggingface.co/numz/SeedVR2_comfyUI/resolve/main/seedvr2_ema_3b_fp16.safetensors "
+        f"failed (offline); download it by other means and put it in {tiny_model_dir}\n")
 
 
 def test_unknown_node_type_and_malformed_json(tiny_model_dir, inputs, tmp_path, capsys):
