@@ -33,6 +33,19 @@ def load_case(family_dir: Path, name: str) -> dict:
     return load_file(family_dir / "cases" / f"{name}.safetensors")
 
 
+def dit_output(model, case: dict):
+    """A DiT's output on a conformance case's inputs."""
+    import torch
+
+    with torch.no_grad():
+        return model(case["inputs.vid"], case["inputs.txt"], case["inputs.vid_shape"],
+                     case["inputs.txt_shape"], case["inputs.timestep"])
+
+
+def relative_error(a, b) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
 def constructor_kwargs(family_dir: Path) -> dict:
     return json.loads((family_dir / "config.json").read_text())["constructor_kwargs"]
 

@@ -17,7 +17,7 @@ from seedvr2.loading.gguf import BLOCK_SIZES, dequantize_blocks  # noqa: E402
 from seedvr2.loading.quantize import quantize_file  # noqa: E402
 from seedvr2.loading.quantized import PackedWeightMixin, packed_modules  # noqa: E402
 
-from conftest import constructor_kwargs, load_case  # noqa: E402
+from conftest import dit_output, relative_error, constructor_kwargs, load_case  # noqa: E402
 
 # Byte offsets of the fp16 scale fields of each block type: set to finite values so that
 # random blocks decode to numbers (random bytes there could be inf/NaN).
@@ -69,16 +69,6 @@ def test_dequantize_in_compute_dtype():
 # files
 
 
-def output(model, case):
-    with torch.no_grad():
-        return model(case["inputs.vid"], case["inputs.txt"], case["inputs.vid_shape"],
-                     case["inputs.txt_shape"], case["inputs.timestep"])
-
-
-def relative_error(a, b) -> float:
-    return ((a - b).norm() / b.norm()).item()
-
-
 @pytest.fixture(scope="module")
 def dit3b_file(conformance, tmp_path_factory):
     folder = conformance / "dit3b_tiny"
@@ -114,11 +104,11 @@ def test_dit_from_gguf_error_is_bounded(conformance, dit3b_file, dit3b_q8, qtype
         path = tmp_path / f"dit3b_{qtype}.gguf"
         quantize_file(dit3b_file, path, qtype)
     case = load_case(conformance / "dit3b_tiny", "image")
-    reference = output(load_dit(dit3b_file), case)
+    reference = dit_output(load_dit(dit3b_file), case)
     model = load_dit(path, dtype=torch.float32)
     packed = packed_modules(model)
     assert len(packed) == 30 and {p.label for p in packed.values()} == {qtype}
-    error = relative_error(output(model, case), reference)
+    error = relative_error(dit_output(model, case), reference)
     print(f"DiT 3B tiny, {qtype} weights: relative output error {error:.2e}")
     assert 1e-5 < error < bound
 
@@ -128,7 +118,7 @@ def test_packed_and_expanded_weights_give_the_same_output(conformance, dit3b_q8)
     packed = load_dit(dit3b_q8, dtype=torch.float32)
     expanded = load_dit(dit3b_q8, dtype=torch.float32, keep_packed=False)
     assert not packed_modules(expanded)
-    assert torch.equal(output(packed, case), output(expanded, case))
+    assert torch.equal(dit_output(packed, case), dit_output(expanded, case))
 
 
 def test_packed_weights_keep_storage_through_dtype_and_device_moves(dit3b_q8):
@@ -199,7 +189,7 @@ def test_comfy_prefix_is_stripped(conformance, dit3b_state, tmp_path):
     write_gguf(path, {f"model.diffusion_model.{k}": v for k, v in dit3b_state.items()},
                fields={"seedvr2.config": config})
     case = load_case(conformance / "dit3b_tiny", "image")
-    torch.testing.assert_close(output(load_dit(path), case), case["outputs.vid_sample"],
+    torch.testing.assert_close(dit_output(load_dit(path), case), case["outputs.vid_sample"],
                                atol=1e-4, rtol=1e-4)
 
 

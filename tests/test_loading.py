@@ -14,13 +14,7 @@ from seedvr2.loading import CheckpointError, describe, load_dit, load_vae
 from seedvr2.loading.detect import detect_dit, detect_vae
 from seedvr2.models import dit_config, vae_config
 
-from conftest import constructor_kwargs, load_case
-
-
-def output(model, case):
-    with torch.no_grad():
-        return model(case["inputs.vid"], case["inputs.txt"], case["inputs.vid_shape"],
-                     case["inputs.txt_shape"], case["inputs.timestep"])
+from conftest import dit_output, constructor_kwargs, load_case
 
 
 @pytest.mark.parametrize("manifest,name", [("dit3b_full", "3b"), ("dit7b_full", "7b")])
@@ -47,7 +41,7 @@ def test_metadata_config_is_enough(conformance, family, tmp_path):
     model = load_dit(path)
     assert model.config == dit_config(constructor_kwargs(folder))
     case = load_case(folder, "image")
-    torch.testing.assert_close(output(model, case), case["outputs.vid_sample"], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dit_output(model, case), case["outputs.vid_sample"], atol=1e-4, rtol=1e-4)
 
 
 def test_metadata_config_overrides_defaults(conformance, tmp_path):
@@ -81,7 +75,7 @@ def test_pth_and_missing_rope_buffers(conformance, tmp_path, caplog):
         model = load_dit(tmp_path / "tiny.pth")
     assert "4 RoPE frequency buffers absent from the file; recomputed" in caplog.text
     case = load_case(folder, "video_ragged")
-    torch.testing.assert_close(output(model, case), case["outputs.vid_sample"], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dit_output(model, case), case["outputs.vid_sample"], atol=1e-4, rtol=1e-4)
 
 
 def test_dtype_follows_file_or_request(conformance, tmp_path):

@@ -20,17 +20,7 @@ from seedvr2.loading.quantized import (E2M1_VALUES, packed_modules, regular_hada
                                        swizzle_block_scales, unswizzle_block_scales)
 from seedvr2.loading.text import load_text_embeddings
 
-from conftest import constructor_kwargs, load_case
-
-
-def output(model, case):
-    with torch.no_grad():
-        return model(case["inputs.vid"], case["inputs.txt"], case["inputs.vid_shape"],
-                     case["inputs.txt_shape"], case["inputs.timestep"])
-
-
-def relative_error(a, b) -> float:
-    return ((a - b).norm() / b.norm()).item()
+from conftest import dit_output, relative_error, constructor_kwargs, load_case
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +37,7 @@ def reference(tiny, tmp_path_factory):
     state, config, case = tiny
     path = tmp_path_factory.mktemp("ref") / "fp32.safetensors"
     save_file(state, path, metadata={"config": config})
-    return path, output(load_dit(path), case)
+    return path, dit_output(load_dit(path), case)
 
 
 def is_big_weight(key: str, tensor: torch.Tensor) -> bool:
@@ -68,7 +58,7 @@ def test_plain_fp8_file_with_fp16_block(tiny, reference, tmp_path):
     assert len(packed) == 25 and {p.label for p in packed.values()} == {"float8_e4m3fn"}
     assert not any(name.startswith("blocks.3.") for name in packed)
     assert describe(path)["dtypes"] == ["float16", "float8_e4m3fn"]
-    error = relative_error(output(model, case), reference[1])
+    error = relative_error(dit_output(model, case), reference[1])
     print(f"DiT 3B tiny, plain fp8 e4m3fn weights (block 3 fp16): relative error {error:.2e}")
     assert error < 0.15
     model.to(torch.bfloat16)  # storage stays fp8, the compute dtype follows
@@ -89,7 +79,7 @@ def test_quantize_to_fp8_and_int8(tiny, reference, target, bound, tmp_path):
     assert header[f"{layer}.weight_scale"]["shape"] == ([384, 1] if target == "int8" else [])
     model = load_dit(out, dtype=torch.float32)
     assert len(packed_modules(model)) == 25
-    error = relative_error(output(model, case), reference[1])
+    error = relative_error(dit_output(model, case), reference[1])
     print(f"DiT 3B tiny, {target} weights: relative error {error:.2e}")
     assert 1e-5 < error < bound
 
@@ -187,7 +177,7 @@ def test_comfy_file_runs_and_carries_text_embeddings(tiny, reference, comfy_file
     _, _, case = tiny
     path, _, pos = comfy_file
     model = load_dit(path, dtype=torch.float32)
-    error = relative_error(output(model, case), reference[1])
+    error = relative_error(dit_output(model, case), reference[1])
     print(f"DiT 3B tiny, ComfyUI int8_convrot/mxfp8/nvfp4 weights: relative error {error:.2e}")
     assert error < 0.25
     assert torch.equal(model.embedded_text_embeddings["pos"], pos)
