@@ -290,3 +290,15 @@ def test_set_by_title_and_values_as_json(tmp_path):
     assert prompt["4"]["inputs"]["resolution"] == 1080  # the input prompt is left alone
     with pytest.raises(WorkflowError, match="expected NODE.INPUT=VALUE"):
         apply_sets(prompt, ["resolution=720"], info)
+
+
+def test_options_added_after_the_first_release_are_optional():
+    """A workflow saved before an option existed must still validate: later options are
+    optional inputs with their defaults."""
+    from seedvr2.workflow.nodes import FIRST_RELEASE_OPTIONS, _upscaler_inputs, pipeline_options
+
+    later = {o.name for o in pipeline_options()} - FIRST_RELEASE_OPTIONS
+    assert "dist_timeout" in later
+    inputs = {i.name: i for i in _upscaler_inputs()}
+    assert all(inputs[name].optional for name in later)
+    assert not inputs["batch_size"].optional

@@ -119,9 +119,11 @@ class Host(Protocol):
 # Inputs generated from the option table
 
 
-def option_input(opt: Option, name: Optional[str] = None, tooltip: Optional[str] = None) -> Input:
+def option_input(opt: Option, name: Optional[str] = None, tooltip: Optional[str] = None,
+                 optional: bool = False) -> Input:
     """A node input for a library option: same type, default, range, choices; help = tooltip."""
-    kw = dict(name=name or opt.name, tooltip=tooltip or opt.help, default=opt.default)
+    kw = dict(name=name or opt.name, tooltip=tooltip or opt.help, default=opt.default,
+              optional=optional)
     if opt.choices is not None:
         return Input(type="COMBO", choices=tuple(opt.choices), **kw)
     if opt.type is bool:
@@ -570,9 +572,18 @@ def _loader_inputs(kind: str) -> tuple:
     return (_model_input(kind), *(s.node_input() for s in LOADER_SETTINGS[kind]))
 
 
+# The upscaler's options of the first release are required inputs; every option added later is
+# an optional input with its default, so workflows saved before it keep validating.
+FIRST_RELEASE_OPTIONS = frozenset((
+    "seed", "resolution", "max_resolution", "batch_size", "uniform_batch_size",
+    "temporal_overlap", "prepend_frames", "chunk_size", "color_correction", "input_noise_scale",
+    "latent_noise_scale", "text_embeddings", "device", "dtype"))
+
+
 def _upscaler_inputs() -> tuple:
     return (*(s.node_input() for s in UPSCALER_SETTINGS),
-            *(option_input(opt) for opt in pipeline_options()))
+            *(option_input(opt, optional=opt.name not in FIRST_RELEASE_OPTIONS)
+              for opt in pipeline_options()))
 
 
 _DIT_IN = Input("dit", DIT_TYPE, "the DiT from a SeedVR2 Load DiT Model node")
