@@ -19,7 +19,7 @@ from .memory.blockswap import BlockSwap
 from .memory.compile import CompileSettings, apply_compile
 from .options import OptionError, Options, resolve_options
 from .pipeline.plan import make_plan
-from .pipeline.runner import JobStats, Models, Upscaler, to_integer_frames
+from .pipeline.runner import JobStats, Models, Upscaler, output_size, to_integer_frames
 
 Progress = Callable[[str, int, int], None]
 
@@ -107,6 +107,28 @@ def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Pr
     return torch.cat(pieces)
 
 
+VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv")
+
+
+def plan_file(reader, dst, opts: Options, codec: str):
+    """Batch plan, output (H, W) and bit depth of a file job: the same in one process and on
+    every rank of a distributed one."""
+    info = reader.info
+    frame_count = info.frame_count if info.frame_count_exact else reader.count_frames()
+    is_video_out = Path(str(dst)).suffix.lower() in VIDEO_SUFFIXES
+    bit_depth = 16 if info.bit_depth == 16 or is_video_out and codec == "h265" else 8
+    return make_plan(frame_count, opts), output_size(info.height, info.width, opts), bit_depth
+
+
+def open_output(info, dst, size: tuple[int, int], bit_depth: int, codec: str, overwrite: bool):
+    """The writer for a file job's output (audio copied from the source when it has some)."""
+    from .io import open_writer
+
+    return open_writer(dst, like=info, width=size[1], height=size[0], bit_depth=bit_depth,
+                       codec=codec, audio_from=info if info.has_audio else None,
+                       overwrite=overwrite)
+
+
 def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: bool = False,
                  codec: str = "h264", progress: Optional[Progress] = None,
                  should_stop: Optional[Callable[[], bool]] = None,
@@ -120,8 +142,7 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
     from .distributed import in_distributed_launch, init_from_env
     from .distributed.job import run_file_job
     from .distributed.launch import parse_devices, spawn_file_job
-    from .io import open_media, open_writer
-    from .pipeline.runner import output_size
+    from .io import open_media
 
     opts = resolve_options(**options)
     job = dict(model_dir=model_dir, overwrite=overwrite, codec=codec, **options)
@@ -136,16 +157,9 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
         return spawn_file_job(devices, src, dst, dit, vae, **job)
     opts = opts.replace(device=devices[0]) if opts.device == "auto" and opts.devices != "auto" else opts
     with open_media(src) as reader:
-        info = reader.info
-        frame_count = info.frame_count if info.frame_count_exact else reader.count_frames()
-        plan = make_plan(frame_count, opts)
-        height, width = output_size(info.height, info.width, opts)
-        is_video_out = Path(dst).suffix.lower() in (".mp4", ".m4v", ".mov", ".mkv")
-        bit_depth = 16 if (info.bit_depth == 16 or is_video_out and codec == "h265") else 8
+        plan, size, bit_depth = plan_file(reader, dst, opts, codec)
         # Opening the writer first fails fast on an unwritable or existing output.
-        writer = open_writer(dst, like=info, width=width, height=height, bit_depth=bit_depth,
-                             codec=codec, audio_from=info if info.has_audio else None,
-                             overwrite=overwrite)
+        writer = open_output(reader.info, dst, size, bit_depth, codec, overwrite)
         with writer:
             models = load_models(dit, vae, opts=opts, model_dir=model_dir)
             upscaler = _upscaler(models, opts, progress, should_stop)

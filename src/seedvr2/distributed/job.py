@@ -21,8 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..options import resolve_options
-from ..pipeline.plan import make_plan
-from ..pipeline.runner import OverlapBlender, Upscaler, output_size, to_integer_frames
+from ..pipeline.runner import OverlapBlender, Upscaler, to_integer_frames
 from .assign import assign_batches, owner_of
 from .groups import DistContext
 
@@ -77,8 +76,8 @@ def run_file_job(ctx: DistContext, src, dst, dit=None, vae=None, *, model_dir=No
                  overwrite: bool = False, codec: str = "h264", progress=None, should_stop=None,
                  **options) -> Path | None:
     """This rank's share of ``upscale_file``; returns the output path on rank 0."""
-    from ..api import load_models
-    from ..io import open_media, open_writer
+    from ..api import load_models, open_output, plan_file
+    from ..io import open_media
 
     _terminate_cleanly()
     opts = resolve_options(**options)
@@ -88,20 +87,15 @@ def run_file_job(ctx: DistContext, src, dst, dit=None, vae=None, *, model_dir=No
     opts = opts.replace(device=str(ctx.device), dit_device="auto", vae_device="auto")
     with open_media(src) as reader:
         info = reader.info
-        frame_count = info.frame_count if info.frame_count_exact else reader.count_frames()
-        plan = make_plan(frame_count, opts)
-        check_agreement(ctx, _digest(opts, frame_count, info.width, info.height, (dit, vae)))
+        plan, (height, width), bit_depth = plan_file(reader, dst, opts, codec)
+        check_agreement(ctx, _digest(opts, plan.source_frames, info.width, info.height, (dit, vae)))
         shares = assign_batches(plan, ctx.world_size)
         mine = shares[ctx.rank]
         if ctx.is_writer and len(plan.batches) < ctx.world_size:
             log.warning("%d ranks for %d batches: %d rank(s) stay idle", ctx.world_size,
                         len(plan.batches), ctx.world_size - len(plan.batches))
-        height, width = output_size(info.height, info.width, opts)
-        bit_depth = 16 if (info.bit_depth == 16 or codec == "h265"
-                           and Path(str(dst)).suffix.lower() in (".mp4", ".m4v", ".mov", ".mkv")) else 8
-        writer = open_writer(dst, like=info, width=width, height=height, bit_depth=bit_depth,
-                             codec=codec, audio_from=info if info.has_audio else None,
-                             overwrite=overwrite) if ctx.is_writer else None
+        writer = open_output(info, dst, (height, width), bit_depth, codec, overwrite) \
+            if ctx.is_writer else None
         # The writer aborts (removing its partial file) on any exception, SIGTERM included.
         with writer if writer is not None else contextlib.nullcontext():
             outputs = iter(())

@@ -14,6 +14,7 @@ can be forced on the CPU (tests do) to check the schedule and that outputs do no
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Optional
@@ -78,7 +79,7 @@ class _HostWeights:
         self.ready: Optional[torch.cuda.Event] = None
 
     def start_copy(self, device: torch.device, stream):
-        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             self.device_copy = {n: t.to(device, non_blocking=True) for n, t in self.host.items()}
             if stream is not None:
                 self.ready = torch.cuda.Event()
@@ -96,14 +97,6 @@ class _HostWeights:
         for name, tensor in self.host.items():
             _set(self.module, name, tensor)
         self.device_copy, self.ready = None, None
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _tensors(module: nn.Module):
