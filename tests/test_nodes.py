@@ -70,17 +70,74 @@ def _handles(tmp_path, **dit_settings):
             defs.ModelHandle("vae", "v", str(tmp_path / "v"), tuple(vae.items())))
 
 
-def test_settings_the_library_does_not_know_yet_are_reported_not_dropped(tmp_path, monkeypatch):
-    for name in ("blocks_to_swap", "dit_device", "vae_device"):
-        monkeypatch.delitem(OPTIONS, name, raising=False)
-    dit, vae = _handles(tmp_path, blocks_to_swap=8, device="cpu")
+def test_loader_and_setting_inputs_come_from_the_option_table():
+    """One source: every input that stands for a library option has that option's default,
+    range, choices and help text; only the widget (device dropdown, step) is the node's."""
+    nodes = _by_id()
+    groups = [(nodes["SeedVR2LoadDiTModel"], defs.LOADER_SETTINGS["dit"]),
+              (nodes["SeedVR2LoadVAEModel"], defs.LOADER_SETTINGS["vae"]),
+              (nodes["SeedVR2VideoUpscaler"], defs.UPSCALER_SETTINGS),
+              (nodes["SeedVR2UpscaleVideoFile"], defs.UPSCALER_SETTINGS)]
+    checked = set()
+    for node, settings in groups:
+        for setting in settings:
+            inp = node.input(setting.input)
+            if setting.to_options is not None:
+                assert inp.type == defs.COMPILE_TYPE and inp.optional
+                continue
+            opt = OPTIONS[setting.option]
+            assert (inp.default, inp.tooltip) == (opt.default, opt.help), (node.id, inp.name)
+            assert (inp.min, inp.max) == (opt.min, opt.max), (node.id, inp.name)
+            if opt.choices:
+                assert (inp.type, inp.choices) == ("COMBO", tuple(opt.choices))
+            elif inp.type == "COMBO":  # a device dropdown: its default is one of its choices
+                assert callable(inp.choices) and opt.default in inp.choices(None)
+            else:
+                assert inp.type == {bool: "BOOLEAN", int: "INT", float: "FLOAT", str: "STRING"}[
+                    opt.type], (node.id, inp.name)
+            checked.add(setting.option)
+    assert {"dit_device", "vae_offload_device", "cache_dit", "vae_encode_tile_size",
+            "vae_decode_tile_overlap", "dtype", "blocks_to_swap", "tensor_offload_device",
+            "devices"} <= checked
+    assert nodes["SeedVR2LoadVAEModel"].input("encode_tile_size").step == 8
+    compile_node = nodes["SeedVR2TorchCompileSettings"]
+    for field, option in defs.COMPILE_FIELDS.items():
+        inp = compile_node.input(field)
+        if option in OPTIONS:
+            opt = OPTIONS[option]
+            assert (inp.default, inp.tooltip) == (opt.default, opt.help), field
+            assert inp.choices == opt.choices, field
+        else:
+            assert inp.default == defs.COMPILE_LIMIT_DEFAULTS[field]
+
+
+def test_settings_added_after_the_first_release_are_optional(monkeypatch):
+    nodes = _by_id()
+    for kind, node_id in (("dit", "SeedVR2LoadDiTModel"), ("vae", "SeedVR2LoadVAEModel")):
+        for inp in nodes[node_id].inputs[1:]:
+            first = inp.name in defs.FIRST_RELEASE_SETTINGS[kind]
+            assert inp.optional is (not first or inp.name == "torch_compile_args"), inp.name
+    # A new loader setting: an optional input with its option's default, left out of old
+    # workflows (and of their handles) without a complaint.
+    later = defs.Setting("swap_later", "blocks_to_swap")
+    monkeypatch.setitem(defs.LOADER_SETTINGS, "dit", (*defs.LOADER_SETTINGS["dit"], later))
+    (inp,) = [i for i in defs.settings_inputs("dit") if i.name == "swap_later"]
+    assert inp.optional and inp.default == OPTIONS["blocks_to_swap"].default
+
+
+def test_disagreeing_loaders_and_unknown_compile_limits_are_reported(tmp_path):
+    dit, vae = _handles(tmp_path, dtype="fp16")
     job = defs.plan_job(dit, vae, {"devices": "auto", "offload_device": "cpu"}, {"seed": 1})
-    assert job.unsupported == ["blocks_to_swap = 8 (SeedVR2 Load DiT Model) is not supported "
-                               "yet; ignored"]
-    # Per-model devices fall back to the shared device option; a disagreement is reported.
-    assert job.options["device"] == "cpu" and job.options["seed"] == 1
-    assert job.notes == ["device = 'auto' (SeedVR2 Load VAE Model) differs from 'cpu' (SeedVR2 "
-                         "Load DiT Model): one device for both models is supported; using 'cpu'"]
+    assert job.options["dtype"] == "fp16" and job.options["seed"] == 1
+    assert job.options["dit_device"] == "auto" and job.options["cache_vae"] is False
+    assert job.notes == ["dtype = 'auto' (SeedVR2 Load VAE Model) differs from 'fp16' (SeedVR2 "
+                         "Load DiT Model): one dtype for both models is supported; using 'fp16'"]
+    args = {"backend": "inductor", "mode": "default", "fullgraph": False, "dynamic": "auto",
+            "dynamo_cache_size_limit": 8, "dynamo_recompile_limit": 128}
+    dit, vae = _handles(tmp_path, torch_compile_args=args)
+    job = defs.plan_job(dit, vae, {}, {})
+    assert job.unsupported == ["torch_compile_args.dynamo_cache_size_limit = 8 (SeedVR2 Load "
+                               "DiT Model) is not supported yet; ignored"]
     dit, vae = _handles(tmp_path)
     assert defs.plan_job(dit, vae, {}, {}).unsupported == []  # defaults ask for nothing
 

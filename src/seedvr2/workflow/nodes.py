@@ -7,11 +7,13 @@ tooltip), what it returns and what it does (``run(host, **inputs)``). The ComfyU
 them its own. Nodes stay thin: they parse inputs, call the facade (:mod:`seedvr2.api`) and
 report progress.
 
-Option names follow the one option table (:mod:`seedvr2.options`): the upscaler's pipeline
-inputs are generated from it, and :data:`LOADER_SETTINGS` / :data:`UPSCALER_SETTINGS` map the
-other node inputs to library option names. A setting the library does not know yet is passed
-on when it does, and until then reported ("... is not supported yet; ignored") whenever it is
-set to anything but its neutral default, never dropped silently.
+Every option input comes from the one option table (:mod:`seedvr2.options`): type, default,
+range, choices and tooltip. The upscaler's pipeline inputs carry the option names;
+:data:`LOADER_SETTINGS` / :data:`UPSCALER_SETTINGS` name the other inputs after the node
+(``cache_model`` is ``cache_dit`` on the DiT loader) and add only widget details (a device
+dropdown, a step). Inputs added after the first release are optional, so saved workflows keep
+validating. A compile setting the library has no option for is reported ("... is not supported
+yet; ignored") when changed from its default, never dropped silently.
 
 Import cost: this module imports only :mod:`seedvr2.options`; torch, the models and the
 model registry load when a node runs or its dropdowns are listed.
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol, Union
 
-from ..options import DTYPE_NAMES, OPTIONS, Option
+from ..options import OPTIONS, Option
 
 log = logging.getLogger("seedvr2")
 
@@ -34,7 +36,7 @@ CATEGORY = "SeedVR2"
 DIT_TYPE, VAE_TYPE, COMPILE_TYPE = "SEEDVR2_DIT", "SEEDVR2_VAE", "SEEDVR2_TORCH_COMPILE_ARGS"
 WIDGET_TYPES = ("INT", "FLOAT", "BOOLEAN", "STRING", "COMBO")
 MODEL_SUFFIXES = (".safetensors", ".gguf", ".pth", ".pt")
-ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn_2", "flash_attn_3", "sageattn_2")
+ATTENTION_BACKENDS = OPTIONS["attention_backend"].choices
 # A test hook, never set by users: a path; while a file exists there, the next upscaling run
 # removes it, writes "<path>.waiting" and waits until it is interrupted, so a test interrupts a
 # run at a known point instead of racing it.
@@ -151,30 +153,31 @@ def _offload_choices(host) -> list:
 
 @dataclass(frozen=True)
 class Setting:
-    """A node input that is not a pipeline option, and the library option(s) it becomes.
+    """A node input that is a library option under another name (architecture table).
 
-    ``option`` is the library's name (architecture table). The input's type, default and help
-    come from :data:`seedvr2.options.OPTIONS` when the library defines that option, else from
-    ``fallback`` (so node inputs exist, and workflows stay stable, before the library catches
-    up). ``shared`` names today's library option that covers both models (``device``).
+    The input's type, default, range, choices and tooltip all come from the option in
+    :data:`seedvr2.options.OPTIONS`; only how the editor shows it is said here: ``choices``
+    turns a free-form device option into a dropdown of what this machine has (the library
+    still checks the value), ``step`` is the widget's increment. An input that is not one
+    option (``torch_compile_args``) gives its own ``input_def`` and ``to_options``.
     """
 
     input: str
     option: str
-    fallback: Input
-    shared: Optional[str] = None
+    choices: Optional[Callable[["Host"], list]] = None
+    step: Optional[float] = None
     to_options: Optional[Callable[[Any], dict]] = None  # value -> {library option: value}
+    input_def: Optional[Input] = None  # for inputs that are not one option
 
-    def node_input(self) -> Input:
-        opt = OPTIONS.get(self.option)
-        base = self.fallback
-        if opt is None or self.to_options is not None:
-            return base
-        made = option_input(opt, name=self.input, tooltip=base.tooltip)
-        # Devices stay dropdowns of what this machine has; the library checks the value.
-        if base.type == "COMBO" and callable(base.choices):
-            return Input(self.input, "COMBO", made.tooltip, default=opt.default, choices=base.choices)
-        return replace(made, step=base.step) if base.step is not None else made
+    def node_input(self, optional: bool = False) -> Input:
+        if self.input_def is not None:
+            return replace(self.input_def, optional=optional or self.input_def.optional)
+        made = option_input(OPTIONS[self.option], name=self.input, optional=optional)
+        if self.choices is not None:
+            made = replace(made, type="COMBO", choices=self.choices)
+        if self.step is not None:
+            made = replace(made, step=self.step)
+        return made
 
     def library_options(self, value) -> dict:
         return self.to_options(value) if self.to_options else {self.option: value}
@@ -206,83 +209,72 @@ def _model_input(kind: str) -> Input:
                  choices=lambda host: model_choices(host, kind))
 
 
-def _compile_input() -> Input:
-    return Input("torch_compile_args", COMPILE_TYPE, "torch.compile settings from a SeedVR2 "
-                 "Torch Compile Settings node (leave unconnected to run without compiling)",
-                 optional=True)
-
-
-def _s(input_name, option, type_, tooltip, default, **kw) -> Setting:
-    shared = kw.pop("shared", None)
-    to_options = kw.pop("to_options", None)
-    return Setting(input_name, option, Input(input_name, type_, tooltip, default, **kw), shared,
-                   to_options)
-
+_COMPILE_SETTING = Setting(
+    "torch_compile_args", "compile", to_options=_compile_options,
+    input_def=Input("torch_compile_args", COMPILE_TYPE, "torch.compile settings from a SeedVR2 "
+                    "Torch Compile Settings node (leave unconnected to run without compiling)",
+                    optional=True))
+_TILE_STEP = 8  # tile sizes and overlaps are multiples of 8 pixels
 
 # The model-loader settings: node input -> library option (architecture table). The DiT and VAE
 # loaders output a handle carrying these; the upscaler turns them into facade options.
 LOADER_SETTINGS: dict[str, tuple] = {
     "dit": (
-        _s("device", "dit_device", "COMBO", "device the DiT runs on (auto: the GPU if there is one, "
-           "else the CPU)", "auto", choices=_device_choices, shared="device"),
-        _s("offload_device", "dit_offload_device", "COMBO", "where the DiT waits while the VAE "
-           "runs (none: it stays on its device; cpu frees VRAM between phases)", "none",
-           choices=_offload_choices),
-        _s("cache_model", "cache_dit", "BOOLEAN", "keep the loaded DiT for the next run with the "
-           "same settings", False),
-        _s("blocks_to_swap", "blocks_to_swap", "INT", "DiT blocks kept on the offload device and "
-           "streamed in one ahead of use (BlockSwap); more = less VRAM, slower", 0, min=0,
-           max=1000, step=1),
-        _s("swap_io_components", "swap_io_components", "BOOLEAN", "also keep the DiT's input and "
-           "output layers on the offload device (BlockSwap)", False),
-        _s("attention_backend", "attention_backend", "COMBO", "attention kernel: auto, sdpa, "
-           "flash_attn_2/3 or sageattn_2 (an unavailable one falls back to sdpa with a warning)",
-           "auto", choices=ATTENTION_BACKENDS),
-        _s("dtype", "dtype", "COMBO", "compute precision: auto (bf16 on GPUs that support it, else "
-           "fp16; fp32 on the CPU), fp32, fp16, bf16", "auto", choices=DTYPE_NAMES),
-        _s("text_embeddings", "text_embeddings", "STRING", "text embeddings: auto (the file next "
-           "to the DiT whose width matches it) or a path to .safetensors/.pt", "auto"),
-        Setting("torch_compile_args", "compile", _compile_input(), to_options=_compile_options),
+        Setting("device", "dit_device", choices=_device_choices),
+        Setting("offload_device", "dit_offload_device", choices=_offload_choices),
+        Setting("cache_model", "cache_dit"),
+        Setting("blocks_to_swap", "blocks_to_swap"),
+        Setting("swap_io_components", "swap_io_components"),
+        Setting("attention_backend", "attention_backend"),
+        Setting("dtype", "dtype"),
+        Setting("text_embeddings", "text_embeddings"),
+        _COMPILE_SETTING,
     ),
     "vae": (
-        _s("device", "vae_device", "COMBO", "device the VAE runs on (auto: the GPU if there is "
-           "one, else the CPU)", "auto", choices=_device_choices, shared="device"),
-        _s("offload_device", "vae_offload_device", "COMBO", "where the VAE waits while the DiT "
-           "runs (none: it stays on its device)", "none", choices=_offload_choices),
-        _s("cache_model", "cache_vae", "BOOLEAN", "keep the loaded VAE for the next run with the "
-           "same settings", False),
-        _s("encode_tiled", "vae_encode_tiled", "BOOLEAN", "encode in spatial tiles (bounded VRAM "
-           "at any size)", False),
-        _s("encode_tile_size", "vae_encode_tile_size", "INT", "encode tile size in pixels", 512,
-           min=64, max=16384, step=8),
-        _s("encode_tile_overlap", "vae_encode_tile_overlap", "INT", "encode tile overlap in "
-           "pixels", 64, min=0, max=8192, step=8),
-        _s("decode_tiled", "vae_decode_tiled", "BOOLEAN", "decode in spatial tiles (bounded VRAM "
-           "at any size)", False),
-        _s("decode_tile_size", "vae_decode_tile_size", "INT", "decode tile size in pixels", 512,
-           min=64, max=16384, step=8),
-        _s("decode_tile_overlap", "vae_decode_tile_overlap", "INT", "decode tile overlap in "
-           "pixels", 64, min=0, max=8192, step=8),
-        _s("dtype", "dtype", "COMBO", "compute precision: auto (bf16 on GPUs that support it, else "
-           "fp16; fp32 on the CPU), fp32, fp16, bf16", "auto", choices=DTYPE_NAMES),
-        Setting("torch_compile_args", "compile", _compile_input(), to_options=_compile_options),
+        Setting("device", "vae_device", choices=_device_choices),
+        Setting("offload_device", "vae_offload_device", choices=_offload_choices),
+        Setting("cache_model", "cache_vae"),
+        Setting("encode_tiled", "vae_encode_tiled"),
+        Setting("encode_tile_size", "vae_encode_tile_size", step=_TILE_STEP),
+        Setting("encode_tile_overlap", "vae_encode_tile_overlap", step=_TILE_STEP),
+        Setting("decode_tiled", "vae_decode_tiled"),
+        Setting("decode_tile_size", "vae_decode_tile_size", step=_TILE_STEP),
+        Setting("decode_tile_overlap", "vae_decode_tile_overlap", step=_TILE_STEP),
+        Setting("dtype", "dtype"),
+        _COMPILE_SETTING,
     ),
 }
 
 # Upscaler inputs that are not pipeline options.
 UPSCALER_SETTINGS: tuple = (
-    _s("devices", "devices", "STRING", "devices for a multi-GPU run: auto (every visible GPU, "
-       "else one CPU process), or a list such as cuda:0,cuda:1", "auto"),
-    _s("offload_device", "tensor_offload_device", "COMBO", "where latents and frames wait "
-       "between phases (cpu frees VRAM; none keeps them on the compute device)", "cpu",
-       choices=_offload_choices),
+    Setting("devices", "devices"),
+    Setting("offload_device", "tensor_offload_device", choices=_offload_choices),
 )
+
+# The settings inputs of the first release are required; every setting added later is an
+# optional input with its option's default, so workflows saved before it keep validating (as
+# FIRST_RELEASE_OPTIONS does for the upscaler's pipeline options).
+FIRST_RELEASE_SETTINGS = {
+    "dit": frozenset(("device", "offload_device", "cache_model", "blocks_to_swap",
+                      "swap_io_components", "attention_backend", "dtype", "text_embeddings")),
+    "vae": frozenset(("device", "offload_device", "cache_model", "encode_tiled",
+                      "encode_tile_size", "encode_tile_overlap", "decode_tiled",
+                      "decode_tile_size", "decode_tile_overlap", "dtype")),
+    "upscaler": frozenset(("devices", "offload_device")),
+}
+
+
+def settings_inputs(group: str) -> tuple:
+    """The node inputs of a settings group ("dit", "vae" or "upscaler")."""
+    settings = UPSCALER_SETTINGS if group == "upscaler" else LOADER_SETTINGS[group]
+    return tuple(s.node_input(optional=s.input not in FIRST_RELEASE_SETTINGS[group])
+                 for s in settings)
+
 
 # Library options set through the loaders or the upscaler's own settings, not as pipeline inputs.
 _CLAIMED = ({s.option for group in LOADER_SETTINGS.values() for s in group}
-            | {s.shared for group in LOADER_SETTINGS.values() for s in group if s.shared}
             | {s.option for s in UPSCALER_SETTINGS}
-            | {"compile", *COMPILE_FIELDS.values()})
+            | {"device", "compile", *COMPILE_FIELDS.values()})
 
 
 def pipeline_options() -> list[Option]:
@@ -391,39 +383,28 @@ def plan_job(dit: ModelHandle, vae: ModelHandle, upscaler: dict, pipeline: dict)
     sources = [("SeedVR2 Load DiT Model", LOADER_SETTINGS["dit"], dict(dit.settings)),
                ("SeedVR2 Load VAE Model", LOADER_SETTINGS["vae"], dict(vae.settings)),
                ("upscaler", UPSCALER_SETTINGS, upscaler)]
-    shared_from: dict = {}
+    set_by: dict = {}
     for label, settings, values in sources:
         for setting in settings:
-            value = values.get(setting.input, _setting_default(setting))
+            value = values.get(setting.input)
+            if value is None:  # an optional input left out: its option's default
+                value = _setting_default(setting)
             options = setting.library_options(value)
             for option, v in options.items():
                 name = setting.input if len(options) == 1 else \
                     f"{setting.input}.{option.removeprefix('compile_')}"
-                target = option
-                if option not in OPTIONS and setting.shared in OPTIONS:
-                    target = setting.shared  # one device for both models, until per-model ones
-                if target in OPTIONS:
-                    if target in job.options and job.options[target] != v:
-                        first = shared_from.get(target, "")
-                        job.notes.append(f"{name} = {v!r} ({label}) differs from "
-                                         f"{job.options[target]!r} ({first}): one {target} for "
-                                         f"both models is supported; using {job.options[target]!r}")
-                        continue
-                    job.options[target] = v
-                    shared_from.setdefault(target, label)
-                elif setting.to_options is not None or v != _setting_default(setting):
+                if option not in OPTIONS:  # a compile field the library has no option for
                     job.unsupported.append(f"{name} = {v!r} ({label}) is not supported yet; "
                                            f"ignored")
-    devices = job.options.get("devices", upscaler.get("devices", "auto"))
-    if "devices" not in OPTIONS and devices == "auto" and _visible_gpus() > 1:
-        job.notes.append("devices = 'auto': multi-GPU runs are not supported yet; using one device")
+                elif option in job.options and job.options[option] != v:
+                    job.notes.append(f"{name} = {v!r} ({label}) differs from "
+                                     f"{job.options[option]!r} ({set_by.get(option, '')}): one "
+                                     f"{option} for both models is supported; using "
+                                     f"{job.options[option]!r}")
+                else:
+                    job.options[option] = v
+                    set_by.setdefault(option, label)
     return job
-
-
-def _visible_gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count()
 
 
 def _progress_callback(host: Host) -> Callable[[str, int, int], None]:
@@ -569,7 +550,7 @@ def _upscale_video_file(host: Host, dit: ModelHandle, vae: ModelHandle, video_pa
 
 
 def _loader_inputs(kind: str) -> tuple:
-    return (_model_input(kind), *(s.node_input() for s in LOADER_SETTINGS[kind]))
+    return (_model_input(kind), *settings_inputs(kind))
 
 
 # The upscaler's options of the first release are required inputs; every option added later is
@@ -581,7 +562,7 @@ FIRST_RELEASE_OPTIONS = frozenset((
 
 
 def _upscaler_inputs() -> tuple:
-    return (*(s.node_input() for s in UPSCALER_SETTINGS),
+    return (*settings_inputs("upscaler"),
             *(option_input(opt, optional=opt.name not in FIRST_RELEASE_OPTIONS)
               for opt in pipeline_options()))
 
@@ -591,24 +572,17 @@ _VAE_IN = Input("vae", VAE_TYPE, "the VAE from a SeedVR2 Load VAE Model node")
 
 
 def _compile_settings_inputs() -> tuple:
-    def choices(name, fallback):
-        opt = OPTIONS.get(name)
-        return tuple(opt.choices) if opt is not None and opt.choices else fallback
+    """The compile settings node: its fields are the compile options (COMPILE_FIELDS), but for
+    the dynamo cache limits, which the library has no option for yet."""
     return (
-        Input("backend", "COMBO", "torch.compile backend (inductor generates fused kernels)",
-              "inductor", choices=choices("compile_backend", ("inductor", "cudagraphs", "eager",
-                                                              "aot_eager"))),
-        Input("mode", "COMBO", "torch.compile mode (max-autotune searches longer for faster "
-              "kernels)", "default", choices=choices("compile_mode", (
-                  "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))),
-        Input("fullgraph", "BOOLEAN", "compile each block as one graph (fails on graph breaks)",
-              False),
-        Input("dynamic", "COMBO", "dynamic shapes: auto (after the first change), true, false",
-              "auto", choices=choices("compile_dynamic", ("auto", "true", "false"))),
+        *(option_input(OPTIONS[COMPILE_FIELDS[field]], name=field)
+          for field in ("backend", "mode", "fullgraph", "dynamic")),
         Input("dynamo_cache_size_limit", "INT", "compiled variants kept per function (raise it "
-              "when many resolutions recompile)", 64, min=1, max=1024, step=1),
+              "when many resolutions recompile)", COMPILE_LIMIT_DEFAULTS["dynamo_cache_size_limit"],
+              min=1, max=1024, step=1),
         Input("dynamo_recompile_limit", "INT", "recompilations allowed per function before "
-              "falling back to eager", 128, min=1, max=1024, step=1),
+              "falling back to eager", COMPILE_LIMIT_DEFAULTS["dynamo_recompile_limit"], min=1,
+              max=1024, step=1),
     )
 
 
