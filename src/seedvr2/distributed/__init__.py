@@ -8,9 +8,15 @@ flight; results are bit-identical to the single-process run on CPU/gloo.
 
 Launch with ``torchrun --nproc-per-node N -m seedvr2 upscale ...`` (also across machines), under
 Slurm, or let ``--devices cuda:0,cuda:1`` (``cpu,cpu``) spawn the workers.
+
+One batch too big for one device: ``sequence.py`` spreads a single DiT call over a group of
+ranks (Ulysses sequence parallelism).
 """
 
 from .assign import assign_batches
 from .groups import DistContext, init_from_env, in_distributed_launch
+from .sequence import (UlyssesSequenceParallel, sequence_group, sequence_parallel,
+                       sequence_parallel_forward)
 
-__all__ = ["DistContext", "assign_batches", "in_distributed_launch", "init_from_env"]
+__all__ = ["DistContext", "UlyssesSequenceParallel", "assign_batches", "in_distributed_launch",
+           "init_from_env", "sequence_group", "sequence_parallel", "sequence_parallel_forward"]

@@ -4,11 +4,19 @@ Every window is one sequence: the window's video tokens followed by all text tok
 same sample. Video outputs return to their positions; a text token's output is the mean of
 its outputs over the sample's windows. Windows of equal (video, text) length are stacked and
 run through one ``scaled_dot_product_attention`` call.
+
+Sequence parallelism (Ulysses) plugs in through :class:`SequenceParallel`, a strategy object
+installed with ``NaDiT.set_sequence_parallel``; this module never talks to other processes
+itself. Under a strategy each rank holds a contiguous shard of the video tokens (text tokens
+are replicated): the projected video q/k/v are exchanged so that every rank holds *all* tokens
+for *its* heads, windows and RoPE run on full token positions, and the inverse exchange brings
+each rank its own tokens back with every head.
 """
 
 from __future__ import annotations
 
 import warnings
+from typing import Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +71,31 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "sd
     return BACKENDS[backend](q, k, v)
 
 
+class SequenceParallel(Protocol):
+    """What the NaDiT needs from a sequence-parallel strategy (Ulysses all-to-all).
+
+    ``seedvr2.distributed.sequence.UlyssesSequenceParallel`` implements it over
+    ``torch.distributed``; a rank's share of video tokens is one contiguous row range.
+    """
+
+    def shard(self, vid: torch.Tensor, packing: Packing) -> tuple[torch.Tensor, Packing]:
+        """All video rows (Nv, dim) -> this rank's rows, and a packing whose ``per_token``
+        yields this rank's video rows (everything else about it describes the whole call)."""
+
+    def gather(self, vid: torch.Tensor, packing: Packing) -> torch.Tensor:
+        """This rank's video rows -> all video rows, on every rank."""
+
+    def head_range(self, heads: int) -> slice:
+        """The heads this rank attends for."""
+
+    def scatter_heads(self, qkv: torch.Tensor, packing: Packing) -> torch.Tensor:
+        """(n_local, 3, heads, head_dim) -> (Nv, 3, heads/N, head_dim): every token, own heads."""
+
+    def gather_heads(self, vid: torch.Tensor, txt: Optional[torch.Tensor]):
+        """Attention outputs of own heads: vid (Nv, heads/N·head_dim), txt (Nt, ...) or None
+        -> vid (n_local, heads·head_dim), txt (Nt, heads·head_dim) or None, heads in order."""
+
+
 class WindowAttention(nn.Module):
     def __init__(self, dim: int, heads: int, head_dim: int, eps: float, shared: bool,
                  rope: nn.Module):
@@ -75,15 +108,20 @@ class WindowAttention(nn.Module):
         self.norm_k = PerStream(lambda: RMSNorm(head_dim, eps), shared)
         self.rope = rope
         self.backend = "sdpa"
+        self.sequence_parallel: Optional[SequenceParallel] = None
 
-    def _qkv(self, x: torch.Tensor, stream: str, cis: torch.Tensor | None):
-        """(N, dim) -> q, k, v each (N, heads, head_dim); q/k normed and rotated in fp32."""
-        q, k, v = self.proj_qkv[stream](x).unflatten(-1, (3, self.heads, self.head_dim)).unbind(1)
+    def _project(self, x: torch.Tensor, stream: str) -> torch.Tensor:
+        """(N, dim) -> (N, 3, heads, head_dim) raw q, k, v."""
+        return self.proj_qkv[stream](x).unflatten(-1, (3, self.heads, self.head_dim))
+
+    def _qkv(self, qkv: torch.Tensor, stream: str, cis: torch.Tensor | None, dtype: torch.dtype):
+        """(N, 3, h, head_dim) -> q, k, v each (N, h, head_dim); q/k normed and rotated in fp32."""
+        q, k, v = qkv.unbind(1)
         q = rms_norm(q, self.eps, self.norm_q[stream].weight)
         k = rms_norm(k, self.eps, self.norm_k[stream].weight)
         if cis is not None:
             q, k = apply_rotary(q, cis), apply_rotary(k, cis)
-        return q.to(x.dtype), k.to(x.dtype), v
+        return q.to(dtype), k.to(dtype), v
 
     def _attend(self, q, k, v):
         try:
@@ -95,16 +133,28 @@ class WindowAttention(nn.Module):
 
     def forward(self, vid: torch.Tensor, txt: torch.Tensor, packing: Packing,
                 layout: WindowLayout, need_txt: bool = True):
-        """vid (Nv, dim), txt (Nt, dim) -> attention outputs (Nv, dim), (Nt, dim) or None."""
+        """vid (Nv, dim), txt (Nt, dim) -> attention outputs (Nv, dim), (Nt, dim) or None.
+
+        Under a sequence-parallel strategy ``vid`` and the video output are this rank's rows.
+        """
+        sp = self.sequence_parallel
         # Video tokens in window order, so each group's windows are contiguous rows.
         cis_v = self.rope.video_rotation(layout, packing.txt_lens_tensor())
-        q_v, k_v, v_v = self._qkv(vid[layout.perm], "vid", cis_v)
         cis_t = self.rope.text_rotation(packing.txt_positions()) if self.rope.rotates_text else None
-        q_t, k_t, v_t = self._qkv(txt, "txt", cis_t)
+        if sp is None:
+            heads = self.heads
+            q_v, k_v, v_v = self._qkv(self._project(vid[layout.perm], "vid"), "vid", cis_v, vid.dtype)
+            q_t, k_t, v_t = self._qkv(self._project(txt, "txt"), "txt", cis_t, txt.dtype)
+        else:
+            own = sp.head_range(self.heads)
+            heads = own.stop - own.start
+            qkv_v = sp.scatter_heads(self._project(vid, "vid"), packing)  # every token, own heads
+            q_v, k_v, v_v = self._qkv(qkv_v[layout.perm], "vid", cis_v, vid.dtype)
+            q_t, k_t, v_t = self._qkv(self._project(txt, "txt")[:, :, own], "txt", cis_t, txt.dtype)
 
-        out_v = torch.empty(vid.shape[0], self.heads * self.head_dim, dtype=vid.dtype,
-                            device=vid.device)
-        out_t = torch.zeros(txt.shape[0], out_v.shape[1], dtype=torch.float32, device=txt.device) \
+        inner = heads * self.head_dim
+        out_v = torch.empty(layout.perm.shape[0], inner, dtype=vid.dtype, device=vid.device)
+        out_t = torch.zeros(txt.shape[0], inner, dtype=torch.float32, device=txt.device) \
             if need_txt else None
         for g in layout.groups:
             rows = slice(g.start, g.start + g.count * g.vid_len)
@@ -119,8 +169,11 @@ class WindowAttention(nn.Module):
                 for txt_start, first, last in g.txt_segments:
                     out_t[txt_start: txt_start + o.shape[1] - g.vid_len] += \
                         o[first:last, g.vid_len:].sum(0, dtype=torch.float32)
+        if need_txt:
+            out_t = (out_t / layout.txt_windows[:, None]).to(txt.dtype)
+        if sp is not None:
+            out_v, out_t = sp.gather_heads(out_v, out_t)  # own tokens, every head
         out_v = self.proj_out["vid"](out_v)
         if not need_txt:
             return out_v, None
-        out_t = (out_t / layout.txt_windows[:, None]).to(txt.dtype)
         return out_v, self.proj_out["txt"](out_t)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import ATTENTION_BACKENDS
+from .attention import ATTENTION_BACKENDS, SequenceParallel
 from .block import MMDiTBlock
 from .config import DIT_3B, DiTConfig
 from .embedding import PATCH, PatchIn, PatchOut, TimestepEmbedding
@@ -62,6 +62,7 @@ class NaDiT(nn.Module):
             self.vid_out_norm = RMSNorm(dim, cfg.norm_eps)
             self.vid_out_ada = OutputModulation(dim)
         self.vid_out = PatchOut(dim, cfg.vid_out_channels)
+        self.sequence_parallel: SequenceParallel | None = None
 
     def set_attention_backend(self, backend: str):
         """``auto`` / ``sdpa`` / ``flash_attn_2`` / ``flash_attn_3`` / ``sageattn_2``."""
@@ -69,6 +70,14 @@ class NaDiT(nn.Module):
             raise ValueError(f"attention_backend {backend!r}: expected one of {list(ATTENTION_BACKENDS)}")
         for block in self.blocks:
             block.attn.backend = backend
+
+    def set_sequence_parallel(self, strategy: SequenceParallel | None):
+        """Install (or remove, with ``None``) a sequence-parallel strategy: between the input
+        embeddings and the output projection each rank then holds its shard of the video tokens,
+        and attention exchanges tokens for heads (see ``attention.SequenceParallel``)."""
+        self.sequence_parallel = strategy
+        for block in self.blocks:
+            block.attn.sequence_parallel = strategy
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -83,11 +92,16 @@ class NaDiT(nn.Module):
         x_v = self.vid_in(vid.to(dtype), thw)
         x_t = self.txt_in(txt.to(dtype))
         emb = self.emb_in(timestep.reshape(-1).expand(len(thw)))
+        sp = self.sequence_parallel
+        if sp is not None:
+            x_v, packing = sp.shard(x_v, packing)
         for block in self.blocks:
             x_v, x_t = block(x_v, x_t, emb, packing)
         if self.has_output_norm:
             x_v = self.vid_out_norm(x_v)
             x_v = self.vid_out_ada(x_v, emb, packing)
+        if sp is not None:
+            x_v = sp.gather(x_v, packing)
         return self.vid_out(x_v, thw)
 
     def _check_inputs(self, vid, txt, vid_shape, txt_shape, timestep):

@@ -1,0 +1,188 @@
+"""Sequence parallelism: one DiT call spread over the ranks of a group (Ulysses all-to-all).
+
+For a batch whose tokens do not fit one device. Every rank of the group runs the same DiT call
+on the same inputs; between the input embeddings and the output projection each rank holds a
+contiguous shard of the packed video tokens (uneven when the count does not divide), so the
+token-wise parts — modulation, norms, MLPs, projections — cost 1/N each. Around attention two
+``all_to_all_single`` exchanges turn ``[tokens/N, heads, d]`` into ``[tokens, heads/N, d]`` and
+back: each rank then attends for its own heads over every token, so window partition and RoPE
+see the full token positions and the result equals the one-process forward. Text tokens are
+few and stay replicated: each rank slices its heads of the text q/k/v and receives the other
+heads' text outputs in the same exchange that returns its video rows. At the end the video rows
+are gathered, so every rank returns the whole output.
+
+The DiT knows nothing of processes: :class:`UlyssesSequenceParallel` implements the
+``seedvr2.models.attention.SequenceParallel`` protocol and is installed with
+``NaDiT.set_sequence_parallel`` (or :func:`sequence_parallel`). Inference only (the collectives
+carry no gradients). NCCL (CUDA tensors) and gloo (CPU) both work; the group's timeout applies
+to every exchange. The number of heads must divide by the group size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..models.packing import Packing
+
+
+def shard_bounds(total: int, parts: int) -> list[int]:
+    """Row offsets of ``parts`` contiguous shards of ``total`` rows, the first ones one longer
+    when ``parts`` does not divide ``total``: shard r is ``[bounds[r], bounds[r + 1])``."""
+    base, extra = divmod(total, parts)
+    bounds = [0]
+    for r in range(parts):
+        bounds.append(bounds[-1] + base + (r < extra))
+    return bounds
+
+
+@dataclasses.dataclass
+class ShardedPacking(Packing):
+    """A packing whose ``per_token`` yields the video rows ``[rows[0], rows[1])`` only; window
+    layouts, text positions and lengths still describe the whole call (attention needs them)."""
+
+    rows: tuple[int, int] = (0, 0)
+
+    def per_token(self, values: torch.Tensor, stream: str) -> torch.Tensor:
+        if stream != "vid" or self.batch == 1:
+            return super().per_token(values, stream)
+        start, end = self.rows
+        counts, offset = [], 0
+        for n in self.vid_counts:
+            counts.append(max(0, min(end, offset + n) - max(start, offset)))
+            offset += n
+        return values.repeat_interleave(torch.tensor(counts, device=values.device), dim=0,
+                                        output_size=end - start)
+
+
+class UlyssesSequenceParallel:
+    """Token shards outside attention, head shards inside, over one process group.
+
+    ``group`` is a ``torch.distributed`` group (``None``: the default group). Ranks of the group
+    must make the same DiT calls with the same inputs.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None):
+        if not dist.is_initialized():
+            raise RuntimeError("sequence parallelism needs an initialised torch.distributed "
+                               "process group (see seedvr2.distributed.init_from_env)")
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def check(self, dit: torch.nn.Module):
+        """Raise ``ValueError`` unless every attention layer's heads divide over the group."""
+        for block in dit.blocks:
+            self.head_range(block.attn.heads)
+
+    # -- the SequenceParallel protocol ---------------------------------------------------------
+
+    def _bounds(self, packing: Packing) -> list[int]:
+        return shard_bounds(sum(packing.vid_counts), self.size)
+
+    def shard(self, vid: torch.Tensor, packing: Packing) -> tuple[torch.Tensor, Packing]:
+        bounds = self._bounds(packing)
+        start, end = bounds[self.rank], bounds[self.rank + 1]
+        fields = {f.name: getattr(packing, f.name) for f in dataclasses.fields(Packing)}
+        return vid[start:end], ShardedPacking(**fields, rows=(start, end))
+
+    def gather(self, vid: torch.Tensor, packing: Packing) -> torch.Tensor:
+        counts = _counts(self._bounds(packing))
+        out = vid.new_empty((sum(counts), *vid.shape[1:]))
+        send = vid.unsqueeze(0).expand(self.size, *vid.shape).contiguous().view(
+            self.size * vid.shape[0], *vid.shape[1:])
+        dist.all_to_all_single(out, send, output_split_sizes=counts,
+                               input_split_sizes=[vid.shape[0]] * self.size, group=self.group)
+        return out
+
+    def head_range(self, heads: int) -> slice:
+        if heads % self.size:
+            raise ValueError(f"sequence parallelism over {self.size} ranks needs a head count "
+                             f"divisible by {self.size}; this DiT has {heads} heads (use a group "
+                             f"size that divides {heads})")
+        own = heads // self.size
+        return slice(self.rank * own, (self.rank + 1) * own)
+
+    def scatter_heads(self, qkv: torch.Tensor, packing: Packing) -> torch.Tensor:
+        n, three, heads, head_dim = qkv.shape
+        own = self.head_range(heads).stop - self.head_range(heads).start
+        # Destination-major: chunk r holds this rank's tokens, rank r's heads.
+        send = qkv.view(n, three, self.size, own, head_dim).permute(2, 0, 1, 3, 4).contiguous()
+        counts = _counts(self._bounds(packing))
+        out = qkv.new_empty((sum(counts), three, own, head_dim))
+        dist.all_to_all_single(out, send.view(-1, three, own, head_dim), output_split_sizes=counts,
+                               input_split_sizes=[n] * self.size, group=self.group)
+        return out  # sources in rank order = tokens in packed order
+
+    def gather_heads(self, vid: torch.Tensor, txt: Optional[torch.Tensor]):
+        bounds = shard_bounds(vid.shape[0], self.size)
+        n = bounds[self.rank + 1] - bounds[self.rank]
+        nt = 0 if txt is None else txt.shape[0]
+        # Chunk r: rank r's video rows, then every text row (own heads); one exchange for both.
+        if txt is None:
+            send = vid.contiguous()
+        else:
+            send = torch.cat([piece for r in range(self.size)
+                              for piece in (vid[bounds[r]:bounds[r + 1]], txt)])
+        out = vid.new_empty((self.size * (n + nt), vid.shape[1]))
+        dist.all_to_all_single(out, send, output_split_sizes=[n + nt] * self.size,
+                               input_split_sizes=[c + nt for c in _counts(bounds)],
+                               group=self.group)
+        width = self.size * vid.shape[1]
+        out = out.view(self.size, n + nt, vid.shape[1])  # source rank = head block
+        vid_out = out[:, :n].transpose(0, 1).reshape(n, width)
+        txt_out = None if txt is None else out[:, n:].transpose(0, 1).reshape(nt, width)
+        return vid_out, txt_out
+
+
+def _counts(bounds: list[int]) -> list[int]:
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def sequence_group(size: int) -> Optional[dist.ProcessGroup]:
+    """This rank's sequence-parallel group when the world is cut into groups of ``size``
+    consecutive ranks (ranks 0..size-1, size..2·size-1, ...). Collective: every rank of the
+    world must call it, with the same ``size``. ``None`` means the default (whole-world) group."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if size < 1 or world % size:
+        raise ValueError(f"sequence_parallel={size} must divide the number of ranks ({world})")
+    if size == world:
+        return None
+    mine = None
+    for start in range(0, world, size):
+        group = dist.new_group(list(range(start, start + size)))
+        if start <= rank < start + size:
+            mine = group
+    return mine
+
+
+@contextlib.contextmanager
+def sequence_parallel(dit: torch.nn.Module, group: Optional[dist.ProcessGroup] = None
+                      ) -> Iterator[Optional[UlyssesSequenceParallel]]:
+    """Within the block, ``dit``'s calls run sequence-parallel over ``group``; the previous
+    strategy comes back afterwards. A group of one rank leaves the DiT as it is."""
+    strategy = UlyssesSequenceParallel(group)
+    if strategy.size == 1:
+        yield None
+        return
+    strategy.check(dit)
+    previous = dit.sequence_parallel
+    dit.set_sequence_parallel(strategy)
+    try:
+        yield strategy
+    finally:
+        dit.set_sequence_parallel(previous)
+
+
+def sequence_parallel_forward(dit: torch.nn.Module, vid: torch.Tensor, txt: torch.Tensor,
+                              vid_shape: torch.Tensor, txt_shape: torch.Tensor,
+                              timestep: torch.Tensor,
+                              group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """One DiT call spread over ``group``; every rank passes the same inputs and gets the
+    whole output."""
+    with sequence_parallel(dit, group):
+        return dit(vid, txt, vid_shape, txt_shape, timestep)
