@@ -86,3 +86,50 @@ def test_devices_option_errors():
     with pytest.raises(ValueError, match=r"devices names cuda:7, but this machine has 0 CUDA device"):
         parse_devices("cuda:7")
     assert parse_devices("auto") == ["cpu"]
+
+
+# -- frames in memory (the ComfyUI node's path): shared memory in and out ---------------------
+
+@pytest.fixture(scope="module")
+def memory_frames():
+    import torch
+
+    from conftest import clip_frame
+    return torch.from_numpy(np.stack([clip_frame(i) for i in range(13)])).float() / 255
+
+
+def _memory_options(tiny_options):
+    return dict(tiny_options, resolution=32, batch_size=5, temporal_overlap=1, dist_timeout=10)
+
+
+def test_in_memory_ranks_match_one_process(tiny_options, memory_frames, monkeypatch):
+    import torch
+
+    import seedvr2
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each worker runs: the same reduction order, the same bits
+    try:
+        one = seedvr2.upscale(memory_frames, **_memory_options(tiny_options))
+    finally:
+        torch.set_num_threads(threads)
+    seen = []
+    two = seedvr2.upscale(memory_frames.clone(), **_memory_options(tiny_options), devices="cpu,cpu",
+                          progress=lambda *event: seen.append(event))
+    assert two.shape == one.shape == (13, 32, 42, 3)
+    assert torch.equal(two, one)
+    assert seen and seen[-1] == ("frames", 13, 13)
+    assert [done for _, done, _ in seen] == sorted(done for _, done, _ in seen)
+
+
+def test_in_memory_interrupt_and_failure(tiny_options, memory_frames, monkeypatch):
+    import seedvr2
+    from seedvr2.pipeline.runner import Interrupted
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    # The stop request is relayed long before the spawned workers (importing torch) start work.
+    with pytest.raises(Interrupted, match="upscaling interrupted"):
+        seedvr2.upscale(memory_frames, **_memory_options(tiny_options), devices="cpu,cpu",
+                        should_stop=lambda: True)
+    options = dict(_memory_options(tiny_options), dit=str(tiny_options["model_dir"] / "missing.safetensors"))
+    with pytest.raises(RuntimeError, match=r"distributed upscale failed on rank [01]: .*missing\.safetensors"):
+        seedvr2.upscale(memory_frames, **options, devices="cpu,cpu")

@@ -85,6 +85,12 @@ def _upscaler(models: Models, opts: Options, progress, should_stop) -> Upscaler:
     return Upscaler(models, opts, progress, should_stop)
 
 
+def _check_named_models(dit, vae):
+    if isinstance(dit, torch.nn.Module) or isinstance(vae, torch.nn.Module):
+        raise ValueError("several devices need the models by name or path (each worker "
+                         "loads its own), not loaded modules")
+
+
 def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Progress] = None,
             should_stop: Optional[Callable[[], bool]] = None, stats: Optional[JobStats] = None,
             **options) -> torch.Tensor:
@@ -98,6 +104,18 @@ def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Pr
         frames = frames[None]
     if len(frames) == 0:
         raise ValueError("frames: the input has no frames")
+    from .distributed.launch import parse_devices
+
+    devices = parse_devices(opts.devices)
+    if len(devices) > 1:
+        from .distributed.launch import spawn_tensor_job
+
+        _check_named_models(dit, vae)
+        frames = torch.as_tensor(frames)
+        out_shape = (len(frames), *output_size(frames.shape[1], frames.shape[2], opts), frames.shape[3])
+        return spawn_tensor_job(devices, frames, out_shape, dit, vae, model_dir=model_dir,
+                                progress=progress, should_stop=should_stop, **options)
+    opts = opts.replace(device=devices[0]) if opts.device == "auto" and opts.devices != "auto" else opts
     models = load_models(dit, vae, opts=opts, model_dir=model_dir)
     upscaler = _upscaler(models, opts, progress, should_stop)
     plan = make_plan(len(frames), opts)
@@ -151,9 +169,7 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
         return run_file_job(ctx, src, dst, dit, vae, progress=progress, should_stop=should_stop, **job)
     devices = parse_devices(opts.devices)
     if len(devices) > 1:
-        if isinstance(dit, torch.nn.Module) or isinstance(vae, torch.nn.Module):
-            raise ValueError("several devices need the models by name or path (each worker "
-                             "loads its own), not loaded modules")
+        _check_named_models(dit, vae)
         return spawn_file_job(devices, src, dst, dit, vae, **job)
     opts = opts.replace(device=devices[0]) if opts.device == "auto" and opts.devices != "auto" else opts
     with open_media(src) as reader:

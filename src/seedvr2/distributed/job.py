@@ -72,44 +72,79 @@ def check_agreement(ctx: DistContext, digest: str):
                            f"files; every rank must run the same command on the same files")
 
 
-def run_file_job(ctx: DistContext, src, dst, dit=None, vae=None, *, model_dir=None,
-                 overwrite: bool = False, codec: str = "h264", progress=None, should_stop=None,
-                 **options) -> Path | None:
-    """This rank's share of ``upscale_file``; returns the output path on rank 0."""
-    from ..api import load_models, open_output, plan_file
-    from ..io import open_media
-
-    _terminate_cleanly()
+def _rank_options(ctx: DistContext, options: dict):
     opts = resolve_options(**options)
     if opts.dit_device != "auto" or opts.vae_device != "auto":
         log.warning("with several devices each rank runs both models on its own device; "
                     "dit_device/vae_device are ignored")
-    opts = opts.replace(device=str(ctx.device), dit_device="auto", vae_device="auto")
+    return opts.replace(device=str(ctx.device), dit_device="auto", vae_device="auto")
+
+
+def _run_share(ctx: DistContext, plan, read_from, sink, channels: int, size: tuple[int, int],
+               dit, vae, opts, model_dir, progress, should_stop):
+    """Upscale this rank's batches; the writer rank also gathers everyone's and feeds ``sink``.
+
+    ``read_from(first)`` gives the source frames from index ``first`` on; ``sink(first, final)``
+    takes each run of finished frames in order (writer rank only, ``None`` elsewhere).
+    """
+    from ..api import load_models
+
+    shares = assign_batches(plan, ctx.world_size)
+    mine = shares[ctx.rank]
+    if ctx.is_writer and len(plan.batches) < ctx.world_size:
+        log.warning("%d ranks for %d batches: %d rank(s) stay idle", ctx.world_size,
+                    len(plan.batches), ctx.world_size - len(plan.batches))
+    outputs = iter(())
+    if mine:
+        models = load_models(dit, vae, opts=opts, model_dir=model_dir)
+        upscaler = Upscaler(models, opts, progress, should_stop)
+        outputs = upscaler.batch_outputs(read_from(plan.source_start(plan.batches[mine[0]].start)),
+                                         plan, mine)
+    if sink is None:
+        _send_all(ctx, outputs)
+    else:
+        _gather(ctx, plan, shares, outputs, sink, channels, size, progress)
+
+
+def run_file_job(ctx: DistContext, src, dst, dit=None, vae=None, *, model_dir=None,
+                 overwrite: bool = False, codec: str = "h264", progress=None, should_stop=None,
+                 **options) -> Path | None:
+    """This rank's share of ``upscale_file``; returns the output path on rank 0."""
+    from ..api import open_output, plan_file
+    from ..io import open_media
+
+    _terminate_cleanly()
+    opts = _rank_options(ctx, options)
     with open_media(src) as reader:
         info = reader.info
-        plan, (height, width), bit_depth = plan_file(reader, dst, opts, codec)
+        plan, size, bit_depth = plan_file(reader, dst, opts, codec)
         check_agreement(ctx, _digest(opts, plan.source_frames, info.width, info.height, (dit, vae)))
-        shares = assign_batches(plan, ctx.world_size)
-        mine = shares[ctx.rank]
-        if ctx.is_writer and len(plan.batches) < ctx.world_size:
-            log.warning("%d ranks for %d batches: %d rank(s) stay idle", ctx.world_size,
-                        len(plan.batches), ctx.world_size - len(plan.batches))
-        writer = open_output(info, dst, (height, width), bit_depth, codec, overwrite) \
-            if ctx.is_writer else None
+        writer = open_output(info, dst, size, bit_depth, codec, overwrite) if ctx.is_writer else None
         # The writer aborts (removing its partial file) on any exception, SIGTERM included.
         with writer if writer is not None else contextlib.nullcontext():
-            outputs = iter(())
-            if mine:
-                models = load_models(dit, vae, opts=opts, model_dir=model_dir)
-                upscaler = Upscaler(models, opts, progress, should_stop)
-                start = plan.source_start(plan.batches[mine[0]].start)
-                outputs = upscaler.batch_outputs(reader.frames(start=start), plan, mine)
-            if writer is None:
-                _send_all(ctx, outputs)
-                return None
-            _gather_and_write(ctx, plan, shares, outputs, writer, info.channels, (height, width),
-                              bit_depth, progress)
-        return Path(writer.path)
+            sink = None if writer is None else \
+                (lambda first, final: writer.write_many(to_integer_frames(final, bit_depth)))
+            _run_share(ctx, plan, lambda first: reader.frames(start=first), sink, info.channels,
+                       size, dit, vae, opts, model_dir, progress, should_stop)
+        return Path(writer.path) if writer is not None else None
+
+
+def run_tensor_job(ctx: DistContext, frames: torch.Tensor, out: torch.Tensor, dit=None, vae=None,
+                   *, model_dir=None, progress=None, should_stop=None, **options) -> None:
+    """This rank's share of ``upscale`` on frames in (shared) memory; the writer rank fills
+    ``out`` (T, H', W', C) float32 with the finished frames."""
+    from ..pipeline.plan import make_plan
+
+    _terminate_cleanly()
+    opts = _rank_options(ctx, options)
+    plan = make_plan(len(frames), opts)
+    check_agreement(ctx, _digest(opts, len(frames), frames.shape[2], frames.shape[1], (dit, vae)))
+
+    def fill(first: int, final: torch.Tensor):
+        out[first: first + len(final)] = final
+    _run_share(ctx, plan, lambda first: iter(frames[first:]), fill if ctx.is_writer else None,
+               out.shape[-1], tuple(out.shape[1:3]), dit, vae, opts, model_dir, progress,
+               should_stop)
 
 
 def _wire(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
@@ -131,7 +166,7 @@ def _send_all(ctx: DistContext, outputs):
         pending[0].wait()
 
 
-def _gather_and_write(ctx, plan, shares, local_outputs, writer, channels, size, bit_depth, progress):
+def _gather(ctx, plan, shares, local_outputs, sink, channels, size, progress):
     owner = owner_of(shares)
     blender = OverlapBlender(plan)
     local = iter(local_outputs)
@@ -150,7 +185,7 @@ def _gather_and_write(ctx, plan, shares, local_outputs, writer, channels, size, 
                                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
                                    ) from e
             out = buffer.cpu()
-        for _, final in blender.add(b, out):
-            writer.write_many(to_integer_frames(final, bit_depth))
+        for first, final in blender.add(b, out):
+            sink(first, final)
             if progress:
                 progress("frames", blender.emitted, plan.source_frames)

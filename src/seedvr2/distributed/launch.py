@@ -34,39 +34,121 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, devices: list[str], port: int, threads: int, args: tuple, kwargs: dict):
+def _join_group(rank: int, devices: list[str], port: int, threads: int, timeout_s: float):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if devices[rank] == "cpu":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         torch.set_num_threads(threads)
+    return init_from_env(devices[rank], timeout_s, rank=rank, world_size=len(devices),
+                         local_rank=rank)
+
+
+def _file_worker(rank: int, devices: list[str], port: int, threads: int, args: tuple, kwargs: dict):
     from .job import run_file_job
 
-    ctx = init_from_env(devices[rank], kwargs.get("dist_timeout", 60.0), rank=rank,
-                        world_size=len(devices), local_rank=rank)
+    ctx = _join_group(rank, devices, port, threads, kwargs.get("dist_timeout", 60.0))
     try:
         run_file_job(ctx, *args, **kwargs)
     finally:
         destroy()
 
 
+def _tensor_worker(rank: int, devices: list[str], port: int, threads: int, frames, out, models,
+                   events, stop, kwargs: dict):
+    from .job import run_tensor_job
+
+    ctx = _join_group(rank, devices, port, threads, kwargs.get("dist_timeout", 60.0))
+
+    def report(phase: str, done: int, total: int):
+        if phase == "frames":  # only the writer rank counts finished frames
+            events.put((phase, done, total))
+    try:
+        run_tensor_job(ctx, frames, out, *models, progress=report, should_stop=stop.is_set,
+                       **kwargs)
+    finally:
+        destroy()
+
+
+def _threads_per_rank(device_list: list[str]) -> int:
+    return max(1, (os.cpu_count() or 1) // len(device_list))
+
+
+def _failure(e: Exception, dst=None) -> RuntimeError:
+    """The launcher's error: which rank failed and, for a raised exception, its last line
+    (the worker's full traceback stays in the exception text and on stderr)."""
+    import torch.multiprocessing as mp
+
+    if dst is not None:
+        _remove_partials(dst)
+    if isinstance(e, mp.ProcessExitedException):
+        return RuntimeError(f"distributed upscale failed: rank {e.error_index} exited with code "
+                            f"{e.exit_code}")
+    lines = [line for line in str(e).strip().splitlines() if line.strip()]
+    return RuntimeError(f"distributed upscale failed on rank {e.error_index}: "
+                        f"{lines[-1].strip() if lines else e}")
+
+
 def spawn_file_job(device_list: list[str], src, dst, *args, **kwargs) -> Path:
     """Run ``upscale_file`` over several local devices; raises naming the failed rank."""
     import torch.multiprocessing as mp
 
-    threads = max(1, (os.cpu_count() or 1) // len(device_list))
     try:
-        mp.spawn(_worker, args=(device_list, _free_port(), threads, (src, dst, *args), kwargs),
+        mp.spawn(_file_worker, args=(device_list, _free_port(), _threads_per_rank(device_list),
+                                     (src, dst, *args), kwargs),
                  nprocs=len(device_list), join=True)
-    except mp.ProcessRaisedException as e:
-        _remove_partials(dst)
-        first = str(e).strip().splitlines()
-        raise RuntimeError(f"distributed upscale failed: {first[0] if first else e} "
-                           f"(see the traceback above)") from None
-    except mp.ProcessExitedException as e:
-        _remove_partials(dst)
-        raise RuntimeError(f"distributed upscale failed: rank {e.error_index} exited with code "
-                           f"{e.exit_code}") from None
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        raise _failure(e, dst) from None
     return Path(dst)
+
+
+def spawn_tensor_job(device_list: list[str], frames: torch.Tensor, out_shape: tuple, dit=None,
+                     vae=None, *, progress=None, should_stop=None, **kwargs) -> torch.Tensor:
+    """Run ``upscale`` on frames in memory over several local devices.
+
+    Frames go to the workers and results come back through shared memory (no pickling of
+    the video); the writer rank reports finished frames to ``progress`` here, and
+    ``should_stop`` is polled here and relayed to every worker. Works from a parent that has
+    already initialised CUDA (ComfyUI): the workers are spawned, not forked.
+    """
+    import torch.multiprocessing as mp
+
+    from ..pipeline.runner import Interrupted
+
+    if frames.device.type != "cpu":
+        frames = frames.cpu()
+    if not frames.is_shared():
+        frames.share_memory_()  # moves the storage into shared memory in place, no second copy
+    out = torch.empty(out_shape, dtype=torch.float32).share_memory_()
+    spawn = mp.get_context("spawn")
+    events, stop = spawn.Queue(), spawn.Event()
+
+    def relay():
+        while True:
+            try:
+                event = events.get_nowait()
+            except Exception:  # queue.Empty
+                return
+            if progress is not None:
+                progress(*event)
+    workers = mp.start_processes(
+        _tensor_worker, args=(device_list, _free_port(), _threads_per_rank(device_list), frames,
+                              out, (dit, vae), events, stop, kwargs),
+        nprocs=len(device_list), join=False, start_method="spawn")
+    try:
+        while not workers.join(timeout=0.2):
+            relay()
+            if should_stop is not None and not stop.is_set() and should_stop():
+                stop.set()
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        if stop.is_set():
+            raise Interrupted("upscaling interrupted") from None
+        raise _failure(e) from None
+    finally:
+        for process in workers.processes:  # an error here (or in progress) must not orphan them
+            if process.is_alive():
+                process.terminate()
+    relay()
+    return out
 
 
 def _remove_partials(dst):
