@@ -8,7 +8,9 @@ table; what each node does). This module only adapts them to ComfyUI:
 * a :class:`ComfyHost` giving the nodes ComfyUI's services: ``folder_paths`` (models/SEEDVR2,
   registered here so ``extra_model_paths.yaml`` entries named SEEDVR2 add to it), the input
   and output folders, ``comfy.utils.ProgressBar``, ``comfy.model_management``'s interrupt flag,
-  and its memory (its models are unloaded before ours load, the cache emptied after a run).
+  and its memory (its models are unloaded before ours load, the cache emptied after a run;
+  models we keep with ``cache_model`` are entries of its loaded-model list, which it evicts
+  like its own: ``seedvr2.workflow.comfy_memory``).
 
 Importing this module does no work: the library's heavy parts load when a node runs.
 """
@@ -99,17 +101,26 @@ class ComfyHost:
         comfy.model_management.throw_exception_if_processing_interrupted()
 
     def before_load(self) -> None:
-        """Give our models room: unload what ComfyUI holds and empty its caches."""
+        """Give our models room: unload what ComfyUI holds (but our cached models) and empty
+        its caches."""
         import comfy.model_management as mm
 
-        mm.unload_all_models()
-        mm.soft_empty_cache()
+        from .src.seedvr2.memory.cache import MODEL_CACHE
+        from .src.seedvr2.workflow.comfy_memory import unload_comfy_models
+
+        unload_comfy_models(mm, MODEL_CACHE)
 
     def after_run(self) -> None:
+        """Show the models we keep (cache_model) to ComfyUI's memory management, so it can
+        evict them ("Unload models", or another node needing the memory); free the rest."""
         import gc
 
         import comfy.model_management as mm
 
+        from .src.seedvr2.memory.cache import MODEL_CACHE
+        from .src.seedvr2.workflow.comfy_memory import sync
+
+        sync(mm, MODEL_CACHE)
         gc.collect()
         mm.soft_empty_cache()
 

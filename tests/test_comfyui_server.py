@@ -43,6 +43,7 @@ class Server:
     base: Path
     log: Path
     hold: Path  # test hook: while this file exists, the next run waits to be interrupted
+    cache_state: Path  # test hook: the kinds of model in our cache and in ComfyUI's list
     client: ComfyServer
 
     def run(self, prompt: dict) -> dict:
@@ -96,7 +97,7 @@ def comfyui(tiny_model_dir, tmp_path_factory):
     make_inputs(base / "input")
     port, log = _free_port(), base / "server.log"
     env = {**os.environ, "SEEDVR2_TEST_HOLD_UNTIL_INTERRUPT": str(base / "hold"),
-           "PYTHONUNBUFFERED": "1"}
+           "SEEDVR2_TEST_CACHE_STATE": str(base / "cache_state.json"), "PYTHONUNBUFFERED": "1"}
     with open(log, "wb") as out:
         process = subprocess.Popen(
             [str(python), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
@@ -117,7 +118,8 @@ def comfyui(tiny_model_dir, tmp_path_factory):
                     pytest.fail(f"ComfyUI did not start in {START_TIMEOUT} s:\n"
                                 f"{log.read_text()[-4000:]}")
                 time.sleep(0.5)
-        yield Server(url, base, log, base / "hold", ComfyServer(url, timeout=60))
+        yield Server(url, base, log, base / "hold", base / "cache_state.json",
+                     ComfyServer(url, timeout=60))
     finally:
         _stop(process)
 
@@ -247,3 +249,31 @@ def test_run_workflow_cli_against_the_server(comfyui, tmp_path):
     assert result.stderr.strip().endswith("error: node 4 (SeedVR2VideoUpscaler): batch_size = 4: "
                                           "must be 4n+1 (1, 5, 9, 13, 17, 21, ...); nearest valid "
                                           "values: 1 or 5")
+
+
+def _cache_state(comfyui) -> dict:
+    return json.loads(comfyui.cache_state.read_text()) if comfyui.cache_state.exists() else {}
+
+
+def test_unload_models_releases_our_cached_models(comfyui):
+    """Models kept with cache_model are in ComfyUI's loaded-model list: "Unload models"
+    (POST /free) evicts them from our cache; our own runs keep them."""
+    cached = ["2.cache_model=true", "3.cache_model=true"]
+    comfyui.run(_tiny("image_upscale", [*cached, "4.seed=11"]))
+    both = {"cached": ["dit", "vae"], "registered": ["dit", "vae"]}
+    assert _cache_state(comfyui) == both
+    # A second run reuses them: our models are not unloaded to make room for ours.
+    comfyui.run(_tiny("image_upscale", [*cached, "4.seed=12"]))
+    assert _cache_state(comfyui) == both
+    assert "ComfyUI unloaded the cached" not in comfyui.log.read_text()
+    comfyui.client.free(unload_models=True)
+    deadline = time.monotonic() + 60
+    while _cache_state(comfyui) != {"cached": [], "registered": []}:
+        assert time.monotonic() < deadline, (_cache_state(comfyui), comfyui.log_tail())
+        time.sleep(0.1)
+    log = comfyui.log.read_text()
+    assert "SeedVR2: ComfyUI unloaded the cached DIT (dit3b_tiny.safetensors)" in log
+    assert "SeedVR2: ComfyUI unloaded the cached VAE (vae_tiny.safetensors)" in log
+    # The next run without caching leaves nothing behind.
+    comfyui.run(_tiny("image_upscale", ["4.seed=13"]))
+    assert _cache_state(comfyui) == {"cached": [], "registered": []}

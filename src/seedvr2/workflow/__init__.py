@@ -9,6 +9,8 @@
 * :mod:`.execute` -- runs an API-format prompt in this process.
 * :mod:`.server` -- runs a prompt on a running ComfyUI server.
 * :mod:`.run` -- ``run_workflow``, behind ``seedvr2 run-workflow``.
+* :mod:`.comfy_memory` -- inside ComfyUI: our cached models as entries of its loaded-model list,
+  so its memory management can evict them.
 
 Importing this package is cheap: nothing here imports torch, PyAV or the models at import time.
 """

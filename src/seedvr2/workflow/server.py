@@ -71,6 +71,10 @@ class ComfyServer:
     def interrupt(self) -> None:
         self._request("/interrupt", {})
 
+    def free(self, unload_models: bool = True, free_memory: bool = False) -> None:
+        """What the editor's "Unload models" / "Free memory" buttons ask (done between prompts)."""
+        self._request("/free", {"unload_models": unload_models, "free_memory": free_memory})
+
     def download(self, entry: dict, folder: Path) -> list[Path]:
         """Every saved output file of a finished prompt, copied into ``folder``."""
         files = []
