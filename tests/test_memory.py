@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -124,6 +126,64 @@ def test_compile_aot_eager_matches_and_falls_back(conformance, monkeypatch):
     with pytest.warns(UserWarning, match=r"torch.compile \(inductor\) failed for MMDiTBlock, running eager"):
         out = _forward(broken, case)
     assert torch.equal(out, expected)
+
+
+def _tiny_dit(conformance, num_layers: int):
+    """The tiny 3B-family DiT with ``num_layers`` blocks (random weights), windows alternating
+    as in the released configs."""
+    from seedvr2.models import build_dit
+
+    from conftest import constructor_kwargs
+    kwargs = constructor_kwargs(conformance / "dit3b_tiny")
+    pattern = list(zip(kwargs["window"], kwargs["window_method"]))[:2]
+    kwargs.update(num_layers=num_layers, block_type=["mmdit_sr"] * num_layers,
+                  window=[pattern[i % 2][0] for i in range(num_layers)],
+                  window_method=[pattern[i % 2][1] for i in range(num_layers)])
+    torch.manual_seed(0)
+    return build_dit(kwargs).eval()
+
+
+def _graphs_per_resolution(model, shapes) -> list[int]:
+    """Dynamo's unique graph count after each call at the given (t, h, w) latent sizes."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    apply_compile(model, None, CompileSettings(backend="aot_eager"))
+    channels = model.config.vid_in_channels
+    counts = []
+    for t, h, w in shapes:
+        with torch.no_grad():
+            model(torch.randn(t * h * w, channels), torch.randn(5, model.config.txt_in_dim),
+                  torch.tensor([[t, h, w]]), torch.tensor([[5]]), torch.tensor([1000.0]))
+        counts.append(counters["stats"]["unique_graphs"])
+    return counts
+
+
+def test_compile_shares_graphs_across_blocks_and_resolutions(conformance):
+    """Blocks of one kind share graphs, the first new resolution recompiles once (dynamic
+    shapes), and later resolutions compile nothing: the window layout and RoPE tables stay
+    outside the graphs."""
+    shapes = [(1, 8, 8), (1, 12, 8), (1, 16, 12), (2, 16, 16), (1, 8, 8)]
+    six = _graphs_per_resolution(_tiny_dit(conformance, 6), shapes)
+    twelve = _graphs_per_resolution(_tiny_dit(conformance, 12), shapes)  # the same block kinds
+    assert twelve == six  # twice the blocks, no more graphs
+    assert six[1] <= 2 * six[0]  # one dynamic recompile per graph at most
+    assert six[2:] == [six[1]] * 3  # no recompiles after that
+
+
+def test_compile_inductor_smoke(conformance):
+    """One real inductor compile of the tiny DiT (tens of seconds on a small CPU)."""
+    folder = conformance / "dit3b_tiny"
+    case = load_case(folder, "image")
+    model = load_dit(folder / "weights.safetensors")
+    expected = _forward(model, case)
+    apply_compile(model, None, CompileSettings(backend="inductor"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an eager fallback would warn: the compile must work
+        out = _forward(model, case)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_bad_memory_options():

@@ -43,18 +43,27 @@ class CompileSettings:
         return dict(backend=self.backend, mode=mode, fullgraph=self.fullgraph, dynamic=dynamic)
 
 
-def _compile_forward(module: nn.Module, settings: CompileSettings):
+def _compile_forward(module: nn.Module, settings: CompileSettings, shared: dict):
+    """Route ``module.forward`` through a compiled copy of its class's forward.
+
+    Compiling the unbound function once per class (``shared``) lets modules of one structure
+    (all DiT blocks alike) share graphs: with parameters traced as inputs, a second block of
+    the same kind reuses the first one's graph instead of compiling its own.
+    """
     import torch
 
     eager = module.forward
-    compiled = torch.compile(eager, **settings.kwargs())
+    function = type(module).forward
+    if function not in shared:
+        shared[function] = torch.compile(function, **settings.kwargs())
+    compiled = shared[function]
 
     @functools.wraps(eager)
     def forward(*args, **kwargs):
         if module._compile_failed:
             return eager(*args, **kwargs)
         try:
-            return compiled(*args, **kwargs)
+            return compiled(module, *args, **kwargs)
         except Exception as e:  # a compiler problem must not stop the run
             module._compile_failed = True
             warnings.warn(f"torch.compile ({settings.backend}) failed for {type(module).__name__}, "
@@ -76,9 +85,10 @@ def apply_compile(dit: nn.Module | None, vae: nn.Module | None, settings: Compil
     if hasattr(torch._dynamo.config, "recompile_limit"):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                    settings.recompile_limit)
+    shared: dict = {}
     if dit is not None:
         for block in dit.blocks:
-            _compile_forward(block, settings)
+            _compile_forward(block, settings, shared)
     if vae is not None:
-        _compile_forward(vae.encoder, settings)
-        _compile_forward(vae.decoder, settings)
+        _compile_forward(vae.encoder, settings, shared)
+        _compile_forward(vae.decoder, settings, shared)

@@ -26,7 +26,6 @@ from .norm import RMSNorm, rms_norm
 from .packing import Packing
 from .rope import apply_rotary
 from .streams import PerStream
-from .window import WindowLayout
 
 
 def _sdpa(q, k, v):
@@ -132,29 +131,46 @@ class WindowAttention(nn.Module):
             return attend(q, k, v)
 
     def forward(self, vid: torch.Tensor, txt: torch.Tensor, packing: Packing,
-                layout: WindowLayout, need_txt: bool = True):
+                window_rule: tuple, need_txt: bool = True):
         """vid (Nv, dim), txt (Nt, dim) -> attention outputs (Nv, dim), (Nt, dim) or None.
 
-        Under a sequence-parallel strategy ``vid`` and the video output are this rank's rows.
+        ``window_rule`` = (window method, window count) of this block. Under a sequence-parallel
+        strategy ``vid`` and the video output are this rank's rows.
         """
+        out_v, out_t = self._window_attention(self._project(vid, "vid"), self._project(txt, "txt"),
+                                              packing, window_rule, need_txt, vid.dtype)
+        out_v = self.proj_out["vid"](out_v)
+        if not need_txt:
+            return out_v, None
+        return out_v, self.proj_out["txt"](out_t)
+
+    # Kept out of torch.compile graphs: the window layout, RoPE tables and the per-group loop
+    # depend on the resolution through Python values, so tracing them would recompile every
+    # block at every new resolution; the token-wise work around this (projections,
+    # modulation, MLP) is what compiling speeds up, and it stays shape-polymorphic.
+    @torch.compiler.disable
+    def _window_attention(self, qkv_v: torch.Tensor, qkv_t: torch.Tensor, packing: Packing,
+                          window_rule: tuple, need_txt: bool, dtype: torch.dtype):
+        """Projected q/k/v (N, 3, heads, head_dim) of both streams -> attention outputs before
+        the output projection: vid (Nv, heads·head_dim), txt (Nt, heads·head_dim) or None."""
+        layout = packing.layout(*window_rule)
         sp = self.sequence_parallel
         # Video tokens in window order, so each group's windows are contiguous rows.
         cis_v = self.rope.video_rotation(layout, packing.txt_lens_tensor())
         cis_t = self.rope.text_rotation(packing.txt_positions()) if self.rope.rotates_text else None
         if sp is None:
             heads = self.heads
-            q_v, k_v, v_v = self._qkv(self._project(vid[layout.perm], "vid"), "vid", cis_v, vid.dtype)
-            q_t, k_t, v_t = self._qkv(self._project(txt, "txt"), "txt", cis_t, txt.dtype)
         else:
             own = sp.head_range(self.heads)
             heads = own.stop - own.start
-            qkv_v = sp.scatter_heads(self._project(vid, "vid"), packing)  # every token, own heads
-            q_v, k_v, v_v = self._qkv(qkv_v[layout.perm], "vid", cis_v, vid.dtype)
-            q_t, k_t, v_t = self._qkv(self._project(txt, "txt")[:, :, own], "txt", cis_t, txt.dtype)
+            qkv_v = sp.scatter_heads(qkv_v, packing)  # every token, own heads
+            qkv_t = qkv_t[:, :, own]
+        q_v, k_v, v_v = self._qkv(qkv_v[layout.perm], "vid", cis_v, dtype)
+        q_t, k_t, v_t = self._qkv(qkv_t, "txt", cis_t, dtype)
 
         inner = heads * self.head_dim
-        out_v = torch.empty(layout.perm.shape[0], inner, dtype=vid.dtype, device=vid.device)
-        out_t = torch.zeros(txt.shape[0], inner, dtype=torch.float32, device=txt.device) \
+        out_v = torch.empty(layout.perm.shape[0], inner, dtype=dtype, device=qkv_v.device)
+        out_t = torch.zeros(qkv_t.shape[0], inner, dtype=torch.float32, device=qkv_t.device) \
             if need_txt else None
         for g in layout.groups:
             rows = slice(g.start, g.start + g.count * g.vid_len)
@@ -170,10 +186,7 @@ class WindowAttention(nn.Module):
                     out_t[txt_start: txt_start + o.shape[1] - g.vid_len] += \
                         o[first:last, g.vid_len:].sum(0, dtype=torch.float32)
         if need_txt:
-            out_t = (out_t / layout.txt_windows[:, None]).to(txt.dtype)
+            out_t = (out_t / layout.txt_windows[:, None]).to(dtype)
         if sp is not None:
             out_v, out_t = sp.gather_heads(out_v, out_t)  # own tokens, every head
-        out_v = self.proj_out["vid"](out_v)
-        if not need_txt:
-            return out_v, None
-        return out_v, self.proj_out["txt"](out_t)
+        return out_v, out_t

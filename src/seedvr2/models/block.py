@@ -42,17 +42,17 @@ class MMDiTBlock(nn.Module):
     def forward(self, vid: torch.Tensor, txt: torch.Tensor, emb: torch.Tensor,
                 packing: Packing) -> tuple[torch.Tensor, torch.Tensor]:
         """vid (Nv, dim), txt (Nt, dim), emb (B, 6·dim) -> updated vid, txt."""
-        layout = packing.layout(self.window_method, self.window)
+        rule = (self.window_method, self.window)
         h_v, gate_v = self._sublayer_in(vid, emb, "vid", ATTN, packing)
         if self.video_only:
             h_t = rms_norm(txt, self.eps).to(txt.dtype)
-            a_v, _ = self.attn(h_v, h_t, packing, layout, need_txt=False)
+            a_v, _ = self.attn(h_v, h_t, packing, rule, need_txt=False)
             vid = torch.addcmul(vid, a_v, gate_v)
             h_v, gate_v = self._sublayer_in(vid, emb, "vid", MLP, packing)
             return torch.addcmul(vid, self.mlp["vid"](h_v), gate_v), txt
 
         h_t, gate_t = self._sublayer_in(txt, emb, "txt", ATTN, packing)
-        a_v, a_t = self.attn(h_v, h_t, packing, layout)
+        a_v, a_t = self.attn(h_v, h_t, packing, rule)
         vid, txt = torch.addcmul(vid, a_v, gate_v), torch.addcmul(txt, a_t, gate_t)
         h_v, gate_v = self._sublayer_in(vid, emb, "vid", MLP, packing)
         h_t, gate_t = self._sublayer_in(txt, emb, "txt", MLP, packing)
