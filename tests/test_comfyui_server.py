@@ -46,8 +46,9 @@ class Server:
     cache_state: Path  # test hook: the kinds of model in our cache and in ComfyUI's list
     client: ComfyServer
 
-    def run(self, prompt: dict) -> dict:
-        return self.client.wait(self.client.submit(prompt), timeout=RUN_TIMEOUT)
+    def run(self, prompt: dict, on_event=None) -> dict:
+        """Queue and follow (on the websocket) a prompt; its history entry."""
+        return self.client.run(prompt, timeout=RUN_TIMEOUT, on_event=on_event)
 
     def log_tail(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
@@ -231,11 +232,17 @@ def test_interrupt_ends_a_run_cleanly(comfyui):
 
 
 def test_run_workflow_cli_against_the_server(comfyui, tmp_path):
+    """Local inputs the server lacks are uploaded; progress is printed per node."""
     ui = EXAMPLES_DIR / "image_upscale.json"
     prompt = json.loads((EXAMPLES_DIR / "image_upscale_api.json").read_text())
-    sets = [arg for s in tiny_sets(prompt) for arg in ("--set", s)]
+    local = tmp_path / "local"
+    local.mkdir()
+    shutil.copy(comfyui.base / "input" / "seedvr2_example.png", local / "cli_photo.png")
+    sets = [arg for s in [*tiny_sets(prompt), "1.image=cli_photo.png", "4.seed=21"]
+            for arg in ("--set", s)]
     command = [sys.executable, "-m", "seedvr2", "run-workflow", str(ui), "--server", comfyui.url,
-               "--output-dir", str(tmp_path), "--timeout", str(RUN_TIMEOUT), *sets]
+               "--input-dir", str(local), "--output-dir", str(tmp_path / "out"), "--timeout",
+               str(RUN_TIMEOUT), *sets]
     result = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT + 60)
     assert result.returncode == 0, result.stderr
     (path,) = [Path(p) for p in result.stdout.split()]
@@ -243,12 +250,84 @@ def test_run_workflow_cli_against_the_server(comfyui, tmp_path):
 
     with Image.open(path) as im:
         assert im.size == IMAGE_OUT
+    assert (comfyui.base / "input" / "cli_photo.png").read_bytes() == \
+        (local / "cli_photo.png").read_bytes()
+    err = result.stderr
+    assert f"uploaded {local / 'cli_photo.png'} to the server's input folder as 'cli_photo.png'" \
+        in err
+    for line in ("node 1 (LoadImage): running", "node 4 (SeedVR2VideoUpscaler): running",
+                 "node 5 (SaveImage): running"):
+        assert line in err, err
+    assert "node 4 (SeedVR2VideoUpscaler): 100%" in err and "3/3" in err, err
+    assert "polling /history" not in err
     result = subprocess.run(command + ["--set", "4.batch_size=4"], capture_output=True, text=True,
                             timeout=RUN_TIMEOUT + 60)
     assert result.returncode == 1
     assert result.stderr.strip().endswith("error: node 4 (SeedVR2VideoUpscaler): batch_size = 4: "
                                           "must be 4n+1 (1, 5, 9, 13, 17, 21, ...); nearest valid "
                                           "values: 1 or 5")
+
+
+def test_websocket_follows_every_node_and_its_progress(comfyui):
+    events = []
+    entry = comfyui.run(_tiny("image_upscale", ["4.seed=31"]),
+                        on_event=lambda kind, data: events.append((kind, data)))
+    assert entry["status"]["status_str"] == "success"
+    ran = [d["node"] for k, d in events if k == "executing"]
+    cached = [n for k, d in events if k == "execution_cached" for n in d["nodes"]]
+    assert sorted(ran + cached) == ["1", "2", "3", "4", "5"] and "4" in ran
+    progress = [(d["value"], d["max"]) for k, d in events if k == "progress" and d["node"] == "4"]
+    assert progress and progress[-1] == (3, 3)  # encode + DiT + decode of one image
+    assert "seedvr2_fallback" not in [k for k, _ in events]
+
+
+def test_history_polling_when_the_websocket_fails(comfyui):
+    from seedvr2.workflow.websocket import WebSocket, WebSocketError
+
+    # A server that answers but does not upgrade: the handshake is refused.
+    with pytest.raises(WebSocketError, match="refused the websocket: HTTP/1.1 200"):
+        WebSocket(comfyui.url.replace("http", "ws") + "/object_info", timeout=10)
+    # A websocket that breaks during the run: the run is followed on /history instead.
+    events = []
+    socket_ = comfyui.client.events()
+    try:
+        prompt_id = comfyui.client.submit(_tiny("image_upscale", ["4.seed=32"]))
+        socket_.sock.close()
+        entry = comfyui.client.wait(prompt_id, timeout=RUN_TIMEOUT, events=socket_,
+                                    on_event=lambda kind, data: events.append(kind))
+    finally:
+        socket_.close()
+    assert entry["status"]["status_str"] == "success"
+    assert events == ["seedvr2_fallback"]
+
+
+def test_server_runs_upload_local_videos(comfyui, tmp_path):
+    """LoadVideo's file and Upscale Video File's video_path name local files the server does
+    not have: they are uploaded and the inputs renamed."""
+    from seedvr2.workflow.run import run_workflow
+
+    local = tmp_path / "local"
+    local.mkdir()
+    shutil.copy(comfyui.base / "input" / "seedvr2_example.mp4", local / "loaded_clip.mp4")
+    shutil.copy(comfyui.base / "input" / "seedvr2_example.mp4", local / "streamed_clip.mp4")
+    for name, node, value in (("video_upscale", "1.file", "loaded_clip.mp4"),
+                              ("video_file_streaming", "4.video_path", "streamed_clip.mp4")):
+        prompt = json.loads((EXAMPLES_DIR / f"{name}_api.json").read_text())
+        result = run_workflow(EXAMPLES_DIR / f"{name}.json",
+                              [*tiny_sets(prompt), f"{node}={value}"], server=comfyui.url,
+                              input_dir=local, output_dir=tmp_path / name, quiet=True,
+                              timeout=RUN_TIMEOUT)
+        assert result.uploads == [(local / value, value)]
+        assert (comfyui.base / "input" / value).read_bytes() == (local / value).read_bytes()
+        videos = [p for p in result.files if p.suffix == ".mp4"]
+        assert len(videos) == 1 and probe_video(videos[0]) == (CLIP_FRAMES, VIDEO_OUT, True)
+    # Now the server lists both: a second run uploads nothing.
+    prompt = json.loads((EXAMPLES_DIR / "video_upscale_api.json").read_text())
+    result = run_workflow(EXAMPLES_DIR / "video_upscale.json",
+                          [*tiny_sets(prompt), "1.file=loaded_clip.mp4"], server=comfyui.url,
+                          input_dir=local, output_dir=tmp_path / "again", quiet=True,
+                          timeout=RUN_TIMEOUT)
+    assert result.uploads == []
 
 
 def _cache_state(comfyui) -> dict:

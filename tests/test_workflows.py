@@ -302,3 +302,135 @@ def test_options_added_after_the_first_release_are_optional():
     inputs = {i.name: i for i in _upscaler_inputs()}
     assert all(inputs[name].optional for name in later)
     assert not inputs["batch_size"].optional
+
+
+# ---------------------------------------------------------------------------------------------
+# --server: the websocket client, uploads (the real server is in test_comfyui_server.py)
+
+
+def test_websocket_frames_round_trip():
+    from seedvr2.workflow import websocket as ws
+
+    mask = b"\x01\x02\x03\x04"
+    for size in (0, 5, 125, 126, 65535, 65536, 70000):
+        payload = bytes(range(256)) * (size // 256) + bytes(size % 256)
+        frame = ws.encode_frame(ws.TEXT, payload, mask)
+        assert frame[1] & 0x80  # client frames are masked
+        assert ws.parse_frame(frame) == (True, ws.TEXT, payload, len(frame))
+        assert ws.parse_frame(frame[:-1]) is None  # incomplete
+    # RFC 6455 section 1.3 and 5.7 examples.
+    assert ws.accept_key("dGhlIHNhbXBsZSBub25jZQ==") == "s3pPLMBiTxaQ9kYGzzhZRbK+xOo="
+    assert ws.parse_frame(b"\x81\x05Hello") == (True, ws.TEXT, b"Hello", 7)
+    assert ws.parse_frame(b"\x81\x85\x37\xfa\x21\x3d\x7f\x9f\x4d\x51\x58") == \
+        (True, ws.TEXT, b"Hello", 11)
+    with pytest.raises(ws.WebSocketError, match="reserved bits"):
+        ws.parse_frame(b"\xc1\x05Hello")  # compressed (RSV1) without negotiation
+
+
+def _scripted_server(script):
+    """A one-connection websocket server on localhost that runs ``script(conn, reader)`` after
+    the handshake; returns (url, thread, what the script saw)."""
+    import socket
+    import threading
+
+    from seedvr2.workflow import websocket as ws
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    seen = {}
+
+    def serve():
+        conn, _ = listener.accept()
+        with conn, listener:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(4096)
+            request = data.decode()
+            seen["request"] = request
+            key = next(l.split(":", 1)[1].strip() for l in request.split("\r\n")
+                       if l.lower().startswith("sec-websocket-key:"))
+            conn.sendall(("HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+                          "Connection: Upgrade\r\nSec-WebSocket-Accept: "
+                          f"{ws.accept_key(key)}\r\n\r\n").encode())
+            buffer = bytearray()
+
+            def read_frame():
+                while (frame := ws.parse_frame(buffer)) is None:
+                    buffer.extend(conn.recv(4096))
+                del buffer[:frame[3]]
+                return frame
+            script(conn, read_frame, seen)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return f"ws://127.0.0.1:{listener.getsockname()[1]}/ws?clientId=abc", thread, seen
+
+
+def test_websocket_client_against_a_scripted_server():
+    from seedvr2.workflow import websocket as ws
+
+    def unmasked(opcode, payload, fin=True):
+        frame = ws.encode_frame(opcode, payload, b"\0\0\0\0", fin)
+        return bytes([frame[0], frame[1] & 0x7F]) + frame[2:-len(payload) - 4] + payload \
+            if len(payload) else bytes([frame[0], 0])
+
+    def script(conn, read_frame, seen):
+        conn.sendall(unmasked(ws.TEXT, b'{"type": "status"}'))
+        conn.sendall(unmasked(ws.BINARY, b"\x00\x00\x00\x01preview"))
+        conn.sendall(unmasked(ws.PING, b"are you there"))
+        seen["pong"] = read_frame()
+        # A fragmented text message with a ping between its fragments.
+        conn.sendall(unmasked(ws.TEXT, b'{"type": ', fin=False) + unmasked(ws.PING, b"")
+                     + unmasked(ws.CONTINUATION, b'"progress"}'))
+        seen["pong2"] = read_frame()
+        seen["text"] = read_frame()
+        conn.sendall(unmasked(ws.CLOSE, b"\x03\xe8"))
+        seen["close"] = read_frame()
+
+    url, thread, seen = _scripted_server(script)
+    with ws.WebSocket(url, timeout=10) as client:
+        assert client.recv(5) == ("text", '{"type": "status"}')
+        assert client.recv(5) == ("binary", b"\x00\x00\x00\x01preview")
+        assert client.recv(5) == ("text", '{"type": "progress"}')
+        client.send_text("hello")
+        with pytest.raises(ws.WebSocketClosed):
+            client.recv(5)
+    thread.join(10)
+    assert seen["request"].startswith("GET /ws?clientId=abc HTTP/1.1\r\n")
+    assert seen["pong"][1:3] == (ws.PONG, b"are you there")
+    assert seen["pong2"][1:3] == (ws.PONG, b"")
+    assert seen["text"][1:3] == (ws.TEXT, b"hello")
+    assert seen["close"][1:3] == (ws.CLOSE, b"\x03\xe8")
+
+
+def test_uploads_only_local_files_the_server_lacks(tmp_path):
+    from seedvr2.workflow.server import upload_inputs
+
+    (tmp_path / "mine.png").write_bytes(b"png")
+    (tmp_path / "clips").mkdir()
+    (tmp_path / "clips" / "mine.mp4").write_bytes(b"mp4")
+    info = {"LoadImage": {"input": {"required": {"image": [["theirs.png"], {"image_upload": True}]}}},
+            "LoadVideo": {"input": {"required": {"file": ["COMBO", {"options": ["theirs.mp4"],
+                                                                   "video_upload": True}]}}}}
+    prompt = {"1": {"class_type": "LoadImage", "inputs": {"image": "mine.png"}},
+              "2": {"class_type": "LoadImage", "inputs": {"image": "theirs.png"}},
+              "3": {"class_type": "LoadVideo", "inputs": {"file": "clips/mine.mp4"}},
+              "4": {"class_type": "SeedVR2UpscaleVideoFile", "inputs": {"video_path": "mine.png"}},
+              "5": {"class_type": "SeedVR2UpscaleVideoFile", "inputs": {"video_path": "/srv/x.mp4"}},
+              "6": {"class_type": "LoadImage", "inputs": {"image": "nowhere.png"}}}
+
+    class Client:
+        calls = []
+
+        def upload(self, path, subfolder=""):
+            self.calls.append((path, subfolder))
+            return f"{subfolder}/up_{path.name}" if subfolder else f"up_{path.name}"
+
+    client = Client()
+    out = upload_inputs(client, prompt, info, tmp_path)
+    assert client.calls == [(tmp_path / "mine.png", ""), (tmp_path / "clips" / "mine.mp4", "clips")]
+    assert [out[i]["inputs"] for i in "123456"] == [
+        {"image": "up_mine.png"}, {"image": "theirs.png"}, {"file": "clips/up_mine.mp4"},
+        {"video_path": "up_mine.png"}, {"video_path": "/srv/x.mp4"}, {"image": "nowhere.png"}]
+    assert prompt["1"]["inputs"]["image"] == "mine.png"  # the given prompt is left alone

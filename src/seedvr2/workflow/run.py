@@ -16,6 +16,7 @@ class RunResult:
     prompt: dict  # the API-format prompt that ran
     files: list = field(default_factory=list)  # saved outputs (downloaded, with --server)
     warnings: list = field(default_factory=list)
+    uploads: list = field(default_factory=list)  # (local file, name on the server), --server
 
 
 def load_workflow(path) -> dict:
@@ -104,19 +105,36 @@ def run_workflow(workflow: Union[str, Path, dict], sets: Iterable[str] = (), *,
 
     In process (default): our nodes and the headless core nodes; models from ``model_dir``,
     inputs from ``input_dir``, files saved under ``output_dir``. With ``server``: the prompt
-    runs on that ComfyUI (its folders), and saved outputs are downloaded into ``output_dir``.
-    Raises :class:`WorkflowError` naming the failing node.
+    runs on that ComfyUI (its folders): input files it does not have are uploaded from
+    ``input_dir``, progress is followed on its websocket (printed per node on stderr unless
+    ``quiet``; /history is polled when the websocket fails), and saved outputs are downloaded
+    into ``output_dir``. Raises :class:`WorkflowError` naming the failing node.
     """
     if not isinstance(workflow, dict):
         workflow = load_workflow(workflow)
     if server is not None:
-        from .server import ComfyServer
+        import sys
+
+        from .server import ComfyServer, ProgressPrinter, upload_inputs
 
         client = ComfyServer(server)
         info = client.object_info()
         prompt = apply_sets(to_api(workflow, info), sets, info)
-        entry = client.wait(client.submit(prompt), timeout=timeout)
-        return RunResult(prompt, client.download(entry, Path(output_dir)))
+        uploads = []
+
+        def uploaded(local, name):
+            uploads.append((local, name))
+            if not quiet:
+                print(f"uploaded {local} to the server's input folder as {name!r}",
+                      file=sys.stderr, flush=True)
+        prompt = upload_inputs(client, prompt, info, input_dir, on_upload=uploaded)
+        printer = None if quiet else ProgressPrinter(prompt)
+        try:
+            entry = client.run(prompt, timeout=timeout, on_event=printer)
+        finally:
+            if printer is not None:
+                printer.close()
+        return RunResult(prompt, client.download(entry, Path(output_dir)), uploads=uploads)
 
     from .execute import execute
     from .host import HeadlessHost

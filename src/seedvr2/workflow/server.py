@@ -1,13 +1,26 @@
-"""Run a prompt on a running ComfyUI server: POST /prompt, follow /history, fetch the outputs.
+"""Run a prompt on a running ComfyUI server: upload its input files, POST /prompt, follow it,
+fetch the outputs.
 
-Only the standard library is used (urllib). Progress is followed by polling
-``/history/<prompt id>`` (and ``/queue`` for the position), which works through proxies that
-do not pass websockets.
+Only the standard library is used (urllib, and :mod:`.websocket`). Progress is followed on
+ComfyUI's websocket (``/ws?clientId=...``, opened before the prompt is queued so no event is
+missed): which node runs, its progress, cached nodes, the end. When the websocket cannot be
+opened (a proxy that does not pass it) or drops, ``/history/<prompt id>`` is polled instead;
+the finished prompt's history entry is the result either way.
+
+Input files: a workflow names files in the server's input folder (LoadImage's ``image``,
+LoadVideo's ``file``: the inputs with an upload button; our Upscale Video File's
+``video_path``). A name the server does not list but that is a local file (in ``input_dir``, or
+an absolute path) is uploaded (POST /upload/image, as the editor's upload button does) and the
+input set to the name the server gave it. A name the server already has is used as it is;
+absolute ``video_path`` values are the server's paths and are left alone.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import sys
 import time
 import urllib.error
 import urllib.parse
@@ -17,18 +30,28 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .errors import WorkflowError, WorkflowInterrupted
+from .websocket import WebSocket, WebSocketError
+
+log = logging.getLogger("seedvr2")
+Events = Callable[[str, dict], None]  # on_event(type, data) with ComfyUI's event names
+# Input names of node types whose value is a file in the server's input folder without an
+# upload button in /object_info (inputs with one are found from /object_info).
+FILE_INPUTS = {"SeedVR2UpscaleVideoFile": "video_path"}
+UPLOAD_FLAGS = ("image_upload", "video_upload", "animated_image_upload", "audio_upload")
 
 
 class ComfyServer:
-    def __init__(self, url: str, timeout: float = 30.0):
+    def __init__(self, url: str, timeout: float = 30.0, websocket: bool = True):
         self.url = url.rstrip("/")
         self.timeout = timeout  # per HTTP request
         self.client_id = uuid.uuid4().hex
+        self.websocket = websocket  # follow runs on /ws (else: poll /history)
 
-    def _request(self, path: str, data: Optional[dict] = None):
-        body = json.dumps(data).encode() if data is not None else None
-        request = urllib.request.Request(self.url + path, data=body,
-                                         headers={"Content-Type": "application/json"} if body else {})
+    def _request(self, path: str, data: Optional[dict] = None, body=None,
+                 headers: Optional[dict] = None):
+        if data is not None:
+            body, headers = json.dumps(data).encode(), {"Content-Type": "application/json"}
+        request = urllib.request.Request(self.url + path, data=body, headers=headers or {})
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 return response.read()
@@ -52,28 +75,156 @@ class ComfyServer:
             raise prompt_error(e.body) from None
         return reply["prompt_id"]
 
+    def events(self) -> Optional[WebSocket]:
+        """The websocket of this client's events, or None when it cannot be opened."""
+        if not self.websocket:
+            return None
+        parts = urllib.parse.urlsplit(self.url)
+        scheme = "wss" if parts.scheme == "https" else "ws"
+        url = urllib.parse.urlunsplit((scheme, parts.netloc, parts.path.rstrip("/") + "/ws",
+                                       urllib.parse.urlencode({"clientId": self.client_id}), ""))
+        try:
+            return WebSocket(url, timeout=self.timeout)
+        except WebSocketError as e:
+            log.info(f"{e}; following the run by polling /history")
+            return None
+
+    def run(self, prompt: dict, timeout: Optional[float] = None,
+            on_event: Optional[Events] = None) -> dict:
+        """Queue ``prompt`` and wait for it, following it on the websocket when possible;
+        returns its history entry (raises with the node's error on failure)."""
+        events = self.events()
+        try:
+            prompt_id = self.submit(prompt)
+            try:
+                return self.wait(prompt_id, timeout=timeout, on_event=on_event, events=events)
+            except KeyboardInterrupt:
+                self.cancel(prompt_id)
+                raise
+        finally:
+            if events is not None:
+                events.close()
+
+    def _history(self, prompt_id: str) -> Optional[dict]:
+        return self.get_json(f"/history/{prompt_id}").get(prompt_id)
+
     def wait(self, prompt_id: str, timeout: Optional[float] = None,
-             on_status: Optional[Callable[[str], None]] = None, poll: float = 0.25) -> dict:
-        """The history entry of the finished prompt; raises with the node's error on failure."""
+             on_event: Optional[Events] = None, poll: float = 0.25,
+             events: Optional[WebSocket] = None) -> dict:
+        """The history entry of the finished prompt; raises with the node's error on failure.
+
+        ``events``: a websocket opened before the prompt was queued, to follow it on;
+        without one (or when it fails) ``/history`` is polled every ``poll`` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if events is not None:
+            try:
+                entry = self._follow(events, prompt_id, deadline, timeout, on_event)
+            except WebSocketError as e:
+                if on_event is not None:
+                    on_event("seedvr2_fallback", {"reason": str(e)})
+                log.info(f"websocket: {e}; following the run by polling /history")
+            else:
+                return check_history(entry)
         while True:
-            history = self.get_json(f"/history/{prompt_id}")
-            entry = history.get(prompt_id)
+            entry = self._history(prompt_id)
             if entry is not None:  # ComfyUI records a prompt in its history once it has ended
                 return check_history(entry)
-            if deadline is not None and time.monotonic() > deadline:
-                raise WorkflowError(f"the server did not finish prompt {prompt_id} within "
-                                    f"{timeout:.0f} s")
-            if on_status is not None:
-                on_status("running")
+            self._check_deadline(deadline, prompt_id, timeout)
             time.sleep(poll)
 
-    def interrupt(self) -> None:
-        self._request("/interrupt", {})
+    @staticmethod
+    def _check_deadline(deadline, prompt_id, timeout):
+        if deadline is not None and time.monotonic() > deadline:
+            raise WorkflowError(f"the server did not finish prompt {prompt_id} within "
+                                f"{timeout:.0f} s")
+
+    def _follow(self, events: WebSocket, prompt_id: str, deadline, timeout, on_event) -> dict:
+        """Read events until ComfyUI says the prompt ended; then its history entry."""
+        last_check = time.monotonic()
+        while True:
+            self._check_deadline(deadline, prompt_id, timeout)
+            left = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
+            message = events.recv(timeout=left)
+            if message is None or time.monotonic() - last_check > 5.0:
+                # Quiet for a while (or a long stream of events): did it end unseen?
+                last_check = time.monotonic()
+                entry = self._history(prompt_id)
+                if entry is not None:
+                    return entry
+                if message is None:
+                    continue
+            kind, data = message
+            if kind != "text":
+                continue  # binary frames: previews
+            try:
+                event = json.loads(data)
+                kind, body = event["type"], event.get("data") or {}
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue
+            if not isinstance(body, dict) or body.get("prompt_id") != prompt_id:
+                continue  # queue status, other clients' prompts
+            if kind == "executing" and body.get("node") is None:
+                break  # ComfyUI sends this once the prompt is done and in the history
+            if on_event is not None:
+                on_event(kind, body)
+        while True:
+            entry = self._history(prompt_id)
+            if entry is not None:
+                return entry
+            self._check_deadline(deadline, prompt_id, timeout)
+            time.sleep(0.1)
+
+    def interrupt(self, prompt_id: Optional[str] = None) -> None:
+        """Interrupt the running prompt (only if it is ``prompt_id``, when given)."""
+        self._request("/interrupt", {"prompt_id": prompt_id} if prompt_id else {})
+
+    def cancel(self, prompt_id: str) -> None:
+        """Take ``prompt_id`` off the queue, or interrupt it if it runs (best effort)."""
+        for path, data in (("/queue", {"delete": [prompt_id]}),
+                           ("/interrupt", {"prompt_id": prompt_id})):
+            try:
+                self._request(path, data)
+            except (WorkflowError, _HTTPError):
+                pass
 
     def free(self, unload_models: bool = True, free_memory: bool = False) -> None:
         """What the editor's "Unload models" / "Free memory" buttons ask (done between prompts)."""
         self._request("/free", {"unload_models": unload_models, "free_memory": free_memory})
+
+    def upload(self, path: Path, subfolder: str = "") -> str:
+        """Upload a file into the server's input folder (POST /upload/image, never overwriting:
+        the server keeps an identical file's name, or gives a new name); returns the name to
+        use as the input value."""
+        boundary = uuid.uuid4().hex
+        path = Path(path)
+        fields = b"".join(f"--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"\r\n"
+                          f"\r\n{value}\r\n".encode() for name, value in
+                          (("type", "input"), ("subfolder", subfolder)))
+        filename = path.name.replace('"', "%22").replace("\r", "").replace("\n", "")
+        head = fields + (f"--{boundary}\r\nContent-Disposition: form-data; name=\"image\"; "
+                         f"filename=\"{filename}\"\r\nContent-Type: application/octet-stream"
+                         f"\r\n\r\n").encode()
+        tail = f"\r\n--{boundary}--\r\n".encode()
+        try:
+            size = path.stat().st_size
+        except OSError as e:
+            raise WorkflowError(f"{path}: cannot read the input file: {e.strerror or e}") from None
+
+        def body():
+            yield head
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    yield chunk
+            yield tail
+        headers = {"Content-Type": f"multipart/form-data; boundary={boundary}",
+                   "Content-Length": str(len(head) + size + len(tail))}
+        try:
+            reply = json.loads(self._request("/upload/image", body=body(), headers=headers))
+        except _HTTPError as e:
+            raise WorkflowError(f"uploading {path} to {self.url} failed: HTTP {e.code} "
+                                f"{e.body[:200]!r}") from None
+        name = reply["name"]
+        return f"{reply['subfolder']}/{name}" if reply.get("subfolder") else name
 
     def download(self, entry: dict, folder: Path) -> list[Path]:
         """Every saved output file of a finished prompt, copied into ``folder``."""
@@ -125,3 +276,100 @@ def check_history(entry: dict) -> dict:
         if event == "execution_interrupted":
             raise WorkflowInterrupted("interrupted", str(data.get("node_id")), data.get("node_type"))
     return entry
+
+
+def _server_files(object_info: dict) -> tuple[dict, set]:
+    """(node type -> input names whose value is a server input file, every file name the
+    server lists in its input folder)."""
+    file_inputs: dict = {kind: {name} for kind, name in FILE_INPUTS.items()}
+    listed: set = set()
+    for kind, info in object_info.items():
+        for section in ("required", "optional"):
+            for name, spec in ((info.get("input") or {}).get(section) or {}).items():
+                extra = spec[1] if isinstance(spec, list) and len(spec) > 1 and \
+                    isinstance(spec[1], dict) else {}
+                if any(extra.get(flag) for flag in UPLOAD_FLAGS):
+                    file_inputs.setdefault(kind, set()).add(name)
+                    options = spec[0] if isinstance(spec[0], list) else extra.get("options", [])
+                    listed.update(o for o in options if isinstance(o, str))
+    return file_inputs, listed
+
+
+def upload_inputs(client: ComfyServer, prompt: dict, object_info: dict, input_dir,
+                  on_upload: Optional[Callable[[Path, str], None]] = None) -> dict:
+    """``prompt`` with local input files the server lacks uploaded and renamed (module doc)."""
+    file_inputs, listed = _server_files(object_info)
+    prompt = json.loads(json.dumps(prompt))
+    uploaded: dict = {}
+    for node in prompt.values():
+        inputs = node.get("inputs") or {}
+        for name in file_inputs.get(node.get("class_type"), ()):
+            value = inputs.get(name)
+            if not isinstance(value, str) or not value.strip() or value in listed:
+                continue
+            raw = os.path.expanduser(value.strip())
+            if os.path.isabs(raw) and name in FILE_INPUTS.values():
+                continue  # the server's own path
+            local = Path(raw) if os.path.isabs(raw) else Path(input_dir) / raw
+            if not local.is_file():
+                continue  # the server reports the missing file
+            key = str(local.resolve())
+            if key not in uploaded:
+                subfolder = "" if os.path.isabs(raw) else os.path.dirname(raw).replace(os.sep, "/")
+                uploaded[key] = client.upload(local, subfolder)
+                if on_upload is not None:
+                    on_upload(local, uploaded[key])
+            inputs[name] = uploaded[key]
+    return prompt
+
+
+class ProgressPrinter:
+    """``on_event`` for :meth:`ComfyServer.run`: a line per node as it starts (or is cached)
+    and a progress bar per node that reports progress, on stderr."""
+
+    def __init__(self, prompt: dict, stream=None):
+        self.prompt = prompt
+        self.stream = stream if stream is not None else sys.stderr
+        self._bars: dict = {}
+
+    def label(self, node_id) -> str:
+        node = self.prompt.get(str(node_id)) or {}
+        return f"node {node_id} ({node.get('class_type', '?')})"
+
+    def _say(self, text: str) -> None:
+        print(text, file=self.stream, flush=True)
+
+    def __call__(self, kind: str, data: dict) -> None:
+        if kind == "execution_cached":
+            for node_id in data.get("nodes") or []:
+                self._say(f"{self.label(node_id)}: cached")
+        elif kind == "executing":
+            self._close_bars()
+            self._say(f"{self.label(data.get('node'))}: running")
+        elif kind == "progress":
+            self._progress(str(data.get("node")), data.get("value", 0), data.get("max", 0))
+        elif kind in ("executed", "execution_success", "execution_error",
+                      "execution_interrupted"):
+            self._close_bars()
+        elif kind == "seedvr2_fallback":
+            self._close_bars()
+            self._say(f"websocket: {data.get('reason')}; following the run by polling /history")
+
+    def _progress(self, node_id: str, value, total) -> None:
+        from tqdm import tqdm
+
+        bar = self._bars.get(node_id)
+        if bar is None or bar.total != total:
+            if bar is not None:
+                bar.close()
+            bar = self._bars[node_id] = tqdm(total=total, desc=self.label(node_id),
+                                             unit="step", file=self.stream, leave=True)
+        bar.update(value - bar.n)
+
+    def _close_bars(self) -> None:
+        for bar in self._bars.values():
+            bar.close()
+        self._bars.clear()
+
+    def close(self) -> None:
+        self._close_bars()
