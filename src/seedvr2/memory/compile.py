@@ -1,14 +1,18 @@
 """torch.compile settings, applied per DiT block and to the VAE's encoder and decoder.
 
 Compiling block by block (not the whole model) keeps BlockSwap's hooks outside the compiled
-graphs and lets all blocks of one shape share a compile; a new resolution recompiles one
-block graph (with dynamic shapes after the first change) instead of the whole model.
+graphs, and blocks compile through one function per class, so blocks of one kind share their
+graphs. Each block's window attention (layout, RoPE tables, the per-group SDPA loop) runs
+outside the graphs, so a new resolution recompiles once with dynamic shapes and then never;
+for the same reason ``fullgraph`` applies to the VAE and not to the DiT blocks (a warning
+says so).
 A compile that fails — at the first call, where torch.compile fails — falls back to eager
 with one warning, so a missing compiler never stops a run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from dataclasses import dataclass
@@ -87,8 +91,13 @@ def apply_compile(dit: nn.Module | None, vae: nn.Module | None, settings: Compil
                                                    settings.recompile_limit)
     shared: dict = {}
     if dit is not None:
+        block_settings = settings
+        if settings.fullgraph:
+            warnings.warn("compile_fullgraph: DiT blocks break the graph at their window "
+                          "attention by design, so fullgraph applies to the VAE only")
+            block_settings = dataclasses.replace(settings, fullgraph=False)
         for block in dit.blocks:
-            _compile_forward(block, settings, shared)
+            _compile_forward(block, block_settings, shared)
     if vae is not None:
         _compile_forward(vae.encoder, settings, shared)
         _compile_forward(vae.decoder, settings, shared)
