@@ -434,3 +434,37 @@ def test_uploads_only_local_files_the_server_lacks(tmp_path):
         {"image": "up_mine.png"}, {"image": "theirs.png"}, {"file": "clips/up_mine.mp4"},
         {"video_path": "up_mine.png"}, {"video_path": "/srv/x.mp4"}, {"image": "nowhere.png"}]
     assert prompt["1"]["inputs"]["image"] == "mine.png"  # the given prompt is left alone
+
+
+@pytest.mark.parametrize("channels", [1, 2])
+def test_headless_save_video_writes_in_memory_audio(channels, tmp_path):
+    """ComfyUI's AUDIO is a waveform in memory: headless SaveVideo encodes it (AAC), as
+    ComfyUI's SaveVideo does; audio from a file is copied unchanged."""
+    import av
+    import torch
+
+    from seedvr2.workflow.core_nodes import CORE_NODES
+
+    nodes = {n.id: n for n in CORE_NODES}
+    host = HeadlessHost(model_dir=tmp_path, output_dir=tmp_path / "out", quiet=True)
+    rate, seconds = 44100, 0.5
+    t = torch.arange(int(rate * seconds)) / rate
+    waveform = torch.stack([torch.sin(2 * torch.pi * 440 * t * (c + 1)) * 0.5
+                            for c in range(channels)])[None]
+    images = torch.rand(12, 32, 48, 3)
+    (video,) = nodes["CreateVideo"].run(host, images=images, fps=24.0, audio={
+        "waveform": waveform, "sample_rate": rate}).outputs
+    nodes["SaveVideo"].run(host, video=video, filename_prefix="v")
+    (saved,) = host.saved
+    assert probe_video(saved) == (12, (48, 32), True)
+    with av.open(str(saved)) as container:
+        stream = container.streams.audio[0]
+        assert (stream.codec_context.name, stream.rate, stream.channels) == ("aac", rate, channels)
+        decoded = np.concatenate([f.to_ndarray() for f in container.decode(stream)], axis=1)
+    assert abs(decoded.shape[1] - len(t)) < 2048  # the encoder's priming and padding
+    rms = np.sqrt((decoded[:, 2048:-2048] ** 2).mean(axis=1))
+    assert np.allclose(rms, 0.5 / np.sqrt(2), rtol=0.1), rms  # the sines, not silence
+    with pytest.raises(ValueError, match="5 channels; headless SaveVideo writes mono or stereo"):
+        (video,) = nodes["CreateVideo"].run(host, images=images, fps=24.0, audio={
+            "waveform": torch.zeros(1, 5, 100), "sample_rate": rate}).outputs
+        nodes["SaveVideo"].run(host, video=video, filename_prefix="v")

@@ -5,12 +5,16 @@ with a real server's ``/object_info``), so an example runs unchanged with or wit
 Only what the examples need is provided: LoadImage, SaveImage, PreviewImage, LoadVideo,
 GetVideoComponents, CreateVideo and SaveVideo.
 
-Headless VIDEO values are :class:`Video` objects; headless AUDIO values remember the file the
-audio came from, and SaveVideo copies that track unchanged (no re-encoding).
+Headless VIDEO values are :class:`Video` objects. AUDIO values are ComfyUI's in-memory form,
+``{"waveform": (batch, channels, samples) float tensor in [-1, 1], "sample_rate": int}``, or,
+for audio that comes from a video file (GetVideoComponents here), ``{"source": path}``, which
+SaveVideo copies unchanged (no re-encoding, as ComfyUI copies a file's streams). In-memory
+audio is encoded to AAC by SaveVideo, as ComfyUI's SaveVideo does.
 """
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -110,17 +114,68 @@ def _save_video(host, video: Video, filename_prefix: str = "video/ComfyUI", form
         images, fps, audio = _video_frames(video)
     else:
         images, fps, audio = video.images, video.fps, video.audio
-    if audio is not None and "source" not in audio:
-        raise ValueError("audio that does not come from a video file cannot be saved headless")
     height, width = images.shape[1:3]
     path, entry = host.output_file(filename_prefix, ".mp4", width, height)
     rate = Fraction(fps).limit_denominator(1001)
-    with open_writer(path, width=width, height=height, channels=3, bit_depth=8, fps=rate,
-                     codec="h264", audio_from=audio["source"] if audio else None,
-                     overwrite=True) as writer:
-        for frame in images:
-            writer.write(np.clip(frame[..., :3].cpu().numpy() * 255.0 + 0.5, 0, 255).astype(np.uint8))
+    with tempfile.TemporaryDirectory(prefix="seedvr2_audio_") as scratch:
+        audio_from = _audio_file(audio, Path(scratch))
+        with open_writer(path, width=width, height=height, channels=3, bit_depth=8, fps=rate,
+                         codec="h264", audio_from=audio_from, overwrite=True) as writer:
+            for frame in images:
+                writer.write(np.clip(frame[..., :3].cpu().numpy() * 255.0 + 0.5, 0, 255)
+                             .astype(np.uint8))
     return NodeResult(ui={"images": [entry], "animated": [True]})
+
+
+AUDIO_LAYOUTS = {1: "mono", 2: "stereo"}
+
+
+def _audio_file(audio: Optional[dict], scratch: Path) -> Optional[Path]:
+    """The file whose audio SaveVideo copies: the source file, or in-memory audio encoded to
+    AAC in ``scratch``."""
+    if audio is None:
+        return None
+    if not isinstance(audio, dict):
+        raise ValueError(f"audio: expected an AUDIO value, not {type(audio).__name__}")
+    if "source" in audio:
+        return Path(audio["source"])
+    if "waveform" not in audio or "sample_rate" not in audio:
+        raise ValueError("audio: expected {'waveform': tensor, 'sample_rate': int} (ComfyUI's "
+                         "AUDIO)")
+    return encode_audio(audio["waveform"], int(audio["sample_rate"]), scratch / "audio.m4a")
+
+
+def encode_audio(waveform, sample_rate: int, path: Path) -> Path:
+    """Write ComfyUI's waveform ((batch, channels, samples), or (channels, samples), float in
+    [-1, 1]; batch items one after the other) as AAC to ``path``."""
+    import av
+    import numpy as np
+    import torch
+
+    wave = torch.as_tensor(waveform).detach().to("cpu", torch.float32)
+    if wave.dim() == 3:
+        wave = torch.cat(list(wave), dim=-1)  # (channels, batch * samples)
+    if wave.dim() != 2:
+        raise ValueError(f"audio: waveform of shape {tuple(waveform.shape)}; expected (batch, "
+                         f"channels, samples)")
+    channels = wave.shape[0]
+    if channels not in AUDIO_LAYOUTS:
+        raise ValueError(f"audio: {channels} channels; headless SaveVideo writes mono or stereo")
+    if sample_rate <= 0:
+        raise ValueError(f"audio: sample_rate = {sample_rate}")
+    samples = np.ascontiguousarray(wave.clamp(-1.0, 1.0).numpy())
+    layout = AUDIO_LAYOUTS[channels]
+    with av.open(str(path), "w", format="mp4") as out:
+        stream = out.add_stream("aac", rate=sample_rate, layout=layout)
+        step = stream.codec_context.frame_size or 1024
+        for start in range(0, samples.shape[1], step):
+            frame = av.AudioFrame.from_ndarray(samples[:, start:start + step], format="fltp",
+                                               layout=layout)
+            frame.sample_rate, frame.pts = sample_rate, start
+            frame.time_base = Fraction(1, sample_rate)
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode(None))
+    return path
 
 
 def _input_files(host) -> list:
