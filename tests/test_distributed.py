@@ -133,3 +133,21 @@ def test_in_memory_interrupt_and_failure(tiny_options, memory_frames, monkeypatc
     options = dict(_memory_options(tiny_options), dit=str(tiny_options["model_dir"] / "missing.safetensors"))
     with pytest.raises(RuntimeError, match=r"distributed upscale failed on rank [01]: .*missing\.safetensors"):
         seedvr2.upscale(memory_frames, **options, devices="cpu,cpu")
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_nccl_world_size_one_runs_the_distributed_path(clip, tiny_options, tmp_path):
+    """On a one-GPU machine: the rank code path over NCCL (world size 1) gives the frames of
+    the plain single-process run on the same GPU (within one 8-bit level)."""
+    from seedvr2.distributed.launch import spawn_file_job
+
+    options = dict(tiny_options, device="cuda:0", resolution=32, batch_size=5, temporal_overlap=1,
+                   dist_timeout=30)
+    import seedvr2
+    seedvr2.upscale_file(clip, f"{tmp_path}/one/", **options)
+    model_dir = options.pop("model_dir")
+    dit, vae = options.pop("dit"), options.pop("vae")
+    spawn_file_job(["cuda:0"], clip, f"{tmp_path}/nccl/", dit, vae, model_dir=model_dir, **options)
+    one, nccl = _frames(tmp_path / "one"), _frames(tmp_path / "nccl")
+    assert one.shape == nccl.shape
+    assert np.abs(one.astype(int) - nccl.astype(int)).max() <= 1
