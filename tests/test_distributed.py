@@ -151,3 +151,24 @@ def test_nccl_world_size_one_runs_the_distributed_path(clip, tiny_options, tmp_p
     one, nccl = _frames(tmp_path / "one"), _frames(tmp_path / "nccl")
     assert one.shape == nccl.shape
     assert np.abs(one.astype(int) - nccl.astype(int)).max() <= 1
+
+
+def test_sequence_parallel_ranks_give_identical_frames(clip, tiny_options, tmp_path, single):
+    """Two ranks share every batch's DiT call (Ulysses): the frames of one process."""
+    result = _cli(tiny_options, clip, f"{tmp_path}/out/", "--devices", "cpu,cpu",
+                  "--sequence-parallel", "2")
+    assert result.returncode == 0, result.stderr
+    assert np.array_equal(_frames(tmp_path / "out"), single)
+
+
+def test_sequence_parallel_checks(clip, tiny_options, tmp_path):
+    import seedvr2
+    from seedvr2.options import OptionError
+    with pytest.raises(OptionError, match=r"sequence_parallel = 2 needs as many ranks: list the devices"):
+        seedvr2.upscale_file(clip, tmp_path / "out.mp4", **tiny_options, sequence_parallel=2)
+    # Three ranks share the tiny DiT's two heads: refused by the installed Ulysses strategy.
+    result = _cli(tiny_options, clip, str(tmp_path / "out.mp4"), "--devices", "cpu,cpu,cpu",
+                  "--sequence-parallel", "3")
+    assert result.returncode != 0
+    assert "sequence parallelism over 3 ranks needs a head count divisible by 3; this DiT has 2 heads" in result.stderr, result.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []

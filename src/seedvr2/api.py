@@ -85,6 +85,12 @@ def _upscaler(models: Models, opts: Options, progress, should_stop) -> Upscaler:
     return Upscaler(models, opts, progress, should_stop)
 
 
+def _check_one_process(opts: Options):
+    if opts.sequence_parallel > 1:
+        raise OptionError(f"sequence_parallel = {opts.sequence_parallel} needs as many ranks: "
+                          f"list the devices (devices=cuda:0,cuda:1) or launch with torchrun")
+
+
 def _check_named_models(dit, vae):
     if isinstance(dit, torch.nn.Module) or isinstance(vae, torch.nn.Module):
         raise ValueError("several devices need the models by name or path (each worker "
@@ -115,6 +121,7 @@ def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Pr
         out_shape = (len(frames), *output_size(frames.shape[1], frames.shape[2], opts), frames.shape[3])
         return spawn_tensor_job(devices, frames, out_shape, dit, vae, model_dir=model_dir,
                                 progress=progress, should_stop=should_stop, **options)
+    _check_one_process(opts)
     opts = opts.replace(device=devices[0]) if opts.device == "auto" and opts.devices != "auto" else opts
     models = load_models(dit, vae, opts=opts, model_dir=model_dir)
     upscaler = _upscaler(models, opts, progress, should_stop)
@@ -171,6 +178,7 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
     if len(devices) > 1:
         _check_named_models(dit, vae)
         return spawn_file_job(devices, src, dst, dit, vae, **job)
+    _check_one_process(opts)
     opts = opts.replace(device=devices[0]) if opts.device == "auto" and opts.devices != "auto" else opts
     with open_media(src) as reader:
         plan, size, bit_depth = plan_file(reader, dst, opts, codec)

@@ -137,6 +137,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            check=lambda v: _devices_problem(v)),
     Option("dist_timeout", float, 60.0, "seconds a rank waits for another before the job "
            "stops with an error naming it", min=1.0, max=86400.0),
+    Option("sequence_parallel", int, 1, "ranks that share each batch's DiT call (Ulysses "
+           "sequence parallelism, for batches too big for one device); must divide the number "
+           "of devices and the DiT's attention heads", min=1, max=1024),
     Option("compile", bool, False, "torch.compile each DiT block and the VAE"),
     Option("compile_backend", str, "inductor", "torch.compile backend", choices=(
         "inductor", "cudagraphs", "eager", "aot_eager")),

@@ -10,6 +10,7 @@ waiting and completed before the next one, so computing the next batch overlaps 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import json
 import logging
@@ -20,10 +21,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..options import resolve_options
+from ..options import OptionError, resolve_options
 from ..pipeline.runner import OverlapBlender, Upscaler, to_integer_frames
 from .assign import assign_batches, owner_of
 from .groups import DistContext
+from .sequence import sequence_group, sequence_parallel
 
 log = logging.getLogger("seedvr2")
 
@@ -86,24 +88,37 @@ def _run_share(ctx: DistContext, plan, read_from, sink, channels: int, size: tup
 
     ``read_from(first)`` gives the source frames from index ``first`` on; ``sink(first, final)``
     takes each run of finished frames in order (writer rank only, ``None`` elsewhere).
+    With ``sequence_parallel`` = k, consecutive groups of k ranks share each batch's DiT call;
+    batches are dealt to the groups and each group's first rank delivers the results.
     """
     from ..api import load_models
 
-    shares = assign_batches(plan, ctx.world_size)
-    mine = shares[ctx.rank]
-    if ctx.is_writer and len(plan.batches) < ctx.world_size:
-        log.warning("%d ranks for %d batches: %d rank(s) stay idle", ctx.world_size,
-                    len(plan.batches), ctx.world_size - len(plan.batches))
-    outputs = iter(())
-    if mine:
-        models = load_models(dit, vae, opts=opts, model_dir=model_dir)
-        upscaler = Upscaler(models, opts, progress, should_stop)
-        outputs = upscaler.batch_outputs(read_from(plan.source_start(plan.batches[mine[0]].start)),
-                                         plan, mine)
-    if sink is None:
-        _send_all(ctx, outputs)
-    else:
-        _gather(ctx, plan, shares, outputs, sink, channels, size, progress)
+    k = opts.sequence_parallel
+    if ctx.world_size % k:
+        raise OptionError(f"sequence_parallel = {k} must divide the number of ranks "
+                          f"({ctx.world_size}); use {ctx.world_size} or a divisor of it")
+    group = sequence_group(k, datetime.timedelta(seconds=opts.dist_timeout)) if k > 1 else None
+    shares = assign_batches(plan, ctx.world_size // k)
+    mine = shares[ctx.rank // k]
+    if ctx.is_writer and len(plan.batches) < len(shares):
+        log.warning("%d rank groups for %d batches: %d group(s) stay idle", len(shares),
+                    len(plan.batches), len(shares) - len(plan.batches))
+    with contextlib.ExitStack() as stack:
+        outputs = iter(())
+        if mine:
+            models = load_models(dit, vae, opts=opts, model_dir=model_dir)
+            if k > 1:
+                stack.enter_context(sequence_parallel(models.dit, group))
+            upscaler = Upscaler(models, opts, progress, should_stop)
+            outputs = upscaler.batch_outputs(
+                read_from(plan.source_start(plan.batches[mine[0]].start)), plan, mine)
+        if sink is not None:
+            _gather(ctx, plan, shares, k, outputs, sink, channels, size, progress)
+        elif ctx.rank % k == 0:
+            _send_all(ctx, outputs)
+        else:
+            for _ in outputs:  # a helper in its group's DiT calls: the group's first rank delivers
+                pass
 
 
 def run_file_job(ctx: DistContext, src, dst, dit=None, vae=None, *, model_dir=None,
@@ -166,8 +181,8 @@ def _send_all(ctx: DistContext, outputs):
         pending[0].wait()
 
 
-def _gather(ctx, plan, shares, local_outputs, sink, channels, size, progress):
-    owner = owner_of(shares)
+def _gather(ctx, plan, shares, group_size, local_outputs, sink, channels, size, progress):
+    owner = {b: group * group_size for b, group in owner_of(shares).items()}  # delivering rank
     blender = OverlapBlender(plan)
     local = iter(local_outputs)
     for b in plan.batches:

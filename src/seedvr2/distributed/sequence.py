@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 from typing import Iterator, Optional
 
 import torch
@@ -143,7 +144,8 @@ def _counts(bounds: list[int]) -> list[int]:
     return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
-def sequence_group(size: int) -> Optional[dist.ProcessGroup]:
+def sequence_group(size: int, timeout: Optional[datetime.timedelta] = None
+                   ) -> Optional[dist.ProcessGroup]:
     """This rank's sequence-parallel group when the world is cut into groups of ``size``
     consecutive ranks (ranks 0..size-1, size..2·size-1, ...). Collective: every rank of the
     world must call it, with the same ``size``. ``None`` means the default (whole-world) group."""
@@ -154,7 +156,7 @@ def sequence_group(size: int) -> Optional[dist.ProcessGroup]:
         return None
     mine = None
     for start in range(0, world, size):
-        group = dist.new_group(list(range(start, start + size)))
+        group = dist.new_group(list(range(start, start + size)), timeout=timeout)
         if start <= rank < start + size:
             mine = group
     return mine
