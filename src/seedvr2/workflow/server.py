@@ -145,14 +145,14 @@ class ComfyServer:
             self._check_deadline(deadline, prompt_id, timeout)
             left = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
             message = events.recv(timeout=left)
-            if message is None or time.monotonic() - last_check > 5.0:
-                # Quiet for a while (or a long stream of events): did it end unseen?
+            if time.monotonic() - last_check > 5.0:
+                # Every few seconds: did it end without our hearing (a lost event)?
                 last_check = time.monotonic()
                 entry = self._history(prompt_id)
                 if entry is not None:
                     return entry
-                if message is None:
-                    continue
+            if message is None:
+                continue
             kind, data = message
             if kind != "text":
                 continue  # binary frames: previews
