@@ -35,7 +35,9 @@ from common import DTYPES, synchronizer  # noqa: E402
 
 from seedvr2.loading.gguf import BLOCK_SIZES, dequantize_blocks  # noqa: E402
 
-FP16_FIELDS = {"Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}
+# byte offsets of the fp16 scales, set to finite values in random blocks
+FP16_FIELDS = {"Q8_0": [0], "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2],
+               "Q6_K": [208]}
 
 
 def make_blocks(qtype: str, values: int, seed: int = 0) -> np.ndarray:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import struct
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from safetensors.torch import load_file, save_file
 gguf = pytest.importorskip("gguf")
 
 from seedvr2.loading import CheckpointError, describe, load_dit, load_vae  # noqa: E402
+from seedvr2.loading import gguf as gguf_loader  # noqa: E402
 from seedvr2.loading.gguf import BLOCK_SIZES, dequantize_blocks  # noqa: E402
 from seedvr2.loading.quantize import quantize_file  # noqa: E402
 from seedvr2.loading.quantized import PackedWeightMixin, packed_modules  # noqa: E402
@@ -56,6 +58,35 @@ def test_dequantize_is_bit_exact_on_quantised_weights(qtype):
     ours = dequantize_blocks(torch.from_numpy(packed), qtype).reshape(64, 256)
     assert np.array_equal(bits(ours.numpy()), bits(expected))
     assert float(np.abs(expected - weights).max()) < 0.02  # it is a quantisation of `weights`
+
+
+@pytest.mark.parametrize("qtype", sorted(BLOCK_SIZES))
+def test_dequantize_across_chunk_boundaries(qtype, monkeypatch):
+    # CPU decoding runs in chunks of CPU_CHUNK_VALUES values: 3 chunks and a partial one.
+    block_size, _ = BLOCK_SIZES[qtype]
+    monkeypatch.setattr(gguf_loader, "CPU_CHUNK_VALUES", 4 * 256)
+    n_blocks = 3 * max(1, 1024 // block_size) + 1
+    blocks = random_blocks(qtype, n_blocks, seed=2)
+    original = blocks.copy()
+    expected = gguf.quants.dequantize(blocks, getattr(gguf.GGMLQuantizationType, qtype))
+    ours = dequantize_blocks(torch.from_numpy(blocks), qtype)
+    assert np.array_equal(bits(ours.numpy()), bits(expected.reshape(-1)))
+    rounded = dequantize_blocks(torch.from_numpy(blocks), qtype, torch.bfloat16)
+    assert torch.equal(rounded, torch.from_numpy(expected.reshape(-1)).bfloat16())
+    assert np.array_equal(blocks, original)  # the packed bytes are only read
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_dequantize_default_chunks_and_unaligned_input(qtype):
+    # More blocks than one default chunk, given at an odd byte offset (copied, then decoded).
+    _, type_size = BLOCK_SIZES[qtype]
+    n_blocks = gguf_loader.CPU_CHUNK_VALUES // 256 * 2 + 5
+    blocks = random_blocks(qtype, n_blocks, seed=3)
+    expected = gguf.quants.dequantize(blocks, getattr(gguf.GGMLQuantizationType, qtype))
+    shifted = torch.zeros(blocks.size + 1, dtype=torch.uint8)
+    shifted[1:] = torch.from_numpy(blocks.reshape(-1))
+    ours = dequantize_blocks(shifted[1:].view(n_blocks, type_size), qtype)
+    assert np.array_equal(bits(ours.numpy()), bits(expected.reshape(-1)))
 
 
 def test_dequantize_in_compute_dtype():
@@ -222,6 +253,28 @@ def test_unsupported_quant_type_names_tensor_and_type(dit3b_state, tmp_path):
                                               r"\.weight' has GGML type Q8_1, which this loader "
                                               r"cannot dequantise"):
         load_dit(path)
+
+
+def test_unknown_type_id_names_file_tensor_and_type(tmp_path):
+    # A type id newer than the installed gguf package: the reader itself fails on it.
+    path = tmp_path / "future.gguf"
+    write_gguf(path, {"blocks.0.a.weight": np.zeros((4, 32), np.float32),
+                      "blocks.0.b.weight": np.zeros((4, 32), np.float32)})
+    reader = gguf.GGUFReader(path)
+    field = next(t.field for t in reader.tensors if t.name == "blocks.0.b.weight")
+    # tensor info: name length, name, n_dims, dims, then the uint32 type id
+    type_offset = field.offset + sum(int(part.nbytes) for part in field.parts[:4])
+    assert int(field.parts[4][0]) == gguf.GGMLQuantizationType.F32
+    del reader, field
+    data = bytearray(path.read_bytes())
+    data[type_offset:type_offset + 4] = struct.pack("<I", 250)
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError) as error:
+        describe(path)
+    assert str(error.value) == (
+        f"{path}: tensor 'blocks.0.b.weight' has GGML type id 250, which the installed gguf "
+        f"package does not know; update gguf, or re-quantise the file to one of F32, F16, BF16, "
+        f"Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS")
 
 
 def test_gguf_of_another_architecture(tmp_path):

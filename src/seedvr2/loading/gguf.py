@@ -22,6 +22,9 @@ on the same bytes the fp32 result is bit-for-bit that of ``gguf.quants.dequantiz
 from __future__ import annotations
 
 import json
+import math
+import mmap
+import struct
 import warnings
 from pathlib import Path
 
@@ -47,18 +50,31 @@ CONFIG_KEY = "seedvr2.config"
 
 
 # ---------------------------------------------------------------------------------------------
-# dequantisation kernels: blocks (n, type_size) uint8 -> out (n, block_size) float32, in place
+# dequantisation: blocks (n, type_size) uint8 -> out (n, block_size) float32
 #
-# Every kernel unpacks the integer codes with uint8 ops, converts them into ``out`` with
-# ``copy_`` and applies the scales with in-place ``mul_``/``sub_``/``add_``: the same fp32
-# operations, in the same order, as gguf.quants (so the same bits), without the slow
-# mixed-dtype broadcasting kernels and without fresh full-size temporaries.
+# Bit-exactness: every type applies the same fp32 operations, in the same order, as gguf.quants
+# (fp16 scales widened to fp32, the per-sub-block scale products computed first, then code x
+# scale, then - min), only as in-place ``mul_``/``sub_`` on the output instead of fresh arrays.
+# Where gguf.quants subtracts a code offset in integers (Q6_K's 32, Q3_K's 4) we subtract it
+# from the converted float, which is exact and gives the same +0.0 (so the same -0.0 after a
+# negative scale) as converting the signed integer.
+#
+# Speed (the CPU case; a GPU takes one chunk of everything): the K-quants decode in chunks of
+# CPU_CHUNK_VALUES values so that a chunk's output and codes stay in cache. Per chunk, codes are
+# unpacked with integer ops on 16/32-bit words (2-4 codes per lane), every op running over long
+# contiguous rows: a field that several sub-blocks share (the high bits) is broadcast along an
+# outer axis, never interleaved at 32-byte granularity, because torch's integer kernels fall
+# back to scalar code on rows shorter than a vector. The codes of a chunk are therefore laid out
+# sub-block-major, ``(row of the block, block, 32 codes)``, and the one interleaving step is the
+# uint8 -> fp32 conversion into the (block, row, 32) output, whose 128-byte rows vectorise.
+# Then one ``mul_`` (and ``sub_``) per chunk applies the per-sub-block scales, which are
+# computed once for all blocks before the loop.
 
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
     """The fp16 at byte ``start`` of every block, as an fp32 column ``(n, 1)``."""
     # Every block size is even and every fp16 field 2-aligned: view the rows as fp16 words.
-    return blocks.view(torch.float16)[:, start // 2:start // 2 + 1].to(torch.float32)
+    return blocks.view(torch.float16)[:, start // 2].to(torch.float32).unsqueeze(1)
 
 
 def _unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -80,19 +96,51 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     return _unpack(qs, 4, 1)
 
 
-def _bits(qh: torch.Tensor) -> torch.Tensor:
-    """Bytes ``(n, m)`` -> ``(n, 8, m)``: bit ``i`` of every byte in row ``i``."""
-    return _unpack(qh, 1, 1)
-
-
 def _little_endian_bits(word: torch.Tensor) -> torch.Tensor:
     """A little-endian 32-bit word as 4 bytes ``(n, 4)`` -> its 32 bits ``(n, 32)``, bit 0 first."""
     return _unpack(word, 1, -1).reshape(word.shape[0], 32)
 
 
-def _q8_0(b, out):
-    out.copy_(b[:, 2:].view(torch.int8))
-    out.mul_(_f16(b, 0))
+class _Scratch:
+    """Flat buffers reused by every chunk of one call (the first chunk is the largest)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.views: dict[tuple, torch.Tensor] = {}  # (name, shape) -> view: 2 shapes per call
+
+    def __call__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        view = self.views.get((name, shape))
+        if view is not None and view.dtype == dtype:
+            return view
+        numel = math.prod(shape)
+        buffer = self.buffers.get(name)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype:
+            buffer = self.buffers[name] = torch.empty(numel, dtype=dtype, device=self.device)
+        view = self.views[(name, shape)] = buffer[:numel].view(shape)
+        return view
+
+
+def _shifts(values, shape, dtype, device) -> torch.Tensor:
+    """Per-field shift amounts, shaped to broadcast along an outer axis of the codes."""
+    return torch.tensor(values, dtype=dtype, device=device).view(shape)
+
+
+def _mask(byte: int, dtype: torch.dtype) -> int:
+    """``byte`` repeated in every byte of a (signed) ``dtype`` word, as a Python int."""
+    return int.from_bytes(bytes([byte]) * (torch.iinfo(dtype).bits // 8), "little", signed=True)
+
+
+# Each plan takes all blocks, computes what is per block (the scales) once, and returns
+# ``decode(start, stop, out)``, which writes blocks ``start:stop`` into ``out``, a contiguous
+# fp32 ``(stop - start, block_size)`` tensor, using ``scratch`` for its temporaries.
+
+
+def _plan_blockwise(kernel):
+    """A plan for a kernel that decodes a slice of blocks on its own (the 32-value types)."""
+    def plan(b, scratch):
+        return lambda s, e, out: kernel(b[s:e], out)
+    return plan
 
 
 def _q4_0(b, out):
@@ -121,80 +169,6 @@ def _q5_1(b, out):
     out.mul_(_f16(b, 0)).add_(_f16(b, 2))
 
 
-def _q2_k(b, out):
-    n = b.shape[0]
-    scales, qs = b[:, :16], b[:, 16:80]
-    d, dmin = _f16(b, 80), _f16(b, 82)
-    dl = (d * (scales & 0x0F).to(torch.float32)).view(n, 16, 1)
-    ml = (dmin * (scales >> 4).to(torch.float32)).view(n, 16, 1)
-    # 2-bit codes: byte j of each 32-byte half holds elements j, j+32, j+64, j+96 of that half.
-    q = _unpack(qs.reshape(n, 2, 32), 2, 2)
-    o = out.view(n, 16, 16)
-    o.copy_(q.view(n, 16, 16))
-    o.mul_(dl).sub_(ml)
-
-
-def _q3_k(b, out):
-    n = b.shape[0]
-    hmask, qs, packed = b[:, :32], b[:, 32:96], b[:, 96:108]
-    d = _f16(b, 108)
-    # 16 signed 6-bit scales: low 4 bits in bytes 0-7 (two per byte), high 2 bits in bytes 8-11.
-    low = _unpack(packed[:, :8], 4, 1).reshape(n, 16)
-    high = _unpack(packed[:, 8:], 2, 1).reshape(n, 16)
-    scales = (low | (high << 4)).view(torch.int8) - 32
-    dl = (d * scales.to(torch.float32)).view(n, 16, 1)
-    ql = _unpack(qs.reshape(n, 2, 32), 2, 2)
-    qh = _bits(hmask).view(n, 16, 16) ^ 1  # a set mask bit means "no offset of -4"
-    o = out.view(n, 16, 16)
-    o.copy_(ql.view(n, 16, 16).view(torch.int8) - (qh << 2).view(torch.int8))
-    o.mul_(dl)
-
-
-def _k_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 8 six-bit scales and 8 six-bit mins of a Q4_K/Q5_K super-block (12 bytes)."""
-    n = packed.shape[0]
-    d, m, md = packed.reshape(n, 3, 4).unbind(1)
-    scales = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=1)
-    mins = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=1)
-    return scales, mins
-
-
-def _k_affine(b, q, out):
-    n = b.shape[0]
-    d, dmin = _f16(b, 0), _f16(b, 2)
-    scales, mins = _k_scales_mins(b[:, 4:16])
-    o = out.view(n, 8, 32)
-    o.copy_(q)
-    o.mul_((d * scales.to(torch.float32)).view(n, 8, 1))
-    o.sub_((dmin * mins.to(torch.float32)).view(n, 8, 1))
-
-
-def _q4_k(b, out):
-    n = b.shape[0]
-    # Each 32-byte group holds 64 values: 32 in the low nibbles, then 32 in the high nibbles.
-    q = _unpack(b[:, 16:].reshape(n, 4, 32), 4, 2)
-    _k_affine(b, q.view(n, 8, 32), out)
-
-
-def _q5_k(b, out):
-    n = b.shape[0]
-    low = _unpack(b[:, 48:].reshape(n, 4, 32), 4, 2)
-    high = _bits(b[:, 16:48])
-    _k_affine(b, low.view(n, 8, 32) | (high << 4), out)
-
-
-def _q6_k(b, out):
-    n = b.shape[0]
-    ql, qh, scales = b[:, :128], b[:, 128:192], b[:, 192:208]
-    d = _f16(b, 208)
-    low = _unpack(ql.reshape(n, 2, 64), 4, 2)
-    high = _unpack(qh.reshape(n, 2, 32), 2, 2)
-    q = (low.view(n, 8, 32) | (high.view(n, 8, 32) << 4)).view(torch.int8) - 32
-    o = out.view(n, 16, 16)
-    o.copy_(q.view(n, 16, 16))
-    o.mul_((d * scales.view(torch.int8).to(torch.float32)).view(n, 16, 1))
-
-
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
@@ -219,61 +193,215 @@ def _iq4_xs(b, out):
     out.view(n, 8, 32).mul_((d * scales.to(torch.float32)).view(n, 8, 1))
 
 
-KERNELS = {
-    "Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
-    "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k,
-    "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs,
-}
-
-
-# Fast paths for the common types: the per-block scales are computed once for all blocks,
-# and the chunk loop only unpacks codes, writing each bit field straight into a strided
-# view of the fp32 output (no interleaving copies), then applies the scales in place.
-
-def _chunked_q8_0(b, out, step):
+def _plan_q8_0(b, scratch):
     d = _f16(b, 0)
     codes = b[:, 2:].view(torch.int8)
-    for s in range(0, b.shape[0], step):
-        out[s:s + step].copy_(codes[s:s + step]).mul_(d[s:s + step])
+
+    def decode(s, e, out):
+        out.copy_(codes[s:e]).mul_(d[s:e])
+    return decode
 
 
-def _chunked_q4_k(b, out, step):
+def _fields(b, start: int, stop: int) -> torch.Tensor:
+    """Bytes ``start:stop`` of every block, compact ``(n, stop - start)``.
+
+    The per-block scale fields are a few bytes every 84-210: one copy reads each block's cache
+    line once, and the scale arithmetic then runs on the compact copy."""
+    return b[:, start:stop].clone(memory_format=torch.contiguous_format)
+
+
+def _transposed(x: torch.Tensor) -> torch.Tensor:
+    """A fresh contiguous ``x.t()`` (``contiguous()`` may keep odd strides when ``n`` is 1)."""
+    return torch.empty(x.shape[::-1], dtype=x.dtype, device=x.device).copy_(x.t())
+
+
+def _k_scale_rows(b) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K: d * scale and dmin * min of every 32-value sub-block, ``(n, 8, 1)`` each.
+
+    Bytes 4-15 hold 8 six-bit scales and 8 six-bit mins: scale i < 4 is the low 6 bits of byte
+    i, min i < 4 those of byte i + 4; for i >= 4 the low (scale) or high (min) nibble of byte
+    i + 4, with bits 4-5 from the top 2 bits of byte i - 4 (scale) or i (min). Computed on
+    32-bit words, four bytes per lane, transposed so that every op runs over rows of ``n``."""
     n = b.shape[0]
-    d, dmin = _f16(b, 0), _f16(b, 2)
-    scales, mins = _k_scales_mins(b[:, 4:16])
-    dl = (d * scales.to(torch.float32)).view(n, 8, 1)
-    ml = (dmin * mins.to(torch.float32)).view(n, 8, 1)
-    codes = b[:, 16:]
-    for s in range(0, n, step):
-        qs = codes[s:s + step].reshape(-1, 4, 32)
-        o = out[s:s + step].view(-1, 4, 2, 32)
-        o[:, :, 0].copy_(qs & 0x0F)
-        o[:, :, 1].copy_(qs >> 4)
-        o.view(-1, 8, 32).mul_(dl[s:s + step]).sub_(ml[s:s + step])
+    words = _transposed(_fields(b, 0, 16).view(torch.int32))  # (4, n): d|dmin, then 12 bytes
+    both = torch.empty(2, n, 2, dtype=torch.int32, device=b.device)  # (scale/min, block, i // 4)
+    torch.bitwise_and(words[1:3], _mask(0x3F, torch.int32), out=both[:, :, 0])
+    low = words[3:] >> _shifts((0, 4), (2, 1), torch.int32, b.device)
+    low &= _mask(0x0F, torch.int32)
+    high = words[1:3] >> 2
+    high &= _mask(0x30, torch.int32)
+    torch.bitwise_or(low, high, out=both[:, :, 1])
+    rows = both.view(torch.uint8).view(2, n, 8).to(torch.float32)
+    d = words[0].view(torch.float16).view(n, 2).t().to(torch.float32)  # (2, n): d, dmin
+    rows *= d.unsqueeze(-1)
+    return rows[0].unsqueeze(-1), rows[1].unsqueeze(-1)
 
 
-def _chunked_q6_k(b, out, step):
+def _plan_q4_k(b, scratch):
+    # 128 code bytes in 4 groups of 32; sub-block 2 g + h holds nibble h of group g's bytes.
+    dl, ml = _k_scale_rows(b)
+    words = b[:, 16:].view(torch.int32)  # (n, 32)
+    nibble = _shifts((0, 4), (2, 1, 1), torch.int32, b.device)
+    low4 = _mask(0x0F, torch.int32)
+
+    def decode(s, e, out):
+        c = e - s
+        q = scratch("q", (2, c, 32), torch.int32)  # (nibble, block, word)
+        torch.bitwise_right_shift(words[s:e], nibble, out=q)
+        q &= low4
+        o = out.view(c, 4, 2, 32)  # (block, group, nibble, byte)
+        o.permute(2, 0, 1, 3).copy_(q.view(torch.uint8).view(2, c, 4, 32))
+        o.view(c, 8, 32).mul_(dl[s:e]).sub_(ml[s:e])
+    return decode
+
+
+def _plan_q5_k(b, scratch):
+    # As Q4_K, plus a fifth bit: bit r of byte j of the 32 qh bytes belongs to sub-block r.
+    dl, ml = _k_scale_rows(b)
+    qh = b[:, 16:48].view(torch.int32)  # (n, 8)
+    qs = b[:, 48:].view(torch.int32)  # (n, 32) = 4 groups of 8 words
+    nibble = _shifts((0, 4), (1, 2, 1), torch.int32, b.device)
+    row = _shifts(range(8), (8, 1), torch.int32, b.device)
+    low4, low1 = _mask(0x0F, torch.int32), _mask(0x01, torch.int32)
+
+    def decode(s, e, out):
+        c = e - s
+        groups = scratch("t", (4, c, 8), torch.int32)
+        groups.copy_(qs[s:e].view(c, 4, 8).transpose(0, 1))
+        q = scratch("q", (4, 2, c * 8), torch.int32)  # (group, nibble, block x word)
+        torch.bitwise_right_shift(groups.view(4, 1, -1), nibble, out=q)
+        q &= low4
+        high = scratch("qh", (c, 8), torch.int32)
+        high.copy_(qh[s:e])
+        h = scratch("h", (8, c * 8), torch.int32)  # (sub-block, block x word)
+        torch.bitwise_right_shift(high.view(1, -1), row, out=h)
+        h &= low1
+        codes = q.view(8, -1)
+        torch.add(codes, h, alpha=16, out=codes)  # no carries: every byte stays < 32
+        o = out.view(c, 8, 32)
+        o.transpose(0, 1).copy_(codes.view(torch.uint8).view(8, c, 32))
+        o.mul_(dl[s:e]).sub_(ml[s:e])
+    return decode
+
+
+def _plan_q6_k(b, scratch):
+    # Two halves of 128 values; in half k, row r (32 values) is: nibble r // 2 of ql bytes
+    # 64 k + 32 (r % 2) + j, plus bits 2r, 2r + 1 of qh byte 32 k + j as bits 4-5; minus 32.
+    # The block is 210 bytes, so the fields are viewed as 16-bit words.
     n = b.shape[0]
-    dl = (_f16(b, 208) * b[:, 192:208].view(torch.int8).to(torch.float32)).view(n, 16, 1)
-    for s in range(0, n, step):
-        chunk = b[s:s + step]
-        ql = chunk[:, :128].reshape(-1, 2, 2, 32)  # (half, bytes 0-31 / 32-63, 32)
-        qh = chunk[:, 128:192].reshape(-1, 2, 32)
-        low = (ql & 0x0F, ql >> 4)
-        o = out[s:s + step].view(-1, 2, 4, 32)  # row 4·half + k of 32 values
-        for k in range(4):
-            # value = (low nibble | 2 high bits << 4) - 32, as int8
-            q = low[k // 2][:, :, k % 2] | (((qh >> (2 * k)) & 3) << 4)
-            o[:, :, k].copy_(q.view(torch.int8) - 32)
-        o.view(-1, 16, 16).mul_(dl[s:s + step])
+    tail = _fields(b, 192, 210)  # 16 int8 scales, fp16 d
+    dl = (tail[:, :16].view(torch.int8).to(torch.float32) * _f16(tail, 16)).view(n, 16, 1)
+    words = b.view(torch.int16)
+    ql, qh = words[:, :64], words[:, 64:96]
+    nibble = _shifts((0, 4), (2, 1, 1), torch.int16, b.device)
+    row = _shifts((0, 2, 4, 6), (4, 1), torch.int16, b.device)
+    low4, low2 = _mask(0x0F, torch.int16), _mask(0x03, torch.int16)
+    minus2 = _mask(0x0E, torch.int16)
+
+    def decode(s, e, out):
+        c = e - s
+        packed = scratch("ql", (c * 2, 2, 16), torch.int16)  # (block x half, r % 2, word)
+        packed.view(c, 64).copy_(ql[s:e])
+        low = scratch("t", (2, c * 2, 16), torch.int16)  # (r % 2, block x half, word)
+        low.copy_(packed.transpose(0, 1))
+        q = scratch("q", (2, 2, c * 32), torch.int16)  # (r // 2, r % 2, block x half x word)
+        torch.bitwise_right_shift(low.view(1, 2, -1), nibble, out=q)
+        q &= low4
+        high = scratch("qh", (c, 32), torch.int16)
+        high.copy_(qh[s:e])
+        h = scratch("h", (4, c * 32), torch.int16)  # (r, block x half x word)
+        torch.bitwise_right_shift(high.view(1, -1), row, out=h)
+        h &= low2
+        h += minus2  # (h - 2) mod 16 in every byte: 16 h + low nibble - 32 as an int8
+        h &= low4
+        codes = q.view(4, -1)
+        torch.add(codes, h, alpha=16, out=codes)  # no carries: bytes are nibble + 16 * nibble
+        o = out.view(c, 2, 4, 32)  # (block, half, r, value)
+        o.permute(2, 0, 1, 3).copy_(codes.view(torch.int8).view(4, c, 2, 32))
+        out.view(c, 16, 16).mul_(dl[s:e])
+    return decode
 
 
-FAST_KERNELS = {"Q8_0": _chunked_q8_0, "Q4_K": _chunked_q4_k, "Q6_K": _chunked_q6_k}
+def _plan_q3_k(b, scratch):
+    # Two halves of 128 values; in half k, row r (32 values) is: bits 2r, 2r + 1 of qs byte
+    # 32 k + j, plus 4 where bit 4 k + r of hmask byte j is set; minus 4. 110-byte blocks:
+    # 16-bit words.
+    n = b.shape[0]
+    tail = _fields(b, 96, 110)
+    # 16 signed 6-bit scales: low 4 bits in bytes 0-7 (two per byte), high 2 bits in bytes 8-11.
+    low = _unpack(tail[:, :8], 4, 1).reshape(n, 16)
+    high = _unpack(tail[:, 8:12], 2, 1).reshape(n, 16)
+    high <<= 4
+    low |= high
+    scales = low.view(torch.int8).to(torch.float32)
+    scales -= 32  # exact, like gguf.quants' int8 subtraction
+    dl = (_f16(tail, 12) * scales).view(n, 16, 1)
+    words = b.view(torch.int16)
+    hmask, qs = words[:, :16], words[:, 16:48]
+    pair = _shifts((0, 2, 4, 6), (1, 4, 1), torch.int16, b.device)
+    row = _shifts(range(8), (8, 1), torch.int16, b.device)
+    low2, low1 = _mask(0x03, torch.int16), _mask(0x01, torch.int16)
+    plus124, sign = _mask(0x7C, torch.int16), _mask(0x80, torch.int16)
 
-# On the CPU, blocks are decoded in chunks of about this many values so that a chunk's
-# temporaries stay in cache (and are recycled by the allocator instead of page-faulting).
-# A GPU decodes everything in one pass of launches.
-CPU_CHUNK_VALUES = 1 << 18
+    def decode(s, e, out):
+        c = e - s
+        halves = scratch("t", (2, c, 16), torch.int16)
+        halves.copy_(qs[s:e].view(c, 2, 16).transpose(0, 1))
+        q = scratch("q", (2, 4, c * 16), torch.int16)  # (half, r, block x word)
+        torch.bitwise_right_shift(halves.view(2, 1, -1), pair, out=q)
+        q &= low2
+        mask = scratch("qh", (c, 16), torch.int16)
+        mask.copy_(hmask[s:e])
+        h = scratch("h", (8, c * 16), torch.int16)  # (4 half + r, block x word)
+        torch.bitwise_right_shift(mask.view(1, -1), row, out=h)
+        h &= low1
+        codes = q.view(8, -1)
+        torch.add(codes, h, alpha=4, out=codes)  # no carries: every byte stays < 8
+        codes += plus124  # minus 4 as an int8, bytewise: (u + 124) ^ 128
+        codes ^= sign
+        out.view(c, 8, 32).transpose(0, 1).copy_(codes.view(torch.int8).view(8, c, 32))
+        out.view(c, 16, 16).mul_(dl[s:e])
+    return decode
+
+
+def _plan_q2_k(b, scratch):
+    # Two halves of 128 values; in half k, row r (32 values) is bits 2r, 2r + 1 of qs byte
+    # 32 k + j. Sub-blocks of 16 values: scale and min are the 4-bit halves of scale byte i.
+    n = b.shape[0]
+    scales = _fields(b, 0, 16).view(torch.int32)
+    d = _fields(b, 80, 84)
+    dl = ((scales & _mask(0x0F, torch.int32)).view(torch.uint8).to(torch.float32) * _f16(d, 0))
+    scales >>= 4
+    scales &= _mask(0x0F, torch.int32)
+    ml = scales.view(torch.uint8).to(torch.float32) * _f16(d, 2)
+    dl, ml = dl.view(n, 16, 1), ml.view(n, 16, 1)
+    qs = b[:, 16:80].view(torch.int32)  # (n, 16) = 2 halves of 8 words
+    pair = _shifts((0, 2, 4, 6), (1, 4, 1), torch.int32, b.device)
+    low2 = _mask(0x03, torch.int32)
+
+    def decode(s, e, out):
+        c = e - s
+        halves = scratch("t", (2, c, 8), torch.int32)
+        halves.copy_(qs[s:e].view(c, 2, 8).transpose(0, 1))
+        q = scratch("q", (2, 4, c * 8), torch.int32)  # (half, r, block x word)
+        torch.bitwise_right_shift(halves.view(2, 1, -1), pair, out=q)
+        q &= low2
+        out.view(c, 8, 32).transpose(0, 1).copy_(q.view(torch.uint8).view(8, c, 32))
+        out.view(c, 16, 16).mul_(dl[s:e]).sub_(ml[s:e])
+    return decode
+
+
+PLANS = {
+    "Q8_0": _plan_q8_0, "Q4_0": _plan_blockwise(_q4_0), "Q4_1": _plan_blockwise(_q4_1),
+    "Q5_0": _plan_blockwise(_q5_0), "Q5_1": _plan_blockwise(_q5_1),
+    "Q2_K": _plan_q2_k, "Q3_K": _plan_q3_k, "Q4_K": _plan_q4_k, "Q5_K": _plan_q5_k,
+    "Q6_K": _plan_q6_k, "IQ4_NL": _plan_blockwise(_iq4_nl), "IQ4_XS": _plan_blockwise(_iq4_xs),
+}
+
+# On the CPU, blocks are decoded in chunks of about this many values, so that a chunk's output
+# and temporaries stay in the core's cache (the 256 KiB of fp32 output and its codes fit a
+# 512 KiB L2). A GPU decodes everything in one pass of launches.
+CPU_CHUNK_VALUES = 1 << 16
 
 
 def dequantize_blocks(blocks: torch.Tensor, qtype: str, dtype: torch.dtype = torch.float32,
@@ -285,20 +413,26 @@ def dequantize_blocks(blocks: torch.Tensor, qtype: str, dtype: torch.dtype = tor
     """
     block_size, type_size = BLOCK_SIZES[qtype]
     blocks = blocks.reshape(-1, type_size)
+    if not blocks.is_contiguous() or blocks.storage_offset() % 4:
+        # The kernels view fields as 16/32-bit words: whole, aligned rows.
+        blocks = blocks.clone(memory_format=torch.contiguous_format)
     n = blocks.shape[0]
     if out is None:
         out = torch.empty(n * block_size, dtype=dtype, device=blocks.device)
-    step = max(n, 1) if blocks.device.type != "cpu" else max(1, CPU_CHUNK_VALUES // block_size)
-    # Decoded in fp32 (exact), rounded once into the compute dtype.
-    flat = out if dtype == torch.float32 else torch.empty(n * block_size, device=blocks.device)
-    flat = flat.view(n, block_size)
-    if qtype in FAST_KERNELS:
-        FAST_KERNELS[qtype](blocks, flat, step)
-    else:
-        for start in range(0, n, step):
-            KERNELS[qtype](blocks[start:start + step], flat[start:start + step])
-    if dtype != torch.float32:
-        out.view(n, block_size).copy_(flat)
+    flat = out.view(n, block_size)
+    if n == 0:
+        return out.view(-1)
+    step = n if blocks.device.type != "cpu" else max(1, CPU_CHUNK_VALUES // block_size)
+    scratch = _Scratch(blocks.device)
+    decode = PLANS[qtype](blocks, scratch)
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        if dtype == torch.float32:
+            decode(start, stop, flat[start:stop])
+        else:  # decoded in fp32 (exact), rounded once into the compute dtype
+            values = scratch("values", (stop - start, block_size), torch.float32)
+            decode(start, stop, values)
+            flat[start:stop].copy_(values)
     return out.view(-1)
 
 
@@ -312,6 +446,75 @@ def _field_value(field):
     return value
 
 
+# GGUF metadata value types -> size in bytes (8: string, 9: array)
+_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def _tensor_type_ids(path: Path) -> list[tuple[str, int]] | None:
+    """``(name, GGML type id)`` of every tensor, read from the GGUF header with the file format
+    alone (GGUF v2/v3, either byte order); None if the header cannot be read. For the error
+    message when the gguf package cannot read the file."""
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            if m[:4] != b"GGUF":
+                return None
+            order = "<" if struct.unpack_from("<I", m, 4)[0] & 0xFFFF else ">"
+            pos = 8
+
+            def take(fmt: str) -> int:
+                nonlocal pos
+                (value,) = struct.unpack_from(order + fmt, m, pos)
+                pos += struct.calcsize(fmt)
+                return value
+
+            def string() -> str:
+                nonlocal pos
+                length = take("Q")
+                text = bytes(m[pos:pos + length]).decode("utf-8", "replace")
+                pos += length
+                return text
+
+            def skip(value_type: int):
+                nonlocal pos
+                if value_type in _GGUF_SCALAR_SIZES:
+                    pos += _GGUF_SCALAR_SIZES[value_type]
+                elif value_type == 8:
+                    length = take("Q")  # (not ``pos += take(...)``: take moves pos first)
+                    pos += length
+                elif value_type == 9:
+                    item, count = take("I"), take("Q")
+                    if item in _GGUF_SCALAR_SIZES:
+                        pos += _GGUF_SCALAR_SIZES[item] * count
+                    else:
+                        for _ in range(count):
+                            skip(item)
+                else:
+                    raise ValueError(f"metadata value type {value_type}")
+
+            n_tensors, n_fields = take("Q"), take("Q")
+            for _ in range(n_fields):
+                string()
+                skip(take("I"))
+            infos = []
+            for _ in range(n_tensors):
+                name = string()
+                n_dims = take("I")
+                pos += 8 * n_dims  # the dimensions
+                infos.append((name, take("I")))
+                pos += 8  # the data offset
+            return infos
+    except (OSError, ValueError, struct.error):
+        return None
+
+
+def _known_type(gguf, type_id: int) -> bool:
+    """Whether the gguf package can read tensors of this GGML type id."""
+    try:
+        return gguf.GGMLQuantizationType(type_id) in gguf.GGML_QUANT_SIZES
+    except ValueError:
+        return False
+
+
 def open_gguf(path: Path) -> TensorSource:
     """A GGUF file as a :class:`TensorSource` (quantised tensors stay packed)."""
     try:
@@ -323,11 +526,14 @@ def open_gguf(path: Path) -> TensorSource:
         # Copy-on-write map: tensors are writable views for torch, the file is never changed.
         reader = gguf.GGUFReader(path, "c")
     except Exception as e:  # the reader raises ValueError/IndexError/struct errors alike
+        # An unknown tensor type fails the whole reader, naming neither tensor nor file.
+        for name, type_id in _tensor_type_ids(path) or ():
+            if not _known_type(gguf, type_id):
+                raise CheckpointError(
+                    f"{path}: tensor {name!r} has GGML type id {type_id}, which the installed "
+                    f"gguf package does not know; update gguf, or re-quantise the file to one "
+                    f"of {', '.join(SUPPORTED_TYPES)}") from None
         detail = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if "GGMLQuantizationType" in detail:
-            raise CheckpointError(f"{path}: a tensor uses a GGML type unknown to the installed "
-                                  f"gguf package ({detail}); update gguf or re-quantise the "
-                                  f"file") from None
         raise CheckpointError(f"{path}: unreadable GGUF file, truncated or corrupt "
                               f"({detail})") from None
 
