@@ -464,7 +464,7 @@ def test_headless_save_video_writes_in_memory_audio(channels, tmp_path):
     assert abs(decoded.shape[1] - len(t)) < 2048  # the encoder's priming and padding
     rms = np.sqrt((decoded[:, 2048:-2048] ** 2).mean(axis=1))
     assert np.allclose(rms, 0.5 / np.sqrt(2), rtol=0.1), rms  # the sines, not silence
-    with pytest.raises(ValueError, match="5 channels; headless SaveVideo writes mono or stereo"):
+    with pytest.raises(ValueError, match="5 channels; only mono or stereo can be encoded"):
         (video,) = nodes["CreateVideo"].run(host, images=images, fps=24.0, audio={
             "waveform": torch.zeros(1, 5, 100), "sample_rate": rate}).outputs
         nodes["SaveVideo"].run(host, video=video, filename_prefix="v")

@@ -32,11 +32,12 @@ Design:
 """
 
 from ._common import MediaError, MediaInfo
+from .audio import encode_audio
 from .reader import ImageReader, MediaReader, SequenceReader, VideoReader, open_media
 from .writer import ImageWriter, MediaWriter, SequenceWriter, VideoWriter, open_writer
 
 __all__ = [
-    "MediaError", "MediaInfo", "open_media", "open_writer",
+    "MediaError", "MediaInfo", "encode_audio", "open_media", "open_writer",
     "MediaReader", "VideoReader", "ImageReader", "SequenceReader",
     "MediaWriter", "VideoWriter", "ImageWriter", "SequenceWriter",
 ]

@@ -127,8 +127,6 @@ def _save_video(host, video: Video, filename_prefix: str = "video/ComfyUI", form
     return NodeResult(ui={"images": [entry], "animated": [True]})
 
 
-AUDIO_LAYOUTS = {1: "mono", 2: "stereo"}
-
 
 def _audio_file(audio: Optional[dict], scratch: Path) -> Optional[Path]:
     """The file whose audio SaveVideo copies: the source file, or in-memory audio encoded to
@@ -142,40 +140,9 @@ def _audio_file(audio: Optional[dict], scratch: Path) -> Optional[Path]:
     if "waveform" not in audio or "sample_rate" not in audio:
         raise ValueError("audio: expected {'waveform': tensor, 'sample_rate': int} (ComfyUI's "
                          "AUDIO)")
+    from ..io import encode_audio
+
     return encode_audio(audio["waveform"], int(audio["sample_rate"]), scratch / "audio.m4a")
-
-
-def encode_audio(waveform, sample_rate: int, path: Path) -> Path:
-    """Write ComfyUI's waveform ((batch, channels, samples), or (channels, samples), float in
-    [-1, 1]; batch items one after the other) as AAC to ``path``."""
-    import av
-    import numpy as np
-    import torch
-
-    wave = torch.as_tensor(waveform).detach().to("cpu", torch.float32)
-    if wave.dim() == 3:
-        wave = torch.cat(list(wave), dim=-1)  # (channels, batch * samples)
-    if wave.dim() != 2:
-        raise ValueError(f"audio: waveform of shape {tuple(waveform.shape)}; expected (batch, "
-                         f"channels, samples)")
-    channels = wave.shape[0]
-    if channels not in AUDIO_LAYOUTS:
-        raise ValueError(f"audio: {channels} channels; headless SaveVideo writes mono or stereo")
-    if sample_rate <= 0:
-        raise ValueError(f"audio: sample_rate = {sample_rate}")
-    samples = np.ascontiguousarray(wave.clamp(-1.0, 1.0).numpy())
-    layout = AUDIO_LAYOUTS[channels]
-    with av.open(str(path), "w", format="mp4") as out:
-        stream = out.add_stream("aac", rate=sample_rate, layout=layout)
-        step = stream.codec_context.frame_size or 1024
-        for start in range(0, samples.shape[1], step):
-            frame = av.AudioFrame.from_ndarray(samples[:, start:start + step], format="fltp",
-                                               layout=layout)
-            frame.sample_rate, frame.pts = sample_rate, start
-            frame.time_base = Fraction(1, sample_rate)
-            out.mux(stream.encode(frame))
-        out.mux(stream.encode(None))
-    return path
 
 
 def _input_files(host) -> list:
