@@ -273,7 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", help="model folder for in-process runs (default: "
                    "$SEEDVR2_MODEL_DIR or ~/.cache/seedvr2/models)")
     p.add_argument("--input-dir", default=".", help="where LoadImage/LoadVideo file names are "
-                   "found (in-process; default: the current folder)")
+                   "found in-process, and where --server uploads missing inputs from (default: "
+                   "the current folder)")
     p.add_argument("--output-dir", default="output", help="where outputs are saved or "
                    "downloaded (default: ./output)")
     p.add_argument("--timeout", type=float, help="with --server: give up after this many seconds")

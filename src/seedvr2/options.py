@@ -105,8 +105,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("dtype", str, "auto", "compute precision: auto (bf16 on GPUs that support it, "
            "else fp16; fp32 on CPU), fp32, fp16, bf16", choices=DTYPE_NAMES),
     # -- placement and memory (seedvr2.memory) --
-    Option("dit_device", str, "auto", "device of the DiT (auto = device)", check=_device_problem),
-    Option("vae_device", str, "auto", "device of the VAE (auto = device)", check=_device_problem),
+    Option("dit_device", str, "auto", "device the DiT computes on: auto (the GPU if there is "
+           "one, else cpu), cpu, cuda, cuda:N", check=_device_problem),
+    Option("vae_device", str, "auto", "device the VAE computes on: auto (the GPU if there is "
+           "one, else cpu), cpu, cuda, cuda:N", check=_device_problem),
     Option("dit_offload_device", str, "none", "where the DiT waits while the VAE runs (none = "
            "stays on its device; cpu frees VRAM between phases)", check=_offload_problem),
     Option("vae_offload_device", str, "none", "where the VAE waits while the DiT runs",
