@@ -1,14 +1,19 @@
 """GGUF dequantisation throughput, as GB/s of output, beside the memory-bandwidth limit.
 
-For Q8_0, Q4_K and Q6_K (a 4096 x 4096 weight by default): our torch dequantisation into a
-preallocated output, a plain copy of a float tensor of the same output size into a
-preallocated output (the memory-bandwidth limit; the ratio is what the goals are about:
-Q8_0 >= 0.5 of copy, K-quants >= 0.25), and, on the CPU, ``gguf.quants.dequantize`` (numpy)
-on the same bytes. Q8_0 blocks come from quantising random weights; the K-quants, which the
-gguf package cannot write, are random blocks with finite scales.
+For Q8_0, Q4_K and Q6_K by default (``--types`` also takes Q2_K, Q3_K, Q5_K), a 4096 x 4096
+weight: our torch dequantisation into a preallocated output, a plain copy of a float tensor of
+the same output size into a preallocated output (the memory-bandwidth limit; the ratio is what
+the goals are about: Q8_0 >= 0.5 of copy, K-quants >= 0.25), and, on the CPU,
+``gguf.quants.dequantize`` (numpy) on the same bytes. Q8_0 blocks come from quantising random
+weights; the K-quants, which the gguf package cannot write, are random blocks with finite
+scales.
 
-    .venv/bin/python bench/dequant.py                 # CPU, fp32 output
+    .venv/bin/python bench/dequant.py                 # CPU, fp32 output, torch's threads
+    .venv/bin/python bench/dequant.py --threads 1 --types Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K
     .venv/bin/python bench/dequant.py --device cuda --dtype bf16
+
+With several torch threads our CPU dequantisation shares its chunks out to as many Python
+threads (see ``seedvr2.loading.gguf``); ``--threads 1`` measures one core.
 
 The ratios are measured in one process, interleaved (best of --repeats), so they compare
 implementations rather than machines.

@@ -60,18 +60,30 @@ def test_dequantize_is_bit_exact_on_quantised_weights(qtype):
     assert float(np.abs(expected - weights).max()) < 0.02  # it is a quantisation of `weights`
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("qtype", sorted(BLOCK_SIZES))
-def test_dequantize_across_chunk_boundaries(qtype, monkeypatch):
-    # CPU decoding runs in chunks of CPU_CHUNK_VALUES values: 3 chunks and a partial one.
+def test_dequantize_across_chunk_boundaries(qtype, threads, monkeypatch):
+    # On the CPU, blocks are decoded in chunks, and with several torch threads by as many
+    # Python threads, each taking runs of chunks that share one scales computation. Small
+    # chunks here, so that 197 blocks make several of each, the last ones partial.
     block_size, _ = BLOCK_SIZES[qtype]
-    monkeypatch.setattr(gguf_loader, "CPU_CHUNK_VALUES", 4 * 256)
-    n_blocks = 3 * max(1, 1024 // block_size) + 1
+    monkeypatch.setattr(gguf_loader, "CPU_CHUNK_VALUES", 1024)
+    monkeypatch.setattr(gguf_loader, "THREAD_CHUNK_VALUES", 2048)
+    n_blocks = 197
     blocks = random_blocks(qtype, n_blocks, seed=2)
     original = blocks.copy()
     expected = gguf.quants.dequantize(blocks, getattr(gguf.GGMLQuantizationType, qtype))
-    ours = dequantize_blocks(torch.from_numpy(blocks), qtype)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        step, run, workers = gguf_loader._schedule(n_blocks, block_size, torch.device("cpu"))
+        assert workers == threads and step < n_blocks and (threads == 1 or step < run < n_blocks)
+        ours = dequantize_blocks(torch.from_numpy(blocks), qtype)
+        with torch.inference_mode():  # worker threads take the caller's mode
+            rounded = dequantize_blocks(torch.from_numpy(blocks), qtype, torch.bfloat16)
+    finally:
+        torch.set_num_threads(previous)
     assert np.array_equal(bits(ours.numpy()), bits(expected.reshape(-1)))
-    rounded = dequantize_blocks(torch.from_numpy(blocks), qtype, torch.bfloat16)
     assert torch.equal(rounded, torch.from_numpy(expected.reshape(-1)).bfloat16())
     assert np.array_equal(blocks, original)  # the packed bytes are only read
 

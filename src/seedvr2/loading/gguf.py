@@ -21,11 +21,13 @@ on the same bytes the fp32 result is bit-for-bit that of ``gguf.quants.dequantiz
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import mmap
 import struct
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -54,21 +56,18 @@ CONFIG_KEY = "seedvr2.config"
 #
 # Bit-exactness: every type applies the same fp32 operations, in the same order, as gguf.quants
 # (fp16 scales widened to fp32, the per-sub-block scale products computed first, then code x
-# scale, then - min), only as in-place ``mul_``/``sub_`` on the output instead of fresh arrays.
-# Where gguf.quants subtracts a code offset in integers (Q6_K's 32, Q3_K's 4) we subtract it
-# from the converted float, which is exact and gives the same +0.0 (so the same -0.0 after a
-# negative scale) as converting the signed integer.
+# scale, then - min), only as in-place ``mul_``/``sub_`` on the output instead of fresh arrays;
+# integer codes are formed exactly as gguf.quants forms them (as int8 where it uses int8).
 #
-# Speed (the CPU case; a GPU takes one chunk of everything): the K-quants decode in chunks of
-# CPU_CHUNK_VALUES values so that a chunk's output and codes stay in cache. Per chunk, codes are
-# unpacked with integer ops on 16/32-bit words (2-4 codes per lane), every op running over long
-# contiguous rows: a field that several sub-blocks share (the high bits) is broadcast along an
-# outer axis, never interleaved at 32-byte granularity, because torch's integer kernels fall
-# back to scalar code on rows shorter than a vector. The codes of a chunk are therefore laid out
-# sub-block-major, ``(row of the block, block, 32 codes)``, and the one interleaving step is the
-# uint8 -> fp32 conversion into the (block, row, 32) output, whose 128-byte rows vectorise.
-# Then one ``mul_`` (and ``sub_``) per chunk applies the per-sub-block scales, which are
-# computed once for all blocks before the loop.
+# Speed, on the CPU (a GPU takes everything in one chunk): blocks are decoded in chunks small
+# enough that a chunk's output and temporaries stay in cache. Per chunk, codes are unpacked by
+# integer ops on 16/32-bit words (2-4 codes per lane), each over long contiguous rows: torch's
+# integer kernels fall back to scalar code on rows shorter than a vector, so a field shared by
+# several sub-blocks (the high bits) is broadcast along an outer axis, never interleaved at
+# 32-byte granularity. The codes of a chunk are thus laid out sub-block-major, ``(row of the
+# block, block, 32 codes)``, and the one interleaving step is the int -> fp32 conversion into
+# the ``(block, row, 32)`` output, whose 128-byte rows vectorise. Then one ``mul_`` (and
+# ``sub_``) applies the per-sub-block scales, computed beforehand for a run of chunks at once.
 
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -102,53 +101,65 @@ def _little_endian_bits(word: torch.Tensor) -> torch.Tensor:
 
 
 class _Scratch:
-    """Flat buffers reused by every chunk of one call (the first chunk is the largest)."""
+    """Flat buffers that every chunk decoded by one thread reuses."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.buffers: dict[str, torch.Tensor] = {}
-        self.views: dict[tuple, torch.Tensor] = {}  # (name, shape) -> view: 2 shapes per call
+        self.views: dict[tuple, object] = {}  # (name, shape, dtype) -> view of a buffer
+
+    def get(self, key, make):
+        """``make()``, built once per key (a type and a chunk size: the views of its buffers)."""
+        value = self.views.get(key)
+        if value is None:
+            value = self.views[key] = make()
+        return value
 
     def __call__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        view = self.views.get((name, shape))
-        if view is not None and view.dtype == dtype:
+        view = self.views.get((name, shape, dtype))
+        if view is not None:
             return view
         numel = math.prod(shape)
         buffer = self.buffers.get(name)
         if buffer is None or buffer.numel() < numel or buffer.dtype != dtype:
             buffer = self.buffers[name] = torch.empty(numel, dtype=dtype, device=self.device)
-        view = self.views[(name, shape)] = buffer[:numel].view(shape)
+        view = self.views[(name, shape, dtype)] = buffer[:numel].view(shape)
         return view
 
 
-def _shifts(values, shape, dtype, device) -> torch.Tensor:
+@functools.lru_cache(maxsize=64)
+def _shifts(values: tuple[int, ...], shape: tuple[int, ...], dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:
     """Per-field shift amounts, shaped to broadcast along an outer axis of the codes."""
     return torch.tensor(values, dtype=dtype, device=device).view(shape)
 
 
-def _mask(byte: int, dtype: torch.dtype) -> int:
-    """``byte`` repeated in every byte of a (signed) ``dtype`` word, as a Python int."""
-    return int.from_bytes(bytes([byte]) * (torch.iinfo(dtype).bits // 8), "little", signed=True)
+def _fields(b, start: int, stop: int) -> torch.Tensor:
+    """Bytes ``start:stop`` of every block, compact ``(n, stop - start)`` (a copy).
+
+    The per-block scale fields are a few bytes every 84-210: one copy reads each block's cache
+    line once, and the scale arithmetic then runs on the compact copy."""
+    return b[:, start:stop].clone(memory_format=torch.contiguous_format)
 
 
-# Each plan takes all blocks, computes what is per block (the scales) once, and returns
-# ``decode(start, stop, out)``, which writes blocks ``start:stop`` into ``out``, a contiguous
-# fp32 ``(stop - start, block_size)`` tensor, using ``scratch`` for its temporaries.
+def _transposed(x: torch.Tensor) -> torch.Tensor:
+    """A fresh contiguous ``x.t()`` (``contiguous()`` may keep odd strides when ``n`` is 1)."""
+    return torch.empty(x.shape[::-1], dtype=x.dtype, device=x.device).copy_(x.t())
 
 
-def _plan_blockwise(kernel):
-    """A plan for a kernel that decodes a slice of blocks on its own (the 32-value types)."""
-    def plan(b, scratch):
-        return lambda s, e, out: kernel(b[s:e], out)
-    return plan
+# Every type is a pair of functions. ``scales(b)`` computes the per-block (per-sub-block) scale
+# tensors of blocks ``b``, each with the block as first axis (None: the type has none);
+# ``decode(b, out, scales, scratch)`` writes blocks ``b`` into ``out``, a contiguous fp32
+# ``(n, block_size)`` tensor, given those scales (sliced to the same blocks), using ``scratch``
+# (a :class:`_Scratch` of the calling thread) for its temporaries.
 
 
-def _q4_0(b, out):
+def _q4_0(b, out, scales, scratch):
     out.copy_(_nibbles(b[:, 2:]).view(-1, 32).view(torch.int8) - 8)
     out.mul_(_f16(b, 0))
 
 
-def _q4_1(b, out):
+def _q4_1(b, out, scales, scratch):
     out.copy_(_nibbles(b[:, 4:]).view(-1, 32))
     out.mul_(_f16(b, 0)).add_(_f16(b, 2))
 
@@ -159,12 +170,12 @@ def _q5(b, offset):
     return low | (high << 4)
 
 
-def _q5_0(b, out):
+def _q5_0(b, out, scales, scratch):
     out.copy_(_q5(b, 2).view(torch.int8) - 16)
     out.mul_(_f16(b, 0))
 
 
-def _q5_1(b, out):
+def _q5_1(b, out, scales, scratch):
     out.copy_(_q5(b, 4))
     out.mul_(_f16(b, 0)).add_(_f16(b, 2))
 
@@ -177,12 +188,12 @@ def _iq4_lookup(codes: torch.Tensor, out: torch.Tensor):
     torch.index_select(table, 0, codes.reshape(-1).to(torch.int32), out=out.view(-1))
 
 
-def _iq4_nl(b, out):
+def _iq4_nl(b, out, scales, scratch):
     _iq4_lookup(_nibbles(b[:, 2:]), out)
     out.mul_(_f16(b, 0))
 
 
-def _iq4_xs(b, out):
+def _iq4_xs(b, out, scales, scratch):
     n = b.shape[0]
     d = _f16(b, 0)
     high_word = b[:, 2:4].contiguous().view(torch.int16).to(torch.int32)  # 8 x 2 bits
@@ -193,29 +204,15 @@ def _iq4_xs(b, out):
     out.view(n, 8, 32).mul_((d * scales.to(torch.float32)).view(n, 8, 1))
 
 
-def _plan_q8_0(b, scratch):
-    d = _f16(b, 0)
-    codes = b[:, 2:].view(torch.int8)
-
-    def decode(s, e, out):
-        out.copy_(codes[s:e]).mul_(d[s:e])
-    return decode
+def _q8_0_scales(b):
+    return (_f16(b, 0),)
 
 
-def _fields(b, start: int, stop: int) -> torch.Tensor:
-    """Bytes ``start:stop`` of every block, compact ``(n, stop - start)``.
-
-    The per-block scale fields are a few bytes every 84-210: one copy reads each block's cache
-    line once, and the scale arithmetic then runs on the compact copy."""
-    return b[:, start:stop].clone(memory_format=torch.contiguous_format)
+def _q8_0(b, out, scales, scratch):
+    out.copy_(b[:, 2:].view(torch.int8)).mul_(scales[0])
 
 
-def _transposed(x: torch.Tensor) -> torch.Tensor:
-    """A fresh contiguous ``x.t()`` (``contiguous()`` may keep odd strides when ``n`` is 1)."""
-    return torch.empty(x.shape[::-1], dtype=x.dtype, device=x.device).copy_(x.t())
-
-
-def _k_scale_rows(b) -> tuple[torch.Tensor, torch.Tensor]:
+def _k_scales(b):
     """Q4_K/Q5_K: d * scale and dmin * min of every 32-value sub-block, ``(n, 8, 1)`` each.
 
     Bytes 4-15 hold 8 six-bit scales and 8 six-bit mins: scale i < 4 is the low 6 bits of byte
@@ -225,11 +222,11 @@ def _k_scale_rows(b) -> tuple[torch.Tensor, torch.Tensor]:
     n = b.shape[0]
     words = _transposed(_fields(b, 0, 16).view(torch.int32))  # (4, n): d|dmin, then 12 bytes
     both = torch.empty(2, n, 2, dtype=torch.int32, device=b.device)  # (scale/min, block, i // 4)
-    torch.bitwise_and(words[1:3], _mask(0x3F, torch.int32), out=both[:, :, 0])
+    torch.bitwise_and(words[1:3], 0x3F3F3F3F, out=both[:, :, 0])
     low = words[3:] >> _shifts((0, 4), (2, 1), torch.int32, b.device)
-    low &= _mask(0x0F, torch.int32)
+    low &= 0x0F0F0F0F
     high = words[1:3] >> 2
-    high &= _mask(0x30, torch.int32)
+    high &= 0x30303030
     torch.bitwise_or(low, high, out=both[:, :, 1])
     rows = both.view(torch.uint8).view(2, n, 8).to(torch.float32)
     d = words[0].view(torch.float16).view(n, 2).t().to(torch.float32)  # (2, n): d, dmin
@@ -237,95 +234,90 @@ def _k_scale_rows(b) -> tuple[torch.Tensor, torch.Tensor]:
     return rows[0].unsqueeze(-1), rows[1].unsqueeze(-1)
 
 
-def _plan_q4_k(b, scratch):
+def _q4_k(b, out, scales, scratch):
     # 128 code bytes in 4 groups of 32; sub-block 2 g + h holds nibble h of group g's bytes.
-    dl, ml = _k_scale_rows(b)
-    words = b[:, 16:].view(torch.int32)  # (n, 32)
-    nibble = _shifts((0, 4), (2, 1, 1), torch.int32, b.device)
-    low4 = _mask(0x0F, torch.int32)
+    c = b.shape[0]
 
-    def decode(s, e, out):
-        c = e - s
+    def make():
         q = scratch("q", (2, c, 32), torch.int32)  # (nibble, block, word)
-        torch.bitwise_right_shift(words[s:e], nibble, out=q)
-        q &= low4
-        o = out.view(c, 4, 2, 32)  # (block, group, nibble, byte)
-        o.permute(2, 0, 1, 3).copy_(q.view(torch.uint8).view(2, c, 4, 32))
-        o.view(c, 8, 32).mul_(dl[s:e]).sub_(ml[s:e])
-    return decode
+        return q, q.view(torch.uint8).view(2, c, 4, 32), _shifts((0, 4), (2, 1, 1), torch.int32,
+                                                                  b.device)
+    q, q_bytes, nibble = scratch.get(("Q4_K", c), make)
+    torch.bitwise_right_shift(b[:, 16:].view(torch.int32), nibble, out=q)
+    q &= 0x0F0F0F0F
+    o = out.view(c, 4, 2, 32)  # (block, group, nibble, byte)
+    o.permute(2, 0, 1, 3).copy_(q_bytes)
+    dl, ml = scales
+    o.view(c, 8, 32).mul_(dl).sub_(ml)
 
 
-def _plan_q5_k(b, scratch):
+def _q5_k(b, out, scales, scratch):
     # As Q4_K, plus a fifth bit: bit r of byte j of the 32 qh bytes belongs to sub-block r.
-    dl, ml = _k_scale_rows(b)
-    qh = b[:, 16:48].view(torch.int32)  # (n, 8)
-    qs = b[:, 48:].view(torch.int32)  # (n, 32) = 4 groups of 8 words
-    nibble = _shifts((0, 4), (1, 2, 1), torch.int32, b.device)
-    row = _shifts(range(8), (8, 1), torch.int32, b.device)
-    low4, low1 = _mask(0x0F, torch.int32), _mask(0x01, torch.int32)
+    c = b.shape[0]
 
-    def decode(s, e, out):
-        c = e - s
+    def make():
         groups = scratch("t", (4, c, 8), torch.int32)
-        groups.copy_(qs[s:e].view(c, 4, 8).transpose(0, 1))
         q = scratch("q", (4, 2, c * 8), torch.int32)  # (group, nibble, block x word)
-        torch.bitwise_right_shift(groups.view(4, 1, -1), nibble, out=q)
-        q &= low4
         high = scratch("qh", (c, 8), torch.int32)
-        high.copy_(qh[s:e])
         h = scratch("h", (8, c * 8), torch.int32)  # (sub-block, block x word)
-        torch.bitwise_right_shift(high.view(1, -1), row, out=h)
-        h &= low1
-        codes = q.view(8, -1)
-        torch.add(codes, h, alpha=16, out=codes)  # no carries: every byte stays < 32
-        o = out.view(c, 8, 32)
-        o.transpose(0, 1).copy_(codes.view(torch.uint8).view(8, c, 32))
-        o.mul_(dl[s:e]).sub_(ml[s:e])
-    return decode
+        return (groups, groups.view(4, 1, -1), q, q.view(8, -1), q.view(torch.uint8).view(8, c, 32),
+                high, high.view(1, -1), h, _shifts((0, 4), (1, 2, 1), torch.int32, b.device),
+                _shifts(tuple(range(8)), (8, 1), torch.int32, b.device))
+    groups, groups_row, q, codes, code_bytes, high, high_row, h, nibble, row = \
+        scratch.get(("Q5_K", c), make)
+    groups.copy_(b[:, 48:].view(torch.int32).view(c, 4, 8).transpose(0, 1))
+    torch.bitwise_right_shift(groups_row, nibble, out=q)
+    q &= 0x0F0F0F0F
+    high.copy_(b[:, 16:48].view(torch.int32))
+    torch.bitwise_right_shift(high_row, row, out=h)
+    h &= 0x01010101
+    torch.add(codes, h, alpha=16, out=codes)  # no carries: every byte stays < 32
+    o = out.view(c, 8, 32)
+    o.transpose(0, 1).copy_(code_bytes)
+    dl, ml = scales
+    o.mul_(dl).sub_(ml)
 
 
-def _plan_q6_k(b, scratch):
+def _q6_k_scales(b):
+    tail = _fields(b, 192, 210)  # 16 int8 scales, fp16 d
+    return ((tail[:, :16].view(torch.int8).to(torch.float32) * _f16(tail, 16)).unsqueeze(-1),)
+
+
+def _q6_k(b, out, scales, scratch):
     # Two halves of 128 values; in half k, row r (32 values) is: nibble r // 2 of ql bytes
     # 64 k + 32 (r % 2) + j, plus bits 2r, 2r + 1 of qh byte 32 k + j as bits 4-5; minus 32.
     # The block is 210 bytes, so the fields are viewed as 16-bit words.
-    n = b.shape[0]
-    tail = _fields(b, 192, 210)  # 16 int8 scales, fp16 d
-    dl = (tail[:, :16].view(torch.int8).to(torch.float32) * _f16(tail, 16)).view(n, 16, 1)
-    words = b.view(torch.int16)
-    ql, qh = words[:, :64], words[:, 64:96]
-    nibble = _shifts((0, 4), (2, 1, 1), torch.int16, b.device)
-    row = _shifts((0, 2, 4, 6), (4, 1), torch.int16, b.device)
-    low4, low2 = _mask(0x0F, torch.int16), _mask(0x03, torch.int16)
-    minus2 = _mask(0x0E, torch.int16)
+    c = b.shape[0]
 
-    def decode(s, e, out):
-        c = e - s
+    def make():
         packed = scratch("ql", (c * 2, 2, 16), torch.int16)  # (block x half, r % 2, word)
-        packed.view(c, 64).copy_(ql[s:e])
         low = scratch("t", (2, c * 2, 16), torch.int16)  # (r % 2, block x half, word)
-        low.copy_(packed.transpose(0, 1))
         q = scratch("q", (2, 2, c * 32), torch.int16)  # (r // 2, r % 2, block x half x word)
-        torch.bitwise_right_shift(low.view(1, 2, -1), nibble, out=q)
-        q &= low4
         high = scratch("qh", (c, 32), torch.int16)
-        high.copy_(qh[s:e])
         h = scratch("h", (4, c * 32), torch.int16)  # (r, block x half x word)
-        torch.bitwise_right_shift(high.view(1, -1), row, out=h)
-        h &= low2
-        h += minus2  # (h - 2) mod 16 in every byte: 16 h + low nibble - 32 as an int8
-        h &= low4
-        codes = q.view(4, -1)
-        torch.add(codes, h, alpha=16, out=codes)  # no carries: bytes are nibble + 16 * nibble
-        o = out.view(c, 2, 4, 32)  # (block, half, r, value)
-        o.permute(2, 0, 1, 3).copy_(codes.view(torch.int8).view(4, c, 2, 32))
-        out.view(c, 16, 16).mul_(dl[s:e])
-    return decode
+        codes = q.view(torch.int8).view(4, -1)
+        return (packed.view(c, 64), packed.transpose(0, 1), low, low.view(1, 2, -1), q, high,
+                high.view(1, -1), h, h.view(torch.int8), codes, codes.view(4, c, 2, 32),
+                _shifts((0, 4), (2, 1, 1), torch.int16, b.device),
+                _shifts((0, 2, 4, 6), (4, 1), torch.int16, b.device))
+    (packed, packed_t, low, low_rows, q, high, high_row, h, h8, codes, codes_out, nibble,
+     row) = scratch.get(("Q6_K", c), make)
+    words = b.view(torch.int16)
+    packed.copy_(words[:, :64])
+    low.copy_(packed_t)
+    torch.bitwise_right_shift(low_rows, nibble, out=q)
+    q &= 0x0F0F
+    high.copy_(words[:, 64:96])
+    torch.bitwise_right_shift(high_row, row, out=h)
+    h &= 0x0303
+    # As bytes (int8): code - 32 = low nibble + 16 (high bits - 2), within -32..31.
+    h8 -= 2
+    torch.add(codes, h8, alpha=16, out=codes)
+    out.view(c, 2, 4, 32).permute(2, 0, 1, 3).copy_(codes_out)  # (block, half, r, value)
+    out.view(c, 16, 16).mul_(scales[0])
 
 
-def _plan_q3_k(b, scratch):
-    # Two halves of 128 values; in half k, row r (32 values) is: bits 2r, 2r + 1 of qs byte
-    # 32 k + j, plus 4 where bit 4 k + r of hmask byte j is set; minus 4. 110-byte blocks:
-    # 16-bit words.
+def _q3_k_scales(b):
     n = b.shape[0]
     tail = _fields(b, 96, 110)
     # 16 signed 6-bit scales: low 4 bits in bytes 0-7 (two per byte), high 2 bits in bytes 8-11.
@@ -335,73 +327,106 @@ def _plan_q3_k(b, scratch):
     low |= high
     scales = low.view(torch.int8).to(torch.float32)
     scales -= 32  # exact, like gguf.quants' int8 subtraction
-    dl = (_f16(tail, 12) * scales).view(n, 16, 1)
-    words = b.view(torch.int16)
-    hmask, qs = words[:, :16], words[:, 16:48]
-    pair = _shifts((0, 2, 4, 6), (1, 4, 1), torch.int16, b.device)
-    row = _shifts(range(8), (8, 1), torch.int16, b.device)
-    low2, low1 = _mask(0x03, torch.int16), _mask(0x01, torch.int16)
-    plus124, sign = _mask(0x7C, torch.int16), _mask(0x80, torch.int16)
+    return ((_f16(tail, 12) * scales).unsqueeze(-1),)
 
-    def decode(s, e, out):
-        c = e - s
+
+def _q3_k(b, out, scales, scratch):
+    # Two halves of 128 values; in half k, row r (32 values) is: bits 2r, 2r + 1 of qs byte
+    # 32 k + j, minus 4 unless bit 4 k + r of hmask byte j is set. 110-byte blocks: 16-bit
+    # words.
+    c = b.shape[0]
+
+    def make():
         halves = scratch("t", (2, c, 16), torch.int16)
-        halves.copy_(qs[s:e].view(c, 2, 16).transpose(0, 1))
         q = scratch("q", (2, 4, c * 16), torch.int16)  # (half, r, block x word)
-        torch.bitwise_right_shift(halves.view(2, 1, -1), pair, out=q)
-        q &= low2
         mask = scratch("qh", (c, 16), torch.int16)
-        mask.copy_(hmask[s:e])
         h = scratch("h", (8, c * 16), torch.int16)  # (4 half + r, block x word)
-        torch.bitwise_right_shift(mask.view(1, -1), row, out=h)
-        h &= low1
-        codes = q.view(8, -1)
-        torch.add(codes, h, alpha=4, out=codes)  # no carries: every byte stays < 8
-        codes += plus124  # minus 4 as an int8, bytewise: (u + 124) ^ 128
-        codes ^= sign
-        out.view(c, 8, 32).transpose(0, 1).copy_(codes.view(torch.int8).view(8, c, 32))
-        out.view(c, 16, 16).mul_(dl[s:e])
-    return decode
+        codes = q.view(torch.int8).view(8, -1)
+        return (halves, halves.view(2, 1, -1), q, mask, mask.view(1, -1), h, h.view(torch.int8),
+                codes, codes.view(8, c, 32),
+                _shifts((0, 2, 4, 6), (1, 4, 1), torch.int16, b.device),
+                _shifts(tuple(range(8)), (8, 1), torch.int16, b.device))
+    (halves, halves_rows, q, mask, mask_row, h, h8, codes, codes_out, pair,
+     row) = scratch.get(("Q3_K", c), make)
+    words = b.view(torch.int16)
+    halves.copy_(words[:, 16:48].view(c, 2, 16).transpose(0, 1))
+    torch.bitwise_right_shift(halves_rows, pair, out=q)
+    q &= 0x0303
+    mask.copy_(words[:, :16])
+    torch.bitwise_right_shift(mask_row, row, out=h)
+    h &= 0x0101
+    # As bytes (int8), like gguf.quants: code = low 2 bits - 4 (1 - mask bit), within -4..3.
+    h8 -= 1
+    torch.add(codes, h8, alpha=4, out=codes)
+    out.view(c, 8, 32).transpose(0, 1).copy_(codes_out)
+    out.view(c, 16, 16).mul_(scales[0])
 
 
-def _plan_q2_k(b, scratch):
-    # Two halves of 128 values; in half k, row r (32 values) is bits 2r, 2r + 1 of qs byte
-    # 32 k + j. Sub-blocks of 16 values: scale and min are the 4-bit halves of scale byte i.
+def _q2_k_scales(b):
+    # Sub-blocks of 16 values: scale and min are the low and high nibble of scale byte i.
     n = b.shape[0]
-    scales = _fields(b, 0, 16).view(torch.int32)
+    packed = _fields(b, 0, 16).view(torch.int32)
     d = _fields(b, 80, 84)
-    dl = ((scales & _mask(0x0F, torch.int32)).view(torch.uint8).to(torch.float32) * _f16(d, 0))
-    scales >>= 4
-    scales &= _mask(0x0F, torch.int32)
-    ml = scales.view(torch.uint8).to(torch.float32) * _f16(d, 2)
-    dl, ml = dl.view(n, 16, 1), ml.view(n, 16, 1)
-    qs = b[:, 16:80].view(torch.int32)  # (n, 16) = 2 halves of 8 words
-    pair = _shifts((0, 2, 4, 6), (1, 4, 1), torch.int32, b.device)
-    low2 = _mask(0x03, torch.int32)
+    low = packed & 0x0F0F0F0F
+    dl = low.view(torch.uint8).to(torch.float32) * _f16(d, 0)
+    packed >>= 4
+    packed &= 0x0F0F0F0F
+    ml = packed.view(torch.uint8).to(torch.float32) * _f16(d, 2)
+    return dl.view(n, 16, 1), ml.view(n, 16, 1)
 
-    def decode(s, e, out):
-        c = e - s
+
+def _q2_k(b, out, scales, scratch):
+    # Two halves of 128 values; in half k, row r (32 values) is bits 2r, 2r + 1 of qs byte
+    # 32 k + j.
+    c = b.shape[0]
+
+    def make():
         halves = scratch("t", (2, c, 8), torch.int32)
-        halves.copy_(qs[s:e].view(c, 2, 8).transpose(0, 1))
         q = scratch("q", (2, 4, c * 8), torch.int32)  # (half, r, block x word)
-        torch.bitwise_right_shift(halves.view(2, 1, -1), pair, out=q)
-        q &= low2
-        out.view(c, 8, 32).transpose(0, 1).copy_(q.view(torch.uint8).view(8, c, 32))
-        out.view(c, 16, 16).mul_(dl[s:e]).sub_(ml[s:e])
-    return decode
+        return (halves, halves.view(2, 1, -1), q, q.view(torch.uint8).view(8, c, 32),
+                _shifts((0, 2, 4, 6), (1, 4, 1), torch.int32, b.device))
+    halves, halves_rows, q, code_bytes, pair = scratch.get(("Q2_K", c), make)
+    halves.copy_(b[:, 16:80].view(torch.int32).view(c, 2, 8).transpose(0, 1))
+    torch.bitwise_right_shift(halves_rows, pair, out=q)
+    q &= 0x03030303
+    out.view(c, 8, 32).transpose(0, 1).copy_(code_bytes)
+    dl, ml = scales
+    out.view(c, 16, 16).mul_(dl).sub_(ml)
 
 
-PLANS = {
-    "Q8_0": _plan_q8_0, "Q4_0": _plan_blockwise(_q4_0), "Q4_1": _plan_blockwise(_q4_1),
-    "Q5_0": _plan_blockwise(_q5_0), "Q5_1": _plan_blockwise(_q5_1),
-    "Q2_K": _plan_q2_k, "Q3_K": _plan_q3_k, "Q4_K": _plan_q4_k, "Q5_K": _plan_q5_k,
-    "Q6_K": _plan_q6_k, "IQ4_NL": _plan_blockwise(_iq4_nl), "IQ4_XS": _plan_blockwise(_iq4_xs),
+# GGML type name -> (scales, decode)
+KERNELS = {
+    "Q8_0": (_q8_0_scales, _q8_0), "Q4_0": (None, _q4_0), "Q4_1": (None, _q4_1),
+    "Q5_0": (None, _q5_0), "Q5_1": (None, _q5_1),
+    "Q2_K": (_q2_k_scales, _q2_k), "Q3_K": (_q3_k_scales, _q3_k), "Q4_K": (_k_scales, _q4_k),
+    "Q5_K": (_k_scales, _q5_k), "Q6_K": (_q6_k_scales, _q6_k),
+    "IQ4_NL": (None, _iq4_nl), "IQ4_XS": (None, _iq4_xs),
 }
 
-# On the CPU, blocks are decoded in chunks of about this many values, so that a chunk's output
-# and temporaries stay in the core's cache (the 256 KiB of fp32 output and its codes fit a
-# 512 KiB L2). A GPU decodes everything in one pass of launches.
-CPU_CHUNK_VALUES = 1 << 16
+# CPU scheduling. With one torch thread, blocks are decoded in chunks of about CPU_CHUNK_VALUES
+# values (512 KiB of fp32 output and its codes stay in cache, and each op's fixed cost is spread
+# over enough values), the scales computed for all blocks up front. With several, the chunks
+# are shared out to that many Python threads (torch releases the GIL inside its kernels), and
+# every op, the scale ones included (computed per run of chunks), stays under torch's grain
+# size of 32768 elements so that it runs on the calling thread: these ops are too short for an
+# OpenMP fork and join to pay, and on a loaded machine every barrier waits for a descheduled
+# thread. A GPU decodes everything at once.
+CPU_CHUNK_VALUES = 1 << 17
+THREAD_CHUNK_VALUES = 32768 - 256  # a multiple of 256, below the grain size
+MAX_SCALES_PER_BLOCK = 32  # elements per block in the largest op of a ``scales`` function
+MAX_CPU_WORKERS = 8
+
+
+def _schedule(n: int, block_size: int, device: torch.device) -> tuple[int, int, int]:
+    """(blocks per chunk, blocks per run of chunks sharing one scales call, threads)."""
+    if device.type != "cpu":
+        return n, n, 1
+    threads = torch.get_num_threads()
+    if threads == 1:
+        return max(1, CPU_CHUNK_VALUES // block_size), n, 1
+    step = max(1, min(CPU_CHUNK_VALUES, THREAD_CHUNK_VALUES) // block_size)
+    run = max(1, THREAD_CHUNK_VALUES // MAX_SCALES_PER_BLOCK // step) * step
+    return step, run, max(1, min(threads, MAX_CPU_WORKERS, n // (2 * step)))
 
 
 def dequantize_blocks(blocks: torch.Tensor, qtype: str, dtype: torch.dtype = torch.float32,
@@ -422,17 +447,41 @@ def dequantize_blocks(blocks: torch.Tensor, qtype: str, dtype: torch.dtype = tor
     flat = out.view(n, block_size)
     if n == 0:
         return out.view(-1)
-    step = n if blocks.device.type != "cpu" else max(1, CPU_CHUNK_VALUES // block_size)
-    scratch = _Scratch(blocks.device)
-    decode = PLANS[qtype](blocks, scratch)
-    for start in range(0, n, step):
-        stop = min(n, start + step)
-        if dtype == torch.float32:
-            decode(start, stop, flat[start:stop])
-        else:  # decoded in fp32 (exact), rounded once into the compute dtype
-            values = scratch("values", (stop - start, block_size), torch.float32)
-            decode(start, stop, values)
-            flat[start:stop].copy_(values)
+    scales_of, decode = KERNELS[qtype]
+    step, run, workers = _schedule(n, block_size, blocks.device)
+
+    def work(first: int, last: int):
+        scratch = _Scratch(blocks.device)
+        for run_start in range(first, last, run):
+            run_stop = min(last, run_start + run)
+            scales = scales_of(blocks[run_start:run_stop]) if scales_of else ()
+            for start in range(run_start, run_stop, step):
+                stop = min(run_stop, start + step)
+                part = tuple(s[start - run_start:stop - run_start] for s in scales)
+                if dtype == torch.float32:
+                    decode(blocks[start:stop], flat[start:stop], part, scratch)
+                else:  # decoded in fp32 (exact), rounded once into the compute dtype
+                    values = scratch("values", (stop - start, block_size), torch.float32)
+                    decode(blocks[start:stop], values, part, scratch)
+                    flat[start:stop].copy_(values)
+
+    if workers == 1:
+        work(0, n)
+        return out.view(-1)
+    # Contiguous shares of whole runs; worker threads start with default grad/inference modes.
+    runs = -(-n // run)
+    bounds = [min(n, runs * i // workers * run) for i in range(workers + 1)]
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    def share(first: int, last: int):
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            work(first, last)
+
+    with ThreadPoolExecutor(workers - 1) as pool:
+        done = [pool.submit(share, bounds[i], bounds[i + 1]) for i in range(1, workers)]
+        work(bounds[0], bounds[1])
+        for future in done:
+            future.result()
     return out.view(-1)
 
 
