@@ -57,11 +57,11 @@ CONFIG_KEY = "seedvr2.config"
 # Bit-exactness: every type applies the same fp32 operations, in the same order, as gguf.quants
 # (fp16 scales widened to fp32, the per-sub-block scale products computed first, then code x
 # scale, then - min), only as in-place ``mul_``/``sub_`` on the output instead of fresh arrays;
-# integer codes are formed exactly as gguf.quants forms them (as int8 where it uses int8).
+# the integer codes have the values gguf.quants gives them (as int8 where it uses int8).
 #
 # Speed, on the CPU (a GPU takes everything in one chunk): blocks are decoded in chunks small
 # enough that a chunk's output and temporaries stay in cache. Per chunk, codes are unpacked by
-# integer ops on 16/32-bit words (2-4 codes per lane), each over long contiguous rows: torch's
+# integer ops on 16/32-bit words (2-4 bytes per lane), each over long contiguous rows: torch's
 # integer kernels fall back to scalar code on rows shorter than a vector, so a field shared by
 # several sub-blocks (the high bits) is broadcast along an outer axis, never interleaved at
 # 32-byte granularity. The codes of a chunk are thus laid out sub-block-major, ``(row of the
@@ -426,7 +426,8 @@ def _schedule(n: int, block_size: int, device: torch.device) -> tuple[int, int, 
         return max(1, CPU_CHUNK_VALUES // block_size), n, 1
     step = max(1, min(CPU_CHUNK_VALUES, THREAD_CHUNK_VALUES) // block_size)
     run = max(1, THREAD_CHUNK_VALUES // MAX_SCALES_PER_BLOCK // step) * step
-    return step, run, max(1, min(threads, MAX_CPU_WORKERS, n // (2 * step)))
+    workers = min(threads, MAX_CPU_WORKERS, n // (2 * step), -(-n // run))
+    return step, run, max(1, workers)
 
 
 def dequantize_blocks(blocks: torch.Tensor, qtype: str, dtype: torch.dtype = torch.float32,
