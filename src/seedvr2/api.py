@@ -1,11 +1,16 @@
 """The facade every interface calls: ``upscale`` (frames in memory) and ``upscale_file``.
 
 Options are validated once (``seedvr2.options``); models may be given loaded, or by registered
-name or path and are then loaded here.
+name or path and are then loaded here. Before any frame is processed, :func:`prepare_job`
+resolves ``batch_size="auto"`` and checks the job against the memory of each CUDA device
+(``seedvr2.memory.budget``), so a job that cannot fit stops up front with the settings that
+would, instead of running out of memory mid-video.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -15,13 +20,16 @@ from .loading import load_dit, load_vae
 from .loading.registry import DEFAULT_DIT, DEFAULT_VAE, default_model_dir, resolve_model_file
 from .loading.text import load_text_embeddings
 from .memory import MODEL_CACHE, ModelKey, resolve_device, resolve_dtype, resolve_offload
+from .memory import budget as mem
 from .memory.blockswap import BlockSwap
 from .memory.compile import CompileSettings, apply_compile
+from .memory.tiling import TileSettings
 from .options import OptionError, Options, resolve_options
 from .pipeline.plan import make_plan
 from .pipeline.runner import JobStats, Models, Upscaler, output_size, to_integer_frames
 
 Progress = Callable[[str, int, int], None]
+log = logging.getLogger("seedvr2")
 
 
 def _settings_of(opts: Options, kind: str) -> tuple:
@@ -81,6 +89,139 @@ def load_models(dit=None, vae=None, *, opts: Options, model_dir=None) -> Models:
     return Models(dit, vae, text, dit_device, vae_device, dtype, dit_offload, vae_offload, blockswap)
 
 
+def _tiles(opts: Options) -> tuple[TileSettings, TileSettings]:
+    return (TileSettings(opts.vae_encode_tiled, opts.vae_encode_tile_size, opts.vae_encode_tile_overlap),
+            TileSettings(opts.vae_decode_tiled, opts.vae_decode_tile_size, opts.vae_decode_tile_overlap))
+
+
+def _budget_job(opts: Options, size: tuple[int, int], batch: int, dtype: torch.dtype,
+                text_tokens: int, compute_devices: set) -> mem.Job:
+    """The budget's view of one batch; chunk tensors count only when they wait on a compute
+    device (tensor_offload_device none or equal to the DiT's / VAE's device)."""
+    encode, decode = _tiles(opts)
+    waits_on = None if opts.tensor_offload_device == "none" else \
+        str(resolve_device(opts.tensor_offload_device))
+    on_device = waits_on is None or waits_on in compute_devices
+    chunk = opts.chunk_size if on_device else None
+    slices = [opts.values.get(f"vae_{stage}_temporal_slice") or None for stage in ("encode", "decode")]
+    return mem.Job(size[0], size[1], batch, dtype.itemsize, text_tokens, encode, decode, chunk,
+                   *slices)
+
+
+MEMORY_CHECK_ENV = "SEEDVR2_MEMORY_CHECK"  # "warn": a job over budget only logs a warning
+
+
+def plan_frames_of(frame_count: int, opts: Options) -> int:
+    """Frames of the batch plan: the clip plus the prepended context frames."""
+    return frame_count + min(opts.prepend_frames, max(frame_count - 1, 0))
+
+
+def prepare_job(models: Models, opts: Options, frame_count: int, size: tuple[int, int],
+                stats: Optional[JobStats] = None) -> Options:
+    """Resolve ``batch_size="auto"`` and check the memory budget, before any work starts.
+
+    ``auto`` becomes the largest 4n+1 batch (at least 5 when any fits, at most the clip
+    rounded up to 4n+1 and :data:`seedvr2.memory.budget.AUTO_MAX_BATCH`) whose estimate fits:
+    on CUDA the device's free memory, on the CPU (and other devices) the host's available
+    RAM; when that is unknown, 5. Then, on CUDA devices only, a job whose estimate exceeds
+    the free memory raises :class:`~seedvr2.memory.budget.BudgetError` naming settings that
+    would fit (``SEEDVR2_MEMORY_CHECK=warn`` in the environment turns that into a warning, for
+    when the estimate is wrong); on the CPU the comparison is only logged (debug). Returns the
+    options with a concrete batch size.
+    """
+    dit_device, vae_device = str(models.dit_device), str(models.vae_device)
+    place = mem.Placement(
+        dit_device, vae_device,
+        str(models.dit_offload) if models.dit_offload is not None else None,
+        str(models.vae_offload) if models.vae_offload is not None else None,
+        models.blockswap.blocks_to_swap if models.blockswap is not None and models.blockswap.active else 0,
+        bool(opts.swap_io_components and models.blockswap is not None and models.blockswap.active))
+    budget = mem.Budget(models.dit.config, models.vae.config, mem.Weights.of_module(models.dit),
+                        mem.Weights.of_module(models.vae))
+    devices = {dit_device, vae_device}
+
+    def available(device: str) -> Optional[int]:
+        own = mem.bytes_on(models.dit, torch.device(device)) + mem.bytes_on(models.vae, torch.device(device))
+        return mem.device_available(torch.device(device), own)
+
+    cuda = {d: available(d) for d in sorted(devices) if d.startswith("cuda")}
+    plan_frames = plan_frames_of(frame_count, opts)
+    job = lambda batch: _budget_job(opts, size, batch, models.dtype, models.text.shape[0], devices)  # noqa: E731
+    auto = opts.batch_size == "auto"
+    if auto:
+        limits = cuda or {d: a for d in sorted(devices) if (a := available(d)) is not None}
+        if limits:
+            batch = mem.auto_batch_size(budget, job(5), place, limits, plan_frames,
+                                        opts.temporal_overlap)
+        else:
+            batch = mem.batch_candidates(plan_frames, opts.temporal_overlap)[-1]
+        opts = opts.replace(batch_size=batch)
+        log.info("batch_size auto: %d frames per batch (largest 4n+1 that fits %s for %dx%d "
+                 "output, %d frames)", batch, ", ".join(f"{mem.gib(v)} on {d}" for d, v in limits.items())
+                 or "the default", size[1], size[0], plan_frames)
+    if cuda:
+        try:
+            est = mem.check(budget, job(opts.batch_size), place, cuda)
+        except mem.BudgetError as e:
+            if os.environ.get(MEMORY_CHECK_ENV, "").strip().lower() != "warn":
+                raise mem.BudgetError(f"{e} (to try anyway, set {MEMORY_CHECK_ENV}=warn)") from None
+            log.warning("%s; running anyway (%s=warn)", e, MEMORY_CHECK_ENV)
+            est = mem.estimate(budget, job(opts.batch_size), place)
+    else:
+        est = mem.estimate(budget, job(opts.batch_size), place)
+        for d in sorted(devices):
+            have = available(d)
+            log.debug("memory budget on %s (not enforced): needs about %s, %s available", d,
+                      mem.gib(est.peak(d)), "unknown" if have is None else mem.gib(have))
+    for need in est.phases:
+        log.debug("memory budget, %s phase on %s: %s (%s)", need.phase, need.device,
+                  mem.gib(need.total), need.describe())
+    if stats is not None:
+        stats.batch_size, stats.batch_size_auto = opts.batch_size, auto
+        stats.estimated_bytes = {d: est.peak(d) for d in est.devices}
+    return opts
+
+
+def resolve_auto_batch_for_ranks(opts: Options, devices: list[str], dit, vae, model_dir,
+                                 frame_count: int, size: tuple[int, int], gather=None) -> Options:
+    """``batch_size="auto"`` for a job split over several processes, which must all use the
+    same batch plan: resolved once, for the device with the least memory available, from
+    the weight files' headers (no model is loaded). ``gather`` (torchrun: every rank calls
+    this) turns this process's available bytes into every rank's list; without it (our
+    launcher) the available memory of each listed device is asked from here, which creates
+    a CUDA context on each of them in this process.
+    """
+    if opts.batch_size != "auto":
+        return opts
+    model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
+    first = resolve_device(devices[0])
+    dtype = resolve_dtype(opts.dtype, first)
+    dit_w, dit_cfg = mem.Weights.from_file(
+        resolve_model_file(dit or DEFAULT_DIT, model_dir, "dit", download_missing=True), "dit", dtype)
+    vae_w, vae_cfg = mem.Weights.from_file(
+        resolve_model_file(vae or DEFAULT_VAE, model_dir, "vae", download_missing=True), "vae", dtype)
+    budget = mem.Budget(dit_cfg, vae_cfg, dit_w, vae_w)
+    if gather is not None:
+        values = gather(mem.device_available(first))
+    else:
+        values = [mem.device_available(resolve_device(d)) for d in devices]
+    ranks = len(values)
+    values = [v for v in values if v is not None]
+    if first.type != "cuda" and values:  # CPU ranks share the host's RAM
+        values = [min(values) // ranks]
+    device = "cuda:0" if first.type == "cuda" else "cpu"
+    place = mem.Placement(device, device)
+    job = _budget_job(opts, size, 5, dtype, mem.TEXT_TOKENS, {device})
+    plan_frames = plan_frames_of(frame_count, opts)
+    if values:
+        batch = mem.auto_batch_size(budget, job, place, {device: min(values)}, plan_frames,
+                                    opts.temporal_overlap)
+    else:
+        batch = mem.batch_candidates(plan_frames, opts.temporal_overlap)[-1]
+    log.info("batch_size auto: %d frames per batch on every rank", batch)
+    return opts.replace(batch_size=batch)
+
+
 def _upscaler(models: Models, opts: Options, progress, should_stop) -> Upscaler:
     return Upscaler(models, opts, progress, should_stop)
 
@@ -118,13 +259,20 @@ def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Pr
 
         _check_named_models(dit, vae)
         frames = torch.as_tensor(frames)
-        out_shape = (len(frames), *output_size(frames.shape[1], frames.shape[2], opts), frames.shape[3])
+        size = output_size(frames.shape[1], frames.shape[2], opts)
+        opts = resolve_auto_batch_for_ranks(opts, devices, dit, vae, model_dir, len(frames), size)
+        out_shape = (len(frames), *size, frames.shape[3])
         return spawn_tensor_job(devices, frames, out_shape, dit, vae, model_dir=model_dir,
-                                progress=progress, should_stop=should_stop, **options)
+                                progress=progress, should_stop=should_stop,
+                                **{**options, "batch_size": opts.batch_size})
     _check_one_process(opts)
     opts = opts.replace(device=devices[0]) if opts.device == "auto" and opts.devices != "auto" else opts
     models = load_models(dit, vae, opts=opts, model_dir=model_dir)
+    job_stats = JobStats()
+    opts = prepare_job(models, opts, len(frames), output_size(frames.shape[1], frames.shape[2], opts),
+                       job_stats)
     upscaler = _upscaler(models, opts, progress, should_stop)
+    upscaler.stats = job_stats
     plan = make_plan(len(frames), opts)
     pieces = [out for _, out in upscaler.run(iter(frames), plan)]
     if stats is not None:
@@ -135,14 +283,24 @@ def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Pr
 VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv")
 
 
-def plan_file(reader, dst, opts: Options, codec: str):
-    """Batch plan, output (H, W) and bit depth of a file job: the same in one process and on
-    every rank of a distributed one."""
+def file_facts(reader, dst, opts: Options, codec: str) -> tuple[int, tuple[int, int], int]:
+    """Frame count, output (H, W) and bit depth of a file job."""
     info = reader.info
     frame_count = info.frame_count if info.frame_count_exact else reader.count_frames()
     is_video_out = Path(str(dst)).suffix.lower() in VIDEO_SUFFIXES
     bit_depth = 16 if info.bit_depth == 16 or is_video_out and codec == "h265" else 8
-    return make_plan(frame_count, opts), output_size(info.height, info.width, opts), bit_depth
+    return frame_count, output_size(info.height, info.width, opts), bit_depth
+
+
+def plan_file(reader, dst, opts: Options, codec: str):
+    """Batch plan, output (H, W) and bit depth of a file job: the same in one process and on
+    every rank of a distributed one. ``opts.batch_size`` must be a number by now
+    (:func:`prepare_job`, :func:`resolve_auto_batch_for_ranks`)."""
+    if opts.batch_size == "auto":
+        raise OptionError("batch_size = 'auto' must be resolved before the batch plan is made "
+                          "(seedvr2.api.prepare_job or resolve_auto_batch_for_ranks)")
+    frame_count, size, bit_depth = file_facts(reader, dst, opts, codec)
+    return make_plan(frame_count, opts), size, bit_depth
 
 
 def open_output(info, dst, size: tuple[int, int], bit_depth: int, codec: str, overwrite: bool):
@@ -171,22 +329,42 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
 
     opts = resolve_options(**options)
     job = dict(model_dir=model_dir, overwrite=overwrite, codec=codec, **options)
+    def ranks_auto(devices, gather=None):
+        if opts.batch_size == "auto":
+            with open_media(src) as reader:
+                count, size, _ = file_facts(reader, dst, opts, codec)
+            job["batch_size"] = resolve_auto_batch_for_ranks(
+                opts, devices, dit, vae, model_dir, count, size, gather).batch_size
+
     if in_distributed_launch():  # torchrun / Slurm: this process is one rank
         ctx = init_from_env(opts.devices if opts.devices != "auto" else "auto", opts.dist_timeout)
+
+        def gather(value):
+            import torch.distributed as dist
+
+            values = [None] * ctx.world_size
+            dist.all_gather_object(values, value)
+            return values
+        ranks_auto([str(ctx.device)], gather)
         return run_file_job(ctx, src, dst, dit, vae, progress=progress, should_stop=should_stop, **job)
     devices = parse_devices(opts.devices)
     if len(devices) > 1:
         _check_named_models(dit, vae)
+        ranks_auto(devices)
         return spawn_file_job(devices, src, dst, dit, vae, **job)
     _check_one_process(opts)
     opts = opts.replace(device=devices[0]) if opts.device == "auto" and opts.devices != "auto" else opts
     with open_media(src) as reader:
-        plan, size, bit_depth = plan_file(reader, dst, opts, codec)
+        frame_count, size, bit_depth = file_facts(reader, dst, opts, codec)
         # Opening the writer first fails fast on an unwritable or existing output.
         writer = open_output(reader.info, dst, size, bit_depth, codec, overwrite)
         with writer:
             models = load_models(dit, vae, opts=opts, model_dir=model_dir)
+            job_stats = JobStats()
+            opts = prepare_job(models, opts, frame_count, size, job_stats)
+            plan = make_plan(frame_count, opts)
             upscaler = _upscaler(models, opts, progress, should_stop)
+            upscaler.stats = job_stats
             for _, frames in upscaler.run(reader.frames(), plan):
                 writer.write_many(to_integer_frames(frames, bit_depth))
         if stats is not None:

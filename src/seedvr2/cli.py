@@ -105,15 +105,20 @@ class _Bars:
 
 
 def _summary(path: Path, stats, seconds: float) -> str:
+    """One line: frames, speed, batch size used, per phase time and memory peaks (device
+    allocated/reserved, n/a on the CPU; host RSS), overall peaks and the budget's estimate."""
     import resource
 
-    phases = ", ".join(f"{k} {v:.1f}s" for k, v in stats.seconds.items())
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
-    device = f", peak device memory {stats.peak_device_bytes / 2**20:.0f} MiB" \
+    device = f", peak device memory {stats.peak_device_bytes / 2**20:,.0f} MiB" \
         if stats.peak_device_bytes else ""
+    estimate = "".join(f", estimated {n / 2**20:,.0f} MiB on {d}" for d, n in stats.estimated_bytes.items()
+                       if d.startswith("cuda"))
     fps = stats.frames / seconds if seconds else 0.0
-    return (f"{path}: {stats.frames} frames in {seconds:.1f}s ({fps:.2f} frames/s); {phases}; "
-            f"peak RSS {rss:.0f} MiB{device}")
+    batch = f"batch_size {stats.batch_size}{' (auto)' if stats.batch_size_auto else ''}; " \
+        if stats.batch_size else ""
+    return (f"{path}: {stats.frames} frames in {seconds:.1f}s ({fps:.2f} frames/s); {batch}"
+            f"{stats.describe_phases()}; peak RSS {rss:,.0f} MiB{device}{estimate}")
 
 
 def _upscale(args) -> int:
@@ -206,6 +211,14 @@ def _run_workflow(args) -> int:
     return 0
 
 
+def _or_auto(kind):
+    """An argparse type: a number of ``kind`` or the word auto."""
+    def parse(text: str):
+        return "auto" if text.strip().lower() == "auto" else kind(text)
+    parse.__name__ = f"{kind.__name__} or auto"  # argparse names it in its error message
+    return parse
+
+
 def _add_option_flags(parser: argparse.ArgumentParser):
     from .options import OPTIONS
 
@@ -214,6 +227,8 @@ def _add_option_flags(parser: argparse.ArgumentParser):
         kwargs = dict(default=None, help=f"{opt.help} (default: {opt.default})")
         if opt.type is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif opt.accepts_auto:
+            kwargs["type"] = _or_auto(opt.type)
         else:
             kwargs["type"] = opt.type
             if opt.choices:

@@ -29,6 +29,7 @@ class Option:
     min: Optional[float] = None
     max: Optional[float] = None
     check: Optional[Callable[[Any], Optional[str]]] = None  # returns an error text or None
+    accepts_auto: bool = False  # the string "auto" is also a value (resolved at run time)
 
     @property
     def flag(self) -> str:
@@ -80,8 +81,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("max_resolution", int, 0, "cap on the output's long edge (0 = none); a larger "
            "result is scaled down to fit", min=0, max=16384),
     Option("batch_size", int, 5, "frames per temporal batch, 4n+1 (1 for single images; "
-           "larger = better temporal consistency, more memory)", min=1, max=1001,
-           check=_batch_size_problem),
+           "larger = better temporal consistency, more memory), or auto: the largest 4n+1 "
+           "(at least 5, at most the clip) whose memory estimate fits the GPU's free memory "
+           "(on the CPU: the available RAM)",
+           min=1, max=1001, check=_batch_size_problem, accepts_auto=True),
     Option("uniform_batch_size", bool, False, "pad the last batch to batch_size so every "
            "batch has the same shape (helps torch.compile)"),
     Option("temporal_overlap", int, 0, "frames shared by consecutive batches and cross-faded "
@@ -150,6 +153,17 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("compile_fullgraph", bool, False, "torch.compile fullgraph (fail on graph breaks)"),
     Option("compile_dynamic", str, "auto", "torch.compile dynamic shapes: auto (after the first "
            "change), true, false", choices=("auto", "true", "false")),
+    # -- VAE causal temporal slicing (seedvr2.memory.tiling; exact) --
+    Option("vae_encode_temporal_slice", int, 0, "encode each batch in causal temporal slices of "
+           "this many frames (a multiple of 4; the first slice has one more): same result, less "
+           "memory for long batches (0 = the whole batch at once; 4 = the official setting)",
+           min=0, max=1_000_000, check=lambda v: None if v % 4 == 0 else
+           f"must be a multiple of 4 frames (e.g. {v - v % 4 or 4}), or 0 for no slicing"),
+    Option("vae_decode_temporal_slice", int, 0, "decode each batch in causal temporal slices of "
+           "this many output frames (a multiple of 4 = that / 4 latent frames; the first slice "
+           "has one more): same result, less memory (0 = the whole batch at once)",
+           min=0, max=1_000_000, check=lambda v: None if v % 4 == 0 else
+           f"must be a multiple of 4 frames (e.g. {v - v % 4 or 4}), or 0 for no slicing"),
 ]}
 
 
@@ -169,7 +183,13 @@ class Options:
         return resolve_options(**{**self.values, **changes})
 
 
+def is_auto(opt: Option, value) -> bool:
+    return opt.accepts_auto and isinstance(value, str) and value.strip().lower() == "auto"
+
+
 def _coerce(opt: Option, value):
+    if is_auto(opt, value):
+        return "auto"
     if opt.type is bool:
         if isinstance(value, bool):
             return value
@@ -184,7 +204,8 @@ def _coerce(opt: Option, value):
         try:
             value = opt.type(value)
         except ValueError:
-            raise OptionError(f"{opt.name} = {value!r}: expected a number") from None
+            raise OptionError(f"{opt.name} = {value!r}: expected a number"
+                              + (" or auto" if opt.accepts_auto else "")) from None
     if not isinstance(value, opt.type) or isinstance(value, bool) and opt.type is not bool:
         raise OptionError(f"{opt.name} = {value!r}: expected {opt.type.__name__}")
     return value
@@ -201,6 +222,9 @@ def resolve_options(**given) -> Options:
     values = {}
     for name, opt in OPTIONS.items():
         value = _coerce(opt, given.get(name, opt.default))
+        if value == "auto" and opt.accepts_auto:
+            values[name] = value
+            continue
         if opt.choices is not None and value not in opt.choices:
             raise OptionError(f"{name} = {value!r}: expected one of {', '.join(map(str, opt.choices))}")
         if opt.min is not None and value < opt.min:
@@ -215,7 +239,8 @@ def resolve_options(**given) -> Options:
         if overlap >= size:
             raise OptionError(f"vae_{stage}_tile_overlap = {overlap}: must be smaller than "
                               f"vae_{stage}_tile_size ({size}); lower the overlap or raise the size")
-    if values["temporal_overlap"] >= values["batch_size"]:
+    # With batch_size auto, the batch size chosen is always larger than temporal_overlap.
+    if values["batch_size"] != "auto" and values["temporal_overlap"] >= values["batch_size"]:
         raise OptionError(f"temporal_overlap = {values['temporal_overlap']}: must be smaller than "
                           f"batch_size ({values['batch_size']})")
     return Options(values)

@@ -13,6 +13,7 @@ the device, or which process runs the batch.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Optional, Sequence
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..memory import tiling
+from ..memory.budget import host_rss
 from ..memory.tiling import TileSettings
 from ..options import Options
 from .alpha import upscale_alpha
@@ -30,6 +32,7 @@ from .plan import Batch, BatchPlan, blend_weights
 from .sampling import LATENT_SCALE, T, augment_latent, dit_input, make_condition, x0_from_velocity
 
 Progress = Callable[[str, int, int], None]
+log = logging.getLogger("seedvr2")
 
 MODEL_MULTIPLE = 16  # the VAE (x8) and the DiT's 2x2 patches need multiples of 16 pixels
 _LUMA = torch.tensor([0.299, 0.587, 0.114])  # ITU-R BT.601, to return grayscale inputs as gray
@@ -78,15 +81,56 @@ class Models:
 
 
 @dataclass
+class PhaseStats:
+    """One phase over the whole job: time, calls, and memory peaks. Device peaks are
+    ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` of the phase's device, reset
+    at the start of every call (None when the phase runs on the CPU); ``host_rss`` is the
+    process's resident set at the end of a call, the largest seen."""
+
+    seconds: float = 0.0
+    calls: int = 0
+    device_allocated: Optional[int] = None
+    device_reserved: Optional[int] = None
+    host_rss: Optional[int] = None
+
+    def describe(self, name: str) -> str:
+        mib = lambda n: "n/a" if n is None else f"{n / 2**20:,.0f} MiB"  # noqa: E731
+        return (f"{name} {self.seconds:.1f}s (device peak {mib(self.device_allocated)} allocated, "
+                f"{mib(self.device_reserved)} reserved; host RSS {mib(self.host_rss)})")
+
+
+@dataclass
 class JobStats:
-    """Time per phase (seconds) and peak memory, for the end summary."""
+    """Time and peak memory per phase, the batch size used and the memory estimate, for the
+    end summary."""
 
     seconds: dict = field(default_factory=dict)
     frames: int = 0
     peak_device_bytes: int = 0
+    phases: dict = field(default_factory=dict)  # phase -> PhaseStats
+    batch_size: int = 0  # frames per batch actually used (batch_size auto resolved)
+    batch_size_auto: bool = False
+    estimated_bytes: dict = field(default_factory=dict)  # device -> estimated peak (budget)
 
     def add(self, phase: str, seconds: float):
         self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+        stats = self.phases.setdefault(phase, PhaseStats())
+        stats.seconds += seconds
+        stats.calls += 1
+
+    def record_memory(self, phase: str, allocated: Optional[int], reserved: Optional[int],
+                      rss: Optional[int]):
+        stats = self.phases.setdefault(phase, PhaseStats())
+        high = lambda old, new: new if old is None else old if new is None else max(old, new)  # noqa: E731
+        stats.device_allocated = high(stats.device_allocated, allocated)
+        stats.device_reserved = high(stats.device_reserved, reserved)
+        stats.host_rss = high(stats.host_rss, rss)
+        if allocated is not None:
+            self.peak_device_bytes = max(self.peak_device_bytes, allocated)
+
+    def describe_phases(self) -> str:
+        """``encode 1.2s (device peak ... allocated, ... reserved; host RSS ...), dit ...``"""
+        return ", ".join(p.describe(name) for name, p in self.phases.items())
 
 
 def output_size(height: int, width: int, opts: Options) -> tuple[int, int]:
@@ -216,6 +260,8 @@ class Upscaler:
         self.decode_tiles = TileSettings(opts.vae_decode_tiled, opts.vae_decode_tile_size,
                                          opts.vae_decode_tile_overlap)
         self.stats = JobStats()
+        if isinstance(opts.batch_size, int):
+            self.stats.batch_size = opts.batch_size
 
     # -- phases ---------------------------------------------------------------------------
 
@@ -284,13 +330,20 @@ class Upscaler:
             raise Interrupted("upscaling interrupted")
 
     def _timed(self, phase: str, fn, *args):
+        device = self.models.dit_device if phase == "dit" else self.models.vae_device
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         try:
             return fn(*args)
         finally:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
+            if cuda:
+                torch.cuda.synchronize(device)
             self.stats.add(phase, time.perf_counter() - start)
+            self.stats.record_memory(
+                phase, torch.cuda.max_memory_allocated(device) if cuda else None,
+                torch.cuda.max_memory_reserved(device) if cuda else None, host_rss())
 
     @torch.inference_mode()
     def batch_outputs(self, frames: Iterable, plan: BatchPlan,
@@ -349,9 +402,9 @@ class Upscaler:
                 self.models.blockswap.release_all()
             self.models.park("dit")
             self.models.park("vae")
+            for name, phase in self.stats.phases.items():
+                log.debug("phase %s: %s", name, phase.describe(f"{phase.calls} call(s)"))
             if torch.cuda.is_available():
-                self.stats.peak_device_bytes = max(self.stats.peak_device_bytes,
-                                                   torch.cuda.max_memory_allocated())
                 torch.cuda.empty_cache()
 
     def run(self, frames: Iterable, plan: BatchPlan) -> Iterator[tuple[int, torch.Tensor]]:

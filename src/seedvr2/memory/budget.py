@@ -1,0 +1,764 @@
+"""Memory budget: what a job needs on each device, known before any frame is processed.
+
+A job runs three phases per chunk (VAE encode, DiT, VAE decode); the models' weights and one
+phase's working set share a device at a time. :func:`estimate` computes, per phase and
+device, the bytes of the weights resident there plus the phase's activations, from the model
+configurations alone: it is a pure function of (configs, weight sizes, :class:`Job`,
+:class:`Placement`) and runs on any machine. :func:`check` compares it with the bytes
+available per device and raises one :class:`BudgetError` naming the settings that would fit;
+:func:`auto_batch_size` picks the largest 4n+1 batch that fits.
+
+The activation model
+--------------------
+Peaks are counted tensor by tensor from the code's own data flow (which tensors are alive at
+the same time), not fitted curves, and calibrated against the peak of live tensor bytes
+measured on the CPU with the tiny conformance models (a dispatch-mode tracker, the CPU
+stand-in for ``torch.cuda.max_memory_allocated``; ``tests/test_budget.py`` asserts the
+estimate is above the measurement and within 1.5x of it). Measured 2026-12: the DiT block
+counts match within 1 % in fp32 and bf16 (whole DiT phase 15-21 % above, the pipeline's
+inputs counted generously), the VAE decoder's within 1-3 %, the encoder phase 9-11 % above,
+spatially tiled phases 24-31 % above. No CUDA device was available to calibrate against, so:
+
+* attention is assumed to run in a fused kernel (flash / memory-efficient SDPA, as PyTorch
+  picks for these shapes on CUDA): no ``N x N`` score matrix is counted, for the DiT's windows
+  nor for the VAE's per-frame mid-block attention;
+* CUDA-only costs (cuBLAS/cuDNN workspaces, allocator rounding and fragmentation) are covered
+  by a margin of :data:`ACTIVATION_MARGIN` of the activations plus :data:`FIXED_OVERHEAD`.
+
+DiT, per video token (``N = t * h/2 * w/2`` for a latent of ``t x h x w``; ``b`` = bytes of the
+compute dtype, ``D`` = vid_dim, ``I`` = heads x head_dim, ``F`` = MLP hidden width), the
+largest of three moments of a block:
+
+* MLP: block input, modulated input, attention output, residual sum (4D) and the MLP's
+  hidden tensors (SwiGLU: gate, input, activation = 3F; GELU: 2F), all in ``b``;
+* q/k normalisation and RoPE: 2D + the qkv projection and its window-ordered copy (6I) in
+  ``b``, q and k normed and rotated in float32 (16 I bytes);
+* window attention: 2D + qkv and its copy (6I) + q, k in ``b`` (2I) + one group's window
+  copies of q, k, v (3I) + the SDPA output, its flattened copy and the scattered output (3I);
+
+plus what lives for the whole forward: two RoPE tables (complex64, ``8 x head_dim`` bytes per
+token), two window layouts' index tensors (128 bytes per token), and the pipeline's inputs
+per latent position (noise, latent, condition and DiT input in float32, the DiT input in ``b``).
+
+VAE, per voxel of each resolution level (``p = 1 + 2/T`` for the causal padding buffers):
+every convolution in a residual block writes its normalised input into a padded buffer, so a
+block holds its caller's input, its own input, the first conv's output, the second conv's
+padded buffer and output (plus the 1x1 shortcut when the width changes), and the norm's
+float32 copy of its input in reduced precision; the largest such moment over all levels and
+the decoder's up-samplers is the peak. The decoder's last level (input C1 = 256, output
+C0 = 128 channels at full resolution) dominates: about 1.8 KB per output voxel in bf16, so a
+21-frame 1080p batch needs ~80 GB untiled and ~10 GB with 512-pixel tiles. Frame buffers of
+the pipeline (resized input, reference, padded video; colour correction after decoding) add
+a few float32 copies of 3 channels.
+
+With spatial tiling, the VAE's activations are those of one tile run through the whole
+network (``tile_size`` plus its ``context`` on each side, or the whole frame when smaller) plus
+the full-frame output the tiles are blended into; ``seedvr2.memory.tiling`` may hold less (its
+exact mode runs layer by layer, with frame-wide planes off the device unless its
+``state_device`` is None, which adds two float32 full-frame planes here); with causal temporal slices, those of ``1 + slice`` frames plus the
+frames each causal convolution carries to the next slice.
+
+Weights are the bytes of the model's tensors as they sit in memory (measured from a loaded
+module, or computed from a config and a storage format, see :data:`STORAGE_BYTES`); with
+BlockSwap the swapped blocks live on the offload device and at most two of them (the running
+one and the prefetched next) are on the compute device at once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field, replace
+from typing import Mapping, Optional, Sequence
+
+import torch
+
+from ..models.config import DiTConfig, VAEConfig
+from .blockswap import BlockSwap
+from .tiling import TileSettings
+
+GIB = 1 << 30
+MIB = 1 << 20
+ACTIVATION_MARGIN = 0.10  # share of the activations added for allocator rounding/fragmentation
+FIXED_OVERHEAD = 256 * MIB  # per device and phase: cuBLAS/cuDNN workspaces, kernels, rounding
+AUTO_MIN_BATCH = 5  # auto keeps temporal context: never fewer frames per batch when any fit
+# The DiT's window rule sizes windows from min(t, 30) latent frames; past t = 30 (117 video
+# frames) a batch gains no longer windows, so 'auto' stops there.
+AUTO_MAX_BATCH = 4 * 29 + 1
+TEXT_TOKENS = 58  # rows of the released positive text embedding (pos_emb.pt)
+
+# Bytes per parameter of each storage format a weight file can hold (labels of
+# ``loading.quantized.PackedWeight.label`` and plain dtypes). Block scales are included.
+STORAGE_BYTES: dict[str, float] = {
+    "fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fn_scaled": 1, "float8_e5m2_scaled": 1,
+    "int8_rows": 1, "int8_convrot": 1, "mxfp8": 1 + 1 / 32, "nvfp4": 0.5 + 1 / 16,
+    # GGUF: bytes per block / values per block (loading.gguf.BLOCK_SIZES)
+    "Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q5_0": 22 / 32, "Q5_1": 24 / 32, "Q8_0": 34 / 32,
+    "Q2_K": 84 / 256, "Q3_K": 110 / 256, "Q4_K": 144 / 256, "Q5_K": 176 / 256,
+    "Q6_K": 210 / 256, "IQ4_NL": 18 / 32, "IQ4_XS": 136 / 256, "F32": 4, "F16": 2, "BF16": 2,
+}
+
+# Top-level DiT modules that BlockSwap's swap_io_components moves.
+_DIT_IO = BlockSwap.INPUT_MODULES + BlockSwap.OUTPUT_MODULES
+
+
+class BudgetError(ValueError):
+    """A job that will not fit the memory available; the message names settings that would."""
+
+
+def gib(n: float) -> str:
+    """A size for messages: GiB with one decimal, MiB under 1 GiB."""
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / MIB:.0f} MiB"
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Bytes of one model's tensors in memory, split the way BlockSwap moves them.
+
+    ``blocks``: each DiT transformer block (empty for the VAE); ``io``: the DiT's input and
+    output layers; ``other``: everything else (the whole VAE); ``largest_layer``: parameters
+    of the largest linear/convolution weight (a packed weight is dequantised one layer at a
+    time, so one such layer in the compute dtype is transient extra).
+    """
+
+    blocks: tuple[int, ...] = ()
+    io: int = 0
+    other: int = 0
+    largest_layer: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.blocks) + self.io + self.other
+
+    def resident(self, blocks_to_swap: int = 0, swap_io: bool = False) -> int:
+        """Bytes on the compute device while the model runs with BlockSwap as given."""
+        n = min(blocks_to_swap, len(self.blocks))
+        swapped = list(self.blocks[:n]) + ([self.io] if swap_io and self.io else [])
+        in_flight = sum(sorted(swapped, reverse=True)[:2])  # running unit + prefetched next
+        return self.total - sum(swapped) + in_flight
+
+    @classmethod
+    def _from_sizes(cls, sizes: Sequence[tuple[str, int]], largest: int) -> "Weights":
+        blocks: dict[int, int] = {}
+        io = other = 0
+        for name, nbytes in sizes:
+            parts = name.split(".")
+            if parts[0] == "blocks" and len(parts) > 1 and parts[1].isdigit():
+                blocks[int(parts[1])] = blocks.get(int(parts[1]), 0) + nbytes
+            elif parts[0] in _DIT_IO:
+                io += nbytes
+            else:
+                other += nbytes
+        ordered = tuple(blocks.get(i, 0) for i in range(max(blocks) + 1)) if blocks else ()
+        return cls(ordered, io, other, largest)
+
+    @classmethod
+    def of_module(cls, module: torch.nn.Module) -> "Weights":
+        """Exact sizes of a loaded model, wherever its tensors are (packed weights count as
+        stored; tensors shared between modules count once)."""
+        seen, sizes = set(), []
+        for name, t in _named_tensors(module):
+            key = _storage_key(t)
+            if key in seen:
+                continue
+            seen.add(key)
+            sizes.append((name, t.numel() * t.element_size()))
+        return cls._from_sizes(sizes, _largest_layer(module))
+
+    @classmethod
+    def from_config(cls, kind: str, config, bytes_per_param: float) -> "Weights":
+        """Sizes of a model built from ``config`` (DiT or VAE) with every parameter stored at
+        ``bytes_per_param`` (see :data:`STORAGE_BYTES`); built on ``meta``, nothing allocated."""
+        from ..models import build_dit, build_vae
+
+        with torch.device("meta"):
+            model = build_dit(config) if kind == "dit" else build_vae(config)
+        sizes = [(name, math.ceil(t.numel() * bytes_per_param)) for name, t in _named_tensors(model)]
+        return cls._from_sizes(sizes, _largest_layer(model))
+
+    @classmethod
+    def from_file(cls, path, kind: str, dtype: torch.dtype) -> tuple["Weights", object]:
+        """(sizes, config) of a weight file as the loader would place it with ``dtype``,
+        read from the file's header only: packed (quantised) weights at their storage size,
+        float tensors converted to ``dtype``."""
+        from ..loading.formats import open_weights
+        from ..loading.load import EMBEDDED_TEXT_KEYS
+        from ..loading.load import _config_for  # the loader's own config detection
+
+        with open_weights(path) as src:
+            config = _config_for(src, kind)
+            sizes = []
+            for key, shape in src.shapes.items():
+                if key in EMBEDDED_TEXT_KEYS:  # text embeddings stay on the CPU
+                    continue
+                numel = math.prod(shape)
+                label = src.packed.get(key)
+                per = STORAGE_BYTES.get(label, 1.0) if label is not None else \
+                    4 if key.endswith("rope.rope.freqs") else torch.empty((), dtype=dtype).element_size()
+                sizes.append((key, math.ceil(numel * per)))
+        from ..models import build_dit, build_vae
+
+        with torch.device("meta"):
+            model = build_dit(config) if kind == "dit" else build_vae(config)
+        return cls._from_sizes(sizes, _largest_layer(model)), config
+
+
+def _named_tensors(module: torch.nn.Module):
+    yield from module.named_parameters(remove_duplicate=False)
+    yield from module.named_buffers(remove_duplicate=False)
+
+
+def _storage_key(t: torch.Tensor):
+    if t.device.type == "meta":
+        return id(t)
+    return (t.device, t.untyped_storage().data_ptr())
+
+
+def _largest_layer(module: torch.nn.Module) -> int:
+    largest = 0
+    for m in module.modules():
+        if isinstance(m, torch.nn.Linear):
+            largest = max(largest, m.in_features * m.out_features)
+        elif isinstance(m, torch.nn.modules.conv._ConvNd):
+            largest = max(largest, m.out_channels * m.in_channels // m.groups
+                          * math.prod(m.kernel_size))
+    return largest
+
+
+def bytes_on(module: Optional[torch.nn.Module], device: torch.device) -> int:
+    """Bytes of ``module``'s tensors that are on ``device`` now (each storage once)."""
+    if module is None:
+        return 0
+    device = torch.device(device)
+    seen, total = set(), 0
+    for _, t in _named_tensors(module):
+        if t.device.type != device.type or (device.index is not None and t.device.index != device.index):
+            continue
+        key = _storage_key(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# The job and where things run
+
+
+@dataclass(frozen=True)
+class Job:
+    """What one batch of the job looks like: output frame size, frames per batch, precision,
+    VAE tiling. ``chunk_size`` is the option of that name when a chunk's latents and
+    references wait on the compute device between phases (tensor_offload_device none or that
+    device), None when they wait elsewhere (the default)."""
+
+    height: int
+    width: int
+    batch_size: int
+    dtype_bytes: int = 2
+    text_tokens: int = TEXT_TOKENS
+    encode_tiles: TileSettings = field(default_factory=TileSettings)
+    decode_tiles: TileSettings = field(default_factory=TileSettings)
+    chunk_size: Optional[int] = None
+    encode_slice: Optional[int] = None  # VAE causal temporal slice (video frames), None = whole
+    decode_slice: Optional[int] = None
+
+    @property
+    def padded(self) -> tuple[int, int]:
+        return -(-self.height // 16) * 16, -(-self.width // 16) * 16
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Devices of the models (as strings, e.g. ``cuda:0``), where each waits while the other
+    runs (None: it stays), and BlockSwap."""
+
+    dit_device: str = "cuda:0"
+    vae_device: str = "cuda:0"
+    dit_offload: Optional[str] = None
+    vae_offload: Optional[str] = None
+    blocks_to_swap: int = 0
+    swap_io: bool = False
+
+    @property
+    def swapping(self) -> bool:
+        return self.blocks_to_swap > 0 or self.swap_io
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The models a job runs: configs and weight sizes."""
+
+    dit: DiTConfig
+    vae: VAEConfig
+    dit_weights: Weights
+    vae_weights: Weights
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations
+
+
+def dit_activation_bytes(cfg: DiTConfig, job: Job) -> int:
+    """Peak bytes of one DiT call on a batch (see the module docstring)."""
+    b = job.dtype_bytes
+    hp, wp = job.padded
+    t = (job.batch_size - 1) // 4 + 1
+    positions = t * (hp // 8) * (wp // 8)
+    tokens = positions // 4
+    d, inner, hidden = cfg.vid_dim, cfg.heads * cfg.head_dim, cfg.mlp_hidden_dim
+    mlp = b * (4 * d + (3 if cfg.mlp_type == "swiglu" else 2) * hidden)
+    qk_fp32 = b * (2 * d + 6 * inner) + 16 * inner
+    windows = b * (2 * d + 14 * inner)
+    per_token = max(mlp, qk_fp32, windows) + 8 * cfg.head_dim + 128
+    inputs = positions * (4 * (16 + 16 + 17 + 33 + 16) + b * 33)
+    text = job.text_tokens * (cfg.txt_in_dim + 8 * d) * max(b, 4)
+    return tokens * per_token + inputs + text
+
+
+def _resnet_peak(c_hold: int, c_in: int, c_out: int, layers: int, frames: int, b: int) -> float:
+    """Peak bytes per voxel of a block of ``layers`` residual blocks (c_in -> c_out) whose
+    input (``c_hold`` channels) is also held by the caller."""
+    pad = 1 + 2 / frames
+    up = (4 / b) if b < 4 else 0.0  # FrameGroupNorm's float32 copy, in units of b
+    peak = 0.0
+    for j in range(layers):
+        cx = c_in if j == 0 else c_out
+        base = cx + (c_hold if j > 0 else 0)
+        moments = [base + cx * pad + cx * up, base + cx * pad + c_out,
+                   base + c_out + c_out * pad + c_out * up, base + 2 * c_out + c_out * pad]
+        if cx != c_out:
+            moments.append(base + 3 * c_out)  # h, shortcut
+        peak = max(peak, max(moments))
+    return peak * b
+
+
+def _attention_peak(c: int, b: int) -> float:
+    up = (4 / b) if b < 4 else 0.0
+    return b * (2 * c + 5 * c + c * up)  # x, tokens, q, k, v, out, sum
+
+
+def vae_encode_bytes(cfg: VAEConfig, frames: int, height: int, width: int, b: int) -> int:
+    """Peak bytes of the VAE encoder's own tensors on a ``frames x height x width`` input."""
+    from ..models.vae_blocks import down_kinds
+
+    widths = cfg.block_out_channels
+    kinds = down_kinds(len(widths), cfg.temporal_scale_num)
+    t, h, w = frames, height, width
+    peak, c_in = 0.0, widths[0]
+    for i, c_out in enumerate(widths):
+        voxels = t * h * w
+        peak = max(peak, voxels * _resnet_peak(c_in, c_in, c_out, cfg.layers_per_block, t, b))
+        if kinds[i] is not None:
+            h, w = -(-h // 2), -(-w // 2)
+            if kinds[i] == "time":
+                t = (t - 1) // 2 + 1
+        c_in = c_out
+    peak = max(peak, t * h * w * max(_attention_peak(widths[-1], b),
+                                     _resnet_peak(widths[-1], widths[-1], widths[-1], 2, t, b)))
+    return int(peak)
+
+
+def vae_decode_bytes(cfg: VAEConfig, frames: int, height: int, width: int, b: int) -> int:
+    """Peak bytes of the VAE decoder's own tensors producing ``frames x height x width``."""
+    from ..models.vae_blocks import up_kinds
+
+    widths = list(reversed(cfg.block_out_channels))
+    kinds = up_kinds(len(widths), cfg.temporal_scale_num)
+    s = cfg.spatial_downsample_factor
+    t, h, w = (frames - 1) // cfg.temporal_downsample_factor + 1, height // s, width // s
+    voxels = t * h * w
+    peak = voxels * max(_attention_peak(widths[0], b),
+                        _resnet_peak(widths[0], widths[0], widths[0], 2, t, b))
+    c_in = widths[0]
+    for i, c_out in enumerate(widths):
+        voxels = t * h * w
+        peak = max(peak, voxels * _resnet_peak(c_in, c_in, c_out, cfg.layers_per_block + 1, t, b))
+        if kinds[i] is not None:
+            r = 4 * (2 if kinds[i] == "time" else 1)
+            t2 = 2 * t - 1 if kinds[i] == "time" else t
+            h, w = 2 * h, 2 * w
+            # caller's input, block output, the 1x1 conv's r*C channels, the padded buffer
+            up = b * voxels * (c_in + c_out + r * c_out) + b * t2 * h * w * c_out * (1 + 2 / t2)
+            peak = max(peak, up)
+            t = t2
+        c_in = c_out
+    return int(peak)
+
+
+# Float32 frame buffers of the pipeline per output pixel and frame (3 channels x 4 bytes each):
+# encode holds the input frames, the resized frames, the reference and the padded video;
+# after decoding, colour correction works on a handful of such copies.
+_ENCODE_FRAME_BYTES = 4 * 12 + 16
+_DECODE_FRAME_BYTES = 16 * 12
+
+
+def _causal_cache_bytes(cfg: VAEConfig, height: int, width: int, b: int) -> int:
+    """Frames a temporal slice carries to the next (two per causal 3x3x3 conv), summed over
+    the levels: each level's convs at that level's width and resolution."""
+    convs_per_level = 2 * (cfg.layers_per_block + 1) + 2
+    total, h, w = 0, height, width
+    for c in cfg.block_out_channels:
+        total += 2 * convs_per_level * c * h * w * b
+        h, w = -(-h // 2), -(-w // 2)
+    return total
+
+
+def _vae_phase(cfg: VAEConfig, job: Job, decode: bool) -> int:
+    """Activations of one VAE phase on a batch: the encoder/decoder's peak on one piece (a
+    tile with its context, a temporal slice) plus the frame buffers held meanwhile."""
+    b = job.dtype_bytes
+    hp, wp = job.padded
+    frames = job.batch_size
+    tiles = job.decode_tiles if decode else job.encode_tiles
+    temporal = job.decode_slice if decode else job.encode_slice
+    context = getattr(tiles, "context", 0)  # pixels computed around a tile and discarded
+    th, tw = (min(tiles.tile_size + 2 * context, hp), min(tiles.tile_size + 2 * context, wp)) \
+        if tiles.enabled else (hp, wp)
+    piece = min(frames, 1 + temporal) if temporal else frames
+    cache = _causal_cache_bytes(cfg, th, tw, b) if piece < frames else 0
+    pieced = piece < frames or (th, tw) != (hp, wp)
+    pixels = frames * hp * wp
+    if tiles.enabled and getattr(tiles, "exact", False) and getattr(tiles, "state_device", "cpu") is None:
+        # Exact tiling with its frame-wide planes on the VAE's device: a layer's input and
+        # output over the whole frame, at the widest full-resolution layer, in float32.
+        widths = cfg.block_out_channels
+        pixels_planes = pixels * 4 * (widths[0] + widths[min(1, len(widths) - 1)])
+    else:
+        pixels_planes = 0
+    if decode:
+        core = vae_decode_bytes(cfg, piece, th, tw, b) + cache
+        held = pixels * 3 * 4 if pieced else 0  # the full-frame output the pieces go into
+        held += piece * th * tw * 3 * 8 if pieced else 0  # one piece's float32 blend
+        after = pixels * (_DECODE_FRAME_BYTES + 3 * b)
+        return max(core + held + pixels * 3 * b + pixels_planes, after)
+    core = vae_encode_bytes(cfg, piece, th, tw, b) + cache
+    held = pixels * (_ENCODE_FRAME_BYTES + 6 * b)
+    held += piece * th * tw * 3 * b if pieced else 0  # the piece's input copy
+    return core + held + pixels_planes
+
+
+# ---------------------------------------------------------------------------------------------
+# The estimate
+
+
+@dataclass(frozen=True)
+class PhaseNeed:
+    """Bytes one phase needs on one device, by part (label, bytes)."""
+
+    phase: str  # "encode", "DiT", "decode"
+    device: str
+    parts: tuple[tuple[str, int], ...]
+
+    @property
+    def total(self) -> int:
+        return sum(n for _, n in self.parts)
+
+    def describe(self) -> str:
+        return ", ".join(f"{label} {gib(n)}" for label, n in self.parts if n)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    phases: tuple[PhaseNeed, ...]
+
+    def peak(self, device: str) -> int:
+        return max((p.total for p in self.phases if p.device == device), default=0)
+
+    def worst(self, device: str) -> Optional[PhaseNeed]:
+        on = [p for p in self.phases if p.device == device]
+        return max(on, key=lambda p: p.total) if on else None
+
+    @property
+    def devices(self) -> list[str]:
+        return list(dict.fromkeys(p.device for p in self.phases))
+
+
+def estimate(budget: Budget, job: Job, place: Placement) -> Estimate:
+    """Bytes each phase needs on each device it touches (weights, activations, margins)."""
+    dw, vw = budget.dit_weights, budget.vae_weights
+    b = job.dtype_bytes
+    hp, wp = job.padded
+    # Latents, references and results of a chunk (at most chunk_size new frames, at least a
+    # batch, plus the overlap) waiting on the compute device.
+    frames = max(job.chunk_size, job.batch_size) + job.batch_size if job.chunk_size is not None else 0
+    waiting = frames * hp * wp * (12 + 2)
+
+    def parked_dit(device: str) -> int:  # the DiT while a VAE phase runs on ``device``
+        if place.dit_device != device or place.swapping or place.dit_offload is not None:
+            return 0
+        return dw.total
+
+    def parked_vae(device: str) -> int:
+        if place.vae_device != device or place.vae_offload is not None:
+            return 0
+        return vw.total
+
+    def need(phase: str, device: str, weights: list, activations: int) -> PhaseNeed:
+        parts = [*weights, ("activations", activations),
+                 ("margin", int(activations * ACTIVATION_MARGIN) + FIXED_OVERHEAD)]
+        if waiting:
+            parts.append(("waiting tensors", waiting))
+        return PhaseNeed(phase, device, tuple(parts))
+
+    vae_transient = vw.largest_layer * b
+    enc = _vae_phase(budget.vae, job, decode=False)
+    dec = _vae_phase(budget.vae, job, decode=True)
+    dit_weights = dw.resident(place.blocks_to_swap, place.swap_io) if place.swapping else dw.total
+    dit_act = dit_activation_bytes(budget.dit, job) + dw.largest_layer * b
+    vd, dd = place.vae_device, place.dit_device
+    return Estimate((
+        need("encode", vd, [("VAE weights", vw.total), ("DiT weights", parked_dit(vd))],
+             enc + vae_transient),
+        need("DiT", dd, [("DiT weights", dit_weights), ("VAE weights", parked_vae(dd))], dit_act),
+        need("decode", vd, [("VAE weights", vw.total), ("DiT weights", parked_dit(vd))],
+             dec + vae_transient),
+    ))
+
+
+def shortfalls(est: Estimate, available: Mapping[str, int]) -> list[tuple[PhaseNeed, int]]:
+    """(worst phase, bytes available) for each device in ``available`` the job exceeds."""
+    out = []
+    for device, have in available.items():
+        worst = est.worst(device)
+        if worst is not None and worst.total > have:
+            out.append((worst, have))
+    return out
+
+
+def fits(budget: Budget, job: Job, place: Placement, available: Mapping[str, int]) -> bool:
+    return not shortfalls(estimate(budget, job, place), available)
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings that fit
+
+
+def batch_candidates(plan_frames: int, temporal_overlap: int, lowest: int = AUTO_MIN_BATCH,
+                     highest: int = AUTO_MAX_BATCH) -> list[int]:
+    """4n+1 batch sizes 'auto' may pick, largest first: above ``temporal_overlap``, at most
+    the clip (``plan_frames`` rounded up to 4n+1) and ``highest``, at least ``lowest`` unless
+    the clip is shorter."""
+    def up(n):
+        return n + (1 - n) % 4
+    floor = up(temporal_overlap + 1)
+    top = max(min(up(plan_frames), highest), floor)
+    bottom = max(floor, min(lowest, top))
+    return list(range(top, bottom - 1, -4))
+
+
+_TILE_STEPS = ((512, 64), (256, 32), (128, 16))  # VAE tile sizes tried, with their overlaps
+
+
+def failing_phases(est: Estimate, available: Mapping[str, int]) -> set:
+    return {p.phase for p in est.phases if p.device in available and p.total > available[p.device]}
+
+
+def _tile_change(job: Job, which: Sequence[str], size: int, overlap: int) -> tuple[Job, str]:
+    """The job with VAE tiles of ``size`` pixels on the phases in ``which`` (keeping each
+    phase's overlap when it is smaller than half a tile, else ``overlap``), and its text."""
+    changes, enable, sizes, overlaps = {}, [], [], []
+    for w in which:
+        current = getattr(job, f"{w}_tiles")
+        keep = current.tile_overlap if current.tile_overlap <= size // 2 else overlap
+        changes[f"{w}_tiles"] = replace(current, enabled=True, tile_size=size, tile_overlap=keep)
+        if not current.enabled:
+            enable.append(f"vae_{w}_tiled")
+        sizes.append(f"vae_{w}_tile_size {size}")
+        if keep != current.tile_overlap:
+            overlaps.append(f"vae_{w}_tile_overlap {keep}")
+    text = " and ".join(sizes + overlaps)
+    if enable:
+        text = " and ".join(enable) + " with " + text
+    return replace(job, **changes), text
+
+
+def _tile_options(job: Job, which: Sequence[str]) -> list[tuple[Job, Optional[str]]]:
+    """The job as it is, then with tiles of each smaller step on the VAE phases in ``which``."""
+    current = min((getattr(job, f"{w}_tiles").tile_size for w in which
+                   if getattr(job, f"{w}_tiles").enabled), default=None)
+    out = [(job, None)]
+    for size, overlap in _TILE_STEPS:
+        if which and (current is None or size < current):
+            out.append(_tile_change(job, which, size, overlap))
+    return out
+
+
+def _swap_options(budget: Budget, place: Placement) -> list[tuple[Placement, Optional[str]]]:
+    """The placement as it is, then BlockSwap of 1..all blocks, then also the I/O layers."""
+    out = [(place, None)]
+    if not place.dit_device.startswith("cuda"):
+        return out
+    offload = place.dit_offload or "cpu"
+    suffix = "" if place.dit_offload else f" with dit_offload_device {offload}"
+    for swap_io in (False, True):
+        for n in range(1, len(budget.dit_weights.blocks) + 1):
+            if (n, swap_io) <= (place.blocks_to_swap, place.swap_io):
+                continue
+            io = " and swap_io_components" if swap_io else ""
+            out.append((replace(place, blocks_to_swap=n, swap_io=swap_io, dit_offload=offload),
+                        f"blocks_to_swap {n}{io}{suffix}"))
+    return out
+
+
+def _first_fit(budget, job, options, available):
+    """The first (placement, text) of ``options`` (monotone: later ones need less) that fits,
+    by bisection."""
+    lo, hi = 0, len(options) - 1
+    if not fits(budget, job, options[hi][0], available):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(budget, job, options[mid][0], available):
+            hi = mid
+        else:
+            lo = mid + 1
+    return options[lo]
+
+
+def alternatives(budget: Budget, job: Job, place: Placement, available: Mapping[str, int],
+                 min_batch: int = 1) -> list[str]:
+    """Settings that would make the job fit: each single change from the current settings
+    that is enough on its own; when none is, one combination (or an empty list)."""
+    failing = failing_phases(estimate(budget, job, place), available)
+    vae_failing = [w for w in ("encode", "decode") if w in failing]
+    shared = place.dit_device == place.vae_device
+    out = []
+    for size in range(job.batch_size - 4, min_batch - 1, -4):
+        if fits(budget, replace(job, batch_size=size), place, available):
+            out.append(f"batch_size {size}")
+            break
+    for candidate, text in _tile_options(job, vae_failing)[1:]:
+        if fits(budget, candidate, place, available):
+            out.append(text)
+            break
+    if shared and place.dit_offload is None and not place.swapping \
+            and fits(budget, job, replace(place, dit_offload="cpu"), available):
+        out.append("dit_offload_device cpu")
+    if shared and place.vae_offload is None \
+            and fits(budget, job, replace(place, vae_offload="cpu"), available):
+        out.append("vae_offload_device cpu")
+    if "DiT" in failing:
+        swap = _first_fit(budget, job, _swap_options(budget, place), available)
+        if swap is not None and swap[1] is not None:
+            out.append(swap[1])
+    if job.chunk_size is not None and fits(budget, replace(job, chunk_size=None), place, available):
+        out.append("tensor_offload_device cpu")
+    if out:
+        return out
+    # No single change is enough: the cheap savers at once, then the largest batch with the
+    # largest tiles and the fewest swapped blocks that fit.
+    changes = []
+    if shared and place.vae_offload is None:
+        place = replace(place, vae_offload="cpu")
+        changes.append("vae_offload_device cpu")
+    if shared and place.dit_offload is None and not place.swapping:
+        place = replace(place, dit_offload="cpu")
+        changes.append("dit_offload_device cpu")
+    if job.chunk_size is not None:
+        job = replace(job, chunk_size=None)
+        changes.append("tensor_offload_device cpu")
+    swaps = _swap_options(budget, place)
+    for size in range(job.batch_size, min_batch - 1, -4):
+        sized = replace(job, batch_size=size)
+        for tiled, tile_text in _tile_options(sized, ("encode", "decode")):
+            swap = _first_fit(budget, tiled, swaps, available)
+            if swap is None:
+                continue
+            parts = ([f"batch_size {size}"] if size != job.batch_size else []) + changes
+            parts += [t for t in (tile_text, swap[1]) if t is not None]
+            return ["all of: " + ", ".join(parts)]
+    return []
+
+
+def _fmt_failure(job: Job, need: PhaseNeed, have: int, batch_text: str) -> str:
+    return (f"not enough memory on {need.device} for {job.width}x{job.height} frames at "
+            f"{batch_text}: the {need.phase} phase needs about {gib(need.total)} "
+            f"({need.describe()}) but {gib(have)} is available")
+
+
+def check(budget: Budget, job: Job, place: Placement, available: Mapping[str, int],
+          min_batch: int = 1, batch_text: Optional[str] = None) -> Estimate:
+    """The estimate, or :class:`BudgetError` when a device in ``available`` is short; the
+    message lists settings that would fit (or says that none do)."""
+    est = estimate(budget, job, place)
+    short = shortfalls(est, available)
+    if not short:
+        return est
+    need, have = short[0]
+    message = _fmt_failure(job, need, have, batch_text or f"batch_size {job.batch_size}")
+    alts = alternatives(budget, job, place, available, min_batch)
+    if alts:
+        message += ". Settings that would fit: " + "; or ".join(alts)
+    else:
+        message += (". Nothing fits at this resolution, even with the smallest batch, VAE "
+                    "tiles of 128 pixels and every DiT block swapped: lower resolution or "
+                    "use a device with more memory")
+    raise BudgetError(message)
+
+
+def auto_batch_size(budget: Budget, job: Job, place: Placement, available: Mapping[str, int],
+                    plan_frames: int, temporal_overlap: int) -> int:
+    """The largest of :func:`batch_candidates` that fits; :class:`BudgetError` when even the
+    smallest does not (naming what would fit)."""
+    candidates = batch_candidates(plan_frames, temporal_overlap)
+    for size in candidates:
+        if fits(budget, replace(job, batch_size=size), place, available):
+            return size
+    smallest = replace(job, batch_size=candidates[-1])
+    check(budget, smallest, place, available, min_batch=1,
+          batch_text=f"batch_size auto (even {candidates[-1]} frames)")
+    return candidates[-1]  # pragma: no cover (check raised)
+
+
+# ---------------------------------------------------------------------------------------------
+# What is available here (the impure part)
+
+
+def host_available() -> Optional[int]:
+    """Bytes of RAM available to new allocations (MemAvailable), or None when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def host_rss() -> Optional[int]:
+    """Resident set size of this process now, or None when unknown."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def device_available(device: torch.device, own_bytes: int = 0) -> Optional[int]:
+    """Bytes a job can use on ``device``: free memory, plus memory PyTorch has cached but not
+    allocated, plus ``own_bytes`` (our models' tensors already there, which the estimate
+    counts as part of the job). For the CPU (and other non-CUDA devices) host RAM."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return free + cached + own_bytes
+    ram = host_available()
+    return None if ram is None else ram + own_bytes
+
+
+__all__ = ["Budget", "BudgetError", "Estimate", "Job", "PhaseNeed", "Placement", "Weights",
+           "alternatives", "auto_batch_size", "batch_candidates", "bytes_on", "check",
+           "device_available", "dit_activation_bytes", "estimate", "failing_phases", "fits",
+           "host_available",
+           "host_rss", "shortfalls", "vae_decode_bytes", "vae_encode_bytes"]
