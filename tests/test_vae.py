@@ -207,6 +207,31 @@ def test_chunked_causal_state_matches_single_pass(tiny_vae):
         assert max_abs(chunked, full) < 1e-6
 
 
+def test_cache_hooks_default_to_the_plain_per_frame_maths(tiny_vae):
+    # A CausalCache without temporal state runs every call as a whole clip; its frame-wide
+    # hooks (statistics, attention tokens) default to the tensor at hand, i.e. the plain model.
+    video = load_case("video_9f")["inputs.video"][:, :, :5, :16, :24]
+    with torch.no_grad():
+        plain = tiny_vae.encoder(video)
+        hooked = tiny_vae.encoder(video, CausalCache(temporal=False))
+        again = tiny_vae.encoder(video, CausalCache(temporal=False))
+    assert torch.equal(hooked, plain) and torch.equal(again, plain)
+
+
+@pytest.mark.parametrize("rows", [16, 48], ids=["row_blocks", "frame_per_call"])
+def test_attention_within_a_small_score_budget_matches_one_call(tiny_vae, monkeypatch, rows):
+    # Frames are attended in groups within the budget; when one frame's score matrix
+    # exceeds it, its queries in row blocks (here 48 tokens per frame: 16-row blocks).
+    from seedvr2.models import vae_blocks
+
+    latent = load_case("video_9f")["outputs.posterior_mean"]  # 3 frames of 6 x 8 latents
+    with torch.no_grad():
+        full = tiny_vae.decode(latent)
+        monkeypatch.setattr(vae_blocks, "ATTENTION_SCORE_BUDGET", rows * 48)
+        blocked = tiny_vae.decode(latent)
+    assert max_abs(blocked, full) < 1e-6
+
+
 # -- argument checks --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("shape, match", [
@@ -229,6 +254,20 @@ def test_encode_rejects_bad_video(tiny_vae, shape, match):
 def test_decode_rejects_bad_latent(tiny_vae, shape, match):
     with pytest.raises(ValueError, match=match):
         tiny_vae.decode(torch.zeros(shape))
+
+
+def test_public_checks_validate_without_running(tiny_vae):
+    # check_video / check_latent are the validation encode / decode use (tiled runs call them).
+    tiny_vae.check_video(torch.zeros(2, 3, 9, 16, 24))
+    tiny_vae.check_latent(torch.zeros(2, 16, 3, 2, 3))
+    with pytest.raises(TypeError, match=r"video must be a torch.Tensor, got list"):
+        tiny_vae.check_video([0.0])
+    with pytest.raises(ValueError, match=r"video frame count T must be 4n\+1.*got T=2"):
+        tiny_vae.check_video(torch.zeros(1, 3, 2, 16, 16))
+    with pytest.raises(TypeError, match=r"latent must be a torch.Tensor, got NoneType"):
+        tiny_vae.check_latent(None)
+    with pytest.raises(ValueError, match=r"latent must have non-empty t, h, w"):
+        tiny_vae.check_latent(torch.zeros(1, 16, 0, 2, 2))
 
 
 # -- reduced precision ------------------------------------------------------------------------

@@ -2,68 +2,116 @@
 
 The VAE's activations scale with ``T x H x W`` (the decoder's last stage holds several
 128-channel float maps of the full output), so a 4K clip does not fit on most GPUs in one
-pass. Two independent ways of cutting the work into pieces are offered here; each piece is
-run through the unmodified ``VideoAutoencoder`` modules, results go into
-one preallocated output (no list of pieces is kept), and peak memory is the output plus the
-activations of one piece (plus, when slicing time, the few cached frames of that tile).
+pass. Two ways of cutting the work into pieces are offered here, and they combine.
+
+What the untiled VAE computes
+    Every layer is causal in time: convolutions see the current and earlier frames only
+    (their temporal padding repeats the first frame). GroupNorm statistics and the mid-block
+    attention are *per frame over the whole frame*: the official ``causal_norm_wrapper`` folds
+    time into the batch (``b c t h w -> (b t) c h w``) before ``nn.GroupNorm`` (its
+    large-tensor path splits channel *groups*, which changes nothing), and the attention
+    attends over the ``H*W`` positions of one frame. So both are independent of how a clip is
+    cut in time, but every norm depends on the whole frame of its input, which depends on
+    every earlier norm.
 
 Causal temporal slicing (exact)
-    Every layer of the VAE is causal in time: convolutions see the current and earlier frames
-    only (their temporal padding repeats the first frame), and GroupNorm and the mid-block
-    attention act on each frame on its own. So a clip can be run in consecutive chunks if each
-    causal convolution receives, in front of a chunk, the last frames of its input from the
-    previous chunk instead of the replicated first frame; a ``CausalCache`` (``vae_blocks``)
-    carries exactly those frames (and the up-samplers' "first chunk" flag). The result is the
-    single-pass result up to float re-association (measured <= 8e-6 on the tiny VAE, often
-    bit-identical), as in the official pipeline's ``split_size`` slicing.
-    ``temporal_chunk = c`` (a multiple of the temporal factor 4, in *video* frames) means:
-    encode chunks of ``1 + c, c, c, ...`` frames (the strided convs need ``4k + 1`` frames
-    first, then multiples of 4), decode chunks of ``1 + c/4, c/4, ...`` latent frames, i.e.
-    the same ``1 + c, c, ...`` output frames. The official pipeline uses ``c = 4``.
+    A clip can be run in consecutive chunks if each causal convolution receives, in front of
+    a chunk, the last frames of its input from the previous chunk instead of the replicated
+    first frame; a ``CausalCache`` (``vae_blocks``) carries exactly those frames (and the
+    up-samplers' "first chunk" flag). The result is the single-pass result up to float
+    re-association (measured <= 8e-6 on the tiny VAE, often bit-identical), as in the
+    official pipeline's ``split_size`` slicing. ``temporal_chunk = c`` (a multiple of the
+    temporal factor 4, in *video* frames) means: encode chunks of ``1 + c, c, c, ...`` frames
+    (the strided convs need ``4k + 1`` frames first, then multiples of 4), decode chunks of
+    ``1 + c/4, c/4, ...`` latent frames, i.e. the same ``1 + c, c, ...`` output frames. The
+    official pipeline uses ``c = 4``. Activations then scale with ``1 + c`` frames instead of
+    the clip, plus the carried frames (two input frames per causal 3x3x3 conv).
 
-Spatial tiling with feathered blending (approximate)
-    Space cannot be sliced exactly: a tile is zero padded at its borders where the whole frame
-    had neighbouring content (this reaches ~6 latents = 48 pixels into the tile, measured on
-    the tiny VAE, which has the real VAE's layer structure), and GroupNorm statistics and the
-    mid-block attention cover the tile instead of the whole frame (a global effect; on the
-    tiny VAE the GroupNorm statistics dominate it, the attention hardly matters). Neighbouring
-    tiles therefore disagree; placed side by side they would show seams. Tiles therefore
-    overlap and are cross-faded: in an overlap each tile's weight rises from ~0 at its border
-    to 1 (raised cosine, ``sin^2``) while its neighbour's falls, so the output is a smooth
-    partition-of-unity blend that down-weights the border regions where a tile is least
-    reliable. Feathering removes seams; it cannot remove the tile-wide offset that different
-    normalisation statistics cause, which is why larger tiles are closer to the untiled
-    result. Weights are separable (row weight x column weight) and normalised per axis, so
-    they sum to 1 wherever tiles overlap, also where the last tile was shifted back inside the
-    image and overlaps its neighbour by more than ``tile_overlap``.
+Spatial tiling, exact mode (default: ``TileSettings(exact=True)``)
+    Exact GroupNorm statistics need each norm's *whole-frame* input, which depends on every
+    earlier norm's statistics; a tile cannot know them in advance. (Measured on the tiny VAE:
+    running independent tiles in repeated passes, each pass normalising with the statistics
+    the previous pass recorded, does not converge fast - plain iteration diverged, an
+    affine-corrected one was still ~1e-2 off after five passes.) So the exact mode runs the
+    network *layer by layer over the whole frame, one tile at a time*:
 
-    Tiles are laid out on the latent grid (``tile_size / 8`` latents with ``tile_overlap / 8``
-    overlap; the encoder reads ``tile_size`` pixels, the decoder writes them), so a tile's
-    latents and pixels are aligned with the whole frame's at every down/up-sampling level.
-    Encoding blends the tiles' posterior moments in latent space (feathered over
-    ``tile_overlap / 8`` latents), decoding blends decoded pixels (over ``tile_overlap``
-    pixels). How far a tiled result is from the untiled one depends on the weights and the
-    content; ``tests/test_tiling.py`` measures and bounds it for the tiny conformance VAE.
+    * every activation between two layers that need the whole frame is a frame-wide *plane*
+      ``(B, C, T, H, W)`` on ``state_device`` (default the CPU: on a GPU, device memory then
+      holds one tile's working set; the host holds the planes);
+    * every convolution (with the GroupNorm + SiLU before it) is evaluated tile by tile: a
+      tile of the output reads its input region plus the conv's own halo (1 sample for 3x3;
+      zeros only at the frame border, as untiled), so each output sample is computed exactly
+      as untiled; tiles do not overlap and nothing is blended (``tile_overlap`` is unused);
+    * per-(sample, channel, frame) mean and variance of each plane are accumulated while its
+      tiles are written (float32, Chan's pairwise formula), so the next norm gets the
+      whole-frame statistics without another read;
+    * the mid-block attention runs per frame at latent resolution: all tokens of a frame on
+      the device (keys and values of the whole frame), queries in row blocks within
+      ``ATTENTION_SCORE_BUDGET``;
+    * with temporal slicing, the carried frames of each conv are frame-wide planes too.
 
-Both can be combined (each tile is then sliced in time with a cache of its own). With tiling
-disabled and no temporal chunk, :func:`encode_posterior` and :func:`decode` *are* the plain
-``vae.encode_posterior`` / ``vae.decode`` calls.
+    Bound (``tests/test_tiling.py``): tiled equals untiled up to float rounding: max abs
+    difference <= 1e-5 of the output's range (max abs value) on the tiny conformance VAE in
+    float32, for the posterior moments and the decoded pixels, with and without temporal
+    slicing (measured 7e-7 .. 2e-6; e.g. 512-pixel tiles on 768x768: decode 1.2e-5 abs =
+    1.3e-6 of the range, where fast mode is off by 1.38 = 14%). Convolutions of different
+    shapes sum in different orders, hence not bit-identical. In bf16/fp16 the planes are
+    stored in the model dtype, i.e. rounded where the untiled model rounds its activations
+    too; the difference is then rounding noise, at most 1.5x (measured 0.6-0.9x) the untiled
+    model's own distance from float32.
+
+    Memory: the device holds one tile's input (with halo), its activated copy and its output,
+    at whatever level the network is (tile edges scale with the level's resolution: a
+    ``tile_size``-pixel square of the video at every level), plus per frame the latent-level
+    attention tokens, keys and values; it falls with the tile size. The state device holds
+    two or three planes (a residual block's input, its inner activation and, where the width
+    changes, its output; at the decoder's top 256 + 128 + 128 channels at full resolution)
+    and the carried frames. Time: the untiled arithmetic (nothing is computed twice), plus
+    per-tile call overhead (``bench/RESULTS.md``, CPU, 256x256: encode 1.1-1.2x the untiled
+    time, decode 1.7x at 128-pixel tiles and 2.9x at 64) and, with a separate state device,
+    moving every plane to the device and back once per layer.
+
+Spatial tiling, fast mode (``TileSettings(exact=False)``; approximate)
+    Independent tiles, each run through the whole VAE with its own GroupNorm statistics and
+    attention over the tile only, zero padded at its borders; tiles overlap by
+    ``tile_overlap`` and are cross-faded (raised cosine ``sin^2`` weights that form a partition
+    of unity, normalised per axis so they also sum to 1 where the last tile was shifted back
+    inside the image or where more than two tiles overlap). Needs no frame-wide state, but
+    differs from the untiled result everywhere (tile-wide statistics) and most near tile
+    borders (~48 px reach): on the tiny VAE, 512/64 tiles on a 768x768 frame gave decode max
+    abs 1.38 (~14% of the output range), mean 0.031.
+
+Both modes combine with temporal slicing. With tiling disabled and no temporal chunk,
+:func:`encode_posterior` and :func:`decode` *are* the plain ``vae.encode_posterior`` /
+``vae.decode`` calls; a frame that fits in one tile is run untiled (sliced if asked).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 
-from ..models.vae import LOGVAR_MAX, LOGVAR_MIN, VideoAutoencoder
-from ..models.vae_blocks import CausalCache
+from ..models.vae import LOGVAR_MAX, LOGVAR_MIN, Decoder, Encoder, VideoAutoencoder
+from ..models.vae_blocks import (
+    ATTENTION_SCORE_BUDGET,
+    CausalCache,
+    CausalConv3d,
+    FrameAttention,
+    FrameGroupNorm,
+    ResnetBlock3D,
+    Upsample3D,
+    group_stats_from_channels,
+)
 
 # Pixels per latent along H and W in every SeedVR2 VAE (spatial_downsample_factor).
 TILE_MULTIPLE = 8
+# Video frames per latent frame (temporal_downsample_factor): temporal slices are multiples.
+SLICE_MULTIPLE = 4
 
 
 def _nearest_multiples(value: int, multiple: int, allow_zero: bool = False) -> str:
@@ -76,21 +124,24 @@ class TileSettings:
     """Spatial tiling of VAE encode or decode, sizes in pixels (of the video side).
 
     ``tile_size`` and ``tile_overlap`` must be multiples of 8, the VAE's spatial factor: tiles
-    are cut on the latent grid (``tile_size / 8`` latents, ``tile_overlap / 8`` overlap), and
-    only a tile that starts and ends on a latent boundary has latents aligned with the whole
-    frame's (a tile shifted by a fraction of a latent would be sampled at a different phase by
-    the strided down-samplers and could not be blended with its neighbours). Nothing coarser is
-    needed: every tile edge is a multiple of 8 pixels, so all three stride-2 stages inside the
-    tile see even sizes. This matches the ``vae_*_tile_size`` / ``vae_*_tile_overlap`` options.
-    ``tile_overlap`` must be smaller than ``tile_size`` (tiles must advance); 0 means tiles
-    abut without blending (seams; not recommended). The overlap should cover the reach of
-    the border error, ~48 pixels, as the default 64 does; the price is about
-    ``(tile / (tile - overlap))^2`` times the untiled work on large frames.
+    are cut on the latent grid (``tile_size / 8`` latents), so a tile's latents and pixels
+    are aligned with the whole frame's at every down/up-sampling level and every stride-2
+    stage inside a tile sees even sizes. This matches the ``vae_*_tile_size`` /
+    ``vae_*_tile_overlap`` options. ``tile_overlap`` must be smaller than ``tile_size``.
+
+    ``exact`` (default) runs the network layer by layer over frame-wide planes kept on
+    ``state_device`` (``None``: the VAE's device), tile by tile; the result equals the untiled
+    one up to float rounding and ``tile_overlap`` is not used. ``exact=False`` runs
+    independent, overlapping, cross-faded tiles (no frame-wide state, approximate; the
+    overlap should cover the ~48-pixel reach of the border error, as the default 64 does).
+    See the module docstring.
     """
 
     enabled: bool = False
     tile_size: int = 512
     tile_overlap: int = 64
+    exact: bool = True
+    state_device: Optional[str] = "cpu"
 
     def __post_init__(self) -> None:
         for name in ("tile_size", "tile_overlap"):
@@ -110,18 +161,54 @@ class TileSettings:
             raise ValueError(f"tile_overlap = {self.tile_overlap} must be smaller than "
                              f"tile_size = {self.tile_size}; lower the overlap (e.g. "
                              f"{max(self.tile_size // 8 // m * m, 0)}) or raise the tile size")
+        if not isinstance(self.exact, bool):
+            raise ValueError(f"exact must be True or False, got {self.exact!r}")
+        if self.state_device is not None:
+            try:
+                torch.device(self.state_device)
+            except (RuntimeError, TypeError):
+                raise ValueError(f"state_device = {self.state_device!r}: expected a device "
+                                 f"such as 'cpu' or 'cuda:0', or None for the VAE's device"
+                                 ) from None
 
 
-# -- tile layout and blend weights ------------------------------------------------------------
+def settings_from_options(opts, stage: str) -> Tuple[TileSettings, Optional[int]]:
+    """``(TileSettings, temporal_chunk)`` for ``stage`` (``"encode"`` or ``"decode"``) from a
+    resolved option set (``seedvr2.options``): ``vae_<stage>_tiled``, ``_tile_size``,
+    ``_tile_overlap`` and ``vae_<stage>_temporal_slice`` (0 = no slicing -> ``None``)."""
+    if stage not in ("encode", "decode"):
+        raise ValueError(f"stage must be 'encode' or 'decode', got {stage!r}")
+    get = lambda name: getattr(opts, f"vae_{stage}_{name}")  # noqa: E731
+    tiles = TileSettings(get("tiled"), get("tile_size"), get("tile_overlap"))
+    return tiles, (get("temporal_slice") or None)
 
-@dataclass(frozen=True)
-class _Span:
-    """One tile along one axis: latent indices ``[start, stop)`` and the normalised blend
-    weight of its output samples (``None``: the only tile on this axis, weight 1)."""
 
-    start: int
-    stop: int
-    weight: Optional[Tensor]
+# -- argument checks --------------------------------------------------------------------------
+
+def _check_settings(vae: VideoAutoencoder, tiles: TileSettings,
+                    temporal_chunk: Optional[int]) -> None:
+    if not isinstance(tiles, TileSettings):
+        raise TypeError(f"tiles must be a TileSettings, got {type(tiles).__name__}")
+    s = vae.spatial_factor
+    if tiles.tile_size % s or tiles.tile_overlap % s:
+        raise ValueError(f"tile_size = {tiles.tile_size} and tile_overlap = {tiles.tile_overlap} "
+                         f"must be multiples of this VAE's spatial factor {s}")
+    if temporal_chunk is not None:
+        f = vae.temporal_factor
+        if isinstance(temporal_chunk, bool) or not isinstance(temporal_chunk, int) \
+                or temporal_chunk <= 0 or temporal_chunk % f:
+            raise ValueError(f"temporal_chunk = {temporal_chunk!r}: must be a positive multiple "
+                             f"of {f} video frames (the VAE's temporal factor; chunks are "
+                             f"1 + {f}k frames, then {f}k), or None for no temporal slicing")
+
+
+def _chunks(count: int, first: int, rest: int) -> List[Tuple[int, int]]:
+    """``[0, count)`` cut into ``[0, first)``, then pieces of ``rest``."""
+    bounds = [(0, min(first, count))]
+    while bounds[-1][1] < count:
+        start = bounds[-1][1]
+        bounds.append((start, min(start + rest, count)))
+    return bounds
 
 
 def tile_starts(length: int, tile: int, overlap: int) -> List[int]:
@@ -133,6 +220,318 @@ def tile_starts(length: int, tile: int, overlap: int) -> List[int]:
     stride = tile - overlap
     count = -(-(length - tile) // stride) + 1
     return [min(i * stride, length - tile) for i in range(count)]
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+# == exact mode: frame-wide planes, tile-wise layers ==========================================
+
+class _ChannelStats:
+    """Per (sample, channel, frame) mean and sum of squared deviations of a plane, folded in
+    tile by tile (Chan's pairwise update, float32 or float64), with the count per frame."""
+
+    def __init__(self, B: int, C: int, T: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.count = torch.zeros(B, 1, T, dtype=dtype, device=device)
+        self.mean = torch.zeros(B, C, T, dtype=dtype, device=device)
+        self.m2 = torch.zeros(B, C, T, dtype=dtype, device=device)
+
+    def add(self, x: Tensor, b0: int = 0, t0: int = 0) -> None:
+        """Fold in ``x`` ``(b, C, t, h, w)``: samples ``b0 ..``, frames ``t0 ..``."""
+        b, _, t = x.shape[:3]
+        n_b = float(x.shape[3] * x.shape[4])
+        var_b, mean_b = torch.var_mean(x.flatten(3).to(self.mean.dtype), dim=-1, correction=0)
+        where = (slice(b0, b0 + b), slice(None), slice(t0, t0 + t))
+        n_a = self.count[where]
+        n = n_a + n_b
+        mean_a = self.mean[where]
+        delta = mean_b - mean_a
+        mean_a.add_(delta * (n_b / n))
+        self.m2[where].add_(var_b * n_b + delta.square() * (n_a * n_b / n))
+        n_a.copy_(n)
+
+    def group(self, groups: int) -> Tuple[Tensor, Tensor]:
+        """Group mean and variance ``(B, G, 1, T)``, as ``FrameGroupNorm`` derives them."""
+        return group_stats_from_channels(self.mean, self.m2 / self.count, groups)
+
+
+class _FixedStats(CausalCache):
+    """Hands a norm precomputed whole-frame statistics (frames ``t0 ..``, samples ``b0 ..``)."""
+
+    def __init__(self, stats: _ChannelStats, b0: int = 0, b1: Optional[int] = None,
+                 t0: int = 0, t1: Optional[int] = None) -> None:
+        super().__init__(temporal=False)
+        self.stats, self.where = stats, (slice(b0, b1), slice(None), slice(None), slice(t0, t1))
+
+    def group_norm_stats(self, norm: FrameGroupNorm, x: Tensor) -> Tuple[Tensor, Tensor]:
+        mean, var = self.stats.group(norm.num_groups)
+        return mean[self.where].to(x.dtype), var[self.where].to(x.dtype)
+
+
+@dataclass
+class _Plane:
+    """A frame-wide activation (on the state device, or any tensor for inputs) and, when it
+    will be normalised, its statistics."""
+
+    data: Tensor
+    stats: Optional[_ChannelStats] = None
+
+
+def _grid(size: int, edge: int) -> List[Tuple[int, int]]:
+    return [(a, min(a + edge, size)) for a in range(0, size, edge)]
+
+
+def _clip(lo: int, hi: int, size: int) -> Tuple[int, int, int, int]:
+    """``[lo, hi)`` clipped to ``[0, size)``, and the zeros missing before / after it."""
+    a, b = max(lo, 0), min(hi, size)
+    return a, b, a - lo, hi - b
+
+
+class _ExactRun:
+    """One exact tiled encode or decode: walks the encoder / decoder layer by layer (the
+    same order and maths as ``Encoder.forward`` / ``Decoder.forward``; the tiled-vs-untiled
+    tests check they stay in step), each layer tile by tile."""
+
+    def __init__(self, vae: VideoAutoencoder, tiles: TileSettings, latent_size: Tuple[int, int],
+                 device: torch.device) -> None:
+        self.dtype, self.device = vae.dtype, device
+        self.state = device if tiles.state_device is None else torch.device(tiles.state_device)
+        self.tile_latents = tiles.tile_size // vae.spatial_factor
+        self.latent_h, self.latent_w = latent_size
+        self.stats_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        self.tails: Dict[nn.Module, Tensor] = {}  # frame-wide carried frames per causal conv
+        self.first_chunk, self.keep_tails = True, False
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _edges(self, H: int, W: int) -> Tuple[int, int]:
+        """Tile edge in samples for a plane of ``H x W`` (``tile_size`` pixels of the video)."""
+        return (self.tile_latents * max(H // self.latent_h, 1),
+                self.tile_latents * max(W // self.latent_w, 1))
+
+    def _new_plane(self, shape, stats: bool = True) -> _Plane:
+        data = torch.empty(shape, dtype=self.dtype, device=self.state)
+        B, C, T = shape[:3]
+        return _Plane(data, _ChannelStats(B, C, T, self.stats_dtype, self.device)
+                      if stats else None)
+
+    def _fetch(self, x: Tensor) -> Tensor:
+        return x.to(device=self.device, dtype=self.dtype)
+
+    def _activate(self, src: _Plane, norm: Optional[FrameGroupNorm]) -> Callable:
+        """A producer of ``silu(norm(src))`` (or ``src``) over a clipped region."""
+        def produce(r0: int, r1: int, c0: int, c1: int) -> Tensor:
+            x = self._fetch(src.data[..., r0:r1, c0:c1])
+            if norm is None:
+                return x
+            return F.silu(norm(x, cache=_FixedStats(src.stats)), inplace=True)
+        return produce
+
+    # -- layers -----------------------------------------------------------------------------
+
+    def _conv(self, conv: CausalConv3d, shape, produce: Callable, dst: Optional[_Plane] = None,
+              residual: Optional[Callable] = None, stats: bool = True) -> _Plane:
+        """``conv`` over an input of ``shape`` whose (activated) regions ``produce`` returns,
+        tile by tile of the output, into ``dst`` (a new plane if None). ``residual(o0, o1,
+        q0, q1)`` is added to each output tile."""
+        B, _, T, H, W = shape
+        kt, kh, kw = conv.kernel_size
+        st, sh, sw = conv.stride
+        if conv.spatial_pad is None:
+            top = bottom = conv.conv_padding[1]
+            left = right = conv.conv_padding[2]
+        else:
+            left, right, top, bottom = conv.spatial_pad
+        Ho, Wo = (H + top + bottom - kh) // sh + 1, (W + left + right - kw) // sw + 1
+        head = self.tails.get(conv)
+        n_head = head.shape[2] if head is not None else conv.head_frames
+        To = (n_head + T - kt) // st + 1
+        if dst is None:
+            dst = self._new_plane((B, conv.out_channels, To, Ho, Wo), stats)
+        tail = None
+        if self.keep_tails and conv.tail_frames:
+            tail = torch.empty((B, conv.in_channels, conv.tail_frames, H, W), dtype=self.dtype,
+                               device=self.state)
+        eh, ew = self._edges(Ho, Wo)
+        for o0, o1 in _grid(Ho, eh):
+            r0, r1, pad_t, pad_b = _clip(o0 * sh - top, (o1 - 1) * sh + kh - top, H)
+            for q0, q1 in _grid(Wo, ew):
+                c0, c1, pad_l, pad_r = _clip(q0 * sw - left, (q1 - 1) * sw + kw - left, W)
+                x = produce(r0, r1, c0, c1)
+                if head is not None:
+                    x = torch.cat([self._fetch(head[..., r0:r1, c0:c1]), x], dim=2)
+                elif conv.head_frames:
+                    x = torch.cat([x[:, :, :1].expand(-1, -1, conv.head_frames, -1, -1), x], 2)
+                if tail is not None:  # this tile's share of the frames the next chunk needs
+                    a0, a1 = o0 * sh, min(o1 * sh, H)
+                    b0, b1 = q0 * sw, min(q1 * sw, W)
+                    tail[..., a0:a1, b0:b1].copy_(
+                        x[:, :, x.shape[2] - conv.tail_frames:, a0 - r0:a1 - r0, b0 - c0:b1 - c0])
+                if pad_t or pad_b or pad_l or pad_r:
+                    x = F.pad(x, (pad_l, pad_r, pad_t, pad_b))
+                y = F.conv3d(x, conv.weight, conv.bias, conv.stride)
+                del x
+                if residual is not None:
+                    y.add_(residual(o0, o1, q0, q1))
+                if dst.stats is not None:
+                    dst.stats.add(y)
+                dst.data[..., o0:o1, q0:q1].copy_(y)
+                del y
+        if tail is not None:
+            self.tails[conv] = tail
+        else:
+            self.tails.pop(conv, None)
+        return dst
+
+    def _resnet(self, block: ResnetBlock3D, x: _Plane) -> _Plane:
+        h = self._conv(block.conv1, x.data.shape, self._activate(x, block.norm1))
+        shortcut = block.conv_shortcut
+
+        def residual(o0: int, o1: int, q0: int, q1: int) -> Tensor:
+            r = self._fetch(x.data[..., o0:o1, q0:q1])
+            return r if shortcut is None else F.conv3d(r, shortcut.weight, shortcut.bias)
+
+        # Without a width change the output overwrites x: each tile reads x only where it
+        # writes, after reading it, and conv1 (the only other reader) is done.
+        in_place = shortcut is None and x.data.device == self.state
+        dst = None
+        if in_place:
+            dst = _Plane(x.data, _ChannelStats(*x.data.shape[:3], self.stats_dtype, self.device))
+        out = self._conv(block.conv2, h.data.shape, self._activate(h, block.norm2), dst=dst,
+                         residual=residual)
+        del h
+        return out
+
+    def _attention(self, attn: FrameAttention, x: _Plane) -> _Plane:
+        B, C, T, H, W = x.data.shape
+        N = H * W
+        out = self._new_plane(x.data.shape)
+        rows = max(ATTENTION_SCORE_BUDGET // N, 1)
+        for b in range(B):
+            for t in range(T):
+                xf = self._fetch(x.data[b:b + 1, :, t:t + 1])  # the whole frame, latent res
+                fixed = _FixedStats(x.stats, b, b + 1, t, t + 1)
+                tokens = attn.group_norm(xf, cache=fixed).permute(0, 2, 3, 4, 1).reshape(1, N, C)
+                k = attn.to_k(tokens).unsqueeze(1)
+                v = attn.to_v(tokens).unsqueeze(1)
+                o = torch.empty_like(tokens)
+                for r0 in range(0, N, rows):
+                    q = attn.to_q(tokens[:, r0:r0 + rows]).unsqueeze(1)
+                    o[:, r0:r0 + rows] = F.scaled_dot_product_attention(q, k, v).squeeze(1)
+                del tokens, k, v
+                y = xf + attn.to_out[0](o).view(1, 1, H, W, C).permute(0, 4, 1, 2, 3)
+                out.stats.add(y, b, t)
+                out.data[b:b + 1, :, t:t + 1].copy_(y)
+        return out
+
+    def _upsample(self, up: Upsample3D, x: _Plane) -> _Plane:
+        B, C, T, H, W = x.data.shape
+        r, z = up.space_ratio, up.time_ratio
+        drop = z > 1 and self.first_chunk  # the clip's first frame has no duplicate
+
+        def produce(r0: int, r1: int, c0: int, c1: int) -> Tensor:
+            # Depth-to-space of the source samples covering [r0, r1) x [c0, c1).
+            a0, a1, b0, b1 = r0 // r, -(-r1 // r), c0 // r, -(-c1 // r)
+            y = up.upscale_conv(self._fetch(x.data[..., a0:a1, b0:b1]))
+            h, w = a1 - a0, b1 - b0
+            y = y.view(B, r, r, z, C, T, h, w).permute(0, 4, 5, 3, 6, 1, 7, 2) \
+                .reshape(B, C, T * z, h * r, w * r)
+            if drop:
+                y = torch.cat([y[:, :, :1], y[:, :, 2:]], dim=2)
+            return y[..., r0 - a0 * r:r1 - a0 * r, c0 - b0 * r:c1 - b0 * r]
+
+        return self._conv(up.conv, (B, C, T * z - drop, H * r, W * r), produce)
+
+    def _down(self, conv: CausalConv3d, x: _Plane) -> _Plane:
+        return self._conv(conv, x.data.shape, self._activate(x, None))
+
+    def _norm_out(self, norm: FrameGroupNorm, conv: CausalConv3d, x: _Plane,
+                  dst: Tensor) -> None:
+        self._conv(conv, x.data.shape, self._activate(x, norm), dst=_Plane(dst))
+
+    # -- the two halves ---------------------------------------------------------------------
+
+    def encoder(self, enc: Encoder, video: Tensor, out: Tensor) -> None:
+        """``out`` (moments, any device) = ``enc(video)`` for one chunk of frames."""
+        x = self._conv(enc.conv_in, video.shape, self._activate(_Plane(video), None))
+        for block in enc.down_blocks:
+            for resnet in block.resnets:
+                x = self._resnet(resnet, x)
+            if block.downsamplers is not None:
+                x = self._down(block.downsamplers[0].conv, x)
+        x = self._resnet(enc.mid_block.resnets[0], x)
+        x = self._attention(enc.mid_block.attentions[0], x)
+        x = self._resnet(enc.mid_block.resnets[1], x)
+        self._norm_out(enc.conv_norm_out, enc.conv_out, x, out)
+        self.first_chunk = False
+
+    def decoder(self, dec: Decoder, z: Tensor, out: Tensor) -> None:
+        """``out`` (video, any device) = ``dec(z)`` for one chunk of latent frames."""
+        x = self._conv(dec.conv_in, z.shape, self._activate(_Plane(z), None))
+        x = self._resnet(dec.mid_block.resnets[0], x)
+        x = self._attention(dec.mid_block.attentions[0], x)
+        x = self._resnet(dec.mid_block.resnets[1], x)
+        for block in dec.up_blocks:
+            for resnet in block.resnets:
+                x = self._resnet(resnet, x)
+            if block.upsamplers is not None:
+                x = self._upsample(block.upsamplers[0], x)
+        self._norm_out(dec.conv_norm_out, dec.conv_out, x, out)
+        self.first_chunk = False
+
+
+def _needs_tiles(tiles: TileSettings, h: int, w: int, s: int) -> bool:
+    size = tiles.tile_size // s
+    return tiles.enabled and (h > size or w > size)
+
+
+def _exact_encode(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
+                  frame_chunks: List[Tuple[int, int]]) -> Tuple[Tensor, Tensor]:
+    B, _, T, H, W = video.shape
+    s, f = vae.spatial_factor, vae.temporal_factor
+    t = (T - 1) // f + 1
+    moments = torch.empty((B, 2 * vae.latent_channels, t, H // s, W // s), dtype=vae.dtype,
+                          device=video.device)
+    run = _ExactRun(vae, tiles, (H // s, W // s), video.device)
+    for i, (f0, f1) in enumerate(frame_chunks):
+        run.keep_tails = i + 1 < len(frame_chunks)
+        l0 = 0 if f0 == 0 else (f0 - 1) // f + 1
+        l1 = (f1 - 1) // f + 1
+        run.encoder(vae.encoder, video[:, :, f0:f1], moments[:, :, l0:l1])
+    if vae.quant_conv is not None:  # 1x1x1: pointwise
+        moments = vae.quant_conv(moments)
+    mean, logvar = moments.chunk(2, dim=1)
+    return mean.contiguous(), logvar.clamp(LOGVAR_MIN, LOGVAR_MAX)
+
+
+def _exact_decode(vae: VideoAutoencoder, latent: Tensor, tiles: TileSettings,
+                  latent_chunks: List[Tuple[int, int]]) -> Tensor:
+    B, _, t, h, w = latent.shape
+    s, f = vae.spatial_factor, vae.temporal_factor
+    out = torch.empty((B, vae.config.out_channels, f * (t - 1) + 1, h * s, w * s),
+                      dtype=vae.dtype, device=latent.device)
+    run = _ExactRun(vae, tiles, (h, w), latent.device)
+    for i, (l0, l1) in enumerate(latent_chunks):
+        run.keep_tails = i + 1 < len(latent_chunks)
+        z = latent[:, :, l0:l1]
+        if vae.post_quant_conv is not None:  # 1x1x1: pointwise
+            z = vae.post_quant_conv(z.to(vae.dtype))
+        v0 = 0 if l0 == 0 else f * (l0 - 1) + 1
+        run.decoder(vae.decoder, z, out[:, :, v0:f * (l1 - 1) + 1])
+    return out
+
+
+# == fast mode: independent overlapping tiles, cross-faded ====================================
+
+@dataclass(frozen=True)
+class _Span:
+    """One tile along one axis: latent indices ``[start, stop)`` and the normalised blend
+    weight of its output samples (``None``: the only tile on this axis, weight 1)."""
+
+    start: int
+    stop: int
+    weight: Optional[Tensor]
 
 
 def _ramp(n: int) -> Tensor:
@@ -187,10 +586,6 @@ def _tile_weight(row: _Span, col: _Span) -> Optional[Tensor]:
     return row.weight.unsqueeze(1) * col.weight.unsqueeze(0)
 
 
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
-
-
 def _blend_into(out: Tensor, region: Tuple[slice, ...], piece: Tensor,
                 weight: Optional[Tensor]) -> None:
     """``out[region] += weight * piece``, or a plain copy for the only tile."""
@@ -203,34 +598,6 @@ def _blend_into(out: Tensor, region: Tuple[slice, ...], piece: Tensor,
         view.copy_(view.float().addcmul_(piece.float(), weight))
 
 
-# -- argument checks --------------------------------------------------------------------------
-
-def _check_settings(vae: VideoAutoencoder, tiles: TileSettings,
-                    temporal_chunk: Optional[int]) -> None:
-    if not isinstance(tiles, TileSettings):
-        raise TypeError(f"tiles must be a TileSettings, got {type(tiles).__name__}")
-    s = vae.spatial_factor
-    if tiles.tile_size % s or tiles.tile_overlap % s:
-        raise ValueError(f"tile_size = {tiles.tile_size} and tile_overlap = {tiles.tile_overlap} "
-                         f"must be multiples of this VAE's spatial factor {s}")
-    if temporal_chunk is not None:
-        f = vae.temporal_factor
-        if isinstance(temporal_chunk, bool) or not isinstance(temporal_chunk, int) \
-                or temporal_chunk <= 0 or temporal_chunk % f:
-            raise ValueError(f"temporal_chunk = {temporal_chunk!r}: must be a positive multiple "
-                             f"of {f} video frames (the VAE's temporal factor; chunks are "
-                             f"1 + {f}k frames, then {f}k), or None for no temporal slicing")
-
-
-def _chunks(count: int, first: int, rest: int) -> List[Tuple[int, int]]:
-    """``[0, count)`` cut into ``[0, first)``, then pieces of ``rest``."""
-    bounds = [(0, min(first, count))]
-    while bounds[-1][1] < count:
-        start = bounds[-1][1]
-        bounds.append((start, min(start + rest, count)))
-    return bounds
-
-
 def _layout(vae: VideoAutoencoder, tiles: TileSettings, h: int, w: int, scale: int,
             dtype: torch.dtype, device: torch.device) -> Tuple[List[_Span], List[_Span]]:
     if not tiles.enabled:
@@ -241,32 +608,12 @@ def _layout(vae: VideoAutoencoder, tiles: TileSettings, h: int, w: int, scale: i
             _axis_spans(w, size, overlap, scale, dtype, device))
 
 
-# -- encode / decode --------------------------------------------------------------------------
-
-def encode_posterior(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
-                     temporal_chunk: Optional[int] = None) -> Tuple[Tensor, Tensor]:
-    """``vae.encode_posterior(video)`` in spatial tiles and/or causal temporal chunks.
-
-    Same contract: ``video`` ``(B, 3, T, H, W)`` in [-1, 1] with ``T = 4n + 1`` and ``H, W``
-    multiples of 8; returns ``(mean, logvar)``, each ``(B, 16, n + 1, H/8, W/8)`` in the VAE's
-    dtype, ``logvar`` clamped to [-30, 20]. ``tiles`` tiles the input in pixels (moments are
-    blended over ``tile_overlap / 8`` latents); ``temporal_chunk`` = ``c`` encodes frames in
-    chunks of ``1 + c, c, c, ...`` (``c`` a multiple of 4; exact). Without either this is the
-    plain call.
-    """
-    _check_settings(vae, tiles, temporal_chunk)
-    if not tiles.enabled and temporal_chunk is None:
-        return vae.encode_posterior(video)
-    vae._check_video(video)
+def _fast_encode(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
+                 frame_chunks: List[Tuple[int, int]]) -> Tuple[Tensor, Tensor]:
     B, _, T, H, W = video.shape
     s, f, dtype = vae.spatial_factor, vae.temporal_factor, vae.dtype
     h, w, t = H // s, W // s, (T - 1) // f + 1
     rows, cols = _layout(vae, tiles, h, w, 1, _accumulation_dtype(dtype), video.device)
-    chunk = temporal_chunk if temporal_chunk is not None else T
-    frame_chunks = _chunks(T, 1 + chunk, chunk)
-    if len(rows) == len(cols) == len(frame_chunks) == 1:
-        return vae.encode_posterior(video)
-
     shape = (B, vae.latent_channels, t, h, w)
     mean = torch.zeros(shape, dtype=dtype, device=video.device)
     logvar = torch.zeros(shape, dtype=dtype, device=video.device)
@@ -294,35 +641,11 @@ def encode_posterior(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
     return mean, logvar
 
 
-def encode(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
-           temporal_chunk: Optional[int] = None) -> Tensor:
-    """The posterior mean from :func:`encode_posterior` (cf. ``vae.encode``)."""
-    return encode_posterior(vae, video, tiles, temporal_chunk)[0]
-
-
-def decode(vae: VideoAutoencoder, latent: Tensor, tiles: TileSettings,
-           temporal_chunk: Optional[int] = None) -> Tensor:
-    """``vae.decode(latent)`` in spatial tiles and/or causal temporal chunks.
-
-    Same contract: ``latent`` ``(B, 16, t, h, w)`` unscaled, channels-first; returns video
-    ``(B, 3, 4(t - 1) + 1, 8h, 8w)`` in the VAE's dtype. ``tiles`` tiles the latent
-    (``tile_size / 8`` latents, ``tile_overlap / 8`` overlap) and blends decoded pixels over
-    ``tile_overlap`` pixels; ``temporal_chunk`` = ``c`` decodes ``1 + c/4, c/4, ...`` latent
-    frames at a time (= ``1 + c, c, ...`` output frames; exact). Without either this is the
-    plain call.
-    """
-    _check_settings(vae, tiles, temporal_chunk)
-    if not tiles.enabled and temporal_chunk is None:
-        return vae.decode(latent)
-    vae._check_latent(latent)
+def _fast_decode(vae: VideoAutoencoder, latent: Tensor, tiles: TileSettings,
+                 latent_chunks: List[Tuple[int, int]]) -> Tensor:
     B, _, t, h, w = latent.shape
     s, f, dtype = vae.spatial_factor, vae.temporal_factor, vae.dtype
     rows, cols = _layout(vae, tiles, h, w, s, _accumulation_dtype(dtype), latent.device)
-    chunk = temporal_chunk // f if temporal_chunk is not None else t
-    latent_chunks = _chunks(t, 1 + chunk, chunk)
-    if len(rows) == len(cols) == len(latent_chunks) == 1:
-        return vae.decode(latent)
-
     out = torch.zeros((B, vae.config.out_channels, f * (t - 1) + 1, h * s, w * s), dtype=dtype,
                       device=latent.device)
     for row in rows:
@@ -345,4 +668,65 @@ def decode(vae: VideoAutoencoder, latent: Tensor, tiles: TileSettings,
     return out
 
 
-__all__ = ["TileSettings", "encode_posterior", "encode", "decode", "tile_starts"]
+# -- encode / decode --------------------------------------------------------------------------
+
+def encode_posterior(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
+                     temporal_chunk: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    """``vae.encode_posterior(video)`` in spatial tiles and/or causal temporal chunks.
+
+    Same contract: ``video`` ``(B, 3, T, H, W)`` in [-1, 1] with ``T = 4n + 1`` and ``H, W``
+    multiples of 8; returns ``(mean, logvar)``, each ``(B, 16, n + 1, H/8, W/8)`` in the VAE's
+    dtype, ``logvar`` clamped to [-30, 20]. ``tiles`` tiles the input in pixels;
+    ``temporal_chunk`` = ``c`` encodes frames in chunks of ``1 + c, c, c, ...`` (``c`` a
+    multiple of 4; exact). Without either this is the plain call.
+    """
+    _check_settings(vae, tiles, temporal_chunk)
+    if not tiles.enabled and temporal_chunk is None:
+        return vae.encode_posterior(video)
+    vae.check_video(video)
+    T, H, W = video.shape[2:]
+    s = vae.spatial_factor
+    chunk = temporal_chunk if temporal_chunk is not None else T
+    frame_chunks = _chunks(T, 1 + chunk, chunk)
+    tiled = _needs_tiles(tiles, H // s, W // s, s)
+    if not tiled and len(frame_chunks) == 1:
+        return vae.encode_posterior(video)
+    if tiled and tiles.exact:
+        return _exact_encode(vae, video, tiles, frame_chunks)
+    return _fast_encode(vae, video, tiles if tiled else TileSettings(), frame_chunks)
+
+
+def encode(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
+           temporal_chunk: Optional[int] = None) -> Tensor:
+    """The posterior mean from :func:`encode_posterior` (cf. ``vae.encode``)."""
+    return encode_posterior(vae, video, tiles, temporal_chunk)[0]
+
+
+def decode(vae: VideoAutoencoder, latent: Tensor, tiles: TileSettings,
+           temporal_chunk: Optional[int] = None) -> Tensor:
+    """``vae.decode(latent)`` in spatial tiles and/or causal temporal chunks.
+
+    Same contract: ``latent`` ``(B, 16, t, h, w)`` unscaled, channels-first; returns video
+    ``(B, 3, 4(t - 1) + 1, 8h, 8w)`` in the VAE's dtype. ``tiles`` tiles the latent
+    (``tile_size / 8`` latents); ``temporal_chunk`` = ``c`` decodes ``1 + c/4, c/4, ...``
+    latent frames at a time (= ``1 + c, c, ...`` output frames; exact). Without either this
+    is the plain call.
+    """
+    _check_settings(vae, tiles, temporal_chunk)
+    if not tiles.enabled and temporal_chunk is None:
+        return vae.decode(latent)
+    vae.check_latent(latent)
+    t, h, w = latent.shape[2:]
+    f = vae.temporal_factor
+    chunk = temporal_chunk // f if temporal_chunk is not None else t
+    latent_chunks = _chunks(t, 1 + chunk, chunk)
+    tiled = _needs_tiles(tiles, h, w, vae.spatial_factor)
+    if not tiled and len(latent_chunks) == 1:
+        return vae.decode(latent)
+    if tiled and tiles.exact:
+        return _exact_decode(vae, latent, tiles, latent_chunks)
+    return _fast_decode(vae, latent, tiles if tiled else TileSettings(), latent_chunks)
+
+
+__all__ = ["TileSettings", "encode_posterior", "encode", "decode", "tile_starts",
+           "settings_from_options"]

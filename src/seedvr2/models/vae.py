@@ -45,8 +45,9 @@ Temporal chunking
     Causality means a long clip can be processed in chunks if each causal conv keeps the
     tail of its input for the next chunk (the official pipeline does this with 4-frame
     chunks; it is numerically equivalent to one pass). :class:`Encoder` and :class:`Decoder`
-    accept a :class:`~.vae_blocks.CausalCache` for that; :class:`VideoAutoencoder` currently
-    runs every clip in a single pass.
+    accept a :class:`~.vae_blocks.CausalCache` for that; :class:`VideoAutoencoder` runs every
+    clip in a single pass, ``seedvr2.memory.tiling`` in temporal slices and/or spatial tiles
+    (a cache can also hand a norm the whole frame's statistics, which a tile needs).
 
 Scaling
     ``encode`` returns the raw posterior mean. The SeedVR2 pipeline multiplies it by 0.9152
@@ -171,7 +172,7 @@ class VideoAutoencoder(nn.Module):
         ``video``: ``(B, 3, T, H, W)`` in [-1, 1], ``T = 4n + 1`` (a single image is ``T = 1``),
         ``H`` and ``W`` multiples of 8; ``t = n + 1``. ``logvar`` is clamped to [-30, 20].
         """
-        self._check_video(video)
+        self.check_video(video)
         moments = self.encoder(video.to(self.dtype).contiguous())
         if self.quant_conv is not None:
             moments = self.quant_conv(moments)
@@ -216,7 +217,7 @@ class VideoAutoencoder(nn.Module):
         Always 5-D (a one-frame latent gives a one-frame video). Values are nominally in
         [-1, 1] but not clamped.
         """
-        self._check_latent(latent)
+        self.check_latent(latent)
         z = latent.to(self.dtype).contiguous()
         if self.post_quant_conv is not None:
             z = self.post_quant_conv(z)
@@ -226,9 +227,12 @@ class VideoAutoencoder(nn.Module):
         """Reconstruction through the posterior mean: ``decode(encode(video))``."""
         return self.decode(self.encode(video))
 
-    # -- argument checks --------------------------------------------------------------------
+    # -- argument checks (public: tiled and sliced runs validate with them) ------------------
 
-    def _check_video(self, video: Tensor) -> None:
+    def check_video(self, video: Tensor) -> None:
+        """Raise ``TypeError``/``ValueError`` (naming the fix) unless ``video`` is a valid
+        input of :meth:`encode`: a 5-D ``(B, in_channels, 4n + 1, H, W)`` tensor with ``H`` and
+        ``W`` positive multiples of the spatial factor."""
         if not isinstance(video, Tensor):
             raise TypeError(f"video must be a torch.Tensor, got {type(video).__name__}")
         if video.ndim != 5:
@@ -249,7 +253,10 @@ class VideoAutoencoder(nn.Module):
             raise ValueError(f"video height and width must be positive multiples of {s}, "
                              f"got H={height}, W={width}")
 
-    def _check_latent(self, latent: Tensor) -> None:
+    def check_latent(self, latent: Tensor) -> None:
+        """Raise ``TypeError``/``ValueError`` (naming the fix) unless ``latent`` is a valid
+        input of :meth:`decode`: a non-empty 5-D channels-first ``(B, latent_channels, t, h,
+        w)`` tensor."""
         if not isinstance(latent, Tensor):
             raise TypeError(f"latent must be a torch.Tensor, got {type(latent).__name__}")
         if latent.ndim != 5:

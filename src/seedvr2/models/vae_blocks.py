@@ -12,7 +12,12 @@ only, and so that a single image (``T = 1``) is a valid video:
 Because of that, a long video can be processed in consecutive temporal chunks if every
 causal convolution hands the last frames of its (padded) input on to the next chunk. The
 modules take an optional :class:`CausalCache` for this; without one they process the whole
-clip in one pass, which is what the model does today.
+clip in one pass.
+
+The cache is also the seam through which a caller that cuts a frame into spatial tiles
+(``seedvr2.memory.tiling``) supplies what a tile cannot compute from its own pixels, the
+whole frame's GroupNorm statistics (:meth:`CausalCache.group_norm_stats`; by default those of
+the tensor at hand, i.e. the plain per-frame behaviour).
 
 Module and parameter names follow the diffusers-style names of the official checkpoint
 (``resnets.N.norm1``, ``downsamplers.0.conv``, ``attentions.0.to_q`` ...), so a released
@@ -47,17 +52,45 @@ def _triple(value: _int3) -> Tuple[int, int, int]:
     return (value,) * 3 if isinstance(value, int) else tuple(value)
 
 
+def frame_group_stats(x: Tensor, groups: int) -> Tuple[Tensor, Tensor]:
+    """Per-frame GroupNorm statistics of ``x`` ``(B, C, T, N)``: mean and (biased) variance of
+    each (sample, group, frame), each ``(B, groups, 1, T)``, in ``x``'s dtype.
+
+    Per-(channel, frame) moments are reduced over the contiguous ``N`` axis and combined
+    exactly into group moments (:func:`group_stats_from_channels`)."""
+    var_c, mean_c = torch.var_mean(x, dim=-1, correction=0)  # (B, C, T) per plane
+    return group_stats_from_channels(mean_c, var_c, groups)
+
+
+def group_stats_from_channels(mean_c: Tensor, var_c: Tensor,
+                              groups: int) -> Tuple[Tensor, Tensor]:
+    """Group mean and variance ``(B, G, 1, T)`` from per-channel ones ``(B, C, T)`` over equal
+    sample counts (law of total variance)."""
+    B, C, T = mean_c.shape
+    mean_c = mean_c.view(B, groups, C // groups, T)
+    var_c = var_c.view(B, groups, C // groups, T)
+    mean_g = mean_c.mean(dim=2, keepdim=True)  # (B, G, 1, T)
+    var_g = var_c.mean(dim=2, keepdim=True) + (mean_c - mean_g).square().mean(dim=2,
+                                                                               keepdim=True)
+    return mean_g, var_g
+
+
 class CausalCache:
-    """State carried between consecutive temporal chunks of the same clip.
+    """State carried between the pieces of one clip: consecutive temporal chunks and, for a
+    subclass, spatial tiles.
 
     Each causal convolution stores the trailing frames of its padded input (what its next
     window needs from the past); each temporal up-sampler remembers that it has seen the
     first chunk. Use one fresh cache per clip and per direction (encode / decode), and feed
     the chunks in order; chunk lengths must respect the temporal strides (``1 + 4k`` frames
     for the first encoder chunk, then multiples of 4; any split of the latent for decoding).
+
+    ``temporal=False`` carries nothing between calls (every call is a whole clip, as without
+    a cache); that is for subclasses that only override :meth:`group_norm_stats`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, temporal: bool = True) -> None:
+        self.temporal = temporal
         self._tails: Dict[nn.Module, Tensor] = {}
         self._seen: set = set()
 
@@ -65,15 +98,28 @@ class CausalCache:
         return self._tails.get(module)
 
     def set_tail(self, module: nn.Module, frames: Tensor) -> None:
-        # A copy, so that the (much larger) padded input it is sliced from can be freed.
-        self._tails[module] = frames.detach().clone()
+        if self.temporal:
+            # A copy, so that the (much larger) padded input it is sliced from can be freed.
+            self._tails[module] = frames.detach().clone()
 
     def first_visit(self, module: nn.Module) -> bool:
-        """True the first time ``module`` asks, i.e. while it processes the first chunk."""
+        """True the first time ``module`` asks, i.e. while it processes the first chunk
+        (always, without temporal state)."""
+        if not self.temporal:
+            return True
         if module in self._seen:
             return False
         self._seen.add(module)
         return True
+
+    # -- frame-wide statistics (overridden by spatial tiling) -------------------------------
+
+    def group_norm_stats(self, norm: "FrameGroupNorm", x: Tensor) -> Tuple[Tensor, Tensor]:
+        """The per-frame statistics ``norm`` normalises ``x`` with.
+
+        ``x``: the norm's input in its compute dtype, ``(B, C, T, H, W)``. Returns mean and
+        variance ``(B, G, 1, T)`` in that dtype; by default those of ``x`` itself."""
+        return frame_group_stats(x.flatten(3), norm.num_groups)
 
 
 class CausalConv3d(nn.Conv3d):
@@ -165,7 +211,9 @@ class FrameGroupNorm(nn.GroupNorm):
     ``out`` when given (e.g. the body of a causal conv's padded input).
     """
 
-    def forward(self, x: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    def forward(self, x: Tensor, out: Optional[Tensor] = None,
+                cache: Optional[CausalCache] = None) -> Tensor:
+        """``cache`` may supply the statistics (:meth:`CausalCache.group_norm_stats`)."""
         if x.ndim != 5:
             raise ValueError(f"FrameGroupNorm expects (B, C, T, H, W), got shape {tuple(x.shape)}")
         B, C, T = x.shape[:3]
@@ -173,12 +221,10 @@ class FrameGroupNorm(nn.GroupNorm):
         compute_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         x_c = x.reshape(B, C, T, -1).to(compute_dtype)  # no copy in float32
 
-        var_c, mean_c = torch.var_mean(x_c, dim=-1, correction=0)  # (B, C, T) per plane
-        mean_c = mean_c.view(B, G, C // G, T)
-        var_c = var_c.view(B, G, C // G, T)
-        mean_g = mean_c.mean(dim=2, keepdim=True)  # (B, G, 1, T)
-        var_g = var_c.mean(dim=2, keepdim=True) + (mean_c - mean_g).square().mean(dim=2,
-                                                                                   keepdim=True)
+        if cache is None:
+            mean_g, var_g = frame_group_stats(x_c, G)
+        else:
+            mean_g, var_g = cache.group_norm_stats(self, x_c.view(x.shape))
         rstd = torch.rsqrt(var_g + self.eps)
 
         weight = self.weight.to(compute_dtype).view(1, G, C // G, 1)
@@ -204,9 +250,9 @@ def norm_act_conv(norm: FrameGroupNorm, conv: CausalConv3d, x: Tensor,
     input buffer (the pattern of every conv inside the residual blocks and before conv_out)."""
     buf, body = conv.input_buffer(x, x.shape, cache)
     if _records_graph(x, norm.weight, norm.bias):
-        body.copy_(F.silu(norm(x)))
+        body.copy_(F.silu(norm(x, cache=cache)))
     else:
-        F.silu(norm(x, out=body), inplace=True)
+        F.silu(norm(x, out=body, cache=cache), inplace=True)
     return conv.forward_padded(buf, cache)
 
 
@@ -240,6 +286,10 @@ class FrameAttention(nn.Module):
     ``x + to_out(softmax(q k^T / sqrt(C)) v)`` where ``q, k, v`` are linear maps (with bias)
     of the group-normalised input and the head spans all ``C`` channels. Frames never attend
     to each other, which keeps the block causal. Names match diffusers' ``Attention``.
+
+    Score matrices are bounded by ``ATTENTION_SCORE_BUDGET`` elements per SDPA call: frames
+    are attended in groups, and the queries of a frame in row blocks if one frame exceeds it.
+    A cache reaches the norm (:meth:`CausalCache.group_norm_stats`).
     """
 
     def __init__(self, channels: int, groups: int) -> None:
@@ -250,20 +300,28 @@ class FrameAttention(nn.Module):
         self.to_v = nn.Linear(channels, channels)
         self.to_out = nn.ModuleList([nn.Linear(channels, channels)])
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
         B, C, T, H, W = x.shape
         # One sequence of H*W tokens per frame: (B*T, H*W, C).
-        tokens = self.group_norm(x).permute(0, 2, 3, 4, 1).reshape(B * T, H * W, C)
+        tokens = self.group_norm(x, cache=cache).permute(0, 2, 3, 4, 1).reshape(B * T, H * W, C)
         q = self.to_q(tokens).unsqueeze(1)  # (B*T, 1 head, H*W, C)
         k = self.to_k(tokens).unsqueeze(1)
         v = self.to_v(tokens).unsqueeze(1)
         del tokens
-        frames_per_call = max(1, ATTENTION_SCORE_BUDGET // (H * W) ** 2)
+        N = H * W
+        frames_per_call = ATTENTION_SCORE_BUDGET // (N * N)
         if frames_per_call >= B * T:
             out = F.scaled_dot_product_attention(q, k, v)
-        else:
-            out = torch.cat([F.scaled_dot_product_attention(qc, kc, vc) for qc, kc, vc in zip(
-                q.split(frames_per_call), k.split(frames_per_call), v.split(frames_per_call))])
+        else:  # groups of frames, or row blocks of one frame's queries
+            out = torch.empty_like(q)
+            frames = max(frames_per_call, 1)
+            rows = N if frames_per_call else max(ATTENTION_SCORE_BUDGET // N, 1)
+            for f0 in range(0, B * T, frames):
+                f1 = f0 + frames
+                for r0 in range(0, N, rows):
+                    out[f0:f1, :, r0:r0 + rows] = F.scaled_dot_product_attention(
+                        q[f0:f1, :, r0:r0 + rows], k[f0:f1], v[f0:f1])
+        del q, k, v
         out = self.to_out[0](out.squeeze(1))  # (B*T, H*W, C)
         # x first: the sum then takes x's contiguous channels-first layout.
         return x + out.view(B, T, H, W, C).permute(0, 4, 1, 2, 3)
@@ -380,7 +438,7 @@ class UNetMidBlock3D(nn.Module):
 
     def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
         x = self.resnets[0](x, cache)
-        x = self.attentions[0](x)
+        x = self.attentions[0](x, cache)
         return self.resnets[1](x, cache)
 
 
