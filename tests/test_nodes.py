@@ -26,11 +26,12 @@ def test_every_input_has_a_tooltip_and_the_upscaler_follows_the_option_table():
     upscaler = nodes["SeedVR2VideoUpscaler"]
     for opt in defs.pipeline_options():
         inp = upscaler.input(opt.name)
-        assert (inp.default, inp.tooltip) == (opt.default, opt.help)
+        auto = opt.accepts_auto  # an INT widget: 0 stands for "auto"
+        assert (inp.default, inp.tooltip) == (opt.default, opt.help + (" (0 = auto)" if auto else ""))
         if opt.choices:
             assert (inp.type, inp.choices) == ("COMBO", tuple(opt.choices))
         if opt.type in (int, float):
-            assert (inp.min, inp.max) == (opt.min, opt.max)
+            assert (inp.min, inp.max) == (0 if auto else opt.min, opt.max)
     for name in ("seed", "resolution", "max_resolution", "batch_size", "uniform_batch_size",
                  "temporal_overlap", "prepend_frames", "chunk_size", "color_correction",
                  "input_noise_scale", "latent_noise_scale"):
@@ -270,3 +271,10 @@ def test_cached_models_are_entries_comfyui_can_unload(tmp_path, monkeypatch):
     cache.get_or_load(newer, lambda: torch.nn.Linear(2, 2), keep=True)
     assert stale.model_unload() is True and cache.keys() == [newer]
     assert [e.key for e in comfy_memory.sync(mm, cache)] == [newer]
+
+
+def test_batch_size_zero_means_auto():
+    dit = defs.ModelHandle("dit", "dit.safetensors", "/m/dit.safetensors")
+    vae = defs.ModelHandle("vae", "vae.safetensors", "/m/vae.safetensors")
+    assert defs.plan_job(dit, vae, {}, {"batch_size": 0}).options["batch_size"] == "auto"
+    assert defs.plan_job(dit, vae, {}, {"batch_size": 9}).options["batch_size"] == 9

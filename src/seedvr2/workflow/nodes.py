@@ -121,6 +121,15 @@ class Host(Protocol):
 # Inputs generated from the option table
 
 
+AUTO_INT = 0  # the INT widget value of options that also accept "auto" (batch_size)
+
+
+def _from_widget(name: str, value):
+    """A node input's value as the library option takes it (0 -> "auto" where accepted)."""
+    opt = OPTIONS.get(name)
+    return "auto" if opt is not None and opt.accepts_auto and value == AUTO_INT else value
+
+
 def option_input(opt: Option, name: Optional[str] = None, tooltip: Optional[str] = None,
                  optional: bool = False) -> Input:
     """A node input for a library option: same type, default, range, choices; help = tooltip."""
@@ -131,6 +140,10 @@ def option_input(opt: Option, name: Optional[str] = None, tooltip: Optional[str]
     if opt.type is bool:
         return Input(type="BOOLEAN", **kw)
     if opt.type is int:
+        if opt.accepts_auto:  # an INT widget cannot hold "auto": 0 stands for it
+            kw.update(tooltip=f"{kw['tooltip']} (0 = auto)",
+                      default=AUTO_INT if opt.default == "auto" else opt.default)
+            return Input(type="INT", min=AUTO_INT, max=opt.max, step=1, **kw)
         return Input(type="INT", min=opt.min, max=opt.max, step=1,
                      control_after_generate=opt.name == "seed", **kw)
     if opt.type is float:
@@ -241,6 +254,8 @@ LOADER_SETTINGS: dict[str, tuple] = {
         Setting("decode_tile_size", "vae_decode_tile_size", step=_TILE_STEP),
         Setting("decode_tile_overlap", "vae_decode_tile_overlap", step=_TILE_STEP),
         Setting("dtype", "dtype"),
+        Setting("encode_temporal_slice", "vae_encode_temporal_slice", step=4),
+        Setting("decode_temporal_slice", "vae_decode_temporal_slice", step=4),
         _COMPILE_SETTING,
     ),
 }
@@ -379,7 +394,7 @@ def _setting_default(setting: Setting):
 
 def plan_job(dit: ModelHandle, vae: ModelHandle, upscaler: dict, pipeline: dict) -> _Job:
     """Turn loader handles, upscaler settings and pipeline inputs into facade options."""
-    job = _Job(options=dict(pipeline))
+    job = _Job(options={name: _from_widget(name, v) for name, v in pipeline.items()})
     sources = [("SeedVR2 Load DiT Model", LOADER_SETTINGS["dit"], dict(dit.settings)),
                ("SeedVR2 Load VAE Model", LOADER_SETTINGS["vae"], dict(vae.settings)),
                ("upscaler", UPSCALER_SETTINGS, upscaler)]
@@ -413,6 +428,9 @@ def _progress_callback(host: Host) -> Callable[[str, int, int], None]:
 
     def progress(phase: str, count: int, total: int):
         if phase == "frames":
+            # Several devices report finished frames only; one process reports its phases.
+            if not done:
+                host.progress(count, total)
             return
         done[phase] = count
         host.progress(sum(done.values()), 3 * total)
