@@ -64,7 +64,8 @@ def test_blockswap_clamps_and_is_inactive_without_cuda(conformance, caplog):
 
 
 def _upscale(tiny_options, clip, **options):
-    return seedvr2.upscale(clip, **tiny_options, resolution=32, batch_size=5,
+    options.setdefault("resolution", 32)
+    return seedvr2.upscale(clip, **tiny_options, batch_size=5,
                            text_embeddings=str(tiny_options["model_dir"] / "text_64.safetensors"),
                            **options)
 
@@ -204,7 +205,7 @@ def test_vae_tiling_options_reach_the_vae(tiny_options, clip, monkeypatch):
     original = tiling.decode
 
     def spy(vae, latent, tiles, temporal_chunk=None):
-        seen.append(tiles)
+        seen.append((tiles, temporal_chunk))
         return original(vae, latent, tiles, temporal_chunk)
 
     monkeypatch.setattr(tiling, "decode", spy)
@@ -212,4 +213,16 @@ def test_vae_tiling_options_reach_the_vae(tiny_options, clip, monkeypatch):
                    vae_decode_tile_overlap=16, vae_encode_tiled=True, vae_encode_tile_size=64,
                    vae_encode_tile_overlap=16)
     assert out.shape == (6, 32, 48, 3)
-    assert seen and all(t.enabled and t.tile_size == 64 and t.tile_overlap == 16 for t in seen)
+    assert seen and all(t.enabled and t.tile_size == 64 and t.tile_overlap == 16 and not t.exact
+                        and chunk is None for t, chunk in seen)
+
+
+def test_exact_tiling_and_temporal_slices_keep_the_frames(tiny_options, clip):
+    """Through the whole pipeline: exact tiles and causal temporal slices change nothing
+    beyond float rounding."""
+    plain = _upscale(tiny_options, clip, resolution=96)  # 96x144: 2x3 tiles of 64 pixels
+    changed = _upscale(tiny_options, clip, resolution=96, vae_decode_tiled=True,
+                       vae_decode_tile_size=64, vae_decode_tile_overlap=8, vae_encode_tiled=True,
+                       vae_encode_tile_size=64, vae_encode_tile_overlap=8, vae_tiling_exact=True,
+                       vae_encode_temporal_slice=4, vae_decode_temporal_slice=4)
+    assert (changed - plain).abs().max() < 1e-4

@@ -394,8 +394,10 @@ def test_exact_tiling_convolves_one_tile_at_a_time(tiny_vae, monkeypatch):
 def test_settings_from_options():
     opts = resolve_options(vae_encode_tiled=True, vae_encode_tile_size=256,
                            vae_encode_tile_overlap=32, vae_decode_temporal_slice=8)
-    assert settings_from_options(opts, "encode") == (TileSettings(True, 256, 32), None)
-    assert settings_from_options(opts, "decode") == (TileSettings(False, 512, 64), 8)
+    assert settings_from_options(opts, "encode") == (TileSettings(True, 256, 32, exact=False), None)
+    assert settings_from_options(opts, "decode") == (TileSettings(False, 512, 64, exact=False), 8)
+    exact = resolve_options(vae_decode_tiled=True, vae_tiling_exact=True)
+    assert settings_from_options(exact, "decode") == (TileSettings(True, 512, 64, exact=True), None)
     with pytest.raises(ValueError, match="stage must be 'encode' or 'decode'"):
         settings_from_options(opts, "both")
 

@@ -23,7 +23,7 @@ from .memory import MODEL_CACHE, ModelKey, resolve_device, resolve_dtype, resolv
 from .memory import budget as mem
 from .memory.blockswap import BlockSwap
 from .memory.compile import CompileSettings, apply_compile
-from .memory.tiling import TileSettings
+from .memory.tiling import TileSettings, settings_from_options
 from .options import OptionError, Options, resolve_options
 from .pipeline.plan import make_plan
 from .pipeline.runner import JobStats, Models, Upscaler, output_size, to_integer_frames
@@ -90,8 +90,7 @@ def load_models(dit=None, vae=None, *, opts: Options, model_dir=None) -> Models:
 
 
 def _tiles(opts: Options) -> tuple[TileSettings, TileSettings]:
-    return (TileSettings(opts.vae_encode_tiled, opts.vae_encode_tile_size, opts.vae_encode_tile_overlap),
-            TileSettings(opts.vae_decode_tiled, opts.vae_decode_tile_size, opts.vae_decode_tile_overlap))
+    return settings_from_options(opts, "encode")[0], settings_from_options(opts, "decode")[0]
 
 
 def _budget_job(opts: Options, size: tuple[int, int], batch: int, dtype: torch.dtype,

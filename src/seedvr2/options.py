@@ -136,6 +136,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            check=_tile_problem),
     Option("vae_decode_tile_overlap", int, 64, "decode tile overlap in pixels", min=0, max=8192,
            check=_tile_problem),
+    Option("vae_tiling_exact", bool, False, "tiled VAE equal to untiled (within 1e-5): every "
+           "layer runs over the whole frame tile by tile, keeping frame-wide activations in "
+           "host RAM (tens of GB for long 1080p batches; slower). Off: independent tiles "
+           "cross-faded over the overlap (fast, little memory, slightly different at seams)"),
     # -- several processes (seedvr2.distributed) --
     Option("devices", str, "auto", "devices to split the video's batches over: auto (every "
            "visible GPU, else one CPU process), or a list such as cuda:0,cuda:1 or cpu,cpu",

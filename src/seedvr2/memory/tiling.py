@@ -179,7 +179,8 @@ def settings_from_options(opts, stage: str) -> Tuple[TileSettings, Optional[int]
     if stage not in ("encode", "decode"):
         raise ValueError(f"stage must be 'encode' or 'decode', got {stage!r}")
     get = lambda name: getattr(opts, f"vae_{stage}_{name}")  # noqa: E731
-    tiles = TileSettings(get("tiled"), get("tile_size"), get("tile_overlap"))
+    tiles = TileSettings(get("tiled"), get("tile_size"), get("tile_overlap"),
+                         exact=opts.vae_tiling_exact)
     return tiles, (get("temporal_slice") or None)
 
 

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 
 from ..memory import tiling
 from ..memory.budget import host_rss
-from ..memory.tiling import TileSettings
 from ..options import Options
 from .alpha import upscale_alpha
 from .color import color_correct
@@ -255,10 +254,8 @@ class Upscaler:
         # Latents and frames wait here between phases ("none": on the device that made them).
         self.offload = torch.device(opts.tensor_offload_device) \
             if opts.tensor_offload_device != "none" else models.vae_device
-        self.encode_tiles = TileSettings(opts.vae_encode_tiled, opts.vae_encode_tile_size,
-                                         opts.vae_encode_tile_overlap)
-        self.decode_tiles = TileSettings(opts.vae_decode_tiled, opts.vae_decode_tile_size,
-                                         opts.vae_decode_tile_overlap)
+        self.encode_tiles, self.encode_slice = tiling.settings_from_options(opts, "encode")
+        self.decode_tiles, self.decode_slice = tiling.settings_from_options(opts, "decode")
         self.stats = JobStats()
         if isinstance(opts.batch_size, int):
             self.stats.batch_size = opts.batch_size
@@ -282,7 +279,8 @@ class Upscaler:
         if opts.input_noise_scale > 0:
             noise = _randn(video.shape, batch_seed(opts.seed, batch.start, INPUT_NOISE), device)
             video = video + 0.025 * opts.input_noise_scale * noise
-        mean, logvar = tiling.encode_posterior(vae, video.to(self.dtype), self.encode_tiles)
+        mean, logvar = tiling.encode_posterior(vae, video.to(self.dtype), self.encode_tiles,
+                                              self.encode_slice)
         eps = _randn(mean.shape, batch_seed(opts.seed, batch.start, EPS), device, mean.dtype)
         latent = vae.sample_posterior(mean, logvar, noise=eps)
         latent = (latent[0].permute(1, 2, 3, 0).float() * LATENT_SCALE).to(self.offload)
@@ -309,7 +307,8 @@ class Upscaler:
     def _decode(self, item: _Encoded, size: tuple[int, int]) -> torch.Tensor:
         device = self.models.vae_device
         z = (item.result.to(device) / LATENT_SCALE).permute(3, 0, 1, 2)[None]
-        video = tiling.decode(self.models.vae, z.to(self.dtype), self.decode_tiles)  # (1, 3, T, H16, W16)
+        video = tiling.decode(self.models.vae, z.to(self.dtype), self.decode_tiles,
+                              self.decode_slice)  # (1, 3, T, H16, W16)
         n = item.batch.frames
         frames = video[0, :, :n, : size[0], : size[1]].permute(1, 0, 2, 3).float()  # (n, 3, H, W)
         frames = color_correct(frames, item.reference.to(device), self.opts.color_correction)

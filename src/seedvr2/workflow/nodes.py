@@ -254,6 +254,7 @@ LOADER_SETTINGS: dict[str, tuple] = {
         Setting("decode_tile_size", "vae_decode_tile_size", step=_TILE_STEP),
         Setting("decode_tile_overlap", "vae_decode_tile_overlap", step=_TILE_STEP),
         Setting("dtype", "dtype"),
+        Setting("tiling_exact", "vae_tiling_exact"),
         Setting("encode_temporal_slice", "vae_encode_temporal_slice", step=4),
         Setting("decode_temporal_slice", "vae_decode_temporal_slice", step=4),
         _COMPILE_SETTING,
