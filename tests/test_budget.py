@@ -412,3 +412,22 @@ def test_prepare_job_checks_cuda_devices_up_front(tiny_options, monkeypatch, cap
     # On the CPU nothing is enforced.
     monkeypatch.setattr(mem, "device_available", lambda device, own=0: 1)
     assert prepare_job(models, opts, 40, (64, 96)).batch_size == 9
+
+
+def test_exact_tiling_host_ram_check():
+    """The exact tiling mode's frame-wide planes are checked against host RAM up front, with
+    temporal slices offered when they would fit."""
+    from seedvr2.models.config import vae_config
+    cfg = vae_config("vae")
+    need = mem.exact_tiling_host_bytes(cfg, 21, 1080, 1920, 2, None, None)
+    assert need == (256 + 2 * 128) * 21 * 1080 * 1920 * 2  # ~42 GiB of bf16 planes
+    sliced = mem.exact_tiling_host_bytes(cfg, 21, 1080, 1920, 2, 4, 4)
+    assert sliced == (256 + 2 * 128) * 7 * 1080 * 1920 * 2
+    assert mem.check_exact_tiling(cfg, 21, 1080, 1920, 2, None, None, 64 * 2**30) == need
+    with pytest.raises(mem.BudgetError, match=(
+            r"^vae_tiling_exact keeps whole-frame activations in host RAM: about 41\.5 GiB for "
+            r"1920x1080 frames at batch_size 21, but 24\.0 GiB is available\. Settings that would "
+            r"fit: vae_encode_temporal_slice 4 and vae_decode_temporal_slice 4 \(same result, "
+            r"about 13\.8 GiB\); or vae_tiling_exact off \(independent tiles, little memory\)$")):
+        mem.check_exact_tiling(cfg, 21, 1080, 1920, 2, None, None, 24 * 2**30)
+    assert mem.check_exact_tiling(cfg, 21, 1080, 1920, 2, None, None, None) == need  # unknown RAM

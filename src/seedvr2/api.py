@@ -158,6 +158,11 @@ def prepare_job(models: Models, opts: Options, frame_count: int, size: tuple[int
         log.info("batch_size auto: %d frames per batch (largest 4n+1 that fits %s for %dx%d "
                  "output, %d frames)", batch, ", ".join(f"{mem.gib(v)} on {d}" for d, v in limits.items())
                  or "the default", size[1], size[0], plan_frames)
+    if opts.vae_tiling_exact and (opts.vae_encode_tiled or opts.vae_decode_tiled):
+        stages = tuple(st for st in ("encode", "decode") if getattr(opts, f"vae_{st}_tiled"))
+        mem.check_exact_tiling(models.vae.config, opts.batch_size, size[0], size[1],
+                               models.dtype.itemsize, opts.vae_decode_temporal_slice or None,
+                               opts.vae_encode_temporal_slice or None, mem.host_available(), stages)
     if cuda:
         try:
             est = mem.check(budget, job(opts.batch_size), place, cuda)

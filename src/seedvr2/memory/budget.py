@@ -717,6 +717,43 @@ def auto_batch_size(budget: Budget, job: Job, place: Placement, available: Mappi
 
 
 # ---------------------------------------------------------------------------------------------
+def exact_tiling_host_bytes(cfg: VAEConfig, batch: int, height: int, width: int, itemsize: int,
+                            decode_slice: Optional[int], encode_slice: Optional[int],
+                            stages: tuple = ("encode", "decode")) -> int:
+    """Host RAM the exact tiling mode holds in frame-wide planes (``TileSettings.exact``,
+    ``state_device`` cpu): at full resolution about three planes live at once (the decoder's
+    last up block: ``block_out_channels[1] + 2 * block_out_channels[0]`` channels; the
+    encoder's first: ``3 * block_out_channels[0]``), over the frames in flight (the batch, or
+    ``1 + slice`` plus two carried frames per causal conv when slicing), in the model dtype,
+    for the tiled ``stages``."""
+    c0, c1 = cfg.block_out_channels[0], cfg.block_out_channels[min(1, len(cfg.block_out_channels) - 1)]
+
+    def frames(slice_: Optional[int]) -> int:
+        return batch if not slice_ else min(batch, 1 + slice_) + 2
+    decode = (c1 + 2 * c0) * frames(decode_slice) if "decode" in stages else 0
+    encode = 3 * c0 * frames(encode_slice) if "encode" in stages else 0
+    return max(decode, encode) * height * width * itemsize
+
+
+def check_exact_tiling(cfg: VAEConfig, batch: int, height: int, width: int, itemsize: int,
+                       decode_slice: Optional[int], encode_slice: Optional[int],
+                       available: Optional[int], stages: tuple = ("encode", "decode")) -> int:
+    """Raise :class:`BudgetError` when the exact tiling mode's planes would not fit the host's
+    available RAM (``None``: unknown, no check); returns the estimate."""
+    need = exact_tiling_host_bytes(cfg, batch, height, width, itemsize, decode_slice, encode_slice,
+                                   stages)
+    if available is None or need <= 0.9 * available:
+        return need
+    sliced = exact_tiling_host_bytes(cfg, batch, height, width, itemsize, 4, 4, stages)
+    fix = ("vae_encode_temporal_slice 4 and vae_decode_temporal_slice 4 (same result, "
+           f"about {gib(sliced)}); or " if sliced <= 0.9 * available and (decode_slice, encode_slice) != (4, 4)
+           else "")
+    raise BudgetError(f"vae_tiling_exact keeps whole-frame activations in host RAM: about "
+                      f"{gib(need)} for {width}x{height} frames at batch_size {batch}, but "
+                      f"{gib(available)} is available. Settings that would fit: {fix}"
+                      f"vae_tiling_exact off (independent tiles, little memory)")
+
+
 # What is available here (the impure part)
 
 
