@@ -6,12 +6,16 @@ V3 node schema gets ``comfy_entrypoint``; older ComfyUI (and plain Python) the c
 ``NODE_CLASS_MAPPINGS``.
 """
 
-from . import nodes as _nodes
-from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+# Only as a package (ComfyUI imports custom-node folders as packages). A test runner that
+# collects this folder under a name that is no identifier (e.g. "ComfyUI-SeedVR2") imports the
+# file as a plain module, where relative imports cannot work: it then defines nothing.
+if __package__:
+    from . import nodes as _nodes
+    from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
 
-__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]
+    __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]
 
-if _nodes.API == "v3":
-    from .nodes import comfy_entrypoint
+    if _nodes.API == "v3":
+        from .nodes import comfy_entrypoint
 
-    __all__.append("comfy_entrypoint")
+        __all__.append("comfy_entrypoint")
