@@ -196,6 +196,16 @@ def test_every_api_example_runs(comfyui, name):
             (CLIP_FRAMES, VIDEO_OUT, True)
 
 
+def test_several_devices_from_the_node(comfyui):
+    """The upscaler node with devices cpu,cpu: workers spawned from inside ComfyUI (its
+    main.py hidden from them), frames through shared memory, the same video out."""
+    entry = comfyui.run(_tiny("multi_gpu_video", ["4.devices=cpu,cpu", "4.dist_timeout=30"]))
+    (saved,) = entry["outputs"]["5"]["images"]
+    folder = comfyui.base / "output"
+    assert probe_video(folder / saved["subfolder"] / saved["filename"]) == \
+        (CLIP_FRAMES, VIDEO_OUT, True)
+
+
 def test_bad_inputs_fail_with_our_message_and_the_server_stays_healthy(comfyui):
     with pytest.raises(WorkflowError) as error:
         comfyui.run(_tiny("image_upscale", ["4.batch_size=4"]))

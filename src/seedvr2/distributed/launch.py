@@ -3,8 +3,12 @@ process per device on this machine, wired into one process group over the loopba
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
 import socket
+import sys
+import types
 from pathlib import Path
 
 import torch
@@ -88,17 +92,80 @@ def _failure(e: Exception, dst=None) -> RuntimeError:
                         f"{lines[-1].strip() if lines else e}")
 
 
+LIBRARY_MODULE = "seedvr2.distributed.launch"  # this module under the library's own name
+
+
+class _Imported:
+    """Pickles as "import this module": how a worker finds its function in the child."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __reduce__(self):
+        return importlib.import_module, (self.name,)
+
+
+class _WorkerFunction:
+    """A worker function of this module, pickled by the library's name. Inside ComfyUI this
+    module is imported under the pack's folder path (``/…/custom_nodes/X.src.seedvr2…``),
+    which a spawned child cannot import; it imports ``seedvr2`` instead."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __reduce__(self):
+        return getattr, (_Imported(LIBRARY_MODULE), self.name)
+
+
+@contextlib.contextmanager
+def _spawnable():
+    """While workers start: hide the parent's ``__main__`` (inside ComfyUI that is ``main.py``,
+    whose top level runs every custom node's prestartup script; the workers need nothing from
+    it), and when the library is not importable as ``seedvr2`` (a ComfyUI custom-node folder),
+    give the children's ``sys.path`` — a copy of ours taken at start — the library's folder,
+    appended last and removed again as soon as they have started."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    library_root = str(Path(__file__).resolve().parents[2])
+    added = __name__ != LIBRARY_MODULE and library_root not in sys.path
+    if added:
+        sys.path.append(library_root)
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+        if added:
+            sys.path.remove(library_root)
+
+
+def _start(worker, args: tuple, nprocs: int):
+    import torch.multiprocessing as mp
+
+    with _spawnable():
+        return mp.start_processes(_WorkerFunction(worker.__name__), args=args, nprocs=nprocs,
+                                  join=False, start_method="spawn")
+
+
 def spawn_file_job(device_list: list[str], src, dst, *args, **kwargs) -> Path:
     """Run ``upscale_file`` over several local devices; raises naming the failed rank."""
     import torch.multiprocessing as mp
 
+    workers = _start(_file_worker, (device_list, _free_port(), _threads_per_rank(device_list),
+                                    (src, dst, *args), kwargs), len(device_list))
     try:
-        mp.spawn(_file_worker, args=(device_list, _free_port(), _threads_per_rank(device_list),
-                                     (src, dst, *args), kwargs),
-                 nprocs=len(device_list), join=True)
+        while not workers.join():
+            pass
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
         raise _failure(e, dst) from None
+    finally:
+        _stop(workers)
     return Path(dst)
+
+
+def _stop(workers):
+    for process in workers.processes:  # an error here (or in a callback) must not orphan them
+        if process.is_alive():
+            process.terminate()
 
 
 def spawn_tensor_job(device_list: list[str], frames: torch.Tensor, out_shape: tuple, dit=None,
@@ -130,10 +197,9 @@ def spawn_tensor_job(device_list: list[str], frames: torch.Tensor, out_shape: tu
                 return
             if progress is not None:
                 progress(*event)
-    workers = mp.start_processes(
-        _tensor_worker, args=(device_list, _free_port(), _threads_per_rank(device_list), frames,
-                              out, (dit, vae), events, stop, kwargs),
-        nprocs=len(device_list), join=False, start_method="spawn")
+    workers = _start(_tensor_worker, (device_list, _free_port(), _threads_per_rank(device_list),
+                                      frames, out, (dit, vae), events, stop, kwargs),
+                     len(device_list))
     try:
         while not workers.join(timeout=0.2):
             relay()
@@ -144,9 +210,7 @@ def spawn_tensor_job(device_list: list[str], frames: torch.Tensor, out_shape: tu
             raise Interrupted("upscaling interrupted") from None
         raise _failure(e) from None
     finally:
-        for process in workers.processes:  # an error here (or in progress) must not orphan them
-            if process.is_alive():
-                process.terminate()
+        _stop(workers)
     relay()
     return out
 
