@@ -91,7 +91,7 @@ def _run_share(ctx: DistContext, plan, read_from, sink, channels: int, size: tup
     With ``sequence_parallel`` = k, consecutive groups of k ranks share each batch's DiT call;
     batches are dealt to the groups and each group's first rank delivers the results.
     """
-    from ..api import load_models
+    from ..api import load_models, prepare_job
 
     k = opts.sequence_parallel
     if ctx.world_size % k:
@@ -107,6 +107,9 @@ def _run_share(ctx: DistContext, plan, read_from, sink, channels: int, size: tup
         outputs = iter(())
         if mine:
             models = load_models(dit, vae, opts=opts, model_dir=model_dir)
+            # This rank's own device against the budget, before any frame (batch_size is
+            # already the one every rank uses).
+            prepare_job(models, opts, plan.source_frames, size)
             if k > 1:
                 stack.enter_context(sequence_parallel(models.dit, group))
             upscaler = Upscaler(models, opts, progress, should_stop)
