@@ -311,10 +311,9 @@ def test_cli_batch_size_auto_same_frames_as_the_size_it_chose(tiny_options, tmp_
     summary = capsys.readouterr().out
     chosen = int(re.search(r"batch_size (\d+) \(auto\)", summary).group(1))
     assert chosen == 13  # the whole 10-frame clip in one batch: memory is plentiful here
-    # Per-phase time and memory; device peaks are n/a on the CPU.
+    # Per-phase time and memory; no device peaks on the CPU.
     for phase in ("encode", "dit", "decode"):
-        assert re.search(rf"{phase} [\d.]+s \(device peak n/a allocated, n/a reserved; host RSS "
-                         rf"[\d,]+ MiB\)", summary), summary
+        assert re.search(rf"{phase} [\d.]+s \(host RSS [\d,]+ MiB\)", summary), summary
     assert main(_args(tiny_options, clip, tmp_path / "fixed", str(chosen))) == 0
     assert "batch_size 13;" in capsys.readouterr().out
     auto, fixed = _frames(tmp_path / "auto"), _frames(tmp_path / "fixed")
@@ -431,3 +430,12 @@ def test_exact_tiling_host_ram_check():
             r"about 13\.8 GiB\); or vae_tiling_exact off \(independent tiles, little memory\)$")):
         mem.check_exact_tiling(cfg, 21, 1080, 1920, 2, None, None, 24 * 2**30)
     assert mem.check_exact_tiling(cfg, 21, 1080, 1920, 2, None, None, None) == need  # unknown RAM
+
+
+def test_phase_summary_shows_device_peaks_only_where_measured():
+    from seedvr2.pipeline.runner import PhaseStats
+    cuda = PhaseStats(seconds=1.25, device_allocated=3 * 2**20, device_reserved=4 * 2**20,
+                      host_rss=900 * 2**20)
+    assert cuda.describe("dit") == ("dit 1.2s (device peak 3 MiB allocated, 4 MiB reserved; "
+                                    "host RSS 900 MiB)")
+    assert PhaseStats(seconds=0.5, host_rss=2**30).describe("encode") == "encode 0.5s (host RSS 1,024 MiB)"
