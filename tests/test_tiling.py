@@ -393,19 +393,20 @@ def test_exact_tiling_convolves_one_tile_at_a_time(tiny_vae, monkeypatch):
 
 def test_settings_from_options():
     opts = resolve_options(vae_encode_tiled=True, vae_encode_tile_size=256,
-                           vae_encode_tile_overlap=32, vae_decode_temporal_slice=8)
+                           vae_encode_tile_overlap=32, vae_encode_temporal_slice=0,
+                           vae_decode_temporal_slice=8)
     assert settings_from_options(opts, "encode") == (TileSettings(True, 256, 32, exact=False), None)
     assert settings_from_options(opts, "decode") == (TileSettings(False, 512, 64, exact=False), 8)
     exact = resolve_options(vae_decode_tiled=True, vae_tiling_exact=True)
-    assert settings_from_options(exact, "decode") == (TileSettings(True, 512, 64, exact=True), None)
+    assert settings_from_options(exact, "decode") == (TileSettings(True, 512, 64, exact=True), 4)
     with pytest.raises(ValueError, match="stage must be 'encode' or 'decode'"):
         settings_from_options(opts, "both")
 
 
 @pytest.mark.parametrize("name", ["vae_encode_temporal_slice", "vae_decode_temporal_slice"])
 def test_temporal_slice_options_are_validated(name):
-    assert getattr(resolve_options(), name) == 0
-    assert getattr(resolve_options(**{name: 4}), name) == 4
+    assert getattr(resolve_options(), name) == 4  # the official pipeline's slices
+    assert getattr(resolve_options(**{name: 0}), name) == 0
     with pytest.raises(OptionError, match=rf"{name} = 6: must be a multiple of 4 frames "
                                           r"\(e.g. 4\), or 0 for no slicing"):
         resolve_options(**{name: 6})

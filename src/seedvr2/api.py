@@ -23,7 +23,7 @@ from .memory import MODEL_CACHE, ModelKey, resolve_device, resolve_dtype, resolv
 from .memory import budget as mem
 from .memory.blockswap import BlockSwap
 from .memory.compile import CompileSettings, apply_compile
-from .memory.tiling import TileSettings, settings_from_options
+from .memory.tiling import settings_from_options
 from .options import OptionError, Options, resolve_options
 from .pipeline.plan import make_plan
 from .pipeline.runner import JobStats, Models, Upscaler, output_size, to_integer_frames
@@ -89,22 +89,18 @@ def load_models(dit=None, vae=None, *, opts: Options, model_dir=None) -> Models:
     return Models(dit, vae, text, dit_device, vae_device, dtype, dit_offload, vae_offload, blockswap)
 
 
-def _tiles(opts: Options) -> tuple[TileSettings, TileSettings]:
-    return settings_from_options(opts, "encode")[0], settings_from_options(opts, "decode")[0]
-
-
 def _budget_job(opts: Options, size: tuple[int, int], batch: int, dtype: torch.dtype,
                 text_tokens: int, compute_devices: set) -> mem.Job:
     """The budget's view of one batch; chunk tensors count only when they wait on a compute
     device (tensor_offload_device none or equal to the DiT's / VAE's device)."""
-    encode, decode = _tiles(opts)
+    (encode, encode_slice), (decode, decode_slice) = (settings_from_options(opts, "encode"),
+                                                      settings_from_options(opts, "decode"))
     waits_on = None if opts.tensor_offload_device == "none" else \
         str(resolve_device(opts.tensor_offload_device))
     on_device = waits_on is None or waits_on in compute_devices
     chunk = opts.chunk_size if on_device else None
-    slices = [opts.values.get(f"vae_{stage}_temporal_slice") or None for stage in ("encode", "decode")]
     return mem.Job(size[0], size[1], batch, dtype.itemsize, text_tokens, encode, decode, chunk,
-                   *slices)
+                   encode_slice, decode_slice)
 
 
 MEMORY_CHECK_ENV = "SEEDVR2_MEMORY_CHECK"  # "warn": a job over budget only logs a warning

@@ -158,14 +158,16 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("compile_dynamic", str, "auto", "torch.compile dynamic shapes: auto (after the first "
            "change), true, false", choices=("auto", "true", "false")),
     # -- VAE causal temporal slicing (seedvr2.memory.tiling; exact) --
-    Option("vae_encode_temporal_slice", int, 0, "encode each batch in causal temporal slices of "
-           "this many frames (a multiple of 4; the first slice has one more): same result, less "
-           "memory for long batches (0 = the whole batch at once; 4 = the official setting)",
+    Option("vae_encode_temporal_slice", int, 4, "encode each batch in causal temporal slices of "
+           "this many frames (a multiple of 4; the first slice has one more): same result, "
+           "memory of one slice instead of the batch (4, the default, is the official "
+           "pipeline's setting; 0 = the whole batch at once)",
            min=0, max=1_000_000, check=lambda v: None if v % 4 == 0 else
            f"must be a multiple of 4 frames (e.g. {v - v % 4 or 4}), or 0 for no slicing"),
-    Option("vae_decode_temporal_slice", int, 0, "decode each batch in causal temporal slices of "
+    Option("vae_decode_temporal_slice", int, 4, "decode each batch in causal temporal slices of "
            "this many output frames (a multiple of 4 = that / 4 latent frames; the first slice "
-           "has one more): same result, less memory (0 = the whole batch at once)",
+           "has one more): same result, memory of one slice instead of the batch (4, the "
+           "default, is the official pipeline's setting; 0 = the whole batch at once)",
            min=0, max=1_000_000, check=lambda v: None if v % 4 == 0 else
            f"must be a multiple of 4 frames (e.g. {v - v % 4 or 4}), or 0 for no slicing"),
 ]}
