@@ -144,7 +144,7 @@ def test_activation_estimate_bounds_the_measured_peak(tiny_options, dtype, tiled
                                                       batch):
     """Each phase's estimated activations are at least the measured peak of live tensors
     (tiny models on the CPU, the whole pipeline per phase) and at most 1.5x it."""
-    from seedvr2.api import _budget_job, load_models
+    from seedvr2.pipeline.setup import _budget_job, load_models
     from seedvr2.pipeline.plan import make_plan
     from seedvr2.pipeline.runner import Upscaler
 
@@ -354,7 +354,7 @@ def test_ranks_resolve_auto_once_for_the_smallest_device(tiny_options):
     # The same but for RoPE tables, which loading shares between blocks.
     assert len(dit.blocks) == len(loaded.blocks) and abs(dit.total - loaded.total) < 1e-3 * dit.total
     vae, vae_cfg = Weights.from_file(tiny_options["vae"], "vae", torch.float32)
-    from seedvr2.api import _budget_job
+    from seedvr2.pipeline.setup import _budget_job
 
     budget = Budget(config, vae_cfg, dit, vae)
     job = _budget_job(opts, (64, 96), 13, torch.float32, mem.TEXT_TOKENS, {"cpu"})

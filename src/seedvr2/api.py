@@ -1,225 +1,32 @@
 """The facade every interface calls: ``upscale`` (frames in memory) and ``upscale_file``.
 
 Options are validated once (``seedvr2.options``); models may be given loaded, or by registered
-name or path and are then loaded here. Before any frame is processed, :func:`prepare_job`
-resolves ``batch_size="auto"`` and checks the job against the memory of each CUDA device
-(``seedvr2.memory.budget``), so a job that cannot fit stops up front with the settings that
-would, instead of running out of memory mid-video.
+name or path and are then loaded (``seedvr2.pipeline.setup``, shared with the distributed
+ranks). Before any frame is processed, ``prepare_job`` resolves ``batch_size="auto"`` and
+checks the job against the memory of each CUDA device (``seedvr2.memory.budget``), so a job
+that cannot fit stops up front with the settings that would, instead of running out of
+memory mid-video. Here the facade only decides: one process, or several
+(``seedvr2.distributed``).
 """
 
 from __future__ import annotations
 
-import logging
-import os
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-from .loading import load_dit, load_vae
-from .loading.registry import DEFAULT_DIT, DEFAULT_VAE, default_model_dir, resolve_model_file
-from .loading.text import load_text_embeddings
-from .memory import MODEL_CACHE, ModelKey, resolve_device, resolve_dtype, resolve_offload
-from .memory import budget as mem
-from .memory.blockswap import BlockSwap
-from .memory.compile import CompileSettings, apply_compile
-from .memory.tiling import settings_from_options
 from .options import OptionError, Options, resolve_options
 from .pipeline.plan import make_plan
 from .pipeline.runner import JobStats, Models, Upscaler, output_size, to_integer_frames
+from .pipeline.setup import (MEMORY_CHECK_ENV, file_facts, load_models, open_output, plan_file,
+                             prepare_job, resolve_auto_batch_for_ranks)
+
+# The set-up steps are the library's too (custom pipelines, the CLI, tests).
+__all__ = ["MEMORY_CHECK_ENV", "load_models", "open_output", "plan_file", "prepare_job",
+           "resolve_auto_batch_for_ranks", "upscale", "upscale_file"]
 
 Progress = Callable[[str, int, int], None]
-log = logging.getLogger("seedvr2")
-
-
-def _settings_of(opts: Options, kind: str) -> tuple:
-    """The options that shape a loaded model (its cache key besides file, dtype and device)."""
-    compiled = CompileSettings.from_options(opts)
-    if kind == "vae":
-        return (compiled,)
-    return (compiled, opts.blocks_to_swap, opts.swap_io_components, opts.dit_offload_device,
-            opts.attention_backend)
-
-
-def _load_dit(path: Path, opts: Options, dtype, device, offload):
-    swapping = opts.blocks_to_swap > 0 or opts.swap_io_components
-    if swapping and offload is None:
-        raise OptionError("blocks_to_swap/swap_io_components need an offload device for the "
-                          "swapped weights: set dit_offload_device (e.g. cpu)")
-    # With BlockSwap the weights load on the offload device; only resident ones reach the GPU.
-    dit = load_dit(path, dtype, offload if swapping else device)
-    dit.set_attention_backend(opts.attention_backend)
-    blockswap = BlockSwap(dit, opts.blocks_to_swap, opts.swap_io_components, device, offload) \
-        if swapping else None
-    apply_compile(dit, None, CompileSettings.from_options(opts))
-    return dit, blockswap
-
-
-def load_models(dit=None, vae=None, *, opts: Options, model_dir=None) -> Models:
-    """DiT, VAE and text embedding placed and prepared as the options say (cached if asked)."""
-    device = resolve_device(opts.device)
-    dit_device = resolve_device(opts.dit_device) if opts.dit_device != "auto" else device
-    vae_device = resolve_device(opts.vae_device) if opts.vae_device != "auto" else device
-    dtype = resolve_dtype(opts.dtype, dit_device)
-    dit_offload, vae_offload = (resolve_offload(opts.dit_offload_device),
-                                resolve_offload(opts.vae_offload_device))
-    model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
-    blockswap = None
-    if isinstance(dit, torch.nn.Module):
-        dit = dit.to(device=dit_device, dtype=dtype)
-    else:
-        path = resolve_model_file(dit or DEFAULT_DIT, model_dir, "dit", download_missing=True)
-        key = ModelKey.for_file("dit", path, dtype, dit_device, _settings_of(opts, "dit"))
-        dit, blockswap = MODEL_CACHE.get_or_load(
-            key, lambda: _load_dit(path, opts, dtype, dit_device, dit_offload), opts.cache_dit)
-    if isinstance(vae, torch.nn.Module):
-        vae = vae.to(device=vae_device, dtype=dtype)
-    else:
-        path = resolve_model_file(vae or DEFAULT_VAE, model_dir, "vae", download_missing=True)
-        key = ModelKey.for_file("vae", path, dtype, vae_device, _settings_of(opts, "vae"))
-
-        def load():
-            model = load_vae(path, dtype, vae_device)
-            apply_compile(None, model, CompileSettings.from_options(opts))
-            return model
-        vae = MODEL_CACHE.get_or_load(key, load, opts.cache_vae)
-    embedded = getattr(dit, "embedded_text_embeddings", None) or {}
-    text = load_text_embeddings(opts.text_embeddings, dit.config.txt_in_dim, model_dir,
-                                embedded=embedded.get("pos"))
-    return Models(dit, vae, text, dit_device, vae_device, dtype, dit_offload, vae_offload, blockswap)
-
-
-def _budget_job(opts: Options, size: tuple[int, int], batch: int, dtype: torch.dtype,
-                text_tokens: int, compute_devices: set) -> mem.Job:
-    """The budget's view of one batch; chunk tensors count only when they wait on a compute
-    device (tensor_offload_device none or equal to the DiT's / VAE's device)."""
-    (encode, encode_slice), (decode, decode_slice) = (settings_from_options(opts, "encode"),
-                                                      settings_from_options(opts, "decode"))
-    waits_on = None if opts.tensor_offload_device == "none" else \
-        str(resolve_device(opts.tensor_offload_device))
-    on_device = waits_on is None or waits_on in compute_devices
-    chunk = opts.chunk_size if on_device else None
-    return mem.Job(size[0], size[1], batch, dtype.itemsize, text_tokens, encode, decode, chunk,
-                   encode_slice, decode_slice)
-
-
-MEMORY_CHECK_ENV = "SEEDVR2_MEMORY_CHECK"  # "warn": a job over budget only logs a warning
-
-
-def plan_frames_of(frame_count: int, opts: Options) -> int:
-    """Frames of the batch plan: the clip plus the prepended context frames."""
-    return frame_count + min(opts.prepend_frames, max(frame_count - 1, 0))
-
-
-def prepare_job(models: Models, opts: Options, frame_count: int, size: tuple[int, int],
-                stats: Optional[JobStats] = None) -> Options:
-    """Resolve ``batch_size="auto"`` and check the memory budget, before any work starts.
-
-    ``auto`` becomes the largest 4n+1 batch (at least 5 when any fits, at most the clip
-    rounded up to 4n+1 and :data:`seedvr2.memory.budget.AUTO_MAX_BATCH`) whose estimate fits:
-    on CUDA the device's free memory, on the CPU (and other devices) the host's available
-    RAM; when that is unknown, 5. Then, on CUDA devices only, a job whose estimate exceeds
-    the free memory raises :class:`~seedvr2.memory.budget.BudgetError` naming settings that
-    would fit (``SEEDVR2_MEMORY_CHECK=warn`` in the environment turns that into a warning, for
-    when the estimate is wrong); on the CPU the comparison is only logged (debug). Returns the
-    options with a concrete batch size.
-    """
-    dit_device, vae_device = str(models.dit_device), str(models.vae_device)
-    place = mem.Placement(
-        dit_device, vae_device,
-        str(models.dit_offload) if models.dit_offload is not None else None,
-        str(models.vae_offload) if models.vae_offload is not None else None,
-        models.blockswap.blocks_to_swap if models.blockswap is not None and models.blockswap.active else 0,
-        bool(opts.swap_io_components and models.blockswap is not None and models.blockswap.active))
-    budget = mem.Budget(models.dit.config, models.vae.config, mem.Weights.of_module(models.dit),
-                        mem.Weights.of_module(models.vae))
-    devices = {dit_device, vae_device}
-
-    def available(device: str) -> Optional[int]:
-        own = mem.bytes_on(models.dit, torch.device(device)) + mem.bytes_on(models.vae, torch.device(device))
-        return mem.device_available(torch.device(device), own)
-
-    cuda = {d: available(d) for d in sorted(devices) if d.startswith("cuda")}
-    plan_frames = plan_frames_of(frame_count, opts)
-    job = lambda batch: _budget_job(opts, size, batch, models.dtype, models.text.shape[0], devices)  # noqa: E731
-    auto = opts.batch_size == "auto"
-    if auto:
-        limits = cuda or {d: a for d in sorted(devices) if (a := available(d)) is not None}
-        if limits:
-            batch = mem.auto_batch_size(budget, job(5), place, limits, plan_frames,
-                                        opts.temporal_overlap)
-        else:
-            batch = mem.batch_candidates(plan_frames, opts.temporal_overlap)[-1]
-        opts = opts.replace(batch_size=batch)
-        log.info("batch_size auto: %d frames per batch (largest 4n+1 that fits %s for %dx%d "
-                 "output, %d frames)", batch, ", ".join(f"{mem.gib(v)} on {d}" for d, v in limits.items())
-                 or "the default", size[1], size[0], plan_frames)
-    if opts.vae_tiling_exact and (opts.vae_encode_tiled or opts.vae_decode_tiled):
-        stages = tuple(st for st in ("encode", "decode") if getattr(opts, f"vae_{st}_tiled"))
-        mem.check_exact_tiling(models.vae.config, opts.batch_size, size[0], size[1],
-                               models.dtype.itemsize, opts.vae_decode_temporal_slice or None,
-                               opts.vae_encode_temporal_slice or None, mem.host_available(), stages)
-    if cuda:
-        try:
-            est = mem.check(budget, job(opts.batch_size), place, cuda)
-        except mem.BudgetError as e:
-            if os.environ.get(MEMORY_CHECK_ENV, "").strip().lower() != "warn":
-                raise mem.BudgetError(f"{e} (to try anyway, set {MEMORY_CHECK_ENV}=warn)") from None
-            log.warning("%s; running anyway (%s=warn)", e, MEMORY_CHECK_ENV)
-            est = mem.estimate(budget, job(opts.batch_size), place)
-    else:
-        est = mem.estimate(budget, job(opts.batch_size), place)
-        for d in sorted(devices):
-            have = available(d)
-            log.debug("memory budget on %s (not enforced): needs about %s, %s available", d,
-                      mem.gib(est.peak(d)), "unknown" if have is None else mem.gib(have))
-    for need in est.phases:
-        log.debug("memory budget, %s phase on %s: %s (%s)", need.phase, need.device,
-                  mem.gib(need.total), need.describe())
-    if stats is not None:
-        stats.batch_size, stats.batch_size_auto = opts.batch_size, auto
-        stats.estimated_bytes = {d: est.peak(d) for d in est.devices}
-    return opts
-
-
-def resolve_auto_batch_for_ranks(opts: Options, devices: list[str], dit, vae, model_dir,
-                                 frame_count: int, size: tuple[int, int], gather=None) -> Options:
-    """``batch_size="auto"`` for a job split over several processes, which must all use the
-    same batch plan: resolved once, for the device with the least memory available, from
-    the weight files' headers (no model is loaded). ``gather`` (torchrun: every rank calls
-    this) turns this process's available bytes into every rank's list; without it (our
-    launcher) the available memory of each listed device is asked from here, which creates
-    a CUDA context on each of them in this process.
-    """
-    if opts.batch_size != "auto":
-        return opts
-    model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
-    first = resolve_device(devices[0])
-    dtype = resolve_dtype(opts.dtype, first)
-    dit_w, dit_cfg = mem.Weights.from_file(
-        resolve_model_file(dit or DEFAULT_DIT, model_dir, "dit", download_missing=True), "dit", dtype)
-    vae_w, vae_cfg = mem.Weights.from_file(
-        resolve_model_file(vae or DEFAULT_VAE, model_dir, "vae", download_missing=True), "vae", dtype)
-    budget = mem.Budget(dit_cfg, vae_cfg, dit_w, vae_w)
-    if gather is not None:
-        values = gather(mem.device_available(first))
-    else:
-        values = [mem.device_available(resolve_device(d)) for d in devices]
-    ranks = len(values)
-    values = [v for v in values if v is not None]
-    if first.type != "cuda" and values:  # CPU ranks share the host's RAM
-        values = [min(values) // ranks]
-    device = "cuda:0" if first.type == "cuda" else "cpu"
-    place = mem.Placement(device, device)
-    job = _budget_job(opts, size, 5, dtype, mem.TEXT_TOKENS, {device})
-    plan_frames = plan_frames_of(frame_count, opts)
-    if values:
-        batch = mem.auto_batch_size(budget, job, place, {device: min(values)}, plan_frames,
-                                    opts.temporal_overlap)
-    else:
-        batch = mem.batch_candidates(plan_frames, opts.temporal_overlap)[-1]
-    log.info("batch_size auto: %d frames per batch on every rank", batch)
-    return opts.replace(batch_size=batch)
 
 
 def _upscaler(models: Models, opts: Options, progress, should_stop) -> Upscaler:
@@ -278,38 +85,6 @@ def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Pr
     if stats is not None:
         stats.__dict__.update(upscaler.stats.__dict__)
     return torch.cat(pieces)
-
-
-VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv")
-
-
-def file_facts(reader, dst, opts: Options, codec: str) -> tuple[int, tuple[int, int], int]:
-    """Frame count, output (H, W) and bit depth of a file job."""
-    info = reader.info
-    frame_count = info.frame_count if info.frame_count_exact else reader.count_frames()
-    is_video_out = Path(str(dst)).suffix.lower() in VIDEO_SUFFIXES
-    bit_depth = 16 if info.bit_depth == 16 or is_video_out and codec == "h265" else 8
-    return frame_count, output_size(info.height, info.width, opts), bit_depth
-
-
-def plan_file(reader, dst, opts: Options, codec: str):
-    """Batch plan, output (H, W) and bit depth of a file job: the same in one process and on
-    every rank of a distributed one. ``opts.batch_size`` must be a number by now
-    (:func:`prepare_job`, :func:`resolve_auto_batch_for_ranks`)."""
-    if opts.batch_size == "auto":
-        raise OptionError("batch_size = 'auto' must be resolved before the batch plan is made "
-                          "(seedvr2.api.prepare_job or resolve_auto_batch_for_ranks)")
-    frame_count, size, bit_depth = file_facts(reader, dst, opts, codec)
-    return make_plan(frame_count, opts), size, bit_depth
-
-
-def open_output(info, dst, size: tuple[int, int], bit_depth: int, codec: str, overwrite: bool):
-    """The writer for a file job's output (audio copied from the source when it has some)."""
-    from .io import open_writer
-
-    return open_writer(dst, like=info, width=size[1], height=size[0], bit_depth=bit_depth,
-                       codec=codec, audio_from=info if info.has_audio else None,
-                       overwrite=overwrite)
 
 
 def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: bool = False,

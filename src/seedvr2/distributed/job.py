@@ -91,7 +91,7 @@ def _run_share(ctx: DistContext, plan, read_from, sink, channels: int, size: tup
     With ``sequence_parallel`` = k, consecutive groups of k ranks share each batch's DiT call;
     batches are dealt to the groups and each group's first rank delivers the results.
     """
-    from ..api import load_models, prepare_job
+    from ..pipeline.setup import load_models, prepare_job
 
     k = opts.sequence_parallel
     if ctx.world_size % k:
@@ -128,7 +128,7 @@ def run_file_job(ctx: DistContext, src, dst, dit=None, vae=None, *, model_dir=No
                  overwrite: bool = False, codec: str = "h264", progress=None, should_stop=None,
                  **options) -> Path | None:
     """This rank's share of ``upscale_file``; returns the output path on rank 0."""
-    from ..api import open_output, plan_file
+    from ..pipeline.setup import open_output, plan_file
     from ..io import open_media
 
     _terminate_cleanly()
