@@ -72,6 +72,11 @@ def _tile_problem(value: int) -> Optional[str]:
     return None if value % 8 == 0 else f"must be a multiple of 8 pixels (e.g. {value - value % 8 or 8})"
 
 
+def _slice_problem(value: int) -> Optional[str]:
+    return None if value % 4 == 0 else \
+        f"must be a multiple of 4 frames (e.g. {value - value % 4 or 4}), or 0 for no slicing"
+
+
 OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("seed", int, 42, "random seed; each batch draws from (seed, its first frame), so "
            "results do not depend on chunking or on which process runs a batch", min=0,
@@ -162,14 +167,12 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "this many frames (a multiple of 4; the first slice has one more): same result, "
            "memory of one slice instead of the batch (4, the default, is the official "
            "pipeline's setting; 0 = the whole batch at once)",
-           min=0, max=1_000_000, check=lambda v: None if v % 4 == 0 else
-           f"must be a multiple of 4 frames (e.g. {v - v % 4 or 4}), or 0 for no slicing"),
+           min=0, max=1_000_000, check=_slice_problem),
     Option("vae_decode_temporal_slice", int, 4, "decode each batch in causal temporal slices of "
            "this many output frames (a multiple of 4 = that / 4 latent frames; the first slice "
            "has one more): same result, memory of one slice instead of the batch (4, the "
            "default, is the official pipeline's setting; 0 = the whole batch at once)",
-           min=0, max=1_000_000, check=lambda v: None if v % 4 == 0 else
-           f"must be a multiple of 4 frames (e.g. {v - v % 4 or 4}), or 0 for no slicing"),
+           min=0, max=1_000_000, check=_slice_problem),
 ]}
 
 
