@@ -107,7 +107,6 @@ class JobStats:
     """Time and peak memory per phase, the batch size used and the memory estimate, for the
     end summary."""
 
-    seconds: dict = field(default_factory=dict)
     frames: int = 0
     peak_device_bytes: int = 0
     phases: dict = field(default_factory=dict)  # phase -> PhaseStats
@@ -116,7 +115,6 @@ class JobStats:
     estimated_bytes: dict = field(default_factory=dict)  # device -> estimated peak (budget)
 
     def add(self, phase: str, seconds: float):
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
         stats = self.phases.setdefault(phase, PhaseStats())
         stats.seconds += seconds
         stats.calls += 1

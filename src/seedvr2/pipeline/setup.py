@@ -89,8 +89,8 @@ def _budget_job(opts: Options, size: tuple[int, int], batch: int, dtype: torch.d
                 text_tokens: int, compute_devices: set) -> mem.Job:
     """The budget's view of one batch; chunk tensors count only when they wait on a compute
     device (tensor_offload_device none or equal to the DiT's / VAE's device)."""
-    (encode, encode_slice), (decode, decode_slice) = (settings_from_options(opts, "encode"),
-                                                      settings_from_options(opts, "decode"))
+    (encode, encode_slice), (decode, decode_slice) = (settings_from_options(opts, stage)
+                                                      for stage in ("encode", "decode"))
     waits_on = None if opts.tensor_offload_device == "none" else \
         str(resolve_device(opts.tensor_offload_device))
     on_device = waits_on is None or waits_on in compute_devices
@@ -150,11 +150,14 @@ def prepare_job(models: Models, opts: Options, frame_count: int, size: tuple[int
         log.info("batch_size auto: %d frames per batch (largest 4n+1 that fits %s for %dx%d "
                  "output, %d frames)", batch, ", ".join(f"{mem.gib(v)} on {d}" for d, v in limits.items())
                  or "the default", size[1], size[0], plan_frames)
-    if opts.vae_tiling_exact and (opts.vae_encode_tiled or opts.vae_decode_tiled):
-        stages = tuple(st for st in ("encode", "decode") if getattr(opts, f"vae_{st}_tiled"))
+    (encode, encode_slice), (decode, decode_slice) = (settings_from_options(opts, stage)
+                                                      for stage in ("encode", "decode"))
+    exact = tuple(stage for stage, tiles in (("encode", encode), ("decode", decode))
+                  if tiles.enabled and tiles.exact)
+    if exact:
         mem.check_exact_tiling(models.vae.config, opts.batch_size, size[0], size[1],
-                               models.dtype.itemsize, opts.vae_decode_temporal_slice or None,
-                               opts.vae_encode_temporal_slice or None, mem.host_available(), stages)
+                               models.dtype.itemsize, decode_slice, encode_slice,
+                               mem.host_available(), exact)
     if cuda:
         try:
             est = mem.check(budget, job(opts.batch_size), place, cuda)
