@@ -83,3 +83,17 @@ def test_pack_loads_as_comfyui_custom_node_folder(tmp_path):
         "['SeedVR2LoadDiTModel', 'SeedVR2LoadVAEModel', 'SeedVR2TorchCompileSettings', "
         "'SeedVR2UpscaleVideoFile', 'SeedVR2VideoUpscaler']",
         "8239607872 False False"]
+
+
+def test_pack_init_as_a_plain_module_defines_nothing():
+    """pytest collecting a checkout whose folder name is no identifier (ComfyUI-SeedVR2)
+    imports the top-level __init__.py as a plain module, where relative imports cannot work:
+    it must import cleanly and define no nodes (ComfyUI always imports it as a package)."""
+    out = _run_isolated(f"""
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("__init__", {str(REPO / "__init__.py")!r})
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        print(hasattr(module, "NODE_CLASS_MAPPINGS"))
+    """)
+    assert out.strip() == "False"
