@@ -40,7 +40,7 @@ def main():
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--frames", type=int, default=60)
     parser.add_argument("--resolution", type=int, default=256, help="output short edge")
-    parser.add_argument("--conformance", type=Path, default=REPO.parent / "shared" / "conformance")
+    parser.add_argument("--conformance", type=Path, default=REPO / "tests" / "conformance")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

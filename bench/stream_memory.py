@@ -68,7 +68,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--frames", type=int, nargs=2, default=[30, 300])
     parser.add_argument("--resolution", type=int, default=720, help="output short edge")
-    parser.add_argument("--conformance", type=Path, default=REPO.parent / "shared" / "conformance")
+    parser.add_argument("--conformance", type=Path, default=REPO / "tests" / "conformance")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

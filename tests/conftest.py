@@ -1,5 +1,6 @@
-"""Shared test fixtures. The conformance kit (``../shared/conformance``) is the contract: when it
-is missing the tests fail loudly instead of skipping."""
+"""Shared test fixtures. The conformance kit (``tests/conformance``, or ``$SEEDVR2_CONFORMANCE``)
+is the contract: when it is missing the session stops at start with one error, instead of every
+test failing or skipping on its own."""
 
 from __future__ import annotations
 
@@ -16,12 +17,25 @@ from safetensors.torch import load_file
 REPO = Path(__file__).resolve().parents[1]
 
 
+VENDORED_CONFORMANCE = REPO / "tests" / "conformance"
+
+
 def conformance_dir() -> Path:
-    path = Path(os.environ.get("SEEDVR2_CONFORMANCE") or REPO.parent / "shared" / "conformance")
+    """The conformance kit: ``$SEEDVR2_CONFORMANCE`` when set, else the copy in the repository."""
+    return Path(os.environ.get("SEEDVR2_CONFORMANCE") or VENDORED_CONFORMANCE)
+
+
+def pytest_configure(config):
+    # Checked once, before collection: without the kit nearly every test would fail, each with
+    # the same message.
+    path = conformance_dir()
     if not (path / "index.json").is_file():
-        pytest.fail(f"conformance kit not found at {path} (expected index.json there); "
-                    f"set SEEDVR2_CONFORMANCE to its folder")
-    return path
+        source = "$SEEDVR2_CONFORMANCE" if os.environ.get("SEEDVR2_CONFORMANCE") else \
+            "the repository's copy"
+        raise pytest.UsageError(
+            f"conformance kit not found at {path} ({source}; expected index.json there). "
+            f"A complete checkout has it in tests/conformance; unset SEEDVR2_CONFORMANCE or "
+            f"point it at a kit folder")
 
 
 @pytest.fixture(scope="session")

@@ -173,10 +173,12 @@ def test_frames_of_different_sizes(tiny_options):
         list(Upscaler(models, opts).run(iter(frames), make_plan(2, opts)))
 
 
-def test_tiny_output_and_text_width(clip, tiny_options, conformance):
+def test_tiny_output_and_text_width(clip, tiny_options):
+    from seedvr2.loading.text import BUNDLED_TEXT_EMBEDDINGS
+
     with pytest.raises(OptionError, match=r"resolution = 8: must be at least 16"):
         resolve_options(resolution=8)
     with pytest.raises(InputError, match=r"output size 16x12 is under 16 px on its short edge"):
         _run(clip, tiny_options, max_resolution=16)
     with pytest.raises(ValueError, match=r"text embeddings have width 5120 but the DiT expects txt_in_dim 64"):
-        seedvr2.upscale(clip, **tiny_options, text_embeddings=str(conformance / "text_embeddings.safetensors"))
+        seedvr2.upscale(clip, **tiny_options, text_embeddings=str(BUNDLED_TEXT_EMBEDDINGS))

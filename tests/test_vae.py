@@ -1,16 +1,14 @@
 """Causal video VAE against the conformance goldens (reference run in float32 on CPU).
 
-Data: ``$SEEDVR2_CONFORMANCE`` or ``<repo>/../shared/conformance`` (README sections 2, 6, 10).
-Missing data is a failure, not a skip.
+Data: the conformance kit (``tests/conformance`` or ``$SEEDVR2_CONFORMANCE``; README sections
+2, 6, 10), checked once at session start by conftest.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import os
 from functools import lru_cache
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,19 +18,11 @@ from seedvr2.models import VAEConfig, build_vae
 from seedvr2.models.vae import VideoAutoencoder
 from seedvr2.models.vae_blocks import CausalCache
 
+from conftest import conformance_dir
+
 CASES = ("video_9f", "image_1f")
 ATOL = 1e-4  # README section 10 for fp32 VAE latents/decodes; measured ~5e-6
 PIPELINE_SCALE = 0.9152
-
-
-def conformance_dir() -> Path:
-    env = os.environ.get("SEEDVR2_CONFORMANCE")
-    root = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "conformance"
-    if not (root / "vae_tiny" / "weights.safetensors").is_file():
-        pytest.fail(f"VAE conformance data not found: looked for {root / 'vae_tiny'} "
-                    f"({'from $SEEDVR2_CONFORMANCE' if env else 'default location'}); "
-                    f"set SEEDVR2_CONFORMANCE to the conformance kit folder")
-    return root
 
 
 @lru_cache(maxsize=None)

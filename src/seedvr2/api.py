@@ -16,15 +16,15 @@ from typing import Callable, Optional
 
 import torch
 
-from .options import OptionError, Options, resolve_options
+from .options import OptionError, Options, option_ref, option_value, resolve_options
 from .pipeline.plan import make_plan
 from .pipeline.runner import JobStats, Models, Upscaler, output_size, to_integer_frames
-from .pipeline.setup import (MEMORY_CHECK_ENV, file_facts, load_models, open_output, plan_file,
-                             prepare_job, resolve_auto_batch_for_ranks)
+from .pipeline.setup import (MEMORY_CHECK_ENV, check_file_job, file_facts, load_models,
+                             open_output, plan_file, prepare_job, resolve_auto_batch_for_ranks)
 
 # The set-up steps are the library's too (custom pipelines, the CLI, tests).
-__all__ = ["MEMORY_CHECK_ENV", "load_models", "open_output", "plan_file", "prepare_job",
-           "resolve_auto_batch_for_ranks", "upscale", "upscale_file"]
+__all__ = ["MEMORY_CHECK_ENV", "check_file_job", "load_models", "open_output", "plan_file",
+           "prepare_job", "resolve_auto_batch_for_ranks", "upscale", "upscale_file"]
 
 Progress = Callable[[str, int, int], None]
 
@@ -35,8 +35,9 @@ def _upscaler(models: Models, opts: Options, progress, should_stop) -> Upscaler:
 
 def _check_one_process(opts: Options):
     if opts.sequence_parallel > 1:
-        raise OptionError(f"sequence_parallel = {opts.sequence_parallel} needs as many ranks: "
-                          f"list the devices (devices=cuda:0,cuda:1) or launch with torchrun")
+        raise OptionError(f"{option_value('sequence_parallel', opts.sequence_parallel)} needs as "
+                          f"many ranks: list the devices ({option_ref('devices', 'cuda:0,cuda:1')}) "
+                          f"or launch with torchrun")
 
 
 def _check_named_models(dit, vae):

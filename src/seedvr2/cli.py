@@ -8,6 +8,11 @@ import logging
 import sys
 from pathlib import Path
 
+from .options import spoken_as_cli
+
+DESCRIPTION = ("SeedVR2 one-step video and image super-resolution. Also runs as "
+               "'python -m seedvr2'; 'seedvr2 COMMAND --help' explains a command.")
+
 
 def _inspect(args) -> int:
     from .loading import CheckpointError, describe
@@ -80,28 +85,70 @@ def _default_output(src: Path, resolution: int) -> Path:
 
 
 class _Bars:
-    """tqdm bars per phase plus overall frames; silent with --quiet."""
+    """tqdm bars per phase plus overall frames; silent with --quiet. When stderr is not a
+    terminal (a log file, a pipe) the bars' cursor movements would be garbage there, so the
+    progress is written as plain lines instead (:class:`_PlainProgress`)."""
 
-    def __init__(self, enabled: bool):
+    LABELS = {"encode": "VAE encode", "dit": "DiT", "decode": "VAE decode", "frames": "frames"}
+
+    def __init__(self, enabled: bool, stream=None):
+        stream = stream or sys.stderr
         self.enabled, self.bars = enabled, {}
+        self.plain = _PlainProgress(stream) if enabled and not stream.isatty() else None
 
     def __call__(self, phase: str, done: int, total: int):
         if not self.enabled:
+            return
+        if self.plain is not None:
+            self.plain(phase, done, total)
             return
         from tqdm import tqdm
 
         bar = self.bars.get(phase)
         if bar is None or bar.total != total:
-            labels = {"encode": "VAE encode", "dit": "DiT", "decode": "VAE decode", "frames": "frames"}
-            bar = self.bars[phase] = tqdm(total=total, desc=f"{labels.get(phase, phase):>10}",
+            bar = self.bars[phase] = tqdm(total=total, desc=f"{self.LABELS.get(phase, phase):>10}",
                                           position=len(self.bars), leave=phase == "frames",
-                                          unit="frame" if phase == "frames" else "batch")
+                                          unit=_unit(phase))
         bar.update(done - bar.n)
 
     def close(self):
         for bar in self.bars.values():
             bar.close()
         self.bars = {}
+        if self.plain is not None:
+            self.plain.close()
+
+
+def _unit(phase: str) -> str:
+    return "frame" if phase == "frames" else "batch"
+
+
+class _PlainProgress:
+    """One line per phase: written when a phase has finished its run of batches (the pipeline
+    runs encode, DiT and decode in turn per chunk), and once when every frame is out."""
+
+    def __init__(self, stream):
+        self.stream, self.pending = stream, None  # pending: the phase running, not yet written
+
+    def __call__(self, phase: str, done: int, total: int):
+        if phase == "frames":  # interleaved with decode; only the end is worth a line
+            if done >= total:
+                self.close()
+                self._line(phase, done, total)
+            return
+        if self.pending is not None and self.pending[0] != phase:
+            self._line(*self.pending)
+        self.pending = (phase, done, total)
+
+    def close(self):
+        if self.pending is not None:
+            self._line(*self.pending)
+
+    def _line(self, phase: str, done: int, total: int):
+        self.pending = None
+        print(f"{_Bars.LABELS.get(phase, phase)}: {done}/{total} {_unit(phase)}"
+              f"{'es' if _unit(phase) == 'batch' and total != 1 else 's' if total != 1 else ''}",
+              file=self.stream, flush=True)
 
 
 def _summary(path: Path, stats, seconds: float) -> str:
@@ -124,7 +171,7 @@ def _summary(path: Path, stats, seconds: float) -> str:
 def _upscale(args) -> int:
     import time
 
-    from .api import load_models, upscale_file
+    from .api import check_file_job, load_models, upscale_file
     from .loading.formats import CheckpointError
     from .options import OPTIONS, OptionError, resolve_options
 
@@ -149,6 +196,13 @@ def _upscale(args) -> int:
         jobs = [(src, args.output or _default_output(src, opts.resolution))]
     bars = _Bars(not args.quiet)
     status = 0
+    try:
+        # Files first: a wrong path should not cost the seconds models take to load.
+        for source, target in jobs:
+            check_file_job(source, target, opts, args.codec, args.overwrite)
+    except (ValueError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     try:
         from .distributed import in_distributed_launch
         from .distributed.launch import parse_devices
@@ -219,25 +273,60 @@ def _or_auto(kind):
     return parse
 
 
-def _add_option_flags(parser: argparse.ArgumentParser):
-    from .options import OPTIONS
+MODEL_FILES_HELP = (
+    "Model files: a DiT (default {dit}) and a VAE (default {vae}) in the model folder: "
+    "--model-dir, else $SEEDVR2_MODEL_DIR, else ~/.cache/seedvr2/models (ComfyUI: "
+    "models/SEEDVR2). Registered files that are missing are downloaded there (sha256-checked); "
+    "a path to any other weight file works too. The official text embeddings come with the "
+    "package.")
 
-    group = parser.add_argument_group("upscaling options")
-    for opt in OPTIONS.values():
-        kwargs = dict(default=None, help=f"{opt.help} (default: {opt.default})")
-        if opt.type is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif opt.accepts_auto:
-            kwargs["type"] = _or_auto(opt.type)
-        else:
-            kwargs["type"] = opt.type
-            if opt.choices:
-                kwargs["choices"] = opt.choices
-        group.add_argument(opt.flag, dest=opt.name, **kwargs)
+
+# Short placeholders keep each flag on one help line.
+METAVARS = {int: "N", float: "X", str: "VALUE"}
+
+
+def _option_flag(group, opt):
+    kwargs = dict(default=None, help=f"{opt.help} (default: {opt.default})")
+    if opt.type is not bool and not opt.choices:
+        kwargs["metavar"] = METAVARS[opt.type]
+    if opt.type is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif opt.accepts_auto:
+        kwargs["type"] = _or_auto(opt.type)
+    else:
+        kwargs["type"] = opt.type
+        if opt.choices:
+            kwargs["choices"] = opt.choices
+    group.add_argument(opt.flag, dest=opt.name, **kwargs)
+
+
+def _add_upscale_flags(parser: argparse.ArgumentParser):
+    """The upscale command's flags, grouped by the option table's areas; the flags that are
+    not options (files, models, codec) join the group they belong to."""
+    from .loading.registry import DEFAULT_DIT, DEFAULT_VAE
+    from .options import AREAS, OPTIONS
+
+    groups = {area: parser.add_argument_group(area) for area in AREAS}
+    files = groups["input and output"]
+    files.add_argument("input", help="video, image, sequence pattern or folder")
+    files.add_argument("-o", "--output", metavar="PATH", help="output file (or folder for a folder input); "
+                       "default: INPUT_seedvr2_<resolution>p next to the input")
+    files.add_argument("--codec", choices=("h264", "h265"), default="h264",
+                       help="video codec: h264 (8-bit) or h265 (10-bit)")
+    files.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    models = groups["models"]
+    models.description = MODEL_FILES_HELP.format(dit=DEFAULT_DIT, vae=DEFAULT_VAE)
+    models.add_argument("--dit", metavar="FILE", help="DiT: registered file name (looked up in "
+                        "--model-dir) or path")
+    models.add_argument("--vae", metavar="FILE", help="VAE: registered file name or path")
+    models.add_argument("--model-dir", metavar="FOLDER", help="folder with the model files")
+    for area, names in AREAS.items():
+        for name in names:
+            _option_flag(groups[area], OPTIONS[name])
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="seedvr2", description=__doc__)
+    parser = argparse.ArgumentParser(prog="seedvr2", description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="show the model family, size and dtype of weight files")
@@ -259,22 +348,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
     p.set_defaults(run=_quantize)
 
-    p = sub.add_parser("upscale", help="upscale a video, an image, an image sequence "
-                       "(pattern like frames/%%05d.png) or every media file in a folder")
-    p.add_argument("input", help="video, image, sequence pattern or folder")
-    p.add_argument("-o", "--output", help="output file (or folder for a folder input); default: "
-                   "INPUT_seedvr2_<resolution>p next to the input")
-    p.add_argument("--dit", help="DiT: registered file name (looked up in --model-dir) or path")
-    p.add_argument("--vae", help="VAE: registered file name or path")
-    p.add_argument("--model-dir", help="folder with model files (default: $SEEDVR2_MODEL_DIR or "
-                   "~/.cache/seedvr2/models)")
-    p.add_argument("--codec", choices=("h264", "h265"), default="h264",
-                   help="video codec: h264 (8-bit) or h265 (10-bit)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    summary = ("upscale a video, an image, an image sequence (pattern like frames/%05d.png) "
+               "or every media file in a folder")
+    # The help line is %-formatted by argparse, the description is not.
+    p = sub.add_parser("upscale", help=summary.replace("%", "%%"),
+                       usage="%(prog)s [options] input",
+                       description=summary[0].upper() + summary[1:] + ". The flags are grouped "
+                       "by area; 'models' says which files are needed and where they go.")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars or summary")
     p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                    help="debug logging")
-    _add_option_flags(p)
+    _add_upscale_flags(p)
     p.set_defaults(run=_upscale)
 
     p = sub.add_parser("run-workflow", help="run a ComfyUI workflow (editor or API format) "
@@ -301,8 +385,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else
-                        logging.WARNING if getattr(args, "quiet", False) else logging.INFO,
-                        format="%(levelname)s %(name)s: %(message)s")
-    return args.run(args)
+    # Help and messages name options as this command's flags (--batch-size, not batch_size).
+    with spoken_as_cli():
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=logging.DEBUG if args.verbose else
+                            logging.WARNING if getattr(args, "quiet", False) else logging.INFO,
+                            format="%(levelname)s %(name)s: %(message)s")
+        return args.run(args)

@@ -3,10 +3,16 @@
 The CLI flags (kebab-case), the ComfyUI node inputs and the workflow inputs are generated from
 or checked against this table. ``resolve_options(**given)`` validates a set of options and
 returns them complete, with defaults filled in; errors name the option and the fix.
+
+Messages name an option in the caller's own words: ``text_embeddings=PATH`` for Python callers,
+``--text-embeddings PATH`` on the command line. Code that writes a message calls
+:func:`option_ref`; the ``seedvr2`` command runs inside :func:`spoken_as_cli`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import difflib
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -19,12 +25,52 @@ class OptionError(ValueError):
     """An option value that cannot be used; the message names the option and the fix."""
 
 
+# "python" (keyword arguments, the default) or "cli" (flags); set by spoken_as_cli().
+_CALLER = contextvars.ContextVar("seedvr2_caller", default="python")
+
+
+@contextlib.contextmanager
+def spoken_as_cli():
+    """Within this block, :func:`option_ref` names options as command-line flags."""
+    token = _CALLER.set("cli")
+    try:
+        yield
+    finally:
+        _CALLER.reset(token)
+
+
+def option_ref(name: str, value=None, *, flag: Optional[str] = None) -> str:
+    """How the caller writes option ``name`` (set to ``value`` when given).
+
+    Python: ``name`` / ``name=value``; command line: ``--name`` / ``--name value``, a boolean
+    ``True`` as the bare flag and ``False`` as ``--no-name``. Names outside :data:`OPTIONS`
+    (``overwrite``, ``model_dir``) follow the same rule; ``flag`` names a command-line flag
+    that is not spelled like the keyword (``quantize --type`` for ``target``).
+    """
+    if _CALLER.get() == "python":
+        return name if value is None else f"{name}={value}"
+    flag = flag or "--" + name.replace("_", "-")
+    if value is True:
+        return flag
+    if value is False:
+        return "--no-" + flag[2:]
+    return flag if value is None else f"{flag} {value}"
+
+
+def option_value(name: str, value) -> str:
+    """An option and the value given for it, as the subject of an error message:
+    ``batch_size = 8`` for Python callers, ``--batch-size 8`` on the command line."""
+    if _CALLER.get() == "python":
+        return f"{name} = {value!r}"
+    return option_ref(name, value)
+
+
 @dataclass(frozen=True)
 class Option:
     name: str
     type: type
     default: Any
-    help: str
+    description: str  # other options written as {their_name}; read it through .help
     choices: Optional[tuple] = None
     min: Optional[float] = None
     max: Optional[float] = None
@@ -34,6 +80,11 @@ class Option:
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
+
+    @property
+    def help(self) -> str:
+        """The description, naming other options as the caller writes them (see option_ref)."""
+        return self.description.format_map({name: option_ref(name) for name in OPTIONS})
 
 
 def _batch_size_problem(value: int) -> Optional[str]:
@@ -90,10 +141,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "(at least 5, at most the clip) whose memory estimate fits the GPU's free memory "
            "(on the CPU: the available RAM)",
            min=1, max=1001, check=_batch_size_problem, accepts_auto=True),
-    Option("uniform_batch_size", bool, False, "pad the last batch to batch_size so every "
+    Option("uniform_batch_size", bool, False, "pad the last batch to {batch_size} so every "
            "batch has the same shape (helps torch.compile)"),
     Option("temporal_overlap", int, 0, "frames shared by consecutive batches and cross-faded "
-           "in the output (must be < batch_size)", min=0, max=1000),
+           "in the output (must be < {batch_size})", min=0, max=1000),
     Option("prepend_frames", int, 0, "reversed copies of the first frames prepended as "
            "temporal context and removed from the output", min=0, max=1000),
     Option("chunk_size", int, 0, "frames in flight: batches are encoded, upscaled and decoded "
@@ -106,8 +157,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            min=0.0, max=1.0),
     Option("latent_noise_scale", float, 0.0, "noise augmentation of the low-resolution latent "
            "(0-1), with the official resolution-dependent timestep shift", min=0.0, max=1.0),
-    Option("text_embeddings", str, "auto", "text embeddings: auto (the file in the model "
-           "folder whose width matches the DiT) or a path to .safetensors/.pt with 'pos'"),
+    Option("text_embeddings", str, "auto", "text embeddings: auto (those inside the DiT file, "
+           "else a file in the model folder whose width matches the DiT, else the official ones "
+           "that come with this package) or a path to .safetensors/.pt with 'pos'"),
     Option("device", str, "auto", "compute device: auto (cuda if available, else cpu), cpu, "
            "cuda, cuda:N", check=_device_problem),
     Option("dtype", str, "auto", "compute precision: auto (bf16 on GPUs that support it, "
@@ -125,7 +177,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            check=_offload_problem),
     Option("cache_dit", bool, False, "keep the loaded DiT for the next run (same settings)"),
     Option("cache_vae", bool, False, "keep the loaded VAE for the next run (same settings)"),
-    Option("blocks_to_swap", int, 0, "DiT blocks kept on dit_offload_device and streamed to the "
+    Option("blocks_to_swap", int, 0, "DiT blocks kept on {dit_offload_device} and streamed to the "
            "GPU one ahead of use (BlockSwap); more = less VRAM", min=0, max=1000),
     Option("swap_io_components", bool, False, "also keep the DiT's input/output layers on the "
            "offload device (BlockSwap)"),
@@ -176,6 +228,25 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
 ]}
 
 
+# Every option's area, in the order help lists them (the CLI's flag groups); each option is in
+# exactly one (tests/test_cli_and_import.py checks).
+AREAS: dict[str, tuple[str, ...]] = {
+    "input and output": ("resolution", "max_resolution"),
+    "models": ("text_embeddings", "dtype"),
+    "quality and colour": ("seed", "batch_size", "temporal_overlap", "prepend_frames",
+                           "color_correction", "input_noise_scale", "latent_noise_scale"),
+    "memory and VRAM": ("chunk_size", "device", "dit_device", "vae_device", "dit_offload_device",
+                        "vae_offload_device", "tensor_offload_device", "cache_dit", "cache_vae",
+                        "blocks_to_swap", "swap_io_components", "vae_encode_tiled",
+                        "vae_encode_tile_size", "vae_encode_tile_overlap", "vae_decode_tiled",
+                        "vae_decode_tile_size", "vae_decode_tile_overlap", "vae_tiling_exact",
+                        "vae_encode_temporal_slice", "vae_decode_temporal_slice"),
+    "speed and compile": ("attention_backend", "uniform_batch_size", "compile", "compile_backend",
+                          "compile_mode", "compile_fullgraph", "compile_dynamic"),
+    "several GPUs": ("devices", "sequence_parallel", "dist_timeout"),
+}
+
+
 @dataclass(frozen=True)
 class Options:
     """A complete, validated option set (attribute per option)."""
@@ -204,7 +275,7 @@ def _coerce(opt: Option, value):
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
-        raise OptionError(f"{opt.name} = {value!r}: expected true or false")
+        raise OptionError(f"{option_value(opt.name, value)}: expected true or false")
     if opt.type is int and isinstance(value, float) and value.is_integer():
         value = int(value)
     if opt.type is float and isinstance(value, int) and not isinstance(value, bool):
@@ -213,10 +284,10 @@ def _coerce(opt: Option, value):
         try:
             value = opt.type(value)
         except ValueError:
-            raise OptionError(f"{opt.name} = {value!r}: expected a number"
+            raise OptionError(f"{option_value(opt.name, value)}: expected a number"
                               + (" or auto" if opt.accepts_auto else "")) from None
     if not isinstance(value, opt.type) or isinstance(value, bool) and opt.type is not bool:
-        raise OptionError(f"{opt.name} = {value!r}: expected {opt.type.__name__}")
+        raise OptionError(f"{option_value(opt.name, value)}: expected {opt.type.__name__}")
     return value
 
 
@@ -235,21 +306,22 @@ def resolve_options(**given) -> Options:
             values[name] = value
             continue
         if opt.choices is not None and value not in opt.choices:
-            raise OptionError(f"{name} = {value!r}: expected one of {', '.join(map(str, opt.choices))}")
+            raise OptionError(f"{option_value(name, value)}: expected one of {', '.join(map(str, opt.choices))}")
         if opt.min is not None and value < opt.min:
-            raise OptionError(f"{name} = {value!r}: must be at least {opt.min}")
+            raise OptionError(f"{option_value(name, value)}: must be at least {opt.min}")
         if opt.max is not None and value > opt.max:
-            raise OptionError(f"{name} = {value!r}: must be at most {opt.max}")
+            raise OptionError(f"{option_value(name, value)}: must be at most {opt.max}")
         if opt.check is not None and (problem := opt.check(value)):
-            raise OptionError(f"{name} = {value!r}: {problem}")
+            raise OptionError(f"{option_value(name, value)}: {problem}")
         values[name] = value
     for stage in ("encode", "decode"):
         size, overlap = values[f"vae_{stage}_tile_size"], values[f"vae_{stage}_tile_overlap"]
         if overlap >= size:
-            raise OptionError(f"vae_{stage}_tile_overlap = {overlap}: must be smaller than "
-                              f"vae_{stage}_tile_size ({size}); lower the overlap or raise the size")
+            raise OptionError(f"{option_value(f'vae_{stage}_tile_overlap', overlap)}: must be smaller "
+                              f"than {option_ref(f'vae_{stage}_tile_size')} ({size}); lower the "
+                              f"overlap or raise the size")
     # With batch_size auto, the batch size chosen is always larger than temporal_overlap.
     if values["batch_size"] != "auto" and values["temporal_overlap"] >= values["batch_size"]:
-        raise OptionError(f"temporal_overlap = {values['temporal_overlap']}: must be smaller than "
-                          f"batch_size ({values['batch_size']})")
+        raise OptionError(f"{option_value('temporal_overlap', values['temporal_overlap'])}: must be "
+                          f"smaller than {option_ref('batch_size')} ({values['batch_size']})")
     return Options(values)

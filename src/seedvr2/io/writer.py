@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..options import option_ref
 from ._common import (IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError, MediaInfo, as_fraction,
                       check_frame, fspath, writable_folder)
 
@@ -249,8 +250,8 @@ class MediaWriter:
 
     def _refuse_existing(self, target: Path) -> None:
         if (target.exists() or target.is_symlink()) and not self.overwrite:
-            raise FileExistsError(f"{target} already exists; pass overwrite=True to replace "
-                                  f"it, or choose another output name")
+            raise FileExistsError(f"{target} already exists; pass {option_ref('overwrite', True)} "
+                                  f"to replace it, or choose another output name")
 
     def _temp_path(self, suffix: str = "") -> Path:
         token = secrets.token_hex(4)
@@ -273,7 +274,8 @@ class MediaWriter:
         except FileExistsError:
             raise FileExistsError(
                 f"{final} appeared while writing and overwrite is off; the finished output is "
-                f"kept at {temp} -- rename it yourself, or pass overwrite=True") from None
+                f"kept at {temp} -- rename it yourself, or pass "
+                f"{option_ref('overwrite', True)}") from None
         except OSError:  # no hard links on this filesystem (FAT, some network mounts)
             if final.exists():
                 raise FileExistsError(f"{final} appeared while writing and overwrite is off; "
@@ -545,7 +547,8 @@ class ImageWriter(_ImageFilesWriter):
                 if taken:
                     raise FileExistsError(
                         f"{taken[0]} already exists; the finished frames are kept in "
-                        f"{self._temp} -- pass overwrite=True or choose another name")
+                        f"{self._temp} -- pass {option_ref('overwrite', True)} or choose "
+                        f"another name")
             for i, target in enumerate(targets):
                 self._place(self._frame_file(i), target)
         self._temp.rmdir()
@@ -570,8 +573,8 @@ class SequenceWriter(_ImageFilesWriter):
             raise MediaError(f"{path} exists and is not a folder; a frame sequence needs one")
         if path.is_dir() and any(path.iterdir()) and not self.overwrite:
             raise FileExistsError(f"{path} already exists and is not empty; pass "
-                                  f"overwrite=True to replace its frames, or choose another "
-                                  f"output folder")
+                                  f"{option_ref('overwrite', True)} to replace its frames, or "
+                                  f"choose another output folder")
         self._check_folder(path.parent)
         self._open_temp_folder()
 

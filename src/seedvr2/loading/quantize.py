@@ -31,6 +31,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..options import option_ref
 from .formats import CheckpointError, TensorSource, open_weights
 
 GGUF_TARGETS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16", "F16")
@@ -91,14 +92,15 @@ def quantize_file(source, output, target: str, keep: Sequence[str] = (), overwri
                   progress: Optional[Callable[[int, int], None]] = None) -> QuantizeSummary:
     """Convert ``source`` (any format the loader reads) to ``target`` at ``output``."""
     if target not in TARGETS:
-        raise ValueError(f"--type {target!r}: expected one of {', '.join(TARGETS)}")
+        raise ValueError(f"{option_ref('target', repr(target), flag='--type')}: expected one of "
+                         f"{', '.join(TARGETS)}")
     output = Path(output)
     want = ".gguf" if target in GGUF_TARGETS else ".safetensors"
     if output.suffix.lower() != want:
         raise ValueError(f"{output}: a {target} file is written as {want}; name it "
                          f"{output.with_suffix(want).name}")
     if output.exists() and not overwrite:
-        raise FileExistsError(f"{output} exists; pass --overwrite to replace it")
+        raise FileExistsError(f"{output} exists; pass {option_ref('overwrite', True)} to replace it")
     tmp = output.with_name(output.name + ".partial")
     with open_weights(source) as src:
         kind, config = _model_config(src)

@@ -6,17 +6,22 @@ names from workflows are checked by :func:`model_path_in` (``allow_paths=False``
 an explicit path on the command line may point elsewhere.
 
 :func:`download` fetches a registered file with ``huggingface_hub`` (resumable) into the model
-folder and accepts it only when its sha256 matches the registry.
+folder and accepts it only when its sha256 matches the registry. :func:`resolve_model_files`
+checks every file a job needs before it downloads any, so one error names all that are missing.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import socket
+from urllib.parse import urlsplit
+from urllib.request import getproxies, proxy_bypass
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from ..options import option_ref
 from .formats import CheckpointError
 
 
@@ -27,7 +32,6 @@ class KnownFile:
     family: Optional[str] = None  # "3b" / "7b" for DiTs
     format: str = "fp16"
     sha256: Optional[str] = None
-    size: Optional[int] = None  # bytes, when known
 
 
 _NUMZ, _AINVFX, _OFFICIAL = "numz/SeedVR2_comfyUI", "AInVFX/SeedVR2_comfyUI", "ByteDance-Seed/SeedVR2-3B"
@@ -61,6 +65,15 @@ KNOWN_FILES: dict[str, KnownFile] = {
     "neg_emb.pt": KnownFile("text", _OFFICIAL, None, "bf16"),
 }
 
+# Parameters per model (the conformance kit's manifests of the official models).
+_PARAMETERS = {"3b": 3_391_475_776, "7b": 8_239_607_872, "vae": 250_648_227}
+# Bytes per weight of each storage format: fp16 2; fp8 1; the mixed 7B files keep the last of
+# 36 blocks in fp16 (1 + 1/36); GGUF Q8_0 stores 32 weights in 34 bytes; Q4_K_M mixes Q4_K
+# (144 bytes per 256 weights) with a few Q6_K tensors: about 4.5 bits per weight.
+_BYTES_PER_WEIGHT = {"fp16": 2.0, "bf16": 2.0, "fp8_e4m3fn": 1.0,
+                     "fp8_e4m3fn_mixed_block35_fp16": 1 + 1 / 36, "Q8_0": 34 / 32,
+                     "Q4_K_M": 4.5 / 8}
+
 DEFAULT_DIT = "seedvr2_ema_3b_fp16.safetensors"
 DEFAULT_VAE = "ema_vae_fp16.safetensors"
 COMFY_FOLDER = "SEEDVR2"  # ComfyUI's models/SEEDVR2
@@ -86,6 +99,17 @@ def download_url(name: str) -> str:
     return f"https://huggingface.co/{known.repo}/resolve/main/{name}"
 
 
+def approximate_size(name: str) -> Optional[str]:
+    """``about 6.8 GB``: a registered weight file's size from its parameter count and format
+    (to tell the user what a download costs), or None when the registry cannot say."""
+    known = KNOWN_FILES[name]
+    params = _PARAMETERS.get(known.family or known.kind)
+    per_weight = _BYTES_PER_WEIGHT.get(known.format)
+    if params is None or per_weight is None:
+        return None
+    return f"about {params * per_weight / 1e9:.1f} GB"
+
+
 def model_path_in(model_dir, name: str) -> Path:
     """``model_dir / name`` for a model name from a workflow or a node: relative, no ``..``.
 
@@ -101,14 +125,26 @@ def model_path_in(model_dir, name: str) -> Path:
     return Path(model_dir).joinpath(*parts)
 
 
-def resolve_model_file(spec, model_dir=None, kind: str = "dit", *, allow_paths: bool = True,
-                       download_missing: bool = False) -> Path:
-    """A model given by registered name (looked up in the model folder) or by path.
+class MissingModelFile(CheckpointError):
+    """A registered model file that is not in the model folder (yet)."""
 
-    ``allow_paths=False`` (names from workflows) accepts only names inside ``model_dir``;
-    ``download_missing=True`` fetches a registered file that is not there yet.
-    """
-    model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
+    def __init__(self, name: str, kind: str, model_dir: Path):
+        self.name, self.kind, self.model_dir = name, kind, model_dir
+        super().__init__(f"{kind.upper()} model {name!r} is not in the model folder {model_dir}")
+
+    def describe(self) -> str:
+        """``DiT seedvr2_ema_3b_fp16.safetensors (about 6.8 GB) from URL``."""
+        size = approximate_size(self.name)
+        size = f" ({size})" if size else ""
+        return f"{_KIND_NAMES.get(self.kind, self.kind)} {self.name}{size} from {download_url(self.name)}"
+
+
+_KIND_NAMES = {"dit": "DiT", "vae": "VAE", "text": "text embeddings"}
+
+
+def _locate(spec, model_dir: Path, kind: str, allow_paths: bool) -> Path:
+    """The file for ``spec``, or :class:`MissingModelFile` for a registered name that can be
+    downloaded, or :class:`CheckpointError` for anything else."""
     spec_str = str(spec)
     if allow_paths:
         path = Path(spec_str).expanduser()
@@ -122,16 +158,84 @@ def resolve_model_file(spec, model_dir=None, kind: str = "dit", *, allow_paths: 
         candidate = model_dir / spec_str
         if candidate.is_file():
             return candidate
-        if download_missing:
-            return download(spec_str, model_dir)
-        raise CheckpointError(f"{kind.upper()} model {spec_str!r} is not in the model folder "
-                              f"{model_dir}: download it from {download_url(spec_str)} and put "
-                              f"it there (or pass --model-dir)")
+        raise MissingModelFile(spec_str, kind, model_dir)
     if (model_dir / spec_str).is_file() and Path(spec_str).name == spec_str:
         return model_dir / spec_str
     known = ", ".join(n for n, k in KNOWN_FILES.items() if k.kind == kind)
     raise CheckpointError(f"{kind.upper()} model {spec_str!r} not found: not a file, and not a "
                           f"registered name (registered: {known}) nor a file in {model_dir}")
+
+
+def resolve_model_files(wanted, model_dir=None, *, allow_paths: bool = True,
+                        download_missing: bool = False) -> list[Path]:
+    """The files for ``wanted`` (pairs of model spec and kind), in order.
+
+    A spec is a registered file name (looked up in the model folder) or, with
+    ``allow_paths=True``, a path; ``allow_paths=False`` (names from workflows) accepts only
+    names inside ``model_dir``. Every spec is checked before anything is downloaded: with
+    ``download_missing=True`` the missing registered files are fetched when the hub answers;
+    otherwise (or offline) one error names every missing file, its size, its URL and the
+    folder it goes in.
+    """
+    model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
+    found: list[Optional[Path]] = []
+    missing: list[MissingModelFile] = []
+    for spec, kind in wanted:
+        try:
+            found.append(_locate(spec, model_dir, kind, allow_paths))
+        except MissingModelFile as e:
+            if all(m.name != e.name for m in missing):
+                missing.append(e)
+            found.append(None)
+    if missing:
+        unreachable = hub_unreachable() if download_missing else None
+        if not download_missing or unreachable:
+            them = "it" if len(missing) == 1 else "them"
+            files = "A model file is" if len(missing) == 1 else f"{len(missing)} model files are"
+            offline = f" The Hugging Face hub cannot be reached ({unreachable}), so nothing " \
+                f"was downloaded." if unreachable else ""
+            raise CheckpointError(f"{files} missing from the model folder {model_dir}: "
+                                  f"{'; '.join(m.describe() for m in missing)}.{offline} "
+                                  f"Download {them} into {model_dir} (or choose another folder "
+                                  f"with {option_ref('model_dir', 'FOLDER')})")
+        fetched = {m.name: download(m.name, model_dir) for m in missing}
+        found = [path if path is not None else fetched[str(spec)]
+                 for path, (spec, _) in zip(found, wanted)]
+    return found
+
+
+def resolve_model_file(spec, model_dir=None, kind: str = "dit", *, allow_paths: bool = True,
+                       download_missing: bool = False) -> Path:
+    """One model file; see :func:`resolve_model_files`."""
+    return resolve_model_files([(spec, kind)], model_dir, allow_paths=allow_paths,
+                               download_missing=download_missing)[0]
+
+
+# A TCP connection to the hub either opens within a round trip or hangs until a firewall's
+# timeout; 3 s is ample for the first and bounds the second.
+HUB_PROBE_SECONDS = 3.0
+
+
+def hub_unreachable() -> Optional[str]:
+    """Why the Hugging Face hub (``$HF_ENDPOINT`` or huggingface.co) cannot be reached, or None.
+
+    One connection attempt with a short timeout, so that an offline machine is told at once
+    instead of after huggingface_hub's retries (about 25 s).
+    """
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return "HF_HUB_OFFLINE is set"
+    endpoint = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    # Behind a proxy the hub is reached through it: the proxy is what must answer.
+    proxy = getproxies().get(endpoint.scheme)
+    if proxy and not proxy_bypass(endpoint.hostname or ""):
+        endpoint = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    host = endpoint.hostname or "huggingface.co"
+    port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    try:
+        with socket.create_connection((host, port), timeout=HUB_PROBE_SECONDS):
+            return None
+    except OSError as e:
+        return f"{host}:{port}: {e.strerror or type(e).__name__}"
 
 
 def sha256_of(path, chunk: int = 1 << 24) -> str:
@@ -183,6 +287,7 @@ def download(name: str, model_dir=None) -> Path:
         fetched = Path(hf_hub_download(repo_id=KNOWN_FILES[name].repo, filename=name,
                                        local_dir=model_dir))
     except Exception as e:  # offline, DNS, HTTP errors, missing repository: all end here
+        _remove_empty_locks(model_dir)
         detail = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise CheckpointError(f"{name}: download from {download_url(name)} failed ({detail}); "
                               f"download it by other means and put it in {model_dir}") from None
@@ -190,3 +295,15 @@ def download(name: str, model_dir=None) -> Path:
         os.replace(fetched, target)
     verify_file(target, name)
     return target
+
+
+def _remove_empty_locks(model_dir: Path) -> None:
+    """Drop the empty ``*.lock`` files huggingface_hub leaves in ``model_dir/.cache`` after a
+    failed download (partial downloads stay: they let the next attempt resume)."""
+    cache = model_dir / ".cache" / "huggingface"
+    for lock in cache.rglob("*.lock") if cache.is_dir() else ():
+        try:
+            if lock.stat().st_size == 0:
+                lock.unlink()
+        except OSError:
+            pass

@@ -1,8 +1,10 @@
 """Text embeddings for the DiT: SeedVR2 conditions on one fixed positive prompt embedding.
 
 The official download ships ``pos_emb.pt`` (58 x 5120) and ``neg_emb.pt``; with guidance
-scale 1 only ``pos`` is used. ``auto`` picks the embedding in the model folder whose width
-matches the DiT's ``txt_in_dim``; a path to a .safetensors/.pt file with a ``pos`` tensor (or
+scale 1 only ``pos`` is used. This package ships both unchanged (``seedvr2/data``), so ``auto``
+needs no file of its own for the released 3B and 7B DiTs: it picks the embedding inside the DiT
+file, else one in the model folder whose width matches the DiT's ``txt_in_dim``, else the
+bundled one when its width matches. A path to a .safetensors/.pt file with a ``pos`` tensor (or
 a .pt holding one bare tensor) overrides it.
 """
 
@@ -12,7 +14,13 @@ from pathlib import Path
 
 import torch
 
+from ..options import option_ref
 from .formats import CheckpointError, open_weights
+
+# The official pos/neg embeddings of both released DiT families (txt_in_dim 5120); provenance
+# in seedvr2/data/README.md.
+BUNDLED_TEXT_EMBEDDINGS = Path(__file__).resolve().parents[1] / "data" / \
+    "official_text_embeddings.safetensors"
 
 
 def _read_pos(path: Path) -> torch.Tensor:
@@ -87,6 +95,12 @@ def load_text_embeddings(spec: str, txt_in_dim: int, model_dir: Path,
         if pos.shape[-1] == txt_in_dim:
             return _check(pos, path, txt_in_dim)
         widths.append(f"{path.name} ({pos.shape[-1]})")
+    if BUNDLED_TEXT_EMBEDDINGS.is_file():
+        pos = _read_pos(BUNDLED_TEXT_EMBEDDINGS)
+        if pos.shape[-1] == txt_in_dim:
+            return _check(pos, BUNDLED_TEXT_EMBEDDINGS, txt_in_dim)
+        widths.append(f"the bundled official embeddings ({pos.shape[-1]})")
     found = f"; found {', '.join(widths)}" if widths else ""
     raise CheckpointError(f"no text embeddings of width {txt_in_dim} in {model_dir}: put the "
-                          f"model's pos_emb.pt there or pass text_embeddings=PATH{found}")
+                          f"model's pos_emb.pt there or pass {option_ref('text_embeddings', 'PATH')}"
+                          f"{found}")

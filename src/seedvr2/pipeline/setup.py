@@ -14,14 +14,14 @@ from typing import Optional
 import torch
 
 from ..loading import load_dit, load_vae
-from ..loading.registry import DEFAULT_DIT, DEFAULT_VAE, default_model_dir, resolve_model_file
+from ..loading.registry import DEFAULT_DIT, DEFAULT_VAE, default_model_dir, resolve_model_files
 from ..loading.text import load_text_embeddings
 from ..memory import MODEL_CACHE, ModelKey, resolve_device, resolve_dtype, resolve_offload
 from ..memory import budget as mem
 from ..memory.blockswap import BlockSwap
 from ..memory.compile import CompileSettings, apply_compile
 from ..memory.tiling import settings_from_options
-from ..options import OptionError, Options
+from ..options import OptionError, Options, option_ref
 from .plan import make_plan
 from .runner import JobStats, Models, output_size
 
@@ -40,8 +40,9 @@ def _settings_of(opts: Options, kind: str) -> tuple:
 def _load_dit(path: Path, opts: Options, dtype, device, offload):
     swapping = opts.blocks_to_swap > 0 or opts.swap_io_components
     if swapping and offload is None:
-        raise OptionError("blocks_to_swap/swap_io_components need an offload device for the "
-                          "swapped weights: set dit_offload_device (e.g. cpu)")
+        raise OptionError(f"{option_ref('blocks_to_swap')}/{option_ref('swap_io_components')} need "
+                          f"an offload device for the swapped weights: set "
+                          f"{option_ref('dit_offload_device', 'cpu')} (or another device)")
     # With BlockSwap the weights load on the offload device; only resident ones reach the GPU.
     dit = load_dit(path, dtype, offload if swapping else device)
     dit.set_attention_backend(opts.attention_backend)
@@ -49,6 +50,16 @@ def _load_dit(path: Path, opts: Options, dtype, device, offload):
         if swapping else None
     apply_compile(dit, None, CompileSettings.from_options(opts))
     return dit, blockswap
+
+
+def _model_files(dit, vae, model_dir: Path) -> tuple[Optional[Path], Optional[Path]]:
+    """The weight files of the models given by name or path (None for a loaded module), all
+    found or downloaded before either loads, so one error names every missing file."""
+    wanted = [(spec or default, kind) for spec, default, kind in
+              ((dit, DEFAULT_DIT, "dit"), (vae, DEFAULT_VAE, "vae"))
+              if not isinstance(spec, torch.nn.Module)]
+    paths = iter(resolve_model_files(wanted, model_dir, download_missing=True))
+    return tuple(None if isinstance(spec, torch.nn.Module) else next(paths) for spec in (dit, vae))
 
 
 def load_models(dit=None, vae=None, *, opts: Options, model_dir=None) -> Models:
@@ -60,18 +71,19 @@ def load_models(dit=None, vae=None, *, opts: Options, model_dir=None) -> Models:
     dit_offload, vae_offload = (resolve_offload(opts.dit_offload_device),
                                 resolve_offload(opts.vae_offload_device))
     model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
+    dit_path, vae_path = _model_files(dit, vae, model_dir)
     blockswap = None
     if isinstance(dit, torch.nn.Module):
         dit = dit.to(device=dit_device, dtype=dtype)
     else:
-        path = resolve_model_file(dit or DEFAULT_DIT, model_dir, "dit", download_missing=True)
+        path = dit_path
         key = ModelKey.for_file("dit", path, dtype, dit_device, _settings_of(opts, "dit"))
         dit, blockswap = MODEL_CACHE.get_or_load(
             key, lambda: _load_dit(path, opts, dtype, dit_device, dit_offload), opts.cache_dit)
     if isinstance(vae, torch.nn.Module):
         vae = vae.to(device=vae_device, dtype=dtype)
     else:
-        path = resolve_model_file(vae or DEFAULT_VAE, model_dir, "vae", download_missing=True)
+        path = vae_path
         key = ModelKey.for_file("vae", path, dtype, vae_device, _settings_of(opts, "vae"))
 
         def load():
@@ -195,10 +207,9 @@ def resolve_auto_batch_for_ranks(opts: Options, devices: list[str], dit, vae, mo
     model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
     first = resolve_device(devices[0])
     dtype = resolve_dtype(opts.dtype, first)
-    dit_w, dit_cfg = mem.Weights.from_file(
-        resolve_model_file(dit or DEFAULT_DIT, model_dir, "dit", download_missing=True), "dit", dtype)
-    vae_w, vae_cfg = mem.Weights.from_file(
-        resolve_model_file(vae or DEFAULT_VAE, model_dir, "vae", download_missing=True), "vae", dtype)
+    dit_path, vae_path = _model_files(dit, vae, model_dir)
+    dit_w, dit_cfg = mem.Weights.from_file(dit_path, "dit", dtype)
+    vae_w, vae_cfg = mem.Weights.from_file(vae_path, "vae", dtype)
     budget = mem.Budget(dit_cfg, vae_cfg, dit_w, vae_w)
     if gather is not None:
         values = gather(mem.device_available(first))
@@ -224,13 +235,28 @@ def resolve_auto_batch_for_ranks(opts: Options, devices: list[str], dit, vae, mo
 VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv")
 
 
+def _output_format(info, dst, opts: Options, codec: str) -> tuple[tuple[int, int], int]:
+    """Output (H, W) and bit depth of a file job."""
+    is_video_out = Path(str(dst)).suffix.lower() in VIDEO_SUFFIXES
+    bit_depth = 16 if info.bit_depth == 16 or is_video_out and codec == "h265" else 8
+    return output_size(info.height, info.width, opts), bit_depth
+
+
 def file_facts(reader, dst, opts: Options, codec: str) -> tuple[int, tuple[int, int], int]:
     """Frame count, output (H, W) and bit depth of a file job."""
     info = reader.info
     frame_count = info.frame_count if info.frame_count_exact else reader.count_frames()
-    is_video_out = Path(str(dst)).suffix.lower() in VIDEO_SUFFIXES
-    bit_depth = 16 if info.bit_depth == 16 or is_video_out and codec == "h265" else 8
-    return frame_count, output_size(info.height, info.width, opts), bit_depth
+    return (frame_count, *_output_format(info, dst, opts, codec))
+
+
+def check_file_job(src, dst, opts: Options, codec: str, overwrite: bool) -> None:
+    """Raise what a file job would raise about its files, before any model loads: the input
+    is opened and the output writer is opened (under its temporary name) and discarded."""
+    from ..io import open_media
+
+    with open_media(src) as reader:
+        size, bit_depth = _output_format(reader.info, dst, opts, codec)
+        open_output(reader.info, dst, size, bit_depth, codec, overwrite).abort()
 
 
 def plan_file(reader, dst, opts: Options, codec: str):
