@@ -18,10 +18,9 @@ from seedvr2.models import VAEConfig, build_vae
 from seedvr2.models.vae import VideoAutoencoder
 from seedvr2.models.vae_blocks import CausalCache
 
-from conftest import conformance_dir
+from conftest import conformance_dir, rounding_bound, sum_lengths
 
 CASES = ("video_9f", "image_1f")
-ATOL = 1e-4  # README section 10 for fp32 VAE latents/decodes; measured ~5e-6
 PIPELINE_SCALE = 0.9152
 
 
@@ -49,6 +48,23 @@ def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def max_abs(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return (actual.float() - expected).abs().max().item()
+
+
+@lru_cache(maxsize=None)
+def _sums(part: str) -> tuple[int, int]:
+    config, _ = _tiny_files()
+    with torch.device("meta"):
+        return sum_lengths(getattr(build_vae(config["constructor_kwargs"]), part))
+
+
+def vae_bound(reference: torch.Tensor, part: str) -> float:
+    """Float32 rounding bound (conftest.rounding_bound) for an output of the tiny VAE's
+    ``part`` ("encoder": 31 convolutions, the longest summing 3x3x3x32 = 864 products;
+    "decoder": 42): 7e-5 at the encoder's magnitude 1.8, 2.2e-4 at the decoder's 4.8. Another
+    implementation (the goldens) or another summation order (chunks, threads) lands within;
+    measured at most 2.1e-6 (README section 10) and 1.1e-6 (chunked, 1 or 2 threads)."""
+    terms, layers = _sums(part)
+    return rounding_bound(reference, terms=terms, layers=layers)
 
 
 # -- structure --------------------------------------------------------------------------------
@@ -102,9 +118,9 @@ def test_quant_convs_are_applied_on_the_moments_and_the_latent():
     with torch.no_grad():
         mean, logvar = model.encode_posterior(case["inputs.video"])
         decoded = model.decode(case["outputs.posterior_mean"] / 2)
-    assert max_abs(mean, case["outputs.posterior_logvar"]) < ATOL
-    assert max_abs(logvar, case["outputs.posterior_mean"]) < ATOL
-    assert max_abs(decoded, case["outputs.decoded_from_mean"]) < ATOL
+    assert max_abs(mean, case["outputs.posterior_logvar"]) < vae_bound(case["outputs.posterior_logvar"], "encoder")
+    assert max_abs(logvar, case["outputs.posterior_mean"]) < vae_bound(case["outputs.posterior_mean"], "encoder")
+    assert max_abs(decoded, case["outputs.decoded_from_mean"]) < vae_bound(case["outputs.decoded_from_mean"], "decoder")
 
 
 # -- numerics against the goldens -------------------------------------------------------------
@@ -119,14 +135,14 @@ def test_golden_case(tiny_vae, name):
         decoded = tiny_vae.decode(case["outputs.posterior_mean"])
 
     assert mean.shape == logvar.shape == case["outputs.posterior_mean"].shape
-    assert max_abs(mean, case["outputs.posterior_mean"]) < ATOL
-    assert max_abs(logvar, case["outputs.posterior_logvar"]) < ATOL
+    assert max_abs(mean, case["outputs.posterior_mean"]) < vae_bound(case["outputs.posterior_mean"], "encoder")
+    assert max_abs(logvar, case["outputs.posterior_logvar"]) < vae_bound(case["outputs.posterior_logvar"], "encoder")
     assert torch.equal(encoded, mean)
     assert decoded.shape == video.shape  # 5-D even for a single frame
-    assert max_abs(decoded, case["outputs.decoded_from_mean"]) < ATOL
+    assert max_abs(decoded, case["outputs.decoded_from_mean"]) < vae_bound(case["outputs.decoded_from_mean"], "decoder")
     # The documented pipeline convention: scaled, channels-last per sample.
     latent = (encoded * PIPELINE_SCALE).permute(0, 2, 3, 4, 1)
-    assert max_abs(latent, case["outputs.latent_pipeline"]) < ATOL
+    assert max_abs(latent, case["outputs.latent_pipeline"]) < vae_bound(case["outputs.latent_pipeline"], "encoder")
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -134,11 +150,16 @@ def test_posterior_sample(name):
     case = load_case(name)
     mean, logvar = case["outputs.posterior_mean"], case["outputs.posterior_logvar"]
     sample = VideoAutoencoder.sample_posterior(mean, logvar, noise=case["aux.eps"])
-    assert max_abs(sample, case["aux.posterior_sample_with_eps"]) < 1e-5
+    # mean + exp(logvar / 2) * eps: three roundings per element, no sums (exp may differ by an
+    # ulp between vector paths of different CPUs).
+    elementwise = dict(terms=1, layers=3)
+    assert max_abs(sample, case["aux.posterior_sample_with_eps"]) < \
+        rounding_bound(case["aux.posterior_sample_with_eps"], **elementwise)
 
     drawn = VideoAutoencoder.sample_posterior(mean, logvar, torch.Generator().manual_seed(7))
     eps = torch.randn(mean.shape, generator=torch.Generator().manual_seed(7))
-    assert max_abs(drawn, mean + torch.exp(logvar / 2) * eps) < 1e-6
+    expected = mean + torch.exp(logvar / 2) * eps
+    assert max_abs(drawn, expected) < rounding_bound(expected, **elementwise)
 
 
 def test_logvar_is_clamped(tiny_vae):
@@ -156,8 +177,8 @@ def test_autograd_path_matches_and_backpropagates(tiny_vae):
     video = case["inputs.video"].clone().requires_grad_(True)
     mean = model.encode(video)
     decoded = model.decode(case["outputs.posterior_mean"])
-    assert max_abs(mean.detach(), case["outputs.posterior_mean"]) < ATOL
-    assert max_abs(decoded.detach(), case["outputs.decoded_from_mean"]) < ATOL
+    assert max_abs(mean.detach(), case["outputs.posterior_mean"]) < vae_bound(case["outputs.posterior_mean"], "encoder")
+    assert max_abs(decoded.detach(), case["outputs.decoded_from_mean"]) < vae_bound(case["outputs.decoded_from_mean"], "decoder")
     (mean.square().mean() + decoded.square().mean()).backward()
     assert video.grad is not None and torch.isfinite(video.grad).all()
     for name in ("encoder.conv_in.weight", "encoder.mid_block.resnets.0.norm1.weight",
@@ -171,7 +192,7 @@ def test_channels_last_input_is_accepted(tiny_vae):
     video = case["inputs.video"].to(memory_format=torch.channels_last_3d)
     with torch.no_grad():
         mean = tiny_vae.encode(video)
-    assert max_abs(mean, case["outputs.posterior_mean"]) < ATOL
+    assert max_abs(mean, case["outputs.posterior_mean"]) < vae_bound(case["outputs.posterior_mean"], "encoder")
 
 
 # -- causality / temporal chunking ------------------------------------------------------------
@@ -186,8 +207,10 @@ def test_chunked_causal_state_matches_single_pass(tiny_vae):
         first = tiny_vae.encoder(video[:, :, :5], cache)
         chunked = torch.cat([first, tiny_vae.encoder(video[:, :, 5:], cache)], dim=2)
         # Causal: the first 5 frames alone give the first 2 latent frames of the whole clip.
-        assert max_abs(first, full[:, :, :2]) < 1e-6
-        assert max_abs(chunked, full) < 1e-6
+        # The same sums over other tensor shapes: the kernels may block (and so round) them
+        # differently (1.1e-6 measured on AMD EPYC, 1 or 2 threads; 0 on others).
+        assert max_abs(first, full[:, :, :2]) < vae_bound(full, "encoder")
+        assert max_abs(chunked, full) < vae_bound(full, "encoder")
 
         full = tiny_vae.decoder(latent)
         cache = CausalCache()
@@ -195,7 +218,7 @@ def test_chunked_causal_state_matches_single_pass(tiny_vae):
                              tiny_vae.decoder(latent[:, :, 2:], cache)], dim=2)
         assert chunked.shape == full.shape
         # Convolutions over fewer frames sum in another order (measured 4.8e-6 on AVX-512).
-        assert max_abs(chunked, full) < 1e-5
+        assert max_abs(chunked, full) < vae_bound(full, "decoder")
 
 
 def test_cache_hooks_default_to_the_plain_per_frame_maths(tiny_vae):
@@ -220,7 +243,8 @@ def test_attention_within_a_small_score_budget_matches_one_call(tiny_vae, monkey
         full = tiny_vae.decode(latent)
         monkeypatch.setattr(vae_blocks, "ATTENTION_SCORE_BUDGET", rows * 48)
         blocked = tiny_vae.decode(latent)
-    assert max_abs(blocked, full) < 1e-6
+    # Softmax sums over the same keys, in row blocks: another summation order.
+    assert max_abs(blocked, full) < vae_bound(full, "decoder")
 
 
 # -- argument checks --------------------------------------------------------------------------
@@ -263,16 +287,21 @@ def test_public_checks_validate_without_running(tiny_vae):
 
 # -- reduced precision ------------------------------------------------------------------------
 
-# rel-L2 against float32. Measured on this tiny random-weight model: bf16 <= 2.1e-2 (half of
-# it is merely rounding the weights to bf16), fp16 <= 2.5e-3; the bounds leave ~2x margin.
-# A structural or casting bug gives O(1) errors; fp16 is the sharper of the two checks.
-LOW_PRECISION_BOUND = {torch.bfloat16: 4e-2, torch.float16: 6e-3}
+def low_precision_bound(dtype: torch.dtype, part: str) -> float:
+    """rel-L2 bound of a bf16/fp16 run against float32. The CPU kernels accumulate in float32,
+    so per layer the error is two roundings to the low precision, each of relative rms at most
+    u (unit roundoff, eps/2): the weights' (averaged over the sum it stays ~u of the output)
+    and the output's. Independent across layers they add in quadrature: 2·sqrt(layers)·u;
+    rel-L2 is itself an rms, so no further margin. Encoder (31 layers): bf16 4.3e-2, fp16
+    5.4e-3; decoder (42): 5.1e-2, 6.3e-3. Measured: bf16 <= 2.1e-2, fp16 <= 2.5e-3. A
+    structural or casting bug gives O(1) errors; fp16 is the sharper of the two checks."""
+    _, layers = _sums(part)
+    return 2 * layers ** 0.5 * torch.finfo(dtype).eps / 2
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_low_precision_stays_close_to_float32(tiny_vae, dtype):
     model = copy.deepcopy(tiny_vae).to(dtype)
-    bound = LOW_PRECISION_BOUND[dtype]
     image = load_case("image_1f")
     # A small crop of the video covers the temporal down/up-sampling paths cheaply (CPU
     # reduced-precision conv3d is slow).
@@ -281,13 +310,15 @@ def test_low_precision_stays_close_to_float32(tiny_vae, dtype):
         clip_mean, clip_logvar = tiny_vae.encode_posterior(clip)
         clip_decoded = tiny_vae.decode(clip_mean)
         checks = [
-            (model.encode_posterior(image["inputs.video"]),
+            ("encoder", model.encode_posterior(image["inputs.video"]),
              (image["outputs.posterior_mean"], image["outputs.posterior_logvar"])),
-            ((model.decode(image["outputs.posterior_mean"]),), (image["outputs.decoded_from_mean"],)),
-            (model.encode_posterior(clip), (clip_mean, clip_logvar)),
-            ((model.decode(clip_mean),), (clip_decoded,)),
+            ("decoder", (model.decode(image["outputs.posterior_mean"]),),
+             (image["outputs.decoded_from_mean"],)),
+            ("encoder", model.encode_posterior(clip), (clip_mean, clip_logvar)),
+            ("decoder", (model.decode(clip_mean),), (clip_decoded,)),
         ]
-    for outputs, references in checks:
+    for part, outputs, references in checks:
+        bound = low_precision_bound(dtype, part)
         for out, ref in zip(outputs, references):
             assert out.dtype == dtype and torch.isfinite(out).all()
             assert rel_l2(out, ref) < bound, f"{dtype} rel-L2 {rel_l2(out, ref):.3g} >= {bound}"
