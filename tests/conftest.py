@@ -103,6 +103,42 @@ def sum_lengths(model) -> tuple[int, int]:
     return max(lengths), len(lengths)
 
 
+def network_bound(module, reference) -> float:
+    """:func:`rounding_bound` for an output of ``module`` (its convolutions and linear layers
+    give the sum length and the layer count)."""
+    terms, layers = sum_lengths(module)
+    return rounding_bound(reference, terms=terms, layers=layers)
+
+
+def dit_sum_lengths(model, case: dict) -> tuple[int, int]:
+    """(terms, layers) of a DiT call on ``case``: its linear layers, and per block two
+    attention sums (scores over head_dim, then over keys: at most every video token of the
+    call, patched 2x2, plus the text tokens)."""
+    terms, layers = sum_lengths(model)
+    keys = len(case["inputs.vid"]) // 4 + len(case["inputs.txt"])
+    return max(terms, keys), layers + 2 * len(model.blocks)
+
+
+def dit_bound(model, case: dict, reference) -> float:
+    """:func:`rounding_bound` for a DiT output (or a tap inside it) on ``case``: 1e-4 to 7e-4
+    for the tiny DiTs' cases (magnitudes 3.6-5.1); an independent port measured <= 2.2e-6
+    against the goldens (conformance README section 10)."""
+    terms, layers = dit_sum_lengths(model, case)
+    return rounding_bound(reference, terms=terms, layers=layers)
+
+
+def low_precision_bound(dtype, layers: int) -> float:
+    """rel-L2 bound of a bf16/fp16 run against float32 through ``layers`` layers. CPU kernels
+    accumulate in float32, so per layer the error is two roundings to the low precision, each
+    of relative rms at most u (unit roundoff, eps/2): the weights' (averaged over a sum it stays
+    ~u of the output) and the output's. Independent across layers they add in quadrature:
+    2·sqrt(layers)·u; rel-L2 is itself an rms, so no further margin is added. A structural or
+    casting bug gives O(1) errors."""
+    import torch
+
+    return 2 * layers ** 0.5 * torch.finfo(dtype).eps / 2
+
+
 def constructor_kwargs(family_dir: Path) -> dict:
     return json.loads((family_dir / "config.json").read_text())["constructor_kwargs"]
 
@@ -173,3 +209,29 @@ def make_clip(path: Path, *, container_format: str | None = None, frames: int = 
             out.mux(audio.encode(chunk))
         out.mux(video.encode(None))
         out.mux(audio.encode(None))
+
+
+def integer_step_error(levels: int, block: int) -> float:
+    """Relative rms error of one weight quantised to integers with the scale absmax / ``levels``
+    shared by ``block`` weights: the rounding error is uniform over one step (rms step/sqrt(12))
+    and the absmax of ``block`` Gaussian weights is below sqrt(2 ln(2 block)) of their rms."""
+    import math
+
+    return math.sqrt(2 * math.log(2 * block)) / (levels * math.sqrt(12))
+
+
+def float_step_error(mantissa_bits: int) -> float:
+    """Relative rms error of one weight rounded to a float format with ``mantissa_bits``: uniform
+    within half a unit in the last place, 2^-(m+1), so rms 2^-(m+1)/sqrt(3) (values scaled into
+    the format's normal range)."""
+    return 2.0 ** -(mantissa_bits + 1) / 3 ** 0.5
+
+
+def quantization_bound(weight_errors) -> float:
+    """rel-L2 bound of a network's output when its quantised layers have weights with these
+    relative rms errors (one entry per layer): a layer's output errs by about the same relative
+    rms (the weight errors are independent, so over a sum they average like the weights do),
+    and independent layers add in quadrature: sqrt(sum of squares). Measured errors are about
+    half of one layer's (the residual stream dilutes each layer's share), so the bound is loose
+    but derived; a decoding bug (wrong scale, nibble order, block layout) gives O(1)."""
+    return sum(e * e for e in weight_errors) ** 0.5

@@ -251,3 +251,38 @@ def test_hub_probe_answers_quickly_when_nothing_listens(monkeypatch):
     assert time.perf_counter() - start < registry.HUB_PROBE_SECONDS
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert registry.hub_unreachable() == "HF_HUB_OFFLINE is set"
+
+
+# -- the README agrees with the option table -----------------------------------------------------
+
+def _readme_value(text: str, opt):
+    if opt.type is bool:
+        return {"on": True, "off": False}.get(text, text)
+    if opt.type in (int, float):
+        try:
+            return opt.type(text)
+        except ValueError:
+            return text
+    return text
+
+
+def test_readme_defaults_are_the_option_defaults():
+    readme = (REPO / "README.md").read_text()
+    checked = 0
+    for cells in re.findall(r"^\| (.+?) \| (.+?) \|", readme, re.M):
+        names = [n for n in re.findall(r"`(\w+)`", cells[0]) if n in OPTIONS]
+        # Rows naming several options with different defaults give no single default to check.
+        if not names or len({OPTIONS[n].default for n in names}) > 1:
+            continue
+        for name in names:
+            assert _readme_value(cells[1], OPTIONS[name]) == OPTIONS[name].default, (name, cells[1])
+            checked += 1
+    assert checked >= 25
+    # The command synopses show each option's flag with its default value.
+    flags = {o.flag: o for o in OPTIONS.values()}
+    shown = [(flag, value) for flag, value in re.findall(r"\[(--[a-z-]+) (\w+)\]", readme)
+             if flag in flags]
+    assert shown
+    for flag, value in shown:
+        assert _readme_value(value, flags[flag]) == flags[flag].default, (flag, value)
+    assert "--batch-size 5" in readme

@@ -11,7 +11,8 @@ from seedvr2.models import ConfigError, build_dit
 from seedvr2.models.window import make_windows
 from seedvr2.loading import load_dit
 
-from conftest import constructor_kwargs, load_case
+from conftest import (constructor_kwargs, dit_bound, dit_sum_lengths, load_case,
+                      low_precision_bound)
 
 FAMILIES = ["dit3b_tiny", "dit7b_tiny"]
 CASES = ["taps_video_small", "image", "video_ragged", "batch2_mixed", "batch2_multiwindow_first"]
@@ -34,7 +35,8 @@ def test_matches_golden(tiny, case_name):
     folder, model = tiny
     case = load_case(folder, case_name)
     out = run(model, case)
-    torch.testing.assert_close(out, case["outputs.vid_sample"], atol=1e-4, rtol=1e-4)
+    expected = case["outputs.vid_sample"]
+    torch.testing.assert_close(out, expected, atol=dit_bound(model, case, expected), rtol=0)
 
 
 def test_samples_are_independent_not_official_packing(conformance):
@@ -52,7 +54,8 @@ def test_samples_are_independent_not_official_packing(conformance):
                         "inputs.vid_shape": case["inputs.vid_shape"][1:],
                         "inputs.txt_shape": case["inputs.txt_shape"][1:],
                         "inputs.timestep": case["inputs.timestep"][1:]})
-    torch.testing.assert_close(out[n0:], alone, atol=1e-5, rtol=1e-5)
+    # The same sums, packed with another sample: possibly rounded in another order.
+    torch.testing.assert_close(out[n0:], alone, atol=dit_bound(model, case, alone), rtol=0)
 
 
 def test_taps(tiny):
@@ -74,7 +77,9 @@ def test_taps(tiny):
     for name, value in taps.items():
         if name == last_txt and model.config.family == "3b":
             continue  # the 3B's last text output is discarded by the model; we skip computing it
-        torch.testing.assert_close(value, case[f"taps.{name}"], atol=1e-4, rtol=1e-4, msg=name)
+        expected = case[f"taps.{name}"]  # a tap has at most the whole model's sums behind it
+        torch.testing.assert_close(value, expected, atol=dit_bound(model, case, expected), rtol=0,
+                                   msg=name)
 
 
 def test_windows_match_reference(conformance):
@@ -102,8 +107,10 @@ def test_full_size_manifest_on_meta(conformance, manifest, name):
         assert sum(p.numel() for p in model.parameters()) == data["num_parameters"]
 
 
-@pytest.mark.parametrize("dtype,bound", [(torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
-def test_half_precision_close_to_fp32(conformance, dtype, bound):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_close_to_fp32(conformance, dtype):
+    # conftest.low_precision_bound over the call's layers (44 or 46): bf16 5.2e-2, fp16
+    # 6.5e-3; measured bf16 <= 8e-3, fp16 <= 1.1e-3.
     for family in FAMILIES:
         folder = conformance / family
         model = load_dit(folder / "weights.safetensors", dtype=dtype)
@@ -112,7 +119,8 @@ def test_half_precision_close_to_fp32(conformance, dtype, bound):
         out = run(model, case, dtype).float()
         ref = case["outputs.vid_sample"]
         rel = ((out - ref).norm() / ref.norm()).item()
-        assert rel < bound, f"{family} {dtype}: rel-L2 {rel:.2e}"
+        bound = low_precision_bound(dtype, dit_sum_lengths(model, case)[1])
+        assert rel < bound, f"{family} {dtype}: rel-L2 {rel:.2e} >= {bound:.2e}"
 
 
 def test_rope_table_stays_fp32_when_cast(conformance):
@@ -198,4 +206,5 @@ def test_runs_when_loaded_under_inference_mode(conformance):
         case = load_case(folder, "image")
         out = model(case["inputs.vid"], case["inputs.txt"], case["inputs.vid_shape"],
                     case["inputs.txt_shape"], case["inputs.timestep"])
-    torch.testing.assert_close(out, case["outputs.vid_sample"], atol=1e-4, rtol=1e-4)
+    expected = case["outputs.vid_sample"]
+    torch.testing.assert_close(out, expected, atol=dit_bound(model, case, expected), rtol=0)

@@ -9,13 +9,13 @@ import torch
 
 import seedvr2
 from seedvr2.api import load_models
-from seedvr2.loading import load_dit
+from seedvr2.loading import load_dit, load_vae
 from seedvr2.memory import MODEL_CACHE
 from seedvr2.memory.blockswap import BlockSwap, SwapSchedule
 from seedvr2.memory.compile import CompileSettings, apply_compile
 from seedvr2.options import OptionError, resolve_options
 
-from conftest import load_case
+from conftest import dit_bound, load_case, rounding_bound, sum_lengths
 
 
 def test_schedule_keeps_at_most_current_plus_prefetch_resident():
@@ -113,7 +113,8 @@ def test_compile_aot_eager_matches_and_falls_back(conformance, monkeypatch):
     model = load_dit(folder / "weights.safetensors")
     expected = _forward(model, case)
     apply_compile(model, None, CompileSettings(backend="aot_eager"))
-    torch.testing.assert_close(_forward(model, case), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(_forward(model, case), expected,
+                               atol=dit_bound(model, case, expected), rtol=0)
 
     broken = load_dit(folder / "weights.safetensors")
 
@@ -184,7 +185,8 @@ def test_compile_inductor_smoke(conformance):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an eager fallback would warn: the compile must work
         out = _forward(model, case)
-    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    # Fused kernels sum in their own order.
+    torch.testing.assert_close(out, expected, atol=dit_bound(model, case, expected), rtol=0)
 
 
 def test_bad_memory_options():
@@ -225,4 +227,11 @@ def test_exact_tiling_and_temporal_slices_keep_the_frames(tiny_options, clip):
                        vae_decode_tile_size=64, vae_decode_tile_overlap=8, vae_encode_tiled=True,
                        vae_encode_tile_size=64, vae_encode_tile_overlap=8, vae_tiling_exact=True,
                        vae_encode_temporal_slice=4, vae_decode_temporal_slice=4)
-    assert (changed - plain).abs().max() < 1e-4
+    # The VAE's sums in another order on both sides of the DiT, which carries the difference
+    # through its own layers. Frames are (pixels + 1) / 2 with pixels in [-1, 1]: magnitude 1
+    # in pixels, halved in frames; the halving is left as room for activations inside the
+    # networks somewhat larger than their outputs.
+    vae, dit = load_vae(tiny_options["vae"]), load_dit(tiny_options["dit"])
+    lengths = [sum_lengths(vae.encoder), sum_lengths(dit), sum_lengths(vae.decoder)]
+    terms, layers = max(t for t, _ in lengths), sum(n for _, n in lengths)
+    assert (changed - plain).abs().max() < rounding_bound(1.0, terms=terms, layers=layers)

@@ -17,27 +17,36 @@ from seedvr2.pipeline.runner import InputError, Interrupted, Upscaler
 from seedvr2.pipeline.sampling import (augment_latent, make_condition, sampling_timesteps,
                                        timestep_transform, x0_from_velocity)
 
+from conftest import dit_sum_lengths, rounding_bound, sum_lengths
+
 
 # ---------------------------------------------------------------------------------------------
 # reference maths (conformance README §7)
 
 def test_timestep_tables(conformance):
     data = json.loads((conformance / "pipeline" / "pipeline.json").read_text())
+    # The reference rounds each step of the shift (u = t/T, two products, a quotient) in
+    # float32 at magnitudes up to T = 1000; sampling_timesteps is one product.
     for row in data["timestep_transform"]:
         got = timestep_transform(torch.tensor(row["t_in"]), row["latent_shape_thw"]).item()
-        assert got == pytest.approx(row["t_out"], abs=1e-4), row
+        assert got == pytest.approx(row["t_out"], abs=rounding_bound(1000.0, terms=1, layers=4)), row
     for steps, expected in data["sampling_timesteps_by_steps"].items():
         torch.testing.assert_close(sampling_timesteps(int(steps)), torch.tensor(expected),
-                                   atol=1e-4, rtol=0)
+                                   atol=rounding_bound(1000.0, terms=1), rtol=0)
 
 
 def test_condition_augmentation_and_sampler(conformance):
     m = load_file(conformance / "pipeline" / "math.safetensors")
+    # (1 - t)·latent + t·noise: a 2-term sum, with t itself rounded in the reference's float32
+    # (one more rounding carried through the products): at the inputs' magnitude.
+    magnitude = max(m["inputs.latent_lr"].abs().max().item(), m["inputs.aug_noise"].abs().max().item())
+    bound = rounding_bound(magnitude, terms=2, layers=2)
     for scale, name in ((0.0, "0"), (0.25, "0p25")):
         latent = augment_latent(m["inputs.latent_lr"], m["inputs.aug_noise"], scale)
-        torch.testing.assert_close(latent, m[f"outputs.latent_blur_noise_scale_{name}"], atol=1e-5, rtol=0)
+        torch.testing.assert_close(latent, m[f"outputs.latent_blur_noise_scale_{name}"],
+                                   atol=bound, rtol=0)
         torch.testing.assert_close(make_condition(latent), m[f"outputs.cond_noise_scale_{name}"],
-                                   atol=1e-5, rtol=0)
+                                   atol=bound, rtol=0)
     assert torch.equal(x0_from_velocity(m["inputs.noise"], m["inputs.v_pred"]),
                        m["outputs.x0_from_one_step_sampler"])
 
@@ -64,11 +73,13 @@ def test_plan_prepend_and_chunks():
 
 
 def test_blend_weights():
+    # A raised cosine: a few float32 roundings per weight (the cosine within an ulp), no sums.
+    bound = rounding_bound(1.0, terms=1, layers=4)
     assert blend_weights(1).tolist() == [0.5]
-    torch.testing.assert_close(blend_weights(2), torch.tensor([1 / 3, 2 / 3]))
+    torch.testing.assert_close(blend_weights(2), torch.tensor([1 / 3, 2 / 3]), atol=bound, rtol=0)
     w = blend_weights(5)
     assert torch.all(w[1:] > w[:-1]) and 0 < w[0] < 0.1 and 0.9 < w[-1] < 1
-    torch.testing.assert_close(w + w.flip(0), torch.ones(5))
+    torch.testing.assert_close(w + w.flip(0), torch.ones(5), atol=bound, rtol=0)
 
 
 def test_option_errors():
@@ -107,7 +118,16 @@ def test_end_to_end_matches_reference(conformance, tiny_options, monkeypatch, ca
     upscaler = Upscaler(models, opts)
     out = torch.cat([o for _, o in upscaler.run(iter(frames), make_plan(len(frames), opts))])
     expected = (data["outputs.frames_final_clipped"].permute(0, 2, 3, 1) + 1) / 2
-    torch.testing.assert_close(out, expected, atol=1e-4, rtol=0)
+    # Encoder, DiT and decoder, each summing in its own order (the colour fix adds 12 9-term
+    # sums, within this): at pixel magnitude 1, halved into frames (the halving left as room
+    # for activations somewhat larger than the outputs).
+    lengths = [sum_lengths(models.vae.encoder), dit_sum_lengths(models.dit, {
+        "inputs.vid": torch.empty(data["inputs.noise"].numel() // 16, 1),
+        "inputs.txt": models.text}), sum_lengths(models.vae.decoder)]
+    terms, layers = max(t for t, _ in lengths), sum(n for _, n in lengths)
+    bound = rounding_bound(1.0, terms=terms, layers=layers)
+    print(f"{case}: max abs {(out - expected).abs().max().item():.2e}, bound {bound:.2e}")
+    torch.testing.assert_close(out, expected, atol=bound, rtol=0)
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,9 @@ import torch.multiprocessing as mp
 from seedvr2.distributed.sequence import ShardedPacking, shard_bounds
 from seedvr2.models.packing import Packing
 
-from conftest import constructor_kwargs, conformance_dir, dit_output, load_case
+from conftest import constructor_kwargs, conformance_dir, dit_bound, dit_output, load_case
 
 CASES = ["taps_video_small", "image", "video_ragged", "batch2_mixed", "batch2_multiwindow_first"]
-TOLERANCE = 1e-5
 
 
 def test_shard_bounds_cover_rows_unevenly():
@@ -126,7 +125,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str):
                 assert seen.count("a2a") == 2 * len(model.blocks) + 1
                 assert model.sequence_parallel is None
                 assert all(b.attn.sequence_parallel is None for b in model.blocks)
-                results[f"{family}/{name}"] = (out - reference).abs().max().item()
+                # Sharded attention sums the same terms in another order: conftest.dit_bound.
+                results[f"{family}/{name}"] = ((out - reference).abs().max().item(),
+                                               dit_bound(model, case, reference))
     finally:
         dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -139,5 +140,5 @@ def test_matches_single_process_forward(world, tmp_path, conformance):
     for rank in range(world):
         diffs = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert len(diffs) == (12 if world == 2 else 4)
-        worst = max(diffs, key=diffs.get)
-        assert diffs[worst] <= TOLERANCE, (rank, worst, diffs)
+        over = {name: (diff, bound) for name, (diff, bound) in diffs.items() if diff > bound}
+        assert not over, (rank, over)
