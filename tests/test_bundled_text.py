@@ -53,3 +53,20 @@ def test_upscale_runs_with_only_dit_and_vae(official_width_models):
                           model_dir=folder, device="cpu", dtype="fp32", resolution=32)
     assert out.shape == (1, 32, 42, 3) and torch.isfinite(out).all()
     assert sorted(p.name for p in folder.iterdir()) == ["dit.safetensors", "vae.safetensors"]
+
+
+def test_wheel_carries_the_embeddings(tmp_path):
+    """Installed from a wheel (not this checkout), the package still finds them."""
+    import subprocess
+    import sys
+    import zipfile
+
+    from conftest import REPO
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(tmp_path), str(REPO)], check=True,
+                   timeout=300, capture_output=True)
+    (wheel,) = tmp_path.glob("*.whl")
+    inside = "seedvr2/" + str(BUNDLED_TEXT_EMBEDDINGS.relative_to(BUNDLED_TEXT_EMBEDDINGS.parents[1]))
+    with zipfile.ZipFile(wheel) as archive:
+        assert archive.read(inside) == BUNDLED_TEXT_EMBEDDINGS.read_bytes()
