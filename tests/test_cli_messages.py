@@ -286,3 +286,14 @@ def test_readme_defaults_are_the_option_defaults():
     for flag, value in shown:
         assert _readme_value(value, flags[flag]) == flags[flag].default, (flag, value)
     assert "--batch-size 5" in readme
+
+
+def test_hub_log_lines_appear_once():
+    # The hub's loggers come from its own get_logger, which gives them a handler of their own.
+    code = ("from huggingface_hub.utils import logging as hub_logging\n"
+            "from seedvr2.cli import main\n"
+            "main(['inspect', '/nonexistent.safetensors'])\n"
+            "hub_logging.get_logger('huggingface_hub.utils._http').warning('Retrying in 1s')\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=REPO, timeout=120)
+    assert result.stderr.count("Retrying in 1s") == 1, result.stderr

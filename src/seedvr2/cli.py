@@ -391,4 +391,7 @@ def main(argv=None) -> int:
         logging.basicConfig(level=logging.DEBUG if args.verbose else
                             logging.WARNING if getattr(args, "quiet", False) else logging.INFO,
                             format="%(levelname)s %(name)s: %(message)s")
+        # huggingface_hub prints through a handler of its own; passed on to ours as well,
+        # every line of it would appear twice.
+        logging.getLogger("huggingface_hub").propagate = False
         return args.run(args)
