@@ -43,6 +43,21 @@ def conformance() -> Path:
     return conformance_dir()
 
 
+@pytest.fixture
+def torch_threads(request):
+    """The test runs with torch on ``request.param`` CPU threads (parametrize it indirectly):
+    comparisons whose summation order depends on the thread count pin the counts they are
+    checked at, whatever OMP_NUM_THREADS the suite runs with."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    try:
+        yield request.param
+    finally:
+        torch.set_num_threads(before)
+
+
 def load_case(family_dir: Path, name: str) -> dict:
     return load_file(family_dir / "cases" / f"{name}.safetensors")
 

@@ -39,7 +39,8 @@ def test_matches_golden(tiny, case_name):
     torch.testing.assert_close(out, expected, atol=dit_bound(model, case, expected), rtol=0)
 
 
-def test_samples_are_independent_not_official_packing(conformance):
+@pytest.mark.parametrize("torch_threads", [1, 2], indirect=True)
+def test_samples_are_independent_not_official_packing(conformance, torch_threads):
     """The official 3B mixes text rows across packed samples; we keep samples independent."""
     folder = conformance / "dit3b_tiny"
     case = load_case(folder, "batch2_multiwindow_first")

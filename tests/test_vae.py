@@ -197,7 +197,8 @@ def test_channels_last_input_is_accepted(tiny_vae):
 
 # -- causality / temporal chunking ------------------------------------------------------------
 
-def test_chunked_causal_state_matches_single_pass(tiny_vae):
+@pytest.mark.parametrize("torch_threads", [1, 2], indirect=True)
+def test_chunked_causal_state_matches_single_pass(tiny_vae, torch_threads):
     # A spatial crop keeps this cheap; all 9 frames are needed for two encoder chunks.
     video = load_case("video_9f")["inputs.video"][:, :, :, :16, :24]
     latent = load_case("video_9f")["outputs.posterior_mean"]
