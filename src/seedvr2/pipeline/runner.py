@@ -184,11 +184,21 @@ def to_float_frame(frame, index: int) -> torch.Tensor:
     return frame
 
 
-def to_integer_frames(frames: torch.Tensor, bit_depth: int):
-    """Float frames in [0, 1] -> uint8 / uint16 numpy arrays for the writers."""
+def integer_frames(frames: torch.Tensor, bit_depth: int) -> torch.Tensor:
+    """Float frames in [0, 1] -> uint8 / uint16 tensor on the frames' own device.
+
+    On a GPU this runs there, so only the integers cross to the host (4× / 2× fewer bytes than
+    float32). The result does not depend on the device: a product with a constant, rounding
+    half to even and a clamp are exactly rounded IEEE operations on CPU and CUDA alike.
+    """
     scale = 65535.0 if bit_depth == 16 else 255.0
-    values = (frames * scale).round_().clamp_(0, scale).numpy()
-    return values.astype("uint16" if bit_depth == 16 else "uint8")
+    values = (frames * scale).round_().clamp_(0, scale)
+    return values.to(torch.uint16 if bit_depth == 16 else torch.uint8)
+
+
+def to_integer_frames(frames: torch.Tensor, bit_depth: int):
+    """Float frames in [0, 1] (any device) -> uint8 / uint16 numpy arrays for the writers."""
+    return integer_frames(frames, bit_depth).cpu().numpy()
 
 
 class FrameSource:
