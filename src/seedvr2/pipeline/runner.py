@@ -309,10 +309,11 @@ class Upscaler:
         vid = dit_input(noise, make_condition(latent))
         t, h, w, _ = vid.shape
         text = self.models.text.to(device)
+        # Shapes stay on the CPU (the DiT reads them as Python numbers: on the device that
+        # would be a copy there and a sync back); the timestep is filled on the device.
         v = dit(vid.reshape(-1, vid.shape[-1]).to(self.dtype), text.to(self.dtype),
-                torch.tensor([[t, h, w]], device=device),
-                torch.tensor([[text.shape[0]]], device=device),
-                torch.tensor([T], device=device))
+                torch.tensor([[t, h, w]]), torch.tensor([[text.shape[0]]]),
+                torch.full((1,), T, device=device))
         item.result = x0_from_velocity(noise, v.float().reshape(noise.shape)).to(self.offload)
         item.latent = None
 
