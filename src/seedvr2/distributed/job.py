@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..io.background import BackgroundWriter
 from ..options import OptionError, resolve_options
 from ..pipeline.runner import OverlapBlender, Upscaler, to_integer_frames
 from . import frames as wire
@@ -143,10 +144,12 @@ def run_file_job(ctx: DistContext, src, dst, dit=None, vae=None, *, model_dir=No
         plan, size, bit_depth = plan_file(reader, dst, opts, codec)
         check_agreement(ctx, _digest(opts, plan.source_frames, info.width, info.height, (dit, vae)))
         writer = open_output(info, dst, size, bit_depth, codec, overwrite) if ctx.is_writer else None
-        # The writer aborts (removing its partial file) on any exception, SIGTERM included.
-        with writer if writer is not None else contextlib.nullcontext():
-            sink = None if writer is None else \
-                (lambda first, final: writer.write_many(to_integer_frames(final, bit_depth)))
+        # The writer aborts (removing its partial file) on any exception, SIGTERM included;
+        # it encodes on a thread while this rank computes and receives.
+        output = BackgroundWriter(writer) if writer is not None else None
+        with output if output is not None else contextlib.nullcontext():
+            sink = None if output is None else \
+                (lambda first, final: output.write_many(to_integer_frames(final, bit_depth)))
             _run_share(ctx, plan, lambda first: reader.frames(start=first), sink, info.channels,
                        size, bit_depth, dit, vae, opts, model_dir, progress, should_stop)
         return Path(writer.path) if writer is not None else None
