@@ -143,3 +143,16 @@ def test_worker_sends_cpu_integers_on_the_frame_group(monkeypatch):
         received = wire.decode_batch(message)
         for (_, a), (_, c) in zip(one.add(b, out), many.add(b, received)):
             assert np.array_equal(to_integer_frames(a, 8), to_integer_frames(c, 8))
+
+
+def test_blender_works_on_the_frames_device():
+    """Decoded frames may stay on the GPU (file jobs round them there): the cross-fade weights
+    must follow them. ``meta`` stands in for the GPU."""
+    plan = _plan()
+    blender = OverlapBlender(plan)
+    emitted = []
+    for b in plan.batches:
+        for first, final in blender.add(b, torch.empty(b.frames, 4, 6, 3, device="meta")):
+            assert final.device.type == "meta"
+            emitted.append((first, final.shape[0]))
+    assert sum(n for _, n in emitted) == 23

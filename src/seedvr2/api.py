@@ -142,6 +142,7 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
             plan = make_plan(frame_count, opts)
             upscaler = _upscaler(models, opts, progress, should_stop)
             upscaler.stats = job_stats
+            upscaler.frames_on_device = True  # rounded there, copied to the host as integers
             for _, frames in upscaler.run(reader.frames(), plan):
                 output.write_many(to_integer_frames(frames, bit_depth))
         if stats is not None:

@@ -269,6 +269,10 @@ class Upscaler:
         self.encode_tiles, self.encode_slice = tiling.settings_from_options(opts, "encode")
         self.decode_tiles, self.decode_slice = tiling.settings_from_options(opts, "decode")
         self.stats = JobStats()
+        # A file job's consumer rounds frames to integers: on the device, the copy to the
+        # host is then 4x (uint8) or 2x (uint16) smaller than float32 frames. Only decoded
+        # frames stay; the blender keeps just the overlap frames between batches.
+        self.frames_on_device = False
         if isinstance(opts.batch_size, int):
             self.stats.batch_size = opts.batch_size
 
@@ -333,7 +337,7 @@ class Upscaler:
         else:
             out = rgb
         item.result = None
-        return out.permute(0, 2, 3, 1).to(self.offload)  # (n, H, W, C)
+        return out.permute(0, 2, 3, 1).to(device if self.frames_on_device else self.offload)
 
     # -- the job --------------------------------------------------------------------------
 
@@ -442,7 +446,8 @@ class OverlapBlender:
     def add(self, b: Batch, out: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
         plan = self.plan
         if b.overlap and self.pending is not None:
-            w = blend_weights(b.overlap)[:, None, None, None]
+            # The weights go where the frames are (a file job keeps them on the GPU).
+            w = blend_weights(b.overlap).to(out.device)[:, None, None, None]
             out = torch.cat([self.pending * (1 - w) + out[: b.overlap] * w, out[b.overlap:]])
         final_stop = plan.emit_stop(b)
         self.pending = out[final_stop - b.start:]
