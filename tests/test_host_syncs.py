@@ -101,3 +101,19 @@ def test_kept_layouts_are_per_shape_and_bounded(monkeypatch):
     built = window_module.WindowLayout.build(*rule, [(2, 6, 8)], [3], cpu)
     for name in ("perm", "local_pos", "window_size", "sample_of_token", "txt_windows"):
         assert torch.equal(getattr(built, name), getattr(a, name)), name
+
+
+def test_kept_layouts_are_plain_tensors_even_when_made_in_inference_mode():
+    """A layout made under inference mode (the pipeline) is kept and may be reused where
+    autograd records (tests, training): inference tensors cannot be saved for backward."""
+    window_module.clear_layouts()
+    rule = ("720pwin_by_size_bysize", (4, 3, 3))
+    with torch.inference_mode():
+        window_module.layout_for(*rule, [(2, 6, 8)], [3], torch.device("cpu"))
+    layout = window_module.layout_for(*rule, [(2, 6, 8)], [3], torch.device("cpu"))
+    tensors = [layout.perm, layout.local_pos, layout.window_size, layout.sample_of_token,
+               layout.txt_windows, *(g.txt_index for g in layout.groups)]
+    assert not any(t.is_inference() for t in tensors)
+    x = torch.randn(96, 4, requires_grad=True)
+    x[layout.perm].sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))

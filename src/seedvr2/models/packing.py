@@ -64,7 +64,8 @@ class Packing:
             names = ["txt_lens", "vid", "txt_positions"]
             with torch.inference_mode(False):  # plain tensors: usable by autograd later too
                 buffer = to_device(torch.cat([parts[n] for n in names]), self.device)
-            self.device_index.update(zip(names, split_rows(buffer, [len(parts[n]) for n in names])))
+                views = split_rows(buffer, [len(parts[n]) for n in names])
+            self.device_index.update(zip(names, views))
             self.device_index["txt"] = self.device_index["txt_lens"]
         return self.device_index[name]
 

@@ -126,9 +126,12 @@ class WindowLayout:
         host = [torch.cat(perm), torch.cat(local).reshape(-1), torch.cat(sizes).reshape(-1),
                 torch.cat(samples), torch.cat(txt_windows).long()]
         host += [g.txt_index.reshape(-1) for g in groups]
-        with torch.inference_mode(False):  # plain tensors: kept across calls, autograd may index
-            buffer = to_device(torch.cat(host), device)
-        views = split_rows(buffer, [t.numel() for t in host])
+        # Plain tensors even under inference mode: they are kept across calls, and autograd
+        # may later index with them (on the CPU, to_device returns the concatenation itself).
+        with torch.inference_mode(False):
+            views = split_rows(to_device(torch.cat(host), device), [t.numel() for t in host])
+            # Window counts are small integers: exact in float.
+            views[4] = views[4].float()
         perm_d, local_d, sizes_d, samples_d, windows_d = views[:5]
         for g, txt_index in zip(groups, views[5:]):
             g.txt_index = txt_index.view(g.count, -1)
@@ -138,7 +141,7 @@ class WindowLayout:
             window_size=sizes_d.view(-1, 3),
             sample_of_token=samples_d,
             groups=groups,
-            txt_windows=windows_d.float(),  # window counts are small integers: exact in float
+            txt_windows=windows_d,
         )
 
 
