@@ -100,15 +100,19 @@ class ComfyHost:
 
         comfy.model_management.throw_exception_if_processing_interrupted()
 
-    def before_load(self) -> None:
-        """Give our models room: unload what ComfyUI holds (but our cached models) and empty
-        its caches."""
+    def before_load(self, model_files=(), device: str = "auto") -> None:
+        """Give our models room on our device: ComfyUI unloads its models (never our cached
+        ones) only until the model files we are about to load fit, not all of them.
+        Activations are not counted here: the memory budget checks them after loading and
+        names settings that fit."""
         import comfy.model_management as mm
 
         from .src.seedvr2.memory.cache import MODEL_CACHE
-        from .src.seedvr2.workflow.comfy_memory import unload_comfy_models
+        from .src.seedvr2.workflow.comfy_memory import room_needed, unload_comfy_models
 
-        unload_comfy_models(mm, MODEL_CACHE)
+        target = mm.get_torch_device() if device in ("auto", None) else device
+        unload_comfy_models(mm, MODEL_CACHE, room_needed(model_files, MODEL_CACHE, str(target)),
+                            target)
 
     def after_run(self) -> None:
         """Show the models we keep (cache_model) to ComfyUI's memory management, so it can

@@ -37,8 +37,9 @@ def main():
     txt_len = 58
     vid = torch.randn(thw[0] * thw[1] * thw[2], 33, device=device, dtype=dtype)
     txt = torch.randn(txt_len, 5120, device=device, dtype=dtype)
-    vid_shape, txt_shape = torch.tensor([thw], device=device), torch.tensor([[txt_len]], device=device)
-    timestep = torch.tensor([1000.0], device=device)
+    # Shapes stay on the CPU, as the pipeline passes them (the DiT reads them on the host).
+    vid_shape, txt_shape = torch.tensor([thw]), torch.tensor([[txt_len]])
+    timestep = torch.full((1,), 1000.0, device=device)
 
     model = build_dit(dit_config("3b")).eval().to(dtype)  # on the host: ~14 GB while building
     for p in model.parameters():

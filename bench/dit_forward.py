@@ -66,8 +66,9 @@ def main():
     thw, txt_len = (2, 64, 64), 58
     vid = torch.randn(thw[0] * thw[1] * thw[2], 33, device=device, dtype=dtype)
     txt = torch.randn(txt_len, 5120, device=device, dtype=dtype)
-    vid_shape, txt_shape = torch.tensor([thw], device=device), torch.tensor([[txt_len]], device=device)
-    timestep = torch.tensor([1000.0], device=device)
+    # Shapes stay on the CPU, as the pipeline passes them (the DiT reads them on the host).
+    vid_shape, txt_shape = torch.tensor([thw]), torch.tensor([[txt_len]])
+    timestep = torch.full((1,), 1000.0, device=device)
 
     with torch.inference_mode():
         forward_s = best_time(lambda: model(vid, txt, vid_shape, txt_shape, timestep), args.repeats, sync)

@@ -251,12 +251,12 @@ def test_cached_models_are_entries_comfyui_can_unload(tmp_path, monkeypatch):
     for key in keys:
         cache.get_or_load(key, lambda: torch.nn.Linear(2, 2), keep=True)
     # Before our run: ComfyUI's models are unloaded, ours registered and kept.
-    comfy_memory.unload_comfy_models(mm, cache)
+    comfy_memory.unload_comfy_models(mm, cache, 1e30)  # everything (reduced free_memory)
     assert [type(e).__name__ for e in freed] == ["Theirs"] and len(cache) == 2
     entries = mm.current_loaded_models
     assert [e.key.kind for e in entries] == ["dit", "vae"]
     assert all(not e.currently_used and not e.is_dead() and e.real_model() is not None
-               and e.model_memory() == 1000 for e in entries)
+               and e.model_memory() == 1000 and e.model_loaded_memory() == 24 for e in entries)  # Linear(2, 2): 6 fp32
     assert comfy_memory.sync(mm, cache) == entries  # no duplicates
     assert json.loads(state.read_text()) == {"cached": ["dit", "vae"], "registered": ["dit", "vae"]}
     # "Unload models": every entry goes, and our cache with it.

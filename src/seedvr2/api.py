@@ -18,6 +18,7 @@ import torch
 
 from .options import OptionError, Options, option_ref, option_value, resolve_options
 from .pipeline.plan import make_plan
+from .io.background import BackgroundWriter
 from .pipeline.runner import JobStats, Models, Upscaler, output_size, to_integer_frames
 from .pipeline.setup import (MEMORY_CHECK_ENV, check_file_job, file_facts, load_models,
                              open_output, plan_file, prepare_job, resolve_auto_batch_for_ranks)
@@ -134,15 +135,17 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
         frame_count, size, bit_depth = file_facts(reader, dst, opts, codec)
         # Opening the writer first fails fast on an unwritable or existing output.
         writer = open_output(reader.info, dst, size, bit_depth, codec, overwrite)
-        with writer:
+        # Encoding runs on a thread from a bounded queue while the device computes on.
+        with BackgroundWriter(writer) as output:
             models = load_models(dit, vae, opts=opts, model_dir=model_dir)
             job_stats = JobStats()
             opts = prepare_job(models, opts, frame_count, size, job_stats)
             plan = make_plan(frame_count, opts)
             upscaler = _upscaler(models, opts, progress, should_stop)
             upscaler.stats = job_stats
+            upscaler.frames_on_device = True  # rounded there, copied to the host as integers
             for _, frames in upscaler.run(reader.frames(), plan):
-                writer.write_many(to_integer_frames(frames, bit_depth))
+                output.write_many(to_integer_frames(frames, bit_depth))
         if stats is not None:
             stats.__dict__.update(upscaler.stats.__dict__)
     return Path(writer.path)

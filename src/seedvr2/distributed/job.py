@@ -5,6 +5,7 @@ first batch on, models on its own device. Ranks other than 0 send each finished 
 rank 0; rank 0 interleaves its own batches with received ones in plan order, blends them with
 the same :class:`OverlapBlender` as a single process, and writes. A send is posted without
 waiting and completed before the next one, so computing the next batch overlaps the transfer.
+Frames travel over a gloo group of CPU tensors at the output's bit depth (``frames.py``).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..io.background import BackgroundWriter
 from ..options import OptionError, resolve_options
 from ..pipeline.runner import OverlapBlender, Upscaler, to_integer_frames
+from . import frames as wire
 from .assign import assign_batches, owner_of
 from .groups import DistContext
 from .sequence import sequence_group, sequence_parallel
@@ -83,13 +86,14 @@ def _rank_options(ctx: DistContext, options: dict):
 
 
 def _run_share(ctx: DistContext, plan, read_from, sink, channels: int, size: tuple[int, int],
-               dit, vae, opts, model_dir, progress, should_stop):
+               bit_depth, dit, vae, opts, model_dir, progress, should_stop):
     """Upscale this rank's batches; the writer rank also gathers everyone's and feeds ``sink``.
 
     ``read_from(first)`` gives the source frames from index ``first`` on; ``sink(first, final)``
     takes each run of finished frames in order (writer rank only, ``None`` elsewhere).
     With ``sequence_parallel`` = k, consecutive groups of k ranks share each batch's DiT call;
     batches are dealt to the groups and each group's first rank delivers the results.
+    ``bit_depth`` (8, 16, or None for float32 output) sets the frames' wire format.
     """
     from ..pipeline.setup import load_models, prepare_job
 
@@ -97,7 +101,9 @@ def _run_share(ctx: DistContext, plan, read_from, sink, channels: int, size: tup
     if ctx.world_size % k:
         raise OptionError(f"sequence_parallel = {k} must divide the number of ranks "
                           f"({ctx.world_size}); use {ctx.world_size} or a divisor of it")
-    group = sequence_group(k, datetime.timedelta(seconds=opts.dist_timeout)) if k > 1 else None
+    timeout = datetime.timedelta(seconds=opts.dist_timeout)
+    group = sequence_group(k, timeout) if k > 1 else None
+    frames_group = wire.frame_group(timeout)  # every rank, in the same order
     shares = assign_batches(plan, ctx.world_size // k)
     mine = shares[ctx.rank // k]
     if ctx.is_writer and len(plan.batches) < len(shares):
@@ -116,9 +122,9 @@ def _run_share(ctx: DistContext, plan, read_from, sink, channels: int, size: tup
             outputs = upscaler.batch_outputs(
                 read_from(plan.source_start(plan.batches[mine[0]].start)), plan, mine)
         if sink is not None:
-            _gather(ctx, plan, shares, k, outputs, sink, channels, size, progress)
+            _gather(ctx, plan, shares, k, outputs, sink, channels, size, progress, frames_group)
         elif ctx.rank % k == 0:
-            _send_all(ctx, outputs)
+            _send_all(ctx, plan, outputs, bit_depth, frames_group)
         else:
             for _ in outputs:  # a helper in its group's DiT calls: the group's first rank delivers
                 pass
@@ -138,12 +144,14 @@ def run_file_job(ctx: DistContext, src, dst, dit=None, vae=None, *, model_dir=No
         plan, size, bit_depth = plan_file(reader, dst, opts, codec)
         check_agreement(ctx, _digest(opts, plan.source_frames, info.width, info.height, (dit, vae)))
         writer = open_output(info, dst, size, bit_depth, codec, overwrite) if ctx.is_writer else None
-        # The writer aborts (removing its partial file) on any exception, SIGTERM included.
-        with writer if writer is not None else contextlib.nullcontext():
-            sink = None if writer is None else \
-                (lambda first, final: writer.write_many(to_integer_frames(final, bit_depth)))
+        # The writer aborts (removing its partial file) on any exception, SIGTERM included;
+        # it encodes on a thread while this rank computes and receives.
+        output = BackgroundWriter(writer) if writer is not None else None
+        with output if output is not None else contextlib.nullcontext():
+            sink = None if output is None else \
+                (lambda first, final: output.write_many(to_integer_frames(final, bit_depth)))
             _run_share(ctx, plan, lambda first: reader.frames(start=first), sink, info.channels,
-                       size, dit, vae, opts, model_dir, progress, should_stop)
+                       size, bit_depth, dit, vae, opts, model_dir, progress, should_stop)
         return Path(writer.path) if writer is not None else None
 
 
@@ -161,30 +169,30 @@ def run_tensor_job(ctx: DistContext, frames: torch.Tensor, out: torch.Tensor, di
     def fill(first: int, final: torch.Tensor):
         out[first: first + len(final)] = final
     _run_share(ctx, plan, lambda first: iter(frames[first:]), fill if ctx.is_writer else None,
-               out.shape[-1], tuple(out.shape[1:3]), dit, vae, opts, model_dir, progress,
+               out.shape[-1], tuple(out.shape[1:3]), None, dit, vae, opts, model_dir, progress,
                should_stop)
 
 
-def _wire(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
-    return tensor.to(ctx.device) if dist.get_backend() == "nccl" else tensor
-
-
-def _send_all(ctx: DistContext, outputs):
+def _send_all(ctx: DistContext, plan, outputs, bit_depth, group):
     fault = _fault_after(ctx)
-    pending = None  # (work, buffer): the buffer must live until the send completes
+    pending = None  # (works, message): the message must live until its sends complete
+
+    def complete():
+        for work in pending[0]:
+            work.wait()
     for sent, (batch, out) in enumerate(outputs, start=1):
+        message = wire.encode_batch(out, wire.quantized_span(plan, batch), bit_depth)
         if pending is not None:
-            pending[0].wait()
-        buffer = _wire(out.contiguous(), ctx)
-        pending = (dist.isend(buffer, dst=0, tag=batch.index), buffer)
+            complete()
+        pending = (wire.send_batch(message, 0, batch.index, group), message)
         if fault is not None and sent >= fault:
-            pending[0].wait()
+            complete()
             os._exit(17)  # the fault hook: die without any cleanup, as a crash would
     if pending is not None:
-        pending[0].wait()
+        complete()
 
 
-def _gather(ctx, plan, shares, group_size, local_outputs, sink, channels, size, progress):
+def _gather(ctx, plan, shares, group_size, local_outputs, sink, channels, size, progress, group):
     owner = {b: group * group_size for b, group in owner_of(shares).items()}  # delivering rank
     blender = OverlapBlender(plan)
     local = iter(local_outputs)
@@ -193,16 +201,13 @@ def _gather(ctx, plan, shares, group_size, local_outputs, sink, channels, size, 
             batch, out = next(local)
             assert batch.index == b.index
         else:
-            out = torch.empty((b.frames, *size, channels), dtype=torch.float32)
-            buffer = _wire(out, ctx)
             try:
-                dist.recv(buffer, src=owner[b.index], tag=b.index)
+                out = wire.recv_batch(owner[b.index], b.index, (b.frames, *size, channels), group)
             except Exception as e:
                 raise RuntimeError(f"rank {owner[b.index]} did not deliver batch {b.index} "
                                    f"(frames {b.start}-{b.stop - 1}): it failed or timed out "
                                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
                                    ) from e
-            out = buffer.cpu()
         for first, final in blender.add(b, out):
             sink(first, final)
             if progress:

@@ -28,7 +28,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from ..models.packing import Packing
+from ..models.packing import Packing, to_device
 
 
 def shard_bounds(total: int, parts: int) -> list[int]:
@@ -56,7 +56,9 @@ class ShardedPacking(Packing):
         for n in self.vid_counts:
             counts.append(max(0, min(end, offset + n) - max(start, offset)))
             offset += n
-        return values.repeat_interleave(torch.tensor(counts, device=values.device), dim=0,
+        if "vid_shard" not in self.device_index:  # sent once per call (no host stall)
+            self.device_index["vid_shard"] = to_device(torch.tensor(counts), values.device)
+        return values.repeat_interleave(self.device_index["vid_shard"], dim=0,
                                         output_size=end - start)
 
 

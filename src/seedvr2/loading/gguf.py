@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from .formats import CheckpointError, TensorSource
-from .quantized import PackedEntry, PackedWeight
+from .quantized import PackedEntry, PackedWeight, device_constant
 
 QK_K = 256  # super-block size of the K-quants
 
@@ -184,7 +184,7 @@ IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 8
 
 
 def _iq4_lookup(codes: torch.Tensor, out: torch.Tensor):
-    table = torch.tensor(IQ4_VALUES, dtype=torch.float32, device=codes.device)
+    table = device_constant(IQ4_VALUES, torch.float32, codes.device)  # made once per device
     torch.index_select(table, 0, codes.reshape(-1).to(torch.int32), out=out.view(-1))
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -116,6 +117,27 @@ def _dequantize_int8_rows(w: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
     return out.to(dtype).reshape(w.shape)
 
 
+@functools.lru_cache(maxsize=None)
+def device_constant(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small constant table on ``device``, made once per (values, dtype, device).
+
+    Built per call it was a host→device copy (which waits for the GPU stream) in every
+    quantised layer of every forward. Kept for the process: a few bytes per table and device;
+    never freed, so no stream can see its memory handed to another allocation. Made outside
+    inference mode, so autograd may read it later.
+    """
+    with torch.inference_mode(False):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def cached_hadamard(size: int, device: torch.device) -> torch.Tensor:
+    """:func:`regular_hadamard` in float32 on ``device``, made once (size² · 4 bytes: 256 KB
+    for the largest ConvRot group, 256)."""
+    with torch.inference_mode(False):
+        return regular_hadamard(size, device=device)
+
+
 def regular_hadamard(size: int, device=None, dtype=torch.float32) -> torch.Tensor:
     """The normalised regular Hadamard matrix ``H4^{(x)k} / sqrt(size)`` (``size = 4^k``).
 
@@ -142,7 +164,7 @@ def _dequantize_int8_convrot(w: PackedWeight, dtype: torch.dtype) -> torch.Tenso
     rotated = torch.mul(data, _row_scale(w.parts["scale"], rows, 2))
     # The file holds W·H (H per group of input channels); H is symmetric and orthonormal, so
     # (W·H)·H = W.
-    h = regular_hadamard(group, device=data.device)
+    h = cached_hadamard(group, data.device)
     out = torch.matmul(rotated.view(rows, cols // group, group), h)
     return out.reshape(w.shape).to(dtype)
 
@@ -190,9 +212,10 @@ def _dequantize_nvfp4(w: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
     rows, half = packed.shape
     cols = 2 * half
     # Two E2M1 codes per byte, the first value in the high nibble.
-    codes = torch.stack([packed >> 4, packed & 0x0F], dim=-1).view(rows, cols)
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
-    values = table[codes.long()]
+    codes = torch.stack([packed >> 4, packed & 0x0F], dim=-1).view(-1)
+    # int32 indices: half the bytes of int64 for a gather over every weight value.
+    table = device_constant(E2M1_VALUES, torch.float32, packed.device)
+    values = torch.index_select(table, 0, codes.to(torch.int32)).view(rows, cols)
     block = unswizzle_block_scales(w.parts["scale"].view(torch.float8_e4m3fn), rows, cols // 16)
     scale = block.to(torch.float32) * w.parts["scale_2"].to(torch.float32).reshape(())
     out = values.view(rows, cols // 16, 16) * scale.unsqueeze(-1)
@@ -207,6 +230,59 @@ DEQUANTIZERS: dict[str, Callable[[PackedWeight, torch.dtype], torch.Tensor]] = {
     "mxfp8": _dequantize_mxfp8,
     "nvfp4": _dequantize_nvfp4,
 }
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8 matmul: e4m3 weights multiplied as fp8 by torch._scaled_mm instead of dequantised
+
+# Opt-in (SEEDVR2_FP8_MATMUL=1): the activations are rounded to e4m3 too (3 mantissa bits
+# against bf16's 7, one scale per call from their absolute maximum), which changes the
+# output more than dequantising does; how much at full size is for a GPU run to measure.
+FP8_MATMUL = os.environ.get("SEEDVR2_FP8_MATMUL", "0") == "1"
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def fp8_matmul_applies(weight: PackedWeight, x_dtype: torch.dtype, x_device: torch.device,
+                       capability: Callable[[torch.device], tuple[int, int]] | None = None,
+                       enabled: bool | None = None) -> bool:
+    """Whether a linear layer with this packed weight runs on ``torch._scaled_mm``.
+
+    Its rules: CUDA compute capability 8.9 or newer (Ada, Hopper and later have fp8 tensor
+    cores), an e4m3 weight of shape (N, K) with N and K multiples of 16, a per-tensor scale
+    (or none), activations in fp16/bf16 (the output dtype). ``capability`` is injectable so
+    that the choice is testable without a GPU.
+    """
+    enabled = FP8_MATMUL if enabled is None else enabled
+    data = weight.parts.get("data")
+    scale = weight.parts.get("scale")
+    if not (enabled and weight.scheme == "float" and data is not None
+            and data.dtype == torch.float8_e4m3fn and data.dim() == 2
+            and (scale is None or scale.numel() == 1)
+            and x_device.type == "cuda" and x_dtype in (torch.float16, torch.bfloat16)):
+        return False
+    rows, cols = data.shape
+    if rows % 16 or cols % 16:
+        return False
+    capability = capability or torch.cuda.get_device_capability
+    return tuple(capability(x_device)) >= (8, 9)
+
+
+def fp8_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` with ``x`` rounded to e4m3 under one scale (its absolute maximum
+    over 448, computed on the device: no host sync) and ``W`` used as stored."""
+    data = weight.parts["data"]
+    cols = data.shape[1]
+    rows_x = x.reshape(-1, cols)
+    x_scale = (rows_x.abs().amax().float() / E4M3_MAX).clamp_(min=torch.finfo(torch.float32).tiny)
+    x_fp8 = (rows_x.float() / x_scale).to(torch.float8_e4m3fn)
+    w_scale = weight.parts.get("scale")
+    w_scale = (w_scale.float().reshape(()) if w_scale is not None
+               else torch.ones((), dtype=torch.float32, device=data.device))
+    # data is (N, K) row-major, so data.t() is the column-major (K, N) _scaled_mm wants.
+    out = torch._scaled_mm(x_fp8, data.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype)
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    return out.reshape(*x.shape[:-1], data.shape[0])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,6 +308,13 @@ class PackedWeightMixin:
     @property
     def weight(self) -> torch.Tensor:
         return self.packed_weight.dequantize(self.compute_dtype)
+
+    def forward(self, x, *args, **kwargs):
+        if isinstance(self, nn.Linear):
+            packed = self.packed_weight
+            if fp8_matmul_applies(packed, x.dtype, x.device):
+                return fp8_linear(x, packed, self.bias)
+        return super().forward(x, *args, **kwargs)
 
     def _apply(self, fn, recurse=True):
         # Packed tensors keep their storage dtype: fn sees their bytes (a uint8 view, which

@@ -57,6 +57,11 @@ class ModelCache:
                 self._models[key] = model
         return model
 
+    def peek(self, key: ModelKey):
+        """The cached model for ``key`` or None, never loading."""
+        with self._lock:
+            return self._models.get(key)
+
     def _evict(self, match):
         for k in [k for k in self._models if match(k)]:
             del self._models[k]

@@ -121,6 +121,8 @@ class NaDiT(nn.Module):
         if timestep.numel() not in (1, vid_shape.shape[0]):
             raise ValueError(f"timestep: expected 1 or {vid_shape.shape[0]} values, "
                              f"got {timestep.numel()}")
+        # Shapes are host facts: pass them as CPU tensors (on a GPU each .tolist() would wait
+        # for the device to drain; the pipeline passes CPU tensors).
         thw = [tuple(r) for r in vid_shape.tolist()]
         txt_lens = [r[0] for r in txt_shape.tolist()]
         for i, (t, h, w) in enumerate(thw):

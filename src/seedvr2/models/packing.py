@@ -1,12 +1,39 @@
-"""Bookkeeping for native-resolution packing: several samples' tokens concatenated, no padding."""
+"""Bookkeeping for native-resolution packing: several samples' tokens concatenated, no padding.
+
+Host syncs. Everything here is known on the host (shapes and text lengths), so the device
+index tensors are built on the CPU and sent over, never read back. A copy from pageable host
+memory makes CUDA wait for the stream to drain first, so each list sent as
+``torch.tensor(list, device=cuda)`` stalled the host once, dozens of times per forward; here
+each packing sends its small tensors in one copy from pinned memory (:func:`to_device`), and
+window layouts (the big ones) are built once per shape and kept (``window.layout_for``).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
-from .window import WindowLayout
+from .window import WindowLayout, layout_for
+
+
+def to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on ``device`` without stalling the host.
+
+    CUDA: copied from pinned memory with ``non_blocking``, so the host queues the copy and
+    goes on; kernels queued after it on the same stream see the data. The pinned source may be
+    dropped at once: PyTorch's caching host allocator records an event for the copy and does
+    not hand the block out again before it completes. Other devices: a plain move.
+    """
+    if device.type == "cuda":
+        return values.pin_memory().to(device, non_blocking=True)
+    return values.to(device)
+
+
+def split_rows(buffer: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
+    """Consecutive views of ``buffer`` of the given lengths (no copies)."""
+    return list(torch.split(buffer, list(lengths)))
 
 
 @dataclass
@@ -17,6 +44,9 @@ class Packing:
     txt_lens: list[int]
     device: torch.device
     layouts: dict = field(default_factory=dict)
+    # txt_lens, per-sample video/text counts and text positions on the device, sent together
+    # on first use (see _index).
+    device_index: dict = field(default_factory=dict)
 
     @property
     def batch(self) -> int:
@@ -26,24 +56,42 @@ class Packing:
     def vid_counts(self) -> list[int]:
         return [t * h * w for t, h, w in self.patched_thw]
 
+    def _index(self, name: str) -> torch.Tensor:
+        if "txt_lens" not in self.device_index:
+            positions = [torch.arange(n) for n in self.txt_lens]
+            parts = {"txt_lens": torch.tensor(self.txt_lens), "vid": torch.tensor(self.vid_counts),
+                     "txt_positions": torch.cat(positions)}
+            names = ["txt_lens", "vid", "txt_positions"]
+            with torch.inference_mode(False):  # plain tensors: usable by autograd later too
+                buffer = to_device(torch.cat([parts[n] for n in names]), self.device)
+                views = split_rows(buffer, [len(parts[n]) for n in names])
+            self.device_index.update(zip(names, views))
+            self.device_index["txt"] = self.device_index["txt_lens"]
+        return self.device_index[name]
+
     def txt_lens_tensor(self) -> torch.Tensor:
-        return torch.tensor(self.txt_lens, device=self.device)
+        return self._index("txt_lens")
 
     def txt_positions(self) -> torch.Tensor:
         """Position of each packed text token inside its own sample's text: (Nt,)."""
-        return torch.cat([torch.arange(n, device=self.device) for n in self.txt_lens])
+        return self._index("txt_positions")
 
     def layout(self, method: str, num: tuple[int, int, int]) -> WindowLayout:
-        """Window layout for a rule, built once per call and shared by the blocks using it."""
+        """Window layout for a rule: its index tensors built once per shape and device
+        (:func:`~seedvr2.models.window.layout_for`), a fresh per-call cache every call."""
         key = (method, tuple(num))
         if key not in self.layouts:
-            self.layouts[key] = WindowLayout.build(method, num, self.patched_thw, self.txt_lens,
-                                                   self.device)
+            self.layouts[key] = layout_for(method, tuple(num), self.patched_thw, self.txt_lens,
+                                           self.device)
         return self.layouts[key]
 
     def per_token(self, values: torch.Tensor, stream: str) -> torch.Tensor:
-        """Expand per-sample rows (B, ...) to per-token rows of a stream (broadcast when B = 1)."""
+        """Expand per-sample rows (B, ...) to per-token rows of a stream (broadcast when B = 1).
+
+        ``output_size`` is given so that CUDA need not read the counts back to size the result.
+        """
         if self.batch == 1:
             return values
         counts = self.vid_counts if stream == "vid" else self.txt_lens
-        return values.repeat_interleave(torch.tensor(counts, device=values.device), dim=0)
+        return values.repeat_interleave(self._index(stream).to(values.device), dim=0,
+                                        output_size=sum(counts))

@@ -41,6 +41,16 @@ NORM_EPS = 1e-6
 # materialises ``N x N`` scores per frame, so frames are attended in groups within this budget.
 ATTENTION_SCORE_BUDGET = 1 << 28
 
+# Largest tensor (elements) one conv3d call reads or writes, and largest norm input upcast to
+# float32 in one piece. At 1080p the decoder's last stages convolve (1, 256, 7, 1088, 1920) =
+# 3.7e9 elements: cuDNN takes tensors of 2^31 elements or more only from 9.3 on and older
+# builds fall back to a slow path with a huge workspace; a bf16 norm input that size would be
+# upcast into a 15 GB float32 copy. Larger convs run in bands of rows with the kernel's halo
+# (:func:`conv3d_in_bands`), larger upcasting norms in groups of channels — both exact.
+# 2^30 keeps well clear of the 2^31 limit while each band stays big enough to run at full speed.
+# A module attribute, so that tests (and anyone on an old cuDNN short of memory) can lower it.
+SPLIT_ELEMENTS = 1 << 30
+
 
 def _records_graph(*tensors: Tensor) -> bool:
     """Whether autograd records ops on ``tensors``; the write-in-place fast paths (``out=``,
@@ -50,6 +60,41 @@ def _records_graph(*tensors: Tensor) -> bool:
 
 def _triple(value: _int3) -> Tuple[int, int, int]:
     return (value,) * 3 if isinstance(value, int) else tuple(value)
+
+
+def conv3d_in_bands(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: _int3 = 1,
+                    padding: _int3 = 0, limit: Optional[int] = None) -> Tensor:
+    """``F.conv3d(x, weight, bias, stride, padding)``, as several calls on bands of output
+    rows when the input or output has more than ``limit`` (default :data:`SPLIT_ELEMENTS`)
+    elements.
+
+    Output rows ``[o0, o1)`` read input rows ``[o0*s - p, (o1-1)*s - p + k)``: each band gets
+    exactly those rows (the halo), zero rows where they fall outside the input (what the
+    conv's own padding would add), and no row padding of its own. Every output element is
+    the same sum over the same inputs and weights as in one call.
+    """
+    limit = SPLIT_ELEMENTS if limit is None else limit
+    stride, padding = _triple(stride), _triple(padding)
+    B, C, T, H, W = x.shape
+    O, _, kt, kh, kw = weight.shape
+    out_t, out_h, out_w = ((n + 2 * p - k) // s + 1 for n, p, k, s in
+                           zip((T, H, W), padding, (kt, kh, kw), stride))
+    out_row = B * O * out_t * out_w
+    in_row = B * C * T * W
+    if max(x.numel(), out_row * out_h) <= limit:
+        return F.conv3d(x, weight, bias, stride, padding)
+    rows = max(1, min(limit // out_row, (limit // in_row - kh) // stride[1] + 1))
+    out = x.new_empty(B, O, out_t, out_h, out_w)
+    band_padding = (padding[0], 0, padding[2])
+    for o0 in range(0, out_h, rows):
+        o1 = min(o0 + rows, out_h)
+        lo = o0 * stride[1] - padding[1]
+        hi = (o1 - 1) * stride[1] - padding[1] + kh
+        band = x[:, :, :, max(lo, 0):min(hi, H)]
+        if lo < 0 or hi > H:
+            band = F.pad(band, (0, 0, max(-lo, 0), max(hi - H, 0)))
+        out[:, :, :, o0:o1] = F.conv3d(band, weight, bias, stride, band_padding)
+    return out
 
 
 def frame_group_stats(x: Tensor, groups: int) -> Tuple[Tensor, Tensor]:
@@ -197,7 +242,7 @@ class CausalConv3d(nn.Conv3d):
     def _conv(self, padded: Tensor, cache: Optional[CausalCache]) -> Tensor:
         if cache is not None and self.tail_frames:
             cache.set_tail(self, padded[:, :, padded.shape[2] - self.tail_frames:])
-        return F.conv3d(padded, self.weight, self.bias, self.stride, self.conv_padding)
+        return conv3d_in_bands(padded, self.weight, self.bias, self.stride, self.conv_padding)
 
 
 class FrameGroupNorm(nn.GroupNorm):
@@ -219,6 +264,10 @@ class FrameGroupNorm(nn.GroupNorm):
         B, C, T = x.shape[:3]
         G = self.num_groups
         compute_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        if (x.dtype != compute_dtype and x.numel() > SPLIT_ELEMENTS
+                and not _records_graph(x, self.weight, self.bias)
+                and (cache is None or type(cache).group_norm_stats is CausalCache.group_norm_stats)):
+            return self._forward_in_channel_groups(x, out, compute_dtype)
         x_c = x.reshape(B, C, T, -1).to(compute_dtype)  # no copy in float32
 
         if cache is None:
@@ -241,6 +290,39 @@ class FrameGroupNorm(nn.GroupNorm):
             torch.addcmul(shift, x_c, scale, out=out.view(B, C, T, -1))
         else:  # x_c is a private upcast copy: normalise it in place, cast while storing
             out.view(B, C, T, -1).copy_(x_c.mul_(scale).add_(shift))
+        return out
+
+    def _forward_in_channel_groups(self, x: Tensor, out: Optional[Tensor],
+                                   compute_dtype: torch.dtype) -> Tensor:
+        """The upcasting path of :meth:`forward` for inputs over ``SPLIT_ELEMENTS``: whole
+        groups of channels at a time are upcast, so no float32 copy of all of ``x`` exists.
+
+        Bit-identical to one piece: per-(channel, frame) moments are reduced plane by plane
+        either way, the group combination then sees the same per-channel values, and each
+        element is normalised by the same multiply and add (rounded separately, as in place).
+        """
+        B, C, T = x.shape[:3]
+        G = self.num_groups
+        per_group = C // G
+        x_flat = x.reshape(B, C, T, -1)
+        plane_elements = x_flat.shape[0] * per_group * T * x_flat.shape[-1]
+        step = max(1, SPLIT_ELEMENTS // plane_elements) * per_group  # whole groups per piece
+        moments = [torch.var_mean(x_flat[:, c:c + step].to(compute_dtype), dim=-1, correction=0)
+                   for c in range(0, C, step)]
+        var_c = torch.cat([v for v, _ in moments], dim=1)
+        mean_c = torch.cat([m for _, m in moments], dim=1)
+        mean_g, var_g = group_stats_from_channels(mean_c, var_c, G)
+        rstd = torch.rsqrt(var_g + self.eps)
+        weight = self.weight.to(compute_dtype).view(1, G, per_group, 1)
+        bias = self.bias.to(compute_dtype).view(1, G, per_group, 1)
+        scale = (weight * rstd).reshape(B, C, T, 1)
+        shift = (bias - mean_g * weight * rstd).reshape(B, C, T, 1)
+        if out is None:
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        out_flat = out.view(B, C, T, -1)
+        for c in range(0, C, step):
+            piece = x_flat[:, c:c + step].to(compute_dtype)
+            out_flat[:, c:c + step].copy_(piece.mul_(scale[:, c:c + step]).add_(shift[:, c:c + step]))
         return out
 
 
@@ -369,7 +451,8 @@ class Upsample3D(nn.Module):
         self.conv = CausalConv3d(channels, channels, 3, padding=1)
 
     def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
-        y = self.upscale_conv(x)  # (B, r*C, T, H, W)
+        # (B, r*C, T, H, W): r times the input, so the output is what may need bands.
+        y = conv3d_in_bands(x, self.upscale_conv.weight, self.upscale_conv.bias)
         B, _, T, H, W = y.shape
         C, r, z = self.channels, self.space_ratio, self.time_ratio
         # Only the clip's first frame has a duplicate: later chunks keep all 2T frames.

@@ -7,12 +7,15 @@ followed by all of the sample's text tokens. Blocks alternate a regular grid
 
 :class:`WindowLayout` turns the windows of all samples of a call into index tensors so that
 windows of equal length run as one batched attention call instead of a Python loop.
+The layout is computed on the CPU and sent to the device in one copy; :func:`layout_for`
+keeps it per shape, so the batches of a video (all the same shape) send it once.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -82,6 +85,9 @@ class WindowLayout:
     @staticmethod
     def build(method: str, num: tuple[int, int, int], patched_thw: list[tuple[int, int, int]],
               txt_lens: list[int], device: torch.device) -> "WindowLayout":
+        """The layout's tensors on ``device``: computed on the CPU, concatenated into one
+        int64 buffer, sent in one copy (from pinned memory on CUDA, see
+        :func:`~seedvr2.models.packing.to_device`) and split into views there."""
         by_key: dict[tuple[int, int], list] = {}
         vid_offset = txt_offset = 0
         txt_windows = []
@@ -112,15 +118,65 @@ class WindowLayout:
             txt_index = torch.stack([torch.arange(txt_len) + off for off in offsets])
             segments = [(off, offsets.index(off), len(offsets) - offsets[::-1].index(off))
                         for off in dict.fromkeys(offsets)]
-            groups.append(WindowGroup(start, len(members), vid_len, txt_index.to(device), segments))
+            groups.append(WindowGroup(start, len(members), vid_len, txt_index, segments))
             start += len(members) * vid_len
 
-        perm_t = torch.cat(perm)
+        from .packing import split_rows, to_device
+
+        host = [torch.cat(perm), torch.cat(local).reshape(-1), torch.cat(sizes).reshape(-1),
+                torch.cat(samples), torch.cat(txt_windows).long()]
+        host += [g.txt_index.reshape(-1) for g in groups]
+        # Plain tensors even under inference mode: they are kept across calls, and autograd
+        # may later index with them (on the CPU, to_device returns the concatenation itself).
+        with torch.inference_mode(False):
+            views = split_rows(to_device(torch.cat(host), device), [t.numel() for t in host])
+            # Window counts are small integers: exact in float.
+            views[4] = views[4].float()
+        perm_d, local_d, sizes_d, samples_d, windows_d = views[:5]
+        for g, txt_index in zip(groups, views[5:]):
+            g.txt_index = txt_index.view(g.count, -1)
         return WindowLayout(
-            perm=perm_t.to(device),
-            local_pos=torch.cat(local).to(device),
-            window_size=torch.cat(sizes).to(device),
-            sample_of_token=torch.cat(samples).to(device),
+            perm=perm_d,
+            local_pos=local_d.view(-1, 3),
+            window_size=sizes_d.view(-1, 3),
+            sample_of_token=samples_d,
             groups=groups,
-            txt_windows=torch.cat(txt_windows).to(device),
+            txt_windows=windows_d,
         )
+
+
+# Layouts kept per (rule, shapes, device, stream): the batches of one video share them.
+# Bounded, as each holds ~70 bytes per video token on the device (3.4 MB at 1080p for the
+# 3B). Keyed by CUDA stream too: a layout's memory belongs to the stream it was allocated on,
+# and when an entry is evicted the caching allocator may give that memory to the next
+# allocation on that stream at once, which is safe only if no other stream still reads it.
+LAYOUT_CACHE_SIZE = 8
+_layouts: "OrderedDict[tuple, WindowLayout]" = OrderedDict()
+
+
+def _stream_key(device: torch.device):
+    if device.type == "cuda":
+        return torch.cuda.current_stream(device).stream_id
+    return None
+
+
+def layout_for(method: str, num: tuple[int, int, int], patched_thw: list[tuple[int, int, int]],
+               txt_lens: list[int], device: torch.device) -> WindowLayout:
+    """:meth:`WindowLayout.build`, reusing the device tensors of an earlier call with the same
+    shapes. Every call gets its own ``cache`` (per-call RoPE tables are not kept)."""
+    key = (method, tuple(num), tuple(map(tuple, patched_thw)), tuple(txt_lens), str(device),
+           _stream_key(device))
+    layout = _layouts.get(key)
+    if layout is None:
+        layout = WindowLayout.build(method, num, patched_thw, txt_lens, device)
+        _layouts[key] = layout
+        while len(_layouts) > LAYOUT_CACHE_SIZE:
+            _layouts.popitem(last=False)
+    else:
+        _layouts.move_to_end(key)
+    return replace(layout, cache={})
+
+
+def clear_layouts():
+    """Drop every kept layout (their device memory returns to the caching allocator)."""
+    _layouts.clear()

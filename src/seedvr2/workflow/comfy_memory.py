@@ -44,8 +44,9 @@ class SeedVR2CachedModel:
 class _CachedModelRef:
     """What ComfyUI finds as ``entry.model``: a model-patcher-like view of a cache key."""
 
-    def __init__(self, key):
+    def __init__(self, key, cache):
         self.key = key
+        self.cache = cache
         self.model = SeedVR2CachedModel()
         self.load_device = _device(key.device)
         self.parent = None
@@ -57,7 +58,16 @@ class _CachedModelRef:
         return self.key.size
 
     def loaded_size(self) -> int:
-        return self.key.size
+        return self.resident_bytes()
+
+    def resident_bytes(self) -> int:
+        """Bytes of the cached model's tensors on its device now (0 once dropped; less than
+        the file while parked on the offload device or partly swapped out)."""
+        from ..memory.budget import bytes_on
+
+        model = self.cache.peek(self.key)
+        modules = model if isinstance(model, tuple) else (model,)
+        return sum(bytes_on(m, self.load_device) for m in modules if isinstance(m, torch_module()))
 
     def current_loaded_device(self):
         return self.load_device
@@ -72,13 +82,19 @@ def _device(name: str):
     return torch.device(name)
 
 
+def torch_module():
+    import torch
+
+    return torch.nn.Module
+
+
 class CachedModelEntry:
     """One cached model of ours in ``current_loaded_models``."""
 
     def __init__(self, key, cache):
         self.key = key
         self.cache = cache
-        self.model = _CachedModelRef(key)
+        self.model = _CachedModelRef(key, cache)
         self.device = self.model.load_device
         self.currently_used = False
         self.unloaded = False  # ComfyUI removes it from its list once its unloading is done
@@ -92,16 +108,16 @@ class CachedModelEntry:
     def real_model(self):
         return self.model.model
 
-    # Sizes: the file's bytes (what the weights take once loaded, near enough for ComfyUI to
-    # choose what to unload; it checks the free memory itself after each unload).
+    # Sizes: what the model holds on its device now, so ComfyUI's choice of what to unload
+    # frees what it expects (a parked or swapped-out model holds less than its file).
     def model_memory(self) -> int:
         return self.key.size
 
     def model_loaded_memory(self) -> int:
-        return self.key.size
+        return self.model.resident_bytes()
 
     def model_offloaded_memory(self) -> int:
-        return 0
+        return max(self.key.size - self.model.resident_bytes(), 0)
 
     def model_memory_required(self, device) -> int:
         return 0 if device == self.device else self.key.size
@@ -151,10 +167,25 @@ def sync(mm, cache) -> list:
     return _entries(mm)
 
 
-def unload_comfy_models(mm, cache) -> None:
-    """Unload ComfyUI's models to make room for ours, keeping our cached ones."""
+def room_needed(model_files, cache, device: str) -> int:
+    """Bytes our next run adds on ``device`` before any activation: the model files it will
+    load there (those our cache already holds on that device cost nothing more)."""
+    cached = {(k.path, k.device) for k in cache.keys()}
+    total = 0
+    for path in model_files:
+        resolved = str(Path(path).resolve())
+        if (resolved, str(device)) not in cached and Path(path).is_file():
+            total += Path(path).stat().st_size
+    return total
+
+
+def unload_comfy_models(mm, cache, required_bytes: int, device=None) -> None:
+    """Ask ComfyUI for ``required_bytes`` free on ``device`` (default: its torch device),
+    keeping our cached models. ComfyUI unloads its models, least recently used first, only
+    until that much is free (plus its own reserve), not every model it holds."""
     ours = sync(mm, cache)
-    mm.free_memory(1e30, mm.get_torch_device(), keep_loaded=ours)
+    device = mm.get_torch_device() if device is None else _device(str(device))
+    mm.free_memory(int(required_bytes), device, keep_loaded=ours)
     mm.soft_empty_cache()
 
 

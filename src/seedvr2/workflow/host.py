@@ -99,7 +99,7 @@ class HeadlessHost:
         if self.stop.is_set():
             raise WorkflowInterrupted("interrupted")
 
-    def before_load(self) -> None:
+    def before_load(self, model_files=(), device: str = "auto") -> None:
         pass  # nothing else holds models in this process
 
     def after_run(self) -> None:

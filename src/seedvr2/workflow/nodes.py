@@ -112,7 +112,7 @@ class Host(Protocol):
     def progress(self, value: int, total: int) -> None: ...
     def interrupted(self) -> bool: ...
     def raise_interrupted(self) -> None: ...  # raises the host's own interruption, if flagged
-    def before_load(self) -> None: ...  # make room for our models
+    def before_load(self, model_files=(), device: str = "auto") -> None: ...  # room for these files
     def after_run(self) -> None: ...  # give memory back
     def warn(self, message: str) -> None: ...
 
@@ -477,7 +477,7 @@ def _run_facade(host: Host, dit: ModelHandle, vae: ModelHandle, upscaler: dict, 
     model_dir = Path(dit.path).parent  # text embeddings "auto" look next to the DiT
     import torch
 
-    host.before_load()
+    host.before_load((dit.path, vae.path), job.options.get("dit_device", "auto"))
     try:
         # ComfyUI runs nodes under torch.inference_mode(); models loaded there would hold
         # inference tensors, which the DiT's RoPE cache cannot key on (no version counter).

@@ -1,0 +1,168 @@
+"""Finished batches from a worker rank to the writer rank: their process group and wire format.
+
+Why a separate gloo group. With GPUs the default group is NCCL, which is right for the DiT's
+collectives (sequence parallelism) but wrong for frames: a batch's receive is posted long
+before its owner has computed it (a whole chunk of encode → DiT → decode), and NCCL's watchdog
+aborts any operation older than the group timeout; NCCL also needs the frames on the GPU, so
+they went CPU → GPU → CPU. Frames therefore travel between CPU tensors over a gloo group of
+their own, whose timeout covers a chunk's computation rather than a collective's latency.
+A dead peer still fails fast: gloo sees its socket close.
+
+Why integers, and why some frames stay float32. The writer stores uint8 or uint16 frames, so
+most frames can travel at that depth (4× or 2× fewer bytes than float32). But frames that a
+cross-fade mixes with a neighbouring batch (the batch's leading ``overlap`` frames and its
+trailing frames up to the next batch's start) must stay float32, or rank 0 would blend rounded
+values and differ from one process. The integers are the writer's own rounding
+(:func:`~seedvr2.pipeline.runner.integer_frames`), done by the sender; rank 0 turns them back
+into ``q / scale``, which the writer's rounding maps back to exactly ``q`` (see
+:func:`decode_batch`), so the file is bit-identical to one process. In-memory jobs return
+float32 frames: there everything travels as float32.
+
+Message for one batch: an int64 header (``HEADER_FIELDS``), then the integer frames (possibly
+none), then the float32 frames (possibly none), each under its own tag.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..pipeline.plan import Batch, BatchPlan
+from ..pipeline.runner import integer_frames
+
+HEADER_FIELDS = ("magic", "frames", "height", "width", "channels", "bit_depth",
+                 "quantized_start", "quantized_stop")
+MAGIC = 0x5EED_F4A3  # a header that is not ours (a stray message) is refused, not misread
+# uint16 travels as its bit pattern in int16: every backend moves int16, not every one uint16.
+_WIRE_DTYPE = {8: torch.uint8, 16: torch.int16}
+_SCALE = {8: 255.0, 16: 65535.0}
+# A receive waits for its batch to be computed: up to a whole chunk of encode → DiT → decode
+# on the sending rank (minutes at 1080p). Two hours is far above that; a dead peer does not
+# wait for it (its socket closes), and the launchers stop every rank when one fails.
+FRAME_WAIT = datetime.timedelta(hours=2)
+
+
+def frame_group(collective_timeout: datetime.timedelta,
+                new_group: Callable = None):
+    """The gloo group frames travel over, whatever the default group's backend (NCCL on
+    GPUs). Every rank must call this, in the same order as other group creations."""
+    new_group = new_group or dist.new_group
+    return new_group(backend="gloo", timeout=max(FRAME_WAIT, collective_timeout))
+
+
+def quantized_span(plan: BatchPlan, batch: Batch) -> tuple[int, int]:
+    """Frames [start, stop) of ``batch`` (batch-relative) that no cross-fade touches.
+
+    The leading ``overlap`` frames are blended with the previous batch; frames from the next
+    batch's start on are blended with the next one. With an overlap of half the batch or more
+    the two meet and the span is empty.
+    """
+    start = batch.overlap
+    stop = plan.emit_stop(batch) - batch.start
+    return (start, stop) if start < stop else (0, 0)
+
+
+@dataclass
+class BatchMessage:
+    header: torch.Tensor  # int64 (len(HEADER_FIELDS),)
+    quantized: torch.Tensor  # (stop - start, H, W, C) in the wire dtype, CPU
+    exact: torch.Tensor  # (frames - (stop - start), H, W, C) float32, CPU
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.header, self.quantized, self.exact
+
+
+def encode_batch(frames: torch.Tensor, span: tuple[int, int], bit_depth: Optional[int]) -> BatchMessage:
+    """``frames`` (n, H, W, C) float32 in [0, 1], on any device, as a message of CPU tensors.
+
+    ``bit_depth`` 8 or 16: frames in ``span`` go as the writer's integers; ``None``: all
+    float32. The rounding runs where the frames are (on a GPU: only the integers are copied).
+    """
+    n, height, width, channels = frames.shape
+    start, stop = span if bit_depth is not None else (0, 0)
+    if bit_depth is not None and bit_depth not in _WIRE_DTYPE:
+        raise ValueError(f"frames travel at 8 or 16 bits (or float32 with bit_depth=None), "
+                         f"not {bit_depth}")
+    header = torch.tensor([MAGIC, n, height, width, channels, bit_depth or 32, start, stop],
+                          dtype=torch.int64)
+    if stop > start:
+        quantized = integer_frames(frames[start:stop], bit_depth)
+        quantized = quantized.view(_WIRE_DTYPE[bit_depth]).cpu().contiguous()
+    else:
+        quantized = torch.empty((0, height, width, channels), dtype=torch.uint8)
+    exact = torch.cat([frames[:start], frames[stop:]]).float().cpu().contiguous()
+    return BatchMessage(header, quantized, exact)
+
+
+def empty_header() -> torch.Tensor:
+    return torch.zeros(len(HEADER_FIELDS), dtype=torch.int64)
+
+
+def buffers_for(header: torch.Tensor, expected: tuple[int, int, int, int],
+                source: str) -> BatchMessage:
+    """Receive buffers for the message ``header`` announces; ``expected`` = (frames, H, W, C)."""
+    fields = dict(zip(HEADER_FIELDS, header.tolist()))
+    if fields["magic"] != MAGIC:
+        raise RuntimeError(f"{source} sent a message that is not a frame batch (header "
+                           f"{header.tolist()}); are two jobs sharing one rendezvous port?")
+    shape = (fields["frames"], fields["height"], fields["width"], fields["channels"])
+    if shape != tuple(expected):
+        raise RuntimeError(f"{source} sent frames of shape {shape}, the plan expects "
+                           f"{tuple(expected)}; every rank must run the same command")
+    depth, start, stop = fields["bit_depth"], fields["quantized_start"], fields["quantized_stop"]
+    if depth not in (8, 16, 32) or not 0 <= start <= stop <= shape[0]:
+        raise RuntimeError(f"{source} sent an invalid frame header {fields}")
+    rest = shape[1:]
+    quantized = torch.empty((stop - start, *rest), dtype=_WIRE_DTYPE.get(depth, torch.uint8))
+    exact = torch.empty((shape[0] - (stop - start), *rest), dtype=torch.float32)
+    return BatchMessage(header, quantized, exact)
+
+
+def decode_batch(message: BatchMessage) -> torch.Tensor:
+    """The float32 frames (n, H, W, C) for the blender.
+
+    Integers come back as ``q / scale`` in float32. The writer's rounding,
+    ``round(x * scale)``, then gives back exactly ``q``: each of the two float32 operations
+    errs by at most half an ulp, so ``(q / scale) * scale`` is within ``q · 2⁻²³`` of ``q`` —
+    under 0.008 for q ≤ 65535, far from the 0.5 that would change the rounding.
+    """
+    fields = dict(zip(HEADER_FIELDS, message.header.tolist()))
+    start, stop, depth = fields["quantized_start"], fields["quantized_stop"], fields["bit_depth"]
+    if stop == start:
+        return message.exact
+    quantized = message.quantized
+    if depth == 16:
+        quantized = quantized.view(torch.uint16)
+    values = quantized.float() / _SCALE[depth]
+    exact = message.exact
+    return torch.cat([exact[:start], values, exact[start:]])
+
+
+def _tags(batch_index: int) -> tuple[int, int, int]:
+    return batch_index * 3, batch_index * 3 + 1, batch_index * 3 + 2
+
+
+def send_batch(message: BatchMessage, dst: int, batch_index: int, group) -> list:
+    """Posts the message's sends without waiting; the caller keeps ``message`` alive and
+    waits on the returned works before reusing or dropping it."""
+    works = []
+    for tensor, tag in zip(message.tensors(), _tags(batch_index)):
+        if tensor.numel():
+            works.append(dist.isend(tensor, dst=dst, tag=tag, group=group))
+    return works
+
+
+def recv_batch(src: int, batch_index: int, expected: tuple[int, int, int, int], group) -> torch.Tensor:
+    header_tag, quantized_tag, exact_tag = _tags(batch_index)
+    header = empty_header()
+    dist.recv(header, src=src, tag=header_tag, group=group)
+    message = buffers_for(header, expected, f"rank {src}")
+    if message.quantized.numel():
+        dist.recv(message.quantized, src=src, tag=quantized_tag, group=group)
+    if message.exact.numel():
+        dist.recv(message.exact, src=src, tag=exact_tag, group=group)
+    return decode_batch(message)

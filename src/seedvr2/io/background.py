@@ -1,0 +1,122 @@
+"""Encode on a thread while the GPU computes the next frames.
+
+:class:`BackgroundWriter` wraps any writer from :func:`~seedvr2.io.open_writer` (anything
+with ``write``, ``close``, ``abort`` and ``path``): ``write`` hands the frame to a bounded
+queue and returns, one thread feeds the queue to the wrapped writer. The wrapped writer is
+only ever called from one thread at a time (the encoding thread while it runs; the caller's
+thread for ``close``/``abort`` after it has stopped), so it needs no locking.
+
+Errors: an exception raised while encoding stops the thread; the caller's next ``write`` or
+``close`` raises that same exception, and the wrapped writer is aborted (its temporary
+output removed). An exception in the caller's ``with`` block discards the queued frames and
+aborts as well. Memory: at most ``max_pending`` frames wait, plus the one being encoded.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+_STOP = object()
+_POLL_S = 0.1  # how often a blocked put looks whether the encoding thread has died
+
+
+class BackgroundWriter:
+    def __init__(self, writer, max_pending: int = 8):
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be at least 1, got {max_pending}")
+        self.writer = writer
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._error: BaseException | None = None
+        self._discard = threading.Event()
+        self._finished = False
+        self._thread = threading.Thread(target=self._encode, name="seedvr2-writer", daemon=True)
+        self._thread.start()
+
+    @property
+    def path(self):
+        return self.writer.path
+
+    @property
+    def frames_written(self) -> int:
+        return self.writer.frames_written
+
+    # -- the encoding thread ------------------------------------------------------------------
+
+    def _encode(self):
+        while True:
+            frame = self._queue.get()
+            if frame is _STOP:
+                return
+            if self._discard.is_set():
+                continue  # aborting: drop what is queued, keep draining until _STOP
+            try:
+                self.writer.write(frame)
+            except BaseException as e:  # noqa: BLE001 -- handed to the caller's thread
+                self._error = e
+                self._discard.set()
+
+    # -- the caller's side --------------------------------------------------------------------
+
+    def _raise_if_failed(self):
+        if self._error is not None:
+            self._stop_thread()
+            self._abort_writer()
+            raise self._error
+
+    def _put(self, item):
+        while True:
+            self._raise_if_failed()
+            try:
+                self._queue.put(item, timeout=_POLL_S)
+                return
+            except queue.Full:
+                continue
+
+    def write(self, frame) -> None:
+        """Queue one frame (blocks while ``max_pending`` frames wait)."""
+        if self._finished:
+            raise RuntimeError(f"{self.path}: background writer is already closed")
+        self._put(frame)
+
+    def write_many(self, frames) -> None:
+        for frame in frames:
+            self.write(frame)
+
+    def _stop_thread(self):
+        if not self._thread.is_alive():
+            return
+        # The thread drains the queue (dropping frames once _discard is set), so this put
+        # cannot wait for long.
+        self._queue.put(_STOP)
+        self._thread.join()
+
+    def _abort_writer(self):
+        self._finished = True
+        self.writer.abort()
+
+    def close(self) -> None:
+        """Wait for every queued frame to be encoded, then close the wrapped writer."""
+        if self._finished:
+            return
+        self._stop_thread()
+        self._raise_if_failed()
+        self._finished = True
+        self.writer.close()
+
+    def abort(self) -> None:
+        """Drop the queued frames and discard the output."""
+        if self._finished:
+            return
+        self._discard.set()
+        self._stop_thread()
+        self._abort_writer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()

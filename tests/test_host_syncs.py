@@ -1,0 +1,119 @@
+"""Host syncs of a DiT forward, counted without a GPU.
+
+``meta`` stands in for the GPU: every host read of device data (``.tolist()``, ``.item()``,
+``repeat_interleave`` without ``output_size``, boolean indexing...) raises on ``meta``, so a
+forward that completes there reads nothing back. Copies from the host are counted by
+wrapping the two ways tensors reach a device (``Tensor.to`` and ``torch.tensor``): on CUDA
+each one from pageable memory waits for the stream to drain.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from seedvr2.models import build_dit
+from seedvr2.models import window as window_module
+
+from conftest import load_case
+
+
+class HostCopies:
+    """Counts tensors created on a non-CPU device from host data."""
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        real_to, real_tensor = torch.Tensor.to, torch.tensor
+
+        def to(tensor, *args, **kwargs):
+            out = real_to(tensor, *args, **kwargs)
+            if tensor.device.type == "cpu" and out.device.type != "cpu":
+                self.count += 1
+            return out
+
+        def tensor(data, *args, **kwargs):
+            out = real_tensor(data, *args, **kwargs)
+            if out.device.type != "cpu":
+                self.count += 1
+            return out
+        monkeypatch.setattr(torch.Tensor, "to", to)
+        monkeypatch.setattr(torch, "tensor", tensor)
+
+
+def _meta_dit(conformance, num_layers: int):
+    kwargs = copy.deepcopy(json.loads((conformance / "dit3b_tiny" / "config.json").read_text())
+                           ["constructor_kwargs"])
+    for key in ("block_type", "window", "window_method"):
+        kwargs[key] = [kwargs[key][i % len(kwargs[key])] for i in range(num_layers)]
+    kwargs["num_layers"] = num_layers
+    with torch.device("meta"):
+        return build_dit(kwargs).eval()
+
+
+def _inputs(case):
+    """The case's inputs with data on ``meta`` and shapes on the CPU (host facts, as the
+    pipeline passes them)."""
+    meta = lambda name: case[name].to("meta")  # noqa: E731
+    return (meta("inputs.vid"), meta("inputs.txt"), case["inputs.vid_shape"],
+            case["inputs.txt_shape"], meta("inputs.timestep"))
+
+
+def _forward(model, inputs):
+    with torch.no_grad():
+        return model(*inputs)
+
+
+@pytest.mark.parametrize("num_layers", [2, 8])
+def test_dit_forward_reads_nothing_back_and_copies_a_constant(conformance, num_layers, monkeypatch):
+    """Two samples (the per-token expansion path) and both window rules. Before: a copy per
+    block for the text lengths, per modulation for the per-token counts, five per layout and
+    per window group, and a readback (repeat_interleave sizing) per modulation."""
+    window_module.clear_layouts()
+    model = _meta_dit(conformance, num_layers)
+    case = load_case(conformance / "dit3b_tiny", "batch2_mixed")
+    inputs = _inputs(case)
+    copies = HostCopies(monkeypatch)
+    out = _forward(model, inputs)
+    assert out.device.type == "meta" and out.shape == (case["inputs.vid"].shape[0], 16)
+    # One for the packing's small index tensors, one per window rule (2 rules).
+    assert copies.count == 3
+    first = copies.count
+    _forward(model, inputs)
+    assert copies.count - first == 1  # the layouts of an equal-shaped call are kept
+
+
+def test_kept_layouts_are_per_shape_and_bounded(monkeypatch):
+    window_module.clear_layouts()
+    monkeypatch.setattr(window_module, "LAYOUT_CACHE_SIZE", 2)
+    cpu = torch.device("cpu")
+    rule = ("720pwin_by_size_bysize", (4, 3, 3))
+    a = window_module.layout_for(*rule, [(2, 6, 8)], [3], cpu)
+    a.cache["rope"] = "per-call value"
+    again = window_module.layout_for(*rule, [(2, 6, 8)], [3], cpu)
+    assert again.perm is a.perm and again.cache == {}  # same tensors, fresh per-call cache
+    other = window_module.layout_for(*rule, [(2, 6, 10)], [3], cpu)
+    assert other.perm.numel() == 2 * 6 * 10
+    window_module.layout_for(*rule, [(1, 6, 8)], [3], cpu)  # evicts the oldest, (2, 6, 8)
+    assert window_module.layout_for(*rule, [(2, 6, 8)], [3], cpu).perm is not a.perm
+    built = window_module.WindowLayout.build(*rule, [(2, 6, 8)], [3], cpu)
+    for name in ("perm", "local_pos", "window_size", "sample_of_token", "txt_windows"):
+        assert torch.equal(getattr(built, name), getattr(a, name)), name
+
+
+def test_kept_layouts_are_plain_tensors_even_when_made_in_inference_mode():
+    """A layout made under inference mode (the pipeline) is kept and may be reused where
+    autograd records (tests, training): inference tensors cannot be saved for backward."""
+    window_module.clear_layouts()
+    rule = ("720pwin_by_size_bysize", (4, 3, 3))
+    with torch.inference_mode():
+        window_module.layout_for(*rule, [(2, 6, 8)], [3], torch.device("cpu"))
+    layout = window_module.layout_for(*rule, [(2, 6, 8)], [3], torch.device("cpu"))
+    tensors = [layout.perm, layout.local_pos, layout.window_size, layout.sample_of_token,
+               layout.txt_windows, *(g.txt_index for g in layout.groups)]
+    assert not any(t.is_inference() for t in tensors)
+    x = torch.randn(96, 4, requires_grad=True)
+    x[layout.perm].sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))

@@ -1,0 +1,113 @@
+"""Convolutions and norms over SPLIT_ELEMENTS run in pieces (the 1080p decoder's 3.7e9-element
+convs), with the results of one piece: checked on the CPU by lowering the threshold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from seedvr2.models import vae_blocks
+from seedvr2.models.vae_blocks import CausalConv3d, FrameGroupNorm, conv3d_in_bands
+
+from test_vae import load_case, tiny_vae  # noqa: F401  (fixture)
+
+
+class _CallLog:
+    """Records the input and output element counts of every conv3d call."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        real = F.conv3d
+
+        def conv3d(x, *args, **kwargs):
+            y = real(x, *args, **kwargs)
+            self.calls.append((x.numel(), y.numel()))
+            self.shapes.append((x.shape, y.shape))
+            return y
+        self.shapes = []
+        monkeypatch.setattr(vae_blocks.F, "conv3d", conv3d)
+
+    def within(self, limit: int) -> bool:
+        """Every call is at most ``limit`` elements in and out, or is a band of one output row
+        (the smallest band there is)."""
+        return all(max(x.numel(), y.numel()) <= limit or y[3] == 1 for x, y in self.shapes)
+
+
+@pytest.mark.parametrize("kernel, stride, padding", [
+    ((3, 3, 3), (1, 1, 1), (0, 1, 1)),  # the residual blocks' convs
+    ((3, 3, 3), (2, 2, 2), (0, 0, 0)),  # the temporal down-sampler (after its explicit pad)
+    ((1, 3, 3), (1, 2, 2), (0, 0, 0)),
+    ((1, 1, 1), (1, 1, 1), (0, 0, 0)),  # shortcut / upscale_conv
+])
+def test_conv_bands_equal_one_call(kernel, stride, padding, monkeypatch):
+    torch.manual_seed(0)
+    x = torch.randn(1, 4, 5, 23, 9, dtype=torch.float64)
+    weight = torch.randn(6, 4, *kernel, dtype=torch.float64)
+    bias = torch.randn(6, dtype=torch.float64)
+    whole = F.conv3d(x, weight, bias, stride, padding)
+    log = _CallLog(monkeypatch)
+    limit = 600  # a few output rows per band: many bands, halos at both ends
+    banded = conv3d_in_bands(x, weight, bias, stride, padding, limit=limit)
+    assert len(log.calls) > 3 and log.within(limit)
+    # Same products summed in the same order per output element: float64 bands are expected to
+    # match exactly; allow only float64 rounding of a 4*27-term sum of O(1) products
+    # (108 · 2⁻⁵² · |terms| ≈ 1e-13) in case the backend blocks the reduction by shape.
+    assert banded.shape == whole.shape
+    torch.testing.assert_close(banded, whole, rtol=0, atol=1e-12)
+
+
+def test_causal_conv_splits_above_the_threshold(monkeypatch):
+    torch.manual_seed(1)
+    conv = CausalConv3d(3, 5, 3, padding=1).double()
+    x = torch.randn(1, 3, 5, 16, 12, dtype=torch.float64)
+    whole = conv(x)
+    log = _CallLog(monkeypatch)
+    monkeypatch.setattr(vae_blocks, "SPLIT_ELEMENTS", 2000)
+    banded = conv(x)
+    assert len(log.calls) > 1 and log.within(2000)
+    torch.testing.assert_close(banded, whole, rtol=0, atol=1e-12)  # as above
+
+
+def test_upcasting_norm_never_upcasts_all_of_its_input(monkeypatch):
+    """A bf16 input over the threshold is upcast a channel group at a time: same bits out."""
+    torch.manual_seed(2)
+    norm = FrameGroupNorm(4, 16, eps=1e-6)
+    norm.weight.data.normal_()
+    norm.bias.data.normal_()
+    x = torch.randn(1, 16, 3, 8, 8).to(torch.bfloat16) * 3 + 1
+    norm.requires_grad_(False)  # inference, where the in-place path runs
+    whole = norm(x)
+    biggest = []
+    real_to = torch.Tensor.to
+
+    def recording_to(self, *args, **kwargs):
+        y = real_to(self, *args, **kwargs)
+        if y.dtype == torch.float32 and self.dtype == torch.bfloat16:
+            biggest.append(self.numel())
+        return y
+    monkeypatch.setattr(torch.Tensor, "to", recording_to)
+    monkeypatch.setattr(vae_blocks, "SPLIT_ELEMENTS", x.numel() // 4)
+    split = norm(x)
+    assert biggest and max(biggest) <= x.numel() // 4
+    assert torch.equal(split, whole)
+
+
+def test_vae_decode_and_encode_with_a_tiny_threshold_match(tiny_vae, monkeypatch):  # noqa: F811
+    """The whole tiny VAE with every conv and norm over 4096 elements in pieces: float32
+    sums of up to 27·C_in terms may be reassociated by the backend for a different shape,
+    so the bound is a few float32 ulps of the activations (|x| ≲ 10, 2⁻²³·10·√(27·C)·layers)
+    — 1e-4, README section 10's fp32 VAE tolerance, covers it with margin; measured exact."""
+    case = load_case("video_9f")
+    video = case["inputs.video"]
+    with torch.inference_mode():
+        latent = tiny_vae.encode(video)
+        decoded = tiny_vae.decode(latent)
+        log = _CallLog(monkeypatch)
+        monkeypatch.setattr(vae_blocks, "SPLIT_ELEMENTS", 4096)
+        latent_split = tiny_vae.encode(video)
+        decoded_split = tiny_vae.decode(latent)
+    assert log.within(4096) and len(log.calls) > 2 * sum(
+        isinstance(m, torch.nn.Conv3d) for m in tiny_vae.modules())
+    torch.testing.assert_close(latent_split, latent, rtol=0, atol=1e-4)
+    torch.testing.assert_close(decoded_split, decoded, rtol=0, atol=1e-4)
