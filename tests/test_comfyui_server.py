@@ -24,10 +24,11 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from test_workflows import (CLIP_FRAMES, EXAMPLES_DIR, IMAGE_OUT, VIDEO_OUT, make_inputs,
-                            probe_video, tiny_sets)
+from test_workflows import (API_DIR, CLIP_FRAMES, EXAMPLES_DIR, IMAGE_OUT, VIDEO_OUT,
+                            make_inputs, probe_video, tiny_sets)
 
 from seedvr2.workflow.errors import WorkflowError, WorkflowInterrupted
+from seedvr2.workflow.examples import EXAMPLE_IMAGE
 from seedvr2.workflow.server import ComfyServer
 
 INSTALL_TIMEOUT = 1200  # first install downloads ComfyUI's requirements
@@ -129,7 +130,7 @@ def _tiny(name: str, extra_sets=()) -> dict:
     """The API twin of an example with the tiny models and sizes (as --set would apply them)."""
     from seedvr2.workflow.run import apply_sets
 
-    prompt = json.loads((EXAMPLES_DIR / f"{name}_api.json").read_text())
+    prompt = json.loads((API_DIR / f"{name}.json").read_text())
     return apply_sets(prompt, [*tiny_sets(prompt), *extra_sets], {})
 
 
@@ -186,7 +187,8 @@ def test_every_api_example_runs(comfyui, name):
         with Image.open(folder / saved["subfolder"] / saved["filename"]) as im:
             assert im.size == IMAGE_OUT
     elif name == "video_file_streaming":
-        (saved,) = outputs["4"]["seedvr2_outputs"]
+        (saved,) = outputs["4"]["images"]
+        assert outputs["4"]["animated"] == [True]  # drawn as a player, like Save Video's
         assert probe_video(folder / saved["subfolder"] / saved["filename"]) == \
             (CLIP_FRAMES, VIDEO_OUT, True)
         assert len(outputs["5"]["images"]) == 4  # the preview frames
@@ -244,10 +246,10 @@ def test_interrupt_ends_a_run_cleanly(comfyui):
 def test_run_workflow_cli_against_the_server(comfyui, tmp_path):
     """Local inputs the server lacks are uploaded; progress is printed per node."""
     ui = EXAMPLES_DIR / "image_upscale.json"
-    prompt = json.loads((EXAMPLES_DIR / "image_upscale_api.json").read_text())
+    prompt = json.loads((API_DIR / "image_upscale.json").read_text())
     local = tmp_path / "local"
     local.mkdir()
-    shutil.copy(comfyui.base / "input" / "seedvr2_example.png", local / "cli_photo.png")
+    shutil.copy(comfyui.base / "input" / EXAMPLE_IMAGE, local / "cli_photo.png")
     sets = [arg for s in [*tiny_sets(prompt), "1.image=cli_photo.png", "4.seed=21"]
             for arg in ("--set", s)]
     command = [sys.executable, "-m", "seedvr2", "run-workflow", str(ui), "--server", comfyui.url,
@@ -322,7 +324,7 @@ def test_server_runs_upload_local_videos(comfyui, tmp_path):
     shutil.copy(comfyui.base / "input" / "seedvr2_example.mp4", local / "streamed_clip.mp4")
     for name, node, value in (("video_upscale", "1.file", "loaded_clip.mp4"),
                               ("video_file_streaming", "4.video_path", "streamed_clip.mp4")):
-        prompt = json.loads((EXAMPLES_DIR / f"{name}_api.json").read_text())
+        prompt = json.loads((API_DIR / f"{name}.json").read_text())
         result = run_workflow(EXAMPLES_DIR / f"{name}.json",
                               [*tiny_sets(prompt), f"{node}={value}"], server=comfyui.url,
                               input_dir=local, output_dir=tmp_path / name, quiet=True,
@@ -332,7 +334,7 @@ def test_server_runs_upload_local_videos(comfyui, tmp_path):
         videos = [p for p in result.files if p.suffix == ".mp4"]
         assert len(videos) == 1 and probe_video(videos[0]) == (CLIP_FRAMES, VIDEO_OUT, True)
     # Now the server lists both: a second run uploads nothing.
-    prompt = json.loads((EXAMPLES_DIR / "video_upscale_api.json").read_text())
+    prompt = json.loads((API_DIR / "video_upscale.json").read_text())
     result = run_workflow(EXAMPLES_DIR / "video_upscale.json",
                           [*tiny_sets(prompt), "1.file=loaded_clip.mp4"], server=comfyui.url,
                           input_dir=local, output_dir=tmp_path / "again", quiet=True,

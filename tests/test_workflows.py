@@ -19,6 +19,7 @@ from seedvr2.workflow.host import HeadlessHost
 from seedvr2.workflow.run import apply_sets, builtin_object_info, run_workflow, to_api
 
 EXAMPLES_DIR = REPO / "example_workflows"
+API_DIR = EXAMPLES_DIR / examples.API_FOLDER  # the API twins
 NAMES = [e.name for e in examples.EXAMPLES]
 CLIP_FRAMES, CLIP_SIZE, IMAGE_SIZE = 9, (64, 48), (56, 40)  # (width, height)
 VIDEO_OUT, IMAGE_OUT = (86, 64), (90, 64)  # short edge 64 (resolution), even sizes
@@ -92,7 +93,7 @@ def _host(tiny_model_dir, inputs, tmp_path) -> HeadlessHost:
 
 
 def _api(name: str) -> dict:
-    return json.loads((EXAMPLES_DIR / f"{name}_api.json").read_text())
+    return json.loads((API_DIR / f"{name}.json").read_text())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,7 +103,8 @@ def _api(name: str) -> dict:
 def test_example_files_are_what_the_example_module_writes():
     """Regenerate with: .venv/bin/python -m seedvr2.workflow.examples"""
     written = examples.files()
-    on_disk = {p.name: p.read_text() for p in EXAMPLES_DIR.glob("*.json")}
+    on_disk = {p.relative_to(EXAMPLES_DIR).as_posix(): p.read_text()
+               for p in EXAMPLES_DIR.rglob("*.json")}
     assert sorted(on_disk) == sorted(written)
     for name, text in written.items():
         assert on_disk[name] == text, f"{name} is stale: run python -m seedvr2.workflow.examples"
@@ -158,7 +160,7 @@ def _tiny_image_sets():
 @pytest.mark.parametrize("sets, message", [
     (["2.model=missing.safetensors"],
      "error: node 2 (SeedVR2LoadDiTModel): model = 'missing.safetensors': not one of the choices "
-     "(seedvr2_ema_3b_fp16.safetensors, "),
+     "(dit3b_tiny.safetensors, seedvr2_ema_3b_fp16.safetensors, "),
     (["4.batch_size=4"],
      "error: node 4 (SeedVR2VideoUpscaler): batch_size = 4: must be 4n+1 (1, 5, 9, 13, 17, 21, "
      "...); nearest valid values: 1 or 5\n"),
@@ -179,7 +181,7 @@ def _tiny_image_sets():
 ])
 def test_bad_input_exits_non_zero_with_the_nodes_message(sets, message, tiny_model_dir, inputs,
                                                          tmp_path, capsys):
-    rc = _cli(tmp_path, tiny_model_dir, inputs, EXAMPLES_DIR / "image_upscale_api.json",
+    rc = _cli(tmp_path, tiny_model_dir, inputs, API_DIR / "image_upscale.json",
               *_tiny_image_sets(), *sets)
     err = capsys.readouterr().err
     assert rc == 1
@@ -197,7 +199,7 @@ def test_registered_model_not_downloaded_names_the_download(tiny_model_dir, inpu
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
     sets = [s for s in _tiny_image_sets() if not s.startswith("2.model")]
-    rc = _cli(tmp_path, tiny_model_dir, inputs, EXAMPLES_DIR / "image_upscale_api.json", *sets)
+    rc = _cli(tmp_path, tiny_model_dir, inputs, API_DIR / "image_upscale.json", *sets)
     assert rc == 1
     assert capsys.readouterr().err == (
         f"error: node 2 (SeedVR2LoadDiTModel): seedvr2_ema_3b_fp16.safetensors: download from "

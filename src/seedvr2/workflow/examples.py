@@ -17,16 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-EXAMPLE_IMAGE, EXAMPLE_VIDEO = "seedvr2_example.png", "seedvr2_example.mp4"
+EXAMPLE_IMAGE, EXAMPLE_VIDEO = "example.png", "seedvr2_example.mp4"  # example.png: stock ComfyUI's
 DIT_FP16, DIT_GGUF, VAE = ("seedvr2_ema_3b_fp16.safetensors", "seedvr2_ema_3b-Q4_K_M.gguf",
                            "ema_vae_fp16.safetensors")
+API_FOLDER = "api"  # example_workflows/api/: ComfyUI lists only example_workflows/*.json as templates
 
 
 @dataclass
 class ExampleNode:
     id: int
     type: str
-    pos: tuple
     values: dict = field(default_factory=dict)  # widget values differing from the defaults
     links: dict = field(default_factory=dict)  # input name -> (source node id, output index)
     title: Optional[str] = None
@@ -36,36 +36,38 @@ class ExampleNode:
 class Example:
     name: str
     description: str
-    nodes: list
+    columns: list  # of lists of ExampleNode: the layout, left to right, each column top down
+
+    @property
+    def nodes(self) -> list:
+        return [node for column in self.columns for node in column]
 
 
-def _loaders(dit_values=None, vae_values=None, x=40, y=260) -> list:
-    return [ExampleNode(2, "SeedVR2LoadDiTModel", (x, y), {"model": DIT_FP16, **(dit_values or {})}),
-            ExampleNode(3, "SeedVR2LoadVAEModel", (x, y + 380), {"model": VAE, **(vae_values or {})})]
+def _loaders(dit_values=None, vae_values=None) -> list:
+    return [ExampleNode(2, "SeedVR2LoadDiTModel", {"model": DIT_FP16, **(dit_values or {})}),
+            ExampleNode(3, "SeedVR2LoadVAEModel", {"model": VAE, **(vae_values or {})})]
 
 
 def _video_graph(upscaler_values: dict, prefix: str, **loader_values) -> list:
     return [
-        ExampleNode(1, "LoadVideo", (40, 40), {"file": EXAMPLE_VIDEO}),
-        ExampleNode(6, "GetVideoComponents", (400, 40), links={"video": (1, 0)}),
-        *_loaders(**loader_values),
-        ExampleNode(4, "SeedVR2VideoUpscaler", (460, 260), upscaler_values,
-                    links={"image": (6, 0), "dit": (2, 0), "vae": (3, 0)}),
-        ExampleNode(7, "CreateVideo", (880, 260), links={"images": (4, 0), "fps": (6, 2),
-                                                        "audio": (6, 1)}),
-        ExampleNode(5, "SaveVideo", (1180, 260), {"filename_prefix": prefix},
-                    links={"video": (7, 0)}),
+        [ExampleNode(1, "LoadVideo", {"file": EXAMPLE_VIDEO}),
+         ExampleNode(6, "GetVideoComponents", links={"video": (1, 0)})],
+        _loaders(**loader_values),
+        [ExampleNode(4, "SeedVR2VideoUpscaler", upscaler_values,
+                     links={"image": (6, 0), "dit": (2, 0), "vae": (3, 0)})],
+        [ExampleNode(7, "CreateVideo", links={"images": (4, 0), "fps": (6, 2), "audio": (6, 1)}),
+         ExampleNode(5, "SaveVideo", {"filename_prefix": prefix}, links={"video": (7, 0)})],
     ]
 
 
 EXAMPLES = [
     Example("image_upscale", "One image: Load Image -> SeedVR2 -> Save Image.", [
-        ExampleNode(1, "LoadImage", (40, 40), {"image": EXAMPLE_IMAGE}),
-        *_loaders(),
-        ExampleNode(4, "SeedVR2VideoUpscaler", (460, 260), {"batch_size": 1, "resolution": 1080},
-                    links={"image": (1, 0), "dit": (2, 0), "vae": (3, 0)}),
-        ExampleNode(5, "SaveImage", (880, 260), {"filename_prefix": "SeedVR2/image"},
-                    links={"images": (4, 0)}),
+        [ExampleNode(1, "LoadImage", {"image": EXAMPLE_IMAGE})],
+        _loaders(),
+        [ExampleNode(4, "SeedVR2VideoUpscaler", {"batch_size": 1, "resolution": 1080},
+                     links={"image": (1, 0), "dit": (2, 0), "vae": (3, 0)})],
+        [ExampleNode(5, "SaveImage", {"filename_prefix": "SeedVR2/image"},
+                     links={"images": (4, 0)})],
     ]),
     Example("video_upscale", "A video with its audio: Load Video -> frames -> SeedVR2 -> "
             "Create Video (same fps and audio) -> Save Video.",
@@ -85,14 +87,75 @@ EXAMPLES = [
                           "devices": "auto"}, "SeedVR2/multi_gpu")),
     Example("video_file_streaming", "Any length or resolution: the video file is upscaled to a "
             "new file frame batch by frame batch (never one IMAGE batch in RAM); audio kept.", [
-        *_loaders(x=40, y=40),
-        ExampleNode(4, "SeedVR2UpscaleVideoFile", (460, 40),
-                    {"video_path": EXAMPLE_VIDEO, "filename_prefix": "SeedVR2/file",
-                     "batch_size": 21, "resolution": 1080, "temporal_overlap": 2},
-                    links={"dit": (2, 0), "vae": (3, 0)}),
-        ExampleNode(5, "PreviewImage", (900, 40), links={"images": (4, 1)}),
+        _loaders(),
+        [ExampleNode(4, "SeedVR2UpscaleVideoFile",
+                     {"video_path": EXAMPLE_VIDEO, "filename_prefix": "SeedVR2/file",
+                      "batch_size": 21, "resolution": 1080, "temporal_overlap": 2},
+                     links={"dit": (2, 0), "vae": (3, 0)})],
+        [ExampleNode(5, "PreviewImage", links={"images": (4, 1)})],
     ]),
 ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout: node sizes as the editor (ComfyUI frontend 1.32) computes them, so a saved node is
+# exactly as tall as its widgets, and room for what the editor draws on a node besides (the
+# picked image or video of a loader, the result of a save node).
+
+TITLE_HEIGHT = 30  # drawn above a node's pos
+SLOT_HEIGHT, WIDGET_HEIGHT = 20, 24  # a socket row; a widget with its spacing
+WIDTH = {"SeedVR2": 340, "core": 300}
+# Height the editor gives a node once it shows its picture or player (a 300 px wide node).
+PREVIEW_HEIGHT = {"LoadImage": 360, "LoadVideo": 300}
+# Room left below a node that shows a result after a run (Save Image / Video, Preview Image,
+# our file node's player): nothing is placed under it in its column.
+GAP_X, GAP_Y = 60, 50
+# The view a workflow opens with: the whole graph fits a 1280 x 720 editor with its side bar
+# (left) and its tab and menu bars (top) uncovered.
+VIEW_SIZE, VIEW_MARGINS = (1280, 720), (90, 110, 30, 40)  # left, top, right, bottom
+
+
+def widget_count(definition) -> int:
+    """Widgets the editor shows for a node: one per widget input, one more after a seed
+    (control after generate) and one upload button for a node with a file to upload."""
+    widgets = sum(1 + bool(i.control_after_generate) for i in definition.inputs if i.is_widget)
+    return widgets + any(i.upload for i in definition.inputs)
+
+
+def node_size(node: ExampleNode, definition) -> list:
+    sockets = sum(1 for i in definition.inputs if not i.is_widget)
+    rows = max(sockets, len(definition.outputs), 1)
+    widgets = widget_count(definition)
+    height = rows * SLOT_HEIGHT + 6 + (8 + WIDGET_HEIGHT * widgets if widgets else 0)
+    height = max(height, PREVIEW_HEIGHT.get(node.type, 0))
+    return [WIDTH["SeedVR2" if node.type.startswith("SeedVR2") else "core"], height]
+
+
+def layout(example: Example, nodes: dict) -> dict:
+    """node id -> (pos, size): columns left to right, each top down."""
+    placed, x = {}, 0
+    for column in example.columns:
+        y = TITLE_HEIGHT
+        for node in column:
+            size = node_size(node, nodes[node.type])
+            placed[node.id] = ([x, y], size)
+            y += size[1] + GAP_Y + TITLE_HEIGHT
+        x += max(placed[n.id][1][0] for n in column) + GAP_X
+    return placed
+
+
+def initial_view(placed: dict) -> dict:
+    """The editor's saved view (extra.ds): the whole graph in VIEW_SIZE, clear of the bars."""
+    left = min(pos[0] for pos, _ in placed.values())
+    top = min(pos[1] - TITLE_HEIGHT for pos, _ in placed.values())
+    right = max(pos[0] + size[0] for pos, size in placed.values())
+    bottom = max(pos[1] + size[1] for pos, size in placed.values())
+    m_left, m_top, m_right, m_bottom = VIEW_MARGINS
+    room = (VIEW_SIZE[0] - m_left - m_right, VIEW_SIZE[1] - m_top - m_bottom)
+    scale = round(min(1.0, room[0] / (right - left), room[1] / (bottom - top)), 2)
+    # screen = (graph + offset) * scale
+    return {"scale": scale, "offset": [round(m_left / scale - left, 1),
+                                       round(m_top / scale - top, 1)]}
 
 
 def _definitions() -> dict:
@@ -138,6 +201,7 @@ def _order(example: Example) -> dict:
 def ui_workflow(example: Example) -> dict:
     nodes = _definitions()
     order = _order(example)
+    placed = layout(example, nodes)
     links, ui_nodes = [], []
     by_id = {n.id: n for n in example.nodes}
     outgoing: dict = {}
@@ -165,8 +229,8 @@ def ui_workflow(example: Example) -> dict:
             widgets_values.append(_widget_value(inp, node.values))
             if inp.control_after_generate:
                 widgets_values.append("fixed")
-            if inp.upload:
-                widgets_values.append("image")
+        if any(inp.upload for inp in definition.inputs):
+            widgets_values.append("image")  # the upload button, added after the other widgets
         inputs = []
         for slot, inp in enumerate(sockets):
             link = next((l[0] for l in links if l[3] == node.id and l[4] == slot), None)
@@ -179,11 +243,9 @@ def ui_workflow(example: Example) -> dict:
         outputs = [{"name": out.name, "type": out.type,
                     "links": outgoing.get((node.id, slot), []), "slot_index": slot}
                    for slot, out in enumerate(definition.outputs)]
-        widgets = len(widgets_values)
+        pos, size = placed[node.id]
         ui_nodes.append({
-            "id": node.id, "type": node.type, "pos": list(node.pos),
-            "size": [360 if node.type.startswith("SeedVR2") else 300,
-                     max(60, 30 + 24 * (len(sockets) + max(len(outputs), 0) + widgets))],
+            "id": node.id, "type": node.type, "pos": pos, "size": size,
             "flags": {}, "order": order[node.id], "mode": 0, "inputs": inputs,
             "outputs": outputs, "properties": {"Node name for S&R": node.type},
             "widgets_values": widgets_values,
@@ -191,7 +253,7 @@ def ui_workflow(example: Example) -> dict:
         })
     return {"last_node_id": max(n.id for n in example.nodes), "last_link_id": len(links),
             "nodes": ui_nodes, "links": links, "groups": [], "config": {},
-            "extra": {"ds": {"scale": 1.0, "offset": [0, 0]}, "info": {
+            "extra": {"ds": initial_view(placed), "info": {
                 "name": example.name, "description": example.description}},
             "version": 0.4}
 
@@ -201,11 +263,12 @@ def dumps(workflow: dict) -> str:
 
 
 def files() -> dict[str, str]:
-    """File name -> contents of every example, UI format and API twin."""
+    """Path in example_workflows/ -> contents of every example: the editor's format beside
+    (the templates ComfyUI lists), the API twin in api/ (ComfyUI does not look there)."""
     out = {}
     for example in EXAMPLES:
         out[f"{example.name}.json"] = dumps(ui_workflow(example))
-        out[f"{example.name}_api.json"] = dumps(api_prompt(example))
+        out[f"{API_FOLDER}/{example.name}.json"] = dumps(api_prompt(example))
     return out
 
 
@@ -214,6 +277,7 @@ def main(argv=None) -> int:
     folder = Path(argv[0] if argv else Path(__file__).resolve().parents[3] / "example_workflows")
     folder.mkdir(parents=True, exist_ok=True)
     for name, text in files().items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_text(text)
         print(folder / name)
     return 0
