@@ -105,14 +105,16 @@ EXAMPLES = [
 TITLE_HEIGHT = 30  # drawn above a node's pos
 SLOT_HEIGHT, WIDGET_HEIGHT = 20, 24  # a socket row; a widget with its spacing
 WIDTH = {"SeedVR2": 340, "core": 300}
-# Height the editor gives a node once it shows its picture or player (a 300 px wide node).
-PREVIEW_HEIGHT = {"LoadImage": 360, "LoadVideo": 300}
+# Height the editor adds below the widgets of a node that shows its input file (picture or
+# player, as wide as the node): room for a square one; the editor grows a node that is
+# shorter, and keeps a taller one as saved.
+PREVIEW_ROOM = {"LoadImage": 310, "LoadVideo": 310, "SeedVR2UpscaleVideoFile": 350}
 # Room left below a node that shows a result after a run (Save Image / Video, Preview Image,
 # our file node's player): nothing is placed under it in its column.
 GAP_X, GAP_Y = 60, 50
-# The view a workflow opens with: the whole graph fits a 1280 x 720 editor with its side bar
-# (left) and its tab and menu bars (top) uncovered.
-VIEW_SIZE, VIEW_MARGINS = (1280, 720), (90, 110, 30, 40)  # left, top, right, bottom
+# The view a workflow opens with: the whole graph fits a 1280 x 720 editor canvas clear of its
+# side bar (left, 59 px) and of its tab bar, workflow menu and Run bar (top, to 130 px).
+VIEW_SIZE, VIEW_MARGINS = (1280, 720), (80, 150, 30, 30)  # left, top, right, bottom
 
 
 def widget_count(definition) -> int:
@@ -127,7 +129,7 @@ def node_size(node: ExampleNode, definition) -> list:
     rows = max(sockets, len(definition.outputs), 1)
     widgets = widget_count(definition)
     height = rows * SLOT_HEIGHT + 6 + (8 + WIDGET_HEIGHT * widgets if widgets else 0)
-    height = max(height, PREVIEW_HEIGHT.get(node.type, 0))
+    height += PREVIEW_ROOM.get(node.type, 0)
     return [WIDTH["SeedVR2" if node.type.startswith("SeedVR2") else "core"], height]
 
 
@@ -272,14 +274,167 @@ def files() -> dict[str, str]:
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# Thumbnails: <name>.jpg beside each template, the picture the Templates browser shows. Each is
+# the result of running that workflow: in process, with the conformance kit's tiny models (the
+# released weights are multi-GB downloads) at THUMB_RESOLUTION on the CPU, on a synthetic input
+# drawn here, so the same command gives the same pictures anywhere.
+
+THUMB_RESOLUTION, THUMB_WIDTH = 192, 320
+THUMB_INPUT_SIZE, THUMB_FRAMES = (128, 96), 9  # (width, height) of the drawn input
+
+
+def _scene(t: float):
+    """A small landscape (sky, sun, hills), the sun moving with ``t`` in [0, 1]: uint8 HWC."""
+    import numpy as np
+
+    width, height = THUMB_INPUT_SIZE
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    sky = np.stack([90 + 100 * y / height, 150 + 60 * y / height, 235 - 40 * y / height], -1)
+    sun_x, sun_y = width * (0.25 + 0.5 * t), height * 0.3
+    sun = ((x - sun_x) ** 2 + (y - sun_y) ** 2) < (height * 0.12) ** 2
+    pixels = np.where(sun[..., None], np.array([255, 215, 90], np.float32), sky)
+    for base, amp, freq, colour in ((0.62, 0.10, 2.0, (70, 140, 70)),
+                                    (0.78, 0.07, 3.5, (40, 100, 50))):
+        ridge = height * (base + amp * np.sin(freq * np.pi * x / width + 1.3 * base))
+        pixels = np.where((y > ridge)[..., None], np.array(colour, np.float32), pixels)
+    return pixels.clip(0, 255).astype(np.uint8)
+
+
+def _thumb_inputs(folder: Path) -> None:
+    """The inputs the examples load, drawn: the image and a clip (no audio)."""
+    from fractions import Fraction
+
+    import av
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(_scene(0.5)).save(folder / EXAMPLE_IMAGE)
+    with av.open(str(folder / EXAMPLE_VIDEO), "w") as out:
+        stream = out.add_stream("libx264", rate=Fraction(24))
+        stream.width, stream.height, stream.pix_fmt = *THUMB_INPUT_SIZE, "yuv444p"
+        stream.options = {"crf": "0"}  # lossless: the same frames in anywhere
+        for i in range(THUMB_FRAMES):
+            frame = av.VideoFrame.from_ndarray(_scene(i / (THUMB_FRAMES - 1)), format="rgb24")
+            frame.pts, frame.time_base = i, Fraction(1, 24)
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode(None))
+
+
+def _tiny_models(conformance: Path, folder: Path) -> None:
+    """The conformance kit's tiny 3B DiT and VAE (configs in the metadata, as the loaders
+    read them) and its 64-wide text embeddings, in ``folder``."""
+    import json as _json
+
+    from safetensors.torch import load_file, save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("dit3b_tiny", "vae_tiny"):
+        config = _json.loads((conformance / name / "config.json").read_text())
+        save_file(load_file(conformance / name / "weights.safetensors"),
+                  folder / f"{name}.safetensors",
+                  metadata={"config": _json.dumps(config["constructor_kwargs"])})
+    e2e = load_file(conformance / "pipeline" / "e2e_video_9f.safetensors")
+    save_file({"pos": e2e["inputs.txt_pos"].contiguous(),
+               "neg": e2e["inputs.txt_neg"].contiguous()}, folder / "text_64.safetensors")
+
+
+def _thumb_sets(example: Example) -> list[str]:
+    sets = []
+    for node in example.nodes:
+        # The CPU in fp32 on every machine: the same pictures wherever they are made.
+        if node.type == "SeedVR2LoadDiTModel":
+            sets += [f"{node.id}.model=dit3b_tiny.safetensors", f"{node.id}.device=cpu",
+                     f"{node.id}.dtype=fp32"]
+            if node.values.get("blocks_to_swap"):
+                sets.append(f"{node.id}.blocks_to_swap=2")  # the tiny DiT has 4 blocks
+        elif node.type == "SeedVR2LoadVAEModel":
+            sets += [f"{node.id}.model=vae_tiny.safetensors", f"{node.id}.device=cpu",
+                     f"{node.id}.dtype=fp32"]
+        elif node.type in ("SeedVR2VideoUpscaler", "SeedVR2UpscaleVideoFile"):
+            sets += [f"{node.id}.resolution={THUMB_RESOLUTION}", f"{node.id}.batch_size=5",
+                     f"{node.id}.devices=cpu"]
+    return sets
+
+
+def _result_picture(path: Path):
+    """The saved result as a PIL image: the image, or a video's middle frame."""
+    from PIL import Image
+
+    if path.suffix.lower() != ".mp4":
+        return Image.open(path).convert("RGB")
+    import av
+
+    with av.open(str(path)) as container:
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    return Image.fromarray(frames[len(frames) // 2])
+
+
+def thumbnail_stamp(example: Example) -> str:
+    """What a thumbnail records (its JPEG comment) of the workflow it pictures: the example
+    and a digest of its API prompt, so a test finds thumbnails older than their workflow."""
+    import hashlib
+
+    digest = hashlib.sha256(dumps(api_prompt(example)).encode()).hexdigest()[:16]
+    return f"seedvr2 example {example.name} {digest}"
+
+
+def thumbnails(conformance: Path, folder: Path, work: Path) -> list[Path]:
+    """Run every example (see above) and write ``<name>.jpg`` into ``folder``."""
+    from PIL import Image
+
+    from .host import HeadlessHost
+    from .run import run_workflow
+
+    models, inputs = work / "models", work / "input"
+    _tiny_models(Path(conformance), models)
+    _thumb_inputs(inputs)
+    written = []
+    for example in EXAMPLES:
+        host = HeadlessHost(model_dir=models, input_dir=inputs, output_dir=work / example.name,
+                            quiet=True)
+        result = run_workflow(ui_workflow(example), _thumb_sets(example), host=host)
+        saved = next(p for p in result.files if p.suffix.lower() in (".png", ".mp4"))
+        picture = _result_picture(saved)
+        height = round(THUMB_WIDTH * picture.height / picture.width)
+        target = folder / f"{example.name}.jpg"
+        picture.resize((THUMB_WIDTH, height), Image.Resampling.LANCZOS).save(
+            target, quality=90, optimize=False, comment=thumbnail_stamp(example))
+        written.append(target)
+    return written
+
+
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    folder = Path(argv[0] if argv else Path(__file__).resolve().parents[3] / "example_workflows")
+    import argparse
+    import os
+    import tempfile
+
+    parser = argparse.ArgumentParser(
+        prog="python -m seedvr2.workflow.examples",
+        description="Write the example workflows (editor format, and API twins in api/); with "
+                    "--thumbnails also run each one and write its <name>.jpg thumbnail.")
+    parser.add_argument("folder", nargs="?", type=Path,
+                        default=Path(__file__).resolve().parents[3] / "example_workflows")
+    parser.add_argument("--thumbnails", action="store_true",
+                        help="run every example with the conformance kit's tiny models and "
+                             "save its result as <name>.jpg")
+    parser.add_argument("--conformance", type=Path,
+                        default=os.environ.get("SEEDVR2_CONFORMANCE"),
+                        help="the conformance kit folder (default: $SEEDVR2_CONFORMANCE)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    folder = args.folder
     folder.mkdir(parents=True, exist_ok=True)
     for name, text in files().items():
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_text(text)
         print(folder / name)
+    if args.thumbnails:
+        if args.conformance is None:
+            parser.error("--thumbnails needs the conformance kit: --conformance DIR or "
+                         "SEEDVR2_CONFORMANCE")
+        with tempfile.TemporaryDirectory() as work:
+            for path in thumbnails(args.conformance, folder, Path(work)):
+                print(path)
     return 0
 
 
