@@ -62,7 +62,7 @@ window.seedvr2Describe = () => {
   const canvas = window.app.canvas;
   const rect = (el) => el ? el.getBoundingClientRect().toJSON() : null;
   const nodes = window.app.graph._nodes.map((n) => ({
-    id: n.id, type: n.type, bounding: [...n.getBounding()],
+    id: n.id, type: n.type, bounding: [...n.getBounding()], computed: [...n.computeSize()],
     registered: !!LiteGraph.registered_node_types[n.type],
     widgets: (n.widgets || []).map((w) => ({
       name: w.name, type: w.type, value: w.value,
@@ -226,7 +226,11 @@ def test_example_loads_complete_valid_uncluttered_and_in_view(browser, name):
     _screenshot(browser, f"example_{name}")
     assert [n["type"] for n in state["nodes"] if not n["registered"]] == []
     saved = {n["id"]: n["widgets_values"] for n in workflow["nodes"]}
+    saved_size = {n["id"]: n["size"] for n in workflow["nodes"]}
     for node in state["nodes"]:
+        if node["type"] not in examples.PREVIEW_ROOM:
+            # Saved as tall as the editor makes it for its sockets and widgets, no taller.
+            assert saved_size[node["id"]][1] == node["computed"][1], node["type"]
         # The editor keeps every saved value (none dropped, shifted or replaced).
         assert node["widgets_values"] == saved[node["id"]], node["type"]
         for widget in node["widgets"]:

@@ -198,6 +198,24 @@ def test_every_api_example_runs(comfyui, name):
             (CLIP_FRAMES, VIDEO_OUT, True)
 
 
+def test_the_image_example_loads_a_picture_stock_comfyui_ships():
+    comfy_dir, _ = _install()
+    (loader,) = [n for n in json.loads((API_DIR / "image_upscale.json").read_text()).values()
+                 if n["class_type"] == "LoadImage"]
+    assert (comfy_dir / "input" / loader["inputs"]["image"]).is_file()
+
+
+def test_upscale_video_file_takes_a_typed_path_outside_the_input_folder(comfyui, tmp_path):
+    """video_path lists the input folder's videos, but a path typed by hand passes ComfyUI's
+    validation too (the node checks the file when it runs)."""
+    outside = tmp_path / "elsewhere.mp4"
+    shutil.copy(comfyui.base / "input" / "seedvr2_example.mp4", outside)
+    entry = comfyui.run(_tiny("video_file_streaming", [f"4.video_path={outside}"]))
+    (saved,) = entry["outputs"]["4"]["images"]
+    assert probe_video(comfyui.base / "output" / saved["subfolder"] / saved["filename"]) == \
+        (CLIP_FRAMES, VIDEO_OUT, True)
+
+
 def test_several_devices_from_the_node(comfyui):
     """The upscaler node with devices cpu,cpu: workers spawned from inside ComfyUI (its
     main.py hidden from them), frames through shared memory, the same video out."""

@@ -111,6 +111,30 @@ def test_example_files_are_what_the_example_module_writes():
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_every_template_has_a_thumbnail_of_its_current_workflow(name):
+    """<name>.jpg beside each template: the result of running it (examples --thumbnails), made
+    from the workflow as it is now (the stamp in the JPEG comment: its API prompt's digest)."""
+    from PIL import Image
+
+    example = next(e for e in examples.EXAMPLES if e.name == name)
+    with Image.open(EXAMPLES_DIR / f"{name}.jpg") as thumbnail:
+        assert thumbnail.format == "JPEG" and thumbnail.width == examples.THUMB_WIDTH
+        stamp = thumbnail.info.get("comment", b"").decode()
+    assert stamp == examples.thumbnail_stamp(example), (
+        f"{name}.jpg pictures an older {name}.json: run python -m seedvr2.workflow.examples "
+        f"--thumbnails --conformance DIR")
+
+
+def test_only_editor_format_files_are_templates():
+    """ComfyUI lists every example_workflows/*.json as a template: API twins live in api/."""
+    for path in EXAMPLES_DIR.glob("*.json"):
+        workflow = json.loads(path.read_text())
+        assert "nodes" in workflow and "version" in workflow, path.name
+    assert sorted(p.stem for p in EXAMPLES_DIR.glob("*.json")) == sorted(NAMES)
+    assert sorted(p.stem for p in API_DIR.glob("*.json")) == sorted(NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_ui_example_converts_to_its_api_twin(name, tmp_path):
     ui = json.loads((EXAMPLES_DIR / f"{name}.json").read_text())
     info = builtin_object_info(HeadlessHost(model_dir=tmp_path))

@@ -1,12 +1,16 @@
 """The example workflows in ``example_workflows/``, described once and written in both formats.
 
-Each example is a small graph (:class:`Example`); :func:`ui_workflow` writes what the editor
-saves (nodes with positions, links, widget values in widget order -- including the editor's
-extra values after a seed and a file upload) and :func:`api_prompt` the API format. A test
-checks that the committed files are exactly what this module writes, and that converting each
-UI file with :mod:`.convert` gives its API twin.
+Each example is a small graph (:class:`Example`, its nodes in layout columns); :func:`ui_workflow`
+writes what the editor saves (nodes with positions and sizes, links, widget values in widget
+order -- including the editor's extra values after a seed and a file upload -- and the view it
+opens with) and :func:`api_prompt` the API format, into ``api/`` (ComfyUI lists every
+``example_workflows/*.json`` as a template, and an API-format file opens as an empty canvas).
+:func:`thumbnails` runs each example and saves its result as the template's ``<name>.jpg``.
+Tests check that the committed files are what this module writes, and that converting each UI
+file with :mod:`.convert` gives its API twin.
 
     python -m seedvr2.workflow.examples [FOLDER]    # rewrite the examples (after node changes)
+    python -m seedvr2.workflow.examples --thumbnails --conformance DIR    # and the thumbnails
 """
 
 from __future__ import annotations
