@@ -13,7 +13,9 @@ if __package__:
     from . import nodes as _nodes
     from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
 
-    __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]
+    # The editor extension (web/seedvr2.js): upscaler seeds start fixed, model downloads marked.
+    WEB_DIRECTORY = "./web"
+    __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY"]
 
     if _nodes.API == "v3":
         from .nodes import comfy_entrypoint

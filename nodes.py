@@ -18,12 +18,14 @@ Importing this module does no work: the library's heavy parts load when a node r
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
 import os
 from pathlib import Path
 from typing import Optional
 
-from .src.seedvr2.workflow.nodes import NodeDef, NodeResult, build_nodes, input_spec
+from .src.seedvr2.workflow.nodes import (NodeDef, NodeResult, build_nodes, input_spec,
+                                          widget_default)
 
 log = logging.getLogger("seedvr2")
 # seedvr2.loading.registry.COMFY_FOLDER, spelled out: importing the registry loads torch.
@@ -65,6 +67,12 @@ class ComfyHost:
             return default_model_dir()
         # models/SEEDVR2, even when extra_model_paths.yaml registered other folders first.
         return Path(folder_paths.models_dir) / COMFY_FOLDER
+
+    def input_names(self) -> list[str]:
+        if folder_paths is None:
+            return []
+        folder = folder_paths.get_input_directory()
+        return sorted(f for f in os.listdir(folder) if os.path.isfile(os.path.join(folder, f)))
 
     def input_path(self, name: str) -> Path:
         path = Path(os.path.expanduser(name))
@@ -152,6 +160,25 @@ def _node_id_hidden(kwargs: dict) -> Optional[str]:
     return kwargs.pop("unique_id", None)
 
 
+def _accept_unlisted(node: NodeDef):
+    """A validation classmethod for the node's inputs whose dropdown is a convenience
+    (``accepts_unlisted``), or None. ComfyUI leaves the "value not in list" check to a node's
+    validation function for the inputs that function takes by name; ours accepts every value
+    (the node checks the file when it runs)."""
+    names = [i.name for i in node.inputs if i.accepts_unlisted]
+    if not names:
+        return None
+
+    def validate(cls, **values):
+        return True
+    # ComfyUI reads the argument names; a function taking **kwargs would skip the checks of
+    # every input, so the signature names exactly these inputs.
+    validate.__signature__ = inspect.Signature(
+        [inspect.Parameter("cls", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        + [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
+    return classmethod(validate)
+
+
 # ---------------------------------------------------------------------------------------------
 # Classic API
 
@@ -173,7 +200,9 @@ def _classic_class(node: NodeDef) -> type:
             return {"ui": result.ui, "result": tuple(result.outputs)}
         return tuple(result.outputs)
 
+    validate = _accept_unlisted(node)
     return type(node.id, (), {
+        **({"VALIDATE_INPUTS": validate} if validate else {}),
         "INPUT_TYPES": classmethod(INPUT_TYPES),
         "RETURN_TYPES": tuple(o.type for o in node.outputs),
         "RETURN_NAMES": tuple(o.name for o in node.outputs),
@@ -200,7 +229,12 @@ def _v3_input(io, inp, host):
     if inp.type == "STRING":
         return io.String.Input(inp.name, default=inp.default, **common)
     if inp.type == "COMBO":
-        return io.Combo.Input(inp.name, options=inp.options(host), default=inp.default, **common)
+        options = inp.options(host)
+        made = io.Combo.Input(inp.name, options=options, default=widget_default(inp, options),
+                              upload=io.UploadType(inp.upload) if inp.upload else None, **common)
+        if inp.extras is not None:
+            made.extra_dict = {**made.extra_dict, **inp.extras(host)}
+        return made
     if inp.type == "IMAGE":
         return io.Image.Input(inp.name, **common)
     return io.Custom(inp.type).Input(inp.name, **common)
@@ -229,6 +263,9 @@ def _v3_class(node: NodeDef, io) -> type:
             result = node.run(_host(cls.hidden.unique_id), **kwargs)
             return io.NodeOutput(*result.outputs, ui=result.ui)
 
+    validate = _accept_unlisted(node)
+    if validate is not None:
+        Node.validate_inputs = validate
     Node.__name__ = Node.__qualname__ = node.id
     return Node
 

@@ -11,8 +11,38 @@
 # torch/torchvision/torchaudio (constrained to the test environment's versions) and without
 # the workflow templates and embedded docs (large, and not needed to run prompts).
 # Prints the ComfyUI folder and its Python on the last two lines.
+#
+#   comfyui_test_env.sh browser
+#
+# instead makes sure Debian's chromium and chromium-driver are installed for tests/test_browser.py
+# (apt-get, as root or with password-less sudo) and prints the browser and driver paths on the
+# last two lines; it exits 1 with the reason when they are missing and cannot be installed.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+if [ "${1:-}" = "browser" ]; then
+  if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+    if ! command -v apt-get >/dev/null; then
+      echo "chromium / chromedriver are not installed and there is no apt-get to install them" >&2
+      exit 1
+    fi
+    as_root=()
+    if [ "$(id -u)" != 0 ]; then
+      as_root=(sudo -n)
+    fi
+    # Only the two packages (and what they need); quiet unless it fails.
+    if ! log="$("${as_root[@]}" apt-get update -q 2>&1 && DEBIAN_FRONTEND=noninteractive \
+          "${as_root[@]}" apt-get install -y -q --no-install-recommends chromium chromium-driver 2>&1)"; then
+      echo "installing chromium and chromium-driver with apt-get failed:" >&2
+      echo "$log" | tail -20 >&2
+      exit 1
+    fi
+  fi
+  command -v chromium
+  command -v chromedriver
+  exit 0
+fi
+
 source "$ROOT/scripts/env.sh"
 DEST="${SEEDVR2_COMFYUI_TEST_DIR:-$ROOT/.comfyui-test}"
 HORDE_VERSION="2.22.2"

@@ -24,10 +24,11 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from test_workflows import (CLIP_FRAMES, EXAMPLES_DIR, IMAGE_OUT, VIDEO_OUT, make_inputs,
-                            probe_video, tiny_sets)
+from test_workflows import (API_DIR, CLIP_FRAMES, EXAMPLES_DIR, IMAGE_OUT, VIDEO_OUT,
+                            make_inputs, probe_video, tiny_sets)
 
 from seedvr2.workflow.errors import WorkflowError, WorkflowInterrupted
+from seedvr2.workflow.examples import EXAMPLE_IMAGE
 from seedvr2.workflow.server import ComfyServer
 
 INSTALL_TIMEOUT = 1200  # first install downloads ComfyUI's requirements
@@ -129,7 +130,7 @@ def _tiny(name: str, extra_sets=()) -> dict:
     """The API twin of an example with the tiny models and sizes (as --set would apply them)."""
     from seedvr2.workflow.run import apply_sets
 
-    prompt = json.loads((EXAMPLES_DIR / f"{name}_api.json").read_text())
+    prompt = json.loads((API_DIR / f"{name}.json").read_text())
     return apply_sets(prompt, [*tiny_sets(prompt), *extra_sets], {})
 
 
@@ -138,12 +139,14 @@ def _tiny(name: str, extra_sets=()) -> dict:
 
 def test_pack_loads_with_v3_schema_and_our_inputs(comfyui):
     from seedvr2.workflow.host import HeadlessHost
+    from seedvr2.workflow.nodes import build_nodes
     from seedvr2.workflow.run import builtin_object_info
 
     info = comfyui.client.object_info()
     assert "SeedVR2" in comfyui.log.read_text() and "IMPORT FAILED" not in \
         "\n".join(l for l in comfyui.log.read_text().splitlines() if "SeedVR2" in l)
     ours = builtin_object_info(HeadlessHost(model_dir=comfyui.base / "models" / "SEEDVR2"))
+    defined = {n.id: n for n in build_nodes()}
     for node in OUR_NODES:
         served, expected = info[node], ours[node]
         assert served["python_module"].startswith("custom_nodes.")
@@ -156,7 +159,12 @@ def test_pack_loads_with_v3_schema_and_our_inputs(comfyui):
                 kind = "COMBO" if isinstance(spec[0], list) else spec[0]
                 assert (got[0] if not isinstance(got[0], list) else "COMBO") == kind, (node, name)
                 assert got[1]["tooltip"] == spec[1]["tooltip"]
-                assert got[1].get("default") == spec[1].get("default"), (node, name)
+                if defined[node].input(name).default is None and kind == "COMBO":
+                    # A list of this server's files: it starts at the first one.
+                    options = got[0] if isinstance(got[0], list) else got[1]["options"]
+                    assert got[1].get("default") == options[0], (node, name)
+                else:
+                    assert got[1].get("default") == spec[1].get("default"), (node, name)
     dits = info["SeedVR2LoadDiTModel"]["input"]["required"]["model"][1]["options"]
     vaes = info["SeedVR2LoadVAEModel"]["input"]["required"]["model"][1]["options"]
     assert "dit3b_tiny.safetensors" in dits and "seedvr2_ema_3b-Q4_K_M.gguf" in dits
@@ -186,7 +194,8 @@ def test_every_api_example_runs(comfyui, name):
         with Image.open(folder / saved["subfolder"] / saved["filename"]) as im:
             assert im.size == IMAGE_OUT
     elif name == "video_file_streaming":
-        (saved,) = outputs["4"]["seedvr2_outputs"]
+        (saved,) = outputs["4"]["images"]
+        assert outputs["4"]["animated"] == [True]  # drawn as a player, like Save Video's
         assert probe_video(folder / saved["subfolder"] / saved["filename"]) == \
             (CLIP_FRAMES, VIDEO_OUT, True)
         assert len(outputs["5"]["images"]) == 4  # the preview frames
@@ -194,6 +203,24 @@ def test_every_api_example_runs(comfyui, name):
         (saved,) = outputs["5"]["images"]
         assert probe_video(folder / saved["subfolder"] / saved["filename"]) == \
             (CLIP_FRAMES, VIDEO_OUT, True)
+
+
+def test_the_image_example_loads_a_picture_stock_comfyui_ships():
+    comfy_dir, _ = _install()
+    (loader,) = [n for n in json.loads((API_DIR / "image_upscale.json").read_text()).values()
+                 if n["class_type"] == "LoadImage"]
+    assert (comfy_dir / "input" / loader["inputs"]["image"]).is_file()
+
+
+def test_upscale_video_file_takes_a_typed_path_outside_the_input_folder(comfyui, tmp_path):
+    """video_path lists the input folder's videos, but a path typed by hand passes ComfyUI's
+    validation too (the node checks the file when it runs)."""
+    outside = tmp_path / "elsewhere.mp4"
+    shutil.copy(comfyui.base / "input" / "seedvr2_example.mp4", outside)
+    entry = comfyui.run(_tiny("video_file_streaming", [f"4.video_path={outside}"]))
+    (saved,) = entry["outputs"]["4"]["images"]
+    assert probe_video(comfyui.base / "output" / saved["subfolder"] / saved["filename"]) == \
+        (CLIP_FRAMES, VIDEO_OUT, True)
 
 
 def test_several_devices_from_the_node(comfyui):
@@ -244,10 +271,10 @@ def test_interrupt_ends_a_run_cleanly(comfyui):
 def test_run_workflow_cli_against_the_server(comfyui, tmp_path):
     """Local inputs the server lacks are uploaded; progress is printed per node."""
     ui = EXAMPLES_DIR / "image_upscale.json"
-    prompt = json.loads((EXAMPLES_DIR / "image_upscale_api.json").read_text())
+    prompt = json.loads((API_DIR / "image_upscale.json").read_text())
     local = tmp_path / "local"
     local.mkdir()
-    shutil.copy(comfyui.base / "input" / "seedvr2_example.png", local / "cli_photo.png")
+    shutil.copy(comfyui.base / "input" / EXAMPLE_IMAGE, local / "cli_photo.png")
     sets = [arg for s in [*tiny_sets(prompt), "1.image=cli_photo.png", "4.seed=21"]
             for arg in ("--set", s)]
     command = [sys.executable, "-m", "seedvr2", "run-workflow", str(ui), "--server", comfyui.url,
@@ -322,7 +349,7 @@ def test_server_runs_upload_local_videos(comfyui, tmp_path):
     shutil.copy(comfyui.base / "input" / "seedvr2_example.mp4", local / "streamed_clip.mp4")
     for name, node, value in (("video_upscale", "1.file", "loaded_clip.mp4"),
                               ("video_file_streaming", "4.video_path", "streamed_clip.mp4")):
-        prompt = json.loads((EXAMPLES_DIR / f"{name}_api.json").read_text())
+        prompt = json.loads((API_DIR / f"{name}.json").read_text())
         result = run_workflow(EXAMPLES_DIR / f"{name}.json",
                               [*tiny_sets(prompt), f"{node}={value}"], server=comfyui.url,
                               input_dir=local, output_dir=tmp_path / name, quiet=True,
@@ -332,7 +359,7 @@ def test_server_runs_upload_local_videos(comfyui, tmp_path):
         videos = [p for p in result.files if p.suffix == ".mp4"]
         assert len(videos) == 1 and probe_video(videos[0]) == (CLIP_FRAMES, VIDEO_OUT, True)
     # Now the server lists both: a second run uploads nothing.
-    prompt = json.loads((EXAMPLES_DIR / "video_upscale_api.json").read_text())
+    prompt = json.loads((API_DIR / "video_upscale.json").read_text())
     result = run_workflow(EXAMPLES_DIR / "video_upscale.json",
                           [*tiny_sets(prompt), "1.file=loaded_clip.mp4"], server=comfyui.url,
                           input_dir=local, output_dir=tmp_path / "again", quiet=True,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -193,13 +195,30 @@ def test_interrupt_stops_the_node_with_nothing_kept(tiny_model_dir, tmp_path):
                                           **{**inputs, "resolution": 16, "batch_size": 1})
 
 
-def test_model_dropdown_lists_registered_and_found_files_by_kind(tiny_model_dir):
+def test_model_dropdown_lists_local_files_first_then_downloads(tiny_model_dir, tmp_path):
+    """The files the user has come first (a new node's default is one that runs), then the
+    released files still to download, which the spec lists for the editor to label."""
+    from seedvr2.loading.registry import KNOWN_FILES
+
+    nodes = _by_id()
     host = HeadlessHost(model_dir=tiny_model_dir)
     dits = defs.model_choices(host, "dit")
     vaes = defs.model_choices(host, "vae")
-    assert dits[0] == "seedvr2_ema_3b_fp16.safetensors" and dits[-1] == "dit3b_tiny.safetensors"
-    assert vaes == ["ema_vae_fp16.safetensors", "vae_tiny.safetensors"]
+    registered_dits = [n for n, k in KNOWN_FILES.items() if k.kind == "dit"]
+    assert dits == ["dit3b_tiny.safetensors", *registered_dits]
+    assert vaes == ["vae_tiny.safetensors", "ema_vae_fp16.safetensors"]
     assert "text_64.safetensors" not in dits + vaes
+    model = nodes["SeedVR2LoadDiTModel"].input("model")
+    options, extra = defs.input_spec(model, host)
+    assert extra["default"] == "dit3b_tiny.safetensors"
+    assert list(extra[defs.DOWNLOADS_KEY]) == registered_dits
+    # A released file the user has is local: listed first, not marked.
+    shutil.copy(tiny_model_dir / "vae_tiny.safetensors", tmp_path / "ema_vae_fp16.safetensors")
+    host = HeadlessHost(model_dir=tmp_path)
+    vae = nodes["SeedVR2LoadVAEModel"].input("model")
+    options, extra = defs.input_spec(vae, host)
+    assert options == ["ema_vae_fp16.safetensors"] and extra["default"] == options[0]
+    assert extra[defs.DOWNLOADS_KEY] == {}
 
 
 def test_comfy_folder_name_matches_the_registry():
@@ -278,3 +297,16 @@ def test_batch_size_zero_means_auto():
     vae = defs.ModelHandle("vae", "vae.safetensors", "/m/vae.safetensors")
     assert defs.plan_job(dit, vae, {}, {"batch_size": 0}).options["batch_size"] == "auto"
     assert defs.plan_job(dit, vae, {}, {"batch_size": 9}).options["batch_size"] == 9
+
+
+def test_video_path_lists_input_videos_with_an_upload_button_and_takes_typed_paths(tmp_path):
+    from seedvr2.workflow.execute import coerce
+
+    (tmp_path / "clip.mp4").write_bytes(b"")
+    (tmp_path / "photo.png").write_bytes(b"")
+    host = HeadlessHost(model_dir=tmp_path, input_dir=tmp_path)
+    video_path = _by_id()["SeedVR2UpscaleVideoFile"].input("video_path")
+    options, extra = defs.input_spec(video_path, host)
+    assert options == ["clip.mp4"] and extra["default"] == "clip.mp4"
+    assert extra["video_upload"] is True
+    assert coerce(video_path, "/elsewhere/film.mkv", host) == "/elsewhere/film.mkv"

@@ -19,6 +19,7 @@ from seedvr2.workflow.host import HeadlessHost
 from seedvr2.workflow.run import apply_sets, builtin_object_info, run_workflow, to_api
 
 EXAMPLES_DIR = REPO / "example_workflows"
+API_DIR = EXAMPLES_DIR / examples.API_FOLDER  # the API twins
 NAMES = [e.name for e in examples.EXAMPLES]
 CLIP_FRAMES, CLIP_SIZE, IMAGE_SIZE = 9, (64, 48), (56, 40)  # (width, height)
 VIDEO_OUT, IMAGE_OUT = (86, 64), (90, 64)  # short edge 64 (resolution), even sizes
@@ -92,7 +93,7 @@ def _host(tiny_model_dir, inputs, tmp_path) -> HeadlessHost:
 
 
 def _api(name: str) -> dict:
-    return json.loads((EXAMPLES_DIR / f"{name}_api.json").read_text())
+    return json.loads((API_DIR / f"{name}.json").read_text())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,10 +103,35 @@ def _api(name: str) -> dict:
 def test_example_files_are_what_the_example_module_writes():
     """Regenerate with: .venv/bin/python -m seedvr2.workflow.examples"""
     written = examples.files()
-    on_disk = {p.name: p.read_text() for p in EXAMPLES_DIR.glob("*.json")}
+    on_disk = {p.relative_to(EXAMPLES_DIR).as_posix(): p.read_text()
+               for p in EXAMPLES_DIR.rglob("*.json")}
     assert sorted(on_disk) == sorted(written)
     for name, text in written.items():
         assert on_disk[name] == text, f"{name} is stale: run python -m seedvr2.workflow.examples"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_template_has_a_thumbnail_of_its_current_workflow(name):
+    """<name>.jpg beside each template: the result of running it (examples --thumbnails), made
+    from the workflow as it is now (the stamp in the JPEG comment: its API prompt's digest)."""
+    from PIL import Image
+
+    example = next(e for e in examples.EXAMPLES if e.name == name)
+    with Image.open(EXAMPLES_DIR / f"{name}.jpg") as thumbnail:
+        assert thumbnail.format == "JPEG" and thumbnail.width == examples.THUMB_WIDTH
+        stamp = thumbnail.info.get("comment", b"").decode()
+    assert stamp == examples.thumbnail_stamp(example), (
+        f"{name}.jpg pictures an older {name}.json: run python -m seedvr2.workflow.examples "
+        f"--thumbnails --conformance DIR")
+
+
+def test_only_editor_format_files_are_templates():
+    """ComfyUI lists every example_workflows/*.json as a template: API twins live in api/."""
+    for path in EXAMPLES_DIR.glob("*.json"):
+        workflow = json.loads(path.read_text())
+        assert "nodes" in workflow and "version" in workflow, path.name
+    assert sorted(p.stem for p in EXAMPLES_DIR.glob("*.json")) == sorted(NAMES)
+    assert sorted(p.stem for p in API_DIR.glob("*.json")) == sorted(NAMES)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -158,7 +184,7 @@ def _tiny_image_sets():
 @pytest.mark.parametrize("sets, message", [
     (["2.model=missing.safetensors"],
      "error: node 2 (SeedVR2LoadDiTModel): model = 'missing.safetensors': not one of the choices "
-     "(seedvr2_ema_3b_fp16.safetensors, "),
+     "(dit3b_tiny.safetensors, seedvr2_ema_3b_fp16.safetensors, "),
     (["4.batch_size=4"],
      "error: node 4 (SeedVR2VideoUpscaler): batch_size = 4: must be 4n+1 (1, 5, 9, 13, 17, 21, "
      "...); nearest valid values: 1 or 5\n"),
@@ -179,7 +205,7 @@ def _tiny_image_sets():
 ])
 def test_bad_input_exits_non_zero_with_the_nodes_message(sets, message, tiny_model_dir, inputs,
                                                          tmp_path, capsys):
-    rc = _cli(tmp_path, tiny_model_dir, inputs, EXAMPLES_DIR / "image_upscale_api.json",
+    rc = _cli(tmp_path, tiny_model_dir, inputs, API_DIR / "image_upscale.json",
               *_tiny_image_sets(), *sets)
     err = capsys.readouterr().err
     assert rc == 1
@@ -197,7 +223,7 @@ def test_registered_model_not_downloaded_names_the_download(tiny_model_dir, inpu
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
     sets = [s for s in _tiny_image_sets() if not s.startswith("2.model")]
-    rc = _cli(tmp_path, tiny_model_dir, inputs, EXAMPLES_DIR / "image_upscale_api.json", *sets)
+    rc = _cli(tmp_path, tiny_model_dir, inputs, API_DIR / "image_upscale.json", *sets)
     assert rc == 1
     assert capsys.readouterr().err == (
         f"error: node 2 (SeedVR2LoadDiTModel): seedvr2_ema_3b_fp16.safetensors: download from "

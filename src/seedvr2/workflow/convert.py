@@ -6,8 +6,8 @@ node's widget inputs (a running server's, or our own table: our nodes' definitio
 core nodes the examples use). The editor also stores values of widgets that are not inputs,
 and those are skipped: the "control after generate" choice after a seed (inputs flagged
 ``control_after_generate``, and INTs named seed/noise_seed in older editors) and the upload
-button's value after a LoadImage/LoadVideo file (inputs flagged ``image_upload`` /
-``video_upload``).
+button's value (nodes with an input flagged ``image_upload`` / ``video_upload``: the editor
+adds the button after the node's other widgets, so its value is the last one).
 
 Frontend-only nodes are resolved: Reroute passes its link through, a PrimitiveNode gives its
 value, Note/MarkdownNote are dropped, a muted node (mode 2) is left out and a bypassed node
@@ -59,18 +59,18 @@ def _map_widget_values(node: dict, info: dict) -> dict:
     if not isinstance(values, list):
         raise WorkflowError("widgets_values must be a list", str(node.get("id")), node.get("type"))
     mapped, i = {}, 0
-    for index, (name, extra, kind) in enumerate(widgets):
+    for name, extra, kind in widgets:
         if i >= len(values):
             break  # a workflow saved before later inputs existed: those take their defaults
         mapped[name] = values[i]
         i += 1
-        left_widgets = len(widgets) - index - 1
         has_control = extra.get("control_after_generate") or \
             kind == "INT" and name in ("seed", "noise_seed")
         if has_control and i < len(values) and values[i] in CONTROL_VALUES:
             i += 1
-        elif any(extra.get(flag) for flag in UPLOAD_FLAGS) and len(values) - i > left_widgets:
-            i += 1
+    has_upload = any(extra.get(flag) for _, extra, _ in widgets for flag in UPLOAD_FLAGS)
+    if has_upload and i == len(values) - 1:
+        i += 1
     if i < len(values):
         raise WorkflowError(f"{len(values)} widget values for the {len(widgets)} widgets "
                             f"{[w[0] for w in widgets]}; the workflow was saved with a different "

@@ -1,12 +1,16 @@
 """The example workflows in ``example_workflows/``, described once and written in both formats.
 
-Each example is a small graph (:class:`Example`); :func:`ui_workflow` writes what the editor
-saves (nodes with positions, links, widget values in widget order -- including the editor's
-extra values after a seed and a file upload) and :func:`api_prompt` the API format. A test
-checks that the committed files are exactly what this module writes, and that converting each
-UI file with :mod:`.convert` gives its API twin.
+Each example is a small graph (:class:`Example`, its nodes in layout columns); :func:`ui_workflow`
+writes what the editor saves (nodes with positions and sizes, links, widget values in widget
+order -- including the editor's extra values after a seed and a file upload -- and the view it
+opens with) and :func:`api_prompt` the API format, into ``api/`` (ComfyUI lists every
+``example_workflows/*.json`` as a template, and an API-format file opens as an empty canvas).
+:func:`thumbnails` runs each example and saves its result as the template's ``<name>.jpg``.
+Tests check that the committed files are what this module writes, and that converting each UI
+file with :mod:`.convert` gives its API twin.
 
     python -m seedvr2.workflow.examples [FOLDER]    # rewrite the examples (after node changes)
+    python -m seedvr2.workflow.examples --thumbnails --conformance DIR    # and the thumbnails
 """
 
 from __future__ import annotations
@@ -17,16 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-EXAMPLE_IMAGE, EXAMPLE_VIDEO = "seedvr2_example.png", "seedvr2_example.mp4"
+EXAMPLE_IMAGE, EXAMPLE_VIDEO = "example.png", "seedvr2_example.mp4"  # example.png: stock ComfyUI's
 DIT_FP16, DIT_GGUF, VAE = ("seedvr2_ema_3b_fp16.safetensors", "seedvr2_ema_3b-Q4_K_M.gguf",
                            "ema_vae_fp16.safetensors")
+API_FOLDER = "api"  # example_workflows/api/: ComfyUI lists only example_workflows/*.json as templates
 
 
 @dataclass
 class ExampleNode:
     id: int
     type: str
-    pos: tuple
     values: dict = field(default_factory=dict)  # widget values differing from the defaults
     links: dict = field(default_factory=dict)  # input name -> (source node id, output index)
     title: Optional[str] = None
@@ -36,36 +40,38 @@ class ExampleNode:
 class Example:
     name: str
     description: str
-    nodes: list
+    columns: list  # of lists of ExampleNode: the layout, left to right, each column top down
+
+    @property
+    def nodes(self) -> list:
+        return [node for column in self.columns for node in column]
 
 
-def _loaders(dit_values=None, vae_values=None, x=40, y=260) -> list:
-    return [ExampleNode(2, "SeedVR2LoadDiTModel", (x, y), {"model": DIT_FP16, **(dit_values or {})}),
-            ExampleNode(3, "SeedVR2LoadVAEModel", (x, y + 380), {"model": VAE, **(vae_values or {})})]
+def _loaders(dit_values=None, vae_values=None) -> list:
+    return [ExampleNode(2, "SeedVR2LoadDiTModel", {"model": DIT_FP16, **(dit_values or {})}),
+            ExampleNode(3, "SeedVR2LoadVAEModel", {"model": VAE, **(vae_values or {})})]
 
 
 def _video_graph(upscaler_values: dict, prefix: str, **loader_values) -> list:
     return [
-        ExampleNode(1, "LoadVideo", (40, 40), {"file": EXAMPLE_VIDEO}),
-        ExampleNode(6, "GetVideoComponents", (400, 40), links={"video": (1, 0)}),
-        *_loaders(**loader_values),
-        ExampleNode(4, "SeedVR2VideoUpscaler", (460, 260), upscaler_values,
-                    links={"image": (6, 0), "dit": (2, 0), "vae": (3, 0)}),
-        ExampleNode(7, "CreateVideo", (880, 260), links={"images": (4, 0), "fps": (6, 2),
-                                                        "audio": (6, 1)}),
-        ExampleNode(5, "SaveVideo", (1180, 260), {"filename_prefix": prefix},
-                    links={"video": (7, 0)}),
+        [ExampleNode(1, "LoadVideo", {"file": EXAMPLE_VIDEO}),
+         ExampleNode(6, "GetVideoComponents", links={"video": (1, 0)})],
+        _loaders(**loader_values),
+        [ExampleNode(4, "SeedVR2VideoUpscaler", upscaler_values,
+                     links={"image": (6, 0), "dit": (2, 0), "vae": (3, 0)})],
+        [ExampleNode(7, "CreateVideo", links={"images": (4, 0), "fps": (6, 2), "audio": (6, 1)}),
+         ExampleNode(5, "SaveVideo", {"filename_prefix": prefix}, links={"video": (7, 0)})],
     ]
 
 
 EXAMPLES = [
     Example("image_upscale", "One image: Load Image -> SeedVR2 -> Save Image.", [
-        ExampleNode(1, "LoadImage", (40, 40), {"image": EXAMPLE_IMAGE}),
-        *_loaders(),
-        ExampleNode(4, "SeedVR2VideoUpscaler", (460, 260), {"batch_size": 1, "resolution": 1080},
-                    links={"image": (1, 0), "dit": (2, 0), "vae": (3, 0)}),
-        ExampleNode(5, "SaveImage", (880, 260), {"filename_prefix": "SeedVR2/image"},
-                    links={"images": (4, 0)}),
+        [ExampleNode(1, "LoadImage", {"image": EXAMPLE_IMAGE})],
+        _loaders(),
+        [ExampleNode(4, "SeedVR2VideoUpscaler", {"batch_size": 1, "resolution": 1080},
+                     links={"image": (1, 0), "dit": (2, 0), "vae": (3, 0)})],
+        [ExampleNode(5, "SaveImage", {"filename_prefix": "SeedVR2/image"},
+                     links={"images": (4, 0)})],
     ]),
     Example("video_upscale", "A video with its audio: Load Video -> frames -> SeedVR2 -> "
             "Create Video (same fps and audio) -> Save Video.",
@@ -85,14 +91,77 @@ EXAMPLES = [
                           "devices": "auto"}, "SeedVR2/multi_gpu")),
     Example("video_file_streaming", "Any length or resolution: the video file is upscaled to a "
             "new file frame batch by frame batch (never one IMAGE batch in RAM); audio kept.", [
-        *_loaders(x=40, y=40),
-        ExampleNode(4, "SeedVR2UpscaleVideoFile", (460, 40),
-                    {"video_path": EXAMPLE_VIDEO, "filename_prefix": "SeedVR2/file",
-                     "batch_size": 21, "resolution": 1080, "temporal_overlap": 2},
-                    links={"dit": (2, 0), "vae": (3, 0)}),
-        ExampleNode(5, "PreviewImage", (900, 40), links={"images": (4, 1)}),
+        _loaders(),
+        [ExampleNode(4, "SeedVR2UpscaleVideoFile",
+                     {"video_path": EXAMPLE_VIDEO, "filename_prefix": "SeedVR2/file",
+                      "batch_size": 21, "resolution": 1080, "temporal_overlap": 2},
+                     links={"dit": (2, 0), "vae": (3, 0)})],
+        [ExampleNode(5, "PreviewImage", links={"images": (4, 1)})],
     ]),
 ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout: node sizes as the editor (ComfyUI frontend 1.32) computes them, so a saved node is
+# exactly as tall as its widgets, and room for what the editor draws on a node besides (the
+# picked image or video of a loader, the result of a save node).
+
+TITLE_HEIGHT = 30  # drawn above a node's pos
+SLOT_HEIGHT, WIDGET_HEIGHT = 20, 24  # a socket row; a widget with its spacing
+WIDTH = {"SeedVR2": 340, "core": 300}
+# Height the editor adds below the widgets of a node that shows its input file (picture or
+# player, as wide as the node): room for a square one; the editor grows a node that is
+# shorter, and keeps a taller one as saved.
+PREVIEW_ROOM = {"LoadImage": 310, "LoadVideo": 310, "SeedVR2UpscaleVideoFile": 350}
+# Room left below a node that shows a result after a run (Save Image / Video, Preview Image,
+# our file node's player): nothing is placed under it in its column.
+GAP_X, GAP_Y = 60, 50
+# The view a workflow opens with: the whole graph fits a 1280 x 720 editor canvas clear of its
+# side bar (left, 59 px) and of its tab bar, workflow menu and Run bar (top, to 130 px).
+VIEW_SIZE, VIEW_MARGINS = (1280, 720), (80, 150, 30, 30)  # left, top, right, bottom
+
+
+def widget_count(definition) -> int:
+    """Widgets the editor shows for a node: one per widget input, one more after a seed
+    (control after generate) and one upload button for a node with a file to upload."""
+    widgets = sum(1 + bool(i.control_after_generate) for i in definition.inputs if i.is_widget)
+    return widgets + any(i.upload for i in definition.inputs)
+
+
+def node_size(node: ExampleNode, definition) -> list:
+    sockets = sum(1 for i in definition.inputs if not i.is_widget)
+    rows = max(sockets, len(definition.outputs), 1)
+    widgets = widget_count(definition)
+    height = rows * SLOT_HEIGHT + 6 + (8 + WIDGET_HEIGHT * widgets if widgets else 0)
+    height += PREVIEW_ROOM.get(node.type, 0)
+    return [WIDTH["SeedVR2" if node.type.startswith("SeedVR2") else "core"], height]
+
+
+def layout(example: Example, nodes: dict) -> dict:
+    """node id -> (pos, size): columns left to right, each top down."""
+    placed, x = {}, 0
+    for column in example.columns:
+        y = TITLE_HEIGHT
+        for node in column:
+            size = node_size(node, nodes[node.type])
+            placed[node.id] = ([x, y], size)
+            y += size[1] + GAP_Y + TITLE_HEIGHT
+        x += max(placed[n.id][1][0] for n in column) + GAP_X
+    return placed
+
+
+def initial_view(placed: dict) -> dict:
+    """The editor's saved view (extra.ds): the whole graph in VIEW_SIZE, clear of the bars."""
+    left = min(pos[0] for pos, _ in placed.values())
+    top = min(pos[1] - TITLE_HEIGHT for pos, _ in placed.values())
+    right = max(pos[0] + size[0] for pos, size in placed.values())
+    bottom = max(pos[1] + size[1] for pos, size in placed.values())
+    m_left, m_top, m_right, m_bottom = VIEW_MARGINS
+    room = (VIEW_SIZE[0] - m_left - m_right, VIEW_SIZE[1] - m_top - m_bottom)
+    scale = round(min(1.0, room[0] / (right - left), room[1] / (bottom - top)), 2)
+    # screen = (graph + offset) * scale
+    return {"scale": scale, "offset": [round(m_left / scale - left, 1),
+                                       round(m_top / scale - top, 1)]}
 
 
 def _definitions() -> dict:
@@ -138,6 +207,7 @@ def _order(example: Example) -> dict:
 def ui_workflow(example: Example) -> dict:
     nodes = _definitions()
     order = _order(example)
+    placed = layout(example, nodes)
     links, ui_nodes = [], []
     by_id = {n.id: n for n in example.nodes}
     outgoing: dict = {}
@@ -165,8 +235,8 @@ def ui_workflow(example: Example) -> dict:
             widgets_values.append(_widget_value(inp, node.values))
             if inp.control_after_generate:
                 widgets_values.append("fixed")
-            if inp.upload:
-                widgets_values.append("image")
+        if any(inp.upload for inp in definition.inputs):
+            widgets_values.append("image")  # the upload button, added after the other widgets
         inputs = []
         for slot, inp in enumerate(sockets):
             link = next((l[0] for l in links if l[3] == node.id and l[4] == slot), None)
@@ -179,11 +249,9 @@ def ui_workflow(example: Example) -> dict:
         outputs = [{"name": out.name, "type": out.type,
                     "links": outgoing.get((node.id, slot), []), "slot_index": slot}
                    for slot, out in enumerate(definition.outputs)]
-        widgets = len(widgets_values)
+        pos, size = placed[node.id]
         ui_nodes.append({
-            "id": node.id, "type": node.type, "pos": list(node.pos),
-            "size": [360 if node.type.startswith("SeedVR2") else 300,
-                     max(60, 30 + 24 * (len(sockets) + max(len(outputs), 0) + widgets))],
+            "id": node.id, "type": node.type, "pos": pos, "size": size,
             "flags": {}, "order": order[node.id], "mode": 0, "inputs": inputs,
             "outputs": outputs, "properties": {"Node name for S&R": node.type},
             "widgets_values": widgets_values,
@@ -191,7 +259,7 @@ def ui_workflow(example: Example) -> dict:
         })
     return {"last_node_id": max(n.id for n in example.nodes), "last_link_id": len(links),
             "nodes": ui_nodes, "links": links, "groups": [], "config": {},
-            "extra": {"ds": {"scale": 1.0, "offset": [0, 0]}, "info": {
+            "extra": {"ds": initial_view(placed), "info": {
                 "name": example.name, "description": example.description}},
             "version": 0.4}
 
@@ -201,21 +269,176 @@ def dumps(workflow: dict) -> str:
 
 
 def files() -> dict[str, str]:
-    """File name -> contents of every example, UI format and API twin."""
+    """Path in example_workflows/ -> contents of every example: the editor's format beside
+    (the templates ComfyUI lists), the API twin in api/ (ComfyUI does not look there)."""
     out = {}
     for example in EXAMPLES:
         out[f"{example.name}.json"] = dumps(ui_workflow(example))
-        out[f"{example.name}_api.json"] = dumps(api_prompt(example))
+        out[f"{API_FOLDER}/{example.name}.json"] = dumps(api_prompt(example))
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# Thumbnails: <name>.jpg beside each template, the picture the Templates browser shows. Each is
+# the result of running that workflow: in process, with the conformance kit's tiny models (the
+# released weights are multi-GB downloads) at THUMB_RESOLUTION on the CPU, on a synthetic input
+# drawn here, so the same command gives the same pictures anywhere.
+
+THUMB_RESOLUTION, THUMB_WIDTH = 192, 320
+THUMB_INPUT_SIZE, THUMB_FRAMES = (128, 96), 9  # (width, height) of the drawn input
+
+
+def _scene(t: float):
+    """A small landscape (sky, sun, hills), the sun moving with ``t`` in [0, 1]: uint8 HWC."""
+    import numpy as np
+
+    width, height = THUMB_INPUT_SIZE
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    sky = np.stack([90 + 100 * y / height, 150 + 60 * y / height, 235 - 40 * y / height], -1)
+    sun_x, sun_y = width * (0.25 + 0.5 * t), height * 0.3
+    sun = ((x - sun_x) ** 2 + (y - sun_y) ** 2) < (height * 0.12) ** 2
+    pixels = np.where(sun[..., None], np.array([255, 215, 90], np.float32), sky)
+    for base, amp, freq, colour in ((0.62, 0.10, 2.0, (70, 140, 70)),
+                                    (0.78, 0.07, 3.5, (40, 100, 50))):
+        ridge = height * (base + amp * np.sin(freq * np.pi * x / width + 1.3 * base))
+        pixels = np.where((y > ridge)[..., None], np.array(colour, np.float32), pixels)
+    return pixels.clip(0, 255).astype(np.uint8)
+
+
+def _thumb_inputs(folder: Path) -> None:
+    """The inputs the examples load, drawn: the image and a clip (no audio)."""
+    from fractions import Fraction
+
+    import av
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(_scene(0.5)).save(folder / EXAMPLE_IMAGE)
+    with av.open(str(folder / EXAMPLE_VIDEO), "w") as out:
+        stream = out.add_stream("libx264", rate=Fraction(24))
+        stream.width, stream.height, stream.pix_fmt = *THUMB_INPUT_SIZE, "yuv444p"
+        stream.options = {"crf": "0"}  # lossless: the same frames in anywhere
+        for i in range(THUMB_FRAMES):
+            frame = av.VideoFrame.from_ndarray(_scene(i / (THUMB_FRAMES - 1)), format="rgb24")
+            frame.pts, frame.time_base = i, Fraction(1, 24)
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode(None))
+
+
+def _tiny_models(conformance: Path, folder: Path) -> None:
+    """The conformance kit's tiny 3B DiT and VAE (configs in the metadata, as the loaders
+    read them) and its 64-wide text embeddings, in ``folder``."""
+    import json as _json
+
+    from safetensors.torch import load_file, save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("dit3b_tiny", "vae_tiny"):
+        config = _json.loads((conformance / name / "config.json").read_text())
+        save_file(load_file(conformance / name / "weights.safetensors"),
+                  folder / f"{name}.safetensors",
+                  metadata={"config": _json.dumps(config["constructor_kwargs"])})
+    e2e = load_file(conformance / "pipeline" / "e2e_video_9f.safetensors")
+    save_file({"pos": e2e["inputs.txt_pos"].contiguous(),
+               "neg": e2e["inputs.txt_neg"].contiguous()}, folder / "text_64.safetensors")
+
+
+def _thumb_sets(example: Example) -> list[str]:
+    sets = []
+    for node in example.nodes:
+        # The CPU in fp32 on every machine: the same pictures wherever they are made.
+        if node.type == "SeedVR2LoadDiTModel":
+            sets += [f"{node.id}.model=dit3b_tiny.safetensors", f"{node.id}.device=cpu",
+                     f"{node.id}.dtype=fp32"]
+            if node.values.get("blocks_to_swap"):
+                sets.append(f"{node.id}.blocks_to_swap=2")  # the tiny DiT has 4 blocks
+        elif node.type == "SeedVR2LoadVAEModel":
+            sets += [f"{node.id}.model=vae_tiny.safetensors", f"{node.id}.device=cpu",
+                     f"{node.id}.dtype=fp32"]
+        elif node.type in ("SeedVR2VideoUpscaler", "SeedVR2UpscaleVideoFile"):
+            sets += [f"{node.id}.resolution={THUMB_RESOLUTION}", f"{node.id}.batch_size=5",
+                     f"{node.id}.devices=cpu"]
+    return sets
+
+
+def _result_picture(path: Path):
+    """The saved result as a PIL image: the image, or a video's middle frame."""
+    from PIL import Image
+
+    if path.suffix.lower() != ".mp4":
+        return Image.open(path).convert("RGB")
+    import av
+
+    with av.open(str(path)) as container:
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    return Image.fromarray(frames[len(frames) // 2])
+
+
+def thumbnail_stamp(example: Example) -> str:
+    """What a thumbnail records (its JPEG comment) of the workflow it pictures: the example
+    and a digest of its API prompt, so a test finds thumbnails older than their workflow."""
+    import hashlib
+
+    digest = hashlib.sha256(dumps(api_prompt(example)).encode()).hexdigest()[:16]
+    return f"seedvr2 example {example.name} {digest}"
+
+
+def thumbnails(conformance: Path, folder: Path, work: Path) -> list[Path]:
+    """Run every example (see above) and write ``<name>.jpg`` into ``folder``."""
+    from PIL import Image
+
+    from .host import HeadlessHost
+    from .run import run_workflow
+
+    models, inputs = work / "models", work / "input"
+    _tiny_models(Path(conformance), models)
+    _thumb_inputs(inputs)
+    written = []
+    for example in EXAMPLES:
+        host = HeadlessHost(model_dir=models, input_dir=inputs, output_dir=work / example.name,
+                            quiet=True)
+        result = run_workflow(ui_workflow(example), _thumb_sets(example), host=host)
+        saved = next(p for p in result.files if p.suffix.lower() in (".png", ".mp4"))
+        picture = _result_picture(saved)
+        height = round(THUMB_WIDTH * picture.height / picture.width)
+        target = folder / f"{example.name}.jpg"
+        picture.resize((THUMB_WIDTH, height), Image.Resampling.LANCZOS).save(
+            target, quality=90, optimize=False, comment=thumbnail_stamp(example))
+        written.append(target)
+    return written
+
+
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    folder = Path(argv[0] if argv else Path(__file__).resolve().parents[3] / "example_workflows")
+    import argparse
+    import os
+    import tempfile
+
+    parser = argparse.ArgumentParser(
+        prog="python -m seedvr2.workflow.examples",
+        description="Write the example workflows (editor format, and API twins in api/); with "
+                    "--thumbnails also run each one and write its <name>.jpg thumbnail.")
+    parser.add_argument("folder", nargs="?", type=Path,
+                        default=Path(__file__).resolve().parents[3] / "example_workflows")
+    parser.add_argument("--thumbnails", action="store_true",
+                        help="run every example with the conformance kit's tiny models and "
+                             "save its result as <name>.jpg")
+    parser.add_argument("--conformance", type=Path,
+                        default=os.environ.get("SEEDVR2_CONFORMANCE"),
+                        help="the conformance kit folder (default: $SEEDVR2_CONFORMANCE)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    folder = args.folder
     folder.mkdir(parents=True, exist_ok=True)
     for name, text in files().items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_text(text)
         print(folder / name)
+    if args.thumbnails:
+        if args.conformance is None:
+            parser.error("--thumbnails needs the conformance kit: --conformance DIR or "
+                         "SEEDVR2_CONFORMANCE")
+        with tempfile.TemporaryDirectory() as work:
+            for path in thumbnails(args.conformance, folder, Path(work)):
+                print(path)
     return 0
 
 

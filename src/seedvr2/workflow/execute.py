@@ -57,7 +57,7 @@ def coerce(inp: Input, value, host):
         raise ValueError(f"{inp.name} = {value!r}: below the minimum {inp.min}")
     if inp.max is not None and value > inp.max:
         raise ValueError(f"{inp.name} = {value!r}: above the maximum {inp.max}")
-    if kind == "COMBO":
+    if kind == "COMBO" and not inp.accepts_unlisted:
         options = inp.options(host)
         if value not in options:
             shown = ", ".join(map(str, options[:12])) + (", ..." if len(options) > 12 else "")

@@ -63,6 +63,11 @@ class Input:
     optional: bool = False
     control_after_generate: bool = False  # the editor adds a "control after generate" widget
     upload: Optional[str] = None  # "image_upload" / "video_upload": the editor adds an upload widget
+    # A COMBO whose choices are a convenience (the input folder's files): other values, such as
+    # a path typed by hand, are accepted here and checked when the node runs.
+    accepts_unlisted: bool = False
+    # More keys of the input's spec (/object_info), read by the pack's editor extension.
+    extras: Optional[Callable[["Host"], dict]] = None
 
     @property
     def is_widget(self) -> bool:
@@ -105,6 +110,7 @@ class Host(Protocol):
     """What a node needs from whoever runs it (ComfyUI, or the headless runner)."""
 
     def model_names(self) -> list[str]: ...  # files in the model folders, relative names
+    def input_names(self) -> list[str]: ...  # files in the input folder
     def model_path(self, name: str) -> Optional[Path]: ...
     def model_folder(self) -> Path: ...  # where missing model files should go
     def input_path(self, name: str) -> Path: ...
@@ -216,10 +222,18 @@ def _compile_options(args) -> dict:
 
 
 def _model_input(kind: str) -> Input:
-    return Input("model", "COMBO", f"the {kind.upper()} weights: a released file (if it is not in "
-                 f"models/SEEDVR2 yet, the error says where to download it) or a file found in "
-                 f"models/SEEDVR2 (fp16, fp8, int8, GGUF or repackaged)",
-                 choices=lambda host: model_choices(host, kind))
+    return Input("model", "COMBO", f"the {kind.upper()} weights: a file found in models/SEEDVR2 "
+                 f"(fp16, fp8, int8, GGUF or repackaged; listed first), or a released file marked "
+                 f"'download' (fetched into models/SEEDVR2 when the node runs)",
+                 choices=lambda host: model_choices(host, kind),
+                 extras=lambda host: {DOWNLOADS_KEY: model_downloads(host, kind)})
+
+
+def _input_videos(host: Host) -> list[str]:
+    """The videos in the input folder (by extension), for Upscale Video File's list."""
+    from ..io._common import VIDEO_EXTENSIONS
+
+    return sorted(n for n in host.input_names() if Path(n).suffix.lower() in VIDEO_EXTENSIONS)
 
 
 _COMPILE_SETTING = Setting(
@@ -336,20 +350,45 @@ def _file_kind(path: Path) -> Optional[str]:
     return _KIND_CACHE[key]
 
 
-def model_choices(host: Host, kind: str) -> list[str]:
-    """The model dropdown: the released files of this kind, then the other files of this kind
-    found in the model folders (header read once per file)."""
+def _local_models(host: Host, kind: str) -> list[str]:
+    """The files of this kind in the model folders, sorted (header read once per file;
+    released files are known by name)."""
     from ..loading.registry import KNOWN_FILES
 
-    registered = [n for n, k in KNOWN_FILES.items() if k.kind == kind]
     found = []
     for name in host.model_names():
-        if name in KNOWN_FILES or not name.lower().endswith(MODEL_SUFFIXES):
+        if name in KNOWN_FILES:
+            if KNOWN_FILES[name].kind == kind:
+                found.append(name)
+            continue
+        if not name.lower().endswith(MODEL_SUFFIXES):
             continue
         path = host.model_path(name)
         if path is not None and _file_kind(path) == kind:
             found.append(name)
-    return registered + sorted(found)
+    return sorted(found)
+
+
+def model_downloads(host: Host, kind: str) -> dict[str, Optional[int]]:
+    """The released files of this kind not in the model folders: name -> size in bytes (None
+    when the registry does not know it). Choosing one downloads it when the node runs."""
+    from ..loading.registry import KNOWN_FILES
+
+    local = set(host.model_names())
+    return {name: known.size for name, known in KNOWN_FILES.items()
+            if known.kind == kind and name not in local}
+
+
+def model_choices(host: Host, kind: str) -> list[str]:
+    """The model dropdown: the files the user has first (so the first choice, the default of a
+    new node, is one that runs without a download), then the released files still to download
+    (the editor marks those: :data:`DOWNLOADS_KEY`)."""
+    return _local_models(host, kind) + list(model_downloads(host, kind))
+
+
+# The key of a model input's spec that lists the choices still to download, with their sizes;
+# the pack's editor extension (web/seedvr2.js) labels them in the dropdown.
+DOWNLOADS_KEY = "seedvr2_downloads"
 
 
 def _resolve_model(host: Host, kind: str, name: str) -> str:
@@ -561,7 +600,12 @@ def _upscale_video_file(host: Host, dit: ModelHandle, vae: ModelHandle, video_pa
         return upscale_file(src, dst, dit_path, vae_path, model_dir=model_dir, codec=codec,
                                 progress=progress, should_stop=should_stop, **options)
     out = _run_facade(host, dit, vae, upscaler, pipeline, call)
-    return NodeResult((str(out), _preview(out)), ui={"seedvr2_outputs": [saved]})
+    # The editor draws a node's "images" (with "animated" set, as a video player), as it does
+    # for ComfyUI's Save Video.
+    ui = {"images": [saved]}
+    if suffix == ".mp4":
+        ui["animated"] = [True]
+    return NodeResult((str(out), _preview(out)), ui=ui)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -636,8 +680,10 @@ def build_nodes() -> tuple:
                 "read, upscaled and written a batch at a time, so any length or resolution fits "
                 "in memory. Audio is copied unchanged.",
                 (_DIT_IN, _VAE_IN,
-                 Input("video_path", "STRING", "the video (or image / image sequence pattern): "
-                       "an absolute path, or a name in the ComfyUI input folder", ""),
+                 Input("video_path", "COMBO", "the video: one of the input folder's videos "
+                       "(or upload one), or a path typed by hand (an absolute path, an image or "
+                       "an image sequence pattern) for files outside the input folder",
+                       choices=_input_videos, upload="video_upload", accepts_unlisted=True),
                  Input("filename_prefix", "STRING", "output name prefix in the output folder "
                        "(may contain subfolders)", "SeedVR2/video"),
                  Input("codec", "COMBO", "h264 (8-bit) or h265 (10-bit)", "h264",
@@ -653,11 +699,21 @@ def build_nodes() -> tuple:
 # The same nodes described as ComfyUI's /object_info describes them
 
 
+def widget_default(inp: Input, options: list):
+    """The default a new node shows: a dropdown without one starts at its first choice (the
+    editor's search preview shows no value otherwise)."""
+    if inp.default is None and inp.type == "COMBO" and options:
+        return options[0]
+    return inp.default
+
+
 def input_spec(inp: Input, host: Host) -> list:
     """One input as the classic API (and /object_info) writes it: [type or options, {...}]."""
     extra = {"tooltip": inp.tooltip}
-    if inp.default is not None:
-        extra["default"] = inp.default
+    options = inp.options(host) if inp.type == "COMBO" else []
+    default = widget_default(inp, options)
+    if default is not None:
+        extra["default"] = default
     for key in ("min", "max", "step"):
         if getattr(inp, key) is not None:
             extra[key] = getattr(inp, key)
@@ -665,8 +721,10 @@ def input_spec(inp: Input, host: Host) -> list:
         extra["control_after_generate"] = True
     if inp.upload:
         extra[inp.upload] = True
+    if inp.extras is not None:
+        extra.update(inp.extras(host))
     if inp.type == "COMBO":
-        return [inp.options(host), extra]
+        return [options, extra]
     return [inp.type, extra]
 
 

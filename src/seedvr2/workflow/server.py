@@ -34,8 +34,9 @@ from .websocket import WebSocket, WebSocketError
 
 log = logging.getLogger("seedvr2")
 Events = Callable[[str, dict], None]  # on_event(type, data) with ComfyUI's event names
-# Input names of node types whose value is a file in the server's input folder without an
-# upload button in /object_info (inputs with one are found from /object_info).
+# Input names of node types whose value is a file in the server's input folder, or a path on
+# the server (left alone when absolute); listed here too for servers whose /object_info shows
+# no upload button on it (inputs with one are found from /object_info).
 FILE_INPUTS = {"SeedVR2UpscaleVideoFile": "video_path"}
 UPLOAD_FLAGS = ("image_upload", "video_upload", "animated_image_upload", "audio_upload")
 
