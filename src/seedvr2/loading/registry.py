@@ -99,15 +99,21 @@ def download_url(name: str) -> str:
     return f"https://huggingface.co/{known.repo}/resolve/main/{name}"
 
 
-def approximate_size(name: str) -> Optional[str]:
-    """``about 6.8 GB``: a registered weight file's size from its parameter count and format
-    (to tell the user what a download costs), or None when the registry cannot say."""
+def approximate_bytes(name: str) -> Optional[int]:
+    """A registered weight file's size in bytes from its parameter count and storage format
+    (what a download costs), or None when the registry cannot say."""
     known = KNOWN_FILES[name]
     params = _PARAMETERS.get(known.family or known.kind)
     per_weight = _BYTES_PER_WEIGHT.get(known.format)
     if params is None or per_weight is None:
         return None
-    return f"about {params * per_weight / 1e9:.1f} GB"
+    return round(params * per_weight)
+
+
+def approximate_size(name: str) -> Optional[str]:
+    """``about 6.8 GB``: :func:`approximate_bytes` for people, or None when unknown."""
+    size = approximate_bytes(name)
+    return None if size is None else f"about {size / 1e9:.1f} GB"
 
 
 def model_path_in(model_dir, name: str) -> Path:

@@ -370,12 +370,12 @@ def _local_models(host: Host, kind: str) -> list[str]:
 
 
 def model_downloads(host: Host, kind: str) -> dict[str, Optional[int]]:
-    """The released files of this kind not in the model folders: name -> size in bytes (None
-    when the registry does not know it). Choosing one downloads it when the node runs."""
-    from ..loading.registry import KNOWN_FILES
+    """The released files of this kind not in the model folders: name -> approximate size in bytes
+    (None when the registry cannot say). Choosing one downloads it when the node runs."""
+    from ..loading.registry import KNOWN_FILES, approximate_bytes
 
     local = set(host.model_names())
-    return {name: known.size for name, known in KNOWN_FILES.items()
+    return {name: approximate_bytes(name) for name, known in KNOWN_FILES.items()
             if known.kind == kind and name not in local}
 
 
