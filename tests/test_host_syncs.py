@@ -117,3 +117,19 @@ def test_kept_layouts_are_plain_tensors_even_when_made_in_inference_mode():
     x = torch.randn(96, 4, requires_grad=True)
     x[layout.perm].sum().backward()
     assert torch.equal(x.grad, torch.ones_like(x))
+
+
+def test_host_to_cuda_copies_are_pinned_and_non_blocking(monkeypatch):
+    """The CUDA branch of to_device, with the CUDA calls recorded instead of run: the values
+    are pinned first and copied without blocking the host (a pageable copy would wait for the
+    stream to drain)."""
+    from seedvr2.models.packing import to_device
+
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin") or self)
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **kw: calls.append(("to", a, kw)) or self)
+    to_device(torch.arange(3), torch.device("cuda", 1))
+    assert calls == ["pin", ("to", (torch.device("cuda", 1),), {"non_blocking": True})]
+    calls.clear()
+    to_device(torch.arange(3), torch.device("cpu"))
+    assert calls == [("to", (torch.device("cpu"),), {})]

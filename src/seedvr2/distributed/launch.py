@@ -40,8 +40,10 @@ def _free_port() -> int:
 
 def _join_group(rank: int, devices: list[str], port: int, threads: int, timeout_s: float):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # Every rank is on this machine: gloo (the whole group on CPUs, the frame group on GPUs
+    # too) connects over the loopback, whatever the host name resolves to.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if devices[rank] == "cpu":
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         torch.set_num_threads(threads)
     return init_from_env(devices[rank], timeout_s, rank=rank, world_size=len(devices),
                          local_rank=rank)
