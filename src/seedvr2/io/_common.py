@@ -7,7 +7,7 @@ Nothing here imports PyAV or Pillow; those load inside the functions that need t
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 
@@ -37,7 +37,10 @@ class MediaInfo:
     ``frame_count`` is exact when ``frame_count_exact`` is true. For videos it comes from the
     container's frame count when it stores one (MP4/MOV always do); otherwise it is estimated
     from the stream (or container) duration times the frame rate, and ``frame_count_exact`` is
-    false -- :meth:`VideoReader.count_frames` counts packets for an exact number.
+    false -- :meth:`VideoReader.count_frames` decodes the video for an exact number.
+    ``frame_times`` is None for constant-rate media (frame ``i`` is shown at ``i / fps``);
+    for variable-frame-rate video it holds every frame's presentation time in seconds from
+    the first frame, which video writers given ``like=`` reproduce so audio stays in sync.
     ``fps`` is an exact :class:`~fractions.Fraction` (e.g. 30000/1001) for videos, ``None`` for
     images and sequences (the files carry no rate). ``bit_depth`` is 8 or 16: sources with
     more than 8 bits (10-bit video, 16-bit PNG) are delivered as 16-bit frames.
@@ -57,6 +60,11 @@ class MediaInfo:
     frame_count_exact: bool = True
     codec: str | None = None
     rotation: int = 0
+    frame_times: tuple[Fraction, ...] | None = field(default=None, repr=False)
+    # Streams besides the video stream read and the audio: (index, type, codec), e.g.
+    # (2, "subtitle", "subrip"). Video writers copy the subtitles their container can hold
+    # and name everything else they leave out.
+    other_streams: tuple[tuple[int, str, str], ...] = ()
 
     @property
     def dtype(self) -> np.dtype:
@@ -66,6 +74,10 @@ class MediaInfo:
     @property
     def duration(self) -> float | None:
         """Seconds of video (frame_count / fps), or None without a frame rate."""
+        if self.frame_times:
+            last_interval = self.frame_times[-1] - self.frame_times[-2] \
+                if len(self.frame_times) > 1 else (1 / self.fps if self.fps else 0)
+            return float(self.frame_times[-1] + last_interval)
         return float(self.frame_count / self.fps) if self.fps else None
 
 

@@ -310,6 +310,7 @@ class VideoReader(MediaReader):
         try:
             self._stream_index = _pick_video_stream(path, container)
             stream = container.streams[self._stream_index]
+            self._decoder = _alpha_decoder(path, stream)
             fps = _frame_rate(stream)
             if fps is None:
                 raise MediaError(f"{path}: the video's frame rate is unknown")
@@ -327,7 +328,8 @@ class VideoReader(MediaReader):
                 kind="video", path=str(path), frame_count=frame_count, width=first.width,
                 height=first.height, channels=channels, bit_depth=bit_depth, fps=fps,
                 has_audio=bool(container.streams.audio), frame_count_exact=exact,
-                codec=stream.codec_context.name, rotation=int(round(first.rotation or 0)))
+                codec=stream.codec_context.name, rotation=int(round(first.rotation or 0)),
+                other_streams=_other_streams(container, self._stream_index))
             # A timestamp-based frame index needs a constant rate; FFmpeg's r_frame_rate
             # (base_rate) differing from the average rate is the tell-tale of variable rate.
             base, avg = stream.base_rate, stream.average_rate
@@ -335,7 +337,11 @@ class VideoReader(MediaReader):
                                    and avg is not None and abs(base / avg - 1) < 1e-3)
         finally:
             container.close()
-        if not exact and path.stat().st_size <= _COUNT_PACKETS_MAX_BYTES:
+        if not self._constant_rate or \
+                (not exact and path.stat().st_size <= _COUNT_PACKETS_MAX_BYTES):
+            # Variable rate: the stored count and rate x duration both go wrong (an MP4 edit
+            # list can hide a frame that still has a packet), and every frame's time is needed
+            # to keep the audio in sync; only decoding tells both.
             self.count_frames()  # also decides seekability
         else:
             self._update_seekable()
@@ -350,25 +356,48 @@ class VideoReader(MediaReader):
         self._seekable = self._constant_rate and consistent
 
     def count_frames(self) -> int:
-        """Count the video's packets (demux only, no decoding) to make ``info.frame_count``
-        exact; returns it. Reads the whole file, so it costs I/O on long videos."""
+        """Decode the whole video (no pixel conversion) to make ``info.frame_count`` exact and,
+        for variable-rate video, fill ``info.frame_times``; returns the count.
+
+        Packets are not frames: a decoder may drop some (an MP4 edit list ending before the
+        last packet), so only decoding counts what a player shows. Costs one decode pass.
+        """
         import dataclasses
 
         import av
 
-        count = 0
+        stamps: list[int | None] = []
         try:
-            with av.open(str(self.path)) as container:
-                for packet in container.demux(container.streams[self._stream_index]):
-                    if packet.size:
-                        count += 1
+            container = self._open()
+            try:
+                stamps = [frame.pts for frame in self._decode(container)]
+            finally:
+                container.close()
         except av.FFmpegError as e:
             raise MediaError(f"{self.path}: cannot read video: {_ffmpeg_message(e)}") from e
-        if count == 0:
+        if not stamps:
             raise MediaError(f"{self.path}: video stream has zero frames")
-        self.info = dataclasses.replace(self.info, frame_count=count, frame_count_exact=True)
+        self.info = dataclasses.replace(self.info, frame_count=len(stamps),
+                                        frame_count_exact=True,
+                                        frame_times=self._times_of(stamps))
         self._update_seekable()
-        return count
+        return len(stamps)
+
+    def _times_of(self, stamps: list[int | None]) -> tuple[Fraction, ...] | None:
+        """Seconds from the first frame for each decoded frame, or None when they are the
+        constant-rate grid ``i / fps`` anyway (to within one timestamp tick)."""
+        fps, tick = self.info.fps, self._time_base
+        times: list[Fraction] = []
+        for i, pts in enumerate(stamps):
+            time = None if pts is None else (pts - self._first_pts) * tick
+            if time is None or (times and time <= times[-1]):
+                # A missing or non-increasing timestamp (broken muxing): show the frame one
+                # nominal interval after the previous one rather than fail or reorder.
+                time = times[-1] + 1 / fps if times else Fraction(0)
+            times.append(time)
+        if all(abs(t - Fraction(i) / fps) <= tick for i, t in enumerate(times)):
+            return None
+        return tuple(times)
 
     def frames(self, start: int = 0, stop: int | None = None) -> Iterator[np.ndarray]:
         self._check_range(start, stop)
@@ -425,11 +454,15 @@ class VideoReader(MediaReader):
         import av
 
         stream = container.streams[self._stream_index]
+        decoder = stream
+        if self._decoder is not None:
+            decoder = av.CodecContext.create(self._decoder, "r")
+            decoder.thread_type = "AUTO"
         failures = 0
         try:
             for packet in container.demux(stream):  # ends with an empty packet: flush
                 try:
-                    frames = stream.decode(packet)
+                    frames = decoder.decode(packet if packet.size else None)
                 except av.InvalidDataError as e:
                     # Like the ffmpeg tool, skip a damaged packet rather than give up on the
                     # whole video; the decoder resyncs at the next keyframe.
@@ -525,6 +558,38 @@ def _pick_video_stream(path: Path, container) -> int:
             return stream.index
     what = "audio only" if container.streams.audio else "no streams FFmpeg can use"
     raise MediaError(f"{path}: has no video stream ({what})")
+
+
+# FFmpeg's native VP8/VP9 decoders ignore the alpha plane WebM stores beside each frame;
+# libvpx's decoders read it.
+_ALPHA_DECODERS = {"vp8": "libvpx", "vp9": "libvpx-vp9"}
+
+
+def _alpha_decoder(path: Path, stream) -> str | None:
+    """The decoder to use instead of FFmpeg's default, when the default would drop alpha."""
+    import av
+
+    codec = stream.codec_context.name
+    if codec not in _ALPHA_DECODERS or stream.metadata.get("alpha_mode") != "1":
+        return None
+    if _ALPHA_DECODERS[codec] in av.codecs_available:
+        return _ALPHA_DECODERS[codec]
+    warnings.warn(f"{path}: this {codec.upper()} video has an alpha channel, but this FFmpeg "
+                  f"build lacks the {_ALPHA_DECODERS[codec]} decoder that reads it; the "
+                  f"transparency is lost (install a PyAV/FFmpeg build with libvpx)",
+                  stacklevel=4)
+    return None
+
+
+def _other_streams(container, video_index: int) -> tuple[tuple[int, str, str], ...]:
+    """(index, type, codec) of every stream that is neither the video read nor audio."""
+    others = []
+    for stream in container.streams:
+        if stream.index == video_index or stream.type == "audio":
+            continue
+        codec = getattr(stream.codec_context, "name", None) if stream.codec_context else None
+        others.append((stream.index, stream.type, codec or "unknown codec"))
+    return tuple(others)
 
 
 def _frame_rate(stream) -> Fraction | None:

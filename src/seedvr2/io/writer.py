@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import secrets
@@ -51,7 +52,7 @@ def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
                 height: int | None = None, channels: int | None = None,
                 bit_depth: int | None = None, fps=None, codec: str = "h264",
                 crf: int | None = None, preset: str | None = None, quality: int = 95,
-                audio_from=None, overwrite: bool = False) -> MediaWriter:
+                audio_from=None, frame_times=None, overwrite: bool = False) -> MediaWriter:
     """Open a writer for frames of ``height x width x channels`` at ``bit_depth`` bits.
 
     Any of ``width``, ``height``, ``channels``, ``bit_depth`` and ``fps`` left out is taken
@@ -66,13 +67,19 @@ def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
       16-bit frames keep their precision down to 10 bits); ``preset`` is the x264/x265
       speed preset (default "medium"; "faster" keeps up with 4K output better). ``fps`` is
       kept exactly (use a Fraction such as 30000/1001); frames get constant-rate
-      timestamps. Width and height must be even (yuv420 halves chroma): an odd size is an
+      timestamps, unless ``frame_times`` (seconds from the first frame, one per frame;
+      default: ``like.frame_times``, set for variable-frame-rate sources) gives each
+      frame's presentation time. Width and height must be even (yuv420 halves chroma): an odd size is an
       error at open. Alpha is dropped, with a warning. ``audio_from`` (a path, or a
       MediaInfo) copies that file's audio streams packet for packet, without re-encoding
       (MP4 strips the ADTS headers of AAC from MPEG-TS, as it must), shifted by the
       source video's start time so the sync with the first frame is kept. The whole track
       is copied, so write all of the source's frames. A source without audio adds nothing;
       ``audio_from`` is ignored for image outputs. ``.webm`` is refused (VP8/VP9/AV1 only).
+      With ``audio_from`` a MediaInfo, its subtitle streams are copied too where the
+      container holds them (Matroska: SubRip/ASS/WebVTT; MP4/MOV: mov_text).
+      Whatever of ``like``'s source is not carried over (a second video stream, subtitles
+      the container can't hold, audio when writing images, ...) is named in one warning.
     * ``.png``/``.jpg``/``.jpeg``/``.webp``/``.tif``/``.tiff`` -- one image; if more than one
       frame is written, numbered siblings ``name_00000.png``, ``name_00001.png`` ... instead.
       PNG and TIFF keep 16 bits, gray and alpha; JPEG and WebP are 8-bit (``quality``),
@@ -113,18 +120,68 @@ def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
         if fps is None:
             raise MediaError(f"{path}: a video needs a frame rate; pass fps= "
                              f"(the source has none: images carry no rate)")
-        audio = audio_from
+        audio, subtitles = audio_from, ()
         if isinstance(audio_from, MediaInfo):  # e.g. like=info, audio_from=info for any source
             audio = audio_from.path if audio_from.has_audio else None
+            subtitles = _copyable_subtitles(audio_from, ext)
+            if subtitles and audio is None:
+                audio = audio_from.path
+        if frame_times is None and like is not None:
+            frame_times = like.frame_times
+        _warn_not_carried(path, like, audio is not None, {index for index, _ in subtitles})
         return VideoWriter(path, fps=as_fraction(fps), codec=codec, crf=crf, preset=preset,
-                           audio_from=audio,
+                           audio_from=audio, subtitle_streams=[i for i, _ in subtitles],
+                           frame_times=frame_times,
                            rotation=like.rotation if like is not None else 0, **common)
     if ext in _WRITE_IMAGE_FORMATS:
+        _warn_not_carried(path, like, False, set())
         return ImageWriter(path, quality=quality, expected_frames=expected, **common)
     raise MediaError(
         f"{path}: can't tell what to write from the extension {ext or '(none)'!r}; use a video "
         f"extension ({', '.join(e for e in VIDEO_EXTENSIONS if e != '.webm')}), an image one "
         f"({', '.join(_WRITE_IMAGE_FORMATS)}) or end the path with '/' for a PNG sequence folder")
+
+
+# Subtitle codecs each output container stores as they are (no conversion between formats).
+_SUBTITLE_CODECS = {".mkv": {"subrip", "ass", "ssa", "webvtt", "dvd_subtitle",
+                             "hdmv_pgs_subtitle", "dvb_subtitle"},
+                    ".mp4": {"mov_text"}, ".m4v": {"mov_text"}, ".mov": {"mov_text"}}
+# Audio codecs FFmpeg lists for a container but refuses (or only writes as "experimental")
+# when the header is written: caught at open with a message naming a container that works.
+_AUDIO_REFUSED = {".mov": {"opus": ".mp4 or .mkv", "vorbis": ".mkv"},
+                  ".mp4": {"vorbis": ".mkv"}, ".m4v": {"vorbis": ".mkv"}}
+
+
+def _copyable_subtitles(source: MediaInfo, ext: str) -> list[tuple[int, str]]:
+    return [(index, codec) for index, kind, codec in source.other_streams
+            if kind == "subtitle" and codec in _SUBTITLE_CODECS.get(ext, ())]
+
+
+def _warn_not_carried(path: Path, like: MediaInfo | None, audio_copied: bool,
+                      subtitles_copied: set[int]) -> None:
+    """One warning naming every stream of ``like``'s source that the output leaves out."""
+    if like is None:
+        return
+    dropped = []
+    if like.has_audio and not audio_copied:
+        dropped.append("its audio (images hold none; write a video to keep it)"
+                       if path.suffix.lower() not in VIDEO_EXTENSIONS else "its audio")
+    for index, kind, codec in like.other_streams:
+        if index in subtitles_copied:
+            continue
+        if kind == "subtitle":
+            holders = [e for e, codecs in _SUBTITLE_CODECS.items() if codec in codecs]
+            where = f"; {' or '.join(holders)} holds it" if holders and \
+                path.suffix.lower() in VIDEO_EXTENSIONS else ""
+            dropped.append(f"subtitle stream #{index} ({codec}{where})")
+        elif kind == "video":
+            dropped.append(f"video stream #{index} ({codec}; only the first video stream is "
+                           f"upscaled)")
+        else:
+            dropped.append(f"{kind} stream #{index} ({codec})")
+    if dropped:
+        warnings.warn(f"{path}: not carried over from {like.path}: {', '.join(dropped)}",
+                      stacklevel=4)
 
 
 def _pick(name: str, value, like: MediaInfo | None):
@@ -299,7 +356,8 @@ class VideoWriter(MediaWriter):
     """H.264 / H.265 through PyAV, with optional audio packet copy. See :func:`open_writer`."""
 
     def __init__(self, path: Path, *, fps: Fraction, codec: str, crf: int | None = None,
-                 preset: str | None = None, audio_from=None, rotation: int = 0, **common):
+                 preset: str | None = None, audio_from=None, subtitle_streams=(),
+                 frame_times=None, rotation: int = 0, **common):
         import av
 
         super().__init__(path, **common)
@@ -341,8 +399,12 @@ class VideoWriter(MediaWriter):
                 raise MediaError(f"{path}: this FFmpeg build has no {encoder} encoder")
             stream = self._container.add_stream(encoder, rate=fps)
             stream.width, stream.height, stream.pix_fmt = self.width, self.height, self._pix_fmt
-            self._frame_time_base = Fraction(1) / fps
-            stream.time_base = self._frame_time_base
+            self._frame_times = tuple(Fraction(t) for t in frame_times) if frame_times else None
+            self._frame_time_base = _time_base_for(fps, self._frame_times)
+            self._last_pts = None
+            # The encoder counts time in this base too: at 1/fps, variable-rate timestamps
+            # would collide.
+            stream.time_base = stream.codec_context.time_base = self._frame_time_base
             options = {"crf": str(default_crf if crf is None else crf), **options}
             if preset is not None:
                 options["preset"] = str(preset)
@@ -358,9 +420,18 @@ class VideoWriter(MediaWriter):
             # One swscale context for all frames (frame.reformat() would make one per frame).
             self._reformatter = av.video.reformatter.VideoReformatter()
             if audio_from is not None:
-                self._audio = _AudioCopy(fspath(audio_from), self._container, path)
+                self._audio = _AudioCopy(fspath(audio_from), self._container, path,
+                                         subtitle_streams)
             # Write the header now: encoder and muxer problems surface here, not at the end.
-            self._container.start_encoding()
+            try:
+                self._container.start_encoding()
+            except av.FFmpegError as e:
+                copied = self._audio.describe() if self._audio is not None else ""
+                if not copied:
+                    raise
+                raise MediaError(f"{path}: {ext} files can't hold the streams copied from "
+                                 f"{audio_from} ({copied}): FFmpeg says {e.strerror or e}; "
+                                 f"write .mkv, which holds most codecs") from e
         except BaseException as e:
             self.abort()
             if isinstance(e, (av.FFmpegError, OSError)):
@@ -381,14 +452,27 @@ class VideoWriter(MediaWriter):
         picture = self._reformatter.reformat(
             picture, format=self._pix_fmt, dst_colorspace="ITU709", dst_color_range="MPEG",
             threads=0 if self.width * self.height >= 640 * 480 else 1)
-        picture.pts = self.frames_written
-        # Frame timestamps count frames (1/fps); the muxer may pick another stream time base
-        # (MP4 uses 1/12800 for 25 fps), and PyAV rescales packets to it.
+        pts = round(self._time_of(self.frames_written) / self._frame_time_base)
+        if self._last_pts is not None and pts <= self._last_pts:
+            pts = self._last_pts + 1  # timestamps must increase; rounding must not collide
+        picture.pts = self._last_pts = pts
+        # Constant rate: timestamps count frames (1/fps). The muxer may pick another stream
+        # time base (MP4 uses 1/12800 for 25 fps), and PyAV rescales packets to it.
         picture.time_base = self._frame_time_base
         for packet in self._stream.encode(picture):
             self._container.mux(packet)
         if self._audio is not None:
-            self._audio.mux_until(Fraction(self.frames_written + 1) / self.fps)
+            self._audio.mux_until(self._time_of(self.frames_written + 1))
+
+    def _time_of(self, index: int) -> Fraction:
+        """Presentation time of frame ``index`` in seconds: the source's own time for a
+        variable-rate source, else ``index / fps``."""
+        times = self._frame_times
+        if not times:
+            return Fraction(index) / self.fps
+        if index < len(times):
+            return times[index]
+        return times[-1] + Fraction(index - len(times) + 1) / self.fps
 
     def _finish(self) -> None:
         for packet in self._stream.encode(None):
@@ -409,15 +493,29 @@ class VideoWriter(MediaWriter):
                     pass
 
 
+def _time_base_for(fps: Fraction, frame_times) -> Fraction:
+    """1/fps for constant rate; for given frame times the coarsest time base that holds
+    every one of them exactly (capped at microseconds, where rounding is inaudible)."""
+    if not frame_times:
+        return Fraction(1) / fps
+    denominator = 1
+    for t in frame_times:
+        denominator = math.lcm(denominator, t.denominator)
+        if denominator > 1_000_000:
+            return Fraction(1, 1_000_000)
+    return Fraction(1, denominator)
+
+
 class _AudioCopy:
-    """Copies every audio stream of ``source`` into ``output`` packet for packet.
+    """Copies every audio stream (and the subtitle streams asked for) of ``source`` into
+    ``output`` packet for packet.
 
     Packets are interleaved with the video as frames are written (``mux_until``), so the
     output is well interleaved and nothing is buffered. Timestamps are shifted by the
     source video's start time, keeping the sync the source had with its first frame.
     """
 
-    def __init__(self, source: Path, output, dst: Path):
+    def __init__(self, source: Path, output, dst: Path, subtitle_streams=()):
         import av
 
         if not source.is_file():
@@ -430,15 +528,19 @@ class _AudioCopy:
         self._map = {}
         self._shift = {}
         try:
-            streams = list(self._input.streams.audio)
+            streams = list(self._input.streams.audio) + \
+                [self._input.streams[i] for i in subtitle_streams]
             video = next(iter(self._input.streams.video), None)
             start = (video.start_time or 0) * video.time_base if video is not None else 0
+            ext = dst.suffix.lower()
             for s in streams:
                 name = s.codec_context.name
-                if name not in output.supported_codecs:
+                refused = _AUDIO_REFUSED.get(ext, {}).get(name)
+                if name not in output.supported_codecs or refused:
                     raise MediaError(
-                        f"{dst}: {dst.suffix} files can't hold the {name} audio of {source}; "
-                        f"write .mkv (holds any audio) instead")
+                        f"{dst}: {ext} files can't hold the {_codec_title(name)} audio of "
+                        f"{source}; write {refused or '.mkv'} instead (the audio is copied, "
+                        f"not re-encoded)")
                 out = output.add_stream_from_template(s)
                 for key in ("language", "title", "handler_name"):
                     if key in s.metadata:
@@ -479,8 +581,16 @@ class _AudioCopy:
             self._output.mux(packet)
             self._pull()
 
+    def describe(self) -> str:
+        return ", ".join(f"{s.type} {s.codec_context.name}" for s in self._map.values())
+
     def close(self) -> None:
         self._input.close()
+
+
+def _codec_title(name: str) -> str:
+    return {"opus": "Opus", "vorbis": "Vorbis", "aac": "AAC", "mp3": "MP3", "flac": "FLAC",
+            "ac3": "AC-3", "eac3": "E-AC-3", "alac": "ALAC"}.get(name, name)
 
 
 # --------------------------------------------------------------------------------------------
