@@ -134,7 +134,7 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
     with open_media(src) as reader:
         frame_count, size, bit_depth = file_facts(reader, dst, opts, codec)
         # Opening the writer first fails fast on an unwritable or existing output.
-        writer = open_output(reader.info, dst, size, bit_depth, codec, overwrite)
+        writer = open_output(reader.info, dst, size, bit_depth, codec, overwrite, opts.fps)
         # Encoding runs on a thread from a bounded queue while the device computes on.
         with BackgroundWriter(writer) as output:
             models = load_models(dit, vae, opts=opts, model_dir=model_dir)

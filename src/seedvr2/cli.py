@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -76,12 +79,79 @@ def _quantize(args) -> int:
 
 MEDIA_SUFFIXES = {".mp4", ".m4v", ".mov", ".mkv", ".avi", ".webm", ".ts", ".gif", ".png",
                   ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".bmp"}
+# Kinds we write as they came; other videos (AVI, WebM, GIF, ...) become MP4, BMP becomes PNG.
+_WRITTEN_AS_IS = {".mp4", ".m4v", ".mov", ".mkv", ".png", ".jpg", ".jpeg", ".webp", ".tif",
+                  ".tiff"}
 
 
-def _default_output(src: Path, resolution: int) -> Path:
-    suffix = src.suffix if src.suffix.lower() in MEDIA_SUFFIXES - {".avi", ".webm", ".ts", ".gif"} \
-        else ".mp4"
-    return src.with_name(f"{src.stem}_seedvr2_{resolution}p{suffix}")
+def _output_suffix(src: Path) -> str:
+    """The output extension for ``src``: the same one rule for single files and folders."""
+    ext = src.suffix.lower()
+    if ext in _WRITTEN_AS_IS:
+        return src.suffix
+    return ".png" if ext == ".bmp" else ".mp4"
+
+
+def _is_pattern(text: str) -> bool:
+    """A sequence pattern (``frames/%05d.png``, ``frames/*.png``) rather than a file."""
+    from .io.reader import _PRINTF
+
+    name = Path(text).name
+    return not Path(text).exists() and (bool(_PRINTF.search(name)) or
+                                        any(ch in name for ch in "*?["))
+
+
+def _default_output(src, resolution: int) -> str:
+    """``NAME_seedvr2_<resolution>p.EXT`` next to the input; for a sequence pattern, a PNG
+    sequence folder named after the sequence's folder (the pattern itself is no name)."""
+    src = Path(src)
+    if _is_pattern(str(src)):
+        folder = src.parent.resolve()
+        return f"{folder.with_name(f'{folder.name}_seedvr2_{resolution}p')}{os.sep}"
+    return str(src.with_name(f"{src.stem}_seedvr2_{resolution}p{_output_suffix(src)}"))
+
+
+def _folder_jobs(src: Path, output: str | None) -> tuple[Path, list[tuple[Path, Path]]]:
+    """The output folder and (input, output) pairs of a folder input; raises ValueError when
+    they can't be made (nothing to do, the output folder is a file, two inputs would write
+    the same output)."""
+    inputs = sorted(p for p in src.iterdir() if p.suffix.lower() in MEDIA_SUFFIXES
+                    and not p.name.startswith(".") and p.is_file())  # hidden: our temporaries
+    if not inputs:
+        raise ValueError(f"{src}: no video or image files in this folder (for an image "
+                         f"sequence give a pattern such as {src}{os.sep}%05d.png)")
+    out_dir = Path(output) if output else src.with_name(src.name + "_seedvr2")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"{out_dir} is a file; a folder input writes one output per file "
+                         f"into a folder: give -o a folder path")
+    jobs = [(p, out_dir / f"{p.stem}{_output_suffix(p)}") for p in inputs]
+    targets: dict[Path, Path] = {}
+    for source, target in jobs:
+        if target in targets:
+            raise ValueError(f"{targets[target].name} and {source.name} would both be written "
+                             f"to {target}; rename one of them")
+        targets[target] = source
+    return out_dir, jobs
+
+
+class _Terminated(BaseException):
+    """SIGTERM (timeout, docker stop, Slurm) raised in the main thread, so every open writer
+    unwinds and removes its temporary output exactly as for Ctrl-C."""
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds():
+    def handler(signum, frame):
+        raise _Terminated()
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread (the CLI called from a thread): leave it be
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class _Bars:
@@ -169,10 +239,6 @@ def _summary(path: Path, stats, seconds: float) -> str:
 
 
 def _upscale(args) -> int:
-    import time
-
-    from .api import check_file_job, load_models, upscale_file
-    from .loading.formats import CheckpointError
     from .options import OPTIONS, OptionError, resolve_options
 
     given = {name: getattr(args, name) for name in OPTIONS if getattr(args, name) is not None}
@@ -182,28 +248,54 @@ def _upscale(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     src = Path(args.input)
+    made_folder = None  # the output folder this run created: removed again if left empty
     if src.is_dir():
-        inputs = sorted(p for p in src.iterdir() if p.suffix.lower() in MEDIA_SUFFIXES)
-        out_dir = Path(args.output) if args.output else src.with_name(src.name + "_seedvr2")
-        out_dir.mkdir(parents=True, exist_ok=True)
-        jobs = [(p, out_dir / p.name) for p in inputs]
-        if not jobs:
-            print(f"error: {src}: no video or image files in this folder (for an image "
-                  f"sequence give a pattern such as {src}/%05d.png)", file=sys.stderr)
+        try:
+            out_dir, jobs = _folder_jobs(src, args.output)
+        except (ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
             return 2
+        if not out_dir.is_dir():
+            try:
+                out_dir.mkdir(parents=True)
+            except OSError as e:
+                print(f"error: cannot create the output folder {out_dir}: "
+                      f"{e.strerror or e}", file=sys.stderr)
+                return 1
+            made_folder = out_dir
     else:
         # A string keeps a trailing "/" (a PNG sequence folder), which Path would drop.
         jobs = [(src, args.output or _default_output(src, opts.resolution))]
+    try:
+        with _sigterm_unwinds():
+            return _upscale_jobs(args, opts, given, jobs)
+    finally:
+        if made_folder is not None and not any(made_folder.iterdir()):
+            made_folder.rmdir()  # every input failed: leave no empty folder behind
+
+
+def _upscale_jobs(args, opts, given: dict, jobs: list) -> int:
+    import time
+
+    from .api import check_file_job, load_models, upscale_file
+    from .loading.formats import CheckpointError
+
     bars = _Bars(not args.quiet)
-    status = 0
+    failed = []
     try:
-        # Files first: a wrong path should not cost the seconds models take to load.
+        # Files first: a wrong path should not cost the seconds models take to load. A bad
+        # file in a folder is reported here and the others still run.
+        runnable = []
         for source, target in jobs:
-            check_file_job(source, target, opts, args.codec, args.overwrite)
-    except (ValueError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    try:
+            try:
+                check_file_job(source, target, opts, args.codec, args.overwrite)
+            except (ValueError, OSError) as e:
+                print(f"error: {e}", file=sys.stderr)
+                failed.append(source)
+            else:
+                runnable.append((source, target))
+        if not runnable:
+            return _report_failures(failed, jobs)
         from .distributed import in_distributed_launch
         from .distributed.launch import parse_devices
         from .pipeline.runner import JobStats
@@ -215,16 +307,16 @@ def _upscale(args) -> int:
         else:
             models = load_models(args.dit, args.vae, opts=opts, model_dir=args.model_dir)
             dit, vae = models.dit, models.vae
-        for source, target in jobs:
+        for source, target in runnable:
             stats, start = JobStats(), time.perf_counter()
             try:
                 out = upscale_file(source, target, dit, vae, model_dir=args.model_dir,
                                    overwrite=args.overwrite, codec=args.codec, progress=bars,
                                    stats=stats, **given)
-            except (ValueError, FileExistsError, RuntimeError) as e:
+            except (ValueError, OSError, RuntimeError) as e:
                 bars.close()
                 print(f"error: {e}", file=sys.stderr)
-                status = 1
+                failed.append(source)
                 continue
             bars.close()
             if not args.quiet and out is not None and not several:
@@ -239,7 +331,20 @@ def _upscale(args) -> int:
         bars.close()
         print("interrupted; no partial output was kept", file=sys.stderr)
         return 130
-    return status
+    except _Terminated:
+        bars.close()
+        print("terminated (SIGTERM); no partial output was kept", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    return _report_failures(failed, jobs)
+
+
+def _report_failures(failed: list, jobs: list) -> int:
+    """The exit status; with several inputs, a last line naming the ones that failed."""
+    if failed and len(jobs) > 1:
+        written = "; the others were written" if len(failed) < len(jobs) else ""
+        print(f"error: {len(failed)} of {len(jobs)} inputs failed: "
+              f"{', '.join(p.name for p in failed)}{written}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _run_workflow(args) -> int:

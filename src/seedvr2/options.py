@@ -128,6 +128,27 @@ def _slice_problem(value: int) -> Optional[str]:
         f"must be a multiple of 4 frames (e.g. {value - value % 4 or 4}), or 0 for no slicing"
 
 
+def parse_fps(value: str):
+    """The fps option as an exact Fraction, or None for auto."""
+    from fractions import Fraction
+
+    if value == "auto":
+        return None
+    text = value.strip()
+    rate = Fraction(text) if "/" in text else Fraction(float(text)).limit_denominator(1001)
+    if rate <= 0:
+        raise ValueError("must be positive")
+    return rate
+
+
+def _fps_problem(value: str) -> Optional[str]:
+    try:
+        parse_fps(value)
+    except (ValueError, ZeroDivisionError):
+        return "expected auto, or a positive rate such as 24, 29.97 or 30000/1001"
+    return None
+
+
 OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("seed", int, 42, "random seed; each batch draws from (seed, its first frame), so "
            "results do not depend on chunking or on which process runs a batch", min=0,
@@ -164,6 +185,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "cuda, cuda:N", check=_device_problem),
     Option("dtype", str, "auto", "compute precision: auto (bf16 on GPUs that support it, "
            "else fp16; fp32 on CPU), fp32, fp16, bf16", choices=DTYPE_NAMES),
+    Option("fps", str, "auto", "frame rate of a video written from images or an image "
+           "sequence, which carry none: 24, 29.97 or 30000/1001 (auto: a video source keeps "
+           "its own rate; images need this for a video output)", check=_fps_problem),
     # -- placement and memory (seedvr2.memory) --
     Option("dit_device", str, "auto", "device the DiT computes on: auto (the GPU if there is "
            "one, else cpu), cpu, cuda, cuda:N", check=_device_problem),

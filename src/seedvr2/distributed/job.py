@@ -143,7 +143,8 @@ def run_file_job(ctx: DistContext, src, dst, dit=None, vae=None, *, model_dir=No
         info = reader.info
         plan, size, bit_depth = plan_file(reader, dst, opts, codec)
         check_agreement(ctx, _digest(opts, plan.source_frames, info.width, info.height, (dit, vae)))
-        writer = open_output(info, dst, size, bit_depth, codec, overwrite) if ctx.is_writer else None
+        writer = open_output(info, dst, size, bit_depth, codec, overwrite, opts.fps) \
+            if ctx.is_writer else None
         # The writer aborts (removing its partial file) on any exception, SIGTERM included;
         # it encodes on a thread while this rank computes and receives.
         output = BackgroundWriter(writer) if writer is not None else None

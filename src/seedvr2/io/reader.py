@@ -65,7 +65,25 @@ def open_media(path) -> MediaReader:
         raise MediaError(f"{p}: cannot read file: {e.strerror or e}") from e
     if fmt is not None:
         return ImageReader(p, fmt)
-    return VideoReader(p)
+    if p.suffix.lower() not in IMAGE_EXTENSIONS:
+        return VideoReader(p)
+    # Named like an image but without an image's signature: most likely not an image at all
+    # (a text file, a failed download). A video with the wrong extension still opens, but
+    # FFmpeg's complaints about a non-video are noise beside "this is not an image".
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            reader = VideoReader(p)
+        except MediaError:
+            reader = None
+    if reader is None:
+        raise MediaError(f"{p}: not an image -- the file does not start like a PNG, JPEG, "
+                         f"WebP, TIFF or BMP file (is it a text or HTML file, or a failed "
+                         f"download?), and FFmpeg cannot read it as a video either")
+    for warning in caught:
+        warnings.warn_explicit(warning.message, warning.category, warning.filename,
+                               warning.lineno)
+    return reader
 
 
 class MediaReader:

@@ -118,8 +118,9 @@ def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
         if fps is None:
             fps = like.fps if like is not None else None
         if fps is None:
-            raise MediaError(f"{path}: a video needs a frame rate; pass fps= "
-                             f"(the source has none: images carry no rate)")
+            raise MediaError(f"{path}: a video needs a frame rate and images carry none; "
+                             f"give one with the fps option (seedvr2 upscale --fps 24; in "
+                             f"Python fps=24 or fps='30000/1001')")
         audio, subtitles = audio_from, ()
         if isinstance(audio_from, MediaInfo):  # e.g. like=info, audio_from=info for any source
             audio = audio_from.path if audio_from.has_audio else None
@@ -143,7 +144,7 @@ def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
 
 
 # Subtitle codecs each output container stores as they are (no conversion between formats).
-_SUBTITLE_CODECS = {".mkv": {"subrip", "ass", "ssa", "webvtt", "dvd_subtitle",
+_SUBTITLE_CODECS = {".mkv": {"subrip", "srt", "ass", "ssa", "webvtt", "dvd_subtitle",
                              "hdmv_pgs_subtitle", "dvb_subtitle"},
                     ".mp4": {"mov_text"}, ".m4v": {"mov_text"}, ".mov": {"mov_text"}}
 # Audio codecs FFmpeg lists for a container but refuses (or only writes as "experimental")
@@ -181,7 +182,7 @@ def _warn_not_carried(path: Path, like: MediaInfo | None, audio_copied: bool,
             dropped.append(f"{kind} stream #{index} ({codec})")
     if dropped:
         warnings.warn(f"{path}: not carried over from {like.path}: {', '.join(dropped)}",
-                      stacklevel=4)
+                      stacklevel=3)
 
 
 def _pick(name: str, value, like: MediaInfo | None):
@@ -637,7 +638,9 @@ class ImageWriter(_ImageFilesWriter):
             warnings.warn(f"{path}: {self._fmt} is 8-bit; 16-bit frames are rounded to 8 bits "
                           f"(use .png or .tiff to keep 16 bits)", stacklevel=3)
         if expected_frames is not None and expected_frames > 1:
-            self._refuse_existing(self._numbered(0))
+            # Every name, now: finding o_00003.png taken only at the end would waste the run.
+            for index in range(expected_frames):
+                self._refuse_existing(self._numbered(index))
         else:
             self._refuse_existing(path)
         self._check_folder(path.parent)

@@ -256,7 +256,7 @@ def check_file_job(src, dst, opts: Options, codec: str, overwrite: bool) -> None
 
     with open_media(src) as reader:
         size, bit_depth = _output_format(reader.info, dst, opts, codec)
-        open_output(reader.info, dst, size, bit_depth, codec, overwrite).abort()
+        open_output(reader.info, dst, size, bit_depth, codec, overwrite, opts.fps).abort()
 
 
 def plan_file(reader, dst, opts: Options, codec: str):
@@ -270,10 +270,20 @@ def plan_file(reader, dst, opts: Options, codec: str):
     return make_plan(frame_count, opts), size, bit_depth
 
 
-def open_output(info, dst, size: tuple[int, int], bit_depth: int, codec: str, overwrite: bool):
-    """The writer for a file job's output (audio copied from the source when it has some)."""
-    from ..io import open_writer
+def open_output(info, dst, size: tuple[int, int], bit_depth: int, codec: str, overwrite: bool,
+                fps: str = "auto"):
+    """The writer for a file job's output: audio and subtitles copied from the source where
+    the output holds them, a variable-rate source's frame times kept. ``fps`` (the option)
+    gives images a rate; a video keeps its own."""
+    import warnings
 
+    from ..io import open_writer
+    from ..options import parse_fps
+
+    rate = parse_fps(fps)
+    if rate is not None and info.fps is not None:
+        warnings.warn(f"fps = {fps} ignored: {info.path} is a video and keeps its own rate "
+                      f"({float(info.fps):.6g} fps), so its sound stays in sync", stacklevel=2)
+        rate = None
     return open_writer(dst, like=info, width=size[1], height=size[0], bit_depth=bit_depth,
-                       codec=codec, audio_from=info if info.has_audio else None,
-                       overwrite=overwrite)
+                       codec=codec, fps=rate, audio_from=info, overwrite=overwrite)

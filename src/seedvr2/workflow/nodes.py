@@ -304,7 +304,10 @@ def settings_inputs(group: str) -> tuple:
 # Library options set through the loaders or the upscaler's own settings, not as pipeline inputs.
 _CLAIMED = ({s.option for group in LOADER_SETTINGS.values() for s in group}
             | {s.option for s in UPSCALER_SETTINGS}
-            | {"device", "compile", *COMPILE_FIELDS.values()})
+            | {"device", "compile", *COMPILE_FIELDS.values()}
+            # A rate for image files written as video: the nodes get frames with their own
+            # fps (or a video file that has one), so it is the command line's only.
+            | {"fps"})
 
 
 def pipeline_options() -> list[Option]:
