@@ -104,7 +104,7 @@ def load_image(path: Path, probe: ImageProbe) -> np.ndarray:
         im = im.convert("RGBA" if probe.channels == 4 else "RGB")
     elif _PIL_MODES[im.mode][0] is not None:
         im = im.convert(_PIL_MODES[im.mode][0])
-    array = np.asarray(im)
+    array = np.array(im)  # writable: the pipeline hands frames to torch.from_numpy
     if im.mode == "I":  # 32-bit integer gray: keep the 16-bit range it almost always holds
         array = np.clip(array, 0, 65535)
     array = array.astype(np.uint16 if probe.bit_depth == 16 else np.uint8, copy=False)

@@ -374,23 +374,31 @@ class VideoReader(MediaReader):
         self._seekable = self._constant_rate and consistent
 
     def count_frames(self) -> int:
-        """Decode the whole video (no pixel conversion) to make ``info.frame_count`` exact and,
-        for variable-rate video, fill ``info.frame_times``; returns the count.
+        """Make ``info.frame_count`` exact and, for variable-rate video, fill
+        ``info.frame_times``; returns the count.
 
-        Packets are not frames: a decoder may drop some (an MP4 edit list ending before the
-        last packet), so only decoding counts what a player shows. Costs one decode pass.
+        Constant-rate video: its packets are counted (demux only), leaving out the ones the
+        container marks as not shown (MP4 edit lists) and AVI's empty "frame dropped"
+        chunks. If their timestamps are not on the 1/fps grid after all, or the video is
+        variable-rate, the whole video is decoded (no pixel conversion): only decoding
+        counts what a player shows, and gives every frame's time.
         """
         import dataclasses
 
         import av
 
-        stamps: list[int | None] = []
         try:
-            container = self._open()
-            try:
-                stamps = [frame.pts for frame in self._decode(container)]
-            finally:
-                container.close()
+            stamps = None
+            if self._constant_rate:
+                stamps = self._packet_stamps()
+                if self._times_of(stamps) is not None:
+                    stamps = None  # off the grid: variable rate after all
+            if stamps is None:
+                container = self._open()
+                try:
+                    stamps = [frame.pts for frame in self._decode(container)]
+                finally:
+                    container.close()
         except av.FFmpegError as e:
             raise MediaError(f"{self.path}: cannot read video: {_ffmpeg_message(e)}") from e
         if not stamps:
@@ -400,6 +408,19 @@ class VideoReader(MediaReader):
                                         frame_times=self._times_of(stamps))
         self._update_seekable()
         return len(stamps)
+
+    def _packet_stamps(self) -> list[int | None]:
+        """Presentation timestamps of the packets that make shown frames, in display order."""
+        import av
+
+        stamps = []
+        with av.open(str(self.path), metadata_errors="replace") as container:
+            for packet in container.demux(container.streams[self._stream_index]):
+                if packet.size and not packet.is_discard:
+                    stamps.append(packet.pts)
+        if any(pts is None for pts in stamps):
+            return stamps  # unordered: _times_of spaces them by the nominal rate
+        return sorted(stamps)
 
     def _times_of(self, stamps: list[int | None]) -> tuple[Fraction, ...] | None:
         """Seconds from the first frame for each decoded frame, or None when they are the
@@ -625,9 +646,14 @@ def _frame_rate(stream) -> Fraction | None:
 
 
 def _estimate_frame_count(stream, container, fps: Fraction) -> tuple[int, bool]:
-    """(count, exact): the container's count (MP4/MOV store it), else duration x rate."""
-    if stream.frames and stream.frames > 0:
+    """(count, exact): the container's count (MP4/MOV store it), else duration x rate.
+
+    Other containers' counts are estimates too: AVI's counts the empty chunks that stand for
+    dropped frames."""
+    if stream.frames and stream.frames > 0 and "mp4" in container.format.name.split(","):
         return int(stream.frames), True
+    if stream.frames and stream.frames > 0:
+        return int(stream.frames), False
     if stream.duration and stream.time_base:
         return max(1, round(stream.duration * stream.time_base * fps)), False
     if container.duration:
