@@ -44,7 +44,7 @@ def _frame(i: int, width: int, height: int) -> np.ndarray:
 def _write_video(path: Path, times: list[Fraction], *, size=(32, 24), codec="libx264",
                  audio_codec: str | None = None, audio_seconds: float | None = None,
                  container_format: str | None = None, alpha: bool = False,
-                 time_base=Fraction(1, 15360)):
+                 time_base=Fraction(1, 15360), gop: int | None = None):
     """A video whose frame ``i`` is shown at ``times[i]`` seconds (variable rate when the gaps
     differ), with an optional sine audio track."""
     width, height = size
@@ -53,6 +53,9 @@ def _write_video(path: Path, times: list[Fraction], *, size=(32, 24), codec="lib
         video.width, video.height = width, height
         video.pix_fmt = "yuva420p" if alpha else "yuv420p"
         video.time_base = video.codec_context.time_base = time_base
+        if gop is not None:
+            video.codec_context.gop_size = gop
+            video.options = {"x264-params": f"keyint={gop}:min-keyint={gop}:scenecut=0"}
         audio = None
         if audio_codec is not None:
             audio = out.add_stream(audio_codec, rate=SAMPLE_RATE, layout="mono")
@@ -187,6 +190,22 @@ def test_vfr_clip_whose_container_count_is_one_too_many(tiny_options, tmp_path):
     out = tmp_path / "out.mp4"
     assert main(_cli_args(tiny_options, str(src), "-o", str(out))) == 0
     assert len(_frame_times(out)) == decodable
+
+
+def test_vfr_frames_from_a_start_frame_seek_exactly(tmp_path):
+    """Known frame times let a variable-rate video seek (resume, ranks) instead of decoding
+    from the start, and frame ``i`` is still the ``i``-th frame of a full decode."""
+    src = tmp_path / "vfr.mp4"
+    _write_video(src, VFR_TIMES, gop=4)
+    with open_media(src) as reader:
+        assert reader.info.frame_times is not None
+        assert reader._seekable
+        everything = list(reader.frames())
+        for start in (1, 5, 12, 13, 16, 17):
+            part = list(reader.frames(start=start))
+            assert len(part) == len(everything) - start
+            assert all(np.array_equal(a, b) for a, b in zip(part, everything[start:]))
+        assert list(reader.frames(start=len(everything))) == []
 
 
 # ---------------------------------------------------------------------------------------------

@@ -92,20 +92,13 @@ def _output_suffix(src: Path) -> str:
     return ".png" if ext == ".bmp" else ".mp4"
 
 
-def _is_pattern(text: str) -> bool:
-    """A sequence pattern (``frames/%05d.png``, ``frames/*.png``) rather than a file."""
-    from .io.reader import _PRINTF
-
-    name = Path(text).name
-    return not Path(text).exists() and (bool(_PRINTF.search(name)) or
-                                        any(ch in name for ch in "*?["))
-
-
 def _default_output(src, resolution: int) -> str:
     """``NAME_seedvr2_<resolution>p.EXT`` next to the input; for a sequence pattern, a PNG
     sequence folder named after the sequence's folder (the pattern itself is no name)."""
+    from .io.reader import is_sequence_pattern
+
     src = Path(src)
-    if _is_pattern(str(src)):
+    if is_sequence_pattern(src):
         folder = src.parent.resolve()
         return f"{folder.with_name(f'{folder.name}_seedvr2_{resolution}p')}{os.sep}"
     return str(src.with_name(f"{src.stem}_seedvr2_{resolution}p{_output_suffix(src)}"))

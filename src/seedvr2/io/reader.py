@@ -37,6 +37,13 @@ _MAX_DECODE_FAILURES = 100
 _KEYFRAME_SEARCH_LIMIT = 1000
 
 
+def is_sequence_pattern(path) -> bool:
+    """True for a path :func:`open_media` reads as a sequence pattern (``f/%05d.png``,
+    ``f/*.png``): it does not exist and its name holds a printf number or glob characters."""
+    p = fspath(path)
+    return not p.exists() and (bool(_PRINTF.search(p.name)) or any(ch in p.name for ch in "*?["))
+
+
 def open_media(path) -> MediaReader:
     """Open a video, an image, a folder of numbered images or a pattern like ``f/%05d.png``.
 
@@ -320,6 +327,7 @@ class VideoReader(MediaReader):
 
         self.path = path
         self._iterators: weakref.WeakSet = weakref.WeakSet()
+        self._pts_index: dict[int, int] | None = None
         try:
             container = av.open(str(path), metadata_errors="replace")
         except av.FFmpegError as e:
@@ -371,7 +379,9 @@ class VideoReader(MediaReader):
         if self.info.frame_count_exact and self._video_seconds is not None:
             expected = self._video_seconds * self.info.fps
             consistent = abs(self.info.frame_count - expected) <= Fraction(1, 2)
-        self._seekable = self._constant_rate and consistent
+        # Variable rate with every frame's timestamp known from decoding: a timestamp names
+        # its frame exactly, so seeking is as safe as on the constant-rate grid.
+        self._seekable = (self._constant_rate and consistent) or self._pts_index is not None
 
     def count_frames(self) -> int:
         """Make ``info.frame_count`` exact and, for variable-rate video, fill
@@ -427,14 +437,19 @@ class VideoReader(MediaReader):
         constant-rate grid ``i / fps`` anyway (to within one timestamp tick)."""
         fps, tick = self.info.fps, self._time_base
         times: list[Fraction] = []
+        self._pts_index = {}  # pts -> frame index, for seeking in variable-rate video
         for i, pts in enumerate(stamps):
             time = None if pts is None else (pts - self._first_pts) * tick
             if time is None or (times and time <= times[-1]):
                 # A missing or non-increasing timestamp (broken muxing): show the frame one
                 # nominal interval after the previous one rather than fail or reorder.
                 time = times[-1] + 1 / fps if times else Fraction(0)
+                self._pts_index = None  # timestamps don't name frames: never seek by them
+            elif self._pts_index is not None:
+                self._pts_index[pts] = i
             times.append(time)
         if all(abs(t - Fraction(i) / fps) <= tick for i, t in enumerate(times)):
+            self._pts_index = None
             return None
         return tuple(times)
 
@@ -523,6 +538,8 @@ class VideoReader(MediaReader):
         by more than one timestamp tick (so the video isn't constant-rate here)."""
         if pts is None:
             return None
+        if self._pts_index is not None:
+            return self._pts_index.get(pts)
         position = (pts - self._first_pts) * self._time_base * self.info.fps
         index = round(position)
         tick = self._time_base * self.info.fps  # one timestamp unit, in frames
@@ -533,7 +550,11 @@ class VideoReader(MediaReader):
         import av
 
         stream = container.streams[self._stream_index]
-        target = self._first_pts + Fraction(start) / self.info.fps / self._time_base
+        times = self.info.frame_times
+        if times is not None and start >= len(times):
+            return iter(())
+        target = self._first_pts + (times[start] if times is not None else
+                                    Fraction(start) / self.info.fps) / self._time_base
         back = Fraction(0)  # seconds before the target; grows when a seek lands too late
         for _ in range(4):
             offset = math.floor(target - back / self._time_base)
