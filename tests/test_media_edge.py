@@ -356,8 +356,9 @@ def test_folder_output_problems_are_clear_and_leave_nothing(tiny_options, tmp_pa
     err = capsys.readouterr().err
     assert "cannot create the output folder /proc/seedvr2-no-such/out" in err
 
-    # Every input failing leaves no (empty) output folder behind.
+    # Every input failing leaves no (empty) output folder behind, nor the parents it made.
     assert main(_cli_args(tiny_options, str(src))) == 1
+    assert main(_cli_args(tiny_options, str(src), "-o", str(tmp_path / "new" / "out"))) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "taken.mp4"]
 
 

@@ -241,7 +241,7 @@ def _upscale(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     src = Path(args.input)
-    made_folder = None  # the output folder this run created: removed again if left empty
+    made_folder = None  # the topmost folder this run created: removed again if left empty
     if src.is_dir():
         try:
             out_dir, jobs = _folder_jobs(src, args.output)
@@ -249,13 +249,16 @@ def _upscale(args) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         if not out_dir.is_dir():
+            made_folder = out_dir
+            while not made_folder.parent.exists():
+                made_folder = made_folder.parent
             try:
                 out_dir.mkdir(parents=True)
             except OSError as e:
+                _remove_empty_folders(out_dir, made_folder)
                 print(f"error: cannot create the output folder {out_dir}: "
                       f"{e.strerror or e}", file=sys.stderr)
                 return 1
-            made_folder = out_dir
     else:
         # A string keeps a trailing "/" (a PNG sequence folder), which Path would drop.
         jobs = [(src, args.output or _default_output(src, opts.resolution))]
@@ -263,8 +266,20 @@ def _upscale(args) -> int:
         with _sigterm_unwinds():
             return _upscale_jobs(args, opts, given, jobs)
     finally:
-        if made_folder is not None and not any(made_folder.iterdir()):
-            made_folder.rmdir()  # every input failed: leave no empty folder behind
+        if made_folder is not None:  # every input failed: leave no empty folder behind
+            _remove_empty_folders(out_dir, made_folder)
+
+
+def _remove_empty_folders(folder: Path, top: Path) -> None:
+    """Remove ``folder`` and its parents up to ``top`` (all created by this run) while empty."""
+    while True:
+        try:
+            folder.rmdir()  # fails on a folder that holds anything
+        except OSError:
+            return
+        if folder == top:
+            return
+        folder = folder.parent
 
 
 def _upscale_jobs(args, opts, given: dict, jobs: list) -> int:
