@@ -160,9 +160,9 @@ def test_vfr_with_audio_round_trips_in_sync(tiny_options, tmp_path):
 
 
 def _end_edit_list_at_last_frame(path: Path, last_frame_seconds: float):
-    """Shorten the MP4 edit list to end where the last frame starts, as FFmpeg's muxer does for
-    a variable-rate stream whose last frame has no duration: the packet stays, yet decoders
-    drop the frame -- the container's frame count is one too many."""
+    """Shorten the MP4 edit list to end at ``last_frame_seconds``, as FFmpeg's muxer does (at
+    the last frame's start) for a variable-rate stream whose last frame has no duration: the
+    packets stay, yet decoders drop the frames -- the container's frame count is too high."""
     data = bytearray(path.read_bytes())
     mvhd = data.index(b"mvhd")
     assert data[mvhd + 4] == 0  # version 0: 32-bit times
@@ -187,6 +187,22 @@ def test_vfr_clip_whose_container_count_is_one_too_many(tiny_options, tmp_path):
         assert reader.info.frame_count == decodable
         assert sum(1 for _ in reader.frames()) == decodable
 
+    out = tmp_path / "out.mp4"
+    assert main(_cli_args(tiny_options, str(src), "-o", str(out))) == 0
+    assert len(_frame_times(out)) == decodable
+
+
+def test_constant_rate_mp4_trimmed_by_its_edit_list(tiny_options, tmp_path):
+    """An editor's trim without re-encoding: the MP4 keeps every packet and an edit list
+    shows fewer frames. The stored count is not what decodes."""
+    src = tmp_path / "trimmed.mp4"
+    _write_video(src, [Fraction(i, 30) for i in range(12)], time_base=Fraction(1, 1_000_000))
+    _end_edit_list_at_last_frame(src, 9 / 30)  # frames 9, 10, 11 hidden
+    decodable = len(_frame_times(src))
+    with av.open(str(src)) as container:
+        assert container.streams.video[0].frames > decodable
+    with open_media(src) as reader:
+        assert reader.info.frame_count == decodable
     out = tmp_path / "out.mp4"
     assert main(_cli_args(tiny_options, str(src), "-o", str(out))) == 0
     assert len(_frame_times(out)) == decodable

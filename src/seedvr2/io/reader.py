@@ -363,22 +363,28 @@ class VideoReader(MediaReader):
                                    and avg is not None and abs(base / avg - 1) < 1e-3)
         finally:
             container.close()
-        if not self._constant_rate or \
+        if not self._constant_rate or not self._count_matches_duration() or \
                 (not exact and path.stat().st_size <= _COUNT_PACKETS_MAX_BYTES):
             # Variable rate: the stored count and rate x duration both go wrong (an MP4 edit
             # list can hide a frame that still has a packet), and every frame's time is needed
-            # to keep the audio in sync; only decoding tells both.
+            # to keep the audio in sync; only decoding tells both. A stored count that
+            # disagrees with the duration (an edit list trimming a constant-rate video, or
+            # dropped frames) is checked the same way.
             self.count_frames()  # also decides seekability
         else:
             self._update_seekable()
 
+    def _count_matches_duration(self) -> bool:
+        """The frame count agrees with duration x fps to half a frame (or either is unknown)."""
+        if not self.info.frame_count_exact or self._video_seconds is None:
+            return True
+        expected = self._video_seconds * self.info.fps
+        return abs(self.info.frame_count - expected) <= Fraction(1, 2)
+
     def _update_seekable(self) -> None:
         """Seek only if the count agrees with duration x fps: a shortfall means dropped
         frames, after which timestamps and frame indices part ways."""
-        consistent = True
-        if self.info.frame_count_exact and self._video_seconds is not None:
-            expected = self._video_seconds * self.info.fps
-            consistent = abs(self.info.frame_count - expected) <= Fraction(1, 2)
+        consistent = self._count_matches_duration()
         # Variable rate with every frame's timestamp known from decoding: a timestamp names
         # its frame exactly, so seeking is as safe as on the constant-rate grid.
         self._seekable = (self._constant_rate and consistent) or self._pts_index is not None
