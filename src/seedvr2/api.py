@@ -95,7 +95,9 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
                  stats: Optional[JobStats] = None, **options) -> Path:
     """Upscale a video, image or image sequence file to ``dst``, streaming frame by frame.
 
-    Video keeps its exact frame rate and its audio (copied, not re-encoded). The output is
+    Video keeps its exact frame rate (variable-rate video: every frame's time) and its audio
+    and subtitles where the output holds them (copied, not re-encoded); ``fps`` gives images
+    and sequences a rate for a video output. The output is
     written under a temporary name and appears at ``dst`` only when complete; an existing
     ``dst`` is replaced only with ``overwrite=True``. Returns the output path.
     """

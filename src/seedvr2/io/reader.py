@@ -653,8 +653,12 @@ def _other_streams(container, video_index: int) -> tuple[tuple[int, str, str], .
     for stream in container.streams:
         if stream.index == video_index or stream.type == "audio":
             continue
-        codec = getattr(stream.codec_context, "name", None) if stream.codec_context else None
-        others.append((stream.index, stream.type, codec or "unknown codec"))
+        context = getattr(stream, "codec_context", None)
+        codec = getattr(context, "name", None) if context is not None else None
+        # Data streams (timecode, phone camera metadata) have no codec; their handler says
+        # what they are.
+        codec = codec or stream.metadata.get("handler_name") or "unknown codec"
+        others.append((stream.index, stream.type, codec))
     return tuple(others)
 
 
