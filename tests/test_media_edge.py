@@ -417,6 +417,20 @@ def test_pattern_input_default_output_and_fps(tiny_options, tmp_path, capsys):
         assert container.streams.video[0].frames == 5
 
 
+def test_fps_does_not_retime_a_video(tmp_path):
+    """A video keeps its own rate (its sound would drift otherwise); --fps says it is ignored."""
+    from seedvr2.pipeline.setup import open_output
+
+    src = tmp_path / "clip.mp4"
+    _write_video(src, [Fraction(i, 10) for i in range(3)])
+    with open_media(src) as reader:
+        with pytest.warns(UserWarning, match="fps = 24 ignored.*keeps its own rate"):
+            writer = open_output(reader.info, tmp_path / "out.mp4", (24, 32), 8, "h264",
+                                 False, "24")
+        assert writer.fps == 10
+        writer.abort()
+
+
 def test_bad_fps_is_refused(tiny_options, tmp_path, capsys):
     assert main(_cli_args(tiny_options, str(tmp_path / "x.png"), "--fps", "fast")) == 2
     assert "fps = 'fast'" in capsys.readouterr().err

@@ -359,6 +359,7 @@ class VideoReader(MediaReader):
             # A timestamp-based frame index needs a constant rate; FFmpeg's r_frame_rate
             # (base_rate) differing from the average rate is the tell-tale of variable rate.
             base, avg = stream.base_rate, stream.average_rate
+            self._base_rate = Fraction(base) if base else None
             self._constant_rate = (first.pts is not None and base is not None
                                    and avg is not None and abs(base / avg - 1) < 1e-3)
         finally:
@@ -407,7 +408,7 @@ class VideoReader(MediaReader):
             stamps = None
             if self._constant_rate:
                 stamps = self._packet_stamps()
-                if self._times_of(stamps) is not None:
+                if self._times_of(stamps, self.info.fps) is not None:
                     stamps = None  # off the grid: variable rate after all
             if stamps is None:
                 container = self._open()
@@ -419,9 +420,15 @@ class VideoReader(MediaReader):
             raise MediaError(f"{self.path}: cannot read video: {_ffmpeg_message(e)}") from e
         if not stamps:
             raise MediaError(f"{self.path}: video stream has zero frames")
+        fps = self.info.fps
+        if self._base_rate and self._base_rate != fps and \
+                self._times_of(stamps, self._base_rate) is None:
+            # The average rate counts the last frame's duration, which muxers guess; every
+            # frame on FFmpeg's base-rate grid means a constant rate of that.
+            fps, self._constant_rate = self._base_rate, True
         self.info = dataclasses.replace(self.info, frame_count=len(stamps),
-                                        frame_count_exact=True,
-                                        frame_times=self._times_of(stamps))
+                                        frame_count_exact=True, fps=fps,
+                                        frame_times=self._times_of(stamps, fps))
         self._update_seekable()
         return len(stamps)
 
@@ -438,10 +445,10 @@ class VideoReader(MediaReader):
             return stamps  # unordered: _times_of spaces them by the nominal rate
         return sorted(stamps)
 
-    def _times_of(self, stamps: list[int | None]) -> tuple[Fraction, ...] | None:
+    def _times_of(self, stamps: list[int | None], fps: Fraction) -> tuple[Fraction, ...] | None:
         """Seconds from the first frame for each decoded frame, or None when they are the
         constant-rate grid ``i / fps`` anyway (to within one timestamp tick)."""
-        fps, tick = self.info.fps, self._time_base
+        tick = self._time_base
         times: list[Fraction] = []
         self._pts_index = {}  # pts -> frame index, for seeking in variable-rate video
         for i, pts in enumerate(stamps):

@@ -69,8 +69,8 @@ def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
       kept exactly (use a Fraction such as 30000/1001); frames get constant-rate
       timestamps, unless ``frame_times`` (seconds from the first frame, one per frame;
       default: ``like.frame_times``, set for variable-frame-rate sources) gives each
-      frame's presentation time. Width and height must be even (yuv420 halves chroma): an odd size is an
-      error at open. Alpha is dropped, with a warning. ``audio_from`` (a path, or a
+      frame's presentation time. Width and height must be even (yuv420 halves chroma):
+      an odd size is an error at open. Alpha is dropped, with a warning. ``audio_from`` (a path, or a
       MediaInfo) copies that file's audio streams packet for packet, without re-encoding
       (MP4 strips the ADTS headers of AAC from MPEG-TS, as it must), shifted by the
       source video's start time so the sync with the first frame is kept. The whole track
