@@ -220,11 +220,12 @@ def test_writer_rejects_bad_frames(tmp_path):
 @pytest.mark.parametrize("dst, kwargs, message", [
     ("odd.mp4", dict(width=63, height=48), r"odd.mp4: H264 in yuv420 needs an even width and "
                                             r"height, got 63x48"),
-    ("clip.webm", {}, r"WebM holds only VP8/VP9/AV1"),
+    ("clip.webm", dict(codec="h265"), r"WebM holds VP8/VP9/AV1 video, not H.265"),
     ("clip.avi", {}, r"can't tell what to write from the extension '.avi'"),
     ("noext", {}, r"can't tell what to write from the extension '\(none\)'"),
     ("v.mp4", dict(codec="vp8"), r"unknown video codec 'vp8'"),
-    ("v.mp4", dict(fps=None), r"a video needs a frame rate and images carry none; give one with the fps option"),
+    ("v.mp4", dict(fps=None), r"a video needs a frame rate and images carry none; give one "
+                              r"with the fps option"),
 ])
 def test_writer_open_errors(tmp_path, dst, kwargs, message):
     args = dict(width=W, height=H, channels=3, bit_depth=8, fps=25) | kwargs

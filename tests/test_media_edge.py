@@ -125,13 +125,23 @@ def test_webm_vp9_alpha_reaches_a_png_sequence(tiny_options, tmp_path):
     assert alpha[:, : width // 2 - 4].min() >= 250  # opaque half stays opaque
     assert alpha[:, width // 2 + 4:].max() <= 5  # transparent half stays transparent
 
+    # The default output of a WebM is a WebM (VP9), which holds the alpha too.
+    assert main(_cli_args(tiny_options, str(src))) == 0
+    with open_media(tmp_path / "alpha_seedvr2_32p.webm") as video:
+        assert video.info.channels == 4 and video.info.codec == "vp9"
+        alpha = next(iter(video.frames()))[..., 3]
+    assert alpha[:, : width // 2 - 4].min() >= 240 and alpha[:, width // 2 + 4:].max() <= 15
+
 
 def test_alpha_into_h264_names_the_reason(tmp_path):
     src = tmp_path / "alpha.webm"
     _write_video(src, [Fraction(i, 10) for i in range(3)], codec="libvpx-vp9", alpha=True,
                  time_base=Fraction(1, 1000))
-    with open_media(src) as reader, pytest.warns(UserWarning, match="no alpha channel"):
-        open_writer(tmp_path / "o.mp4", like=reader.info).abort()
+    with open_media(src) as reader:
+        with pytest.warns(UserWarning, match="no alpha channel; alpha is dropped.*\\.webm"):
+            open_writer(tmp_path / "o.mp4", like=reader.info).abort()
+        with pytest.warns(UserWarning, match="MP4 can't store VP9's alpha"):
+            open_writer(tmp_path / "o.mp4", like=reader.info, codec="vp9").abort()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -350,8 +360,8 @@ def test_folder_outputs_map_like_single_files_and_one_bad_file_fails_alone(
     assert main(_cli_args(tiny_options, str(src), "-o", str(out))) == 1
     err = capsys.readouterr().err
     assert "d.mp4" in err and "1 of 4 inputs failed" in err
-    assert sorted(p.name for p in out.iterdir()) == ["a.mp4", "b.mp4", "c.mp4"]
-    for name in ("a.mp4", "b.mp4", "c.mp4"):
+    assert sorted(p.name for p in out.iterdir()) == ["a.mp4", "b.mp4", "c.webm"]
+    for name in ("a.mp4", "b.mp4", "c.webm"):
         with open_media(out / name) as reader:
             assert reader.info.frame_count == 3
 

@@ -79,9 +79,9 @@ def _quantize(args) -> int:
 
 MEDIA_SUFFIXES = {".mp4", ".m4v", ".mov", ".mkv", ".avi", ".webm", ".ts", ".gif", ".png",
                   ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".bmp"}
-# Kinds we write as they came; other videos (AVI, WebM, GIF, ...) become MP4, BMP becomes PNG.
-_WRITTEN_AS_IS = {".mp4", ".m4v", ".mov", ".mkv", ".png", ".jpg", ".jpeg", ".webp", ".tif",
-                  ".tiff"}
+# Kinds we write as they came; other videos (AVI, GIF, TS, ...) become MP4, BMP becomes PNG.
+_WRITTEN_AS_IS = {".mp4", ".m4v", ".mov", ".mkv", ".webm", ".png", ".jpg", ".jpeg", ".webp",
+                  ".tif", ".tiff"}
 
 
 def _output_suffix(src: Path) -> str:
@@ -424,8 +424,9 @@ def _add_upscale_flags(parser: argparse.ArgumentParser):
     files.add_argument("input", help="video, image, sequence pattern or folder")
     files.add_argument("-o", "--output", metavar="PATH", help="output file (or folder for a folder input); "
                        "default: INPUT_seedvr2_<resolution>p next to the input")
-    files.add_argument("--codec", choices=("h264", "h265"), default="h264",
-                       help="video codec: h264 (8-bit) or h265 (10-bit)")
+    files.add_argument("--codec", choices=("h264", "h265", "vp9"), default="h264",
+                       help="video codec: h264 (8-bit), h265 (10-bit) or vp9 (keeps alpha in "
+                       ".mkv); .webm outputs are always VP9")
     files.add_argument("--overwrite", action="store_true", help="replace an existing output")
     models = groups["models"]
     models.description = MODEL_FILES_HELP.format(dit=DEFAULT_DIT, vae=DEFAULT_VAE)

@@ -37,15 +37,22 @@ _WRITE_IMAGE_FORMATS = {ext: fmt for ext, fmt in IMAGE_EXTENSIONS.items() if fmt
 # codec -> (FFmpeg encoder, codec name in container support lists, pixel format, default CRF,
 # extra encoder options).
 # H.265 is written 10-bit: it keeps 16-bit sources' extra precision and bands less.
+# VP9 is what WebM holds, and it keeps alpha (yuva420p): transparent WebM in, transparent out.
+# "b": "0" makes libvpx's crf a pure quality target rather than a cap under a bitrate.
 _VIDEO_CODECS = {
     "h264": ("libx264", "h264", "yuv420p", 18, {}),
     "h265": ("libx265", "hevc", "yuv420p10le", 20, {"x265-params": "log-level=error"}),
+    "vp9": ("libvpx-vp9", "vp9", "yuv420p", 24, {"b": "0", "row-mt": "1", "deadline": "good",
+                                                 "cpu-used": "4"}),
 }
 _CODEC_ALIASES = {"h264": "h264", "avc": "h264", "libx264": "h264", "x264": "h264",
-                  "h265": "h265", "hevc": "h265", "libx265": "h265", "x265": "h265"}
+                  "h265": "h265", "hevc": "h265", "libx265": "h265", "x265": "h265",
+                  "vp9": "vp9", "libvpx-vp9": "vp9"}
+_MAX_CRF = {"h264": 51, "h265": 51, "vp9": 63}
 _PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow",
             "slower", "veryslow", "placebo")  # the same names in x264 and x265
-_ARRAY_FORMATS = {(1, 8): "gray", (3, 8): "rgb24", (1, 16): "gray16le", (3, 16): "rgb48le"}
+_ARRAY_FORMATS = {(1, 8): "gray", (3, 8): "rgb24", (4, 8): "rgba",
+                  (1, 16): "gray16le", (3, 16): "rgb48le", (4, 16): "rgba64le"}
 
 
 def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
@@ -70,16 +77,19 @@ def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
       timestamps, unless ``frame_times`` (seconds from the first frame, one per frame;
       default: ``like.frame_times``, set for variable-frame-rate sources) gives each
       frame's presentation time. Width and height must be even (yuv420 halves chroma):
-      an odd size is an error at open. Alpha is dropped, with a warning. ``audio_from`` (a path, or a
-      MediaInfo) copies that file's audio streams packet for packet, without re-encoding
-      (MP4 strips the ADTS headers of AAC from MPEG-TS, as it must), shifted by the
-      source video's start time so the sync with the first frame is kept. The whole track
-      is copied, so write all of the source's frames. A source without audio adds nothing;
-      ``audio_from`` is ignored for image outputs. ``.webm`` is refused (VP8/VP9/AV1 only).
-      With ``audio_from`` a MediaInfo, its subtitle streams are copied too where the
-      container holds them (Matroska: SubRip/ASS/WebVTT; MP4/MOV: mov_text).
-      Whatever of ``like``'s source is not carried over (a second video stream, subtitles
-      the container can't hold, audio when writing images, ...) is named in one warning.
+      an odd size is an error at open. Alpha is dropped, with a warning. ``audio_from``
+      (a path, or a MediaInfo) copies that file's audio streams packet for packet, without
+      re-encoding (MP4 strips the ADTS headers of AAC from MPEG-TS, as it must), shifted
+      by the source video's start time so the sync with the first frame is kept. The whole
+      track is copied, so write all of the source's frames. A source without audio adds
+      nothing; ``audio_from`` is ignored for image outputs. With ``audio_from`` a
+      MediaInfo, its subtitle streams are copied too where the container holds them
+      (Matroska: SubRip/ASS/WebVTT/DVD/PGS; WebM: WebVTT; MP4/MOV: mov_text). Whatever of
+      ``like``'s source is not carried over (a second video stream, subtitles the container
+      can't hold, audio when writing images, ...) is named in one warning.
+    * ``.webm`` -- VP9 (libvpx-vp9, ``crf`` 0-63, default 24), whatever ``codec`` says
+      unless it asks for H.265 (refused): WebM holds nothing else. RGBA frames keep their
+      alpha (yuva420p), as in ``.mkv`` with ``codec="vp9"``. Audio must be Opus or Vorbis.
     * ``.png``/``.jpg``/``.jpeg``/``.webp``/``.tif``/``.tiff`` -- one image; if more than one
       frame is written, numbered siblings ``name_00000.png``, ``name_00001.png`` ... instead.
       PNG and TIFF keep 16 bits, gray and alpha; JPEG and WebP are 8-bit (``quality``),
@@ -139,13 +149,14 @@ def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
         return ImageWriter(path, quality=quality, expected_frames=expected, **common)
     raise MediaError(
         f"{path}: can't tell what to write from the extension {ext or '(none)'!r}; use a video "
-        f"extension ({', '.join(e for e in VIDEO_EXTENSIONS if e != '.webm')}), an image one "
+        f"extension ({', '.join(VIDEO_EXTENSIONS)}), an image one "
         f"({', '.join(_WRITE_IMAGE_FORMATS)}) or end the path with '/' for a PNG sequence folder")
 
 
 # Subtitle codecs each output container stores as they are (no conversion between formats).
 _SUBTITLE_CODECS = {".mkv": {"subrip", "srt", "ass", "ssa", "webvtt", "dvd_subtitle",
                              "hdmv_pgs_subtitle", "dvb_subtitle"},
+                    ".webm": {"webvtt"},
                     ".mp4": {"mov_text"}, ".m4v": {"mov_text"}, ".mov": {"mov_text"}}
 # Audio codecs FFmpeg lists for a container but refuses (or only writes as "experimental")
 # when the header is written: caught at open with a message naming a container that works.
@@ -366,23 +377,32 @@ class VideoWriter(MediaWriter):
         ext = path.suffix.lower()
         key = _CODEC_ALIASES.get(str(codec).lower())
         if key is None:
-            raise MediaError(f"{path}: unknown video codec {codec!r}; use 'h264' or 'h265'")
-        encoder, codec_name, self._pix_fmt, default_crf, options = _VIDEO_CODECS[key]
+            raise MediaError(f"{path}: unknown video codec {codec!r}; use 'h264', 'h265' or "
+                             f"'vp9'")
         if ext == ".webm":
-            raise MediaError(f"{path}: WebM holds only VP8/VP9/AV1 video, and this writer "
-                             f"encodes H.264/H.265; use .mp4, .mkv or .mov")
+            if key == "h265":
+                raise MediaError(f"{path}: WebM holds VP8/VP9/AV1 video, not H.265; write "
+                                 f".mkv or .mp4 for H.265, or leave the codec for WebM's VP9")
+            key = "vp9"  # WebM's codec: the default H.264 can't go there
+        encoder, codec_name, self._pix_fmt, default_crf, options = _VIDEO_CODECS[key]
         if self.width % 2 or self.height % 2:
             raise MediaError(
                 f"{path}: {key.upper()} in yuv420 needs an even width and height, got "
                 f"{self.width}x{self.height}; choose an even output size (or write PNGs)")
-        if crf is not None and not 0 <= crf <= 51:
-            raise MediaError(f"{path}: crf must be between 0 (lossless) and 51, got {crf}")
-        if preset is not None and preset not in _PRESETS:
-            raise MediaError(f"{path}: unknown preset {preset!r}; use one of "
-                             f"{', '.join(_PRESETS)}")
-        if self.channels == 4:
-            warnings.warn(f"{path}: {key.upper()} video has no alpha channel; alpha is dropped "
-                          f"(write a PNG sequence to keep it)", stacklevel=3)
+        if crf is not None and not 0 <= crf <= _MAX_CRF[key]:
+            raise MediaError(f"{path}: crf must be between 0 and {_MAX_CRF[key]} for "
+                             f"{key.upper()}, got {crf}")
+        if preset is not None and (key == "vp9" or preset not in _PRESETS):
+            raise MediaError(f"{path}: unknown preset {preset!r} for {key.upper()}; "
+                             + ("VP9 has none" if key == "vp9" else
+                                f"use one of {', '.join(_PRESETS)}"))
+        if self.channels == 4 and key == "vp9" and ext in (".webm", ".mkv"):
+            self._pix_fmt = "yuva420p"  # Matroska/WebM store VP9's alpha beside each frame
+        elif self.channels == 4:
+            reason = "MP4 can't store VP9's alpha" if key == "vp9" else \
+                f"{key.upper()} video has no alpha channel"
+            warnings.warn(f"{path}: {reason}; alpha is dropped (write .webm, which keeps it as "
+                          f"VP9, or a PNG sequence)", stacklevel=3)
         self.fps = fps
         self._refuse_existing(path)
         self._check_folder(path.parent)
@@ -442,9 +462,10 @@ class VideoWriter(MediaWriter):
     def _write(self, frame: np.ndarray) -> None:
         import av
 
-        if self.channels == 4:
+        keep_alpha = self._pix_fmt == "yuva420p"
+        if self.channels == 4 and not keep_alpha:
             frame = frame[:, :, :3]
-        channels = min(self.channels, 3)
+        channels = self.channels if keep_alpha else min(self.channels, 3)
         picture = av.VideoFrame.from_ndarray(
             np.ascontiguousarray(frame[:, :, 0] if channels == 1 else frame),
             format=_ARRAY_FORMATS[channels, self.bit_depth])
@@ -496,10 +517,11 @@ class VideoWriter(MediaWriter):
 
 def _time_base_for(fps: Fraction, frame_times) -> Fraction:
     """1/fps for constant rate; for given frame times the coarsest time base that holds
-    every one of them exactly (capped at microseconds, where rounding is inaudible)."""
+    every one of them, and 1/fps, exactly (capped at microseconds, where rounding is
+    inaudible). Encoders reject a base coarser than a nominal frame (libvpx)."""
     if not frame_times:
         return Fraction(1) / fps
-    denominator = 1
+    denominator = (1 / fps).denominator
     for t in frame_times:
         denominator = math.lcm(denominator, t.denominator)
         if denominator > 1_000_000:
