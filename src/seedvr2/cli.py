@@ -127,6 +127,19 @@ def _folder_jobs(src: Path, output: str | None) -> tuple[Path, list[tuple[Path, 
     return out_dir, jobs
 
 
+@contextlib.contextmanager
+def _warnings_as_messages():
+    """Library warnings (alpha dropped, streams not carried over) shown as one line each,
+    like the errors, instead of Python's file:line and source excerpt."""
+    import warnings
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"warning: {message}", file=sys.stderr)
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
+
+
 class _Terminated(BaseException):
     """SIGTERM (timeout, docker stop, Slurm) raised in the main thread, so every open writer
     unwinds and removes its temporary output exactly as for Ctrl-C."""
@@ -263,7 +276,7 @@ def _upscale(args) -> int:
         # A string keeps a trailing "/" (a PNG sequence folder), which Path would drop.
         jobs = [(src, args.output or _default_output(src, opts.resolution))]
     try:
-        with _sigterm_unwinds():
+        with _sigterm_unwinds(), _warnings_as_messages():
             return _upscale_jobs(args, opts, given, jobs)
     finally:
         if made_folder is not None:  # every input failed: leave no empty folder behind
