@@ -21,6 +21,9 @@ Design:
   presentation order, whichever ``start`` it is read from.
 * Readers stream: videos decode lazily (seeking by timestamp for ``start > 0``), sequences
   load one file per frame. Writers stream too: each frame is encoded as it is written.
+* Variable-frame-rate video is counted by decoding at open; ``MediaInfo.frame_times`` then
+  holds every frame's presentation time, and video writers given ``like=`` (or
+  ``frame_times=``) write those times, keeping the copied audio in sync.
 * Writers never lose or clobber work: output goes to a hidden ``.name.partial-<random>``
   next to the destination and is moved into place only by a successful ``close()``; an
   existing output is replaced only with ``overwrite=True``; problems that can be known
