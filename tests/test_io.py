@@ -224,8 +224,8 @@ def test_writer_rejects_bad_frames(tmp_path):
     ("clip.avi", {}, r"can't tell what to write from the extension '.avi'"),
     ("noext", {}, r"can't tell what to write from the extension '\(none\)'"),
     ("v.mp4", dict(codec="vp8"), r"unknown video codec 'vp8'"),
-    ("v.mp4", dict(fps=None), r"a video needs a frame rate and images carry none; give one "
-                              r"with the fps option"),
+    ("v.mp4", dict(fps=None), r"a video needs a frame rate and images carry none; give one, "
+                              r"e.g. fps=24"),
 ])
 def test_writer_open_errors(tmp_path, dst, kwargs, message):
     args = dict(width=W, height=H, channels=3, bit_depth=8, fps=25) | kwargs

@@ -419,7 +419,7 @@ def test_pattern_input_default_output_and_fps(tiny_options, tmp_path, capsys):
 
     video = tmp_path / "seq.mp4"
     assert main(_cli_args(tiny_options, pattern, "-o", str(video))) == 1
-    assert "--fps" in capsys.readouterr().err
+    assert "give one, e.g. --fps 24" in capsys.readouterr().err
     assert not video.exists() and _leftovers(tmp_path) == []
     assert main(_cli_args(tiny_options, pattern, "-o", str(video), "--fps", "12")) == 0
     with av.open(str(video)) as container:
@@ -434,7 +434,7 @@ def test_fps_does_not_retime_a_video(tmp_path):
     src = tmp_path / "clip.mp4"
     _write_video(src, [Fraction(i, 10) for i in range(3)])
     with open_media(src) as reader:
-        with pytest.warns(UserWarning, match="fps = 24 ignored.*keeps its own rate"):
+        with pytest.warns(UserWarning, match="fps = '24' ignored.*keeps its own rate"):
             writer = open_output(reader.info, tmp_path / "out.mp4", (24, 32), 8, "h264",
                                  False, "24")
         assert writer.fps == 10
@@ -443,7 +443,7 @@ def test_fps_does_not_retime_a_video(tmp_path):
 
 def test_bad_fps_is_refused(tiny_options, tmp_path, capsys):
     assert main(_cli_args(tiny_options, str(tmp_path / "x.png"), "--fps", "fast")) == 2
-    assert "fps = 'fast'" in capsys.readouterr().err
+    assert "--fps fast: expected auto, or a positive rate" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------

@@ -129,8 +129,7 @@ def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
             fps = like.fps if like is not None else None
         if fps is None:
             raise MediaError(f"{path}: a video needs a frame rate and images carry none; "
-                             f"give one with the fps option (seedvr2 upscale --fps 24; in "
-                             f"Python fps=24 or fps='30000/1001')")
+                             f"give one, e.g. {option_ref('fps', 24)} (or 29.97, 30000/1001)")
         audio, subtitles = audio_from, ()
         if isinstance(audio_from, MediaInfo):  # e.g. like=info, audio_from=info for any source
             audio = audio_from.path if audio_from.has_audio else None

@@ -278,12 +278,13 @@ def open_output(info, dst, size: tuple[int, int], bit_depth: int, codec: str, ov
     import warnings
 
     from ..io import open_writer
-    from ..options import parse_fps
+    from ..options import option_value, parse_fps
 
     rate = parse_fps(fps)
     if rate is not None and info.fps is not None:
-        warnings.warn(f"fps = {fps} ignored: {info.path} is a video and keeps its own rate "
-                      f"({float(info.fps):.6g} fps), so its sound stays in sync", stacklevel=2)
+        warnings.warn(f"{option_value('fps', fps)} ignored: {info.path} is a video and keeps "
+                      f"its own rate ({float(info.fps):.6g} fps), so its sound stays in sync",
+                      stacklevel=2)
         rate = None
     return open_writer(dst, like=info, width=size[1], height=size[0], bit_depth=bit_depth,
                        codec=codec, fps=rate, audio_from=info, overwrite=overwrite)
