@@ -307,6 +307,17 @@ def test_everything_left_out_is_named_in_one_warning(tmp_path):
     assert "audio" in messages[0] and "subtitle stream #3" in messages[0]
 
 
+def test_cli_names_what_is_left_out_once(tiny_options, tmp_path, capsys):
+    """The files are checked before the models load and opened again for the work: the
+    warning still appears once, as one plain line."""
+    src = tmp_path / "extra.mkv"
+    _with_extra_streams(src, tmp_path)
+    assert main(_cli_args(tiny_options, str(src), "-o", str(tmp_path / "out.mp4"))) == 0
+    err = capsys.readouterr().err
+    assert err.count("not carried over") == 1
+    assert err.startswith("warning: ") and "UserWarning" not in err
+
+
 # ---------------------------------------------------------------------------------------------
 # Messages that name the real cause
 

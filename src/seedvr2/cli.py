@@ -130,11 +130,16 @@ def _folder_jobs(src: Path, output: str | None) -> tuple[Path, list[tuple[Path, 
 @contextlib.contextmanager
 def _warnings_as_messages():
     """Library warnings (alpha dropped, streams not carried over) shown as one line each,
-    like the errors, instead of Python's file:line and source excerpt."""
+    like the errors, instead of Python's file:line and source excerpt; each text once, though
+    the files are checked before the models load and then opened again for the work."""
     import warnings
 
+    shown = set()
+
     def show(message, category, filename, lineno, file=None, line=None):
-        print(f"warning: {message}", file=sys.stderr)
+        if str(message) not in shown:
+            shown.add(str(message))
+            print(f"warning: {message}", file=sys.stderr)
     with warnings.catch_warnings():
         warnings.showwarning = show
         yield
