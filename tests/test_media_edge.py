@@ -218,6 +218,30 @@ def test_constant_rate_mp4_trimmed_by_its_edit_list(tiny_options, tmp_path):
     assert len(_frame_times(out)) == decodable
 
 
+def test_vfr_decode_pass_runs_once_per_unchanged_file(tmp_path, monkeypatch):
+    """The command opens its input to check it before the models load, then for the work."""
+    from seedvr2.io import reader as reader_module
+
+    src = tmp_path / "vfr.mp4"
+    _write_video(src, VFR_TIMES)
+    decodes = []
+    original = reader_module.VideoReader._decode
+
+    def counting(self, container):
+        decodes.append(self.path)
+        return original(self, container)
+    monkeypatch.setattr(reader_module.VideoReader, "_decode", counting)
+    open_media(src).close()
+    first = len(decodes)  # the first frame at open, then the counting pass
+    open_media(src).close()
+    assert len(decodes) - first == 1  # only the first frame
+    stat = src.stat()
+    os.utime(src, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # "changed"
+    with open_media(src) as reader:
+        assert len(decodes) - first == 1 + first
+        assert reader.info.frame_count == len(VFR_TIMES)
+
+
 def test_vfr_frames_from_a_start_frame_seek_exactly(tmp_path):
     """Known frame times let a variable-rate video seek (resume, ranks) instead of decoding
     from the start, and frame ``i`` is still the ``i``-th frame of a full decode."""

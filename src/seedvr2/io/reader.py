@@ -35,6 +35,10 @@ _COUNT_PACKETS_MAX_BYTES = 256 * 2**20
 _MAX_DECODE_FAILURES = 100
 # Give up waiting for a keyframe after a seek (then decode from the start) after this many.
 _KEYFRAME_SEARCH_LIMIT = 1000
+# Decoded frame timestamps of the last few variable-rate videos counted, by (path, size,
+# mtime, stream, decoder): a few integers per frame.
+_DECODED_STAMPS: dict[tuple, list] = {}
+_DECODED_STAMPS_KEPT = 8
 
 
 def is_sequence_pattern(path) -> bool:
@@ -411,11 +415,7 @@ class VideoReader(MediaReader):
                 if self._times_of(stamps, self.info.fps) is not None:
                     stamps = None  # off the grid: variable rate after all
             if stamps is None:
-                container = self._open()
-                try:
-                    stamps = [frame.pts for frame in self._decode(container)]
-                finally:
-                    container.close()
+                stamps = self._decoded_stamps()
         except av.FFmpegError as e:
             raise MediaError(f"{self.path}: cannot read video: {_ffmpeg_message(e)}") from e
         if not stamps:
@@ -431,6 +431,24 @@ class VideoReader(MediaReader):
                                         frame_times=self._times_of(stamps, fps))
         self._update_seekable()
         return len(stamps)
+
+    def _decoded_stamps(self) -> list[int | None]:
+        """Every decoded frame's timestamp. Remembered for the same unchanged file: a job
+        opens its input once to check it before the models load and again for the work."""
+        stat = self.path.stat()
+        key = (str(self.path.resolve()), stat.st_size, stat.st_mtime_ns, self._stream_index,
+               self._decoder)
+        stamps = _DECODED_STAMPS.get(key)
+        if stamps is None:
+            container = self._open()
+            try:
+                stamps = [frame.pts for frame in self._decode(container)]
+            finally:
+                container.close()
+            while len(_DECODED_STAMPS) >= _DECODED_STAMPS_KEPT:
+                _DECODED_STAMPS.pop(next(iter(_DECODED_STAMPS)))
+            _DECODED_STAMPS[key] = stamps
+        return list(stamps)
 
     def _packet_stamps(self) -> list[int | None]:
         """Presentation timestamps of the packets that make shown frames, in display order."""
