@@ -269,7 +269,12 @@ def _readme_value(text: str, opt):
 def test_readme_defaults_are_the_option_defaults():
     readme = (REPO / "README.md").read_text()
     checked = 0
-    for cells in re.findall(r"^\| (.+?) \| (.+?) \|", readme, re.M):
+    # Option tables are those whose second column is headed "default" (other tables, such as
+    # the GPU checks' sections, may name an option without giving its default).
+    option_rows = [row for table in re.findall(r"^\|[^\n]*\| default \|[^\n]*\n(?:\|[^\n]*\n)+",
+                                                readme, re.M)
+                   for row in table.splitlines()[2:]]
+    for cells in (re.match(r"^\| (.+?) \| (.+?) \|", row).groups() for row in option_rows):
         names = [n for n in re.findall(r"`(\w+)`", cells[0]) if n in OPTIONS]
         # Rows naming several options with different defaults give no single default to check.
         if not names or len({OPTIONS[n].default for n in names}) > 1:
