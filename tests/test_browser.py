@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,11 @@ def browser(comfyui):  # noqa: F811
     driver = webdriver.Chrome(service=Service(driver_path), options=options)
     driver.set_script_timeout(120)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    # A new user is greeted with the Templates browser, open over the Run button: this user
+    # has seen it (the templates test opens it itself).
+    request = urllib.request.Request(comfyui.url + "/settings/Comfy.TutorialCompleted",
+                                     data=b"true", headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(request, timeout=30).read()
     try:
         driver.get(comfyui.url)
         deadline = time.monotonic() + 120
@@ -116,7 +122,6 @@ def browser(comfyui):  # noqa: F811
             assert time.monotonic() < deadline, "the editor did not start"
             time.sleep(0.5)
         driver.execute_script(DESCRIBE)
-        _close_dialogs(driver)  # a new user is greeted with the Templates browser
         yield driver
     finally:
         driver.quit()
@@ -137,6 +142,7 @@ def _workflow(name: str) -> dict:
 
 
 def _load(browser, workflow) -> dict:
+    _close_dialogs(browser)
     state = browser.execute_async_script(LOAD_AND_DESCRIBE, workflow)
     assert "error" not in state, state.get("error")
     return state
@@ -189,6 +195,13 @@ def test_templates_list_only_the_editor_examples_each_loading_with_its_thumbnail
                 return cards
             time.sleep(0.5)
 
+    try:
+        _check_templates(browser, open_templates)
+    finally:
+        _close_dialogs(browser)
+
+
+def _check_templates(browser, open_templates):
     cards = open_templates()
     listed = sorted(c.get_attribute("data-testid").removeprefix("template-workflow-")
                     for c in cards)
@@ -287,34 +300,67 @@ def _tiny(browser, workflow: dict) -> dict:
     return workflow
 
 
-def _run(browser):
+def _history(comfyui) -> dict:  # noqa: F811
+    with urllib.request.urlopen(comfyui.url + "/history", timeout=30) as reply:
+        return json.loads(reply.read())
+
+
+def _run(browser, comfyui) -> set:  # noqa: F811
+    """Click Run; the ids of the prompts queued before."""
     from selenium.webdriver.common.by import By
 
+    before = set(_history(comfyui))
+    _close_dialogs(browser)
     run = next(b for b in browser.find_elements(By.CSS_SELECTOR, "button")
                if b.text.strip() == "Run")
-    run.click()
+    try:
+        run.click()
+    except Exception:
+        _screenshot(browser, "run_button_covered")
+        raise
+    return before
 
 
-def _wait_for(browser, script: str, what: str, comfyui):  # noqa: F811
-    deadline = time.monotonic() + RUN_TIMEOUT
+def _wait_for(browser, script: str, what: str, comfyui, before: set):  # noqa: F811
+    """Poll ``script`` until it returns something. Fails at once when the prompt was rejected
+    or its run failed, and soon after a successful run that did not show it."""
+    deadline, shown_by = time.monotonic() + RUN_TIMEOUT, None
     while True:
         found = browser.execute_script(script)
         if found:
             return found
-        if time.monotonic() > deadline:
-            _screenshot(browser, f"timeout_{what}")
-            pytest.fail(f"{what} did not appear in {RUN_TIMEOUT} s:\n{comfyui.log_tail()}")
+        rejected = browser.execute_script(
+            "const e = window.app.lastNodeErrors;"
+            "return e && Object.keys(e).length ? JSON.stringify(e) : null;")
+        if rejected:
+            _screenshot(browser, f"rejected_{what.replace(' ', '_')}")
+            pytest.fail(f"the editor's prompt was rejected: {rejected}")
+        for prompt_id, entry in _history(comfyui).items():
+            if prompt_id in before:
+                continue
+            status = entry["status"].get("status_str")
+            if status == "error":
+                _screenshot(browser, f"failed_{what.replace(' ', '_')}")
+                pytest.fail(f"the run failed: {entry['status'].get('messages')}")
+            if status == "success" and shown_by is None:
+                shown_by = time.monotonic() + 30  # the editor draws results as they arrive
+        if time.monotonic() > (shown_by or deadline):
+            _screenshot(browser, f"missing_{what.replace(' ', '_')}")
+            pytest.fail(f"{what} did not appear on the node "
+                        f"({'the run succeeded' if shown_by else f'no result in {RUN_TIMEOUT} s'})"
+                        f":\n{comfyui.log_tail()}")
         time.sleep(1)
 
 
 def test_image_example_runs_from_the_run_button_and_shows_its_result(browser, comfyui):  # noqa: F811
     _tiny(browser, _workflow("image_upscale"))
-    _run(browser)
+    before = _run(browser, comfyui)
     size = _wait_for(browser, """
         const node = window.app.graph._nodes.find((n) => n.type === "SaveImage");
         const img = node && node.imgs && node.imgs[0];
         return img && img.complete && img.naturalWidth ? [img.naturalWidth, img.naturalHeight]
-                                                       : null;""", "the saved image", comfyui)
+                                                       : null;""", "the saved image", comfyui,
+                     before)
     assert tuple(size) == IMAGE_OUT
     state = _load(browser, None)  # the node grown with its picture
     _screenshot(browser, "run_image_upscale")
@@ -323,13 +369,14 @@ def test_image_example_runs_from_the_run_button_and_shows_its_result(browser, co
 
 def test_upscale_video_file_shows_the_finished_video_on_the_node(browser, comfyui):  # noqa: F811
     _tiny(browser, _workflow("video_file_streaming"))
-    _run(browser)
+    before = _run(browser, comfyui)
     src = _wait_for(browser, """
         const node = window.app.graph._nodes.find((n) => n.type === "SeedVR2UpscaleVideoFile");
         const outputs = window.app.nodeOutputs?.[String(node.id)];
         const shown = [...document.querySelectorAll("video")].map((v) => v.currentSrc || v.src)
           .filter((s) => s.includes("type=output") && s.includes("file_"));
-        return outputs && shown.length ? shown[0] : null;""", "the upscaled video", comfyui)
+        return outputs && shown.length ? shown[0] : null;""", "the upscaled video", comfyui,
+                    before)
     assert "subfolder=SeedVR2" in src and ".mp4" in src
     state = _load(browser, None)
     _screenshot(browser, "run_video_file_streaming")
