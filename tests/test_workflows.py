@@ -122,7 +122,7 @@ def test_every_template_has_a_thumbnail_of_its_current_workflow(name):
         stamp = thumbnail.info.get("comment", b"").decode()
     assert stamp == examples.thumbnail_stamp(example), (
         f"{name}.jpg pictures an older {name}.json: run python -m seedvr2.workflow.examples "
-        f"--thumbnails --conformance DIR")
+        f"--thumbnails")
 
 
 def test_only_editor_format_files_are_templates():

@@ -3,18 +3,20 @@
 // * A freshly added upscaler's seed starts "fixed": the editor's default, "randomize", would
 //   change the seed after every run, so ComfyUI could never reuse a finished upscale.
 //   Saved workflows keep what they saved (the value is set before the node is configured).
-// * The model dropdowns label the released files that are not downloaded yet, with their size
-//   when the registry knows it: the node's spec lists them under "seedvr2_downloads".
+// * The model dropdowns label the released files that are not downloaded yet, with their
+//   approximate size: the node's spec lists them under "seedvr2_downloads".
 import { app } from "../../scripts/app.js";
 
 const UPSCALERS = new Set(["SeedVR2VideoUpscaler", "SeedVR2UpscaleVideoFile"]);
 const LOADERS = new Set(["SeedVR2LoadDiTModel", "SeedVR2LoadVAEModel"]);
 const DOWNLOADS_KEY = "seedvr2_downloads";
 
+// The registry's sizes are estimates (parameter count x storage format): "about".
 function formatSize(bytes) {
   if (bytes === null || bytes === undefined) return "download";
   const gb = bytes / 1e9;
-  return gb >= 1 ? `download, ${gb.toFixed(1)} GB` : `download, ${Math.round(bytes / 1e6)} MB`;
+  return gb >= 1 ? `download, about ${gb.toFixed(1)} GB`
+                 : `download, about ${Math.round(bytes / 1e6)} MB`;
 }
 
 function downloadLabel(downloads) {

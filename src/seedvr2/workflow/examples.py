@@ -10,7 +10,7 @@ Tests check that the committed files are what this module writes, and that conve
 file with :mod:`.convert` gives its API twin.
 
     python -m seedvr2.workflow.examples [FOLDER]    # rewrite the examples (after node changes)
-    python -m seedvr2.workflow.examples --thumbnails --conformance DIR    # and the thumbnails
+    python -m seedvr2.workflow.examples --thumbnails    # and the thumbnails (minutes)
 """
 
 from __future__ import annotations
@@ -423,8 +423,10 @@ def main(argv=None) -> int:
                         help="run every example with the conformance kit's tiny models and "
                              "save its result as <name>.jpg")
     parser.add_argument("--conformance", type=Path,
-                        default=os.environ.get("SEEDVR2_CONFORMANCE"),
-                        help="the conformance kit folder (default: $SEEDVR2_CONFORMANCE)")
+                        default=os.environ.get("SEEDVR2_CONFORMANCE") or
+                        Path(__file__).resolve().parents[3] / "tests" / "conformance",
+                        help="the conformance kit folder (default: $SEEDVR2_CONFORMANCE, else "
+                             "the repository's tests/conformance)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     folder = args.folder
     folder.mkdir(parents=True, exist_ok=True)
@@ -433,9 +435,9 @@ def main(argv=None) -> int:
         (folder / name).write_text(text)
         print(folder / name)
     if args.thumbnails:
-        if args.conformance is None:
-            parser.error("--thumbnails needs the conformance kit: --conformance DIR or "
-                         "SEEDVR2_CONFORMANCE")
+        if not (args.conformance / "index.json").is_file():
+            parser.error(f"--thumbnails needs the conformance kit: none at {args.conformance} "
+                         f"(--conformance DIR)")
         with tempfile.TemporaryDirectory() as work:
             for path in thumbnails(args.conformance, folder, Path(work)):
                 print(path)
