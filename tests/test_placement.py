@@ -204,6 +204,15 @@ def test_model_cache_drop_releases_the_pinned_arena(tiny_options, monkeypatch):
     del models, again
     MODEL_CACHE.drop("vae")
     assert pin.unpinned == 1
+    # A changed setting evicts the cached model: its pinned copy goes before the new load.
+    first = load_models(tiny_options["dit"], tiny_options["vae"], opts=opts,
+                        model_dir=tiny_options["model_dir"])
+    pinned_before = pin.unpinned
+    del first
+    load_models(tiny_options["dit"], tiny_options["vae"], opts=opts.replace(vae_offload_device="none"),
+                model_dir=tiny_options["model_dir"])
+    assert pin.unpinned == pinned_before + 1
+    MODEL_CACHE.clear()
 
 
 # --------------------------------------------------------------------------------------------
