@@ -146,7 +146,8 @@ def test_arena_layout_alignment_and_views():
     sizes = [30, 4, 7, 32, 0]
     offsets, end = aligned_offsets(sizes)
     assert offsets == [0, 512, 1024, 1536, 2048] and end == 2048
-    assert arena_bytes(sizes) == PAGE  # exact sizes, rounded to one page, not to a power of two
+    # Exact sizes rounded to a page, plus a page to align the start; not a power of two.
+    assert arena_bytes(sizes) == 2 * PAGE
     arena = HostArena(specs)
     assert arena.buffer.data_ptr() % PAGE == 0
     for view, (shape, dtype), offset in zip(arena.views, specs, offsets):
@@ -238,3 +239,16 @@ def test_offload_parks_and_activates_without_copying_host_memory(conformance):
     # Shared tensors stay shared on the device, under every name.
     placed.activate()
     assert len({id(b.attn.rope.rope.freqs) for b in model.blocks}) == 1
+
+
+def test_budget_sizes_of_an_offloaded_model_are_unchanged(conformance):
+    """The budget measures a loaded model tensor by tensor; an offloaded model's tensors are
+    views of one arena and must not collapse into one."""
+    from seedvr2.memory.budget import Weights, bytes_on
+    from seedvr2.memory.placement import host_copy_bytes
+
+    model = load_dit(conformance / "dit3b_tiny" / "weights.safetensors")
+    before = Weights.of_module(model)
+    placed = OffloadedModel(model, META, CPU, None)
+    assert Weights.of_module(model) == before
+    assert bytes_on(model, CPU) == host_copy_bytes(model)  # the memory held: the arena

@@ -70,10 +70,15 @@ def aligned_offsets(nbytes: Sequence[int]) -> tuple[list[int], int]:
     return offsets, end
 
 
-def arena_bytes(nbytes: Sequence[int]) -> int:
-    """Host bytes an arena for tensors of these sizes holds (what the memory budget counts)."""
+def _pinned_range(nbytes: Sequence[int]) -> int:
     _, end = aligned_offsets(nbytes)
-    return -(-end // PAGE) * PAGE if end else 0
+    return -(-end // PAGE) * PAGE
+
+
+def arena_bytes(nbytes: Sequence[int]) -> int:
+    """Host bytes an arena for tensors of these sizes allocates (what the memory budget
+    counts): the page-rounded range it pins, plus one page to align the range's start."""
+    return _pinned_range(nbytes) + PAGE
 
 
 class HostArena:
@@ -88,9 +93,9 @@ class HostArena:
         sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size()
                  for shape, dtype in specs]
         offsets, _ = aligned_offsets(sizes)
-        self.nbytes = arena_bytes(sizes)
-        # One page of slack so the used range can start on a page boundary.
-        raw = torch.empty(self.nbytes + PAGE, dtype=torch.uint8, device=device)
+        self.nbytes = _pinned_range(sizes)  # the range views live in and pinning covers
+        # One page of slack so the range can start on a page boundary.
+        raw = torch.empty(arena_bytes(sizes), dtype=torch.uint8, device=device)
         shift = (-raw.data_ptr()) % PAGE if raw.device.type == "cpu" else 0
         self.buffer = raw[shift: shift + self.nbytes]
         self.views = [self.buffer[o: o + n].view(dtype).view(shape)

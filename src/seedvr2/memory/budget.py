@@ -227,9 +227,11 @@ def _named_tensors(module: torch.nn.Module):
 
 
 def _storage_key(t: torch.Tensor):
+    """Tensors with one key hold the same bytes. By the view's own address, not its
+    storage's: an offloaded model's tensors are views of one host arena (memory.arena)."""
     if t.device.type == "meta":
         return id(t)
-    return (t.device, t.untyped_storage().data_ptr())
+    return (t.device, t.data_ptr(), t.nbytes)
 
 
 def _largest_layer(module: torch.nn.Module) -> int:
@@ -252,7 +254,8 @@ def bytes_on(module: Optional[torch.nn.Module], device: torch.device) -> int:
     for _, t in _named_tensors(module):
         if t.device.type != device.type or (device.index is not None and t.device.index != device.index):
             continue
-        key = _storage_key(t)
+        # Memory held, so each storage once (an offloaded model's arena is one storage).
+        key = id(t) if t.device.type == "meta" else t.untyped_storage().data_ptr()
         if key not in seen:
             seen.add(key)
             total += t.untyped_storage().nbytes()
