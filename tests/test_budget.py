@@ -212,15 +212,17 @@ def test_wont_fit_names_the_settings_that_would(real):
         mem.check(real, Job(720, 1280, 9), Placement(), {"cuda:0": 24 * GIB})
     assert str(error.value) == (
         "not enough memory on cuda:0 for 1280x720 frames at batch_size 9: the decode phase "
-        "needs about 25.5 GiB (VAE weights 478 MiB, DiT weights 6.3 GiB, activations 16.8 GiB, "
-        "margin 1.9 GiB) but 24.0 GiB is available. Settings that would fit: batch_size 5; or "
-        "vae_decode_tiled with vae_decode_tile_size 512; or dit_offload_device cpu")
+        "needs about 26.7 GiB (VAE weights 478 MiB, DiT weights 6.3 GiB, activations 16.8 GiB, "
+        "margin 3.2 GiB) but 24.0 GiB is available. Settings that would fit: batch_size 5; or "
+        "vae_decode_tiled with vae_decode_tile_size 512; or dit_offload_device cpu. Setting "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the environment also helps (less "
+        "fragmentation)")
     # Each named alternative really fits.
     place, job, have = Placement(), Job(720, 1280, 9), {"cuda:0": 24 * GIB}
     assert mem.fits(real, replace(job, batch_size=5), place, have)
     assert mem.fits(real, replace(job, decode_tiles=TILED), place, have)
     assert mem.fits(real, job, replace(place, dit_offload="cpu"), have)
-    assert mem.check(real, job, place, {"cuda:0": 26 * GIB}).peak("cuda:0") <= 26 * GIB
+    assert mem.check(real, job, place, {"cuda:0": 27 * GIB}).peak("cuda:0") <= 27 * GIB
 
 
 def test_wont_fit_suggests_blockswap_and_combinations(real):
@@ -228,15 +230,15 @@ def test_wont_fit_suggests_blockswap_and_combinations(real):
     place, have = Placement(dit_offload="cpu", vae_offload="cpu"), {"cuda:0": 8 * GIB}
     job = Job(720, 1280, 21, encode_tiles=tiles, decode_tiles=tiles)
     assert mem.failing_phases(mem.estimate(real, job, place), have) == {"DiT"}
-    with pytest.raises(BudgetError, match=r"Settings that would fit: batch_size \d+; or "
-                                          r"blocks_to_swap (\d+)$") as error:
+    with pytest.raises(BudgetError, match=r"Settings that would fit: (batch_size \d+; or )?"
+                                          r"blocks_to_swap (\d+)\. Setting PYTORCH") as error:
         mem.check(real, job, place, have)
-    swap = int(re.search(r"blocks_to_swap (\d+)$", str(error.value)).group(1))
+    swap = int(re.search(r"blocks_to_swap (\d+)\.", str(error.value)).group(1))
     assert mem.fits(real, job, replace(place, blocks_to_swap=swap), have)
     assert not mem.fits(real, job, replace(place, blocks_to_swap=swap - 1), have)
     # Nothing alone is enough: one combination of every saver.
     with pytest.raises(BudgetError, match=r"Settings that would fit: all of: batch_size \d+, "
-                                          r"dit_offload_device cpu, .*blocks_to_swap \d+$"):
+                                          r"dit_offload_device cpu, .*blocks_to_swap \d+\. "):
         mem.check(real, Job(1080, 1920, 21), replace(place, dit_offload=None), have)
     with pytest.raises(BudgetError, match="Nothing fits at this resolution"):
         mem.check(real, Job(4320, 7680, 5), Placement(), {"cuda:0": 2 * GIB})
@@ -265,10 +267,11 @@ def test_auto_picks_the_largest_4n1_that_fits():
     budget, place = _tiny_budget(), Placement()
     job = Job(256, 448, 5)
     need = {b: _peak(budget, replace(job, batch_size=b)) for b in (5, 9, 13, 17)}
+    # On CUDA, auto plans for AUTO_CUDA_SHARE of the memory (test_gpu_policy checks that).
     auto = lambda have, frames=100, overlap=0: mem.auto_batch_size(  # noqa: E731
-        budget, job, place, {"cuda:0": have}, frames, overlap)
+        budget, job, place, {"cuda:0": have / mem.AUTO_CUDA_SHARE + 1}, frames, overlap)
     assert auto(need[13]) == 13
-    assert auto(need[13] - 1) == 9
+    assert auto(need[13] - 2) == 9
     assert auto(need[17] + 1) == 17
     assert auto(100 * GIB, frames=10) == 13  # the clip, rounded up to 4n+1
     assert auto(100 * GIB) == 101
@@ -276,7 +279,7 @@ def test_auto_picks_the_largest_4n1_that_fits():
     with pytest.raises(BudgetError, match=r"^not enough memory on cuda:0 for 448x256 frames at "
                                           r"batch_size auto \(even 5 frames\): .* Settings that "
                                           r"would fit: batch_size 1; or vae_encode_tiled"):
-        auto(need[5] - 1)
+        mem.auto_batch_size(budget, job, place, {"cuda:0": need[5] - 1}, 100, 0)
 
 
 def test_auto_option_and_temporal_overlap():

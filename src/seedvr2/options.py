@@ -183,8 +183,8 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "that come with this package) or a path to .safetensors/.pt with 'pos'"),
     Option("device", str, "auto", "compute device: auto (cuda if available, else cpu), cpu, "
            "cuda, cuda:N", check=_device_problem),
-    Option("dtype", str, "auto", "compute precision: auto (bf16 on GPUs that support it, "
-           "else fp16; fp32 on CPU), fp32, fp16, bf16", choices=DTYPE_NAMES),
+    Option("dtype", str, "auto", "compute precision: auto (bf16 on GPUs of compute capability "
+           "8.0 or newer, else fp16; fp32 on CPU), fp32, fp16, bf16", choices=DTYPE_NAMES),
     Option("fps", str, "auto", "frame rate of a video written from images or an image "
            "sequence, which carry none: 24, 29.97 or 30000/1001 (auto: a video source keeps "
            "its own rate; images need this for a video output)", check=_fps_problem),

@@ -39,8 +39,11 @@ _WRITE_IMAGE_FORMATS = {ext: fmt for ext, fmt in IMAGE_EXTENSIONS.items() if fmt
 # H.265 is written 10-bit: it keeps 16-bit sources' extra precision and bands less.
 # VP9 is what WebM holds, and it keeps alpha (yuva420p): transparent WebM in, transparent out.
 # "b": "0" makes libvpx's crf a pure quality target rather than a cap under a bitrate.
+# x264's macroblock-tree rate control reads memory it never wrote: the same frames encode to
+# different bits from run to run (the first frames' quantisers change; issue 13). It is off,
+# for outputs that repeat exactly; x265's cutree does not have this problem (tested).
 _VIDEO_CODECS = {
-    "h264": ("libx264", "h264", "yuv420p", 18, {}),
+    "h264": ("libx264", "h264", "yuv420p", 18, {"x264-params": "mbtree=0"}),
     "h265": ("libx265", "hevc", "yuv420p10le", 20, {"x265-params": "log-level=error"}),
     "vp9": ("libvpx-vp9", "vp9", "yuv420p", 24, {"b": "0", "row-mt": "1", "deadline": "good",
                                                  "cpu-used": "4"}),

@@ -171,3 +171,19 @@ def _open_pickle(path: Path) -> TensorSource:
                         shapes={k: tuple(v.shape) for k, v in state.items()},
                         dtypes={k: v.dtype for k, v in state.items()},
                         _get=state.__getitem__, _close=state.clear)
+
+
+# CPU kernels choose code paths by operand alignment: a matrix-vector product with an 8-byte
+# aligned weight differs in the last bit from the same product with a 64-byte aligned one.
+# Tensors read from a file (mmap) sit wherever the file put them, while every tensor PyTorch
+# allocates is 64-byte aligned (and the offload arena 512-byte aligned). Copying misaligned
+# file tensors makes results independent of the file's layout and of where placement code
+# moves the weights.
+ALIGNMENT = 64
+
+
+def aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, copied to PyTorch-allocated memory when its data is not 64-byte aligned."""
+    if tensor.device.type == "cpu" and tensor.numel() and tensor.data_ptr() % ALIGNMENT:
+        return tensor.clone(memory_format=torch.contiguous_format)
+    return tensor

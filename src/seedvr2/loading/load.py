@@ -16,7 +16,7 @@ from ..models import build_dit, build_vae
 from ..models.config import ConfigError, DiTConfig, VAEConfig, dit_config, dit_family, vae_config
 from ..models.rope import FrequencyTable, share_equal_tables
 from .detect import describe_unknown, detect_dit, detect_vae, model_kind
-from .formats import CheckpointError, TensorSource, open_weights
+from .formats import CheckpointError, TensorSource, aligned, open_weights
 from .quantized import attach_packed_weight, can_pack
 
 log = logging.getLogger("seedvr2")
@@ -131,7 +131,7 @@ def _load(path, kind: str, dtype: torch.dtype | None, device, keep_packed: bool 
         embedded = {}
         for key in src.shapes:
             if key in EMBEDDED_TEXT_KEYS:
-                embedded[EMBEDDED_TEXT_KEYS[key]] = src.get(key).float()
+                embedded[EMBEDDED_TEXT_KEYS[key]] = aligned(src.get(key).float())
                 continue
             if key in src.packed:
                 _assign_packed(model, key, src, target, device, keep_packed)
@@ -139,7 +139,7 @@ def _load(path, kind: str, dtype: torch.dtype | None, device, keep_packed: bool 
             tensor = src.get(key)
             keep_fp32 = key.endswith("rope.rope.freqs")
             tensor = tensor.to(device=device, dtype=torch.float32 if keep_fp32 else target)
-            _assign(model, key, tensor)
+            _assign(model, key, aligned(tensor))
         if rope_missing:
             log.info("%s: %d RoPE frequency buffers absent from the file; recomputed",
                      Path(path).name, len(rope_missing))

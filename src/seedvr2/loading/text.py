@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..options import option_ref
-from .formats import CheckpointError, open_weights
+from .formats import CheckpointError, aligned, open_weights
 
 # The official pos/neg embeddings of both released DiT families (txt_in_dim 5120); provenance
 # in seedvr2/data/README.md.
@@ -55,7 +55,7 @@ def _check(pos: torch.Tensor, path: Path, txt_in_dim: int) -> torch.Tensor:
         raise CheckpointError(f"{path}: text embeddings have width {pos.shape[1]} but the DiT "
                               f"expects txt_in_dim {txt_in_dim}; use the embeddings that ship "
                               f"with this model")
-    return pos.float()
+    return aligned(pos.float())
 
 
 def load_text_embeddings(spec: str, txt_in_dim: int, model_dir: Path,

@@ -1,7 +1,7 @@
 """BlockSwap: run a DiT whose weights do not fit on the GPU, at close to full speed.
 
 The first ``blocks_to_swap`` transformer blocks (and, with ``swap_io_components``, the input and
-output layers) live on the offload device in pinned memory. Before a swapped block runs, its
+output layers) live on the offload device in one pinned arena (``memory.arena``). Before a swapped block runs, its
 weights are on the compute device; while it runs, the *next* swapped block is already being
 copied on a side CUDA stream, so copies overlap compute. After use the device copy is simply
 dropped — weights never change, so nothing is copied back.
@@ -17,10 +17,10 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Optional
-
 import torch
 from torch import nn
+
+from .placement import WeightStore, default_pin
 
 log = logging.getLogger("seedvr2")
 
@@ -65,64 +65,22 @@ class SwapSchedule:
         return events
 
 
-class _HostWeights:
-    """One unit's weights: pinned host copies and, while resident, device copies."""
-
-    def __init__(self, module: nn.Module, offload: torch.device, pin: bool):
-        self.module = module
-        self.host = {}
-        for name, tensor in _tensors(module):
-            host = tensor.detach().to(offload)
-            self.host[name] = host.pin_memory() if pin and not host.is_pinned() else host
-            _set(module, name, self.host[name])
-        self.device_copy: Optional[dict] = None
-        self.ready: Optional[torch.cuda.Event] = None
-
-    def start_copy(self, device: torch.device, stream):
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            self.device_copy = {n: t.to(device, non_blocking=True) for n, t in self.host.items()}
-            if stream is not None:
-                self.ready = torch.cuda.Event()
-                self.ready.record(stream)
-
-    def activate(self, compute_stream):
-        if self.ready is not None:
-            compute_stream.wait_event(self.ready)
-            for t in self.device_copy.values():
-                t.record_stream(compute_stream)  # the allocator must not reuse it while computing
-        for name, tensor in self.device_copy.items():
-            _set(self.module, name, tensor)
-
-    def drop(self):
-        for name, tensor in self.host.items():
-            _set(self.module, name, tensor)
-        self.device_copy, self.ready = None, None
-
-
-def _tensors(module: nn.Module):
-    for name, p in module.named_parameters():
-        yield name, p
-    for name, b in module.named_buffers():
-        yield name, b
-
-
-def _set(module: nn.Module, name: str, tensor: torch.Tensor):
-    owner_name, _, attr = name.rpartition(".")
-    owner = module.get_submodule(owner_name) if owner_name else module
-    if attr in owner._parameters:
-        owner._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
-    else:
-        owner._buffers[attr] = tensor
-
-
 class BlockSwap:
-    """Attach BlockSwap to a NaDiT. ``detach()`` restores plain placement on ``device``."""
+    """Attach BlockSwap to a NaDiT. ``detach()`` restores plain placement on ``device``.
+
+    Every weight keeps one host copy in a :class:`~seedvr2.memory.placement.WeightStore`
+    (pinned when the compute device is CUDA). A tensor referenced from several units (the
+    RoPE frequency table all blocks share) belongs to none of them: it stays resident with
+    the never-swapped weights, is copied to the device once, and every block reads that copy.
+    ``pin`` = "auto": pin where it pays (CPU host, CUDA compute); else a pin hook or None.
+    """
 
     INPUT_MODULES = ("vid_in", "txt_in", "emb_in")
     OUTPUT_MODULES = ("vid_out_norm", "vid_out_ada", "vid_out")  # in execution order
 
     def __init__(self, model: nn.Module, blocks_to_swap: int, swap_io: bool, device: torch.device,
-                 offload_device: torch.device, prefetch: int = 1, force: bool = False):
+                 offload_device: torch.device, prefetch: int = 1, force: bool = False,
+                 pin="auto"):
         num_blocks = len(model.blocks)
         if blocks_to_swap > num_blocks:
             log.warning("blocks_to_swap = %d exceeds the model's %d blocks; swapping all %d",
@@ -142,49 +100,81 @@ class BlockSwap:
         swapped = set(range(len(inputs))) | set(range(len(names) - len(outputs), len(names)))
         swapped |= set(range(len(inputs), len(inputs) + self.blocks_to_swap))
         self.schedule = SwapSchedule(len(self.units), frozenset(swapped), prefetch)
-        # Resident weights go to the device; swapped ones never pass through it at once.
-        self._offloaded = tuple(names[i] + "." for i in swapped)
-        self._move_resident(self.device)
-        pin = self.device.type == "cuda" and self.offload.type == "cpu"
-        self.weights = {i: _HostWeights(self.units[i], self.offload, pin) for i in sorted(swapped)}
+        self.store = WeightStore(model, self.offload,
+                                 default_pin(self.device, self.offload) if pin == "auto" else pin)
+        self.unit_entries = {i: self.store.entries_under(names[i] + ".") for i in sorted(swapped)}
+        swapped_entries = set().union(*self.unit_entries.values()) if swapped else set()
+        self.resident_entries = [i for i in range(len(self.store)) if i not in swapped_entries]
+        self.copies: dict[int, dict] = {}  # unit -> device copies in flight or in use
+        self.ready: dict[int, torch.cuda.Event] = {}
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.resident_active = False
+        self.activate()
         self.hooks = []
         for i, unit in enumerate(self.units):
             self.hooks.append(unit.register_forward_pre_hook(lambda m, a, i=i: self._before(i)))
             self.hooks.append(unit.register_forward_hook(lambda m, a, o, i=i: self._after(i)))
 
-    def _move_resident(self, device: torch.device):
-        for name, tensor in list(_tensors(self.model)):
-            if not name.startswith(self._offloaded) and tensor.device != device:
-                _set(self.model, name, tensor.detach().to(device))
+    @property
+    def pinned_bytes(self) -> int:
+        return self.store.pinned_bytes if self.active else 0
 
     def activate(self):
-        """Bring the resident (never swapped) weights back to the compute device."""
-        self._move_resident(self.device)
+        """Bring the resident (never swapped) weights to the compute device, once."""
+        if self.active and not self.resident_active:
+            self.store.place(self.store.copy_to(self.resident_entries, self.device))
+            self.resident_active = True
 
     def park(self):
-        """Move the resident weights to the offload device too (between DiT phases)."""
+        """Drop the resident weights' device copies too (between DiT phases)."""
         self.release_all()
-        self._move_resident(self.offload)
+        if self.active and self.resident_active:
+            self.store.to_host(self.resident_entries)
+            self.resident_active = False
+
+    def _start_copy(self, unit: int):
+        # Copies run on the side stream so they overlap the running block's compute; the
+        # host copy is pinned and never written, so nothing else needs to be ordered.
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            self.copies[unit] = self.store.copy_to(self.unit_entries[unit], self.device)
+            if self.stream is not None:
+                self.ready[unit] = torch.cuda.Event()
+                self.ready[unit].record(self.stream)
+
+    def _use(self, unit: int):
+        copies = self.copies[unit]
+        event = self.ready.pop(unit, None)
+        if event is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(event)
+            for t in copies.values():
+                # Allocated on the copy stream, read on the compute stream: the allocator
+                # must not hand the block out again before the compute stream is done.
+                t.record_stream(compute)
+        self.store.place(copies)
 
     def _before(self, i: int):
-        for event, j in self.schedule.before(i):
-            self.weights[j].start_copy(self.device, self.stream)
-        if i in self.weights:
-            compute = torch.cuda.current_stream(self.device) if self.stream is not None else None
-            self.weights[i].activate(compute)
+        for _, j in self.schedule.before(i):
+            self._start_copy(j)
+        if i in self.unit_entries:
+            self._use(i)
 
     def _after(self, i: int):
-        for event, j in self.schedule.after(i):
-            self.weights[j].drop()
+        for _, j in self.schedule.after(i):
+            self._drop(j)
+
+    def _drop(self, unit: int):
+        self.copies.pop(unit, None)
+        self.ready.pop(unit, None)
+        self.store.to_host(self.unit_entries[unit])
 
     def release_all(self):
-        """Drop every device copy (after an error or interrupt mid-forward)."""
+        """Drop every swapped unit's device copy (after an error or interrupt mid-forward)."""
         if not self.active:
             return
         for i in list(self.schedule.resident):
             self.schedule.after(i)
-            self.weights[i].drop()
+            self._drop(i)
 
     def detach(self):
         if not self.active:
@@ -192,5 +182,5 @@ class BlockSwap:
         self.release_all()
         for h in self.hooks:
             h.remove()
-        self.model.to(self.device)
+        self.store.place(self.store.copy_to(range(len(self.store)), self.device))
         self.active = False

@@ -23,7 +23,11 @@ spatially tiled phases 24-31 % above. No CUDA device was available to calibrate 
   picks for these shapes on CUDA): no ``N x N`` score matrix is counted, for the DiT's windows
   nor for the VAE's per-frame mid-block attention;
 * CUDA-only costs (cuBLAS/cuDNN workspaces, allocator rounding and fragmentation) are covered
-  by a margin of :data:`ACTIVATION_MARGIN` of the activations plus :data:`FIXED_OVERHEAD`.
+  by a margin of :data:`ACTIVATION_MARGIN` of the activations plus a fixed overhead per device
+  and phase (:func:`fixed_overhead`: :data:`CUDA_FIXED_OVERHEAD` on CUDA, where cuDNN alone may
+  pick a 3-D convolution algorithm with a workspace near 1 GiB; :data:`FIXED_OVERHEAD`
+  elsewhere), and ``batch_size=auto`` plans for at most :data:`AUTO_CUDA_SHARE` of a CUDA
+  device's free memory. Both are deliberately generous until a GPU run calibrates them.
 
 DiT, per video token (``N = t * h/2 * w/2`` for a latent of ``t x h x w``; ``b`` = bytes of the
 compute dtype, ``D`` = vid_dim, ``I`` = heads x head_dim, ``F`` = MLP hidden width), the
@@ -80,7 +84,11 @@ from .tiling import TileSettings
 GIB = 1 << 30
 MIB = 1 << 20
 ACTIVATION_MARGIN = 0.10  # share of the activations added for allocator rounding/fragmentation
-FIXED_OVERHEAD = 256 * MIB  # per device and phase: cuBLAS/cuDNN workspaces, kernels, rounding
+FIXED_OVERHEAD = 256 * MIB  # per device and phase off CUDA: kernels' scratch, allocator rounding
+CUDA_FIXED_OVERHEAD = 3 * GIB // 2  # per CUDA device and phase: cuDNN/cuBLAS workspaces, rounding
+AUTO_CUDA_SHARE = 0.85  # batch_size auto fills at most this share of a CUDA device's free memory
+# Reduces the fragmentation the estimate cannot model; named in every CUDA shortfall message.
+EXPANDABLE_SEGMENTS = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 AUTO_MIN_BATCH = 5  # auto keeps temporal context: never fewer frames per batch when any fit
 # The DiT's window rule sizes windows from min(t, 30) latent frames; past t = 30 (117 video
 # frames) a batch gains no longer windows, so 'auto' stops there.
@@ -105,6 +113,11 @@ _DIT_IO = BlockSwap.INPUT_MODULES + BlockSwap.OUTPUT_MODULES
 
 class BudgetError(ValueError):
     """A job that will not fit the memory available; the message names settings that would."""
+
+
+def fixed_overhead(device: str) -> int:
+    """Bytes per phase on ``device`` that do not scale with the job (see the module doc)."""
+    return CUDA_FIXED_OVERHEAD if device.startswith("cuda") else FIXED_OVERHEAD
 
 
 def gib(n: float) -> str:
@@ -214,9 +227,11 @@ def _named_tensors(module: torch.nn.Module):
 
 
 def _storage_key(t: torch.Tensor):
+    """Tensors with one key hold the same bytes. By the view's own address, not its
+    storage's: an offloaded model's tensors are views of one host arena (memory.arena)."""
     if t.device.type == "meta":
         return id(t)
-    return (t.device, t.untyped_storage().data_ptr())
+    return (t.device, t.data_ptr(), t.nbytes)
 
 
 def _largest_layer(module: torch.nn.Module) -> int:
@@ -239,7 +254,8 @@ def bytes_on(module: Optional[torch.nn.Module], device: torch.device) -> int:
     for _, t in _named_tensors(module):
         if t.device.type != device.type or (device.index is not None and t.device.index != device.index):
             continue
-        key = _storage_key(t)
+        # Memory held, so each storage once (an offloaded model's arena is one storage).
+        key = id(t) if t.device.type == "meta" else t.untyped_storage().data_ptr()
         if key not in seen:
             seen.add(key)
             total += t.untyped_storage().nbytes()
@@ -501,7 +517,7 @@ def estimate(budget: Budget, job: Job, place: Placement) -> Estimate:
 
     def need(phase: str, device: str, weights: list, activations: int) -> PhaseNeed:
         parts = [*weights, ("activations", activations),
-                 ("margin", int(activations * ACTIVATION_MARGIN) + FIXED_OVERHEAD)]
+                 ("margin", int(activations * ACTIVATION_MARGIN) + fixed_overhead(device))]
         if waiting:
             parts.append(("waiting tensors", waiting))
         return PhaseNeed(phase, device, tuple(parts))
@@ -699,17 +715,24 @@ def check(budget: Budget, job: Job, place: Placement, available: Mapping[str, in
         message += (". Nothing fits at this resolution, even with the smallest batch, VAE "
                     "tiles of 128 pixels and every DiT block swapped: lower resolution or "
                     "use a device with more memory")
+    if need.device.startswith("cuda"):
+        message += f". Setting {EXPANDABLE_SEGMENTS} in the environment also helps (less fragmentation)"
     raise BudgetError(message)
 
 
 def auto_batch_size(budget: Budget, job: Job, place: Placement, available: Mapping[str, int],
                     plan_frames: int, temporal_overlap: int) -> int:
-    """The largest of :func:`batch_candidates` that fits; :class:`BudgetError` when even the
-    smallest does not (naming what would fit)."""
+    """The largest of :func:`batch_candidates` that fits (on CUDA devices, in
+    :data:`AUTO_CUDA_SHARE` of the memory available); :class:`BudgetError` when even the
+    smallest does not fit the whole memory (naming what would fit)."""
     candidates = batch_candidates(plan_frames, temporal_overlap)
+    planned = {d: int(have * AUTO_CUDA_SHARE) if d.startswith("cuda") else have
+               for d, have in available.items()}
     for size in candidates:
-        if fits(budget, replace(job, batch_size=size), place, available):
+        if fits(budget, replace(job, batch_size=size), place, planned):
             return size
+    if fits(budget, replace(job, batch_size=candidates[-1]), place, available):
+        return candidates[-1]  # only the smallest fits, above the share: still worth a try
     smallest = replace(job, batch_size=candidates[-1])
     check(budget, smallest, place, available, min_batch=1,
           batch_text=f"batch_size auto (even {candidates[-1]} frames)")
@@ -754,6 +777,24 @@ def check_exact_tiling(cfg: VAEConfig, batch: int, height: int, width: int, item
                       f"vae_tiling_exact off (independent tiles, little memory)")
 
 
+HOST_COPY_SHARE = 0.9  # of the host RAM available, what persistent (pinned) weight copies may take
+
+
+def check_host_copy(nbytes: int, available: Optional[int], setting: str):
+    """Raise :class:`BudgetError` when a model's persistent host copy (``nbytes``, see
+    ``memory.arena``) would not fit the host RAM ``available`` (None: unknown, no check).
+
+    Offloaded weights are pinned on CUDA machines: pinned pages can never be swapped out, so
+    over-committing them stalls the whole machine instead of failing cleanly.
+    """
+    if available is None or nbytes <= HOST_COPY_SHARE * available:
+        return
+    raise BudgetError(f"{setting} cpu keeps a copy of the model's weights in host RAM: "
+                      f"{gib(nbytes)} (pinned, never swapped out), but {gib(available)} is "
+                      f"available. Set {setting} none (the model stays on its device), use a "
+                      f"smaller (quantised) weight file, or free host RAM")
+
+
 # What is available here (the impure part)
 
 
@@ -796,6 +837,7 @@ def device_available(device: torch.device, own_bytes: int = 0) -> Optional[int]:
 
 __all__ = ["Budget", "BudgetError", "Estimate", "Job", "PhaseNeed", "Placement", "Weights",
            "alternatives", "auto_batch_size", "batch_candidates", "bytes_on", "check",
+           "check_host_copy",
            "device_available", "dit_activation_bytes", "estimate", "failing_phases", "fits",
            "host_available",
            "host_rss", "shortfalls", "vae_decode_bytes", "vae_encode_bytes"]

@@ -50,7 +50,9 @@ class ModelCache:
         with self._lock:
             if key in self._models:
                 return self._models[key]
-            self._evict(lambda k: k.kind == key.kind)
+            evicted = self._evict(lambda k: k.kind == key.kind)
+        if evicted:
+            _free()  # the old model's device memory and pinned host copy go before the new load
         model = load()
         if keep:
             with self._lock:
@@ -62,9 +64,11 @@ class ModelCache:
         with self._lock:
             return self._models.get(key)
 
-    def _evict(self, match):
-        for k in [k for k in self._models if match(k)]:
+    def _evict(self, match) -> int:
+        gone = [k for k in self._models if match(k)]
+        for k in gone:
             del self._models[k]
+        return len(gone)
 
     def drop(self, kind: str | None = None):
         with self._lock:

@@ -7,7 +7,14 @@ outside the graphs, so a new resolution recompiles once with dynamic shapes and 
 for the same reason ``fullgraph`` applies to the VAE and not to the DiT blocks (a warning
 says so).
 A compile that fails — at the first call, where torch.compile fails — falls back to eager
-with one warning, so a missing compiler never stops a run.
+with one warning, so a missing compiler never stops a run. Running out of memory is not a
+compiler failure: it is re-raised, and the module keeps its compiled path for the next run.
+
+CUDA-graph modes (``reduce-overhead``, ``max-autotune``, the ``cudagraphs`` backend) are
+refused: a CUDA graph replays fixed tensor addresses, but all blocks share one compiled
+function with their weights as inputs, and BlockSwap and offloading give weights new
+addresses on every activation, so the graphs would be re-recorded on every call until the
+recompile limit. ``max-autotune-no-cudagraphs`` keeps max-autotune's kernel tuning.
 """
 
 from __future__ import annotations
@@ -17,9 +24,13 @@ import functools
 import warnings
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
+from ..options import OptionError
+
 BACKENDS = ("inductor", "cudagraphs", "eager", "aot_eager")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 @dataclass(frozen=True)
@@ -34,6 +45,15 @@ class CompileSettings:
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"compile backend {self.backend!r}: expected one of {', '.join(BACKENDS)}")
+        if self.backend == "cudagraphs" or (self.backend == "inductor" and self.mode in CUDA_GRAPH_MODES):
+            what = "compile_backend cudagraphs" if self.backend == "cudagraphs" else \
+                f"compile_mode {self.mode}"
+            raise OptionError(
+                f"{what} records CUDA graphs, which replay fixed weight addresses: DiT blocks "
+                f"share one compiled function and BlockSwap/offloading move weights to new "
+                f"addresses, so the graphs would be re-recorded on every call. Use compile_mode "
+                f"max-autotune-no-cudagraphs (the same kernel tuning) or default, with "
+                f"compile_backend inductor")
 
     @classmethod
     def from_options(cls, opts) -> "CompileSettings | None":
@@ -54,8 +74,6 @@ def _compile_forward(module: nn.Module, settings: CompileSettings, shared: dict)
     (all DiT blocks alike) share graphs: with parameters traced as inputs, a second block of
     the same kind reuses the first one's graph instead of compiling its own.
     """
-    import torch
-
     eager = module.forward
     function = type(module).forward
     if function not in shared:
@@ -69,6 +87,8 @@ def _compile_forward(module: nn.Module, settings: CompileSettings, shared: dict)
         try:
             return compiled(module, *args, **kwargs)
         except Exception as e:  # a compiler problem must not stop the run
+            if is_out_of_memory(e):
+                raise  # not a compiler problem: keep the compiled path for the next run
             module._compile_failed = True
             warnings.warn(f"torch.compile ({settings.backend}) failed for {type(module).__name__}, "
                           f"running eager: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
@@ -76,6 +96,18 @@ def _compile_forward(module: nn.Module, settings: CompileSettings, shared: dict)
 
     module._compile_failed = False
     module.forward = forward
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is, or wraps, an out-of-memory error (Dynamo and Inductor wrap
+    errors raised while compiling or autotuning in their own exception types)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, torch.OutOfMemoryError):
+            return True
+        seen.add(id(error))
+        error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
+    return False
 
 
 def apply_compile(dit: nn.Module | None, vae: nn.Module | None, settings: CompileSettings | None):

@@ -23,13 +23,40 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+# bf16 runs natively from compute capability 8.0 (Ampere). torch.cuda.is_bf16_supported()
+# also says yes on 7.x (T4, V100, RTX 20xx), where bf16 is emulated and several times slower.
+NATIVE_BF16_CAPABILITY = (8, 0)
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto`` = bf16 on GPUs that support it, fp16 on other GPUs, fp32 on the CPU."""
+    """``auto`` = bf16 on GPUs with native bf16 (compute capability 8.0 and up), fp16 on older
+    GPUs (checked for overflow: see :func:`check_finite`), fp32 on the CPU."""
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        native = torch.cuda.get_device_capability(device) >= NATIVE_BF16_CAPABILITY
+        return torch.bfloat16 if native else torch.float16
     return torch.float32
+
+
+class NonFiniteError(RuntimeError):
+    """A phase produced NaN or infinite values (fp16 overflow); the message names the fix."""
+
+
+def check_finite(values: torch.Tensor, phase: str, dtype: torch.dtype):
+    """Raise :class:`NonFiniteError` when ``values`` (a phase's fp16 output) holds NaN or inf.
+
+    fp16 tops out at 65504; activations of these models can exceed it where bf16 (the
+    precision they were trained in) cannot overflow. Only fp16 is checked: the check
+    reads one flag back from the device (a host sync) per batch and phase, which is cheap
+    against a DiT or VAE call, and bf16/fp32 do not overflow this way.
+    """
+    if dtype != torch.float16 or bool(torch.isfinite(values).all()):
+        return
+    raise NonFiniteError(
+        f"the {phase} produced NaN or infinite values in fp16 (its range ends at 65504): "
+        f"set dtype to fp32 (--dtype fp32; or bf16 on a GPU of compute capability 8.0 or "
+        f"newer, where dtype auto picks it)")
 
 
 def resolve_offload(name: str) -> torch.device | None:

@@ -125,6 +125,8 @@ class WindowAttention(nn.Module):
     def _attend(self, q, k, v):
         try:
             return attend(q, k, v, self.backend)
+        except torch.OutOfMemoryError:
+            raise  # the backend works; this call needs less memory, not another kernel
         except Exception as e:  # missing package, unsupported GPU/shape: keep working on SDPA
             warnings.warn(f"attention backend {self.backend} unavailable ({e}); using sdpa")
             self.backend = "sdpa"

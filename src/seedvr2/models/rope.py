@@ -16,6 +16,7 @@ the buffer's values.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -24,12 +25,22 @@ from torch import nn
 from .window import WindowLayout
 
 
+_TABLE_IDS = itertools.count()
+
+
 class FrequencyTable(nn.Module):
-    """Holds the ``freqs`` buffer under the official key name (``...rope.rope.freqs``)."""
+    """Holds the ``freqs`` buffer under the official key name (``...rope.rope.freqs``).
+
+    ``table_id`` names the table's values for caches: unique per table, and shared only by
+    tables :func:`share_equal_tables` found equal. Caches must not key on ``data_ptr()``:
+    placement code (BlockSwap, offload) gives a table fresh device copies, and a freed
+    copy's address is soon reused by another tensor.
+    """
 
     def __init__(self, freqs: torch.Tensor):
         super().__init__()
         self.register_buffer("freqs", freqs, persistent=True)
+        self.table_id = next(_TABLE_IDS)
 
     def _apply(self, fn, recurse=True):
         # Follow device moves but never lose precision: a model cast to bf16 keeps fp32 values.
@@ -41,16 +52,17 @@ class FrequencyTable(nn.Module):
 
 def share_equal_tables(model: nn.Module):
     """Blocks whose tables hold equal values get one tensor, so rotations are computed once."""
-    seen: list[torch.Tensor] = []
+    seen: list[FrequencyTable] = []
     for table in (m for m in model.modules() if isinstance(m, FrequencyTable)):
         if table.freqs.is_meta:
             return
-        same = next((t for t in seen if t.shape == table.freqs.shape
-                     and t.device == table.freqs.device and torch.equal(t, table.freqs)), None)
+        same = next((s for s in seen if s.freqs.shape == table.freqs.shape
+                     and s.freqs.device == table.freqs.device
+                     and torch.equal(s.freqs, table.freqs)), None)
         if same is None:
-            seen.append(table.freqs)
+            seen.append(table)
         else:
-            table.freqs = same
+            table.freqs, table.table_id = same.freqs, same.table_id
 
 
 def rotation(angles: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -87,9 +99,9 @@ class _RoPE3d(nn.Module):
         """(Nv, 1, head_dim/2) rotations of the video tokens in window order, cached per call
         for blocks sharing one table (the loader shares tables holding equal values)."""
         freqs = self.rope.freqs
-        # Keyed by storage, not version: inference-mode tensors have no version counter, and
-        # tables never change during a call.
-        key = (type(self).__name__, freqs.data_ptr(), freqs.device)
+        # Keyed by the table's identity (tables never change during a call), not by its
+        # address: see FrequencyTable.
+        key = (type(self).__name__, self.rope.table_id, freqs.device)
         if key not in layout.cache:
             angles = _axis_angles(self.video_positions(layout, txt_lens), freqs)
             layout.cache[key] = rotation(angles, self.head_dim)

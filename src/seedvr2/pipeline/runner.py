@@ -23,7 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from ..memory import tiling
+from ..memory.blockswap import BlockSwap
 from ..memory.budget import host_rss
+from ..memory.policy import check_finite
 from ..options import Options
 from .alpha import upscale_alpha
 from .color import color_correct
@@ -58,25 +60,26 @@ class Models:
     dtype: torch.dtype = torch.float32
     dit_offload: Optional[torch.device] = None
     vae_offload: Optional[torch.device] = None
-    blockswap: Optional[object] = None  # memory.blockswap.BlockSwap managing the DiT's weights
+    # memory.placement.OffloadedModel or memory.blockswap.BlockSwap: moves the model's weights
+    # between its offload and compute devices; None: the model stays on its device.
+    dit_placement: Optional[object] = None
+    vae_placement: Optional[object] = None
+
+    @property
+    def blockswap(self):
+        """The DiT's BlockSwap when it swaps (on CUDA), else None."""
+        return self.dit_placement if isinstance(self.dit_placement, BlockSwap) else None
 
     def activate(self, kind: str):
-        if kind == "vae":
-            if self.vae_offload is not None:
-                self.vae.to(self.vae_device)
-        elif self.blockswap is not None and self.blockswap.active:
-            self.blockswap.activate()
-        elif self.dit_offload is not None:
-            self.dit.to(self.dit_device)
+        placement = self.dit_placement if kind == "dit" else self.vae_placement
+        if placement is not None:
+            placement.activate()
 
     def park(self, kind: str):
-        if kind == "vae":
-            if self.vae_offload is not None:
-                self.vae.to(self.vae_offload)
-        elif self.blockswap is not None and self.blockswap.active:
-            self.blockswap.park()
-        elif self.dit_offload is not None:
-            self.dit.to(self.dit_offload)
+        """Drop the model's device copies (BlockSwap: also those of a forward cut short)."""
+        placement = self.dit_placement if kind == "dit" else self.vae_placement
+        if placement is not None:
+            placement.park()
 
 
 @dataclass
@@ -318,6 +321,7 @@ class Upscaler:
         v = dit(vid.reshape(-1, vid.shape[-1]).to(self.dtype), text.to(self.dtype),
                 torch.tensor([[t, h, w]]), torch.tensor([[text.shape[0]]]),
                 torch.full((1,), T, device=device))
+        check_finite(v, "DiT", self.dtype)
         item.result = x0_from_velocity(noise, v.float().reshape(noise.shape)).to(self.offload)
         item.latent = None
 
@@ -326,6 +330,7 @@ class Upscaler:
         z = (item.result.to(device) / LATENT_SCALE).permute(3, 0, 1, 2)[None]
         video = tiling.decode(self.models.vae, z.to(self.dtype), self.decode_tiles,
                               self.decode_slice)  # (1, 3, T, H16, W16)
+        check_finite(video, "VAE decoder", self.dtype)
         n = item.batch.frames
         frames = video[0, :, :n, : size[0], : size[1]].permute(1, 0, 2, 3).float()  # (n, 3, H, W)
         frames = color_correct(frames, item.reference.to(device), self.opts.color_correction)
@@ -414,8 +419,6 @@ class Upscaler:
                     del out
         finally:
             # Also after an error or interrupt: no weights copies or tensors stay on the device.
-            if self.models.blockswap is not None:
-                self.models.blockswap.release_all()
             self.models.park("dit")
             self.models.park("vae")
             for name, phase in self.stats.phases.items():

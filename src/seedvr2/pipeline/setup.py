@@ -20,6 +20,7 @@ from ..memory import MODEL_CACHE, ModelKey, resolve_device, resolve_dtype, resol
 from ..memory import budget as mem
 from ..memory.blockswap import BlockSwap
 from ..memory.compile import CompileSettings, apply_compile
+from ..memory.placement import OffloadedModel, default_pin, host_copy_bytes
 from ..memory.tiling import settings_from_options
 from ..options import OptionError, Options, option_ref
 from .plan import make_plan
@@ -32,9 +33,30 @@ def _settings_of(opts: Options, kind: str) -> tuple:
     """The options that shape a loaded model (its cache key besides file, dtype and device)."""
     compiled = CompileSettings.from_options(opts)
     if kind == "vae":
-        return (compiled,)
+        return (compiled, opts.vae_offload_device)
     return (compiled, opts.blocks_to_swap, opts.swap_io_components, opts.dit_offload_device,
             opts.attention_backend)
+
+
+def _check_host_copy(model, offload, setting: str):
+    """The offloaded model's host copy must fit the host RAM (the model's own tensors already
+    there are replaced by it, so they count as available)."""
+    if offload is not None and offload.type == "cpu":
+        mem.check_host_copy(host_copy_bytes(model), _plus(mem.host_available(),
+                                                          mem.bytes_on(model, offload)), setting)
+
+
+def _plus(available, own: int):
+    return None if available is None else available + own
+
+
+def _placement(model, device, offload, setting: str):
+    """An offloaded model waits in one persistent host copy (pinned on CUDA) between its
+    phases; without an offload device it simply stays on its device."""
+    if offload is None:
+        return None
+    _check_host_copy(model, offload, setting)
+    return OffloadedModel(model, device, offload, default_pin(device, offload))
 
 
 def _load_dit(path: Path, opts: Options, dtype, device, offload):
@@ -43,13 +65,24 @@ def _load_dit(path: Path, opts: Options, dtype, device, offload):
         raise OptionError(f"{option_ref('blocks_to_swap')}/{option_ref('swap_io_components')} need "
                           f"an offload device for the swapped weights: set "
                           f"{option_ref('dit_offload_device', 'cpu')} (or another device)")
-    # With BlockSwap the weights load on the offload device; only resident ones reach the GPU.
-    dit = load_dit(path, dtype, offload if swapping else device)
+    # An offloaded DiT loads on its offload device; only what runs reaches the GPU.
+    dit = load_dit(path, dtype, offload if offload is not None else device)
     dit.set_attention_backend(opts.attention_backend)
-    blockswap = BlockSwap(dit, opts.blocks_to_swap, opts.swap_io_components, device, offload) \
-        if swapping else None
+    placement = None
+    if swapping:
+        _check_host_copy(dit, offload, "dit_offload_device")
+        placement = BlockSwap(dit, opts.blocks_to_swap, opts.swap_io_components, device, offload)
+    if placement is None or not placement.active:  # no CUDA: plain offloading
+        placement = _placement(dit, device, offload, "dit_offload_device")
     apply_compile(dit, None, CompileSettings.from_options(opts))
-    return dit, blockswap
+    return dit, placement
+
+
+def _load_vae(path: Path, opts: Options, dtype, device, offload):
+    vae = load_vae(path, dtype, offload if offload is not None else device)
+    placement = _placement(vae, device, offload, "vae_offload_device")
+    apply_compile(None, vae, CompileSettings.from_options(opts))
+    return vae, placement
 
 
 def _model_files(dit, vae, model_dir: Path) -> tuple[Optional[Path], Optional[Path]]:
@@ -72,29 +105,28 @@ def load_models(dit=None, vae=None, *, opts: Options, model_dir=None) -> Models:
                                 resolve_offload(opts.vae_offload_device))
     model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
     dit_path, vae_path = _model_files(dit, vae, model_dir)
-    blockswap = None
+    dit_placement = vae_placement = None
     if isinstance(dit, torch.nn.Module):
-        dit = dit.to(device=dit_device, dtype=dtype)
+        dit = dit.to(device=dit_device if dit_offload is None else dit_offload, dtype=dtype)
+        dit_placement = _placement(dit, dit_device, dit_offload, "dit_offload_device")
     else:
         path = dit_path
         key = ModelKey.for_file("dit", path, dtype, dit_device, _settings_of(opts, "dit"))
-        dit, blockswap = MODEL_CACHE.get_or_load(
+        dit, dit_placement = MODEL_CACHE.get_or_load(
             key, lambda: _load_dit(path, opts, dtype, dit_device, dit_offload), opts.cache_dit)
     if isinstance(vae, torch.nn.Module):
-        vae = vae.to(device=vae_device, dtype=dtype)
+        vae = vae.to(device=vae_device if vae_offload is None else vae_offload, dtype=dtype)
+        vae_placement = _placement(vae, vae_device, vae_offload, "vae_offload_device")
     else:
         path = vae_path
         key = ModelKey.for_file("vae", path, dtype, vae_device, _settings_of(opts, "vae"))
-
-        def load():
-            model = load_vae(path, dtype, vae_device)
-            apply_compile(None, model, CompileSettings.from_options(opts))
-            return model
-        vae = MODEL_CACHE.get_or_load(key, load, opts.cache_vae)
+        vae, vae_placement = MODEL_CACHE.get_or_load(
+            key, lambda: _load_vae(path, opts, dtype, vae_device, vae_offload), opts.cache_vae)
     embedded = getattr(dit, "embedded_text_embeddings", None) or {}
     text = load_text_embeddings(opts.text_embeddings, dit.config.txt_in_dim, model_dir,
                                 embedded=embedded.get("pos"))
-    return Models(dit, vae, text, dit_device, vae_device, dtype, dit_offload, vae_offload, blockswap)
+    return Models(dit, vae, text, dit_device, vae_device, dtype, dit_offload, vae_offload,
+                  dit_placement, vae_placement)
 
 
 def _budget_job(opts: Options, size: tuple[int, int], batch: int, dtype: torch.dtype,
@@ -137,8 +169,8 @@ def prepare_job(models: Models, opts: Options, frame_count: int, size: tuple[int
         dit_device, vae_device,
         str(models.dit_offload) if models.dit_offload is not None else None,
         str(models.vae_offload) if models.vae_offload is not None else None,
-        models.blockswap.blocks_to_swap if models.blockswap is not None and models.blockswap.active else 0,
-        bool(opts.swap_io_components and models.blockswap is not None and models.blockswap.active))
+        models.blockswap.blocks_to_swap if models.blockswap is not None else 0,
+        bool(opts.swap_io_components and models.blockswap is not None))
     budget = mem.Budget(models.dit.config, models.vae.config, mem.Weights.of_module(models.dit),
                         mem.Weights.of_module(models.vae))
     devices = {dit_device, vae_device}

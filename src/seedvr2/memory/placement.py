@@ -1,0 +1,161 @@
+"""Where a model's weights wait and how they reach the compute device.
+
+Weights never change after loading, so a model that waits off its compute device between
+phases (``dit_offload_device`` / ``vae_offload_device``) or swaps blocks (BlockSwap) keeps
+**one persistent host copy** of every tensor, in one :class:`~seedvr2.memory.arena.HostArena`
+(pinned on CUDA machines). Bringing weights to the device is an asynchronous copy from that
+copy; sending them back is only dropping the device tensors: nothing is ever copied back and
+no phase change goes through pageable memory.
+
+:class:`WeightStore` is that host copy with the bookkeeping of which names refer to which
+tensor: a tensor referenced under several names (the RoPE frequency table all blocks of a
+DiT share) is one entry, placed once, and every name is pointed at the same device copy.
+:class:`OffloadedModel` parks and activates a whole model with it; ``memory.blockswap`` uses
+the same store per block.
+
+Why this is safe on CUDA: device copies are made with ``non_blocking=True`` on the stream
+that will use them (the current stream, or BlockSwap's copy stream followed by an event wait
+and ``record_stream``), so the kernels that read them are ordered after the copy; the source
+host memory is never written after loading, so an in-flight copy can never read changed
+data; and freeing a device copy returns its block to the caching allocator on the stream
+that last used it, so a later allocation on that stream is ordered after every read.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from .arena import HostArena, PinHook, arena_bytes, cuda_pin
+
+
+def named_tensors(module: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer under every name it has (shared tensors repeat)."""
+    return itertools.chain(module.named_parameters(remove_duplicate=False),
+                           module.named_buffers(remove_duplicate=False))
+
+
+def set_tensor(module: nn.Module, name: str, tensor: torch.Tensor):
+    owner_name, _, attr = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    if attr in owner._parameters:
+        owner._parameters[attr] = tensor if isinstance(tensor, nn.Parameter) else \
+            nn.Parameter(tensor, requires_grad=False)
+    else:
+        owner._buffers[attr] = tensor
+
+
+def unique_tensors(module: nn.Module) -> list[torch.Tensor]:
+    return list({id(t): t for _, t in named_tensors(module)}.values())
+
+
+def host_copy_bytes(module: nn.Module) -> int:
+    """Host bytes a :class:`WeightStore` of ``module`` holds (its arena)."""
+    return arena_bytes([t.numel() * t.element_size() for t in unique_tensors(module)])
+
+
+def default_pin(compute: torch.device, host: torch.device) -> Optional[PinHook]:
+    """Pin host copies only where it pays: CPU memory feeding a CUDA device."""
+    return cuda_pin if compute.type == "cuda" and host.type == "cpu" else None
+
+
+class WeightStore:
+    """One persistent copy of every tensor of ``model`` on ``host`` (an arena), with the
+    names each tensor is referenced by. Entries are numbered in ``model``'s order."""
+
+    def __init__(self, model: nn.Module, host: torch.device, pin: Optional[PinHook]):
+        self.model = model
+        self.host = torch.device(host)
+        names: dict[int, list[str]] = {}
+        first: dict[int, torch.Tensor] = {}
+        for name, tensor in named_tensors(model):
+            names.setdefault(id(tensor), []).append(name)
+            first.setdefault(id(tensor), tensor)
+        self.names: list[tuple[str, ...]] = [tuple(n) for n in names.values()]
+        specs = [(t.shape, t.dtype) for t in first.values()]
+        if any(t.is_meta for t in first.values()):
+            raise ValueError("cannot offload a model whose weights are not loaded (on meta)")
+        self.arena = HostArena(specs, self.host)
+        # Copy one tensor at a time and point the model at its host view right away, so each
+        # original (possibly a converted copy in RAM) can be freed before the next is copied.
+        for i, key in enumerate(list(first)):
+            view = self.arena.views[i]
+            view.copy_(first.pop(key).detach())
+            self._point(i, view)
+        self.arena.pin(pin)
+        self.on_device: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def _point(self, i: int, tensor: torch.Tensor):
+        value = tensor
+        for name in self.names[i]:
+            set_tensor(self.model, name, value)
+            value = self._current(name)  # the same Parameter object under every name
+
+    def _current(self, name: str) -> torch.Tensor:
+        owner_name, _, attr = name.rpartition(".")
+        owner = self.model.get_submodule(owner_name) if owner_name else self.model
+        return owner._parameters[attr] if attr in owner._parameters else owner._buffers[attr]
+
+    def entries_under(self, prefix: str) -> list[int]:
+        """Entries referenced only under ``prefix`` (a unit's own weights, not shared ones)."""
+        return [i for i, names in enumerate(self.names) if all(n.startswith(prefix) for n in names)]
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.arena.pinned_bytes
+
+    def copy_to(self, entries: Iterable[int], device: torch.device) -> dict[int, torch.Tensor]:
+        """Asynchronous device copies of ``entries`` on the current stream (not yet placed)."""
+        return {i: self.arena.views[i].to(device, non_blocking=True) for i in entries}
+
+    def place(self, copies: dict[int, torch.Tensor]):
+        """Point the model at device copies made by :meth:`copy_to`."""
+        for i, tensor in copies.items():
+            self.on_device[i] = tensor
+            self._point(i, tensor)
+
+    def to_host(self, entries: Iterable[int]):
+        """Point ``entries`` back at their host copies, dropping the device copies."""
+        for i in entries:
+            if self.on_device.pop(i, None) is not None:
+                self._point(i, self.arena.views[i])
+
+    def release(self):
+        """Unpin the host copy now (it is also unpinned when the store is dropped)."""
+        self.arena.release()
+
+
+class OffloadedModel:
+    """A model that waits on ``offload`` between its phases and runs on ``device``.
+
+    ``activate()`` copies every weight from the persistent host copy (non-blocking);
+    ``park()`` drops the device copies. Both are idempotent.
+    """
+
+    def __init__(self, model: nn.Module, device, offload, pin: Optional[PinHook]):
+        self.device, self.offload = torch.device(device), torch.device(offload)
+        self.store = WeightStore(model, self.offload, pin)
+        self.active = False
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.store.pinned_bytes
+
+    def activate(self):
+        if not self.active:
+            self.store.place(self.store.copy_to(range(len(self.store)), self.device))
+            self.active = True
+
+    def park(self):
+        if self.active:
+            self.store.to_host(range(len(self.store)))
+            self.active = False
+
+    def release_all(self):
+        self.park()

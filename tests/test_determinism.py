@@ -1,0 +1,128 @@
+"""Same seed, same frames: the same jobs run in two separate processes give identical frames,
+bit for bit, at several sizes and batch layouts, through the file path (video with audio, as
+the CLI runs it) and the in-memory one.
+
+The two processes are made to differ in everything that should not matter: the second fills
+freshly allocated and freed heap memory with a byte pattern (glibc's ``MALLOC_PERTURB_``), so
+a computation that reads memory it never wrote gives other values there; hash seeds differ,
+so anything ordered by string hashes changes order; and address-space layout differs
+between processes anyway, so anything keyed by or sensitive to addresses (caches keyed by
+``data_ptr()``, kernels whose rounding depends on operand alignment) shows up.
+
+What this found (issue 13): the frames our pipeline computes were identical, but libx264's
+macroblock-tree rate control reads memory it never wrote, so the encoded output changed from
+run to run (``file_overlap`` frames 5, 6 and 8 here; the first batch in the report). The
+writer turns mbtree off.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Each job: name, source (frames, width, height), options. Sizes and layouts cover a ragged
+# last batch, temporal overlap with blending, prepended frames, uniform batches, a non-integer
+# scale and model offloading (the arena copies of memory.placement).
+JOBS = [
+    ("file_ragged", (11, 48, 32), dict(resolution=32, batch_size=5)),
+    ("file_overlap", (10, 40, 24), dict(resolution=24, batch_size=9, temporal_overlap=2)),
+    ("memory_prepend", (6, 36, 20), dict(resolution=30, batch_size=5, prepend_frames=3,
+                                         uniform_batch_size=True)),
+    ("memory_offload", (5, 32, 24), dict(resolution=30, batch_size=5, dit_offload_device="cpu",
+                                         vae_offload_device="cpu")),
+]
+
+WORKER = textwrap.dedent("""
+    import json, sys
+    from fractions import Fraction
+    from pathlib import Path
+
+    import av
+    import numpy as np
+    import torch
+
+    import seedvr2
+    from seedvr2.io import open_media
+
+    models, out, jobs = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
+    common = dict(dit=str(models / "dit3b_tiny.safetensors"),
+                  vae=str(models / "vae_tiny.safetensors"), model_dir=models,
+                  text_embeddings=str(models / "text_64.safetensors"), device="cpu",
+                  dtype="fp32", seed=3)
+
+    def testsrc2(frames, width, height):
+        graph = av.filter.Graph()
+        source = graph.add("testsrc2", f"size={width}x{height}:rate=25")
+        sink = graph.add("buffersink")
+        source.link_to(sink)
+        graph.configure()
+        return [graph.pull().to_ndarray(format="rgb24") for _ in range(frames)]
+
+    def clip(path, frames):
+        with av.open(str(path), "w") as container:
+            video = container.add_stream("libx264", rate=25)
+            video.width, video.height, video.pix_fmt = frames[0].shape[1], frames[0].shape[0], "yuv420p"
+            audio = container.add_stream("aac", rate=44100, layout="mono")
+            for i, array in enumerate(frames):
+                frame = av.VideoFrame.from_ndarray(array, format="rgb24")
+                frame.pts, frame.time_base = i, Fraction(1, 25)
+                container.mux(video.encode(frame))
+            total = len(frames) * 44100 // 25
+            t = np.arange(total) / 44100
+            samples = (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+            for start in range(0, total, 1024):
+                chunk = av.AudioFrame.from_ndarray(samples[None, start:start + 1024],
+                                                   format="flt", layout="mono")
+                chunk.sample_rate, chunk.pts = 44100, start
+                chunk.time_base = Fraction(1, 44100)
+                container.mux(audio.encode(chunk))
+            container.mux(video.encode(None))
+            container.mux(audio.encode(None))
+
+    results = {}
+    for name, (count, width, height), options in jobs:
+        frames = testsrc2(count, width, height)
+        if name.startswith("file"):
+            src = out / f"{name}_in.mp4"
+            clip(src, frames)
+            dst = seedvr2.upscale_file(src, out / f"{name}_out.mp4", **common, **options)
+            with open_media(dst) as media:
+                results[name] = np.stack(list(media.frames()))
+        else:
+            results[name] = seedvr2.upscale(torch.from_numpy(np.stack(frames)),
+                                            **common, **options).numpy()
+    np.savez(out / "frames.npz", **results)
+""")
+
+
+def _run(tmp: Path, models: Path, env_extra: dict) -> dict:
+    import json
+
+    tmp.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_PERTURB_", "PYTHONHASHSEED")}
+    env.update(env_extra, PYTHONPATH=str(REPO / "src"))
+    done = subprocess.run([sys.executable, "-c", WORKER, str(models), str(tmp), json.dumps(JOBS)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with np.load(tmp / "frames.npz") as data:
+        return {k: data[k] for k in data.files}
+
+
+def test_same_jobs_in_two_processes_give_identical_frames(tiny_model_dir, tmp_path):
+    first = _run(tmp_path / "first", tiny_model_dir, {"PYTHONHASHSEED": "1"})
+    second = _run(tmp_path / "second", tiny_model_dir,
+                  {"PYTHONHASHSEED": "2", "MALLOC_PERTURB_": "165"})
+    assert sorted(first) == sorted(name for name, *_ in JOBS)
+    for name, _, _ in JOBS:
+        a, b = first[name], second[name]
+        assert a.shape == b.shape, name
+        differ = np.argwhere((a != b).reshape(len(a), -1).any(1)).ravel().tolist()
+        assert differ == [], f"{name}: frames {differ} differ between the two runs " \
+                             f"({int((a != b).sum())} values)"

@@ -1,0 +1,254 @@
+"""Weight placement checked without a GPU: ``meta`` stands in for the CUDA device, so every
+tensor's device after BlockSwap / offload steps shows where a CUDA run would find it, and
+pinning is an injected hook that records what it was asked to pin."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from seedvr2.loading import load_dit, load_vae
+from seedvr2.memory.arena import ALIGNMENT, PAGE, HostArena, aligned_offsets, arena_bytes
+from seedvr2.memory.blockswap import BlockSwap
+from seedvr2.memory.placement import OffloadedModel, named_tensors
+from seedvr2.models.packing import Packing
+from seedvr2.models.rope import FrequencyTable, MMRoPE3d, PixelRoPE3d
+
+META, CPU = torch.device("meta"), torch.device("cpu")
+
+
+class RecordingPin:
+    """A pin hook: remembers each buffer it pinned and each unpin."""
+
+    def __init__(self):
+        self.pinned: list[tuple[int, int]] = []  # (data_ptr, bytes)
+        self.unpinned = 0
+
+    def __call__(self, buffer: torch.Tensor):
+        self.pinned.append((buffer.data_ptr(), buffer.numel()))
+
+        def unpin():
+            self.unpinned += 1
+        return unpin
+
+
+def _off_device(module, names=None) -> list[str]:
+    return [n for n, t in named_tensors(module) if t.device != META and (names is None or n in names)]
+
+
+@pytest.mark.parametrize("family", ["dit3b_tiny", "dit7b_tiny"])
+@pytest.mark.parametrize("blocks, swap_io", [(1, False), (2, True), (0, True)])
+def test_blockswap_every_tensor_a_unit_reads_is_on_the_compute_device(conformance, family,
+                                                                      blocks, swap_io):
+    """Run BlockSwap's hooks in execution order with meta as the compute device: whenever a
+    unit runs, every tensor it reads (shared RoPE tables included) is on that device."""
+    model = load_dit(conformance / family / "weights.safetensors")
+    pin = RecordingPin()
+    swap = BlockSwap(model, blocks, swap_io, META, CPU, force=True, pin=pin)
+    # The never-swapped layers are on the device before the first unit runs.
+    unit_names = {n for u in swap.units for n, _ in named_tensors(u)}
+    outside = [n for n, t in named_tensors(model)
+               if not any(n.startswith(p + ".") for p in _unit_prefixes(swap)) and t.device != META]
+    assert outside == []
+    for i, unit in enumerate(swap.units):
+        swap._before(i)
+        assert _off_device(unit) == [], f"unit {i} would read host tensors on the GPU"
+        swap._after(i)
+    # Between units, swapped weights are back on the host; the shared table stayed put.
+    tables = {id(b.attn.rope.rope.freqs) for b in model.blocks}
+    assert len(tables) == 1 and model.blocks[0].attn.rope.rope.freqs.device == META
+    assert unit_names  # the check above looked at something
+    assert len(pin.pinned) == 1  # one arena for the whole model
+
+    swap.park()
+    assert all(t.device == CPU for _, t in named_tensors(model))
+    swap.activate()
+    for i in range(len(swap.units)):
+        swap._before(i)
+        assert _off_device(swap.units[i]) == []
+        swap._after(i)
+
+
+def _unit_prefixes(swap) -> list[str]:
+    return [name for name, m in swap.model.named_modules() if any(m is u for u in swap.units)]
+
+
+def test_blockswap_forward_on_cpu_with_distinct_tables(conformance):
+    """A model whose blocks hold different RoPE tables (nothing shared) swaps each block's
+    own table with it; the forward still matches the unswapped model exactly."""
+    from conftest import load_case
+
+    folder = conformance / "dit7b_tiny"
+    case = load_case(folder, "video_ragged")
+    plain = load_dit(folder / "weights.safetensors")
+    swapped = load_dit(folder / "weights.safetensors")
+    for model in (plain, swapped):
+        for k, block in enumerate(model.blocks):
+            table = block.attn.rope.rope
+            table.freqs = table.freqs * (1 + k / 8)
+            table.table_id = 1000 + k
+    swap = BlockSwap(swapped, 3, True, CPU, CPU, force=True, pin=None)
+    with torch.no_grad():
+        expected = plain(case["inputs.vid"], case["inputs.txt"], case["inputs.vid_shape"],
+                         case["inputs.txt_shape"], case["inputs.timestep"])
+        out = swapped(case["inputs.vid"], case["inputs.txt"], case["inputs.vid_shape"],
+                      case["inputs.txt_shape"], case["inputs.timestep"])
+    assert torch.equal(out, expected)
+    assert swap.schedule.resident == set()
+
+
+@pytest.mark.parametrize("rope_class", [MMRoPE3d, PixelRoPE3d])
+def test_rope_cache_is_keyed_by_table_not_address(rope_class):
+    """Placement code gives tables fresh device copies, and a freed copy's address is reused
+    by the next: a second table at the first one's address must not get its rotations."""
+    first, second = (rope_class(48, 48) if rope_class is MMRoPE3d else rope_class(48)
+                     for _ in range(2))
+    packing = Packing([(2, 4, 6)], [3], CPU)
+    layout = packing.layout("720pwin_by_size_bysize", (1, 1, 1))
+    txt_lens = packing.txt_lens_tensor()
+    storage = first.rope.freqs
+    cached = first.video_rotation(layout, txt_lens)
+    # The second table's values land in the memory the first one used.
+    storage.copy_(storage * 3)
+    second.rope.freqs = storage
+    expected = rotation_of(second, layout, txt_lens)
+    assert not torch.equal(expected, cached)
+    assert torch.equal(second.video_rotation(layout, txt_lens), expected)
+
+
+def rotation_of(rope, layout, txt_lens):
+    from seedvr2.models.rope import _axis_angles, rotation
+
+    return rotation(_axis_angles(rope.video_positions(layout, txt_lens), rope.rope.freqs),
+                    rope.head_dim)
+
+
+def test_equal_tables_share_one_id_and_distinct_ones_do_not():
+    a, b, c = (FrequencyTable(torch.arange(4.0)) for _ in range(3))
+    c.freqs = c.freqs + 1
+    holder = torch.nn.ModuleList([a, b, c])
+    from seedvr2.models.rope import share_equal_tables
+
+    share_equal_tables(holder)
+    assert a.table_id == b.table_id != c.table_id
+    assert a.freqs is b.freqs and c.freqs is not a.freqs
+
+
+# --------------------------------------------------------------------------------------------
+# The host arena
+
+
+def test_arena_layout_alignment_and_views():
+    specs = [((3, 5), torch.float16), ((), torch.float32), ((7,), torch.uint8),
+             ((2, 2), torch.float64), ((0,), torch.bfloat16)]
+    sizes = [30, 4, 7, 32, 0]
+    offsets, end = aligned_offsets(sizes)
+    assert offsets == [0, 512, 1024, 1536, 2048] and end == 2048
+    # Exact sizes rounded to a page, plus a page to align the start; not a power of two.
+    assert arena_bytes(sizes) == 2 * PAGE
+    arena = HostArena(specs)
+    assert arena.buffer.data_ptr() % PAGE == 0
+    for view, (shape, dtype), offset in zip(arena.views, specs, offsets):
+        assert view.shape == shape and view.dtype == dtype
+        if view.numel() == 0:
+            continue  # an empty tensor has no address
+        assert view.data_ptr() - arena.buffer.data_ptr() == offset
+        assert view.data_ptr() % ALIGNMENT == 0
+    for i, view in enumerate(arena.views):
+        view.fill_(i + 1) if view.dtype != torch.uint8 else view.fill_(200 + i)
+    assert torch.equal(arena.views[0], torch.full((3, 5), 1, dtype=torch.float16))
+    assert arena.views[1].item() == 2 and arena.views[3].sum().item() == 16  # no overlaps
+
+
+def test_arena_of_a_model_is_its_size_not_a_power_of_two(conformance):
+    model = load_dit(conformance / "dit7b_tiny" / "weights.safetensors")
+    weights = sum(t.numel() * t.element_size() for t in {id(t): t for _, t in named_tensors(model)}.values())
+    count = len({id(t) for _, t in named_tensors(model)})
+    pin = RecordingPin()
+    placed = OffloadedModel(model, META, CPU, pin)
+    assert pin.pinned == [(placed.store.arena.buffer.data_ptr(), placed.store.arena.nbytes)]
+    # Each tensor rounds up to ALIGNMENT at most, the whole to one page.
+    assert weights <= placed.pinned_bytes <= weights + count * ALIGNMENT + PAGE
+    assert placed.pinned_bytes < 1.05 * weights
+
+
+def test_pinned_arena_is_released_when_the_model_is_dropped(tiny_options):
+    pin = RecordingPin()
+    model = load_vae(tiny_options["vae"])
+    placed = OffloadedModel(model, META, CPU, pin)
+    placed.activate()
+    assert pin.unpinned == 0
+    del model, placed
+    gc.collect()
+    assert pin.unpinned == 1
+
+
+def test_model_cache_drop_releases_the_pinned_arena(tiny_options, monkeypatch):
+    """A cached, offloaded model pins once; evicting it from the cache unpins."""
+    from seedvr2.api import load_models
+    from seedvr2.memory import MODEL_CACHE
+    from seedvr2.options import resolve_options
+    from seedvr2.pipeline import setup
+
+    pin = RecordingPin()
+    monkeypatch.setattr(setup, "default_pin", lambda compute, host: pin)
+    MODEL_CACHE.clear()
+    opts = resolve_options(device="cpu", dtype="fp32", cache_vae=True, vae_offload_device="cpu",
+                           text_embeddings=str(tiny_options["model_dir"] / "text_64.safetensors"))
+    models = load_models(tiny_options["dit"], tiny_options["vae"], opts=opts,
+                         model_dir=tiny_options["model_dir"])
+    again = load_models(tiny_options["dit"], tiny_options["vae"], opts=opts,
+                        model_dir=tiny_options["model_dir"])
+    assert again.vae_placement is models.vae_placement and len(pin.pinned) == 1
+    del models, again
+    MODEL_CACHE.drop("vae")
+    assert pin.unpinned == 1
+    # A changed setting evicts the cached model: its pinned copy goes before the new load.
+    first = load_models(tiny_options["dit"], tiny_options["vae"], opts=opts,
+                        model_dir=tiny_options["model_dir"])
+    pinned_before = pin.unpinned
+    del first
+    load_models(tiny_options["dit"], tiny_options["vae"], opts=opts.replace(vae_offload_device="none"),
+                model_dir=tiny_options["model_dir"])
+    assert pin.unpinned == pinned_before + 1
+    MODEL_CACHE.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# Offload between phases
+
+
+def test_offload_parks_and_activates_without_copying_host_memory(conformance):
+    """activate(): every tensor on the compute device; park(): every tensor is its view in the
+    one persistent host copy again: the same memory every time, nothing copied back."""
+    model = load_dit(conformance / "dit3b_tiny" / "weights.safetensors")
+    expected = {n: t.clone() for n, t in named_tensors(model)}
+    placed = OffloadedModel(model, META, CPU, None)
+    arena = placed.store.arena
+    start, stop = arena.buffer.data_ptr(), arena.buffer.data_ptr() + arena.nbytes
+    host = {n: (t.data_ptr(), t) for n, t in named_tensors(model)}
+    assert all(start <= p < stop or t.numel() == 0 for p, t in host.values())
+    for _ in range(3):
+        placed.activate()
+        assert _off_device(model) == []
+        placed.park()
+        assert {n: t.data_ptr() for n, t in named_tensors(model)} == {n: p for n, (p, _) in host.items()}
+    assert all(torch.equal(t, expected[n]) for n, t in named_tensors(model))
+    # Shared tensors stay shared on the device, under every name.
+    placed.activate()
+    assert len({id(b.attn.rope.rope.freqs) for b in model.blocks}) == 1
+
+
+def test_budget_sizes_of_an_offloaded_model_are_unchanged(conformance):
+    """The budget measures a loaded model tensor by tensor; an offloaded model's tensors are
+    views of one arena and must not collapse into one."""
+    from seedvr2.memory.budget import Weights, bytes_on
+    from seedvr2.memory.placement import host_copy_bytes
+
+    model = load_dit(conformance / "dit3b_tiny" / "weights.safetensors")
+    before = Weights.of_module(model)
+    placed = OffloadedModel(model, META, CPU, None)
+    assert Weights.of_module(model) == before
+    assert bytes_on(model, CPU) == host_copy_bytes(model)  # the memory held: the arena
