@@ -83,11 +83,11 @@ def relative_error(a, b) -> float:
 # by at most u·|partial sum| (u = eps/2, the unit roundoff of the dtype) with a random sign, so
 # the errors add in quadrature: over a sum of n terms and L such sums in sequence, about
 # sqrt(n·L)·u·M, M being the magnitude of the values (we take max|reference|, an upper bound
-# of the typical partial sum). ROUNDING_SIGMAS = 4 standard deviations (Higham & Mary 2019,
-# "A new approach to probabilistic rounding error analysis": the bound holds with probability
-# at least 1 - 2·exp(-λ²/2) per output, λ = 4) covers the largest of thousands of outputs.
-# Measured errors sit 10-50x below these bounds; a real defect (a wrong frame in a cache, a
-# dropped tile, a mis-scaled weight) is at least 1e-2 of M, far above them.
+# of the typical partial sum). ROUNDING_SIGMAS = λ = 4 standard deviations (Higham & Mary 2019,
+# "A new approach to probabilistic rounding error analysis": exceeded with probability at most
+# 2·exp(-λ²/2) ≈ 7e-4 per output even if every partial sum were as large as M; most are far
+# smaller, so the measured errors sit 30-300x below these bounds). A real defect (a wrong frame
+# in a cache, a dropped tile, a mis-scaled weight) is at least 1e-2 of M, far above them.
 
 ROUNDING_SIGMAS = 4
 
@@ -109,8 +109,6 @@ def rounding_bound(reference, *, terms: int, layers: int = 1, dtype=None) -> flo
 def sum_lengths(model) -> tuple[int, int]:
     """(terms, layers) of a network for :func:`rounding_bound`: the longest sum one of its
     convolutions or linear layers computes (inputs x kernel size), and how many it has."""
-    import math
-
     import torch
 
     lengths = [m.weight[0].numel() for m in model.modules()
