@@ -302,3 +302,17 @@ def test_hub_log_lines_appear_once():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             cwd=REPO, timeout=120)
     assert result.stderr.count("Retrying in 1s") == 1, result.stderr
+
+
+def test_hub_probe_gives_up_on_a_silent_name_lookup(monkeypatch):
+    import socket
+
+    monkeypatch.setattr(registry, "HUB_PROBE_SECONDS", 0.2)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.invalid")
+    for proxy in ("https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(proxy, raising=False)
+    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: time.sleep(5))  # DNS hangs
+    start = time.perf_counter()
+    assert registry.hub_unreachable() == "hub.invalid:443: no answer within 0.2 s"
+    assert time.perf_counter() - start < 2  # 0.2 s, and thread start-up on a busy machine

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import threading
 from urllib.parse import urlsplit
 from urllib.request import getproxies, proxy_bypass
 from dataclasses import dataclass
@@ -237,11 +238,22 @@ def hub_unreachable() -> Optional[str]:
         endpoint = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
     host = endpoint.hostname or "huggingface.co"
     port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
-    try:
-        with socket.create_connection((host, port), timeout=HUB_PROBE_SECONDS):
-            return None
-    except OSError as e:
-        return f"{host}:{port}: {e.strerror or type(e).__name__}"
+    outcome: list[Optional[str]] = []
+
+    def connect():
+        try:
+            with socket.create_connection((host, port), timeout=HUB_PROBE_SECONDS):
+                outcome.append(None)
+        except OSError as e:
+            outcome.append(f"{host}:{port}: {e.strerror or type(e).__name__}")
+    # The name lookup is not covered by the socket's timeout (a silent DNS server can hold it
+    # for many seconds): the attempt runs in a thread that is given up on after the timeout.
+    attempt = threading.Thread(target=connect, daemon=True)
+    attempt.start()
+    attempt.join(HUB_PROBE_SECONDS)
+    if not outcome:
+        return f"{host}:{port}: no answer within {HUB_PROBE_SECONDS:g} s"
+    return outcome[0]
 
 
 def sha256_of(path, chunk: int = 1 << 24) -> str:
