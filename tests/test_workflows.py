@@ -216,19 +216,18 @@ def test_registered_model_not_downloaded_names_the_download(tiny_model_dir, inpu
                                                             capsys, monkeypatch):
     """A registered file missing from the folder is downloaded; offline, the error says where
     to get it and where to put it."""
-    import huggingface_hub
+    from seedvr2.loading import registry
 
-    def offline(**kwargs):
-        raise ConnectionError("offline")
-
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    monkeypatch.setattr(registry, "hub_unreachable", lambda: "offline")
     sets = [s for s in _tiny_image_sets() if not s.startswith("2.model")]
     rc = _cli(tmp_path, tiny_model_dir, inputs, API_DIR / "image_upscale.json", *sets)
     assert rc == 1
     assert capsys.readouterr().err == (
-        f"error: node 2 (SeedVR2LoadDiTModel): seedvr2_ema_3b_fp16.safetensors: download from "
-        f"https://huggingface.co/numz/SeedVR2_comfyUI/resolve/main/seedvr2_ema_3b_fp16.safetensors "
-        f"failed (offline); download it by other means and put it in {tiny_model_dir}\n")
+        f"error: node 2 (SeedVR2LoadDiTModel): A model file is missing from the model folder "
+        f"{tiny_model_dir}: DiT seedvr2_ema_3b_fp16.safetensors (about 6.8 GB) from "
+        f"https://huggingface.co/numz/SeedVR2_comfyUI/resolve/main/seedvr2_ema_3b_fp16.safetensors. "
+        f"The Hugging Face hub cannot be reached (offline), so nothing was downloaded. Download it "
+        f"into {tiny_model_dir} (or choose another folder with model_dir=FOLDER)\n")
 
 
 def test_unknown_node_type_and_malformed_json(tiny_model_dir, inputs, tmp_path, capsys):

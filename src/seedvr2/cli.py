@@ -526,4 +526,7 @@ def main(argv=None) -> int:
         # huggingface_hub prints through a handler of its own; passed on to ours as well,
         # every line of it would appear twice.
         logging.getLogger("huggingface_hub").propagate = False
+    if args.command == "run-workflow":  # its messages name node inputs, not our flags
+        return args.run(args)
+    with spoken_as_cli():
         return args.run(args)
