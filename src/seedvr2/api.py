@@ -64,9 +64,11 @@ def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Pr
 
     devices = parse_devices(opts.devices)
     if len(devices) > 1:
+        from .distributed.job import check_sequence_parallel
         from .distributed.launch import spawn_tensor_job
 
         _check_named_models(dit, vae)
+        check_sequence_parallel(opts, len(devices), dit, model_dir)
         frames = torch.as_tensor(frames)
         size = output_size(frames.shape[1], frames.shape[2], opts)
         opts = resolve_auto_batch_for_ranks(opts, devices, dit, vae, model_dir, len(frames), size)
@@ -102,7 +104,7 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
     ``dst`` is replaced only with ``overwrite=True``. Returns the output path.
     """
     from .distributed import in_distributed_launch, init_from_env
-    from .distributed.job import run_file_job
+    from .distributed.job import check_sequence_parallel, run_file_job
     from .distributed.launch import parse_devices, spawn_file_job
     from .io import open_media
 
@@ -129,6 +131,7 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
     devices = parse_devices(opts.devices)
     if len(devices) > 1:
         _check_named_models(dit, vae)
+        check_sequence_parallel(opts, len(devices), dit, model_dir)
         ranks_auto(devices)
         return spawn_file_job(devices, src, dst, dit, vae, **job)
     _check_one_process(opts)

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -32,17 +33,35 @@ from .sequence import sequence_group, sequence_parallel
 
 log = logging.getLogger("seedvr2")
 
-FAULT_ENV = "SEEDVR2_FAULT"  # "RANK:after_batches=N": that rank dies after N batches (tests)
+FAULT_ENV = "SEEDVR2_FAULT"  # test hook, "RANK:ACTION=N": see fault_point
+FAULT_MARK_ENV = "SEEDVR2_FAULT_MARK"  # test hook: file where a fault writes its wall time
 
 
-def _fault_after(ctx: DistContext) -> int | None:
+def _fault_spec(ctx: DistContext) -> tuple[str, int] | None:
     spec = os.environ.get(FAULT_ENV, "")
     if not spec:
         return None
     rank, _, point = spec.partition(":")
     if int(rank) != ctx.rank:
         return None
-    return int(point.split("=", 1)[1]) if point.startswith("after_batches=") else 0
+    action, _, count = point.partition("=")
+    return action, int(count or 0)
+
+
+def fault_point(ctx: DistContext, batches_done: int):
+    """The fault hook of the multi-process tests, a no-op unless ``SEEDVR2_FAULT`` names this
+    rank: ``after_batches=N`` dies without any cleanup (as a crash or ``kill -9`` would) and
+    ``freeze_after_batches=N`` stops itself (as a hung driver would, SIGSTOP) once this rank
+    has delivered N batches (rank 0: once it has written N)."""
+    spec = _fault_spec(ctx)
+    if spec is None or batches_done < spec[1]:
+        return
+    if os.environ.get(FAULT_MARK_ENV):
+        Path(os.environ[FAULT_MARK_ENV]).write_text(repr(time.time()))
+    if spec[0] == "after_batches":
+        os._exit(17)
+    if spec[0] == "freeze_after_batches":
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def _terminate_cleanly():
@@ -56,25 +75,62 @@ def _terminate_cleanly():
         pass
 
 
-def _digest(opts, frame_count: int, width: int, height: int, models: tuple) -> str:
+def job_digest(opts, frame_count: int, width: int, height: int, models: tuple,
+               model_dir=None, source: str = "") -> str:
+    """What every rank must agree on: the options that shape the result, the input (its
+    size, frame count and, for files, its content digest) and the model files by content —
+    a copy with one weight changed, same name and size, differs."""
+    from ..loading.registry import DEFAULT_DIT, DEFAULT_VAE, resolve_model_file
+    from ..pipeline.identity import model_digest
+
     per_rank = {"device", "dit_device", "vae_device", "devices"}
     settings = {k: v for k, v in opts.values.items() if k not in per_rank}
     identities = []
-    for spec in models:
-        path = Path(str(spec))
-        identities.append([path.name, path.stat().st_size] if path.is_file() else [str(spec)])
-    blob = json.dumps([settings, frame_count, width, height, identities], sort_keys=True, default=str)
+    for spec, kind, default in zip(models, ("dit", "vae"), (DEFAULT_DIT, DEFAULT_VAE)):
+        if not isinstance(spec, torch.nn.Module):
+            spec = resolve_model_file(spec or default, model_dir, kind, download_missing=True)
+        identities.append(model_digest(spec))
+    text = Path(str(opts.text_embeddings))
+    if text.is_file():
+        identities.append(model_digest(text))
+    blob = json.dumps([settings, frame_count, width, height, identities, source], sort_keys=True,
+                      default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def check_agreement(ctx: DistContext, digest: str):
-    """Refuse to start when ranks disagree on options, input or model files."""
+    """Refuse to start when ranks disagree on options, input or model files (by content)."""
     digests = [None] * ctx.world_size
     dist.all_gather_object(digests, digest)
     differing = [r for r, d in enumerate(digests) if d != digests[0]]
     if differing:
         raise RuntimeError(f"ranks {differing} disagree with rank 0 on options, input or model "
                            f"files; every rank must run the same command on the same files")
+
+
+def check_sequence_parallel(opts, ranks: int, dit=None, model_dir=None):
+    """Refuse ``sequence_parallel`` that cannot split the ranks into groups or the DiT's
+    attention heads over a group, from the weight file's header: before any worker starts
+    (the launcher) or loads a model (torchrun)."""
+    k = opts.sequence_parallel
+    if k == 1:
+        return
+    if ranks % k:
+        raise OptionError(f"sequence_parallel = {k} must divide the number of ranks "
+                          f"({ranks}); use {ranks} or a divisor of it")
+    if isinstance(dit, torch.nn.Module):
+        heads = {block.attn.heads for block in dit.blocks}
+    else:
+        from ..loading.load import describe
+        from ..loading.registry import DEFAULT_DIT, resolve_model_file
+
+        heads = {describe(resolve_model_file(dit or DEFAULT_DIT, model_dir, "dit",
+                                             download_missing=True))["heads"]}
+    for count in heads:
+        if count % k:
+            raise OptionError(f"sequence_parallel = {k}: sequence parallelism over {k} ranks "
+                              f"needs a head count divisible by {k}; this DiT has {count} "
+                              f"heads (use a group size that divides {count})")
 
 
 def _rank_options(ctx: DistContext, options: dict):
@@ -134,15 +190,18 @@ def run_file_job(ctx: DistContext, src, dst, dit=None, vae=None, *, model_dir=No
                  overwrite: bool = False, codec: str = "h264", progress=None, should_stop=None,
                  **options) -> Path | None:
     """This rank's share of ``upscale_file``; returns the output path on rank 0."""
-    from ..pipeline.setup import open_output, plan_file
     from ..io import open_media
+    from ..pipeline.identity import source_digest
+    from ..pipeline.setup import open_output, plan_file
 
     _terminate_cleanly()
     opts = _rank_options(ctx, options)
+    check_sequence_parallel(opts, ctx.world_size, dit, model_dir)
     with open_media(src) as reader:
         info = reader.info
         plan, size, bit_depth = plan_file(reader, dst, opts, codec)
-        check_agreement(ctx, _digest(opts, plan.source_frames, info.width, info.height, (dit, vae)))
+        check_agreement(ctx, job_digest(opts, plan.source_frames, info.width, info.height,
+                                        (dit, vae), model_dir, source_digest(reader)))
         writer = open_output(info, dst, size, bit_depth, codec, overwrite, opts.fps) \
             if ctx.is_writer else None
         # The writer aborts (removing its partial file) on any exception, SIGTERM included;
@@ -165,7 +224,8 @@ def run_tensor_job(ctx: DistContext, frames: torch.Tensor, out: torch.Tensor, di
     _terminate_cleanly()
     opts = _rank_options(ctx, options)
     plan = make_plan(len(frames), opts)
-    check_agreement(ctx, _digest(opts, len(frames), frames.shape[2], frames.shape[1], (dit, vae)))
+    check_agreement(ctx, job_digest(opts, len(frames), frames.shape[2], frames.shape[1],
+                                    (dit, vae), model_dir))
 
     def fill(first: int, final: torch.Tensor):
         out[first: first + len(final)] = final
@@ -175,7 +235,7 @@ def run_tensor_job(ctx: DistContext, frames: torch.Tensor, out: torch.Tensor, di
 
 
 def _send_all(ctx: DistContext, plan, outputs, bit_depth, group):
-    fault = _fault_after(ctx)
+    fault = _fault_spec(ctx)
     pending = None  # (works, message): the message must live until its sends complete
 
     def complete():
@@ -186,9 +246,9 @@ def _send_all(ctx: DistContext, plan, outputs, bit_depth, group):
         if pending is not None:
             complete()
         pending = (wire.send_batch(message, 0, batch.index, group), message)
-        if fault is not None and sent >= fault:
+        if fault is not None and sent >= fault[1]:
             complete()
-            os._exit(17)  # the fault hook: die without any cleanup, as a crash would
+            fault_point(ctx, sent)
     if pending is not None:
         complete()
 
@@ -197,7 +257,8 @@ def _gather(ctx, plan, shares, group_size, local_outputs, sink, channels, size, 
     owner = {b: group * group_size for b, group in owner_of(shares).items()}  # delivering rank
     blender = OverlapBlender(plan)
     local = iter(local_outputs)
-    for b in plan.batches:
+    for written, b in enumerate(plan.batches):
+        fault_point(ctx, written)
         if owner[b.index] == ctx.rank:
             batch, out = next(local)
             assert batch.index == b.index
