@@ -230,6 +230,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("sequence_parallel", int, 1, "ranks that share each batch's DiT call (Ulysses "
            "sequence parallelism, for batches too big for one device); must divide the number "
            "of devices and the DiT's attention heads", min=1, max=1024),
+    Option("resume", bool, True, "file jobs: keep finished output in closed segments next to "
+           "the output (.NAME.seedvr2-resume/) so that running the same job again after a "
+           "crash, kill or cancel continues from the last complete segment; false (--no-resume) "
+           "discards kept segments and starts over"),
     Option("compile", bool, False, "torch.compile each DiT block and the VAE"),
     Option("compile_backend", str, "inductor", "torch.compile backend", choices=(
         "inductor", "cudagraphs", "eager", "aot_eager")),
