@@ -111,3 +111,57 @@ def test_image_sequence_output_resumes(clip, tiny_options, tmp_path):
     assert resumed.shape == (23, 32, 42, 3)
     assert np.array_equal(resumed, _frames(f"{tmp_path}/whole/%05d.png"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["frames", "whole"]
+
+
+def test_upscale_video_file_node_resumes_when_queued_again_after_cancel(
+        clip, tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """ComfyUI's Upscale Video File: Cancel mid-job keeps the complete segments; the same
+    prompt queued again writes the same output name and continues from them."""
+    import logging
+
+    from seedvr2.workflow import nodes as defs
+    from seedvr2.workflow.errors import WorkflowInterrupted
+    from seedvr2.workflow.host import HeadlessHost
+
+    monkeypatch.setenv("SEEDVR2_SEGMENT_FRAMES", "8")
+    nodes = {n.id: n for n in defs.build_nodes()}
+
+    def loaders(host):
+        def defaults(kind):
+            return {s.input: s.node_input().default for s in defs.LOADER_SETTINGS[kind]
+                    if not s.node_input().optional}
+        dit = nodes["SeedVR2LoadDiTModel"].run(host, model="dit3b_tiny.safetensors",
+                                               **{**defaults("dit"), "device": "cpu",
+                                                  "dtype": "fp32"}).outputs[0]
+        vae = nodes["SeedVR2LoadVAEModel"].run(host, model="vae_tiny.safetensors",
+                                               **{**defaults("vae"), "device": "cpu",
+                                                  "dtype": "fp32"}).outputs[0]
+        return dit, vae
+
+    node = nodes["SeedVR2UpscaleVideoFile"]
+    inputs = {i.name: i.default for i in node.inputs if i.is_widget}
+    inputs.update(resolution=32, batch_size=5, temporal_overlap=1, filename_prefix="up",
+                  video_path=str(clip), codec="h264")
+
+    def run(host):
+        return node.run(host, **dict(zip(("dit", "vae"), loaders(host))), **inputs)
+
+    whole = run(HeadlessHost(model_dir=tiny_model_dir, output_dir=tmp_path / "whole",
+                             quiet=True)).outputs[0]
+
+    class CancelAfterFrames(HeadlessHost):
+        def progress(self, value, total):
+            if value >= 12:  # 12 of 18 phase steps: four batches done, two segments closed
+                self.stop.set()
+
+    out_dir = tmp_path / "out"
+    with pytest.raises(WorkflowInterrupted):
+        run(CancelAfterFrames(model_dir=tiny_model_dir, output_dir=out_dir, quiet=True))
+    assert [p.name for p in out_dir.iterdir()] == [".up_00001_.mp4.seedvr2-resume"]
+    caplog.set_level(logging.INFO, logger="seedvr2")
+    again = run(HeadlessHost(model_dir=tiny_model_dir, output_dir=out_dir, quiet=True))
+    resumed = again.outputs[0]
+    assert resumed.endswith("up_00001_.mp4")
+    assert "resuming: 4 of 6 batches are kept" in caplog.text, caplog.text
+    assert open(resumed, "rb").read() == open(whole, "rb").read()
+    assert sorted(p.name for p in out_dir.iterdir()) == ["up_00001_.mp4"]
