@@ -21,12 +21,20 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.fixture(scope="module")
 def clip(tmp_path_factory):
     path = tmp_path_factory.mktemp("faults") / "clip.mp4"
-    make_clip(path, frames=13)
+    make_clip(path, frames=23)  # six batches of 5 overlapping by 1
     return path
 
 
-def _cli(tiny_options, src, dst, *extra, env=None, timeout=300):
-    cmd = [sys.executable, "-m", "seedvr2", "upscale", str(src), "-o", str(dst), "--quiet",
+def _frames(folder):
+    from seedvr2.io import open_media
+
+    with open_media(f"{folder}/%05d.png") as media:
+        return np.stack(list(media.frames()))
+
+
+def _cli(tiny_options, src, dst, *extra, env=None, timeout=300, quiet=True):
+    cmd = [sys.executable, "-m", "seedvr2", "upscale", str(src), "-o", str(dst),
+           *(["--quiet"] if quiet else []),
            "--dit", tiny_options["dit"], "--vae", tiny_options["vae"],
            "--model-dir", str(tiny_options["model_dir"]), "--dtype", "fp32",
            "--text-embeddings", str(tiny_options["model_dir"] / "text_64.safetensors"),
@@ -112,7 +120,7 @@ def test_digest_compares_model_and_input_content(tiny_model_dir, tmp_path, clip)
     from seedvr2.io import open_media
     from seedvr2.pipeline.identity import source_digest
     other_clip = tmp_path / "clip.mp4"
-    make_clip(other_clip, frames=13)
+    make_clip(other_clip, frames=23)
     with open(other_clip, "r+b") as f:  # same size, other content
         f.seek(-200, os.SEEK_END)
         f.write(bytes(200))
@@ -122,30 +130,44 @@ def test_digest_compares_model_and_input_content(tiny_model_dir, tmp_path, clip)
     del torch
 
 
-@pytest.mark.parametrize("frames", [23, 13])
-def test_frozen_rank_stops_the_job_within_dist_timeout(tiny_options, tmp_path, frames):
-    """Rank 1 freezes (SIGSTOP, as a hung driver would) after its first batch: the command
-    ends within dist_timeout and a few seconds of the freeze. With 23 frames rank 0 still
-    waits for rank 1's later batches: the job fails, leaving nothing. With 13 frames rank 1
-    had only that batch: the output is complete and kept."""
-    clip = tmp_path / "clip.mp4"
-    make_clip(clip, frames=frames)
+@pytest.mark.parametrize("after", [1, 99])
+def test_frozen_rank_stops_the_job_within_dist_timeout(clip, tiny_options, tmp_path, after):
+    """Rank 1 freezes (SIGSTOP, as a hung driver would). After its first batch, with the
+    second batch of its chunk still to deliver: the job fails and leaves nothing. After its
+    last batch (99 > its share): the output is complete and kept. Either way the command ends
+    within dist_timeout of the freeze plus a few seconds (plus the chunks the writer computes
+    ahead meanwhile); SIGTERM's 30 s grace used to come on top."""
     mark = tmp_path / "froze-at"
     out = tmp_path / "out"
     out.mkdir()
     result = _cli(tiny_options, clip, out / "up.mp4", "--devices", "cpu,cpu", "--dist-timeout",
-                  "5", env={"SEEDVR2_FAULT": "1:freeze_after_batches=1",
-                            "SEEDVR2_FAULT_MARK": str(mark)})
+                  "5", "--chunk-size", "8",
+                  env={"SEEDVR2_FAULT": f"1:freeze_after_batches={after}",
+                       "SEEDVR2_FAULT_MARK": str(mark)})
     ended = time.time()
     froze = float(mark.read_text())
-    assert ended - froze < 5 + 10, f"ended {ended - froze:.1f}s after the freeze"
-    if frames == 23:
+    assert ended - froze < 5 + 20, f"ended {ended - froze:.1f}s after the freeze"
+    if after == 1:
         assert result.returncode != 0
         assert "rank 1" in result.stderr, result.stderr[-2000:]
         assert sorted(p.name for p in out.iterdir()) == []
     else:
         assert result.returncode == 0, result.stderr[-2000:]
         assert sorted(p.name for p in out.iterdir()) == ["up.mp4"]
+
+
+def test_slow_rank_takes_fewer_chunks(clip, tiny_options, tmp_path):
+    """Chunks are taken, not dealt: a rank slowed on purpose (4 s per batch) takes fewer of
+    the six chunks than the writer, and the frames are those of one process."""
+    one = _cli(tiny_options, clip, f"{tmp_path}/one/", "--device", "cpu")
+    assert one.returncode == 0, one.stderr[-2000:]
+    result = _cli(tiny_options, clip, f"{tmp_path}/two/", "--devices", "cpu,cpu",
+                  "--dist-timeout", "60", env={"SEEDVR2_SLOW": "1:4"}, quiet=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    import re
+    taken = dict(re.findall(r"rank (\d+): (\d+)", result.stderr.split("chunks taken:")[-1]))
+    assert int(taken.get("1", 0)) < 3 < int(taken["0"]), result.stderr[-2000:]
+    assert np.array_equal(_frames(f"{tmp_path}/two"), _frames(f"{tmp_path}/one"))
 
 
 @pytest.mark.parametrize("devices,k,message", [

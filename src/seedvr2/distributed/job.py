@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -52,7 +53,8 @@ def fault_point(ctx: DistContext, batches_done: int):
     """The fault hook of the multi-process tests, a no-op unless ``SEEDVR2_FAULT`` names this
     rank: ``after_batches=N`` dies without any cleanup (as a crash or ``kill -9`` would) and
     ``freeze_after_batches=N`` stops itself (as a hung driver would, SIGSTOP) once this rank
-    has delivered N batches (rank 0: once it has written N)."""
+    has delivered N batches (rank 0: once it has written N), or at the end of its work if it
+    delivers fewer."""
     spec = _fault_spec(ctx)
     if spec is None or batches_done < spec[1]:
         return
@@ -160,6 +162,10 @@ def _run_share(ctx: DistContext, plan, read_from, sink, channels: int, size: tup
     timeout = datetime.timedelta(seconds=opts.dist_timeout)
     group = sequence_group(k, timeout) if k > 1 else None
     frames_group = wire.frame_group(timeout)  # every rank, in the same order
+    if k == 1:
+        _run_taken(ctx, plan, read_from, sink, channels, size, bit_depth, dit, vae, opts,
+                   model_dir, progress, should_stop, frames_group)
+        return
     shares = assign_batches(plan, ctx.world_size // k)
     mine = shares[ctx.rank // k]
     if ctx.is_writer and len(plan.batches) < len(shares):
@@ -184,6 +190,34 @@ def _run_share(ctx: DistContext, plan, read_from, sink, channels: int, size: tup
         else:
             for _ in outputs:  # a helper in its group's DiT calls: the group's first rank delivers
                 pass
+
+
+def _run_taken(ctx: DistContext, plan, read_from, sink, channels: int, size, bit_depth, dit,
+               vae, opts, model_dir, progress, should_stop, frames_group):
+    """Every rank takes the plan's next chunk when it is ready (``taking.py``); the writer
+    receives and writes them in plan order."""
+    from ..pipeline.setup import load_models, prepare_job
+    from .taking import ChunkCounter, Heartbeat, chunk_outputs, gather_taken
+
+    counter = ChunkCounter(len(plan.chunks))
+    with Heartbeat(counter, ctx.rank):
+        models = load_models(dit, vae, opts=opts, model_dir=model_dir)
+        # This rank's own device against the budget, before any frame (batch_size is already
+        # the one every rank uses).
+        prepare_job(models, opts, plan.source_frames, size)
+        upscaler = Upscaler(models, opts, progress, should_stop)
+
+        def compute(chunk: int):
+            batches = list(plan.chunks[chunk])
+            first = plan.source_start(plan.batches[batches[0]].start)
+            return upscaler.batch_outputs(read_from(first), plan, batches)
+        if sink is not None:
+            gather_taken(ctx, counter, plan, compute, sink, channels, size, progress,
+                         frames_group, fault_point, opts.dist_timeout)
+        else:
+            _send_all(ctx, plan, chunk_outputs(ctx, counter, plan, compute), bit_depth,
+                      frames_group)
+            fault_point(ctx, sys.maxsize)  # a fault not reached by then: at the end of its work
 
 
 def run_file_job(ctx: DistContext, src, dst, dit=None, vae=None, *, model_dir=None,

@@ -43,6 +43,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _log_like_parent(rank: int, level: int):
+    """A spawned worker starts without logging set up: show what the parent would, by rank."""
+    logging.basicConfig(level=level, format=f"%(levelname)s %(name)s rank {rank}: %(message)s")
+
+
 def _join_group(rank: int, devices: list[str], port: int, threads: int, timeout_s: float):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # Every rank is on this machine: gloo (the whole group on CPUs, the frame group on GPUs
@@ -54,9 +59,11 @@ def _join_group(rank: int, devices: list[str], port: int, threads: int, timeout_
                          local_rank=rank)
 
 
-def _file_worker(rank: int, devices: list[str], port: int, threads: int, args: tuple, kwargs: dict):
+def _file_worker(rank: int, devices: list[str], port: int, threads: int, log_level: int,
+                 args: tuple, kwargs: dict):
     from .job import run_file_job
 
+    _log_like_parent(rank, log_level)
     ctx = _join_group(rank, devices, port, threads, kwargs.get("dist_timeout", 60.0))
     try:
         run_file_job(ctx, *args, **kwargs)
@@ -156,7 +163,8 @@ def spawn_file_job(device_list: list[str], src, dst, *args, **kwargs) -> Path:
     import torch.multiprocessing as mp
 
     workers = _start(_file_worker, (device_list, _free_port(), _threads_per_rank(device_list),
-                                    (src, dst, *args), kwargs), len(device_list))
+                                    log.getEffectiveLevel(), (src, dst, *args), kwargs),
+                     len(device_list))
     try:
         _join(workers, float(kwargs.get("dist_timeout", 60.0)))
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
