@@ -1,6 +1,7 @@
 """One rank's part of a distributed file upscale.
 
-Every rank: same plan, its own share of batches (``assign_batches``), frames read from its
+Every rank: same plan, the chunks it takes as it becomes free (``taking.py``; with sequence
+parallelism, its group's share dealt by ``assign_batches``), frames read from each chunk's
 first batch on, models on its own device. Ranks other than 0 send each finished batch to
 rank 0; rank 0 interleaves its own batches with received ones in plan order, blends them with
 the same :class:`OverlapBlender` as a single process, and writes. A send is posted without
