@@ -259,7 +259,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
 # Every option's area, in the order help lists them (the CLI's flag groups); each option is in
 # exactly one (tests/test_cli_and_import.py checks).
 AREAS: dict[str, tuple[str, ...]] = {
-    "input and output": ("resolution", "max_resolution", "fps"),
+    "input and output": ("resolution", "max_resolution", "fps", "resume"),
     "models": ("text_embeddings", "dtype"),
     "quality and colour": ("seed", "batch_size", "temporal_overlap", "prepend_frames",
                            "color_correction", "input_noise_scale", "latent_noise_scale"),
