@@ -198,7 +198,8 @@ def _run_taken(ctx: DistContext, plan, read_from, sink, channels: int, size, bit
     """Every rank takes the plan's next chunk when it is ready (``taking.py``); the writer
     receives and writes them in plan order."""
     from ..pipeline.setup import load_models, prepare_job
-    from .taking import ChunkCounter, Heartbeat, chunk_outputs, gather_taken
+    from .taking import (ChunkCounter, Heartbeat, Liveness, Watchdog, chunk_outputs,
+                         gather_taken, mark_sent)
 
     counter = ChunkCounter(len(plan.chunks))
     with Heartbeat(counter, ctx.rank):
@@ -216,8 +217,10 @@ def _run_taken(ctx: DistContext, plan, read_from, sink, channels: int, size, bit
             gather_taken(ctx, counter, plan, compute, sink, channels, size, progress,
                          frames_group, fault_point, opts.dist_timeout)
         else:
+            liveness = Liveness(counter, opts.dist_timeout)
             _send_all(ctx, plan, chunk_outputs(ctx, counter, plan, compute), bit_depth,
-                      frames_group)
+                      frames_group, lambda index: mark_sent(counter, index),
+                      lambda: Watchdog(liveness, 0, "waiting for the writer (rank 0)"))
             fault_point(ctx, sys.maxsize)  # a fault not reached by then: at the end of its work
 
 
@@ -269,18 +272,24 @@ def run_tensor_job(ctx: DistContext, frames: torch.Tensor, out: torch.Tensor, di
                should_stop)
 
 
-def _send_all(ctx: DistContext, plan, outputs, bit_depth, group):
+def _send_all(ctx: DistContext, plan, outputs, bit_depth, group, posted=None, guard=None):
+    """Send each finished batch to the writer, one message in flight. ``posted(batch)`` is
+    told when a message is posted; ``guard()`` is a context around each wait for the writer
+    (a watchdog on its heartbeat)."""
     fault = _fault_spec(ctx)
     pending = None  # (works, message): the message must live until its sends complete
 
     def complete():
-        for work in pending[0]:
-            work.wait()
+        with guard() if guard is not None else contextlib.nullcontext():
+            for work in pending[0]:
+                work.wait()
     for sent, (batch, out) in enumerate(outputs, start=1):
         message = wire.encode_batch(out, wire.quantized_span(plan, batch), bit_depth)
         if pending is not None:
             complete()
         pending = (wire.send_batch(message, 0, batch.index, group), message)
+        if posted is not None:
+            posted(batch.index)
         if fault is not None and sent >= fault[1]:
             complete()
             fault_point(ctx, sent)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import sys
 import threading
 import time
 from collections import Counter
@@ -115,6 +116,42 @@ class Liveness:
                                f"({self.timeout_s:g}s): frozen or hung")
 
 
+class Watchdog:
+    """Around a blocking wait for rank ``rank``'s frames: gloo's point-to-point operations
+    cannot be polled or interrupted, so a thread watches that rank's heartbeat meanwhile and,
+    when it has stopped for ``dist_timeout``, ends this process with an error naming the rank
+    (the launchers then stop the rest; a temporary left behind is removed by the launcher or by
+    the next run of the same output)."""
+
+    def __init__(self, liveness: Liveness, rank: int, what: str):
+        self.liveness, self.rank, self.what = liveness, rank, what
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="seedvr2-watchdog", daemon=True)
+
+    def _watch(self):
+        while not self._done.wait(0.5):
+            try:
+                self.liveness.check(self.rank)
+            except TimeoutError as e:
+                sys.stderr.write(f"error: {self.what}: {e}\n")
+                sys.stderr.flush()
+                os._exit(3)
+            except Exception:  # noqa: BLE001 -- the store went away: the job is ending anyway
+                return
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._done.set()
+
+
+def mark_sent(counter: ChunkCounter, batch_index: int):
+    """Tell the writer that this batch's message is posted: it may block on it now."""
+    counter.store.set(counter.prefix + f"sent/{batch_index}", "1")
+
+
 def chunk_outputs(ctx, counter: ChunkCounter, plan, compute):
     """A non-writer rank's batches: (batch, frames) of every chunk it takes, in order.
     ``compute(chunk)`` yields the chunk's batch outputs."""
@@ -154,22 +191,16 @@ def gather_taken(ctx, counter: ChunkCounter, plan, compute, sink, channels: int,
     def receive(owner: int, batch):
         """The batch's message from ``owner``; while it is not there, compute chunks ahead
         (bounded) and watch that ``owner`` is alive."""
-        header_tag, quantized_tag, exact_tag = wire.tags(batch.index)
-        header = wire.empty_header()
-        work = dist.irecv(header, src=owner, tag=header_tag, group=group)
-        while not work.is_completed():
+        sent = counter.prefix + f"sent/{batch.index}"
+        # gloo's receives cannot be polled: the sender marks the store once it has posted.
+        while not counter.store.check([sent]):
             liveness.check(owner)
             if len(held) < LOOKAHEAD_CHUNKS and (ahead := counter.take(ctx.rank)) is not None:
                 held[ahead] = list(own(ahead))
             else:
                 time.sleep(0.05)
-        work.wait()
-        message = wire.buffers_for(header, (batch.frames, *size, channels), f"rank {owner}")
-        if message.quantized.numel():
-            dist.recv(message.quantized, src=owner, tag=quantized_tag, group=group)
-        if message.exact.numel():
-            dist.recv(message.exact, src=owner, tag=exact_tag, group=group)
-        return wire.decode_batch(message)
+        with Watchdog(liveness, owner, f"waiting for rank {owner}'s batch {batch.index}"):
+            return wire.recv_batch(owner, batch.index, (batch.frames, *size, channels), group)
 
     for index, chunk in enumerate(plan.chunks):
         owner = counter.owner(index, wait=False)
