@@ -141,7 +141,7 @@ def test_frozen_rank_stops_the_job_within_dist_timeout(clip, tiny_options, tmp_p
     out = tmp_path / "out"
     out.mkdir()
     result = _cli(tiny_options, clip, out / "up.mp4", "--devices", "cpu,cpu", "--dist-timeout",
-                  "5", "--chunk-size", "8",
+                  "5", "--chunk-size", "9",  # chunks of two batches: [0, 1], [2, 3], [4, 5]
                   env={"SEEDVR2_FAULT": f"1:freeze_after_batches={after}",
                        "SEEDVR2_FAULT_MARK": str(mark)})
     ended = time.time()
