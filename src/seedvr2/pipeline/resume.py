@@ -32,6 +32,7 @@ import logging
 import os
 import shutil
 import signal
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -339,7 +340,12 @@ def _write_segment(segment: Segment, outputs, blender, state: ResumeState, *, in
     if video:
         kwargs.update(codec=codec)
     written = 0
-    with open_writer(target, **kwargs) as writer:
+    with warnings.catch_warnings():
+        # A segment carries no audio or subtitles by design (the assembly adds the audio);
+        # what the final output cannot hold was said when it was checked at the start.
+        warnings.simplefilter("ignore", UserWarning)
+        writer = open_writer(target, **kwargs)
+    with writer:
         for expected in segment.batches:
             batch, out = next(outputs)
             assert batch.index == expected, (batch.index, expected)
