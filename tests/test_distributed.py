@@ -71,8 +71,9 @@ def test_ranks_give_identical_frames(clip, tiny_options, tmp_path, single, devic
 
 def test_dead_rank_fails_the_job_without_output(clip, tiny_options, tmp_path):
     start = time.monotonic()
+    # Chunks of two batches: rank 1 dies holding the second batch of the chunk it took.
     result = _cli(tiny_options, clip, str(tmp_path / "out.mp4"), "--devices", "cpu,cpu",
-                  env={"SEEDVR2_FAULT": "1:after_batches=1"})
+                  "--chunk-size", "9", env={"SEEDVR2_FAULT": "1:after_batches=1"})
     assert result.returncode != 0
     assert time.monotonic() - start < 120
     assert "rank 1" in result.stderr

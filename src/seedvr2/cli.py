@@ -245,6 +245,9 @@ def _summary(path: Path, stats, seconds: float) -> str:
     fps = stats.frames / seconds if seconds else 0.0
     batch = f"batch_size {stats.batch_size}{' (auto)' if stats.batch_size_auto else ''}; " \
         if stats.batch_size else ""
+    if stats.batches_total:
+        batch += f"{stats.batches_reused} of {stats.batches_total} batches reused from a " \
+                 f"previous run; "
     return (f"{path}: {stats.frames} frames in {seconds:.1f}s ({fps:.2f} frames/s); {batch}"
             f"{stats.describe_phases()}; peak RSS {rss:,.0f} MiB{device}{estimate}")
 

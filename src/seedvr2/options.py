@@ -230,6 +230,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("sequence_parallel", int, 1, "ranks that share each batch's DiT call (Ulysses "
            "sequence parallelism, for batches too big for one device); must divide the number "
            "of devices and the DiT's attention heads", min=1, max=1024),
+    Option("resume", bool, True, "file jobs: keep finished output in closed segments next to "
+           "the output (.NAME.seedvr2-resume/) so that running the same job again after a "
+           "crash, kill or cancel continues from the last complete segment; false (--no-resume) "
+           "discards kept segments and starts over"),
     Option("compile", bool, False, "torch.compile each DiT block and the VAE"),
     Option("compile_backend", str, "inductor", "torch.compile backend", choices=(
         "inductor", "cudagraphs", "eager", "aot_eager")),
@@ -255,7 +259,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
 # Every option's area, in the order help lists them (the CLI's flag groups); each option is in
 # exactly one (tests/test_cli_and_import.py checks).
 AREAS: dict[str, tuple[str, ...]] = {
-    "input and output": ("resolution", "max_resolution", "fps"),
+    "input and output": ("resolution", "max_resolution", "fps", "resume"),
     "models": ("text_embeddings", "dtype"),
     "quality and colour": ("seed", "batch_size", "temporal_overlap", "prepend_frames",
                            "color_correction", "input_noise_scale", "latent_noise_scale"),

@@ -1,7 +1,8 @@
 """Several processes, one video: frame-batch parallelism over torch.distributed.
 
-Every rank derives the same batch plan; the plan's chunks (contiguous runs of batches) are
-dealt to the ranks in turn, each rank reads only the frames its chunks need, and finished
+Every rank derives the same batch plan; each rank takes the plan's next chunk (a contiguous
+run of batches) when it is ready for one (``taking.py``; with sequence parallelism they are
+dealt to the rank groups in turn), each rank reads only the frames its chunks need, and finished
 batches travel to rank 0 — the writer — in plan order, where they are blended exactly as in
 one process. Bounded memory: a rank holds at most its current chunk and one finished batch in
 flight; results are bit-identical to the single-process run on CPU/gloo.

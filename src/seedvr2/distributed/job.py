@@ -1,6 +1,7 @@
 """One rank's part of a distributed file upscale.
 
-Every rank: same plan, its own share of batches (``assign_batches``), frames read from its
+Every rank: same plan, the chunks it takes as it becomes free (``taking.py``; with sequence
+parallelism, its group's share dealt by ``assign_batches``), frames read from each chunk's
 first batch on, models on its own device. Ranks other than 0 send each finished batch to
 rank 0; rank 0 interleaves its own batches with received ones in plan order, blends them with
 the same :class:`OverlapBlender` as a single process, and writes. A send is posted without
@@ -17,6 +18,8 @@ import json
 import logging
 import os
 import signal
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -32,17 +35,36 @@ from .sequence import sequence_group, sequence_parallel
 
 log = logging.getLogger("seedvr2")
 
-FAULT_ENV = "SEEDVR2_FAULT"  # "RANK:after_batches=N": that rank dies after N batches (tests)
+FAULT_ENV = "SEEDVR2_FAULT"  # test hook, "RANK:ACTION=N": see fault_point
+FAULT_MARK_ENV = "SEEDVR2_FAULT_MARK"  # test hook: file where a fault writes its wall time
 
 
-def _fault_after(ctx: DistContext) -> int | None:
+def _fault_spec(ctx: DistContext) -> tuple[str, int] | None:
     spec = os.environ.get(FAULT_ENV, "")
     if not spec:
         return None
     rank, _, point = spec.partition(":")
     if int(rank) != ctx.rank:
         return None
-    return int(point.split("=", 1)[1]) if point.startswith("after_batches=") else 0
+    action, _, count = point.partition("=")
+    return action, int(count or 0)
+
+
+def fault_point(ctx: DistContext, batches_done: int):
+    """The fault hook of the multi-process tests, a no-op unless ``SEEDVR2_FAULT`` names this
+    rank: ``after_batches=N`` dies without any cleanup (as a crash or ``kill -9`` would) and
+    ``freeze_after_batches=N`` stops itself (as a hung driver would, SIGSTOP) once this rank
+    has delivered N batches (rank 0: once it has written N), or at the end of its work if it
+    delivers fewer."""
+    spec = _fault_spec(ctx)
+    if spec is None or batches_done < spec[1]:
+        return
+    if os.environ.get(FAULT_MARK_ENV):
+        Path(os.environ[FAULT_MARK_ENV]).write_text(repr(time.time()))
+    if spec[0] == "after_batches":
+        os._exit(17)
+    if spec[0] == "freeze_after_batches":
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def _terminate_cleanly():
@@ -56,25 +78,62 @@ def _terminate_cleanly():
         pass
 
 
-def _digest(opts, frame_count: int, width: int, height: int, models: tuple) -> str:
+def job_digest(opts, frame_count: int, width: int, height: int, models: tuple,
+               model_dir=None, source: str = "") -> str:
+    """What every rank must agree on: the options that shape the result, the input (its
+    size, frame count and, for files, its content digest) and the model files by content —
+    a copy with one weight changed, same name and size, differs."""
+    from ..loading.registry import DEFAULT_DIT, DEFAULT_VAE, resolve_model_file
+    from ..pipeline.identity import model_digest
+
     per_rank = {"device", "dit_device", "vae_device", "devices"}
     settings = {k: v for k, v in opts.values.items() if k not in per_rank}
     identities = []
-    for spec in models:
-        path = Path(str(spec))
-        identities.append([path.name, path.stat().st_size] if path.is_file() else [str(spec)])
-    blob = json.dumps([settings, frame_count, width, height, identities], sort_keys=True, default=str)
+    for spec, kind, default in zip(models, ("dit", "vae"), (DEFAULT_DIT, DEFAULT_VAE)):
+        if not isinstance(spec, torch.nn.Module):
+            spec = resolve_model_file(spec or default, model_dir, kind, download_missing=True)
+        identities.append(model_digest(spec))
+    text = Path(str(opts.text_embeddings))
+    if text.is_file():
+        identities.append(model_digest(text))
+    blob = json.dumps([settings, frame_count, width, height, identities, source], sort_keys=True,
+                      default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def check_agreement(ctx: DistContext, digest: str):
-    """Refuse to start when ranks disagree on options, input or model files."""
+    """Refuse to start when ranks disagree on options, input or model files (by content)."""
     digests = [None] * ctx.world_size
     dist.all_gather_object(digests, digest)
     differing = [r for r, d in enumerate(digests) if d != digests[0]]
     if differing:
         raise RuntimeError(f"ranks {differing} disagree with rank 0 on options, input or model "
                            f"files; every rank must run the same command on the same files")
+
+
+def check_sequence_parallel(opts, ranks: int, dit=None, model_dir=None):
+    """Refuse ``sequence_parallel`` that cannot split the ranks into groups or the DiT's
+    attention heads over a group, from the weight file's header: before any worker starts
+    (the launcher) or loads a model (torchrun)."""
+    k = opts.sequence_parallel
+    if k == 1:
+        return
+    if ranks % k:
+        raise OptionError(f"sequence_parallel = {k} must divide the number of ranks "
+                          f"({ranks}); use {ranks} or a divisor of it")
+    if isinstance(dit, torch.nn.Module):
+        heads = {block.attn.heads for block in dit.blocks}
+    else:
+        from ..loading.load import describe
+        from ..loading.registry import DEFAULT_DIT, resolve_model_file
+
+        heads = {describe(resolve_model_file(dit or DEFAULT_DIT, model_dir, "dit",
+                                             download_missing=True))["heads"]}
+    for count in heads:
+        if count % k:
+            raise OptionError(f"sequence_parallel = {k}: sequence parallelism over {k} ranks "
+                              f"needs a head count divisible by {k}; this DiT has {count} "
+                              f"heads (use a group size that divides {count})")
 
 
 def _rank_options(ctx: DistContext, options: dict):
@@ -104,6 +163,10 @@ def _run_share(ctx: DistContext, plan, read_from, sink, channels: int, size: tup
     timeout = datetime.timedelta(seconds=opts.dist_timeout)
     group = sequence_group(k, timeout) if k > 1 else None
     frames_group = wire.frame_group(timeout)  # every rank, in the same order
+    if k == 1:
+        _run_taken(ctx, plan, read_from, sink, channels, size, bit_depth, dit, vae, opts,
+                   model_dir, progress, should_stop, frames_group)
+        return
     shares = assign_batches(plan, ctx.world_size // k)
     mine = shares[ctx.rank // k]
     if ctx.is_writer and len(plan.batches) < len(shares):
@@ -130,19 +193,53 @@ def _run_share(ctx: DistContext, plan, read_from, sink, channels: int, size: tup
                 pass
 
 
+def _run_taken(ctx: DistContext, plan, read_from, sink, channels: int, size, bit_depth, dit,
+               vae, opts, model_dir, progress, should_stop, frames_group):
+    """Every rank takes the plan's next chunk when it is ready (``taking.py``); the writer
+    receives and writes them in plan order."""
+    from ..pipeline.setup import load_models, prepare_job
+    from .taking import (ChunkCounter, Heartbeat, Liveness, Watchdog, chunk_outputs,
+                         gather_taken, mark_sent)
+
+    counter = ChunkCounter(len(plan.chunks))
+    with Heartbeat(counter, ctx.rank):
+        models = load_models(dit, vae, opts=opts, model_dir=model_dir)
+        # This rank's own device against the budget, before any frame (batch_size is already
+        # the one every rank uses).
+        prepare_job(models, opts, plan.source_frames, size)
+        upscaler = Upscaler(models, opts, progress, should_stop)
+
+        def compute(chunk: int):
+            batches = list(plan.chunks[chunk])
+            first = plan.source_start(plan.batches[batches[0]].start)
+            return upscaler.batch_outputs(read_from(first), plan, batches)
+        if sink is not None:
+            gather_taken(ctx, counter, plan, compute, sink, channels, size, progress,
+                         frames_group, fault_point, opts.dist_timeout)
+        else:
+            liveness = Liveness(counter, opts.dist_timeout)
+            _send_all(ctx, plan, chunk_outputs(ctx, counter, plan, compute), bit_depth,
+                      frames_group, lambda index: mark_sent(counter, index),
+                      lambda: Watchdog(liveness, 0, "waiting for the writer (rank 0)"))
+            fault_point(ctx, sys.maxsize)  # a fault not reached by then: at the end of its work
+
+
 def run_file_job(ctx: DistContext, src, dst, dit=None, vae=None, *, model_dir=None,
                  overwrite: bool = False, codec: str = "h264", progress=None, should_stop=None,
                  **options) -> Path | None:
     """This rank's share of ``upscale_file``; returns the output path on rank 0."""
-    from ..pipeline.setup import open_output, plan_file
     from ..io import open_media
+    from ..pipeline.identity import source_digest
+    from ..pipeline.setup import open_output, plan_file
 
     _terminate_cleanly()
     opts = _rank_options(ctx, options)
+    check_sequence_parallel(opts, ctx.world_size, dit, model_dir)
     with open_media(src) as reader:
         info = reader.info
         plan, size, bit_depth = plan_file(reader, dst, opts, codec)
-        check_agreement(ctx, _digest(opts, plan.source_frames, info.width, info.height, (dit, vae)))
+        check_agreement(ctx, job_digest(opts, plan.source_frames, info.width, info.height,
+                                        (dit, vae), model_dir, source_digest(reader)))
         writer = open_output(info, dst, size, bit_depth, codec, overwrite, opts.fps) \
             if ctx.is_writer else None
         # The writer aborts (removing its partial file) on any exception, SIGTERM included;
@@ -165,7 +262,8 @@ def run_tensor_job(ctx: DistContext, frames: torch.Tensor, out: torch.Tensor, di
     _terminate_cleanly()
     opts = _rank_options(ctx, options)
     plan = make_plan(len(frames), opts)
-    check_agreement(ctx, _digest(opts, len(frames), frames.shape[2], frames.shape[1], (dit, vae)))
+    check_agreement(ctx, job_digest(opts, len(frames), frames.shape[2], frames.shape[1],
+                                    (dit, vae), model_dir))
 
     def fill(first: int, final: torch.Tensor):
         out[first: first + len(final)] = final
@@ -174,21 +272,27 @@ def run_tensor_job(ctx: DistContext, frames: torch.Tensor, out: torch.Tensor, di
                should_stop)
 
 
-def _send_all(ctx: DistContext, plan, outputs, bit_depth, group):
-    fault = _fault_after(ctx)
+def _send_all(ctx: DistContext, plan, outputs, bit_depth, group, posted=None, guard=None):
+    """Send each finished batch to the writer, one message in flight. ``posted(batch)`` is
+    told when a message is posted; ``guard()`` is a context around each wait for the writer
+    (a watchdog on its heartbeat)."""
+    fault = _fault_spec(ctx)
     pending = None  # (works, message): the message must live until its sends complete
 
     def complete():
-        for work in pending[0]:
-            work.wait()
+        with guard() if guard is not None else contextlib.nullcontext():
+            for work in pending[0]:
+                work.wait()
     for sent, (batch, out) in enumerate(outputs, start=1):
         message = wire.encode_batch(out, wire.quantized_span(plan, batch), bit_depth)
         if pending is not None:
             complete()
         pending = (wire.send_batch(message, 0, batch.index, group), message)
-        if fault is not None and sent >= fault:
+        if posted is not None:
+            posted(batch.index)
+        if fault is not None and sent >= fault[1]:
             complete()
-            os._exit(17)  # the fault hook: die without any cleanup, as a crash would
+            fault_point(ctx, sent)
     if pending is not None:
         complete()
 
@@ -197,7 +301,8 @@ def _gather(ctx, plan, shares, group_size, local_outputs, sink, channels, size, 
     owner = {b: group * group_size for b, group in owner_of(shares).items()}  # delivering rank
     blender = OverlapBlender(plan)
     local = iter(local_outputs)
-    for b in plan.batches:
+    for written, b in enumerate(plan.batches):
+        fault_point(ctx, written)
         if owner[b.index] == ctx.rank:
             batch, out = next(local)
             assert batch.index == b.index

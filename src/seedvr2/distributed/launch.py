@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import os
 import socket
 import sys
+import time
 import types
 from pathlib import Path
 
 import torch
 
+from ..io.temporaries import remove_stale_temporaries
 from .groups import destroy, init_from_env
+
+log = logging.getLogger("seedvr2")
 
 
 def parse_devices(spec: str) -> list[str]:
@@ -38,6 +43,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _log_like_parent(rank: int, level: int):
+    """A spawned worker starts without logging set up: show what the parent would, by rank."""
+    logging.basicConfig(level=level, format=f"%(levelname)s %(name)s rank {rank}: %(message)s")
+
+
 def _join_group(rank: int, devices: list[str], port: int, threads: int, timeout_s: float):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # Every rank is on this machine: gloo (the whole group on CPUs, the frame group on GPUs
@@ -49,9 +59,11 @@ def _join_group(rank: int, devices: list[str], port: int, threads: int, timeout_
                          local_rank=rank)
 
 
-def _file_worker(rank: int, devices: list[str], port: int, threads: int, args: tuple, kwargs: dict):
+def _file_worker(rank: int, devices: list[str], port: int, threads: int, log_level: int,
+                 args: tuple, kwargs: dict):
     from .job import run_file_job
 
+    _log_like_parent(rank, log_level)
     ctx = _join_group(rank, devices, port, threads, kwargs.get("dist_timeout", 60.0))
     try:
         run_file_job(ctx, *args, **kwargs)
@@ -79,13 +91,11 @@ def _threads_per_rank(device_list: list[str]) -> int:
     return max(1, (os.cpu_count() or 1) // len(device_list))
 
 
-def _failure(e: Exception, dst=None) -> RuntimeError:
+def _failure(e: Exception) -> RuntimeError:
     """The launcher's error: which rank failed and, for a raised exception, its last line
     (the worker's full traceback stays in the exception text and on stderr)."""
     import torch.multiprocessing as mp
 
-    if dst is not None:
-        _remove_partials(dst)
     if isinstance(e, mp.ProcessExitedException):
         return RuntimeError(f"distributed upscale failed: rank {e.error_index} exited with code "
                             f"{e.exit_code}")
@@ -153,21 +163,54 @@ def spawn_file_job(device_list: list[str], src, dst, *args, **kwargs) -> Path:
     import torch.multiprocessing as mp
 
     workers = _start(_file_worker, (device_list, _free_port(), _threads_per_rank(device_list),
-                                    (src, dst, *args), kwargs), len(device_list))
+                                    log.getEffectiveLevel(), (src, dst, *args), kwargs),
+                     len(device_list))
     try:
-        while not workers.join():
-            pass
+        _join(workers, float(kwargs.get("dist_timeout", 60.0)))
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        raise _failure(e, dst) from None
+        raise _failure(e) from None
     finally:
         _stop(workers)
+        # Only now that no worker lives: a rank killed outright left its temporaries behind.
+        remove_stale_temporaries(dst)
     return Path(dst)
 
 
+def _join(workers, timeout_s: float, tick=None):
+    """Wait for every worker; raises as soon as one fails (the others then get
+    :data:`STOP_GRACE_S` before SIGTERM, as long again before SIGKILL). Once rank 0 (the
+    writer) has finished, the output is complete: a rank that has not exited within
+    ``timeout_s`` after that (frozen after its last batch) is left to :func:`_stop`."""
+    writer_done = None
+    while not workers.join(timeout=0.2, grace_period=STOP_GRACE_S):
+        if tick is not None:
+            tick()
+        if writer_done is None and workers.processes[0].exitcode == 0:
+            writer_done = time.monotonic()
+        if writer_done is not None and time.monotonic() - writer_done > timeout_s:
+            stuck = [r for r, p in enumerate(workers.processes) if p.is_alive()]
+            log.warning("rank(s) %s did not exit within dist_timeout (%gs) of the finished "
+                        "output; stopped", stuck, timeout_s)
+            return
+
+
+# When one rank fails the others get this long to clean up after themselves, then SIGTERM
+# and as long again, then SIGKILL: a frozen rank (hung driver, SIGSTOP) ignores SIGTERM, and
+# the whole command must end within dist_timeout and a few seconds.
+STOP_GRACE_S = 2.0
+
+
 def _stop(workers):
-    for process in workers.processes:  # an error here (or in a callback) must not orphan them
+    """Ends every worker still running (an error here, or in a callback, must not orphan
+    them) and waits for them: SIGTERM, then SIGKILL for those that ignore it."""
+    alive = [p for p in workers.processes if p.is_alive()]
+    for process in alive:
+        process.terminate()
+    for process in alive:
+        process.join(STOP_GRACE_S)
         if process.is_alive():
-            process.terminate()
+            process.kill()
+            process.join()
 
 
 def spawn_tensor_job(device_list: list[str], frames: torch.Tensor, out_shape: tuple, dit=None,
@@ -202,11 +245,12 @@ def spawn_tensor_job(device_list: list[str], frames: torch.Tensor, out_shape: tu
     workers = _start(_tensor_worker, (device_list, _free_port(), _threads_per_rank(device_list),
                                       frames, out, (dit, vae), events, stop, kwargs),
                      len(device_list))
+    def tick():
+        relay()
+        if should_stop is not None and not stop.is_set() and should_stop():
+            stop.set()
     try:
-        while not workers.join(timeout=0.2):
-            relay()
-            if should_stop is not None and not stop.is_set() and should_stop():
-                stop.set()
+        _join(workers, float(kwargs.get("dist_timeout", 60.0)), tick)
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
         if stop.is_set():
             raise Interrupted("upscaling interrupted") from None
@@ -215,11 +259,3 @@ def spawn_tensor_job(device_list: list[str], frames: torch.Tensor, out_shape: tu
         _stop(workers)
     relay()
     return out
-
-
-def _remove_partials(dst):
-    """A rank killed outright cannot clean up; the launcher removes what it left."""
-    path = Path(str(dst).rstrip("/"))
-    for partial in path.parent.glob(f".{path.name}.partial-*"):
-        if partial.is_file():
-            partial.unlink(missing_ok=True)

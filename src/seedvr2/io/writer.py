@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import secrets
 import shutil
 import warnings
 from collections.abc import Iterable
@@ -29,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ..options import option_ref
+from .temporaries import hold, remove_stale_temporaries, temporary_path
 from ._common import (IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError, MediaInfo, as_fraction,
                       check_frame, fspath, writable_folder)
 
@@ -268,6 +268,9 @@ class MediaWriter:
             if self._state == "open":  # failed before the output was complete
                 self.abort()
             raise
+        finally:
+            if self._state != "open":
+                self._release_hold()
         self._state = "closed"
 
     def abort(self) -> None:
@@ -278,6 +281,7 @@ class MediaWriter:
         try:
             self._release()
         finally:
+            self._release_hold()
             if self._temp is not None:
                 if self._temp.is_dir():
                     shutil.rmtree(self._temp, ignore_errors=True)
@@ -325,9 +329,18 @@ class MediaWriter:
                                   f"to replace it, or choose another output name")
 
     def _temp_path(self, suffix: str = "") -> Path:
-        token = secrets.token_hex(4)
-        return self.path.parent / f".{self.path.stem if suffix else self.path.name}" \
-                                  f".partial-{token}{suffix}"
+        # A run killed outright left its temporaries here; nothing else will remove them.
+        remove_stale_temporaries(self.path)
+        return temporary_path(self.path, keep_suffix=bool(suffix))
+
+    def _hold_temp(self) -> None:
+        """Mark the temporary as in use, so a later run does not take it for stale."""
+        self._hold = hold(self._temp)
+
+    def _release_hold(self) -> None:
+        if getattr(self, "_hold", None) is not None:
+            self._hold.release()
+            self._hold = None
 
     def _check_folder(self, folder: Path) -> None:
         writable_folder(folder)
@@ -414,6 +427,7 @@ class VideoWriter(MediaWriter):
         except OSError as e:
             raise self._folder_error(path.parent, e) from e
         self._temp = temp
+        self._hold_temp()
         try:
             self._container = av.open(str(temp), "w", format=VIDEO_EXTENSIONS[ext])
             if codec_name not in self._container.supported_codecs:
@@ -636,6 +650,7 @@ class _ImageFilesWriter(MediaWriter):
         except OSError as e:
             raise self._folder_error(self.path.parent, e) from e
         self._temp = temp
+        self._hold_temp()
 
     def _frame_file(self, index: int) -> Path:
         return self._temp / f"{index:0{self._digits}d}{self._ext}"

@@ -152,6 +152,8 @@ def _load(path, kind: str, dtype: torch.dtype | None, device, keep_packed: bool 
     # Text embeddings shipped inside the weight file (ComfyUI repackages): {"pos", "neg"} in
     # fp32 on the CPU, empty when the file has none; see loading.text.load_text_embeddings.
     model.embedded_text_embeddings = embedded
+    # Where the weights came from: a resumed job compares models by this file's content.
+    model.weights_file = str(Path(path).resolve())
     model.eval().requires_grad_(False)
     return model
 

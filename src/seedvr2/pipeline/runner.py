@@ -116,6 +116,8 @@ class JobStats:
     batch_size: int = 0  # frames per batch actually used (batch_size auto resolved)
     batch_size_auto: bool = False
     estimated_bytes: dict = field(default_factory=dict)  # device -> estimated peak (budget)
+    batches_reused: int = 0  # batches a resumed job took from the kept segments
+    batches_total: int = 0  # batches of the plan (set by resumable file jobs)
 
     def add(self, phase: str, seconds: float):
         stats = self.phases.setdefault(phase, PhaseStats())

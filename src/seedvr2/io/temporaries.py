@@ -1,0 +1,101 @@
+"""Hidden temporaries next to an output: how they are named, held and cleaned up.
+
+Every writer builds its output under a temporary name in the destination folder and renames
+it when complete. This module is the one place that names those temporaries, so the writer
+that makes them and whoever cleans up after a crash (the ``--devices`` launcher when a rank
+is killed; the next run of the same command under torchrun, where no launcher of ours
+survives) look for the same names:
+
+* ``.NAME.partial-TOKEN`` for folders and image outputs (``.out.png.partial-1a2b3c4d``);
+* ``.STEM.partial-TOKEN.EXT`` for videos, whose muxer wants the extension
+  (``.out.partial-1a2b3c4d.mp4``).
+
+A live writer holds an exclusive ``flock`` on its temporary. The kernel drops the lock when
+the process ends, however it ends (``kill -9`` included), so a temporary nobody can lock is in
+use and one that can be locked is stale: :func:`remove_stale_temporaries` removes only those,
+and two jobs writing the same output never delete each other's work.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+PARTIAL = ".partial-"
+
+
+def temporary_path(final: Path, *, keep_suffix: bool) -> Path:
+    """A fresh temporary name for ``final`` (``keep_suffix``: end with its extension)."""
+    token = secrets.token_hex(4)
+    if keep_suffix and final.suffix:
+        return final.parent / f".{final.stem}{PARTIAL}{token}{final.suffix}"
+    return final.parent / f".{final.name}{PARTIAL}{token}"
+
+
+def temporaries_of(final) -> list[Path]:
+    """Every temporary (of any writer, live or stale) that :func:`temporary_path` can have
+    made for ``final``."""
+    final = Path(str(final).rstrip("/\\") or ".")
+    folder = final.parent
+    if not folder.is_dir():
+        return []
+    found = set(folder.glob(f".{final.name}{PARTIAL}*"))
+    if final.suffix:
+        found.update(p for p in folder.glob(f".{final.stem}{PARTIAL}*{final.suffix}")
+                     if len(p.name) == len(f".{final.stem}{PARTIAL}") + 8 + len(final.suffix))
+    return sorted(found)
+
+
+class Hold:
+    """An exclusive lock on a temporary for as long as its writer lives."""
+
+    def __init__(self, path: Path):
+        flags = os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0)
+        self._fd = os.open(path, flags)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self._fd)
+            raise
+
+    def release(self):
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def hold(path: Path) -> Hold | None:
+    """Lock ``path`` as in use; ``None`` where the filesystem has no locks (then nothing is
+    ever taken for stale: an unlocked temporary would look abandoned)."""
+    try:
+        return Hold(path)
+    except OSError:
+        return None
+
+
+def _stale(path: Path) -> bool:
+    try:
+        probe = Hold(path)
+    except BlockingIOError:
+        return False  # a live writer holds it
+    except OSError:
+        return False  # no locks here, or gone: leave it alone
+    probe.release()
+    return True
+
+
+def remove_stale_temporaries(final) -> list[Path]:
+    """Remove the temporaries of ``final`` that no live process holds; returns them."""
+    removed = []
+    for temp in temporaries_of(final):
+        if not _stale(temp):
+            continue
+        if temp.is_dir() and not temp.is_symlink():
+            shutil.rmtree(temp, ignore_errors=True)
+        else:
+            temp.unlink(missing_ok=True)
+        removed.append(temp)
+    return removed

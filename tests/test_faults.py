@@ -1,0 +1,194 @@
+"""Several processes when things go wrong: a killed writer rank, a frozen rank, different
+weights on one rank, impossible sequence parallelism; stale temporaries of killed runs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO, make_clip
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory):
+    path = tmp_path_factory.mktemp("faults") / "clip.mp4"
+    make_clip(path, frames=23)  # six batches of 5 overlapping by 1
+    return path
+
+
+def _frames(folder):
+    from seedvr2.io import open_media
+
+    with open_media(f"{folder}/%05d.png") as media:
+        return np.stack(list(media.frames()))
+
+
+def _cli(tiny_options, src, dst, *extra, env=None, timeout=300, quiet=True):
+    cmd = [sys.executable, "-m", "seedvr2", "upscale", str(src), "-o", str(dst),
+           *(["--quiet"] if quiet else []),
+           "--dit", tiny_options["dit"], "--vae", tiny_options["vae"],
+           "--model-dir", str(tiny_options["model_dir"]), "--dtype", "fp32",
+           "--text-embeddings", str(tiny_options["model_dir"] / "text_64.safetensors"),
+           "--resolution", "32", "--batch-size", "5", "--temporal-overlap", "1", *extra]
+    environment = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", **(env or {}))
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=environment,
+                          timeout=timeout)
+
+
+def test_killed_writer_rank_leaves_no_temporary(clip, tiny_options, tmp_path):
+    """Rank 0 dies after writing a batch: the launcher removes the temporary it left."""
+    out = tmp_path / "out"
+    out.mkdir()
+    result = _cli(tiny_options, clip, out / "up.mp4", "--devices", "cpu,cpu", "--dist-timeout",
+                  "10", env={"SEEDVR2_FAULT": "0:after_batches=1"})
+    assert result.returncode != 0
+    assert "rank 0" in result.stderr, result.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == []
+
+
+_WRITE_AND_DIE = """
+import os, signal, sys
+import numpy as np
+from seedvr2.io import open_writer
+writer = open_writer(sys.argv[1], width=32, height=32, channels=3, bit_depth=8, fps=25)
+writer.write(np.zeros((32, 32, 3), np.uint8))
+print("written", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("name", ["up.mp4", "up.png", "frames/"])
+def test_next_run_removes_temporaries_of_a_killed_one(tmp_path, name):
+    """Under torchrun no launcher of ours survives a killed rank 0; the next writer of the same
+    output removes what it left, and never a temporary that a live writer holds."""
+    from seedvr2.io import open_writer
+    from seedvr2.io.temporaries import temporaries_of
+
+    dst = f"{tmp_path}/{name}"  # a trailing "/" (a frame folder) must stay
+    killed = subprocess.run([sys.executable, "-c", _WRITE_AND_DIE, dst], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL and "written" in killed.stdout, killed.stderr
+    stale = temporaries_of(dst)
+    assert len(stale) == 1 and stale[0].name.startswith(".up" if name != "frames/" else ".frames")
+
+    live = open_writer(dst, width=32, height=32, channels=3, bit_depth=8, fps=25)
+    assert not stale[0].exists()  # the killed run's temporary is gone
+    assert temporaries_of(dst) == [live._temp]
+    second = open_writer(dst, width=32, height=32, channels=3, bit_depth=8, fps=25)
+    assert live._temp.exists()  # held by a live writer: left alone
+    second.abort()
+    live.abort()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_digest_compares_model_and_input_content(tiny_model_dir, tmp_path, clip):
+    """A copy of the DiT with one bias changed (same name, same size) and an input with the
+    same size and frame count but other pixels are both told apart."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from seedvr2.distributed.job import job_digest
+    from seedvr2.options import resolve_options
+
+    original = tiny_model_dir / "dit3b_tiny.safetensors"
+    weights = load_file(original)
+    key = next(k for k in weights if k.endswith(".bias"))
+    weights[key] = weights[key].clone()
+    weights[key][0] += 1
+    from safetensors import safe_open
+    with safe_open(original, "pt") as f:
+        metadata = f.metadata()
+    (tmp_path / "other").mkdir()
+    changed = tmp_path / "other" / original.name
+    save_file(weights, changed, metadata=metadata)
+    assert changed.stat().st_size == original.stat().st_size
+    vae = tiny_model_dir / "vae_tiny.safetensors"
+    opts = resolve_options(batch_size=5)
+    same = job_digest(opts, 13, 64, 48, (str(original), str(vae)), source="a")
+    assert job_digest(opts, 13, 64, 48, (str(original), str(vae)), source="a") == same
+    assert job_digest(opts, 13, 64, 48, (str(changed), str(vae)), source="a") != same
+
+    from seedvr2.io import open_media
+    from seedvr2.pipeline.identity import source_digest
+    other_clip = tmp_path / "clip.mp4"
+    make_clip(other_clip, frames=23)
+    with open(other_clip, "r+b") as f:  # same size, other content
+        f.seek(-200, os.SEEK_END)
+        f.write(bytes(200))
+    with open_media(clip) as a, open_media(other_clip) as b:
+        assert a.info.frame_count == b.info.frame_count
+        assert source_digest(a) != source_digest(b)
+    del torch
+
+
+@pytest.mark.parametrize("after", [1, 99])
+def test_frozen_rank_stops_the_job_within_dist_timeout(clip, tiny_options, tmp_path, after):
+    """Rank 1 freezes (SIGSTOP, as a hung driver would). After its first batch, with the
+    second batch of its chunk still to deliver: the job fails and leaves nothing. After its
+    last batch (99 > its share): the output is complete and kept. Either way the command ends
+    within dist_timeout of the freeze plus a few seconds (plus the chunks the writer computes
+    ahead meanwhile); SIGTERM's 30 s grace used to come on top."""
+    mark = tmp_path / "froze-at"
+    out = tmp_path / "out"
+    out.mkdir()
+    result = _cli(tiny_options, clip, out / "up.mp4", "--devices", "cpu,cpu", "--dist-timeout",
+                  "5", "--chunk-size", "9",  # chunks of two batches: [0, 1], [2, 3], [4, 5]
+                  env={"SEEDVR2_FAULT": f"1:freeze_after_batches={after}",
+                       "SEEDVR2_FAULT_MARK": str(mark)})
+    ended = time.time()
+    froze = float(mark.read_text())
+    assert ended - froze < 5 + 20, f"ended {ended - froze:.1f}s after the freeze"
+    if after == 1:
+        assert result.returncode != 0
+        assert "rank 1" in result.stderr, result.stderr[-2000:]
+        assert sorted(p.name for p in out.iterdir()) == []
+    else:
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert sorted(p.name for p in out.iterdir()) == ["up.mp4"]
+
+
+def test_slow_rank_takes_fewer_chunks(clip, tiny_options, tmp_path):
+    """Chunks are taken, not dealt: a rank slowed on purpose (4 s per batch) takes fewer of
+    the six chunks than the writer, and the frames are those of one process."""
+    one = _cli(tiny_options, clip, f"{tmp_path}/one/", "--device", "cpu")
+    assert one.returncode == 0, one.stderr[-2000:]
+    result = _cli(tiny_options, clip, f"{tmp_path}/two/", "--devices", "cpu,cpu",
+                  "--dist-timeout", "60", env={"SEEDVR2_SLOW": "1:4"}, quiet=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    import re
+    taken = dict(re.findall(r"rank (\d+): (\d+)", result.stderr.split("chunks taken:")[-1]))
+    assert int(taken.get("1", 0)) < 3 < int(taken["0"]), result.stderr[-2000:]
+    assert np.array_equal(_frames(f"{tmp_path}/two"), _frames(f"{tmp_path}/one"))
+
+
+@pytest.mark.parametrize("devices,k,message", [
+    ("cpu,cpu,cpu", 2, r"sequence_parallel = 2 must divide the number of ranks \(3\)"),
+    ("cpu,cpu,cpu", 3, r"this DiT has 2 heads"),
+])
+def test_impossible_sequence_parallel_is_refused_before_any_worker(
+        clip, tiny_options, tmp_path, monkeypatch, devices, k, message):
+    import seedvr2
+    from seedvr2.distributed import launch
+    from seedvr2.options import OptionError
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("workers were started")
+    monkeypatch.setattr(launch, "_start", no_workers)
+    with pytest.raises(OptionError, match=message):
+        seedvr2.upscale_file(clip, tmp_path / "out.mp4", **tiny_options, devices=devices,
+                             sequence_parallel=k, batch_size=5)
+    frames = np.zeros((5, 16, 16, 3), np.float32)
+    import torch
+    with pytest.raises(OptionError, match=message):
+        seedvr2.upscale(torch.from_numpy(frames), **tiny_options, devices=devices,
+                        sequence_parallel=k, batch_size=5)
+    assert sorted(p.name for p in Path(tmp_path).iterdir()) == []

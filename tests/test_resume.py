@@ -1,0 +1,167 @@
+"""Resume: a job SIGKILLed at any point, run again, computes only the missing batches and
+gives the frames of an uninterrupted run; anything different starts fresh and says why."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO, make_clip
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+# 23 frames in batches of 5 overlapping by 1: batches start at 0, 4, 8, 12, 16, 20; with
+# segments of at least 8 frames they make three segments of two batches each.
+SEGMENT_ENV = {"SEEDVR2_SEGMENT_FRAMES": "8"}
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory):
+    path = tmp_path_factory.mktemp("resume") / "clip.mp4"
+    make_clip(path, frames=23)
+    return path
+
+
+def _cli(tiny_options, src, dst, *extra, env=None):
+    cmd = [sys.executable, "-m", "seedvr2", "upscale", str(src), "-o", str(dst),
+           "--dit", tiny_options["dit"], "--vae", tiny_options["vae"],
+           "--model-dir", str(tiny_options["model_dir"]), "--dtype", "fp32", "--device", "cpu",
+           "--text-embeddings", str(tiny_options["model_dir"] / "text_64.safetensors"),
+           "--resolution", "32", "--batch-size", "5", "--temporal-overlap", "1", *extra]
+    environment = dict(os.environ, OMP_NUM_THREADS="1", **SEGMENT_ENV, **(env or {}))
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=environment,
+                          timeout=300)
+
+
+def _frames(path):
+    from seedvr2.io import open_media
+
+    with open_media(path) as media:
+        return np.stack(list(media.frames()))
+
+
+def _reused(result) -> int:
+    found = re.search(r"(\d+) of 6 batches reused", result.stdout + result.stderr)
+    assert found, result.stdout[-2000:] + result.stderr[-2000:]
+    return int(found.group(1))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(clip, tiny_options, tmp_path_factory):
+    out = tmp_path_factory.mktemp("whole") / "up.mp4"
+    result = _cli(tiny_options, clip, out)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert _reused(result) == 0
+    return out
+
+
+@pytest.mark.parametrize("kill,reused", [
+    ({"SEEDVR2_KILL_AT": "encode:2"}, 0),  # mid-encode of the first segment
+    ({"SEEDVR2_KILL_AT": "dit:4"}, 2),  # mid-DiT of the second segment
+    ({"SEEDVR2_KILL_AT": "write:2"}, 2),  # the second segment half written
+    ({"SEEDVR2_KILL_AT": "segment:2"}, 2),  # closed, but not yet in the journal
+    ({"SEEDVR2_KILL_AT": "journal:2"}, 4),  # in the journal
+    ({"SEEDVR2_KILL_IN_ASSEMBLY": "2"}, 6),  # every batch done, the final file half made
+])
+def test_killed_job_reruns_only_missing_batches(clip, tiny_options, tmp_path, uninterrupted,
+                                                kill, reused):
+    out = tmp_path / "up.mp4"
+    killed = _cli(tiny_options, clip, out, env=kill)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert not out.exists()
+    again = _cli(tiny_options, clip, out)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert _reused(again) == reused
+    assert np.array_equal(_frames(out), _frames(uninterrupted))
+    assert out.read_bytes() == uninterrupted.read_bytes()  # the same stream, audio included
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["up.mp4"]  # nothing left over
+
+
+def test_different_job_or_no_resume_starts_fresh(clip, tiny_options, tmp_path, uninterrupted):
+    out = tmp_path / "up.mp4"
+    killed = _cli(tiny_options, clip, out, env={"SEEDVR2_KILL_AT": "journal:2"})
+    assert killed.returncode == -signal.SIGKILL
+    other_seed = _cli(tiny_options, clip, out, "--seed", "7",
+                      env={"SEEDVR2_KILL_AT": "journal:1"})
+    assert other_seed.returncode == -signal.SIGKILL
+    assert "not resuming, starting fresh: options seed (42 -> 7) changed" in other_seed.stderr
+    fresh = _cli(tiny_options, clip, out, "--no-resume")
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    assert "resume is off: the kept segments are discarded" in fresh.stderr
+    assert _reused(fresh) == 0
+    assert out.read_bytes() == uninterrupted.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["up.mp4"]
+
+
+def test_image_sequence_output_resumes(clip, tiny_options, tmp_path):
+    whole = _cli(tiny_options, clip, f"{tmp_path}/whole/")
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    killed = _cli(tiny_options, clip, f"{tmp_path}/frames/", env={"SEEDVR2_KILL_AT": "write:3"})
+    assert killed.returncode == -signal.SIGKILL
+    again = _cli(tiny_options, clip, f"{tmp_path}/frames/")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert _reused(again) == 4
+    resumed = _frames(f"{tmp_path}/frames/%05d.png")
+    assert resumed.shape == (23, 32, 42, 3)
+    assert np.array_equal(resumed, _frames(f"{tmp_path}/whole/%05d.png"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["frames", "whole"]
+
+
+def test_upscale_video_file_node_resumes_when_queued_again_after_cancel(
+        clip, tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """ComfyUI's Upscale Video File: Cancel mid-job keeps the complete segments; the same
+    prompt queued again writes the same output name and continues from them."""
+    import logging
+
+    from seedvr2.workflow import nodes as defs
+    from seedvr2.workflow.errors import WorkflowInterrupted
+    from seedvr2.workflow.host import HeadlessHost
+
+    monkeypatch.setenv("SEEDVR2_SEGMENT_FRAMES", "8")
+    nodes = {n.id: n for n in defs.build_nodes()}
+
+    def loaders(host):
+        def defaults(kind):
+            return {s.input: s.node_input().default for s in defs.LOADER_SETTINGS[kind]
+                    if not s.node_input().optional}
+        dit = nodes["SeedVR2LoadDiTModel"].run(host, model="dit3b_tiny.safetensors",
+                                               **{**defaults("dit"), "device": "cpu",
+                                                  "dtype": "fp32"}).outputs[0]
+        vae = nodes["SeedVR2LoadVAEModel"].run(host, model="vae_tiny.safetensors",
+                                               **{**defaults("vae"), "device": "cpu",
+                                                  "dtype": "fp32"}).outputs[0]
+        return dit, vae
+
+    node = nodes["SeedVR2UpscaleVideoFile"]
+    inputs = {i.name: i.default for i in node.inputs if i.is_widget}
+    inputs.update(resolution=32, batch_size=5, temporal_overlap=1, filename_prefix="up",
+                  video_path=str(clip), codec="h264")
+
+    def run(host):
+        return node.run(host, **dict(zip(("dit", "vae"), loaders(host))), **inputs)
+
+    whole = run(HeadlessHost(model_dir=tiny_model_dir, output_dir=tmp_path / "whole",
+                             quiet=True)).outputs[0]
+
+    class CancelAfterFrames(HeadlessHost):
+        def progress(self, value, total):
+            if value >= 12:  # 12 of 18 phase steps: four batches done, two segments closed
+                self.stop.set()
+
+    out_dir = tmp_path / "out"
+    with pytest.raises(WorkflowInterrupted):
+        run(CancelAfterFrames(model_dir=tiny_model_dir, output_dir=out_dir, quiet=True))
+    assert [p.name for p in out_dir.iterdir()] == [".up_00001_.mp4.seedvr2-resume"]
+    caplog.set_level(logging.INFO, logger="seedvr2")
+    again = run(HeadlessHost(model_dir=tiny_model_dir, output_dir=out_dir, quiet=True))
+    resumed = again.outputs[0]
+    assert resumed.endswith("up_00001_.mp4")
+    assert "resuming: 4 of 6 batches are kept" in caplog.text, caplog.text
+    assert open(resumed, "rb").read() == open(whole, "rb").read()
+    assert sorted(p.name for p in out_dir.iterdir()) == ["up_00001_.mp4"]
