@@ -26,8 +26,13 @@ def test_every_input_has_a_tooltip_and_the_upscaler_follows_the_option_table():
         for inp in node.inputs:
             assert inp.tooltip, (node.id, inp.name)
     upscaler = nodes["SeedVR2VideoUpscaler"]
+    file_upscaler = nodes["SeedVR2UpscaleVideoFile"]
+    # Options of file jobs (resume) are inputs of the node that writes a file only.
+    assert defs.FILE_JOB_OPTIONS == {"resume"}
+    assert file_upscaler.input("resume").default is True
+    assert "resume" not in {i.name for i in upscaler.inputs}
     for opt in defs.pipeline_options():
-        inp = upscaler.input(opt.name)
+        inp = (file_upscaler if opt.name in defs.FILE_JOB_OPTIONS else upscaler).input(opt.name)
         auto = opt.accepts_auto  # an INT widget: 0 stands for "auto"
         assert (inp.default, inp.tooltip) == (opt.default, opt.help + (" (0 = auto)" if auto else ""))
         if opt.choices:

@@ -324,9 +324,11 @@ def test_options_added_after_the_first_release_are_optional():
 
     later = {o.name for o in pipeline_options()} - FIRST_RELEASE_OPTIONS
     assert "dist_timeout" in later
-    inputs = {i.name: i for i in _upscaler_inputs()}
-    assert all(inputs[name].optional for name in later)
-    assert not inputs["batch_size"].optional
+    for writes_file in (False, True):
+        inputs = {i.name: i for i in _upscaler_inputs(writes_file=writes_file)}
+        assert all(inputs[name].optional for name in later & inputs.keys())
+        assert not inputs["batch_size"].optional
+    assert "resume" in later
 
 
 # ---------------------------------------------------------------------------------------------

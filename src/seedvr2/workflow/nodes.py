@@ -627,10 +627,16 @@ FIRST_RELEASE_OPTIONS = frozenset((
     "latent_noise_scale", "text_embeddings", "device", "dtype"))
 
 
-def _upscaler_inputs() -> tuple:
+# Options that only mean something when the node writes a file (resume keeps a file job's
+# finished segments); the in-memory upscaler does not show them.
+FILE_JOB_OPTIONS = frozenset(("resume",))
+
+
+def _upscaler_inputs(*, writes_file: bool) -> tuple:
     return (*settings_inputs("upscaler"),
             *(option_input(opt, optional=opt.name not in FIRST_RELEASE_OPTIONS)
-              for opt in pipeline_options()))
+              for opt in pipeline_options()
+              if writes_file or opt.name not in FILE_JOB_OPTIONS))
 
 
 _DIT_IN = Input("dit", DIT_TYPE, "the DiT from a SeedVR2 Load DiT Model node")
@@ -675,7 +681,7 @@ def build_nodes() -> tuple:
                 "Upscale an image or a batch of video frames with SeedVR2 (one diffusion step). "
                 "RGBA stays RGBA.",
                 (Input("image", "IMAGE", "the frames to upscale (a batch is a video)"), _DIT_IN,
-                 _VAE_IN, *_upscaler_inputs()),
+                 _VAE_IN, *_upscaler_inputs(writes_file=False)),
                 (Output("image", "IMAGE", "the upscaled frames, same count and channels"),),
                 _upscale_images),
         NodeDef("SeedVR2UpscaleVideoFile", "SeedVR2 Upscale Video File",
@@ -691,7 +697,7 @@ def build_nodes() -> tuple:
                        "(may contain subfolders)", "SeedVR2/video"),
                  Input("codec", "COMBO", "h264 (8-bit) or h265 (10-bit)", "h264",
                        choices=("h264", "h265")),
-                 *_upscaler_inputs()),
+                 *_upscaler_inputs(writes_file=True)),
                 (Output("path", "STRING", "the written file"),
                  Output("preview", "IMAGE", f"up to {PREVIEW_FRAMES} frames of the result")),
                 _upscale_video_file, output_node=True),
