@@ -312,7 +312,11 @@ def test_hub_probe_gives_up_on_a_silent_name_lookup(monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", "https://hub.invalid")
     for proxy in ("https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
         monkeypatch.delenv(proxy, raising=False)
-    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: time.sleep(5))  # DNS hangs
+    def silent_lookup(*args, **kwargs):  # a DNS server that never answers, then a timeout
+        time.sleep(5)
+        raise socket.timeout("timed out")
+
+    monkeypatch.setattr(socket, "create_connection", silent_lookup)
     start = time.perf_counter()
     assert registry.hub_unreachable() == "hub.invalid:443: no answer within 0.2 s"
     assert time.perf_counter() - start < 2  # 0.2 s, and thread start-up on a busy machine
