@@ -211,10 +211,10 @@ def test_wont_fit_names_the_settings_that_would(real):
     with pytest.raises(BudgetError) as error:
         mem.check(real, Job(720, 1280, 9), Placement(), {"cuda:0": 24 * GIB})
     assert str(error.value) == (
-        "not enough memory on cuda:0 for 1280x720 frames at batch_size 9: the decode phase "
+        "not enough memory on cuda:0 for 1280x720 frames at batch_size=9: the decode phase "
         "needs about 26.7 GiB (VAE weights 478 MiB, DiT weights 6.3 GiB, activations 16.8 GiB, "
-        "margin 3.2 GiB) but 24.0 GiB is available. Settings that would fit: batch_size 5; or "
-        "vae_decode_tiled with vae_decode_tile_size 512; or dit_offload_device cpu. Setting "
+        "margin 3.2 GiB) but 24.0 GiB is available. Settings that would fit: batch_size=5; or "
+        "vae_decode_tiled=True with vae_decode_tile_size=512; or dit_offload_device=cpu. Setting "
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the environment also helps (less "
         "fragmentation)")
     # Each named alternative really fits.
@@ -230,15 +230,15 @@ def test_wont_fit_suggests_blockswap_and_combinations(real):
     place, have = Placement(dit_offload="cpu", vae_offload="cpu"), {"cuda:0": 8 * GIB}
     job = Job(720, 1280, 21, encode_tiles=tiles, decode_tiles=tiles)
     assert mem.failing_phases(mem.estimate(real, job, place), have) == {"DiT"}
-    with pytest.raises(BudgetError, match=r"Settings that would fit: (batch_size \d+; or )?"
-                                          r"blocks_to_swap (\d+)\. Setting PYTORCH") as error:
+    with pytest.raises(BudgetError, match=r"Settings that would fit: (batch_size=\d+; or )?"
+                                          r"blocks_to_swap=(\d+)\. Setting PYTORCH") as error:
         mem.check(real, job, place, have)
-    swap = int(re.search(r"blocks_to_swap (\d+)\.", str(error.value)).group(1))
+    swap = int(re.search(r"blocks_to_swap=(\d+)\.", str(error.value)).group(1))
     assert mem.fits(real, job, replace(place, blocks_to_swap=swap), have)
     assert not mem.fits(real, job, replace(place, blocks_to_swap=swap - 1), have)
     # Nothing alone is enough: one combination of every saver.
-    with pytest.raises(BudgetError, match=r"Settings that would fit: all of: batch_size \d+, "
-                                          r"dit_offload_device cpu, .*blocks_to_swap \d+\. "):
+    with pytest.raises(BudgetError, match=r"Settings that would fit: all of: batch_size=\d+, "
+                                          r"dit_offload_device=cpu, .*blocks_to_swap=\d+\. "):
         mem.check(real, Job(1080, 1920, 21), replace(place, dit_offload=None), have)
     with pytest.raises(BudgetError, match="Nothing fits at this resolution"):
         mem.check(real, Job(4320, 7680, 5), Placement(), {"cuda:0": 2 * GIB})
@@ -277,8 +277,8 @@ def test_auto_picks_the_largest_4n1_that_fits():
     assert auto(100 * GIB) == 101
     assert auto(100 * GIB, frames=1000) == 117
     with pytest.raises(BudgetError, match=r"^not enough memory on cuda:0 for 448x256 frames at "
-                                          r"batch_size auto \(even 5 frames\): .* Settings that "
-                                          r"would fit: batch_size 1; or vae_encode_tiled"):
+                                          r"batch_size=auto \(even 5 frames\): .* Settings that "
+                                          r"would fit: batch_size=1; or vae_encode_tiled"):
         mem.auto_batch_size(budget, job, place, {"cuda:0": need[5] - 1}, 100, 0)
 
 
@@ -408,7 +408,7 @@ def test_prepare_job_checks_cuda_devices_up_front(tiny_options, monkeypatch, cap
                         lambda device, own=0: seen.append(str(device)) or need - 1)
     monkeypatch.delenv(MEMORY_CHECK_ENV, raising=False)
     with pytest.raises(BudgetError, match=r"^not enough memory on cuda:0 for 96x64 frames at "
-                       r"batch_size 9: .* is available\. Settings that would fit: batch_size 5.* "
+                       r"batch_size=9: .* is available\. Settings that would fit: batch_size=5.* "
                        r"\(to try anyway, set SEEDVR2_MEMORY_CHECK=warn\)$"):
         prepare_job(on_gpu, opts, 40, (64, 96))
     assert seen == ["cuda:0"]
@@ -433,9 +433,15 @@ def test_exact_tiling_host_ram_check():
     assert mem.check_exact_tiling(cfg, 21, 1080, 1920, 2, None, None, 64 * 2**30) == need
     with pytest.raises(mem.BudgetError, match=(
             r"^vae_tiling_exact keeps whole-frame activations in host RAM: about 41\.5 GiB for "
-            r"1920x1080 frames at batch_size 21, but 24\.0 GiB is available\. Settings that would "
-            r"fit: vae_encode_temporal_slice 4 and vae_decode_temporal_slice 4 \(same result, "
-            r"about 13\.8 GiB\); or vae_tiling_exact off \(independent tiles, little memory\)$")):
+            r"1920x1080 frames at batch_size=21, but 24\.0 GiB is available\. Settings that would "
+            r"fit: vae_encode_temporal_slice=4 and vae_decode_temporal_slice=4 \(same result, "
+            r"about 13\.8 GiB\); or vae_tiling_exact=False \(independent tiles, little memory\)$")):
+        mem.check_exact_tiling(cfg, 21, 1080, 1920, 2, None, None, 24 * 2**30)
+    # The command line is told its own flags.
+    from seedvr2.options import spoken_as_cli
+    with spoken_as_cli(), pytest.raises(mem.BudgetError, match=(
+            r"at --batch-size 21, .* Settings that would fit: --vae-encode-temporal-slice 4 and "
+            r"--vae-decode-temporal-slice 4 .*; or --no-vae-tiling-exact \(independent")):
         mem.check_exact_tiling(cfg, 21, 1080, 1920, 2, None, None, 24 * 2**30)
     assert mem.check_exact_tiling(cfg, 21, 1080, 1920, 2, None, None, None) == need  # unknown RAM
 

@@ -193,9 +193,9 @@ def test_cuda_shortfall_recommends_expandable_segments():
 def test_host_copy_must_fit_host_ram():
     mem.check_host_copy(9 * GIB, 10 * GIB, "dit_offload_device")
     mem.check_host_copy(9 * GIB, None, "dit_offload_device")  # unknown: no check
-    with pytest.raises(BudgetError, match=r"^dit_offload_device cpu keeps a copy of the model's "
+    with pytest.raises(BudgetError, match=r"^dit_offload_device=cpu keeps a copy of the model's "
                                           r"weights in host RAM: 9\.5 GiB \(pinned.*Set "
-                                          r"dit_offload_device none"):
+                                          r"dit_offload_device=none"):
         mem.check_host_copy(int(9.5 * GIB), 10 * GIB, "dit_offload_device")
 
 
@@ -209,6 +209,6 @@ def test_offloading_a_model_checks_host_ram_before_copying(tiny_options, monkeyp
     monkeypatch.setattr(mem, "bytes_on", lambda module, device: 0)
     opts = resolve_options(device="cpu", dtype="fp32", vae_offload_device="cpu",
                            text_embeddings=str(tiny_options["model_dir"] / "text_64.safetensors"))
-    with pytest.raises(BudgetError, match="vae_offload_device cpu keeps a copy"):
+    with pytest.raises(BudgetError, match="vae_offload_device=cpu keeps a copy"):
         load_models(tiny_options["dit"], tiny_options["vae"], opts=opts,
                     model_dir=tiny_options["model_dir"])

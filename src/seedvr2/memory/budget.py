@@ -78,6 +78,7 @@ from typing import Mapping, Optional, Sequence
 import torch
 
 from ..models.config import DiTConfig, VAEConfig
+from ..options import option_ref
 from .blockswap import BlockSwap
 from .tiling import TileSettings
 
@@ -584,10 +585,10 @@ def _tile_change(job: Job, which: Sequence[str], size: int, overlap: int) -> tup
         keep = current.tile_overlap if current.tile_overlap <= size // 2 else overlap
         changes[f"{w}_tiles"] = replace(current, enabled=True, tile_size=size, tile_overlap=keep)
         if not current.enabled:
-            enable.append(f"vae_{w}_tiled")
-        sizes.append(f"vae_{w}_tile_size {size}")
+            enable.append(option_ref(f"vae_{w}_tiled", True))
+        sizes.append(option_ref(f"vae_{w}_tile_size", size))
         if keep != current.tile_overlap:
-            overlaps.append(f"vae_{w}_tile_overlap {keep}")
+            overlaps.append(option_ref(f"vae_{w}_tile_overlap", keep))
     text = " and ".join(sizes + overlaps)
     if enable:
         text = " and ".join(enable) + " with " + text
@@ -611,14 +612,14 @@ def _swap_options(budget: Budget, place: Placement) -> list[tuple[Placement, Opt
     if not place.dit_device.startswith("cuda"):
         return out
     offload = place.dit_offload or "cpu"
-    suffix = "" if place.dit_offload else f" with dit_offload_device {offload}"
+    suffix = "" if place.dit_offload else f" with {option_ref('dit_offload_device', offload)}"
     for swap_io in (False, True):
         for n in range(1, len(budget.dit_weights.blocks) + 1):
             if (n, swap_io) <= (place.blocks_to_swap, place.swap_io):
                 continue
-            io = " and swap_io_components" if swap_io else ""
+            io = f" and {option_ref('swap_io_components', True)}" if swap_io else ""
             out.append((replace(place, blocks_to_swap=n, swap_io=swap_io, dit_offload=offload),
-                        f"blocks_to_swap {n}{io}{suffix}"))
+                        f"{option_ref('blocks_to_swap', n)}{io}{suffix}"))
     return out
 
 
@@ -647,7 +648,7 @@ def alternatives(budget: Budget, job: Job, place: Placement, available: Mapping[
     out = []
     for size in range(job.batch_size - 4, min_batch - 1, -4):
         if fits(budget, replace(job, batch_size=size), place, available):
-            out.append(f"batch_size {size}")
+            out.append(option_ref("batch_size", size))
             break
     for candidate, text in _tile_options(job, vae_failing)[1:]:
         if fits(budget, candidate, place, available):
@@ -655,16 +656,16 @@ def alternatives(budget: Budget, job: Job, place: Placement, available: Mapping[
             break
     if shared and place.dit_offload is None and not place.swapping \
             and fits(budget, job, replace(place, dit_offload="cpu"), available):
-        out.append("dit_offload_device cpu")
+        out.append(option_ref("dit_offload_device", "cpu"))
     if shared and place.vae_offload is None \
             and fits(budget, job, replace(place, vae_offload="cpu"), available):
-        out.append("vae_offload_device cpu")
+        out.append(option_ref("vae_offload_device", "cpu"))
     if "DiT" in failing:
         swap = _first_fit(budget, job, _swap_options(budget, place), available)
         if swap is not None and swap[1] is not None:
             out.append(swap[1])
     if job.chunk_size is not None and fits(budget, replace(job, chunk_size=None), place, available):
-        out.append("tensor_offload_device cpu")
+        out.append(option_ref("tensor_offload_device", "cpu"))
     if out:
         return out
     # No single change is enough: the cheap savers at once, then the largest batch with the
@@ -672,13 +673,13 @@ def alternatives(budget: Budget, job: Job, place: Placement, available: Mapping[
     changes = []
     if shared and place.vae_offload is None:
         place = replace(place, vae_offload="cpu")
-        changes.append("vae_offload_device cpu")
+        changes.append(option_ref("vae_offload_device", "cpu"))
     if shared and place.dit_offload is None and not place.swapping:
         place = replace(place, dit_offload="cpu")
-        changes.append("dit_offload_device cpu")
+        changes.append(option_ref("dit_offload_device", "cpu"))
     if job.chunk_size is not None:
         job = replace(job, chunk_size=None)
-        changes.append("tensor_offload_device cpu")
+        changes.append(option_ref("tensor_offload_device", "cpu"))
     swaps = _swap_options(budget, place)
     for size in range(job.batch_size, min_batch - 1, -4):
         sized = replace(job, batch_size=size)
@@ -686,7 +687,7 @@ def alternatives(budget: Budget, job: Job, place: Placement, available: Mapping[
             swap = _first_fit(budget, tiled, swaps, available)
             if swap is None:
                 continue
-            parts = ([f"batch_size {size}"] if size != job.batch_size else []) + changes
+            parts = ([option_ref("batch_size", size)] if size != job.batch_size else []) + changes
             parts += [t for t in (tile_text, swap[1]) if t is not None]
             return ["all of: " + ", ".join(parts)]
     return []
@@ -707,7 +708,7 @@ def check(budget: Budget, job: Job, place: Placement, available: Mapping[str, in
     if not short:
         return est
     need, have = short[0]
-    message = _fmt_failure(job, need, have, batch_text or f"batch_size {job.batch_size}")
+    message = _fmt_failure(job, need, have, batch_text or option_ref("batch_size", job.batch_size))
     alts = alternatives(budget, job, place, available, min_batch)
     if alts:
         message += ". Settings that would fit: " + "; or ".join(alts)
@@ -735,7 +736,7 @@ def auto_batch_size(budget: Budget, job: Job, place: Placement, available: Mappi
         return candidates[-1]  # only the smallest fits, above the share: still worth a try
     smallest = replace(job, batch_size=candidates[-1])
     check(budget, smallest, place, available, min_batch=1,
-          batch_text=f"batch_size auto (even {candidates[-1]} frames)")
+          batch_text=f"{option_ref('batch_size', 'auto')} (even {candidates[-1]} frames)")
     return candidates[-1]  # pragma: no cover (check raised)
 
 
@@ -768,13 +769,15 @@ def check_exact_tiling(cfg: VAEConfig, batch: int, height: int, width: int, item
     if available is None or need <= 0.9 * available:
         return need
     sliced = exact_tiling_host_bytes(cfg, batch, height, width, itemsize, 4, 4, stages)
-    fix = ("vae_encode_temporal_slice 4 and vae_decode_temporal_slice 4 (same result, "
+    fix = (f"{option_ref('vae_encode_temporal_slice', 4)} and "
+           f"{option_ref('vae_decode_temporal_slice', 4)} (same result, "
            f"about {gib(sliced)}); or " if sliced <= 0.9 * available and (decode_slice, encode_slice) != (4, 4)
            else "")
-    raise BudgetError(f"vae_tiling_exact keeps whole-frame activations in host RAM: about "
-                      f"{gib(need)} for {width}x{height} frames at batch_size {batch}, but "
-                      f"{gib(available)} is available. Settings that would fit: {fix}"
-                      f"vae_tiling_exact off (independent tiles, little memory)")
+    raise BudgetError(f"{option_ref('vae_tiling_exact')} keeps whole-frame activations in host "
+                      f"RAM: about {gib(need)} for {width}x{height} frames at "
+                      f"{option_ref('batch_size', batch)}, but {gib(available)} is available. "
+                      f"Settings that would fit: {fix}"
+                      f"{option_ref('vae_tiling_exact', False)} (independent tiles, little memory)")
 
 
 HOST_COPY_SHARE = 0.9  # of the host RAM available, what persistent (pinned) weight copies may take
@@ -789,10 +792,11 @@ def check_host_copy(nbytes: int, available: Optional[int], setting: str):
     """
     if available is None or nbytes <= HOST_COPY_SHARE * available:
         return
-    raise BudgetError(f"{setting} cpu keeps a copy of the model's weights in host RAM: "
-                      f"{gib(nbytes)} (pinned, never swapped out), but {gib(available)} is "
-                      f"available. Set {setting} none (the model stays on its device), use a "
-                      f"smaller (quantised) weight file, or free host RAM")
+    raise BudgetError(f"{option_ref(setting, 'cpu')} keeps a copy of the model's weights in "
+                      f"host RAM: {gib(nbytes)} (pinned, never swapped out), but "
+                      f"{gib(available)} is available. Set {option_ref(setting, 'none')} (the "
+                      f"model stays on its device), use a smaller (quantised) weight file, or "
+                      f"free host RAM")
 
 
 # What is available here (the impure part)
