@@ -21,7 +21,6 @@ import threading
 import time
 from collections import Counter
 
-import torch
 import torch.distributed as dist
 
 from ..pipeline.runner import OverlapBlender

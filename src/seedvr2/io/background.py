@@ -17,11 +17,13 @@ from __future__ import annotations
 import queue
 import threading
 
+from .writer import FinishesOnExit
+
 _STOP = object()
 _POLL_S = 0.1  # how often a blocked put looks whether the encoding thread has died
 
 
-class BackgroundWriter:
+class BackgroundWriter(FinishesOnExit):
     def __init__(self, writer, max_pending: int = 8):
         if max_pending < 1:
             raise ValueError(f"max_pending must be at least 1, got {max_pending}")
@@ -111,12 +113,3 @@ class BackgroundWriter:
         self._discard.set()
         self._stop_thread()
         self._abort_writer()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()

@@ -16,7 +16,7 @@ from fractions import Fraction
 from pathlib import Path
 
 from ._common import VIDEO_EXTENSIONS, MediaError, fspath
-from .writer import MediaWriter, _AudioCopy, _create_exclusive
+from .writer import MediaWriter, _AudioCopy
 
 ASSEMBLY_HOOK_ENV = "SEEDVR2_KILL_IN_ASSEMBLY"  # test hook: SIGKILL after this many segments
 
@@ -44,15 +44,7 @@ class SegmentConcat(MediaWriter):
             raise MediaError(f"{path}: segments are joined into videos only")
         self._segments, self._counts = list(segments), list(counts)
         self._fps, self._audio_from, self._rotation = fps, audio_from, rotation
-        self._refuse_existing(path)
-        self._check_folder(path.parent)
-        temp = self._temp_path(suffix=path.suffix)
-        try:
-            _create_exclusive(temp)
-        except OSError as e:
-            raise self._folder_error(path.parent, e) from e
-        self._temp = temp
-        self._hold_temp()
+        self._claim_temp_file(path)
         self.frames_written = sum(self._counts)
 
     def _finish(self) -> None:

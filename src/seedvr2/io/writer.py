@@ -206,7 +206,21 @@ def _pick(name: str, value, like: MediaInfo | None):
     return value
 
 
-class MediaWriter:
+class FinishesOnExit:
+    """Context management of an output: ``close()`` when the block ends normally, ``abort()``
+    (discard the output) when it raises."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class MediaWriter(FinishesOnExit):
     """Base class: frame checks, the temporary -> final protocol and context management."""
 
     def __init__(self, path: Path, *, width: int, height: int, channels: int, bit_depth: int,
@@ -288,15 +302,6 @@ class MediaWriter:
                 else:
                     self._temp.unlink(missing_ok=True)
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
-
     def __del__(self):
         # Dropped without close(): the output is unfinished, so discard it rather than leave
         # a partial file behind. close() is the only way to produce a final file.
@@ -332,6 +337,19 @@ class MediaWriter:
         # A run killed outright left its temporaries here; nothing else will remove them.
         remove_stale_temporaries(self.path)
         return temporary_path(self.path, keep_suffix=bool(suffix))
+
+    def _claim_temp_file(self, path: Path) -> None:
+        """Refuse an existing ``path`` (unless overwriting), check its folder, then create and
+        hold the single-file temporary the output is written to (same suffix as ``path``)."""
+        self._refuse_existing(path)
+        self._check_folder(path.parent)
+        temp = self._temp_path(suffix=path.suffix)
+        try:
+            _create_exclusive(temp)
+        except OSError as e:
+            raise self._folder_error(path.parent, e) from e
+        self._temp = temp
+        self._hold_temp()
 
     def _hold_temp(self) -> None:
         """Mark the temporary as in use, so a later run does not take it for stale."""
@@ -419,17 +437,9 @@ class VideoWriter(MediaWriter):
             warnings.warn(f"{path}: {reason}; alpha is dropped (write .webm, which keeps it as "
                           f"VP9, or a PNG sequence)", stacklevel=3)
         self.fps = fps
-        self._refuse_existing(path)
-        self._check_folder(path.parent)
-        temp = self._temp_path(suffix=path.suffix)
+        self._claim_temp_file(path)
         try:
-            _create_exclusive(temp)
-        except OSError as e:
-            raise self._folder_error(path.parent, e) from e
-        self._temp = temp
-        self._hold_temp()
-        try:
-            self._container = av.open(str(temp), "w", format=VIDEO_EXTENSIONS[ext])
+            self._container = av.open(str(self._temp), "w", format=VIDEO_EXTENSIONS[ext])
             if codec_name not in self._container.supported_codecs:
                 raise MediaError(f"{path}: {ext} files can't hold {key.upper()} video")
             if encoder not in av.codecs_available:

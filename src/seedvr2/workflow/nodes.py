@@ -545,7 +545,7 @@ def _split_inputs(inputs: dict) -> tuple[dict, dict]:
 
 
 def _upscale_images(host: Host, image, dit: ModelHandle, vae: ModelHandle, **inputs) -> NodeResult:
-    from ..api import upscale, upscale_file
+    from ..api import upscale
 
     upscaler, pipeline = _split_inputs(inputs)
 
@@ -579,7 +579,7 @@ def _preview(path: Path):
 
 def _upscale_video_file(host: Host, dit: ModelHandle, vae: ModelHandle, video_path: str,
                         filename_prefix: str, codec: str, **inputs) -> NodeResult:
-    from ..api import upscale, upscale_file
+    from ..api import upscale_file
     from ..io import open_media
     from ..io._common import IMAGE_EXTENSIONS
     from ..pipeline.runner import output_size
