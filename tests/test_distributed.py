@@ -35,8 +35,9 @@ def clip(tmp_path_factory):
     return path
 
 
-def _cli(tiny_options, src, dst, *extra, env=None, timeout=300):
-    cmd = [sys.executable, "-m", "seedvr2", "upscale", str(src), "-o", dst, "--quiet",
+def _cli(tiny_options, src, dst, *extra, env=None, timeout=300, quiet=True):
+    cmd = [sys.executable, "-m", "seedvr2", "upscale", str(src), "-o", dst,
+           *(["--quiet"] if quiet else []),
            "--dit", tiny_options["dit"], "--vae", tiny_options["vae"],
            "--model-dir", str(tiny_options["model_dir"]), "--dtype", "fp32",
            "--text-embeddings", str(tiny_options["model_dir"] / "text_64.safetensors"),
@@ -69,14 +70,35 @@ def test_ranks_give_identical_frames(clip, tiny_options, tmp_path, single, devic
     assert np.array_equal(frames, single)
 
 
-def test_dead_rank_fails_the_job_without_output(clip, tiny_options, tmp_path):
+@pytest.mark.parametrize("after", [1, 2])
+def test_dead_rank_is_taken_over_with_identical_frames(clip, tiny_options, tmp_path, single,
+                                                       after):
+    """Rank 1 dies without any cleanup (as kill -9 would) after delivering one batch — the
+    second batch of its chunk is lost with it, and the writer computes it — or two (its whole
+    chunk: the writer takes the rest). The job finishes with the frames of one process, and
+    the log says what happened."""
     start = time.monotonic()
-    # Chunks of two batches: rank 1 dies holding the second batch of the chunk it took.
-    result = _cli(tiny_options, clip, str(tmp_path / "out.mp4"), "--devices", "cpu,cpu",
-                  "--chunk-size", "9", env={"SEEDVR2_FAULT": "1:after_batches=1"})
-    assert result.returncode != 0
+    result = _cli(tiny_options, clip, f"{tmp_path}/out/", "--devices", "cpu,cpu",
+                  "--chunk-size", "9",  # chunks of two batches: [0, 1], [2, 3], [4, 5]
+                  env={"SEEDVR2_FAULT": f"1:after_batches={after}"}, quiet=False)
+    assert result.returncode == 0, result.stderr[-3000:]
     assert time.monotonic() - start < 120
-    assert "rank 1" in result.stderr
+    assert "rank 1 exited with code 17 during the job" in result.stderr, result.stderr[-3000:]
+    assert "the job finished without rank(s) 1" in result.stderr
+    assert "23 frames in" in result.stdout, result.stdout
+    assert ("without rank 1 (exit code 17) from then on: the others computed its batches"
+            in result.stdout), result.stdout
+    redone = "rank 1 exited: rank 0 computed its 1 unfinished batch(es) itself"
+    assert (redone in result.stderr) == (after == 1), result.stderr[-3000:]
+    assert np.array_equal(_frames(tmp_path / "out"), single)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary left
+
+
+def test_writer_death_fails_the_job_without_output(clip, tiny_options, tmp_path):
+    result = _cli(tiny_options, clip, str(tmp_path / "out.mp4"), "--devices", "cpu,cpu",
+                  "--chunk-size", "9", env={"SEEDVR2_FAULT": "0:after_batches=1"})
+    assert result.returncode != 0
+    assert "rank 0" in result.stderr
     assert list(tmp_path.iterdir()) == []  # no output, no partial file
 
 

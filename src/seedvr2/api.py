@@ -19,7 +19,7 @@ import torch
 from .options import OptionError, Options, option_ref, option_value, resolve_options
 from .pipeline.plan import make_plan
 from .io.background import BackgroundWriter
-from .pipeline.resume import run_resumable
+from .pipeline.resume import install_kill_hook, open_resume_state, run_resumable
 from .pipeline.runner import JobStats, Models, Upscaler, output_size, to_integer_frames
 from .pipeline.setup import (MEMORY_CHECK_ENV, check_file_job, file_facts, load_models,
                              open_output, plan_file, prepare_job, resolve_auto_batch_for_ranks)
@@ -128,13 +128,14 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
             dist.all_gather_object(values, value)
             return values
         ranks_auto([str(ctx.device)], gather)
-        return run_file_job(ctx, src, dst, dit, vae, progress=progress, should_stop=should_stop, **job)
+        return run_file_job(ctx, src, dst, dit, vae, progress=progress, should_stop=should_stop,
+                            stats=stats, **job)
     devices = parse_devices(opts.devices)
     if len(devices) > 1:
         _check_named_models(dit, vae)
         check_sequence_parallel(opts, len(devices), dit, model_dir)
         ranks_auto(devices)
-        return spawn_file_job(devices, src, dst, dit, vae, **job)
+        return spawn_file_job(devices, src, dst, dit, vae, stats=stats, **job)
     _check_one_process(opts)
     opts = opts.replace(device=devices[0]) if opts.device == "auto" and opts.devices != "auto" else opts
     with open_media(src) as reader:
@@ -148,8 +149,8 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
             plan = make_plan(frame_count, opts)
             upscaler = _upscaler(models, opts, progress, should_stop)
             upscaler.stats = job_stats
-            state = _resume_state(reader, dst, opts, plan, size, bit_depth, codec, dit, vae,
-                                  model_dir)
+            state = open_resume_state(reader, dst, opts, plan, size, bit_depth, codec, dit, vae,
+                                      model_dir)
         except BaseException:
             writer.abort()
             raise
@@ -161,57 +162,13 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
                     output.write_many(to_integer_frames(frames, bit_depth))
         else:
             writer.abort()  # the kept segments become the output instead
-            path = run_resumable(upscaler, reader, dst, plan, state, info=reader.info,
-                                 size=size, bit_depth=bit_depth, codec=codec,
-                                 overwrite=overwrite, stats=job_stats, fps=opts.fps)
+            def compute(batches):
+                first = plan.source_start(plan.batches[batches[0]].start)
+                return upscaler.batch_outputs(reader.frames(start=first), plan, batches)
+            install_kill_hook(upscaler)
+            path = run_resumable(compute, dst, plan, state, info=reader.info, size=size,
+                                 bit_depth=bit_depth, codec=codec, overwrite=overwrite,
+                                 progress=upscaler.progress, stats=job_stats, fps=opts.fps)
         if stats is not None:
             stats.__dict__.update(upscaler.stats.__dict__)
     return Path(writer.path) if state is None else path
-
-
-def _resume_state(reader, dst, opts: Options, plan, size, bit_depth: int, codec: str, dit, vae,
-                  model_dir):
-    """The resume journal of this job (``seedvr2.pipeline.resume``), or None when the job is
-    written directly: a plan of one segment, or a single image."""
-    from .loading.registry import DEFAULT_DIT, DEFAULT_VAE, resolve_model_file
-    from .pipeline.identity import model_digest, source_digest
-    from .pipeline.resume import ResumeState, job_identity, plan_segments, segment_frames
-    from .pipeline.setup import VIDEO_SUFFIXES
-
-    segments = plan_segments(plan, segment_frames())
-    video = Path(str(dst)).suffix.lower() in VIDEO_SUFFIXES
-    info = reader.info
-    # Segments are joined at constant-rate times: a variable-rate source (its frame times)
-    # or one without a rate (images into a video) is written directly, without resume.
-    constant_rate = info.fps is not None and getattr(info, "frame_times", None) is None
-    if len(segments) < 2 or video and not constant_rate:
-        if not opts.resume:
-            from .pipeline.resume import state_folder
-            import shutil
-            shutil.rmtree(state_folder(dst), ignore_errors=True)
-        return None
-    models = {}
-    for kind, spec, default in (("dit", dit, DEFAULT_DIT), ("vae", vae, DEFAULT_VAE)):
-        if isinstance(spec, torch.nn.Module):  # loaded by the caller (the CLI, once per run)
-            source_file = getattr(spec, "weights_file", None)
-            models[kind] = model_digest(source_file) + f"|{next(spec.parameters()).dtype}" \
-                if source_file else _module_digest(spec)
-        else:
-            models[kind] = model_digest(resolve_model_file(spec or default, model_dir, kind))
-    text = Path(str(opts.text_embeddings))
-    models["text"] = model_digest(text) if text.is_file() else str(opts.text_embeddings)
-    identity = job_identity(opts, plan, output=dst, codec=codec, size=size, bit_depth=bit_depth,
-                            source=source_digest(reader), models=models, video=video)
-    return ResumeState(dst, identity, segments, fresh=not opts.resume)
-
-
-def _module_digest(module: torch.nn.Module) -> str:
-    """A loaded model's weights by content (the CLI passes its once-loaded models)."""
-    import hashlib
-
-    whole = hashlib.sha256()
-    for name, tensor in sorted(module.state_dict().items()):
-        whole.update(name.encode())
-        whole.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
-                     if tensor.numel() else b"")
-    return whole.hexdigest()

@@ -245,11 +245,23 @@ def _summary(path: Path, stats, seconds: float) -> str:
     fps = stats.frames / seconds if seconds else 0.0
     batch = f"batch_size {stats.batch_size}{' (auto)' if stats.batch_size_auto else ''}; " \
         if stats.batch_size else ""
-    if stats.batches_total:
-        batch += f"{stats.batches_reused} of {stats.batches_total} batches reused from a " \
-                 f"previous run; "
+    batch += _reuse(stats)
     return (f"{path}: {stats.frames} frames in {seconds:.1f}s ({fps:.2f} frames/s); {batch}"
             f"{stats.describe_phases()}; peak RSS {rss:,.0f} MiB{device}{estimate}")
+
+
+def _reuse(stats) -> str:
+    return f"{stats.batches_reused} of {stats.batches_total} batches reused from a previous " \
+           f"run; " if stats.batches_total else ""
+
+
+def _ranks_summary(path: Path, stats, seconds: float) -> str:
+    """Several processes: frames and time (the writer's), batches reused, ranks lost."""
+    lost = ", ".join(f"rank {r} ({'killed by signal ' + str(-c) if c < 0 else f'exit code {c}'})"
+                     for r, c in sorted(stats.ranks_lost.items()))
+    lost = f"; without {lost} from then on: the others computed its batches" if lost else ""
+    frames = f"{stats.frames} frames in " if stats.frames else "done in "
+    return f"{path}: {frames}{seconds:.1f}s; {_reuse(stats)}".rstrip("; ") + lost
 
 
 def _upscale(args) -> int:
@@ -351,7 +363,7 @@ def _upscale_jobs(args, opts, given: dict, jobs: list) -> int:
             if not args.quiet and out is not None and not several:
                 print(_summary(out, stats, time.perf_counter() - start))
             elif not args.quiet and out is not None:
-                print(f"{out}: done in {time.perf_counter() - start:.1f}s")
+                print(_ranks_summary(out, stats, time.perf_counter() - start))
     except (CheckpointError, ValueError) as e:
         bars.close()
         print(f"error: {e}", file=sys.stderr)

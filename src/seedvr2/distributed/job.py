@@ -55,12 +55,16 @@ def fault_point(ctx: DistContext, batches_done: int):
     rank: ``after_batches=N`` dies without any cleanup (as a crash or ``kill -9`` would) and
     ``freeze_after_batches=N`` stops itself (as a hung driver would, SIGSTOP) once this rank
     has delivered N batches (rank 0: once it has written N), or at the end of its work if it
-    delivers fewer."""
+    delivers fewer. With ``SEEDVR2_FAULT_MARK`` the fault fires once: the mark file records
+    its wall time, and a fault whose mark exists is spent."""
     spec = _fault_spec(ctx)
     if spec is None or batches_done < spec[1]:
         return
-    if os.environ.get(FAULT_MARK_ENV):
-        Path(os.environ[FAULT_MARK_ENV]).write_text(repr(time.time()))
+    mark = os.environ.get(FAULT_MARK_ENV)
+    if mark:
+        if Path(mark).exists():
+            return  # fired in an earlier attempt (torchrun restarted the workers): once only
+        Path(mark).write_text(repr(time.time()))
     if spec[0] == "after_batches":
         os._exit(17)
     if spec[0] == "freeze_after_batches":
@@ -144,15 +148,17 @@ def _rank_options(ctx: DistContext, options: dict):
     return opts.replace(device=str(ctx.device), dit_device="auto", vae_device="auto")
 
 
-def _run_share(ctx: DistContext, plan, read_from, sink, channels: int, size: tuple[int, int],
-               bit_depth, dit, vae, opts, model_dir, progress, should_stop):
-    """Upscale this rank's batches; the writer rank also gathers everyone's and feeds ``sink``.
+def _run_share(ctx: DistContext, plan, read_from, consume, channels: int, size: tuple[int, int],
+               bit_depth, dit, vae, opts, model_dir, progress, should_stop, first_chunk: int = 0):
+    """Upscale this rank's batches of chunks ``first_chunk``…; the writer rank also gathers
+    everyone's.
 
-    ``read_from(first)`` gives the source frames from index ``first`` on; ``sink(first, final)``
-    takes each run of finished frames in order (writer rank only, ``None`` elsewhere).
-    With ``sequence_parallel`` = k, consecutive groups of k ranks share each batch's DiT call;
-    batches are dealt to the groups and each group's first rank delivers the results.
-    ``bit_depth`` (8, 16, or None for float32 output) sets the frames' wire format.
+    ``read_from(first)`` gives the source frames from index ``first`` on. On the writer rank
+    ``consume(outputs_from)`` finishes the job: ``outputs_from(batches)`` yields every
+    rank's ``(batch, frames)`` of those (the remaining) batches in plan order; ``consume`` is
+    None elsewhere. With ``sequence_parallel`` = k, consecutive groups of k ranks share each
+    batch's DiT call; chunks are dealt to the groups and each group's first rank delivers the
+    results. ``bit_depth`` (8, 16, or None for float32 output) sets the frames' wire format.
     """
     from ..pipeline.setup import load_models, prepare_job
 
@@ -163,15 +169,16 @@ def _run_share(ctx: DistContext, plan, read_from, sink, channels: int, size: tup
     timeout = datetime.timedelta(seconds=opts.dist_timeout)
     group = sequence_group(k, timeout) if k > 1 else None
     frames_group = wire.frame_group(timeout)  # every rank, in the same order
+    _mark_started(ctx)
     if k == 1:
-        _run_taken(ctx, plan, read_from, sink, channels, size, bit_depth, dit, vae, opts,
-                   model_dir, progress, should_stop, frames_group)
+        _run_taken(ctx, plan, read_from, consume, channels, size, bit_depth, dit, vae, opts,
+                   model_dir, progress, should_stop, frames_group, first_chunk)
         return
-    shares = assign_batches(plan, ctx.world_size // k)
+    shares = assign_batches(plan, ctx.world_size // k, first_chunk)
     mine = shares[ctx.rank // k]
-    if ctx.is_writer and len(plan.batches) < len(shares):
-        log.warning("%d rank groups for %d batches: %d group(s) stay idle", len(shares),
-                    len(plan.batches), len(shares) - len(plan.batches))
+    if ctx.is_writer and len(plan.chunks) - first_chunk < len(shares):
+        log.warning("%d rank groups for %d chunks: %d group(s) stay idle", len(shares),
+                    len(plan.chunks) - first_chunk, len(shares) - len(plan.chunks) + first_chunk)
     with contextlib.ExitStack() as stack:
         outputs = iter(())
         if mine:
@@ -179,13 +186,13 @@ def _run_share(ctx: DistContext, plan, read_from, sink, channels: int, size: tup
             # This rank's own device against the budget, before any frame (batch_size is
             # already the one every rank uses).
             prepare_job(models, opts, plan.source_frames, size)
-            if k > 1:
-                stack.enter_context(sequence_parallel(models.dit, group))
+            stack.enter_context(sequence_parallel(models.dit, group))
             upscaler = Upscaler(models, opts, progress, should_stop)
             outputs = upscaler.batch_outputs(
                 read_from(plan.source_start(plan.batches[mine[0]].start)), plan, mine)
-        if sink is not None:
-            _gather(ctx, plan, shares, k, outputs, sink, channels, size, progress, frames_group)
+        if consume is not None:
+            consume(lambda batches: _gather(ctx, plan, shares, k, outputs, channels, size,
+                                            frames_group, batches))
         elif ctx.rank % k == 0:
             _send_all(ctx, plan, outputs, bit_depth, frames_group)
         else:
@@ -193,29 +200,36 @@ def _run_share(ctx: DistContext, plan, read_from, sink, channels: int, size: tup
                 pass
 
 
-def _run_taken(ctx: DistContext, plan, read_from, sink, channels: int, size, bit_depth, dit,
-               vae, opts, model_dir, progress, should_stop, frames_group):
+def _run_taken(ctx: DistContext, plan, read_from, consume, channels: int, size, bit_depth, dit,
+               vae, opts, model_dir, progress, should_stop, frames_group, first_chunk: int):
     """Every rank takes the plan's next chunk when it is ready (``taking.py``); the writer
-    receives and writes them in plan order."""
+    receives them and hands them to ``consume`` in plan order."""
+    from ..pipeline.resume import install_kill_hook
     from ..pipeline.setup import load_models, prepare_job
     from .taking import (ChunkCounter, Heartbeat, Liveness, Watchdog, chunk_outputs,
-                         gather_taken, mark_sent)
+                         mark_sent, taken_in_order)
 
-    counter = ChunkCounter(len(plan.chunks))
+    counter = ChunkCounter(len(plan.chunks), first_chunk)
     with Heartbeat(counter, ctx.rank):
-        models = load_models(dit, vae, opts=opts, model_dir=model_dir)
-        # This rank's own device against the budget, before any frame (batch_size is already
-        # the one every rank uses).
-        prepare_job(models, opts, plan.source_frames, size)
-        upscaler = Upscaler(models, opts, progress, should_stop)
+        upscaler = None
+        if not counter.all_taken():  # a resumed job with every batch kept computes nothing
+            models = load_models(dit, vae, opts=opts, model_dir=model_dir)
+            # This rank's own device against the budget, before any frame (batch_size is
+            # already the one every rank uses).
+            prepare_job(models, opts, plan.source_frames, size)
+            upscaler = Upscaler(models, opts, progress, should_stop)
+            if ctx.is_writer:
+                install_kill_hook(upscaler)
 
-        def compute(chunk: int):
-            batches = list(plan.chunks[chunk])
+        def compute(batches: list[int]):
             first = plan.source_start(plan.batches[batches[0]].start)
             return upscaler.batch_outputs(read_from(first), plan, batches)
-        if sink is not None:
-            gather_taken(ctx, counter, plan, compute, sink, channels, size, progress,
-                         frames_group, fault_point, opts.dist_timeout)
+        if consume is not None:
+            def in_order(batches: list[int]):
+                assert batches == [b for c in plan.chunks[first_chunk:] for b in c], batches
+                return taken_in_order(ctx, counter, plan, compute, channels, size,
+                                      frames_group, fault_point, opts.dist_timeout)
+            consume(in_order)
         else:
             liveness = Liveness(counter, opts.dist_timeout)
             _send_all(ctx, plan, chunk_outputs(ctx, counter, plan, compute), bit_depth,
@@ -224,12 +238,55 @@ def _run_taken(ctx: DistContext, plan, read_from, sink, channels: int, size, bit
             fault_point(ctx, sys.maxsize)  # a fault not reached by then: at the end of its work
 
 
+def _blend_into(plan, sink, progress):
+    """A writer's ``consume`` without resume: blend every batch and hand the finished frames
+    to ``sink(first, frames)``."""
+    def consume(outputs_from):
+        blender = OverlapBlender(plan)
+        for batch, out in outputs_from(list(range(len(plan.batches)))):
+            for first, final in blender.add(batch, out):
+                sink(first, final)
+                if progress:
+                    progress("frames", blender.emitted, plan.source_frames)
+    return consume
+
+
+def _first_chunk(ctx: DistContext, plan, state) -> int:
+    """The writer's resume journal decides where every rank starts: the first chunk with a
+    batch still to compute (the journal lives on the writer's disk only)."""
+    first = [0]
+    if state is not None:
+        remaining = state.remaining_batches
+        first[0] = next((i for i, c in enumerate(plan.chunks) if c[0] == remaining[0]),
+                        0) if remaining else len(plan.chunks)
+    if ctx.world_size > 1:
+        dist.broadcast_object_list(first, src=0)
+    return first[0]
+
+
+STARTED_ENV = "SEEDVR2_STARTED_DIR"  # set by the spawn launcher: see _mark_started
+
+
+def _mark_started(ctx: DistContext):
+    """Tell the spawn launcher that this rank is past the job's last collective: from here on
+    the job can finish without it, so its death is not fatal (``launch.py``)."""
+    folder = os.environ.get(STARTED_ENV)
+    if folder:
+        Path(folder, f"rank{ctx.rank}").touch()
+
+
 def run_file_job(ctx: DistContext, src, dst, dit=None, vae=None, *, model_dir=None,
                  overwrite: bool = False, codec: str = "h264", progress=None, should_stop=None,
-                 **options) -> Path | None:
-    """This rank's share of ``upscale_file``; returns the output path on rank 0."""
+                 stats=None, **options) -> Path | None:
+    """This rank's share of ``upscale_file``; returns the output path on rank 0.
+
+    The writer keeps the job's resume journal (``pipeline/resume.py``) exactly as one process
+    would: a killed job (a lost writer, a failed launch, torchrun restarting its workers) run
+    again continues from the writer's last complete segment, with any number of ranks.
+    ``stats`` (a ``JobStats``, writer rank) is told the frames and the batches reused."""
     from ..io import open_media
     from ..pipeline.identity import source_digest
+    from ..pipeline.resume import open_resume_state, run_resumable
     from ..pipeline.setup import open_output, plan_file
 
     _terminate_cleanly()
@@ -240,17 +297,53 @@ def run_file_job(ctx: DistContext, src, dst, dit=None, vae=None, *, model_dir=No
         plan, size, bit_depth = plan_file(reader, dst, opts, codec)
         check_agreement(ctx, job_digest(opts, plan.source_frames, info.width, info.height,
                                         (dit, vae), model_dir, source_digest(reader)))
-        writer = open_output(info, dst, size, bit_depth, codec, overwrite, opts.fps) \
-            if ctx.is_writer else None
+        writer = state = None
+        if ctx.is_writer:
+            # Opened first: an existing or unwritable output fails before any work.
+            writer = open_output(info, dst, size, bit_depth, codec, overwrite, opts.fps)
+            try:
+                # The journal names the options as given, not this rank's device.
+                state = open_resume_state(reader, dst, resolve_options(**options), plan, size,
+                                          bit_depth, codec, dit, vae, model_dir)
+            except BaseException:
+                writer.abort()
+                raise
+            if state is not None:
+                writer.abort()  # the kept segments become the output instead
+        first_chunk = _first_chunk(ctx, plan, state)
+
+        def read_from(first: int):
+            return reader.frames(start=first)
+        if not ctx.is_writer:
+            _run_share(ctx, plan, read_from, None, info.channels, size, bit_depth, dit, vae,
+                       opts, model_dir, progress, should_stop, first_chunk)
+            return None
+        if state is not None:
+            result = {}
+
+            def consume(outputs_from):
+                result["path"] = None  # from here on run_resumable keeps what is complete
+                result["path"] = run_resumable(
+                    outputs_from, dst, plan, state, info=info, size=size, bit_depth=bit_depth,
+                    codec=codec, overwrite=overwrite, progress=progress, stats=stats,
+                    fps=opts.fps)
+            try:
+                _run_share(ctx, plan, read_from, consume, info.channels, size, bit_depth, dit,
+                           vae, opts, model_dir, progress, should_stop, first_chunk)
+            except BaseException:
+                if "path" not in result:  # failed before writing began (loading the models)
+                    state.keep_or_discard(len(plan.batches))
+                raise
+            return result["path"]
         # The writer aborts (removing its partial file) on any exception, SIGTERM included;
         # it encodes on a thread while this rank computes and receives.
-        output = BackgroundWriter(writer) if writer is not None else None
-        with output if output is not None else contextlib.nullcontext():
-            sink = None if output is None else \
-                (lambda first, final: output.write_many(to_integer_frames(final, bit_depth)))
-            _run_share(ctx, plan, lambda first: reader.frames(start=first), sink, info.channels,
+        with BackgroundWriter(writer) as output:
+            sink = lambda first, final: output.write_many(to_integer_frames(final, bit_depth))
+            _run_share(ctx, plan, read_from, _blend_into(plan, sink, progress), info.channels,
                        size, bit_depth, dit, vae, opts, model_dir, progress, should_stop)
-        return Path(writer.path) if writer is not None else None
+        if stats is not None:
+            stats.frames = plan.source_frames
+        return Path(writer.path)
 
 
 def run_tensor_job(ctx: DistContext, frames: torch.Tensor, out: torch.Tensor, dit=None, vae=None,
@@ -267,7 +360,8 @@ def run_tensor_job(ctx: DistContext, frames: torch.Tensor, out: torch.Tensor, di
 
     def fill(first: int, final: torch.Tensor):
         out[first: first + len(final)] = final
-    _run_share(ctx, plan, lambda first: iter(frames[first:]), fill if ctx.is_writer else None,
+    _run_share(ctx, plan, lambda first: iter(frames[first:]),
+               _blend_into(plan, fill, progress) if ctx.is_writer else None,
                out.shape[-1], tuple(out.shape[1:3]), None, dit, vae, opts, model_dir, progress,
                should_stop)
 
@@ -297,11 +391,13 @@ def _send_all(ctx: DistContext, plan, outputs, bit_depth, group, posted=None, gu
         complete()
 
 
-def _gather(ctx, plan, shares, group_size, local_outputs, sink, channels, size, progress, group):
+def _gather(ctx, plan, shares, group_size, local_outputs, channels, size, group, batches):
+    """The writer's side with sequence parallelism: ``(batch, frames)`` of ``batches`` in plan
+    order, its own group's computed here, the others' received from each group's first rank."""
     owner = {b: group * group_size for b, group in owner_of(shares).items()}  # delivering rank
-    blender = OverlapBlender(plan)
     local = iter(local_outputs)
-    for written, b in enumerate(plan.batches):
+    for written, index in enumerate(batches):
+        b = plan.batches[index]
         fault_point(ctx, written)
         if owner[b.index] == ctx.rank:
             batch, out = next(local)
@@ -314,7 +410,4 @@ def _gather(ctx, plan, shares, group_size, local_outputs, sink, channels, size, 
                                    f"(frames {b.start}-{b.stop - 1}): it failed or timed out "
                                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
                                    ) from e
-        for first, final in blender.add(b, out):
-            sink(first, final)
-            if progress:
-                progress("frames", blender.emitted, plan.source_frames)
+        yield b, out

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import logging
+import multiprocessing.connection
 import os
 import socket
 import sys
+import tempfile
 import time
 import types
 from pathlib import Path
@@ -59,16 +62,25 @@ def _join_group(rank: int, devices: list[str], port: int, threads: int, timeout_
                          local_rank=rank)
 
 
+WRITER_STATS = "writer.json"  # in the launch folder: the writer's JobStats for the summary
+
+
 def _file_worker(rank: int, devices: list[str], port: int, threads: int, log_level: int,
                  args: tuple, kwargs: dict):
-    from .job import run_file_job
+    from ..pipeline.runner import JobStats
+    from .job import STARTED_ENV, run_file_job
 
     _log_like_parent(rank, log_level)
     ctx = _join_group(rank, devices, port, threads, kwargs.get("dist_timeout", 60.0))
+    stats = JobStats()
     try:
-        run_file_job(ctx, *args, **kwargs)
+        run_file_job(ctx, *args, stats=stats, **kwargs)
     finally:
         destroy()
+    if ctx.is_writer:
+        Path(os.environ[STARTED_ENV], WRITER_STATS).write_text(json.dumps(
+            {"frames": stats.frames, "batches_reused": stats.batches_reused,
+             "batches_total": stats.batches_total}))
 
 
 def _tensor_worker(rank: int, devices: list[str], port: int, threads: int, frames, out, models,
@@ -91,17 +103,21 @@ def _threads_per_rank(device_list: list[str]) -> int:
     return max(1, (os.cpu_count() or 1) // len(device_list))
 
 
-def _failure(e: Exception) -> RuntimeError:
+def _failure(workers, rank: int) -> RuntimeError:
     """The launcher's error: which rank failed and, for a raised exception, its last line
-    (the worker's full traceback stays in the exception text and on stderr)."""
-    import torch.multiprocessing as mp
+    (the worker's full traceback is on stderr)."""
+    import pickle
 
-    if isinstance(e, mp.ProcessExitedException):
-        return RuntimeError(f"distributed upscale failed: rank {e.error_index} exited with code "
-                            f"{e.exit_code}")
-    lines = [line for line in str(e).strip().splitlines() if line.strip()]
-    return RuntimeError(f"distributed upscale failed on rank {e.error_index}: "
-                        f"{lines[-1].strip() if lines else e}")
+    process = workers.processes[rank]
+    try:
+        with open(workers.error_files[rank], "rb") as f:
+            trace = pickle.load(f)
+    except (OSError, EOFError, pickle.UnpicklingError):
+        return RuntimeError(f"distributed upscale failed: rank {rank} exited with code "
+                            f"{process.exitcode}")
+    lines = [line for line in str(trace).strip().splitlines() if line.strip()]
+    return RuntimeError(f"distributed upscale failed on rank {rank}: "
+                        f"{lines[-1].strip() if lines else trace}")
 
 
 LIBRARY_MODULE = "seedvr2.distributed.launch"  # this module under the library's own name
@@ -150,48 +166,92 @@ def _spawnable():
             sys.path.remove(library_root)
 
 
-def _start(worker, args: tuple, nprocs: int):
+def _start(worker, args: tuple, nprocs: int, started: str):
+    """Spawn the workers; each marks itself in the folder ``started`` once the job can go on
+    without it (``job._mark_started``)."""
     import torch.multiprocessing as mp
 
-    with _spawnable():
-        return mp.start_processes(_WorkerFunction(worker.__name__), args=args, nprocs=nprocs,
-                                  join=False, start_method="spawn")
+    from .job import STARTED_ENV
 
-
-def spawn_file_job(device_list: list[str], src, dst, *args, **kwargs) -> Path:
-    """Run ``upscale_file`` over several local devices; raises naming the failed rank."""
-    import torch.multiprocessing as mp
-
-    workers = _start(_file_worker, (device_list, _free_port(), _threads_per_rank(device_list),
-                                    log.getEffectiveLevel(), (src, dst, *args), kwargs),
-                     len(device_list))
+    previous = os.environ.get(STARTED_ENV)
+    os.environ[STARTED_ENV] = started  # the children's environment is ours at spawn
     try:
-        _join(workers, float(kwargs.get("dist_timeout", 60.0)))
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        raise _failure(e) from None
+        with _spawnable():
+            return mp.start_processes(_WorkerFunction(worker.__name__), args=args,
+                                      nprocs=nprocs, join=False, start_method="spawn")
     finally:
-        _stop(workers)
-        # Only now that no worker lives: a rank killed outright left its temporaries behind.
-        remove_stale_temporaries(dst)
+        if previous is None:
+            os.environ.pop(STARTED_ENV, None)
+        else:
+            os.environ[STARTED_ENV] = previous
+
+
+def spawn_file_job(device_list: list[str], src, dst, *args, stats=None, **kwargs) -> Path:
+    """Run ``upscale_file`` over several local devices; raises naming the failed rank.
+    ``stats`` (a ``JobStats``) is told the writer's frame and batch counts and the ranks the
+    job went on without."""
+    with tempfile.TemporaryDirectory(prefix="seedvr2-ranks-") as started:
+        workers = _start(_file_worker, (device_list, _free_port(), _threads_per_rank(device_list),
+                                        log.getEffectiveLevel(), (src, dst, *args), kwargs),
+                         len(device_list), started)
+        try:
+            lost = _join(workers, float(kwargs.get("dist_timeout", 60.0)), Path(started))
+        finally:
+            _stop(workers)
+            # Only now that no worker lives: a rank killed outright left its temporaries behind.
+            remove_stale_temporaries(dst)
+        if stats is not None:
+            written = Path(started, WRITER_STATS)
+            if written.is_file():
+                stats.__dict__.update(json.loads(written.read_text()))
+            stats.ranks_lost = lost
     return Path(dst)
 
 
-def _join(workers, timeout_s: float, tick=None):
-    """Wait for every worker; raises as soon as one fails (the others then get
-    :data:`STOP_GRACE_S` before SIGTERM, as long again before SIGKILL). Once rank 0 (the
-    writer) has finished, the output is complete: a rank that has not exited within
-    ``timeout_s`` after that (frozen after its last batch) is left to :func:`_stop`."""
+def _join(workers, timeout_s: float, started: Path, tick=None):
+    """Wait for the job: it fails when the writer (rank 0) fails, or when any rank fails
+    before it has started the job (``job._mark_started``: the last collective is behind it).
+    A rank that dies later is reported and the job goes on: the writer computes its
+    unfinished batches (``taking.py``). Raises naming the failed rank once the others are
+    stopped (:data:`STOP_GRACE_S` to end by themselves, then SIGTERM, then SIGKILL). Once the
+    writer has finished, the output is complete: a rank still running ``timeout_s`` after
+    that (frozen after its last batch) is stopped."""
+    processes = workers.processes
+    lost: dict[int, int] = {}  # rank -> exit code
     writer_done = None
-    while not workers.join(timeout=0.2, grace_period=STOP_GRACE_S):
+    while True:
         if tick is not None:
             tick()
-        if writer_done is None and workers.processes[0].exitcode == 0:
+        for rank, process in enumerate(processes):
+            code = process.exitcode  # polls (and reaps) without blocking
+            if code in (None, 0) or rank in lost:
+                continue
+            if rank == 0 or not (started / f"rank{rank}").exists():
+                _stop_after_grace(processes)
+                raise _failure(workers, rank)
+            lost[rank] = code
+            log.warning("rank %d exited with code %d during the job; the others finish its "
+                        "work", rank, code)
+        if all(p.exitcode is not None for p in processes):
+            break
+        if writer_done is None and processes[0].exitcode == 0:
             writer_done = time.monotonic()
         if writer_done is not None and time.monotonic() - writer_done > timeout_s:
-            stuck = [r for r, p in enumerate(workers.processes) if p.is_alive()]
+            stuck = [r for r, p in enumerate(processes) if p.is_alive()]
             log.warning("rank(s) %s did not exit within dist_timeout (%gs) of the finished "
                         "output; stopped", stuck, timeout_s)
-            return
+            break
+        multiprocessing.connection.wait([p.sentinel for p in processes if p.is_alive()], 0.2)
+    if lost:
+        log.warning("the job finished without rank(s) %s: every frame was computed by the "
+                    "others and is written", ", ".join(map(str, sorted(lost))))
+    return lost
+
+
+def _stop_after_grace(processes):
+    deadline = time.monotonic() + STOP_GRACE_S
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
 
 
 # When one rank fails the others get this long to clean up after themselves, then SIGTERM
@@ -242,20 +302,22 @@ def spawn_tensor_job(device_list: list[str], frames: torch.Tensor, out_shape: tu
                 return
             if progress is not None:
                 progress(*event)
-    workers = _start(_tensor_worker, (device_list, _free_port(), _threads_per_rank(device_list),
-                                      frames, out, (dit, vae), events, stop, kwargs),
-                     len(device_list))
     def tick():
         relay()
         if should_stop is not None and not stop.is_set() and should_stop():
             stop.set()
-    try:
-        _join(workers, float(kwargs.get("dist_timeout", 60.0)), tick)
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        if stop.is_set():
-            raise Interrupted("upscaling interrupted") from None
-        raise _failure(e) from None
-    finally:
-        _stop(workers)
+    with tempfile.TemporaryDirectory(prefix="seedvr2-ranks-") as started:
+        workers = _start(_tensor_worker, (device_list, _free_port(),
+                                          _threads_per_rank(device_list), frames, out,
+                                          (dit, vae), events, stop, kwargs),
+                         len(device_list), started)
+        try:
+            _join(workers, float(kwargs.get("dist_timeout", 60.0)), Path(started), tick)
+        except RuntimeError:
+            if stop.is_set():
+                raise Interrupted("upscaling interrupted") from None
+            raise
+        finally:
+            _stop(workers)
     relay()
     return out

@@ -9,6 +9,17 @@ for a chunk that another rank is computing, it takes and computes up to
 :data:`LOOKAHEAD_CHUNKS` further chunks itself and keeps their frames until their turn; other
 ranks hold one finished batch in flight, as before. Results are the same frames whichever
 rank computes a batch (per-batch seeds), so taking changes speed only.
+
+**Lost ranks.** Every rank beats a heartbeat in the store and publishes where it runs. The
+writer counts a rank as lost when its process is gone (same machine: its pid has exited)
+or its heartbeat has not moved for ``dist_timeout`` (frozen: SIGSTOP, a hung driver), and
+when a receive from it fails (gloo reports the closed connection at once). A frozen rank on
+this machine is killed first, which is also what ends a receive blocked on it; one on another
+machine cannot be, and a receive blocked on it ends the writer (torchrun's restarts and
+resume take over). The writer then computes the lost rank's undelivered batches itself —
+they are the ones it needs next — while the other ranks go on taking chunks. A rank holds at
+most two chunks with undelivered batches (the one it computes and the one whose last send is
+in flight), so nothing else is lost with it.
 """
 
 from __future__ import annotations
@@ -16,6 +27,8 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import signal
+import socket
 import sys
 import threading
 import time
@@ -23,7 +36,6 @@ from collections import Counter
 
 import torch.distributed as dist
 
-from ..pipeline.runner import OverlapBlender
 from . import frames as wire
 
 log = logging.getLogger("seedvr2")
@@ -35,30 +47,48 @@ _jobs = itertools.count()  # every rank runs the same jobs in the same order (fo
 
 
 class ChunkCounter:
-    """The store keys of one job: the next chunk to take, and who took each."""
+    """The store keys of one job: the next chunk to take, and who took each. Chunks before
+    ``first`` (complete in a resumed job) are never handed out."""
 
-    def __init__(self, chunks: int):
+    def __init__(self, chunks: int, first: int = 0):
         self.store = dist.distributed_c10d._get_default_store()
         self.prefix = f"seedvr2/job{next(_jobs)}/"
-        self.chunks = chunks
-        self.taken: Counter = Counter()  # writer only: chunks per rank, for the summary
+        self.chunks, self.first = chunks, first
 
     def take(self, rank: int) -> int | None:
         """The next chunk nobody has taken, now this rank's; None when all are taken."""
-        chunk = self.store.add(self.prefix + "next", 1) - 1
+        chunk = self.first + self.store.add(self.prefix + "next", 1) - 1
         if chunk >= self.chunks:
             return None
         self.store.set(self.prefix + f"owner/{chunk}", str(rank))
         return chunk
 
-    def owner(self, chunk: int, wait: bool = True) -> int | None:
-        """Who took ``chunk``; without ``wait``, None while nobody has."""
+    def all_taken(self) -> bool:
+        return self.first + self.store.add(self.prefix + "next", 0) >= self.chunks
+
+    def owner(self, chunk: int) -> int | None:
+        """Who took ``chunk``; None while nobody has recorded it."""
         key = self.prefix + f"owner/{chunk}"
-        if not wait and not self.store.check([key]):
-            return None
-        rank = int(self.store.get(key))
-        self.taken[rank] += 1
-        return rank
+        return int(self.store.get(key)) if self.store.check([key]) else None
+
+
+def _process_here() -> str:
+    """Where this process runs, comparable between ranks: a pid means the same process only
+    in the same pid namespace of the same running kernel (containers share a host name)."""
+    try:
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        boot, namespace = "", 0
+    return f"{socket.gethostname()}|{boot}|{namespace}"
+
+
+class RankLost(Exception):
+    """``rank`` (-1: a rank not known) is lost: exited, frozen, or its receive failed."""
+
+    def __init__(self, rank: int, reason: str):
+        super().__init__(f"{'a rank' if rank < 0 else f'rank {rank}'} {reason}")
+        self.rank, self.reason = rank, reason
 
 
 def _slowness(rank: int) -> float:
@@ -71,12 +101,14 @@ def _slowness(rank: int) -> float:
 class Heartbeat:
     """While a rank works, a thread counts up its key in the store every second. A rank that
     is frozen (SIGSTOP, a hung process) stops counting; one that is merely slow (a long chunk
-    on a big GPU job) keeps counting, so waiting for its frames is not mistaken for death."""
+    on a big GPU job) keeps counting, so waiting for its frames is not mistaken for death.
+    The rank also publishes where it runs (:func:`_process_here` and its pid)."""
 
     PERIOD_S = 1.0
 
     def __init__(self, counter: ChunkCounter, rank: int):
         self.store, self.key = counter.store, counter.prefix + f"alive/{rank}"
+        self.store.set(counter.prefix + f"where/{rank}", f"{_process_here()}|{os.getpid()}")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="seedvr2-heartbeat", daemon=True)
 
@@ -96,34 +128,78 @@ class Heartbeat:
         self._stop.set()
 
 
+def _exited(pid: int) -> bool:
+    """Whether a process of this machine is gone (a zombie counts: it will never run again)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
+
+
 class Liveness:
-    """The writer's view of the others' heartbeats: a rank whose count has not moved for
-    ``timeout_s`` is frozen."""
+    """The writer's view of the other ranks: one whose process has exited (on this machine)
+    or whose heartbeat has not moved for ``timeout_s`` is lost."""
 
     def __init__(self, counter: ChunkCounter, timeout_s: float):
         self.store, self.prefix, self.timeout_s = counter.store, counter.prefix, timeout_s
         self.seen: dict[int, tuple[int, float]] = {}  # rank -> (count, when it last moved)
+        self._here = _process_here()
+
+    def local_pid(self, rank: int) -> int | None:
+        """The rank's pid when it runs on this machine (pid namespace included), else None."""
+        key = self.prefix + f"where/{rank}"
+        if not self.store.check([key]):
+            return None
+        where, _, pid = self.store.get(key).decode().rpartition("|")
+        return int(pid) if where == self._here else None
 
     def check(self, rank: int):
+        """Raises :class:`RankLost` when ``rank`` has exited or frozen."""
+        pid = self.local_pid(rank)
+        if pid is not None and _exited(pid):
+            raise RankLost(rank, "exited")
         count = self.store.add(self.prefix + f"alive/{rank}", 0)
         now = time.monotonic()
         last = self.seen.get(rank)
         if last is None or last[0] != count:
             self.seen[rank] = (count, now)
         elif now - last[1] > self.timeout_s:
-            raise TimeoutError(f"rank {rank} has shown no sign of life for dist_timeout "
-                               f"({self.timeout_s:g}s): frozen or hung")
+            raise RankLost(rank, f"has shown no sign of life for dist_timeout "
+                                 f"({self.timeout_s:g}s): frozen or hung")
+
+    def stop(self, rank: int) -> bool:
+        """Kill ``rank`` if it runs on this machine: a frozen rank must not wake up later and
+        take chunks, and its death ends any receive blocked on it. False when it cannot be."""
+        pid = self.local_pid(rank)
+        if pid is None:
+            return False
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return True
 
 
 class Watchdog:
     """Around a blocking wait for rank ``rank``'s frames: gloo's point-to-point operations
-    cannot be polled or interrupted, so a thread watches that rank's heartbeat meanwhile and,
-    when it has stopped for ``dist_timeout``, ends this process with an error naming the rank
-    (the launchers then stop the rest; a temporary left behind is removed by the launcher or by
-    the next run of the same output)."""
+    cannot be polled or interrupted, so a thread watches that rank meanwhile. When it is
+    lost: with ``stop_lost`` and the rank on this machine, the thread kills it, so the wait
+    raises and the caller carries on without it; otherwise it ends this process with an error
+    naming the rank (the launchers then stop the rest; a temporary left behind is removed by
+    the launcher or by the next run of the same output, and a resumable job keeps its
+    complete segments)."""
 
-    def __init__(self, liveness: Liveness, rank: int, what: str):
-        self.liveness, self.rank, self.what = liveness, rank, what
+    def __init__(self, liveness: Liveness, rank: int, what: str, stop_lost: bool = False):
+        self.liveness, self.rank, self.what, self.stop_lost = liveness, rank, what, stop_lost
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="seedvr2-watchdog", daemon=True)
 
@@ -131,7 +207,9 @@ class Watchdog:
         while not self._done.wait(0.5):
             try:
                 self.liveness.check(self.rank)
-            except TimeoutError as e:
+            except RankLost as e:
+                if self.stop_lost and self.liveness.stop(self.rank):
+                    return
                 sys.stderr.write(f"error: {self.what}: {e}\n")
                 sys.stderr.flush()
                 os._exit(3)
@@ -151,41 +229,62 @@ def mark_sent(counter: ChunkCounter, batch_index: int):
     counter.store.set(counter.prefix + f"sent/{batch_index}", "1")
 
 
+def _slowed(rank: int, outputs):
+    delay = _slowness(rank)
+    for batch, out in outputs:
+        if delay:
+            time.sleep(delay)
+        yield batch, out
+
+
 def chunk_outputs(ctx, counter: ChunkCounter, plan, compute):
     """A non-writer rank's batches: (batch, frames) of every chunk it takes, in order.
-    ``compute(chunk)`` yields the chunk's batch outputs."""
-    delay = _slowness(ctx.rank)
+    ``compute(batches)`` yields the outputs of those plan batch indices."""
     while (chunk := counter.take(ctx.rank)) is not None:
-        for batch, out in compute(chunk):
-            if delay:
-                time.sleep(delay)
-            yield batch, out
+        yield from _slowed(ctx.rank, compute(list(plan.chunks[chunk])))
 
 
-def gather_taken(ctx, counter: ChunkCounter, plan, compute, sink, channels: int, size,
-                 progress, group, fault_point, timeout_s: float):
-    """The writer's side: take chunks, receive the others' in plan order, blend, ``sink``."""
-    blender = OverlapBlender(plan)
+def taken_in_order(ctx, counter: ChunkCounter, plan, compute, channels: int, size, group,
+                   fault_point, timeout_s: float):
+    """The writer's side: take chunks, receive the others', and yield ``(batch, frames)`` for
+    every batch of chunks ``counter.first``… in plan order. A lost rank's undelivered
+    batches are computed here (see the module's notes); the log says what happened."""
     held: dict[int, list] = {}  # chunk -> this rank's outputs computed ahead of their turn
-    delay = _slowness(ctx.rank)
-    written = 0
-
-    def own(chunk: int):
-        for batch, out in compute(chunk):
-            if delay:
-                time.sleep(delay)
-            yield batch, out
-
-    def deliver(batch, out):
-        nonlocal written
-        fault_point(ctx, written)
-        for first, final in blender.add(batch, out):
-            sink(first, final)
-            if progress:
-                progress("frames", blender.emitted, plan.source_frames)
-        written += 1
-
     liveness = Liveness(counter, timeout_s)
+    lost: dict[int, str] = {}  # rank -> why
+    redone: Counter = Counter()  # lost rank -> its batches computed here
+    taken: Counter = Counter()  # rank -> chunks it took, for the log
+
+    def own(batches):
+        return _slowed(ctx.rank, compute(batches))
+
+    def take_ahead() -> bool:
+        if len(held) >= LOOKAHEAD_CHUNKS or (ahead := counter.take(ctx.rank)) is None:
+            return False
+        held[ahead] = list(own(list(plan.chunks[ahead])))
+        return True
+
+    def lose(e: RankLost):
+        if e.rank not in lost:
+            lost[e.rank] = e.reason
+            liveness.stop(e.rank)
+            log.warning("%s; rank %d computes its unfinished batches", e, ctx.rank)
+
+    def owner_of(index: int) -> int:
+        """Who has chunk ``index``; -1 when its taker was lost before saying so."""
+        waited = None
+        while (owner := counter.owner(index)) is None:
+            if not counter.all_taken():
+                taken = counter.take(ctx.rank)  # nobody has it yet: take the next one ourselves
+                if taken is not None and taken != index:
+                    held[taken] = list(own(list(plan.chunks[taken])))
+                continue
+            # Taken, but the taker has not recorded itself: it is about to, or it died between.
+            waited = waited or time.monotonic()
+            if time.monotonic() - waited > timeout_s:
+                return -1
+            time.sleep(0.05)
+        return owner
 
     def receive(owner: int, batch):
         """The batch's message from ``owner``; while it is not there, compute chunks ahead
@@ -194,36 +293,46 @@ def gather_taken(ctx, counter: ChunkCounter, plan, compute, sink, channels: int,
         # gloo's receives cannot be polled: the sender marks the store once it has posted.
         while not counter.store.check([sent]):
             liveness.check(owner)
-            if len(held) < LOOKAHEAD_CHUNKS and (ahead := counter.take(ctx.rank)) is not None:
-                held[ahead] = list(own(ahead))
-            else:
+            if not take_ahead():
                 time.sleep(0.05)
-        with Watchdog(liveness, owner, f"waiting for rank {owner}'s batch {batch.index}"):
-            return wire.recv_batch(owner, batch.index, (batch.frames, *size, channels), group)
-
-    for index, chunk in enumerate(plan.chunks):
-        owner = counter.owner(index, wait=False)
-        while owner is None:  # nobody has it yet: take the next chunk ourselves
-            taken = counter.take(ctx.rank)
-            if taken is None:
-                owner = counter.owner(index)
-            elif taken == index:
-                owner = counter.owner(index)
-            else:  # another rank took this one between our look and our take
-                held[taken] = list(own(taken))
-                owner = counter.owner(index, wait=False)
-        if owner == ctx.rank:
-            for batch, out in (held.pop(index) if index in held else own(index)):
-                deliver(batch, out)
-            continue
-        for b in chunk:
-            batch = plan.batches[b]
+        with Watchdog(liveness, owner, f"waiting for rank {owner}'s batch {batch.index}",
+                      stop_lost=True):
             try:
-                out = receive(owner, batch)
-            except Exception as e:
-                raise RuntimeError(
-                    f"rank {owner} did not deliver batch {b} (frames {batch.start}-"
-                    f"{batch.stop - 1}): it failed or timed out ({type(e).__name__}: "
-                    f"{str(e).splitlines()[0] if str(e) else ''})") from e
-            deliver(batch, out)
-    log.info("chunks taken: %s", ", ".join(f"rank {r}: {n}" for r, n in sorted(counter.taken.items())))
+                return wire.recv_batch(owner, batch.index, (batch.frames, *size, channels),
+                                       group)
+            except Exception as e:  # noqa: BLE001 -- a receive fails when its sender died
+                detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise RankLost(owner, f"did not deliver batch {batch.index} (frames "
+                                      f"{batch.start}-{batch.stop - 1}): {detail}") from e
+
+    written = 0
+    for index in range(counter.first, len(plan.chunks)):
+        batches = list(plan.chunks[index])
+        owner = owner_of(index)
+        taken[owner] += 1
+        if owner < 0:
+            lose(RankLost(-1, f"took chunk {index} and was lost before recording itself"))
+        outputs = iter(held.pop(index) if index in held else own(batches)) \
+            if owner == ctx.rank else None
+        for position, b in enumerate(batches):
+            batch = plan.batches[b]
+            if outputs is None:
+                try:
+                    if owner in lost:
+                        raise RankLost(owner, lost[owner])
+                    out = receive(owner, batch)
+                except RankLost as e:
+                    lose(e)
+                    redone[owner] += len(batches) - position
+                    outputs = iter(own(batches[position:]))
+            if outputs is not None:
+                done, out = next(outputs)
+                assert done.index == b, (done.index, b)
+            fault_point(ctx, written)
+            yield batch, out
+            written += 1
+    log.info("chunks taken: %s", ", ".join(f"rank {r}: {n}" for r, n in sorted(taken.items())
+                                          if r >= 0))
+    for rank, reason in lost.items():
+        log.warning("%s: rank %d computed its %d unfinished batch(es) itself; every frame is "
+                    "written", RankLost(rank, reason), ctx.rank, redone[rank])

@@ -220,6 +220,11 @@ class ResumeState:
         return sum(len(s.batches) for s in self.segments[: self.done])
 
     @property
+    def remaining_batches(self) -> list[int]:
+        """Plan batch indices still to compute, in order (whole chunks)."""
+        return [b for s in self.segments[self.done:] for b in s.batches]
+
+    @property
     def ext(self) -> str:
         return self.identity["segment_ext"]
 
@@ -265,17 +270,79 @@ class ResumeState:
                     total_batches, self.folder)
 
 
-def run_resumable(upscaler, reader, dst, plan: BatchPlan, state: ResumeState, *, info, size,
-                  bit_depth: int, codec: str, overwrite: bool, stats=None, fps="auto"):
-    """Upscale ``plan`` from ``reader`` into ``dst`` through segments kept in ``state``;
-    returns the final path."""
+def open_resume_state(reader, dst, opts, plan: BatchPlan, size, bit_depth: int, codec: str,
+                      dit, vae, model_dir) -> Optional[ResumeState]:
+    """The resume journal of this job, or None when the job is written directly: a plan of
+    one segment, a single image, or a video without a constant rate. ``opts`` are the job's
+    options as the caller gave them (one process or several: the same journal)."""
+    from ..loading.registry import DEFAULT_DIT, DEFAULT_VAE, resolve_model_file
+    from .identity import model_digest, source_digest
+    from .setup import VIDEO_SUFFIXES
+
+    segments = plan_segments(plan, segment_frames())
+    video = Path(str(dst)).suffix.lower() in VIDEO_SUFFIXES
+    info = reader.info
+    # Segments are joined at constant-rate times: a variable-rate source (its frame times)
+    # or one without a rate (images into a video) is written directly, without resume.
+    constant_rate = info.fps is not None and getattr(info, "frame_times", None) is None
+    if len(segments) < 2 or video and not constant_rate:
+        if not opts.resume:
+            shutil.rmtree(state_folder(dst), ignore_errors=True)
+        return None
+    models = {}
+    for kind, spec, default in (("dit", dit, DEFAULT_DIT), ("vae", vae, DEFAULT_VAE)):
+        if isinstance(spec, torch.nn.Module):  # loaded by the caller (the CLI, once per run)
+            source_file = getattr(spec, "weights_file", None)
+            models[kind] = model_digest(source_file) + f"|{next(spec.parameters()).dtype}" \
+                if source_file else _module_digest(spec)
+        else:
+            models[kind] = model_digest(resolve_model_file(spec or default, model_dir, kind))
+    text = Path(str(opts.text_embeddings))
+    models["text"] = model_digest(text) if text.is_file() else str(opts.text_embeddings)
+    identity = job_identity(opts, plan, output=dst, codec=codec, size=size, bit_depth=bit_depth,
+                            source=source_digest(reader), models=models, video=video)
+    return ResumeState(dst, identity, segments, fresh=not opts.resume)
+
+
+def _module_digest(module: torch.nn.Module) -> str:
+    """A loaded model's weights by content (the CLI passes its once-loaded models)."""
+    import hashlib
+
+    whole = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        whole.update(name.encode())
+        whole.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+                     if tensor.numel() else b"")
+    return whole.hexdigest()
+
+
+def install_kill_hook(upscaler):
+    """The resume tests' kill points inside the upscaler's phases (``SEEDVR2_KILL_AT``)."""
+    if not os.environ.get(KILL_ENV):
+        return
+    report = upscaler.progress
+
+    def progress(phase: str, done: int, total: int):
+        kill_point(phase, done)
+        report(phase, done, total)
+    upscaler.progress = progress
+
+
+def run_resumable(compute, dst, plan: BatchPlan, state: ResumeState, *, info, size,
+                  bit_depth: int, codec: str, overwrite: bool, progress, stats=None,
+                  fps="auto"):
+    """Upscale ``plan`` into ``dst`` through segments kept in ``state``; returns the final path.
+
+    ``compute(batches)`` yields ``(batch, frames)`` for the given plan batch indices, in
+    order: this process's upscaler, or the writer rank's gathering of every rank's batches.
+    ``progress(phase, done, total)`` is told the finished frames."""
     from ..io import open_writer
     from .runner import OverlapBlender, to_integer_frames
     from .setup import open_output
 
     segments = state.segments
     blender = OverlapBlender(plan)
-    remaining = [b for s in segments[state.done:] for b in s.batches]
+    remaining = state.remaining_batches
     if state.done:
         blender.pending = state.tail
         blender.emitted = segments[state.done - 1].first_frame + segments[state.done - 1].frames
@@ -285,22 +352,14 @@ def run_resumable(upscaler, reader, dst, plan: BatchPlan, state: ResumeState, *,
         stats.batches_reused = state.reused_batches
         stats.batches_total = len(plan.batches)
     video = state.ext != "/"
-    if os.environ.get(KILL_ENV):
-        report = upscaler.progress
-
-        def progress(phase: str, done: int, total: int):
-            kill_point(phase, done)
-            report(phase, done, total)
-        upscaler.progress = progress
     try:
         if remaining:
-            first = plan.source_start(plan.batches[remaining[0]].start)
-            outputs = upscaler.batch_outputs(reader.frames(start=first), plan, remaining)
+            outputs = iter(compute(remaining))
             for segment in segments[state.done:]:
                 _write_segment(segment, outputs, blender, state, info=info, size=size,
                                bit_depth=bit_depth, codec=codec, video=video,
                                open_writer=open_writer, to_integer=to_integer_frames,
-                               progress=upscaler.progress)
+                               progress=progress or (lambda phase, done, total: None))
         if stats is not None:
             stats.frames = plan.source_frames
         if video:

@@ -118,6 +118,7 @@ class JobStats:
     estimated_bytes: dict = field(default_factory=dict)  # device -> estimated peak (budget)
     batches_reused: int = 0  # batches a resumed job took from the kept segments
     batches_total: int = 0  # batches of the plan (set by resumable file jobs)
+    ranks_lost: dict = field(default_factory=dict)  # rank -> exit code, ranks the job went on without
 
     def add(self, phase: str, seconds: float):
         stats = self.phases.setdefault(phase, PhaseStats())
