@@ -28,13 +28,14 @@ def clip(tmp_path_factory):
     return path
 
 
-def _cli(tiny_options, src, dst, *extra, env=None):
-    cmd = [sys.executable, "-m", "seedvr2", "upscale", str(src), "-o", str(dst),
+def _cli(tiny_options, src, dst, *extra, env=None, launcher=()):
+    cmd = [sys.executable, "-m", *launcher, "seedvr2", "upscale", str(src), "-o", str(dst),
            "--dit", tiny_options["dit"], "--vae", tiny_options["vae"],
            "--model-dir", str(tiny_options["model_dir"]), "--dtype", "fp32", "--device", "cpu",
            "--text-embeddings", str(tiny_options["model_dir"] / "text_64.safetensors"),
            "--resolution", "32", "--batch-size", "5", "--temporal-overlap", "1", *extra]
-    environment = dict(os.environ, OMP_NUM_THREADS="1", **SEGMENT_ENV, **(env or {}))
+    environment = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", **SEGMENT_ENV,
+                       **(env or {}))
     return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=environment,
                           timeout=300)
 
@@ -95,6 +96,43 @@ def test_different_job_or_no_resume_starts_fresh(clip, tiny_options, tmp_path, u
     assert fresh.returncode == 0, fresh.stderr[-2000:]
     assert "resume is off: the kept segments are discarded" in fresh.stderr
     assert _reused(fresh) == 0
+    assert out.read_bytes() == uninterrupted.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["up.mp4"]
+
+
+@pytest.mark.parametrize("rerun", [["--devices", "cpu,cpu"], []], ids=["two-ranks", "one"])
+def test_killed_multi_process_job_resumes(clip, tiny_options, tmp_path, uninterrupted, rerun):
+    """The writer of a two-rank job is SIGKILLed once its journal names the second segment:
+    the job fails naming it, and the complete segments stay. The same command again — with
+    two ranks or with one process — computes only the last segment's batches and gives the
+    file of an uninterrupted run."""
+    out = tmp_path / "up.mp4"
+    killed = _cli(tiny_options, clip, out, "--devices", "cpu,cpu", "--dist-timeout", "20",
+                  env={"SEEDVR2_KILL_AT": "journal:2"})
+    assert killed.returncode != 0
+    assert "rank 0 exited with code -9" in killed.stderr, killed.stderr[-2000:]
+    assert not out.exists()
+    again = _cli(tiny_options, clip, out, *rerun)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert _reused(again) == 4
+    assert np.array_equal(_frames(out), _frames(uninterrupted))
+    assert out.read_bytes() == uninterrupted.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["up.mp4"]
+
+
+def test_torchrun_restart_resumes(clip, tiny_options, tmp_path, uninterrupted):
+    """Under torchrun with --max-restarts, the writer dies (once) in its third batch; torchrun
+    restarts both workers, which continue from the complete segment: the same file."""
+    out = tmp_path / "up.mp4"
+    result = _cli(tiny_options, clip, out, "--dist-timeout", "20",
+                  launcher=("torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            "--max-restarts", "1", "-m"),
+                  env={"SEEDVR2_FAULT": "0:after_batches=3",
+                       "SEEDVR2_FAULT_MARK": str(tmp_path.parent / f"{tmp_path.name}-fault")})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path.parent / f"{tmp_path.name}-fault").exists()  # the fault did fire
+    assert _reused(result) == 2
+    assert np.array_equal(_frames(out), _frames(uninterrupted))
     assert out.read_bytes() == uninterrupted.read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["up.mp4"]
 

@@ -150,7 +150,7 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
             upscaler = _upscaler(models, opts, progress, should_stop)
             upscaler.stats = job_stats
             state = open_resume_state(reader, dst, opts, plan, size, bit_depth, codec, dit, vae,
-                                      model_dir)
+                                      model_dir, models.dtype)
         except BaseException:
             writer.abort()
             raise

@@ -64,10 +64,28 @@ def init_from_env(device_spec: str = "auto", timeout_s: float = 60.0,
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s),
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
+                                store=_restart_store(timeout),
                                 device_id=device if backend == "nccl" else None)
     return DistContext(rank, world_size, local_rank, device)
+
+
+def _restart_store(timeout: datetime.timedelta):
+    """Under torchrun, a store of this restart attempt's own; None elsewhere (``env://``).
+
+    torchrun's agent hosts one store at ``MASTER_ADDR:MASTER_PORT`` for every attempt, and
+    ``env://`` uses it without a per-attempt prefix: after ``--max-restarts`` restarts the
+    workers, a rank can read the previous attempt's address of a peer and the group fails to
+    connect ("Connection refused"; seen with torch 2.14 and gloo). Prefixing the keys with the
+    attempt number keeps attempts apart.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"seedvr2/attempt{attempt}/", agent)
 
 
 def destroy():

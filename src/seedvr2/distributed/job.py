@@ -285,6 +285,7 @@ def run_file_job(ctx: DistContext, src, dst, dit=None, vae=None, *, model_dir=No
     again continues from the writer's last complete segment, with any number of ranks.
     ``stats`` (a ``JobStats``, writer rank) is told the frames and the batches reused."""
     from ..io import open_media
+    from ..memory.policy import resolve_dtype
     from ..pipeline.identity import source_digest
     from ..pipeline.resume import open_resume_state, run_resumable
     from ..pipeline.setup import open_output, plan_file
@@ -304,7 +305,8 @@ def run_file_job(ctx: DistContext, src, dst, dit=None, vae=None, *, model_dir=No
             try:
                 # The journal names the options as given, not this rank's device.
                 state = open_resume_state(reader, dst, resolve_options(**options), plan, size,
-                                          bit_depth, codec, dit, vae, model_dir)
+                                          bit_depth, codec, dit, vae, model_dir,
+                                          resolve_dtype(opts.dtype, ctx.device))
             except BaseException:
                 writer.abort()
                 raise

@@ -271,10 +271,12 @@ class ResumeState:
 
 
 def open_resume_state(reader, dst, opts, plan: BatchPlan, size, bit_depth: int, codec: str,
-                      dit, vae, model_dir) -> Optional[ResumeState]:
+                      dit, vae, model_dir, compute_dtype: torch.dtype) -> Optional[ResumeState]:
     """The resume journal of this job, or None when the job is written directly: a plan of
     one segment, a single image, or a video without a constant rate. ``opts`` are the job's
-    options as the caller gave them (one process or several: the same journal)."""
+    options as the caller gave them (one process or several: the same journal), models are
+    named by content whether given loaded or by file, and ``compute_dtype`` is the precision
+    ``dtype`` resolved to on this device (``auto`` differs between GPUs)."""
     from ..loading.registry import DEFAULT_DIT, DEFAULT_VAE, resolve_model_file
     from .identity import model_digest, source_digest
     from .setup import VIDEO_SUFFIXES
@@ -289,12 +291,11 @@ def open_resume_state(reader, dst, opts, plan: BatchPlan, size, bit_depth: int, 
         if not opts.resume:
             shutil.rmtree(state_folder(dst), ignore_errors=True)
         return None
-    models = {}
+    models = {"compute_dtype": str(compute_dtype)}
     for kind, spec, default in (("dit", dit, DEFAULT_DIT), ("vae", vae, DEFAULT_VAE)):
         if isinstance(spec, torch.nn.Module):  # loaded by the caller (the CLI, once per run)
             source_file = getattr(spec, "weights_file", None)
-            models[kind] = model_digest(source_file) + f"|{next(spec.parameters()).dtype}" \
-                if source_file else _module_digest(spec)
+            models[kind] = model_digest(source_file) if source_file else _module_digest(spec)
         else:
             models[kind] = model_digest(resolve_model_file(spec or default, model_dir, kind))
     text = Path(str(opts.text_embeddings))
