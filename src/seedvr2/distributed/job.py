@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -265,14 +266,28 @@ def _first_chunk(ctx: DistContext, plan, state) -> int:
 
 
 STARTED_ENV = "SEEDVR2_STARTED_DIR"  # set by the spawn launcher: see _mark_started
+LAUNCH_BEAT_S = 1.0
 
 
 def _mark_started(ctx: DistContext):
     """Tell the spawn launcher that this rank is past the job's last collective: from here on
-    the job can finish without it, so its death is not fatal (``launch.py``)."""
+    the job can finish without it, so its death is not fatal (``launch.py``). The file's
+    modification time then moves every :data:`LAUNCH_BEAT_S` while the process runs, so the
+    launcher can tell a frozen writer from a busy one."""
     folder = os.environ.get(STARTED_ENV)
-    if folder:
-        Path(folder, f"rank{ctx.rank}").touch()
+    if not folder:
+        return
+    mark = Path(folder, f"rank{ctx.rank}")
+    mark.touch()
+
+    def beat():
+        while True:
+            time.sleep(LAUNCH_BEAT_S)
+            try:
+                os.utime(mark)
+            except OSError:  # the launcher removed its folder: the job is over
+                return
+    threading.Thread(target=beat, name="seedvr2-launch-beat", daemon=True).start()
 
 
 def run_file_job(ctx: DistContext, src, dst, dit=None, vae=None, *, model_dir=None,

@@ -212,10 +212,11 @@ def _join(workers, timeout_s: float, started: Path, tick=None):
     """Wait for the job: it fails when the writer (rank 0) fails, or when any rank fails
     before it has started the job (``job._mark_started``: the last collective is behind it).
     A rank that dies later is reported and the job goes on: the writer computes its
-    unfinished batches (``taking.py``). Raises naming the failed rank once the others are
-    stopped (:data:`STOP_GRACE_S` to end by themselves, then SIGTERM, then SIGKILL). Once the
-    writer has finished, the output is complete: a rank still running ``timeout_s`` after
-    that (frozen after its last batch) is stopped."""
+    unfinished batches (``taking.py``). A writer that has shown no sign of life for
+    ``timeout_s`` (its mark's time stopped moving: frozen) fails the job too. Raises naming
+    the failed rank once the others are stopped (:data:`STOP_GRACE_S` to end by themselves,
+    then SIGTERM, then SIGKILL). Once the writer has finished, the output is complete: a rank
+    still running ``timeout_s`` after that (frozen after its last batch) is stopped."""
     processes = workers.processes
     lost: dict[int, int] = {}  # rank -> exit code
     writer_done = None
@@ -234,6 +235,12 @@ def _join(workers, timeout_s: float, started: Path, tick=None):
                         "work", rank, code)
         if all(p.exitcode is not None for p in processes):
             break
+        writer_mark = started / "rank0"
+        if processes[0].exitcode is None and writer_mark.exists() and \
+                time.time() - writer_mark.stat().st_mtime > timeout_s:
+            _stop(workers)  # SIGKILL reaches a frozen process; SIGTERM would wait
+            raise RuntimeError(f"distributed upscale failed: rank 0 (the writer) has shown no "
+                               f"sign of life for dist_timeout ({timeout_s:g}s): frozen or hung")
         if writer_done is None and processes[0].exitcode == 0:
             writer_done = time.monotonic()
         if writer_done is not None and time.monotonic() - writer_done > timeout_s:
