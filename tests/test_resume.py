@@ -137,6 +137,67 @@ def test_torchrun_restart_resumes(clip, tiny_options, tmp_path, uninterrupted):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["up.mp4"]
 
 
+def _vfr_with_subtitles(path, tmp_path):
+    """MKV: 18 frames at 30 fps then 10 fps, a second of AAC, two SubRip subtitles."""
+    import av
+    from test_media_edge import VFR_TIMES, _write_video
+
+    plain = tmp_path / "plain.mkv"
+    _write_video(plain, VFR_TIMES, audio_codec="aac", audio_seconds=1.0,
+                 container_format="matroska")
+    srt = tmp_path / "subs.srt"
+    srt.write_text("1\n00:00:00,100 --> 00:00:00,300\nHello\n\n"
+                   "2\n00:00:00,700 --> 00:00:00,900\nLater\n\n")
+    with av.open(str(plain)) as source, av.open(str(srt)) as subs, \
+            av.open(str(path), "w") as out:
+        streams = {s.index: out.add_stream_from_template(s) for s in source.streams}
+        subtitle = out.add_stream_from_template(subs.streams[0])
+        for packet in subs.demux():
+            if packet.size:
+                packet.stream = subtitle
+                out.mux(packet)
+        for packet in source.demux():
+            if packet.size:
+                packet.stream = streams[packet.stream.index]
+                out.mux(packet)
+
+
+def test_variable_rate_video_with_subtitles_resumes(tiny_options, tmp_path):
+    """A variable-rate source resumes too: each segment is written at its frames' own times
+    and shifted by its first frame's time when joined; audio and subtitles are copied in at
+    assembly. Frames, frame times and streams equal the uninterrupted run's."""
+    import av
+    from test_media_edge import _frame_times
+
+    src = tmp_path / "vfr.mkv"
+    _vfr_with_subtitles(src, tmp_path)
+    whole = _cli(tiny_options, src, tmp_path / "whole.mkv")
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    killed = _cli(tiny_options, src, tmp_path / "up.mkv", env={"SEEDVR2_KILL_AT": "journal:1"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    again = _cli(tiny_options, src, tmp_path / "up.mkv")
+    assert again.returncode == 0, again.stderr[-2000:]
+    found = re.search(r"(\d+) of (\d+) batches reused", again.stdout)
+    assert found and 0 < int(found.group(1)) < int(found.group(2)), again.stdout[-2000:]
+    resumed, uninterrupted = tmp_path / "up.mkv", tmp_path / "whole.mkv"
+    assert np.array_equal(_frames(resumed), _frames(uninterrupted))
+    # Matroska stores milliseconds: the times agree to the millisecond.
+    assert np.allclose(_frame_times(resumed), _frame_times(uninterrupted), atol=1e-3)
+    assert abs(_frame_times(resumed)[12] - 0.4) < 1e-3  # the first 10 fps frame
+    def carried(path):  # (type, time, bytes) of every audio and subtitle packet
+        with av.open(str(path)) as container:
+            assert [s.type for s in container.streams] == ["video", "audio", "subtitle"]
+            return [(p.stream.type, p.pts, bytes(p)) for p in container.demux(
+                container.streams.audio[0], container.streams.subtitles[0]) if p.size]
+    packets = carried(resumed)
+    assert packets == carried(uninterrupted)
+    assert [data.strip() for kind, _, data in packets if kind == "subtitle"] == [
+        b"Hello", b"Later"]
+    assert sum(kind == "audio" for kind, _, _ in packets) >= 45  # a second of 1024-sample AAC
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "plain.mkv", "subs.srt", "up.mkv", "vfr.mkv", "whole.mkv"]
+
+
 def test_image_sequence_output_resumes(clip, tiny_options, tmp_path):
     whole = _cli(tiny_options, clip, f"{tmp_path}/whole/")
     assert whole.returncode == 0, whole.stderr[-2000:]

@@ -32,11 +32,17 @@ def sync_file(path: Path):
 
 
 class SegmentConcat(MediaWriter):
-    """Writes ``dst`` from ``segments`` (video files of ``counts`` frames each, in order)."""
+    """Writes ``dst`` from ``segments`` (video files of ``counts`` frames each, in order).
+
+    Each segment's timestamps start at 0 and are shifted by the time of its first frame:
+    ``frame_times[first]`` for a variable-rate video (the source's frame times, seconds from
+    its first frame), else ``first / fps``. ``audio_from`` is the file whose audio streams
+    (and ``subtitle_streams``) are copied in."""
 
     def __init__(self, dst, segments: list[Path], counts: list[int], *, fps: Fraction,
                  width: int, height: int, channels: int, bit_depth: int, audio_from=None,
-                 rotation: int = 0, overwrite: bool = False):
+                 subtitle_streams=(), frame_times=None, rotation: int = 0,
+                 overwrite: bool = False):
         path = fspath(dst)
         super().__init__(path, width=width, height=height, channels=channels,
                          bit_depth=bit_depth, overwrite=overwrite)
@@ -44,6 +50,7 @@ class SegmentConcat(MediaWriter):
             raise MediaError(f"{path}: segments are joined into videos only")
         self._segments, self._counts = list(segments), list(counts)
         self._fps, self._audio_from, self._rotation = fps, audio_from, rotation
+        self._subtitles, self._frame_times = list(subtitle_streams), frame_times
         self._claim_temp_file(path)
         self.frames_written = sum(self._counts)
 
@@ -57,7 +64,7 @@ class SegmentConcat(MediaWriter):
                 video = out.add_stream_from_template(template)
             if self._rotation:
                 video.set_display_rotation(self._rotation)
-            audio = _AudioCopy(fspath(self._audio_from), out, self.path) \
+            audio = _AudioCopy(fspath(self._audio_from), out, self.path, self._subtitles) \
                 if self._audio_from is not None else None
             try:
                 frames_before = 0
@@ -80,7 +87,17 @@ class SegmentConcat(MediaWriter):
 
         with av.open(str(segment)) as source:
             stream = source.streams.video[0]
-            shift = round(Fraction(frames_before) / self._fps / stream.time_base)
+            start = Fraction(self._frame_times[frames_before]) if self._frame_times \
+                else Fraction(frames_before) / self._fps
+            shift = round(start / stream.time_base)
+            leading = []  # packets before the first one with a decode time (see _decode_times)
+
+            def mux(packet):
+                seconds = packet.pts * stream.time_base if packet.pts is not None else None
+                packet.stream = video
+                out.mux(packet)
+                if audio is not None and seconds is not None:
+                    audio.mux_until(seconds)
             for packet in source.demux(stream):
                 if packet.size == 0:  # the demuxer's end-of-stream marker
                     continue
@@ -88,9 +105,33 @@ class SegmentConcat(MediaWriter):
                     packet.pts += shift
                 if packet.dts is not None:
                     packet.dts += shift
-                seconds = packet.pts * stream.time_base if packet.pts is not None else None
-                packet.stream = video
-                out.mux(packet)
-                if audio is not None and seconds is not None:
-                    audio.mux_until(seconds)
+                elif not leading or leading[-1].dts is None:
+                    leading.append(packet)
+                    continue
+                if leading:
+                    _decode_times(leading, packet.dts)
+                    for waiting in leading:
+                        mux(waiting)
+                    leading = []
+                mux(packet)
+            if leading:
+                _decode_times(leading, None)
+                for waiting in leading:
+                    mux(waiting)
         del av
+
+
+def _decode_times(packets, known_dts):
+    """Give ``packets`` (the first of a segment, in decode order) the decode times Matroska
+    does not store: with B-frames a segment's first decode times precede its first
+    presentation time, so they are negative, and the demuxer reports none. Joined after
+    another segment, a packet without one is refused. Each gets one tick less than the next,
+    below both the first known decode time and every later presentation time of the group,
+    so decode times increase and never pass presentation times; the gap to the previous
+    segment is at least a frame, more than these few ticks."""
+    bound = known_dts
+    for j in range(len(packets) - 1, -1, -1):
+        pts = packets[j].pts
+        if pts is not None:
+            bound = pts if bound is None else min(bound, pts)
+        packets[j].dts = bound - (len(packets) - j)

@@ -135,10 +135,7 @@ def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
                              f"give one, e.g. {option_ref('fps', 24)} (or 29.97, 30000/1001)")
         audio, subtitles = audio_from, ()
         if isinstance(audio_from, MediaInfo):  # e.g. like=info, audio_from=info for any source
-            audio = audio_from.path if audio_from.has_audio else None
-            subtitles = _copyable_subtitles(audio_from, ext)
-            if subtitles and audio is None:
-                audio = audio_from.path
+            audio, subtitles = carried_streams(audio_from, ext)
         if frame_times is None and like is not None:
             frame_times = like.frame_times
         _warn_not_carried(path, like, audio is not None, {index for index, _ in subtitles})
@@ -164,6 +161,13 @@ _SUBTITLE_CODECS = {".mkv": {"subrip", "srt", "ass", "ssa", "webvtt", "dvd_subti
 # when the header is written: caught at open with a message naming a container that works.
 _AUDIO_REFUSED = {".mov": {"opus": ".mp4 or .mkv", "vorbis": ".mkv"},
                   ".mp4": {"vorbis": ".mkv"}, ".m4v": {"vorbis": ".mkv"}}
+
+
+def carried_streams(source: MediaInfo, ext: str) -> tuple[Path | None, list[tuple[int, str]]]:
+    """What a video output ``ext`` copies from ``source``: the file to copy streams from
+    (None: nothing to copy) and its subtitle streams the container holds, as (index, codec)."""
+    subtitles = _copyable_subtitles(source, ext)
+    return (source.path if source.has_audio or subtitles else None), subtitles
 
 
 def _copyable_subtitles(source: MediaInfo, ext: str) -> list[tuple[int, str]]:

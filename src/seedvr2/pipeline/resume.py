@@ -284,10 +284,8 @@ def open_resume_state(reader, dst, opts, plan: BatchPlan, size, bit_depth: int, 
     segments = plan_segments(plan, segment_frames())
     video = Path(str(dst)).suffix.lower() in VIDEO_SUFFIXES
     info = reader.info
-    # Segments are joined at constant-rate times: a variable-rate source (its frame times)
-    # or one without a rate (images into a video) is written directly, without resume.
-    constant_rate = info.fps is not None and getattr(info, "frame_times", None) is None
-    if len(segments) < 2 or video and not constant_rate:
+    # Images without a rate into a video (the rate comes from ``fps``) are written directly.
+    if len(segments) < 2 or video and info.fps is None:
         if not opts.resume:
             shutil.rmtree(state_folder(dst), ignore_errors=True)
         return None
@@ -338,6 +336,7 @@ def run_resumable(compute, dst, plan: BatchPlan, state: ResumeState, *, info, si
     order: this process's upscaler, or the writer rank's gathering of every rank's batches.
     ``progress(phase, done, total)`` is told the finished frames."""
     from ..io import open_writer
+    from ..io.writer import carried_streams
     from .runner import OverlapBlender, to_integer_frames
     from .setup import open_output
 
@@ -364,11 +363,13 @@ def run_resumable(compute, dst, plan: BatchPlan, state: ResumeState, *, info, si
         if stats is not None:
             stats.frames = plan.source_frames
         if video:
+            carried, subtitles = carried_streams(info, Path(str(dst)).suffix.lower())
             final = SegmentConcat(dst, [state.segment_path(s) for s in segments],
                                   [s.frames for s in segments], fps=info.fps, width=size[1],
                                   height=size[0], channels=info.channels, bit_depth=bit_depth,
-                                  audio_from=info.path if info.has_audio else None,
-                                  rotation=info.rotation, overwrite=overwrite)
+                                  audio_from=carried, subtitle_streams=[i for i, _ in subtitles],
+                                  frame_times=info.frame_times, rotation=info.rotation,
+                                  overwrite=overwrite)
             final.close()
             path = final.path
         else:
@@ -399,6 +400,10 @@ def _write_segment(segment: Segment, outputs, blender, state: ResumeState, *, in
                   bit_depth=bit_depth, overwrite=True)
     if video:
         kwargs.update(codec=codec)
+        if info.frame_times:  # variable rate: this segment's frames at their own times
+            first = info.frame_times[segment.first_frame]
+            kwargs.update(frame_times=[t - first for t in info.frame_times[
+                segment.first_frame: segment.first_frame + segment.frames]])
     written = 0
     with warnings.catch_warnings():
         # A segment carries no audio or subtitles by design (the assembly adds the audio);
