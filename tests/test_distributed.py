@@ -145,6 +145,24 @@ def test_in_memory_ranks_match_one_process(tiny_options, memory_frames, monkeypa
     assert [done for _, done, _ in seen] == sorted(done for _, done, _ in seen)
 
 
+def test_in_memory_job_finishes_without_a_dead_rank(tiny_options, memory_frames, monkeypatch):
+    """The ComfyUI upscaler's several devices: a worker that dies mid-job is taken over too."""
+    import torch
+
+    import seedvr2
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = seedvr2.upscale(memory_frames, **_memory_options(tiny_options), chunk_size=9)
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setenv("SEEDVR2_FAULT", "1:after_batches=1")  # the spawned workers inherit it
+    two = seedvr2.upscale(memory_frames.clone(), **_memory_options(tiny_options), chunk_size=9,
+                          devices="cpu,cpu")
+    assert torch.equal(two, one)
+
+
 def test_in_memory_interrupt_and_failure(tiny_options, memory_frames, monkeypatch):
     import seedvr2
     from seedvr2.pipeline.runner import Interrupted

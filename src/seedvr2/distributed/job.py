@@ -290,6 +290,15 @@ def _mark_started(ctx: DistContext):
     threading.Thread(target=beat, name="seedvr2-launch-beat", daemon=True).start()
 
 
+def _mark_done(ctx: DistContext):
+    """The writer tells the spawn launcher that the output is complete: what follows (leaving
+    the process group, which with NCCL and a lost peer may never return) cannot lose it."""
+    folder = os.environ.get(STARTED_ENV)
+    if folder and ctx.is_writer:
+        Path(folder, "done").touch()
+    fault_point(ctx, sys.maxsize)  # the writer's fault not reached by then: after its output
+
+
 def run_file_job(ctx: DistContext, src, dst, dit=None, vae=None, *, model_dir=None,
                  overwrite: bool = False, codec: str = "h264", progress=None, should_stop=None,
                  stats=None, **options) -> Path | None:
@@ -351,6 +360,7 @@ def run_file_job(ctx: DistContext, src, dst, dit=None, vae=None, *, model_dir=No
                 if "path" not in result:  # failed before writing began (loading the models)
                     state.keep_or_discard(len(plan.batches))
                 raise
+            _mark_done(ctx)
             return result["path"]
         # The writer aborts (removing its partial file) on any exception, SIGTERM included;
         # it encodes on a thread while this rank computes and receives.
@@ -360,6 +370,7 @@ def run_file_job(ctx: DistContext, src, dst, dit=None, vae=None, *, model_dir=No
                        size, bit_depth, dit, vae, opts, model_dir, progress, should_stop)
         if stats is not None:
             stats.frames = plan.source_frames
+        _mark_done(ctx)
         return Path(writer.path)
 
 
@@ -381,6 +392,7 @@ def run_tensor_job(ctx: DistContext, frames: torch.Tensor, out: torch.Tensor, di
                _blend_into(plan, fill, progress) if ctx.is_writer else None,
                out.shape[-1], tuple(out.shape[1:3]), None, dit, vae, opts, model_dir, progress,
                should_stop)
+    _mark_done(ctx)
 
 
 def _send_all(ctx: DistContext, plan, outputs, bit_depth, group, posted=None, guard=None):

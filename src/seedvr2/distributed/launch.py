@@ -75,12 +75,12 @@ def _file_worker(rank: int, devices: list[str], port: int, threads: int, log_lev
     stats = JobStats()
     try:
         run_file_job(ctx, *args, stats=stats, **kwargs)
+        if ctx.is_writer:
+            Path(os.environ[STARTED_ENV], WRITER_STATS).write_text(json.dumps(
+                {"frames": stats.frames, "batches_reused": stats.batches_reused,
+                 "batches_total": stats.batches_total}))
     finally:
         destroy()
-    if ctx.is_writer:
-        Path(os.environ[STARTED_ENV], WRITER_STATS).write_text(json.dumps(
-            {"frames": stats.frames, "batches_reused": stats.batches_reused,
-             "batches_total": stats.batches_total}))
 
 
 def _tensor_worker(rank: int, devices: list[str], port: int, threads: int, frames, out, models,
@@ -215,8 +215,9 @@ def _join(workers, timeout_s: float, started: Path, tick=None):
     unfinished batches (``taking.py``). A writer that has shown no sign of life for
     ``timeout_s`` (its mark's time stopped moving: frozen) fails the job too. Raises naming
     the failed rank once the others are stopped (:data:`STOP_GRACE_S` to end by themselves,
-    then SIGTERM, then SIGKILL). Once the writer has finished, the output is complete: a rank
-    still running ``timeout_s`` after that (frozen after its last batch) is stopped."""
+    then SIGTERM, then SIGKILL). Once the writer has finished the output (it exited, or marked
+    it done), the output is complete: a rank still running ``timeout_s`` after that (frozen
+    after its last batch, or the writer stuck leaving the process group) is stopped."""
     processes = workers.processes
     lost: dict[int, int] = {}  # rank -> exit code
     writer_done = None
@@ -227,6 +228,10 @@ def _join(workers, timeout_s: float, started: Path, tick=None):
             code = process.exitcode  # polls (and reaps) without blocking
             if code in (None, 0) or rank in lost:
                 continue
+            if rank == 0 and (started / "done").exists():  # failed leaving the group
+                lost[rank] = code
+                log.warning("rank 0 exited with code %d after the output was complete", code)
+                continue
             if rank == 0 or not (started / f"rank{rank}").exists():
                 _stop_after_grace(processes)
                 raise _failure(workers, rank)
@@ -236,12 +241,13 @@ def _join(workers, timeout_s: float, started: Path, tick=None):
         if all(p.exitcode is not None for p in processes):
             break
         writer_mark = started / "rank0"
-        if processes[0].exitcode is None and writer_mark.exists() and \
+        if writer_done is None and processes[0].exitcode is None and writer_mark.exists() and \
+                not (started / "done").exists() and \
                 time.time() - writer_mark.stat().st_mtime > timeout_s:
             _stop(workers)  # SIGKILL reaches a frozen process; SIGTERM would wait
             raise RuntimeError(f"distributed upscale failed: rank 0 (the writer) has shown no "
                                f"sign of life for dist_timeout ({timeout_s:g}s): frozen or hung")
-        if writer_done is None and processes[0].exitcode == 0:
+        if writer_done is None and (processes[0].exitcode == 0 or (started / "done").exists()):
             writer_done = time.monotonic()
         if writer_done is not None and time.monotonic() - writer_done > timeout_s:
             stuck = [r for r, p in enumerate(processes) if p.is_alive()]
@@ -249,6 +255,7 @@ def _join(workers, timeout_s: float, started: Path, tick=None):
                         "output; stopped", stuck, timeout_s)
             break
         multiprocessing.connection.wait([p.sentinel for p in processes if p.is_alive()], 0.2)
+    lost.pop(0, None)  # the writer failed only after its output was complete
     if lost:
         log.warning("the job finished without rank(s) %s: every frame was computed by the "
                     "others and is written", ", ".join(map(str, sorted(lost))))
