@@ -63,8 +63,12 @@ class ChunkCounter:
         self.store.set(self.prefix + f"owner/{chunk}", str(rank))
         return chunk
 
+    def handed_out(self) -> int:
+        """Chunks handed out so far (those before ``first`` included)."""
+        return self.first + self.store.add(self.prefix + "next", 0)
+
     def all_taken(self) -> bool:
-        return self.first + self.store.add(self.prefix + "next", 0) >= self.chunks
+        return self.handed_out() >= self.chunks
 
     def owner(self, chunk: int) -> int | None:
         """Who took ``chunk``; None while nobody has recorded it."""
@@ -274,16 +278,18 @@ def taken_in_order(ctx, counter: ChunkCounter, plan, compute, channels: int, siz
         """Who has chunk ``index``; -1 when its taker was lost before saying so."""
         waited = None
         while (owner := counter.owner(index)) is None:
-            if not counter.all_taken():
-                taken = counter.take(ctx.rank)  # nobody has it yet: take the next one ourselves
+            if counter.handed_out() <= index:  # nobody has it yet: take it (or a later one)
+                taken = counter.take(ctx.rank)
                 if taken is not None and taken != index:
                     held[taken] = list(own(list(plan.chunks[taken])))
                 continue
-            # Taken, but the taker has not recorded itself: it is about to, or it died between.
+            # Taken, but the taker has not recorded itself: it is about to, or it died in
+            # between. Meanwhile compute ahead, bounded.
             waited = waited or time.monotonic()
             if time.monotonic() - waited > timeout_s:
                 return -1
-            time.sleep(0.05)
+            if not take_ahead():
+                time.sleep(0.05)
         return owner
 
     def receive(owner: int, batch):

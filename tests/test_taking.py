@@ -1,0 +1,105 @@
+"""The writer's side of chunk taking, in one process against an in-memory store: chunks of a
+lost rank (exited, or lost before it recorded itself as a chunk's taker) are computed by the
+writer, and every batch still comes out once, in plan order."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from seedvr2.distributed import taking
+from seedvr2.distributed.groups import DistContext
+from seedvr2.options import resolve_options
+from seedvr2.pipeline.plan import make_plan
+
+
+class MemoryStore:
+    """The four store calls the taking code makes, as TCPStore answers them."""
+
+    def __init__(self):
+        self.values: dict[str, bytes] = {}
+
+    def add(self, key: str, amount: int) -> int:
+        value = int(self.values.get(key, b"0")) + amount
+        self.values[key] = str(value).encode()
+        return value
+
+    def set(self, key: str, value: str):
+        self.values[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key: str) -> bytes:
+        return self.values[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.values for k in keys)
+
+
+def _counter(chunks: int, first: int = 0) -> taking.ChunkCounter:
+    counter = taking.ChunkCounter.__new__(taking.ChunkCounter)
+    counter.store, counter.prefix = MemoryStore(), "seedvr2/test/"
+    counter.chunks, counter.first = chunks, first
+    return counter
+
+
+def _dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()  # reaped: the pid names no process now
+    return process.pid
+
+
+def _run(counter, plan, computed):
+    def compute(batches):
+        computed.extend(batches)
+        return ((plan.batches[b], f"frames of {b}") for b in batches)
+    ctx = DistContext(rank=0, world_size=2, local_rank=0, device=None)
+    return list(taking.taken_in_order(ctx, counter, plan, compute, 3, (32, 32), None,
+                                      lambda ctx, n: None, timeout_s=0.5))
+
+
+@pytest.fixture
+def plan():
+    plan = make_plan(23, resolve_options(batch_size=5, temporal_overlap=1, chunk_size=9))
+    assert [list(c) for c in plan.chunks] == [[0, 1], [2, 3], [4, 5]]
+    return plan
+
+
+def test_chunks_of_an_exited_rank_are_computed_by_the_writer(plan, caplog):
+    counter = _counter(len(plan.chunks))
+    assert counter.take(1) == 0  # rank 1 took the first chunk, then its process ended
+    counter.store.set(counter.prefix + "where/1", f"{taking._process_here()}|{_dead_pid()}")
+    computed = []
+    with caplog.at_level("INFO", logger="seedvr2"):
+        out = _run(counter, plan, computed)
+    assert [(batch.index, frames) for batch, frames in out] == [
+        (b, f"frames of {b}") for b in range(6)]
+    assert sorted(computed) == list(range(6))  # nothing twice
+    assert "rank 1 exited: rank 0 computed its 2 unfinished batch(es) itself" in caplog.text
+
+
+def test_a_taker_lost_before_recording_itself(plan, caplog):
+    counter = _counter(len(plan.chunks), first=1)  # a resumed job: chunk 0 is complete
+    counter.store.add(counter.prefix + "next", 1)  # chunk 1 handed out, no owner recorded
+    computed = []
+    with caplog.at_level("INFO", logger="seedvr2"):
+        out = _run(counter, plan, computed)
+    assert [batch.index for batch, _ in out] == [2, 3, 4, 5]
+    assert sorted(computed) == [2, 3, 4, 5]
+    assert "a rank took chunk 1 and was lost before recording itself" in caplog.text
+
+
+def test_decode_times_rebuilt_below_presentation_times():
+    from seedvr2.io.segments import _decode_times
+
+    class Packet:
+        def __init__(self, pts):
+            self.pts, self.dts = pts, None
+    # Decode order of a B-frame GOP shifted to 233: the first two decode times were negative.
+    leading = [Packet(233), Packet(266)]
+    _decode_times(leading, 233)
+    assert [p.dts for p in leading] == [231, 232]  # increasing, below 233 and every pts
+    tail = [Packet(400), Packet(500)]  # a segment without any decode time
+    _decode_times(tail, None)
+    assert [p.dts for p in tail] == [398, 499]
+    assert all(p.dts <= p.pts for p in leading + tail)
