@@ -100,15 +100,20 @@ def test_different_job_or_no_resume_starts_fresh(clip, tiny_options, tmp_path, u
     assert sorted(p.name for p in tmp_path.iterdir()) == ["up.mp4"]
 
 
-@pytest.mark.parametrize("rerun", [["--devices", "cpu,cpu"], []], ids=["two-ranks", "one"])
-def test_killed_multi_process_job_resumes(clip, tiny_options, tmp_path, uninterrupted, rerun):
+@pytest.mark.parametrize("first,rerun", [
+    ([], ["--devices", "cpu,cpu"]),
+    ([], []),
+    (["--sequence-parallel", "2"], ["--devices", "cpu,cpu", "--sequence-parallel", "2"]),
+], ids=["two-ranks", "one", "sequence-parallel"])
+def test_killed_multi_process_job_resumes(clip, tiny_options, tmp_path, uninterrupted, first,
+                                          rerun):
     """The writer of a two-rank job is SIGKILLed once its journal names the second segment:
     the job fails naming it, and the complete segments stay. The same command again — with
-    two ranks or with one process — computes only the last segment's batches and gives the
-    file of an uninterrupted run."""
+    two ranks, with one process, or with both ranks sharing each batch (sequence parallel) —
+    computes only the last segment's batches and gives the file of an uninterrupted run."""
     out = tmp_path / "up.mp4"
     killed = _cli(tiny_options, clip, out, "--devices", "cpu,cpu", "--dist-timeout", "20",
-                  env={"SEEDVR2_KILL_AT": "journal:2"})
+                  *first, env={"SEEDVR2_KILL_AT": "journal:2"})
     assert killed.returncode != 0
     assert "rank 0 exited with code -9" in killed.stderr, killed.stderr[-2000:]
     assert not out.exists()
