@@ -43,8 +43,8 @@ class HostCopies:
         monkeypatch.setattr(torch, "tensor", tensor)
 
 
-def _meta_dit(conformance, num_layers: int):
-    kwargs = copy.deepcopy(json.loads((conformance / "dit3b_tiny" / "config.json").read_text())
+def _meta_dit(conformance, num_layers: int, family: str = "dit3b_tiny"):
+    kwargs = copy.deepcopy(json.loads((conformance / family / "config.json").read_text())
                            ["constructor_kwargs"])
     for key in ("block_type", "window", "window_method"):
         kwargs[key] = [kwargs[key][i % len(kwargs[key])] for i in range(num_layers)]
@@ -66,14 +66,19 @@ def _forward(model, inputs):
         return model(*inputs)
 
 
+@pytest.mark.parametrize("family", ["dit3b_tiny", "dit7b_tiny"])
 @pytest.mark.parametrize("num_layers", [2, 8])
-def test_dit_forward_reads_nothing_back_and_copies_a_constant(conformance, num_layers, monkeypatch):
-    """Two samples (the per-token expansion path) and both window rules. Before: a copy per
+def test_dit_forward_reads_nothing_back_and_copies_a_constant(conformance, num_layers, family,
+                                                              monkeypatch):
+    """Two samples (the per-token expansion path) and both window rules, for the 3B and the
+    7B (whose window-local RoPE looks positions up per window extent). Before: a copy per
     block for the text lengths, per modulation for the per-token counts, five per layout and
-    per window group, and a readback (repeat_interleave sizing) per modulation."""
+    per window group, and a readback (repeat_interleave sizing) per modulation; for the 7B,
+    a readback of the window extents per axis and rule, and a masked assignment (a sync) per
+    extent."""
     window_module.clear_layouts()
-    model = _meta_dit(conformance, num_layers)
-    case = load_case(conformance / "dit3b_tiny", "batch2_mixed")
+    model = _meta_dit(conformance, num_layers, family)
+    case = load_case(conformance / family, "batch2_mixed")
     inputs = _inputs(case)
     copies = HostCopies(monkeypatch)
     out = _forward(model, inputs)
@@ -83,6 +88,23 @@ def test_dit_forward_reads_nothing_back_and_copies_a_constant(conformance, num_l
     first = copies.count
     _forward(model, inputs)
     assert copies.count - first == 1  # the layouts of an equal-shaped call are kept
+
+
+def test_pixel_rope_positions_are_the_reference_lookup():
+    """The 7B's window-local positions, selected per host-known extent, equal the direct
+    lookup ``linspace(-1, 1, extent)[i]`` token by token, bit for bit."""
+    from seedvr2.models.rope import PixelRoPE3d
+
+    window_module.clear_layouts()
+    layout = window_module.layout_for("720pswin_by_size_bysize", (4, 3, 3),
+                                      [(3, 7, 11), (1, 5, 4)], [3, 2], torch.device("cpu"))
+    assert len(layout.extents[1]) > 1  # shifted windows: several extents on an axis
+    pos = PixelRoPE3d.video_positions(layout, torch.tensor([3, 2]))
+    for token in range(len(pos)):
+        for axis in range(3):
+            size = int(layout.window_size[token, axis])
+            expected = torch.linspace(-1.0, 1.0, size)[int(layout.local_pos[token, axis])]
+            assert pos[token, axis].item() == expected.item()
 
 
 def test_kept_layouts_are_per_shape_and_bounded(monkeypatch):

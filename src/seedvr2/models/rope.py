@@ -143,13 +143,16 @@ class PixelRoPE3d(_RoPE3d):
     @staticmethod
     def video_positions(layout: WindowLayout, txt_lens: torch.Tensor) -> torch.Tensor:
         # linspace(-1, 1, extent)[i] looked up per distinct extent: bit-equal to the reference.
-        pos = torch.empty(layout.local_pos.shape, dtype=torch.float32, device=layout.local_pos.device)
+        # The extents are host facts of the layout and the lookup is a select, not a masked
+        # assignment: on a GPU neither reads anything back (no sync per forward).
+        pos = torch.zeros(layout.local_pos.shape, dtype=torch.float32,
+                          device=layout.local_pos.device)
         for axis in range(3):
-            extent = layout.window_size[:, axis]
-            for size in extent.unique().tolist():
-                mask = extent == size
+            extent, local = layout.window_size[:, axis], layout.local_pos[:, axis]
+            for size in layout.extents[axis]:
                 table = torch.linspace(-1.0, 1.0, size, device=pos.device)
-                pos[mask, axis] = table[layout.local_pos[mask, axis]]
+                pos[:, axis] = torch.where(extent == size, table[local.clamp(max=size - 1)],
+                                           pos[:, axis])
         return pos
 
     def text_rotation(self, txt_pos: torch.Tensor) -> None:

@@ -71,7 +71,9 @@ class WindowLayout:
 
     ``perm`` lists the packed video token indices window after window, windows of one group
     adjacent; ``local_pos`` is each of those tokens' (t, h, w) inside its window and
-    ``window_size`` that window's extent (both needed by RoPE, which is window-local).
+    ``window_size`` that window's extent (both needed by RoPE, which is window-local);
+    ``extents`` holds the distinct extents per axis as host integers, so that code looping
+    over them never reads them back from the device.
     """
 
     perm: torch.Tensor  # (Nv,) int64
@@ -80,6 +82,7 @@ class WindowLayout:
     sample_of_token: torch.Tensor  # (Nv,) int64, window order
     groups: list[WindowGroup]
     txt_windows: torch.Tensor  # (Nt,) float: how many windows each text token appears in
+    extents: tuple[tuple[int, ...], ...] = ((), (), ())  # per axis (t, h, w), sorted
     cache: dict = field(default_factory=dict)  # per-call derived tensors (RoPE positions)
 
     @staticmethod
@@ -104,11 +107,14 @@ class WindowLayout:
             txt_offset += txt_len
 
         perm, local, sizes, samples, groups = [], [], [], [], []
+        extents: tuple[set, set, set] = (set(), set(), set())
         start = 0
         for (vid_len, txt_len), members in by_key.items():
             for tokens, size, sample, _ in members:
                 perm.append(tokens)
                 st, sh, sw = size
+                for axis, extent in enumerate(size):
+                    extents[axis].add(extent)
                 pos = torch.stack(torch.meshgrid(torch.arange(st), torch.arange(sh),
                                                  torch.arange(sw), indexing="ij"), -1)
                 local.append(pos.reshape(-1, 3))
@@ -142,6 +148,7 @@ class WindowLayout:
             sample_of_token=samples_d,
             groups=groups,
             txt_windows=windows_d,
+            extents=tuple(tuple(sorted(e)) for e in extents),
         )
 
 
