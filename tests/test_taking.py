@@ -4,6 +4,7 @@ writer, and every batch still comes out once, in plan order."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -68,7 +69,7 @@ def plan():
 def test_chunks_of_an_exited_rank_are_computed_by_the_writer(plan, caplog):
     counter = _counter(len(plan.chunks))
     assert counter.take(1) == 0  # rank 1 took the first chunk, then its process ended
-    counter.store.set(counter.prefix + "where/1", f"{taking._process_here()}|{_dead_pid()}")
+    counter.store.set(counter.prefix + "where/1", taking._where(_dead_pid()))
     computed = []
     with caplog.at_level("INFO", logger="seedvr2"):
         out = _run(counter, plan, computed)
@@ -76,6 +77,24 @@ def test_chunks_of_an_exited_rank_are_computed_by_the_writer(plan, caplog):
         (b, f"frames of {b}") for b in range(6)]
     assert sorted(computed) == list(range(6))  # nothing twice
     assert "rank 1 exited: rank 0 computed its 2 unfinished batch(es) itself" in caplog.text
+
+
+def test_a_lost_rank_is_known_by_pid_and_start_time():
+    """A rank's process is told from a later one the kernel gives the same pid: only the very
+    process counts as running, and only it would be killed."""
+    counter = _counter(3)
+    counter.store.set(counter.prefix + "where/1", taking._where(os.getpid()))
+    liveness = taking.Liveness(counter, timeout_s=60)
+    liveness.check(1)  # this very process: running
+    here, pid, start = counter.store.get(counter.prefix + "where/1").decode().rsplit("|", 2)
+    assert int(pid) == os.getpid() and start
+    reused = f"{here}|{pid}|{int(start) + 1}"  # the same pid, started at another time
+    counter.store.set(counter.prefix + "where/1", reused)
+    with pytest.raises(taking.RankLost, match="rank 1 exited"):
+        liveness.check(1)
+    assert liveness.stop(1)  # "stopped": gone already, and nothing was killed (we still run)
+    counter.store.set(counter.prefix + "where/1", f"another machine|{pid}|{start}")
+    assert liveness.local_process(1) is None and not liveness.stop(1)
 
 
 def test_a_taker_lost_before_recording_itself(plan, caplog):

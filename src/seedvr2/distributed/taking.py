@@ -112,7 +112,7 @@ class Heartbeat:
 
     def __init__(self, counter: ChunkCounter, rank: int):
         self.store, self.key = counter.store, counter.prefix + f"alive/{rank}"
-        self.store.set(counter.prefix + f"where/{rank}", f"{_process_here()}|{os.getpid()}")
+        self.store.set(counter.prefix + f"where/{rank}", _where(os.getpid()))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="seedvr2-heartbeat", daemon=True)
 
@@ -132,21 +132,38 @@ class Heartbeat:
         self._stop.set()
 
 
-def _exited(pid: int) -> bool:
-    """Whether a process of this machine is gone (a zombie counts: it will never run again)."""
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (state first); None when the
+    process is gone or there is no /proc."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-    except OSError:  # no /proc: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            pass
+            return f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
+def _where(pid: int) -> str:
+    """Where a process runs and which one it is: its machine (:func:`_process_here`), pid and
+    start time (so that a pid the kernel has given to a later process is not taken for it)."""
+    fields = _stat(pid)
+    return f"{_process_here()}|{pid}|{fields[19] if fields else ''}"
+
+
+def _running(pid: int, start: str) -> bool:
+    """Whether the process ``pid`` started at ``start`` still runs (a zombie does not: it
+    will never run again)."""
+    fields = _stat(pid)
+    if fields is not None:
+        return fields[0] not in ("Z", "X") and (not start or fields[19] == start)
+    if os.path.isdir("/proc"):
         return False
+    try:  # no /proc: ask the kernel
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 class Liveness:
@@ -158,18 +175,19 @@ class Liveness:
         self.seen: dict[int, tuple[int, float]] = {}  # rank -> (count, when it last moved)
         self._here = _process_here()
 
-    def local_pid(self, rank: int) -> int | None:
-        """The rank's pid when it runs on this machine (pid namespace included), else None."""
+    def local_process(self, rank: int) -> tuple[int, str] | None:
+        """The rank's (pid, start time) when it runs on this machine (pid namespace
+        included), else None."""
         key = self.prefix + f"where/{rank}"
         if not self.store.check([key]):
             return None
-        where, _, pid = self.store.get(key).decode().rpartition("|")
-        return int(pid) if where == self._here else None
+        where, pid, start = self.store.get(key).decode().rsplit("|", 2)
+        return (int(pid), start) if where == self._here else None
 
     def check(self, rank: int):
         """Raises :class:`RankLost` when ``rank`` has exited or frozen."""
-        pid = self.local_pid(rank)
-        if pid is not None and _exited(pid):
+        process = self.local_process(rank)
+        if process is not None and not _running(*process):
             raise RankLost(rank, "exited")
         count = self.store.add(self.prefix + f"alive/{rank}", 0)
         now = time.monotonic()
@@ -182,14 +200,16 @@ class Liveness:
 
     def stop(self, rank: int) -> bool:
         """Kill ``rank`` if it runs on this machine: a frozen rank must not wake up later and
-        take chunks, and its death ends any receive blocked on it. False when it cannot be."""
-        pid = self.local_pid(rank)
-        if pid is None:
+        take chunks, and its death ends any receive blocked on it. False when it cannot be.
+        Only the very process is killed: once it has exited, its pid may name another."""
+        process = self.local_process(rank)
+        if process is None:
             return False
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        if _running(*process):
+            try:
+                os.kill(process[0], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         return True
 
 
