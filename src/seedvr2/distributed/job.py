@@ -213,18 +213,27 @@ def _run_taken(ctx: DistContext, plan, read_from, consume, channels: int, size, 
     counter = ChunkCounter(len(plan.chunks), first_chunk)
     with Heartbeat(counter, ctx.rank):
         upscaler = None
-        if not counter.all_taken():  # a resumed job with every batch kept computes nothing
-            models = load_models(dit, vae, opts=opts, model_dir=model_dir)
-            # This rank's own device against the budget, before any frame (batch_size is
-            # already the one every rank uses).
-            prepare_job(models, opts, plan.source_frames, size)
-            upscaler = Upscaler(models, opts, progress, should_stop)
-            if ctx.is_writer:
-                install_kill_hook(upscaler)
+
+        def ready() -> Upscaler:
+            nonlocal upscaler
+            if upscaler is None:
+                models = load_models(dit, vae, opts=opts, model_dir=model_dir)
+                # This rank's own device against the budget, before any frame (batch_size is
+                # already the one every rank uses).
+                prepare_job(models, opts, plan.source_frames, size)
+                upscaler = Upscaler(models, opts, progress, should_stop)
+                if ctx.is_writer:
+                    install_kill_hook(upscaler)
+            return upscaler
+        # Loaded before taking any chunk, unless none is left (a resumed job with every batch
+        # kept, more ranks than chunks): then only if this rank must compute after all (the
+        # writer, for a lost rank's batches).
+        if not counter.all_taken():
+            ready()
 
         def compute(batches: list[int]):
             first = plan.source_start(plan.batches[batches[0]].start)
-            return upscaler.batch_outputs(read_from(first), plan, batches)
+            return ready().batch_outputs(read_from(first), plan, batches)
         if consume is not None:
             def in_order(batches: list[int]):
                 assert batches == [b for c in plan.chunks[first_chunk:] for b in c], batches
