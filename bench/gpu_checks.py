@@ -120,28 +120,54 @@ def _restore_rope_tables(model):
             table.freqs = module.default_freqs(module.axis_dim).to(table.freqs.device)
 
 
+def _random_weights(model, device: torch.device, dtype: torch.dtype):
+    """N(0, 0.02) weights (biases 0, norm gains 1) on ``device``; ``meta`` keeps shapes only."""
+    if device.type == "meta":
+        return model.to(dtype)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif p.dim() == 1:  # norm gains
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    return model.to(dtype)
+
+
 def build_models(device: torch.device, dtype: torch.dtype):
-    """3B DiT and VAE with N(0, 0.02) weights (biases 0, norm gains 1) on ``device``; ``meta``
-    builds shapes only."""
+    """3B DiT and VAE with random weights of the real shapes on ``device``; ``meta`` builds
+    shapes only."""
     with torch.device("meta"):
         dit = build_dit(dit_config("3b")).eval()
         vae = build_vae(vae_config(shipped_config("vae"))).eval()
-    if device.type == "meta":
-        return dit.to(dtype), vae.to(dtype)
-    for model in (dit, vae):
-        model.to_empty(device=device)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("bias"):
-                    p.zero_()
-                elif p.dim() == 1:  # norm gains
-                    p.fill_(1.0)
-                else:
-                    p.normal_(0.0, 0.02)
-        model.to(dtype)
-    _restore_rope_tables(dit)
+    dit, vae = _random_weights(dit, device, dtype), _random_weights(vae, device, dtype)
+    if device.type != "meta":
+        _restore_rope_tables(dit)
     dit.embedded_text_embeddings = {"pos": torch.randn(TEXT_TOKENS, dit.config.txt_in_dim)}
     return dit, vae
+
+
+SHORT_7B_BLOCKS = 2  # both window rules; host syncs do not depend on the block count
+
+
+def build_short_7b(device: torch.device, dtype: torch.dtype):
+    """The 7B DiT's real widths and window rules with only its first blocks: enough to count
+    the host syncs of its window-local RoPE and packing in a forward."""
+    import dataclasses
+
+    config = dit_config("7b")
+    config = dataclasses.replace(
+        config, num_layers=SHORT_7B_BLOCKS,
+        **{key: getattr(config, key)[:SHORT_7B_BLOCKS]
+           for key in ("block_type", "window", "window_method")})
+    with torch.device("meta"):
+        dit = build_dit(config).eval()
+    dit = _random_weights(dit, device, dtype)
+    if device.type != "meta":
+        _restore_rope_tables(dit)
+    return dit
 
 
 def dit_inputs(size: str, device: torch.device, dtype: torch.dtype, txt_in_dim: int):
@@ -296,6 +322,18 @@ def check_mfu(report, device, dtype):
         except Exception as e:  # noqa: BLE001
             report.add("mfu", f"DiT forward {size}", "error", f"{type(e).__name__}: {e}")
     del dit
+    torch.cuda.empty_cache()
+    try:
+        short = build_short_7b(device, dtype)
+        inputs, _ = dit_inputs("720p", device, dtype, short.config.txt_in_dim)
+        with torch.inference_mode():
+            short(*inputs)  # warm: window layouts are built and kept
+            syncs = _count_syncs(lambda: short(*inputs))
+        report.add("mfu", f"7B DiT forward 720p x {FRAMES}, {SHORT_7B_BLOCKS} of 36 blocks",
+                   f"{syncs} stream syncs", "0 expected: window extents are host facts")
+        del short
+    except Exception as e:  # noqa: BLE001
+        report.add("mfu", "7B DiT forward syncs", "error", f"{type(e).__name__}: {e}")
 
 
 def check_vae(report, device, dtype):
@@ -378,6 +416,14 @@ def dry_run(report, sections):
         if "mfu" in sections:
             report.add("mfu", f"DiT forward {size} x {FRAMES}", f"{flops / 1e12:.0f} TFLOP",
                        f"latent {thw}, output {tuple(out.shape)} (traced on meta)")
+    if "mfu" in sections:
+        short = build_short_7b(meta, dtype)
+        inputs, _ = dit_inputs("720p", meta, dtype, short.config.txt_in_dim)
+        with torch.no_grad():
+            out = short(*inputs)
+        report.add("mfu", f"7B DiT forward 720p x {FRAMES}, {SHORT_7B_BLOCKS} of 36 blocks",
+                   "stream syncs counted on the GPU",
+                   f"output {tuple(out.shape)} (traced on meta: reads nothing back)")
     if "vae" in sections:
         h, w = SIZES["1080p"]
         with torch.no_grad():

@@ -35,7 +35,8 @@ def test_dry_run_prints_the_plan_as_one_table():
     body = "\n".join(table)
     for expected in ("3.39 B parameters", "DiT forward 720p x 21", "DiT forward 1080p x 21",
                      "output (1, 3, 21, 1088, 1920)", "budget, 3B bf16 1080p x 21, untiled",
-                     "budget, 3B bf16 1080p x 21, 512-px tiles", "0 / 16 / 32 blocks swapped"):
+                     "budget, 3B bf16 1080p x 21, 512-px tiles", "0 / 16 / 32 blocks swapped",
+                     "7B DiT forward 720p x 21, 2 of 36 blocks"):
         assert expected in body, expected
     assert sum(line.startswith("section") for line in lines) == 1  # one table
 
