@@ -331,7 +331,6 @@ def check_mfu(report, device, dtype):
             syncs = _count_syncs(lambda: short(*inputs))
         report.add("mfu", f"7B DiT forward 720p x {FRAMES}, {SHORT_7B_BLOCKS} of 36 blocks",
                    f"{syncs} stream syncs", "0 expected: window extents are host facts")
-        del short
     except Exception as e:  # noqa: BLE001
         report.add("mfu", "7B DiT forward syncs", "error", f"{type(e).__name__}: {e}")
 
