@@ -279,7 +279,6 @@ def check_blockswap(report, device, dtype):
                 swap.detach()
             dit.to("cpu")
             torch.cuda.empty_cache()
-    del dit
 
 
 def _count_syncs(fn) -> int:
@@ -321,7 +320,6 @@ def check_mfu(report, device, dtype):
                        f"{syncs} stream syncs")
         except Exception as e:  # noqa: BLE001
             report.add("mfu", f"DiT forward {size}", "error", f"{type(e).__name__}: {e}")
-    del dit
     torch.cuda.empty_cache()
     try:
         short = build_short_7b(device, dtype)
@@ -356,7 +354,6 @@ def check_vae(report, device, dtype):
                        f"peak {gib(torch.cuda.max_memory_allocated(device))}")
         except Exception as e:  # noqa: BLE001
             report.add("vae", f"decode {label}", "error", f"{type(e).__name__}: {e}")
-    del vae
 
 
 def check_e2e(report, device, dtype):
@@ -388,7 +385,6 @@ def check_e2e(report, device, dtype):
                        f"peaks: {phases}")
         except Exception as e:  # noqa: BLE001
             report.add("e2e", label, "error", f"{type(e).__name__}: {e}")
-    del dit, vae
 
 
 # -- the dry run ------------------------------------------------------------------------------------
