@@ -299,9 +299,9 @@ def taken_in_order(ctx, counter: ChunkCounter, plan, compute, channels: int, siz
         waited = None
         while (owner := counter.owner(index)) is None:
             if counter.handed_out() <= index:  # nobody has it yet: take it (or a later one)
-                taken = counter.take(ctx.rank)
-                if taken is not None and taken != index:
-                    held[taken] = list(own(list(plan.chunks[taken])))
+                chunk = counter.take(ctx.rank)
+                if chunk is not None and chunk != index:
+                    held[chunk] = list(own(list(plan.chunks[chunk])))
                 continue
             # Taken, but the taker has not recorded itself: it is about to, or it died in
             # between. Meanwhile compute ahead, bounded.
