@@ -163,8 +163,8 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
         else:
             writer.abort()  # the kept segments become the output instead
             def compute(batches):
-                first = plan.source_start(plan.batches[batches[0]].start)
-                return upscaler.batch_outputs(reader.frames(start=first), plan, batches)
+                return upscaler.batch_outputs(reader.frames(start=plan.read_start(batches)),
+                                              plan, batches)
             install_kill_hook(upscaler)
             path = run_resumable(compute, dst, plan, state, info=reader.info, size=size,
                                  bit_depth=bit_depth, codec=codec, overwrite=overwrite,

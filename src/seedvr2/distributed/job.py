@@ -190,7 +190,7 @@ def _run_share(ctx: DistContext, plan, read_from, consume, channels: int, size: 
             stack.enter_context(sequence_parallel(models.dit, group))
             upscaler = Upscaler(models, opts, progress, should_stop)
             outputs = upscaler.batch_outputs(
-                read_from(plan.source_start(plan.batches[mine[0]].start)), plan, mine)
+                read_from(plan.read_start(mine)), plan, mine)
         if consume is not None:
             consume(lambda batches: _gather(ctx, plan, shares, k, outputs, channels, size,
                                             frames_group, batches))
@@ -232,8 +232,7 @@ def _run_taken(ctx: DistContext, plan, read_from, consume, channels: int, size, 
             ready()
 
         def compute(batches: list[int]):
-            first = plan.source_start(plan.batches[batches[0]].start)
-            return ready().batch_outputs(read_from(first), plan, batches)
+            return ready().batch_outputs(read_from(plan.read_start(batches)), plan, batches)
         if consume is not None:
             def in_order(batches: list[int]):
                 assert batches == [b for c in plan.chunks[first_chunk:] for b in c], batches

@@ -58,6 +58,10 @@ class BatchPlan:
         """First source frame that plan frames from ``plan_frame`` on can need."""
         return 0 if plan_frame <= self.prepend else plan_frame - self.prepend
 
+    def read_start(self, batches) -> int:
+        """First source frame a job of these plan batch indices (ascending) reads."""
+        return self.source_start(self.batches[batches[0]].start) if len(batches) else 0
+
     def emit_stop(self, batch: Batch) -> int:
         """Plan frames before this index are final once ``batch`` is blended in."""
         following = batch.index + 1

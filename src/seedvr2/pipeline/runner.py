@@ -375,10 +375,10 @@ class Upscaler:
         """Decoded, colour-corrected frames (n, H, W, C) of each batch, unblended, in plan order.
 
         ``batches`` (contiguous, ascending) restricts the job to a share of the plan; ``frames``
-        must then start at :meth:`BatchPlan.source_start` of the first of them.
+        must then start at :meth:`BatchPlan.read_start` of them.
         """
         chosen = list(range(len(plan.batches))) if batches is None else list(batches)
-        first_source = plan.source_start(plan.batches[chosen[0]].start) if chosen else 0
+        first_source = plan.read_start(chosen)
         needed = None if batches is None else {
             plan.source_index(f) for i in chosen for f in range(plan.batches[i].start, plan.batches[i].stop)}
         source = FrameSource(frames, plan, first_source, needed)
