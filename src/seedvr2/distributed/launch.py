@@ -219,43 +219,42 @@ def _join(workers, timeout_s: float, started: Path, tick=None):
     it done), the output is complete: a rank still running ``timeout_s`` after that (frozen
     after its last batch, or the writer stuck leaving the process group) is stopped."""
     processes = workers.processes
-    lost: dict[int, int] = {}  # rank -> exit code
-    writer_done = None
+    lost: dict[int, int] = {}  # rank -> exit code: the ranks the job went on without
+    ended: set[int] = set()  # ranks whose failure is dealt with
+    writer_done = None  # when the output was complete
     while True:
         if tick is not None:
             tick()
+        if writer_done is None and (processes[0].exitcode == 0 or (started / "done").exists()):
+            writer_done = time.monotonic()
         for rank, process in enumerate(processes):
             code = process.exitcode  # polls (and reaps) without blocking
-            if code in (None, 0) or rank in lost:
+            if code in (None, 0) or rank in ended:
                 continue
-            if rank == 0 and (started / "done").exists():  # failed leaving the group
-                lost[rank] = code
+            ended.add(rank)
+            if rank == 0 and writer_done is not None:  # failed leaving the group
                 log.warning("rank 0 exited with code %d after the output was complete", code)
-                continue
-            if rank == 0 or not (started / f"rank{rank}").exists():
+            elif rank == 0 or not (started / f"rank{rank}").exists():
                 _stop_after_grace(processes)
                 raise _failure(workers, rank)
-            lost[rank] = code
-            log.warning("rank %d exited with code %d during the job; the others finish its "
-                        "work", rank, code)
+            else:
+                lost[rank] = code
+                log.warning("rank %d exited with code %d during the job; the others finish "
+                            "its work", rank, code)
         if all(p.exitcode is not None for p in processes):
             break
         writer_mark = started / "rank0"
         if writer_done is None and processes[0].exitcode is None and writer_mark.exists() and \
-                not (started / "done").exists() and \
                 time.time() - writer_mark.stat().st_mtime > timeout_s:
             _stop(workers)  # SIGKILL reaches a frozen process; SIGTERM would wait
             raise RuntimeError(f"distributed upscale failed: rank 0 (the writer) has shown no "
                                f"sign of life for dist_timeout ({timeout_s:g}s): frozen or hung")
-        if writer_done is None and (processes[0].exitcode == 0 or (started / "done").exists()):
-            writer_done = time.monotonic()
         if writer_done is not None and time.monotonic() - writer_done > timeout_s:
             stuck = [r for r, p in enumerate(processes) if p.is_alive()]
             log.warning("rank(s) %s did not exit within dist_timeout (%gs) of the finished "
                         "output; stopped", stuck, timeout_s)
             break
         multiprocessing.connection.wait([p.sentinel for p in processes if p.is_alive()], 0.2)
-    lost.pop(0, None)  # the writer failed only after its output was complete
     if lost:
         log.warning("the job finished without rank(s) %s: every frame was computed by the "
                     "others and is written", ", ".join(map(str, sorted(lost))))
