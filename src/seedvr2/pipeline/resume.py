@@ -273,10 +273,10 @@ class ResumeState:
 def open_resume_state(reader, dst, opts, plan: BatchPlan, size, bit_depth: int, codec: str,
                       dit, vae, model_dir, compute_dtype: torch.dtype) -> Optional[ResumeState]:
     """The resume journal of this job, or None when the job is written directly: a plan of
-    one segment, a single image, or a video made from images without a rate. ``opts`` are the job's
-    options as the caller gave them (one process or several: the same journal), models are
-    named by content whether given loaded or by file, and ``compute_dtype`` is the precision
-    ``dtype`` resolved to on this device (``auto`` differs between GPUs)."""
+    one segment, a single image, or a video made from images without a rate. ``opts`` are
+    the job's options as the caller gave them (one process or several: the same journal),
+    models are named by content whether given loaded or by file, and ``compute_dtype`` is
+    the precision ``dtype`` resolved to on this device (``auto`` differs between GPUs)."""
     from ..loading.registry import DEFAULT_DIT, DEFAULT_VAE, resolve_model_file
     from .identity import model_digest, source_digest
     from .setup import VIDEO_SUFFIXES
