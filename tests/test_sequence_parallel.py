@@ -5,7 +5,8 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -34,12 +35,6 @@ def test_sharded_packing_gives_own_rows_of_per_token_values():
                                  rows=(start, end))
         assert torch.equal(sharded.per_token(values, "vid"), full[start:end])
         assert torch.equal(sharded.per_token(values, "txt"), packing.per_token(values, "txt"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _inputs(case: dict) -> tuple:
@@ -71,7 +66,14 @@ def _six_head_dit(family: str):
     return model.eval()
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str):
+# How long a rank waits for a peer before gloo gives up. The ranks share the machine's cores
+# (3 ranks on 2 cores in CI, beside the pytest process), and before the first exchange each
+# rank imports torch and computes its own single-process reference: a peer can lag by tens of
+# seconds there, so 10 s (as before) was tight. A real hang still ends the test in 2 minutes.
+PEER_TIMEOUT = datetime.timedelta(seconds=120)
+
+
+def _worker(rank: int, world: int, out_dir: str):
     import torch.distributed as dist
 
     from seedvr2.distributed.sequence import (sequence_group, sequence_parallel,
@@ -79,9 +81,11 @@ def _worker(rank: int, world: int, port: int, out_dir: str):
     from seedvr2.loading import load_dit
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=10))
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    # Rendezvous through a file in the test's own folder: a port picked free beforehand can be
+    # taken by another process (a leftover worker of an earlier test) before rank 0 binds it.
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
+                            world_size=world, timeout=PEER_TIMEOUT)
     results = {}
     try:
         root = conformance_dir()
@@ -128,15 +132,34 @@ def _worker(rank: int, world: int, port: int, out_dir: str):
                 # Sharded attention sums the same terms in another order: conftest.dit_bound.
                 results[f"{family}/{name}"] = ((out - reference).abs().max().item(),
                                                dit_bound(model, case, reference))
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.barrier()  # no rank closes its connections while a peer still exchanges
     finally:
         dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+    Path(out_dir, f"rank{rank}.left").touch()
+
+
+def _spawn(world: int, out_dir: Path):
+    """Runs the ranks. A rank killed by a signal after it wrote its results and passed the final
+    barrier, but before it left the process group, crashed inside gloo's teardown (seen once in
+    CI: "terminate called without an active exception", SIGABRT; gloo's issue 155 describes
+    the race). That is torch's, not what this test checks: warned about, not failed. Any other
+    failure is raised."""
+    try:
+        mp.spawn(_worker, args=(world, str(out_dir)), nprocs=world, join=True)
+    except mp.ProcessExitedException as failure:
+        rank = failure.error_index
+        written = all((out_dir / f"rank{r}.json").exists() for r in range(world))
+        if failure.signal_name is None or not written or (out_dir / f"rank{rank}.left").exists():
+            raise
+        warnings.warn(f"rank {rank} ended by {failure.signal_name} while leaving the process "
+                      f"group, after every rank had finished: gloo teardown crash")
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_matches_single_process_forward(world, tmp_path, conformance):
-    mp.spawn(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    _spawn(world, tmp_path)
     for rank in range(world):
         diffs = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert len(diffs) == (12 if world == 2 else 4)
