@@ -111,6 +111,34 @@ def test_devices_option_errors():
     assert parse_devices("auto") == ["cpu"]
 
 
+def test_launcher_holds_the_rendezvous_port_while_the_job_runs():
+    """The launcher hosts the job's store on a port the OS gave it, before any worker starts:
+    no other process can take that port before rank 0 has started (it used to be picked free,
+    closed, and bound by rank 0 seconds later). Workers reach the store; it ends with the job."""
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    from seedvr2.distributed.launch import _hosted_store
+
+    def bind(port: int):
+        with socket.socket() as other:
+            # Connections closed by the store leave TIME_WAIT entries: they must not count.
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            other.bind(("127.0.0.1", port))
+
+    with _hosted_store(5.0) as port:
+        with pytest.raises(OSError, match="Address already in use"):
+            bind(port)
+        worker = dist.TCPStore("127.0.0.1", port, is_master=False,
+                               timeout=datetime.timedelta(seconds=5))
+        worker.set("rank1", "here")
+        assert worker.get("rank1") == b"here"
+        del worker
+    bind(port)  # the store has stopped listening
+
+
 # -- frames in memory (the ComfyUI node's path): shared memory in and out ---------------------
 
 @pytest.fixture(scope="module")

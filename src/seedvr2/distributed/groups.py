@@ -49,8 +49,9 @@ def _env_ranks() -> tuple[int, int, int]:
 
 def init_from_env(device_spec: str = "auto", timeout_s: float = 60.0,
                   rank: int | None = None, world_size: int | None = None,
-                  local_rank: int | None = None) -> DistContext:
-    """Join (or create) the default process group and pick this rank's device."""
+                  local_rank: int | None = None, store: dist.Store | None = None) -> DistContext:
+    """Join (or create) the default process group and pick this rank's device. The group
+    meets in ``store`` when given (our launcher's), else as torchrun or Slurm say."""
     env_rank, env_world, env_local = _env_ranks()
     rank = env_rank if rank is None else rank
     world_size = env_world if world_size is None else world_size
@@ -66,7 +67,7 @@ def init_from_env(device_spec: str = "auto", timeout_s: float = 60.0,
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
-                                store=_restart_store(timeout),
+                                store=store if store is not None else _restart_store(timeout),
                                 device_id=device if backend == "nccl" else None)
     return DistContext(rank, world_size, local_rank, device)
 

@@ -4,12 +4,12 @@ process per device on this machine, wired into one process group over the loopba
 from __future__ import annotations
 
 import contextlib
+import datetime
 import importlib
 import json
 import logging
 import multiprocessing.connection
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -17,6 +17,7 @@ import types
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from ..io.temporaries import remove_stale_temporaries
 from .groups import destroy, init_from_env
@@ -40,10 +41,19 @@ def parse_devices(spec: str) -> list[str]:
     return devices
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextlib.contextmanager
+def _hosted_store(timeout_s: float):
+    """The job's rendezvous store, hosted by the launcher for as long as the job runs; yields
+    its port, which the OS picked when the store bound it. Rank 0 used to bind a port picked
+    free beforehand, seconds later (once it had imported torch): another process could take
+    the port meanwhile. Hosted here, the store also outlives any rank (rank 0 hosting it took
+    it down, or froze it, with itself)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        yield store.port
+    finally:
+        del store  # the last reference: its server stops here, after the workers have ended
 
 
 def _log_like_parent(rank: int, level: int):
@@ -52,14 +62,15 @@ def _log_like_parent(rank: int, level: int):
 
 
 def _join_group(rank: int, devices: list[str], port: int, threads: int, timeout_s: float):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))  # _hosted_store's
     # Every rank is on this machine: gloo (the whole group on CPUs, the frame group on GPUs
     # too) connects over the loopback, whatever the host name resolves to.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if devices[rank] == "cpu":
         torch.set_num_threads(threads)
     return init_from_env(devices[rank], timeout_s, rank=rank, world_size=len(devices),
-                         local_rank=rank)
+                         local_rank=rank, store=store)
 
 
 WRITER_STATS = "writer.json"  # in the launch folder: the writer's JobStats for the summary
@@ -190,12 +201,14 @@ def spawn_file_job(device_list: list[str], src, dst, *args, stats=None, **kwargs
     """Run ``upscale_file`` over several local devices; raises naming the failed rank.
     ``stats`` (a ``JobStats``) is told the writer's frame and batch counts and the ranks the
     job went on without."""
-    with tempfile.TemporaryDirectory(prefix="seedvr2-ranks-") as started:
-        workers = _start(_file_worker, (device_list, _free_port(), _threads_per_rank(device_list),
+    timeout_s = float(kwargs.get("dist_timeout", 60.0))
+    with tempfile.TemporaryDirectory(prefix="seedvr2-ranks-") as started, \
+            _hosted_store(timeout_s) as port:
+        workers = _start(_file_worker, (device_list, port, _threads_per_rank(device_list),
                                         log.getEffectiveLevel(), (src, dst, *args), kwargs),
                          len(device_list), started)
         try:
-            lost = _join(workers, float(kwargs.get("dist_timeout", 60.0)), Path(started))
+            lost = _join(workers, timeout_s, Path(started))
         finally:
             _stop(workers)
             # Only now that no worker lives: a rank killed outright left its temporaries behind.
@@ -319,13 +332,15 @@ def spawn_tensor_job(device_list: list[str], frames: torch.Tensor, out_shape: tu
         relay()
         if should_stop is not None and not stop.is_set() and should_stop():
             stop.set()
-    with tempfile.TemporaryDirectory(prefix="seedvr2-ranks-") as started:
-        workers = _start(_tensor_worker, (device_list, _free_port(),
+    timeout_s = float(kwargs.get("dist_timeout", 60.0))
+    with tempfile.TemporaryDirectory(prefix="seedvr2-ranks-") as started, \
+            _hosted_store(timeout_s) as port:
+        workers = _start(_tensor_worker, (device_list, port,
                                           _threads_per_rank(device_list), frames, out,
                                           (dit, vae), events, stop, kwargs),
                          len(device_list), started)
         try:
-            _join(workers, float(kwargs.get("dist_timeout", 60.0)), Path(started), tick)
+            _join(workers, timeout_s, Path(started), tick)
         except RuntimeError:
             if stop.is_set():
                 raise Interrupted("upscaling interrupted") from None
