@@ -219,7 +219,7 @@ def test_impossible_sequence_parallel_is_refused_before_any_worker(
 
     def no_workers(*args, **kwargs):
         raise AssertionError("workers were started")
-    monkeypatch.setattr(launch, "_start", no_workers)
+    monkeypatch.setattr(launch, "_launched", no_workers)
     with pytest.raises(OptionError, match=message):
         seedvr2.upscale_file(clip, tmp_path / "out.mp4", **tiny_options, devices=devices,
                              sequence_parallel=k, batch_size=5)

@@ -177,24 +177,35 @@ def _spawnable():
             sys.path.remove(library_root)
 
 
-def _start(worker, args: tuple, nprocs: int, started: str):
-    """Spawn the workers; each marks itself in the folder ``started`` once the job can go on
-    without it (``job._mark_started``)."""
+@contextlib.contextmanager
+def _launched(worker, device_list: list[str], timeout_s: float, args: tuple):
+    """Spawn one ``worker(rank, device_list, port, threads, *args)`` per device; yields the
+    workers and the launch folder, in which each marks itself once the job can go on without
+    it (``job._mark_started``). On leaving, every worker has ended (:func:`_stop`), then the
+    store and the folder go."""
     import torch.multiprocessing as mp
 
     from .job import STARTED_ENV
 
-    previous = os.environ.get(STARTED_ENV)
-    os.environ[STARTED_ENV] = started  # the children's environment is ours at spawn
-    try:
-        with _spawnable():
-            return mp.start_processes(_WorkerFunction(worker.__name__), args=args,
-                                      nprocs=nprocs, join=False, start_method="spawn")
-    finally:
-        if previous is None:
-            os.environ.pop(STARTED_ENV, None)
-        else:
-            os.environ[STARTED_ENV] = previous
+    with tempfile.TemporaryDirectory(prefix="seedvr2-ranks-") as started, \
+            _hosted_store(timeout_s) as port:
+        previous = os.environ.get(STARTED_ENV)
+        os.environ[STARTED_ENV] = started  # the children's environment is ours at spawn
+        try:
+            with _spawnable():
+                workers = mp.start_processes(
+                    _WorkerFunction(worker.__name__),
+                    args=(device_list, port, _threads_per_rank(device_list), *args),
+                    nprocs=len(device_list), join=False, start_method="spawn")
+        finally:
+            if previous is None:
+                os.environ.pop(STARTED_ENV, None)
+            else:
+                os.environ[STARTED_ENV] = previous
+        try:
+            yield workers, Path(started)
+        finally:
+            _stop(workers)
 
 
 def spawn_file_job(device_list: list[str], src, dst, *args, stats=None, **kwargs) -> Path:
@@ -202,19 +213,16 @@ def spawn_file_job(device_list: list[str], src, dst, *args, stats=None, **kwargs
     ``stats`` (a ``JobStats``) is told the writer's frame and batch counts and the ranks the
     job went on without."""
     timeout_s = float(kwargs.get("dist_timeout", 60.0))
-    with tempfile.TemporaryDirectory(prefix="seedvr2-ranks-") as started, \
-            _hosted_store(timeout_s) as port:
-        workers = _start(_file_worker, (device_list, port, _threads_per_rank(device_list),
-                                        log.getEffectiveLevel(), (src, dst, *args), kwargs),
-                         len(device_list), started)
+    with _launched(_file_worker, device_list, timeout_s,
+                   (log.getEffectiveLevel(), (src, dst, *args), kwargs)) as (workers, started):
         try:
-            lost = _join(workers, timeout_s, Path(started))
+            lost = _join(workers, timeout_s, started)
         finally:
             _stop(workers)
             # Only now that no worker lives: a rank killed outright left its temporaries behind.
             remove_stale_temporaries(dst)
         if stats is not None:
-            written = Path(started, WRITER_STATS)
+            written = started / WRITER_STATS
             if written.is_file():
                 stats.__dict__.update(json.loads(written.read_text()))
             stats.ranks_lost = lost
@@ -333,19 +341,13 @@ def spawn_tensor_job(device_list: list[str], frames: torch.Tensor, out_shape: tu
         if should_stop is not None and not stop.is_set() and should_stop():
             stop.set()
     timeout_s = float(kwargs.get("dist_timeout", 60.0))
-    with tempfile.TemporaryDirectory(prefix="seedvr2-ranks-") as started, \
-            _hosted_store(timeout_s) as port:
-        workers = _start(_tensor_worker, (device_list, port,
-                                          _threads_per_rank(device_list), frames, out,
-                                          (dit, vae), events, stop, kwargs),
-                         len(device_list), started)
+    with _launched(_tensor_worker, device_list, timeout_s,
+                   (frames, out, (dit, vae), events, stop, kwargs)) as (workers, started):
         try:
-            _join(workers, timeout_s, Path(started), tick)
+            _join(workers, timeout_s, started, tick)
         except RuntimeError:
             if stop.is_set():
                 raise Interrupted("upscaling interrupted") from None
             raise
-        finally:
-            _stop(workers)
     relay()
     return out
