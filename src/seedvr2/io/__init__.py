@@ -15,6 +15,11 @@ processes them in chunks and writes results as they come. This package gives it 
 
 Design:
 
+* An animated WebP or PNG, or a multi-page TIFF, gives every frame (with each frame's
+  duration); written back to a format that animates (PNG, WebP, TIFF) it stays one
+  animated file with the same timing and loop count.
+* Frames come as stored; video outputs keep the source's rotation tag and pixel aspect,
+  image outputs are turned upright with square pixels.
 * Frames are numpy (H, W, C) arrays, C = 1 (gray), 3 (RGB) or 4 (RGBA), uint8 or uint16.
   Sources with more than 8 bits (10-bit video, 16-bit PNG/TIFF) arrive as uint16 scaled to
   the full 16-bit range; gray+alpha becomes RGBA. Frame ``i`` is the ``i``-th frame in
@@ -36,11 +41,12 @@ Design:
 
 from ._common import MediaError, MediaInfo
 from .audio import encode_audio
-from .reader import ImageReader, MediaReader, SequenceReader, VideoReader, open_media
+from .reader import (AnimationReader, ImageReader, MediaReader, SequenceReader, VideoReader,
+                     open_media)
 from .writer import ImageWriter, MediaWriter, SequenceWriter, VideoWriter, open_writer
 
 __all__ = [
     "MediaError", "MediaInfo", "encode_audio", "open_media", "open_writer",
-    "MediaReader", "VideoReader", "ImageReader", "SequenceReader",
+    "MediaReader", "VideoReader", "ImageReader", "AnimationReader", "SequenceReader",
     "MediaWriter", "VideoWriter", "ImageWriter", "SequenceWriter",
 ]

@@ -44,8 +44,17 @@ class MediaInfo:
     ``fps`` is an exact :class:`~fractions.Fraction` (e.g. 30000/1001) for videos, ``None`` for
     images and sequences (the files carry no rate). ``bit_depth`` is 8 or 16: sources with
     more than 8 bits (10-bit video, 16-bit PNG) are delivered as 16-bit frames.
-    ``rotation`` is the video's display rotation in degrees counter-clockwise (phone videos);
-    frames are delivered as stored and writers given ``like=`` tag the same rotation.
+    ``rotation`` is the video's display rotation in degrees counter-clockwise (phone videos),
+    ``mirrored`` whether the display matrix also flips it left-right after rotating, and
+    ``pixel_aspect`` the width : height of one stored pixel (anamorphic video: 2 shows 48x32
+    stored pixels as 96x32). Frames are delivered as stored; video writers given ``like=``
+    tag the same rotation, flip and pixel aspect, and image writers turn frames upright with
+    square pixels (:class:`DisplayTransform`).
+    ``kind`` ``"animation"`` is one image file holding several frames (animated WebP/PNG,
+    multi-page TIFF); ``frame_durations`` then holds how long each frame is shown (None for
+    TIFF pages, which have no timing) and ``loop`` how often it plays (0: forever), which
+    animated image outputs given ``like=`` reproduce. Animations with a timing also have
+    ``fps`` (and ``frame_times`` when the durations differ), so video outputs keep it.
     """
 
     kind: str
@@ -65,6 +74,10 @@ class MediaInfo:
     # (2, "subtitle", "subrip"). Video writers copy the subtitles their container can hold
     # and name everything else they leave out.
     other_streams: tuple[tuple[int, str, str], ...] = ()
+    mirrored: bool = False
+    pixel_aspect: Fraction = Fraction(1)
+    frame_durations: tuple[Fraction, ...] | None = field(default=None, repr=False)
+    loop: int | None = None
 
     @property
     def dtype(self) -> np.dtype:
@@ -79,6 +92,70 @@ class MediaInfo:
                 if len(self.frame_times) > 1 else (1 / self.fps if self.fps else 0)
             return float(self.frame_times[-1] + last_interval)
         return float(self.frame_count / self.fps) if self.fps else None
+
+
+@dataclass(frozen=True)
+class DisplayTransform:
+    """How stored frames are shown: scaled to square pixels, rotated counter-clockwise by
+    ``rotation`` degrees (a multiple of 90), then flipped left-right if ``mirrored``.
+
+    Image files have no rotation tag or pixel aspect, so image writers apply this to every
+    frame: a portrait phone video gives portrait PNGs, an anamorphic one undistorted PNGs.
+    Square pixels are reached by enlarging the short side of a pixel, never by shrinking,
+    so no upscaled detail is thrown away.
+    """
+
+    rotation: int = 0
+    mirrored: bool = False
+    pixel_aspect: Fraction = Fraction(1)
+
+    @classmethod
+    def of(cls, info: MediaInfo | None) -> DisplayTransform | None:
+        """The transform of ``info``'s source, or None when frames are shown as stored."""
+        if info is None or (not info.rotation % 360 and not info.mirrored
+                            and info.pixel_aspect == 1):
+            return None
+        return cls(info.rotation % 360, info.mirrored, info.pixel_aspect)
+
+    def size(self, width: int, height: int) -> tuple[int, int]:
+        """(width, height) of a ``width`` x ``height`` stored frame as shown."""
+        width, height = self._square(width, height)
+        return (height, width) if self.rotation in (90, 270) else (width, height)
+
+    def apply(self, frame: np.ndarray) -> np.ndarray:
+        """The (H, W, C) stored ``frame`` as shown."""
+        height, width = frame.shape[:2]
+        if self.pixel_aspect != 1:
+            frame = resize(frame, *self._square(width, height))
+        frame = np.rot90(frame, self.rotation // 90)  # rot90 turns counter-clockwise
+        if self.mirrored:
+            frame = frame[:, ::-1]
+        return np.ascontiguousarray(frame)
+
+    def _square(self, width: int, height: int) -> tuple[int, int]:
+        if self.pixel_aspect > 1:
+            return max(1, round(width * self.pixel_aspect)), height
+        if self.pixel_aspect < 1:
+            return width, max(1, round(height / self.pixel_aspect))
+        return width, height
+
+
+# FFmpeg pixel formats of (H, W, C) frames, by (channels, bit depth).
+ARRAY_FORMATS = {(1, 8): "gray", (3, 8): "rgb24", (4, 8): "rgba",
+                 (1, 16): "gray16le", (3, 16): "rgb48le", (4, 16): "rgba64le"}
+
+
+def resize(frame: np.ndarray, width: int, height: int) -> np.ndarray:
+    """``frame`` resampled to ``width`` x ``height`` (Lanczos, FFmpeg's swscale: it handles
+    every channel count at 8 and 16 bits, which Pillow does not)."""
+    from av import VideoFrame
+
+    channels = frame.shape[2]
+    fmt = ARRAY_FORMATS[channels, 16 if frame.dtype == np.uint16 else 8]
+    picture = VideoFrame.from_ndarray(
+        np.ascontiguousarray(frame[:, :, 0] if channels == 1 else frame), format=fmt)
+    array = picture.reformat(width=width, height=height, interpolation="LANCZOS").to_ndarray()
+    return array[:, :, None] if array.ndim == 2 else array
 
 
 def sniff_image(path: Path) -> str | None:

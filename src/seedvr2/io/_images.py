@@ -46,6 +46,7 @@ class ImageProbe:
     decoder: str
     mode: str  # Pillow mode or "png16"/"tiff16": compared across a sequence's files
     fmt: str  # Pillow format name from the file's signature
+    frames: int = 1  # more than one: an animated WebP/PNG or a multi-page TIFF
 
 
 def probe_image(path: Path, fmt: str) -> ImageProbe:
@@ -61,7 +62,7 @@ def probe_image(path: Path, fmt: str) -> ImageProbe:
             if colour not in _PNG_COLOUR_CHANNELS:
                 raise MediaError(f"{path}: corrupt PNG (colour type {colour})")
             return ImageProbe(width, height, _PNG_COLOUR_CHANNELS[colour], 16, "png", "png16",
-                              fmt)
+                              fmt, _apng_frames(path))
     from PIL import Image
 
     try:
@@ -72,19 +73,157 @@ def probe_image(path: Path, fmt: str) -> ImageProbe:
             # PNG keeps EXIF after the pixels, so asking for it decodes the whole image: too slow
             # for probing long sequences, and PNGs with an orientation tag are rare.
             orientation = im.getexif().get(_EXIF_ORIENTATION, 1) if fmt != "PNG" else 1
+            frames = getattr(im, "n_frames", 1)
     except Exception as e:  # Pillow raises several types for broken headers
         raise MediaError(f"{path}: cannot read image: {e}") from e
     if fmt == "TIFF" and max(bits) > 8 and len(bits) >= 3:
-        return ImageProbe(width, height, min(len(bits), 4), 16, "tiff", "tiff16", fmt)
+        return ImageProbe(width, height, min(len(bits), 4), 16, "tiff", "tiff16", fmt, frames)
     if orientation in (5, 6, 7, 8):  # 90-degree EXIF rotations swap the displayed size
         width, height = height, width
     if mode == "P":
-        return ImageProbe(width, height, 4 if transparent else 3, 8, "pillow", mode, fmt)
+        return ImageProbe(width, height, 4 if transparent else 3, 8, "pillow", mode, fmt,
+                          frames)
     if mode not in _PIL_MODES:
         raise MediaError(f"{path}: unsupported image mode {mode!r} "
                          f"(supported: gray, gray+alpha, RGB, RGBA, CMYK at 8 or 16 bits)")
     _, channels, depth = _PIL_MODES[mode]
-    return ImageProbe(width, height, channels, depth, "pillow", mode, fmt)
+    return ImageProbe(width, height, channels, depth, "pillow", mode, fmt, frames)
+
+
+def _apng_frames(path: Path) -> int:
+    """Frames of a PNG: the animation control chunk's count (APNG), else 1. The chunk must
+    come before the image data, so only the header chunks are read."""
+    with open(path, "rb") as f:
+        f.seek(8)
+        while True:
+            head = f.read(8)
+            if len(head) < 8:
+                return 1
+            length, kind = struct.unpack(">I4s", head)
+            if kind == b"acTL":
+                count = f.read(4)
+                return max(1, struct.unpack(">I", count)[0]) if len(count) == 4 else 1
+            if kind == b"IDAT":
+                return 1
+            f.seek(length + 4, 1)  # data and CRC
+
+
+@dataclass(frozen=True)
+class AnimationScan:
+    """What decoding every frame of an animated image found (see :func:`scan_animation`)."""
+
+    width: int
+    height: int
+    channels: int
+    durations: tuple | None  # seconds (Fractions) per frame; None: the format has no timing
+    loop: int | None  # plays this many times, 0 forever; None: the format has no loop count
+
+
+# EXIF orientation -> Pillow transpose method name, to turn the picture upright.
+_EXIF_TRANSPOSE = {2: "FLIP_LEFT_RIGHT", 3: "ROTATE_180", 4: "FLIP_TOP_BOTTOM", 5: "TRANSPOSE",
+                   6: "ROTATE_270", 7: "TRANSVERSE", 8: "ROTATE_90"}
+_MODE_OF_CHANNELS = {1: "L", 3: "RGB", 4: "RGBA"}
+
+
+def scan_animation(path: Path, probe: ImageProbe) -> AnimationScan:
+    """Decode every frame of a multi-frame image once: a damaged frame, pages of different
+    sizes and 16-bit pages are refused here, before any work; each frame's duration and
+    the widest channel layout of all frames (one RGBA frame makes every frame RGBA) are
+    learned."""
+    from fractions import Fraction
+
+    from PIL import Image
+
+    what = "multi-page TIFF" if probe.fmt == "TIFF" else f"animated {probe.fmt}"
+    if probe.bit_depth == 16:
+        raise MediaError(f"{path}: a 16-bit {what} can't be read at full precision (its "
+                         f"frames would be cut to 8 bits); save the frames as 16-bit PNG "
+                         f"files and pass the folder")
+    channels, durations, size = 1, [], None
+    try:
+        with Image.open(path) as im:
+            loop = im.info.get("loop")
+            for index in range(probe.frames):
+                im.seek(index)
+                im.load()  # WebP sets a frame's duration only once it is decoded
+                if size is None:
+                    size = im.size
+                elif im.size != size:
+                    raise MediaError(f"{path}: frame {index} of this {what} is "
+                                     f"{im.size[0]}x{im.size[1]}, frame 0 is "
+                                     f"{size[0]}x{size[1]}; every frame needs the same size")
+                mode = im.mode
+                if mode == "P":
+                    frame_channels = 4 if "transparency" in im.info else 3
+                elif mode in _PIL_MODES and _PIL_MODES[mode][2] == 8:
+                    frame_channels = _PIL_MODES[mode][1]
+                else:
+                    raise MediaError(f"{path}: frame {index} of this {what} has pixel mode "
+                                     f"{mode!r}; animations are read as 8-bit gray, RGB or RGBA")
+                channels = max(channels, frame_channels)
+                duration = im.info.get("duration")
+                durations.append(None if duration is None else
+                                 Fraction(duration).limit_denominator(1000) / 1000)
+    except MediaError:
+        raise
+    except Exception as e:  # Pillow raises several types for damaged frames
+        raise MediaError(f"{path}: cannot decode frame {len(durations)} of this {what}: "
+                         f"{e}") from e
+    timed = probe.fmt != "TIFF" and None not in durations
+    return AnimationScan(probe.width, probe.height, channels,
+                         tuple(durations) if timed else None,
+                         loop if timed and isinstance(loop, int) else None)
+
+
+def animation_frames(path: Path, probe: ImageProbe, channels: int, start: int,
+                     stop: int | None):
+    """Frames ``start`` .. ``stop - 1`` of a multi-frame image as (H, W, C) uint8 arrays,
+    one decoded at a time. Every frame is turned upright as the first one's EXIF says."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        turn = _EXIF_TRANSPOSE.get(im.getexif().get(_EXIF_ORIENTATION, 1)) \
+            if probe.fmt != "PNG" else None
+        for index in range(start, probe.frames if stop is None else min(stop, probe.frames)):
+            try:
+                im.seek(index)
+                frame = im.convert(_MODE_OF_CHANNELS[channels])
+            except Exception as e:  # noqa: BLE001 -- name the frame whatever went wrong
+                raise MediaError(f"{path}: cannot decode frame {index}: {e}") from e
+            if turn is not None:
+                frame = frame.transpose(getattr(Image.Transpose, turn))
+            array = np.array(frame)
+            yield array[:, :, None] if array.ndim == 2 else array
+
+
+def save_animation(path: Path, frames, fmt: str, durations, loop: int, quality: int) -> None:
+    """Write 8-bit (H, W, C) ``frames`` as one animated ``fmt`` file: an animated PNG or
+    WebP showing frame ``i`` for ``durations[i]`` seconds (whole milliseconds: what both
+    formats store here) and playing ``loop`` times (0: forever), or a multi-page TIFF (no
+    timing). Encoders merge a frame identical to the one before it into that one, shown
+    for both durations: the animation looks the same."""
+    from PIL import Image
+
+    from ._common import to_8bit
+
+    images = []
+    for frame in frames:
+        frame = to_8bit(frame)
+        if fmt == "WEBP" and frame.shape[2] == 1:
+            frame = np.repeat(frame, 3, axis=2)
+        images.append(Image.fromarray(frame[:, :, 0] if frame.shape[2] == 1 else frame))
+    options = {"save_all": True, "append_images": images[1:]}
+    timing = {"duration": [round(d * 1000) for d in durations], "loop": loop} \
+        if durations is not None else {}
+    if fmt == "PNG":
+        # Each frame replaces the last (no blending over it, which would mix the alpha of
+        # two frames), as decoded.
+        options.update(timing, compress_level=PNG_COMPRESS_LEVEL, disposal=0, blend=0)
+    elif fmt == "WEBP":
+        options.update(timing, quality=quality, method=4)
+    else:
+        options.update(compression="tiff_deflate")
+    images[0].save(path, format=fmt, **options)
 
 
 def load_image(path: Path, probe: ImageProbe) -> np.ndarray:

@@ -20,12 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ._common import IMAGE_EXTENSIONS, MediaError, MediaInfo, fspath, sniff_image
-from ._images import ImageProbe, load_image, probe_image
+from ._common import (ARRAY_FORMATS, IMAGE_EXTENSIONS, MediaError, MediaInfo, fspath,
+                      sniff_image)
+from ._images import ImageProbe, animation_frames, load_image, probe_image, scan_animation
 
-# (channels, bit depth) -> the FFmpeg pixel format we convert decoded video frames to.
-_ARRAY_FORMATS = {(1, 8): "gray", (3, 8): "rgb24", (4, 8): "rgba",
-                  (1, 16): "gray16le", (3, 16): "rgb48le", (4, 16): "rgba64le"}
 # printf-style frame number in a sequence pattern: %d, %5d, %05d.
 _PRINTF = re.compile(r"%(0?)(\d*)d")
 # Counting packets makes an inexact frame count exact; it reads the whole file, so only do it
@@ -75,7 +73,8 @@ def open_media(path) -> MediaReader:
     except OSError as e:
         raise MediaError(f"{p}: cannot read file: {e.strerror or e}") from e
     if fmt is not None:
-        return ImageReader(p, fmt)
+        probe = probe_image(p, fmt)
+        return AnimationReader(p, probe) if probe.frames > 1 else ImageReader(p, fmt, probe)
     if p.suffix.lower() not in IMAGE_EXTENSIONS:
         return VideoReader(p)
     # Named like an image but without an image's signature: most likely not an image at all
@@ -134,12 +133,13 @@ class MediaReader:
 class ImageReader(MediaReader):
     """One still image, decoded once at open (so a corrupt file fails before any work).
 
-    Animated PNG/WebP files give their first frame only (animated GIFs open as videos).
+    Image files with several frames are read by :class:`AnimationReader` (animated GIFs open
+    as videos).
     """
 
-    def __init__(self, path: Path, fmt: str):
+    def __init__(self, path: Path, fmt: str, probe: ImageProbe | None = None):
         self.path = path
-        probe = probe_image(path, fmt)
+        probe = probe or probe_image(path, fmt)
         self._image: np.ndarray | None = load_image(path, probe)
         height, width = self._image.shape[:2]
         self.info = MediaInfo(kind="image", path=str(path), frame_count=1, width=width,
@@ -158,6 +158,50 @@ class ImageReader(MediaReader):
         self._image = None
 
 
+class AnimationReader(MediaReader):
+    """Every frame of one animated WebP or PNG, or every page of a multi-page TIFF.
+
+    All frames are decoded once at open (a damaged frame or pages of different sizes fail
+    before any work, and each frame's duration is learned), then again one at a time as
+    they are read: a long animation is never held whole. ``info.kind`` is ``"animation"``;
+    see :class:`MediaInfo` for its timing.
+    """
+
+    def __init__(self, path: Path, probe: ImageProbe):
+        self.path = path
+        self._probe = probe
+        scan = scan_animation(path, probe)
+        fps, times = _animation_timing(scan.durations)
+        self.info = MediaInfo(kind="animation", path=str(path), frame_count=probe.frames,
+                              width=scan.width, height=scan.height, channels=scan.channels,
+                              bit_depth=8, fps=fps, codec=probe.fmt.lower(), frame_times=times,
+                              frame_durations=scan.durations, loop=scan.loop)
+        self._closed = False
+
+    def frames(self, start: int = 0, stop: int | None = None) -> Iterator[np.ndarray]:
+        self._check_range(start, stop)
+        if self._closed:
+            raise MediaError(f"{self.path}: reader is closed")
+        return animation_frames(self.path, self._probe, self.info.channels, start, stop)
+
+    def close(self) -> None:
+        self._closed = True
+
+
+def _animation_timing(durations) -> tuple[Fraction | None, tuple[Fraction, ...] | None]:
+    """(fps, frame_times) of an animation whose frames show for ``durations`` seconds: the
+    rate of its most common duration, and every frame's start time when they differ (so a
+    video output shows each frame as long as the animation does). No timing, or only
+    zero durations: no rate (a video output then needs one given)."""
+    shown = [d for d in durations or () if d > 0]
+    if not shown:
+        return None, None
+    nominal = max(set(shown), key=shown.count)
+    if all(d == nominal for d in durations):
+        return 1 / nominal, None
+    return 1 / nominal, tuple(itertools.accumulate(durations[:-1], initial=Fraction(0)))
+
+
 class SequenceReader(MediaReader):
     """Numbered images read in numeric order (``9.png`` before ``10.png``).
 
@@ -174,9 +218,9 @@ class SequenceReader(MediaReader):
         self.files = files
         first = files[0]
         self._fmt = _sniff_sequence_file(first)
-        self._probe = probe_image(first, self._fmt)
+        self._probe = _single_frame(first, probe_image(first, self._fmt))
         for f in files[1:]:
-            probe = probe_image(f, _sniff_sequence_file(f))
+            probe = _single_frame(f, probe_image(f, _sniff_sequence_file(f)))
             if _shape(probe) != _shape(self._probe):
                 raise MediaError(
                     f"{f}: {_describe(probe)} differs from the first frame {first.name} "
@@ -276,6 +320,15 @@ class SequenceReader(MediaReader):
             yield frame
 
 
+def _single_frame(f: Path, probe: ImageProbe) -> ImageProbe:
+    """``probe``, after refusing a file with several frames: a sequence image gives one."""
+    if probe.frames > 1:
+        raise MediaError(f"{f}: holds {probe.frames} frames (an animated or multi-page "
+                         f"image); the images of a sequence must have one frame each -- "
+                         f"upscale this file on its own")
+    return probe
+
+
 def _sniff_sequence_file(f: Path) -> str:
     try:
         fmt = sniff_image(f)
@@ -348,17 +401,19 @@ class VideoReader(MediaReader):
             if first is None:
                 raise MediaError(f"{path}: video stream has zero frames")
             channels, bit_depth = _pixel_layout(first.format)
-            self._array_format = _ARRAY_FORMATS[channels, bit_depth]
+            self._array_format = ARRAY_FORMATS[channels, bit_depth]
             self._time_base = stream.time_base
             self._first_pts = first.pts if first.pts is not None else 0
             self._src_colour = _source_colour_kwargs(first)
+            rotation, mirrored = _orientation(path, first)
             frame_count, exact = _estimate_frame_count(stream, container, fps)
             self._video_seconds = _video_duration(stream, container)
             self.info = MediaInfo(
                 kind="video", path=str(path), frame_count=frame_count, width=first.width,
                 height=first.height, channels=channels, bit_depth=bit_depth, fps=fps,
                 has_audio=bool(container.streams.audio), frame_count_exact=exact,
-                codec=stream.codec_context.name, rotation=int(round(first.rotation or 0)),
+                codec=stream.codec_context.name, rotation=rotation, mirrored=mirrored,
+                pixel_aspect=_pixel_aspect(stream),
                 other_streams=_other_streams(container, self._stream_index))
             # A timestamp-based frame index needs a constant rate; FFmpeg's r_frame_rate
             # (base_rate) differing from the average rate is the tell-tale of variable rate.
@@ -685,6 +740,41 @@ def _other_streams(container, video_index: int) -> tuple[tuple[int, str, str], .
         codec = codec or stream.metadata.get("handler_name") or "unknown codec"
         others.append((stream.index, stream.type, codec))
     return tuple(others)
+
+
+def _orientation(path: Path, frame) -> tuple[int, bool]:
+    """(rotation in degrees counter-clockwise, mirrored) from the frame's display matrix.
+
+    The rotation angle alone misreads a flip: FFmpeg reports a left-right mirror as a
+    180-degree turn. So the matrix is matched against the eight quarter-turn-and-mirror
+    matrices FFmpeg writes (``av_display_rotation_set``, then ``av_display_matrix_flip``
+    negating the first column), the same reading the ffmpeg tool's autorotation makes.
+    """
+    import struct
+
+    from av.sidedata.sidedata import Type
+
+    data = frame.side_data.get(Type.DISPLAYMATRIX)
+    if data is None:
+        return 0, False
+    a, b, _, c, d, *_ = struct.unpack("<9i", bytes(data)[:36])
+    unit = 1 << 16  # 16.16 fixed point
+    for turns in range(4):
+        cos, sin = ((1, 0), (0, 1), (-1, 0), (0, -1))[turns]
+        for mirrored in (False, True):
+            sign = -1 if mirrored else 1
+            if (a, b, c, d) == (sign * cos * unit, -sin * unit, sign * sin * unit, cos * unit):
+                return (turns * 90 + 180) % 360 - 180, mirrored
+    warnings.warn(f"{path}: the video's display matrix is not a quarter turn (rotation "
+                  f"{frame.rotation:.1f} degrees); image outputs show its frames as stored",
+                  stacklevel=3)
+    return 0, False
+
+
+def _pixel_aspect(stream) -> Fraction:
+    """Width : height of one stored pixel (1 when the video does not say)."""
+    ratio = stream.sample_aspect_ratio or stream.codec_context.sample_aspect_ratio
+    return Fraction(ratio) if ratio and ratio > 0 else Fraction(1)
 
 
 def _frame_rate(stream) -> Fraction | None:

@@ -29,8 +29,8 @@ import numpy as np
 
 from ..options import option_ref
 from .temporaries import hold, remove_stale_temporaries, temporary_path
-from ._common import (IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError, MediaInfo, as_fraction,
-                      check_frame, fspath, writable_folder)
+from ._common import (ARRAY_FORMATS, IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, DisplayTransform,
+                      MediaError, MediaInfo, as_fraction, check_frame, fspath, writable_folder)
 
 # Image formats we write (BMP is read only).
 _WRITE_IMAGE_FORMATS = {ext: fmt for ext, fmt in IMAGE_EXTENSIONS.items() if fmt != "BMP"}
@@ -54,15 +54,14 @@ _CODEC_ALIASES = {"h264": "h264", "avc": "h264", "libx264": "h264", "x264": "h26
 _MAX_CRF = {"h264": 51, "h265": 51, "vp9": 63}
 _PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow",
             "slower", "veryslow", "placebo")  # the same names in x264 and x265
-_ARRAY_FORMATS = {(1, 8): "gray", (3, 8): "rgb24", (4, 8): "rgba",
-                  (1, 16): "gray16le", (3, 16): "rgb48le", (4, 16): "rgba64le"}
 
 
 def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
                 height: int | None = None, channels: int | None = None,
                 bit_depth: int | None = None, fps=None, codec: str = "h264",
                 crf: int | None = None, preset: str | None = None, quality: int = 95,
-                audio_from=None, frame_times=None, overwrite: bool = False) -> MediaWriter:
+                audio_from=None, frame_times=None, overwrite: bool = False,
+                upright: bool = True) -> MediaWriter:
     """Open a writer for frames of ``height x width x channels`` at ``bit_depth`` bits.
 
     Any of ``width``, ``height``, ``channels``, ``bit_depth`` and ``fps`` left out is taken
@@ -97,8 +96,20 @@ def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
       frame is written, numbered siblings ``name_00000.png``, ``name_00001.png`` ... instead.
       PNG and TIFF keep 16 bits, gray and alpha; JPEG and WebP are 8-bit (``quality``),
       JPEG drops alpha (warned at open).
+      When ``like`` is an animation (:class:`MediaInfo` kind ``"animation"``), ``.png``,
+      ``.webp`` and ``.tif``/``.tiff`` write one animated file instead: an animated PNG or
+      WebP with ``like``'s frame durations and loop count (a source without durations
+      needs ``fps``), or a multi-page TIFF (TIFF stores no timing: warned when the source
+      had one); JPEG holds one frame, so it gets the numbered files, and a warning.
     * an existing folder, or a path ending in ``/`` -- a numbered PNG sequence inside it:
       ``00000.png``, ``00001.png`` ... (more digits when ``like.frame_count`` needs them).
+
+    Frames are written as stored in the source. Video outputs carry ``like``'s rotation
+    (and flip) and pixel aspect as tags; image outputs have neither, so each frame is turned
+    upright and scaled to square pixels (:class:`~seedvr2.io._common.DisplayTransform`) --
+    the image files are then larger than ``width`` x ``height`` for anamorphic sources.
+    ``upright=False`` writes images as stored instead, for intermediate files that are read
+    back and written again through a writer that turns them upright.
 
     Raises :class:`FileExistsError` when the output exists and ``overwrite`` is false, and
     :class:`MediaError` for everything else that can be known before writing.
@@ -122,8 +133,9 @@ def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
                   overwrite=overwrite)
     ext = path.suffix.lower()
     known = ext in VIDEO_EXTENSIONS or ext in _WRITE_IMAGE_FORMATS
+    display = DisplayTransform.of(like) if upright else None
     if text.endswith(("/", os.sep)) or (path.is_dir() and not known):
-        return SequenceWriter(path, expected_frames=expected, **common)
+        return SequenceWriter(path, expected_frames=expected, display=display, **common)
     if path.is_dir():
         raise MediaError(f"{path} is a folder; give a file name, or end the path with '/' "
                          f"to write a PNG sequence into the folder")
@@ -141,11 +153,13 @@ def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
         _warn_not_carried(path, like, audio is not None, {index for index, _ in subtitles})
         return VideoWriter(path, fps=as_fraction(fps), codec=codec, crf=crf, preset=preset,
                            audio_from=audio, subtitle_streams=[i for i, _ in subtitles],
-                           frame_times=frame_times,
-                           rotation=like.rotation if like is not None else 0, **common)
+                           frame_times=frame_times, display=DisplayTransform.of(like),
+                           **common)
     if ext in _WRITE_IMAGE_FORMATS:
-        _warn_not_carried(path, like, False, set())
-        return ImageWriter(path, quality=quality, expected_frames=expected, **common)
+        animation = _animation_of(path, like, fps)
+        _warn_not_carried(path, like, False, set(), animation)
+        return ImageWriter(path, quality=quality, expected_frames=expected, display=display,
+                           animation=animation, **common)
     raise MediaError(
         f"{path}: can't tell what to write from the extension {ext or '(none)'!r}; use a video "
         f"extension ({', '.join(VIDEO_EXTENSIONS)}), an image one "
@@ -175,12 +189,41 @@ def _copyable_subtitles(source: MediaInfo, ext: str) -> list[tuple[int, str]]:
             if kind == "subtitle" and codec in _SUBTITLE_CODECS.get(ext, ())]
 
 
+# Image formats that hold several frames in one file: PNG (APNG), WebP, TIFF (pages).
+_ANIMATED_FORMATS = {"PNG", "WEBP", "TIFF"}
+
+
+def _animation_of(path: Path, like: MediaInfo | None, fps) -> tuple | None:
+    """(frame durations or None, loop count) of the animated file ``path`` is written as, or
+    None when it gets one image per frame (the source is no animation, or JPEG)."""
+    fmt = _WRITE_IMAGE_FORMATS[path.suffix.lower()]
+    if like is None or like.kind != "animation" or fmt not in _ANIMATED_FORMATS:
+        return None
+    durations = like.frame_durations
+    if fmt == "TIFF":
+        return None, 0
+    if durations is None and fps is None:
+        raise MediaError(f"{path}: an animated {path.suffix[1:].upper()} needs a duration "
+                         f"for each frame and the pages of {like.path} have none; give a "
+                         f"frame rate, e.g. {option_ref('fps', 10)}, or write .tiff")
+    if durations is None:
+        durations = (1 / as_fraction(fps),) * like.frame_count
+    return durations, like.loop or 0
+
+
 def _warn_not_carried(path: Path, like: MediaInfo | None, audio_copied: bool,
-                      subtitles_copied: set[int]) -> None:
+                      subtitles_copied: set[int], animation: tuple | None = None) -> None:
     """One warning naming every stream of ``like``'s source that the output leaves out."""
     if like is None:
         return
     dropped = []
+    if like.kind == "animation" and path.suffix.lower() in _WRITE_IMAGE_FORMATS:
+        if animation is None:
+            dropped.append(f"its animation ({path.suffix} holds one frame: the frames become "
+                           f"numbered files; write .png, .webp or a video to keep it)")
+        elif animation[0] is None and like.frame_durations is not None:
+            dropped.append("its frame durations (TIFF pages have no timing; write .png, .webp "
+                           "or a video to keep them)")
     if like.has_audio and not audio_copied:
         dropped.append("its audio (images hold none; write a video to keep it)"
                        if path.suffix.lower() not in VIDEO_EXTENSIONS else "its audio")
@@ -406,7 +449,7 @@ class VideoWriter(MediaWriter):
 
     def __init__(self, path: Path, *, fps: Fraction, codec: str, crf: int | None = None,
                  preset: str | None = None, audio_from=None, subtitle_streams=(),
-                 frame_times=None, rotation: int = 0, **common):
+                 frame_times=None, display: DisplayTransform | None = None, **common):
         import av
 
         super().__init__(path, **common)
@@ -465,8 +508,12 @@ class VideoWriter(MediaWriter):
             # Tag BT.709 limited range: the matrix _write converts with, so players agree.
             cc = stream.codec_context
             cc.colorspace, cc.color_primaries, cc.color_trc, cc.color_range = 1, 1, 1, 1
-            if rotation:
-                stream.set_display_rotation(rotation)
+            # The source's orientation and pixel shape travel as tags: players apply them,
+            # and the frames stay as stored (no resampling of a video).
+            if display is not None and (display.rotation or display.mirrored):
+                stream.set_display_rotation(display.rotation, hflip=display.mirrored)
+            if display is not None and display.pixel_aspect != 1:
+                cc.sample_aspect_ratio = display.pixel_aspect
             self._stream = stream
             # One swscale context for all frames (frame.reformat() would make one per frame).
             self._reformatter = av.video.reformatter.VideoReformatter()
@@ -498,7 +545,7 @@ class VideoWriter(MediaWriter):
         channels = self.channels if keep_alpha else min(self.channels, 3)
         picture = av.VideoFrame.from_ndarray(
             np.ascontiguousarray(frame[:, :, 0] if channels == 1 else frame),
-            format=_ARRAY_FORMATS[channels, self.bit_depth])
+            format=ARRAY_FORMATS[channels, self.bit_depth])
         # Convert to YUV ourselves with the BT.709 matrix the stream is tagged with; the
         # encoder's own conversion would use BT.601 and shift colours.
         picture = self._reformatter.reformat(
@@ -666,30 +713,48 @@ class _ImageFilesWriter(MediaWriter):
         self._temp = temp
         self._hold_temp()
 
+    _display: DisplayTransform | None = None
+
     def _frame_file(self, index: int) -> Path:
         return self._temp / f"{index:0{self._digits}d}{self._ext}"
 
     def _write(self, frame: np.ndarray) -> None:
         from ._images import save_image
 
+        if self._display is not None:
+            frame = self._display.apply(frame)
         save_image(self._frame_file(self.frames_written), frame, self._fmt, self._quality)
 
 
 class ImageWriter(_ImageFilesWriter):
-    """One image at ``path``, or ``stem_00000.ext``... next to it if several frames come."""
+    """One image at ``path``, or ``stem_00000.ext``... next to it if several frames come; or,
+    given ``animation`` (frame durations or None, loop count), one animated file of them all.
 
-    def __init__(self, path: Path, *, quality: int, expected_frames: int | None, **common):
+    The frames of an animation wait in the partial folder as PNGs (lossless) and are
+    encoded into the animated file at close: PNG, WebP and TIFF encoders take every frame
+    at once."""
+
+    def __init__(self, path: Path, *, quality: int, expected_frames: int | None,
+                 display: DisplayTransform | None = None, animation: tuple | None = None,
+                 **common):
         super().__init__(path, **common)
         self._ext = path.suffix
         self._fmt = _WRITE_IMAGE_FORMATS[path.suffix.lower()]
         self._quality = quality
+        self._display = display
+        self._animation = animation
+        if animation is not None:
+            self._ext, self._fmt = ".png", "PNG"  # the waiting frames
+            expected_frames = None  # one file: only ``path`` must be free
         self._digits = max(5, len(str((expected_frames or 1) - 1)))
-        if self.channels == 4 and self._fmt == "JPEG":
+        if self.channels == 4 and path.suffix.lower() in (".jpg", ".jpeg"):
             warnings.warn(f"{path}: JPEG has no alpha channel; alpha is dropped (use .png or "
                           f".webp to keep it)", stacklevel=3)
-        if self.bit_depth == 16 and self._fmt in ("JPEG", "WEBP"):
-            warnings.warn(f"{path}: {self._fmt} is 8-bit; 16-bit frames are rounded to 8 bits "
-                          f"(use .png or .tiff to keep 16 bits)", stacklevel=3)
+        final_fmt = _WRITE_IMAGE_FORMATS[path.suffix.lower()]
+        if self.bit_depth == 16 and (final_fmt in ("JPEG", "WEBP") or animation is not None):
+            what = "an animation" if animation is not None else final_fmt
+            warnings.warn(f"{path}: {what} is 8-bit here; 16-bit frames are rounded to 8 bits "
+                          f"(use single .png or .tiff files to keep 16 bits)", stacklevel=3)
         if expected_frames is not None and expected_frames > 1:
             # Every name, now: finding o_00003.png taken only at the end would waste the run.
             for index in range(expected_frames):
@@ -703,6 +768,11 @@ class ImageWriter(_ImageFilesWriter):
         return self.path.with_name(f"{self.path.stem}_{index:0{self._digits}d}{self._ext}")
 
     def _finish(self) -> None:
+        if self._animation is not None and self.frames_written > 1:
+            self._finish_animation()
+            return
+        if self._animation is not None:  # one frame: a still image of the final format
+            self._convert_waiting_frame()
         self._state = "kept"
         if self.frames_written == 1:
             self._place(self._frame_file(0), self.path)
@@ -720,6 +790,41 @@ class ImageWriter(_ImageFilesWriter):
         self._temp.rmdir()
 
 
+    def _waiting_frames(self):
+        from .reader import open_media
+
+        for index in range(self.frames_written):
+            with open_media(self._frame_file(index)) as image:
+                yield from image.frames()
+
+    def _finish_animation(self) -> None:
+        from ._images import save_animation
+
+        durations, loop = self._animation
+        if durations is not None:  # as many as frames were written
+            durations = (tuple(durations) + durations[-1:] * self.frames_written)[
+                :self.frames_written]
+        final_fmt = _WRITE_IMAGE_FORMATS[self.path.suffix.lower()]
+        animated = self._temp / f"animation{self.path.suffix}"
+        save_animation(animated, self._waiting_frames(), final_fmt, durations, loop,
+                       self._quality)
+        self._state = "kept"
+        self._place(animated, self.path)
+        for index in range(self.frames_written):
+            self._frame_file(index).unlink()
+        self._temp.rmdir()
+
+    def _convert_waiting_frame(self) -> None:
+        from ._images import save_image
+
+        waiting = self._frame_file(0)
+        frame = next(self._waiting_frames())
+        waiting.unlink()
+        self._ext = self.path.suffix
+        save_image(self._frame_file(0), frame, _WRITE_IMAGE_FORMATS[self._ext.lower()],
+                   self._quality)
+
+
 class SequenceWriter(_ImageFilesWriter):
     """Numbered PNGs (``00000.png``...) in the folder ``path``.
 
@@ -732,8 +837,10 @@ class SequenceWriter(_ImageFilesWriter):
 
     _fmt, _ext = "PNG", ".png"
 
-    def __init__(self, path: Path, *, expected_frames: int | None, **common):
+    def __init__(self, path: Path, *, expected_frames: int | None,
+                 display: DisplayTransform | None = None, **common):
         super().__init__(path, **common)
+        self._display = display
         self._digits = max(5, len(str((expected_frames or 1) - 1)))
         if path.exists() and not path.is_dir():
             raise MediaError(f"{path} exists and is not a folder; a frame sequence needs one")

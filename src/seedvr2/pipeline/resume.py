@@ -396,8 +396,10 @@ def _write_segment(segment: Segment, outputs, blender, state: ResumeState, *, in
     path = state.segment_path(segment)
     target = str(path) if video else f"{path}/"
     channels = info.channels
+    # Image segments stay as stored: the final writer turns them upright (rotation, pixel
+    # aspect) when it reads them back; video segments carry the tags either way.
     kwargs = dict(like=info, width=size[1], height=size[0], channels=channels,
-                  bit_depth=bit_depth, overwrite=True)
+                  bit_depth=bit_depth, overwrite=True, upright=False)
     if video:
         kwargs.update(codec=codec)
         if info.frame_times:  # variable rate: this segment's frames at their own times
