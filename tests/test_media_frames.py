@@ -334,15 +334,18 @@ def test_pixel_aspect_is_kept_in_videos_and_squared_in_images(tmp_path, pixel_as
         assert np.array_equal(result, np.repeat(stored[0][:, :1], shown[0], axis=1))
 
 
-def test_cli_anamorphic_video_keeps_its_shape(tiny_options, tmp_path):
-    _video(tmp_path / "wide.mkv", [_rows_only() for _ in range(5)], pixel_aspect=Fraction(2))
+def test_cli_anamorphic_video_keeps_its_shape(tiny_options, tmp_path, monkeypatch):
+    """Also through resume segments, which are joined (video) or read back (images)."""
+    _video(tmp_path / "wide.mkv", [_rows_only() for _ in range(10)], pixel_aspect=Fraction(2))
+    monkeypatch.setenv("SEEDVR2_SEGMENT_FRAMES", "5")
     assert main(_cli_args(tiny_options, str(tmp_path / "wide.mkv"))) == 0
     video = open_media(tmp_path / "wide_seedvr2_32p.mkv").info
-    assert (video.pixel_aspect, video.width, video.height) == (2, 48, 32)
+    assert (video.pixel_aspect, video.width, video.height, video.frame_count) == \
+        (2, 48, 32, 10)
     assert main(_cli_args(tiny_options, str(tmp_path / "wide.mkv"), "-o",
                           f"{tmp_path / 'frames'}/")) == 0
     frames = open_media(tmp_path / "frames").info
-    assert (frames.width, frames.height) == (96, 32)
+    assert (frames.width, frames.height, frames.frame_count) == (96, 32, 10)
 
 
 def test_image_writer_left_as_stored_when_asked(tmp_path):

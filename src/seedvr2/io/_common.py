@@ -87,6 +87,8 @@ class MediaInfo:
     @property
     def duration(self) -> float | None:
         """Seconds of video (frame_count / fps), or None without a frame rate."""
+        if self.frame_durations and self.fps:
+            return float(sum(self.frame_durations))
         if self.frame_times:
             last_interval = self.frame_times[-1] - self.frame_times[-2] \
                 if len(self.frame_times) > 1 else (1 / self.fps if self.fps else 0)

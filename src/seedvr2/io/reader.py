@@ -1,4 +1,5 @@
-"""Readers: a video, a single image or a numbered image sequence, all as a stream of frames.
+"""Readers: a video, an image (one frame, or an animation's every frame) or a numbered image
+sequence, all as a stream of frames.
 
 :func:`open_media` picks the reader. Every reader has ``.info`` (a :class:`MediaInfo`) and
 ``.frames(start=0, stop=None)``, an iterator of (H, W, C) uint8/uint16 numpy arrays, and is a
@@ -51,7 +52,7 @@ def open_media(path) -> MediaReader:
 
     The kind is decided by content: a folder or a pattern is a sequence; a file whose first
     bytes are a PNG/JPEG/WebP/TIFF/BMP signature is a single image (read with Pillow, or FFmpeg
-    for 16-bit colour); anything else is handed to FFmpeg as a video. A glob such as
+    for 16-bit colour), or an animation when it holds several frames; anything else is handed to FFmpeg as a video. A glob such as
     ``f/*.png`` also works as a sequence. Raises :class:`MediaError` naming the path when it is
     missing, unreadable, empty, or not something we can decode.
     """
@@ -754,8 +755,9 @@ def _orientation(path: Path, frame) -> tuple[int, bool]:
 
     from av.sidedata.sidedata import Type
 
+    # FFmpeg 7 and later put the stream's display matrix on every decoded frame.
     data = frame.side_data.get(Type.DISPLAYMATRIX)
-    if data is None:
+    if data is None or len(bytes(data)) < 36:
         return 0, False
     a, b, _, c, d, *_ = struct.unpack("<9i", bytes(data)[:36])
     unit = 1 << 16  # 16.16 fixed point

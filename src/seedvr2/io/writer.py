@@ -510,8 +510,10 @@ class VideoWriter(MediaWriter):
             cc.colorspace, cc.color_primaries, cc.color_trc, cc.color_range = 1, 1, 1, 1
             # The source's orientation and pixel shape travel as tags: players apply them,
             # and the frames stay as stored (no resampling of a video).
-            if display is not None and (display.rotation or display.mirrored):
-                stream.set_display_rotation(display.rotation, hflip=display.mirrored)
+            if display is not None and display.mirrored:
+                stream.set_display_rotation(display.rotation, hflip=True)
+            elif display is not None and display.rotation:
+                stream.set_display_rotation(display.rotation)
             if display is not None and display.pixel_aspect != 1:
                 cc.sample_aspect_ratio = display.pixel_aspect
             self._stream = stream
