@@ -20,6 +20,8 @@ from PIL import Image
 from seedvr2.cli import main
 from seedvr2.io import MediaError, MediaInfo, open_media, open_writer
 
+from conftest import make_clip
+
 DURATIONS_MS = [40, 80, 120, 40, 200]
 LOOP = 3
 
@@ -148,7 +150,14 @@ def test_an_animation_into_jpeg_names_what_is_lost(tmp_path):
                                                              for i in range(5)]
     assert str(caught[0].message) == (
         f"{tmp_path / 'out.jpg'}: not carried over from {src}: its animation (.jpg holds one "
-        f"frame: the frames become numbered files; write .png, .webp or a video to keep it)")
+        f"frame: numbered frames without their timing; write .png, .webp or a video to keep "
+        f"it)")
+
+    with open_media(src) as reader, pytest.warns(UserWarning) as caught:
+        open_writer(f"{tmp_path / 'frames'}/", like=reader.info).abort()
+    assert [str(w.message) for w in caught] == [
+        f"{tmp_path / 'frames'}: not carried over from {src}: its animation (a folder holds "
+        f"numbered frames without their timing; write .png, .webp or a video to keep it)"]
 
 
 def test_untimed_pages_into_a_timed_animation_need_a_rate(tmp_path):
@@ -361,3 +370,13 @@ def test_image_writer_left_as_stored_when_asked(tmp_path):
         writer.write(frame)
     assert np.array_equal(next(iter(open_media(tmp_path / "shown").frames())),
                           np.rot90(frame, 1))
+
+
+def test_a_png_folder_names_the_audio_it_leaves_out(tmp_path):
+    """Folder outputs used to skip the warning single images give."""
+    make_clip(tmp_path / "sound.mp4", frames=2)
+    with open_media(tmp_path / "sound.mp4") as reader, pytest.warns(UserWarning) as caught:
+        open_writer(f"{tmp_path / 'frames'}/", like=reader.info).abort()
+    assert [str(w.message) for w in caught] == [
+        f"{tmp_path / 'frames'}: not carried over from {tmp_path / 'sound.mp4'}: its audio "
+        f"(images hold none; write a video to keep it)"]

@@ -177,16 +177,20 @@ class AnimationReader(MediaReader):
                               width=scan.width, height=scan.height, channels=scan.channels,
                               bit_depth=8, fps=fps, codec=probe.fmt.lower(), frame_times=times,
                               frame_durations=scan.durations, loop=scan.loop)
-        self._closed = False
+        self._iterators: weakref.WeakSet | None = weakref.WeakSet()
 
     def frames(self, start: int = 0, stop: int | None = None) -> Iterator[np.ndarray]:
         self._check_range(start, stop)
-        if self._closed:
+        if self._iterators is None:
             raise MediaError(f"{self.path}: reader is closed")
-        return animation_frames(self.path, self._probe, self.info.channels, start, stop)
+        iterator = animation_frames(self.path, self._probe, self.info.channels, start, stop)
+        self._iterators.add(iterator)
+        return iterator
 
     def close(self) -> None:
-        self._closed = True
+        for iterator in list(self._iterators or ()):
+            iterator.close()  # closes its file
+        self._iterators = None
 
 
 def _animation_timing(durations) -> tuple[Fraction | None, tuple[Fraction, ...] | None]:

@@ -135,6 +135,7 @@ def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
     known = ext in VIDEO_EXTENSIONS or ext in _WRITE_IMAGE_FORMATS
     display = DisplayTransform.of(like) if upright else None
     if text.endswith(("/", os.sep)) or (path.is_dir() and not known):
+        _warn_not_carried(path, like, False, set(), folder=True)
         return SequenceWriter(path, expected_frames=expected, display=display, **common)
     if path.is_dir():
         raise MediaError(f"{path} is a folder; give a file name, or end the path with '/' "
@@ -212,27 +213,30 @@ def _animation_of(path: Path, like: MediaInfo | None, fps) -> tuple | None:
 
 
 def _warn_not_carried(path: Path, like: MediaInfo | None, audio_copied: bool,
-                      subtitles_copied: set[int], animation: tuple | None = None) -> None:
-    """One warning naming every stream of ``like``'s source that the output leaves out."""
+                      subtitles_copied: set[int], animation: tuple | None = None,
+                      folder: bool = False) -> None:
+    """One warning naming every stream of ``like``'s source that the output leaves out
+    (``folder``: the output is a folder of numbered PNGs)."""
     if like is None:
         return
     dropped = []
-    if like.kind == "animation" and path.suffix.lower() in _WRITE_IMAGE_FORMATS:
+    if like.kind == "animation" and (folder or path.suffix.lower() in _WRITE_IMAGE_FORMATS):
         if animation is None:
-            dropped.append(f"its animation ({path.suffix} holds one frame: the frames become "
-                           f"numbered files; write .png, .webp or a video to keep it)")
+            holder = "a folder holds" if folder else f"{path.suffix} holds one frame:"
+            dropped.append(f"its animation ({holder} numbered frames without their timing; "
+                           f"write .png, .webp or a video to keep it)")
         elif animation[0] is None and like.frame_durations is not None:
             dropped.append("its frame durations (TIFF pages have no timing; write .png, .webp "
                            "or a video to keep them)")
     if like.has_audio and not audio_copied:
         dropped.append("its audio (images hold none; write a video to keep it)"
-                       if path.suffix.lower() not in VIDEO_EXTENSIONS else "its audio")
+                       if folder or path.suffix.lower() not in VIDEO_EXTENSIONS else "its audio")
     for index, kind, codec in like.other_streams:
         if index in subtitles_copied:
             continue
         if kind == "subtitle":
             holders = [e for e, codecs in _SUBTITLE_CODECS.items() if codec in codecs]
-            where = f"; {' or '.join(holders)} holds it" if holders and \
+            where = f"; {' or '.join(holders)} holds it" if holders and not folder and \
                 path.suffix.lower() in VIDEO_EXTENSIONS else ""
             dropped.append(f"subtitle stream #{index} ({codec}{where})")
         elif kind == "video":
