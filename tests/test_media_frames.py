@@ -193,6 +193,20 @@ def test_multi_frame_files_that_cannot_be_read_whole_are_refused_at_open(tmp_pat
         f"{deep}: a 16-bit multi-page TIFF can't be read at full precision (its frames would "
         f"be cut to 8 bits); save the frames as 16-bit PNG files and pass the folder")
 
+    apng = tmp_path / "deep.png"  # 16-bit RGB: found in the header chunks, before Pillow
+    with av.open(str(apng), "w", format="apng") as out:
+        stream = out.add_stream("apng", rate=10)
+        stream.width, stream.height, stream.pix_fmt = 8, 8, "rgb48be"
+        for i in range(3):
+            picture = np.full((8, 8, 3), 1000 * i, np.uint16)
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(picture, format="rgb48le")))
+        out.mux(stream.encode(None))
+    with pytest.raises(MediaError) as refused:
+        open_media(apng)
+    assert str(refused.value) == (
+        f"{apng}: a 16-bit animated PNG can't be read at full precision (its frames would be "
+        f"cut to 8 bits); save the frames as 16-bit PNG files and pass the folder")
+
     folder = tmp_path / "seq"
     folder.mkdir()
     Image.fromarray(_rgba_frames(1)[0]).save(folder / "00000.png")

@@ -52,8 +52,8 @@ def open_media(path) -> MediaReader:
 
     The kind is decided by content: a folder or a pattern is a sequence; a file whose first
     bytes are a PNG/JPEG/WebP/TIFF/BMP signature is a single image (read with Pillow, or FFmpeg
-    for 16-bit colour), or an animation when it holds several frames; anything else is handed to FFmpeg as a video. A glob such as
-    ``f/*.png`` also works as a sequence. Raises :class:`MediaError` naming the path when it is
+    for 16-bit colour), or an animation when it holds several frames; anything else is handed
+    to FFmpeg as a video. A glob such as ``f/*.png`` also works as a sequence. Raises :class:`MediaError` naming the path when it is
     missing, unreadable, empty, or not something we can decode.
     """
     p = fspath(path)
