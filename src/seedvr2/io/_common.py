@@ -119,11 +119,6 @@ class DisplayTransform:
             return None
         return cls(info.rotation % 360, info.mirrored, info.pixel_aspect)
 
-    def size(self, width: int, height: int) -> tuple[int, int]:
-        """(width, height) of a ``width`` x ``height`` stored frame as shown."""
-        width, height = self._square(width, height)
-        return (height, width) if self.rotation in (90, 270) else (width, height)
-
     def apply(self, frame: np.ndarray) -> np.ndarray:
         """The (H, W, C) stored ``frame`` as shown."""
         height, width = frame.shape[:2]
