@@ -316,7 +316,7 @@ class StopPoints:
     and tiles, and colour correction.
 
     The checks reach the models as forward pre-hooks registered for the job (on DiT blocks,
-    and on the VAE's convolutions and attentions) and as the tiling's ``between`` callback:
+    and on the VAE's layers) and as the tiling's ``between`` callback:
     ``models/`` stays pure torch. Hooks run in ``Module.__call__``, outside the module's
     forward, which is what torch.compile replaces (``memory.compile``: per DiT block, and
     the VAE's encoder/decoder as a whole); so DiT block hooks stay outside the compiled
@@ -349,8 +349,6 @@ class StopPoints:
 
     def attach(self, models: Models) -> list:
         """Register the checks on the models; returns the handles (``remove()`` each)."""
-        from ..models.vae_blocks import CausalConv3d, FrameAttention
-
         handles = []
         dit = models.dit
         # Sequence parallelism: the ranks of a group meet in collectives inside every block;
@@ -362,8 +360,9 @@ class StopPoints:
         for half in (vae.encoder, vae.decoder):
             if is_compiled(half):
                 continue
-            handles += [m.register_forward_pre_hook(self._hook) for m in half.modules()
-                        if isinstance(m, (CausalConv3d, FrameAttention))]
+            # Every layer called as a module: residual blocks, their norms (each before a
+            # convolution), attentions, samplers, the outer convolutions.
+            handles += [m.register_forward_pre_hook(self._hook) for m in half.modules()]
         return handles
 
 
@@ -654,13 +653,19 @@ class Upscaler:
             self._collect_times()  # the consumer has fetched the frames: these have ended
 
     def run(self, frames: Iterable, plan: BatchPlan) -> Iterator[tuple[int, torch.Tensor]]:
-        """Yields (first source frame, frames (n, H, W, C) float32 in [0, 1]) in order."""
+        """Yields (first source frame, frames (n, H, W, C) float32 in [0, 1]) in order, one
+        frame at a time: the stop flag is read before each, so a Cancel while the consumer
+        writes (encoding is often the slowest phase) waits for one frame, not a batch."""
         blender = OverlapBlender(plan)
+        emitted = 0
         for batch, out in self.batch_outputs(frames, plan):
             for first, final in blender.add(batch, out):
-                self.stats.frames = blender.emitted
-                yield first, final
-                self.progress("frames", blender.emitted, plan.source_frames)
+                for k in range(final.shape[0]):
+                    self._check_stop()
+                    emitted += 1
+                    self.stats.frames = emitted
+                    yield first + k, final[k:k + 1]
+                    self.progress("frames", emitted, plan.source_frames)
 
 
 class OverlapBlender:
