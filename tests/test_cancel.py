@@ -121,26 +121,29 @@ def test_cancel_within_a_model_phase(job, phase):
 
 def test_cancel_within_tiles(job, monkeypatch):
     """Tiled decoding: the flag is read between tiles (the path a compiled VAE, which gets
-    no hooks inside, relies on), here with the VAE's own layer hooks out of the way."""
+    no hooks inside, relies on), here with the VAE's own layer hooks out of the way. One
+    tile of the tiny VAE takes seconds on a loaded CPU, so the bound here is in tiles: none
+    starts once the flag is seen (a tile on a GPU takes a fraction of a second)."""
     models, opts, frames = job
     opts = opts.replace(resolution=128, vae_decode_tiled=True, vae_decode_tile_size=64,
                         vae_decode_tile_overlap=32)
     monkeypatch.setattr(runner_module, "is_compiled", lambda module: True)  # no layer hooks
     real_call = type(models.vae.decoder).__call__
     flag = Flag()
-    tiles = []
+    flagged_at_start = []
 
     def slow_tile(decoder, *args, **kwargs):
-        flag.set_later(SET_AFTER_S)
-        tiles.append(1)
+        flag.set_later(0.1)
+        flagged_at_start.append(flag())
         time.sleep(0.3)
         return real_call(decoder, *args, **kwargs)
     monkeypatch.setattr(type(models.vae.decoder), "__call__", slow_tile)
     height, width = (-(-n // 16) * 16 // 8 for n in runner_module.output_size(24, 32, opts))
     count = len(tiling.tile_starts(height, 8, 4)) * len(tiling.tile_starts(width, 8, 4))
-    assert count * 0.3 >= PHASE_AT_LEAST_S
-    latency = _run_until_interrupted(models, opts, frames, flag)
-    assert latency < STOP_WITHIN_S and len(tiles) < count
+    _run_until_interrupted(models, opts, frames, flag)
+    assert len(flagged_at_start) < count
+    # The flag may be set between the check and the tile's start: then that tile runs.
+    assert sum(flagged_at_start) <= 1
 
 
 def test_cancel_during_colour_correction(job, monkeypatch):

@@ -331,15 +331,18 @@ class StopPoints:
     def __init__(self, should_stop: Callable[[], bool]):
         self.should_stop = should_stop
         self._queued: dict = {}  # device -> deque of events, one per check (CUDA only)
+        self._lock = threading.Lock()  # the encoding thread checks too
 
     def __call__(self, device: Optional[torch.device] = None):
         if device is not None and device.type == "cuda":
-            queued = self._queued.setdefault(device, deque())
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
-            queued.append(event)
-            if len(queued) > CHECKS_IN_FLIGHT:
-                queued.popleft().synchronize()
+            with self._lock:
+                queued = self._queued.setdefault(device, deque())
+                queued.append(event)
+                oldest = queued.popleft() if len(queued) > CHECKS_IN_FLIGHT else None
+            if oldest is not None:
+                oldest.synchronize()
         if self.should_stop():
             raise Interrupted("upscaling interrupted")
 
@@ -391,6 +394,9 @@ class Upscaler:
         self.overlap_phases = models.dit_device != models.vae_device
         self._pending_times: list = []  # (phase, start event, end event) not yet read
         self._clock_lock = threading.Lock()
+        # Encoding (a thread of its own when the phases overlap) and decoding share the VAE:
+        # one at a time.
+        self._vae_lock = threading.Lock()
         self._text: dict = {}  # device -> the text embedding there, uploaded once per job
         self._stops = StopPoints(self.should_stop)
         if isinstance(opts.batch_size, int):
@@ -547,17 +553,17 @@ class Upscaler:
                 self.stats.add(phase, start.elapsed_time(end) / 1000)
                 self._pending_times.pop(0)
 
-    def _encoded(self, chunk: list, plan: BatchPlan, source: FrameSource) -> Iterator[_Encoded]:
-        """The chunk's batches encoded, in order (on a thread of its own when the phases
-        overlap: inference mode is per thread, hence entered here)."""
+    def _encoded(self, batches: list, plan: BatchPlan, source: FrameSource) -> Iterator[_Encoded]:
+        """The batches encoded, in order (on a thread of its own when the phases overlap:
+        inference mode is per thread, hence entered here)."""
         with torch.inference_mode():
             size = None
-            for i in chunk:
+            for i in batches:
                 self._check_stop()
                 b = plan.batches[i]
                 raw = source.get(b.start, b.stop)
                 size = size or output_size(raw[0].shape[0], raw[0].shape[1], self.opts)
-                with self._phase("encode"):
+                with self._vae_lock, self._phase("encode"):
                     item = self._encode(b, raw, size)
                 del raw
                 source.release_before(plan.batches[i + 1].start if i + 1 < len(plan.batches)
@@ -575,40 +581,33 @@ class Upscaler:
 
         ``batches`` (contiguous, ascending) restricts the job to a share of the plan; ``frames``
         must then start at :meth:`BatchPlan.read_start` of them.
+
+        Per chunk: encode every batch, then the DiT on each, then decode each, so each model
+        is activated once per chunk. With the phases overlapping (DiT and VAE on different
+        devices), both models stay active and the batches are encoded on a thread up to one
+        chunk ahead: the next chunk's encoding runs on the VAE's device while the DiT runs
+        on this chunk's latents (that chunk's latents and input frames are the extra memory).
         """
         chosen = list(range(len(plan.batches))) if batches is None else list(batches)
         first_source = plan.read_start(chosen)
         needed = None if batches is None else {
             plan.source_index(f) for i in chosen for f in range(plan.batches[i].start, plan.batches[i].stop)}
+        wanted = set(chosen)
+        chunks = [c for c in ([i for i in chunk if i in wanted] for chunk in plan.chunks) if c]
         reader = ReadAhead(frames, self._read_ahead_depth(plan))
         source = FrameSource(reader, plan, first_source, needed,
                              pin=self.models.vae_device.type == "cuda")
-        total = len(chosen)
-        done = {"encode": 0, "dit": 0, "decode": 0}
-        wanted = set(chosen)
         self._stops = StopPoints(self.should_stop)
         hooks = self._stops.attach(self.models)
-        try:
-            for chunk in plan.chunks:
-                chunk = [i for i in chunk if i in wanted]
-                if chunk:
-                    yield from self._chunk_outputs(chunk, plan, source, done, total)
-        finally:
-            # Also after an error or interrupt: no weights copies or tensors stay on the device.
-            reader.close()
-            for hook in hooks:
-                hook.remove()
-            self.models.park("dit")
-            self.models.park("vae")
-            self._collect_times(wait=True)
-            for name, phase in self.stats.phases.items():
-                log.debug("phase %s: %s", name, phase.describe(f"{phase.calls} call(s)"))
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+        overlap = self.overlap_phases
+        encoded = self._encoded([i for chunk in chunks for i in chunk], plan, source)
+        if overlap:
+            encoded = ReadAhead(encoded, max(len(c) for c in chunks))
+            self.models.activate("vae")
+            self.models.activate("dit")
+        total = len(chosen)
+        done = {"encode": 0, "dit": 0, "decode": 0}
 
-    def _chunk_outputs(self, chunk: list, plan: BatchPlan, source: FrameSource, done: dict,
-                       total: int) -> Iterator[tuple[Batch, torch.Tensor]]:
-        """encode → DiT → decode over one chunk's batches; each model is activated once."""
         def count(phase: str):
             done[phase] += 1
             self.progress(phase, done[phase], total)
@@ -619,38 +618,45 @@ class Upscaler:
                 self._denoise(item)
             count("dit")
 
-        overlap = self.overlap_phases
-        self.models.activate("vae")
-        if overlap:  # each model on its own device: both stay active through the chunk
-            self.models.activate("dit")
-        encoded = self._encoded(chunk, plan, source)
-        if overlap:
-            encoded = ReadAhead(encoded, len(chunk))
-        items = []
         try:
-            for item in encoded:
-                items.append(item)
-                count("encode")
-                if overlap:
-                    denoise(item)
+            for chunk in chunks:
+                items = []
+                if not overlap:
+                    self.models.activate("vae")
+                for _ in chunk:
+                    items.append(next(encoded))
+                    count("encode")
+                    if overlap:
+                        denoise(items[-1])
+                if not overlap:
+                    self.models.park("vae")
+                    self.models.activate("dit")
+                    for item in items:
+                        denoise(item)
+                    self.models.park("dit")
+                    self.models.activate("vae")
+                for item in items:
+                    self._check_stop()
+                    with self._vae_lock, self._phase("decode"):
+                        out = self._decode(item)
+                    count("decode")
+                    yield item.batch, out
+                    del out
+                    self._collect_times()  # the consumer has fetched the frames: these ended
         finally:
-            if overlap:
-                encoded.close()
-        if not overlap:
+            # Also after an error or interrupt: no weights copies or tensors stay on the
+            # device, and no thread reads or encodes on.
+            encoded.close()
+            reader.close()
+            for hook in hooks:
+                hook.remove()
+            self.models.park("dit")
             self.models.park("vae")
-            self.models.activate("dit")
-            for item in items:
-                denoise(item)
-        self.models.park("dit")
-        self.models.activate("vae")
-        for item in items:
-            self._check_stop()
-            with self._phase("decode"):
-                out = self._decode(item)
-            count("decode")
-            yield item.batch, out
-            del out
-            self._collect_times()  # the consumer has fetched the frames: these have ended
+            self._collect_times(wait=True)
+            for name, phase in self.stats.phases.items():
+                log.debug("phase %s: %s", name, phase.describe(f"{phase.calls} call(s)"))
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
     def run(self, frames: Iterable, plan: BatchPlan) -> Iterator[tuple[int, torch.Tensor]]:
         """Yields (first source frame, frames (n, H, W, C) float32 in [0, 1]) in order, one
