@@ -332,6 +332,12 @@ class StopPoints:
         self.should_stop = should_stop
         self._queued: dict = {}  # device -> deque of events, one per check (CUDA only)
         self._lock = threading.Lock()  # the encoding thread checks too
+        self._abandoned = threading.Event()
+
+    def abandon(self):
+        """Stop at the next check whatever ``should_stop`` says: the job is being left (an
+        error, Ctrl-C), and a thread still encoding must not run on to its batch's end."""
+        self._abandoned.set()
 
     def __call__(self, device: Optional[torch.device] = None):
         if device is not None and device.type == "cuda":
@@ -343,7 +349,7 @@ class StopPoints:
                 oldest = queued.popleft() if len(queued) > CHECKS_IN_FLIGHT else None
             if oldest is not None:
                 oldest.synchronize()
-        if self.should_stop():
+        if self._abandoned.is_set() or self.should_stop():
             raise Interrupted("upscaling interrupted")
 
     def _hook(self, module, args):
@@ -387,10 +393,10 @@ class Upscaler:
         # host is then 4x (uint8) or 2x (uint16) smaller than float32 frames. Only decoded
         # frames stay; the blender keeps just the overlap frames between batches.
         self.frames_on_device = False
-        # DiT and VAE on different devices: a chunk's batches are encoded on a thread while
-        # the DiT runs on the ones already encoded, so both devices work at once. The
-        # results are those of the phases run one after the other (the same operations on
-        # the same devices).
+        # DiT and VAE on different devices: batches are encoded on a thread, up to a chunk
+        # ahead, while the DiT runs on those already encoded, so both devices work at once.
+        # The results are those of the phases run one after the other (the same operations
+        # on the same devices).
         self.overlap_phases = models.dit_device != models.vae_device
         self._pending_times: list = []  # (phase, start event, end event) not yet read
         self._clock_lock = threading.Lock()
@@ -403,9 +409,6 @@ class Upscaler:
             self.stats.batch_size = opts.batch_size
 
     # -- phases ---------------------------------------------------------------------------
-
-    def _stop_point(self, device: Optional[torch.device] = None):
-        self._stops(device)
 
     def _vae_between(self):
         self._stops(self.models.vae_device)
@@ -490,10 +493,10 @@ class Upscaler:
     def _finish(self, item: _Encoded, frames: torch.Tensor) -> torch.Tensor:
         """Colour correction against the resized input, gray or alpha put back."""
         device, method = self.models.vae_device, self.opts.color_correction
-        self._stop_point(device)
+        self._stops(device)
         if method != "none":
             frames = color_correct(frames, self._reference(item.source, item.size) * 2 - 1, method)
-            self._stop_point(device)
+            self._stops(device)
         rgb = ((frames.clamp(-1, 1) + 1) / 2)
         channels = item.source.shape[-1]
         if channels == 1:
@@ -507,10 +510,6 @@ class Upscaler:
         return out.permute(0, 2, 3, 1).to(device if self.frames_on_device else self.offload)
 
     # -- the job --------------------------------------------------------------------------
-
-    def _check_stop(self):
-        if self.should_stop():
-            raise Interrupted("upscaling interrupted")
 
     @contextmanager
     def _phase(self, phase: str):
@@ -559,7 +558,7 @@ class Upscaler:
         with torch.inference_mode():
             size = None
             for i in batches:
-                self._check_stop()
+                self._stops()
                 b = plan.batches[i]
                 raw = source.get(b.start, b.stop)
                 size = size or output_size(raw[0].shape[0], raw[0].shape[1], self.opts)
@@ -594,17 +593,13 @@ class Upscaler:
             plan.source_index(f) for i in chosen for f in range(plan.batches[i].start, plan.batches[i].stop)}
         wanted = set(chosen)
         chunks = [c for c in ([i for i in chunk if i in wanted] for chunk in plan.chunks) if c]
+        overlap = self.overlap_phases
+        self._stops = StopPoints(self.should_stop)
         reader = ReadAhead(frames, self._read_ahead_depth(plan))
         source = FrameSource(reader, plan, first_source, needed,
                              pin=self.models.vae_device.type == "cuda")
-        self._stops = StopPoints(self.should_stop)
-        hooks = self._stops.attach(self.models)
-        overlap = self.overlap_phases
         encoded = self._encoded([i for chunk in chunks for i in chunk], plan, source)
-        if overlap:
-            encoded = ReadAhead(encoded, max(len(c) for c in chunks))
-            self.models.activate("vae")
-            self.models.activate("dit")
+        hooks = []
         total = len(chosen)
         done = {"encode": 0, "dit": 0, "decode": 0}
 
@@ -613,12 +608,17 @@ class Upscaler:
             self.progress(phase, done[phase], total)
 
         def denoise(item: _Encoded):
-            self._check_stop()
+            self._stops()
             with self._phase("dit"):
                 self._denoise(item)
             count("dit")
 
         try:
+            hooks = self._stops.attach(self.models)
+            if overlap:
+                self.models.activate("vae")
+                self.models.activate("dit")
+                encoded = ReadAhead(encoded, max(len(c) for c in chunks))
             for chunk in chunks:
                 items = []
                 if not overlap:
@@ -636,7 +636,7 @@ class Upscaler:
                     self.models.park("dit")
                     self.models.activate("vae")
                 for item in items:
-                    self._check_stop()
+                    self._stops()
                     with self._vae_lock, self._phase("decode"):
                         out = self._decode(item)
                     count("decode")
@@ -646,6 +646,7 @@ class Upscaler:
         finally:
             # Also after an error or interrupt: no weights copies or tensors stay on the
             # device, and no thread reads or encodes on.
+            self._stops.abandon()
             encoded.close()
             reader.close()
             for hook in hooks:
@@ -667,7 +668,7 @@ class Upscaler:
         for batch, out in self.batch_outputs(frames, plan):
             for first, final in blender.add(batch, out):
                 for k in range(final.shape[0]):
-                    self._check_stop()
+                    self._stops()
                     emitted += 1
                     self.stats.frames = emitted
                     yield first + k, final[k:k + 1]
