@@ -4,6 +4,8 @@ explicit argument of the pure functions."""
 
 from __future__ import annotations
 
+import contextlib
+
 import re
 import weakref
 from dataclasses import replace
@@ -159,12 +161,12 @@ def test_activation_estimate_bounds_the_measured_peak(tiny_options, dtype, tiled
                          model_dir=tiny_options["model_dir"])
     upscaler, peaks = Upscaler(models, opts), {}
 
-    def measured(phase, fn, *args):
+    @contextlib.contextmanager
+    def measured(phase):
         with LivePeak() as tracker:
-            out = fn(*args)
+            yield
         peaks[phase] = max(peaks.get(phase, 0), tracker.peak)
-        return out
-    upscaler._timed = measured
+    upscaler._phase = measured
     frames = torch.rand(batch, 96, 128, 3)
     list(upscaler.run(iter(frames), make_plan(batch, opts)))
     budget = Budget(models.dit.config, models.vae.config, Weights.of_module(models.dit),

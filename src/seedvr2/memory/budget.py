@@ -409,9 +409,10 @@ def vae_decode_bytes(cfg: VAEConfig, frames: int, height: int, width: int, b: in
 
 
 # Float32 frame buffers of the pipeline per output pixel and frame (3 channels x 4 bytes each):
-# encode holds the input frames, the resized frames, the reference and the padded video;
+# while the encoder runs, encode holds the padded video (the resized frames and reference are
+# gone by then; the input frames wait at input resolution in their integer precision);
 # after decoding, colour correction works on a handful of such copies.
-_ENCODE_FRAME_BYTES = 4 * 12 + 16
+_ENCODE_FRAME_BYTES = 12 + 16
 _DECODE_FRAME_BYTES = 16 * 12
 
 

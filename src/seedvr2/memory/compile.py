@@ -133,3 +133,9 @@ def apply_compile(dit: nn.Module | None, vae: nn.Module | None, settings: Compil
     if vae is not None:
         _compile_forward(vae.encoder, settings, shared)
         _compile_forward(vae.decoder, settings, shared)
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether :func:`apply_compile` routed ``module``'s forward through torch.compile (a
+    Python callback inside it would break its graph: callers keep theirs outside)."""
+    return hasattr(module, "_compile_failed")

@@ -113,6 +113,14 @@ TILE_MULTIPLE = 8
 # Video frames per latent frame (temporal_downsample_factor): temporal slices are multiples.
 SLICE_MULTIPLE = 4
 
+# Called before every tile and slice, outside the VAE's (possibly compiled) forwards: the
+# pipeline's stop check, so a Cancel takes effect within a tile. None: nothing to call.
+Between = Optional[Callable[[], None]]
+
+
+def _nothing() -> None:
+    pass
+
 
 def _nearest_multiples(value: int, multiple: int, allow_zero: bool = False) -> str:
     lower = value - value % multiple
@@ -295,8 +303,9 @@ class _ExactRun:
     tests check they stay in step), each layer tile by tile."""
 
     def __init__(self, vae: VideoAutoencoder, tiles: TileSettings, latent_size: Tuple[int, int],
-                 device: torch.device) -> None:
+                 device: torch.device, between: Between = None) -> None:
         self.dtype, self.device = vae.dtype, device
+        self.between = between or _nothing
         self.state = device if tiles.state_device is None else torch.device(tiles.state_device)
         self.tile_latents = tiles.tile_size // vae.spatial_factor
         self.latent_h, self.latent_w = latent_size
@@ -358,6 +367,7 @@ class _ExactRun:
         for o0, o1 in _grid(Ho, eh):
             r0, r1, pad_t, pad_b = _clip(o0 * sh - top, (o1 - 1) * sh + kh - top, H)
             for q0, q1 in _grid(Wo, ew):
+                self.between()
                 c0, c1, pad_l, pad_r = _clip(q0 * sw - left, (q1 - 1) * sw + kw - left, W)
                 x = produce(r0, r1, c0, c1)
                 if head is not None:
@@ -411,6 +421,7 @@ class _ExactRun:
         rows = max(ATTENTION_SCORE_BUDGET // N, 1)
         for b in range(B):
             for t in range(T):
+                self.between()
                 xf = self._fetch(x.data[b:b + 1, :, t:t + 1])  # the whole frame, latent res
                 fixed = _FixedStats(x.stats, b, b + 1, t, t + 1)
                 tokens = attn.group_norm(xf, cache=fixed).permute(0, 2, 3, 4, 1).reshape(1, N, C)
@@ -488,13 +499,13 @@ def _needs_tiles(tiles: TileSettings, h: int, w: int, s: int) -> bool:
 
 
 def _exact_encode(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
-                  frame_chunks: List[Tuple[int, int]]) -> Tuple[Tensor, Tensor]:
+                  frame_chunks: List[Tuple[int, int]], between: Between) -> Tuple[Tensor, Tensor]:
     B, _, T, H, W = video.shape
     s, f = vae.spatial_factor, vae.temporal_factor
     t = (T - 1) // f + 1
     moments = torch.empty((B, 2 * vae.latent_channels, t, H // s, W // s), dtype=vae.dtype,
                           device=video.device)
-    run = _ExactRun(vae, tiles, (H // s, W // s), video.device)
+    run = _ExactRun(vae, tiles, (H // s, W // s), video.device, between)
     for i, (f0, f1) in enumerate(frame_chunks):
         run.keep_tails = i + 1 < len(frame_chunks)
         l0 = 0 if f0 == 0 else (f0 - 1) // f + 1
@@ -507,12 +518,12 @@ def _exact_encode(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
 
 
 def _exact_decode(vae: VideoAutoencoder, latent: Tensor, tiles: TileSettings,
-                  latent_chunks: List[Tuple[int, int]]) -> Tensor:
+                  latent_chunks: List[Tuple[int, int]], between: Between) -> Tensor:
     B, _, t, h, w = latent.shape
     s, f = vae.spatial_factor, vae.temporal_factor
     out = torch.empty((B, vae.config.out_channels, f * (t - 1) + 1, h * s, w * s),
                       dtype=vae.dtype, device=latent.device)
-    run = _ExactRun(vae, tiles, (h, w), latent.device)
+    run = _ExactRun(vae, tiles, (h, w), latent.device, between)
     for i, (l0, l1) in enumerate(latent_chunks):
         run.keep_tails = i + 1 < len(latent_chunks)
         z = latent[:, :, l0:l1]
@@ -610,7 +621,7 @@ def _layout(vae: VideoAutoencoder, tiles: TileSettings, h: int, w: int, scale: i
 
 
 def _fast_encode(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
-                 frame_chunks: List[Tuple[int, int]]) -> Tuple[Tensor, Tensor]:
+                 frame_chunks: List[Tuple[int, int]], between: Between) -> Tuple[Tensor, Tensor]:
     B, _, T, H, W = video.shape
     s, f, dtype = vae.spatial_factor, vae.temporal_factor, vae.dtype
     h, w, t = H // s, W // s, (T - 1) // f + 1
@@ -623,6 +634,7 @@ def _fast_encode(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
             weight = _tile_weight(row, col)
             cache = CausalCache() if len(frame_chunks) > 1 else None  # one per tile
             for f0, f1 in frame_chunks:
+                between()
                 # The slice is a strided view; .contiguous() copies just this piece.
                 piece = video[:, :, f0:f1, row.start * s:row.stop * s,
                               col.start * s:col.stop * s].to(dtype).contiguous()
@@ -643,7 +655,7 @@ def _fast_encode(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
 
 
 def _fast_decode(vae: VideoAutoencoder, latent: Tensor, tiles: TileSettings,
-                 latent_chunks: List[Tuple[int, int]]) -> Tensor:
+                 latent_chunks: List[Tuple[int, int]], between: Between) -> Tensor:
     B, _, t, h, w = latent.shape
     s, f, dtype = vae.spatial_factor, vae.temporal_factor, vae.dtype
     rows, cols = _layout(vae, tiles, h, w, s, _accumulation_dtype(dtype), latent.device)
@@ -654,6 +666,7 @@ def _fast_decode(vae: VideoAutoencoder, latent: Tensor, tiles: TileSettings,
             weight = _tile_weight(row, col)
             cache = CausalCache() if len(latent_chunks) > 1 else None  # one per tile
             for l0, l1 in latent_chunks:
+                between()
                 z = latent[:, :, l0:l1, row.start:row.stop, col.start:col.stop] \
                     .to(dtype).contiguous()
                 if vae.post_quant_conv is not None:  # 1x1x1: no temporal state
@@ -672,16 +685,19 @@ def _fast_decode(vae: VideoAutoencoder, latent: Tensor, tiles: TileSettings,
 # -- encode / decode --------------------------------------------------------------------------
 
 def encode_posterior(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
-                     temporal_chunk: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+                     temporal_chunk: Optional[int] = None,
+                     between: Between = None) -> Tuple[Tensor, Tensor]:
     """``vae.encode_posterior(video)`` in spatial tiles and/or causal temporal chunks.
 
     Same contract: ``video`` ``(B, 3, T, H, W)`` in [-1, 1] with ``T = 4n + 1`` and ``H, W``
     multiples of 8; returns ``(mean, logvar)``, each ``(B, 16, n + 1, H/8, W/8)`` in the VAE's
     dtype, ``logvar`` clamped to [-30, 20]. ``tiles`` tiles the input in pixels;
     ``temporal_chunk`` = ``c`` encodes frames in chunks of ``1 + c, c, c, ...`` (``c`` a
-    multiple of 4; exact). Without either this is the plain call.
+    multiple of 4; exact). Without either this is the plain call. ``between()`` is called
+    before every tile and temporal slice (exact mode: every layer's tile).
     """
     _check_settings(vae, tiles, temporal_chunk)
+    between = between or _nothing
     if not tiles.enabled and temporal_chunk is None:
         return vae.encode_posterior(video)
     vae.check_video(video)
@@ -693,27 +709,28 @@ def encode_posterior(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
     if not tiled and len(frame_chunks) == 1:
         return vae.encode_posterior(video)
     if tiled and tiles.exact:
-        return _exact_encode(vae, video, tiles, frame_chunks)
-    return _fast_encode(vae, video, tiles if tiled else TileSettings(), frame_chunks)
+        return _exact_encode(vae, video, tiles, frame_chunks, between)
+    return _fast_encode(vae, video, tiles if tiled else TileSettings(), frame_chunks, between)
 
 
 def encode(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
-           temporal_chunk: Optional[int] = None) -> Tensor:
+           temporal_chunk: Optional[int] = None, between: Between = None) -> Tensor:
     """The posterior mean from :func:`encode_posterior` (cf. ``vae.encode``)."""
-    return encode_posterior(vae, video, tiles, temporal_chunk)[0]
+    return encode_posterior(vae, video, tiles, temporal_chunk, between)[0]
 
 
 def decode(vae: VideoAutoencoder, latent: Tensor, tiles: TileSettings,
-           temporal_chunk: Optional[int] = None) -> Tensor:
+           temporal_chunk: Optional[int] = None, between: Between = None) -> Tensor:
     """``vae.decode(latent)`` in spatial tiles and/or causal temporal chunks.
 
     Same contract: ``latent`` ``(B, 16, t, h, w)`` unscaled, channels-first; returns video
     ``(B, 3, 4(t - 1) + 1, 8h, 8w)`` in the VAE's dtype. ``tiles`` tiles the latent
     (``tile_size / 8`` latents); ``temporal_chunk`` = ``c`` decodes ``1 + c/4, c/4, ...``
     latent frames at a time (= ``1 + c, c, ...`` output frames; exact). Without either this
-    is the plain call.
+    is the plain call. ``between()`` is called as in :func:`encode_posterior`.
     """
     _check_settings(vae, tiles, temporal_chunk)
+    between = between or _nothing
     if not tiles.enabled and temporal_chunk is None:
         return vae.decode(latent)
     vae.check_latent(latent)
@@ -725,8 +742,8 @@ def decode(vae: VideoAutoencoder, latent: Tensor, tiles: TileSettings,
     if not tiled and len(latent_chunks) == 1:
         return vae.decode(latent)
     if tiled and tiles.exact:
-        return _exact_decode(vae, latent, tiles, latent_chunks)
-    return _fast_decode(vae, latent, tiles if tiled else TileSettings(), latent_chunks)
+        return _exact_decode(vae, latent, tiles, latent_chunks, between)
+    return _fast_decode(vae, latent, tiles if tiled else TileSettings(), latent_chunks, between)
 
 
 __all__ = ["TileSettings", "encode_posterior", "encode", "decode", "tile_starts",

@@ -14,7 +14,10 @@ the device, or which process runs the batch.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
@@ -25,11 +28,13 @@ import torch.nn.functional as F
 from ..memory import tiling
 from ..memory.blockswap import BlockSwap
 from ..memory.budget import host_rss
+from ..memory.compile import is_compiled
 from ..memory.policy import check_finite
 from ..options import Options
 from .alpha import upscale_alpha
 from .color import color_correct
 from .plan import Batch, BatchPlan, blend_weights
+from .readahead import ReadAhead
 from .sampling import LATENT_SCALE, T, augment_latent, dit_input, make_condition, x0_from_velocity
 
 Progress = Callable[[str, int, int], None]
@@ -40,7 +45,8 @@ _LUMA = torch.tensor([0.299, 0.587, 0.114])  # ITU-R BT.601, to return grayscale
 
 
 class Interrupted(Exception):
-    """The job was stopped by its interrupt check; nothing partial is kept."""
+    """The job was stopped by its interrupt check; batches not finished are not kept (a
+    resumable file job keeps the segments already written)."""
 
 
 class InputError(ValueError):
@@ -159,35 +165,63 @@ def batch_seed(seed: int, first_frame: int, purpose: int) -> int:
     return (mixed * 0x94D049BB133111EB % (1 << 64)) >> 1
 
 
+def upload(tensor: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor copied to ``device`` (other devices' tensors are moved as they are).
+
+    On CUDA the copy is from pinned memory and does not block the host: a copy from pageable
+    memory waits for the device's stream to drain first (a host sync per call). The pinned
+    copy comes from PyTorch's caching host allocator, which records the copy's event on the
+    block and hands the block out again only after that event has completed, so a later
+    upload can never overwrite bytes still being read.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def _randn(shape, seed: int, device, dtype=torch.float32) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
+    return upload(torch.randn(shape, generator=generator), device).to(dtype)
 
 
 EPS, NOISE, AUG_NOISE, INPUT_NOISE = range(4)
 
 
-def to_float_frame(frame, index: int) -> torch.Tensor:
-    """One input frame (H, W, C) as float32 in [0, 1]; uint8/uint16 keep their full precision."""
+_INTEGER_SCALE = {torch.uint8: 255.0, torch.uint16: 65535.0}
+
+
+def source_frame(frame, index: int) -> torch.Tensor:
+    """One input frame (H, W, C) as a CPU tensor in its own precision, checked: uint8 and
+    uint16 stay integers (converted on the compute device, so 4x / 2x fewer bytes cross to
+    it than float32), anything else becomes float32 in [0, 1]."""
     if isinstance(frame, np.ndarray):
-        if frame.dtype == np.uint16:
-            frame = torch.from_numpy(frame.astype(np.float32)) / 65535.0
-        elif frame.dtype == np.uint8:
-            frame = torch.from_numpy(frame).float() / 255.0
+        if frame.dtype in (np.uint8, np.uint16):
+            frame = torch.from_numpy(np.ascontiguousarray(frame))
         else:
             frame = torch.from_numpy(np.asarray(frame, dtype=np.float32))
-    elif frame.dtype == torch.uint8:
-        frame = frame.float() / 255.0
-    else:
+    elif frame.dtype not in _INTEGER_SCALE:
         frame = frame.float()
     if frame.dim() == 2:
         frame = frame[..., None]
     if frame.dim() != 3 or frame.shape[-1] not in (1, 3, 4):
         raise InputError(f"frame {index} has shape {tuple(frame.shape)}: expected (H, W, C) with "
                          f"C = 1 (gray), 3 (RGB) or 4 (RGBA)")
-    if not torch.isfinite(frame).all():
+    if frame.is_floating_point() and not torch.isfinite(frame).all():
         raise InputError(f"frame {index} contains NaN or infinite values")
     return frame
+
+
+def unit_float(frames: torch.Tensor) -> torch.Tensor:
+    """Source frames (any device) as float32 in [0, 1]; uint8/uint16 keep their full
+    precision. The division is exactly rounded, so the values do not depend on the device."""
+    scale = _INTEGER_SCALE.get(frames.dtype)
+    return frames.float() if scale is None else frames.float() / scale
+
+
+def to_float_frame(frame, index: int) -> torch.Tensor:
+    """One input frame (H, W, C) as float32 in [0, 1] on the CPU."""
+    return unit_float(source_frame(frame, index))
 
 
 def integer_frames(frames: torch.Tensor, bit_depth: int) -> torch.Tensor:
@@ -208,16 +242,20 @@ def to_integer_frames(frames: torch.Tensor, bit_depth: int):
 
 
 class FrameSource:
-    """Plan frames on demand from a forward-only frame iterator, keeping only what is still needed."""
+    """Plan frames on demand from a forward-only frame iterator, keeping only what is still
+    needed, each in its source precision (:func:`source_frame`); ``pin``: in pinned memory,
+    for copies to a CUDA device that do not block the host."""
 
     def __init__(self, frames: Iterable, plan: BatchPlan, first_source: int = 0,
-                 needed: Optional[set] = None):
+                 needed: Optional[set] = None, pin: bool = False):
         self._iter = iter(frames)
+        self._pin = pin
         self._plan = plan
         self._cache: dict[int, torch.Tensor] = {}
         self._next = first_source  # source index of the next frame the iterator yields
         self._needed = needed  # source frames this job uses (None: all); others are skipped
         self.shape: Optional[tuple] = None
+        self.dtype: Optional[torch.dtype] = None
 
     def _pull(self, until: int):
         while self._next <= until:
@@ -229,20 +267,23 @@ class FrameSource:
             if self._needed is not None and self._next not in self._needed:
                 self._next += 1
                 continue
-            frame = to_float_frame(raw, self._next)
+            frame = source_frame(raw, self._next)
             if self.shape is None:
-                self.shape = tuple(frame.shape)
+                self.shape, self.dtype = tuple(frame.shape), frame.dtype
             elif tuple(frame.shape) != self.shape:
                 raise InputError(f"frame {self._next} has shape {tuple(frame.shape)} but frame 0 "
                                  f"has {self.shape}: all frames must have the same size and channels")
-            self._cache[self._next] = frame
+            elif frame.dtype != self.dtype:
+                raise InputError(f"frame {self._next} is {frame.dtype} but frame 0 is "
+                                 f"{self.dtype}: all frames must have the same precision")
+            self._cache[self._next] = frame.pin_memory() if self._pin else frame
             self._next += 1
 
-    def get(self, start: int, stop: int) -> torch.Tensor:
-        """Plan frames [start, stop) stacked: (n, H, W, C) float32."""
+    def get(self, start: int, stop: int) -> list[torch.Tensor]:
+        """Plan frames [start, stop), each (H, W, C) in its source precision."""
         indices = [self._plan.source_index(i) for i in range(start, stop)]
         self._pull(max(indices))
-        return torch.stack([self._cache[i] for i in indices])
+        return [self._cache[i] for i in indices]
 
     def release_before(self, plan_frame: int):
         """Frames no batch starting at or after ``plan_frame`` can need are dropped."""
@@ -255,10 +296,83 @@ class FrameSource:
 class _Encoded:
     batch: Batch
     latent: torch.Tensor  # (t, h, w, 16) scaled, channels-last
-    reference: torch.Tensor  # (n, 3, H, W) resized input in [-1, 1], for colour correction
-    alpha: Optional[torch.Tensor]  # (n, 1, h0, w0) input alpha in [0, 1]
-    gray: bool
+    # (n, H, W, C) input frames in their source precision on the VAE's device: the colour
+    # reference and alpha are remade from them at decode (at input resolution and in uint8
+    # they are 4 x (output/input)^2 times smaller than the float32 reference they replace,
+    # and never travel to the host and back).
+    source: torch.Tensor
+    size: tuple  # output (H, W)
     result: Optional[torch.Tensor] = None  # x0 latent, then decoded frames
+
+
+# Stop checks on CUDA wait until the device has finished the work queued this many checks
+# ago: without that the host runs ahead of the device by the whole launch queue (a DiT
+# forward, a VAE pass), and a Cancel would wait for all of it.
+CHECKS_IN_FLIGHT = 2
+
+
+class StopPoints:
+    """Where a running phase reads the stop flag: between batches, DiT blocks, VAE layers
+    and tiles, and colour correction.
+
+    The checks reach the models as forward pre-hooks registered for the job (on DiT blocks,
+    and on the VAE's layers) and as the tiling's ``between`` callback:
+    ``models/`` stays pure torch. Hooks run in ``Module.__call__``, outside the module's
+    forward, which is what torch.compile replaces (``memory.compile``: per DiT block, and
+    the VAE's encoder/decoder as a whole); so DiT block hooks stay outside the compiled
+    graphs, while a compiled VAE gets no hooks inside its encoder/decoder (they would break
+    its graph) and is checked between tiles and slices only.
+
+    On CUDA each check records an event on the device's current stream and waits for the
+    event ``CHECKS_IN_FLIGHT`` checks back (never a device-wide or stream-wide sync: work
+    queued since keeps the device busy), which bounds how far the host runs ahead.
+    """
+
+    def __init__(self, should_stop: Callable[[], bool]):
+        self.should_stop = should_stop
+        self._queued: dict = {}  # device -> deque of events, one per check (CUDA only)
+        self._lock = threading.Lock()  # the encoding thread checks too
+        self._abandoned = threading.Event()
+
+    def abandon(self):
+        """Stop at the next check whatever ``should_stop`` says: the job is being left (an
+        error, Ctrl-C), and a thread still encoding must not run on to its batch's end."""
+        self._abandoned.set()
+
+    def __call__(self, device: Optional[torch.device] = None):
+        if device is not None and device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            with self._lock:
+                queued = self._queued.setdefault(device, deque())
+                queued.append(event)
+                oldest = queued.popleft() if len(queued) > CHECKS_IN_FLIGHT else None
+            if oldest is not None:
+                oldest.synchronize()
+        if self._abandoned.is_set() or self.should_stop():
+            raise Interrupted("upscaling interrupted")
+
+    def _hook(self, module, args):
+        first = args[0] if args else None
+        self(first.device if isinstance(first, torch.Tensor) else None)
+
+    def attach(self, models: Models) -> list:
+        """Register the checks on the models; returns the handles (``remove()`` each)."""
+        handles = []
+        dit = models.dit
+        # Sequence parallelism: the ranks of a group meet in collectives inside every block;
+        # a rank leaving mid-forward would leave the others waiting, so they stop between
+        # batches, together.
+        if getattr(dit, "sequence_parallel", None) is None:
+            handles += [block.register_forward_pre_hook(self._hook) for block in dit.blocks]
+        vae = models.vae
+        for half in (vae.encoder, vae.decoder):
+            if is_compiled(half):
+                continue
+            # Every layer called as a module: residual blocks, their norms (each before a
+            # convolution), attentions, samplers, the outer convolutions.
+            handles += [m.register_forward_pre_hook(self._hook) for m in half.modules()]
+        return handles
 
 
 class Upscaler:
@@ -279,22 +393,51 @@ class Upscaler:
         # host is then 4x (uint8) or 2x (uint16) smaller than float32 frames. Only decoded
         # frames stay; the blender keeps just the overlap frames between batches.
         self.frames_on_device = False
+        # DiT and VAE on different devices: batches are encoded on a thread, up to a chunk
+        # ahead, while the DiT runs on those already encoded, so both devices work at once.
+        # The results are those of the phases run one after the other (the same operations
+        # on the same devices).
+        self.overlap_phases = models.dit_device != models.vae_device
+        self._pending_times: list = []  # (phase, start event, end event) not yet read
+        self._clock_lock = threading.Lock()
+        # Encoding (a thread of its own when the phases overlap) and decoding share the VAE:
+        # one at a time.
+        self._vae_lock = threading.Lock()
+        self._text: dict = {}  # device -> the text embedding there, uploaded once per job
+        self._stops = StopPoints(self.should_stop)
         if isinstance(opts.batch_size, int):
             self.stats.batch_size = opts.batch_size
 
     # -- phases ---------------------------------------------------------------------------
 
-    def _encode(self, batch: Batch, frames: torch.Tensor, size: tuple[int, int]) -> _Encoded:
+    def _vae_between(self):
+        self._stops(self.models.vae_device)
+
+    def _upload_frames(self, frames: list, device: torch.device) -> torch.Tensor:
+        """(n, H, W, C) on ``device`` in the frames' source precision. From pinned frames on
+        CUDA, each copy is non-blocking (the caching host allocator keeps each pinned frame
+        until its copy's event has completed, see :func:`upload`)."""
+        if device.type == "cpu":
+            return torch.stack(frames)
+        out = torch.empty((len(frames), *frames[0].shape), dtype=frames[0].dtype, device=device)
+        for i, frame in enumerate(frames):
+            out[i].copy_(frame, non_blocking=frame.is_pinned())
+        return out
+
+    def _reference(self, source: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        """(n, 3, H', W') RGB of the source frames resized to the output, in [0, 1]."""
+        x = unit_float(source).permute(0, 3, 1, 2)  # (n, C, H, W)
+        rgb = x[:, :3] if x.shape[1] >= 3 else x.expand(-1, 3, -1, -1)
+        return F.interpolate(rgb, size=size, mode="bicubic", antialias=True,
+                             align_corners=False).clamp_(0, 1)
+
+    def _encode(self, batch: Batch, frames: list, size: tuple[int, int]) -> _Encoded:
         opts, vae, device = self.opts, self.models.vae, self.models.vae_device
-        channels = frames.shape[-1]
-        x = frames.to(device).permute(0, 3, 1, 2)  # (n, C, H, W)
-        alpha = x[:, 3:4].to(self.offload) if channels == 4 else None
-        rgb = x[:, :3] if channels >= 3 else x.expand(-1, 3, -1, -1)
-        resized = F.interpolate(rgb, size=size, mode="bicubic", antialias=True,
-                                align_corners=False).clamp_(0, 1)
-        reference = resized * 2 - 1
+        source = self._upload_frames(frames, device)
+        reference = self._reference(source, size) * 2 - 1
         pad_h, pad_w = (-n % MODEL_MULTIPLE for n in size)
         video = F.pad(reference, (0, pad_w, 0, pad_h), mode="replicate") if pad_h or pad_w else reference
+        del reference
         if batch.length > batch.frames:  # repeat the last frame up to 4n+1
             video = torch.cat([video, video[-1:].expand(batch.length - batch.frames, -1, -1, -1)])
         video = video.permute(1, 0, 2, 3)[None]  # (1, 3, T, H, W)
@@ -302,11 +445,18 @@ class Upscaler:
             noise = _randn(video.shape, batch_seed(opts.seed, batch.start, INPUT_NOISE), device)
             video = video + 0.025 * opts.input_noise_scale * noise
         mean, logvar = tiling.encode_posterior(vae, video.to(self.dtype), self.encode_tiles,
-                                              self.encode_slice)
+                                              self.encode_slice, self._vae_between)
         eps = _randn(mean.shape, batch_seed(opts.seed, batch.start, EPS), device, mean.dtype)
         latent = vae.sample_posterior(mean, logvar, noise=eps)
+        # A host offload device is the user's choice of memory over speed: that copy (and
+        # the one back) waits for the device.
         latent = (latent[0].permute(1, 2, 3, 0).float() * LATENT_SCALE).to(self.offload)
-        return _Encoded(batch, latent, reference.to(self.offload), alpha, channels == 1)
+        return _Encoded(batch, latent, source, size)
+
+    def _text_on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._text:
+            self._text[device] = upload(self.models.text, device).to(self.dtype)
+        return self._text[device]
 
     def _denoise(self, item: _Encoded):
         opts, dit, device = self.opts, self.models.dit, self.models.dit_device
@@ -318,56 +468,110 @@ class Upscaler:
                                     opts.latent_noise_scale)
         vid = dit_input(noise, make_condition(latent))
         t, h, w, _ = vid.shape
-        text = self.models.text.to(device)
+        text = self._text_on(device)
         # Shapes stay on the CPU (the DiT reads them as Python numbers: on the device that
         # would be a copy there and a sync back); the timestep is filled on the device.
-        v = dit(vid.reshape(-1, vid.shape[-1]).to(self.dtype), text.to(self.dtype),
+        v = dit(vid.reshape(-1, vid.shape[-1]).to(self.dtype), text,
                 torch.tensor([[t, h, w]]), torch.tensor([[text.shape[0]]]),
                 torch.full((1,), T, device=device))
         check_finite(v, "DiT", self.dtype)
         item.result = x0_from_velocity(noise, v.float().reshape(noise.shape)).to(self.offload)
         item.latent = None
 
-    def _decode(self, item: _Encoded, size: tuple[int, int]) -> torch.Tensor:
-        device = self.models.vae_device
+    def _decode(self, item: _Encoded) -> torch.Tensor:
+        device, size = self.models.vae_device, item.size
         z = (item.result.to(device) / LATENT_SCALE).permute(3, 0, 1, 2)[None]
         video = tiling.decode(self.models.vae, z.to(self.dtype), self.decode_tiles,
-                              self.decode_slice)  # (1, 3, T, H16, W16)
+                              self.decode_slice, self._vae_between)  # (1, 3, T, H16, W16)
         check_finite(video, "VAE decoder", self.dtype)
+        item.result = None
         n = item.batch.frames
         frames = video[0, :, :n, : size[0], : size[1]].permute(1, 0, 2, 3).float()  # (n, 3, H, W)
-        frames = color_correct(frames, item.reference.to(device), self.opts.color_correction)
+        del video
+        return self._finish(item, frames)
+
+    def _finish(self, item: _Encoded, frames: torch.Tensor) -> torch.Tensor:
+        """Colour correction against the resized input, gray or alpha put back."""
+        device, method = self.models.vae_device, self.opts.color_correction
+        self._stops(device)
+        if method != "none":
+            frames = color_correct(frames, self._reference(item.source, item.size) * 2 - 1, method)
+            self._stops(device)
         rgb = ((frames.clamp(-1, 1) + 1) / 2)
-        if item.gray:
-            out = (rgb * _LUMA.to(rgb.device)[None, :, None, None]).sum(1, keepdim=True)
-        elif item.alpha is not None:
-            out = torch.cat([rgb, upscale_alpha(item.alpha.to(device), rgb)], dim=1)
+        channels = item.source.shape[-1]
+        if channels == 1:
+            out = (rgb * upload(_LUMA, rgb.device)[None, :, None, None]).sum(1, keepdim=True)
+        elif channels == 4:
+            alpha = unit_float(item.source[..., 3:4]).permute(0, 3, 1, 2)
+            out = torch.cat([rgb, upscale_alpha(alpha, rgb)], dim=1)
         else:
             out = rgb
-        item.result = None
+        item.source = None
         return out.permute(0, 2, 3, 1).to(device if self.frames_on_device else self.offload)
 
     # -- the job --------------------------------------------------------------------------
 
-    def _check_stop(self):
-        if self.should_stop():
-            raise Interrupted("upscaling interrupted")
-
-    def _timed(self, phase: str, fn, *args):
+    @contextmanager
+    def _phase(self, phase: str):
+        """Time and memory peaks of one phase call. On CUDA the time is taken by two events
+        and read later (:meth:`_collect_times`), not by a host sync per phase: a sync would
+        let the device run dry while the host queues the next phase's work."""
         device = self.models.dit_device if phase == "dit" else self.models.vae_device
         cuda = device.type == "cuda"
+        start = None
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
-        start = time.perf_counter()
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(torch.cuda.current_stream(device))
+        began = time.perf_counter()
         try:
-            return fn(*args)
+            yield
         finally:
-            if cuda:
-                torch.cuda.synchronize(device)
-            self.stats.add(phase, time.perf_counter() - start)
-            self.stats.record_memory(
-                phase, torch.cuda.max_memory_allocated(device) if cuda else None,
-                torch.cuda.max_memory_reserved(device) if cuda else None, host_rss())
+            with self._clock_lock:
+                if cuda:
+                    end = torch.cuda.Event(enable_timing=True)
+                    end.record(torch.cuda.current_stream(device))
+                    self._pending_times.append((phase, start, end))
+                else:
+                    self.stats.add(phase, time.perf_counter() - began)
+                # The allocator's counters are host-side: reading them waits for nothing.
+                self.stats.record_memory(
+                    phase, torch.cuda.max_memory_allocated(device) if cuda else None,
+                    torch.cuda.max_memory_reserved(device) if cuda else None, host_rss())
+
+    def _collect_times(self, wait: bool = False):
+        """Add the CUDA phase times whose end events have completed (``wait``: all of them,
+        waiting for the last; done once, at the end of the job)."""
+        with self._clock_lock:
+            while self._pending_times:
+                phase, start, end = self._pending_times[0]
+                if wait:
+                    end.synchronize()
+                elif not end.query():
+                    break
+                self.stats.add(phase, start.elapsed_time(end) / 1000)
+                self._pending_times.pop(0)
+
+    def _encoded(self, batches: list, plan: BatchPlan, source: FrameSource) -> Iterator[_Encoded]:
+        """The batches encoded, in order (on a thread of its own when the phases overlap:
+        inference mode is per thread, hence entered here)."""
+        with torch.inference_mode():
+            size = None
+            for i in batches:
+                self._stops()
+                b = plan.batches[i]
+                raw = source.get(b.start, b.stop)
+                size = size or output_size(raw[0].shape[0], raw[0].shape[1], self.opts)
+                with self._vae_lock, self._phase("encode"):
+                    item = self._encode(b, raw, size)
+                del raw
+                source.release_before(plan.batches[i + 1].start if i + 1 < len(plan.batches)
+                                      else plan.plan_frames)
+                yield item
+
+    def _read_ahead_depth(self, plan: BatchPlan) -> int:
+        """Frames read ahead: one batch."""
+        return max(b.stop - b.start for b in plan.batches)
 
     @torch.inference_mode()
     def batch_outputs(self, frames: Iterable, plan: BatchPlan,
@@ -376,67 +580,99 @@ class Upscaler:
 
         ``batches`` (contiguous, ascending) restricts the job to a share of the plan; ``frames``
         must then start at :meth:`BatchPlan.read_start` of them.
+
+        Per chunk: encode every batch, then the DiT on each, then decode each, so each model
+        is activated once per chunk. With the phases overlapping (DiT and VAE on different
+        devices), both models stay active and the batches are encoded on a thread up to one
+        chunk ahead: the next chunk's encoding runs on the VAE's device while the DiT runs
+        on this chunk's latents (that chunk's latents and input frames are the extra memory).
         """
         chosen = list(range(len(plan.batches))) if batches is None else list(batches)
         first_source = plan.read_start(chosen)
         needed = None if batches is None else {
             plan.source_index(f) for i in chosen for f in range(plan.batches[i].start, plan.batches[i].stop)}
-        source = FrameSource(frames, plan, first_source, needed)
+        wanted = set(chosen)
+        chunks = [c for c in ([i for i in chunk if i in wanted] for chunk in plan.chunks) if c]
+        overlap = self.overlap_phases
+        self._stops = StopPoints(self.should_stop)
+        reader = ReadAhead(frames, self._read_ahead_depth(plan))
+        source = FrameSource(reader, plan, first_source, needed,
+                             pin=self.models.vae_device.type == "cuda")
+        encoded = self._encoded([i for chunk in chunks for i in chunk], plan, source)
+        hooks = []
         total = len(chosen)
         done = {"encode": 0, "dit": 0, "decode": 0}
-        wanted = set(chosen)
+
+        def count(phase: str):
+            done[phase] += 1
+            self.progress(phase, done[phase], total)
+
+        def denoise(item: _Encoded):
+            self._stops()
+            with self._phase("dit"):
+                self._denoise(item)
+            count("dit")
+
         try:
-            for chunk in plan.chunks:
-                chunk = [i for i in chunk if i in wanted]
-                if not chunk:
-                    continue
-                items = []
-                size = None
+            hooks = self._stops.attach(self.models)
+            if overlap:
                 self.models.activate("vae")
-                for i in chunk:
-                    self._check_stop()
-                    b = plan.batches[i]
-                    raw = source.get(b.start, b.stop)
-                    size = size or output_size(raw.shape[1], raw.shape[2], self.opts)
-                    items.append(self._timed("encode", self._encode, b, raw, size))
-                    del raw
-                    source.release_before(plan.batches[i + 1].start if i + 1 < len(plan.batches)
-                                          else plan.plan_frames)
-                    done["encode"] += 1
-                    self.progress("encode", done["encode"], total)
-                self.models.park("vae")
                 self.models.activate("dit")
+                encoded = ReadAhead(encoded, max(len(c) for c in chunks))
+            for chunk in chunks:
+                items = []
+                if not overlap:
+                    self.models.activate("vae")
+                for _ in chunk:
+                    items.append(next(encoded))
+                    count("encode")
+                    if overlap:
+                        denoise(items[-1])
+                if not overlap:
+                    self.models.park("vae")
+                    self.models.activate("dit")
+                    for item in items:
+                        denoise(item)
+                    self.models.park("dit")
+                    self.models.activate("vae")
                 for item in items:
-                    self._check_stop()
-                    self._timed("dit", self._denoise, item)
-                    done["dit"] += 1
-                    self.progress("dit", done["dit"], total)
-                self.models.park("dit")
-                self.models.activate("vae")
-                for item in items:
-                    self._check_stop()
-                    out = self._timed("decode", self._decode, item, size)
-                    done["decode"] += 1
-                    self.progress("decode", done["decode"], total)
+                    self._stops()
+                    with self._vae_lock, self._phase("decode"):
+                        out = self._decode(item)
+                    count("decode")
                     yield item.batch, out
                     del out
+                    self._collect_times()  # the consumer has fetched the frames: these ended
         finally:
-            # Also after an error or interrupt: no weights copies or tensors stay on the device.
+            # Also after an error or interrupt: no weights copies or tensors stay on the
+            # device, and no thread reads or encodes on.
+            self._stops.abandon()
+            encoded.close()
+            reader.close()
+            for hook in hooks:
+                hook.remove()
             self.models.park("dit")
             self.models.park("vae")
+            self._collect_times(wait=True)
             for name, phase in self.stats.phases.items():
                 log.debug("phase %s: %s", name, phase.describe(f"{phase.calls} call(s)"))
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
 
     def run(self, frames: Iterable, plan: BatchPlan) -> Iterator[tuple[int, torch.Tensor]]:
-        """Yields (first source frame, frames (n, H, W, C) float32 in [0, 1]) in order."""
+        """Yields (first source frame, frames (n, H, W, C) float32 in [0, 1]) in order, one
+        frame at a time: the stop flag is read before each, so a Cancel while the consumer
+        writes (encoding is often the slowest phase) waits for one frame, not a batch."""
         blender = OverlapBlender(plan)
+        emitted = 0
         for batch, out in self.batch_outputs(frames, plan):
             for first, final in blender.add(batch, out):
-                self.stats.frames = blender.emitted
-                yield first, final
-                self.progress("frames", blender.emitted, plan.source_frames)
+                for k in range(final.shape[0]):
+                    self._stops()
+                    emitted += 1
+                    self.stats.frames = emitted
+                    yield first + k, final[k:k + 1]
+                    self.progress("frames", emitted, plan.source_frames)
 
 
 class OverlapBlender:
@@ -453,7 +689,7 @@ class OverlapBlender:
         plan = self.plan
         if b.overlap and self.pending is not None:
             # The weights go where the frames are (a file job keeps them on the GPU).
-            w = blend_weights(b.overlap).to(out.device)[:, None, None, None]
+            w = upload(blend_weights(b.overlap), out.device)[:, None, None, None]
             out = torch.cat([self.pending * (1 - w) + out[: b.overlap] * w, out[b.overlap:]])
         final_stop = plan.emit_stop(b)
         self.pending = out[final_stop - b.start:]

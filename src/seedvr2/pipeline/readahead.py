@@ -1,0 +1,94 @@
+"""Read input frames ahead on a thread while the device computes.
+
+:class:`ReadAhead` wraps any frame iterator (a video reader's ``frames()``, a tensor): one
+thread pulls items into a bounded queue, the caller takes them in order. Decoding the next
+batch's frames then overlaps the current batch's compute instead of following it.
+
+The wrapped iterator is only ever advanced by the reading thread, and closed by it
+(``close()`` on a generator, which runs its ``finally``) before the thread ends; ``close()``
+here waits for that, so whoever owns the reader (``with open_media(...)``) may close it as
+soon as ``close()`` returns. An exception raised by the iterator is raised to the caller at
+the position it occurred, after the items read before it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Iterable, Iterator
+
+_END = object()
+_POLL_S = 0.05  # how often a blocked put or get looks whether the other side has stopped
+
+
+class _Failed:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+class ReadAhead(Iterator):
+    """Iterate ``items`` with up to ``depth`` of them read ahead on a background thread."""
+
+    def __init__(self, items: Iterable, depth: int):
+        if depth < 1:
+            raise ValueError(f"depth must be at least 1, got {depth}")
+        self._items = iter(items)
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._done = False
+        self._thread = threading.Thread(target=self._read, name="seedvr2-reader", daemon=True)
+        self._thread.start()
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=_POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _read(self):
+        try:
+            for item in self._items:
+                if not self._put(item):
+                    return
+            self._put(_END)
+        except BaseException as e:  # noqa: BLE001 -- handed to the caller's thread
+            self._put(_Failed(e))
+        finally:
+            close = getattr(self._items, "close", None)
+            if close is not None:
+                close()
+
+    def __next__(self):
+        if self._done:
+            raise StopIteration
+        while True:
+            try:
+                item = self._queue.get(timeout=_POLL_S)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    self._done = True  # stopped by close()
+                    raise StopIteration from None
+        if item is _END:
+            self._done = True
+            raise StopIteration
+        if isinstance(item, _Failed):
+            self._done = True
+            raise item.error
+        return item
+
+    def close(self):
+        """Stop reading and wait until the thread has closed the wrapped iterator
+        (idempotent; at most the item being read is still read to its end)."""
+        self._done = True
+        self._stop.set()
+        self._thread.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
