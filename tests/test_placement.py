@@ -216,6 +216,136 @@ def test_model_cache_drop_releases_the_pinned_arena(tiny_options, monkeypatch):
     MODEL_CACHE.clear()
 
 
+class FakeRuntime:
+    """A CUDA runtime whose pin and unpin calls return the given errors and that keeps the
+    thread's last error as the real one does: set by a failed call, reset when read."""
+
+    def __init__(self, register=0, unregister=0, can_read_error=True):
+        self.statuses = {"register": register, "unregister": unregister}
+        self.last_error = 0
+        self.calls: list[str] = []
+        self.cudaGetLastError = self._get_last_error if can_read_error else None
+
+    def _call(self, name):
+        self.calls.append(name)
+        status = self.statuses[name]
+        self.last_error = status or self.last_error
+        return status
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        return self._call("register")
+
+    def cudaHostUnregister(self, ptr):
+        return self._call("unregister")
+
+    def _get_last_error(self):
+        self.calls.append("get_last_error")
+        error, self.last_error = self.last_error, 0
+        return error
+
+
+def _failing_pin(runtime):
+    from seedvr2.memory.arena import cuda_pin
+
+    return lambda buffer: cuda_pin(buffer, torch.device("cuda", 0), runtime)
+
+
+def test_failed_pinning_resets_the_cuda_error_and_uploads_through_bounded_staging(
+        conformance, caplog, monkeypatch):
+    """cudaHostRegister fails: its error must not stay as the runtime's last error (PyTorch
+    would raise it after its next, unrelated kernel launch), and uploads then go through a
+    bounded pinned staging buffer, piece by piece, each buffer refilled only after the copy
+    that last read it is done."""
+    from seedvr2.memory import arena as arena_module
+    from seedvr2.memory.placement import WeightStore
+
+    runtime = FakeRuntime(register=2)  # cudaErrorMemoryAllocation
+    model = load_dit(conformance / "dit3b_tiny" / "weights.safetensors")
+    expected = {n: t.clone() for n, t in named_tensors(model)}
+    chunk = 4096
+    events: list[tuple] = []
+    allocated: list[int] = []
+
+    class Event:
+        def __init__(self):
+            self.slot = len(allocated) - 1
+
+        def synchronize(self):
+            events.append(("wait", self.slot))
+
+        def record(self):
+            events.append(("record", self.slot))
+
+    def allocate(n):
+        allocated.append(n)
+        return torch.empty(n, dtype=torch.uint8)
+
+    staging = arena_module.PinnedStaging(chunk_bytes=chunk, slots=2, allocate=allocate,
+                                         new_event=Event)
+    monkeypatch.setattr(arena_module, "PinnedStaging", lambda: staging)
+    with caplog.at_level("WARNING", logger="seedvr2"):
+        store = WeightStore(model, CPU, _failing_pin(runtime))
+    assert runtime.calls == ["register", "get_last_error"] and runtime.last_error == 0
+    assert "could not pin" in caplog.text and "(CUDA error 2)" in caplog.text
+    assert "may be this one reported again" not in caplog.text
+    assert not store.arena.pinned and store.arena.staging is staging
+
+    copies = store.copy_to(range(len(store)), CPU)
+    store.place(copies)
+    assert all(torch.equal(t, expected[n]) for n, t in named_tensors(model))
+    assert all(c.data_ptr() != store.arena.views[i].data_ptr() for i, c in copies.items()
+               if c.numel())
+    # Bounded: two buffers of one chunk, however big the model.
+    nbytes = sum(v.numel() * v.element_size() for v in store.arena.views)
+    assert allocated == [chunk, chunk] and store.pinned_bytes == 2 * chunk < nbytes
+    pieces = sum(-(-v.numel() * v.element_size() // chunk) for v in store.arena.views)
+    # Each piece: wait for the buffer's previous copy, then record its own copy.
+    assert events == [(kind, k % 2) for k in range(pieces) for kind in ("wait", "record")]
+
+
+def test_pinning_failure_without_error_reset_says_a_later_error_may_be_it(caplog):
+    from seedvr2.memory.arena import HostArena
+
+    arena = HostArena([((1024,), torch.float32)])
+    with caplog.at_level("WARNING", logger="seedvr2"):
+        arena.pin(_failing_pin(FakeRuntime(register=2, can_read_error=False)))
+    assert "could not be reset: a later CUDA error may be this one reported again" in caplog.text
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="a CPU-only torch has no CUDA runtime")
+def test_the_error_reset_comes_from_the_runtime_torch_loaded():
+    """torch.cuda.cudart() has no cudaGetLastError: it is found in the libcudart torch loaded
+    (a second copy of the runtime would keep a last error of its own)."""
+    from seedvr2.memory.arena import _loaded_runtime_call
+
+    assert _loaded_runtime_call("cudaGetLastError") is not None
+    assert _loaded_runtime_call("noSuchCudaCall") is None
+
+
+def test_unpinning_waits_for_the_compute_device_only_and_reports_failure(monkeypatch, caplog):
+    """Unpinning waited for every visible GPU (creating a CUDA context on each, in every
+    rank); the copies only ever go to the compute device. A failed unregister is reported
+    and its error reset."""
+    from seedvr2.memory import arena as arena_module
+    from seedvr2.memory.placement import default_pin
+
+    synchronized = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synchronized.append(device))
+    runtime = FakeRuntime(unregister=1)  # cudaErrorInvalidValue
+    monkeypatch.setattr(arena_module, "CudaRuntime", lambda: runtime)
+    arena = HostArena([((2**20,), torch.float32)])
+    arena.pin(default_pin(torch.device("cuda", 2), CPU))
+    assert arena.pinned and runtime.calls == ["register"]
+    with caplog.at_level("WARNING", logger="seedvr2"):
+        arena.release()
+    assert synchronized == [torch.device("cuda", 2)]
+    assert runtime.calls == ["register", "unregister", "get_last_error"]
+    assert runtime.last_error == 0
+    assert "could not unpin 4.0 MiB of host memory (CUDA error 1): it stays page-locked " \
+        "until the process ends" in caplog.text
+
+
 # --------------------------------------------------------------------------------------------
 # Offload between phases
 

@@ -23,6 +23,7 @@ that last used it, so a later allocation on that stream is ordered after every r
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Iterable, Optional
 
@@ -58,8 +59,10 @@ def host_copy_bytes(module: nn.Module) -> int:
 
 
 def default_pin(compute: torch.device, host: torch.device) -> Optional[PinHook]:
-    """Pin host copies only where it pays: CPU memory feeding a CUDA device."""
-    return cuda_pin if compute.type == "cuda" and host.type == "cpu" else None
+    """Pin host copies only where it pays: CPU memory feeding a CUDA device (whose copies
+    unpinning then waits for, and no other GPU's)."""
+    return functools.partial(cuda_pin, device=compute) \
+        if compute.type == "cuda" and host.type == "cpu" else None
 
 
 class WeightStore:
@@ -112,7 +115,7 @@ class WeightStore:
 
     def copy_to(self, entries: Iterable[int], device: torch.device) -> dict[int, torch.Tensor]:
         """Asynchronous device copies of ``entries`` on the current stream (not yet placed)."""
-        return {i: self.arena.views[i].to(device, non_blocking=True) for i in entries}
+        return {i: self.arena.upload(i, device) for i in entries}
 
     def place(self, copies: dict[int, torch.Tensor]):
         """Point the model at device copies made by :meth:`copy_to`."""
