@@ -4,6 +4,7 @@ pinning is an injected hook that records what it was asked to pin."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
@@ -69,6 +70,122 @@ def test_blockswap_every_tensor_a_unit_reads_is_on_the_compute_device(conformanc
         swap._before(i)
         assert _off_device(swap.units[i]) == []
         swap._after(i)
+
+
+class RecordingStreams:
+    """torch.cuda's Stream, Event, current_stream and stream as BlockSwap uses them: each
+    stream keeps the queue of what was issued on it, for a simulated GPU to run."""
+
+    def __init__(self):
+        self.compute = RecordingStreams.Queue("compute")
+        self.current = self.compute
+        self.copy_streams: list = []
+
+    class Queue:
+        def __init__(self, name):
+            self.name, self.queue = name, []
+
+        def wait_event(self, event):
+            self.queue.append(("wait", event))
+
+    def Stream(self, device):  # noqa: N802 (torch.cuda's name)
+        stream = RecordingStreams.Queue("copy")
+        self.copy_streams.append(stream)
+        return stream
+
+    def Event(self):  # noqa: N802
+        streams = self
+
+        class Event:
+            def record(self, stream=None):
+                (stream or streams.current).queue.append(("record", self))
+        return Event()
+
+    def current_stream(self, device=None):
+        return self.current
+
+    @contextlib.contextmanager
+    def stream(self, stream):
+        previous, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = previous
+
+
+def _run_on_simulated_gpu(compute: list, copy: list, swapped) -> int:
+    """Run two stream queues the way a GPU may: the copy stream as far ahead as its waits
+    allow (the worst case for memory), the compute stream one operation at a time. Returns
+    the most swapped units whose copy had started and whose compute had not finished."""
+    recorded, copied, computed = set(), set(), set()
+    at = {"compute": 0, "copy": 0}
+    queues = {"compute": compute, "copy": copy}
+    most = 0
+
+    def step(name) -> bool:
+        op = queues[name][at[name]] if at[name] < len(queues[name]) else None
+        if op is None or (op[0] == "wait" and op[1] not in recorded):
+            return False
+        kind, what = op
+        if kind == "record":
+            recorded.add(what)
+        elif kind == "copy":
+            copied.add(what)
+        elif kind == "compute":
+            assert what not in swapped or what in copied, f"unit {what} ran before its copy"
+            computed.add(what)
+        at[name] += 1
+        return True
+    while at["compute"] < len(compute) or at["copy"] < len(copy):
+        while step("copy"):
+            most = max(most, len(copied - computed))
+        assert step("compute"), "the streams wait for each other: deadlock"
+    return most
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+@pytest.mark.parametrize("blocks, swap_io", [(4, True), (2, True), (3, False)])
+def test_blockswap_bounds_the_units_on_the_gpu_when_the_host_runs_ahead(
+        conformance, prefetch, blocks, swap_io):
+    """With no host syncs the host queues every unit's work before the GPU has run the first:
+    a copy stream that never waits for compute copied every swapped unit at once. The copy of
+    unit j must wait for the compute of unit j - prefetch - 1, so at most prefetch + 1 units
+    are on the GPU at any time, and each unit runs after its copy."""
+    model = load_dit(conformance / "dit7b_tiny" / "weights.safetensors")  # 4 blocks
+    streams = RecordingStreams()
+    swap = BlockSwap(model, blocks, swap_io, META, CPU, prefetch=prefetch, force=True, pin=None,
+                     streams=streams)
+    (copy,) = streams.copy_streams
+    unit_of = {tuple(entries): unit for unit, entries in swap.unit_entries.items()}
+    fill = swap.store.fill
+
+    def recorded_fill(copies):
+        streams.current.queue.append(("copy", unit_of[tuple(copies)]))
+        fill(copies)
+    swap.store.fill = recorded_fill
+    host_resident = []
+    for _ in range(2):  # two forwards back to back, all queued before the GPU runs any
+        for i in range(len(swap.units)):
+            swap._before(i)
+            host_resident.append(len(swap.copies))
+            streams.compute.queue.append(("compute", i))
+            swap._after(i)
+    assert max(host_resident) == min(prefetch + 1, len(swap.schedule.swapped))
+    swapped = swap.schedule.swapped
+    # The order of waits. Where every unit is swapped, the c-th copy (unit j = c mod units,
+    # forward f) waits for an event recorded after c - prefetch - 1 computes: the compute of
+    # unit j - prefetch - 1, or at the start of a forward, of every unit queued before it.
+    if len(swapped) == len(swap.units):
+        n = len(swap.units)
+        copies = [k for k, op in enumerate(copy.queue) if op[0] == "copy"]
+        assert len(copies) == 2 * n
+        for c, k in enumerate(copies):
+            wait = next(w for w in reversed(copy.queue[:k]) if w[0] == "wait")
+            at = streams.compute.queue.index(("record", wait[1]))
+            computes = sum(op[0] == "compute" for op in streams.compute.queue[:at])
+            assert computes == max(c - prefetch, c // n * n), (c, computes)
+    most = _run_on_simulated_gpu(streams.compute.queue, copy.queue, swapped)
+    assert most == min(prefetch + 1, len(swapped))
 
 
 def _unit_prefixes(swap) -> list[str]:

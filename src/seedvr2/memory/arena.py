@@ -153,10 +153,9 @@ class PinnedStaging:
     def pinned_bytes(self) -> int:
         return sum(b.numel() for b in self.buffers)
 
-    def upload(self, source: torch.Tensor, device: torch.device) -> torch.Tensor:
-        # Allocated on the current stream, which also runs the copies into it: the caching
-        # allocator orders its reuse after them, as for a plain non_blocking copy.
-        out = torch.empty(source.shape, dtype=source.dtype, device=device)
+    def copy(self, source: torch.Tensor, out: torch.Tensor):
+        """Copy host ``source`` into the same-shaped device tensor ``out`` on the current
+        stream, piece by piece through the pinned buffers."""
         src = source.reshape(-1).view(torch.uint8)  # the arena's views are contiguous
         dst = out.view(-1).view(torch.uint8)
         for start in range(0, src.numel(), self.chunk_bytes):
@@ -167,7 +166,6 @@ class PinnedStaging:
             staged.copy_(src[start:stop])
             dst[start:stop].copy_(staged, non_blocking=True)
             self.events[slot].record()
-        return out
 
     def _slot(self) -> int:
         slot = self.next_slot
@@ -248,18 +246,20 @@ class HostArena:
             return self.nbytes
         return self.staging.pinned_bytes if self.staging is not None else 0
 
-    def upload(self, index: int, device: torch.device) -> torch.Tensor:
-        """An asynchronous copy of ``views[index]`` on ``device``, on the current stream."""
+    def copy_into(self, index: int, out: torch.Tensor):
+        """Copy ``views[index]`` into the device tensor ``out``, asynchronously, on the current
+        stream (allocate ``out`` on the stream that will read and free it)."""
         view = self.views[index]
         if self.staging is None or view.numel() == 0:
-            return view.to(device, non_blocking=True)
+            out.copy_(view, non_blocking=True)
+            return
         try:
-            return self.staging.upload(view, device)
+            self.staging.copy(view, out)
         except RuntimeError as error:  # not even a small buffer can be pinned
             log.warning("could not pin a staging buffer either (%s); copies to the GPU will "
                         "be synchronous", str(error).splitlines()[0])
             self.staging = None
-            return view.to(device, non_blocking=True)
+            out.copy_(view, non_blocking=True)
 
     def release(self):
         """Unpin now (idempotent); views stay valid as pageable memory."""
