@@ -223,11 +223,23 @@ def test_nccl_world_size_one_runs_the_distributed_path(clip, tiny_options, tmp_p
 
 
 def test_sequence_parallel_ranks_give_identical_frames(clip, tiny_options, tmp_path, single):
-    """Two ranks share every batch's DiT call (Ulysses): the frames of one process."""
+    """Two ranks share every batch's DiT call (Ulysses) and split the VAE work: each batch of
+    a chunk is encoded and decoded by one rank in turn (both ranks used to run the VAE on
+    every batch). The frames are those of one process."""
+    import re
+
+    from seedvr2.distributed.vae_share import vae_owners
+
     result = _cli(tiny_options, clip, f"{tmp_path}/out/", "--devices", "cpu,cpu",
-                  "--sequence-parallel", "2")
+                  "--sequence-parallel", "2", "--chunk-size", "10", "-v")
     assert result.returncode == 0, result.stderr
     assert np.array_equal(_frames(tmp_path / "out"), single)
+    encoded = [(int(rank), int(batch)) for rank, batch in re.findall(
+        r"rank (\d+): VAE of batch (\d+): encoded and decoded on this rank", result.stderr)]
+    plan = make_plan(23, resolve_options(batch_size=5, temporal_overlap=1, chunk_size=10))
+    assert [len(c) for c in plan.chunks] == [2, 2, 2]
+    assert sorted(encoded) == sorted((r, b) for b, r in vae_owners(plan, 2).items())
+    assert {r for r, _ in encoded} == {0, 1} and len(encoded) == len(plan.batches)
 
 
 def test_sequence_parallel_checks(clip, tiny_options, tmp_path):
