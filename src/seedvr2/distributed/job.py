@@ -160,8 +160,8 @@ def _run_share(ctx: DistContext, plan, read_from, consume, channels: int, size: 
     rank's ``(batch, frames)`` of those (the remaining) batches in plan order; ``consume`` is
     None elsewhere. With ``sequence_parallel`` = k, consecutive groups of k ranks share each
     batch's DiT call; chunks are dealt to the groups, and each batch's VAE work is done, and its
-    frames delivered, by one rank of its group (``vae_share.py``). ``bit_depth`` (8, 16, or None for float32 output) sets the frames' wire
-    format.
+    frames delivered, by one rank of its group (``vae_share.py``). ``bit_depth`` (8, 16, or
+    None for float32 output) sets the frames' wire format.
     """
     from ..pipeline.setup import load_models, prepare_job
 
