@@ -188,6 +188,22 @@ def test_blockswap_bounds_the_units_on_the_gpu_when_the_host_runs_ahead(
     assert most == min(prefetch + 1, len(swapped))
 
 
+def test_blockswap_cut_short_keeps_an_unused_copy_until_it_is_written(conformance):
+    """A forward stopped after a prefetch (an error, an interrupt): the prefetched unit's
+    memory goes back to the compute stream's pool, so the compute stream first waits for the
+    copy still writing into it."""
+    model = load_dit(conformance / "dit7b_tiny" / "weights.safetensors")
+    streams = RecordingStreams()
+    swap = BlockSwap(model, 4, True, META, CPU, force=True, pin=None, streams=streams)
+    (copy,) = streams.copy_streams
+    swap._before(0)  # unit 0 in use (its copy waited for), unit 1 prefetched
+    ready = [op[1] for op in copy.queue if op[0] == "record"]
+    assert streams.compute.queue[-1] == ("wait", ready[0])
+    swap.release_all()
+    assert streams.compute.queue[-1] == ("wait", ready[1]) and swap.ready == {}
+    assert swap.copies == {}
+
+
 def _unit_prefixes(swap) -> list[str]:
     return [name for name, m in swap.model.named_modules() if any(m is u for u in swap.units)]
 

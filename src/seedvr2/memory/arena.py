@@ -136,7 +136,9 @@ class PinnedStaging:
     only for the copy that last read a buffer before refilling it (its event), never for the
     device. Pinned memory stays bounded: ``slots`` buffers of ``chunk_bytes``, allocated at the
     first upload (through PyTorch's host allocator: a size that is a power of two is not
-    rounded). ``allocate`` and ``new_event`` are injectable for tests.
+    rounded). On BlockSwap's copy stream, which waits for compute, that host wait also waits
+    for the GPU to catch up: the fallback gives up running ahead, not correctness.
+    ``allocate`` and ``new_event`` are injectable for tests.
     """
 
     def __init__(self, chunk_bytes: int = STAGING_CHUNK_BYTES, slots: int = STAGING_SLOTS,

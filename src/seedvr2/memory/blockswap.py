@@ -190,8 +190,12 @@ class BlockSwap:
             self._drop(j)
 
     def _drop(self, unit: int):
+        event = self.ready.pop(unit, None)
+        if event is not None:
+            # Copied but never used (a forward cut short): the compute stream, whose pool
+            # takes the memory back now, must not reuse it while the copy may still write.
+            self.streams.current_stream(self.device).wait_event(event)
         self.copies.pop(unit, None)
-        self.ready.pop(unit, None)
         self.store.to_host(self.unit_entries[unit])
 
     def release_all(self):
