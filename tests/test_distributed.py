@@ -308,7 +308,7 @@ def test_loaded_modules_run_one_process_on_their_device_under_devices_auto(monke
     import torch
 
     import seedvr2
-    from seedvr2.api import _process_devices
+    from seedvr2.api import process_devices
 
     _two_gpus(monkeypatch)
     on_cpu = torch.nn.Linear(2, 2)
@@ -319,10 +319,25 @@ def test_loaded_modules_run_one_process_on_their_device_under_devices_auto(monke
     class OnSecondGpu(torch.nn.Module):
         def parameters(self, recurse=True):
             yield types.SimpleNamespace(device=torch.device("cuda", 1))
-    devices, opts = _process_devices(resolve_options(), "dit.safetensors", OnSecondGpu())
+    devices, opts = process_devices(resolve_options(), "dit.safetensors", OnSecondGpu())
     assert devices == ["cuda:1"] and opts.device == "cuda:1"
     # Nothing tied to a device: every GPU; a list given explicitly is obeyed.
-    assert _process_devices(resolve_options(), None, None)[0] == ["cuda:0", "cuda:1"]
-    assert _process_devices(resolve_options(devices="cuda:1"), None, None)[1].device == "cuda:1"
+    assert process_devices(resolve_options(), None, None)[0] == ["cuda:0", "cuda:1"]
+    assert process_devices(resolve_options(devices="cuda:1"), None, None)[1].device == "cuda:1"
     with pytest.raises(ValueError, match="several devices need the models by name or path"):
         seedvr2.upscale(torch.rand(5, 16, 16, 3), dit=on_cpu, devices="cuda:0,cuda:1")
+
+
+def test_cli_with_a_named_device_loads_the_models_once_in_this_process(monkeypatch, tmp_path,
+                                                                       clip):
+    """The command decides one process or several as the facade does: with --device cuda:1
+    on a two-GPU machine it loads the models itself (once for every input), with the device."""
+    from seedvr2 import cli
+
+    _two_gpus(monkeypatch)
+    with pytest.raises(_Reached) as reached:  # the stand-in load_models, in this process
+        cli.main(["upscale", str(clip), "-o", str(tmp_path / "out.mp4"), "--device", "cuda:1",
+                  "--quiet"])
+    assert reached.value.opts.device == "cuda:1"
+    # Loaded by the command itself (then reused for every input), not per file by upscale_file.
+    assert reached.traceback[-2].name == "_upscale_jobs"

@@ -26,7 +26,8 @@ from .pipeline.setup import (MEMORY_CHECK_ENV, check_file_job, file_facts, load_
 
 # The set-up steps are the library's too (custom pipelines, the CLI, tests).
 __all__ = ["MEMORY_CHECK_ENV", "check_file_job", "load_models", "open_output", "plan_file",
-           "prepare_job", "resolve_auto_batch_for_ranks", "upscale", "upscale_file"]
+           "prepare_job", "process_devices", "resolve_auto_batch_for_ranks", "upscale",
+           "upscale_file"]
 
 Progress = Callable[[str, int, int], None]
 
@@ -42,7 +43,7 @@ def _check_one_process(opts: Options):
                           f"or launch with torchrun")
 
 
-def _process_devices(opts: Options, dit, vae) -> tuple[list[str], Options]:
+def process_devices(opts: Options, dit, vae) -> tuple[list[str], Options]:
     """The devices to run on, one process each, and the options of a single process.
 
     ``devices=auto`` spreads the job over every visible GPU only when nothing ties it to one:
@@ -92,7 +93,7 @@ def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Pr
         frames = frames[None]
     if len(frames) == 0:
         raise ValueError("frames: the input has no frames")
-    devices, opts = _process_devices(opts, dit, vae)
+    devices, opts = process_devices(opts, dit, vae)
     if len(devices) > 1:
         from .distributed.job import check_sequence_parallel
         from .distributed.launch import spawn_tensor_job
@@ -158,7 +159,7 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
         ranks_auto([str(ctx.device)], gather)
         return run_file_job(ctx, src, dst, dit, vae, progress=progress, should_stop=should_stop,
                             stats=stats, **job)
-    devices, opts = _process_devices(opts, dit, vae)
+    devices, opts = process_devices(opts, dit, vae)
     if len(devices) > 1:
         _check_named_models(dit, vae)
         check_sequence_parallel(opts, len(devices), dit, model_dir)

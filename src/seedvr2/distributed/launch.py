@@ -26,7 +26,7 @@ log = logging.getLogger("seedvr2")
 
 
 def parse_devices(spec: str) -> list[str]:
-    """``auto`` = every visible GPU, else one CPU process (``api._process_devices`` decides
+    """``auto`` = every visible GPU, else one CPU process (``api.process_devices`` decides
     when a named device or loaded models keep a job in one process)."""
     if spec == "auto":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
