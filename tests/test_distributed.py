@@ -223,11 +223,23 @@ def test_nccl_world_size_one_runs_the_distributed_path(clip, tiny_options, tmp_p
 
 
 def test_sequence_parallel_ranks_give_identical_frames(clip, tiny_options, tmp_path, single):
-    """Two ranks share every batch's DiT call (Ulysses): the frames of one process."""
+    """Two ranks share every batch's DiT call (Ulysses) and split the VAE work: each batch of
+    a chunk is encoded and decoded by one rank in turn (both ranks used to run the VAE on
+    every batch). The frames are those of one process."""
+    import re
+
+    from seedvr2.distributed.vae_share import vae_owners
+
     result = _cli(tiny_options, clip, f"{tmp_path}/out/", "--devices", "cpu,cpu",
-                  "--sequence-parallel", "2")
+                  "--sequence-parallel", "2", "--chunk-size", "10", "-v")
     assert result.returncode == 0, result.stderr
     assert np.array_equal(_frames(tmp_path / "out"), single)
+    encoded = [(int(rank), int(batch)) for rank, batch in re.findall(
+        r"rank (\d+): VAE of batch (\d+): encoded and decoded on this rank", result.stderr)]
+    plan = make_plan(23, resolve_options(batch_size=5, temporal_overlap=1, chunk_size=10))
+    assert [len(c) for c in plan.chunks] == [2, 2, 2]
+    assert sorted(encoded) == sorted((r, b) for b, r in vae_owners(plan, 2).items())
+    assert {r for r, _ in encoded} == {0, 1} and len(encoded) == len(plan.batches)
 
 
 def test_sequence_parallel_checks(clip, tiny_options, tmp_path):
@@ -241,3 +253,91 @@ def test_sequence_parallel_checks(clip, tiny_options, tmp_path):
     assert result.returncode != 0
     assert "sequence parallelism over 3 ranks needs a head count divisible by 3; this DiT has 2 heads" in result.stderr, result.stderr[-2000:]
     assert list(tmp_path.iterdir()) == []
+
+
+class _Reached(Exception):
+    """Raised by a stand-in load_models: the facade chose one process with these options."""
+
+    def __init__(self, opts):
+        super().__init__(opts.device)
+        self.opts = opts
+
+
+def _two_gpus(monkeypatch):
+    """A machine with two GPUs as the facade sees it; nothing may be spawned on it."""
+    import torch
+
+    from seedvr2 import api
+    from seedvr2.distributed import launch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+    def spawned(devices, *args, **kwargs):
+        raise AssertionError(f"spawned workers on {devices}")
+    monkeypatch.setattr(launch, "spawn_tensor_job", spawned)
+    monkeypatch.setattr(launch, "spawn_file_job", spawned)
+
+    def load_models(dit, vae, opts, model_dir=None):
+        raise _Reached(opts)
+    monkeypatch.setattr(api, "load_models", load_models)
+
+
+@pytest.mark.parametrize("option, value", [("device", "cuda:0"), ("device", "cuda:1"),
+                                           ("dit_device", "cuda:1"), ("vae_device", "cuda:0")])
+def test_an_explicit_device_runs_one_process_under_devices_auto(monkeypatch, option, value):
+    """devices=auto on a machine with several GPUs spread the job over all of them even when
+    a device was named: a named device means one process, there."""
+    import torch
+
+    import seedvr2
+
+    _two_gpus(monkeypatch)
+    with pytest.raises(_Reached) as reached:
+        seedvr2.upscale(torch.rand(5, 16, 16, 3), **{option: value})
+    assert getattr(reached.value.opts, option) == value
+    assert reached.value.opts.device == (value if option == "device" else "auto")
+
+
+def test_loaded_modules_run_one_process_on_their_device_under_devices_auto(monkeypatch):
+    """Loaded modules cannot travel to worker processes: with devices=auto they raised
+    ValueError on a machine with several GPUs; now one process runs on the modules' GPU
+    (or, for modules on the CPU, where device=auto puts them)."""
+    import types
+
+    import torch
+
+    import seedvr2
+    from seedvr2.api import process_devices
+
+    _two_gpus(monkeypatch)
+    on_cpu = torch.nn.Linear(2, 2)
+    with pytest.raises(_Reached) as reached:
+        seedvr2.upscale(torch.rand(5, 16, 16, 3), dit=on_cpu, vae="vae.safetensors")
+    assert reached.value.opts.device == "auto"
+
+    class OnSecondGpu(torch.nn.Module):
+        def parameters(self, recurse=True):
+            yield types.SimpleNamespace(device=torch.device("cuda", 1))
+    devices, opts = process_devices(resolve_options(), "dit.safetensors", OnSecondGpu())
+    assert devices == ["cuda:1"] and opts.device == "cuda:1"
+    # Nothing tied to a device: every GPU; a list given explicitly is obeyed.
+    assert process_devices(resolve_options(), None, None)[0] == ["cuda:0", "cuda:1"]
+    assert process_devices(resolve_options(devices="cuda:1"), None, None)[1].device == "cuda:1"
+    with pytest.raises(ValueError, match="several devices need the models by name or path"):
+        seedvr2.upscale(torch.rand(5, 16, 16, 3), dit=on_cpu, devices="cuda:0,cuda:1")
+
+
+def test_cli_with_a_named_device_loads_the_models_once_in_this_process(monkeypatch, tmp_path,
+                                                                       clip):
+    """The command decides one process or several as the facade does: with --device cuda:1
+    on a two-GPU machine it loads the models itself (once for every input), with the device."""
+    from seedvr2 import cli
+
+    _two_gpus(monkeypatch)
+    with pytest.raises(_Reached) as reached:  # the stand-in load_models, in this process
+        cli.main(["upscale", str(clip), "-o", str(tmp_path / "out.mp4"), "--device", "cuda:1",
+                  "--quiet"])
+    assert reached.value.opts.device == "cuda:1"
+    # Loaded by the command itself (then reused for every input), not per file by upscale_file.
+    assert reached.traceback[-2].name == "_upscale_jobs"

@@ -4,6 +4,7 @@ pinning is an injected hook that records what it was asked to pin."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
@@ -69,6 +70,138 @@ def test_blockswap_every_tensor_a_unit_reads_is_on_the_compute_device(conformanc
         swap._before(i)
         assert _off_device(swap.units[i]) == []
         swap._after(i)
+
+
+class RecordingStreams:
+    """torch.cuda's Stream, Event, current_stream and stream as BlockSwap uses them: each
+    stream keeps the queue of what was issued on it, for a simulated GPU to run."""
+
+    def __init__(self):
+        self.compute = RecordingStreams.Queue("compute")
+        self.current = self.compute
+        self.copy_streams: list = []
+
+    class Queue:
+        def __init__(self, name):
+            self.name, self.queue = name, []
+
+        def wait_event(self, event):
+            self.queue.append(("wait", event))
+
+    def Stream(self, device):  # noqa: N802 (torch.cuda's name)
+        stream = RecordingStreams.Queue("copy")
+        self.copy_streams.append(stream)
+        return stream
+
+    def Event(self):  # noqa: N802
+        streams = self
+
+        class Event:
+            def record(self, stream=None):
+                (stream or streams.current).queue.append(("record", self))
+        return Event()
+
+    def current_stream(self, device=None):
+        return self.current
+
+    @contextlib.contextmanager
+    def stream(self, stream):
+        previous, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = previous
+
+
+def _run_on_simulated_gpu(compute: list, copy: list, swapped) -> int:
+    """Run two stream queues the way a GPU may: the copy stream as far ahead as its waits
+    allow (the worst case for memory), the compute stream one operation at a time. Returns
+    the most swapped units whose copy had started and whose compute had not finished."""
+    recorded, copied, computed = set(), set(), set()
+    at = {"compute": 0, "copy": 0}
+    queues = {"compute": compute, "copy": copy}
+    most = 0
+
+    def step(name) -> bool:
+        op = queues[name][at[name]] if at[name] < len(queues[name]) else None
+        if op is None or (op[0] == "wait" and op[1] not in recorded):
+            return False
+        kind, what = op
+        if kind == "record":
+            recorded.add(what)
+        elif kind == "copy":
+            copied.add(what)
+        elif kind == "compute":
+            assert what not in swapped or what in copied, f"unit {what} ran before its copy"
+            computed.add(what)
+        at[name] += 1
+        return True
+    while at["compute"] < len(compute) or at["copy"] < len(copy):
+        while step("copy"):
+            most = max(most, len(copied - computed))
+        assert step("compute"), "the streams wait for each other: deadlock"
+    return most
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+@pytest.mark.parametrize("blocks, swap_io", [(4, True), (2, True), (3, False)])
+def test_blockswap_bounds_the_units_on_the_gpu_when_the_host_runs_ahead(
+        conformance, prefetch, blocks, swap_io):
+    """With no host syncs the host queues every unit's work before the GPU has run the first:
+    a copy stream that never waits for compute copied every swapped unit at once. The copy of
+    unit j must wait for the compute of unit j - prefetch - 1, so at most prefetch + 1 units
+    are on the GPU at any time, and each unit runs after its copy."""
+    model = load_dit(conformance / "dit7b_tiny" / "weights.safetensors")  # 4 blocks
+    streams = RecordingStreams()
+    swap = BlockSwap(model, blocks, swap_io, META, CPU, prefetch=prefetch, force=True, pin=None,
+                     streams=streams)
+    (copy,) = streams.copy_streams
+    unit_of = {tuple(entries): unit for unit, entries in swap.unit_entries.items()}
+    fill = swap.store.fill
+
+    def recorded_fill(copies):
+        streams.current.queue.append(("copy", unit_of[tuple(copies)]))
+        fill(copies)
+    swap.store.fill = recorded_fill
+    host_resident = []
+    for _ in range(2):  # two forwards back to back, all queued before the GPU runs any
+        for i in range(len(swap.units)):
+            swap._before(i)
+            host_resident.append(len(swap.copies))
+            streams.compute.queue.append(("compute", i))
+            swap._after(i)
+    assert max(host_resident) == min(prefetch + 1, len(swap.schedule.swapped))
+    swapped = swap.schedule.swapped
+    # The order of waits. Where every unit is swapped, the c-th copy (unit j = c mod units,
+    # forward f) waits for an event recorded after c - prefetch - 1 computes: the compute of
+    # unit j - prefetch - 1, or at the start of a forward, of every unit queued before it.
+    if len(swapped) == len(swap.units):
+        n = len(swap.units)
+        copies = [k for k, op in enumerate(copy.queue) if op[0] == "copy"]
+        assert len(copies) == 2 * n
+        for c, k in enumerate(copies):
+            wait = next(w for w in reversed(copy.queue[:k]) if w[0] == "wait")
+            at = streams.compute.queue.index(("record", wait[1]))
+            computes = sum(op[0] == "compute" for op in streams.compute.queue[:at])
+            assert computes == max(c - prefetch, c // n * n), (c, computes)
+    most = _run_on_simulated_gpu(streams.compute.queue, copy.queue, swapped)
+    assert most == min(prefetch + 1, len(swapped))
+
+
+def test_blockswap_cut_short_keeps_an_unused_copy_until_it_is_written(conformance):
+    """A forward stopped after a prefetch (an error, an interrupt): the prefetched unit's
+    memory goes back to the compute stream's pool, so the compute stream first waits for the
+    copy still writing into it."""
+    model = load_dit(conformance / "dit7b_tiny" / "weights.safetensors")
+    streams = RecordingStreams()
+    swap = BlockSwap(model, 4, True, META, CPU, force=True, pin=None, streams=streams)
+    (copy,) = streams.copy_streams
+    swap._before(0)  # unit 0 in use (its copy waited for), unit 1 prefetched
+    ready = [op[1] for op in copy.queue if op[0] == "record"]
+    assert streams.compute.queue[-1] == ("wait", ready[0])
+    swap.release_all()
+    assert streams.compute.queue[-1] == ("wait", ready[1]) and swap.ready == {}
+    assert swap.copies == {}
 
 
 def _unit_prefixes(swap) -> list[str]:
@@ -214,6 +347,136 @@ def test_model_cache_drop_releases_the_pinned_arena(tiny_options, monkeypatch):
                 model_dir=tiny_options["model_dir"])
     assert pin.unpinned == pinned_before + 1
     MODEL_CACHE.clear()
+
+
+class FakeRuntime:
+    """A CUDA runtime whose pin and unpin calls return the given errors and that keeps the
+    thread's last error as the real one does: set by a failed call, reset when read."""
+
+    def __init__(self, register=0, unregister=0, can_read_error=True):
+        self.statuses = {"register": register, "unregister": unregister}
+        self.last_error = 0
+        self.calls: list[str] = []
+        self.cudaGetLastError = self._get_last_error if can_read_error else None
+
+    def _call(self, name):
+        self.calls.append(name)
+        status = self.statuses[name]
+        self.last_error = status or self.last_error
+        return status
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        return self._call("register")
+
+    def cudaHostUnregister(self, ptr):
+        return self._call("unregister")
+
+    def _get_last_error(self):
+        self.calls.append("get_last_error")
+        error, self.last_error = self.last_error, 0
+        return error
+
+
+def _failing_pin(runtime):
+    from seedvr2.memory.arena import cuda_pin
+
+    return lambda buffer: cuda_pin(buffer, torch.device("cuda", 0), runtime)
+
+
+def test_failed_pinning_resets_the_cuda_error_and_uploads_through_bounded_staging(
+        conformance, caplog, monkeypatch):
+    """cudaHostRegister fails: its error must not stay as the runtime's last error (PyTorch
+    would raise it after its next, unrelated kernel launch), and uploads then go through a
+    bounded pinned staging buffer, piece by piece, each buffer refilled only after the copy
+    that last read it is done."""
+    from seedvr2.memory import arena as arena_module
+    from seedvr2.memory.placement import WeightStore
+
+    runtime = FakeRuntime(register=2)  # cudaErrorMemoryAllocation
+    model = load_dit(conformance / "dit3b_tiny" / "weights.safetensors")
+    expected = {n: t.clone() for n, t in named_tensors(model)}
+    chunk = 4096
+    events: list[tuple] = []
+    allocated: list[int] = []
+
+    class Event:
+        def __init__(self):
+            self.slot = len(allocated) - 1
+
+        def synchronize(self):
+            events.append(("wait", self.slot))
+
+        def record(self):
+            events.append(("record", self.slot))
+
+    def allocate(n):
+        allocated.append(n)
+        return torch.empty(n, dtype=torch.uint8)
+
+    staging = arena_module.PinnedStaging(chunk_bytes=chunk, slots=2, allocate=allocate,
+                                         new_event=Event)
+    monkeypatch.setattr(arena_module, "PinnedStaging", lambda: staging)
+    with caplog.at_level("WARNING", logger="seedvr2"):
+        store = WeightStore(model, CPU, _failing_pin(runtime))
+    assert runtime.calls == ["register", "get_last_error"] and runtime.last_error == 0
+    assert "could not pin" in caplog.text and "(CUDA error 2)" in caplog.text
+    assert "may be this one reported again" not in caplog.text
+    assert not store.arena.pinned and store.arena.staging is staging
+
+    copies = store.copy_to(range(len(store)), CPU)
+    store.place(copies)
+    assert all(torch.equal(t, expected[n]) for n, t in named_tensors(model))
+    assert all(c.data_ptr() != store.arena.views[i].data_ptr() for i, c in copies.items()
+               if c.numel())
+    # Bounded: two buffers of one chunk, however big the model.
+    nbytes = sum(v.numel() * v.element_size() for v in store.arena.views)
+    assert allocated == [chunk, chunk] and store.pinned_bytes == 2 * chunk < nbytes
+    pieces = sum(-(-v.numel() * v.element_size() // chunk) for v in store.arena.views)
+    # Each piece: wait for the buffer's previous copy, then record its own copy.
+    assert events == [(kind, k % 2) for k in range(pieces) for kind in ("wait", "record")]
+
+
+def test_pinning_failure_without_error_reset_says_a_later_error_may_be_it(caplog):
+    from seedvr2.memory.arena import HostArena
+
+    arena = HostArena([((1024,), torch.float32)])
+    with caplog.at_level("WARNING", logger="seedvr2"):
+        arena.pin(_failing_pin(FakeRuntime(register=2, can_read_error=False)))
+    assert "could not be reset: a later CUDA error may be this one reported again" in caplog.text
+
+
+@pytest.mark.skipif(torch.version.cuda is None, reason="a CPU-only torch has no CUDA runtime")
+def test_the_error_reset_comes_from_the_runtime_torch_loaded():
+    """torch.cuda.cudart() has no cudaGetLastError: it is found in the libcudart torch loaded
+    (a second copy of the runtime would keep a last error of its own)."""
+    from seedvr2.memory.arena import _loaded_runtime_call
+
+    assert _loaded_runtime_call("cudaGetLastError") is not None
+    assert _loaded_runtime_call("noSuchCudaCall") is None
+
+
+def test_unpinning_waits_for_the_compute_device_only_and_reports_failure(monkeypatch, caplog):
+    """Unpinning waited for every visible GPU (creating a CUDA context on each, in every
+    rank); the copies only ever go to the compute device. A failed unregister is reported
+    and its error reset."""
+    from seedvr2.memory import arena as arena_module
+    from seedvr2.memory.placement import default_pin
+
+    synchronized = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synchronized.append(device))
+    runtime = FakeRuntime(unregister=1)  # cudaErrorInvalidValue
+    monkeypatch.setattr(arena_module, "CudaRuntime", lambda: runtime)
+    arena = HostArena([((2**20,), torch.float32)])
+    arena.pin(default_pin(torch.device("cuda", 2), CPU))
+    assert arena.pinned and runtime.calls == ["register"]
+    with caplog.at_level("WARNING", logger="seedvr2"):
+        arena.release()
+    assert synchronized == [torch.device("cuda", 2)]
+    assert runtime.calls == ["register", "unregister", "get_last_error"]
+    assert runtime.last_error == 0
+    assert "could not unpin 4.0 MiB of host memory (CUDA error 1): it stays page-locked " \
+        "until the process ends" in caplog.text
 
 
 # --------------------------------------------------------------------------------------------

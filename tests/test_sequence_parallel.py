@@ -37,6 +37,42 @@ def test_sharded_packing_gives_own_rows_of_per_token_values():
         assert torch.equal(sharded.per_token(values, "txt"), packing.per_token(values, "txt"))
 
 
+def test_first_call_at_each_shape_meets_before_every_exchange(monkeypatch, conformance):
+    """Ranks reach the first exchange after loading, encoding and compiling at their own
+    speeds: during the first call at each shape every exchange (NCCL, short timeout) comes
+    after a barrier of the gloo meeting group (long timeout); later calls exchange directly."""
+    import torch.distributed as dist
+
+    from seedvr2.distributed.sequence import sequence_parallel
+    from seedvr2.loading import load_dit
+
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "barrier", lambda group=None: calls.append(("meet", group)))
+
+    def exchange(out, send, output_split_sizes=None, input_split_sizes=None, group=None):
+        calls.append(("exchange", group))
+        out.zero_()  # the peer's rows: any values of the right shape
+    monkeypatch.setattr(dist, "all_to_all_single", exchange)
+    folder = conformance / "dit3b_tiny"
+    model = load_dit(folder / "weights.safetensors")
+    exchanges = 2 * len(model.blocks) + 1
+    first_shape = [("meet", "gloo"), ("exchange", "nccl")] * exchanges
+    again = [("exchange", "nccl")] * exchanges
+    with sequence_parallel(model, group="nccl", meeting="gloo"), torch.no_grad():
+        for name, expected in [("image", first_shape), ("image", again),
+                               ("video_ragged", first_shape), ("image", again)]:
+            calls.clear()
+            model(*_inputs(load_case(folder, name)))
+            assert calls == expected, name
+    with sequence_parallel(model, group="nccl"), torch.no_grad():  # no meeting group: none
+        calls.clear()
+        model(*_inputs(load_case(folder, "image")))
+        assert calls == [("exchange", "nccl")] * exchanges
+
+
 def _inputs(case: dict) -> tuple:
     return tuple(case[f"inputs.{k}"] for k in ("vid", "txt", "vid_shape", "txt_shape", "timestep"))
 

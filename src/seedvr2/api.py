@@ -26,7 +26,8 @@ from .pipeline.setup import (MEMORY_CHECK_ENV, check_file_job, file_facts, load_
 
 # The set-up steps are the library's too (custom pipelines, the CLI, tests).
 __all__ = ["MEMORY_CHECK_ENV", "check_file_job", "load_models", "open_output", "plan_file",
-           "prepare_job", "resolve_auto_batch_for_ranks", "upscale", "upscale_file"]
+           "prepare_job", "process_devices", "resolve_auto_batch_for_ranks", "upscale",
+           "upscale_file"]
 
 Progress = Callable[[str, int, int], None]
 
@@ -40,6 +41,37 @@ def _check_one_process(opts: Options):
         raise OptionError(f"{option_value('sequence_parallel', opts.sequence_parallel)} needs as "
                           f"many ranks: list the devices ({option_ref('devices', 'cuda:0,cuda:1')}) "
                           f"or launch with torchrun")
+
+
+def process_devices(opts: Options, dit, vae) -> tuple[list[str], Options]:
+    """The devices to run on, one process each, and the options of a single process.
+
+    ``devices=auto`` spreads the job over every visible GPU only when nothing ties it to one:
+    an explicit ``device``, ``dit_device`` or ``vae_device`` means one process there, and
+    models given loaded mean one process on their device (the modules cannot travel to
+    worker processes). A device list given explicitly is obeyed as it is.
+    """
+    from .distributed.launch import parse_devices
+
+    if opts.devices == "auto":
+        chosen = [getattr(opts, name) for name in ("device", "dit_device", "vae_device")]
+        if any(d != "auto" for d in chosen):
+            return [next(d for d in chosen if d != "auto")], opts
+        on_gpu = [_module_device(m) for m in (dit, vae) if isinstance(m, torch.nn.Module)]
+        on_gpu = [d for d in on_gpu if d is not None and d.type == "cuda"]
+        if on_gpu:
+            return [str(on_gpu[0])], opts.replace(device=str(on_gpu[0]))
+        if isinstance(dit, torch.nn.Module) or isinstance(vae, torch.nn.Module):
+            return [opts.device], opts  # on the CPU: auto places them on the current GPU
+    devices = parse_devices(opts.devices)
+    if len(devices) == 1 and opts.device == "auto" and opts.devices != "auto":
+        opts = opts.replace(device=devices[0])
+    return devices, opts
+
+
+def _module_device(module: torch.nn.Module) -> Optional[torch.device]:
+    first = next(iter(module.parameters()), None)
+    return None if first is None else first.device
 
 
 def _check_named_models(dit, vae):
@@ -61,9 +93,7 @@ def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Pr
         frames = frames[None]
     if len(frames) == 0:
         raise ValueError("frames: the input has no frames")
-    from .distributed.launch import parse_devices
-
-    devices = parse_devices(opts.devices)
+    devices, opts = process_devices(opts, dit, vae)
     if len(devices) > 1:
         from .distributed.job import check_sequence_parallel
         from .distributed.launch import spawn_tensor_job
@@ -78,7 +108,6 @@ def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Pr
                                 progress=progress, should_stop=should_stop,
                                 **{**options, "batch_size": opts.batch_size})
     _check_one_process(opts)
-    opts = opts.replace(device=devices[0]) if opts.device == "auto" and opts.devices != "auto" else opts
     models = load_models(dit, vae, opts=opts, model_dir=model_dir)
     job_stats = JobStats()
     opts = prepare_job(models, opts, len(frames), output_size(frames.shape[1], frames.shape[2], opts),
@@ -106,7 +135,7 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
     """
     from .distributed import in_distributed_launch, init_from_env
     from .distributed.job import check_sequence_parallel, run_file_job
-    from .distributed.launch import parse_devices, spawn_file_job
+    from .distributed.launch import spawn_file_job
     from .io import open_media
 
     opts = resolve_options(**options)
@@ -130,14 +159,13 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
         ranks_auto([str(ctx.device)], gather)
         return run_file_job(ctx, src, dst, dit, vae, progress=progress, should_stop=should_stop,
                             stats=stats, **job)
-    devices = parse_devices(opts.devices)
+    devices, opts = process_devices(opts, dit, vae)
     if len(devices) > 1:
         _check_named_models(dit, vae)
         check_sequence_parallel(opts, len(devices), dit, model_dir)
         ranks_auto(devices)
         return spawn_file_job(devices, src, dst, dit, vae, stats=stats, **job)
     _check_one_process(opts)
-    opts = opts.replace(device=devices[0]) if opts.device == "auto" and opts.devices != "auto" else opts
     with open_media(src) as reader:
         frame_count, size, bit_depth = file_facts(reader, dst, opts, codec)
         # Opening the writer first fails fast on an unwritable or existing output.

@@ -318,7 +318,7 @@ def _remove_empty_folders(folder: Path, top: Path) -> None:
 def _upscale_jobs(args, opts, given: dict, jobs: list) -> int:
     import time
 
-    from .api import check_file_job, load_models, upscale_file
+    from .api import check_file_job, load_models, process_devices, upscale_file
     from .loading.formats import CheckpointError
 
     bars = _Bars(not args.quiet)
@@ -338,11 +338,11 @@ def _upscale_jobs(args, opts, given: dict, jobs: list) -> int:
         if not runnable:
             return _report_failures(failed, jobs)
         from .distributed import in_distributed_launch
-        from .distributed.launch import parse_devices
         from .pipeline.runner import JobStats
 
         # One process: models load once for all inputs. Several: each worker loads its own.
-        several = in_distributed_launch() or len(parse_devices(opts.devices)) > 1
+        several = in_distributed_launch() or \
+            len(process_devices(opts, args.dit, args.vae)[0]) > 1
         if several:
             dit, vae = args.dit, args.vae
         else:

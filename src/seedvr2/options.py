@@ -223,7 +223,8 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "cross-faded over the overlap (fast, little memory, slightly different at seams)"),
     # -- several processes (seedvr2.distributed) --
     Option("devices", str, "auto", "devices to split the video's batches over: auto (every "
-           "visible GPU, else one CPU process), or a list such as cuda:0,cuda:1 or cpu,cpu",
+           "visible GPU, else one CPU process; a named device means one process there), or a "
+           "list such as cuda:0,cuda:1 or cpu,cpu",
            check=lambda v: _devices_problem(v)),
     Option("dist_timeout", float, 60.0, "seconds a rank waits for another before the job "
            "stops with an error naming it", min=1.0, max=86400.0),

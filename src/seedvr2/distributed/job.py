@@ -32,7 +32,8 @@ from ..pipeline.runner import OverlapBlender, Upscaler, to_integer_frames
 from . import frames as wire
 from .assign import assign_batches, owner_of
 from .groups import DistContext
-from .sequence import sequence_group, sequence_parallel
+from .sequence import meeting_group, sequence_group, sequence_parallel
+from .vae_share import SharedVaeUpscaler, vae_owners
 
 log = logging.getLogger("seedvr2")
 
@@ -158,8 +159,9 @@ def _run_share(ctx: DistContext, plan, read_from, consume, channels: int, size: 
     ``consume(outputs_from)`` finishes the job: ``outputs_from(batches)`` yields every
     rank's ``(batch, frames)`` of those (the remaining) batches in plan order; ``consume`` is
     None elsewhere. With ``sequence_parallel`` = k, consecutive groups of k ranks share each
-    batch's DiT call; chunks are dealt to the groups and each group's first rank delivers the
-    results. ``bit_depth`` (8, 16, or None for float32 output) sets the frames' wire format.
+    batch's DiT call; chunks are dealt to the groups, and each batch's VAE work is done, and its
+    frames delivered, by one rank of its group (``vae_share.py``). ``bit_depth`` (8, 16, or
+    None for float32 output) sets the frames' wire format.
     """
     from ..pipeline.setup import load_models, prepare_job
 
@@ -169,6 +171,7 @@ def _run_share(ctx: DistContext, plan, read_from, consume, channels: int, size: 
                           f"({ctx.world_size}); use {ctx.world_size} or a divisor of it")
     timeout = datetime.timedelta(seconds=opts.dist_timeout)
     group = sequence_group(k, timeout) if k > 1 else None
+    meeting = meeting_group(k)
     frames_group = wire.frame_group(timeout)  # every rank, in the same order
     _mark_started(ctx)
     if k == 1:
@@ -187,18 +190,18 @@ def _run_share(ctx: DistContext, plan, read_from, consume, channels: int, size: 
             # This rank's own device against the budget, before any frame (batch_size is
             # already the one every rank uses).
             prepare_job(models, opts, plan.source_frames, size)
-            stack.enter_context(sequence_parallel(models.dit, group))
-            upscaler = Upscaler(models, opts, progress, should_stop)
-            outputs = upscaler.batch_outputs(
-                read_from(plan.read_start(mine)), plan, mine)
+            stack.enter_context(sequence_parallel(models.dit, group, meeting))
+            upscaler = SharedVaeUpscaler(models, opts, progress, should_stop, plan, k,
+                                         ctx.rank % k, ctx.rank - ctx.rank % k, meeting)
+            # Each rank delivers the batches it decoded (vae_share.py); the others it only
+            # helped to compute come out without frames.
+            outputs = ((b, out) for b, out in upscaler.batch_outputs(
+                read_from(plan.read_start(mine)), plan, mine) if out is not None)
         if consume is not None:
             consume(lambda batches: _gather(ctx, plan, shares, k, outputs, channels, size,
                                             frames_group, batches))
-        elif ctx.rank % k == 0:
-            _send_all(ctx, plan, outputs, bit_depth, frames_group)
         else:
-            for _ in outputs:  # a helper in its group's DiT calls: the group's first rank delivers
-                pass
+            _send_all(ctx, plan, outputs, bit_depth, frames_group)
 
 
 def _run_taken(ctx: DistContext, plan, read_from, consume, channels: int, size, bit_depth, dit,
@@ -430,8 +433,10 @@ def _send_all(ctx: DistContext, plan, outputs, bit_depth, group, posted=None, gu
 
 def _gather(ctx, plan, shares, group_size, local_outputs, channels, size, group, batches):
     """The writer's side with sequence parallelism: ``(batch, frames)`` of ``batches`` in plan
-    order, its own group's computed here, the others' received from each group's first rank."""
-    owner = {b: group * group_size for b, group in owner_of(shares).items()}  # delivering rank
+    order, those it decoded itself computed here, the others received from the rank of their
+    group that decoded them."""
+    decoder = vae_owners(plan, group_size)
+    owner = {b: group * group_size + decoder[b] for b, group in owner_of(shares).items()}
     local = iter(local_outputs)
     for written, index in enumerate(batches):
         b = plan.batches[index]

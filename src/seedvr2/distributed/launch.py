@@ -26,7 +26,8 @@ log = logging.getLogger("seedvr2")
 
 
 def parse_devices(spec: str) -> list[str]:
-    """``auto`` = every visible GPU, else one CPU process."""
+    """``auto`` = every visible GPU, else one CPU process (``api.process_devices`` decides
+    when a named device or loaded models keep a job in one process)."""
     if spec == "auto":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         return [f"cuda:{i}" for i in range(count)] or ["cpu"]

@@ -16,6 +16,16 @@ The DiT knows nothing of processes: :class:`UlyssesSequenceParallel` implements 
 ``NaDiT.set_sequence_parallel`` (or :func:`sequence_parallel`). Inference only (the collectives
 carry no gradients). NCCL (CUDA tensors) and gloo (CPU) both work; the group's timeout applies
 to every exchange. The number of heads must divide by the group size.
+
+Meeting before the exchanges. Ranks reach their first exchange after loading the models,
+encoding a chunk and, with ``compile``, compiling each block's graphs between its exchanges:
+work whose time differs between ranks by more than the group's timeout (60 s by default),
+which a waiting NCCL collective would turn into an error. So during the first DiT call at
+each input shape (where torch.compile may compile) the group meets at a barrier of a gloo
+group with a long timeout (:func:`meeting_group`) before every exchange; later calls at that
+shape exchange directly, and a dead peer still fails the barrier at once (its socket closes).
+The barrier is between hosts and does not wait for any GPU (no device sync): after it a
+rank's collective can lag only by its own launch queue, seconds, well inside the timeout.
 """
 
 from __future__ import annotations
@@ -69,13 +79,24 @@ class UlyssesSequenceParallel:
     must make the same DiT calls with the same inputs.
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None):
+    def __init__(self, group: Optional[dist.ProcessGroup] = None,
+                 meeting: Optional[dist.ProcessGroup] = None):
         if not dist.is_initialized():
             raise RuntimeError("sequence parallelism needs an initialised torch.distributed "
                                "process group (see seedvr2.distributed.init_from_env)")
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        # The same ranks as ``group`` over gloo with a long timeout (see the module's notes);
+        # None: no meeting (every rank is known to be ready).
+        self.meeting = meeting
+        self.shapes_seen: set = set()
+        self.meet_before_exchanges = False
+
+    def _exchange(self, out, send, **kwargs):
+        if self.meet_before_exchanges:
+            dist.barrier(group=self.meeting)
+        dist.all_to_all_single(out, send, group=self.group, **kwargs)
 
     def check(self, dit: torch.nn.Module):
         """Raise ``ValueError`` unless every attention layer's heads divide over the group."""
@@ -88,6 +109,11 @@ class UlyssesSequenceParallel:
         return shard_bounds(sum(packing.vid_counts), self.size)
 
     def shard(self, vid: torch.Tensor, packing: Packing) -> tuple[torch.Tensor, Packing]:
+        # Every rank of the group makes the same calls, so all meet at the same exchanges.
+        shape = (tuple(vid.shape), tuple(map(tuple, packing.patched_thw)),
+                 tuple(packing.txt_lens))
+        self.meet_before_exchanges = self.meeting is not None and shape not in self.shapes_seen
+        self.shapes_seen.add(shape)
         bounds = self._bounds(packing)
         start, end = bounds[self.rank], bounds[self.rank + 1]
         fields = {f.name: getattr(packing, f.name) for f in dataclasses.fields(Packing)}
@@ -98,8 +124,8 @@ class UlyssesSequenceParallel:
         out = vid.new_empty((sum(counts), *vid.shape[1:]))
         send = vid.unsqueeze(0).expand(self.size, *vid.shape).contiguous().view(
             self.size * vid.shape[0], *vid.shape[1:])
-        dist.all_to_all_single(out, send, output_split_sizes=counts,
-                               input_split_sizes=[vid.shape[0]] * self.size, group=self.group)
+        self._exchange(out, send, output_split_sizes=counts,
+                       input_split_sizes=[vid.shape[0]] * self.size)
         return out
 
     def head_range(self, heads: int) -> slice:
@@ -117,8 +143,8 @@ class UlyssesSequenceParallel:
         send = qkv.view(n, three, self.size, own, head_dim).permute(2, 0, 1, 3, 4).contiguous()
         counts = _counts(self._bounds(packing))
         out = qkv.new_empty((sum(counts), three, own, head_dim))
-        dist.all_to_all_single(out, send.view(-1, three, own, head_dim), output_split_sizes=counts,
-                               input_split_sizes=[n] * self.size, group=self.group)
+        self._exchange(out, send.view(-1, three, own, head_dim), output_split_sizes=counts,
+                       input_split_sizes=[n] * self.size)
         return out  # sources in rank order = tokens in packed order
 
     def gather_heads(self, vid: torch.Tensor, txt: Optional[torch.Tensor]):
@@ -132,9 +158,8 @@ class UlyssesSequenceParallel:
             send = torch.cat([piece for r in range(self.size)
                               for piece in (vid[bounds[r]:bounds[r + 1]], txt)])
         out = vid.new_empty((self.size * (n + nt), vid.shape[1]))
-        dist.all_to_all_single(out, send, output_split_sizes=[n + nt] * self.size,
-                               input_split_sizes=[c + nt for c in _counts(bounds)],
-                               group=self.group)
+        self._exchange(out, send, output_split_sizes=[n + nt] * self.size,
+                       input_split_sizes=[c + nt for c in _counts(bounds)])
         width = self.size * vid.shape[1]
         out = out.view(self.size, n + nt, vid.shape[1])  # source rank = head block
         vid_out = out[:, :n].transpose(0, 1).reshape(n, width)
@@ -164,12 +189,36 @@ def sequence_group(size: int, timeout: Optional[datetime.timedelta] = None
     return mine
 
 
+# How long a rank waits at the meeting for the slowest of its group: loading a model, encoding
+# a chunk and compiling take minutes, not hours; a dead peer does not wait for it.
+MEETING_WAIT = datetime.timedelta(hours=1)
+
+
+def meeting_group(size: int) -> Optional[dist.ProcessGroup]:
+    """A gloo group of this rank's sequence group (as :func:`sequence_group` cuts the world)
+    with the :data:`MEETING_WAIT` timeout, for the meetings before the first exchanges.
+    Collective: every rank of the world calls it, with the same ``size``. ``None`` for a
+    group of one."""
+    if size == 1:
+        return None
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = None
+    for start in range(0, world, size):
+        group = dist.new_group(list(range(start, start + size)), timeout=MEETING_WAIT,
+                               backend="gloo")
+        if start <= rank < start + size:
+            mine = group
+    return mine
+
+
 @contextlib.contextmanager
-def sequence_parallel(dit: torch.nn.Module, group: Optional[dist.ProcessGroup] = None
+def sequence_parallel(dit: torch.nn.Module, group: Optional[dist.ProcessGroup] = None,
+                      meeting: Optional[dist.ProcessGroup] = None
                       ) -> Iterator[Optional[UlyssesSequenceParallel]]:
-    """Within the block, ``dit``'s calls run sequence-parallel over ``group``; the previous
-    strategy comes back afterwards. A group of one rank leaves the DiT as it is."""
-    strategy = UlyssesSequenceParallel(group)
+    """Within the block, ``dit``'s calls run sequence-parallel over ``group`` (meeting in
+    ``meeting`` before the first exchanges at each shape: :func:`meeting_group`); the
+    previous strategy comes back afterwards. A group of one rank leaves the DiT as it is."""
+    strategy = UlyssesSequenceParallel(group, meeting)
     if strategy.size == 1:
         yield None
         return

@@ -8,8 +8,10 @@ tensors (each rounded up only to :data:`ALIGNMENT` bytes), and pins it in place 
 ``cudaHostRegister``; dropping the arena unregisters and frees exactly that memory.
 
 Pinning is injected (:data:`PinHook`): :func:`cuda_pin` on CUDA machines, anything that
-records calls in tests, ``None`` for pageable memory (offload to the CPU of a CPU job, or when
-pinning fails: copies from pageable memory are correct, only not asynchronous).
+records calls in tests, ``None`` for pageable memory (offload to the CPU of a CPU job). When
+pinning fails (the OS's page-lock limit, too little free RAM), the arena stays pageable and
+its uploads go through a small pinned staging buffer (:class:`PinnedStaging`), so they stay
+asynchronous DMA copies with bounded pinned memory.
 """
 
 from __future__ import annotations
@@ -36,23 +38,144 @@ PinHook = Callable[[torch.Tensor], Optional[Callable[[], None]]]
 _CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context (a DiT and VAE on two GPUs)
 
 
-def cuda_pin(buffer: torch.Tensor) -> Optional[Callable[[], None]]:
-    """Page-lock ``buffer`` with ``cudaHostRegister`` (no rounding, no caching allocator)."""
-    cudart = torch.cuda.cudart()
-    ptr, nbytes = buffer.data_ptr(), buffer.numel() * buffer.element_size()
-    status = cudart.cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE)
-    if int(status) != 0:
-        log.warning("could not pin %s of host memory for the offloaded weights (CUDA error %s); "
-                    "copies to the GPU will be synchronous", _size(nbytes), int(status))
+class CudaRuntime:
+    """The CUDA runtime calls pinning makes, each returning a ``cudaError_t`` as an int.
+
+    ``torch.cuda.cudart()`` binds ``cudaHostRegister`` and ``cudaHostUnregister`` but not
+    ``cudaGetLastError``, and a failed runtime call leaves its error as the thread's "last
+    error" until someone reads it: PyTorch reads it after its next kernel launch and raises
+    *that* error there ("CUDA error: out of memory" from an unrelated kernel). So the reading
+    call comes from the libcudart that torch itself loaded (the last error lives in that
+    library's state), found in the process's memory map; ``None`` when it cannot be found (a
+    statically linked runtime), and the failure is then reported as possibly resurfacing.
+    """
+
+    def __init__(self):
+        cudart = torch.cuda.cudart()
+        self.cudaHostRegister = cudart.cudaHostRegister
+        self.cudaHostUnregister = cudart.cudaHostUnregister
+        self.cudaGetLastError = _loaded_runtime_call("cudaGetLastError")
+
+
+def _loaded_runtime_call(name: str) -> Optional[Callable[[], int]]:
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split(None, 5)[-1].strip() for line in maps if "libcudart.so" in line}
+    except OSError:  # not Linux
         return None
+    for path in sorted(paths):
+        try:
+            function = getattr(ctypes.CDLL(path), name)  # already loaded: the same handle
+        except (OSError, AttributeError):
+            continue
+        function.restype, function.argtypes = ctypes.c_int, []
+        return function
+    return None
+
+
+def _clear_last_error(runtime: CudaRuntime) -> bool:
+    """Read (and so reset) the runtime's last error; False when that is impossible."""
+    if runtime.cudaGetLastError is None:
+        return False
+    runtime.cudaGetLastError()
+    return True
+
+
+def _not_cleared(runtime: CudaRuntime) -> str:
+    return "" if _clear_last_error(runtime) else \
+        (" (the CUDA runtime's error state could not be reset: a later CUDA error may be "
+         "this one reported again)")
+
+
+def cuda_pin(buffer: torch.Tensor, device: Optional[torch.device] = None,
+             runtime: Optional[CudaRuntime] = None) -> Optional[Callable[[], None]]:
+    """Page-lock ``buffer`` with ``cudaHostRegister`` (no rounding, no caching allocator).
+
+    ``device`` is the one GPU the buffer's copies go to (``None``: the current one): unpinning
+    waits for it alone. On failure the runtime's error is read and reset (see
+    :class:`CudaRuntime`) and ``None`` returned: the arena then uploads through a small pinned
+    staging buffer (:class:`PinnedStaging`).
+    """
+    runtime = runtime or CudaRuntime()
+    ptr, nbytes = buffer.data_ptr(), buffer.numel() * buffer.element_size()
+    status = int(runtime.cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
+    if status != 0:
+        log.warning("could not pin %s of host memory for the offloaded weights (CUDA error %s); "
+                    "copies to the GPU go through a %s pinned staging buffer instead%s",
+                    _size(nbytes), status, _size(STAGING_SLOTS * STAGING_CHUNK_BYTES),
+                    _not_cleared(runtime))
+        return None
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
 
     def unpin():
-        # A copy still in flight may read these pages: wait for every device first (this
-        # runs when a model is dropped, not per batch, so the wait costs nothing).
-        for index in range(torch.cuda.device_count()):
-            torch.cuda.synchronize(index)
-        cudart.cudaHostUnregister(ptr)
+        # A copy still in flight may read these pages. Every copy from this buffer goes to
+        # ``device`` (on any of its streams), so waiting for that device is enough; waiting
+        # for the others would create a CUDA context (~0.5 GB) on each GPU of every rank.
+        torch.cuda.synchronize(device)
+        status = int(runtime.cudaHostUnregister(ptr))
+        if status != 0:
+            log.warning("could not unpin %s of host memory (CUDA error %s): it stays "
+                        "page-locked until the process ends%s", _size(nbytes), status,
+                        _not_cleared(runtime))
     return unpin
+
+
+# Uploads from an arena that could not be pinned go through this many pinned buffers of this
+# size: host memory is copied into one while the other's DMA to the device runs.
+STAGING_CHUNK_BYTES = 32 * 2**20
+STAGING_SLOTS = 2
+
+
+class PinnedStaging:
+    """Host-to-device copies of pageable memory through a few small pinned buffers.
+
+    A copy from pageable memory is staged by the driver and blocks the host; through pinned
+    buffers each piece is a real asynchronous DMA on the current stream, and the host waits
+    only for the copy that last read a buffer before refilling it (its event), never for the
+    device. Pinned memory stays bounded: ``slots`` buffers of ``chunk_bytes``, allocated at the
+    first upload (through PyTorch's host allocator: a size that is a power of two is not
+    rounded). On BlockSwap's copy stream, which waits for compute, that host wait also waits
+    for the GPU to catch up: the fallback gives up running ahead, not correctness.
+    ``allocate`` and ``new_event`` are injectable for tests.
+    """
+
+    def __init__(self, chunk_bytes: int = STAGING_CHUNK_BYTES, slots: int = STAGING_SLOTS,
+                 allocate: Optional[Callable[[int], torch.Tensor]] = None,
+                 new_event: Optional[Callable[[], object]] = None):
+        self.chunk_bytes, self.slots = chunk_bytes, slots
+        self.allocate = allocate or (lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
+        self.new_event = new_event or torch.cuda.Event
+        self.buffers: list[torch.Tensor] = []
+        self.events: list = []
+        self.next_slot = 0
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(b.numel() for b in self.buffers)
+
+    def copy(self, source: torch.Tensor, out: torch.Tensor):
+        """Copy host ``source`` into the same-shaped device tensor ``out`` on the current
+        stream, piece by piece through the pinned buffers."""
+        src = source.reshape(-1).view(torch.uint8)  # the arena's views are contiguous
+        dst = out.view(-1).view(torch.uint8)
+        for start in range(0, src.numel(), self.chunk_bytes):
+            stop = min(start + self.chunk_bytes, src.numel())
+            slot = self._slot()
+            self.events[slot].synchronize()  # the copy that last read this buffer is done
+            staged = self.buffers[slot][: stop - start]
+            staged.copy_(src[start:stop])
+            dst[start:stop].copy_(staged, non_blocking=True)
+            self.events[slot].record()
+
+    def _slot(self) -> int:
+        slot = self.next_slot
+        self.next_slot = (slot + 1) % self.slots
+        if slot == len(self.buffers):
+            self.buffers.append(self.allocate(self.chunk_bytes))
+            self.events.append(self.new_event())
+        return slot
 
 
 def _size(nbytes: int) -> str:
@@ -101,14 +224,18 @@ class HostArena:
         self.views = [self.buffer[o: o + n].view(dtype).view(shape)
                       for o, n, (shape, dtype) in zip(offsets, sizes, specs)]
         self.pinned = False
+        self.staging: Optional[PinnedStaging] = None  # uploads when pinning failed
         self._unpin: Optional[weakref.finalize] = None
 
     def pin(self, hook: Optional[PinHook]):
-        """Pin the whole arena once through ``hook`` (None: stay pageable)."""
+        """Pin the whole arena once through ``hook`` (None: stay pageable). When the hook
+        cannot pin, uploads go through a :class:`PinnedStaging` instead."""
         if hook is None or self.pinned or self.nbytes == 0:
             return
         unpin = hook(self.buffer)
-        if unpin is not None:
+        if unpin is None:
+            self.staging = PinnedStaging()
+        else:
             self.pinned = True
             # The finalizer holds the buffer, so the memory cannot be freed while registered.
             self._unpin = weakref.finalize(self, _release, unpin, self.buffer)
@@ -116,7 +243,25 @@ class HostArena:
 
     @property
     def pinned_bytes(self) -> int:
-        return self.nbytes if self.pinned else 0
+        """Page-locked bytes this arena holds: the arena itself, or its staging buffers."""
+        if self.pinned:
+            return self.nbytes
+        return self.staging.pinned_bytes if self.staging is not None else 0
+
+    def copy_into(self, index: int, out: torch.Tensor):
+        """Copy ``views[index]`` into the device tensor ``out``, asynchronously, on the current
+        stream (allocate ``out`` on the stream that will read and free it)."""
+        view = self.views[index]
+        if self.staging is None or view.numel() == 0:
+            out.copy_(view, non_blocking=True)
+            return
+        try:
+            self.staging.copy(view, out)
+        except RuntimeError as error:  # not even a small buffer can be pinned
+            log.warning("could not pin a staging buffer either (%s); copies to the GPU will "
+                        "be synchronous", str(error).splitlines()[0])
+            self.staging = None
+            out.copy_(view, non_blocking=True)
 
     def release(self):
         """Unpin now (idempotent); views stay valid as pageable memory."""

@@ -3,8 +3,10 @@
 The first ``blocks_to_swap`` transformer blocks (and, with ``swap_io_components``, the input and
 output layers) live on the offload device in one pinned arena (``memory.arena``). Before a swapped block runs, its
 weights are on the compute device; while it runs, the *next* swapped block is already being
-copied on a side CUDA stream, so copies overlap compute. After use the device copy is simply
-dropped — weights never change, so nothing is copied back.
+copied on a side CUDA stream, so copies overlap compute; a copy waits for the compute of the
+unit whose memory it may reuse, so however far the host runs ahead, at most ``prefetch`` + 1
+swapped units are on the GPU. After use the device copy is simply dropped — weights never
+change, so nothing is copied back.
 
 :class:`SwapSchedule` is the pure decision logic (which block to load or release when) and
 keeps an event log; :class:`BlockSwap` carries it out with forward hooks. On a machine without
@@ -80,7 +82,7 @@ class BlockSwap:
 
     def __init__(self, model: nn.Module, blocks_to_swap: int, swap_io: bool, device: torch.device,
                  offload_device: torch.device, prefetch: int = 1, force: bool = False,
-                 pin="auto"):
+                 pin="auto", streams=None):
         num_blocks = len(model.blocks)
         if blocks_to_swap > num_blocks:
             log.warning("blocks_to_swap = %d exceeds the model's %d blocks; swapping all %d",
@@ -107,7 +109,11 @@ class BlockSwap:
         self.resident_entries = [i for i in range(len(self.store)) if i not in swapped_entries]
         self.copies: dict[int, dict] = {}  # unit -> device copies in flight or in use
         self.ready: dict[int, torch.cuda.Event] = {}
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # torch.cuda's Stream, Event, current_stream and stream (a recording stand-in in tests);
+        # None: copies are plain synchronous ones (BlockSwap forced on a device without streams).
+        self.streams = streams if streams is not None else \
+            (torch.cuda if self.device.type == "cuda" else None)
+        self.stream = self.streams.Stream(self.device) if self.streams is not None else None
         self.resident_active = False
         self.activate()
         self.hooks = []
@@ -132,30 +138,50 @@ class BlockSwap:
             self.store.to_host(self.resident_entries)
             self.resident_active = False
 
-    def _start_copy(self, unit: int):
-        # Copies run on the side stream so they overlap the running block's compute; the
-        # host copy is pinned and never written, so nothing else needs to be ordered.
-        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-            self.copies[unit] = self.store.copy_to(self.unit_entries[unit], self.device)
-            if self.stream is not None:
-                self.ready[unit] = torch.cuda.Event()
-                self.ready[unit].record(self.stream)
+    def _start_copy(self, unit: int, computed):
+        """Start copying ``unit``'s weights; ``computed`` is an event on the compute stream
+        after every unit the schedule has released (None without streams).
+
+        Why the device memory stays bounded and the copy cannot overwrite weights in use:
+        the copies are allocated from the *compute* stream's pool, where the units the
+        schedule released were freed, so the allocator reuses their blocks at once, on the
+        host, however far the host runs ahead of the GPU: at most prefetch + 1 units are ever
+        allocated (the schedule's bound). (Allocated on the copy stream and handed to the
+        compute stream with ``record_stream``, freed blocks could not be reused until the GPU
+        had caught up, so a host ahead by the launch queue allocated a block for every
+        unit it had queued.) Reused blocks may still be read by queued kernels: the copy
+        stream first waits for ``computed``, which covers every kernel queued when the
+        blocks were freed. The compute stream waits for the copy's event before the unit
+        runs. The host copy is never written, so nothing else needs ordering.
+        """
+        copies = self.store.allocate(self.unit_entries[unit], self.device)
+        self.copies[unit] = copies
+        if self.stream is None:
+            self.store.fill(copies)
+            return
+        with self.streams.stream(self.stream):
+            self.stream.wait_event(computed)
+            self.store.fill(copies)
+            self.ready[unit] = self.streams.Event()
+            self.ready[unit].record(self.stream)
 
     def _use(self, unit: int):
-        copies = self.copies[unit]
         event = self.ready.pop(unit, None)
         if event is not None:
-            compute = torch.cuda.current_stream(self.device)
-            compute.wait_event(event)
-            for t in copies.values():
-                # Allocated on the copy stream, read on the compute stream: the allocator
-                # must not hand the block out again before the compute stream is done.
-                t.record_stream(compute)
-        self.store.place(copies)
+            self.streams.current_stream(self.device).wait_event(event)
+        self.store.place(self.copies[unit])
 
     def _before(self, i: int):
-        for _, j in self.schedule.before(i):
-            self._start_copy(j)
+        loads = self.schedule.before(i)
+        computed = None
+        if loads and self.stream is not None:
+            # The compute-done event of unit i - 1: every kernel queued so far (the copy of
+            # unit i + prefetch waits for the compute of unit i - 1, so at most prefetch + 1
+            # units' copies exist on the GPU at any time).
+            computed = self.streams.Event()
+            computed.record(self.streams.current_stream(self.device))
+        for _, j in loads:
+            self._start_copy(j, computed)
         if i in self.unit_entries:
             self._use(i)
 
@@ -164,8 +190,12 @@ class BlockSwap:
             self._drop(j)
 
     def _drop(self, unit: int):
+        event = self.ready.pop(unit, None)
+        if event is not None:
+            # Copied but never used (a forward cut short): the compute stream, whose pool
+            # takes the memory back now, must not reuse it while the copy may still write.
+            self.streams.current_stream(self.device).wait_event(event)
         self.copies.pop(unit, None)
-        self.ready.pop(unit, None)
         self.store.to_host(self.unit_entries[unit])
 
     def release_all(self):

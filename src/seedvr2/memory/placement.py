@@ -13,16 +13,18 @@ DiT share) is one entry, placed once, and every name is pointed at the same devi
 :class:`OffloadedModel` parks and activates a whole model with it; ``memory.blockswap`` uses
 the same store per block.
 
-Why this is safe on CUDA: device copies are made with ``non_blocking=True`` on the stream
-that will use them (the current stream, or BlockSwap's copy stream followed by an event wait
-and ``record_stream``), so the kernels that read them are ordered after the copy; the source
-host memory is never written after loading, so an in-flight copy can never read changed
-data; and freeing a device copy returns its block to the caching allocator on the stream
-that last used it, so a later allocation on that stream is ordered after every read.
+Why this is safe on CUDA: device copies are allocated on the stream that will use them and
+made with ``non_blocking=True`` on it (or, in BlockSwap, on a copy stream between two event
+waits: see ``BlockSwap._start_copy``), so the kernels that read them are ordered after the
+copy; the source host memory is never written after loading, so an in-flight copy can never
+read changed data; and freeing a device copy returns its block to the caching allocator on
+the stream that last used it, so a later allocation on that stream is ordered after every
+read.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Iterable, Optional
 
@@ -58,8 +60,10 @@ def host_copy_bytes(module: nn.Module) -> int:
 
 
 def default_pin(compute: torch.device, host: torch.device) -> Optional[PinHook]:
-    """Pin host copies only where it pays: CPU memory feeding a CUDA device."""
-    return cuda_pin if compute.type == "cuda" and host.type == "cpu" else None
+    """Pin host copies only where it pays: CPU memory feeding a CUDA device (whose copies
+    unpinning then waits for, and no other GPU's)."""
+    return functools.partial(cuda_pin, device=compute) \
+        if compute.type == "cuda" and host.type == "cpu" else None
 
 
 class WeightStore:
@@ -112,7 +116,20 @@ class WeightStore:
 
     def copy_to(self, entries: Iterable[int], device: torch.device) -> dict[int, torch.Tensor]:
         """Asynchronous device copies of ``entries`` on the current stream (not yet placed)."""
-        return {i: self.arena.views[i].to(device, non_blocking=True) for i in entries}
+        copies = self.allocate(entries, device)
+        self.fill(copies)
+        return copies
+
+    def allocate(self, entries: Iterable[int], device: torch.device) -> dict[int, torch.Tensor]:
+        """Uninitialised device tensors for ``entries``, from the current stream's pool."""
+        views = self.arena.views
+        return {i: torch.empty(views[i].shape, dtype=views[i].dtype, device=device)
+                for i in entries}
+
+    def fill(self, copies: dict[int, torch.Tensor]):
+        """Copy the host copies into tensors made by :meth:`allocate`, on the current stream."""
+        for i, out in copies.items():
+            self.arena.copy_into(i, out)
 
     def place(self, copies: dict[int, torch.Tensor]):
         """Point the model at device copies made by :meth:`copy_to`."""

@@ -1,0 +1,100 @@
+"""The VAE side of sequence parallelism: the ranks of a group share each chunk's VAE work.
+
+The ranks of a sequence-parallel group must make the same DiT calls, but the VAE needs no
+cooperation, and every rank used to encode and decode every batch of its group's chunks.
+Here a chunk's batches are dealt in turn to the ranks of the group (:func:`vae_owners`). A
+batch's owner alone encodes it and sends the latent to the group before the DiT call (a
+broadcast over the group's gloo meeting group: CPU tensors and a long timeout, since the
+ranks finish their encodes at different times); every rank makes the joint DiT call and
+gets the whole result; the owner alone decodes it (it kept the batch's reference frames for
+colour correction, so nothing at full resolution travels) and delivers the frames to the
+writer. Each batch is computed exactly as in one process (same seeds, same code), so the
+output is the same. With one batch per chunk (``chunk_size`` 0) one rank of the group runs
+the VAE while the others wait: no faster than before, but the others hold no VAE activations.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..pipeline.plan import Batch, BatchPlan
+from ..pipeline.runner import Upscaler
+
+log = logging.getLogger("seedvr2")
+
+# Latent dtypes a header can name (by position).
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_HEADER = 8  # ndim, dtype, then up to 6 sizes
+
+
+def vae_owners(plan: BatchPlan, size: int) -> dict[int, int]:
+    """Rank within its group (0 .. size-1) that encodes and decodes each batch: a chunk's
+    batches dealt in turn, from the chunk's first batch."""
+    return {b: position % size for chunk in plan.chunks for position, b in enumerate(chunk)}
+
+
+class _Elsewhere:
+    """A batch another rank of the group encodes: its latent arrives before the DiT call."""
+
+    def __init__(self, batch: Batch):
+        self.batch, self.latent, self.result = batch, None, None
+
+
+class SharedVaeUpscaler(Upscaler):
+    """An :class:`Upscaler` for one rank of a sequence-parallel group: the VAE phases run
+    only this rank's batches (``vae_owners``), the DiT phase every batch of the group.
+
+    ``first_rank`` is the global rank of the group's rank 0 and ``channel`` a gloo group of
+    the group's ranks (``sequence.meeting_group``). Batches this rank does not decode are
+    yielded with ``None`` frames.
+    """
+
+    def __init__(self, models, opts, progress, should_stop, plan: BatchPlan, group_size: int,
+                 group_rank: int, first_rank: int, channel: Optional[dist.ProcessGroup]):
+        super().__init__(models, opts, progress, should_stop)
+        self.owners = vae_owners(plan, group_size)
+        self.group_rank, self.first_rank, self.channel = group_rank, first_rank, channel
+
+    def owns(self, batch: Batch) -> bool:
+        return self.owners[batch.index] == self.group_rank
+
+    def _encode(self, batch: Batch, frames: torch.Tensor, size: tuple[int, int]):
+        if not self.owns(batch):
+            return _Elsewhere(batch)
+        log.debug("VAE of batch %d: encoded and decoded on this rank", batch.index)
+        return super()._encode(batch, frames, size)
+
+    def _denoise(self, item):
+        self._share_latent(item)
+        super()._denoise(item)
+
+    def _decode(self, item, size: tuple[int, int]) -> Optional[torch.Tensor]:
+        if self.owns(item.batch):
+            return super()._decode(item, size)
+        item.result = None
+        return None
+
+    def _share_latent(self, item):
+        """The owner's latent of ``item`` to every rank of the group (in the same order on
+        every rank: the DiT phase walks the chunk's batches in plan order)."""
+        owner = self.first_rank + self.owners[item.batch.index]
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        if self.owns(item.batch):
+            # On the host for gloo: with tensor_offload_device cpu (the default) it is there
+            # already; otherwise this copy waits for the encode, which is finished anyway.
+            latent = item.latent.cpu().contiguous()
+            header[:2] = torch.tensor([latent.dim(), _DTYPES.index(latent.dtype)])
+            header[2: 2 + latent.dim()] = torch.tensor(latent.shape)
+        dist.broadcast(header, src=owner, group=self.channel)
+        if not self.owns(item.batch):
+            ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
+            latent = torch.empty(header[2: 2 + ndim].tolist(), dtype=dtype)
+        dist.broadcast(latent, src=owner, group=self.channel)
+        if not self.owns(item.batch):
+            # Where the owner keeps it too; to a GPU (tensor_offload_device none) this is a
+            # pageable copy of a few MB, waited for once per batch: negligible beside the DiT.
+            item.latent = latent.to(self.offload)
