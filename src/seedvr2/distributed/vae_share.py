@@ -62,7 +62,7 @@ class SharedVaeUpscaler(Upscaler):
     def owns(self, batch: Batch) -> bool:
         return self.owners[batch.index] == self.group_rank
 
-    def _encode(self, batch: Batch, frames: torch.Tensor, size: tuple[int, int]):
+    def _encode(self, batch: Batch, frames: list, size: tuple[int, int]):
         if not self.owns(batch):
             return _Elsewhere(batch)
         log.debug("VAE of batch %d: encoded and decoded on this rank", batch.index)
@@ -72,9 +72,9 @@ class SharedVaeUpscaler(Upscaler):
         self._share_latent(item)
         super()._denoise(item)
 
-    def _decode(self, item, size: tuple[int, int]) -> Optional[torch.Tensor]:
+    def _decode(self, item) -> Optional[torch.Tensor]:
         if self.owns(item.batch):
-            return super()._decode(item, size)
+            return super()._decode(item)
         item.result = None
         return None
 
