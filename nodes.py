@@ -9,7 +9,7 @@ table; what each node does). This module only adapts them to ComfyUI:
   registered here so ``extra_model_paths.yaml`` entries named SEEDVR2 add to it), the input
   and output folders, ``comfy.utils.ProgressBar``, ``comfy.model_management``'s interrupt flag,
   and its memory (its models are unloaded before ours load, the cache emptied after a run;
-  models we keep with ``cache_model`` are entries of its loaded-model list, which it evicts
+  models we keep with ``cache_model`` are handed to it as ModelPatchers, which it evicts
   like its own: ``seedvr2.workflow.comfy_memory``).
 
 Importing this module does no work: the library's heavy parts load when a node runs.

@@ -1,6 +1,6 @@
 """Inside ComfyUI: we ask for the room our model files need on our device, not for every
-byte (which unloaded every ComfyUI model on every run), and our cache entries report the
-bytes their models hold on the device now."""
+byte (which unloaded every ComfyUI model on every run). How ComfyUI evicts our cached models:
+tests/test_comfy_memory.py."""
 
 from __future__ import annotations
 
@@ -32,13 +32,11 @@ def test_we_ask_comfyui_for_the_bytes_of_the_files_we_load(tmp_path):
     assert comfy_memory.room_needed([dit, vae], cache, "cuda:0") == 3500
 
 
-def test_entries_report_bytes_on_their_device():
-    cache = ModelCache()
-    key = ModelKey("dit", "/m/dit.safetensors", 10_000, 1, "torch.float32", "cpu", ())
-    blockswap = object()
-    cache.get_or_load(key, lambda: (torch.nn.Linear(4, 4), blockswap), keep=True)  # as the DiT
-    entry = comfy_memory.CachedModelEntry(key, cache)
-    assert entry.model_loaded_memory() == (16 + 4) * 4  # weight + bias, fp32
-    assert entry.model_offloaded_memory() == 10_000 - 80
-    cache.drop("dit")
-    assert entry.model_loaded_memory() == 0
+def test_nodes_module_spells_the_registry_folder_name():
+    import importlib.util
+
+    from seedvr2.loading.registry import COMFY_FOLDER
+
+    spec = importlib.util.find_spec("seedvr2")
+    text = (spec.origin and open(spec.origin.replace("src/seedvr2/__init__.py", "nodes.py")).read())
+    assert f'COMFY_FOLDER = "{COMFY_FOLDER}"' in text

@@ -236,67 +236,6 @@ def test_comfy_folder_name_matches_the_registry():
     assert f'COMFY_FOLDER = "{COMFY_FOLDER}"' in text
 
 
-def test_cached_models_are_entries_comfyui_can_unload(tmp_path, monkeypatch):
-    """ComfyUI evicts what is in comfy.model_management.current_loaded_models: our cached
-    models get one entry each, and unloading an entry drops the model from our cache."""
-    import json
-    import types
-
-    from seedvr2.memory.cache import ModelCache, ModelKey
-    from seedvr2.workflow import comfy_memory
-
-    state = tmp_path / "state.json"
-    monkeypatch.setenv(comfy_memory.CACHE_STATE_ENV, str(state))
-
-    class Theirs:  # one of ComfyUI's own LoadedModels
-        device, currently_used = torch.device("cpu"), True
-        model = object()
-
-        def __eq__(self, other):
-            return self.model is getattr(other, "model", None)
-
-    freed = []
-
-    def free_memory(required, device, keep_loaded=()):
-        """ComfyUI 0.3.75's loop, reduced: unload every entry of the device not kept."""
-        for i in range(len(mm.current_loaded_models) - 1, -1, -1):
-            entry = mm.current_loaded_models[i]
-            if entry.device == device and entry not in keep_loaded:
-                if not hasattr(entry, "model_unload") or entry.model_unload(None):
-                    freed.append(mm.current_loaded_models.pop(i))
-
-    mm = types.SimpleNamespace(current_loaded_models=[Theirs()], free_memory=free_memory,
-                               get_torch_device=lambda: torch.device("cpu"),
-                               soft_empty_cache=lambda: None)
-    monkeypatch.setitem(__import__("sys").modules, "comfy.model_management", mm)
-    cache = ModelCache()
-    keys = [ModelKey(kind, f"/m/{kind}.safetensors", 1000, 1, "torch.float32", "cpu", ())
-            for kind in ("dit", "vae")]
-    for key in keys:
-        cache.get_or_load(key, lambda: torch.nn.Linear(2, 2), keep=True)
-    # Before our run: ComfyUI's models are unloaded, ours registered and kept.
-    comfy_memory.unload_comfy_models(mm, cache, 1e30)  # everything (reduced free_memory)
-    assert [type(e).__name__ for e in freed] == ["Theirs"] and len(cache) == 2
-    entries = mm.current_loaded_models
-    assert [e.key.kind for e in entries] == ["dit", "vae"]
-    assert all(not e.currently_used and not e.is_dead() and e.real_model() is not None
-               and e.model_memory() == 1000 and e.model_loaded_memory() == 24 for e in entries)  # Linear(2, 2): 6 fp32
-    assert comfy_memory.sync(mm, cache) == entries  # no duplicates
-    assert json.loads(state.read_text()) == {"cached": ["dit", "vae"], "registered": ["dit", "vae"]}
-    # "Unload models": every entry goes, and our cache with it.
-    free_memory(1e30, torch.device("cpu"))
-    assert len(cache) == 0 and mm.current_loaded_models == []
-    assert json.loads(state.read_text()) == {"cached": [], "registered": []}
-    # A model the cache evicted itself loses its entry at the next sync; a stale entry never
-    # drops the newer model of its kind.
-    cache.get_or_load(keys[0], lambda: torch.nn.Linear(2, 2), keep=True)
-    (stale,) = comfy_memory.sync(mm, cache)
-    newer = ModelKey("dit", "/m/other.safetensors", 1000, 1, "torch.float32", "cpu", ())
-    cache.get_or_load(newer, lambda: torch.nn.Linear(2, 2), keep=True)
-    assert stale.model_unload() is True and cache.keys() == [newer]
-    assert [e.key for e in comfy_memory.sync(mm, cache)] == [newer]
-
-
 def test_batch_size_zero_means_auto():
     dit = defs.ModelHandle("dit", "dit.safetensors", "/m/dit.safetensors")
     vae = defs.ModelHandle("vae", "vae.safetensors", "/m/vae.safetensors")
