@@ -75,10 +75,11 @@ class ComfyHost:
         return sorted(f for f in os.listdir(folder) if os.path.isfile(os.path.join(folder, f)))
 
     def input_path(self, name: str) -> Path:
-        path = Path(os.path.expanduser(name))
-        if path.is_absolute() or folder_paths is None:
-            return path
-        return Path(folder_paths.get_annotated_filepath(name))
+        from .src.seedvr2.workflow.host import confined_input_path
+
+        return confined_input_path(name, {"input": folder_paths.get_input_directory(),
+                                          "output": folder_paths.get_output_directory(),
+                                          "temp": folder_paths.get_temp_directory()})
 
     def output_file(self, prefix: str, suffix: str, width: int, height: int) -> tuple[Path, dict]:
         output_dir = folder_paths.get_output_directory()

@@ -254,3 +254,36 @@ def test_video_path_lists_input_videos_with_an_upload_button_and_takes_typed_pat
     assert options == ["clip.mp4"] and extra["default"] == "clip.mp4"
     assert extra["video_upload"] is True
     assert coerce(video_path, "/elsewhere/film.mkv", host) == "/elsewhere/film.mkv"
+
+
+@pytest.mark.parametrize("name", ["/etc/passwd", "../../x.mp4", "sub/../../x.mp4", "~/x.mp4",
+                                  "x.mp4 [output]/../../../x"])
+def test_video_path_outside_the_input_folder_is_refused(tmp_path, name):
+    """A prompt names files inside the input folder only: an absolute path or '..' would let
+    anyone who reaches a --listen server read any file it can open."""
+    (tmp_path / "in").mkdir()
+    host = HeadlessHost(model_dir=tmp_path, input_dir=tmp_path / "in", output_dir=tmp_path / "out")
+    dit = defs.ModelHandle("dit", "dit.safetensors", "/m/dit.safetensors")
+    vae = defs.ModelHandle("vae", "vae.safetensors", "/m/vae.safetensors")
+    node = _by_id()["SeedVR2UpscaleVideoFile"]
+    inputs = {i.name: i.default for i in node.inputs if i.is_widget}
+    with pytest.raises(ValueError) as error:
+        node.run(host, dit=dit, vae=vae, **{**inputs, "video_path": name})
+    assert str(error.value) == (
+        f"{name!r} is not a file name in the input folder: only files inside it are read "
+        f"(subfolders allowed; 'name [output]' for the output folder), never an absolute path, "
+        f"'~' or '..'. Upload the file or copy it into {tmp_path / 'in'}")
+
+
+def test_input_names_inside_the_folders_resolve_there(tmp_path):
+    from seedvr2.workflow.host import confined_input_path
+
+    folders = {"input": tmp_path / "in", "output": tmp_path / "out", "temp": tmp_path / "tmp"}
+    assert confined_input_path("a/b.mp4", folders) == tmp_path / "in" / "a" / "b.mp4"
+    assert confined_input_path("a/../b.mp4", folders) == tmp_path / "in" / "b.mp4"
+    assert confined_input_path("b.mp4 [output]", folders) == tmp_path / "out" / "b.mp4"
+    assert confined_input_path("b.mp4 [temp]", folders) == tmp_path / "tmp" / "b.mp4"
+    assert confined_input_path("b.mp4 [input]", folders) == tmp_path / "in" / "b.mp4"
+    with pytest.raises(ValueError, match=r"^'\.\./b\.mp4 \[output\]' is not a file name in "
+                                         r"the output folder"):
+        confined_input_path("../b.mp4 [output]", folders)

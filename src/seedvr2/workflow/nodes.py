@@ -588,8 +588,7 @@ def _upscale_video_file(host: Host, dit: ModelHandle, vae: ModelHandle, video_pa
 
     upscaler, pipeline = _split_inputs(inputs)
     if not video_path.strip():
-        raise ValueError("video_path is empty: give a video file (absolute path, or a name in "
-                         "the input folder)")
+        raise ValueError("video_path is empty: give a video file in the input folder")
     src = host.input_path(video_path.strip())
 
     with open_media(src) as reader:  # a missing or unreadable input fails before any loading
@@ -690,8 +689,9 @@ def build_nodes() -> tuple:
                 "in memory. Audio is copied unchanged.",
                 (_DIT_IN, _VAE_IN,
                  Input("video_path", "COMBO", "the video: one of the input folder's videos "
-                       "(or upload one), or a path typed by hand (an absolute path, an image or "
-                       "an image sequence pattern) for files outside the input folder",
+                       "(or upload one), or a name typed by hand inside the input folder (a "
+                       "subfolder, an image or an image sequence pattern; 'name [output]' for "
+                       "the output folder); other paths are refused",
                        choices=_input_videos, upload="video_upload", accepts_unlisted=True),
                  Input("filename_prefix", "STRING", "output name prefix in the output folder "
                        "(may contain subfolders)", "SeedVR2/video"),
