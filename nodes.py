@@ -30,6 +30,8 @@ from .src.seedvr2.workflow.nodes import (NodeDef, NodeResult, build_nodes, input
 log = logging.getLogger("seedvr2")
 # seedvr2.loading.registry.COMFY_FOLDER, spelled out: importing the registry loads torch.
 COMFY_FOLDER = "SEEDVR2"
+# Where ComfyUI's native SeedVR2 support keeps the DiT and the VAE (registry: comfy_folder).
+NATIVE_FOLDERS = ("diffusion_models", "vae")
 
 try:  # inside ComfyUI only
     import folder_paths
@@ -50,15 +52,23 @@ class ComfyHost:
     # -- folders ---------------------------------------------------------------------------
 
     def model_names(self) -> list[str]:
+        """models/SEEDVR2's files, then those of ComfyUI's own SeedVR2 folders (the loaders
+        keep the SeedVR2 files of their kind, told by name or header)."""
         if folder_paths is None:
             return []
-        return list(folder_paths.get_filename_list(COMFY_FOLDER))
+        names = list(folder_paths.get_filename_list(COMFY_FOLDER))
+        for folder in NATIVE_FOLDERS:
+            names += [n for n in folder_paths.get_filename_list(folder) if n not in names]
+        return names
 
     def model_path(self, name: str) -> Optional[Path]:
         if folder_paths is None:
             return None
-        path = folder_paths.get_full_path(COMFY_FOLDER, name)
-        return Path(path) if path else None
+        for folder in (COMFY_FOLDER, *NATIVE_FOLDERS):
+            path = folder_paths.get_full_path(folder, name)
+            if path:
+                return Path(path)
+        return None
 
     def model_folder(self) -> Path:
         if folder_paths is None:

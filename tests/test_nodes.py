@@ -209,7 +209,9 @@ def test_model_dropdown_lists_local_files_first_then_downloads(tiny_model_dir, t
     host = HeadlessHost(model_dir=tiny_model_dir)
     dits = defs.model_choices(host, "dit")
     vaes = defs.model_choices(host, "vae")
-    registered_dits = [n for n, k in KNOWN_FILES.items() if k.kind == "dit"]
+    # ComfyUI's native files are listed when present, never offered (ours are, the same models).
+    registered_dits = [n for n, k in KNOWN_FILES.items()
+                       if k.kind == "dit" and k.repo != "Comfy-Org/SeedVR2"]
     assert dits == ["dit3b_tiny.safetensors", *registered_dits]
     assert vaes == ["vae_tiny.safetensors", "ema_vae_fp16.safetensors"]
     assert "text_64.safetensors" not in dits + vaes

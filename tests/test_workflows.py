@@ -146,7 +146,7 @@ def test_every_loader_declares_its_model_download(name):
     """The editor's missing-models dialog offers a download for each model a node's
     properties.models declares (name, URL, models/ folder): every model a loader of ours names
     is declared there, with the registry's URL."""
-    from seedvr2.loading.registry import COMFY_FOLDER, KNOWN_FILES
+    from seedvr2.loading.registry import KNOWN_FILES
 
     api = _api(name)
     loaders = [n for n in json.loads((EXAMPLES_DIR / f"{name}.json").read_text())["nodes"]
@@ -158,7 +158,7 @@ def test_every_loader_declares_its_model_download(name):
         known = KNOWN_FILES[model]
         assert node["properties"]["models"] == [{
             "name": model, "url": f"https://huggingface.co/{known.repo}/resolve/main/{model}",
-            "directory": COMFY_FOLDER}], (name, node["type"])
+            "directory": "SEEDVR2"}], (name, node["type"])
 
 
 def test_examples_use_only_core_nodes_for_loading_and_saving():

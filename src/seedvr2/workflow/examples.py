@@ -269,14 +269,14 @@ def _declared_models(definition, values: dict) -> dict:
     """``properties.models`` for a node whose widgets name registered model files: what the
     editor's missing-models dialog reads (name, download URL, models/ folder) to offer each
     download the user lacks."""
-    from ..loading.registry import COMFY_FOLDER, KNOWN_FILES, download_url
+    from ..loading.registry import KNOWN_FILES, download_url
 
     names = [v for v in (_widget_value(i, values) for i in definition.inputs if i.is_widget)
              if isinstance(v, str) and v in KNOWN_FILES]
     if not names:
         return {}
-    return {"models": [{"name": n, "url": download_url(n), "directory": COMFY_FOLDER}
-                       for n in names]}
+    return {"models": [{"name": n, "url": download_url(n),
+                        "directory": KNOWN_FILES[n].comfy_folder} for n in names]}
 
 
 def dumps(workflow: dict) -> str:

@@ -374,12 +374,14 @@ def _local_models(host: Host, kind: str) -> list[str]:
 
 def model_downloads(host: Host, kind: str) -> dict[str, Optional[int]]:
     """The released files of this kind not in the model folders: name -> approximate size in bytes
-    (None when the registry cannot say). Choosing one downloads it when the node runs."""
-    from ..loading.registry import KNOWN_FILES, approximate_bytes
+    (None when the registry cannot say). Choosing one downloads it when the node runs. ComfyUI's
+    native files are listed when present (they live in its own folders), never offered: the
+    same models are offered in our packaging."""
+    from ..loading.registry import COMFY_FOLDER, KNOWN_FILES, approximate_bytes
 
     local = set(host.model_names())
     return {name: approximate_bytes(name) for name, known in KNOWN_FILES.items()
-            if known.kind == kind and name not in local}
+            if known.kind == kind and known.comfy_folder == COMFY_FOLDER and name not in local}
 
 
 def model_choices(host: Host, kind: str) -> list[str]:
