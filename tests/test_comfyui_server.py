@@ -150,13 +150,23 @@ NOT_SEEDVR2 = ("flux_like.safetensors", "sd_like_vae.safetensors")
 
 
 def _native_folders(tiny_model_dir: Path, models: Path) -> None:
+    """The tiny models as Comfy-Org repackages: the DiT's keys under ComfyUI's prefix, with the
+    text embeddings inside (so nothing else is needed beside it)."""
     import torch
-    from safetensors.torch import save_file
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
 
     (models / "diffusion_models").mkdir(parents=True)
     (models / "vae").mkdir()
+    dit = tiny_model_dir / "dit3b_tiny.safetensors"
+    with safe_open(str(dit), framework="pt") as f:
+        metadata = f.metadata()
+    text = load_file(tiny_model_dir / "text_64.safetensors")
+    tensors = {f"model.diffusion_model.{k}": v for k, v in load_file(dit).items()}
+    tensors.update({"model.diffusion_model.positive_conditioning": text["pos"][None].contiguous(),
+                    "model.diffusion_model.negative_conditioning": text["neg"][None].contiguous()})
     for name in NATIVE_DITS:
-        shutil.copy(tiny_model_dir / "dit3b_tiny.safetensors", models / "diffusion_models" / name)
+        save_file(tensors, models / "diffusion_models" / name, metadata=metadata)
     for name in NATIVE_VAES:
         shutil.copy(tiny_model_dir / "vae_tiny.safetensors", models / "vae" / name)
     save_file({"double_blocks.0.img_attn.qkv.weight": torch.zeros(12, 4),
