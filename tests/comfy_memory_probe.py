@@ -61,10 +61,15 @@ cls = comfy_memory.patcher_class()
 report["shadowed"] = sorted(set(vars(cls)) & set(CURRENT_RELEASE_READS))
 report["installed_base_has"] = sorted(n for n in CURRENT_RELEASE_READS
                                       if hasattr(mp.ModelPatcher, n) or hasattr(entries[0].model, n))
-report["overrides_match_base"] = {
-    name: list(inspect.signature(getattr(cls, name)).parameters)
-    == list(inspect.signature(getattr(mp.ModelPatcher, name)).parameters)
-    for name in comfy_memory.OVERRIDDEN}
+def accepts_base_call(name):
+    """Ours takes every parameter the installed base method takes, in the same places."""
+    ours = list(inspect.signature(getattr(cls, name)).parameters)
+    base = list(inspect.signature(getattr(mp.ModelPatcher, name)).parameters)
+    return ours[:len(base)] == base
+
+
+report["overrides_match_base"] = {name: accepts_base_call(name)
+                                  for name in comfy_memory.OVERRIDDEN}
 reads = []
 for e in mm.current_loaded_models:
     p = e.model

@@ -92,13 +92,16 @@ def patcher_class() -> type:
         def loaded_size(self) -> int:
             return self.model_size()
 
-        def partially_load(self, device_to, extra_memory=0, force_patch_weights=False) -> int:
+        # **kwargs: a later release passing one more option still reaches these.
+        def partially_load(self, device_to, extra_memory=0, force_patch_weights=False,
+                           **kwargs) -> int:
             return 0
 
-        def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False) -> int:
+        def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False,
+                             **kwargs) -> int:
             return 0
 
-        def detach(self, unpatch_all=True):
+        def detach(self, unpatch_all=True, **kwargs):
             # Also reached from ModelPatcher.__del__ once our cache dropped us: then there
             # is nothing left to release.
             if self.cache.attached(self.key) is not self:
