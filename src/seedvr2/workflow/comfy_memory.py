@@ -13,7 +13,11 @@ on an entry or its patcher (``is_dynamic()``, ``clone_base_uuid``,
 ``model_dtype()``, ...) is therefore ComfyUI's own code, of whatever release is installed;
 nothing of ComfyUI is imitated, replaced or wrapped.
 
-The subclass changes four methods, because we place our models ourselves (BlockSwap keeps
+The patcher wraps a weightless stand-in module (``SeedVR2CachedModel``), not our model:
+ComfyUI's finalizer on the wrapped module must not fire inside its own unloading loop, while
+our weights must go at once (see the stand-in's docstring).
+
+The subclass changes these methods, because we place our models ourselves (BlockSwap keeps
 blocks on the host on purpose, quantized and GGUF weights are not ``comfy.ops`` layers, which
 ComfyUI's partial loading would need):
 
@@ -24,15 +28,16 @@ ComfyUI's partial loading would need):
 * ``detach()``, ComfyUI's unload: the model leaves our cache (nothing is copied to the host).
 
 The patcher is attached to the cache entry (:meth:`ModelCache.attach`): when our cache evicts
-a model itself, the patcher and the model go together and ComfyUI's finalizer on the module
-(``LoadedModel.model_load``) removes the entry, as for its own models.
+a model itself, the patcher, the stand-in and the model go together and ComfyUI's finalizer on
+the stand-in (``LoadedModel.model_load``) removes the entry, as for its own models.
 
 ComfyUI functions relied on, present in 0.3.75 and in the current release:
-``comfy.model_patcher.ModelPatcher(model, load_device, offload_device, size)`` and the four
+``comfy.model_patcher.ModelPatcher(model, load_device, offload_device, size)`` and the
 methods above (the names ``LoadedModel.model_load`` / ``model_unload`` call),
 ``comfy.model_management.load_models_gpu(models)``, ``free_memory(memory_required, device,
 keep_loaded)``, ``get_torch_device()``, ``soft_empty_cache()`` and the list
-``current_loaded_models`` (read only: its entries' ``.model`` and ``.currently_used``).
+``current_loaded_models`` (read: its entries' ``.model``; written: ``.currently_used`` = False
+on ours, as ``free_memory`` does, so nodes that reload "the models in use" leave ours alone).
 
 Test hook, never set by users: with ``SEEDVR2_TEST_CACHE_STATE=<path>``, the kinds of model in
 the cache and in ComfyUI's list are written to that JSON file whenever they change here.
