@@ -31,12 +31,3 @@ def test_we_ask_comfyui_for_the_bytes_of_the_files_we_load(tmp_path):
     assert comfy_memory.room_needed([dit, vae], cache, "cuda:1") == 3000
     assert comfy_memory.room_needed([dit, vae], cache, "cuda:0") == 3500
 
-
-def test_nodes_module_spells_the_registry_folder_name():
-    import importlib.util
-
-    from seedvr2.loading.registry import COMFY_FOLDER
-
-    spec = importlib.util.find_spec("seedvr2")
-    text = (spec.origin and open(spec.origin.replace("src/seedvr2/__init__.py", "nodes.py")).read())
-    assert f'COMFY_FOLDER = "{COMFY_FOLDER}"' in text
