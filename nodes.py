@@ -9,7 +9,7 @@ table; what each node does). This module only adapts them to ComfyUI:
   registered here so ``extra_model_paths.yaml`` entries named SEEDVR2 add to it), the input
   and output folders, ``comfy.utils.ProgressBar``, ``comfy.model_management``'s interrupt flag,
   and its memory (its models are unloaded before ours load, the cache emptied after a run;
-  models we keep with ``cache_model`` are entries of its loaded-model list, which it evicts
+  models we keep with ``cache_model`` are handed to it as ModelPatchers, which it evicts
   like its own: ``seedvr2.workflow.comfy_memory``).
 
 Importing this module does no work: the library's heavy parts load when a node runs.
@@ -30,6 +30,8 @@ from .src.seedvr2.workflow.nodes import (NodeDef, NodeResult, build_nodes, input
 log = logging.getLogger("seedvr2")
 # seedvr2.loading.registry.COMFY_FOLDER, spelled out: importing the registry loads torch.
 COMFY_FOLDER = "SEEDVR2"
+# Where ComfyUI's native SeedVR2 support keeps the DiT and the VAE (registry: comfy_folder).
+NATIVE_FOLDERS = ("diffusion_models", "vae")
 
 try:  # inside ComfyUI only
     import folder_paths
@@ -50,15 +52,23 @@ class ComfyHost:
     # -- folders ---------------------------------------------------------------------------
 
     def model_names(self) -> list[str]:
+        """models/SEEDVR2's files, then those of ComfyUI's own SeedVR2 folders (the loaders
+        keep the SeedVR2 files of their kind, told by name or header)."""
         if folder_paths is None:
             return []
-        return list(folder_paths.get_filename_list(COMFY_FOLDER))
+        names = list(folder_paths.get_filename_list(COMFY_FOLDER))
+        for folder in NATIVE_FOLDERS:
+            names += [n for n in folder_paths.get_filename_list(folder) if n not in names]
+        return names
 
     def model_path(self, name: str) -> Optional[Path]:
         if folder_paths is None:
             return None
-        path = folder_paths.get_full_path(COMFY_FOLDER, name)
-        return Path(path) if path else None
+        for folder in (COMFY_FOLDER, *NATIVE_FOLDERS):
+            path = folder_paths.get_full_path(folder, name)
+            if path:
+                return Path(path)
+        return None
 
     def model_folder(self) -> Path:
         if folder_paths is None:
@@ -75,10 +85,11 @@ class ComfyHost:
         return sorted(f for f in os.listdir(folder) if os.path.isfile(os.path.join(folder, f)))
 
     def input_path(self, name: str) -> Path:
-        path = Path(os.path.expanduser(name))
-        if path.is_absolute() or folder_paths is None:
-            return path
-        return Path(folder_paths.get_annotated_filepath(name))
+        from .src.seedvr2.workflow.host import confined_input_path
+
+        return confined_input_path(name, {"input": folder_paths.get_input_directory(),
+                                          "output": folder_paths.get_output_directory(),
+                                          "temp": folder_paths.get_temp_directory()})
 
     def output_file(self, prefix: str, suffix: str, width: int, height: int) -> tuple[Path, dict]:
         output_dir = folder_paths.get_output_directory()

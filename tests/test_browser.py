@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
+from test_comfyui_server import NATIVE_VAES
 from test_comfyui_server import comfyui  # noqa: F401  (the module's ComfyUI server)
 from test_workflows import EXAMPLES_DIR, IMAGE_OUT, NAMES
 
@@ -274,11 +275,12 @@ def test_new_nodes_start_with_a_fixed_seed_and_models_the_user_has(browser):
     assert dit["value"] == "dit3b_tiny.safetensors" and dit["label"] == dit["value"]
     assert dit["values"][0] == "dit3b_tiny.safetensors"
     assert "seedvr2_ema_3b_fp16.safetensors" in dit["values"]
-    # The VAE folders hold vae_extra (extra_model_paths.yaml) and vae_tiny: both before the
-    # released file still to download, which is labelled as one.
-    assert vae["values"] == ["vae_extra.safetensors", "vae_tiny.safetensors",
-                             "ema_vae_fp16.safetensors"]
-    assert vae["value"] == "vae_extra.safetensors"
+    # The VAE folders hold vae_extra (extra_model_paths.yaml) and vae_tiny, ComfyUI's vae/ two
+    # SeedVR2 VAEs (NATIVE_VAES): all before the released file still to download, which is
+    # labelled as one.
+    assert vae["values"] == [*sorted([*NATIVE_VAES, "vae_extra.safetensors",
+                                      "vae_tiny.safetensors"]), "ema_vae_fp16.safetensors"]
+    assert vae["value"] == vae["values"][0]
     label = browser.execute_script("""
         const node = window.app.graph._nodes.find((n) => n.type === "SeedVR2LoadVAEModel");
         const widget = node.widgets.find((w) => w.name === "model");

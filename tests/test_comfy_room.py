@@ -1,6 +1,6 @@
 """Inside ComfyUI: we ask for the room our model files need on our device, not for every
-byte (which unloaded every ComfyUI model on every run), and our cache entries report the
-bytes their models hold on the device now."""
+byte (which unloaded every ComfyUI model on every run). How ComfyUI evicts our cached models:
+tests/test_comfy_memory.py."""
 
 from __future__ import annotations
 
@@ -31,14 +31,3 @@ def test_we_ask_comfyui_for_the_bytes_of_the_files_we_load(tmp_path):
     assert comfy_memory.room_needed([dit, vae], cache, "cuda:1") == 3000
     assert comfy_memory.room_needed([dit, vae], cache, "cuda:0") == 3500
 
-
-def test_entries_report_bytes_on_their_device():
-    cache = ModelCache()
-    key = ModelKey("dit", "/m/dit.safetensors", 10_000, 1, "torch.float32", "cpu", ())
-    blockswap = object()
-    cache.get_or_load(key, lambda: (torch.nn.Linear(4, 4), blockswap), keep=True)  # as the DiT
-    entry = comfy_memory.CachedModelEntry(key, cache)
-    assert entry.model_loaded_memory() == (16 + 4) * 4  # weight + bias, fp32
-    assert entry.model_offloaded_memory() == 10_000 - 80
-    cache.drop("dit")
-    assert entry.model_loaded_memory() == 0

@@ -94,6 +94,8 @@ def comfyui(tiny_model_dir, tmp_path_factory):
     extra = base / "extra_models" / "seedvr2"
     extra.mkdir(parents=True)
     shutil.copy(tiny_model_dir / "vae_tiny.safetensors", extra / "vae_extra.safetensors")
+    _tiny_upscale_model(python, base / "models" / "upscale_models" / UPSCALE_MODEL)
+    _native_folders(tiny_model_dir, base / "models")
     config = base / "extra_model_paths.yaml"
     config.write_text(f"test:\n    base_path: {base / 'extra_models'}\n    SEEDVR2: seedvr2\n")
     make_inputs(base / "input")
@@ -124,6 +126,63 @@ def comfyui(tiny_model_dir, tmp_path_factory):
                      ComfyServer(url, timeout=60))
     finally:
         _stop(process)
+
+
+UPSCALE_MODEL = "compact_tiny.safetensors"
+
+
+def _tiny_upscale_model(python: Path, path: Path) -> None:
+    """A 2x RealESRGAN-Compact with 4 features: a model ComfyUI itself loads (spandrel, in its
+    own Python)."""
+    path.parent.mkdir(parents=True)
+    code = ("import sys; from safetensors.torch import save_file; "
+            "from spandrel.architectures.Compact import Compact; "
+            "save_file(Compact(num_in_ch=3, num_out_ch=3, num_feat=4, num_conv=1, upscale=2)"
+            ".state_dict(), sys.argv[1])")
+    subprocess.run([str(python), "-c", code, str(path)], check=True, timeout=120)
+
+
+# ComfyUI's native SeedVR2 folders: ours under a released name and under names of the user's
+# own; other families' files beside them (an image VAE shares the SeedVR2 VAE's tensor names).
+NATIVE_DITS = ("seedvr2_3b_fp16.safetensors", "my_seedvr2_dit.safetensors")
+NATIVE_VAES = ("seedvr2_ema_vae_fp16.safetensors", "my_seedvr2_vae.safetensors")
+NOT_SEEDVR2 = ("flux_like.safetensors", "sd_like_vae.safetensors")
+
+
+def _native_folders(tiny_model_dir: Path, models: Path) -> None:
+    """The tiny models as Comfy-Org repackages: the DiT's keys under ComfyUI's prefix, with the
+    text embeddings inside (so nothing else is needed beside it)."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    (models / "diffusion_models").mkdir(parents=True)
+    (models / "vae").mkdir()
+    dit = tiny_model_dir / "dit3b_tiny.safetensors"
+    with safe_open(str(dit), framework="pt") as f:
+        metadata = f.metadata()
+    text = load_file(tiny_model_dir / "text_64.safetensors")
+    tensors = {f"model.diffusion_model.{k}": v for k, v in load_file(dit).items()}
+    tensors.update({"model.diffusion_model.positive_conditioning": text["pos"][None].contiguous(),
+                    "model.diffusion_model.negative_conditioning": text["neg"][None].contiguous()})
+    for name in NATIVE_DITS:
+        save_file(tensors, models / "diffusion_models" / name, metadata=metadata)
+    for name in NATIVE_VAES:
+        shutil.copy(tiny_model_dir / "vae_tiny.safetensors", models / "vae" / name)
+    save_file({"double_blocks.0.img_attn.qkv.weight": torch.zeros(12, 4),
+               "img_in.weight": torch.zeros(4, 4)}, models / "diffusion_models" / NOT_SEEDVR2[0])
+    save_file({"encoder.conv_in.weight": torch.zeros(8, 3, 3, 3),
+               "decoder.conv_out.weight": torch.zeros(3, 8, 3, 3)}, models / "vae" / NOT_SEEDVR2[1])
+
+
+def _comfy_upscale_prompt() -> dict:
+    """ComfyUI's own nodes only: its ImageUpscaleWithModel loads the model, asking
+    free_memory for the room (which walks every entry of its loaded-model list)."""
+    return {"1": {"class_type": "LoadImage", "inputs": {"image": EXAMPLE_IMAGE}},
+            "2": {"class_type": "UpscaleModelLoader", "inputs": {"model_name": UPSCALE_MODEL}},
+            "3": {"class_type": "ImageUpscaleWithModel",
+                  "inputs": {"upscale_model": ["2", 0], "image": ["1", 0]}},
+            "4": {"class_type": "PreviewImage", "inputs": {"images": ["3", 0]}}}
 
 
 def _tiny(name: str, extra_sets=()) -> dict:
@@ -212,12 +271,37 @@ def test_the_image_example_loads_a_picture_stock_comfyui_ships():
     assert (comfy_dir / "input" / loader["inputs"]["image"]).is_file()
 
 
-def test_upscale_video_file_takes_a_typed_path_outside_the_input_folder(comfyui, tmp_path):
-    """video_path lists the input folder's videos, but a path typed by hand passes ComfyUI's
-    validation too (the node checks the file when it runs)."""
+def test_loaders_list_native_seedvr2_files_and_run_them(comfyui):
+    """ComfyUI's native SeedVR2 keeps the DiT in models/diffusion_models and the VAE in
+    models/vae: our loaders list the SeedVR2 files there (by name or header), not the other
+    models, and run them."""
+    info = comfyui.client.object_info()
+    dits = info["SeedVR2LoadDiTModel"]["input"]["required"]["model"][1]["options"]
+    vaes = info["SeedVR2LoadVAEModel"]["input"]["required"]["model"][1]["options"]
+    assert set(NATIVE_DITS) <= set(dits) and not set(NATIVE_VAES) & set(dits)
+    assert set(NATIVE_VAES) <= set(vaes) and not set(NATIVE_DITS) & set(vaes)
+    assert not set(NOT_SEEDVR2) & (set(dits) | set(vaes))
+    entry = comfyui.run(_tiny("image_upscale", [f"2.model={NATIVE_DITS[1]}",
+                                                f"3.model={NATIVE_VAES[1]}"]))
+    assert entry["status"]["status_str"] == "success"
+
+
+def test_upscale_video_file_reads_only_the_servers_folders(comfyui, tmp_path):
+    """video_path lists the input folder's videos, and a name typed by hand passes ComfyUI's
+    validation; the node reads it only inside the input folder (or 'name [output]'): an
+    absolute path or '..' is refused, and the server stays healthy."""
     outside = tmp_path / "elsewhere.mp4"
     shutil.copy(comfyui.base / "input" / "seedvr2_example.mp4", outside)
-    entry = comfyui.run(_tiny("video_file_streaming", [f"4.video_path={outside}"]))
+    for name in (str(outside), "/etc/passwd", "../../x.mp4"):
+        with pytest.raises(WorkflowError) as error:
+            comfyui.run(_tiny("video_file_streaming", [f"4.video_path={name}"]))
+        assert str(error.value).endswith(
+            f"{name!r} is not a file name in the input folder: only files inside it are read "
+            f"(subfolders allowed; 'name [output]' for the output folder), never an absolute "
+            f"path, '~' or '..'. Upload the file or copy it into {comfyui.base / 'input'}")
+    (comfyui.base / "input" / "clips").mkdir(exist_ok=True)
+    shutil.copy(outside, comfyui.base / "input" / "clips" / "typed.mp4")
+    entry = comfyui.run(_tiny("video_file_streaming", ["4.video_path=clips/typed.mp4"]))
     (saved,) = entry["outputs"]["4"]["images"]
     assert probe_video(comfyui.base / "output" / saved["subfolder"] / saved["filename"]) == \
         (CLIP_FRAMES, VIDEO_OUT, True)
@@ -372,14 +456,20 @@ def _cache_state(comfyui) -> dict:
 
 
 def test_unload_models_releases_our_cached_models(comfyui):
-    """Models kept with cache_model are in ComfyUI's loaded-model list: "Unload models"
-    (POST /free) evicts them from our cache; our own runs keep them."""
+    """Models kept with cache_model are in ComfyUI's loaded-model list (as its own
+    ModelPatchers): a ComfyUI model loading after them works and keeps them when there is
+    room; "Unload models" (POST /free) evicts them from our cache; our own runs keep them."""
     cached = ["2.cache_model=true", "3.cache_model=true"]
     comfyui.run(_tiny("image_upscale", [*cached, "4.seed=11"]))
     both = {"cached": ["dit", "vae"], "registered": ["dit", "vae"]}
     assert _cache_state(comfyui) == both
     # A second run reuses them: our models are not unloaded to make room for ours.
     comfyui.run(_tiny("image_upscale", [*cached, "4.seed=12"]))
+    assert _cache_state(comfyui) == both
+    # One of ComfyUI's own models loads next (its free_memory walks our entries): it runs,
+    # and ours stay (the room is there).
+    entry = comfyui.run(_comfy_upscale_prompt())
+    assert entry["status"]["status_str"] == "success" and entry["outputs"]["4"]["images"]
     assert _cache_state(comfyui) == both
     assert "ComfyUI unloaded the cached" not in comfyui.log.read_text()
     comfyui.client.free(unload_models=True)

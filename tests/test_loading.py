@@ -162,3 +162,19 @@ def test_not_a_weight_file(conformance):
 def test_missing_file(tmp_path):
     with pytest.raises(CheckpointError, match=r"nothing\.safetensors: weight file not found"):
         load_dit(tmp_path / "nothing.safetensors")
+
+
+def test_image_vaes_and_other_diffusion_models_are_not_seedvr2(tmp_path):
+    """ComfyUI's vae/ and diffusion_models/ folders hold other families' files: an image VAE
+    has the SeedVR2 VAE's tensor names but 2-D convolutions; a Flux-like DiT has no vid_in."""
+    from seedvr2.loading.detect import model_kind
+
+    assert model_kind({"encoder.conv_in.weight": (128, 3, 3, 3),
+                       "decoder.conv_out.weight": (3, 128, 3, 3)}) is None
+    assert model_kind({"encoder.conv_in.weight": (128, 3, 3, 3, 3),
+                       "decoder.conv_out.weight": (3, 128, 3, 3, 3)}) == "vae"
+    assert model_kind({"double_blocks.0.img_attn.qkv.weight": (12, 4)}) is None
+    save_file({"encoder.conv_in.weight": torch.zeros(8, 3, 3, 3),
+               "decoder.conv_out.weight": torch.zeros(3, 8, 3, 3)}, tmp_path / "sd_vae.safetensors")
+    with pytest.raises(CheckpointError, match="not a SeedVR2 model"):
+        describe(tmp_path / "sd_vae.safetensors")

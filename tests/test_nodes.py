@@ -209,7 +209,9 @@ def test_model_dropdown_lists_local_files_first_then_downloads(tiny_model_dir, t
     host = HeadlessHost(model_dir=tiny_model_dir)
     dits = defs.model_choices(host, "dit")
     vaes = defs.model_choices(host, "vae")
-    registered_dits = [n for n, k in KNOWN_FILES.items() if k.kind == "dit"]
+    # ComfyUI's native files are listed when present, never offered (ours are, the same models).
+    registered_dits = [n for n, k in KNOWN_FILES.items()
+                       if k.kind == "dit" and k.repo != "Comfy-Org/SeedVR2"]
     assert dits == ["dit3b_tiny.safetensors", *registered_dits]
     assert vaes == ["vae_tiny.safetensors", "ema_vae_fp16.safetensors"]
     assert "text_64.safetensors" not in dits + vaes
@@ -236,67 +238,6 @@ def test_comfy_folder_name_matches_the_registry():
     assert f'COMFY_FOLDER = "{COMFY_FOLDER}"' in text
 
 
-def test_cached_models_are_entries_comfyui_can_unload(tmp_path, monkeypatch):
-    """ComfyUI evicts what is in comfy.model_management.current_loaded_models: our cached
-    models get one entry each, and unloading an entry drops the model from our cache."""
-    import json
-    import types
-
-    from seedvr2.memory.cache import ModelCache, ModelKey
-    from seedvr2.workflow import comfy_memory
-
-    state = tmp_path / "state.json"
-    monkeypatch.setenv(comfy_memory.CACHE_STATE_ENV, str(state))
-
-    class Theirs:  # one of ComfyUI's own LoadedModels
-        device, currently_used = torch.device("cpu"), True
-        model = object()
-
-        def __eq__(self, other):
-            return self.model is getattr(other, "model", None)
-
-    freed = []
-
-    def free_memory(required, device, keep_loaded=()):
-        """ComfyUI 0.3.75's loop, reduced: unload every entry of the device not kept."""
-        for i in range(len(mm.current_loaded_models) - 1, -1, -1):
-            entry = mm.current_loaded_models[i]
-            if entry.device == device and entry not in keep_loaded:
-                if not hasattr(entry, "model_unload") or entry.model_unload(None):
-                    freed.append(mm.current_loaded_models.pop(i))
-
-    mm = types.SimpleNamespace(current_loaded_models=[Theirs()], free_memory=free_memory,
-                               get_torch_device=lambda: torch.device("cpu"),
-                               soft_empty_cache=lambda: None)
-    monkeypatch.setitem(__import__("sys").modules, "comfy.model_management", mm)
-    cache = ModelCache()
-    keys = [ModelKey(kind, f"/m/{kind}.safetensors", 1000, 1, "torch.float32", "cpu", ())
-            for kind in ("dit", "vae")]
-    for key in keys:
-        cache.get_or_load(key, lambda: torch.nn.Linear(2, 2), keep=True)
-    # Before our run: ComfyUI's models are unloaded, ours registered and kept.
-    comfy_memory.unload_comfy_models(mm, cache, 1e30)  # everything (reduced free_memory)
-    assert [type(e).__name__ for e in freed] == ["Theirs"] and len(cache) == 2
-    entries = mm.current_loaded_models
-    assert [e.key.kind for e in entries] == ["dit", "vae"]
-    assert all(not e.currently_used and not e.is_dead() and e.real_model() is not None
-               and e.model_memory() == 1000 and e.model_loaded_memory() == 24 for e in entries)  # Linear(2, 2): 6 fp32
-    assert comfy_memory.sync(mm, cache) == entries  # no duplicates
-    assert json.loads(state.read_text()) == {"cached": ["dit", "vae"], "registered": ["dit", "vae"]}
-    # "Unload models": every entry goes, and our cache with it.
-    free_memory(1e30, torch.device("cpu"))
-    assert len(cache) == 0 and mm.current_loaded_models == []
-    assert json.loads(state.read_text()) == {"cached": [], "registered": []}
-    # A model the cache evicted itself loses its entry at the next sync; a stale entry never
-    # drops the newer model of its kind.
-    cache.get_or_load(keys[0], lambda: torch.nn.Linear(2, 2), keep=True)
-    (stale,) = comfy_memory.sync(mm, cache)
-    newer = ModelKey("dit", "/m/other.safetensors", 1000, 1, "torch.float32", "cpu", ())
-    cache.get_or_load(newer, lambda: torch.nn.Linear(2, 2), keep=True)
-    assert stale.model_unload() is True and cache.keys() == [newer]
-    assert [e.key for e in comfy_memory.sync(mm, cache)] == [newer]
-
-
 def test_batch_size_zero_means_auto():
     dit = defs.ModelHandle("dit", "dit.safetensors", "/m/dit.safetensors")
     vae = defs.ModelHandle("vae", "vae.safetensors", "/m/vae.safetensors")
@@ -315,3 +256,36 @@ def test_video_path_lists_input_videos_with_an_upload_button_and_takes_typed_pat
     assert options == ["clip.mp4"] and extra["default"] == "clip.mp4"
     assert extra["video_upload"] is True
     assert coerce(video_path, "/elsewhere/film.mkv", host) == "/elsewhere/film.mkv"
+
+
+@pytest.mark.parametrize("name", ["/etc/passwd", "../../x.mp4", "sub/../../x.mp4", "~/x.mp4",
+                                  "x.mp4 [output]/../../../x"])
+def test_video_path_outside_the_input_folder_is_refused(tmp_path, name):
+    """A prompt names files inside the input folder only: an absolute path or '..' would let
+    anyone who reaches a --listen server read any file it can open."""
+    (tmp_path / "in").mkdir()
+    host = HeadlessHost(model_dir=tmp_path, input_dir=tmp_path / "in", output_dir=tmp_path / "out")
+    dit = defs.ModelHandle("dit", "dit.safetensors", "/m/dit.safetensors")
+    vae = defs.ModelHandle("vae", "vae.safetensors", "/m/vae.safetensors")
+    node = _by_id()["SeedVR2UpscaleVideoFile"]
+    inputs = {i.name: i.default for i in node.inputs if i.is_widget}
+    with pytest.raises(ValueError) as error:
+        node.run(host, dit=dit, vae=vae, **{**inputs, "video_path": name})
+    assert str(error.value) == (
+        f"{name!r} is not a file name in the input folder: only files inside it are read "
+        f"(subfolders allowed; 'name [output]' for the output folder), never an absolute path, "
+        f"'~' or '..'. Upload the file or copy it into {tmp_path / 'in'}")
+
+
+def test_input_names_inside_the_folders_resolve_there(tmp_path):
+    from seedvr2.workflow.host import confined_input_path
+
+    folders = {"input": tmp_path / "in", "output": tmp_path / "out", "temp": tmp_path / "tmp"}
+    assert confined_input_path("a/b.mp4", folders) == tmp_path / "in" / "a" / "b.mp4"
+    assert confined_input_path("a/../b.mp4", folders) == tmp_path / "in" / "b.mp4"
+    assert confined_input_path("b.mp4 [output]", folders) == tmp_path / "out" / "b.mp4"
+    assert confined_input_path("b.mp4 [temp]", folders) == tmp_path / "tmp" / "b.mp4"
+    assert confined_input_path("b.mp4 [input]", folders) == tmp_path / "in" / "b.mp4"
+    with pytest.raises(ValueError, match=r"^'\.\./b\.mp4 \[output\]' is not a file name in "
+                                         r"the output folder"):
+        confined_input_path("../b.mp4 [output]", folders)

@@ -288,6 +288,17 @@ def test_download_verifies_sha256(fake_hub, monkeypatch, tmp_path):
     assert registry.resolve_model_file(name, tmp_path, "dit") == tmp_path / name
 
 
+def test_download_of_a_file_in_a_repository_folder(fake_hub, tmp_path):
+    """Comfy-Org/SeedVR2 keeps its files in diffusion_models/ and vae/: asked there, saved in
+    the model folder under its name."""
+    fake_hub["payload"] = b""
+    name = "seedvr2_3b_int8_convrot.safetensors"
+    (tmp_path / "diffusion_models").mkdir()
+    assert registry.download(name, tmp_path) == tmp_path / name
+    assert fake_hub["args"] == [("Comfy-Org/SeedVR2", f"diffusion_models/{name}")]
+    assert (tmp_path / name).is_file()
+
+
 def test_download_with_wrong_hash_is_not_used(fake_hub, tmp_path):
     name = "ema_vae_fp16.safetensors"
     with pytest.raises(CheckpointError, match=r"ema_vae_fp16\.safetensors: sha256 [0-9a-f]{64} does "
@@ -340,3 +351,23 @@ def test_registry_facts_are_well_formed():
         assert known.sha256 is None or len(known.sha256) == 64 and int(known.sha256, 16) >= 0
         # Every weight file's download size can be told (formats and families all known).
         assert known.kind == "text" or re.fullmatch(r"about \d+\.\d GB", registry.approximate_size(name))
+
+
+def test_registry_knows_comfyui_native_files_and_their_folders():
+    """ComfyUI's native SeedVR2 files (Comfy-Org/SeedVR2): names, repository folders, the
+    ComfyUI folders their users keep them in, and download sizes."""
+    native = {name: known for name, known in registry.KNOWN_FILES.items()
+              if known.repo == "Comfy-Org/SeedVR2"}
+    dits = {f"seedvr2_{m}_{f}.safetensors" for m in ("3b", "7b", "7b_sharp")
+            for f in ("fp16", "fp8_e4m3fn", "int8_convrot", "mxfp8", "nvfp4")}
+    assert set(native) == dits | {"seedvr2_ema_vae_fp16.safetensors"}
+    assert registry.download_url("seedvr2_7b_sharp_nvfp4.safetensors") == (
+        "https://huggingface.co/Comfy-Org/SeedVR2/resolve/main/diffusion_models/"
+        "seedvr2_7b_sharp_nvfp4.safetensors")
+    assert registry.download_url("seedvr2_ema_vae_fp16.safetensors") == (
+        "https://huggingface.co/Comfy-Org/SeedVR2/resolve/main/vae/seedvr2_ema_vae_fp16.safetensors")
+    assert {(k.kind, k.comfy_folder) for n, k in native.items() if n in dits} == \
+        {("dit", "diffusion_models")}
+    assert native["seedvr2_ema_vae_fp16.safetensors"].comfy_folder == "vae"
+    assert registry.KNOWN_FILES["seedvr2_7b_sharp_mxfp8.safetensors"].family == "7b"
+    assert registry.approximate_size("seedvr2_3b_nvfp4.safetensors") == "about 1.9 GB"

@@ -245,13 +245,13 @@ def test_upscale_video_file_node_resumes_when_queued_again_after_cancel(
     node = nodes["SeedVR2UpscaleVideoFile"]
     inputs = {i.name: i.default for i in node.inputs if i.is_widget}
     inputs.update(resolution=32, batch_size=5, temporal_overlap=1, filename_prefix="up",
-                  video_path=str(clip), codec="h264")
+                  video_path=clip.name, codec="h264")
 
     def run(host):
         return node.run(host, **dict(zip(("dit", "vae"), loaders(host))), **inputs)
 
-    whole = run(HeadlessHost(model_dir=tiny_model_dir, output_dir=tmp_path / "whole",
-                             quiet=True)).outputs[0]
+    whole = run(HeadlessHost(model_dir=tiny_model_dir, input_dir=clip.parent,
+                             output_dir=tmp_path / "whole", quiet=True)).outputs[0]
 
     class CancelAfterFrames(HeadlessHost):
         def progress(self, value, total):
@@ -260,10 +260,12 @@ def test_upscale_video_file_node_resumes_when_queued_again_after_cancel(
 
     out_dir = tmp_path / "out"
     with pytest.raises(WorkflowInterrupted):
-        run(CancelAfterFrames(model_dir=tiny_model_dir, output_dir=out_dir, quiet=True))
+        run(CancelAfterFrames(model_dir=tiny_model_dir, input_dir=clip.parent, output_dir=out_dir,
+                              quiet=True))
     assert [p.name for p in out_dir.iterdir()] == [".up_00001_.mp4.seedvr2-resume"]
     caplog.set_level(logging.INFO, logger="seedvr2")
-    again = run(HeadlessHost(model_dir=tiny_model_dir, output_dir=out_dir, quiet=True))
+    again = run(HeadlessHost(model_dir=tiny_model_dir, input_dir=clip.parent, output_dir=out_dir,
+                             quiet=True))
     resumed = again.outputs[0]
     assert resumed.endswith("up_00001_.mp4")
     assert "resuming: 4 of 6 batches are kept" in caplog.text, caplog.text

@@ -141,6 +141,26 @@ def test_ui_example_converts_to_its_api_twin(name, tmp_path):
     assert ui_to_api(ui, info) == _api(name)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_every_loader_declares_its_model_download(name):
+    """The editor's missing-models dialog offers a download for each model a node's
+    properties.models declares (name, URL, models/ folder): every model a loader of ours names
+    is declared there, with the registry's URL."""
+    from seedvr2.loading.registry import KNOWN_FILES
+
+    api = _api(name)
+    loaders = [n for n in json.loads((EXAMPLES_DIR / f"{name}.json").read_text())["nodes"]
+               if "model" in api[str(n["id"])]["inputs"]]
+    assert {KNOWN_FILES[api[str(n["id"])]["inputs"]["model"]].kind for n in loaders} == \
+        {"dit", "vae"}
+    for node in loaders:
+        model = api[str(node["id"])]["inputs"]["model"]
+        known = KNOWN_FILES[model]
+        assert node["properties"]["models"] == [{
+            "name": model, "url": f"https://huggingface.co/{known.repo}/resolve/main/{model}",
+            "directory": "SEEDVR2"}], (name, node["type"])
+
+
 def test_examples_use_only_core_nodes_for_loading_and_saving():
     ours = {"SeedVR2LoadDiTModel", "SeedVR2LoadVAEModel", "SeedVR2VideoUpscaler",
             "SeedVR2UpscaleVideoFile", "SeedVR2TorchCompileSettings"}
@@ -445,7 +465,10 @@ def test_uploads_only_local_files_the_server_lacks(tmp_path):
               "3": {"class_type": "LoadVideo", "inputs": {"file": "clips/mine.mp4"}},
               "4": {"class_type": "SeedVR2UpscaleVideoFile", "inputs": {"video_path": "mine.png"}},
               "5": {"class_type": "SeedVR2UpscaleVideoFile", "inputs": {"video_path": "/srv/x.mp4"}},
-              "6": {"class_type": "LoadImage", "inputs": {"image": "nowhere.png"}}}
+              "6": {"class_type": "LoadImage", "inputs": {"image": "nowhere.png"}},
+              # A local file named by its absolute path: the server would refuse the path.
+              "7": {"class_type": "SeedVR2UpscaleVideoFile",
+                    "inputs": {"video_path": str(tmp_path / "mine.png")}}}
 
     class Client:
         calls = []
@@ -457,9 +480,10 @@ def test_uploads_only_local_files_the_server_lacks(tmp_path):
     client = Client()
     out = upload_inputs(client, prompt, info, tmp_path)
     assert client.calls == [(tmp_path / "mine.png", ""), (tmp_path / "clips" / "mine.mp4", "clips")]
-    assert [out[i]["inputs"] for i in "123456"] == [
+    assert [out[i]["inputs"] for i in "1234567"] == [
         {"image": "up_mine.png"}, {"image": "theirs.png"}, {"file": "clips/up_mine.mp4"},
-        {"video_path": "up_mine.png"}, {"video_path": "/srv/x.mp4"}, {"image": "nowhere.png"}]
+        {"video_path": "up_mine.png"}, {"video_path": "/srv/x.mp4"}, {"image": "nowhere.png"},
+        {"video_path": "up_mine.png"}]
     assert prompt["1"]["inputs"]["image"] == "mine.png"  # the given prompt is left alone
 
 

@@ -15,10 +15,14 @@ Shapes = dict[str, tuple[int, ...]]
 
 
 def model_kind(shapes: Shapes) -> str | None:
-    """"dit", "vae" or None for a file that is neither."""
+    """"dit", "vae" or None for a file that is neither.
+
+    ComfyUI's diffusion_models/ and vae/ folders hold other families' files beside SeedVR2's:
+    ``vid_in`` (the video patch embedding) is SeedVR2's alone, and image VAEs (SD, SDXL, Flux)
+    share the VAE's tensor names but not its 3-D (5-dimensional) convolutions."""
     if "vid_in.proj.weight" in shapes and any(k.startswith("blocks.") for k in shapes):
         return "dit"
-    if "encoder.conv_in.weight" in shapes and "decoder.conv_out.weight" in shapes:
+    if len(shapes.get("encoder.conv_in.weight", ())) == 5 and "decoder.conv_out.weight" in shapes:
         return "vae"
     return None
 

@@ -26,6 +26,9 @@ from ..options import option_ref
 from .formats import CheckpointError
 
 
+COMFY_FOLDER = "SEEDVR2"  # ComfyUI's models/SEEDVR2
+
+
 @dataclass(frozen=True)
 class KnownFile:
     kind: str  # "dit", "vae" or "text"
@@ -33,6 +36,8 @@ class KnownFile:
     family: Optional[str] = None  # "3b" / "7b" for DiTs
     format: str = "fp16"
     sha256: Optional[str] = None
+    repo_folder: str = ""  # the folder holding it in the repository ("" for the root)
+    comfy_folder: str = COMFY_FOLDER  # the folder of ComfyUI's models/ its users keep it in
 
 
 _NUMZ, _AINVFX, _OFFICIAL = "numz/SeedVR2_comfyUI", "AInVFX/SeedVR2_comfyUI", "ByteDance-Seed/SeedVR2-3B"
@@ -66,18 +71,33 @@ KNOWN_FILES: dict[str, KnownFile] = {
     "neg_emb.pt": KnownFile("text", _OFFICIAL, None, "bf16"),
 }
 
+# ComfyUI's native SeedVR2 files (Comfy-Org/SeedVR2): the DiT in models/diffusion_models/, the
+# VAE in models/vae/ (as ema_vae_fp16.safetensors, the same file as numz's, or under the
+# name below). Their quantised formats are ComfyUI layouts the loader reads (loading.quantized).
+_COMFY_ORG = "Comfy-Org/SeedVR2"
+KNOWN_FILES.update({
+    f"seedvr2_{model}_{fmt}.safetensors": KnownFile(
+        "dit", _COMFY_ORG, model[:2], fmt, repo_folder="diffusion_models",
+        comfy_folder="diffusion_models")
+    for model in ("3b", "7b", "7b_sharp")
+    for fmt in ("fp16", "fp8_e4m3fn", "int8_convrot", "mxfp8", "nvfp4")})
+KNOWN_FILES["seedvr2_ema_vae_fp16.safetensors"] = KnownFile(
+    "vae", _COMFY_ORG, None, "fp16", repo_folder="vae", comfy_folder="vae")
+
 # Parameters per model (the conformance kit's manifests of the official models).
 _PARAMETERS = {"3b": 3_391_475_776, "7b": 8_239_607_872, "vae": 250_648_227}
 # Bytes per weight of each storage format: fp16 2; fp8 1; the mixed 7B files keep the last of
 # 36 blocks in fp16 (1 + 1/36); GGUF Q8_0 stores 32 weights in 34 bytes; Q4_K_M mixes Q4_K
 # (144 bytes per 256 weights) with a few Q6_K tensors: about 4.5 bits per weight.
+# ComfyUI's int8_convrot: one int8 per weight plus a scale per output row; mxfp8: one e4m3 byte
+# and an E8M0 scale per 32 weights; nvfp4: half a byte and an e4m3 scale per 16 weights.
 _BYTES_PER_WEIGHT = {"fp16": 2.0, "bf16": 2.0, "fp8_e4m3fn": 1.0,
                      "fp8_e4m3fn_mixed_block35_fp16": 1 + 1 / 36, "Q8_0": 34 / 32,
-                     "Q4_K_M": 4.5 / 8}
+                     "Q4_K_M": 4.5 / 8, "int8_convrot": 1.0, "mxfp8": 1 + 1 / 32,
+                     "nvfp4": 0.5 + 1 / 16}
 
 DEFAULT_DIT = "seedvr2_ema_3b_fp16.safetensors"
 DEFAULT_VAE = "ema_vae_fp16.safetensors"
-COMFY_FOLDER = "SEEDVR2"  # ComfyUI's models/SEEDVR2
 
 
 def default_model_dir() -> Path:
@@ -95,9 +115,13 @@ def default_model_dir() -> Path:
     return cache / "seedvr2" / "models"
 
 
+def _repo_path(name: str) -> str:
+    folder = KNOWN_FILES[name].repo_folder
+    return f"{folder}/{name}" if folder else name
+
+
 def download_url(name: str) -> str:
-    known = KNOWN_FILES[name]
-    return f"https://huggingface.co/{known.repo}/resolve/main/{name}"
+    return f"https://huggingface.co/{KNOWN_FILES[name].repo}/resolve/main/{_repo_path(name)}"
 
 
 def approximate_bytes(name: str) -> Optional[int]:
@@ -302,7 +326,7 @@ def download(name: str, model_dir=None) -> Path:
         raise CheckpointError(f"{name}: downloading needs the 'huggingface_hub' package; or "
                               f"download {download_url(name)} yourself into {model_dir}") from None
     try:
-        fetched = Path(hf_hub_download(repo_id=KNOWN_FILES[name].repo, filename=name,
+        fetched = Path(hf_hub_download(repo_id=KNOWN_FILES[name].repo, filename=_repo_path(name),
                                        local_dir=model_dir))
     except Exception as e:  # offline, DNS, HTTP errors, missing repository: all end here
         _remove_empty_locks(model_dir)

@@ -39,6 +39,9 @@ class ModelKey:
 class ModelCache:
     def __init__(self):
         self._models: dict[ModelKey, object] = {}
+        # One object per cached model that lives exactly as long as the model stays cached
+        # (inside ComfyUI: the ModelPatcher through which ComfyUI can evict it).
+        self._attached: dict[ModelKey, object] = {}
         self._lock = threading.Lock()
 
     def get_or_load(self, key: ModelKey, load: Callable[[], object], keep: bool):
@@ -52,6 +55,7 @@ class ModelCache:
                 return self._models[key]
             evicted = self._evict(lambda k: k.kind == key.kind)
         if evicted:
+            evicted.clear()
             _free()  # the old model's device memory and pinned host copy go before the new load
         model = load()
         if keep:
@@ -64,15 +68,35 @@ class ModelCache:
         with self._lock:
             return self._models.get(key)
 
-    def _evict(self, match) -> int:
-        gone = [k for k in self._models if match(k)]
-        for k in gone:
-            del self._models[k]
-        return len(gone)
+    def attach(self, key: ModelKey, companion) -> None:
+        """Keep ``companion`` while ``key``'s model is cached; it goes when the model goes."""
+        with self._lock:
+            if key in self._models:
+                self._attached[key] = companion
+
+    def attached(self, key: ModelKey):
+        with self._lock:
+            return self._attached.get(key)
+
+    def release(self, key: ModelKey) -> bool:
+        """Forget ``key``'s model without collecting garbage (for a caller that is inside a
+        loop over objects a collection may finalize); True when it was cached."""
+        with self._lock:
+            gone = self._evict(lambda k: k == key)
+        return bool(gone)  # dropped here, out of the lock (a companion's __del__ may use us)
+
+    def _evict(self, match) -> list:
+        """Remove the matching entries; returns what they held, for the caller to drop once
+        out of the lock."""
+        gone = []
+        for k in [k for k in self._models if match(k)]:
+            gone.append((self._models.pop(k), self._attached.pop(k, None)))
+        return gone
 
     def drop(self, kind: str | None = None):
         with self._lock:
-            self._evict(lambda k: kind is None or k.kind == kind)
+            gone = self._evict(lambda k: kind is None or k.kind == kind)
+        gone.clear()
         _free()
 
     def clear(self):

@@ -10,7 +10,7 @@
 * :mod:`.server` -- runs a prompt on a running ComfyUI server (uploads its input files,
   follows it on the websocket, downloads the outputs); :mod:`.websocket` -- the client.
 * :mod:`.run` -- ``run_workflow``, behind ``seedvr2 run-workflow``.
-* :mod:`.comfy_memory` -- inside ComfyUI: our cached models as entries of its loaded-model list,
+* :mod:`.comfy_memory` -- inside ComfyUI: our cached models handed to it as ModelPatchers,
   so its memory management can evict them.
 
 Importing this package is cheap: nothing here imports torch, PyAV or the models at import time.

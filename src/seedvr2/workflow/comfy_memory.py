@@ -1,24 +1,43 @@
-"""Our model cache as ComfyUI's memory management sees it, so ComfyUI can evict it.
+"""Our model cache inside ComfyUI's memory management, through ComfyUI's own classes.
 
-ComfyUI frees memory by walking its list of loaded models,
-``comfy.model_management.current_loaded_models``, and calling ``model_unload()`` on the
-entries of the device it needs: ``unload_all_models()`` ("Unload models", ``POST /free``, after
-an out-of-memory error) and ``free_memory()`` (whenever another node loads a model and needs
-the room). Models kept with ``cache_model`` live in the library's cache
-(:data:`seedvr2.memory.cache.MODEL_CACHE`), which ComfyUI does not know. So each cached model
-gets one small :class:`CachedModelEntry` in that list, and its ``model_unload()`` drops the
-model from our cache: ComfyUI evicts it like one of its own, in its own order.
+ComfyUI frees memory by walking ``comfy.model_management.current_loaded_models`` (its
+``LoadedModel`` entries, each around a ``comfy.model_patcher.ModelPatcher``): in
+``free_memory()`` (another node loads a model), ``unload_all_models()`` ("Unload models",
+``POST /free``, an out-of-memory retry), ``unload_model_and_clones()`` and, in current releases,
+``models_for_pin_eviction()``. Models kept with ``cache_model`` live in the library's cache
+(:data:`seedvr2.memory.cache.MODEL_CACHE`). Each one is handed to ComfyUI the way model packs
+hand theirs: wrapped in a :class:`ModelPatcher` subclass built on the installed ComfyUI's own
+class and loaded with ``load_models_gpu``. Every attribute and method ComfyUI's loops read
+on an entry or its patcher (``is_dynamic()``, ``clone_base_uuid``,
+``get_nested_additional_models()``, ``model_patches_models()``, ``is_clone()``, ``parent``,
+``model_dtype()``, ...) is therefore ComfyUI's own code, of whatever release is installed;
+nothing of ComfyUI is imitated, replaced or wrapped.
 
-No ComfyUI function is replaced or wrapped (ComfyUI restores some hooked functions after every
-prompt, and wrapped functions break when other packs wrap them too). An entry provides what
-``comfy.model_management`` of ComfyUI 0.3.75 reads from the entries of that list: ``device``,
-``model`` (with ``.model`` for its log line), ``currently_used``, ``is_dead()``,
-``real_model()``, ``model_memory()``, ``model_loaded_memory()``,
-``model_offloaded_memory()``, ``model_memory_required()`` and ``model_unload()``. It is never
-"currently used", so code that reloads the currently used models leaves it alone.
+The patcher wraps a weightless stand-in module (``SeedVR2CachedModel``), not our model:
+ComfyUI's finalizer on the wrapped module must not fire inside its own unloading loop, while
+our weights must go at once (see the stand-in's docstring).
 
-The entries follow the cache: :func:`sync` (called before and after each of our runs) adds one
-for each newly cached model and removes those of models the cache no longer holds.
+The subclass changes these methods, because we place our models ourselves (BlockSwap keeps
+blocks on the host on purpose, quantized and GGUF weights are not ``comfy.ops`` layers, which
+ComfyUI's partial loading would need):
+
+* ``partially_load()`` moves nothing (``load_models_gpu`` registers the model where it is);
+* ``model_size()`` / ``loaded_size()``: the bytes the model holds on its device now, so
+  ComfyUI counts what unloading it would free and never asks room for a model already there;
+* ``partially_unload()`` frees nothing, so ComfyUI goes on to unload it whole;
+* ``detach()``, ComfyUI's unload: the model leaves our cache (nothing is copied to the host).
+
+The patcher is attached to the cache entry (:meth:`ModelCache.attach`): when our cache evicts
+a model itself, the patcher, the stand-in and the model go together and ComfyUI's finalizer on
+the stand-in (``LoadedModel.model_load``) removes the entry, as for its own models.
+
+ComfyUI functions relied on, present in 0.3.75 and in the current release:
+``comfy.model_patcher.ModelPatcher(model, load_device, offload_device, size)`` and the
+methods above (the names ``LoadedModel.model_load`` / ``model_unload`` call),
+``comfy.model_management.load_models_gpu(models)``, ``free_memory(memory_required, device,
+keep_loaded)``, ``get_torch_device()``, ``soft_empty_cache()`` and the list
+``current_loaded_models`` (read: its entries' ``.model``; written: ``.currently_used`` = False
+on ours, as ``free_memory`` does, so nodes that reload "the models in use" leave ours alone).
 
 Test hook, never set by users: with ``SEEDVR2_TEST_CACHE_STATE=<path>``, the kinds of model in
 the cache and in ComfyUI's list are written to that JSON file whenever they change here.
@@ -26,6 +45,7 @@ the cache and in ComfyUI's list are written to that JSON file whenever they chan
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -35,110 +55,79 @@ from typing import Optional
 
 log = logging.getLogger("seedvr2")
 CACHE_STATE_ENV = "SEEDVR2_TEST_CACHE_STATE"
+# What our patcher class overrides, each a method ComfyUI's LoadedModel calls on a patcher.
+OVERRIDDEN = ("partially_load", "partially_unload", "model_size", "loaded_size", "detach")
 
 
-class SeedVR2CachedModel:
-    """Stands for the module in ComfyUI's log lines (``entry.model.model``'s class name)."""
-
-
-class _CachedModelRef:
-    """What ComfyUI finds as ``entry.model``: a model-patcher-like view of a cache key."""
-
-    def __init__(self, key, cache):
-        self.key = key
-        self.cache = cache
-        self.model = SeedVR2CachedModel()
-        self.load_device = _device(key.device)
-        self.parent = None
-
-    def is_clone(self, other) -> bool:
-        return False
-
-    def model_size(self) -> int:
-        return self.key.size
-
-    def loaded_size(self) -> int:
-        return self.resident_bytes()
-
-    def resident_bytes(self) -> int:
-        """Bytes of the cached model's tensors on its device now (0 once dropped; less than
-        the file while parked on the offload device or partly swapped out)."""
-        from ..memory.budget import bytes_on
-
-        model = self.cache.peek(self.key)
-        modules = model if isinstance(model, tuple) else (model,)
-        return sum(bytes_on(m, self.load_device) for m in modules if isinstance(m, torch_module()))
-
-    def current_loaded_device(self):
-        return self.load_device
-
-    def model_patches_models(self) -> list:
-        return []
-
-
-def _device(name: str):
+@functools.cache
+def patcher_class() -> type:
+    """``SeedVR2CachedModelPatcher``, built on the installed ComfyUI's ModelPatcher (imported
+    here: this module is imported outside ComfyUI too)."""
     import torch
+    from comfy.model_patcher import ModelPatcher
 
-    return torch.device(name)
+    from ..memory.budget import bytes_on
 
+    class SeedVR2CachedModel(torch.nn.Module):
+        """What the patcher wraps: a weightless stand-in for one cached model of ours.
 
-def torch_module():
-    import torch
+        ComfyUI puts a finalizer on the module a patcher wraps, which drops the entry from its
+        list when that module dies; in ``free_memory()`` it then shifts the list under the loop
+        that is unloading (IndexError). Our weights must go the moment ComfyUI unloads them,
+        and with the stand-in they can: the weights die with our cache entry, the stand-in
+        outlives ComfyUI's loop (see ``detach``)."""
 
-    return torch.nn.Module
+        def __init__(self):
+            super().__init__()
+            self.keepalive: list = []
 
+    class SeedVR2CachedModelPatcher(ModelPatcher):
+        """One model of our cache, as ComfyUI's memory management sees it."""
 
-class CachedModelEntry:
-    """One cached model of ours in ``current_loaded_models``."""
+        def __init__(self, key, cache):
+            device = torch.device(key.device)
+            # offload_device = load_device: ComfyUI's own paths that move weights "to the
+            # offload device" leave ours where they are; what frees them is detach().
+            super().__init__(SeedVR2CachedModel(), device, device, size=1)
+            self.key, self.cache = key, cache
 
-    def __init__(self, key, cache):
-        self.key = key
-        self.cache = cache
-        self.model = _CachedModelRef(key, cache)
-        self.device = self.model.load_device
-        self.currently_used = False
-        self.unloaded = False  # ComfyUI removes it from its list once its unloading is done
+        def model_size(self) -> int:
+            return bytes_on(_module_of(self.cache.peek(self.key)), self.load_device)
 
-    def __repr__(self) -> str:
-        return f"<SeedVR2 cached {self.key.kind} {Path(self.key.path).name} on {self.device}>"
+        def loaded_size(self) -> int:
+            return self.model_size()
 
-    def is_dead(self) -> bool:
-        return False
+        # **kwargs: a later release passing one more option still reaches these.
+        def partially_load(self, device_to, extra_memory=0, force_patch_weights=False,
+                           **kwargs) -> int:
+            return 0
 
-    def real_model(self):
-        return self.model.model
+        def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False,
+                             **kwargs) -> int:
+            return 0
 
-    # Sizes: what the model holds on its device now, so ComfyUI's choice of what to unload
-    # frees what it expects (a parked or swapped-out model holds less than its file).
-    def model_memory(self) -> int:
-        return self.key.size
-
-    def model_loaded_memory(self) -> int:
-        return self.model.resident_bytes()
-
-    def model_offloaded_memory(self) -> int:
-        return max(self.key.size - self.model.resident_bytes(), 0)
-
-    def model_memory_required(self, device) -> int:
-        return 0 if device == self.device else self.key.size
-
-    def model_unload(self, memory_to_free=None, unpatch_weights=True) -> bool:
-        """ComfyUI wants the memory back: drop the model from our cache (whole; we do not
-        unload part of a model). Returns True: the entry is gone from ComfyUI's list."""
-        try:
-            if self.key in self.cache.keys():  # not a newer model of the same kind
-                self.cache.drop(self.key.kind)
+        def detach(self, unpatch_all=True, **kwargs):
+            # Also reached from ModelPatcher.__del__ once our cache dropped us: then there
+            # is nothing left to release.
+            if self.cache.attached(self.key) is not self:
+                return self.model
+            # The stand-in lives on (a cycle, weightless, collected later) past ComfyUI's
+            # loop; our cache entry, and so the weights, go now.
+            self.model.keepalive.append(self.model)
+            if self.cache.release(self.key):
                 log.info(f"SeedVR2: ComfyUI unloaded the cached {self.key.kind.upper()} "
                          f"({Path(self.key.path).name})")
-        except Exception as e:  # never break ComfyUI's memory management
-            log.warning(f"SeedVR2: could not release the cached {self.key.kind}: {e}")
-        self.unloaded = True
-        _write_state(self.cache)
-        return True
+                _write_state(self.cache)
+            return self.model
+
+    return SeedVR2CachedModelPatcher
 
 
-def _entries(mm) -> list:
-    return [e for e in _loaded_list(mm) if isinstance(e, CachedModelEntry)]
+def _module_of(cached):
+    import torch
+
+    candidates = cached if isinstance(cached, tuple) else (cached,)  # (model, placement)
+    return next((m for m in candidates if isinstance(m, torch.nn.Module)), None)
 
 
 def _loaded_list(mm) -> list:
@@ -146,25 +135,35 @@ def _loaded_list(mm) -> list:
     return models if isinstance(models, list) else []
 
 
+def our_entries(mm, cache) -> list:
+    """ComfyUI's entries for the models of ``cache``."""
+    ours = {id(cache.attached(k)) for k in cache.keys() if cache.attached(k) is not None}
+    return [e for e in _loaded_list(mm) if id(e.model) in ours]
+
+
 def sync(mm, cache) -> list:
-    """Make ComfyUI's list hold one entry per model in ``cache``; returns our entries."""
-    models = getattr(mm, "current_loaded_models", None)
-    if not isinstance(models, list):
-        return []  # a ComfyUI without that list: it cannot evict our models, nothing to do
-    cached = set(cache.keys())
-    for entry in _entries(mm):
-        if entry.key not in cached or entry.cache is not cache:
-            models.remove(entry)
-    present = {e.key for e in _entries(mm)}
+    """Hand ComfyUI each model of ``cache`` it does not hold yet; returns our entries.
+
+    Models the cache evicted itself need nothing here: their patchers went with them."""
+    fresh = []
     for key in cache.keys():
-        if key not in present:
-            try:
-                models.append(CachedModelEntry(key, cache))
-            except (RuntimeError, ValueError) as e:  # a device torch does not know here
-                log.warning(f"SeedVR2: the cached {key.kind} is not known to ComfyUI's memory "
-                            f"management: {e}")
+        if cache.attached(key) is not None or _module_of(cache.peek(key)) is None:
+            continue
+        try:
+            patcher = patcher_class()(key, cache)
+        except (RuntimeError, ValueError) as e:  # a device torch does not know here
+            log.warning(f"SeedVR2: the cached {key.kind} is not known to ComfyUI's memory "
+                        f"management: {e}")
+            continue
+        cache.attach(key, patcher)
+        fresh.append(patcher)
+    if fresh:
+        mm.load_models_gpu(fresh)
+    entries = our_entries(mm, cache)
+    for entry in entries:
+        entry.currently_used = False  # between our runs; the nodes running now never use it
     _write_state(cache)
-    return _entries(mm)
+    return entries
 
 
 def room_needed(model_files, cache, device: str) -> int:
@@ -183,8 +182,10 @@ def unload_comfy_models(mm, cache, required_bytes: int, device=None) -> None:
     """Ask ComfyUI for ``required_bytes`` free on ``device`` (default: its torch device),
     keeping our cached models. ComfyUI unloads its models, least recently used first, only
     until that much is free (plus its own reserve), not every model it holds."""
+    import torch
+
     ours = sync(mm, cache)
-    device = mm.get_torch_device() if device is None else _device(str(device))
+    device = mm.get_torch_device() if device is None else torch.device(str(device))
     mm.free_memory(int(required_bytes), device, keep_loaded=ours)
     mm.soft_empty_cache()
 
@@ -194,8 +195,8 @@ def _write_state(cache) -> None:
     if not target:
         return
     mm = sys.modules.get("comfy.model_management")
-    state = {"cached": sorted(k.kind for k in cache.keys()),
-             "registered": sorted(e.key.kind for e in _entries(mm) if not e.unloaded)}
+    registered = [e.model.key.kind for e in our_entries(mm, cache)]
+    state = {"cached": sorted(k.kind for k in cache.keys()), "registered": sorted(registered)}
     tmp = Path(target + ".tmp")
     tmp.write_text(json.dumps(state))
     tmp.replace(target)

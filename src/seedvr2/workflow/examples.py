@@ -253,7 +253,8 @@ def ui_workflow(example: Example) -> dict:
         ui_nodes.append({
             "id": node.id, "type": node.type, "pos": pos, "size": size,
             "flags": {}, "order": order[node.id], "mode": 0, "inputs": inputs,
-            "outputs": outputs, "properties": {"Node name for S&R": node.type},
+            "outputs": outputs, "properties": {"Node name for S&R": node.type,
+                                               **_declared_models(definition, node.values)},
             "widgets_values": widgets_values,
             **({"title": node.title} if node.title else {}),
         })
@@ -262,6 +263,20 @@ def ui_workflow(example: Example) -> dict:
             "extra": {"ds": initial_view(placed), "info": {
                 "name": example.name, "description": example.description}},
             "version": 0.4}
+
+
+def _declared_models(definition, values: dict) -> dict:
+    """``properties.models`` for a node whose widgets name registered model files: what the
+    editor's missing-models dialog reads (name, download URL, models/ folder) to offer each
+    download the user lacks."""
+    from ..loading.registry import KNOWN_FILES, download_url
+
+    names = [v for v in (_widget_value(i, values) for i in definition.inputs if i.is_widget)
+             if isinstance(v, str) and v in KNOWN_FILES]
+    if not names:
+        return {}
+    return {"models": [{"name": n, "url": download_url(n),
+                        "directory": KNOWN_FILES[n].comfy_folder} for n in names]}
 
 
 def dumps(workflow: dict) -> str:

@@ -12,6 +12,36 @@ from typing import Optional
 log = logging.getLogger("seedvr2")
 
 
+def confined_input_path(name: str, folders: dict) -> Path:
+    """The file a prompt's input name means, never outside the host's folders.
+
+    Every input file name of a prompt (LoadImage's ``image``, LoadVideo's ``file``, Upscale
+    Video File's ``video_path``) comes here, in ComfyUI and headless alike: a prompt may come
+    from anyone who reaches a ComfyUI started with ``--listen``, and an absolute path or a
+    ``..`` would let them read any video the server can open and get it back upscaled.
+    ``name`` is a path inside ``folders["input"]`` (subfolders allowed), or ComfyUI's annotated
+    form ``"name [output]"`` / ``"name [temp]"`` (``"[input]"`` too) for the other folders
+    given (as ``folder_paths.annotated_filepath`` reads it). Anything else raises ValueError.
+    The check is on the path as written (normalized), so links an administrator placed in
+    the input folder still work.
+    """
+    text, folder = name.strip(), "input"
+    for tag in ("input", "output", "temp"):
+        if text.endswith(f"[{tag}]") and tag in folders:
+            text, folder = text[:-len(tag) - 2].rstrip(), tag
+            break
+    base = os.path.abspath(folders[folder])
+    target = os.path.normpath(os.path.join(base, text))
+    if (not text or os.path.isabs(text) or text.startswith("~")
+            or os.path.commonpath([base, target]) != base or target == base):
+        raise ValueError(
+            f"{name!r} is not a file name in the {folder} folder: only files inside it are "
+            f"read (subfolders allowed; 'name [output]' for the output folder), never an "
+            f"absolute path, '~' or '..'. Upload the file or copy it into "
+            f"{folders['input']}")
+    return Path(target)
+
+
 class HeadlessHost:
     """Runs nodes outside ComfyUI.
 
@@ -56,7 +86,7 @@ class HeadlessHost:
         return sorted(p.name for p in self.input_dir.iterdir() if p.is_file())
 
     def input_path(self, name: str) -> Path:
-        return Path(os.path.join(self.input_dir, os.path.expanduser(name)))
+        return confined_input_path(name, {"input": self.input_dir, "output": self.output_dir})
 
     def output_file(self, prefix: str, suffix: str, width: int, height: int) -> tuple[Path, dict]:
         """Next free ``<prefix>_NNNNN_<suffix>`` in the output folder, as ComfyUI numbers files."""

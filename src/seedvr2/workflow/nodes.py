@@ -374,12 +374,14 @@ def _local_models(host: Host, kind: str) -> list[str]:
 
 def model_downloads(host: Host, kind: str) -> dict[str, Optional[int]]:
     """The released files of this kind not in the model folders: name -> approximate size in bytes
-    (None when the registry cannot say). Choosing one downloads it when the node runs."""
-    from ..loading.registry import KNOWN_FILES, approximate_bytes
+    (None when the registry cannot say). Choosing one downloads it when the node runs. ComfyUI's
+    native files are listed when present (they live in its own folders), never offered: the
+    same models are offered in our packaging."""
+    from ..loading.registry import COMFY_FOLDER, KNOWN_FILES, approximate_bytes
 
     local = set(host.model_names())
     return {name: approximate_bytes(name) for name, known in KNOWN_FILES.items()
-            if known.kind == kind and name not in local}
+            if known.kind == kind and known.comfy_folder == COMFY_FOLDER and name not in local}
 
 
 def model_choices(host: Host, kind: str) -> list[str]:
@@ -588,8 +590,7 @@ def _upscale_video_file(host: Host, dit: ModelHandle, vae: ModelHandle, video_pa
 
     upscaler, pipeline = _split_inputs(inputs)
     if not video_path.strip():
-        raise ValueError("video_path is empty: give a video file (absolute path, or a name in "
-                         "the input folder)")
+        raise ValueError("video_path is empty: give a video file in the input folder")
     src = host.input_path(video_path.strip())
 
     with open_media(src) as reader:  # a missing or unreadable input fails before any loading
@@ -690,8 +691,9 @@ def build_nodes() -> tuple:
                 "in memory. Audio is copied unchanged.",
                 (_DIT_IN, _VAE_IN,
                  Input("video_path", "COMBO", "the video: one of the input folder's videos "
-                       "(or upload one), or a path typed by hand (an absolute path, an image or "
-                       "an image sequence pattern) for files outside the input folder",
+                       "(or upload one), or a name typed by hand inside the input folder (a "
+                       "subfolder, an image or an image sequence pattern; 'name [output]' for "
+                       "the output folder); other paths are refused",
                        choices=_input_videos, upload="video_upload", accepts_unlisted=True),
                  Input("filename_prefix", "STRING", "output name prefix in the output folder "
                        "(may contain subfolders)", "SeedVR2/video"),

@@ -11,8 +11,8 @@ Input files: a workflow names files in the server's input folder (LoadImage's ``
 LoadVideo's ``file``: the inputs with an upload button; our Upscale Video File's
 ``video_path``). A name the server does not list but that is a local file (in ``input_dir``, or
 an absolute path) is uploaded (POST /upload/image, as the editor's upload button does) and the
-input set to the name the server gave it. A name the server already has is used as it is;
-absolute ``video_path`` values are the server's paths and are left alone.
+input set to the name the server gave it. A name the server already has is used as it is, and
+so is one that is no local file (the server refuses any that is not in its folders).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from .websocket import WebSocket, WebSocketError
 
 log = logging.getLogger("seedvr2")
 Events = Callable[[str, dict], None]  # on_event(type, data) with ComfyUI's event names
-# Input names of node types whose value is a file in the server's input folder, or a path on
-# the server (left alone when absolute); listed here too for servers whose /object_info shows
-# no upload button on it (inputs with one are found from /object_info).
+# Input names of node types whose value is a file in the server's input folder; listed here
+# too for servers whose /object_info shows no upload button on it (inputs with one are found
+# from /object_info).
 FILE_INPUTS = {"SeedVR2UpscaleVideoFile": "video_path"}
 UPLOAD_FLAGS = ("image_upload", "video_upload", "animated_image_upload", "audio_upload")
 
@@ -309,8 +309,6 @@ def upload_inputs(client: ComfyServer, prompt: dict, object_info: dict, input_di
             if not isinstance(value, str) or not value.strip() or value in listed:
                 continue
             raw = os.path.expanduser(value.strip())
-            if os.path.isabs(raw) and name in FILE_INPUTS.values():
-                continue  # the server's own path
             local = Path(raw) if os.path.isabs(raw) else Path(input_dir) / raw
             if not local.is_file():
                 continue  # the server reports the missing file
