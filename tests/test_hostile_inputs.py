@@ -281,3 +281,50 @@ def test_upscale_names_what_is_wrong_with_a_damaged_dit(tiny_options, tmp_path, 
                  "--device", "cpu", "--dtype", "fp32", "--resolution", "32", "--quiet"]) == 1
     assert capsys.readouterr().err == f"error: {path}: {HEADERS[case][2]}\n"
     assert not (tmp_path / "out.png").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Names from workflows stay inside the model folder, and no error quotes a file's bytes.
+
+SECRET = "root:x:0:0:root:/root:/bin/bash\n"
+
+
+def _run_with_text_embeddings(tmp_path, tiny_model_dir, value):
+    from test_workflows import API_DIR, make_inputs, tiny_sets
+
+    prompt = json.loads((API_DIR / "image_upscale.json").read_text())
+    return main(["run-workflow", str(API_DIR / "image_upscale.json"), "-q",
+                 *(f"--set={s}" for s in tiny_sets(prompt)), f"--set=2.text_embeddings={value}",
+                 "--model-dir", str(tiny_model_dir), "--input-dir", str(make_inputs(tmp_path / "in")),
+                 "--output-dir", str(tmp_path / "out")])
+
+
+@pytest.mark.parametrize("value", ["SECRET", "../secret.txt", "~/secret.txt", "sub/../../x.pt"])
+def test_workflow_text_embeddings_stay_inside_the_model_folder(tmp_path, capsys, tiny_model_dir,
+                                                               value):
+    secret = tmp_path / "secret.txt"
+    secret.write_text(SECRET)
+    value = value.replace("SECRET", str(secret))
+    assert _run_with_text_embeddings(tmp_path, tiny_model_dir, value) == 1
+    err = capsys.readouterr().err
+    assert err == (f"error: node 2 (SeedVR2LoadDiTModel): model name {value!r} is not a file "
+                   f"name inside the model folder {tiny_model_dir} (names may not be absolute "
+                   f"or contain '..')\n")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["passwd.safetensors", "passwd.pt", "passwd"])
+def test_errors_never_quote_a_files_bytes(tmp_path, capsys, tiny_model_dir, name):
+    """A text file where weights are expected: the error names the file, not its contents."""
+    path = tiny_model_dir / name
+    path.write_text(SECRET)
+    try:
+        assert _run_with_text_embeddings(tmp_path, tiny_model_dir, name) == 1
+        assert main(["inspect", str(path)]) == 1
+    finally:
+        path.unlink()
+    err = capsys.readouterr().err
+    assert err == (f"error: node 4 (SeedVR2VideoUpscaler): {path}: unrecognised weight file "
+                   f"(expected safetensors, a torch .pth/.pt state dict, or GGUF)\n"
+                   f"error: {path}: unrecognised weight file (expected safetensors, a torch "
+                   f".pth/.pt state dict, or GGUF)\n")
