@@ -328,3 +328,42 @@ def test_errors_never_quote_a_files_bytes(tmp_path, capsys, tiny_model_dir, name
                    f"(expected safetensors, a torch .pth/.pt state dict, or GGUF)\n"
                    f"error: {path}: unrecognised weight file (expected safetensors, a torch "
                    f".pth/.pt state dict, or GGUF)\n")
+
+
+def test_a_damaged_pickle_is_one_line(tmp_path, capsys):
+    path = tmp_path / "damaged.pt"
+    path.write_bytes(b"\x80\x02" + SECRET.encode())  # a pickle header, then garbage
+    assert main(["inspect", str(path)]) == 1
+    assert capsys.readouterr().err == \
+        f"error: {path}: unreadable torch checkpoint (damaged data: IndexError)\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# Workflows and option values that used to end in tracebacks.
+
+@pytest.mark.parametrize("content, problem", [
+    (b'{"1": {"class_type": "caf\xe9"}}', "not a workflow: not UTF-8 text (byte 25); a workflow "
+                                          "is JSON as the editor saves it"),
+    (b'{"a": ' * 100_000 + b"1" + b"}" * 100_000, "not a workflow: JSON nested too deeply"),
+    (b'{"1": {"class_type": "SaveImage", "inputs": {"images": ' + b"[" * 500 + b"]" * 500
+     + b"}}}", None),
+])
+def test_unreadable_workflows_are_one_line(tmp_path, capsys, content, problem):
+    path = tmp_path / "wf.json"
+    path.write_bytes(content)
+    assert main(["run-workflow", str(path), "--model-dir", str(tmp_path),
+                 "--output-dir", str(tmp_path / "out")]) == 1
+    if problem is None:  # parsed, and the value is shortened in the message
+        problem = ("node 1 (SaveImage): input 'images' takes IMAGE and must be linked to another "
+                   "node's output, not given the value [[[[[[[...]]]]]]]")
+    else:
+        problem = f"{path}: {problem}"
+    assert capsys.readouterr().err == f"error: {problem}\n"
+
+
+@pytest.mark.parametrize("fps", ["inf", "1e400", "-inf", "nan"])
+def test_infinite_frame_rates_are_refused_like_other_bad_values(tmp_path, capsys, fps):
+    assert main(["upscale", str(tmp_path / "in.png"), f"--fps={fps}"]) == 2
+    assert capsys.readouterr().err.endswith(
+        f"error: --fps {fps}: expected auto, or a positive rate such as 24, 29.97 or "
+        f"30000/1001\n")

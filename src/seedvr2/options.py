@@ -130,12 +130,19 @@ def _slice_problem(value: int) -> Optional[str]:
 
 def parse_fps(value: str):
     """The fps option as an exact Fraction, or None for auto."""
+    import math
     from fractions import Fraction
 
     if value == "auto":
         return None
     text = value.strip()
-    rate = Fraction(text) if "/" in text else Fraction(float(text)).limit_denominator(1001)
+    if "/" in text:
+        rate = Fraction(text)
+    else:
+        number = float(text)
+        if not math.isfinite(number):  # inf, nan, and 1e400 (which float reads as inf)
+            raise ValueError("must be a finite number")
+        rate = Fraction(number).limit_denominator(1001)
     if rate <= 0:
         raise ValueError("must be positive")
     return rate

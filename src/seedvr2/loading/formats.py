@@ -236,8 +236,12 @@ def _open_pickle(path: Path) -> TensorSource:
         raise CheckpointError(f"{path}: this .pth needs code to unpickle, which is refused for "
                               f"safety (weights_only=True); save a plain state dict of tensors "
                               f"or convert it to safetensors. Detail: {str(e).splitlines()[0]}")
-    except (RuntimeError, EOFError, zipfile.BadZipFile) as e:
-        raise CheckpointError(f"{path}: unreadable torch checkpoint ({e})")
+    except Exception as e:
+        # A damaged pickle raises whatever the unpickler trips on (IndexError, KeyError...);
+        # only the archive reader's own messages are shown, never the file's bytes.
+        detail = str(e).splitlines()[0] if isinstance(e, (RuntimeError, zipfile.BadZipFile)) \
+            and str(e) else f"damaged data: {type(e).__name__}"
+        raise CheckpointError(f"{path}: unreadable torch checkpoint ({detail})") from None
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
