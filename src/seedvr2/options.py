@@ -119,6 +119,12 @@ def _devices_problem(value: str) -> Optional[str]:
     return None
 
 
+def _even_problem(value: int) -> Optional[str]:
+    # Outputs have even sizes (4:2:0 video): an odd short edge could not be what was asked for.
+    return None if value % 2 == 0 else \
+        f"must be even (outputs have even sizes); nearest valid values: {value - 1} or {value + 1}"
+
+
 def _tile_problem(value: int) -> Optional[str]:
     return None if value % 8 == 0 else f"must be a multiple of 8 pixels (e.g. {value - value % 8 or 8})"
 
@@ -161,7 +167,8 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "results do not depend on chunking or on which process runs a batch", min=0,
            max=2 ** 63 - 1),
     Option("resolution", int, 1080, "target short edge of the output in pixels (even sizes; "
-           "padded to a multiple of 16 internally and cropped back)", min=16, max=16384),
+           "padded to a multiple of 16 internally and cropped back)", min=16, max=16384,
+           check=_even_problem),
     Option("max_resolution", int, 0, "cap on the output's long edge (0 = none); a larger "
            "result is scaled down to fit", min=0, max=16384),
     Option("batch_size", int, 5, "frames per temporal batch, 4n+1 (1 for single images; "
