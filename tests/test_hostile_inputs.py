@@ -408,3 +408,72 @@ def test_a_resolution_past_the_hosts_ram_is_refused_before_any_work(tiny_options
         r"of 128 pixels: lower --resolution or use a device with more memory \(to try anyway, "
         r"set SEEDVR2_MEMORY_CHECK=warn\)\n", capsys.readouterr().err)
     assert list(tmp_path.iterdir()) == [image]
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch folders (/tmp/seedvr2-ranks-*) of killed --devices launchers are removed by the next
+# launch; a live launcher's never are.
+
+def _aged(folder: Path) -> Path:
+    import os
+    import time
+
+    old = time.time() - 3600
+    os.utime(folder, (old, old))
+    return folder
+
+
+def test_next_launch_removes_the_folders_of_killed_launchers(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+    import tempfile
+
+    from seedvr2.distributed import launch
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    made = {name: Path(tempfile.mkdtemp(prefix=launch.LAUNCH_PREFIX)) for name in
+            ("stale", "live", "killed", "fresh")}
+    for name in ("stale", "live", "killed"):
+        (made[name] / "rank0").write_text("")
+        _aged(made[name])
+    not_a_folder = tmp_path / f"{launch.LAUNCH_PREFIX}file"
+    not_a_folder.write_text("")
+    _aged(not_a_folder)
+    holders = {name: subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from seedvr2.io.temporaries import hold; "
+         "held = hold(__import__('pathlib').Path(sys.argv[1])); print(held is not None, "
+         "flush=True); time.sleep(600)", str(made[name])], stdout=subprocess.PIPE, text=True)
+        for name in ("live", "killed")}  # launchers: each holds its folder while it lives
+    try:
+        assert [holders[n].stdout.readline() for n in holders] == ["True\n", "True\n"]
+        holders["killed"].kill()  # kill -9: its `with` never cleans up
+        holders["killed"].wait(30)
+        assert sorted(launch.remove_stale_launch_folders()) == \
+            sorted([made["stale"], made["killed"]])
+    finally:
+        for process in holders.values():
+            process.kill()
+            process.wait(30)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [made["live"].name, made["fresh"].name, not_a_folder.name])
+
+
+def test_a_launch_holds_its_folder_and_clears_stale_ones(tmp_path, monkeypatch):
+    import tempfile
+    import types
+
+    import torch.multiprocessing
+
+    from seedvr2.distributed import launch
+    from seedvr2.io.temporaries import hold
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    stale = _aged(Path(tempfile.mkdtemp(prefix=launch.LAUNCH_PREFIX)))
+    monkeypatch.setattr(torch.multiprocessing, "start_processes",
+                        lambda *args, **kwargs: types.SimpleNamespace(processes=[]))
+    with launch._launched(launch._file_worker, ["cpu", "cpu"], 30, ()) as (_, started):
+        assert not stale.exists() and started.is_dir()
+        _aged(started)
+        assert hold(started) is None  # locked: another launch would leave it alone
+        assert launch.remove_stale_launch_folders() == [] and started.is_dir()
+    assert list(tmp_path.iterdir()) == []
