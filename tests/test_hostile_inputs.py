@@ -14,7 +14,6 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 from seedvr2.cli import main
-from seedvr2.workflow.errors import WorkflowError
 
 # ---------------------------------------------------------------------------------------------
 # A fake ComfyUI on 127.0.0.1: /object_info, /upload/image, /prompt, /history, /view; no /ws
@@ -295,7 +294,8 @@ def _run_with_text_embeddings(tmp_path, tiny_model_dir, value):
     prompt = json.loads((API_DIR / "image_upscale.json").read_text())
     return main(["run-workflow", str(API_DIR / "image_upscale.json"), "-q",
                  *(f"--set={s}" for s in tiny_sets(prompt)), f"--set=2.text_embeddings={value}",
-                 "--model-dir", str(tiny_model_dir), "--input-dir", str(make_inputs(tmp_path / "in")),
+                 "--model-dir", str(tiny_model_dir),
+                 "--input-dir", str(make_inputs(tmp_path / "in")),
                  "--output-dir", str(tmp_path / "out")])
 
 

@@ -304,7 +304,9 @@ class EventStream:
         try:
             import websocket
         except ImportError:
-            raise WorkflowError(MISSING_WEBSOCKET_CLIENT) from None
+            websocket = None
+        if not hasattr(websocket, "WebSocket"):  # absent, or the unrelated "websocket" package
+            raise WorkflowError(MISSING_WEBSOCKET_CLIENT)
         self._lib = websocket
         self.ws = websocket.WebSocket()
         try:
