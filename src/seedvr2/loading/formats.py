@@ -236,6 +236,8 @@ def _open_pickle(path: Path) -> TensorSource:
         raise CheckpointError(f"{path}: this .pth needs code to unpickle, which is refused for "
                               f"safety (weights_only=True); save a plain state dict of tensors "
                               f"or convert it to safetensors. Detail: {str(e).splitlines()[0]}")
+    except MemoryError:
+        raise
     except Exception as e:
         # A damaged pickle raises whatever the unpickler trips on (IndexError, KeyError...);
         # only the archive reader's own messages are shown, never the file's bytes.

@@ -31,6 +31,8 @@ def _read_pos(path: Path) -> torch.Tensor:
         except pickle.UnpicklingError:
             raise CheckpointError(f"{path}: cannot read text embeddings (the file needs code to "
                                   f"unpickle, which is refused for safety)") from None
+        except MemoryError:
+            raise
         except Exception as e:
             # What the unpickler says can quote the file's bytes, which are never echoed.
             raise CheckpointError(f"{path}: cannot read text embeddings (damaged torch file: "
