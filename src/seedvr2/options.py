@@ -166,8 +166,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("seed", int, 42, "random seed; each batch draws from (seed, its first frame), so "
            "results do not depend on chunking or on which process runs a batch", min=0,
            max=2 ** 63 - 1),
-    Option("resolution", int, 1080, "target short edge of the output in pixels (even sizes; "
-           "padded to a multiple of 16 internally and cropped back)", min=16, max=16384,
+    Option("resolution", int, 1080, "target short edge of the output in pixels, even "
+           "(outputs have even sizes; padded to a multiple of 16 internally and cropped back)",
+           min=16, max=16384,
            check=_even_problem),
     Option("max_resolution", int, 0, "cap on the output's long edge (0 = none); a larger "
            "result is scaled down to fit", min=0, max=16384),
