@@ -476,3 +476,57 @@ def test_a_launch_holds_its_folder_and_clears_stale_ones(tmp_path, monkeypatch):
         assert hold(started) is None  # locked: another launch would leave it alone
         assert launch.remove_stale_launch_folders() == [] and started.is_dir()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_event_stream_skips_previews_resumes_cut_messages_and_reports_a_close():
+    """Our use of websocket-client: binary messages (previews) are skipped, a message cut by
+    the timeout is completed by the next call, a close ends the stream."""
+    import base64
+    import hashlib
+    import socket
+    import threading
+    import time
+
+    from websocket import ABNF
+
+    from seedvr2.workflow.server import EventsFailed, EventStream
+
+    def frame(opcode, payload: bytes) -> bytes:  # server frames are not masked
+        return ABNF(1, 0, 0, 0, opcode, 0, payload).format()
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    cut = threading.Event()
+
+    def serve():
+        conn, _ = listener.accept()
+        with conn, listener:
+            request = b""
+            while b"\r\n\r\n" not in request:
+                request += conn.recv(4096)
+            key = next(line.split(b":", 1)[1].strip() for line in request.split(b"\r\n")
+                       if line.lower().startswith(b"sec-websocket-key:"))
+            accept = base64.b64encode(hashlib.sha1(
+                key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest()).decode()
+            conn.sendall(f"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+                         f"Connection: Upgrade\r\nSec-WebSocket-Accept: {accept}\r\n\r\n".encode())
+            conn.sendall(frame(ABNF.OPCODE_BINARY, b"\x00\x00\x00\x01preview"))
+            text = frame(ABNF.OPCODE_TEXT, b'{"type": "progress"}')
+            conn.sendall(text[:6])
+            cut.wait(10)
+            conn.sendall(text[6:] + frame(ABNF.OPCODE_CLOSE, b"\x03\xe8"))
+            time.sleep(0.5)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    stream = EventStream(f"ws://127.0.0.1:{listener.getsockname()[1]}/ws?clientId=x", timeout=10)
+    try:
+        assert stream.recv(timeout=0.3) is None  # the preview skipped, the event cut short
+        cut.set()
+        assert stream.recv(timeout=10) == '{"type": "progress"}'
+        with pytest.raises(EventsFailed, match="^the server closed the websocket$"):
+            stream.recv(timeout=10)
+    finally:
+        stream.close()
+    thread.join(10)
