@@ -530,3 +530,13 @@ def test_event_stream_skips_previews_resumes_cut_messages_and_reports_a_close():
     finally:
         stream.close()
     thread.join(10)
+
+
+def test_workflow_text_embeddings_name_a_file_of_the_model_folder(tmp_path, capsys,
+                                                                  tiny_model_dir):
+    assert _run_with_text_embeddings(tmp_path, tiny_model_dir, "nothing.pt") == 1
+    assert capsys.readouterr().err == (
+        f"error: node 2 (SeedVR2LoadDiTModel): text_embeddings 'nothing.pt': no such file in the "
+        f"model folder {tiny_model_dir} (use auto, or the name of a file there)\n")
+    assert _run_with_text_embeddings(tmp_path, tiny_model_dir, "text_64.safetensors") == 0
+    assert [p.suffix for p in (tmp_path / "out" / "SeedVR2").iterdir()] == [".png"]
