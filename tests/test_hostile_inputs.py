@@ -540,3 +540,10 @@ def test_workflow_text_embeddings_name_a_file_of_the_model_folder(tmp_path, caps
         f"model folder {tiny_model_dir} (use auto, or the name of a file there)\n")
     assert _run_with_text_embeddings(tmp_path, tiny_model_dir, "text_64.safetensors") == 0
     assert [p.suffix for p in (tmp_path / "out" / "SeedVR2").iterdir()] == [".png"]
+
+
+@pytest.mark.parametrize("flag", ["--input-noise-scale", "--latent-noise-scale", "--dist-timeout"])
+def test_nan_is_refused_by_every_number_option(tmp_path, capsys, flag):
+    """NaN passes every range comparison: a noise scale of nan would make every frame NaN."""
+    assert main(["upscale", str(tmp_path / "in.png"), f"{flag}=nan"]) == 2
+    assert capsys.readouterr().err.endswith(f"error: {flag} nan: expected a number\n")

@@ -350,6 +350,8 @@ def resolve_options(**given) -> Options:
             continue
         if opt.choices is not None and value not in opt.choices:
             raise OptionError(f"{option_value(name, value)}: expected one of {', '.join(map(str, opt.choices))}")
+        if isinstance(value, float) and value != value:  # NaN passes every comparison
+            raise OptionError(f"{option_value(name, value)}: expected a number")
         if opt.min is not None and value < opt.min:
             raise OptionError(f"{option_value(name, value)}: must be at least {opt.min}")
         if opt.max is not None and value > opt.max:
