@@ -119,6 +119,12 @@ def _devices_problem(value: str) -> Optional[str]:
     return None
 
 
+def _even_problem(value: int) -> Optional[str]:
+    # Outputs have even sizes (4:2:0 video): an odd short edge could not be what was asked for.
+    return None if value % 2 == 0 else \
+        f"must be even (outputs have even sizes); nearest valid values: {value - 1} or {value + 1}"
+
+
 def _tile_problem(value: int) -> Optional[str]:
     return None if value % 8 == 0 else f"must be a multiple of 8 pixels (e.g. {value - value % 8 or 8})"
 
@@ -130,12 +136,19 @@ def _slice_problem(value: int) -> Optional[str]:
 
 def parse_fps(value: str):
     """The fps option as an exact Fraction, or None for auto."""
+    import math
     from fractions import Fraction
 
     if value == "auto":
         return None
     text = value.strip()
-    rate = Fraction(text) if "/" in text else Fraction(float(text)).limit_denominator(1001)
+    if "/" in text:
+        rate = Fraction(text)
+    else:
+        number = float(text)
+        if not math.isfinite(number):  # inf, nan, and 1e400 (which float reads as inf)
+            raise ValueError("must be a finite number")
+        rate = Fraction(number).limit_denominator(1001)
     if rate <= 0:
         raise ValueError("must be positive")
     return rate
@@ -153,8 +166,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("seed", int, 42, "random seed; each batch draws from (seed, its first frame), so "
            "results do not depend on chunking or on which process runs a batch", min=0,
            max=2 ** 63 - 1),
-    Option("resolution", int, 1080, "target short edge of the output in pixels (even sizes; "
-           "padded to a multiple of 16 internally and cropped back)", min=16, max=16384),
+    Option("resolution", int, 1080, "target short edge of the output in pixels, even "
+           "(outputs have even sizes; padded to a multiple of 16 internally and cropped back)",
+           min=16, max=16384,
+           check=_even_problem),
     Option("max_resolution", int, 0, "cap on the output's long edge (0 = none); a larger "
            "result is scaled down to fit", min=0, max=16384),
     Option("batch_size", int, 5, "frames per temporal batch, 4n+1 (1 for single images; "
@@ -336,6 +351,8 @@ def resolve_options(**given) -> Options:
             continue
         if opt.choices is not None and value not in opt.choices:
             raise OptionError(f"{option_value(name, value)}: expected one of {', '.join(map(str, opt.choices))}")
+        if isinstance(value, float) and value != value:  # NaN passes every comparison
+            raise OptionError(f"{option_value(name, value)}: expected a number")
         if opt.min is not None and value < opt.min:
             raise OptionError(f"{option_value(name, value)}: must be at least {opt.min}")
         if opt.max is not None and value > opt.max:

@@ -10,6 +10,8 @@ import json
 import logging
 import multiprocessing.connection
 import os
+import shutil
+import stat
 import sys
 import tempfile
 import time
@@ -19,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..io.temporaries import remove_stale_temporaries
+from ..io.temporaries import hold, remove_stale_temporaries
 from .groups import destroy, init_from_env
 
 log = logging.getLogger("seedvr2")
@@ -178,6 +180,40 @@ def _spawnable():
             sys.path.remove(library_root)
 
 
+LAUNCH_PREFIX = "seedvr2-ranks-"  # launch folders, in the system's temporary folder
+# A launch folder is locked by its launcher from a moment after it is made: one younger than
+# this may be a live launcher's that is not locked yet.
+LAUNCH_FOLDER_GRACE_S = 60.0
+
+
+def remove_stale_launch_folders() -> list[Path]:
+    """Remove the launch folders of launchers that are gone (killed, so their ``with`` never
+    cleaned up); returns them. A live launcher holds a lock on its folder (:func:`hold`: the
+    kernel drops it when the process ends, ``kill -9`` included), so a folder that can be
+    locked is abandoned, and a live job's is never touched."""
+    removed = []
+    for folder in Path(tempfile.gettempdir()).glob(f"{LAUNCH_PREFIX}*"):
+        try:
+            info = folder.lstat()
+        except OSError:
+            continue
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or \
+                time.time() - info.st_mtime < LAUNCH_FOLDER_GRACE_S:
+            continue
+        probe = hold(folder)
+        if probe is None:
+            continue  # held by a live launcher (or no locks on this filesystem: leave it)
+        try:
+            shutil.rmtree(folder, ignore_errors=True)
+        finally:
+            probe.release()
+        removed.append(folder)
+    if removed:
+        log.debug("removed launch folders left by killed launchers: %s",
+                  ", ".join(map(str, removed)))
+    return removed
+
+
 @contextlib.contextmanager
 def _launched(worker, device_list: list[str], timeout_s: float, args: tuple):
     """Spawn one ``worker(rank, device_list, port, threads, *args)`` per device; yields the
@@ -188,8 +224,9 @@ def _launched(worker, device_list: list[str], timeout_s: float, args: tuple):
 
     from .job import STARTED_ENV
 
-    with tempfile.TemporaryDirectory(prefix="seedvr2-ranks-") as started, \
-            _hosted_store(timeout_s) as port:
+    remove_stale_launch_folders()
+    with tempfile.TemporaryDirectory(prefix=LAUNCH_PREFIX) as started, \
+            _hosted_store(timeout_s) as port, _held(Path(started)):
         previous = os.environ.get(STARTED_ENV)
         os.environ[STARTED_ENV] = started  # the children's environment is ours at spawn
         try:
@@ -207,6 +244,17 @@ def _launched(worker, device_list: list[str], timeout_s: float, args: tuple):
             yield workers, Path(started)
         finally:
             _stop(workers)
+
+
+@contextlib.contextmanager
+def _held(folder: Path):
+    """``folder`` locked as a live launcher's (:func:`remove_stale_launch_folders`)."""
+    lock = hold(folder)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def spawn_file_job(device_list: list[str], src, dst, *args, stats=None, **kwargs) -> Path:

@@ -87,8 +87,9 @@ def sniff_format(path: Path) -> str:
         return "pickle"
     if len(head) >= 9 and head[8:9] == b"{":
         return "safetensors"
+    # The file's bytes are never quoted: a name from a workflow may point at any file.
     raise CheckpointError(f"{path}: unrecognised weight file (expected safetensors, a torch "
-                          f".pth/.pt state dict, or GGUF; first bytes {head[:8]!r})")
+                          f".pth/.pt state dict, or GGUF)")
 
 
 def open_weights(path) -> TensorSource:
@@ -105,25 +106,99 @@ def open_weights(path) -> TensorSource:
     return open_gguf(path)
 
 
-def _open_safetensors(path: Path) -> TensorSource:
+def read_safetensors_header(path: Path) -> tuple[dict, dict]:
+    """The tensor entries (name -> dtype, shape, data_offsets) and the metadata of a
+    safetensors file, checked as the safetensors library would check them, so that a damaged or
+    hostile header is one :class:`CheckpointError` naming the file and the problem (the
+    library raises KeyError, TypeError or its own error without the file's name)."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
         if header_len > size - 8:
-            raise CheckpointError(f"{path}: truncated safetensors file (header of {header_len} "
-                                  f"bytes, file of {size})")
-        try:
-            header = json.loads(f.read(header_len))
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path}: corrupt safetensors header ({e})")
+            raise CheckpointError(f"{path}: truncated safetensors file (its header runs past the "
+                                  f"end of the file, {size} bytes)")
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw)
+    except RecursionError:
+        raise CheckpointError(f"{path}: corrupt safetensors header (JSON nested too deeply)") \
+            from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path}: corrupt safetensors header (not UTF-8 text)") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: corrupt safetensors header (not valid JSON: {e.msg} at "
+                              f"byte {e.pos})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (a JSON object was expected, "
+                              f"not {type(header).__name__})")
     metadata = header.pop("__metadata__", None) or {}
-    end = max((v["data_offsets"][1] for v in header.values()), default=0)
-    if 8 + header_len + end > size:
+    if not isinstance(metadata, dict) or \
+            not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{path}: corrupt safetensors header (__metadata__ must map names "
+                              f"to strings)")
+    data_size = size - 8 - header_len
+    spans = []
+    for name, entry in header.items():
+        problem = _tensor_entry_problem(entry)
+        if problem:
+            raise CheckpointError(f"{path}: corrupt safetensors header (tensor {name!r}: "
+                                  f"{problem})")
+        begin, end = entry["data_offsets"]
+        count = 1
+        for dim in entry["shape"]:
+            count *= dim
+        need = count * _SAFETENSORS_DTYPES[entry["dtype"]].itemsize
+        if end - begin != need:
+            raise CheckpointError(f"{path}: corrupt safetensors header (tensor {name!r}: shape "
+                                  f"{entry['shape']} of {entry['dtype']} needs {need} bytes, its "
+                                  f"data_offsets span {end - begin})")
+        spans.append((begin, end, name))
+    position = 0
+    for begin, end, name in sorted(spans):
+        if begin != position:
+            raise CheckpointError(f"{path}: corrupt safetensors header (tensor {name!r}: data "
+                                  f"starts at byte {begin}, the previous tensor ends at "
+                                  f"{position}; tensors must follow each other)")
+        position = end
+    if position > data_size:
         raise CheckpointError(f"{path}: truncated safetensors file (tensors need "
-                              f"{8 + header_len + end} bytes, file has {size})")
-    unknown = {v["dtype"] for v in header.values()} - _SAFETENSORS_DTYPES.keys()
-    if unknown:
-        raise CheckpointError(f"{path}: unsupported tensor dtype(s) {sorted(unknown)}")
+                              f"{8 + header_len + position} bytes, file has {size})")
+    if position < data_size:
+        raise CheckpointError(f"{path}: corrupt safetensors file ({data_size - position} bytes "
+                              f"after the last tensor)")
+    return header, metadata
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _tensor_entry_problem(entry) -> str | None:
+    """What is wrong with one tensor's header entry, or None."""
+    if not isinstance(entry, dict):
+        return f"an object with dtype, shape and data_offsets was expected, not " \
+               f"{type(entry).__name__}"
+    for key in ("dtype", "shape", "data_offsets"):
+        if key not in entry:
+            return f"no {key}"
+    if not isinstance(entry["dtype"], str):
+        return "dtype is not a string"
+    if entry["dtype"] not in _SAFETENSORS_DTYPES:
+        return f"unsupported dtype {entry['dtype']!r}"
+    shape = entry["shape"]
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        return "shape must be a list of whole numbers of at least 0"
+    offsets = entry["data_offsets"]
+    if not isinstance(offsets, list) or len(offsets) != 2 or \
+            not all(_is_count(o) for o in offsets):
+        return "data_offsets must be two whole numbers of at least 0 (begin, end)"
+    if offsets[1] < offsets[0]:
+        return f"data_offsets end before they begin ({offsets[0]}, {offsets[1]})"
+    return None
+
+
+def _open_safetensors(path: Path) -> TensorSource:
+    header, metadata = read_safetensors_header(path)
     from safetensors import safe_open
 
     from .quantized import LayoutError, scan_safetensors_layout
@@ -161,8 +236,14 @@ def _open_pickle(path: Path) -> TensorSource:
         raise CheckpointError(f"{path}: this .pth needs code to unpickle, which is refused for "
                               f"safety (weights_only=True); save a plain state dict of tensors "
                               f"or convert it to safetensors. Detail: {str(e).splitlines()[0]}")
-    except (RuntimeError, EOFError, zipfile.BadZipFile) as e:
-        raise CheckpointError(f"{path}: unreadable torch checkpoint ({e})")
+    except MemoryError:
+        raise
+    except Exception as e:
+        # A damaged pickle raises whatever the unpickler trips on (IndexError, KeyError...);
+        # only the archive reader's own messages are shown, never the file's bytes.
+        detail = str(e).splitlines()[0] if isinstance(e, (RuntimeError, zipfile.BadZipFile)) \
+            and str(e) else f"damaged data: {type(e).__name__}"
+        raise CheckpointError(f"{path}: unreadable torch checkpoint ({detail})") from None
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):

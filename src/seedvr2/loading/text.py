@@ -10,12 +10,13 @@ a .pt holding one bare tensor) overrides it.
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import torch
 
 from ..options import option_ref
-from .formats import CheckpointError, aligned, open_weights
+from .formats import CheckpointError, aligned, open_weights, sniff_format
 
 # The official pos/neg embeddings of both released DiT families (txt_in_dim 5120); provenance
 # in seedvr2/data/README.md.
@@ -24,11 +25,18 @@ BUNDLED_TEXT_EMBEDDINGS = Path(__file__).resolve().parents[1] / "data" / \
 
 
 def _read_pos(path: Path) -> torch.Tensor:
-    if path.suffix == ".pt" or path.suffix == ".pth":
+    if sniff_format(path) == "pickle":  # .pt: a bare tensor, or a dict with "pos"
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            raise CheckpointError(f"{path}: cannot read text embeddings (the file needs code to "
+                                  f"unpickle, which is refused for safety)") from None
+        except MemoryError:
+            raise
         except Exception as e:
-            raise CheckpointError(f"{path}: cannot read text embeddings ({str(e).splitlines()[0]})")
+            # What the unpickler says can quote the file's bytes, which are never echoed.
+            raise CheckpointError(f"{path}: cannot read text embeddings (damaged torch file: "
+                                  f"{type(e).__name__})") from None
         if isinstance(obj, torch.Tensor):
             return obj
         if isinstance(obj, dict) and isinstance(obj.get("pos"), torch.Tensor):

@@ -645,7 +645,9 @@ def alternatives(budget: Budget, job: Job, place: Placement, available: Mapping[
     that is enough on its own; when none is, one combination (or an empty list)."""
     failing = failing_phases(estimate(budget, job, place), available)
     vae_failing = [w for w in ("encode", "decode") if w in failing]
-    shared = place.dit_device == place.vae_device
+    # Offloading to the CPU frees nothing for a job that computes on the CPU.
+    shared = place.dit_device == place.vae_device and place.dit_device != "cpu"
+    host_only = place.dit_device == "cpu" and place.vae_device == "cpu"
     out = []
     for size in range(job.batch_size - 4, min_batch - 1, -4):
         if fits(budget, replace(job, batch_size=size), place, available):
@@ -665,7 +667,8 @@ def alternatives(budget: Budget, job: Job, place: Placement, available: Mapping[
         swap = _first_fit(budget, job, _swap_options(budget, place), available)
         if swap is not None and swap[1] is not None:
             out.append(swap[1])
-    if job.chunk_size is not None and fits(budget, replace(job, chunk_size=None), place, available):
+    if job.chunk_size is not None and not host_only \
+            and fits(budget, replace(job, chunk_size=None), place, available):
         out.append(option_ref("tensor_offload_device", "cpu"))
     if out:
         return out
@@ -678,7 +681,7 @@ def alternatives(budget: Budget, job: Job, place: Placement, available: Mapping[
     if shared and place.dit_offload is None and not place.swapping:
         place = replace(place, dit_offload="cpu")
         changes.append(option_ref("dit_offload_device", "cpu"))
-    if job.chunk_size is not None:
+    if job.chunk_size is not None and not host_only:
         job = replace(job, chunk_size=None)
         changes.append(option_ref("tensor_offload_device", "cpu"))
     swaps = _swap_options(budget, place)
@@ -714,9 +717,10 @@ def check(budget: Budget, job: Job, place: Placement, available: Mapping[str, in
     if alts:
         message += ". Settings that would fit: " + "; or ".join(alts)
     else:
-        message += (". Nothing fits at this resolution, even with the smallest batch, VAE "
-                    "tiles of 128 pixels and every DiT block swapped: lower resolution or "
-                    "use a device with more memory")
+        swapped = " and every DiT block swapped" if place.dit_device.startswith("cuda") else ""
+        message += (f". Nothing fits at this resolution, even with the smallest batch, VAE "
+                    f"tiles of 128 pixels{swapped}: lower {option_ref('resolution')} or use a "
+                    f"device with more memory")
     if need.device.startswith("cuda"):
         message += f". Setting {EXPANDABLE_SEGMENTS} in the environment also helps (less fragmentation)"
     raise BudgetError(message)

@@ -158,11 +158,11 @@ def prepare_job(models: Models, opts: Options, frame_count: int, size: tuple[int
     ``auto`` becomes the largest 4n+1 batch (at least 5 when any fits, at most the clip
     rounded up to 4n+1 and :data:`seedvr2.memory.budget.AUTO_MAX_BATCH`) whose estimate fits:
     on CUDA the device's free memory, on the CPU (and other devices) the host's available
-    RAM; when that is unknown, 5. Then, on CUDA devices only, a job whose estimate exceeds
-    the free memory raises :class:`~seedvr2.memory.budget.BudgetError` naming settings that
-    would fit (``SEEDVR2_MEMORY_CHECK=warn`` in the environment turns that into a warning, for
-    when the estimate is wrong); on the CPU the comparison is only logged (debug). Returns the
-    options with a concrete batch size.
+    RAM; when that is unknown, 5. Then a job whose estimate exceeds the memory available (the
+    free memory of a CUDA device, the host's available RAM for the CPU) raises
+    :class:`~seedvr2.memory.budget.BudgetError` naming settings that would fit
+    (``SEEDVR2_MEMORY_CHECK=warn`` in the environment turns that into a warning, for when the
+    estimate is wrong). Returns the options with a concrete batch size.
     """
     dit_device, vae_device = str(models.dit_device), str(models.vae_device)
     place = mem.Placement(
@@ -179,12 +179,15 @@ def prepare_job(models: Models, opts: Options, frame_count: int, size: tuple[int
         own = mem.bytes_on(models.dit, torch.device(device)) + mem.bytes_on(models.vae, torch.device(device))
         return mem.device_available(torch.device(device), own)
 
-    cuda = {d: available(d) for d in sorted(devices) if d.startswith("cuda")}
+    # The CPU (and other devices) count the host's available RAM: a job past it fails in the
+    # allocator minutes into its work, naming no setting.
+    known = {d: a for d in sorted(devices) if (a := available(d)) is not None}
+    cuda = {d: a for d, a in known.items() if d.startswith("cuda")}
     plan_frames = plan_frames_of(frame_count, opts)
     job = lambda batch: _budget_job(opts, size, batch, models.dtype, models.text.shape[0], devices)  # noqa: E731
     auto = opts.batch_size == "auto"
     if auto:
-        limits = cuda or {d: a for d in sorted(devices) if (a := available(d)) is not None}
+        limits = cuda or known
         if limits:
             batch = mem.auto_batch_size(budget, job(5), place, limits, plan_frames,
                                         opts.temporal_overlap)
@@ -202,20 +205,16 @@ def prepare_job(models: Models, opts: Options, frame_count: int, size: tuple[int
         mem.check_exact_tiling(models.vae.config, opts.batch_size, size[0], size[1],
                                models.dtype.itemsize, decode_slice, encode_slice,
                                mem.host_available(), exact)
-    if cuda:
-        try:
-            est = mem.check(budget, job(opts.batch_size), place, cuda)
-        except mem.BudgetError as e:
-            if os.environ.get(MEMORY_CHECK_ENV, "").strip().lower() != "warn":
-                raise mem.BudgetError(f"{e} (to try anyway, set {MEMORY_CHECK_ENV}=warn)") from None
-            log.warning("%s; running anyway (%s=warn)", e, MEMORY_CHECK_ENV)
-            est = mem.estimate(budget, job(opts.batch_size), place)
-    else:
+    try:
+        est = mem.check(budget, job(opts.batch_size), place, known)
+    except mem.BudgetError as e:
+        if os.environ.get(MEMORY_CHECK_ENV, "").strip().lower() != "warn":
+            raise mem.BudgetError(f"{e} (to try anyway, set {MEMORY_CHECK_ENV}=warn)") from None
+        log.warning("%s; running anyway (%s=warn)", e, MEMORY_CHECK_ENV)
         est = mem.estimate(budget, job(opts.batch_size), place)
-        for d in sorted(devices):
-            have = available(d)
-            log.debug("memory budget on %s (not enforced): needs about %s, %s available", d,
-                      mem.gib(est.peak(d)), "unknown" if have is None else mem.gib(have))
+    for d in sorted(devices):
+        log.debug("memory budget on %s: needs about %s, %s available", d, mem.gib(est.peak(d)),
+                  mem.gib(known[d]) if d in known else "unknown (not checked)")
     for need in est.phases:
         log.debug("memory budget, %s phase on %s: %s (%s)", need.phase, need.device,
                   mem.gib(need.total), need.describe())

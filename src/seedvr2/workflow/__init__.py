@@ -8,7 +8,7 @@
 * :mod:`.convert` -- UI-format (editor) workflow -> API-format prompt.
 * :mod:`.execute` -- runs an API-format prompt in this process.
 * :mod:`.server` -- runs a prompt on a running ComfyUI server (uploads its input files,
-  follows it on the websocket, downloads the outputs); :mod:`.websocket` -- the client.
+  follows it on the websocket with ``websocket-client``, downloads the outputs).
 * :mod:`.run` -- ``run_workflow``, behind ``seedvr2 run-workflow``.
 * :mod:`.comfy_memory` -- inside ComfyUI: our cached models handed to it as ModelPatchers,
   so its memory management can evict them.

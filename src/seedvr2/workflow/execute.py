@@ -9,6 +9,7 @@ output nodes and what they depend on run in dependency order. Every problem is a
 
 from __future__ import annotations
 
+import reprlib
 from typing import Optional
 
 from .errors import WorkflowError
@@ -128,7 +129,8 @@ def validate(prompt: dict, nodes: dict[str, NodeDef], host) -> list[str]:
                 visit(source_id, chain + (node_id,))
             elif not inp.is_widget:
                 raise WorkflowError(f"input {inp.name!r} takes {inp.type} and must be linked to "
-                                    f"another node's output, not given the value {value!r}",
+                                    f"another node's output, not given the value "
+                                    f"{reprlib.repr(value)}",
                                     node_id, node["class_type"])
             else:
                 try:

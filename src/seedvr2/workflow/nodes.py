@@ -408,9 +408,28 @@ def _resolve_model(host: Host, kind: str, name: str) -> str:
                                   download_missing=True))
 
 
+def _resolve_text_embeddings(host: Host, name) -> str:
+    """The DiT loader's ``text_embeddings``: ``auto``, or a file name inside the model folder
+    (the rules of model names: no absolute path, ``~`` or ``..``), as its path."""
+    from ..loading import CheckpointError
+    from ..loading.registry import model_path_in
+
+    if not isinstance(name, str) or name.strip() == "auto":
+        return name
+    inside = model_path_in(host.model_folder(), name.strip())  # refuses names leading out
+    path = host.model_path(name.strip()) or inside
+    if not path.is_file():
+        raise CheckpointError(f"text_embeddings {name!r}: no such file in the model folder "
+                              f"{host.model_folder()} (use auto, or the name of a file there)")
+    return str(path)
+
+
 def _load_model_node(kind: str):
     def run(host: Host, model: str, **settings) -> NodeResult:
         path = _resolve_model(host, kind, model)
+        if "text_embeddings" in settings:
+            settings["text_embeddings"] = _resolve_text_embeddings(host,
+                                                                   settings["text_embeddings"])
         ordered = tuple((s.input, settings.get(s.input)) for s in LOADER_SETTINGS[kind])
         return NodeResult((ModelHandle(kind, model, path, ordered),))
     return run

@@ -25,11 +25,16 @@ def load_workflow(path) -> dict:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise WorkflowError(f"{path}: cannot read the workflow: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise WorkflowError(f"{path}: not a workflow: not UTF-8 text (byte {e.start}); a "
+                            f"workflow is JSON as the editor saves it") from None
     try:
         workflow = json.loads(text)
     except json.JSONDecodeError as e:
         raise WorkflowError(f"{path}: not valid JSON: {e.msg} at line {e.lineno} column "
                             f"{e.colno}") from None
+    except RecursionError:
+        raise WorkflowError(f"{path}: not a workflow: JSON nested too deeply") from None
     if not isinstance(workflow, dict):
         raise WorkflowError(f"{path}: a workflow is a JSON object, not {type(workflow).__name__}")
     return workflow

@@ -1,18 +1,25 @@
 """Run a prompt on a running ComfyUI server: upload its input files, POST /prompt, follow it,
 fetch the outputs.
 
-Only the standard library is used (urllib, and :mod:`.websocket`). Progress is followed on
-ComfyUI's websocket (``/ws?clientId=...``, opened before the prompt is queued so no event is
-missed): which node runs, its progress, cached nodes, the end. When the websocket cannot be
-opened (a proxy that does not pass it) or drops, ``/history/<prompt id>`` is polled instead;
-the finished prompt's history entry is the result either way.
+HTTP goes through urllib. Progress is followed on ComfyUI's websocket (``/ws?clientId=...``,
+opened before the prompt is queued so no event is missed) with the ``websocket-client``
+package, the client ComfyUI's own API examples use (an optional dependency of this mode):
+which node runs, its progress, cached nodes, the end. When the websocket cannot be opened (a
+proxy that does not pass it) or drops, ``/history/<prompt id>`` is polled instead; the
+finished prompt's history entry is the result either way.
 
 Input files: a workflow names files in the server's input folder (LoadImage's ``image``,
 LoadVideo's ``file``: the inputs with an upload button; our Upscale Video File's
-``video_path``). A name the server does not list but that is a local file (in ``input_dir``, or
-an absolute path) is uploaded (POST /upload/image, as the editor's upload button does) and the
-input set to the name the server gave it. A name the server already has is used as it is, and
-so is one that is no local file (the server refuses any that is not in its folders).
+``video_path``). A name the server does not list but that is a file inside ``input_dir`` is
+uploaded (POST /upload/image, as the editor's upload button does) and the input set to the
+name the server gave it (an absolute name too, when it lies inside ``input_dir``). A name the
+server already has is used as it is. Any other name that leads outside ``input_dir``
+(absolute, ``~``, ``..``, a link out) is refused before anything is sent:
+a workflow from someone else must not be able to send the user's files away.
+
+Outputs: the server's history names each saved file by subfolder and name; a file is
+downloaded only when that path stays inside the output folder, else the whole download is
+refused, naming the offending entries (the server is not trusted with the user's disk).
 """
 
 from __future__ import annotations
@@ -30,7 +37,6 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .errors import WorkflowError, WorkflowInterrupted
-from .websocket import WebSocket, WebSocketError
 
 log = logging.getLogger("seedvr2")
 Events = Callable[[str, dict], None]  # on_event(type, data) with ComfyUI's event names
@@ -76,7 +82,7 @@ class ComfyServer:
             raise prompt_error(e.body) from None
         return reply["prompt_id"]
 
-    def events(self) -> Optional[WebSocket]:
+    def events(self) -> Optional["EventStream"]:
         """The websocket of this client's events, or None when it cannot be opened."""
         if not self.websocket:
             return None
@@ -85,8 +91,8 @@ class ComfyServer:
         url = urllib.parse.urlunsplit((scheme, parts.netloc, parts.path.rstrip("/") + "/ws",
                                        urllib.parse.urlencode({"clientId": self.client_id}), ""))
         try:
-            return WebSocket(url, timeout=self.timeout)
-        except WebSocketError as e:
+            return EventStream(url, timeout=self.timeout)
+        except EventsFailed as e:
             log.info(f"{e}; following the run by polling /history")
             return None
 
@@ -111,7 +117,7 @@ class ComfyServer:
 
     def wait(self, prompt_id: str, timeout: Optional[float] = None,
              on_event: Optional[Events] = None, poll: float = 0.25,
-             events: Optional[WebSocket] = None) -> dict:
+             events: Optional["EventStream"] = None) -> dict:
         """The history entry of the finished prompt; raises with the node's error on failure.
 
         ``events``: a websocket opened before the prompt was queued, to follow it on;
@@ -120,7 +126,7 @@ class ComfyServer:
         if events is not None:
             try:
                 entry = self._follow(events, prompt_id, deadline, timeout, on_event)
-            except WebSocketError as e:
+            except EventsFailed as e:
                 if on_event is not None:
                     on_event("seedvr2_fallback", {"reason": str(e)})
                 log.info(f"websocket: {e}; following the run by polling /history")
@@ -139,26 +145,23 @@ class ComfyServer:
             raise WorkflowError(f"the server did not finish prompt {prompt_id} within "
                                 f"{timeout:.0f} s")
 
-    def _follow(self, events: WebSocket, prompt_id: str, deadline, timeout, on_event) -> dict:
+    def _follow(self, events: "EventStream", prompt_id: str, deadline, timeout, on_event) -> dict:
         """Read events until ComfyUI says the prompt ended; then its history entry."""
         last_check = time.monotonic()
         while True:
             self._check_deadline(deadline, prompt_id, timeout)
             left = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
-            message = events.recv(timeout=left)
+            text = events.recv(timeout=left)
             if time.monotonic() - last_check > 5.0:
                 # Every few seconds: did it end without our hearing (a lost event)?
                 last_check = time.monotonic()
                 entry = self._history(prompt_id)
                 if entry is not None:
                     return entry
-            if message is None:
+            if text is None:
                 continue
-            kind, data = message
-            if kind != "text":
-                continue  # binary frames: previews
             try:
-                event = json.loads(data)
+                event = json.loads(text)
                 kind, body = event["type"], event.get("data") or {}
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue
@@ -228,21 +231,117 @@ class ComfyServer:
         return f"{reply['subfolder']}/{name}" if reply.get("subfolder") else name
 
     def download(self, entry: dict, folder: Path) -> list[Path]:
-        """Every saved output file of a finished prompt, copied into ``folder``."""
+        """Every saved output file of a finished prompt, copied into ``folder`` (each written
+        under a temporary name and renamed when complete). Paths the server gives that lead
+        outside ``folder`` refuse the download before anything is fetched."""
+        from ..io.temporaries import temporary_path
+
+        folder = Path(folder)
+        wanted, refused = [], []
+        for item in _saved_files(entry):
+            subfolder, filename = item.get("subfolder") or "", item["filename"]
+            target = output_path_in(folder, subfolder, filename)
+            if target is None:
+                refused.append(f"{'/'.join(filter(None, (subfolder, filename)))!r}")
+            else:
+                wanted.append((target, urllib.parse.urlencode(
+                    {"filename": filename, "type": "output", "subfolder": subfolder})))
+        if refused:
+            raise WorkflowError(f"the server at {self.url} listed output files outside the output "
+                                f"folder {folder}: {', '.join(refused)}; nothing was downloaded")
         files = []
-        for node_output in entry.get("outputs", {}).values():
-            for items in node_output.values():
-                for item in items if isinstance(items, list) else []:
-                    if not isinstance(item, dict) or item.get("type") != "output" \
-                            or "filename" not in item:
-                        continue
-                    query = urllib.parse.urlencode({"filename": item["filename"], "type": "output",
-                                                    "subfolder": item.get("subfolder", "")})
-                    target = folder / item.get("subfolder", "") / item["filename"]
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    target.write_bytes(self._request(f"/view?{query}"))
-                    files.append(target)
+        for target, query in wanted:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            partial = temporary_path(target, keep_suffix=False)
+            try:
+                partial.write_bytes(self._request(f"/view?{query}"))
+                os.replace(partial, target)
+            finally:
+                partial.unlink(missing_ok=True)
+            files.append(target)
         return files
+
+
+def _saved_files(entry: dict) -> list[dict]:
+    """The ``{"filename", "subfolder", "type": "output"}`` items of a history entry."""
+    return [item for node_output in (entry.get("outputs") or {}).values()
+            if isinstance(node_output, dict)
+            for items in node_output.values() if isinstance(items, list)
+            for item in items
+            if isinstance(item, dict) and item.get("type") == "output"
+            and isinstance(item.get("filename"), str)
+            and isinstance(item.get("subfolder", ""), (str, type(None)))]
+
+
+def output_path_in(folder: Path, subfolder: str, filename: str) -> Optional[Path]:
+    """``folder / subfolder / filename`` when that file is inside ``folder`` (after following
+    ``..`` and links; absolute parts, which would replace ``folder``, are outside), else None."""
+    if not filename or os.path.isabs(subfolder) or os.path.isabs(filename) or \
+            "\0" in subfolder + filename:
+        return None
+    target = folder / subfolder / filename
+    root = folder.resolve()
+    resolved = target.resolve()
+    if resolved == root or not resolved.is_relative_to(root):
+        return None
+    return target
+
+
+class EventsFailed(OSError):
+    """The websocket could not be opened, or broke: follow the run on /history instead."""
+
+
+MISSING_WEBSOCKET_CLIENT = ("following a run on a ComfyUI server needs the websocket-client "
+                            "package: pip install websocket-client")
+
+
+class EventStream:
+    """ComfyUI's event stream for one client: ``recv(timeout)`` is the next text message (a
+    JSON event) or None when none arrived in time; binary messages (previews) are skipped.
+    Pings are answered by ``websocket-client`` itself."""
+
+    def __init__(self, url: str, timeout: float = 30.0):
+        try:
+            import websocket
+        except ImportError:
+            websocket = None
+        if not hasattr(websocket, "WebSocket"):  # absent, or the unrelated "websocket" package
+            raise WorkflowError(MISSING_WEBSOCKET_CLIENT)
+        self._lib = websocket
+        self.ws = websocket.WebSocket()
+        try:
+            self.ws.connect(url, timeout=timeout)
+        except (websocket.WebSocketException, OSError) as e:
+            self.close()
+            raise EventsFailed(f"cannot open the websocket {url}: {e}") from None
+
+    def recv(self, timeout: Optional[float] = None) -> Optional[str]:
+        lib = self._lib
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return None
+            try:
+                self.ws.settimeout(left)
+                opcode, data = self.ws.recv_data()
+            except lib.WebSocketTimeoutException:
+                return None  # a message cut by the timeout is completed by the next call
+            except (lib.WebSocketException, OSError) as e:
+                raise EventsFailed(f"the websocket broke: {e or type(e).__name__}") from None
+            if opcode == lib.ABNF.OPCODE_CLOSE:
+                raise EventsFailed("the server closed the websocket")
+            if opcode == lib.ABNF.OPCODE_TEXT:
+                try:
+                    return data.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise EventsFailed("the websocket sent text that is not UTF-8") from None
+
+    def close(self) -> None:
+        try:
+            self.ws.close(timeout=1)
+        except (self._lib.WebSocketException, OSError):
+            pass
 
 
 class _HTTPError(Exception):
@@ -298,27 +397,41 @@ def _server_files(object_info: dict) -> tuple[dict, set]:
 
 def upload_inputs(client: ComfyServer, prompt: dict, object_info: dict, input_dir,
                   on_upload: Optional[Callable[[Path, str], None]] = None) -> dict:
-    """``prompt`` with local input files the server lacks uploaded and renamed (module doc)."""
+    """``prompt`` with files of ``input_dir`` the server lacks uploaded and renamed (module
+    doc). Every name is checked before the first upload: one leading outside ``input_dir``
+    refuses the run with nothing sent."""
     file_inputs, listed = _server_files(object_info)
     prompt = json.loads(json.dumps(prompt))
-    uploaded: dict = {}
-    for node in prompt.values():
+    root = Path(input_dir).resolve()
+    planned: list = []  # (inputs, input name, file as named, its real path, subfolder)
+    for node_id, node in prompt.items():
         inputs = node.get("inputs") or {}
         for name in file_inputs.get(node.get("class_type"), ()):
             value = inputs.get(name)
             if not isinstance(value, str) or not value.strip() or value in listed:
                 continue
-            raw = os.path.expanduser(value.strip())
-            local = Path(raw) if os.path.isabs(raw) else Path(input_dir) / raw
+            raw = value.strip()
+            # The server resolves names inside its own input folder only (absolute paths are
+            # refused there too), so an absolute name is a local file or nothing: uploaded
+            # when it lies inside input_dir, refused otherwise.
+            local = (root / raw).resolve()
+            if raw.startswith("~") or not local.is_relative_to(root):
+                raise WorkflowError(
+                    f"{name} = {value!r} is not a file inside the input folder {root}: only "
+                    f"files inside --input-dir are uploaded to the server (copy the file there "
+                    f"and name it relative to that folder); nothing was sent",
+                    str(node_id), node.get("class_type"))
             if not local.is_file():
                 continue  # the server reports the missing file
-            key = str(local.resolve())
-            if key not in uploaded:
-                subfolder = "" if os.path.isabs(raw) else os.path.dirname(raw).replace(os.sep, "/")
-                uploaded[key] = client.upload(local, subfolder)
-                if on_upload is not None:
-                    on_upload(local, uploaded[key])
-            inputs[name] = uploaded[key]
+            subfolder = local.parent.relative_to(root).as_posix().removeprefix(".")
+            planned.append((inputs, name, Path(input_dir) / raw, local, subfolder))
+    uploaded: dict = {}
+    for inputs, name, named, local, subfolder in planned:
+        if local not in uploaded:
+            uploaded[local] = client.upload(local, subfolder)
+            if on_upload is not None:
+                on_upload(named, uploaded[local])
+        inputs[name] = uploaded[local]
     return prompt
 
 
