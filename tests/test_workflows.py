@@ -369,9 +369,10 @@ def test_uploads_only_local_files_the_server_lacks(tmp_path):
               "2": {"class_type": "LoadImage", "inputs": {"image": "theirs.png"}},
               "3": {"class_type": "LoadVideo", "inputs": {"file": "clips/mine.mp4"}},
               "4": {"class_type": "SeedVR2UpscaleVideoFile", "inputs": {"video_path": "mine.png"}},
-              "5": {"class_type": "SeedVR2UpscaleVideoFile", "inputs": {"video_path": "/srv/x.mp4"}},
+              "5": {"class_type": "LoadImage", "inputs": {"image": "clips/../mine.png"}},
               "6": {"class_type": "LoadImage", "inputs": {"image": "nowhere.png"}},
-              # A local file named by its absolute path: the server would refuse the path.
+              # A file inside the input folder named by its absolute path: the server would
+              # refuse the path, so it is uploaded (one outside is refused: test_hostile_inputs).
               "7": {"class_type": "SeedVR2UpscaleVideoFile",
                     "inputs": {"video_path": str(tmp_path / "mine.png")}}}
 
@@ -387,7 +388,7 @@ def test_uploads_only_local_files_the_server_lacks(tmp_path):
     assert client.calls == [(tmp_path / "mine.png", ""), (tmp_path / "clips" / "mine.mp4", "clips")]
     assert [out[i]["inputs"] for i in "1234567"] == [
         {"image": "up_mine.png"}, {"image": "theirs.png"}, {"file": "clips/up_mine.mp4"},
-        {"video_path": "up_mine.png"}, {"video_path": "/srv/x.mp4"}, {"image": "nowhere.png"},
+        {"video_path": "up_mine.png"}, {"image": "up_mine.png"}, {"image": "nowhere.png"},
         {"video_path": "up_mine.png"}]
     assert prompt["1"]["inputs"]["image"] == "mine.png"  # the given prompt is left alone
 
