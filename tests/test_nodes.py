@@ -43,7 +43,7 @@ def test_every_input_has_a_tooltip_and_the_upscaler_follows_the_option_table():
                  "temporal_overlap", "prepend_frames", "chunk_size", "color_correction",
                  "input_noise_scale", "latent_noise_scale"):
         assert upscaler.input(name)
-    assert upscaler.input("seed").control_after_generate
+    assert upscaler.input("seed").control_after_generate == "fixed"
     assert upscaler.input("offload_device").default == "cpu"
     assert upscaler.input("devices").default == "auto"
     # Options that belong to the loaders are not upscaler inputs.

@@ -234,7 +234,7 @@ def ui_workflow(example: Example) -> dict:
                 continue
             widgets_values.append(_widget_value(inp, node.values))
             if inp.control_after_generate:
-                widgets_values.append("fixed")
+                widgets_values.append(inp.control_after_generate)
         if any(inp.upload for inp in definition.inputs):
             widgets_values.append("image")  # the upload button, added after the other widgets
         inputs = []

@@ -61,7 +61,9 @@ class Input:
     max: Optional[float] = None
     step: Optional[float] = None
     optional: bool = False
-    control_after_generate: bool = False  # the editor adds a "control after generate" widget
+    # The editor adds a "control after generate" widget after this INT, starting at this mode
+    # ("fixed", "increment", "decrement" or "randomize").
+    control_after_generate: Optional[str] = None
     upload: Optional[str] = None  # "image_upload" / "video_upload": the editor adds an upload widget
     # A COMBO whose choices are a convenience (the input folder's files): other values, such as
     # a path typed by hand, are accepted here and checked when the node runs.
@@ -150,8 +152,10 @@ def option_input(opt: Option, name: Optional[str] = None, tooltip: Optional[str]
             kw.update(tooltip=f"{kw['tooltip']} (0 = auto)",
                       default=AUTO_INT if opt.default == "auto" else opt.default)
             return Input(type="INT", min=AUTO_INT, max=opt.max, step=1, **kw)
+        # A seed starts "fixed": "randomize", the editor's default, would change it after every
+        # run, so ComfyUI could never reuse a finished upscale.
         return Input(type="INT", min=opt.min, max=opt.max, step=1,
-                     control_after_generate=opt.name == "seed", **kw)
+                     control_after_generate="fixed" if opt.name == "seed" else None, **kw)
     if opt.type is float:
         return Input(type="FLOAT", min=opt.min, max=opt.max, step=0.01, **kw)
     return Input(type="STRING", **kw)
@@ -727,7 +731,7 @@ def input_spec(inp: Input, host: Host) -> list:
         if getattr(inp, key) is not None:
             extra[key] = getattr(inp, key)
     if inp.control_after_generate:
-        extra["control_after_generate"] = True
+        extra["control_after_generate"] = inp.control_after_generate
     if inp.upload:
         extra[inp.upload] = True
     if inp.extras is not None:

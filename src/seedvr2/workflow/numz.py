@@ -365,9 +365,8 @@ def translate_prompt(prompt: dict, object_info: dict) -> tuple[dict, list[str]]:
             continue
         table = NUMZ_NODES[kind]
         widgets = {w.name: w for w in _widgets(info)}
-        numz_names = any(n in inputs for n in (*table.renamed, *table.dropped))
-        if table.ours_only and not numz_names and any(n in inputs for n in table.ours_only):
-            continue  # our layout
+        if not _numz_prompt_node(table, inputs, widgets):
+            continue
         label = f"node {node_id} ({kind})"
         links = {k: v for k, v in inputs.items() if _is_link(v)}
         values = {k: v for k, v in inputs.items() if not _is_link(v)}
@@ -383,6 +382,15 @@ def translate_prompt(prompt: dict, object_info: dict) -> tuple[dict, list[str]]:
                     ours[name] = widget.default
         node["inputs"] = ours
     return prompt, notes
+
+
+def _numz_prompt_node(table: NumzNode, inputs: dict, widgets: dict[str, _Widget]) -> bool:
+    """numz's input names, none of our own since the first release, or a numz switch where
+    ours is a choice."""
+    return (any(n in inputs for n in (*table.renamed, *table.dropped))
+            or bool(table.ours_only) and not any(n in inputs for n in table.ours_only)
+            or any(isinstance(v, bool) and n in widgets and widgets[n].choices is not None
+                   for n, v in inputs.items()))
 
 
 def _is_link(value) -> bool:
