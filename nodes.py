@@ -31,8 +31,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from .src.seedvr2.workflow.nodes import (NodeDef, NodeResult, build_nodes, input_spec,
-                                          object_info, widget_default)
+from .src.seedvr2.workflow.nodes import (CONTROL_MODE_KEY, NodeDef, NodeResult, build_nodes,
+                                          input_spec, object_info, widget_default)
 from .src.seedvr2.workflow.numz import (NUMZ_NODES, clashing_packs, translate_prompt,
                                          translate_workflow)
 
@@ -228,9 +228,12 @@ def _classic_class(node: NodeDef) -> type:
 def _v3_input(io, inp, host):
     common = dict(tooltip=inp.tooltip, optional=inp.optional)
     if inp.type == "INT":
-        return io.Int.Input(inp.name, default=inp.default, min=inp.min, max=inp.max, step=inp.step,
+        made = io.Int.Input(inp.name, default=inp.default, min=inp.min, max=inp.max, step=inp.step,
                             control_after_generate=_control_mode(io, inp.control_after_generate),
                             **common)
+        if inp.control_after_generate:  # (0.3.75's io.Int.Input takes no extra_dict argument)
+            made.extra_dict = {**made.extra_dict, CONTROL_MODE_KEY: inp.control_after_generate}
+        return made
     if inp.type == "FLOAT":
         return io.Float.Input(inp.name, default=inp.default, min=inp.min, max=inp.max,
                               step=inp.step, **common)
@@ -251,14 +254,15 @@ def _v3_input(io, inp, host):
 
 
 def _control_mode(io, mode: Optional[str]):
-    """The seed's starting "control after generate" mode as V3 declares it: current ComfyUI
-    has ``io.ControlAfterGenerate`` (a str enum) for ``io.Int.Input(control_after_generate=)``;
-    0.3.75 types it bool but passes any value on to /object_info; the editor reads the string
-    (frontends that only know true/false see true)."""
+    """The seed's starting "control after generate" mode as V3 declares it. ComfyUI with
+    ``io.ControlAfterGenerate`` (a str enum for ``io.Int.Input(control_after_generate=)``) ships
+    an editor that starts the control widget at that mode; older editors (0.3.75's frontend
+    1.32) take a string there for the widget's name, so they get true, and the pack's editor
+    extension sets the mode from CONTROL_MODE_KEY."""
     if mode is None:
         return None
     modes = getattr(io, "ControlAfterGenerate", None)
-    return modes(mode) if modes is not None else mode
+    return modes(mode) if modes is not None else True
 
 
 def _v3_output(io, out):

@@ -172,7 +172,8 @@ def test_pack_loads_with_v3_schema_and_our_inputs(comfyui):
     # The extra folder comes from extra_model_paths.yaml only.
     assert {"vae_tiny.safetensors", "vae_extra.safetensors", "ema_vae_fp16.safetensors"} <= set(vaes)
     seed = info["SeedVR2VideoUpscaler"]["input"]["required"]["seed"][1]
-    assert seed["control_after_generate"] == "fixed"  # declared in the schema
+    # 0.3.75 has no io.ControlAfterGenerate: true, and the mode for our editor extension
+    assert (seed["control_after_generate"], seed["seedvr2_control_mode"]) == (True, "fixed")
     # Our headless core nodes take the inputs ComfyUI's do, in the same order.
     for node in ("LoadImage", "SaveImage", "PreviewImage", "LoadVideo", "GetVideoComponents",
                  "CreateVideo", "SaveVideo"):

@@ -5,8 +5,9 @@
 //   loaded workflow's graph, one with our node types goes to the pack's server route, which
 //   rewrites numz-layout nodes to ours (seedvr2.workflow.numz: every value on the input of the
 //   same meaning); what has no place here is listed in a notice and in the browser console.
-// * A seed's "control after generate" starts where the node's spec says (control_after_generate:
-//   "fixed"), also in editors that read only true/false there and start at "randomize".
+// * A seed's "control after generate" starts at the mode the node's spec gives ("fixed", under
+//   "seedvr2_control_mode"): current ComfyUI declares it as control_after_generate itself, but
+//   older editors read a string there as the widget's name, get true and start at "randomize".
 // * The model dropdowns label the released files that are not downloaded yet, with their
 //   approximate size: the node's spec lists them under "seedvr2_downloads".
 import { app } from "../../scripts/app.js";
@@ -15,6 +16,7 @@ import { api } from "../../scripts/api.js";
 const LOADERS = new Set(["SeedVR2LoadDiTModel", "SeedVR2LoadVAEModel"]);
 const DOWNLOADS_KEY = "seedvr2_downloads";
 const NUMZ_WORKFLOW_ROUTE = "/seedvr2/numz_workflow";
+const CONTROL_MODE_KEY = "seedvr2_control_mode";
 const CONTROL_MODES = new Set(["fixed", "increment", "decrement", "randomize"]);
 
 // The registry's sizes are estimates (parameter count x storage format): "about".
@@ -44,7 +46,7 @@ function declaredControls(nodeData) {
   const found = [];
   for (const section of ["required", "optional"]) {
     for (const [name, spec] of Object.entries(nodeData.input?.[section] ?? {})) {
-      const mode = spec?.[1]?.control_after_generate;
+      const mode = spec?.[1]?.[CONTROL_MODE_KEY];
       if (CONTROL_MODES.has(mode)) found.push([name, mode]);
     }
   }

@@ -393,6 +393,11 @@ def model_choices(host: Host, kind: str) -> list[str]:
     return _local_models(host, kind) + list(model_downloads(host, kind))
 
 
+# The key of an INT input's spec that gives the mode its "control after generate" widget starts
+# at, for editors that only know true/false under control_after_generate (they start at
+# "randomize"); the pack's editor extension applies it.
+CONTROL_MODE_KEY = "seedvr2_control_mode"
+
 # The key of a model input's spec that lists the choices still to download, with their sizes;
 # the pack's editor extension (web/seedvr2.js) labels them in the dropdown.
 DOWNLOADS_KEY = "seedvr2_downloads"
@@ -731,7 +736,10 @@ def input_spec(inp: Input, host: Host) -> list:
         if getattr(inp, key) is not None:
             extra[key] = getattr(inp, key)
     if inp.control_after_generate:
-        extra["control_after_generate"] = inp.control_after_generate
+        # Editors before ComfyUI's io.ControlAfterGenerate read a string here as the control
+        # widget's name: true, and the mode under our key for the pack's editor extension.
+        extra["control_after_generate"] = True
+        extra[CONTROL_MODE_KEY] = inp.control_after_generate
     if inp.upload:
         extra[inp.upload] = True
     if inp.extras is not None:

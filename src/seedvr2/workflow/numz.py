@@ -28,6 +28,8 @@ import copy
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from .nodes import CONTROL_MODE_KEY
+
 CONTROL_VALUES = ("fixed", "increment", "decrement", "randomize")
 WIDGET_TYPES = ("INT", "FLOAT", "BOOLEAN", "STRING", "COMBO")
 NUMZ_COMPILE_TYPE = "TORCH_COMPILE_ARGS"  # numz's type for the compile settings link
@@ -256,9 +258,9 @@ def _translate_node(node: dict, info: dict, links: list, notes: list) -> None:
     for widget in widgets:
         new_values.append(ours.get(widget.name, widget.default))
         if widget.control:
-            default_control = widget.extra.get("control_after_generate")
+            declared = widget.extra.get(CONTROL_MODE_KEY, widget.extra.get("control_after_generate"))
             new_values.append(control.get(widget.name) or (
-                default_control if default_control in CONTROL_VALUES else "fixed"))
+                declared if declared in CONTROL_VALUES else "randomize"))
     node["widgets_values"] = new_values
 
     # Input slots: our sockets, and the widget inputs the saved node had as slots, renamed; each
