@@ -148,6 +148,47 @@ class ComfyHost:
     def warn(self, message: str) -> None:
         log.warning(f"SeedVR2: {message}")
 
+    # -- VIDEO values: comfy_api.latest's InputImpl.VideoFromFile / VideoFromComponents ------
+    # (VideoInput.get_components, VideoFromFile.get_stream_source; the trim window of current
+    # ComfyUI's VideoFromFile: get_active_trim_window).
+
+    def video_file(self, video) -> Optional[Path]:
+        """The file a VideoFromFile plays whole (a path, not bytes in memory; no trim window),
+        for streaming; None for any other video."""
+        from comfy_api.latest import InputImpl
+
+        if not isinstance(video, InputImpl.VideoFromFile):
+            return None
+        trim = getattr(video, "get_active_trim_window", None)
+        if trim is not None and tuple(trim()) != (0.0, 0.0):
+            return None
+        source = video.get_stream_source()
+        return Path(source) if isinstance(source, (str, os.PathLike)) else None
+
+    def video_frames(self, video) -> tuple:
+        components = video.get_components()
+        return components.images, components.audio, components.frame_rate
+
+    def file_video(self, path: Path):
+        from comfy_api.latest import InputImpl
+
+        return InputImpl.VideoFromFile(str(path))
+
+    def frames_video(self, images, audio, fps):
+        from fractions import Fraction
+
+        from comfy_api.latest import InputImpl, Types
+
+        return InputImpl.VideoFromComponents(Types.VideoComponents(
+            images=images, audio=audio, frame_rate=Fraction(fps)))
+
+    def temp_file(self, prefix: str, suffix: str) -> Path:
+        """The next free name in ComfyUI's temp folder (emptied when ComfyUI starts)."""
+        temp_dir = folder_paths.get_temp_directory()
+        folder, name, counter, _, _ = folder_paths.get_save_image_path(prefix, temp_dir)
+        os.makedirs(folder, exist_ok=True)
+        return Path(folder) / f"{name}_{counter:05}_{suffix}"
+
 
 def _host(node_id=None) -> ComfyHost:
     return ComfyHost(node_id)
@@ -250,6 +291,8 @@ def _v3_input(io, inp, host):
         return made
     if inp.type == "IMAGE":
         return io.Image.Input(inp.name, **common)
+    if inp.type == "VIDEO":
+        return io.Video.Input(inp.name, **common)
     return io.Custom(inp.type).Input(inp.name, **common)
 
 
@@ -266,7 +309,7 @@ def _control_mode(io, mode: Optional[str]):
 
 
 def _v3_output(io, out):
-    kinds = {"IMAGE": io.Image, "STRING": io.String}
+    kinds = {"IMAGE": io.Image, "STRING": io.String, "VIDEO": io.Video}
     kind = kinds.get(out.type) or io.Custom(out.type)
     # No id: V3 wants output ids distinct from input ids (the upscaler takes and gives "image").
     return kind.Output(display_name=out.name, tooltip=out.tooltip)

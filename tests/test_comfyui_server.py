@@ -35,7 +35,7 @@ INSTALL_TIMEOUT = 1200  # first install downloads ComfyUI's requirements
 START_TIMEOUT = 180
 RUN_TIMEOUT = 300
 OUR_NODES = ("SeedVR2LoadDiTModel", "SeedVR2LoadVAEModel", "SeedVR2TorchCompileSettings",
-             "SeedVR2VideoUpscaler", "SeedVR2UpscaleVideoFile")
+             "SeedVR2VideoUpscaler", "SeedVR2UpscaleVideoFile", "SeedVR2UpscaleVideo")
 
 
 @dataclass
@@ -427,3 +427,18 @@ def test_numz_api_prompt_and_editor_workflow_take_our_layout(comfyui):
         kind = api[node_id]["class_type"]
         widgets = {k: v for k, v in api[node_id]["inputs"].items() if not isinstance(v, list)}
         assert widgets == expected_inputs(kind, info), kind
+
+
+@pytest.mark.parametrize("from_frames", [False, True], ids=["file", "frames"])
+def test_load_video_upscale_save_video_keeps_audio_and_rate(comfyui, from_frames):
+    """ComfyUI's VIDEO through our node: Load Video -> SeedVR2 Upscale Video -> Save Video
+    (a file streamed into ComfyUI's temp folder; or frames from Create Video, in memory)."""
+    from test_video_node import video_prompt, video_rate
+
+    entry = comfyui.run(video_prompt(from_frames))
+    (saved,) = entry["outputs"]["5"]["images"]
+    path = comfyui.base / "output" / saved["subfolder"] / saved["filename"]
+    assert probe_video(path) == (CLIP_FRAMES, VIDEO_OUT, True)
+    assert video_rate(path) == 24
+    if not from_frames:
+        assert list((comfyui.base / "temp" / "SeedVR2").glob("video_*.mp4"))

@@ -20,8 +20,8 @@ def _by_id():
 def test_every_input_has_a_tooltip_and_the_upscaler_follows_the_option_table():
     nodes = _by_id()
     assert sorted(nodes) == ["SeedVR2LoadDiTModel", "SeedVR2LoadVAEModel",
-                             "SeedVR2TorchCompileSettings", "SeedVR2UpscaleVideoFile",
-                             "SeedVR2VideoUpscaler"]
+                             "SeedVR2TorchCompileSettings", "SeedVR2UpscaleVideo",
+                             "SeedVR2UpscaleVideoFile", "SeedVR2VideoUpscaler"]
     for node in nodes.values():
         for inp in node.inputs:
             assert inp.tooltip, (node.id, inp.name)

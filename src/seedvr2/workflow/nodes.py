@@ -123,6 +123,12 @@ class Host(Protocol):
     def before_load(self, model_files=(), device: str = "auto") -> None: ...  # room for these files
     def after_run(self) -> None: ...  # give memory back
     def warn(self, message: str) -> None: ...
+    # VIDEO values, in the host's own form (ComfyUI's VideoInput; headless core_nodes.Video):
+    def video_file(self, video) -> Optional[Path]: ...  # the whole file it plays, if it is one
+    def video_frames(self, video) -> tuple: ...  # (IMAGE frames, AUDIO or None, frame rate)
+    def file_video(self, path: Path): ...  # a VIDEO playing this file
+    def frames_video(self, images, audio, fps): ...  # a VIDEO of these frames, audio and rate
+    def temp_file(self, prefix: str, suffix: str) -> Path: ...  # where an in-graph result goes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -620,6 +626,33 @@ def _upscale_video_file(host: Host, dit: ModelHandle, vae: ModelHandle, video_pa
     return NodeResult((str(out), _preview(out)), ui=ui)
 
 
+def _upscale_video(host: Host, video, dit: ModelHandle, vae: ModelHandle, codec: str,
+                   **inputs) -> NodeResult:
+    """VIDEO in, VIDEO out. A video that is a file is streamed (any length fits in memory) into
+    a new file in the host's temporary folder, its audio and exact frame rate copied; a video
+    made of frames (Create Video) is upscaled in memory, with its audio and rate."""
+    from ..api import upscale, upscale_file
+
+    upscaler, pipeline = _split_inputs(inputs)
+    source = host.video_file(video)
+    if source is not None:
+        dst = host.temp_file("SeedVR2/video", ".mp4")
+
+        def call_file(dit_path, vae_path, options, model_dir, progress, should_stop):
+            return upscale_file(source, dst, dit_path, vae_path, model_dir=model_dir,
+                                codec=codec, progress=progress, should_stop=should_stop,
+                                **options)
+        return NodeResult((host.file_video(_run_facade(host, dit, vae, upscaler, pipeline,
+                                                       call_file)),))
+    images, audio, fps = host.video_frames(video)
+
+    def call_frames(dit_path, vae_path, options, model_dir, progress, should_stop):
+        return upscale(images, dit_path, vae_path, model_dir=model_dir, progress=progress,
+                       should_stop=should_stop, **options)
+    frames = _as_comfy_image(_run_facade(host, dit, vae, upscaler, pipeline, call_frames))
+    return NodeResult((host.frames_video(frames, audio, fps),))
+
+
 # ---------------------------------------------------------------------------------------------
 # The nodes
 
@@ -710,6 +743,17 @@ def build_nodes() -> tuple:
                 (Output("path", "STRING", "the written file"),
                  Output("preview", "IMAGE", f"up to {PREVIEW_FRAMES} frames of the result")),
                 _upscale_video_file, output_node=True),
+        NodeDef("SeedVR2UpscaleVideo", "SeedVR2 Upscale Video",
+                "Upscale a VIDEO (from Load Video, Create Video, ...) to a VIDEO, for Save Video "
+                "or other video nodes. A video file is streamed, a batch at a time, so any "
+                "length fits in memory, and keeps its audio and exact frame rate.",
+                (Input("video", "VIDEO", "the video to upscale"), _DIT_IN, _VAE_IN,
+                 Input("codec", "COMBO", "the upscaled file's codec, for a video that is a "
+                       "file: h264 (8-bit) or h265 (10-bit)", "h264", choices=("h264", "h265")),
+                 *_upscaler_inputs(writes_file=False)),
+                (Output("video", "VIDEO", "the upscaled video, with the input's audio and "
+                        "frame rate"),),
+                _upscale_video),
     )
 
 
