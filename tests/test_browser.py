@@ -34,7 +34,8 @@ RUN_TIMEOUT = 300
 TINY = {"SeedVR2LoadDiTModel": {"model": "dit3b_tiny.safetensors"},
         "SeedVR2LoadVAEModel": {"model": "vae_tiny.safetensors"},
         "SeedVR2VideoUpscaler": {"resolution": 64, "batch_size": 5},
-        "SeedVR2UpscaleVideoFile": {"resolution": 64, "batch_size": 5}}
+        "SeedVR2UpscaleVideoFile": {"resolution": 64, "batch_size": 5},
+        "SeedVR2UpscaleVideo": {"resolution": 64, "batch_size": 5}}
 
 # Loads a workflow the way the editor opens a file, then waits until the pictures and players
 # the nodes show have loaded and the node sizes have settled (the editor grows a node to fit
