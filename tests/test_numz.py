@@ -19,7 +19,7 @@ from seedvr2.cli import main
 from seedvr2.workflow.convert import ui_to_api
 from seedvr2.workflow.examples import EXAMPLE_IMAGE
 from seedvr2.workflow.host import HeadlessHost
-from seedvr2.workflow.numz import clashing_packs
+from seedvr2.workflow.numz import clashing_packs, translate_prompt
 from seedvr2.workflow.run import builtin_object_info, run_workflow
 
 # numz v2.5.24 (src/interfaces/*.py): node -> inputs in declaration order as (name, type,
@@ -218,6 +218,18 @@ def test_a_choice_numz_has_and_we_do_not_takes_our_default_with_a_note(tmp_path)
     assert notes[0] == ("node 2 (SeedVR2LoadDiTModel): numz's attention_mode = 'sageattn_3' is "
                         "not available in this pack (choices: auto, sdpa, flash_attn_2, "
                         "flash_attn_3, sageattn_2); using 'auto'")
+
+
+def test_a_number_outside_our_range_takes_our_default_with_a_note(tmp_path):
+    """numz's compile cache limits start at 0, ours at 1."""
+    prompt = {"5": {"class_type": "SeedVR2TorchCompileSettings",
+                    "inputs": {**NUMZ_VALUES["SeedVR2TorchCompileSettings"],
+                               "dynamo_cache_size_limit": 0}}}
+    translated, notes = translate_prompt(prompt, _info(tmp_path))
+    assert translated["5"]["inputs"]["dynamo_cache_size_limit"] == 64
+    assert translated["5"]["inputs"]["dynamic"] == "false"
+    assert notes == ["node 5 (SeedVR2TorchCompileSettings): numz's dynamo_cache_size_limit = 0 "
+                     "is outside this pack's range (1 to 1024); using 64"]
 
 
 def test_our_own_saved_workflows_are_left_as_they_are(tmp_path):

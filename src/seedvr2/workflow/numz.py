@@ -200,8 +200,22 @@ def _to_ours(node_label: str, table: NumzNode, named: dict, widgets: dict[str, _
                          f"(choices: {', '.join(map(str, widget.choices))}); using "
                          f"{widget.default!r}")
             continue
+        if widget is not None and _out_of_range(value, widget):
+            notes.append(f"{node_label}: numz's {name} = {value!r} is outside this pack's range "
+                         f"({widget.extra.get('min')} to {widget.extra.get('max')}); using "
+                         f"{widget.default!r}")
+            continue
         ours[target] = value
     return ours
+
+
+def _out_of_range(value, widget: _Widget) -> bool:
+    """A number numz accepts and our input does not (numz's compile cache limits start at 0)."""
+    if widget.kind not in ("INT", "FLOAT") or isinstance(value, bool) \
+            or not isinstance(value, (int, float)):
+        return False
+    low, high = widget.extra.get("min"), widget.extra.get("max")
+    return low is not None and value < low or high is not None and value > high
 
 
 def _static_choices(widget: _Widget) -> bool:
@@ -378,10 +392,9 @@ def translate_prompt(prompt: dict, object_info: dict) -> tuple[dict, list[str]]:
                 notes.append(f"{label}: the link into numz's {name} has no input here; removed")
             else:
                 ours[table.renamed.get(name, name)] = value
-        if table.ours_only:  # numz's layout: what numz does not have takes our default
-            for name, widget in widgets.items():
-                if name not in ours and widget.default is not None:
-                    ours[name] = widget.default
+        for name, widget in widgets.items():  # what numz lacks, or was dropped: our default
+            if name not in ours and widget.default is not None:
+                ours[name] = widget.default
         node["inputs"] = ours
     return prompt, notes
 
