@@ -205,6 +205,18 @@ def test_widget_names_decide_over_numz_v2_5_24_order(tmp_path):
     api = ui_to_api(numz_ui_workflow(dit_order=older), info)
     widgets = {k: v for k, v in api["2"]["inputs"].items() if not isinstance(v, list)}
     assert widgets == expected_inputs("SeedVR2LoadDiTModel", info)
+    # An input another release had, named in the file, is dropped with a note.
+    workflow = numz_ui_workflow()
+    dit = next(n for n in workflow["nodes"] if n["id"] == 2)
+    dit["inputs"].append({"name": "preserve_vram", "type": "BOOLEAN",
+                          "widget": {"name": "preserve_vram"}, "link": None})
+    dit["widgets_values"].append(True)
+    notes = []
+    api = ui_to_api(workflow, info, notes.append)
+    widgets = {k: v for k, v in api["2"]["inputs"].items() if not isinstance(v, list)}
+    assert widgets == expected_inputs("SeedVR2LoadDiTModel", info)
+    assert notes == ["node 2 (SeedVR2LoadDiTModel): numz's preserve_vram = True has no "
+                     "equivalent in this pack; dropped", *notes[1:]]
 
 
 def test_a_choice_numz_has_and_we_do_not_takes_our_default_with_a_note(tmp_path):

@@ -185,22 +185,21 @@ def _to_ours(node_label: str, table: NumzNode, named: dict, widgets: dict[str, _
     """numz input names and values -> ours; what has no place here is noted and left out."""
     ours = {}
     for name, value in named.items():
-        if name in table.dropped:
+        target = table.renamed.get(name, name)
+        widget = widgets.get(target)
+        if name in table.dropped or widget is None:  # (an input of another numz release too)
             notes.append(f"{node_label}: numz's {name} = {value!r} has no equivalent in this "
                          f"pack; dropped")
             continue
-        target = table.renamed.get(name, name)
-        widget = widgets.get(target)
-        if widget is not None and widget.choices is not None and isinstance(value, bool):
+        if widget.choices is not None and isinstance(value, bool):
             # numz's switch for a setting that is a choice here (compile "dynamic")
             value = str(value).lower()
-        if widget is not None and widget.choices is not None and value not in widget.choices \
-                and _static_choices(widget):
+        if widget.choices is not None and value not in widget.choices and _static_choices(widget):
             notes.append(f"{node_label}: numz's {name} = {value!r} is not available in this pack "
                          f"(choices: {', '.join(map(str, widget.choices))}); using "
                          f"{widget.default!r}")
             continue
-        if widget is not None and _out_of_range(value, widget):
+        if _out_of_range(value, widget):
             notes.append(f"{node_label}: numz's {name} = {value!r} is outside this pack's range "
                          f"({widget.extra.get('min')} to {widget.extra.get('max')}); using "
                          f"{widget.default!r}")
@@ -279,12 +278,13 @@ def _translate_node(node: dict, info: dict, links: list, notes: list) -> None:
 
     # Input slots: our sockets, and the widget inputs the saved node had as slots, renamed; each
     # link into the node follows its input to the new slot.
+    our_inputs = {name for name, _ in _inputs(info)}
     saved_inputs = {}
     for inp in node.get("inputs") or []:
         if not isinstance(inp, dict) or "name" not in inp:
             continue
         old = (inp.get("widget") or {}).get("name") or inp["name"]
-        if old in table.dropped:
+        if old in table.dropped or table.renamed.get(old, old) not in our_inputs:
             if inp.get("link") is not None:
                 notes.append(f"{label}: the link into numz's {old} has no input here; removed")
                 _drop_link(links, inp["link"])
