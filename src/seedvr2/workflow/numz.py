@@ -331,6 +331,12 @@ def _translate_graph(graph: dict, object_info: dict, notes: list) -> None:
         if not isinstance(node, dict) or not is_ours(node.get("type"), object_info.get(node.get("type"))):
             continue
         _translate_node(node, object_info[node["type"]], links, notes)
+    # A link removed above leaves no end behind on the node it came from.
+    kept = {l.get("id") if isinstance(l, dict) else l[0] for l in links if l}
+    for node in graph.get("nodes") or []:
+        for output in (node.get("outputs") or []) if isinstance(node, dict) else []:
+            if isinstance(output, dict) and output.get("links"):
+                output["links"] = [i for i in output["links"] if i in kept]
     # Links from a numz compile node, or into one of our loaders, keep their old type name when
     # the nodes at either end were ours already; the type is ours on both ends now.
     for link in links:
