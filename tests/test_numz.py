@@ -325,3 +325,49 @@ def test_another_pack_with_our_node_ids_is_named_with_both_folders():
         "(this pack also opens numz's workflows)."]
     assert clashing_packs(ids, {"SeedVR2LoadDiTModel": Ours}, dirs, Ours.RELATIVE_PYTHON_MODULE,
                           module, loading=True) == []
+
+
+def test_numz_pack_loaded_first_is_named_in_the_log_when_ours_load(tmp_path):
+    """ComfyUI (classic path here: no comfy_api) with numz's nodes registered before ours: our
+    pack's import logs both folders and what each registers."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from conftest import REPO
+
+    ours = tmp_path / "custom_nodes" / "ComfyUI-SeedVR2"
+    ours.parent.mkdir()
+    ours.symlink_to(REPO, target_is_directory=True)
+    numz_dir = tmp_path / "custom_nodes" / "ComfyUI-SeedVR2_VideoUpscaler"
+    code = textwrap.dedent(f"""
+        import importlib.util, logging, sys, types
+        logging.basicConfig(level=logging.WARNING, format="%(message)s")
+        folder_paths = types.ModuleType("folder_paths")
+        folder_paths.models_dir = {str(tmp_path / "models")!r}
+        folder_paths.add_model_folder_path = lambda *args, **kwargs: None
+        sys.modules["folder_paths"] = folder_paths
+        nodes = types.ModuleType("nodes")  # ComfyUI's, after loading the numz pack
+        numz = type("SeedVR2LoadDiTModel", (), {{
+            "RELATIVE_PYTHON_MODULE": "custom_nodes.ComfyUI-SeedVR2_VideoUpscaler"}})
+        nodes.NODE_CLASS_MAPPINGS = {{"SeedVR2LoadDiTModel": numz, "SeedVR2VideoUpscaler": numz}}
+        nodes.LOADED_MODULE_DIRS = {{"ComfyUI-SeedVR2_VideoUpscaler": {str(numz_dir)!r},
+                                     "ComfyUI-SeedVR2": {str(ours)!r}}}
+        sys.modules["nodes"] = nodes
+        path = {str(ours)!r}
+        spec = importlib.util.spec_from_file_location(path.replace(".", "_x_"),
+                                                      path + "/__init__.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd="/")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        f"SeedVR2: two packs register the node IDs SeedVR2LoadDiTModel, SeedVR2VideoUpscaler: "
+        f"{numz_dir} registers SeedVR2LoadDiTModel, SeedVR2VideoUpscaler; this pack, {ours}, "
+        f"registers SeedVR2LoadDiTModel, SeedVR2LoadVAEModel, SeedVR2TorchCompileSettings, "
+        f"SeedVR2VideoUpscaler, SeedVR2UpscaleVideoFile, SeedVR2UpscaleVideo. ComfyUI keeps "
+        f"the pack loaded last: this pack's replace custom_nodes.ComfyUI-SeedVR2_VideoUpscaler's. "
+        f"Remove one of them (this pack also opens numz's workflows)."]
