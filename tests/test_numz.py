@@ -108,7 +108,8 @@ def _numz_node(node_id, node_type, values, links_in, links_out, *, names=True, o
             "widgets_values": widgets_values}
 
 
-def numz_ui_workflow(*, names=True, compile_args=False, dit_order=None, image=EXAMPLE_IMAGE) -> dict:
+def numz_ui_workflow(*, names=True, compile_args=False, dit_order=None,
+                     image=EXAMPLE_IMAGE) -> dict:
     """LoadImage -> numz's loaders and upscaler -> SaveImage, as numz v2.5.24 saves it."""
     links = [[1, 1, 0, 4, 0, "IMAGE"], [2, 2, 0, 4, 1, "SEEDVR2_DIT"],
              [3, 3, 0, 4, 2, "SEEDVR2_VAE"], [4, 4, 0, 6, 0, "IMAGE"]]

@@ -28,7 +28,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from .nodes import CONTROL_MODE_KEY
+from .nodes import COMPILE_TYPE, CONTROL_MODE_KEY
 
 CONTROL_VALUES = ("fixed", "increment", "decrement", "randomize")
 WIDGET_TYPES = ("INT", "FLOAT", "BOOLEAN", "STRING", "COMBO")
@@ -271,7 +271,8 @@ def _translate_node(node: dict, info: dict, links: list, notes: list) -> None:
     for widget in widgets:
         new_values.append(ours.get(widget.name, widget.default))
         if widget.control:
-            declared = widget.extra.get(CONTROL_MODE_KEY, widget.extra.get("control_after_generate"))
+            declared = widget.extra.get(CONTROL_MODE_KEY,
+                                        widget.extra.get("control_after_generate"))
             new_values.append(control.get(widget.name) or (
                 declared if declared in CONTROL_VALUES else "randomize"))
     node["widgets_values"] = new_values
@@ -328,7 +329,8 @@ def _translate_graph(graph: dict, object_info: dict, notes: list) -> None:
     if not isinstance(links, list):
         links = []
     for node in graph.get("nodes") or []:
-        if not isinstance(node, dict) or not is_ours(node.get("type"), object_info.get(node.get("type"))):
+        kind = node.get("type") if isinstance(node, dict) else None
+        if not is_ours(kind, object_info.get(kind)):
             continue
         _translate_node(node, object_info[node["type"]], links, notes)
     # A link removed above leaves no end behind on the node it came from.
@@ -343,7 +345,7 @@ def _translate_graph(graph: dict, object_info: dict, notes: list) -> None:
         kind = link.get("type") if isinstance(link, dict) else (link[5] if len(link) > 5 else None)
         if kind == NUMZ_COMPILE_TYPE:
             _set_link(links, link["id"] if isinstance(link, dict) else link[0],
-                      type="SEEDVR2_TORCH_COMPILE_ARGS")
+                      type=COMPILE_TYPE)
 
 
 def translate_workflow(workflow: dict, object_info: dict) -> tuple[dict, list[str]]:
