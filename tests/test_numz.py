@@ -197,6 +197,21 @@ def test_numz_editor_workflow_puts_every_value_on_our_input_of_the_same_meaning(
         "pack; dropped"]
 
 
+def test_numz_links_follow_their_inputs_and_take_our_types(tmp_path):
+    from seedvr2.workflow.numz import translate_workflow
+
+    workflow, _ = translate_workflow(numz_ui_workflow(compile_args=True), _info(tmp_path))
+    nodes = {n["id"]: n for n in workflow["nodes"]}
+    links = {link[0]: link for link in workflow["links"]}
+    dit_inputs = [i["name"] for i in nodes[2]["inputs"]]
+    slot = dit_inputs.index("torch_compile_args")
+    assert links[5] == [5, 5, 0, 2, slot, "SEEDVR2_TORCH_COMPILE_ARGS"]
+    assert nodes[2]["inputs"][slot]["type"] == "SEEDVR2_TORCH_COMPILE_ARGS"
+    assert nodes[5]["outputs"][0]["type"] == "SEEDVR2_TORCH_COMPILE_ARGS"
+    assert [i["name"] for i in nodes[4]["inputs"] if "widget" not in i] == ["image", "dit", "vae"]
+    assert "attention_backend" in dit_inputs and "attention_mode" not in dit_inputs
+
+
 def test_widget_names_decide_over_numz_v2_5_24_order(tmp_path):
     """numz changed its input order between releases: a file with widget names is read by
     them (here the DiT loader of an older order, offload_device before blocks_to_swap)."""
