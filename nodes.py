@@ -33,8 +33,8 @@ from typing import Optional
 
 from .src.seedvr2.workflow.nodes import (CONTROL_MODE_KEY, NodeDef, NodeResult, build_nodes,
                                           input_spec, object_info, widget_default)
-from .src.seedvr2.workflow.numz import (NUMZ_NODES, clashing_packs, translate_prompt,
-                                         translate_workflow)
+from .src.seedvr2.workflow.numz import (NUMZ_NODES, clashing_packs, has_numz_nodes,
+                                         translate_prompt, translate_workflow)
 
 log = logging.getLogger("seedvr2")
 # seedvr2.loading.registry.COMFY_FOLDER, spelled out: importing the registry loads torch.
@@ -378,8 +378,7 @@ def _log_clashes(loading: bool) -> None:
 def _numz_prompt(json_data: dict) -> dict:
     """An API prompt sent to /prompt with numz's input names takes ours."""
     prompt = json_data.get("prompt") if isinstance(json_data, dict) else None
-    if isinstance(prompt, dict) and any(isinstance(n, dict) and n.get("class_type") in NUMZ_NODES
-                                        for n in prompt.values()):
+    if has_numz_nodes(prompt):  # (our own prompts skip listing the model folders)
         json_data["prompt"], notes = translate_prompt(prompt, _numz_object_info())
         for note in notes:
             log.warning(f"SeedVR2: {note}")

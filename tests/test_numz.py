@@ -260,6 +260,19 @@ def test_a_number_outside_our_range_takes_our_default_with_a_note(tmp_path):
                      "is outside this pack's range (1 to 1024); using 64"]
 
 
+def test_numz_prompts_are_told_from_ours_without_object_info():
+    from test_workflows import API_DIR
+
+    from seedvr2.workflow.numz import has_numz_nodes
+
+    assert has_numz_nodes(numz_api_prompt())
+    compile_only = {"5": {"class_type": "SeedVR2TorchCompileSettings",
+                          "inputs": NUMZ_VALUES["SeedVR2TorchCompileSettings"]}}
+    assert has_numz_nodes(compile_only)
+    for path in API_DIR.glob("*.json"):
+        assert not has_numz_nodes(json.loads(path.read_text())), path.name
+
+
 def test_our_own_saved_workflows_are_left_as_they_are(tmp_path):
     from test_workflows import EXAMPLES_DIR
 

@@ -407,6 +407,20 @@ def translate_prompt(prompt: dict, object_info: dict) -> tuple[dict, list[str]]:
     return prompt, notes
 
 
+def has_numz_nodes(prompt) -> bool:
+    """Does an API prompt hold a node in numz's layout (cheap: no /object_info needed)? A node
+    with numz's input names, or with none of ours, or a bool for compile's ``dynamic``."""
+    for node in prompt.values() if isinstance(prompt, dict) else ():
+        table = NUMZ_NODES.get(node.get("class_type")) if isinstance(node, dict) else None
+        inputs = node.get("inputs") if table is not None else None
+        if isinstance(inputs, dict) and (
+                any(n in inputs for n in (*table.renamed, *table.dropped))
+                or table.ours_only and not any(n in inputs for n in table.ours_only)
+                or isinstance(inputs.get("dynamic"), bool)):
+            return True
+    return False
+
+
 def _numz_prompt_node(table: NumzNode, inputs: dict, widgets: dict[str, _Widget]) -> bool:
     """numz's input names, none of our own since the first release, or a numz switch where
     ours is a choice."""
