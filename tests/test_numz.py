@@ -240,12 +240,17 @@ def test_a_choice_numz_has_and_we_do_not_takes_our_default_with_a_note(tmp_path)
     workflow = numz_ui_workflow()
     dit = next(n for n in workflow["nodes"] if n["id"] == 2)
     dit["widgets_values"][-1] = "sageattn_3"
+    vae = next(n for n in workflow["nodes"] if n["id"] == 3)
+    vae["widgets_values"][numz_widget_order("SeedVR2LoadVAEModel").index("tile_debug")] = "false"
+    upscaler = next(n for n in workflow["nodes"] if n["id"] == 4)
+    upscaler["widgets_values"][-1] = False  # enable_debug off
     notes = []
     api = ui_to_api(workflow, info, notes.append)
     assert api["2"]["inputs"]["attention_backend"] == "auto"
-    assert notes[0] == ("node 2 (SeedVR2LoadDiTModel): numz's attention_mode = 'sageattn_3' is "
-                        "not available in this pack (choices: auto, sdpa, flash_attn_2, "
-                        "flash_attn_3, sageattn_2); using 'auto'")
+    # numz's debug switches left off lose nothing when dropped: no note for them.
+    assert notes == ["node 2 (SeedVR2LoadDiTModel): numz's attention_mode = 'sageattn_3' is "
+                     "not available in this pack (choices: auto, sdpa, flash_attn_2, "
+                     "flash_attn_3, sageattn_2); using 'auto'"]
 
 
 def test_a_number_outside_our_range_takes_our_default_with_a_note(tmp_path):

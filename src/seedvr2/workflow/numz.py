@@ -44,7 +44,9 @@ class NumzNode:
     # the seed.
     widgets: tuple
     renamed: dict = field(default_factory=dict)  # numz input -> our input of the same meaning
-    dropped: tuple = ()  # numz inputs with nothing here that means the same
+    # numz inputs with nothing here that means the same -> their default (off: dropping that
+    # loses nothing, so it is not worth a note)
+    dropped: dict = field(default_factory=dict)
     # Inputs ours has had since its first release and numz's never had: a prompt without any of
     # them is numz's.
     ours_only: tuple = ()
@@ -59,7 +61,7 @@ NUMZ_NODES = {
         ("model", "device", "encode_tiled", "encode_tile_size", "encode_tile_overlap",
          "decode_tiled", "decode_tile_size", "decode_tile_overlap", "tile_debug",
          "offload_device", "cache_model"),
-        dropped=("tile_debug",), ours_only=("dtype",)),
+        dropped={"tile_debug": "false"}, ours_only=("dtype",)),
     "SeedVR2TorchCompileSettings": NumzNode(
         ("backend", "mode", "fullgraph", "dynamic", "dynamo_cache_size_limit",
          "dynamo_recompile_limit")),
@@ -67,7 +69,7 @@ NUMZ_NODES = {
         ("seed", "resolution", "max_resolution", "batch_size", "uniform_batch_size",
          "color_correction", "temporal_overlap", "prepend_frames", "input_noise_scale",
          "latent_noise_scale", "offload_device", "enable_debug"),
-        dropped=("enable_debug",), ours_only=("devices",)),
+        dropped={"enable_debug": False}, ours_only=("devices",)),
 }
 
 
@@ -187,6 +189,8 @@ def _to_ours(node_label: str, table: NumzNode, named: dict, widgets: dict[str, _
     for name, value in named.items():
         target = table.renamed.get(name, name)
         widget = widgets.get(target)
+        if name in table.dropped and value == table.dropped[name]:
+            continue
         if name in table.dropped or widget is None:  # (an input of another numz release too)
             notes.append(f"{node_label}: numz's {name} = {value!r} has no equivalent in this "
                          f"pack; dropped")
