@@ -13,7 +13,8 @@ if __package__:
     from . import nodes as _nodes
     from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
 
-    # The editor extension (web/seedvr2.js): upscaler seeds start fixed, model downloads marked.
+    # The editor extension (web/seedvr2.js): numz workflows opened in our layout, seeds start
+    # as declared in older editors too, model downloads marked.
     WEB_DIRECTORY = "./web"
     __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY"]
 

@@ -10,7 +10,13 @@ table; what each node does). This module only adapts them to ComfyUI:
   and output folders, ``comfy.utils.ProgressBar``, ``comfy.model_management``'s interrupt flag,
   and its memory (its models are unloaded before ours load, the cache emptied after a run;
   models we keep with ``cache_model`` are handed to it as ModelPatchers, which it evicts
-  like its own: ``seedvr2.workflow.comfy_memory``).
+  like its own: ``seedvr2.workflow.comfy_memory``);
+* numz's workflows (four of our node IDs are the numz pack's, with another layout;
+  ``seedvr2.workflow.numz`` rewrites them): ``PromptServer.add_on_prompt_handler`` for API
+  prompts sent to ``/prompt``, a route the editor extension sends loaded workflows to
+  (``PromptServer.routes``), and a log naming both packs' folders when the numz pack is
+  installed too (``nodes.NODE_CLASS_MAPPINGS``, ``RELATIVE_PYTHON_MODULE`` and
+  ``LOADED_MODULE_DIRS``, read when our nodes register and when the server starts).
 
 Importing this module does no work: the library's heavy parts load when a node runs.
 """
@@ -21,11 +27,14 @@ import importlib.util
 import inspect
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
-from .src.seedvr2.workflow.nodes import (NodeDef, NodeResult, build_nodes, input_spec,
-                                          widget_default)
+from .src.seedvr2.workflow.nodes import (CONTROL_MODE_KEY, NodeDef, NodeResult, build_nodes,
+                                          input_spec, object_info, widget_default)
+from .src.seedvr2.workflow.numz import (NUMZ_NODES, clashing_packs, has_numz_nodes,
+                                         translate_prompt, translate_workflow)
 
 log = logging.getLogger("seedvr2")
 # seedvr2.loading.registry.COMFY_FOLDER, spelled out: importing the registry loads torch.
@@ -150,6 +159,47 @@ class ComfyHost:
     def warn(self, message: str) -> None:
         log.warning(f"SeedVR2: {message}")
 
+    # -- VIDEO values: comfy_api.latest's InputImpl.VideoFromFile / VideoFromComponents ------
+    # (VideoInput.get_components, VideoFromFile.get_stream_source; the trim window of current
+    # ComfyUI's VideoFromFile: get_active_trim_window).
+
+    def video_file(self, video) -> Optional[Path]:
+        """The file a VideoFromFile plays whole (a path, not bytes in memory; no trim window),
+        for streaming; None for any other video."""
+        from comfy_api.latest import InputImpl
+
+        if not isinstance(video, InputImpl.VideoFromFile):
+            return None
+        trim = getattr(video, "get_active_trim_window", None)
+        if trim is not None and tuple(trim()) != (0.0, 0.0):
+            return None
+        source = video.get_stream_source()
+        return Path(source) if isinstance(source, (str, os.PathLike)) else None
+
+    def video_frames(self, video) -> tuple:
+        components = video.get_components()
+        return components.images, components.audio, components.frame_rate
+
+    def file_video(self, path: Path):
+        from comfy_api.latest import InputImpl
+
+        return InputImpl.VideoFromFile(str(path))
+
+    def frames_video(self, images, audio, fps):
+        from fractions import Fraction
+
+        from comfy_api.latest import InputImpl, Types
+
+        return InputImpl.VideoFromComponents(Types.VideoComponents(
+            images=images, audio=audio, frame_rate=Fraction(fps)))
+
+    def temp_file(self, prefix: str, suffix: str) -> Path:
+        """The next free name in ComfyUI's temp folder (emptied when ComfyUI starts)."""
+        temp_dir = folder_paths.get_temp_directory()
+        folder, name, counter, _, _ = folder_paths.get_save_image_path(prefix, temp_dir)
+        os.makedirs(folder, exist_ok=True)
+        return Path(folder) / f"{name}_{counter:05}_{suffix}"
+
 
 def _host(node_id=None) -> ComfyHost:
     return ComfyHost(node_id)
@@ -230,8 +280,12 @@ def _classic_class(node: NodeDef) -> type:
 def _v3_input(io, inp, host):
     common = dict(tooltip=inp.tooltip, optional=inp.optional)
     if inp.type == "INT":
-        return io.Int.Input(inp.name, default=inp.default, min=inp.min, max=inp.max, step=inp.step,
-                            control_after_generate=inp.control_after_generate or None, **common)
+        made = io.Int.Input(inp.name, default=inp.default, min=inp.min, max=inp.max, step=inp.step,
+                            control_after_generate=_control_mode(io, inp.control_after_generate),
+                            **common)
+        if inp.control_after_generate:  # (0.3.75's io.Int.Input takes no extra_dict argument)
+            made.extra_dict = {**made.extra_dict, CONTROL_MODE_KEY: inp.control_after_generate}
+        return made
     if inp.type == "FLOAT":
         return io.Float.Input(inp.name, default=inp.default, min=inp.min, max=inp.max,
                               step=inp.step, **common)
@@ -248,11 +302,25 @@ def _v3_input(io, inp, host):
         return made
     if inp.type == "IMAGE":
         return io.Image.Input(inp.name, **common)
+    if inp.type == "VIDEO":
+        return io.Video.Input(inp.name, **common)
     return io.Custom(inp.type).Input(inp.name, **common)
 
 
+def _control_mode(io, mode: Optional[str]):
+    """The seed's starting "control after generate" mode as V3 declares it. ComfyUI with
+    ``io.ControlAfterGenerate`` (a str enum for ``io.Int.Input(control_after_generate=)``) ships
+    an editor that starts the control widget at that mode; older editors (0.3.75's frontend
+    1.32) take a string there for the widget's name, so they get true, and the pack's editor
+    extension sets the mode from CONTROL_MODE_KEY."""
+    if mode is None:
+        return None
+    modes = getattr(io, "ControlAfterGenerate", None)
+    return modes(mode) if modes is not None else True
+
+
 def _v3_output(io, out):
-    kinds = {"IMAGE": io.Image, "STRING": io.String}
+    kinds = {"IMAGE": io.Image, "STRING": io.String, "VIDEO": io.Video}
     kind = kinds.get(out.type) or io.Custom(out.type)
     # No id: V3 wants output ids distinct from input ids (the upscaler takes and gives "image").
     return kind.Output(display_name=out.name, tooltip=out.tooltip)
@@ -281,6 +349,76 @@ def _v3_class(node: NodeDef, io) -> type:
     return Node
 
 
+# ---------------------------------------------------------------------------------------------
+# numz's workflows, and the numz pack beside ours
+
+# How ComfyUI names this pack's nodes' module (nodes.load_custom_node: RELATIVE_PYTHON_MODULE,
+# "custom_nodes." + the folder's name as ComfyUI found it).
+OUR_MODULE = f"custom_nodes.{Path(__file__).parent.name}"
+NUMZ_WORKFLOW_ROUTE = "/seedvr2/numz_workflow"  # web/seedvr2.js posts loaded workflows here
+
+
+def _comfy_nodes():
+    """ComfyUI's ``nodes`` module, when running inside ComfyUI (never imported here)."""
+    return sys.modules.get("nodes") if folder_paths is not None else None
+
+
+def _registered_by(cls) -> Optional[str]:
+    return getattr(cls, "RELATIVE_PYTHON_MODULE", None)
+
+
+def _numz_object_info() -> dict:
+    """/object_info of our nodes that have numz's IDs and are the ones ComfyUI runs."""
+    comfy = _comfy_nodes()
+    mappings = getattr(comfy, "NODE_CLASS_MAPPINGS", {})
+    host = _host()
+    return {node.id: object_info(node, host) for node in build_nodes()
+            if node.id in NUMZ_NODES and _registered_by(mappings.get(node.id)) == OUR_MODULE}
+
+
+def _log_clashes(loading: bool) -> None:
+    comfy = _comfy_nodes()
+    if comfy is None:
+        return
+    for line in clashing_packs([n.id for n in build_nodes()], comfy.NODE_CLASS_MAPPINGS,
+                               getattr(comfy, "LOADED_MODULE_DIRS", {}), OUR_MODULE,
+                               _registered_by, loading=loading):
+        log.warning(f"SeedVR2: {line}")
+
+
+def _numz_prompt(json_data: dict) -> dict:
+    """An API prompt sent to /prompt with numz's input names takes ours."""
+    prompt = json_data.get("prompt") if isinstance(json_data, dict) else None
+    if has_numz_nodes(prompt):  # (our own prompts skip listing the model folders)
+        json_data["prompt"], notes = translate_prompt(prompt, _numz_object_info())
+        for note in notes:
+            log.warning(f"SeedVR2: {note}")
+    return json_data
+
+
+def _hook_into_server() -> None:
+    server = sys.modules.get("server") if folder_paths is not None else None
+    instance = getattr(getattr(server, "PromptServer", None), "instance", None)
+    if instance is None:
+        return
+    from aiohttp import web
+
+    instance.add_on_prompt_handler(_numz_prompt)
+
+    @instance.routes.post(NUMZ_WORKFLOW_ROUTE)
+    async def numz_workflow(request):
+        workflow, notes = translate_workflow(await request.json(), _numz_object_info())
+        for note in notes:
+            log.warning(f"SeedVR2: {note}")
+        return web.json_response({"workflow": workflow, "notes": notes})
+
+    async def after_every_pack_loaded(app):
+        _log_clashes(loading=False)  # a pack loaded after ours replaced our nodes
+    instance.app.on_startup.append(after_every_pack_loaded)
+
+
+_hook_into_server()
+
 NODE_DISPLAY_NAME_MAPPINGS = {node.id: node.display_name for node in build_nodes()}
 
 if _uses_v3():
@@ -288,6 +426,7 @@ if _uses_v3():
 
     class SeedVR2Extension(ComfyExtension):
         async def get_node_list(self):
+            _log_clashes(loading=True)  # a pack loaded before ours: ours replace its nodes
             return [_v3_class(node, _io) for node in build_nodes()]
 
     async def comfy_entrypoint() -> SeedVR2Extension:
@@ -298,3 +437,4 @@ if _uses_v3():
 else:
     API = "classic"
     NODE_CLASS_MAPPINGS = {node.id: _classic_class(node) for node in build_nodes()}
+    _log_clashes(loading=True)

@@ -35,7 +35,8 @@ RUN_TIMEOUT = 300
 TINY = {"SeedVR2LoadDiTModel": {"model": "dit3b_tiny.safetensors"},
         "SeedVR2LoadVAEModel": {"model": "vae_tiny.safetensors"},
         "SeedVR2VideoUpscaler": {"resolution": 64, "batch_size": 5},
-        "SeedVR2UpscaleVideoFile": {"resolution": 64, "batch_size": 5}}
+        "SeedVR2UpscaleVideoFile": {"resolution": 64, "batch_size": 5},
+        "SeedVR2UpscaleVideo": {"resolution": 64, "batch_size": 5}}
 
 # Loads a workflow the way the editor opens a file, then waits until the pictures and players
 # the nodes show have loaded and the node sizes have settled (the editor grows a node to fit
@@ -383,3 +384,58 @@ def test_upscale_video_file_shows_the_finished_video_on_the_node(browser, comfyu
     state = _load(browser, None)
     _screenshot(browser, "run_video_file_streaming")
     assert _overlaps(state) == []
+
+
+def test_numz_workflow_opens_with_every_value_in_its_place_and_runs(browser, comfyui):  # noqa: F811
+    """A workflow saved with the numz pack (v2.5.24's layout, written by test_numz from numz's
+    input lists) opens with each value on our input of the same meaning, and runs."""
+    from test_numz import NUMZ_VALUES, expected_inputs, numz_ui_workflow
+
+    info = comfyui.client.object_info()
+    state = _load(browser, numz_ui_workflow(compile_args=True))
+    _screenshot(browser, "numz_workflow")
+    nodes = {n["id"]: n for n in state["nodes"]}
+    assert [n["type"] for n in state["nodes"] if not n["registered"]] == []
+    for node_id, kind in ((2, "SeedVR2LoadDiTModel"), (3, "SeedVR2LoadVAEModel"),
+                          (5, "SeedVR2TorchCompileSettings"), (4, "SeedVR2VideoUpscaler")):
+        widgets = {w["name"]: w["value"] for w in nodes[node_id]["widgets"]
+                   if w["name"] != "control_after_generate"}
+        assert widgets == expected_inputs(kind, info), kind
+    upscaler = {w["name"]: w["value"] for w in nodes[4]["widgets"]}
+    assert upscaler["seed"] == NUMZ_VALUES["SeedVR2VideoUpscaler"]["seed"]
+    assert upscaler["control_after_generate"] == "fixed"
+    # The links follow their inputs to our slots (numz's loader has the compile input first).
+    links = browser.execute_script("""
+        const graph = window.app.graph;
+        const origin = (node, name) => {
+          const input = graph.getNodeById(node).inputs.find((i) => i.name === name);
+          const link = graph.links.get ? graph.links.get(input.link) : graph.links[input.link];
+          return link ? [link.origin_id, link.origin_slot] : null;
+        };
+        return [origin(2, "torch_compile_args"), origin(4, "image"), origin(4, "dit"),
+                origin(4, "vae")];""")
+    assert links == [[5, 0], [1, 0], [2, 0], [3, 0]]
+
+    # What has no place here is told in a notice (it would cover the Run button: closed).
+    notices = browser.execute_script("""
+        const texts = [...document.querySelectorAll(".p-toast-message")].map((t) => t.innerText);
+        for (const button of document.querySelectorAll(".p-toast-close-button")) button.click();
+        return texts;""")
+    assert any("SeedVR2: opened a numz workflow" in t and "enable_debug = True" in t
+               for t in notices), notices
+
+    _load(browser, numz_ui_workflow())  # torch.compile left out: no compiler toolchain here
+    browser.execute_script("""
+        for (const button of document.querySelectorAll(".p-toast-close-button")) button.click();""")
+    time.sleep(1)
+    before = _run(browser, comfyui)
+    size = _wait_for(browser, """
+        const node = window.app.graph._nodes.find((n) => n.type === "SaveImage");
+        const img = node && node.imgs && node.imgs[0];
+        return img && img.complete && img.naturalWidth ? [img.naturalWidth, img.naturalHeight]
+                                                       : null;""", "the saved image", comfyui,
+                     before)
+    assert tuple(size) == IMAGE_OUT
+    prompt = next(entry["prompt"][2] for prompt_id, entry in _history(comfyui).items()
+                  if prompt_id not in before)
+    assert prompt["2"]["inputs"]["attention_backend"] == "sdpa"

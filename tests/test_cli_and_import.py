@@ -81,7 +81,7 @@ def test_pack_loads_as_comfyui_custom_node_folder(tmp_path):
     assert out.split("\n")[:3] == [
         "dict []",
         "['SeedVR2LoadDiTModel', 'SeedVR2LoadVAEModel', 'SeedVR2TorchCompileSettings', "
-        "'SeedVR2UpscaleVideoFile', 'SeedVR2VideoUpscaler']",
+        "'SeedVR2UpscaleVideo', 'SeedVR2UpscaleVideoFile', 'SeedVR2VideoUpscaler']",
         "8239607872 False False"]
 
 

@@ -35,7 +35,7 @@ INSTALL_TIMEOUT = 1200  # first install downloads ComfyUI's requirements
 START_TIMEOUT = 180
 RUN_TIMEOUT = 300
 OUR_NODES = ("SeedVR2LoadDiTModel", "SeedVR2LoadVAEModel", "SeedVR2TorchCompileSettings",
-             "SeedVR2VideoUpscaler", "SeedVR2UpscaleVideoFile")
+             "SeedVR2VideoUpscaler", "SeedVR2UpscaleVideoFile", "SeedVR2UpscaleVideo")
 
 
 @dataclass
@@ -231,7 +231,8 @@ def test_pack_loads_with_v3_schema_and_our_inputs(comfyui):
     # The extra folder comes from extra_model_paths.yaml only.
     assert {"vae_tiny.safetensors", "vae_extra.safetensors", "ema_vae_fp16.safetensors"} <= set(vaes)
     seed = info["SeedVR2VideoUpscaler"]["input"]["required"]["seed"][1]
-    assert seed["control_after_generate"] is True
+    # 0.3.75 has no io.ControlAfterGenerate: true, and the mode for our editor extension
+    assert (seed["control_after_generate"], seed["seedvr2_control_mode"]) == (True, "fixed")
     # Our headless core nodes take the inputs ComfyUI's do, in the same order.
     for node in ("LoadImage", "SaveImage", "PreviewImage", "LoadVideo", "GetVideoComponents",
                  "CreateVideo", "SaveVideo"):
@@ -480,3 +481,51 @@ def test_unload_models_releases_our_cached_models(comfyui):
     # The next run without caching leaves nothing behind.
     comfyui.run(_tiny("image_upscale", ["4.seed=13"]))
     assert _cache_state(comfyui) == {"cached": [], "registered": []}
+
+
+def test_numz_api_prompt_and_editor_workflow_take_our_layout(comfyui):
+    """A numz v2.5.24 API prompt posted to /prompt runs with every value in its place (the
+    pack's on-prompt hook), and the route the editor extension sends loaded workflows to
+    rewrites numz's editor nodes to ours."""
+    from PIL import Image
+    from test_numz import expected_inputs, numz_api_prompt, numz_ui_workflow
+
+    from seedvr2.workflow.convert import ui_to_api
+
+    prompt = numz_api_prompt()
+    prompt["2"]["inputs"]["cache_model"] = False  # nothing kept for the tests after this one
+    entry = comfyui.run(prompt)
+    (saved,) = entry["outputs"]["6"]["images"]
+    with Image.open(comfyui.base / "output" / saved["subfolder"] / saved["filename"]) as im:
+        assert im.size == IMAGE_OUT
+    log = comfyui.log.read_text()
+    assert ("SeedVR2: node 4 (SeedVR2VideoUpscaler): numz's enable_debug = True has no "
+            "equivalent in this pack; dropped") in log
+
+    request = urllib.request.Request(
+        comfyui.url + "/seedvr2/numz_workflow", data=json.dumps(numz_ui_workflow()).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        answer = json.loads(reply.read())
+    assert len(answer["notes"]) == 2
+    info = comfyui.client.object_info()
+    api = ui_to_api(answer["workflow"], info)
+    for node_id in ("2", "3", "4"):
+        kind = api[node_id]["class_type"]
+        widgets = {k: v for k, v in api[node_id]["inputs"].items() if not isinstance(v, list)}
+        assert widgets == expected_inputs(kind, info), kind
+
+
+@pytest.mark.parametrize("from_frames", [False, True], ids=["file", "frames"])
+def test_load_video_upscale_save_video_keeps_audio_and_rate(comfyui, from_frames):
+    """ComfyUI's VIDEO through our node: Load Video -> SeedVR2 Upscale Video -> Save Video
+    (a file streamed into ComfyUI's temp folder; or frames from Create Video, in memory)."""
+    from test_video_node import video_prompt, video_rate
+
+    entry = comfyui.run(video_prompt(from_frames))
+    (saved,) = entry["outputs"]["5"]["images"]
+    path = comfyui.base / "output" / saved["subfolder"] / saved["filename"]
+    assert probe_video(path) == (CLIP_FRAMES, VIDEO_OUT, True)
+    assert video_rate(path) == 24
+    if not from_frames:
+        assert list((comfyui.base / "temp" / "SeedVR2").glob("video_*.mp4"))

@@ -20,8 +20,8 @@ def _by_id():
 def test_every_input_has_a_tooltip_and_the_upscaler_follows_the_option_table():
     nodes = _by_id()
     assert sorted(nodes) == ["SeedVR2LoadDiTModel", "SeedVR2LoadVAEModel",
-                             "SeedVR2TorchCompileSettings", "SeedVR2UpscaleVideoFile",
-                             "SeedVR2VideoUpscaler"]
+                             "SeedVR2TorchCompileSettings", "SeedVR2UpscaleVideo",
+                             "SeedVR2UpscaleVideoFile", "SeedVR2VideoUpscaler"]
     for node in nodes.values():
         for inp in node.inputs:
             assert inp.tooltip, (node.id, inp.name)
@@ -43,7 +43,7 @@ def test_every_input_has_a_tooltip_and_the_upscaler_follows_the_option_table():
                  "temporal_overlap", "prepend_frames", "chunk_size", "color_correction",
                  "input_noise_scale", "latent_noise_scale"):
         assert upscaler.input(name)
-    assert upscaler.input("seed").control_after_generate
+    assert upscaler.input("seed").control_after_generate == "fixed"
     assert upscaler.input("offload_device").default == "cpu"
     assert upscaler.input("devices").default == "auto"
     # Options that belong to the loaders are not upscaler inputs.

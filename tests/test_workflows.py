@@ -77,7 +77,7 @@ def tiny_sets(prompt: dict) -> list[str]:
                 sets.append(f"{node_id}.blocks_to_swap=2")  # the tiny DiT has 4 blocks
         elif kind == "SeedVR2LoadVAEModel":
             sets.append(f"{node_id}.model=vae_tiny.safetensors")
-        elif kind in ("SeedVR2VideoUpscaler", "SeedVR2UpscaleVideoFile"):
+        elif kind in ("SeedVR2VideoUpscaler", "SeedVR2UpscaleVideoFile", "SeedVR2UpscaleVideo"):
             sets += [f"{node_id}.resolution=64", f"{node_id}.batch_size=5"]
     return sets
 
@@ -163,7 +163,7 @@ def test_every_loader_declares_its_model_download(name):
 
 def test_examples_use_only_core_nodes_for_loading_and_saving():
     ours = {"SeedVR2LoadDiTModel", "SeedVR2LoadVAEModel", "SeedVR2VideoUpscaler",
-            "SeedVR2UpscaleVideoFile", "SeedVR2TorchCompileSettings"}
+            "SeedVR2UpscaleVideoFile", "SeedVR2UpscaleVideo", "SeedVR2TorchCompileSettings"}
     core = {"LoadImage", "SaveImage", "PreviewImage", "LoadVideo", "SaveVideo", "CreateVideo",
             "GetVideoComponents"}
     for name in NAMES:

@@ -6,6 +6,8 @@
 * :mod:`.core_nodes` -- headless equivalents of the ComfyUI core nodes our examples use
   (LoadImage, SaveImage, PreviewImage, LoadVideo, GetVideoComponents, CreateVideo, SaveVideo).
 * :mod:`.convert` -- UI-format (editor) workflow -> API-format prompt.
+* :mod:`.numz` -- workflows saved with the numz pack (four of our node IDs are its own, with
+  another layout) rewritten to our layout: editor and API format.
 * :mod:`.execute` -- runs an API-format prompt in this process.
 * :mod:`.server` -- runs a prompt on a running ComfyUI server (uploads its input files,
   follows it on the websocket with ``websocket-client``, downloads the outputs).

@@ -12,16 +12,17 @@ adds the button after the node's other widgets, so its value is the last one).
 Frontend-only nodes are resolved: Reroute passes its link through, a PrimitiveNode gives its
 value, Note/MarkdownNote are dropped, a muted node (mode 2) is left out and a bypassed node
 (mode 4) passes its first input of the matching type through.
+
+Our nodes saved by the numz pack (same node IDs, another layout) are rewritten to ours first
+(:mod:`.numz`).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from .errors import WorkflowError
-
-WIDGET_TYPES = ("INT", "FLOAT", "BOOLEAN", "STRING", "COMBO")
-CONTROL_VALUES = ("fixed", "increment", "decrement", "randomize")
+from .numz import CONTROL_VALUES, WIDGET_TYPES, translate_workflow
 UPLOAD_FLAGS = ("image_upload", "video_upload", "animated_image_upload", "audio_upload")
 FRONTEND_ONLY = ("Note", "MarkdownNote", "Reroute", "PrimitiveNode")
 MUTED, BYPASSED = 2, 4
@@ -93,8 +94,14 @@ def _links(workflow: dict) -> dict:
     return links
 
 
-def ui_to_api(workflow: dict, object_info: dict) -> dict:
-    """Convert an editor workflow; ``object_info`` is ``/object_info`` (or our built-in table)."""
+def ui_to_api(workflow: dict, object_info: dict,
+              warn: Optional[Callable[[str], None]] = None) -> dict:
+    """Convert an editor workflow; ``object_info`` is ``/object_info`` (or our built-in table).
+    ``warn`` gets a note for each value of a numz-layout node that has no place in ours."""
+    workflow, notes = translate_workflow(workflow, object_info)
+    for note in notes:
+        if warn is not None:
+            warn(note)
     nodes = {}
     for node in workflow["nodes"]:
         if not isinstance(node, dict) or "id" not in node or "type" not in node:

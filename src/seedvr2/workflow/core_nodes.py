@@ -93,11 +93,16 @@ def _video_frames(video: Video):
     return torch.stack(frames), float(info.fps or 0.0), audio
 
 
-def _get_video_components(host, video: Video) -> NodeResult:
+def video_components(video: Video) -> tuple:
+    """(frames, audio or None, frame rate) of a video, as Get Video Components outputs them."""
     if video.path is not None:
         images, fps, audio = _video_frames(video)
-        return NodeResult((images, audio, fps))
-    return NodeResult((video.images, video.audio, float(video.fps)))
+        return images, audio, fps
+    return video.images, video.audio, float(video.fps)
+
+
+def _get_video_components(host, video: Video) -> NodeResult:
+    return NodeResult(video_components(video))
 
 
 def _create_video(host, images, fps: float, audio: Optional[dict] = None) -> NodeResult:

@@ -54,13 +54,11 @@ def _loaders(dit_values=None, vae_values=None) -> list:
 
 def _video_graph(upscaler_values: dict, prefix: str, **loader_values) -> list:
     return [
-        [ExampleNode(1, "LoadVideo", {"file": EXAMPLE_VIDEO}),
-         ExampleNode(6, "GetVideoComponents", links={"video": (1, 0)})],
+        [ExampleNode(1, "LoadVideo", {"file": EXAMPLE_VIDEO})],
         _loaders(**loader_values),
-        [ExampleNode(4, "SeedVR2VideoUpscaler", upscaler_values,
-                     links={"image": (6, 0), "dit": (2, 0), "vae": (3, 0)})],
-        [ExampleNode(7, "CreateVideo", links={"images": (4, 0), "fps": (6, 2), "audio": (6, 1)}),
-         ExampleNode(5, "SaveVideo", {"filename_prefix": prefix}, links={"video": (7, 0)})],
+        [ExampleNode(4, "SeedVR2UpscaleVideo", upscaler_values,
+                     links={"video": (1, 0), "dit": (2, 0), "vae": (3, 0)})],
+        [ExampleNode(5, "SaveVideo", {"filename_prefix": prefix}, links={"video": (4, 0)})],
     ]
 
 
@@ -73,8 +71,8 @@ EXAMPLES = [
         [ExampleNode(5, "SaveImage", {"filename_prefix": "SeedVR2/image"},
                      links={"images": (4, 0)})],
     ]),
-    Example("video_upscale", "A video with its audio: Load Video -> frames -> SeedVR2 -> "
-            "Create Video (same fps and audio) -> Save Video.",
+    Example("video_upscale", "A video with its audio and frame rate: Load Video -> SeedVR2 "
+            "Upscale Video (streams the file) -> Save Video.",
             _video_graph({"batch_size": 21, "resolution": 720, "temporal_overlap": 2},
                          "SeedVR2/video")),
     Example("low_vram_video", "Low VRAM: GGUF DiT with BlockSwap, models offloaded to the CPU "
@@ -234,7 +232,7 @@ def ui_workflow(example: Example) -> dict:
                 continue
             widgets_values.append(_widget_value(inp, node.values))
             if inp.control_after_generate:
-                widgets_values.append("fixed")
+                widgets_values.append(inp.control_after_generate)
         if any(inp.upload for inp in definition.inputs):
             widgets_values.append("image")  # the upload button, added after the other widgets
         inputs = []
@@ -370,7 +368,8 @@ def _thumb_sets(example: Example) -> list[str]:
         elif node.type == "SeedVR2LoadVAEModel":
             sets += [f"{node.id}.model=vae_tiny.safetensors", f"{node.id}.device=cpu",
                      f"{node.id}.dtype=fp32"]
-        elif node.type in ("SeedVR2VideoUpscaler", "SeedVR2UpscaleVideoFile"):
+        elif node.type in ("SeedVR2VideoUpscaler", "SeedVR2UpscaleVideoFile",
+                           "SeedVR2UpscaleVideo"):
             sets += [f"{node.id}.resolution={THUMB_RESOLUTION}", f"{node.id}.batch_size=5",
                      f"{node.id}.devices=cpu"]
     return sets

@@ -63,6 +63,7 @@ class HeadlessHost:
         self.saved: list[Path] = []
         self.warnings: list[str] = []
         self._bar = None
+        self._temp = None  # the temporary folder of in-graph results (VIDEO files)
         self.label = ""
 
     # -- files -----------------------------------------------------------------------------
@@ -147,3 +148,34 @@ class HeadlessHost:
     def warn(self, message: str) -> None:
         self.warnings.append(message)
         log.warning(message)
+
+    # -- VIDEO values (core_nodes.Video) -----------------------------------------------------
+
+    def video_file(self, video) -> Optional[Path]:
+        return video.path
+
+    def video_frames(self, video) -> tuple:
+        from .core_nodes import video_components
+
+        return video_components(video)
+
+    def file_video(self, path: Path):
+        from .core_nodes import Video
+
+        return Video(path=Path(path))
+
+    def frames_video(self, images, audio, fps):
+        from .core_nodes import Video
+
+        return Video(images=images, fps=fps, audio=audio)
+
+    def temp_file(self, prefix: str, suffix: str) -> Path:
+        """A new name in this host's temporary folder (removed with the host)."""
+        import tempfile
+
+        if self._temp is None:
+            self._temp = tempfile.TemporaryDirectory(prefix="seedvr2_workflow_")
+        folder = Path(self._temp.name) / os.path.dirname(prefix)
+        folder.mkdir(parents=True, exist_ok=True)
+        count = sum(1 for _ in folder.iterdir())
+        return folder / f"{os.path.basename(prefix)}_{count + 1:05}_{suffix}"

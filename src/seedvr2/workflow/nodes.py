@@ -61,7 +61,9 @@ class Input:
     max: Optional[float] = None
     step: Optional[float] = None
     optional: bool = False
-    control_after_generate: bool = False  # the editor adds a "control after generate" widget
+    # The editor adds a "control after generate" widget after this INT, starting at this mode
+    # ("fixed", "increment", "decrement" or "randomize").
+    control_after_generate: Optional[str] = None
     upload: Optional[str] = None  # "image_upload" / "video_upload": the editor adds an upload widget
     # A COMBO whose choices are a convenience (the input folder's files): other values, such as
     # a path typed by hand, are accepted here and checked when the node runs.
@@ -121,6 +123,12 @@ class Host(Protocol):
     def before_load(self, model_files=(), device: str = "auto") -> None: ...  # room for these files
     def after_run(self) -> None: ...  # give memory back
     def warn(self, message: str) -> None: ...
+    # VIDEO values, in the host's own form (ComfyUI's VideoInput; headless core_nodes.Video):
+    def video_file(self, video) -> Optional[Path]: ...  # the whole file it plays, if it is one
+    def video_frames(self, video) -> tuple: ...  # (IMAGE frames, AUDIO or None, frame rate)
+    def file_video(self, path: Path): ...  # a VIDEO playing this file
+    def frames_video(self, images, audio, fps): ...  # a VIDEO of these frames, audio and rate
+    def temp_file(self, prefix: str, suffix: str) -> Path: ...  # where an in-graph result goes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,8 +158,10 @@ def option_input(opt: Option, name: Optional[str] = None, tooltip: Optional[str]
             kw.update(tooltip=f"{kw['tooltip']} (0 = auto)",
                       default=AUTO_INT if opt.default == "auto" else opt.default)
             return Input(type="INT", min=AUTO_INT, max=opt.max, step=1, **kw)
+        # A seed starts "fixed": "randomize", the editor's default, would change it after every
+        # run, so ComfyUI could never reuse a finished upscale.
         return Input(type="INT", min=opt.min, max=opt.max, step=1,
-                     control_after_generate=opt.name == "seed", **kw)
+                     control_after_generate="fixed" if opt.name == "seed" else None, **kw)
     if opt.type is float:
         return Input(type="FLOAT", min=opt.min, max=opt.max, step=0.01, **kw)
     return Input(type="STRING", **kw)
@@ -390,6 +400,11 @@ def model_choices(host: Host, kind: str) -> list[str]:
     (the editor marks those: :data:`DOWNLOADS_KEY`)."""
     return _local_models(host, kind) + list(model_downloads(host, kind))
 
+
+# The key of an INT input's spec that gives the mode its "control after generate" widget starts
+# at, for editors that only know true/false under control_after_generate (they start at
+# "randomize"); the pack's editor extension applies it.
+CONTROL_MODE_KEY = "seedvr2_control_mode"
 
 # The key of a model input's spec that lists the choices still to download, with their sizes;
 # the pack's editor extension (web/seedvr2.js) labels them in the dropdown.
@@ -631,6 +646,33 @@ def _upscale_video_file(host: Host, dit: ModelHandle, vae: ModelHandle, video_pa
     return NodeResult((str(out), _preview(out)), ui=ui)
 
 
+def _upscale_video(host: Host, video, dit: ModelHandle, vae: ModelHandle, codec: str,
+                   **inputs) -> NodeResult:
+    """VIDEO in, VIDEO out. A video that is a file is streamed (any length fits in memory) into
+    a new file in the host's temporary folder, its audio and exact frame rate copied; a video
+    made of frames (Create Video) is upscaled in memory, with its audio and rate."""
+    from ..api import upscale, upscale_file
+
+    upscaler, pipeline = _split_inputs(inputs)
+    source = host.video_file(video)
+    if source is not None:
+        dst = host.temp_file("SeedVR2/video", ".mp4")
+
+        def call_file(dit_path, vae_path, options, model_dir, progress, should_stop):
+            return upscale_file(source, dst, dit_path, vae_path, model_dir=model_dir,
+                                codec=codec, progress=progress, should_stop=should_stop,
+                                **options)
+        return NodeResult((host.file_video(_run_facade(host, dit, vae, upscaler, pipeline,
+                                                       call_file)),))
+    images, audio, fps = host.video_frames(video)
+
+    def call_frames(dit_path, vae_path, options, model_dir, progress, should_stop):
+        return upscale(images, dit_path, vae_path, model_dir=model_dir, progress=progress,
+                       should_stop=should_stop, **options)
+    frames = _as_comfy_image(_run_facade(host, dit, vae, upscaler, pipeline, call_frames))
+    return NodeResult((host.frames_video(frames, audio, fps),))
+
+
 # ---------------------------------------------------------------------------------------------
 # The nodes
 
@@ -722,6 +764,17 @@ def build_nodes() -> tuple:
                 (Output("path", "STRING", "the written file"),
                  Output("preview", "IMAGE", f"up to {PREVIEW_FRAMES} frames of the result")),
                 _upscale_video_file, output_node=True),
+        NodeDef("SeedVR2UpscaleVideo", "SeedVR2 Upscale Video",
+                "Upscale a VIDEO (from Load Video, Create Video, ...) to a VIDEO, for Save Video "
+                "or other video nodes. A video file is streamed, a batch at a time, so any "
+                "length fits in memory, and keeps its audio and exact frame rate.",
+                (Input("video", "VIDEO", "the video to upscale"), _DIT_IN, _VAE_IN,
+                 Input("codec", "COMBO", "the upscaled file's codec, for a video that is a "
+                       "file: h264 (8-bit) or h265 (10-bit)", "h264", choices=("h264", "h265")),
+                 *_upscaler_inputs(writes_file=False)),
+                (Output("video", "VIDEO", "the upscaled video, with the input's audio and "
+                        "frame rate"),),
+                _upscale_video),
     )
 
 
@@ -748,7 +801,10 @@ def input_spec(inp: Input, host: Host) -> list:
         if getattr(inp, key) is not None:
             extra[key] = getattr(inp, key)
     if inp.control_after_generate:
+        # Editors before ComfyUI's io.ControlAfterGenerate read a string here as the control
+        # widget's name: true, and the mode under our key for the pack's editor extension.
         extra["control_after_generate"] = True
+        extra[CONTROL_MODE_KEY] = inp.control_after_generate
     if inp.upload:
         extra[inp.upload] = True
     if inp.extras is not None:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 from .convert import is_ui_format, ui_to_api
 from .errors import WorkflowError
+from .numz import translate_prompt
 
 
 @dataclass
@@ -48,16 +49,23 @@ def builtin_object_info(host) -> dict:
     return {node_id: object_info(node, host) for node_id, node in registry().items()}
 
 
-def to_api(workflow: dict, object_info: dict) -> dict:
+def to_api(workflow: dict, object_info: dict,
+           warn: Optional[Callable[[str], None]] = None) -> dict:
+    """The API-format prompt of a workflow in either format; our nodes saved by the numz pack
+    take our layout (``warn`` gets a note for each value left out)."""
     if is_ui_format(workflow):
-        return ui_to_api(workflow, object_info)
+        return ui_to_api(workflow, object_info, warn)
     if isinstance(workflow.get("prompt"), dict):  # a saved /prompt request body
         workflow = workflow["prompt"]
     if not all(isinstance(n, dict) and "class_type" in n for n in workflow.values()):
         raise WorkflowError("not a workflow: expected the editor's format (with \"nodes\" and "
                             "\"links\") or the API format ({\"1\": {\"class_type\": ..., "
                             "\"inputs\": {...}}})")
-    return workflow
+    prompt, notes = translate_prompt(workflow, object_info)
+    for note in notes:
+        if warn is not None:
+            warn(note)
+    return prompt
 
 
 def _parse_value(text: str):
@@ -124,7 +132,11 @@ def run_workflow(workflow: Union[str, Path, dict], sets: Iterable[str] = (), *,
 
         client = ComfyServer(server)
         info = client.object_info()
-        prompt = apply_sets(to_api(workflow, info), sets, info)
+
+        def note(message):
+            if not quiet:
+                print(f"note: {message}", file=sys.stderr, flush=True)
+        prompt = apply_sets(to_api(workflow, info, note), sets, info)
         uploads = []
 
         def uploaded(local, name):
@@ -147,6 +159,6 @@ def run_workflow(workflow: Union[str, Path, dict], sets: Iterable[str] = (), *,
     host = host or HeadlessHost(model_dir=model_dir, input_dir=input_dir, output_dir=output_dir,
                                 quiet=quiet)
     info = builtin_object_info(host)
-    prompt = apply_sets(to_api(workflow, info), sets, info)
+    prompt = apply_sets(to_api(workflow, info, host.warn), sets, info)
     execute(prompt, host)
     return RunResult(prompt, list(host.saved), list(host.warnings))

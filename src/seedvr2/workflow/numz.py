@@ -1,0 +1,470 @@
+"""Workflows saved with the numz pack (ComfyUI-SeedVR2_VideoUpscaler v2.5.x), run as ours.
+
+Four of our node IDs are numz's own (:data:`NUMZ_NODES`), with another input layout: a saved
+numz workflow holds numz's widget values in numz's order, and an API prompt numz's input names.
+This module rewrites both into our layout, so every value lands on the input that means the same
+thing; the one table below says what numz v2.5.24's nodes take (names, and the order the editor
+saves their widget values in) and which of its inputs are ours under another name
+(``attention_mode`` is our ``attention_backend``) or have no counterpart here (dropped, with a
+note). Values are converted where the same setting has another widget (numz's compile
+``dynamic`` is a switch, ours a choice that adds ``auto``); a choice we do not have falls back to
+our default, with a note.
+
+Which layout a saved node has: the editor of numz's time writes each widget input's name
+(``inputs[].widget.name``), in the widgets' order; numz changed its order between releases, so
+those names decide where a file has them. Without them, the values' types tell: values that fit
+our widgets are ours, else they are read in numz v2.5.24's order. An API prompt is numz's when it
+lacks every input our node has had since its first release and numz's never had.
+
+Used by the headless UI -> API conversion (:mod:`.convert`), ``seedvr2 run-workflow`` and, inside
+ComfyUI, the pack's ``/prompt`` hook and the editor extension (``web/seedvr2.js``, which sends a
+workflow with our node types here before the editor builds its graph). Works on ``/object_info``
+entries, so the same code serves our built-in table and a ComfyUI server's.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from .nodes import COMPILE_TYPE, CONTROL_MODE_KEY
+
+CONTROL_VALUES = ("fixed", "increment", "decrement", "randomize")
+WIDGET_TYPES = ("INT", "FLOAT", "BOOLEAN", "STRING", "COMBO")
+NUMZ_COMPILE_TYPE = "TORCH_COMPILE_ARGS"  # numz's type for the compile settings link
+
+
+@dataclass(frozen=True)
+class NumzNode:
+    """What numz v2.5.24's node of the same ID takes."""
+
+    # Its widget inputs in the order the editor saves their values (required inputs first, then
+    # optional ones, each in declaration order); a seed's "control after generate" value follows
+    # the seed.
+    widgets: tuple
+    renamed: dict = field(default_factory=dict)  # numz input -> our input of the same meaning
+    # numz inputs with nothing here that means the same -> their default (off: dropping that
+    # loses nothing, so it is not worth a note)
+    dropped: dict = field(default_factory=dict)
+    # Inputs ours has had since its first release and numz's never had: a prompt without any of
+    # them is numz's.
+    ours_only: tuple = ()
+
+
+NUMZ_NODES = {
+    "SeedVR2LoadDiTModel": NumzNode(
+        ("model", "device", "blocks_to_swap", "swap_io_components", "offload_device",
+         "cache_model", "attention_mode"),
+        renamed={"attention_mode": "attention_backend"}, ours_only=("dtype", "text_embeddings")),
+    "SeedVR2LoadVAEModel": NumzNode(
+        ("model", "device", "encode_tiled", "encode_tile_size", "encode_tile_overlap",
+         "decode_tiled", "decode_tile_size", "decode_tile_overlap", "tile_debug",
+         "offload_device", "cache_model"),
+        dropped={"tile_debug": "false"}, ours_only=("dtype",)),
+    "SeedVR2TorchCompileSettings": NumzNode(
+        ("backend", "mode", "fullgraph", "dynamic", "dynamo_cache_size_limit",
+         "dynamo_recompile_limit")),
+    "SeedVR2VideoUpscaler": NumzNode(
+        ("seed", "resolution", "max_resolution", "batch_size", "uniform_batch_size",
+         "color_correction", "temporal_overlap", "prepend_frames", "input_noise_scale",
+         "latent_noise_scale", "offload_device", "enable_debug"),
+        dropped={"enable_debug": False}, ours_only=("devices",)),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Our side, read from an /object_info entry
+
+
+@dataclass(frozen=True)
+class _Widget:
+    name: str
+    kind: str  # INT, FLOAT, BOOLEAN, STRING, COMBO
+    extra: dict
+    choices: Optional[list] = None
+
+    @property
+    def control(self) -> bool:  # the editor adds a "control after generate" value after it
+        return bool(self.extra.get("control_after_generate")) or \
+            self.kind == "INT" and self.name in ("seed", "noise_seed")
+
+    @property
+    def default(self):
+        if "default" in self.extra:
+            return self.extra["default"]
+        return self.choices[0] if self.choices else None
+
+
+def _inputs(info: dict) -> list[tuple[str, list]]:
+    """(name, spec) of every input, in the editor's order (required, then optional)."""
+    inputs = info.get("input", {})
+    order = info.get("input_order") or {k: list(v) for k, v in inputs.items()}
+    found = []
+    for section in ("required", "optional"):
+        specs = inputs.get(section) or {}
+        found += [(name, specs[name]) for name in order.get(section, list(specs)) if name in specs]
+    return found
+
+
+def _widgets(info: dict) -> list[_Widget]:
+    found = []
+    for name, spec in _inputs(info):
+        kind, extra = spec[0], (spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {})
+        choices = kind if isinstance(kind, list) else None
+        kind = "COMBO" if choices is not None else kind
+        if kind in WIDGET_TYPES and not extra.get("forceInput"):
+            found.append(_Widget(name, kind, extra, choices))
+    return found
+
+
+def _input_type(spec) -> str:
+    return "COMBO" if isinstance(spec[0], list) else spec[0]
+
+
+def is_ours(node_type: str, info: Optional[dict]) -> bool:
+    """Is this /object_info entry our node (and not numz's, on a server that has numz)?"""
+    table = NUMZ_NODES.get(node_type)
+    if table is None or info is None:
+        return False
+    names = {name for name, _ in _inputs(info)}
+    if any(name in names for name in (*table.renamed, *table.dropped)):
+        return False
+    wanted = {table.renamed.get(n, n) for n in table.widgets if n not in table.dropped}
+    return wanted <= names and set(table.ours_only) <= names
+
+
+# ---------------------------------------------------------------------------------------------
+# Values
+
+
+def _fits(value, kind: str) -> bool:
+    if kind == "BOOLEAN":
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if kind == "INT":
+        return isinstance(value, int) or isinstance(value, float) and value.is_integer()
+    if kind == "FLOAT":
+        return isinstance(value, (int, float))
+    if kind == "STRING":
+        return isinstance(value, str)
+    return isinstance(value, (str, int, float))  # COMBO
+
+
+def _read(values: list, names: list, controls: set) -> Optional[tuple[dict, dict]]:
+    """Saved widget values by name, walking ``names`` (a control value follows each name in
+    ``controls``); also the control values found. None when the count does not match."""
+    named, control, i = {}, {}, 0
+    for name in names:
+        if i >= len(values):
+            return None
+        named[name] = values[i]
+        i += 1
+        if name in controls and i < len(values) and values[i] in CONTROL_VALUES:
+            control[name] = values[i]
+            i += 1
+    return (named, control) if i == len(values) else None
+
+
+def _our_layout(values: list, widgets: list[_Widget]) -> bool:
+    """Values saved by our node: each fits its widget, in our order (a workflow saved before
+    later inputs existed has fewer)."""
+    i = 0
+    for widget in widgets:
+        if i >= len(values):
+            return True
+        if not _fits(values[i], widget.kind):
+            return False
+        i += 1
+        if widget.control and i < len(values) and values[i] in CONTROL_VALUES:
+            i += 1
+    return i == len(values)
+
+
+def _to_ours(node_label: str, table: NumzNode, named: dict, widgets: dict[str, _Widget],
+             notes: list) -> dict:
+    """numz input names and values -> ours; what has no place here is noted and left out."""
+    ours = {}
+    for name, value in named.items():
+        target = table.renamed.get(name, name)
+        widget = widgets.get(target)
+        if name in table.dropped and value == table.dropped[name]:
+            continue
+        if name in table.dropped or widget is None:  # (an input of another numz release too)
+            notes.append(f"{node_label}: numz's {name} = {value!r} has no equivalent in this "
+                         f"pack; dropped")
+            continue
+        if widget.choices is not None and isinstance(value, bool):
+            # numz's switch for a setting that is a choice here (compile "dynamic")
+            value = str(value).lower()
+        if widget.choices is not None and value not in widget.choices and _static_choices(widget):
+            notes.append(f"{node_label}: numz's {name} = {value!r} is not available in this pack "
+                         f"(choices: {', '.join(map(str, widget.choices))}); using "
+                         f"{widget.default!r}")
+            continue
+        if _out_of_range(value, widget):
+            notes.append(f"{node_label}: numz's {name} = {value!r} is outside this pack's range "
+                         f"({widget.extra.get('min')} to {widget.extra.get('max')}); using "
+                         f"{widget.default!r}")
+            continue
+        ours[target] = value
+    return ours
+
+
+def _out_of_range(value, widget: _Widget) -> bool:
+    """A number numz accepts and our input does not (numz's compile cache limits start at 0)."""
+    if widget.kind not in ("INT", "FLOAT") or isinstance(value, bool) \
+            or not isinstance(value, (int, float)):
+        return False
+    low, high = widget.extra.get("min"), widget.extra.get("max")
+    return low is not None and value < low or high is not None and value > high
+
+
+def _static_choices(widget: _Widget) -> bool:
+    """A fixed list of choices (not files or devices, which depend on the machine: a value
+    missing there is the user's to fix, and validation names it)."""
+    return widget.name not in ("model", "device", "offload_device")
+
+
+# ---------------------------------------------------------------------------------------------
+# Editor workflows
+
+
+def _set_link(links: list, link_id, **changes) -> None:
+    positions = {"origin_id": 1, "origin_slot": 2, "target_id": 3, "target_slot": 4, "type": 5}
+    for link in links:
+        if isinstance(link, dict) and link.get("id") == link_id:
+            link.update(changes)
+        elif isinstance(link, list) and link and link[0] == link_id:
+            for key, value in changes.items():
+                if positions[key] < len(link):
+                    link[positions[key]] = value
+
+
+def _translate_node(node: dict, info: dict, links: list, notes: list) -> None:
+    """Rewrite one saved node of a numz layout to ours, in place (widget values, input slots and
+    the links into them); a node saved by our pack is left as it is."""
+    table = NUMZ_NODES[node["type"]]
+    values = node.get("widgets_values")
+    if not isinstance(values, list):
+        return
+    widgets = _widgets(info)
+    by_name = {w.name: w for w in widgets}
+    saved = [inp["widget"]["name"] for inp in node.get("inputs") or []
+             if isinstance(inp, dict) and isinstance(inp.get("widget"), dict)
+             and inp["widget"].get("name")]
+    ours_in_order = [w.name for w in widgets]
+    if saved:
+        if saved == ours_in_order[:len(saved)] and _our_layout(values, widgets):
+            return
+        layout = saved
+    elif _our_layout(values, widgets):
+        return
+    else:
+        layout = list(table.widgets)
+    controls = {n for n in layout if n in ("seed", "noise_seed") or
+                by_name.get(table.renamed.get(n, n), _Widget(n, "", {})).control}
+    read = _read(values, layout, controls)
+    if read is None:
+        return  # neither layout: the conversion reports the count that does not match
+    named, control = read
+    label = f"node {node.get('id')} ({node['type']})"
+    ours = _to_ours(label, table, named, by_name, notes)
+    new_values = []
+    for widget in widgets:
+        new_values.append(ours.get(widget.name, widget.default))
+        if widget.control:
+            declared = widget.extra.get(CONTROL_MODE_KEY,
+                                        widget.extra.get("control_after_generate"))
+            new_values.append(control.get(widget.name) or (
+                declared if declared in CONTROL_VALUES else "randomize"))
+    node["widgets_values"] = new_values
+
+    # Input slots: our sockets, and the widget inputs the saved node had as slots, renamed; each
+    # link into the node follows its input to the new slot.
+    our_inputs = {name for name, _ in _inputs(info)}
+    saved_inputs = {}
+    for inp in node.get("inputs") or []:
+        if not isinstance(inp, dict) or "name" not in inp:
+            continue
+        old = (inp.get("widget") or {}).get("name") or inp["name"]
+        if old in table.dropped or table.renamed.get(old, old) not in our_inputs:
+            if inp.get("link") is not None:
+                notes.append(f"{label}: the link into numz's {old} has no input here; removed")
+                _drop_link(links, inp["link"])
+            continue
+        saved_inputs[table.renamed.get(old, old)] = (old, inp)
+    new_inputs = []
+    for name, spec in _inputs(info):
+        kind = _input_type(spec)
+        old, entry = saved_inputs.get(name, (name, None))
+        is_widget = name in by_name
+        if entry is None:
+            if is_widget:
+                continue
+            entry = {"name": name, "type": kind, "link": None}
+        else:
+            entry = {**entry, "name": name, "type": kind}
+            for key in ("localized_name", "label"):  # the editor shows these; numz's name
+                if entry.get(key) == old:
+                    entry[key] = name
+            if is_widget:
+                entry["widget"] = {**(entry.get("widget") or {}), "name": name}
+        if entry.get("link") is not None:
+            _set_link(links, entry["link"], target_slot=len(new_inputs), type=kind)
+        new_inputs.append(entry)
+    node["inputs"] = new_inputs
+    for slot, output in enumerate(node.get("outputs") or []):
+        if isinstance(output, dict) and slot < len(info.get("output", [])):
+            output["type"] = info["output"][slot]
+            for link_id in output.get("links") or []:
+                _set_link(links, link_id, type=output["type"])
+
+
+def _drop_link(links: list, link_id) -> None:
+    links[:] = [l for l in links
+                if not (isinstance(l, dict) and l.get("id") == link_id
+                        or isinstance(l, list) and l and l[0] == link_id)]
+
+
+def _translate_graph(graph: dict, object_info: dict, notes: list) -> None:
+    links = graph.get("links")
+    if not isinstance(links, list):
+        links = []
+    for node in graph.get("nodes") or []:
+        kind = node.get("type") if isinstance(node, dict) else None
+        if not is_ours(kind, object_info.get(kind)):
+            continue
+        _translate_node(node, object_info[node["type"]], links, notes)
+    # A link removed above leaves no end behind on the node it came from.
+    kept = {l.get("id") if isinstance(l, dict) else l[0] for l in links if l}
+    for node in graph.get("nodes") or []:
+        for output in (node.get("outputs") or []) if isinstance(node, dict) else []:
+            if isinstance(output, dict) and output.get("links"):
+                output["links"] = [i for i in output["links"] if i in kept]
+    # Links from a numz compile node, or into one of our loaders, keep their old type name when
+    # the nodes at either end were ours already; the type is ours on both ends now.
+    for link in links:
+        kind = link.get("type") if isinstance(link, dict) else (link[5] if len(link) > 5 else None)
+        if kind == NUMZ_COMPILE_TYPE:
+            _set_link(links, link["id"] if isinstance(link, dict) else link[0],
+                      type=COMPILE_TYPE)
+
+
+def translate_workflow(workflow: dict, object_info: dict) -> tuple[dict, list[str]]:
+    """A copy of an editor workflow with each of our nodes saved in a numz layout rewritten to
+    ours (subgraphs included), and notes on the values left out."""
+    workflow = copy.deepcopy(workflow)
+    notes: list[str] = []
+    if any(isinstance(n, dict) and n.get("type") in NUMZ_NODES for n in _all_nodes(workflow)):
+        _translate_graph(workflow, object_info, notes)
+        for graph in (workflow.get("definitions") or {}).get("subgraphs") or []:
+            if isinstance(graph, dict):
+                _translate_graph(graph, object_info, notes)
+    return workflow, notes
+
+
+def _all_nodes(workflow: dict) -> list:
+    nodes = list(workflow.get("nodes") or [])
+    for graph in (workflow.get("definitions") or {}).get("subgraphs") or []:
+        if isinstance(graph, dict):
+            nodes += graph.get("nodes") or []
+    return nodes
+
+
+# ---------------------------------------------------------------------------------------------
+# API prompts
+
+
+def translate_prompt(prompt: dict, object_info: dict) -> tuple[dict, list[str]]:
+    """A copy of an API-format prompt whose nodes with numz's input names take ours; our inputs
+    numz has no counterpart for get their defaults."""
+    notes: list[str] = []
+    if not isinstance(prompt, dict) or not any(
+            isinstance(n, dict) and n.get("class_type") in NUMZ_NODES for n in prompt.values()):
+        return prompt, notes
+    prompt = copy.deepcopy(prompt)
+    for node_id, node in prompt.items():
+        kind = node.get("class_type") if isinstance(node, dict) else None
+        info = object_info.get(kind) if kind in NUMZ_NODES else None
+        inputs = node.get("inputs") if info is not None else None
+        if not isinstance(inputs, dict) or not is_ours(kind, info):
+            continue
+        table = NUMZ_NODES[kind]
+        widgets = {w.name: w for w in _widgets(info)}
+        if not _numz_prompt_node(table, inputs, widgets):
+            continue
+        label = f"node {node_id} ({kind})"
+        links = {k: v for k, v in inputs.items() if _is_link(v)}
+        values = {k: v for k, v in inputs.items() if not _is_link(v)}
+        ours = _to_ours(label, table, values, widgets, notes)
+        for name, value in links.items():
+            if name in table.dropped:
+                notes.append(f"{label}: the link into numz's {name} has no input here; removed")
+            else:
+                ours[table.renamed.get(name, name)] = value
+        for name, widget in widgets.items():  # what numz lacks, or was dropped: our default
+            if name not in ours and widget.default is not None:
+                ours[name] = widget.default
+        node["inputs"] = ours
+    return prompt, notes
+
+
+def has_numz_nodes(prompt) -> bool:
+    """Does an API prompt hold a node in numz's layout (cheap: no /object_info needed)? A node
+    with numz's input names, or with none of ours, or a bool for compile's ``dynamic``."""
+    for node in prompt.values() if isinstance(prompt, dict) else ():
+        table = NUMZ_NODES.get(node.get("class_type")) if isinstance(node, dict) else None
+        inputs = node.get("inputs") if table is not None else None
+        if isinstance(inputs, dict) and (
+                any(n in inputs for n in (*table.renamed, *table.dropped))
+                or table.ours_only and not any(n in inputs for n in table.ours_only)
+                or isinstance(inputs.get("dynamic"), bool)):
+            return True
+    return False
+
+
+def _numz_prompt_node(table: NumzNode, inputs: dict, widgets: dict[str, _Widget]) -> bool:
+    """numz's input names, none of our own since the first release, or a numz switch where
+    ours is a choice."""
+    return (any(n in inputs for n in (*table.renamed, *table.dropped))
+            or bool(table.ours_only) and not any(n in inputs for n in table.ours_only)
+            or any(isinstance(v, bool) and n in widgets and widgets[n].choices is not None
+                   for n, v in inputs.items()))
+
+
+def _is_link(value) -> bool:
+    return isinstance(value, list) and len(value) == 2 and isinstance(value[1], int)
+
+
+# ---------------------------------------------------------------------------------------------
+# Another pack with the same node IDs
+
+
+def clashing_packs(our_ids, class_mappings: dict, module_dirs: dict, our_module: str,
+                   registered_by: Callable[[object], Optional[str]], *, loading: bool) -> list[str]:
+    """Log lines for each other pack that registers one of ``our_ids`` in ComfyUI's
+    ``nodes.NODE_CLASS_MAPPINGS`` (a class's pack: ``registered_by``, ComfyUI's
+    ``RELATIVE_PYTHON_MODULE``): both packs' folders (``nodes.LOADED_MODULE_DIRS``, keyed by the
+    folder name) and what each registers. ``loading``: asked while this pack registers its nodes
+    (the other pack loaded first, and ours replace its), else after every pack loaded (the other
+    pack's loaded later and replaced ours). Empty when no other pack has our IDs."""
+    def folder(module: str) -> str:
+        return module_dirs.get(module.rpartition(".")[2], module)
+
+    others: dict[str, list[str]] = {}
+    for node_id in our_ids:
+        cls = class_mappings.get(node_id)
+        module = registered_by(cls) if cls is not None else None
+        if module and module != our_module:
+            others.setdefault(module, []).append(node_id)
+    lines = []
+    for module, ids in others.items():
+        winner = f"this pack's replace {module}'s" if loading else \
+            f"{module}'s replaced this pack's"
+        lines.append(f"two packs register the node IDs {', '.join(ids)}: {folder(module)} "
+                     f"registers {', '.join(ids)}; this pack, {folder(our_module)}, registers "
+                     f"{', '.join(our_ids)}. ComfyUI keeps the pack loaded last: {winner}. "
+                     f"Remove one of them (this pack also opens numz's workflows).")
+    return lines

@@ -1,0 +1,407 @@
+"""Workflows saved with the numz pack (v2.5.24) open and run as ours.
+
+The workflows are written here from numz v2.5.24's node definitions (the facts below: each
+node's inputs in declaration order, its widget types and its outputs), in both formats the
+numz pack's users have: the editor's (positional widget values, with or without the widget
+names newer editors write into ``inputs``) and the API's (inputs by numz's names).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from test_workflows import IMAGE_OUT, inputs, make_inputs  # noqa: F401 (fixture)
+
+from seedvr2.cli import main
+from seedvr2.workflow.convert import ui_to_api
+from seedvr2.workflow.examples import EXAMPLE_IMAGE
+from seedvr2.workflow.host import HeadlessHost
+from seedvr2.workflow.numz import clashing_packs, translate_prompt
+from seedvr2.workflow.run import builtin_object_info, run_workflow
+
+# numz v2.5.24 (src/interfaces/*.py): node -> inputs in declaration order as (name, type,
+# optional), and the node's output type. The editor lists required inputs first, then optional
+# ones; an INT named seed gets a "control after generate" value after it.
+NUMZ_V2_5_24 = {
+    "SeedVR2LoadDiTModel": ([
+        ("model", "COMBO", False), ("device", "COMBO", False),
+        ("blocks_to_swap", "INT", True), ("swap_io_components", "BOOLEAN", True),
+        ("offload_device", "COMBO", True), ("cache_model", "BOOLEAN", True),
+        ("attention_mode", "COMBO", True), ("torch_compile_args", "TORCH_COMPILE_ARGS", True),
+    ], "SEEDVR2_DIT"),
+    "SeedVR2LoadVAEModel": ([
+        ("model", "COMBO", False), ("device", "COMBO", False),
+        ("encode_tiled", "BOOLEAN", True), ("encode_tile_size", "INT", True),
+        ("encode_tile_overlap", "INT", True), ("decode_tiled", "BOOLEAN", True),
+        ("decode_tile_size", "INT", True), ("decode_tile_overlap", "INT", True),
+        ("tile_debug", "COMBO", True), ("offload_device", "COMBO", True),
+        ("cache_model", "BOOLEAN", True), ("torch_compile_args", "TORCH_COMPILE_ARGS", True),
+    ], "SEEDVR2_VAE"),
+    "SeedVR2TorchCompileSettings": ([
+        ("backend", "COMBO", False), ("mode", "COMBO", False), ("fullgraph", "BOOLEAN", False),
+        ("dynamic", "BOOLEAN", False), ("dynamo_cache_size_limit", "INT", False),
+        ("dynamo_recompile_limit", "INT", False),
+    ], "TORCH_COMPILE_ARGS"),
+    "SeedVR2VideoUpscaler": ([
+        ("image", "IMAGE", False), ("dit", "SEEDVR2_DIT", False), ("vae", "SEEDVR2_VAE", False),
+        ("seed", "INT", False), ("resolution", "INT", False), ("max_resolution", "INT", False),
+        ("batch_size", "INT", False), ("uniform_batch_size", "BOOLEAN", False),
+        ("temporal_overlap", "INT", True), ("prepend_frames", "INT", True),
+        ("color_correction", "COMBO", False), ("input_noise_scale", "FLOAT", True),
+        ("latent_noise_scale", "FLOAT", True), ("offload_device", "COMBO", True),
+        ("enable_debug", "BOOLEAN", True),
+    ], "IMAGE"),
+}
+WIDGETS = ("INT", "FLOAT", "BOOLEAN", "STRING", "COMBO")
+
+# The values a numz user saved (none of them our default, where the input has a counterpart).
+NUMZ_VALUES = {
+    "SeedVR2LoadDiTModel": dict(model="dit3b_tiny.safetensors", device="cpu", blocks_to_swap=0,
+                                swap_io_components=False, offload_device="cpu", cache_model=True,
+                                attention_mode="sdpa"),
+    "SeedVR2LoadVAEModel": dict(model="vae_tiny.safetensors", device="cpu", encode_tiled=True,
+                                encode_tile_size=96, encode_tile_overlap=32, decode_tiled=True,
+                                decode_tile_size=128, decode_tile_overlap=32, tile_debug="encode",
+                                offload_device="cpu", cache_model=False),
+    "SeedVR2TorchCompileSettings": dict(backend="inductor", mode="max-autotune", fullgraph=True,
+                                        dynamic=False, dynamo_cache_size_limit=32,
+                                        dynamo_recompile_limit=100),
+    "SeedVR2VideoUpscaler": dict(seed=7, resolution=64, max_resolution=100, batch_size=9,
+                                 uniform_batch_size=True, temporal_overlap=2, prepend_frames=1,
+                                 color_correction="lab", input_noise_scale=0.1,
+                                 latent_noise_scale=0.05, offload_device="cpu",
+                                 enable_debug=True),
+}
+# Where each numz value lands here (input renamed), and numz inputs with no counterpart.
+OURS = {"attention_mode": "attention_backend"}
+DROPPED = {"tile_debug", "enable_debug"}
+
+
+def numz_widget_order(node_type: str) -> list[str]:
+    inputs, _ = NUMZ_V2_5_24[node_type]
+    widgets = [(name, optional) for name, kind, optional in inputs if kind in WIDGETS]
+    return [n for n, opt in widgets if not opt] + [n for n, opt in widgets if opt]
+
+
+def _numz_node(node_id, node_type, values, links_in, links_out, *, names=True, order=None):
+    """A node as the editor saves it with the numz pack loaded."""
+    inputs, output = NUMZ_V2_5_24[node_type]
+    order = order or numz_widget_order(node_type)
+    widgets_values = []
+    for name in order:
+        widgets_values.append(values[name])
+        if name == "seed":
+            widgets_values.append("fixed")
+    slots = [{"name": name, "type": kind, "link": links_in.get(name)}
+             for name, kind, _ in inputs if kind not in WIDGETS]
+    if names:  # newer editors give every widget a slot too, in the widgets' order
+        slots += [{"name": name, "type": dict((n, k) for n, k, _ in inputs)[name],
+                   "widget": {"name": name}, "link": None} for name in order]
+    return {"id": node_id, "type": node_type, "pos": [400 * node_id, 100], "size": [300, 200],
+            "flags": {}, "order": node_id, "mode": 0, "inputs": slots,
+            "outputs": [{"name": output, "type": output, "links": links_out}],
+            "properties": {"Node name for S&R": node_type, "cnr_id": "seedvr2_videoupscaler",
+                           "ver": "2.5.24"},
+            "widgets_values": widgets_values}
+
+
+def numz_ui_workflow(*, names=True, compile_args=False, dit_order=None,
+                     image=EXAMPLE_IMAGE) -> dict:
+    """LoadImage -> numz's loaders and upscaler -> SaveImage, as numz v2.5.24 saves it."""
+    links = [[1, 1, 0, 4, 0, "IMAGE"], [2, 2, 0, 4, 1, "SEEDVR2_DIT"],
+             [3, 3, 0, 4, 2, "SEEDVR2_VAE"], [4, 4, 0, 6, 0, "IMAGE"]]
+    nodes = [
+        {"id": 1, "type": "LoadImage", "pos": [0, 100], "size": [300, 300], "flags": {},
+         "order": 0, "mode": 0, "inputs": [],
+         "outputs": [{"name": "IMAGE", "type": "IMAGE", "links": [1]},
+                     {"name": "MASK", "type": "MASK", "links": []}],
+         "properties": {"Node name for S&R": "LoadImage"}, "widgets_values": [image, "image"]},
+        _numz_node(2, "SeedVR2LoadDiTModel", NUMZ_VALUES["SeedVR2LoadDiTModel"],
+                   {"torch_compile_args": 5 if compile_args else None}, [2], names=names,
+                   order=dit_order),
+        _numz_node(3, "SeedVR2LoadVAEModel", NUMZ_VALUES["SeedVR2LoadVAEModel"], {}, [3],
+                   names=names),
+        _numz_node(4, "SeedVR2VideoUpscaler", NUMZ_VALUES["SeedVR2VideoUpscaler"],
+                   {"image": 1, "dit": 2, "vae": 3}, [4], names=names),
+        {"id": 6, "type": "SaveImage", "pos": [2000, 100], "size": [300, 300], "flags": {},
+         "order": 6, "mode": 0, "inputs": [{"name": "images", "type": "IMAGE", "link": 4}],
+         "outputs": [], "properties": {"Node name for S&R": "SaveImage"},
+         "widgets_values": ["numz/image"]},
+    ]
+    if compile_args:
+        links.append([5, 5, 0, 2, 0, "TORCH_COMPILE_ARGS"])
+        nodes.append(_numz_node(5, "SeedVR2TorchCompileSettings",
+                                NUMZ_VALUES["SeedVR2TorchCompileSettings"], {}, [5], names=names))
+    return {"last_node_id": 6, "last_link_id": len(links), "nodes": nodes, "links": links,
+            "groups": [], "config": {}, "extra": {}, "version": 0.4}
+
+
+def numz_api_prompt(image=EXAMPLE_IMAGE) -> dict:
+    """The same workflow in the API format numz's users export (numz's input names)."""
+    def node(kind, **links):
+        return {"class_type": kind, "inputs": {**NUMZ_VALUES[kind], **links}}
+    return {"1": {"class_type": "LoadImage", "inputs": {"image": image}},
+            "2": node("SeedVR2LoadDiTModel"), "3": node("SeedVR2LoadVAEModel"),
+            "4": node("SeedVR2VideoUpscaler", image=["1", 0], dit=["2", 0], vae=["3", 0]),
+            "6": {"class_type": "SaveImage", "inputs": {"images": ["4", 0],
+                                                        "filename_prefix": "numz/image"}}}
+
+
+def expected_inputs(node_type: str, info: dict) -> dict:
+    """Our inputs after opening numz's node: each numz value on the input of the same meaning;
+    our inputs numz has no counterpart for at their defaults."""
+    from seedvr2.workflow.numz import _widgets
+
+    values = {OURS.get(k, k): v for k, v in NUMZ_VALUES[node_type].items() if k not in DROPPED}
+    if node_type == "SeedVR2TorchCompileSettings":
+        values["dynamic"] = "false"  # numz's switch; ours adds "auto"
+    return {w.name: values.get(w.name, w.default) for w in _widgets(info[node_type])}
+
+
+def _info(tmp_path):
+    return builtin_object_info(HeadlessHost(model_dir=tmp_path))
+
+
+@pytest.fixture
+def empty_model_cache():
+    """The numz DiT loader keeps its model (cache_model): dropped after the test."""
+    from seedvr2.memory import MODEL_CACHE
+
+    yield
+    MODEL_CACHE.clear()
+
+
+NUMZ_TYPES = list(NUMZ_V2_5_24)
+
+
+@pytest.mark.parametrize("names", [True, False], ids=["widget-names", "positional"])
+def test_numz_editor_workflow_puts_every_value_on_our_input_of_the_same_meaning(names, tmp_path):
+    info = _info(tmp_path)
+    notes = []
+    api = ui_to_api(numz_ui_workflow(names=names, compile_args=True), info, notes.append)
+    for node_id, node_type in (("2", "SeedVR2LoadDiTModel"), ("3", "SeedVR2LoadVAEModel"),
+                               ("5", "SeedVR2TorchCompileSettings"),
+                               ("4", "SeedVR2VideoUpscaler")):
+        widgets = {k: v for k, v in api[node_id]["inputs"].items() if not isinstance(v, list)}
+        assert widgets == expected_inputs(node_type, info), node_type
+    assert api["2"]["inputs"]["torch_compile_args"] == ["5", 0]
+    assert api["4"]["inputs"]["image"] == ["1", 0]
+    assert (api["4"]["inputs"]["dit"], api["4"]["inputs"]["vae"]) == (["2", 0], ["3", 0])
+    assert notes == [
+        "node 3 (SeedVR2LoadVAEModel): numz's tile_debug = 'encode' has no equivalent in this "
+        "pack; dropped",
+        "node 4 (SeedVR2VideoUpscaler): numz's enable_debug = True has no equivalent in this "
+        "pack; dropped"]
+
+
+def test_numz_links_follow_their_inputs_and_take_our_types(tmp_path):
+    from seedvr2.workflow.numz import translate_workflow
+
+    workflow, _ = translate_workflow(numz_ui_workflow(compile_args=True), _info(tmp_path))
+    nodes = {n["id"]: n for n in workflow["nodes"]}
+    links = {link[0]: link for link in workflow["links"]}
+    dit_inputs = [i["name"] for i in nodes[2]["inputs"]]
+    slot = dit_inputs.index("torch_compile_args")
+    assert links[5] == [5, 5, 0, 2, slot, "SEEDVR2_TORCH_COMPILE_ARGS"]
+    assert nodes[2]["inputs"][slot]["type"] == "SEEDVR2_TORCH_COMPILE_ARGS"
+    assert nodes[5]["outputs"][0]["type"] == "SEEDVR2_TORCH_COMPILE_ARGS"
+    assert [i["name"] for i in nodes[4]["inputs"] if "widget" not in i] == ["image", "dit", "vae"]
+    assert "attention_backend" in dit_inputs and "attention_mode" not in dit_inputs
+
+
+def test_widget_names_decide_over_numz_v2_5_24_order(tmp_path):
+    """numz changed its input order between releases: a file with widget names is read by
+    them (here the DiT loader of an older order, offload_device before blocks_to_swap)."""
+    info = _info(tmp_path)
+    older = ["model", "device", "offload_device", "cache_model", "blocks_to_swap",
+             "swap_io_components", "attention_mode"]
+    api = ui_to_api(numz_ui_workflow(dit_order=older), info)
+    widgets = {k: v for k, v in api["2"]["inputs"].items() if not isinstance(v, list)}
+    assert widgets == expected_inputs("SeedVR2LoadDiTModel", info)
+    # An input another release had, named in the file, is dropped with a note.
+    workflow = numz_ui_workflow()
+    dit = next(n for n in workflow["nodes"] if n["id"] == 2)
+    dit["inputs"].append({"name": "preserve_vram", "type": "BOOLEAN",
+                          "widget": {"name": "preserve_vram"}, "link": None})
+    dit["widgets_values"].append(True)
+    notes = []
+    api = ui_to_api(workflow, info, notes.append)
+    widgets = {k: v for k, v in api["2"]["inputs"].items() if not isinstance(v, list)}
+    assert widgets == expected_inputs("SeedVR2LoadDiTModel", info)
+    assert notes == ["node 2 (SeedVR2LoadDiTModel): numz's preserve_vram = True has no "
+                     "equivalent in this pack; dropped", *notes[1:]]
+
+
+def test_a_choice_numz_has_and_we_do_not_takes_our_default_with_a_note(tmp_path):
+    info = _info(tmp_path)
+    workflow = numz_ui_workflow()
+    dit = next(n for n in workflow["nodes"] if n["id"] == 2)
+    dit["widgets_values"][-1] = "sageattn_3"
+    vae = next(n for n in workflow["nodes"] if n["id"] == 3)
+    vae["widgets_values"][numz_widget_order("SeedVR2LoadVAEModel").index("tile_debug")] = "false"
+    upscaler = next(n for n in workflow["nodes"] if n["id"] == 4)
+    upscaler["widgets_values"][-1] = False  # enable_debug off
+    notes = []
+    api = ui_to_api(workflow, info, notes.append)
+    assert api["2"]["inputs"]["attention_backend"] == "auto"
+    # numz's debug switches left off lose nothing when dropped: no note for them.
+    assert notes == ["node 2 (SeedVR2LoadDiTModel): numz's attention_mode = 'sageattn_3' is "
+                     "not available in this pack (choices: auto, sdpa, flash_attn_2, "
+                     "flash_attn_3, sageattn_2); using 'auto'"]
+
+
+def test_a_number_outside_our_range_takes_our_default_with_a_note(tmp_path):
+    """numz's compile cache limits start at 0, ours at 1."""
+    prompt = {"5": {"class_type": "SeedVR2TorchCompileSettings",
+                    "inputs": {**NUMZ_VALUES["SeedVR2TorchCompileSettings"],
+                               "dynamo_cache_size_limit": 0}}}
+    translated, notes = translate_prompt(prompt, _info(tmp_path))
+    assert translated["5"]["inputs"]["dynamo_cache_size_limit"] == 64
+    assert translated["5"]["inputs"]["dynamic"] == "false"
+    assert notes == ["node 5 (SeedVR2TorchCompileSettings): numz's dynamo_cache_size_limit = 0 "
+                     "is outside this pack's range (1 to 1024); using 64"]
+
+
+def test_numz_prompts_are_told_from_ours_without_object_info():
+    from test_workflows import API_DIR
+
+    from seedvr2.workflow.numz import has_numz_nodes
+
+    assert has_numz_nodes(numz_api_prompt())
+    compile_only = {"5": {"class_type": "SeedVR2TorchCompileSettings",
+                          "inputs": NUMZ_VALUES["SeedVR2TorchCompileSettings"]}}
+    assert has_numz_nodes(compile_only)
+    for path in API_DIR.glob("*.json"):
+        assert not has_numz_nodes(json.loads(path.read_text())), path.name
+
+
+def test_our_own_saved_workflows_are_left_as_they_are(tmp_path):
+    from test_workflows import EXAMPLES_DIR
+
+    from seedvr2.workflow.numz import translate_workflow
+
+    for path in EXAMPLES_DIR.glob("*.json"):
+        workflow = json.loads(path.read_text())
+        assert translate_workflow(workflow, _info(tmp_path)) == (workflow, []), path.name
+
+
+def test_numz_editor_workflow_runs_headless(tiny_model_dir, inputs, tmp_path, capsys,
+                                            empty_model_cache):
+    from PIL import Image
+
+    path = tmp_path / "numz.json"
+    path.write_text(json.dumps(numz_ui_workflow(image=EXAMPLE_IMAGE)))
+    rc = main(["run-workflow", str(path), "--model-dir", str(tiny_model_dir), "--input-dir",
+               str(inputs), "--output-dir", str(tmp_path / "out")])
+    assert rc == 0, capsys.readouterr().err
+    (saved,) = (tmp_path / "out" / "numz").glob("*.png")
+    with Image.open(saved) as im:
+        assert im.size == IMAGE_OUT
+
+
+def test_numz_api_prompt_runs_headless_with_every_value_in_its_place(tiny_model_dir, inputs,
+                                                                    tmp_path, capsys,
+                                                                    empty_model_cache):
+    from PIL import Image
+
+    host = HeadlessHost(model_dir=tiny_model_dir, input_dir=inputs, output_dir=tmp_path / "out",
+                        quiet=True)
+    result = run_workflow(numz_api_prompt(image=EXAMPLE_IMAGE), host=host)
+    info = builtin_object_info(host)
+    for node_id, node_type in (("2", "SeedVR2LoadDiTModel"), ("3", "SeedVR2LoadVAEModel"),
+                               ("4", "SeedVR2VideoUpscaler")):
+        widgets = {k: v for k, v in result.prompt[node_id]["inputs"].items()
+                   if not isinstance(v, list)}
+        assert widgets == expected_inputs(node_type, info), node_type
+    assert result.warnings[:2] == [
+        "node 3 (SeedVR2LoadVAEModel): numz's tile_debug = 'encode' has no equivalent in this "
+        "pack; dropped",
+        "node 4 (SeedVR2VideoUpscaler): numz's enable_debug = True has no equivalent in this "
+        "pack; dropped"]
+    (saved,) = result.files
+    with Image.open(saved) as im:
+        assert im.size == IMAGE_OUT
+
+    # The same prompt from a file, with `seedvr2 run-workflow`.
+    path = tmp_path / "numz_api.json"
+    path.write_text(json.dumps(numz_api_prompt(image=EXAMPLE_IMAGE)))
+    rc = main(["run-workflow", str(path), "--model-dir", str(tiny_model_dir), "--input-dir",
+               str(inputs), "--output-dir", str(tmp_path / "cli")])
+    assert rc == 0, capsys.readouterr().err
+    assert len(list((tmp_path / "cli" / "numz").glob("*.png"))) == 1
+
+
+def test_another_pack_with_our_node_ids_is_named_with_both_folders():
+    class Theirs:
+        RELATIVE_PYTHON_MODULE = "custom_nodes.ComfyUI-SeedVR2_VideoUpscaler"
+
+    class Ours:
+        RELATIVE_PYTHON_MODULE = "custom_nodes.ComfyUI-SeedVR2"
+
+    ids = ("SeedVR2LoadDiTModel", "SeedVR2UpscaleVideoFile")
+    mappings = {"SeedVR2LoadDiTModel": Theirs, "SeedVR2UpscaleVideoFile": Ours}
+    dirs = {"ComfyUI-SeedVR2_VideoUpscaler": "/c/custom_nodes/ComfyUI-SeedVR2_VideoUpscaler",
+            "ComfyUI-SeedVR2": "/c/custom_nodes/ComfyUI-SeedVR2"}
+
+    def module(cls):
+        return cls.RELATIVE_PYTHON_MODULE
+
+    assert clashing_packs(ids, mappings, dirs, Ours.RELATIVE_PYTHON_MODULE, module,
+                          loading=False) == [
+        "two packs register the node IDs SeedVR2LoadDiTModel: "
+        "/c/custom_nodes/ComfyUI-SeedVR2_VideoUpscaler registers SeedVR2LoadDiTModel; this "
+        "pack, /c/custom_nodes/ComfyUI-SeedVR2, registers SeedVR2LoadDiTModel, "
+        "SeedVR2UpscaleVideoFile. ComfyUI keeps the pack loaded last: "
+        "custom_nodes.ComfyUI-SeedVR2_VideoUpscaler's replaced this pack's. Remove one of them "
+        "(this pack also opens numz's workflows)."]
+    assert clashing_packs(ids, {"SeedVR2LoadDiTModel": Ours}, dirs, Ours.RELATIVE_PYTHON_MODULE,
+                          module, loading=True) == []
+
+
+def test_numz_pack_loaded_first_is_named_in_the_log_when_ours_load(tmp_path):
+    """ComfyUI (classic path here: no comfy_api) with numz's nodes registered before ours: our
+    pack's import logs both folders and what each registers."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from conftest import REPO
+
+    ours = tmp_path / "custom_nodes" / "ComfyUI-SeedVR2"
+    ours.parent.mkdir()
+    ours.symlink_to(REPO, target_is_directory=True)
+    numz_dir = tmp_path / "custom_nodes" / "ComfyUI-SeedVR2_VideoUpscaler"
+    code = textwrap.dedent(f"""
+        import importlib.util, logging, sys, types
+        logging.basicConfig(level=logging.WARNING, format="%(message)s")
+        folder_paths = types.ModuleType("folder_paths")
+        folder_paths.models_dir = {str(tmp_path / "models")!r}
+        folder_paths.add_model_folder_path = lambda *args, **kwargs: None
+        sys.modules["folder_paths"] = folder_paths
+        nodes = types.ModuleType("nodes")  # ComfyUI's, after loading the numz pack
+        numz = type("SeedVR2LoadDiTModel", (), {{
+            "RELATIVE_PYTHON_MODULE": "custom_nodes.ComfyUI-SeedVR2_VideoUpscaler"}})
+        nodes.NODE_CLASS_MAPPINGS = {{"SeedVR2LoadDiTModel": numz, "SeedVR2VideoUpscaler": numz}}
+        nodes.LOADED_MODULE_DIRS = {{"ComfyUI-SeedVR2_VideoUpscaler": {str(numz_dir)!r},
+                                     "ComfyUI-SeedVR2": {str(ours)!r}}}
+        sys.modules["nodes"] = nodes
+        path = {str(ours)!r}
+        spec = importlib.util.spec_from_file_location(path.replace(".", "_x_"),
+                                                      path + "/__init__.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd="/")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        f"SeedVR2: two packs register the node IDs SeedVR2LoadDiTModel, SeedVR2VideoUpscaler: "
+        f"{numz_dir} registers SeedVR2LoadDiTModel, SeedVR2VideoUpscaler; this pack, {ours}, "
+        f"registers SeedVR2LoadDiTModel, SeedVR2LoadVAEModel, SeedVR2TorchCompileSettings, "
+        f"SeedVR2VideoUpscaler, SeedVR2UpscaleVideoFile, SeedVR2UpscaleVideo. ComfyUI keeps "
+        f"the pack loaded last: this pack's replace custom_nodes.ComfyUI-SeedVR2_VideoUpscaler's. "
+        f"Remove one of them (this pack also opens numz's workflows)."]
