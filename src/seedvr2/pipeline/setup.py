@@ -122,6 +122,10 @@ def load_models(dit=None, vae=None, *, opts: Options, model_dir=None) -> Models:
         key = ModelKey.for_file("vae", path, dtype, vae_device, _settings_of(opts, "vae"))
         vae, vae_placement = MODEL_CACHE.get_or_load(
             key, lambda: _load_vae(path, opts, dtype, vae_device, vae_offload), opts.cache_vae)
+    # Per run, not per load: they change how the VAE runs, not what it holds (a cached or
+    # given VAE runs with this job's settings).
+    vae.set_conv_settings(cudnn_benchmark=opts.vae_cudnn_benchmark,
+                          channels_last=opts.vae_channels_last)
     embedded = getattr(dit, "embedded_text_embeddings", None) or {}
     text = load_text_embeddings(opts.text_embeddings, dit.config.txt_in_dim, model_dir,
                                 embedded=embedded.get("pos"))
