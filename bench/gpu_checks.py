@@ -127,10 +127,10 @@ def rehearse_scale() -> Scale:
     def tiny(name):
         return json.loads((CONFORMANCE / name / "config.json").read_text())["constructor_kwargs"]
 
-    sizes = {"720p": (32, 48), "1080p": (48, 64)}
+    sizes = {"720p": (32, 32), "1080p": (32, 48)}
     return Scale("rehearsal", dit_config(tiny("dit3b_tiny")),
                  _short(dit_config(tiny("dit7b_tiny")), SHORT_7B_BLOCKS),
-                 vae_config(tiny("vae_tiny")), 5, sizes, (24, 32), 48, (0, 2, 4), 256,
+                 vae_config(tiny("vae_tiny")), 5, sizes, (16, 24), 32, (0, 2, 4), 256,
                  torch.float32, 2, label=lambda s: f"{s} stand-in {sizes[s][0]}x{sizes[s][1]}")
 
 
