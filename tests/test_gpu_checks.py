@@ -119,3 +119,47 @@ def test_without_a_gpu_the_real_run_says_to_use_rehearse(capsys):
     assert capsys.readouterr().err == (
         "gpu_checks: no CUDA device here: these checks measure a GPU. Use --rehearse to run "
         "every section on the CPU at small sizes\n")
+
+
+# -- the CUDA-only readings, on traces shaped like CUDA ones -----------------------------------
+
+@pytest.mark.parametrize("name, family", [
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, "
+     "false, cutlass::bfloat16_t, Flash_kernel_traits<128, 128, 64, 4, cutlass::bfloat16_t> >, "
+     "false, false, false, false, true, true, false, false>(pytorch_flash::Flash_fwd_params)",
+     "flash"),
+    ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel<"
+     "cutlass::bfloat16_t, cutlass::arch::Sm80, true, 64, 128, 128, true, true>::Params)",
+     "mem-efficient"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0",
+     "cuDNN attention"),
+    ("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<"
+     "flash::CollectiveMainloopFwdSm90<2, cute::tuple<>, false> > > >(...)", "FlashAttention-3"),
+    ("flash_attn_3::fwd", "FlashAttention-3"),
+    ("aten::_scaled_dot_product_attention_math", "math"),
+    ("aten::_scaled_dot_product_efficient_attention", "mem-efficient"),
+    ("aten::_scaled_dot_product_cudnn_attention", "cuDNN attention"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu", "flash"),
+    ("aten::scaled_dot_product_attention", None),  # the dispatcher, not a kernel
+    ("ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_64x3_tn", None),
+])
+def test_attention_kernels_are_named_by_family(name, family):
+    assert gpu_checks._attention_family(name) == family
+
+
+def test_copy_overlap_counts_copy_time_under_kernels(monkeypatch):
+    from types import SimpleNamespace as Event
+
+    cuda = torch.autograd.DeviceType.CUDA
+
+    def event(name, start, end):  # microseconds, as the profiler's time ranges
+        return Event(name=name, device_type=cuda, time_range=Event(start=start, end=end))
+
+    trace = Event(events=lambda: [
+        event("gemm", 0, 100), event("softmax", 90, 150),  # kernels cover [0, 150)
+        event("Memcpy HtoD (Pinned -> Device)", 50, 250),  # 100 of 200 us under kernels
+        event("Memcpy HtoD (Pinned -> Device)", 300, 400),  # none
+        event("Memset (Device)", 250, 450),  # neither a kernel nor a copy
+    ])
+    seconds, share = gpu_checks.copy_overlap(trace)
+    assert seconds == pytest.approx(300e-6) and share == pytest.approx(100 / 300)
