@@ -173,6 +173,8 @@ def measure(report: Report, section: str, what: str, fn: Callable[[], tuple]):
     """One row: ``fn() -> (value, note)``; an exception becomes an error row, not a lost table."""
     try:
         value, note = fn()
+    except ModuleNotFoundError as e:
+        report.add(section, what, "skipped", f"needs {e.name}, which is not installed here")
     except Exception as e:  # noqa: BLE001 -- the table is the product
         report.add(section, what, "error", f"{type(e).__name__}: {e}"[:400])
     else:
@@ -266,6 +268,7 @@ def random_model(build, config, device: torch.device, dtype: torch.dtype):
 
 def random_dit(run: Run, config=None, device=None):
     dit = random_model(build_dit, config or run.scale.dit3b, device or run.device, run.scale.dtype)
+    dit.set_attention_backend("auto")  # the default option: what a job runs
     dit.embedded_text_embeddings = {"pos": torch.randn(TEXT_TOKENS, dit.config.txt_in_dim)}
     return dit
 
@@ -752,6 +755,8 @@ def main(argv=None) -> int:
                 CHECKS[name](run)
         except SectionTimeout:
             report.add(name, "(rest of the section)", "skipped", f"stopped at its {cap:.0f} s cap")
+        except ModuleNotFoundError as e:
+            report.add(name, "(section)", "skipped", f"needs {e.name}, which is not installed here")
         except Exception as e:  # noqa: BLE001 -- the table is the product: keep it
             report.add(name, "(section)", "error", f"{type(e).__name__}: {e}"[:400])
         if len(report.rows) == rows:

@@ -153,3 +153,17 @@ def test_the_options_reach_the_vae_of_a_job(tiny_options, conv_calls):
                     vae_cudnn_benchmark=True, vae_channels_last=True)
     assert conv_calls and all(cl and benchmark for cl, benchmark in conv_calls)
     assert torch.backends.cudnn.benchmark is False
+
+
+def test_a_given_dit_module_gets_the_jobs_attention_backend(conformance, tiny_options):
+    from seedvr2.loading import load_dit
+    from seedvr2.pipeline.setup import load_models
+
+    dit = load_dit(conformance / "dit3b_tiny" / "weights.safetensors")
+    assert {b.attn.backend for b in dit.blocks} == {"sdpa"}
+    options = {k: v for k, v in tiny_options.items() if k not in ("dit", "vae", "model_dir")}
+    models = load_models(dit, tiny_options["vae"], model_dir=tiny_options["model_dir"],
+                         opts=resolve_options(**options, attention_backend="auto",
+                                              text_embeddings=str(tiny_options["model_dir"]
+                                                                  / "text_64.safetensors")))
+    assert {b.attn.backend for b in models.dit.blocks} == {"auto"}

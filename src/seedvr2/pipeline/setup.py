@@ -108,6 +108,7 @@ def load_models(dit=None, vae=None, *, opts: Options, model_dir=None) -> Models:
     dit_placement = vae_placement = None
     if isinstance(dit, torch.nn.Module):
         dit = dit.to(device=dit_device if dit_offload is None else dit_offload, dtype=dtype)
+        dit.set_attention_backend(opts.attention_backend)  # a loaded file's is set at load
         dit_placement = _placement(dit, dit_device, dit_offload, "dit_offload_device")
     else:
         path = dit_path
