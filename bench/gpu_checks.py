@@ -328,8 +328,10 @@ def host_syncs(run: Run, fn) -> tuple[str, str]:
     detail = ", ".join(f"{n.removeprefix('aten::')} x{c}" for n, c in reads.most_common()) or "none"
     total = sum(reads.values())
     if syncs is None:
-        return f"{total} host reads", f"CPU analogue of stream syncs: device->host reads in the trace ({detail})"
-    return f"{syncs} stream syncs", f"sync debug mode; device->host reads in the trace: {total} ({detail})"
+        return (f"{total} host reads",
+                f"CPU analogue of stream syncs: device->host reads in the trace ({detail})")
+    return (f"{syncs} stream syncs",
+            f"sync debug mode; device->host reads in the trace: {total} ({detail})")
 
 
 def _attention_family(name: str) -> Optional[str]:
@@ -440,7 +442,8 @@ def budget_phases(run: Run, dit, vae) -> dict:
     from seedvr2.pipeline.setup import _budget_job
 
     device = str(run.device)
-    budget = mem.Budget(dit.config, vae.config, mem.Weights.of_module(dit), mem.Weights.of_module(vae))
+    budget = mem.Budget(dit.config, vae.config, mem.Weights.of_module(dit),
+                        mem.Weights.of_module(vae))
     opts = resolve_options(batch_size=run.scale.frames)
     h, w = run.scale.e2e_input
     size = (run.scale.e2e_resolution, round(run.scale.e2e_resolution * w / h))
@@ -581,7 +584,8 @@ def check_blockswap(run: Run):
                                     f"copies; overlap: CUDA only)")
                     note.append(f"arena pinned {gib(swap.pinned_bytes)} "
                                 f"({'cudaHostRegister' if run.cuda else 'CPU: nothing to pin'})")
-                return (f"{seconds * 1e3:.1f} ms ({seconds / base['seconds']:.2f}x)", "; ".join(note))
+                return (f"{seconds * 1e3:.1f} ms ({seconds / base['seconds']:.2f}x)",
+                        "; ".join(note))
             finally:
                 if swap is not None:
                     swap.detach()
@@ -605,7 +609,7 @@ def check_vae(run: Run):
     video = torch.rand(1, 3, scale.frames, h, w, device=run.device).mul_(2).sub_(1).to(scale.dtype)
     latent = torch.randn(1, 16, (scale.frames - 1) // 4 + 1, h // 8, w // 8, device=run.device,
                          dtype=scale.dtype)
-    flags = lambda b, c: f"cudnn.benchmark {'on' if b else 'off'}, channels_last_3d {'on' if c else 'off'}"  # noqa: E731
+    on = lambda flag: "on" if flag else "off"  # noqa: E731
     cudnn_note = "" if run.cuda else " (CPU: cuDNN unused, flag set only)"
     before = torch.backends.cudnn.benchmark
     torch.backends.cudnn.benchmark = False  # "off" means off, whatever the process had
@@ -627,14 +631,16 @@ def check_vae(run: Run):
                     return (f"{seconds:.3f} s", f"{run.peaks()}; temporal slices of {slices} "
                             f"frames (the default), untiled{cudnn_note}")
                 measure(r, "vae", f"{stage} {scale.label('1080p')} x {scale.frames}, "
-                        f"{flags(benchmark, channels_last)}", vae_row)
+                        f"cudnn.benchmark {on(benchmark)}, channels_last_3d {on(channels_last)}",
+                        vae_row)
         vae.set_conv_settings(cudnn_benchmark=False, channels_last=False)
         tiles, slices = tiling.settings_from_options(resolve_options(), "decode")
 
         def decode_syncs():
             with torch.inference_mode():
                 return host_syncs(run, lambda: tiling.decode(vae, latent, tiles, slices))
-        measure(r, "vae", f"host syncs, decode {scale.label('1080p')} x {scale.frames}", decode_syncs)
+        measure(r, "vae", f"host syncs, decode {scale.label('1080p')} x {scale.frames}",
+                decode_syncs)
     finally:
         torch.backends.cudnn.benchmark = before
 
@@ -665,8 +671,8 @@ def check_dequant(run: Run):
     scale = run.scale
     with torch.device("meta"):
         dit = build_dit(scale.dit3b)
-    shapes = collections.Counter(tuple(m.weight.shape) for _, m in dit.named_modules()
-                                 if can_pack(m, "weight") and getattr(m, "weight", None) is not None)
+    shapes = collections.Counter(tuple(m.weight.shape) for m in dit.modules()
+                                 if can_pack(m, "weight") and m.weight is not None)
     values = sum(math.prod(s) * c for s, c in shapes.items())
     for fmt in ("Q8_0", "Q4_K", "float8_e4m3fn"):
         def dequant_row(fmt=fmt):
@@ -674,15 +680,17 @@ def check_dequant(run: Run):
             for shape, count in shapes.items():
                 packed = _random_packed(fmt, shape, run.device)
                 seconds += count * run.time(lambda: packed.dequantize(scale.dtype))
-                if len(shape) == 2 and fp8_matmul_applies(packed, scale.dtype, run.device):
+                if len(shape) == 2 and fp8_matmul_applies(packed, scale.dtype, run.device,
+                                                          enabled=True):
                     fp8_matmul += count
                 del packed
             note = (f"{sum(shapes.values())} packable weights, {values / 1e9:.3f} G values "
                     f"({len(shapes)} shapes timed, best of {scale.repeats}), "
                     f"{values * scale.dtype.itemsize / seconds / 1e9:.0f} GB/s written")
             if fmt.startswith("float8"):
-                note += (f"; {fp8_matmul} of them run on torch._scaled_mm instead (no dequant)"
-                         if run.cuda else "; torch._scaled_mm: CUDA only")
+                note += (f"; with SEEDVR2_FP8_MATMUL=1, {fp8_matmul} of them run on "
+                         f"torch._scaled_mm instead (no dequant)" if run.cuda
+                         else "; torch._scaled_mm: CUDA only")
             return f"{seconds * 1e3:.2f} ms per forward", note
         measure(run.report, "dequant", f"{fmt} -> {str(scale.dtype).removeprefix('torch.')}, "
                 f"every packable 3B weight{'' if scale.name == 'GPU' else ' (tiny stand-in)'}",
@@ -711,7 +719,8 @@ def parse_args(argv):
     unknown = [s for s in chosen if s not in SECTIONS]
     if unknown or not chosen:
         raise UsageError(f"--sections {args.sections!r}: unknown section(s) "
-                         f"{', '.join(unknown) or '(none given)'}; choose from {', '.join(SECTIONS)}")
+                         f"{', '.join(unknown) or '(none given)'}; "
+                         f"choose from {', '.join(SECTIONS)}")
     if not (0 < args.minutes <= 60):
         raise UsageError(f"--minutes {args.minutes}: give a time between 0 and 60 minutes")
     args.sections = [s for s in SECTIONS if s in chosen]  # always in order of value

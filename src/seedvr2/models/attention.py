@@ -75,7 +75,8 @@ def auto_backend(q: torch.Tensor) -> str:
     return "flash_attn_3" if importlib.util.find_spec(FLASH_ATTN_3_MODULE) else "sdpa"
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "sdpa") -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           backend: str = "sdpa") -> torch.Tensor:
     """Softmax attention, scale 1/sqrt(head_dim). q/k/v: (batch, seq, heads, head_dim).
 
     The optional kernels need CUDA and fp16/bf16 and raise where they cannot run.
