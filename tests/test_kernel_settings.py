@@ -141,16 +141,18 @@ def test_cudnn_benchmark_is_set_while_the_vae_runs_and_restored(tiny_vae, conv_c
     assert conv_calls and not any(benchmark for _, benchmark in conv_calls)
 
 
-def test_the_options_reach_the_vae_of_a_job(tiny_options, conv_calls):
-    """Through seedvr2.upscale: tiled encode and decode (the tiling entry points) run every
-    convolution channels-last with cuDNN benchmarking on, and the flag is off again after."""
+@pytest.mark.parametrize("exact", [False, True])
+def test_the_options_reach_the_vae_of_a_job(tiny_options, conv_calls, exact):
+    """Through seedvr2.upscale: tiled encode and decode (the tiling entry points; independent
+    or exact tiles) run every convolution channels-last with cuDNN benchmarking on, and the
+    flag is off again after."""
     assert {"vae_cudnn_benchmark", "vae_channels_last"} <= set(resolve_options().values)
     clip = torch.rand(5, 24, 32, 3)
     seedvr2.upscale(clip, **tiny_options, resolution=96, batch_size=5,
                     text_embeddings=str(tiny_options["model_dir"] / "text_64.safetensors"),
                     vae_encode_tiled=True, vae_decode_tiled=True, vae_encode_tile_size=64,
                     vae_decode_tile_size=64, vae_encode_tile_overlap=16, vae_decode_tile_overlap=16,
-                    vae_cudnn_benchmark=True, vae_channels_last=True)
+                    vae_tiling_exact=exact, vae_cudnn_benchmark=True, vae_channels_last=True)
     assert conv_calls and all(cl and benchmark for cl, benchmark in conv_calls)
     assert torch.backends.cudnn.benchmark is False
 

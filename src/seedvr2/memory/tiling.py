@@ -436,7 +436,8 @@ class _ExactRun:
         def produce(r0: int, r1: int, c0: int, c1: int) -> Tensor:
             # Depth-to-space of the source samples covering [r0, r1) x [c0, c1).
             a0, a1, b0, b1 = r0 // r, -(-r1 // r), c0 // r, -(-c1 // r)
-            y = up.upscale_conv(self._fetch(x.data[..., a0:a1, b0:b1]))
+            y = conv3d(self._fetch(x.data[..., a0:a1, b0:b1]), up.upscale_conv.weight,
+                       up.upscale_conv.bias, channels_last=up.conv.channels_last)
             h, w = a1 - a0, b1 - b0
             y = y.view(B, r, r, z, C, T, h, w).permute(0, 4, 5, 3, 6, 1, 7, 2) \
                 .reshape(B, C, T * z, h * r, w * r)
