@@ -121,7 +121,8 @@ def test_channels_last_reaches_every_convolution_and_keeps_the_result(tiny_vae, 
     assert out.is_contiguous()  # channels-first again for everything after the convolutions
 
 
-def test_cudnn_benchmark_is_set_while_the_vae_runs_and_restored(tiny_vae, conv_calls):
+def test_cudnn_benchmark_is_set_while_the_vae_runs_and_restored(tiny_vae, conv_calls,
+                                                                monkeypatch):
     latent = torch.randn(1, 16, 2, 4, 4)
     assert torch.backends.cudnn.benchmark is False
     tiny_vae.set_conv_settings(cudnn_benchmark=True, channels_last=False)
@@ -130,9 +131,17 @@ def test_cudnn_benchmark_is_set_while_the_vae_runs_and_restored(tiny_vae, conv_c
             tiny_vae.decode(latent)
         assert conv_calls and all(benchmark for _, benchmark in conv_calls)
         assert torch.backends.cudnn.benchmark is False
-        with pytest.raises(ValueError, match="latent"), torch.no_grad():  # restored on errors too
-            tiny_vae.decode(torch.randn(1, 15, 2, 4, 4))
-        assert torch.backends.cudnn.benchmark is False
+        recording = F.conv3d
+
+        def failing(*args, **kwargs):  # a convolution that fails mid-decode
+            recording(*args, **kwargs)
+            raise RuntimeError("cuDNN error: CUDNN_STATUS_INTERNAL_ERROR")
+
+        monkeypatch.setattr(F, "conv3d", failing)
+        with pytest.raises(RuntimeError, match="CUDNN_STATUS"), torch.no_grad():
+            tiny_vae.decode(latent)
+        assert conv_calls[-1][1] is True and torch.backends.cudnn.benchmark is False
+        monkeypatch.setattr(F, "conv3d", recording)
     finally:
         tiny_vae.set_conv_settings(cudnn_benchmark=False, channels_last=False)
     conv_calls.clear()

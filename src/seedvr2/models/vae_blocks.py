@@ -64,10 +64,11 @@ def _triple(value: _int3) -> Tuple[int, int, int]:
 
 def conv3d(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: _int3 = 1,
            padding: _int3 = 0, channels_last: bool = False) -> Tensor:
-    """``F.conv3d``; ``channels_last`` runs it on channels-last (NDHWC) input and weight, the
-    layout tensor-core convolutions read without transposing, and returns the result
-    channels-first again: everything around the convolutions (views, in-place writes into
-    padded buffers) stays in the one layout it is written for."""
+    """``F.conv3d``; ``channels_last`` runs it on channels-last (NDHWC) input and weight (the
+    layout cuDNN's tensor-core kernels work in; channels-first inputs may be transposed inside
+    cuDNN) and returns the result channels-first again: everything around the convolutions
+    (views, in-place writes into padded buffers) stays in the one layout it is written for.
+    Whether the two copies this costs pay off is what ``bench/gpu_checks.sh`` measures."""
     if not channels_last:
         return F.conv3d(x, weight, bias, stride, padding)
     layout = torch.channels_last_3d
