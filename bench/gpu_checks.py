@@ -476,9 +476,9 @@ def check_e2e(run: Run):
             note = f"{seconds:.2f} s; per phase: {phases}; output {tuple(out.shape)}"
             if attempt.startswith("steady") and run.cuda:
                 estimate = budget_phases(run, dit, vae)
-                note += "; device peak vs budget: " + ", ".join(
-                    f"{name} {gib(p.device_allocated)} / {gib(estimate.get(name))}"
-                    for name, p in stats.phases.items())
+                note += "; device peak allocated / reserved vs budget: " + ", ".join(
+                    f"{name} {gib(p.device_allocated)} / {gib(p.device_reserved)} vs "
+                    f"{gib(estimate.get(name))}" for name, p in stats.phases.items())
             return f"{scale.frames / seconds:.2f} frames/s", note
         measure(run.report, "e2e", f"{label}, {attempt}", one_run)
 
