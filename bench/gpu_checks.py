@@ -41,7 +41,6 @@ import json
 import math
 import os
 import platform
-import re
 import signal
 import sys
 import time
@@ -119,6 +118,7 @@ def _short(config, blocks: int):
 def full_scale() -> Scale:
     return Scale("GPU", dit_config("3b"), _short(dit_config("7b"), SHORT_7B_BLOCKS),
                  vae_config(shipped_config("vae")), 21,
+                 # 1080 rounded up to a multiple of 16, as the pipeline pads it
                  {"720p": (720, 1280), "1080p": (1088, 1920)}, (540, 960), 1080, (0, 16, 32),
                  8192, torch.bfloat16, 3)
 
