@@ -1,228 +1,382 @@
-"""The GPU checks of issue 12 in one run (about 8 minutes on one H200), one summary table.
+"""What the first GPU run must measure, in one command and one table (bench/gpu_checks.sh).
 
-Random weights of the real shapes (3B DiT, the released VAE), nothing downloaded:
+Random weights of the real shapes (3B and 7B DiT, the released VAE); nothing is downloaded
+or installed. Sections, in order of value (``--sections`` picks some):
 
-* dtype     what ``dtype=auto`` chose for this GPU, and its compute capability
-* blockswap 3B forward at 720p x 21 with 0 / 16 / 32 blocks swapped: time, peak allocated,
-            pinned host bytes, and how much of the host->device copy time overlaps kernels
-            in a profiler trace (BlockSwap prefetches on a side stream: should be most of it)
-* mfu       3B forward at 720p and 1080p x 21: model FLOP utilisation against the GPU's
-            dense bf16 peak (FLOPs counted from the real windows), and the stream syncs one
-            forward makes (torch.cuda.set_sync_debug_mode counts them)
-* vae       VAE decode of 1080p x 21, untiled and in 512-px tiles: time and peak
-* e2e       ``seedvr2.upscale`` of a synthetic 21-frame clip to 1080p, untiled and with 512-px
-            tiles: frames/s, and the memory budget's estimate next to the measured per-phase
-            peaks (budget vs. reality: the budget is uncalibrated until this runs)
+* env       the GPU, torch, what ``dtype=auto`` and ``attention_backend=auto`` choose here
+* e2e       ``seedvr2.upscale`` of a synthetic 21-frame clip to 1080p with the 3B, run twice:
+            frames/s of the second (steady state) run, seconds per phase, peaks vs the budget
+* mfu       3B DiT forward at 720p and 1080p x 21: time, model FLOP utilisation against the
+            data-sheet dense peak, the attention kernel the profiler saw (flash / cuDNN /
+            mem-efficient / math / FlashAttention-3), and the host syncs of a 3B and a 7B
+            forward (torch.cuda sync debug mode, and the device->host reads in the trace)
+* blockswap 3B forward at 720p x 21 with 0 / 16 / 32 blocks swapped: time, peak allocated
+            and reserved against resident weights + 2 blocks, host->device copy GB/s and the
+            share of copy time overlapping kernels (profiler), bytes pinned by our arena
+* vae       VAE encode and decode of 1080p x 21 (default temporal slices) with
+            ``vae_cudnn_benchmark`` and ``vae_channels_last`` off and on; host syncs of a decode
+* dequant   GGUF Q8_0 / Q4_K and fp8 dequantisation of every packable 3B weight: ms per forward
 
-Each section stops being started once ``--minutes`` have passed; its rows then say so.
-``--dry-run`` builds everything on ``meta`` (no GPU needed, nothing computed), runs the DiT
-forward there to prove the shapes, and prints the plan.
+The table goes to stdout at the end and, when ``OUT`` is set, to ``$OUT/gpu_checks.md`` after
+every row, so a run stopped at its time limit still returns what it measured. Each section
+has a time cap; none starts after ``--minutes``.
 
-    bench/gpu_checks.sh [--dry-run] [--minutes 8] [--sections dtype,blockswap,mfu,vae,e2e]
+``--rehearse`` runs every section end to end on the CPU with the tiny test models at small
+sizes (real allocations, copies and weights; seconds): CUDA-only quantities are replaced by
+their labelled CPU analogues (host reads instead of stream syncs, host memcpy instead of
+host->device copies, the schedule's resident blocks instead of allocator peaks).
+
+    bench/gpu_checks.sh [--rehearse] [--minutes 7] [--sections env,e2e,mfu,blockswap,vae,dequant]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
+import dataclasses
+import gc
+import importlib.util
+import json
 import math
 import os
+import platform
+import signal
 import sys
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, bench/dit_forward.py
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))  # bench/common.py, bench/dit_forward.py
 
 from common import best_time  # noqa: E402
 from dit_forward import count_flops  # noqa: E402
 
 from seedvr2.models import build_dit, build_vae, dit_config, vae_config  # noqa: E402
 from seedvr2.models.config import shipped_config  # noqa: E402
-from seedvr2.models.rope import FrequencyTable, _RoPE3d  # noqa: E402
 
-SECTIONS = ("dtype", "blockswap", "mfu", "vae", "e2e")
+SECTIONS = ("env", "e2e", "mfu", "blockswap", "vae", "dequant")
+# Seconds each section may run on the GPU (its rows then stop); the sum stays under the
+# 7-minute default. The rehearsal's sections take seconds; REHEARSE_CAP only bounds a hang.
+CAPS = {"env": 15, "e2e": 110, "mfu": 70, "blockswap": 75, "vae": 95, "dequant": 30}
+REHEARSE_CAP = 60
+MIN_SECTION_SECONDS = 5  # a section with less time left is skipped, not started
 TEXT_TOKENS = 58
 # Dense bf16 tensor-core peaks (FLOP/s, no sparsity) from the vendors' data sheets; a GPU not
-# listed gets "n/a" for MFU and its measured matmul rate instead.
+# listed gets MFU against its measured matmul rate only.
 BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "RTX 4090": 165e12}
-# Output sizes (H, W) of the checks: latent = /8, DiT tokens = latent / (1, 2, 2).
-SIZES = {"720p": (720, 1280), "1080p": (1088, 1920)}  # 1080 rounds up to 16-px multiples
-FRAMES = 21
+CONFORMANCE = BENCH.parent / "tests" / "conformance"  # the tiny models' configs
 
 
 class UsageError(ValueError):
     pass
 
 
-def parse_args(argv):
-    parser = argparse.ArgumentParser(
-        prog="bench/gpu_checks.sh", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dry-run", action="store_true",
-                        help="build everything on meta and print the plan (no GPU needed)")
-    parser.add_argument("--minutes", type=float, default=8.0,
-                        help="start no section after this many minutes (default 8)")
-    parser.add_argument("--sections", default=",".join(SECTIONS),
-                        help=f"comma-separated subset of {','.join(SECTIONS)}")
-    parser.add_argument("--device", default="cuda:0", help="the GPU to measure (default cuda:0)")
-    args = parser.parse_args(argv)
-    chosen = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = [s for s in chosen if s not in SECTIONS]
-    if unknown or not chosen:
-        raise UsageError(f"--sections {args.sections!r}: unknown section(s) "
-                         f"{', '.join(unknown) or '(none given)'}; choose from {', '.join(SECTIONS)}")
-    if not (0 < args.minutes <= 60):
-        raise UsageError(f"--minutes {args.minutes}: give a time between 0 and 60 minutes")
-    args.sections = chosen
-    if not args.dry_run:
-        if not torch.cuda.is_available():
-            raise UsageError("no CUDA device here: these checks measure a GPU. Use --dry-run "
-                             "to check the plan on a machine without one")
-        device = torch.device(args.device)
-        if device.type != "cuda" or (device.index or 0) >= torch.cuda.device_count():
-            raise UsageError(f"--device {args.device}: not a CUDA device of this machine "
-                             f"({torch.cuda.device_count()} visible)")
-    return args
+class SectionTimeout(BaseException):
+    """Raised by the section's alarm; a BaseException so rows' ``except Exception`` let it by."""
 
 
-@dataclass
-class Report:
-    rows: list = field(default_factory=list)
-    started: float = field(default_factory=time.monotonic)
+# -- sizes -----------------------------------------------------------------------------------------
 
-    def add(self, section: str, what: str, value: str, note: str = ""):
-        self.rows.append((section, what, value, note))
-        print(f"[{time.monotonic() - self.started:6.1f}s] {section}: {what} = {value} {note}",
-              file=sys.stderr, flush=True)
+@dataclass(frozen=True)
+class Scale:
+    """The models and sizes of a run: the real ones on the GPU, tiny ones for the rehearsal."""
 
-    def table(self) -> str:
-        header = ("section", "measurement", "value", "note")
-        widths = [max(len(str(r[i])) for r in [header, *self.rows]) for i in range(4)]
-        line = lambda r: " | ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
-        rule = "-+-".join("-" * w for w in widths)
-        return "\n".join([line(header), rule, *(line(r) for r in self.rows)])
+    name: str
+    dit3b: object
+    dit7b: object  # the 7B's widths and window rules, first blocks only
+    vae: object
+    frames: int
+    sizes: dict  # label -> output (H, W), multiples of 16
+    e2e_input: tuple  # (H, W) of the synthetic clip
+    e2e_resolution: int
+    swaps: tuple  # blocks swapped in the blockswap rows
+    matmul: int  # side of the square matmul that gives the reference rate
+    dtype: torch.dtype
+    repeats: int
+    label: Callable = str  # how a size label reads in a row
 
-
-def gib(n) -> str:
-    return "n/a" if n is None else f"{n / 2 ** 30:.2f} GiB"
-
-
-# -- models with random weights of the real shapes ------------------------------------------------
-
-def _restore_rope_tables(model):
-    """to_empty leaves buffers uninitialised: the RoPE tables get their defining values back."""
-    for module in model.modules():
-        if isinstance(module, _RoPE3d):
-            table: FrequencyTable = module.rope
-            table.freqs = module.default_freqs(module.axis_dim).to(table.freqs.device)
-
-
-def _random_weights(model, device: torch.device, dtype: torch.dtype):
-    """N(0, 0.02) weights (biases 0, norm gains 1) on ``device``; ``meta`` keeps shapes only."""
-    if device.type == "meta":
-        return model.to(dtype)
-    model.to_empty(device=device)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.zero_()
-            elif p.dim() == 1:  # norm gains
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02)
-    return model.to(dtype)
-
-
-def build_models(device: torch.device, dtype: torch.dtype):
-    """3B DiT and VAE with random weights of the real shapes on ``device``; ``meta`` builds
-    shapes only."""
-    with torch.device("meta"):
-        dit = build_dit(dit_config("3b")).eval()
-        vae = build_vae(vae_config(shipped_config("vae"))).eval()
-    dit, vae = _random_weights(dit, device, dtype), _random_weights(vae, device, dtype)
-    if device.type != "meta":
-        _restore_rope_tables(dit)
-    dit.embedded_text_embeddings = {"pos": torch.randn(TEXT_TOKENS, dit.config.txt_in_dim)}
-    return dit, vae
+    @property
+    def blocks_3b(self) -> int:
+        return self.dit3b.num_layers
 
 
 SHORT_7B_BLOCKS = 2  # both window rules; host syncs do not depend on the block count
 
 
-def build_short_7b(device: torch.device, dtype: torch.dtype):
-    """The 7B DiT's real widths and window rules with only its first blocks: enough to count
-    the host syncs of its window-local RoPE and packing in a forward."""
-    import dataclasses
+def _short(config, blocks: int):
+    return dataclasses.replace(
+        config, num_layers=blocks,
+        **{key: getattr(config, key)[:blocks] for key in ("block_type", "window", "window_method")})
 
-    config = dit_config("7b")
-    config = dataclasses.replace(
-        config, num_layers=SHORT_7B_BLOCKS,
-        **{key: getattr(config, key)[:SHORT_7B_BLOCKS]
-           for key in ("block_type", "window", "window_method")})
+
+def full_scale() -> Scale:
+    return Scale("GPU", dit_config("3b"), _short(dit_config("7b"), SHORT_7B_BLOCKS),
+                 vae_config(shipped_config("vae")), 21,
+                 # 1080 rounded up to a multiple of 16, as the pipeline pads it
+                 {"720p": (720, 1280), "1080p": (1088, 1920)}, (540, 960), 1080, (0, 16, 32),
+                 8192, torch.bfloat16, 3)
+
+
+def rehearse_scale() -> Scale:
+    def tiny(name):
+        return json.loads((CONFORMANCE / name / "config.json").read_text())["constructor_kwargs"]
+
+    sizes = {"720p": (32, 32), "1080p": (32, 48)}
+    return Scale("rehearsal", dit_config(tiny("dit3b_tiny")),
+                 _short(dit_config(tiny("dit7b_tiny")), SHORT_7B_BLOCKS),
+                 vae_config(tiny("vae_tiny")), 5, sizes, (16, 24), 32, (0, 2, 4), 256,
+                 torch.float32, 2, label=lambda s: f"{s} stand-in {sizes[s][0]}x{sizes[s][1]}")
+
+
+# -- the report ------------------------------------------------------------------------------------
+
+@dataclass
+class Report:
+    out: Optional[Path] = None
+    header: str = ""
+    rows: list = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+
+    def add(self, section: str, what: str, value: str, note: str = ""):
+        self.rows.append((section, what, value, note))
+        print(f"[{time.monotonic() - self.started:6.1f}s] {section}: {what} = {value}  {note}",
+              file=sys.stderr, flush=True)
+        self.write()
+
+    def table(self) -> str:
+        cell = lambda text: str(text).replace("|", "/").replace("\n", " ")  # noqa: E731
+        lines = ["| section | measurement | value | note |", "|---|---|---|---|"]
+        lines += [f"| {' | '.join(cell(c) for c in row)} |" for row in self.rows]
+        return "\n".join(lines)
+
+    def markdown(self) -> str:
+        elapsed = time.monotonic() - self.started
+        return f"{self.header}, {elapsed:.0f} s so far\n\n{self.table()}\n"
+
+    def write(self):
+        """The table so far to ``$OUT/gpu_checks.md`` (renamed into place: never half written)."""
+        if self.out is None:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        part = self.out / "gpu_checks.md.partial"
+        part.write_text(self.markdown())
+        os.replace(part, self.out / "gpu_checks.md")
+
+
+def measure(report: Report, section: str, what: str, fn: Callable[[], tuple]):
+    """One row: ``fn() -> (value, note)``; an exception becomes an error row, not a lost table."""
+    try:
+        value, note = fn()
+    except ModuleNotFoundError as e:
+        report.add(section, what, "skipped", f"needs {e.name}, which is not installed here")
+    except Exception as e:  # noqa: BLE001 -- the table is the product
+        report.add(section, what, "error", f"{type(e).__name__}: {e}"[:400])
+    else:
+        report.add(section, what, value, note)
+
+
+@contextlib.contextmanager
+def time_cap(seconds: float):
+    """SectionTimeout after ``seconds`` (delivered between Python steps: a running kernel or
+    copy finishes first)."""
+    def fire(signum, frame):
+        raise SectionTimeout
+
+    previous = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+# -- the device ------------------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    """What every section gets: the device, the scale, the report."""
+
+    device: torch.device
+    scale: Scale
+    report: Report
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def time(self, fn, repeats: Optional[int] = None) -> float:
+        return best_time(fn, self.scale.repeats if repeats is None else repeats, self.sync)
+
+    def reset_peaks(self):
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peaks(self) -> str:
+        if not self.cuda:
+            return "allocator peaks: CUDA only"
+        return (f"peak allocated {gib(torch.cuda.max_memory_allocated(self.device))}, "
+                f"reserved {gib(torch.cuda.max_memory_reserved(self.device))}")
+
+    def free(self):
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+
+def gib(n) -> str:
+    if n is None:
+        return "n/a"
+    return f"{n / 2 ** 30:.2f} GiB" if abs(n) >= 2 ** 28 else f"{n / 2 ** 20:.1f} MiB"
+
+
+def tensor_bytes(module) -> int:
+    seen = {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        seen[id(t)] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+# -- models with random weights of the real shapes -------------------------------------------------
+
+def random_model(build, config, device: torch.device, dtype: torch.dtype):
+    """``build(config)`` materialised on ``device`` with N(0, 0.02) weights (biases 0, norm
+    gains 1): built on meta, then ``to_empty`` (the RoPE tables recompute themselves)."""
     with torch.device("meta"):
-        dit = build_dit(config).eval()
-    dit = _random_weights(dit, device, dtype)
-    if device.type != "meta":
-        _restore_rope_tables(dit)
+        model = build(config).eval()
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    return model.to(dtype).requires_grad_(False)
+
+
+def random_dit(run: Run, config=None, device=None):
+    dit = random_model(build_dit, config or run.scale.dit3b, device or run.device, run.scale.dtype)
+    dit.set_attention_backend("auto")  # the default option: what a job runs
+    dit.embedded_text_embeddings = {"pos": torch.randn(TEXT_TOKENS, dit.config.txt_in_dim)}
     return dit
 
 
-def dit_inputs(size: str, device: torch.device, dtype: torch.dtype, txt_in_dim: int):
-    h, w = SIZES[size]
-    thw = ((FRAMES - 1) // 4 + 1, h // 8, w // 8)
-    vid = torch.randn(math.prod(thw), 33, device=device, dtype=dtype) if device.type != "meta" \
-        else torch.empty(math.prod(thw), 33, device=device, dtype=dtype)
-    txt = torch.zeros(TEXT_TOKENS, txt_in_dim, device=device, dtype=dtype)
-    # Shapes on the CPU (host facts, as the pipeline passes them); timestep filled on device.
+def random_vae(run: Run):
+    return random_model(build_vae, run.scale.vae, run.device, run.scale.dtype)
+
+
+def dit_inputs(run: Run, size: str, txt_in_dim: int):
+    h, w = run.scale.sizes[size]
+    thw = ((run.scale.frames - 1) // 4 + 1, h // 8, w // 8)
+    device, dtype = run.device, run.scale.dtype
+    vid = torch.randn(math.prod(thw), 33, device=device, dtype=dtype)
+    txt = torch.randn(TEXT_TOKENS, txt_in_dim, device=device, dtype=dtype)
+    # Shapes on the CPU (host facts, as the pipeline passes them); timestep on the device.
     return (vid, txt, torch.tensor([thw]), torch.tensor([[TEXT_TOKENS]]),
             torch.full((1,), 1000.0, device=device)), thw
 
 
-def budget_phases(dit, vae, tiled: bool, device: str = "cuda:0") -> dict:
-    """The memory budget's estimate per phase (bytes) for the e2e job: 3B bf16, 1080p x 21,
-    one batch, untiled or 512-px tiles, both models on ``device``."""
-    from seedvr2.memory import budget as mem
-    from seedvr2.options import resolve_options
-    from seedvr2.pipeline.setup import _budget_job
+# -- profiler readings -----------------------------------------------------------------------------
 
-    budget = mem.Budget(dit.config, vae.config, mem.Weights.of_module(dit), mem.Weights.of_module(vae))
-    opts = resolve_options(batch_size=FRAMES, vae_encode_tiled=tiled, vae_decode_tiled=tiled,
-                           vae_encode_tile_size=512, vae_decode_tile_size=512)
-    job = _budget_job(opts, SIZES["1080p"], FRAMES, torch.bfloat16, TEXT_TOKENS, {device})
-    return {p.phase.lower(): p.total for p in mem.estimate(budget, job, mem.Placement(device, device)).phases}
+# Ops that read a device value back to the host (a stream sync on CUDA): on the CPU the count
+# of these in a trace is the analogue of the sync debug mode's count.
+HOST_READ_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select",
+                 "aten::_unique2", "aten::unique_consecutive", "aten::unique_dim")
 
 
-# -- sections -----------------------------------------------------------------------------------------
+def _profile(run: Run, fn):
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if run.cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        run.sync()
+    return prof
 
-def check_dtype(report, device):
-    from seedvr2.memory.policy import resolve_dtype
 
-    chosen = resolve_dtype("auto", device)
-    capability = ".".join(map(str, torch.cuda.get_device_capability(device)))
-    report.add("dtype", "dtype=auto chose", str(chosen).replace("torch.", ""),
-               f"{torch.cuda.get_device_name(device)}, compute capability {capability}")
+def _device_events(prof):
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def _pinned_bytes():
-    stats = getattr(torch.cuda, "host_memory_stats", None)
-    if stats is None:
-        return None
-    values = stats()
-    for key in ("reserved_bytes.all.current", "allocated_bytes.all.current"):
-        if key in values:
-            return values[key]
+def host_syncs(run: Run, fn) -> tuple[str, str]:
+    """(value, note) of a row counting the host syncs of ``fn``: on CUDA the stream syncs
+    torch's sync debug mode reports; everywhere the device->host reads in a profiler trace."""
+    syncs = None
+    if run.cuda:
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        syncs = sum("synchroniz" in str(w.message) for w in caught)
+    prof = _profile(run, fn)
+    reads = collections.Counter(e.name for e in prof.events() if e.name in HOST_READ_OPS)
+    detail = ", ".join(f"{n.removeprefix('aten::')} x{c}" for n, c in reads.most_common()) or "none"
+    total = sum(reads.values())
+    if syncs is None:
+        return (f"{total} host reads",
+                f"CPU analogue of stream syncs: device->host reads in the trace ({detail})")
+    return (f"{syncs} stream syncs",
+            f"sync debug mode; device->host reads in the trace: {total} ({detail})")
+
+
+def _attention_family(name: str) -> Optional[str]:
+    n = name.lower()
+    if "flash_attn_3" in n or "flash_attn_interface" in n or ("sm90" in n and "flash" in n
+                                                               and "cudnn" not in n):
+        return "FlashAttention-3"
+    if "cudnn" in n and ("attention" in n or "sdpa" in n or "fmha" in n or "flash" in n):
+        return "cuDNN attention"
+    if "flash" in n:
+        return "flash"
+    if "efficient_attention" in n or "fmha" in n:
+        return "mem-efficient"
+    if "attention_math" in n:
+        return "math"
+    if "sageattn" in n or "sage" in n and "attn" in n:
+        return "SageAttention"
     return None
 
 
-def _copy_overlap(prof) -> tuple[float, float]:
-    """(host->device copy ms, fraction of it during kernels) from a profiler trace."""
+def attention_kernel(run: Run, fn) -> tuple[str, str]:
+    """(value, note): which attention kernel ``fn`` ran, from the profiler: the device kernels
+    (by time) on CUDA, the aten ops on the CPU; the raw names in the note."""
+    prof = _profile(run, fn)
+    ops = collections.Counter(e.name for e in prof.events()
+                              if e.device_type == torch.autograd.DeviceType.CPU
+                              and _attention_family(e.name) and "backward" not in e.name)
+    kernels = collections.Counter()
+    for e in _device_events(prof):
+        if _attention_family(e.name):
+            kernels[e.name] += e.time_range.end - e.time_range.start
+    names = kernels or ops
+    if not names:
+        return "none found", "no attention op or kernel in the trace"
+    top = names.most_common(1)[0][0]
+    note = ("device kernels by time: " + "; ".join(f"{k[:80]} {v / 1e3:.1f} ms" for k, v in
+                                                   kernels.most_common(3))
+            if kernels else "aten ops: " + "; ".join(f"{k} x{v}" for k, v in ops.most_common(3)))
+    return _attention_family(top), note
+
+
+def copy_overlap(prof) -> tuple[float, float]:
+    """(host->device copy seconds, share of it while kernels ran) from a profiler trace."""
     copies, kernels = [], []
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
+    for e in _device_events(prof):
         span = (e.time_range.start, e.time_range.end)
         if "Memcpy HtoD" in e.name:
             copies.append(span)
@@ -236,203 +390,349 @@ def _copy_overlap(prof) -> tuple[float, float]:
         else:
             merged.append([s, t])
     total = sum(t - s for s, t in copies)
-    hidden = 0.0
-    for s, t in copies:
-        hidden += sum(max(0.0, min(t, b) - max(s, a)) for a, b in merged if a < t and b > s)
-    return total / 1e3, (hidden / total if total else float("nan"))
+    hidden = sum(max(0.0, min(t, b) - max(s, a)) for s, t in copies for a, b in merged
+                 if a < t and b > s)
+    return total / 1e6, (hidden / total if total else float("nan"))
 
 
-def check_blockswap(report, device, dtype):
-    from seedvr2.memory.blockswap import BlockSwap
+# -- sections --------------------------------------------------------------------------------------
 
-    dit, _ = build_models(device, dtype)
-    inputs, thw = dit_inputs("720p", device, dtype, dit.config.txt_in_dim)
-    dit.to("cpu")
-    torch.cuda.empty_cache()
-    sync = torch.cuda.synchronize
-    base = None
-    for blocks in (0, 16, 32):
-        swap = None
-        try:
-            if blocks:
-                swap = BlockSwap(dit, blocks, False, device, torch.device("cpu"))
-                swap.activate()
-            else:
-                dit.to(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            with torch.inference_mode():
-                seconds = best_time(lambda: dit(*inputs), 2, sync)
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                    dit(*inputs)
-                    sync()
-            peak = torch.cuda.max_memory_allocated(device)
-            copy_ms, overlap = _copy_overlap(prof)
-            base = base or seconds
-            report.add("blockswap", f"{blocks} blocks swapped, 720p x {FRAMES}",
-                       f"{seconds * 1e3:.0f} ms ({seconds / base:.2f}x)",
-                       f"peak {gib(peak)}, pinned {gib(_pinned_bytes())}, H2D copies "
-                       f"{copy_ms:.0f} ms, {overlap:.0%} overlapping kernels")
-        except Exception as e:  # noqa: BLE001 -- one failing row must not lose the table
-            report.add("blockswap", f"{blocks} blocks swapped", "error", f"{type(e).__name__}: {e}")
-        finally:
-            if swap is not None:
-                swap.detach()
-            dit.to("cpu")
-            torch.cuda.empty_cache()
+def check_env(run: Run):
+    from seedvr2.memory.policy import resolve_dtype
+    from seedvr2.models.attention import FLASH_ATTN_3_MODULE, auto_backend
+
+    r = run.report
+    if run.cuda:
+        props = torch.cuda.get_device_properties(run.device)
+        capability = f"{props.major}.{props.minor}"
+        r.add("env", "device", props.name, f"compute capability {capability}, "
+              f"{gib(props.total_memory)}, {props.multi_processor_count} SMs, CUDA "
+              f"{torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}, "
+              f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '(unset)')}")
+    else:
+        r.add("env", "device", platform.processor() or platform.machine(),
+              f"CPU rehearsal, {torch.get_num_threads()} torch threads")
+    r.add("env", "software", f"torch {torch.__version__}",
+          f"Python {platform.python_version()}; PyAV {'yes' if _installed('av') else 'no'}, "
+          f"gguf {'yes' if _installed('gguf') else 'no'} (neither is needed here)")
+    r.add("env", "dtype=auto chose", str(resolve_dtype("auto", run.device)).removeprefix("torch."),
+          "policy.resolve_dtype")
+    q = torch.empty(1, 1, 1, 8, device=run.device, dtype=run.scale.dtype)
+    installed = {m: _installed(m) for m in (FLASH_ATTN_3_MODULE, "flash_attn", "sageattention")}
+    r.add("env", "attention_backend=auto runs", auto_backend(q),
+          "installed: " + ", ".join(f"{m} {'yes' if ok else 'no'}" for m, ok in installed.items()))
 
 
-def _count_syncs(fn) -> int:
-    """Stream syncs ``fn`` makes, as torch's sync debug mode reports them (one warning each)."""
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            fn()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    return sum("synchroniz" in str(w.message) for w in caught)
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
 
 
-def _matmul_rate(device, dtype) -> float:
-    a = torch.randn(8192, 8192, device=device, dtype=dtype)
-    b = torch.randn(8192, 8192, device=device, dtype=dtype)
-    return 2 * 8192 ** 3 / best_time(lambda: a @ b, 5, torch.cuda.synchronize)
+def _synthetic_clip(frames: int, h: int, w: int) -> torch.Tensor:
+    """Moving colour gradients, (T, H, W, 3) in [0, 1]."""
+    t = torch.arange(frames, dtype=torch.float32)[:, None, None, None]
+    y = torch.linspace(0, 1, h)[None, :, None, None]
+    x = torch.linspace(0, 1, w)[None, None, :, None]
+    return ((x + y + t / frames + torch.tensor([0.0, 0.33, 0.66])) % 1.0).contiguous()
 
 
-def check_mfu(report, device, dtype):
-    dit, _ = build_models(device, dtype)
-    name = torch.cuda.get_device_name(device)
-    peak = next((v for k, v in BF16_PEAK.items() if k in name), None)
-    matmul = _matmul_rate(device, dtype)
-    report.add("mfu", "dense matmul 8192^2 bf16", f"{matmul / 1e12:.0f} TFLOP/s",
-               f"data-sheet peak {peak / 1e12:.0f} TFLOP/s" if peak else "no data-sheet peak known")
-    for size in ("720p", "1080p"):
-        try:
-            inputs, thw = dit_inputs(size, device, dtype, dit.config.txt_in_dim)
-            with torch.inference_mode():
-                seconds = best_time(lambda: dit(*inputs), 3, torch.cuda.synchronize)
-                syncs = _count_syncs(lambda: dit(*inputs))
-            flops = count_flops(dit, thw, TEXT_TOKENS)
-            rate = flops / seconds
-            mfu = f"MFU {rate / peak:.1%}" if peak else "MFU n/a"
-            report.add("mfu", f"DiT forward {size} x {FRAMES}", f"{seconds * 1e3:.0f} ms",
-                       f"{rate / 1e12:.0f} TFLOP/s, {mfu}, {rate / matmul:.0%} of matmul, "
-                       f"{syncs} stream syncs")
-        except Exception as e:  # noqa: BLE001
-            report.add("mfu", f"DiT forward {size}", "error", f"{type(e).__name__}: {e}")
-    torch.cuda.empty_cache()
-    try:
-        short = build_short_7b(device, dtype)
-        inputs, _ = dit_inputs("720p", device, dtype, short.config.txt_in_dim)
-        with torch.inference_mode():
-            short(*inputs)  # warm: window layouts are built and kept
-            syncs = _count_syncs(lambda: short(*inputs))
-        report.add("mfu", f"7B DiT forward 720p x {FRAMES}, {SHORT_7B_BLOCKS} of 36 blocks",
-                   f"{syncs} stream syncs", "0 expected: window extents are host facts")
-    except Exception as e:  # noqa: BLE001
-        report.add("mfu", "7B DiT forward syncs", "error", f"{type(e).__name__}: {e}")
-
-
-def check_vae(report, device, dtype):
-    from seedvr2.memory import tiling
+def budget_phases(run: Run, dit, vae) -> dict:
+    """The memory budget's estimate per phase (bytes) for the e2e job."""
+    from seedvr2.memory import budget as mem
     from seedvr2.options import resolve_options
+    from seedvr2.pipeline.setup import _budget_job
 
-    _, vae = build_models(device, dtype)
-    h, w = SIZES["1080p"]
-    latent = torch.randn(1, 16, (FRAMES - 1) // 4 + 1, h // 8, w // 8, device=device, dtype=dtype)
-    for tiled in (False, True):
-        label = "512-px tiles" if tiled else "untiled"
-        try:
-            opts = resolve_options(vae_decode_tiled=tiled, vae_decode_tile_size=512)
-            tiles, slices = tiling.settings_from_options(opts, "decode")
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-            with torch.inference_mode():
-                seconds = best_time(lambda: tiling.decode(vae, latent, tiles, slices), 1,
-                                    torch.cuda.synchronize)
-            report.add("vae", f"decode 1080p x {FRAMES}, {label}", f"{seconds:.2f} s",
-                       f"peak {gib(torch.cuda.max_memory_allocated(device))}")
-        except Exception as e:  # noqa: BLE001
-            report.add("vae", f"decode {label}", "error", f"{type(e).__name__}: {e}")
+    device = str(run.device)
+    budget = mem.Budget(dit.config, vae.config, mem.Weights.of_module(dit),
+                        mem.Weights.of_module(vae))
+    opts = resolve_options(batch_size=run.scale.frames)
+    h, w = run.scale.e2e_input
+    size = (run.scale.e2e_resolution, round(run.scale.e2e_resolution * w / h))
+    job = _budget_job(opts, size, run.scale.frames, run.scale.dtype, TEXT_TOKENS, {device})
+    placement = mem.Placement(device, device)
+    return {p.phase.lower(): p.total for p in mem.estimate(budget, job, placement).phases}
 
 
-def check_e2e(report, device, dtype):
+def check_e2e(run: Run):
     import seedvr2
     from seedvr2.pipeline.runner import JobStats
 
-    dit, vae = build_models(device, dtype)
-    # A synthetic 540p clip (moving gradients) upscaled to 1080p: the DiT sees 1088 x 1920.
-    t = torch.arange(FRAMES, dtype=torch.float32)[:, None, None, None]
-    y = torch.linspace(0, 1, 540)[None, :, None, None]
-    x = torch.linspace(0, 1, 960)[None, None, :, None]
-    clip = ((x + y + t / FRAMES + torch.tensor([0.0, 0.33, 0.66])) % 1.0).contiguous()
-    for tiled in (False, True):
-        label = "512-px tiles" if tiled else "untiled"
-        try:
+    scale = run.scale
+    dit, vae = random_dit(run), random_vae(run)
+    clip = _synthetic_clip(scale.frames, *scale.e2e_input)
+    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[scale.dtype]
+    options = dict(dit=dit, vae=vae, device=str(run.device), devices=str(run.device), dtype=dtype,
+                   resolution=scale.e2e_resolution, batch_size=scale.frames)
+    label = f"3B {dtype} {scale.e2e_resolution}p x {scale.frames}"
+    if scale.name != "GPU":
+        label = f"tiny 3B stand-in {dtype} {scale.e2e_resolution}p x {scale.frames}"
+    for attempt in ("first run (warm-up)", "steady state (second run)"):
+        def one_run():
             stats = JobStats()
-            options = dict(dit=dit, vae=vae, device=str(device), dtype="bf16", resolution=1080,
-                           batch_size=FRAMES, vae_encode_tiled=tiled, vae_decode_tiled=tiled,
-                           vae_encode_tile_size=512, vae_decode_tile_size=512, stats=stats)
-            torch.cuda.synchronize()
+            run.sync()
             start = time.perf_counter()
-            out = seedvr2.upscale(clip, **options)
+            out = seedvr2.upscale(clip, stats=stats, **options)
             seconds = time.perf_counter() - start
-            estimate = budget_phases(dit, vae, tiled, str(device))
-            phases = "; ".join(f"{name} measured {gib(p.device_allocated)} / budget "
-                               f"{gib(estimate.get(name))}" for name, p in stats.phases.items())
-            report.add("e2e", f"3B bf16 1080p x {FRAMES}, {label}", f"{FRAMES / seconds:.2f} frames/s",
-                       f"first run, loading and warm-up included; output {tuple(out.shape)}; "
-                       f"peaks: {phases}")
-        except Exception as e:  # noqa: BLE001
-            report.add("e2e", label, "error", f"{type(e).__name__}: {e}")
+            phases = ", ".join(f"{name} {p.seconds:.2f} s" for name, p in stats.phases.items())
+            note = f"{seconds:.2f} s; per phase: {phases}; output {tuple(out.shape)}"
+            if attempt.startswith("steady") and run.cuda:
+                estimate = budget_phases(run, dit, vae)
+                note += "; device peak allocated / reserved vs budget: " + ", ".join(
+                    f"{name} {gib(p.device_allocated)} / {gib(p.device_reserved)} vs "
+                    f"{gib(estimate.get(name))}" for name, p in stats.phases.items())
+            return f"{scale.frames / seconds:.2f} frames/s", note
+        measure(run.report, "e2e", f"{label}, {attempt}", one_run)
 
 
-# -- the dry run ------------------------------------------------------------------------------------
+def check_mfu(run: Run):
+    scale, r = run.scale, run.report
+    dit = random_dit(run)
+    name = torch.cuda.get_device_name(run.device) if run.cuda else "cpu"
+    peak = next((v for k, v in BF16_PEAK.items() if k in name), None) if run.cuda else None
+    n = scale.matmul
+    a, b = (torch.randn(n, n, device=run.device, dtype=scale.dtype) for _ in range(2))
+    matmul = 2 * n ** 3 / run.time(lambda: a @ b, 5)
+    del a, b
+    r.add("mfu", f"dense matmul {n}^2 {str(scale.dtype).removeprefix('torch.')}",
+          f"{matmul / 1e12:.3f} TFLOP/s",
+          f"data-sheet peak {peak / 1e12:.0f} TFLOP/s" if peak else
+          "no data-sheet peak for this device: MFU is against this measured rate")
+    for size in scale.sizes:
+        def forward_row(size=size):
+            inputs, thw = dit_inputs(run, size, dit.config.txt_in_dim)
+            with torch.inference_mode():
+                seconds = run.time(lambda: dit(*inputs))
+            rate = count_flops(dit, thw, TEXT_TOKENS) / seconds
+            mfu = f"MFU {rate / peak:.1%}" if peak else "MFU n/a (no data-sheet peak)"
+            return (f"{seconds * 1e3:.1f} ms", f"{rate / 1e12:.3f} TFLOP/s, {mfu}, "
+                    f"{rate / matmul:.0%} of the measured matmul rate, latent {thw}")
+        measure(r, "mfu", f"3B DiT forward {scale.label(size)} x {scale.frames}", forward_row)
 
-def dry_run(report, sections):
-    """Everything built on meta: shapes, parameter counts, FLOPs, the budget's estimate, and
-    the DiT forward traced on meta at both sizes (no data, no GPU)."""
-    meta, dtype = torch.device("meta"), torch.bfloat16
-    dit, vae = build_models(meta, dtype)
-    params = sum(p.numel() for p in dit.parameters())
-    report.add("plan", "3B DiT (random weights)", f"{params / 1e9:.2f} B parameters",
-               f"{dit.config.num_layers} blocks, built on meta")
-    report.add("plan", "VAE (random weights)", f"{sum(p.numel() for p in vae.parameters()) / 1e6:.0f} M parameters")
-    if "dtype" in sections:
-        report.add("dtype", "dtype=auto", "measured on the GPU", "policy.resolve_dtype('auto', cuda)")
-    if "blockswap" in sections:
-        report.add("blockswap", "0 / 16 / 32 blocks swapped at 720p", "measured on the GPU",
-                   "time, peak allocated, pinned bytes, copy/kernel overlap (profiler)")
-    for size in ("720p", "1080p"):
-        inputs, thw = dit_inputs(size, meta, dtype, dit.config.txt_in_dim)
-        with torch.no_grad():
-            out = dit(*inputs)
-        flops = count_flops(dit, thw, TEXT_TOKENS)
-        if "mfu" in sections:
-            report.add("mfu", f"DiT forward {size} x {FRAMES}", f"{flops / 1e12:.0f} TFLOP",
-                       f"latent {thw}, output {tuple(out.shape)} (traced on meta)")
-    if "mfu" in sections:
-        short = build_short_7b(meta, dtype)
-        inputs, _ = dit_inputs("720p", meta, dtype, short.config.txt_in_dim)
-        with torch.no_grad():
-            out = short(*inputs)
-        report.add("mfu", f"7B DiT forward 720p x {FRAMES}, {SHORT_7B_BLOCKS} of 36 blocks",
-                   "stream syncs counted on the GPU",
-                   f"output {tuple(out.shape)} (traced on meta: reads nothing back)")
-    if "vae" in sections:
-        h, w = SIZES["1080p"]
-        with torch.no_grad():
-            video = vae.decode(torch.empty(1, 16, (FRAMES - 1) // 4 + 1, h // 8, w // 8,
-                                           device=meta, dtype=dtype))
-        report.add("vae", f"decode 1080p x {FRAMES}, untiled / 512-px tiles", "measured on the GPU",
-                   f"output {tuple(video.shape)} (traced on meta)")
-    if "e2e" in sections:
-        for tiled in (False, True):
-            phases = budget_phases(dit, vae, tiled)
-            report.add("e2e", f"budget, 3B bf16 1080p x {FRAMES}, {'512-px tiles' if tiled else 'untiled'}",
-                       gib(max(phases.values())),
-                       "per phase: " + ", ".join(f"{k} {gib(v)}" for k, v in phases.items())
-                       + "; measured on the GPU")
+    def kernel_row():
+        inputs, _ = dit_inputs(run, "1080p", dit.config.txt_in_dim)
+        with torch.inference_mode():
+            return attention_kernel(run, lambda: dit(*inputs))
+    measure(r, "mfu", f"attention kernel used, 3B forward {scale.label('1080p')}", kernel_row)
+
+    def syncs_3b():
+        inputs, _ = dit_inputs(run, "720p", dit.config.txt_in_dim)
+        with torch.inference_mode():
+            dit(*inputs)  # warm: window layouts are built and kept
+            return host_syncs(run, lambda: dit(*inputs))
+    measure(r, "mfu", f"host syncs, 3B forward {scale.label('720p')}", syncs_3b)
+    del dit
+    run.free()
+
+    def syncs_7b():
+        short = random_dit(run, scale.dit7b)
+        inputs, _ = dit_inputs(run, "720p", short.config.txt_in_dim)
+        with torch.inference_mode():
+            short(*inputs)
+            value, note = host_syncs(run, lambda: short(*inputs))
+        return value, note + "; 0 expected: window extents are host facts"
+    measure(r, "mfu", f"host syncs, 7B forward {scale.label('720p')}, {SHORT_7B_BLOCKS} blocks",
+            syncs_7b)
+
+
+def check_blockswap(run: Run):
+    from seedvr2.memory.blockswap import BlockSwap
+
+    scale, r = run.scale, run.report
+    host = torch.device("cpu")
+    dit = random_dit(run).to(host)
+    run.free()
+    inputs, _ = dit_inputs(run, "720p", dit.config.txt_in_dim)
+    total = tensor_bytes(dit)
+    block = max(tensor_bytes(b) for b in dit.blocks)
+    base = {}
+    for blocks in scale.swaps:
+        def swap_row(blocks=blocks):
+            swap = None
+            try:
+                if blocks:
+                    # On the CPU BlockSwap is inactive unless forced (it only pays on CUDA);
+                    # the rehearsal forces it to run the same hooks and arena.
+                    swap = BlockSwap(dit, blocks, False, run.device, host, force=not run.cuda)
+                else:
+                    dit.to(run.device)
+                run.reset_peaks()
+                with torch.inference_mode():
+                    seconds = run.time(lambda: dit(*inputs), 2)
+                    prof = _profile(run, lambda: dit(*inputs))
+                base.setdefault("seconds", seconds)
+                peaks = run.peaks()
+                if blocks:
+                    resident = total - blocks * block
+                    note = [f"{peaks}; resident weights + 2 blocks = {gib(resident + 2 * block)} "
+                            f"(all weights {gib(total)}, one block {gib(block)})"]
+                else:
+                    note = [f"{peaks}; all weights resident = {gib(total)}"]
+                if swap is not None:
+                    moved = blocks * block  # every swapped block is copied once per forward
+                    most = getattr(swap.schedule, "max_resident", "n/a")
+                    note.append(f"swapped blocks resident at most: {most} (schedule)")
+                    if run.cuda:
+                        copy_s, overlap = copy_overlap(prof)
+                        note.append(f"H2D {gib(moved)} per forward in {copy_s * 1e3:.0f} ms = "
+                                    f"{moved / copy_s / 1e9 if copy_s else float('nan'):.1f} GB/s, "
+                                    f"{overlap:.0%} overlapping kernels")
+                    else:
+                        views = [t for b in dit.blocks[:blocks] for t in b.parameters()]
+                        copies = [torch.empty_like(v) for v in views]
+                        copy_s = run.time(lambda: [c.copy_(v) for c, v in zip(copies, views)], 2)
+                        note.append(f"host memcpy of the swapped {gib(moved)} = "
+                                    f"{moved / copy_s / 1e9:.1f} GB/s (CPU analogue of the H2D "
+                                    f"copies; overlap: CUDA only)")
+                    note.append(f"arena pinned {gib(swap.pinned_bytes)} "
+                                f"({'cudaHostRegister' if run.cuda else 'CPU: nothing to pin'})")
+                return (f"{seconds * 1e3:.1f} ms ({seconds / base['seconds']:.2f}x)",
+                        "; ".join(note))
+            finally:
+                if swap is not None:
+                    swap.detach()
+                dit.to(host)
+                del swap
+                run.free()
+        measure(r, "blockswap", f"{blocks} of {scale.blocks_3b} blocks swapped, 3B forward "
+                f"{scale.label('720p')} x {scale.frames}", swap_row)
+
+
+VAE_COMBOS = ((False, False), (True, False), (False, True), (True, True))
+
+
+def check_vae(run: Run):
+    from seedvr2.memory import tiling
+    from seedvr2.options import resolve_options
+
+    scale, r = run.scale, run.report
+    vae = random_vae(run)
+    h, w = scale.sizes["1080p"]
+    video = torch.rand(1, 3, scale.frames, h, w, device=run.device).mul_(2).sub_(1).to(scale.dtype)
+    latent = torch.randn(1, 16, (scale.frames - 1) // 4 + 1, h // 8, w // 8, device=run.device,
+                         dtype=scale.dtype)
+    on = lambda flag: "on" if flag else "off"  # noqa: E731
+    cudnn_note = "" if run.cuda else " (CPU: cuDNN unused, flag set only)"
+    before = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = False  # "off" means off, whatever the process had
+    try:
+        for benchmark, channels_last in VAE_COMBOS:
+            opts = resolve_options(vae_cudnn_benchmark=benchmark, vae_channels_last=channels_last)
+            vae.set_conv_settings(cudnn_benchmark=opts.vae_cudnn_benchmark,
+                                  channels_last=opts.vae_channels_last)
+            for stage in ("encode", "decode"):
+                tiles, slices = tiling.settings_from_options(opts, stage)
+                work = (lambda: tiling.encode_posterior(vae, video, tiles, slices)) \
+                    if stage == "encode" else (lambda: tiling.decode(vae, latent, tiles, slices))
+
+                def vae_row(work=work, slices=slices):
+                    run.free()
+                    run.reset_peaks()
+                    with torch.inference_mode():
+                        seconds = run.time(work, 1)  # the warm-up run does cuDNN's autotuning
+                    return (f"{seconds:.3f} s", f"{run.peaks()}; temporal slices of {slices} "
+                            f"frames (the default), untiled{cudnn_note}")
+                measure(r, "vae", f"{stage} {scale.label('1080p')} x {scale.frames}, "
+                        f"cudnn.benchmark {on(benchmark)}, channels_last_3d {on(channels_last)}",
+                        vae_row)
+        vae.set_conv_settings(cudnn_benchmark=False, channels_last=False)
+        tiles, slices = tiling.settings_from_options(resolve_options(), "decode")
+
+        def decode_syncs():
+            with torch.inference_mode():
+                return host_syncs(run, lambda: tiling.decode(vae, latent, tiles, slices))
+        measure(r, "vae", f"host syncs, decode {scale.label('1080p')} x {scale.frames}",
+                decode_syncs)
+    finally:
+        torch.backends.cudnn.benchmark = before
+
+
+def _random_packed(fmt: str, shape: tuple, device: torch.device):
+    """A PackedWeight of ``shape`` in ``fmt`` with random contents and finite scales (the
+    dequantisers' speed does not depend on the values)."""
+    from seedvr2.loading.gguf import BLOCK_SIZES
+    from seedvr2.loading.quantize import quantize_fp8
+    from seedvr2.loading.quantized import PackedWeight
+
+    if fmt.startswith("float8"):
+        data, scale = quantize_fp8(torch.randn(shape, device=device) * 0.02, getattr(torch, fmt))
+        return PackedWeight("float", tuple(shape), {"data": data, "scale": scale})
+    values, block_bytes = BLOCK_SIZES[fmt]
+    n = -(-math.prod(shape) // values)
+    blocks = torch.randint(0, 256, (n, block_bytes), dtype=torch.uint8, device=device)
+    # fp16 scales at the front of each block: d (Q8_0); d and dmin (Q4_K)
+    for offset in ((0,) if fmt == "Q8_0" else (0, 2)):
+        blocks[:, offset:offset + 2] = torch.full((n, 1), 0.01, dtype=torch.float16,
+                                                  device=device).view(torch.uint8)
+    return PackedWeight("gguf", (n * values,), {"blocks": blocks}, {"qtype": fmt})
+
+
+def check_dequant(run: Run):
+    from seedvr2.loading.quantized import can_pack, fp8_matmul_applies
+
+    scale = run.scale
+    with torch.device("meta"):
+        dit = build_dit(scale.dit3b)
+    shapes = collections.Counter(tuple(m.weight.shape) for m in dit.modules()
+                                 if can_pack(m, "weight") and m.weight is not None)
+    values = sum(math.prod(s) * c for s, c in shapes.items())
+    for fmt in ("Q8_0", "Q4_K", "float8_e4m3fn"):
+        def dequant_row(fmt=fmt):
+            seconds, fp8_matmul = 0.0, 0
+            for shape, count in shapes.items():
+                packed = _random_packed(fmt, shape, run.device)
+                seconds += count * run.time(lambda: packed.dequantize(scale.dtype))
+                if len(shape) == 2 and fp8_matmul_applies(packed, scale.dtype, run.device,
+                                                          enabled=True):
+                    fp8_matmul += count
+                del packed
+            note = (f"{sum(shapes.values())} packable weights, {values / 1e9:.3f} G values "
+                    f"({len(shapes)} shapes timed, best of {scale.repeats}), "
+                    f"{values * scale.dtype.itemsize / seconds / 1e9:.0f} GB/s written")
+            if fmt.startswith("float8"):
+                note += (f"; with SEEDVR2_FP8_MATMUL=1, {fp8_matmul} of them run on "
+                         f"torch._scaled_mm instead (no dequant)" if run.cuda
+                         else "; torch._scaled_mm: CUDA only")
+            return f"{seconds * 1e3:.2f} ms per forward", note
+        measure(run.report, "dequant", f"{fmt} -> {str(scale.dtype).removeprefix('torch.')}, "
+                f"every packable 3B weight{'' if scale.name == 'GPU' else ' (tiny stand-in)'}",
+                dequant_row)
+
+
+CHECKS = {"env": check_env, "e2e": check_e2e, "mfu": check_mfu, "blockswap": check_blockswap,
+          "vae": check_vae, "dequant": check_dequant}
+
+
+# -- the command -----------------------------------------------------------------------------------
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        prog="bench/gpu_checks.sh", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rehearse", action="store_true",
+                        help="every section on the CPU with tiny models at small sizes")
+    parser.add_argument("--minutes", type=float, default=7.0,
+                        help="start no section after this many minutes (default 7)")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated subset of {','.join(SECTIONS)}")
+    parser.add_argument("--device", default="cuda:0", help="the GPU to measure (default cuda:0)")
+    args = parser.parse_args(argv)
+    chosen = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = [s for s in chosen if s not in SECTIONS]
+    if unknown or not chosen:
+        raise UsageError(f"--sections {args.sections!r}: unknown section(s) "
+                         f"{', '.join(unknown) or '(none given)'}; "
+                         f"choose from {', '.join(SECTIONS)}")
+    if not (0 < args.minutes <= 60):
+        raise UsageError(f"--minutes {args.minutes}: give a time between 0 and 60 minutes")
+    args.sections = [s for s in SECTIONS if s in chosen]  # always in order of value
+    if not args.rehearse:
+        if not torch.cuda.is_available():
+            raise UsageError("no CUDA device here: these checks measure a GPU. Use --rehearse "
+                             "to run every section on the CPU at small sizes")
+        device = torch.device(args.device)
+        if device.type != "cuda" or (device.index or 0) >= torch.cuda.device_count():
+            raise UsageError(f"--device {args.device}: not a CUDA device of this machine "
+                             f"({torch.cuda.device_count()} visible)")
+    return args
 
 
 def main(argv=None) -> int:
@@ -441,34 +741,37 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"gpu_checks: {e}", file=sys.stderr)
         return 2
-    report = Report()
-    if args.dry_run:
-        dry_run(report, args.sections)
-        print(f"dry run: {len(report.rows)} rows planned; sections {', '.join(args.sections)}")
-        print(report.table())
-        return 0
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    device, dtype = torch.device(args.device), torch.bfloat16
-    torch.cuda.set_device(device)
+    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    if args.rehearse:
+        device, scale = torch.device("cpu"), rehearse_scale()
+    else:
+        device, scale = torch.device(args.device), full_scale()
+        torch.cuda.set_device(device)
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    report = Report(out, f"GPU checks ({scale.name}, {device}), started {started}")
+    run = Run(device, scale, report)
     torch.manual_seed(0)
     deadline = report.started + args.minutes * 60
-    checks = {"dtype": lambda: check_dtype(report, device),
-              "blockswap": lambda: check_blockswap(report, device, dtype),
-              "mfu": lambda: check_mfu(report, device, dtype),
-              "vae": lambda: check_vae(report, device, dtype),
-              "e2e": lambda: check_e2e(report, device, dtype)}
     for name in args.sections:
-        if time.monotonic() > deadline:
+        left = deadline - time.monotonic()
+        cap = min(REHEARSE_CAP if args.rehearse else CAPS[name], left)
+        if cap < MIN_SECTION_SECONDS:
             report.add(name, "(not started)", "skipped", f"past the {args.minutes:g}-minute limit")
             continue
+        rows = len(report.rows)
         try:
-            checks[name]()
+            with time_cap(cap):
+                CHECKS[name](run)
+        except SectionTimeout:
+            report.add(name, "(rest of the section)", "skipped", f"stopped at its {cap:.0f} s cap")
+        except ModuleNotFoundError as e:
+            report.add(name, "(section)", "skipped", f"needs {e.name}, which is not installed here")
         except Exception as e:  # noqa: BLE001 -- the table is the product: keep it
-            report.add(name, "(section)", "error", f"{type(e).__name__}: {e}")
-        torch.cuda.empty_cache()
-    print(f"GPU checks: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
-          f"{time.monotonic() - report.started:.0f} s")
-    print(report.table())
+            report.add(name, "(section)", "error", f"{type(e).__name__}: {e}"[:400])
+        if len(report.rows) == rows:
+            report.add(name, "(section)", "error", "measured nothing")
+        run.free()
+    print(report.markdown())
     return 0
 
 

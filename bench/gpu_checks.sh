@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 12 as one command from a fresh checkout (about 8 minutes on one
-# H200; random weights of the real shapes, nothing downloaded). Prints one summary table on
-# stdout; progress goes to stderr. See bench/gpu_checks.py and README "GPU checks".
+# What the first GPU run must measure, as one command from a checkout (about 7 minutes on one
+# H200; random weights of the real shapes; nothing downloaded or installed, no network).
+# Prints one table on stdout, progress on stderr, and rewrites $OUT/gpu_checks.md after every
+# row when OUT is set. See bench/gpu_checks.py and README "GPU checks".
 #
-#   bench/gpu_checks.sh [--dry-run] [--minutes 8] [--sections dtype,blockswap,mfu,vae,e2e]
+#   bench/gpu_checks.sh [--rehearse] [--minutes 7] [--sections env,e2e,mfu,blockswap,vae,dequant]
 #
-# The environment comes from scripts/env.sh (the pinned .venv; nothing else is installed).
-# PYTHON=/path/to/python uses that interpreter instead (and skips scripts/env.sh).
+# The interpreter: $PYTHON if set, else the checkout's .venv if there is one, else python3
+# (the machine's own Python with its torch: this script never installs anything).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${PYTHON:-}" ]; then
-  source scripts/env.sh
-  PYTHON="$VENV/bin/python"
+  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 exec "$PYTHON" bench/gpu_checks.py "$@"

@@ -209,3 +209,19 @@ def test_runs_when_loaded_under_inference_mode(conformance):
                     case["inputs.txt_shape"], case["inputs.timestep"])
     expected = case["outputs.vid_sample"]
     torch.testing.assert_close(out, expected, atol=dit_bound(model, case, expected), rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_built_on_meta_then_materialised_gets_its_rope_tables(conformance, family):
+    """to_empty gives buffers new, uninitialised storage and a meta tensor has no values to
+    copy: every RoPE table must come back as its defining formula, in fp32, still shared."""
+    config = constructor_kwargs(conformance / family)
+    built = build_dit(config)
+    with torch.device("meta"):
+        model = build_dit(config)
+    model.to_empty(device="cpu").to(torch.bfloat16)
+    tables = [b.attn.rope.rope.freqs for b in model.blocks]
+    expected = built.blocks[0].attn.rope.rope.freqs
+    assert tables[0].dtype == torch.float32 and not tables[0].is_meta
+    torch.testing.assert_close(tables[0], expected, atol=0, rtol=0)
+    assert all(t is tables[0] for t in tables)

@@ -1,11 +1,15 @@
-"""bench/gpu_checks.sh on a machine without a GPU: the script parses, its dry run builds
-everything on meta and prints the plan as one table, and bad arguments get a clear error."""
+"""bench/gpu_checks.sh without a GPU: the rehearsal runs every section end to end on the CPU
+(as the GPU machine's Python would: PyAV and gguf made unimportable) and every row holds a
+measured value; a section past its time cap is stopped with the rows so far kept; bad
+arguments get one clear error."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -13,49 +17,149 @@ import torch
 from conftest import REPO
 
 SCRIPT = REPO / "bench" / "gpu_checks.sh"
+sys.path.insert(0, str(REPO / "bench"))
+
+import gpu_checks  # noqa: E402
+
+# Rows whose value is a name, not a number: the machine and what auto chose or ran.
+NAMED_VALUES = {("env", "device"), ("env", "software"), ("env", "dtype=auto chose"),
+                ("env", "attention_backend=auto runs")}
 
 
-def _run(*args, timeout=300):
-    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
+def _run(*args, env=None, timeout=600):
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", **(env or {}))
     return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, cwd=REPO,
                           env=env, timeout=timeout)
+
+
+def _rows(markdown: str) -> list[tuple[str, ...]]:
+    lines = [line for line in markdown.splitlines() if line.startswith("| ")]
+    assert lines[0] == "| section | measurement | value | note |"
+    return [tuple(cell.strip() for cell in line[2:-2].split(" | ")) for line in lines[1:]]
 
 
 def test_script_parses():
     assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True).returncode == 0
 
 
-def test_dry_run_prints_the_plan_as_one_table():
-    result = _run("--dry-run")
+def test_rehearsal_measures_every_section_without_pyav_or_gguf(tmp_path):
+    blocker = tmp_path / "blocker"
+    blocker.mkdir()
+    # As on the GPU machine: neither package can be imported.
+    (blocker / "sitecustomize.py").write_text("import sys\nsys.modules['av'] = None\n"
+                                              "sys.modules['gguf'] = None\n")
+    out = tmp_path / "out"
+    result = _run("--rehearse", env={"OUT": str(out), "PYTHONPATH": str(blocker)})
     assert result.returncode == 0, result.stderr[-3000:]
-    lines = result.stdout.splitlines()
-    header = next(i for i, line in enumerate(lines) if line.startswith("section"))
-    table = lines[header:]
-    assert [c.strip() for c in table[0].split(" | ")] == ["section", "measurement", "value", "note"]
-    body = "\n".join(table)
-    for expected in ("3.39 B parameters", "DiT forward 720p x 21", "DiT forward 1080p x 21",
-                     "output (1, 3, 21, 1088, 1920)", "budget, 3B bf16 1080p x 21, untiled",
-                     "budget, 3B bf16 1080p x 21, 512-px tiles", "0 / 16 / 32 blocks swapped",
-                     "7B DiT forward 720p x 21, 2 of 36 blocks"):
-        assert expected in body, expected
-    assert sum(line.startswith("section") for line in lines) == 1  # one table
+    written = (out / "gpu_checks.md").read_text()
+    rows = _rows(written)
+    assert _rows(result.stdout) == rows  # the file holds the table stdout ends with
+    assert [s for s in gpu_checks.SECTIONS if not any(r[0] == s for r in rows)] == []
+    for section, what, value, note in rows:
+        assert value not in ("error", "skipped", ""), (section, what, value, note)
+        if (section, what) in NAMED_VALUES or what.startswith("attention kernel"):
+            assert re.fullmatch(r"[\w.+ ()-]+", value), (what, value)
+        else:
+            assert re.match(r"\d+(\.\d+)? \S", value), (section, what, value)
+    names = {(r[0], r[1]): r for r in rows}
+    assert "PyAV no, gguf no" in names[("env", "software")][3]
+    kernel = next(r for r in rows if r[1].startswith("attention kernel"))
+    assert kernel[2] == "flash" and "_scaled_dot_product_flash_attention_for_cpu" in kernel[3]
+    for needed in ("steady state (second run)", "4 of 4 blocks swapped",
+                   "decode 1080p stand-in 32x48 x 5, cudnn.benchmark on, channels_last_3d on",
+                   "host syncs, 7B forward", "host syncs, decode", "Q4_K -> float32",
+                   "float8_e4m3fn -> float32"):
+        assert any(needed in what for _, what, _, _ in rows), needed
+    steady = next(r for r in rows if "steady state" in r[1])
+    assert re.search(r"per phase: encode [\d.]+ s, dit [\d.]+ s, decode [\d.]+ s", steady[3])
+
+
+def test_a_section_past_its_cap_is_stopped_and_the_rows_so_far_kept(tmp_path, monkeypatch):
+    def slow(run):
+        run.report.add("env", "first row", "1 s")
+        time.sleep(30)  # interrupted by the section's cap
+        run.report.add("env", "never", "1 s")
+
+    monkeypatch.setattr(gpu_checks, "CHECKS", dict(
+        gpu_checks.CHECKS, env=slow,
+        e2e=lambda run: run.report.add("e2e", "after", "2 s")))
+    monkeypatch.setattr(gpu_checks, "REHEARSE_CAP", 1)
+    monkeypatch.setattr(gpu_checks, "MIN_SECTION_SECONDS", 0.5)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert gpu_checks.main(["--rehearse", "--sections", "e2e,env"]) == 0
+    rows = _rows((tmp_path / "gpu_checks.md").read_text())
+    assert rows == [("env", "first row", "1 s", ""),
+                    ("env", "(rest of the section)", "skipped", "stopped at its 1 s cap"),
+                    ("e2e", "after", "2 s", "")]  # sections run in order of value
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--dry-run", "--sections", "mfu,bogus"],
-     "--sections 'mfu,bogus': unknown section(s) bogus; choose from dtype, blockswap, mfu, vae, e2e"),
-    (["--dry-run", "--sections", ","], "unknown section(s) (none given)"),
-    (["--dry-run", "--minutes", "0"], "--minutes 0.0: give a time between 0 and 60 minutes"),
-    (["--dry-run", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+    (["--rehearse", "--sections", "mfu,bogus"],
+     "--sections 'mfu,bogus': unknown section(s) bogus; choose from env, e2e, mfu, blockswap, "
+     "vae, dequant"),
+    (["--rehearse", "--sections", ","], "--sections ',': unknown section(s) (none given); "
+     "choose from env, e2e, mfu, blockswap, vae, dequant"),
+    (["--rehearse", "--minutes", "0"], "--minutes 0.0: give a time between 0 and 60 minutes"),
 ])
-def test_bad_arguments_are_named(args, message):
-    result = _run(*args)
-    assert result.returncode == 2
-    assert message in result.stderr, result.stderr
+def test_bad_arguments_are_named(args, message, capsys):
+    assert gpu_checks.main(args) == 2
+    assert capsys.readouterr().err == f"gpu_checks: {message}\n"
+
+
+def test_unknown_flags_are_named(capsys):
+    with pytest.raises(SystemExit) as stop:
+        gpu_checks.main(["--rehearse", "--frobnicate"])
+    assert stop.value.code == 2
+    assert "unrecognized arguments: --frobnicate" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
-def test_without_a_gpu_the_real_run_says_to_use_dry_run():
-    result = _run("--sections", "dtype")
-    assert result.returncode == 2
-    assert "no CUDA device here" in result.stderr and "--dry-run" in result.stderr
+def test_without_a_gpu_the_real_run_says_to_use_rehearse(capsys):
+    assert gpu_checks.main(["--sections", "env"]) == 2
+    assert capsys.readouterr().err == (
+        "gpu_checks: no CUDA device here: these checks measure a GPU. Use --rehearse to run "
+        "every section on the CPU at small sizes\n")
+
+
+# -- the CUDA-only readings, on traces shaped like CUDA ones -----------------------------------
+
+@pytest.mark.parametrize("name, family", [
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, "
+     "false, cutlass::bfloat16_t, Flash_kernel_traits<128, 128, 64, 4, cutlass::bfloat16_t> >, "
+     "false, false, false, false, true, true, false, false>(pytorch_flash::Flash_fwd_params)",
+     "flash"),
+    ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel<"
+     "cutlass::bfloat16_t, cutlass::arch::Sm80, true, 64, 128, 128, true, true>::Params)",
+     "mem-efficient"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0",
+     "cuDNN attention"),
+    ("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<"
+     "flash::CollectiveMainloopFwdSm90<2, cute::tuple<>, false> > > >(...)", "FlashAttention-3"),
+    ("flash_attn_3::fwd", "FlashAttention-3"),
+    ("aten::_scaled_dot_product_attention_math", "math"),
+    ("aten::_scaled_dot_product_efficient_attention", "mem-efficient"),
+    ("aten::_scaled_dot_product_cudnn_attention", "cuDNN attention"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu", "flash"),
+    ("aten::scaled_dot_product_attention", None),  # the dispatcher, not a kernel
+    ("ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_64x3_tn", None),
+])
+def test_attention_kernels_are_named_by_family(name, family):
+    assert gpu_checks._attention_family(name) == family
+
+
+def test_copy_overlap_counts_copy_time_under_kernels(monkeypatch):
+    from types import SimpleNamespace as Event
+
+    cuda = torch.autograd.DeviceType.CUDA
+
+    def event(name, start, end):  # microseconds, as the profiler's time ranges
+        return Event(name=name, device_type=cuda, time_range=Event(start=start, end=end))
+
+    trace = Event(events=lambda: [
+        event("gemm", 0, 100), event("softmax", 90, 150),  # kernels cover [0, 150)
+        event("Memcpy HtoD (Pinned -> Device)", 50, 250),  # 100 of 200 us under kernels
+        event("Memcpy HtoD (Pinned -> Device)", 300, 400),  # none
+        event("Memset (Device)", 250, 450),  # neither a kernel nor a copy
+    ])
+    seconds, share = gpu_checks.copy_overlap(trace)
+    assert seconds == pytest.approx(300e-6) and share == pytest.approx(100 / 300)

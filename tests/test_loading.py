@@ -178,3 +178,20 @@ def test_image_vaes_and_other_diffusion_models_are_not_seedvr2(tmp_path):
                "decoder.conv_out.weight": torch.zeros(3, 8, 3, 3)}, tmp_path / "sd_vae.safetensors")
     with pytest.raises(CheckpointError, match="not a SeedVR2 model"):
         describe(tmp_path / "sd_vae.safetensors")
+
+
+def test_safetensors_with_a_128_byte_header_is_not_taken_for_a_pickle(tmp_path):
+    """The header's length opens the file: 128 starts it with 0x80, a pickle's first byte.
+    (torch 2.14's torch.load happens to read such a file; torch 2.11 refuses it.)"""
+    import struct
+
+    from seedvr2.loading.formats import open_weights, sniff_format
+
+    values = torch.arange(6, dtype=torch.float32)
+    header = json.dumps({"pos": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}})
+    header = header.encode().ljust(128)
+    path = tmp_path / "text.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + values.numpy().tobytes())
+    assert sniff_format(path) == "safetensors"
+    with open_weights(path) as src:
+        assert torch.equal(src.get("pos"), values.reshape(2, 3))

@@ -60,7 +60,8 @@ def test_loader_inputs_and_their_library_names():
     assert [i.name for i in nodes["SeedVR2LoadVAEModel"].inputs] == [
         "model", "device", "offload_device", "cache_model", "encode_tiled", "encode_tile_size",
         "encode_tile_overlap", "decode_tiled", "decode_tile_size", "decode_tile_overlap", "dtype",
-        "tiling_exact", "encode_temporal_slice", "decode_temporal_slice", "torch_compile_args"]
+        "tiling_exact", "encode_temporal_slice", "decode_temporal_slice", "cudnn_benchmark",
+        "channels_last", "torch_compile_args"]
     options = {s.input: s.option for s in defs.LOADER_SETTINGS["vae"]}
     assert options["encode_tile_size"] == "vae_encode_tile_size"
     assert options["cache_model"] == "cache_vae"

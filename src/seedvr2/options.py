@@ -220,8 +220,15 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "GPU one ahead of use (BlockSwap); more = less VRAM", min=0, max=1000),
     Option("swap_io_components", bool, False, "also keep the DiT's input/output layers on the "
            "offload device (BlockSwap)"),
-    Option("attention_backend", str, "auto", "attention kernel of the DiT", choices=(
+    Option("attention_backend", str, "auto", "attention kernel of the DiT: auto "
+           "(FlashAttention-3 on Hopper GPUs, compute capability 9.x, when the flash_attn_3 "
+           "package is installed; else PyTorch's SDPA), or one kernel", choices=(
         "auto", "sdpa", "flash_attn_2", "flash_attn_3", "sageattn_2")),
+    Option("vae_cudnn_benchmark", bool, False, "while the VAE runs on a GPU, let cuDNN time its "
+           "convolution algorithms for each new shape and keep the fastest (the first call of "
+           "a shape is slower); off leaves PyTorch's setting as it is"),
+    Option("vae_channels_last", bool, False, "run the VAE's 3-D convolutions on channels-last "
+           "(NDHWC) tensors and weights, the layout GPU tensor cores read without a transpose"),
     Option("vae_encode_tiled", bool, False, "encode in spatial tiles (bounded VRAM at any size)"),
     Option("vae_encode_tile_size", int, 512, "encode tile size in pixels", min=64, max=16384,
            check=_tile_problem),
@@ -285,7 +292,7 @@ AREAS: dict[str, tuple[str, ...]] = {
                         "vae_encode_tile_size", "vae_encode_tile_overlap", "vae_decode_tiled",
                         "vae_decode_tile_size", "vae_decode_tile_overlap", "vae_tiling_exact",
                         "vae_encode_temporal_slice", "vae_decode_temporal_slice"),
-    "speed and compile": ("attention_backend", "uniform_batch_size", "compile", "compile_backend",
+    "speed and compile": ("attention_backend", "vae_cudnn_benchmark", "vae_channels_last", "uniform_batch_size", "compile", "compile_backend",
                           "compile_mode", "compile_fullgraph", "compile_dynamic"),
     "several GPUs": ("devices", "sequence_parallel", "dist_timeout"),
 }

@@ -83,10 +83,12 @@ def sniff_format(path: Path) -> str:
         head = f.read(16)
     if head[:4] == b"GGUF":
         return "gguf"
-    if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":
-        return "pickle"
+    # Safetensors first: its first 8 bytes are the header's length, whose low byte is 0x80
+    # (a pickle's first byte) for one header size in 256; no pickle has "{" at byte 8.
     if len(head) >= 9 and head[8:9] == b"{":
         return "safetensors"
+    if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":
+        return "pickle"
     # The file's bytes are never quoted: a name from a workflow may point at any file.
     raise CheckpointError(f"{path}: unrecognised weight file (expected safetensors, a torch "
                           f".pth/.pt state dict, or GGUF)")

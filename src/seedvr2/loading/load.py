@@ -144,9 +144,8 @@ def _load(path, kind: str, dtype: torch.dtype | None, device, keep_packed: bool 
             log.info("%s: %d RoPE frequency buffers absent from the file; recomputed",
                      Path(path).name, len(rope_missing))
             for key in rope_missing:
-                rope = model.get_submodule(key.rsplit(".", 2)[0])
-                table: FrequencyTable = rope.rope
-                table.freqs = type(rope).default_freqs(rope.axis_dim).to(device)
+                table: FrequencyTable = model.get_submodule(key.rsplit(".", 1)[0])
+                table.freqs = table.defining_values().to(device)
     if kind == "dit":
         share_equal_tables(model)
     # Text embeddings shipped inside the weight file (ComfyUI repackages): {"pos", "neg"} in

@@ -105,6 +105,7 @@ from ..models.vae_blocks import (
     FrameGroupNorm,
     ResnetBlock3D,
     Upsample3D,
+    conv3d,
     group_stats_from_channels,
 )
 
@@ -381,7 +382,7 @@ class _ExactRun:
                         x[:, :, x.shape[2] - conv.tail_frames:, a0 - r0:a1 - r0, b0 - c0:b1 - c0])
                 if pad_t or pad_b or pad_l or pad_r:
                     x = F.pad(x, (pad_l, pad_r, pad_t, pad_b))
-                y = F.conv3d(x, conv.weight, conv.bias, conv.stride)
+                y = conv3d(x, conv.weight, conv.bias, conv.stride, 0, conv.channels_last)
                 del x
                 if residual is not None:
                     y.add_(residual(o0, o1, q0, q1))
@@ -401,7 +402,8 @@ class _ExactRun:
 
         def residual(o0: int, o1: int, q0: int, q1: int) -> Tensor:
             r = self._fetch(x.data[..., o0:o1, q0:q1])
-            return r if shortcut is None else F.conv3d(r, shortcut.weight, shortcut.bias)
+            return r if shortcut is None else conv3d(r, shortcut.weight, shortcut.bias, 1, 0,
+                                                     shortcut.channels_last)
 
         # Without a width change the output overwrites x: each tile reads x only where it
         # writes, after reading it, and conv1 (the only other reader) is done.
@@ -445,7 +447,8 @@ class _ExactRun:
         def produce(r0: int, r1: int, c0: int, c1: int) -> Tensor:
             # Depth-to-space of the source samples covering [r0, r1) x [c0, c1).
             a0, a1, b0, b1 = r0 // r, -(-r1 // r), c0 // r, -(-c1 // r)
-            y = up.upscale_conv(self._fetch(x.data[..., a0:a1, b0:b1]))
+            y = conv3d(self._fetch(x.data[..., a0:a1, b0:b1]), up.upscale_conv.weight,
+                       up.upscale_conv.bias, channels_last=up.conv.channels_last)
             h, w = a1 - a0, b1 - b0
             y = y.view(B, r, r, z, C, T, h, w).permute(0, 4, 5, 3, 6, 1, 7, 2) \
                 .reshape(B, C, T * z, h * r, w * r)
@@ -696,6 +699,12 @@ def encode_posterior(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
     multiple of 4; exact). Without either this is the plain call. ``between()`` is called
     before every tile and temporal slice (exact mode: every layer's tile).
     """
+    with vae.conv_settings():
+        return _encode_posterior(vae, video, tiles, temporal_chunk)
+
+
+def _encode_posterior(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
+                      temporal_chunk: Optional[int]) -> Tuple[Tensor, Tensor]:
     _check_settings(vae, tiles, temporal_chunk)
     between = between or _nothing
     if not tiles.enabled and temporal_chunk is None:
@@ -729,6 +738,12 @@ def decode(vae: VideoAutoencoder, latent: Tensor, tiles: TileSettings,
     latent frames at a time (= ``1 + c, c, ...`` output frames; exact). Without either this
     is the plain call. ``between()`` is called as in :func:`encode_posterior`.
     """
+    with vae.conv_settings():
+        return _decode(vae, latent, tiles, temporal_chunk)
+
+
+def _decode(vae: VideoAutoencoder, latent: Tensor, tiles: TileSettings,
+            temporal_chunk: Optional[int]) -> Tensor:
     _check_settings(vae, tiles, temporal_chunk)
     between = between or _nothing
     if not tiles.enabled and temporal_chunk is None:

@@ -15,6 +15,7 @@ each rank its own tokens back with every head.
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 from typing import Optional, Protocol
 
@@ -58,12 +59,31 @@ BACKENDS = {"sdpa": _sdpa, "flash_attn_2": _flash_attn_2, "flash_attn_3": _flash
 ATTENTION_BACKENDS = ("auto", *BACKENDS)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "sdpa") -> torch.Tensor:
+# The module FlashAttention-3 (the flash_attn_3 package, built for Hopper) installs.
+FLASH_ATTN_3_MODULE = "flash_attn_interface"
+
+
+def auto_backend(q: torch.Tensor) -> str:
+    """What ``auto`` runs for ``q``: FlashAttention-3 on a Hopper GPU (compute capability
+    9.x) for fp16/bf16 when its package is installed (FA3 is built for Hopper only), else
+    SDPA, which picks its own fused kernel. Installed means findable: a package that then
+    fails to import or run falls back to SDPA with a warning (WindowAttention._attend)."""
+    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
+        return "sdpa"
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "sdpa"
+    return "flash_attn_3" if importlib.util.find_spec(FLASH_ATTN_3_MODULE) else "sdpa"
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           backend: str = "sdpa") -> torch.Tensor:
     """Softmax attention, scale 1/sqrt(head_dim). q/k/v: (batch, seq, heads, head_dim).
 
     The optional kernels need CUDA and fp16/bf16 and raise where they cannot run.
     """
-    if backend in ("auto", "sdpa"):
+    if backend == "auto":
+        backend = auto_backend(q)
+    if backend == "sdpa":
         return _sdpa(q, k, v)
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
         raise RuntimeError(f"{backend} needs CUDA tensors in fp16/bf16")
@@ -107,6 +127,9 @@ class WindowAttention(nn.Module):
         self.norm_k = PerStream(lambda: RMSNorm(head_dim, eps), shared)
         self.rope = rope
         self.backend = "sdpa"
+        # (device, dtype) -> the kernel "auto" chose there: decided once per placement, not
+        # per window group (finding a package walks sys.path).
+        self._auto_choice: tuple = (None, "sdpa")
         self.sequence_parallel: Optional[SequenceParallel] = None
 
     def _project(self, x: torch.Tensor, stream: str) -> torch.Tensor:
@@ -122,13 +145,23 @@ class WindowAttention(nn.Module):
             q, k = apply_rotary(q, cis), apply_rotary(k, cis)
         return q.to(dtype), k.to(dtype), v
 
+    def kernel_for(self, q: torch.Tensor) -> str:
+        """The attention kernel this layer runs for ``q`` (``auto`` resolved)."""
+        if self.backend != "auto":
+            return self.backend
+        where = (q.device, q.dtype)
+        if self._auto_choice[0] != where:
+            self._auto_choice = (where, auto_backend(q))
+        return self._auto_choice[1]
+
     def _attend(self, q, k, v):
+        kernel = self.kernel_for(q)
         try:
-            return attend(q, k, v, self.backend)
+            return attend(q, k, v, kernel)
         except torch.OutOfMemoryError:
             raise  # the backend works; this call needs less memory, not another kernel
         except Exception as e:  # missing package, unsupported GPU/shape: keep working on SDPA
-            warnings.warn(f"attention backend {self.backend} unavailable ({e}); using sdpa")
+            warnings.warn(f"attention backend {kernel} unavailable ({e}); using sdpa")
             self.backend = "sdpa"
             return attend(q, k, v)
 

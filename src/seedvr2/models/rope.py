@@ -16,8 +16,10 @@ the buffer's values.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -35,17 +37,32 @@ class FrequencyTable(nn.Module):
     tables :func:`share_equal_tables` found equal. Caches must not key on ``data_ptr()``:
     placement code (BlockSwap, offload) gives a table fresh device copies, and a freed
     copy's address is soon reused by another tensor.
+
+    ``defining`` makes the table's defining values (the formula its block was built with): a
+    table built on ``meta`` and materialised with ``to_empty`` gets them back from it, since a
+    meta tensor holds no values to copy and ``to_empty`` leaves new storage uninitialised.
     """
 
-    def __init__(self, freqs: torch.Tensor):
+    def __init__(self, freqs: torch.Tensor, defining: Optional[Callable[[], torch.Tensor]] = None):
         super().__init__()
         self.register_buffer("freqs", freqs, persistent=True)
         self.table_id = next(_TABLE_IDS)
+        self._defining = defining
+
+    def defining_values(self) -> torch.Tensor:
+        """The values this table is defined by (fp32, on the CPU)."""
+        if self._defining is None:
+            raise RuntimeError("this RoPE frequency table was built without its defining "
+                               "formula, so it cannot be recomputed; load its values from a "
+                               "checkpoint instead")
+        return self._defining()
 
     def _apply(self, fn, recurse=True):
         # Follow device moves but never lose precision: a model cast to bf16 keeps fp32 values.
         values = self.freqs
         super()._apply(fn, recurse)
+        if values.is_meta and not self.freqs.is_meta:  # materialised (to_empty): recompute
+            values = self.defining_values()
         self.freqs = values.to(device=self.freqs.device, dtype=torch.float32)
         return self
 
@@ -90,10 +107,13 @@ def _axis_angles(pos: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 
 
 class _RoPE3d(nn.Module):
-    def __init__(self, freqs: torch.Tensor, head_dim: int):
+    axis_dim: int
+
+    def __init__(self, head_dim: int):
         super().__init__()
         self.head_dim = head_dim
-        self.rope = FrequencyTable(freqs)
+        defining = functools.partial(self.default_freqs, self.axis_dim)
+        self.rope = FrequencyTable(defining(), defining)
 
     def video_rotation(self, layout: WindowLayout, txt_lens: torch.Tensor) -> torch.Tensor:
         """(Nv, 1, head_dim/2) rotations of the video tokens in window order, cached per call
@@ -113,7 +133,7 @@ class MMRoPE3d(_RoPE3d):
 
     def __init__(self, rope_dim: int, head_dim: int):
         self.axis_dim = rope_dim // 3
-        super().__init__(self.default_freqs(self.axis_dim), head_dim)
+        super().__init__(head_dim)
 
     @staticmethod
     def default_freqs(axis_dim: int) -> torch.Tensor:
@@ -134,7 +154,7 @@ class PixelRoPE3d(_RoPE3d):
 
     def __init__(self, head_dim: int):
         self.axis_dim = (head_dim // 2) // 3
-        super().__init__(self.default_freqs(self.axis_dim), head_dim)
+        super().__init__(head_dim)
 
     @staticmethod
     def default_freqs(axis_dim: int, max_freq: float = 256.0) -> torch.Tensor:

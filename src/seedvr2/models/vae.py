@@ -57,6 +57,7 @@ Scaling
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -164,6 +165,35 @@ class VideoAutoencoder(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.encoder.conv_in.weight.dtype
 
+    # -- convolution settings (options vae_cudnn_benchmark, vae_channels_last) ---------------
+
+    cudnn_benchmark = False
+
+    def set_conv_settings(self, *, cudnn_benchmark: bool, channels_last: bool) -> None:
+        """``cudnn_benchmark``: cuDNN times its algorithms for each new convolution shape while
+        this VAE runs (see :meth:`conv_settings`); ``channels_last``: every convolution runs on
+        channels-last tensors (see ``vae_blocks.conv3d``)."""
+        self.cudnn_benchmark = bool(cudnn_benchmark)
+        for module in self.modules():
+            if isinstance(module, CausalConv3d):
+                module.channels_last = bool(channels_last)
+
+    @contextlib.contextmanager
+    def conv_settings(self):
+        """Within this block cuDNN benchmarks when this VAE asks for it; the process-wide flag
+        is restored afterwards, so the DiT and other models keep their own setting (jobs run
+        one at a time per process: nothing else reads the flag meanwhile). Off leaves the
+        flag as it is."""
+        if not self.cudnn_benchmark:
+            yield
+            return
+        before = torch.backends.cudnn.benchmark
+        torch.backends.cudnn.benchmark = True
+        try:
+            yield
+        finally:
+            torch.backends.cudnn.benchmark = before
+
     # -- encoding ---------------------------------------------------------------------------
 
     def encode_posterior(self, video: Tensor) -> Tuple[Tensor, Tensor]:
@@ -173,9 +203,10 @@ class VideoAutoencoder(nn.Module):
         ``H`` and ``W`` multiples of 8; ``t = n + 1``. ``logvar`` is clamped to [-30, 20].
         """
         self.check_video(video)
-        moments = self.encoder(video.to(self.dtype).contiguous())
-        if self.quant_conv is not None:
-            moments = self.quant_conv(moments)
+        with self.conv_settings():
+            moments = self.encoder(video.to(self.dtype).contiguous())
+            if self.quant_conv is not None:
+                moments = self.quant_conv(moments)
         mean, logvar = moments.chunk(2, dim=1)
         return mean.contiguous(), logvar.clamp(LOGVAR_MIN, LOGVAR_MAX)
 
@@ -219,9 +250,10 @@ class VideoAutoencoder(nn.Module):
         """
         self.check_latent(latent)
         z = latent.to(self.dtype).contiguous()
-        if self.post_quant_conv is not None:
-            z = self.post_quant_conv(z)
-        return self.decoder(z)
+        with self.conv_settings():
+            if self.post_quant_conv is not None:
+                z = self.post_quant_conv(z)
+            return self.decoder(z)
 
     def forward(self, video: Tensor) -> Tensor:
         """Reconstruction through the posterior mean: ``decode(encode(video))``."""

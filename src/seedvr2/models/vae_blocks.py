@@ -62,8 +62,23 @@ def _triple(value: _int3) -> Tuple[int, int, int]:
     return (value,) * 3 if isinstance(value, int) else tuple(value)
 
 
+def conv3d(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: _int3 = 1,
+           padding: _int3 = 0, channels_last: bool = False) -> Tensor:
+    """``F.conv3d``; ``channels_last`` runs it on channels-last (NDHWC) input and weight (the
+    layout cuDNN's tensor-core kernels work in; channels-first inputs may be transposed inside
+    cuDNN) and returns the result channels-first again: everything around the convolutions
+    (views, in-place writes into padded buffers) stays in the one layout it is written for.
+    Whether the two copies this costs pay off is what ``bench/gpu_checks.sh`` measures."""
+    if not channels_last:
+        return F.conv3d(x, weight, bias, stride, padding)
+    layout = torch.channels_last_3d
+    return F.conv3d(x.contiguous(memory_format=layout), weight.contiguous(memory_format=layout),
+                    bias, stride, padding).contiguous()
+
+
 def conv3d_in_bands(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: _int3 = 1,
-                    padding: _int3 = 0, limit: Optional[int] = None) -> Tensor:
+                    padding: _int3 = 0, limit: Optional[int] = None,
+                    channels_last: bool = False) -> Tensor:
     """``F.conv3d(x, weight, bias, stride, padding)``, as several calls on bands of output
     rows when the input or output has more than ``limit`` (default :data:`SPLIT_ELEMENTS`)
     elements.
@@ -71,7 +86,8 @@ def conv3d_in_bands(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: _
     Output rows ``[o0, o1)`` read input rows ``[o0*s - p, (o1-1)*s - p + k)``: each band gets
     exactly those rows (the halo), zero rows where they fall outside the input (what the
     conv's own padding would add), and no row padding of its own. Every output element is
-    the same sum over the same inputs and weights as in one call.
+    the same sum over the same inputs and weights as in one call. ``channels_last``: see
+    :func:`conv3d`.
     """
     limit = SPLIT_ELEMENTS if limit is None else limit
     stride, padding = _triple(stride), _triple(padding)
@@ -82,7 +98,7 @@ def conv3d_in_bands(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: _
     out_row = B * O * out_t * out_w
     in_row = B * C * T * W
     if max(x.numel(), out_row * out_h) <= limit:
-        return F.conv3d(x, weight, bias, stride, padding)
+        return conv3d(x, weight, bias, stride, padding, channels_last)
     rows = max(1, min(limit // out_row, (limit // in_row - kh) // stride[1] + 1))
     out = x.new_empty(B, O, out_t, out_h, out_w)
     band_padding = (padding[0], 0, padding[2])
@@ -93,7 +109,7 @@ def conv3d_in_bands(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: _
         band = x[:, :, :, max(lo, 0):min(hi, H)]
         if lo < 0 or hi > H:
             band = F.pad(band, (0, 0, max(-lo, 0), max(hi - H, 0)))
-        out[:, :, :, o0:o1] = F.conv3d(band, weight, bias, stride, band_padding)
+        out[:, :, :, o0:o1] = conv3d(band, weight, bias, stride, band_padding, channels_last)
     return out
 
 
@@ -187,7 +203,10 @@ class CausalConv3d(nn.Conv3d):
     saves that copy and the memory of holding ``x`` and its padded version at once.
 
     Parameters are the plain ``nn.Conv3d`` ``weight`` ``(out, in, kt, kh, kw)`` and ``bias``.
+    ``channels_last`` (set by :meth:`VideoAutoencoder.set_conv_settings`): see :func:`conv3d`.
     """
+
+    channels_last = False
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: _int3,
                  stride: _int3 = 1, padding: _int3 = 0, bias: bool = True,
@@ -242,7 +261,8 @@ class CausalConv3d(nn.Conv3d):
     def _conv(self, padded: Tensor, cache: Optional[CausalCache]) -> Tensor:
         if cache is not None and self.tail_frames:
             cache.set_tail(self, padded[:, :, padded.shape[2] - self.tail_frames:])
-        return conv3d_in_bands(padded, self.weight, self.bias, self.stride, self.conv_padding)
+        return conv3d_in_bands(padded, self.weight, self.bias, self.stride, self.conv_padding,
+                               channels_last=self.channels_last)
 
 
 class FrameGroupNorm(nn.GroupNorm):
@@ -452,7 +472,8 @@ class Upsample3D(nn.Module):
 
     def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
         # (B, r*C, T, H, W): r times the input, so the output is what may need bands.
-        y = conv3d_in_bands(x, self.upscale_conv.weight, self.upscale_conv.bias)
+        y = conv3d_in_bands(x, self.upscale_conv.weight, self.upscale_conv.bias,
+                            channels_last=self.conv.channels_last)
         B, _, T, H, W = y.shape
         C, r, z = self.channels, self.space_ratio, self.time_ratio
         # Only the clip's first frame has a duplicate: later chunks keep all 2T frames.

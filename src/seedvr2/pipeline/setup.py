@@ -108,6 +108,7 @@ def load_models(dit=None, vae=None, *, opts: Options, model_dir=None) -> Models:
     dit_placement = vae_placement = None
     if isinstance(dit, torch.nn.Module):
         dit = dit.to(device=dit_device if dit_offload is None else dit_offload, dtype=dtype)
+        dit.set_attention_backend(opts.attention_backend)  # a loaded file's is set at load
         dit_placement = _placement(dit, dit_device, dit_offload, "dit_offload_device")
     else:
         path = dit_path
@@ -122,6 +123,10 @@ def load_models(dit=None, vae=None, *, opts: Options, model_dir=None) -> Models:
         key = ModelKey.for_file("vae", path, dtype, vae_device, _settings_of(opts, "vae"))
         vae, vae_placement = MODEL_CACHE.get_or_load(
             key, lambda: _load_vae(path, opts, dtype, vae_device, vae_offload), opts.cache_vae)
+    # Per run, not per load: they change how the VAE runs, not what it holds (a cached or
+    # given VAE runs with this job's settings).
+    vae.set_conv_settings(cudnn_benchmark=opts.vae_cudnn_benchmark,
+                          channels_last=opts.vae_channels_last)
     embedded = getattr(dit, "embedded_text_embeddings", None) or {}
     text = load_text_embeddings(opts.text_embeddings, dit.config.txt_in_dim, model_dir,
                                 embedded=embedded.get("pos"))

@@ -281,6 +281,8 @@ LOADER_SETTINGS: dict[str, tuple] = {
         Setting("tiling_exact", "vae_tiling_exact"),
         Setting("encode_temporal_slice", "vae_encode_temporal_slice", step=4),
         Setting("decode_temporal_slice", "vae_decode_temporal_slice", step=4),
+        Setting("cudnn_benchmark", "vae_cudnn_benchmark"),
+        Setting("channels_last", "vae_channels_last"),
         _COMPILE_SETTING,
     ),
 }
