@@ -16,7 +16,6 @@ can be forced on the CPU (tests do) to check the schedule and that outputs do no
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass, field
 import torch

@@ -700,11 +700,11 @@ def encode_posterior(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
     before every tile and temporal slice (exact mode: every layer's tile).
     """
     with vae.conv_settings():
-        return _encode_posterior(vae, video, tiles, temporal_chunk)
+        return _encode_posterior(vae, video, tiles, temporal_chunk, between)
 
 
 def _encode_posterior(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
-                      temporal_chunk: Optional[int]) -> Tuple[Tensor, Tensor]:
+                      temporal_chunk: Optional[int], between: Between) -> Tuple[Tensor, Tensor]:
     _check_settings(vae, tiles, temporal_chunk)
     between = between or _nothing
     if not tiles.enabled and temporal_chunk is None:
@@ -739,11 +739,11 @@ def decode(vae: VideoAutoencoder, latent: Tensor, tiles: TileSettings,
     is the plain call. ``between()`` is called as in :func:`encode_posterior`.
     """
     with vae.conv_settings():
-        return _decode(vae, latent, tiles, temporal_chunk)
+        return _decode(vae, latent, tiles, temporal_chunk, between)
 
 
 def _decode(vae: VideoAutoencoder, latent: Tensor, tiles: TileSettings,
-            temporal_chunk: Optional[int]) -> Tensor:
+            temporal_chunk: Optional[int], between: Between) -> Tensor:
     _check_settings(vae, tiles, temporal_chunk)
     between = between or _nothing
     if not tiles.enabled and temporal_chunk is None:
