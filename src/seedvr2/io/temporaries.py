@@ -66,6 +66,15 @@ class Hold:
             os.close(self._fd)
             self._fd = None
 
+    def holds(self, path: Path) -> bool:
+        """Whether ``path`` still names the locked file (not one removed and made again)."""
+        try:
+            now = os.stat(path)
+        except OSError:
+            return False
+        held = os.fstat(self._fd)
+        return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
 
 def hold(path: Path) -> Hold | None:
     """Lock ``path`` as in use; ``None`` where the filesystem has no locks (then nothing is
@@ -74,6 +83,24 @@ def hold(path: Path) -> Hold | None:
         return Hold(path)
     except OSError:
         return None
+
+
+def lock_folder(path: Path) -> Hold | None:
+    """Make the folder ``path`` if needed and lock it for this process's lifetime (or until
+    released). Raises :class:`BlockingIOError` while another live process holds it; ``None``
+    where the filesystem has no locks."""
+    for _ in range(3):
+        path.mkdir(exist_ok=True)
+        try:
+            held = Hold(path)
+        except BlockingIOError:
+            raise
+        except OSError:
+            return None
+        if held.holds(path):
+            return held
+        held.release()  # its holder removed it just before we locked it: lock the new one
+    raise BlockingIOError(f"{path} is removed and made again by another process")
 
 
 def _stale(path: Path) -> bool:
