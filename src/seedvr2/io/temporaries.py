@@ -25,6 +25,8 @@ import shutil
 from pathlib import Path
 
 PARTIAL = ".partial-"
+RESUME_SUFFIX = ".seedvr2-resume"
+RESUME_JOURNAL = "journal.json"  # a resume folder without one keeps nothing worth resuming
 
 
 def temporary_path(final: Path, *, keep_suffix: bool) -> Path:
@@ -33,6 +35,12 @@ def temporary_path(final: Path, *, keep_suffix: bool) -> Path:
     if keep_suffix and final.suffix:
         return final.parent / f".{final.stem}{PARTIAL}{token}{final.suffix}"
     return final.parent / f".{final.name}{PARTIAL}{token}"
+
+
+def resume_folder(final) -> Path:
+    """The folder where a resumable job keeps the closed pieces of ``final``."""
+    final = Path(str(final).rstrip("/\\") or ".")
+    return final.parent / f".{final.name}{RESUME_SUFFIX}"
 
 
 def temporaries_of(final) -> list[Path]:
@@ -93,8 +101,10 @@ def lock_folder(path: Path) -> Hold | None:
         path.mkdir(exist_ok=True)
         try:
             held = Hold(path)
-        except BlockingIOError:
-            raise
+        except (BlockingIOError, FileNotFoundError) as e:
+            if isinstance(e, BlockingIOError):
+                raise
+            continue  # removed as stale between mkdir and lock: make it again
         except OSError:
             return None
         if held.holds(path):
@@ -115,8 +125,14 @@ def _stale(path: Path) -> bool:
 
 
 def remove_stale_temporaries(final) -> list[Path]:
-    """Remove the temporaries of ``final`` that no live process holds; returns them."""
+    """Remove the temporaries of ``final`` that no live process holds, and its resume folder
+    when no live job holds it and it keeps nothing (no journal: a job killed before its first
+    piece closed); returns them."""
     removed = []
+    resume = resume_folder(final)
+    if resume.is_dir() and not (resume / RESUME_JOURNAL).exists() and _stale(resume):
+        shutil.rmtree(resume, ignore_errors=True)
+        removed.append(resume)
     for temp in temporaries_of(final):
         if not _stale(temp):
             continue

@@ -65,7 +65,7 @@ import numpy as np
 import torch
 
 from ..io.segments import SegmentConcat, sync_file
-from ..io.temporaries import lock_folder
+from ..io.temporaries import RESUME_JOURNAL, lock_folder, resume_folder
 from .plan import BatchPlan
 
 log = logging.getLogger("seedvr2")
@@ -76,8 +76,7 @@ SEGMENT_FRAMES_ENV = "SEEDVR2_SEGMENT_FRAMES"  # tests: smaller segments on shor
 CHECKPOINT_SECONDS = 60.0  # a part closes at the first chunk end after this much work
 CHECKPOINT_SECONDS_ENV = "SEEDVR2_CHECKPOINT_SECONDS"  # tests: a part at every chunk end (0)
 KILL_ENV = "SEEDVR2_KILL_AT"  # tests: "POINT:N" SIGKILLs the job at the N-th POINT
-STATE_SUFFIX = ".seedvr2-resume"
-JOURNAL, OWNER = "journal.json", "owner.json"
+JOURNAL, OWNER = RESUME_JOURNAL, "owner.json"
 # Options that do not change a single frame: a re-run may differ in them and still resume.
 _NOT_SHAPING = {"resume", "devices", "dist_timeout", "cache_dit", "cache_vae"}
 
@@ -94,11 +93,6 @@ def kill_point(point: str, count: int):
     spec = os.environ.get(KILL_ENV, "")
     if spec and spec == f"{point}:{count}":
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def state_folder(dst) -> Path:
-    final = Path(str(dst).rstrip("/\\"))
-    return final.parent / f".{final.name}{STATE_SUFFIX}"
 
 
 def segment_frames() -> int:
@@ -297,7 +291,7 @@ class ResumeState:
 
     def __init__(self, dst, identity: dict, plan: BatchPlan, segments: list[Segment], *,
                  fresh: bool, dtype: np.dtype):
-        self.folder = state_folder(dst)
+        self.folder = resume_folder(dst)
         self.identity, self.plan, self.segments, self.dtype = identity, plan, segments, dtype
         self.pieces: list[Piece] = []  # closed and verified, in order
         self.tail: Optional[torch.Tensor] = None  # the blend state after the last piece
