@@ -10,8 +10,8 @@ minute of a real job) and is killed after half of its batches. Each run is a who
 invocation, so the ratio compares runs on the same machine at the same moment. Goal:
 resumed / full <= 0.6 for both.
 
-    python bench/resume_cost.py [--frames 80] [--short-frames 20] [--resolution 128]
-                                [--segment-frames 16]
+    python bench/resume_cost.py [--frames 80] [--short-frames 40] [--resolution 128]
+                                [--segment-frames 16] [--clips long,short]
 """
 
 from __future__ import annotations
@@ -60,9 +60,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--frames", type=int, default=80)  # four segments: killed at 2 = 50%
-    parser.add_argument("--short-frames", type=int, default=20)  # four batches, one segment
+    parser.add_argument("--short-frames", type=int, default=40)  # eight batches, one segment
     parser.add_argument("--resolution", type=int, default=128)
     parser.add_argument("--segment-frames", type=int, default=16)
+    parser.add_argument("--clips", default="long,short", help="which clips to measure")
     parser.add_argument("--conformance", type=Path, default=Path(
         os.environ.get("SEEDVR2_CONFORMANCE", REPO.parent / "shared" / "conformance")))
     args = parser.parse_args()
@@ -74,12 +75,15 @@ def main():
         per_segment = -(-args.segment_frames // 5) * 5
         segments = -(-args.frames // per_segment)
         half = segments // 2
-        measure(tmp, "long", args.frames, args.resolution, env, f"journal:{half}",
-                half * per_segment // 5, -(-args.frames // 5))
+        clips = args.clips.split(",")
+        if "long" in clips:
+            measure(tmp, "long", args.frames, args.resolution, env, f"journal:{half}",
+                    half * per_segment // 5, -(-args.frames // 5))
         batches = -(-args.short_frames // 5)
-        measure(tmp, "short", args.short_frames, args.resolution,
-                {"OMP_NUM_THREADS": "1", "SEEDVR2_CHECKPOINT_SECONDS": "0"},
-                f"part:{batches // 2}", batches // 2, batches)
+        if "short" in clips:
+            measure(tmp, "short", args.short_frames, args.resolution,
+                    {"OMP_NUM_THREADS": "1", "SEEDVR2_CHECKPOINT_SECONDS": "0"},
+                    f"part:{batches // 2}", batches // 2, batches)
 
 
 if __name__ == "__main__":

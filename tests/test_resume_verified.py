@@ -65,8 +65,14 @@ def _restore(out, pristine):
 
 
 def _overwrite_inside(path):
+    """200 bytes in the middle of the coded frames (an MP4's ``mdat`` box: not the x264
+    banner at its start, nor the index after it), or of the file."""
     data = bytearray(path.read_bytes())
-    middle = len(data) // 2
+    start, stop = 0, len(data)
+    if b"mdat" in data:
+        start = data.index(b"mdat") + 4
+        stop = start - 8 + int.from_bytes(data[start - 8: start - 4], "big")
+    middle = (start + stop) // 2 - 100
     data[middle: middle + 200] = bytes(range(200))
     path.write_bytes(bytes(data))
 

@@ -377,13 +377,15 @@ class ResumeState:
                 self.pieces.append(piece)
         if not self.pieces:
             return
-        tail = journal.get("tail") or {}
+        tail = journal.get("tail") if isinstance(journal.get("tail"), dict) else {}
         if self.next_batch == len(self.plan.batches):
             return  # every batch is kept: no blend to continue
         if len(self.pieces) == len(pieces):
             self.tail = self._load_tail(tail)
         if self.tail is None:
             self._context_for_tail()
+            # The journal names only what is kept, so a kill now does not report it again.
+            self._write_journal(None)
 
     def _load_tail(self, tail: dict) -> Optional[torch.Tensor]:
         """The blend tail, read once and verified from the bytes held (never read again)."""
@@ -510,12 +512,16 @@ class ResumeState:
         np.save(buffer, tail.detach().cpu().contiguous().numpy(), allow_pickle=False)
         data = buffer.getvalue()
         _write_atomically(self.folder / self._tail_name, data)
-        journal = {"identity": self.identity, "pieces": [p.entry() for p in self.pieces],
-                   "tail": {"name": self._tail_name, "sha256": hashlib.sha256(data).hexdigest()}}
-        _write_atomically(self.folder / JOURNAL, json.dumps(journal, indent=1).encode())
+        self._write_journal({"name": self._tail_name,
+                             "sha256": hashlib.sha256(data).hexdigest()})
         if old_tail and old_tail != self._tail_name:
             (self.folder / old_tail).unlink(missing_ok=True)
         self.last_checkpoint = time.monotonic()
+
+    def _write_journal(self, tail: Optional[dict]):
+        journal = {"identity": self.identity, "pieces": [p.entry() for p in self.pieces],
+                   "tail": tail}
+        _write_atomically(self.folder / JOURNAL, json.dumps(journal, indent=1).encode())
 
     def read_part(self, part: Piece):
         """The part's frames, hashed as they are read: a part changed since it was verified
