@@ -291,7 +291,8 @@ def refuse_input_as_output(inputs, dst) -> None:
     absolute, a symbolic or hard link) is compared by device and inode. A folder output
     (a PNG sequence) replaces the numbered PNGs in it and deletes those it does not write
     (``SequenceWriter``), an image output of several frames writes ``NAME_00000.EXT``...
-    beside it: inputs among those are refused too."""
+    beside it: inputs among those are refused too (for an image output whatever its frame
+    count, which a video's header may not tell exactly yet)."""
     from ..io import MediaError
     from ..io._common import IMAGE_EXTENSIONS
 
