@@ -667,6 +667,9 @@ def run_resumable(compute, dst, plan: BatchPlan, state: ResumeState, *, info, si
                            bit_depth=bit_depth, codec=codec, video=video,
                            open_writer=open_writer, to_integer=to_integer_frames,
                            progress=progress or (lambda phase, done, total: None))
+        # Every batch is taken: this runs the producer to its end (the ranks' summary).
+        leftover = next(outputs, None)
+        assert leftover is None, leftover
         if stats is not None:
             stats.frames = plan.source_frames
         state.verify_segments()
