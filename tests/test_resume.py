@@ -34,8 +34,8 @@ def _cli(tiny_options, src, dst, *extra, env=None, launcher=()):
            "--model-dir", str(tiny_options["model_dir"]), "--dtype", "fp32", "--device", "cpu",
            "--text-embeddings", str(tiny_options["model_dir"] / "text_64.safetensors"),
            "--resolution", "32", "--batch-size", "5", "--temporal-overlap", "1", *extra]
-    environment = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", **SEGMENT_ENV,
-                       **(env or {}))
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+                   **SEGMENT_ENV, **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=environment,
                           timeout=300)
 

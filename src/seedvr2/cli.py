@@ -329,7 +329,8 @@ def _upscale_jobs(args, opts, given: dict, jobs: list) -> int:
         runnable = []
         for source, target in jobs:
             try:
-                check_file_job(source, target, opts, args.codec, args.overwrite)
+                check_file_job(source, target, opts, args.codec, args.overwrite,
+                               [s for s, _ in jobs])
             except (ValueError, OSError) as e:
                 print(f"error: {e}", file=sys.stderr)
                 failed.append(source)

@@ -25,6 +25,8 @@ import shutil
 from pathlib import Path
 
 PARTIAL = ".partial-"
+RESUME_SUFFIX = ".seedvr2-resume"
+RESUME_JOURNAL = "journal.json"  # a resume folder without one keeps nothing worth resuming
 
 
 def temporary_path(final: Path, *, keep_suffix: bool) -> Path:
@@ -33,6 +35,12 @@ def temporary_path(final: Path, *, keep_suffix: bool) -> Path:
     if keep_suffix and final.suffix:
         return final.parent / f".{final.stem}{PARTIAL}{token}{final.suffix}"
     return final.parent / f".{final.name}{PARTIAL}{token}"
+
+
+def resume_folder(final) -> Path:
+    """The folder where a resumable job keeps the closed pieces of ``final``."""
+    final = Path(str(final).rstrip("/\\") or ".")
+    return final.parent / f".{final.name}{RESUME_SUFFIX}"
 
 
 def temporaries_of(final) -> list[Path]:
@@ -66,6 +74,15 @@ class Hold:
             os.close(self._fd)
             self._fd = None
 
+    def holds(self, path: Path) -> bool:
+        """Whether ``path`` still names the locked file (not one removed and made again)."""
+        try:
+            now = os.stat(path)
+        except OSError:
+            return False
+        held = os.fstat(self._fd)
+        return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
 
 def hold(path: Path) -> Hold | None:
     """Lock ``path`` as in use; ``None`` where the filesystem has no locks (then nothing is
@@ -74,6 +91,26 @@ def hold(path: Path) -> Hold | None:
         return Hold(path)
     except OSError:
         return None
+
+
+def lock_folder(path: Path) -> Hold | None:
+    """Make the folder ``path`` if needed and lock it for this process's lifetime (or until
+    released). Raises :class:`BlockingIOError` while another live process holds it; ``None``
+    where the filesystem has no locks."""
+    for _ in range(3):
+        path.mkdir(exist_ok=True)
+        try:
+            held = Hold(path)
+        except (BlockingIOError, FileNotFoundError) as e:
+            if isinstance(e, BlockingIOError):
+                raise
+            continue  # removed as stale between mkdir and lock: make it again
+        except OSError:
+            return None
+        if held.holds(path):
+            return held
+        held.release()  # its holder removed it just before we locked it: lock the new one
+    raise BlockingIOError(f"{path} is removed and made again by another process")
 
 
 def _stale(path: Path) -> bool:
@@ -88,8 +125,14 @@ def _stale(path: Path) -> bool:
 
 
 def remove_stale_temporaries(final) -> list[Path]:
-    """Remove the temporaries of ``final`` that no live process holds; returns them."""
+    """Remove the temporaries of ``final`` that no live process holds, and its resume folder
+    when no live job holds it and it keeps nothing (no journal: a job killed before its first
+    piece closed); returns them."""
     removed = []
+    resume = resume_folder(final)
+    if resume.is_dir() and not (resume / RESUME_JOURNAL).exists() and _stale(resume):
+        shutil.rmtree(resume, ignore_errors=True)
+        removed.append(resume)
     for temp in temporaries_of(final):
         if not _stale(temp):
             continue

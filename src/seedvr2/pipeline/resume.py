@@ -1,37 +1,61 @@
 """Resume: a file job killed at any instant continues where it stopped when run again.
 
-While a job runs, its output is kept as closed **segments** — consecutive runs of whole
-chunks of the batch plan, each a finished file of its own — next to the output, in the hidden
-folder ``.NAME.seedvr2-resume/``, together with a small **journal** (``journal.json``) naming
-what the job is (options, plan, output, and the input and model files by content digest) and
-the segments that are complete, and the **tail**: the last completed batch's frames that the
-next batch still cross-fades with (float32, exact). Each of those is written under a
-temporary name, flushed to disk and renamed, and the journal is renamed last: whatever
-instant a kill -9 hits, the journal names only segments that are whole.
+While a job runs, its output is kept next to the output, in the hidden folder
+``.NAME.seedvr2-resume/``, as closed **pieces**:
 
-Running the same job again (same input, output, options, models) reads the journal, drops
-anything it does not name, and computes only the batches of the missing segments; the tail
-restores the blend, and every batch draws its noise from (seed, its first frame), so the
-frames are those of an uninterrupted run. Anything different starts fresh, saying what
-differs. ``resume=False`` (``--no-resume``) discards what was kept and starts over.
+* **segments**: consecutive runs of whole chunks of the batch plan, each a finished file of
+  its own (a video in the output's codec, or a folder of lossless PNGs for image outputs).
+  Their boundaries depend on the plan alone (at least :data:`SEGMENT_FRAMES` frames), so the
+  assembled file does not depend on when a job was killed;
+* **parts**: the frames of the segment being written that are final so far, raw (exact
+  integers), closed at a chunk's end once :data:`CHECKPOINT_SECONDS` of work passed since
+  the last piece closed. A kill then loses at most that much work, whatever the clip's
+  length. A resumed job feeds them to the segment's encoder again (encoding is cheap next
+  to computing the frames), so the segment's bytes are those of an uninterrupted run;
+  they are deleted when their segment closes.
+
+Beside them are a small **journal** (``journal.json``) naming what the job is (options, plan,
+output, and the input and model files by content digest) and every closed piece with the
+SHA-256 of its content, and the **tail**: the last completed batch's frames that the next
+batch still cross-fades with (float32, exact), also by SHA-256. Each of those is written
+under a temporary name, flushed to disk and renamed, and the journal is renamed last:
+whatever instant a kill -9 hits, the journal names only pieces that are whole.
+
+Running the same job again (same input, output, options, models) reads the journal, checks
+every piece and the tail against their digests, drops anything it does not name, and
+computes only the batches after the last good piece; the tail restores the blend, and every
+batch draws its noise from (seed, its first frame), so the frames are those of an
+uninterrupted run. A damaged or missing piece is named (one line each) and computed again
+with everything after it; when the tail is not the one after the last good piece, the last
+good chunk is computed again for it. Segments are checked again right before the assembly
+and parts as they are read back: nothing unverified reaches the output. Anything different
+starts fresh, saying what differs. ``resume=False`` (``--no-resume``) discards what was kept
+and starts over.
 
 When every segment is complete the final output is assembled: videos by stream copy of the
 segments' packets (no re-encoding) with the source's audio muxed in at that point; image
-outputs (kept as lossless PNG segments) through the ordinary image writer. Then the folder
-is removed. A job that fails or is interrupted keeps the folder when at least one segment is
-complete (and says so), and removes it otherwise.
+outputs through the ordinary image writer. Then the folder is removed. A job that fails or
+is interrupted keeps the folder when at least one piece is complete (and says so), and
+removes it otherwise. A live job locks its folder (``io/temporaries.py``): a second job on
+the same output is refused, naming the first.
 
-Segments start a new GOP, so they are at least :data:`SEGMENT_FRAMES` frames (whole plan
-chunks); a job whose plan makes only one segment is written directly, as before.
+A job whose plan is a single chunk (a single image, a very short clip) is written directly,
+as is a video made from images without a rate.
 """
 
 from __future__ import annotations
 
+import datetime
+import hashlib
+import io
 import json
 import logging
 import os
 import shutil
 import signal
+import socket
+import sys
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,36 +65,42 @@ import numpy as np
 import torch
 
 from ..io.segments import SegmentConcat, sync_file
+from ..io.temporaries import RESUME_JOURNAL, lock_folder, resume_folder
 from .plan import BatchPlan
 
 log = logging.getLogger("seedvr2")
 
-JOURNAL_VERSION = 1
+JOURNAL_VERSION = 2
 SEGMENT_FRAMES = 96  # at least this many frames per segment (each one restarts the GOP)
 SEGMENT_FRAMES_ENV = "SEEDVR2_SEGMENT_FRAMES"  # tests: smaller segments on short clips
+CHECKPOINT_SECONDS = 60.0  # a part closes at the first chunk end after this much work
+CHECKPOINT_SECONDS_ENV = "SEEDVR2_CHECKPOINT_SECONDS"  # tests: a part at every chunk end (0)
 KILL_ENV = "SEEDVR2_KILL_AT"  # tests: "POINT:N" SIGKILLs the job at the N-th POINT
-STATE_SUFFIX = ".seedvr2-resume"
+JOURNAL, OWNER = RESUME_JOURNAL, "owner.json"
 # Options that do not change a single frame: a re-run may differ in them and still resume.
 _NOT_SHAPING = {"resume", "devices", "dist_timeout", "cache_dit", "cache_vae"}
+
+
+class ResumeFolderInUse(RuntimeError):
+    """Another live job holds the resume folder of the same output."""
 
 
 def kill_point(point: str, count: int):
     """The resume tests' kill hook: SIGKILL this process at the ``count``-th ``point``
     (``encode``/``dit``/``decode``: that batch's phase is done; ``write``: a segment has
     frames in it; ``segment``: a segment is closed but the journal does not name it yet;
-    ``journal``: the journal names it)."""
+    ``journal``: the journal names it; ``part``: the journal names the count-th part)."""
     spec = os.environ.get(KILL_ENV, "")
     if spec and spec == f"{point}:{count}":
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def state_folder(dst) -> Path:
-    final = Path(str(dst).rstrip("/\\"))
-    return final.parent / f".{final.name}{STATE_SUFFIX}"
-
-
 def segment_frames() -> int:
     return int(os.environ.get(SEGMENT_FRAMES_ENV, SEGMENT_FRAMES))
+
+
+def checkpoint_seconds() -> float:
+    return float(os.environ.get(CHECKPOINT_SECONDS_ENV, CHECKPOINT_SECONDS))
 
 
 @dataclass(frozen=True)
@@ -79,6 +109,40 @@ class Segment:
     batches: tuple[int, ...]  # plan batch indices, whole chunks
     first_frame: int  # first output frame it holds
     frames: int  # output frames it holds
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A closed file (or folder) of the state folder, as the journal names it: a whole
+    segment, or a part of the segment being written (``shape``: its raw frames' H, W, C)."""
+
+    name: str
+    segment: int
+    first_batch: int
+    last_batch: int
+    first_frame: int
+    frames: int
+    sha256: str
+    shape: Optional[tuple[int, int, int]] = None
+
+    @property
+    def is_part(self) -> bool:
+        return self.shape is not None
+
+    def entry(self) -> dict:
+        entry = {"name": self.name, "segment": self.segment,
+                 "batches": [self.first_batch, self.last_batch],
+                 "first_frame": self.first_frame, "frames": self.frames, "sha256": self.sha256}
+        if self.shape is not None:
+            entry["shape"] = list(self.shape)
+        return entry
+
+    @classmethod
+    def from_entry(cls, entry: dict) -> "Piece":
+        shape = entry.get("shape")
+        return cls(str(entry["name"]), int(entry["segment"]), int(entry["batches"][0]),
+                   int(entry["batches"][1]), int(entry["first_frame"]), int(entry["frames"]),
+                   str(entry["sha256"]), tuple(int(n) for n in shape) if shape else None)
 
 
 def emitted_through(plan: BatchPlan, batch_index: int) -> int:
@@ -127,7 +191,8 @@ def _describe_difference(old: dict, new: dict) -> str:
 
 def job_identity(opts, plan: BatchPlan, *, output, codec: str, size, bit_depth: int,
                  source: str, models: dict, video: bool) -> dict:
-    """Everything a kept segment's frames depend on."""
+    """Everything a kept piece's frames and bytes depend on (not the checkpoint interval:
+    parts hold exact frames wherever they end)."""
     from .. import __version__
 
     return {
@@ -157,56 +222,205 @@ def _write_atomically(path: Path, data: bytes):
     os.replace(temp, path)
 
 
-class ResumeState:
-    """The journal folder of one output: what is complete, and how to continue."""
+def _file_digest(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
-    def __init__(self, dst, identity: dict, segments: list[Segment], *, fresh: bool):
-        self.folder = state_folder(dst)
-        self.identity = identity
-        self.segments = segments
-        self.done = 0  # complete segments
-        self.tail: Optional[torch.Tensor] = None
+
+def content_digest(path: Path) -> str:
+    """SHA-256 of a closed piece: a file's bytes, or a folder's files (names and bytes, in
+    name order). Raises OSError when it cannot be read as what it was (a folder inside a
+    folder piece, a folder where a file was)."""
+    if not path.is_dir():
+        return _file_digest(path)
+    whole = hashlib.sha256()
+    for f in sorted(path.iterdir()):
+        whole.update(f"{f.name}\0{_file_digest(f)}\n".encode())
+    return whole.hexdigest()
+
+
+def _problem(path: Path, sha256: str) -> Optional[str]:
+    """Why the closed piece at ``path`` cannot be used, or None when its content is the one
+    the journal recorded."""
+    if not path.exists():
+        return "is missing"
+    try:
+        digest = content_digest(path)
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    return None if digest == sha256 else \
+        "differs from the SHA-256 the journal recorded when it was closed (damaged or changed)"
+
+
+class _Part:
+    """The raw frames of the segment being written, since the last closed piece: appended as
+    they are final and hashed as they go, so closing it needs no second read."""
+
+    def __init__(self, folder: Path, segment: Segment, first_batch: int, first_frame: int):
+        self.name = f"part-{first_batch:06d}.raw"
+        self.temp = folder / f".{self.name}.tmp"
+        self.segment, self.first_batch, self.first_frame = segment, first_batch, first_frame
+        self.frames, self.shape = 0, None
+        self.digest = hashlib.sha256()
+        self.file = open(self.temp, "wb")
+
+    def write(self, frames: np.ndarray):
+        frames = np.ascontiguousarray(frames)
+        self.shape = tuple(frames.shape[1:])
+        data = frames.tobytes()
+        self.file.write(data)
+        self.digest.update(data)
+        self.frames += len(frames)
+
+    def close(self, last_batch: int) -> Piece:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self.temp, self.temp.with_name(self.name))
+        return Piece(self.name, self.segment.number, self.first_batch, last_batch,
+                     self.first_frame, self.frames, self.digest.hexdigest(), self.shape)
+
+    def discard(self):
+        self.file.close()
+        self.temp.unlink(missing_ok=True)
+
+
+class ResumeState:
+    """The locked state folder of one output: what is complete and verified, and how to
+    continue."""
+
+    def __init__(self, dst, identity: dict, plan: BatchPlan, segments: list[Segment], *,
+                 fresh: bool, dtype: np.dtype):
+        self.folder = resume_folder(dst)
+        self.identity, self.plan, self.segments, self.dtype = identity, plan, segments, dtype
+        self.pieces: list[Piece] = []  # closed and verified, in order
+        self.tail: Optional[torch.Tensor] = None  # the blend state after the last piece
+        self.context: tuple[int, ...] = ()  # a chunk computed again only for its tail
         self.note = ""  # why a kept state was not used
-        journal = self._read() if self.folder.is_dir() else None
+        self.parts_closed = 0
+        self._lock = self._take(dst)
+        try:
+            self._open(fresh)
+        except BaseException:
+            self.release()
+            raise
+
+    # -- opening ----------------------------------------------------------------------------
+
+    def _open(self, fresh: bool):
+        journal = self._read()
         if journal is not None and fresh:
             self.note = "resume is off: the kept segments are discarded"
             journal = None
-        elif journal is not None and journal.get("identity") != identity:
+        elif journal is not None and journal.get("identity") != self.identity:
             self.note = ("not resuming, starting fresh: "
-                         + _describe_difference(journal.get("identity") or {}, identity)
+                         + _describe_difference(journal.get("identity") or {}, self.identity)
                          + " changed since the kept segments were made")
             journal = None
-        elif self.folder.is_dir() and journal is None:
-            self.note = "not resuming: the kept journal is unreadable; starting fresh"
-        if journal is None:
-            if self.folder.exists():
-                shutil.rmtree(self.folder, ignore_errors=True)
-        else:
-            self.done = int(journal.get("segments_done", 0))
-            if self.done:
-                self.tail = torch.from_numpy(np.load(self.folder / journal["tail"]))
-            self._drop_unnamed(journal)
         if self.note:
             log.warning("%s (%s)", self.note, self.folder)
-        self.folder.mkdir(exist_ok=True)
+        if journal is not None:
+            self._verify(journal)
+        self._drop_unnamed()
+        self._write_owner()
+        self.last_checkpoint = time.monotonic()
+
+    def _take(self, dst):
+        if self.folder.exists() and not self.folder.is_dir():
+            self.folder.unlink()
+        try:
+            return lock_folder(self.folder)
+        except BlockingIOError:
+            raise ResumeFolderInUse(
+                f"another job is writing {dst}{self._owner_text()}: its resume folder "
+                f"{self.folder} is in use. Wait for it to finish (or stop it), or choose "
+                f"another output name") from None
+
+    def _owner_text(self) -> str:
+        try:
+            owner = json.loads((self.folder / OWNER).read_text())
+            return (f" (process {owner['pid']} on {owner['host']}, started {owner['started']}: "
+                    f"{owner['command']})")
+        except (OSError, ValueError, KeyError, TypeError):
+            return ""
+
+    def _write_owner(self):
+        owner = {"pid": os.getpid(), "host": socket.gethostname(),
+                 "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                 "command": " ".join(sys.argv)}
+        _write_atomically(self.folder / OWNER, json.dumps(owner).encode())
 
     def _read(self) -> Optional[dict]:
+        path = self.folder / JOURNAL
+        if not path.exists():
+            return None
         try:
-            journal = json.loads((self.folder / "journal.json").read_text())
-            if journal.get("segments_done", 0) and not (self.folder / journal["tail"]).is_file():
-                return None
-            for segment in self.segments[: journal.get("segments_done", 0)]:
-                if not self.segment_path(segment).exists():
-                    return None
+            journal = json.loads(path.read_text())
+            [Piece.from_entry(e) for e in journal["pieces"]]
             return journal
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+            self.note = "not resuming: the kept journal is unreadable; starting fresh"
             return None
 
-    def _drop_unnamed(self, journal: dict):
-        """Anything a killed run left that the journal does not name (a half-written segment,
-        a tail not yet recorded) goes."""
-        keep = {"journal.json", journal.get("tail")}
-        keep.update(self.segment_path(s).name for s in self.segments[: self.done])
+    def _verify(self, journal: dict):
+        """Keep the pieces whose content is the one recorded, up to the first that is not;
+        each one that fails is named, and computed again with everything after it."""
+        pieces = [Piece.from_entry(e) for e in journal["pieces"]]
+        good = True
+        for piece in pieces:
+            problem = _problem(self.folder / piece.name, piece.sha256)
+            if problem:
+                log.warning("resume: %s in %s %s; it is computed again", piece.name,
+                            self.folder, problem)
+                good = False
+            elif good:
+                self.pieces.append(piece)
+        if not self.pieces:
+            return
+        tail = journal.get("tail") if isinstance(journal.get("tail"), dict) else {}
+        if self.next_batch == len(self.plan.batches):
+            return  # every batch is kept: no blend to continue
+        if len(self.pieces) == len(pieces):
+            self.tail = self._load_tail(tail)
+        if self.tail is None:
+            self._context_for_tail()
+            # The journal names only what is kept, so a kill now does not report it again.
+            self._write_journal(None)
+
+    def _load_tail(self, tail: dict) -> Optional[torch.Tensor]:
+        """The blend tail, read once and verified from the bytes held (never read again)."""
+        name = str(tail.get("name", ""))
+        try:
+            data = (self.folder / name).read_bytes() if name else b""
+            if hashlib.sha256(data).hexdigest() != tail.get("sha256"):
+                raise ValueError("differs from the SHA-256 the journal recorded")
+            return torch.from_numpy(np.load(io.BytesIO(data), allow_pickle=False))
+        except (OSError, ValueError) as e:
+            log.warning("resume: the blend tail %s in %s cannot be used (%s); the last kept "
+                        "chunk is computed again for it", name or "(none)", self.folder,
+                        getattr(e, "strerror", None) or e)
+            return None
+
+    def _context_for_tail(self):
+        """The blend tail after the last good piece is its last batch's own frames when that
+        batch's blended head does not reach them: computing the piece's last chunk again
+        gives it. Otherwise nothing kept can be continued."""
+        plan = self.plan
+        last = plan.batches[self.pieces[-1].last_batch]
+        chunk = next(c for c in plan.chunks if last.index in c)
+        if plan.emit_stop(last) - last.start >= last.overlap:
+            self.context = chunk
+            return
+        log.warning("resume: the blend state after %s cannot be restored (temporal_overlap "
+                    "is more than half of batch_size); starting fresh", self.pieces[-1].name)
+        self.pieces = []
+
+    def _drop_unnamed(self):
+        """Anything a killed run left that is not a good piece (a half-written segment or
+        part, a damaged piece, a tail not yet recorded) goes."""
+        keep = {JOURNAL, OWNER, *(p.name for p in self.pieces)}
+        if self.tail is not None:
+            keep.add(self._tail_name)
         for entry in self.folder.iterdir():
             if entry.name in keep:
                 continue
@@ -214,15 +428,41 @@ class ResumeState:
                 shutil.rmtree(entry, ignore_errors=True)
             else:
                 entry.unlink(missing_ok=True)
+        if not self.pieces:
+            (self.folder / JOURNAL).unlink(missing_ok=True)
+
+    @property
+    def _tail_name(self) -> str:
+        return f"tail-{self.pieces[-1].last_batch:06d}.npy" if self.pieces else ""
+
+    # -- where to continue --------------------------------------------------------------------
+
+    @property
+    def next_batch(self) -> int:
+        return self.pieces[-1].last_batch + 1 if self.pieces else 0
+
+    @property
+    def next_frame(self) -> int:
+        return self.pieces[-1].first_frame + self.pieces[-1].frames if self.pieces else 0
 
     @property
     def reused_batches(self) -> int:
-        return sum(len(s.batches) for s in self.segments[: self.done])
+        return self.next_batch - len(self.context)
 
     @property
     def remaining_batches(self) -> list[int]:
-        """Plan batch indices still to compute, in order (whole chunks)."""
-        return [b for s in self.segments[self.done:] for b in s.batches]
+        """Plan batch indices still to compute, in order (whole chunks); a chunk computed
+        again only for its blend tail comes first."""
+        return [*self.context, *range(self.next_batch, len(self.plan.batches))]
+
+    @property
+    def open_segment(self) -> int:
+        """The segment the next batch belongs to."""
+        after = self.next_batch
+        return next((s.number for s in self.segments if after in s.batches), len(self.segments))
+
+    def parts_of(self, segment: Segment) -> list[Piece]:
+        return [p for p in self.pieces if p.is_part and p.segment == segment.number]
 
     @property
     def ext(self) -> str:
@@ -233,8 +473,23 @@ class ResumeState:
         return self.folder / (f"seg-{segment.number:05d}{suffix}" if suffix != "/"
                               else f"seg-{segment.number:05d}")
 
+    # -- closing pieces -----------------------------------------------------------------------
+
+    def checkpoint_due(self) -> bool:
+        return time.monotonic() - self.last_checkpoint >= checkpoint_seconds()
+
+    def open_part(self, segment: Segment, first_batch: int, first_frame: int) -> _Part:
+        return _Part(self.folder, segment, first_batch, first_frame)
+
+    def close_part(self, part: _Part, last_batch: int, tail: torch.Tensor):
+        """Record the part's frames (the segment's frames so far) as kept."""
+        self._record(part.close(last_batch), tail)
+        self.parts_closed += 1
+        kill_point("part", self.parts_closed)
+
     def complete(self, segment: Segment, tail: torch.Tensor):
-        """Record ``segment`` as complete (its file closed) with the blend tail after it."""
+        """Record ``segment`` as complete (its file closed) with the blend tail after it;
+        its parts go."""
         path = self.segment_path(segment)
         if path.is_dir():
             for f in path.iterdir():
@@ -242,29 +497,76 @@ class ResumeState:
         else:
             sync_file(path)
         kill_point("segment", segment.number + 1)
-        tail_name = f"tail-{segment.number:05d}.npy"
-        temp = self.folder / f".{tail_name}.tmp"
-        with open(temp, "wb") as f:
-            np.save(f, tail.contiguous().numpy())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, self.folder / tail_name)
-        journal = {"identity": self.identity, "segments_done": segment.number + 1,
-                   "tail": tail_name}
-        _write_atomically(self.folder / "journal.json", json.dumps(journal, indent=1).encode())
-        previous = self.folder / f"tail-{segment.number - 1:05d}.npy"
-        previous.unlink(missing_ok=True)
-        self.done = segment.number + 1
+        piece = Piece(path.name, segment.number, segment.batches[0], segment.batches[-1],
+                      segment.first_frame, segment.frames, content_digest(path))
+        parts = self.parts_of(segment)
+        self._record(piece, tail, replacing=parts)
+        for part in parts:
+            (self.folder / part.name).unlink(missing_ok=True)
         kill_point("journal", segment.number + 1)
+
+    def _record(self, piece: Piece, tail: torch.Tensor, replacing=()):
+        old_tail = self._tail_name
+        self.pieces = [p for p in self.pieces if p not in replacing] + [piece]
+        buffer = io.BytesIO()
+        np.save(buffer, tail.detach().cpu().contiguous().numpy(), allow_pickle=False)
+        data = buffer.getvalue()
+        _write_atomically(self.folder / self._tail_name, data)
+        self._write_journal({"name": self._tail_name,
+                             "sha256": hashlib.sha256(data).hexdigest()})
+        if old_tail and old_tail != self._tail_name:
+            (self.folder / old_tail).unlink(missing_ok=True)
+        self.last_checkpoint = time.monotonic()
+
+    def _write_journal(self, tail: Optional[dict]):
+        journal = {"identity": self.identity, "pieces": [p.entry() for p in self.pieces],
+                   "tail": tail}
+        _write_atomically(self.folder / JOURNAL, json.dumps(journal, indent=1).encode())
+
+    def read_part(self, part: Piece):
+        """The part's frames, hashed as they are read: a part changed since it was verified
+        fails before its segment is closed."""
+        shape = part.shape
+        frame_bytes = int(np.prod(shape)) * self.dtype.itemsize
+        digest = hashlib.sha256()
+        with open(self.folder / part.name, "rb") as f:
+            for _ in range(part.frames):
+                data = f.read(frame_bytes)
+                digest.update(data)
+                if len(data) < frame_bytes:
+                    break
+                yield np.frombuffer(data, self.dtype).reshape(shape)[None]
+            digest.update(f.read())
+        if digest.hexdigest() != part.sha256:
+            raise RuntimeError(self._changed(part.name))
+
+    def _changed(self, name: str) -> str:
+        return (f"{name} in {self.folder} changed since it was checked; run the same command "
+                f"again: it is computed again")
+
+    def verify_segments(self):
+        """Right before the assembly: every segment is still the one recorded."""
+        for piece in self.pieces:
+            if _problem(self.folder / piece.name, piece.sha256):
+                raise RuntimeError(self._changed(piece.name))
+
+    # -- the end ------------------------------------------------------------------------------
+
+    def release(self):
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def discard(self):
         shutil.rmtree(self.folder, ignore_errors=True)
+        self.release()
 
     def keep_or_discard(self, total_batches: int):
         """After a failure: keep what is complete for the next run, or leave nothing."""
-        if self.done == 0:
+        if not self.pieces:
             self.discard()
             return
+        self.release()
         log.warning("%d of %d batches are kept in %s: run the same command again to continue "
                     "(--no-resume, or resume=False, starts over)", self.reused_batches,
                     total_batches, self.folder)
@@ -273,10 +575,12 @@ class ResumeState:
 def open_resume_state(reader, dst, opts, plan: BatchPlan, size, bit_depth: int, codec: str,
                       dit, vae, model_dir, compute_dtype: torch.dtype) -> Optional[ResumeState]:
     """The resume journal of this job, or None when the job is written directly: a plan of
-    one segment, a single image, or a video made from images without a rate. ``opts`` are
-    the job's options as the caller gave them (one process or several: the same journal),
-    models are named by content whether given loaded or by file, and ``compute_dtype`` is
-    the precision ``dtype`` resolved to on this device (``auto`` differs between GPUs)."""
+    one chunk (nothing to continue from), or a video made from images without a rate.
+    ``opts`` are the job's options as the caller gave them (one process or several: the
+    same journal), models are named by content whether given loaded or by file, and
+    ``compute_dtype`` is the precision ``dtype`` resolved to on this device (``auto``
+    differs between GPUs). Raises :class:`ResumeFolderInUse` while another job writes the
+    same output."""
     from ..loading.registry import DEFAULT_DIT, DEFAULT_VAE, resolve_model_file
     from .identity import model_digest, source_digest
     from .setup import VIDEO_SUFFIXES
@@ -285,9 +589,7 @@ def open_resume_state(reader, dst, opts, plan: BatchPlan, size, bit_depth: int, 
     video = Path(str(dst)).suffix.lower() in VIDEO_SUFFIXES
     info = reader.info
     # Images without a rate into a video (the rate comes from ``fps``) are written directly.
-    if len(segments) < 2 or video and info.fps is None:
-        if not opts.resume:
-            shutil.rmtree(state_folder(dst), ignore_errors=True)
+    if len(plan.chunks) < 2 or video and info.fps is None:
         return None
     models = {"compute_dtype": str(compute_dtype)}
     for kind, spec, default in (("dit", dit, DEFAULT_DIT), ("vae", vae, DEFAULT_VAE)):
@@ -300,13 +602,12 @@ def open_resume_state(reader, dst, opts, plan: BatchPlan, size, bit_depth: int, 
     models["text"] = model_digest(text) if text.is_file() else str(opts.text_embeddings)
     identity = job_identity(opts, plan, output=dst, codec=codec, size=size, bit_depth=bit_depth,
                             source=source_digest(reader), models=models, video=video)
-    return ResumeState(dst, identity, segments, fresh=not opts.resume)
+    return ResumeState(dst, identity, plan, segments, fresh=not opts.resume,
+                       dtype=np.dtype(np.uint16 if bit_depth == 16 else np.uint8))
 
 
 def _module_digest(module: torch.nn.Module) -> str:
     """A loaded model's weights by content (the CLI passes its once-loaded models)."""
-    import hashlib
-
     whole = hashlib.sha256()
     for name, tensor in sorted(module.state_dict().items()):
         whole.update(name.encode())
@@ -330,7 +631,7 @@ def install_kill_hook(upscaler):
 def run_resumable(compute, dst, plan: BatchPlan, state: ResumeState, *, info, size,
                   bit_depth: int, codec: str, overwrite: bool, progress, stats=None,
                   fps="auto"):
-    """Upscale ``plan`` into ``dst`` through segments kept in ``state``; returns the final path.
+    """Upscale ``plan`` into ``dst`` through pieces kept in ``state``; returns the final path.
 
     ``compute(batches)`` yields ``(batch, frames)`` for the given plan batch indices, in
     order: this process's upscaler, or the writer rank's gathering of every rank's batches.
@@ -343,25 +644,35 @@ def run_resumable(compute, dst, plan: BatchPlan, state: ResumeState, *, info, si
     segments = state.segments
     blender = OverlapBlender(plan)
     remaining = state.remaining_batches
-    if state.done:
-        blender.pending = state.tail
-        blender.emitted = segments[state.done - 1].first_frame + segments[state.done - 1].frames
+    if state.pieces:
         log.info("resuming: %d of %d batches are kept in %s; computing the other %d",
-                 state.reused_batches, len(plan.batches), state.folder, len(remaining))
+                 state.reused_batches, len(plan.batches), state.folder,
+                 len(plan.batches) - state.reused_batches)
     if stats is not None:
         stats.batches_reused = state.reused_batches
         stats.batches_total = len(plan.batches)
     video = state.ext != "/"
     try:
-        if remaining:
-            outputs = iter(compute(remaining))
-            for segment in segments[state.done:]:
-                _write_segment(segment, outputs, blender, state, info=info, size=size,
-                               bit_depth=bit_depth, codec=codec, video=video,
-                               open_writer=open_writer, to_integer=to_integer_frames,
-                               progress=progress or (lambda phase, done, total: None))
+        outputs = iter(compute(remaining)) if remaining else iter(())
+        for expected in state.context:  # computed again for its blend tail only
+            batch, out = next(outputs)
+            assert batch.index == expected, (batch.index, expected)
+            for _ in blender.add(batch, out):
+                pass
+        if state.tail is not None:
+            blender.pending = state.tail
+        blender.emitted = state.next_frame
+        for segment in segments[state.open_segment:]:
+            _write_segment(segment, outputs, blender, state, info=info, size=size,
+                           bit_depth=bit_depth, codec=codec, video=video,
+                           open_writer=open_writer, to_integer=to_integer_frames,
+                           progress=progress or (lambda phase, done, total: None))
+        # Every batch is taken: this runs the producer to its end (the ranks' summary).
+        leftover = next(outputs, None)
+        assert leftover is None, leftover
         if stats is not None:
             stats.frames = plan.source_frames
+        state.verify_segments()
         if video:
             carried, subtitles = carried_streams(info, Path(str(dst)).suffix.lower())
             final = SegmentConcat(dst, [state.segment_path(s) for s in segments],
@@ -393,6 +704,8 @@ def _read_pngs(folder: Path):
 
 def _write_segment(segment: Segment, outputs, blender, state: ResumeState, *, info, size,
                    bit_depth, codec, video: bool, open_writer, to_integer, progress):
+    """Write ``segment``: its kept parts' frames again, then the frames of its other chunks,
+    closing a part at a chunk's end when a checkpoint is due."""
     path = state.segment_path(segment)
     target = str(path) if video else f"{path}/"
     channels = info.channels
@@ -412,14 +725,30 @@ def _write_segment(segment: Segment, outputs, blender, state: ResumeState, *, in
         # what the final output cannot hold was said when it was checked at the start.
         warnings.simplefilter("ignore", UserWarning)
         writer = open_writer(target, **kwargs)
-    with writer:
-        for expected in segment.batches:
-            batch, out = next(outputs)
-            assert batch.index == expected, (batch.index, expected)
-            for _, final in blender.add(batch, out):
-                writer.write_many(to_integer(final, bit_depth))
-                written += len(final)
-                kill_point("write", segment.number + 1)
-                progress("frames", blender.emitted, blender.plan.source_frames)
+    first_batch = max(segment.batches[0], state.next_batch)
+    chunks = [c for c in blender.plan.chunks if c[0] in segment.batches and c[0] >= first_batch]
+    part = state.open_part(segment, first_batch, blender.emitted)
+    try:
+        with writer:
+            for kept in state.parts_of(segment):
+                for frames in state.read_part(kept):
+                    writer.write_many(frames)
+                    written += len(frames)
+            for number, chunk in enumerate(chunks):
+                for expected in chunk:
+                    batch, out = next(outputs)
+                    assert batch.index == expected, (batch.index, expected)
+                    for _, final in blender.add(batch, out):
+                        frames = to_integer(final, bit_depth)
+                        writer.write_many(frames)
+                        part.write(frames)
+                        written += len(final)
+                        kill_point("write", segment.number + 1)
+                        progress("frames", blender.emitted, blender.plan.source_frames)
+                if number + 1 < len(chunks) and part.frames and state.checkpoint_due():
+                    state.close_part(part, chunk[-1], blender.pending)
+                    part = state.open_part(segment, chunk[-1] + 1, blender.emitted)
+    finally:
+        part.discard()
     assert written == segment.frames, (written, segment.frames)
     state.complete(segment, blender.pending)

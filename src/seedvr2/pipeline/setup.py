@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -278,19 +279,77 @@ def _output_format(info, dst, opts: Options, codec: str) -> tuple[tuple[int, int
     return output_size(info.height, info.width, opts), bit_depth
 
 
+def input_files(reader) -> list[Path]:
+    """The files a file job reads: the video or image, or every file of an image sequence."""
+    files = getattr(reader, "files", None)
+    return [Path(f) for f in files] if files is not None else [Path(reader.info.path)]
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def refuse_input_as_output(inputs, dst) -> None:
+    """Raise :class:`~seedvr2.io.MediaError` when writing ``dst`` would replace or delete one
+    of ``inputs``, whatever ``overwrite`` says: the same file by any path (relative or
+    absolute, a symbolic or hard link) is compared by device and inode. A folder output
+    (a PNG sequence) replaces the numbered PNGs in it and deletes those it does not write
+    (``SequenceWriter``), an image output of several frames writes ``NAME_00000.EXT``...
+    beside it: inputs among those are refused too (for an image output whatever its frame
+    count, which a video's header may not tell exactly yet)."""
+    from ..io import MediaError
+    from ..io._common import IMAGE_EXTENSIONS
+
+    text = os.fspath(dst)
+    out = Path(text)
+    folder_output = text.endswith(("/", os.sep)) or out.is_dir()
+    try:
+        out_stat = os.stat(out)
+    except OSError:
+        out_stat = None
+    try:
+        parent_stat = os.stat(out if folder_output else out.parent)
+    except OSError:
+        return  # the output's folder does not exist yet: it holds no input
+    numbered = re.compile(r"\d+\.png" if folder_output else
+                          re.escape(out.stem) + r"_\d+" + re.escape(out.suffix)
+                          if out.suffix.lower() in IMAGE_EXTENSIONS else r"(?!)", re.IGNORECASE)
+    for source in inputs:
+        source = Path(source)
+        try:
+            source_stat, source_parent = os.stat(source), os.stat(source.parent)
+        except OSError:
+            continue
+        if not folder_output and out_stat is not None and _same_file(out_stat, source_stat):
+            same = "" if os.path.abspath(source) == os.path.abspath(out) else \
+                f" (the same file as the input {source})"
+            raise MediaError(f"{dst} is the job's input{same}: writing the output there would "
+                             f"destroy it, with or without overwrite; choose another output name")
+        if _same_file(parent_stat, source_parent) and numbered.fullmatch(source.name):
+            raise MediaError(f"{dst}: the output would replace the input {source}, with or "
+                             f"without overwrite; choose another output "
+                             f"{'folder' if folder_output else 'name'}")
+
+
 def file_facts(reader, dst, opts: Options, codec: str) -> tuple[int, tuple[int, int], int]:
-    """Frame count, output (H, W) and bit depth of a file job."""
+    """Frame count, output (H, W) and bit depth of a file job; first of all, an output that
+    would replace the input is refused (:func:`refuse_input_as_output`)."""
+    refuse_input_as_output(input_files(reader), dst)
     info = reader.info
     frame_count = info.frame_count if info.frame_count_exact else reader.count_frames()
     return (frame_count, *_output_format(info, dst, opts, codec))
 
 
-def check_file_job(src, dst, opts: Options, codec: str, overwrite: bool) -> None:
+def check_file_job(src, dst, opts: Options, codec: str, overwrite: bool,
+                   other_inputs=()) -> None:
     """Raise what a file job would raise about its files, before any model loads: the input
-    is opened and the output writer is opened (under its temporary name) and discarded."""
+    is opened and the output writer is opened (under its temporary name) and discarded. An
+    output that is the input, or one of ``other_inputs`` (the other files of a folder job,
+    still to be read), is refused."""
     from ..io import open_media
 
     with open_media(src) as reader:
+        refuse_input_as_output([*input_files(reader), *other_inputs], dst)
         size, bit_depth = _output_format(reader.info, dst, opts, codec)
         open_output(reader.info, dst, size, bit_depth, codec, overwrite, opts.fps).abort()
 
