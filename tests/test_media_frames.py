@@ -319,7 +319,13 @@ def test_cli_portrait_phone_video_gives_portrait_pngs_and_keeps_the_tag(tiny_opt
                    for p, f in zip(phone.frames(), flat.frames()))
     assert main(_cli_args(tiny_options, str(tmp_path / "phone.mp4"))) == 0
     video = open_media(tmp_path / "phone_seedvr2_32p.mp4").info
-    assert (video.rotation, video.width, video.height) == (-90, 48, 32)
+    assert (video.rotation, video.mirrored, video.width, video.height) == (-90, False, 48, 32)
+    # A turned and mirrored source: the joined segments keep the whole matrix (a rotation
+    # set on the joined stream alone would drop the mirror).
+    _video(tmp_path / "selfie.mp4", frames, rotation=90, mirrored=True)
+    assert main(_cli_args(tiny_options, str(tmp_path / "selfie.mp4"))) == 0
+    video = open_media(tmp_path / "selfie_seedvr2_32p.mp4").info
+    assert (video.rotation, video.mirrored, video.frame_count) == (90, True, 10)
 
 
 # ---------------------------------------------------------------------------------------------

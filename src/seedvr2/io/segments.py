@@ -41,7 +41,7 @@ class SegmentConcat(MediaWriter):
 
     def __init__(self, dst, segments: list[Path], counts: list[int], *, fps: Fraction,
                  width: int, height: int, channels: int, bit_depth: int, audio_from=None,
-                 subtitle_streams=(), frame_times=None, rotation: int = 0,
+                 subtitle_streams=(), frame_times=None,
                  overwrite: bool = False):
         path = fspath(dst)
         super().__init__(path, width=width, height=height, channels=channels,
@@ -49,7 +49,7 @@ class SegmentConcat(MediaWriter):
         if path.suffix.lower() not in VIDEO_EXTENSIONS:
             raise MediaError(f"{path}: segments are joined into videos only")
         self._segments, self._counts = list(segments), list(counts)
-        self._fps, self._audio_from, self._rotation = fps, audio_from, rotation
+        self._fps, self._audio_from = fps, audio_from
         self._subtitles, self._frame_times = list(subtitle_streams), frame_times
         self._claim_temp_file(path)
         self.frames_written = sum(self._counts)
@@ -61,9 +61,9 @@ class SegmentConcat(MediaWriter):
         with av.open(str(self._temp), "w", format=VIDEO_EXTENSIONS[ext]) as out:
             with av.open(str(self._segments[0])) as first:
                 template = first.streams.video[0]
+                # The template carries the segments' display matrix (rotation and mirror)
+                # and sample aspect ratio: setting a rotation here would drop a mirror.
                 video = out.add_stream_from_template(template)
-            if self._rotation:
-                video.set_display_rotation(self._rotation)
             audio = _AudioCopy(fspath(self._audio_from), out, self.path, self._subtitles) \
                 if self._audio_from is not None else None
             try:

@@ -679,7 +679,7 @@ def run_resumable(compute, dst, plan: BatchPlan, state: ResumeState, *, info, si
                                   [s.frames for s in segments], fps=info.fps, width=size[1],
                                   height=size[0], channels=info.channels, bit_depth=bit_depth,
                                   audio_from=carried, subtitle_streams=[i for i, _ in subtitles],
-                                  frame_times=info.frame_times, rotation=info.rotation,
+                                  frame_times=info.frame_times,
                                   overwrite=overwrite)
             final.close()
             path = final.path
