@@ -136,7 +136,8 @@ def test_upscale_video_file_node_refuses_its_input(clip, tiny_model_dir, tmp_pat
             return clip, {"filename": clip.name, "subfolder": "", "type": "output"}
 
     nodes = {n.id: n for n in defs.build_nodes()}
-    host = NamesTheInput(model_dir=tiny_model_dir, output_dir=tmp_path, quiet=True)
+    host = NamesTheInput(model_dir=tiny_model_dir, input_dir=clip.parent, output_dir=tmp_path,
+                         quiet=True)
     handles = [nodes[node].run(host, model=model, **{
         **{s.input: s.node_input().default for s in defs.LOADER_SETTINGS[kind]
            if not s.node_input().optional}, "device": "cpu", "dtype": "fp32"}).outputs[0]
@@ -144,7 +145,7 @@ def test_upscale_video_file_node_refuses_its_input(clip, tiny_model_dir, tmp_pat
                                   ("SeedVR2LoadVAEModel", "vae", "vae_tiny.safetensors"))]
     node = nodes["SeedVR2UpscaleVideoFile"]
     inputs = {i.name: i.default for i in node.inputs if i.is_widget}
-    inputs.update(resolution=32, video_path=str(clip), codec="h264")
+    inputs.update(resolution=32, video_path=clip.name, codec="h264")
     before = clip.read_bytes()
     with pytest.raises(ValueError, match=r"same\.mp4 is the job's input: writing the output"):
         node.run(host, dit=handles[0], vae=handles[1], **inputs)

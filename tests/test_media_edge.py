@@ -508,4 +508,39 @@ def test_sigterm_cleans_up_like_ctrl_c(tiny_options, tmp_path):
             process.kill()
     assert process.returncode != 0
     assert "Traceback" not in err
+    # Stopped before its first piece closed (a minute of work): nothing to resume from.
+    assert err.rstrip().endswith("terminated (SIGTERM); the output was not written and "
+                                 "nothing was kept")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["clip.mp4"]
+
+
+def test_sigterm_after_a_closed_piece_says_where_it_is_kept(tiny_options, tmp_path):
+    """A part closes at every chunk end here: stopped after one, the message names the resume
+    folder, and the same command finishes the job from it."""
+    src = tmp_path / "clip.mp4"
+    make_clip(src, frames=30)
+    out = tmp_path / "out.mp4"
+    journal = tmp_path / ".out.mp4.seedvr2-resume" / "journal.json"
+    command = [sys.executable, "-m", "seedvr2",
+               *_cli_args(tiny_options, str(src), "-o", str(out), resolution=64)]
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "SEEDVR2_CHECKPOINT_SECONDS": "0"}
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not journal.is_file() and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.05)
+        assert journal.is_file(), "no piece was closed"
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 128 + signal.SIGTERM, err
+    assert err.rstrip().endswith(
+        f"terminated (SIGTERM); the output was not written; its finished pieces are kept in "
+        f"{journal.parent}: run the same command again to continue")
+    assert not out.exists()
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert out.is_file() and not journal.parent.exists()

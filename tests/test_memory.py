@@ -206,9 +206,9 @@ def test_vae_tiling_options_reach_the_vae(tiny_options, clip, monkeypatch):
     seen = []
     original = tiling.decode
 
-    def spy(vae, latent, tiles, temporal_chunk=None):
+    def spy(vae, latent, tiles, temporal_chunk=None, between=None):
         seen.append((tiles, temporal_chunk))
-        return original(vae, latent, tiles, temporal_chunk)
+        return original(vae, latent, tiles, temporal_chunk, between)
 
     monkeypatch.setattr(tiling, "decode", spy)
     out = _upscale(tiny_options, clip, vae_decode_tiled=True, vae_decode_tile_size=64,

@@ -315,6 +315,18 @@ def _remove_empty_folders(folder: Path, top: Path) -> None:
         folder = folder.parent
 
 
+def _what_was_kept(target) -> str:
+    """The end of the message for a job stopped from outside: an output is never left half
+    written; a file job's verified pieces, if it closed any, wait for the same command."""
+    from .io.temporaries import RESUME_JOURNAL, resume_folder
+
+    kept = target is not None and (resume_folder(target) / RESUME_JOURNAL).is_file()
+    if kept:
+        return (f"the output was not written; its finished pieces are kept in "
+                f"{resume_folder(target)}: run the same command again to continue")
+    return "the output was not written and nothing was kept"
+
+
 def _upscale_jobs(args, opts, given: dict, jobs: list) -> int:
     import time
 
@@ -323,6 +335,7 @@ def _upscale_jobs(args, opts, given: dict, jobs: list) -> int:
 
     bars = _Bars(not args.quiet)
     failed = []
+    target = None  # the output being written when a signal stops the job
     try:
         # Files first: a wrong path should not cost the seconds models take to load. A bad
         # file in a folder is reported here and the others still run.
@@ -371,11 +384,11 @@ def _upscale_jobs(args, opts, given: dict, jobs: list) -> int:
         return 1
     except KeyboardInterrupt:
         bars.close()
-        print("interrupted; no partial output was kept", file=sys.stderr)
+        print(f"interrupted; {_what_was_kept(target)}", file=sys.stderr)
         return 130
     except _Terminated:
         bars.close()
-        print("terminated (SIGTERM); no partial output was kept", file=sys.stderr)
+        print(f"terminated (SIGTERM); {_what_was_kept(target)}", file=sys.stderr)
         return 128 + signal.SIGTERM
     return _report_failures(failed, jobs)
 

@@ -255,8 +255,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "of devices and the DiT's attention heads", min=1, max=1024),
     Option("resume", bool, True, "file jobs: keep finished output in closed segments next to "
            "the output (.NAME.seedvr2-resume/) so that running the same job again after a "
-           "crash, kill or cancel continues from the last complete segment; false (--no-resume) "
-           "discards kept segments and starts over"),
+           "crash, kill or cancel continues from the last verified piece (segments, and parts "
+           "closed about every minute of work); false (--no-resume) discards them and starts "
+           "over"),
     Option("compile", bool, False, "torch.compile each DiT block and the VAE"),
     Option("compile_backend", str, "inductor", "torch.compile backend", choices=(
         "inductor", "cudagraphs", "eager", "aot_eager")),

@@ -317,7 +317,7 @@ def run_file_job(ctx: DistContext, src, dst, dit=None, vae=None, *, model_dir=No
 
     The writer keeps the job's resume journal (``pipeline/resume.py``) exactly as one process
     would: a killed job (a lost writer, a failed launch, torchrun restarting its workers) run
-    again continues from the writer's last complete segment, with any number of ranks.
+    again continues from the writer's last verified piece, with any number of ranks.
     ``stats`` (a ``JobStats``, writer rank) is told the frames and the batches reused."""
     from ..io import open_media
     from ..memory.policy import resolve_dtype
