@@ -269,6 +269,20 @@ def test_truncated_gguf(dit3b_q8, tmp_path):
         load_dit(path)
 
 
+def test_gguf_with_damaged_counts_is_one_error_and_left_out_of_lists(tmp_path):
+    """All-ones counts: the header walk for the error message points past any offset
+    (OverflowError, not caught before), so `describe` and the loaders' lists raised."""
+    from seedvr2.loading import describe
+    from seedvr2.workflow.nodes import _file_kind
+
+    path = tmp_path / "damaged.gguf"
+    path.write_bytes(b"GGUF" + b"\xff" * 40)
+    with pytest.raises(CheckpointError, match=r"damaged\.gguf: unreadable GGUF file, truncated "
+                                              r"or corrupt"):
+        describe(path)
+    assert _file_kind(path) is None
+
+
 def test_unsupported_quant_type_names_tensor_and_type(dit3b_state, tmp_path):
     path = tmp_path / "q8_1.gguf"
     tensors = dict(dit3b_state)

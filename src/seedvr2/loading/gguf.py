@@ -553,7 +553,9 @@ def _tensor_type_ids(path: Path) -> list[tuple[str, int]] | None:
                 infos.append((name, take("I")))
                 pos += 8  # the data offset
             return infos
-    except (OSError, ValueError, struct.error):
+    except (OSError, ValueError, struct.error, OverflowError, RecursionError):
+        # A damaged count or length points past the file (struct.error) or past what an
+        # offset can hold (OverflowError); nested arrays can recurse without end.
         return None
 
 
