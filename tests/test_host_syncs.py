@@ -155,3 +155,6 @@ def test_host_to_cuda_copies_are_pinned_and_non_blocking(monkeypatch):
     calls.clear()
     to_device(torch.arange(3), torch.device("cpu"))
     assert calls == [("to", (torch.device("cpu"),), {})]
+    calls.clear()  # a tensor already on a device (pinning one raises): moved as it is
+    to_device(torch.arange(3, device="meta"), torch.device("cuda", 1))
+    assert calls == [("to", (torch.device("cuda", 1),), {})]

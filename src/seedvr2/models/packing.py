@@ -19,14 +19,15 @@ from .window import WindowLayout, layout_for
 
 
 def to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CPU tensor on ``device`` without stalling the host.
+    """A tensor on ``device``; from the host without stalling it.
 
-    CUDA: copied from pinned memory with ``non_blocking``, so the host queues the copy and
-    goes on; kernels queued after it on the same stream see the data. The pinned source may be
-    dropped at once: PyTorch's caching host allocator records an event for the copy and does
-    not hand the block out again before it completes. Other devices: a plain move.
+    CPU to CUDA: copied from pinned memory with ``non_blocking``, so the host queues the copy
+    and goes on (a pageable copy waits for the stream to drain: a host sync per call); kernels
+    queued after it on the same stream see the data. The pinned source may be dropped at once:
+    PyTorch's caching host allocator records an event for the copy and does not hand the block
+    out again before it completes. Anything else: a plain move.
     """
-    if device.type == "cuda":
+    if device.type == "cuda" and values.device.type == "cpu":
         return values.pin_memory().to(device, non_blocking=True)
     return values.to(device)
 

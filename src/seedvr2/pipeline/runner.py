@@ -30,6 +30,7 @@ from ..memory.blockswap import BlockSwap
 from ..memory.budget import host_rss
 from ..memory.compile import is_compiled
 from ..memory.policy import check_finite
+from ..models.packing import to_device
 from ..options import Options
 from .alpha import upscale_alpha
 from .color import color_correct
@@ -165,24 +166,9 @@ def batch_seed(seed: int, first_frame: int, purpose: int) -> int:
     return (mixed * 0x94D049BB133111EB % (1 << 64)) >> 1
 
 
-def upload(tensor: torch.Tensor, device) -> torch.Tensor:
-    """A host tensor copied to ``device`` (other devices' tensors are moved as they are).
-
-    On CUDA the copy is from pinned memory and does not block the host: a copy from pageable
-    memory waits for the device's stream to drain first (a host sync per call). The pinned
-    copy comes from PyTorch's caching host allocator, which records the copy's event on the
-    block and hands the block out again only after that event has completed, so a later
-    upload can never overwrite bytes still being read.
-    """
-    device = torch.device(device)
-    if device.type != "cuda" or tensor.device.type != "cpu":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
-
-
 def _randn(shape, seed: int, device, dtype=torch.float32) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
-    return upload(torch.randn(shape, generator=generator), device).to(dtype)
+    return to_device(torch.randn(shape, generator=generator), device).to(dtype)
 
 
 EPS, NOISE, AUG_NOISE, INPUT_NOISE = range(4)
@@ -416,7 +402,8 @@ class Upscaler:
     def _upload_frames(self, frames: list, device: torch.device) -> torch.Tensor:
         """(n, H, W, C) on ``device`` in the frames' source precision. From pinned frames on
         CUDA, each copy is non-blocking (the caching host allocator keeps each pinned frame
-        until its copy's event has completed, see :func:`upload`)."""
+        until its copy's event has completed, see
+        :func:`~seedvr2.models.packing.to_device`)."""
         if device.type == "cpu":
             return torch.stack(frames)
         out = torch.empty((len(frames), *frames[0].shape), dtype=frames[0].dtype, device=device)
@@ -455,7 +442,7 @@ class Upscaler:
 
     def _text_on(self, device: torch.device) -> torch.Tensor:
         if device not in self._text:
-            self._text[device] = upload(self.models.text, device).to(self.dtype)
+            self._text[device] = to_device(self.models.text, device).to(self.dtype)
         return self._text[device]
 
     def _denoise(self, item: _Encoded):
@@ -500,7 +487,7 @@ class Upscaler:
         rgb = ((frames.clamp(-1, 1) + 1) / 2)
         channels = item.source.shape[-1]
         if channels == 1:
-            out = (rgb * upload(_LUMA, rgb.device)[None, :, None, None]).sum(1, keepdim=True)
+            out = (rgb * to_device(_LUMA, rgb.device)[None, :, None, None]).sum(1, keepdim=True)
         elif channels == 4:
             alpha = unit_float(item.source[..., 3:4]).permute(0, 3, 1, 2)
             out = torch.cat([rgb, upscale_alpha(alpha, rgb)], dim=1)
@@ -689,7 +676,7 @@ class OverlapBlender:
         plan = self.plan
         if b.overlap and self.pending is not None:
             # The weights go where the frames are (a file job keeps them on the GPU).
-            w = upload(blend_weights(b.overlap), out.device)[:, None, None, None]
+            w = to_device(blend_weights(b.overlap), out.device)[:, None, None, None]
             out = torch.cat([self.pending * (1 - w) + out[: b.overlap] * w, out[b.overlap:]])
         final_stop = plan.emit_stop(b)
         self.pending = out[final_stop - b.start:]
