@@ -18,6 +18,9 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Callable, Iterable
+
+from ..loading.registry import sha256_of
 
 CACHE_ENV = "SEEDVR2_CACHE_DIR"
 _MAX_ENTRIES = 4096  # one line per file ever hashed; old ones go first
@@ -64,8 +67,7 @@ def file_digest(path) -> str:
     entries = _read_cache(cache)
     if key in entries:
         return entries[key]
-    with open(path, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    digest = sha256_of(path)
     entries = _read_cache(cache)  # another process may have added entries meanwhile
     entries.pop(key, None)
     entries[key] = digest
@@ -86,7 +88,12 @@ def source_digest(reader) -> str:
     files = getattr(reader, "files", None)
     if files is None:
         return file_digest(reader.info.path)
+    return files_digest(files, file_digest)
+
+
+def files_digest(files: Iterable, digest_of: Callable[[Path], str]) -> str:
+    """One SHA-256 of several files in order: each one's name and ``digest_of`` it."""
     whole = hashlib.sha256()
     for f in files:
-        whole.update(f"{Path(f).name}\0{file_digest(f)}\n".encode())
+        whole.update(f"{Path(f).name}\0{digest_of(f)}\n".encode())
     return whole.hexdigest()

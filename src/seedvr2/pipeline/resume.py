@@ -66,6 +66,8 @@ import torch
 
 from ..io.segments import SegmentConcat, sync_file
 from ..io.temporaries import RESUME_JOURNAL, lock_folder, resume_folder
+from ..loading.registry import sha256_of
+from .identity import files_digest, model_digest, source_digest
 from .plan import BatchPlan
 
 log = logging.getLogger("seedvr2")
@@ -222,21 +224,14 @@ def _write_atomically(path: Path, data: bytes):
     os.replace(temp, path)
 
 
-def _file_digest(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def content_digest(path: Path) -> str:
     """SHA-256 of a closed piece: a file's bytes, or a folder's files (names and bytes, in
     name order). Raises OSError when it cannot be read as what it was (a folder inside a
-    folder piece, a folder where a file was)."""
+    folder piece, a folder where a file was). Never the cached digest of :mod:`.identity`:
+    a piece damaged in place may keep its size and modification time."""
     if not path.is_dir():
-        return _file_digest(path)
-    whole = hashlib.sha256()
-    for f in sorted(path.iterdir()):
-        whole.update(f"{f.name}\0{_file_digest(f)}\n".encode())
-    return whole.hexdigest()
+        return sha256_of(path)
+    return files_digest(sorted(path.iterdir()), sha256_of)
 
 
 def _problem(path: Path, sha256: str) -> Optional[str]:
@@ -582,7 +577,6 @@ def open_resume_state(reader, dst, opts, plan: BatchPlan, size, bit_depth: int, 
     differs between GPUs). Raises :class:`ResumeFolderInUse` while another job writes the
     same output."""
     from ..loading.registry import DEFAULT_DIT, DEFAULT_VAE, resolve_model_file
-    from .identity import model_digest, source_digest
     from .setup import VIDEO_SUFFIXES
 
     segments = plan_segments(plan, segment_frames())
