@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..io.temporaries import hold, remove_stale_temporaries
+from ..io.temporaries import abandoned, hold, remove_stale_temporaries
 from .groups import destroy, init_from_env
 
 log = logging.getLogger("seedvr2")
@@ -200,13 +200,9 @@ def remove_stale_launch_folders() -> list[Path]:
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or \
                 time.time() - info.st_mtime < LAUNCH_FOLDER_GRACE_S:
             continue
-        probe = hold(folder)
-        if probe is None:
+        if not abandoned(folder):
             continue  # held by a live launcher (or no locks on this filesystem: leave it)
-        try:
-            shutil.rmtree(folder, ignore_errors=True)
-        finally:
-            probe.release()
+        shutil.rmtree(folder, ignore_errors=True)
         removed.append(folder)
     if removed:
         log.debug("removed launch folders left by killed launchers: %s",

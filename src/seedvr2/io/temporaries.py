@@ -113,7 +113,9 @@ def lock_folder(path: Path) -> Hold | None:
     raise BlockingIOError(f"{path} is removed and made again by another process")
 
 
-def _stale(path: Path) -> bool:
+def abandoned(path: Path) -> bool:
+    """Whether ``path`` was locked by a process that is gone: nobody holds it now. False
+    where the filesystem has no locks (then nothing is taken for abandoned)."""
     try:
         probe = Hold(path)
     except BlockingIOError:
@@ -130,11 +132,11 @@ def remove_stale_temporaries(final) -> list[Path]:
     piece closed); returns them."""
     removed = []
     resume = resume_folder(final)
-    if resume.is_dir() and not (resume / RESUME_JOURNAL).exists() and _stale(resume):
+    if resume.is_dir() and not (resume / RESUME_JOURNAL).exists() and abandoned(resume):
         shutil.rmtree(resume, ignore_errors=True)
         removed.append(resume)
     for temp in temporaries_of(final):
-        if not _stale(temp):
+        if not abandoned(temp):
             continue
         if temp.is_dir() and not temp.is_symlink():
             shutil.rmtree(temp, ignore_errors=True)
