@@ -355,15 +355,20 @@ def _wait_for(browser, script: str, what: str, comfyui, before: set):  # noqa: F
         time.sleep(1)
 
 
-def test_image_example_runs_from_the_run_button_and_shows_its_result(browser, comfyui):  # noqa: F811
-    _tiny(browser, _workflow("image_upscale"))
-    before = _run(browser, comfyui)
-    size = _wait_for(browser, """
+def _saved_image_size(browser, comfyui, before) -> list:
+    """(width, height) of the picture the SaveImage node shows once the run has saved it."""
+    return _wait_for(browser, """
         const node = window.app.graph._nodes.find((n) => n.type === "SaveImage");
         const img = node && node.imgs && node.imgs[0];
         return img && img.complete && img.naturalWidth ? [img.naturalWidth, img.naturalHeight]
                                                        : null;""", "the saved image", comfyui,
                      before)
+
+
+def test_image_example_runs_from_the_run_button_and_shows_its_result(browser, comfyui):  # noqa: F811
+    _tiny(browser, _workflow("image_upscale"))
+    before = _run(browser, comfyui)
+    size = _saved_image_size(browser, comfyui, before)
     assert tuple(size) == IMAGE_OUT
     state = _load(browser, None)  # the node grown with its picture
     _screenshot(browser, "run_image_upscale")
@@ -429,12 +434,7 @@ def test_numz_workflow_opens_with_every_value_in_its_place_and_runs(browser, com
         for (const button of document.querySelectorAll(".p-toast-close-button")) button.click();""")
     time.sleep(1)
     before = _run(browser, comfyui)
-    size = _wait_for(browser, """
-        const node = window.app.graph._nodes.find((n) => n.type === "SaveImage");
-        const img = node && node.imgs && node.imgs[0];
-        return img && img.complete && img.naturalWidth ? [img.naturalWidth, img.naturalHeight]
-                                                       : null;""", "the saved image", comfyui,
-                     before)
+    size = _saved_image_size(browser, comfyui, before)
     assert tuple(size) == IMAGE_OUT
     prompt = next(entry["prompt"][2] for prompt_id, entry in _history(comfyui).items()
                   if prompt_id not in before)
