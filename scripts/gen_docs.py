@@ -155,7 +155,7 @@ def _range(opt) -> str:
         text = f"{opt.min} to {opt.max}"
     else:
         text = "see meaning"
-    return text + (", `auto`" if opt.accepts_auto else "")
+    return text + (", `auto` (0 on a node)" if opt.accepts_auto else "")
 
 
 def _default(opt) -> str:
@@ -236,7 +236,8 @@ def options_page() -> str:
                   "|---|---|---|---|---|---|"]
         for name in names:
             opt = OPTIONS[name]
-            lines.append(f"| `{name}` | `{opt.flag}` | {_cell(_node_cell(by_option.get(name, [])))} "
+            flag = f"`{opt.flag}` / `--no-{opt.flag[2:]}`" if opt.type is bool else f"`{opt.flag}`"
+            lines.append(f"| `{name}` | {flag} | {_cell(_node_cell(by_option.get(name, [])))} "
                          f"| {_cell(_default(opt))} | {_cell(_range(opt))} | {_cell(opt.help)} |")
         lines.append("")
     lines += ["## Command-line flags that are not options", "",
