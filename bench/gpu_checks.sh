@@ -2,7 +2,7 @@
 # What the first GPU run must measure, as one command from a checkout (about 7 minutes on one
 # H200; random weights of the real shapes; nothing downloaded or installed, no network).
 # Prints one table on stdout, progress on stderr, and rewrites $OUT/gpu_checks.md after every
-# row when OUT is set. See bench/gpu_checks.py and README "GPU checks".
+# row when OUT is set. See bench/gpu_checks.py and docs/development.md "GPU checks".
 #
 #   bench/gpu_checks.sh [--rehearse] [--minutes 7] [--sections env,e2e,mfu,blockswap,vae,dequant]
 #

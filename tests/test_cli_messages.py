@@ -253,7 +253,7 @@ def test_hub_probe_answers_quickly_when_nothing_listens(monkeypatch):
     assert registry.hub_unreachable() == "HF_HUB_OFFLINE is set"
 
 
-# -- the README agrees with the option table -----------------------------------------------------
+# -- the documentation agrees with the option table ---------------------------------------------
 
 def _readme_value(text: str, opt):
     if opt.type is bool:
@@ -266,31 +266,38 @@ def _readme_value(text: str, opt):
     return text
 
 
+def _doc_pages() -> str:
+    return "\n".join(p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))])
+
+
 def test_readme_defaults_are_the_option_defaults():
-    readme = (REPO / "README.md").read_text()
+    docs = _doc_pages()
     checked = 0
-    # Option tables are those whose second column is headed "default" (other tables, such as
-    # the GPU checks' sections, may name an option without giving its default).
-    option_rows = [row for table in re.findall(r"^\|[^\n]*\| default \|[^\n]*\n(?:\|[^\n]*\n)+",
-                                                readme, re.M)
-                   for row in table.splitlines()[2:]]
-    for cells in (re.match(r"^\| (.+?) \| (.+?) \|", row).groups() for row in option_rows):
-        names = [n for n in re.findall(r"`(\w+)`", cells[0]) if n in OPTIONS]
-        # Rows naming several options with different defaults give no single default to check.
-        if not names or len({OPTIONS[n].default for n in names}) > 1:
-            continue
-        for name in names:
-            assert _readme_value(cells[1], OPTIONS[name]) == OPTIONS[name].default, (name, cells[1])
-            checked += 1
+    # Option tables are those with a column headed "default" (other tables, such as the GPU
+    # checks' sections, may name an option without giving its default); the option names are
+    # in the first column.
+    for table in re.findall(r"^\|[^\n]*\| default \|[^\n]*\n(?:\|[^\n]*\n)+", docs, re.M):
+        header, _, *rows = table.splitlines()
+        column = [c.strip() for c in header.strip("|").split("|")].index("default")
+        for row in rows:
+            cells = [c.strip() for c in re.split(r"(?<!\\)\|", row.strip("|"))]
+            names = [n for n in re.findall(r"`(\w+)`", cells[0]) if n in OPTIONS]
+            # Rows naming several options with different defaults give no single default to check.
+            if not names or len({OPTIONS[n].default for n in names}) > 1:
+                continue
+            for name in names:
+                assert _readme_value(cells[column], OPTIONS[name]) == OPTIONS[name].default, \
+                    (name, cells[column])
+                checked += 1
     assert checked >= 25
     # The command synopses show each option's flag with its default value.
     flags = {o.flag: o for o in OPTIONS.values()}
-    shown = [(flag, value) for flag, value in re.findall(r"\[(--[a-z-]+) (\w+)\]", readme)
+    shown = [(flag, value) for flag, value in re.findall(r"\[(--[a-z-]+) (\w+)\]", docs)
              if flag in flags]
     assert shown
     for flag, value in shown:
         assert _readme_value(value, flags[flag]) == flags[flag].default, (flag, value)
-    assert "--batch-size 5" in readme
+    assert "--batch-size 5" in (REPO / "README.md").read_text()
 
 
 def test_hub_log_lines_appear_once():
