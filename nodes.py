@@ -159,22 +159,24 @@ class ComfyHost:
     def warn(self, message: str) -> None:
         log.warning(f"SeedVR2: {message}")
 
-    # -- VIDEO values: comfy_api.latest's InputImpl.VideoFromFile / VideoFromComponents ------
-    # (VideoInput.get_components, VideoFromFile.get_stream_source; the trim window of current
-    # ComfyUI's VideoFromFile: get_active_trim_window).
+    # -- VIDEO values: comfy_api's InputImpl.VideoFromFile / VideoFromComponents -------------
+    # (VideoInput.get_components, VideoFromFile.get_stream_source; what current ComfyUI's
+    # VIDEO can carry on top of its file: VideoInput.has_pending_frame_edits,
+    # VideoFromFile.get_active_trim_window (as_trimmed), a crop (as_cropped: seen through
+    # VideoFromFile.get_dimensions, the crop's size)).
 
     def video_file(self, video) -> Optional[Path]:
-        """The file a VideoFromFile plays whole (a path, not bytes in memory; no trim window),
-        for streaming; None for any other video."""
+        """The file a VideoFromFile plays whole and unedited (a path, not bytes in memory), for
+        streaming; None for any other video, which is then read as the frames ComfyUI makes
+        of it (get_components applies its trim and crop)."""
         from comfy_api.latest import InputImpl
 
         if not isinstance(video, InputImpl.VideoFromFile):
             return None
-        trim = getattr(video, "get_active_trim_window", None)
-        if trim is not None and tuple(trim()) != (0.0, 0.0):
-            return None
         source = video.get_stream_source()
-        return Path(source) if isinstance(source, (str, os.PathLike)) else None
+        if not isinstance(source, (str, os.PathLike)) or _has_edits(video, source, InputImpl):
+            return None
+        return Path(source)
 
     def video_frames(self, video) -> tuple:
         components = video.get_components()
@@ -199,6 +201,22 @@ class ComfyHost:
         folder, name, counter, _, _ = folder_paths.get_save_image_path(prefix, temp_dir)
         os.makedirs(folder, exist_ok=True)
         return Path(folder) / f"{name}_{counter:05}_{suffix}"
+
+
+def _has_edits(video, source, InputImpl) -> bool:
+    """Does this VideoFromFile show anything but its whole file: ComfyUI's own answer
+    (has_pending_frame_edits, in releases that have it), a trim window, or a crop? A crop has
+    no getter: the video's get_dimensions() (the crop's size) differs from the file's, as a
+    crop smaller than the frame always does (a crop of the whole frame changes nothing)."""
+    pending = getattr(video, "has_pending_frame_edits", None)
+    if pending is not None and pending():
+        return True
+    trim = getattr(video, "get_active_trim_window", None)
+    if trim is not None and tuple(trim()) != (0.0, 0.0):
+        return True
+    if not hasattr(video, "as_cropped"):  # a release without crops
+        return False
+    return tuple(video.get_dimensions()) != tuple(InputImpl.VideoFromFile(source).get_dimensions())
 
 
 def _host(node_id=None) -> ComfyHost:
