@@ -439,3 +439,24 @@ def test_numz_workflow_opens_with_every_value_in_its_place_and_runs(browser, com
     prompt = next(entry["prompt"][2] for prompt_id, entry in _history(comfyui).items()
                   if prompt_id not in before)
     assert prompt["2"]["inputs"]["attention_backend"] == "sdpa"
+
+
+def _js_set(name: str) -> list:
+    import re
+
+    source = (REPO / "web" / "seedvr2.js").read_text()
+    match = re.search(rf"const {name} = new Set\(\[(.*?)\]\);", source, re.DOTALL)
+    assert match, f"web/seedvr2.js has no {name}"
+    return re.findall(r'"(\w+)"', match[1])
+
+
+def test_the_editor_extension_knows_our_exact_node_ids_and_numz_s():
+    """The extension touches only these IDs (not every SeedVR2* node: ComfyUI's native
+    SeedVR2Preprocess, SeedVR2Conditioning ... are not ours); its lists are the library's."""
+    from seedvr2.workflow.nodes import build_nodes
+    from seedvr2.workflow.numz import NUMZ_NODES
+
+    assert _js_set("OUR_NODES") == [n.id for n in build_nodes()]
+    assert _js_set("NUMZ_NODES") == list(NUMZ_NODES)
+    source = (REPO / "web" / "seedvr2.js").read_text()
+    assert 'startsWith("SeedVR2")' not in source
