@@ -3,7 +3,8 @@
 The nodes are defined once in ``seedvr2.workflow.nodes`` (inputs generated from the option
 table; what each node does). This module only adapts them to ComfyUI:
 
-* the V3 schema (``comfy_api.latest``: ``comfy_entrypoint``) where ComfyUI has it, the classic
+* the V3 schema (``comfy_api``'s pinned ``v0_0_2``, else ``latest``: ``comfy_entrypoint``)
+  where ComfyUI has it, the classic
   ``NODE_CLASS_MAPPINGS`` API on older ComfyUI and outside ComfyUI;
 * a :class:`ComfyHost` giving the nodes ComfyUI's services: ``folder_paths`` (models/SEEDVR2,
   registered here so ``extra_model_paths.yaml`` entries named SEEDVR2 add to it), the input
@@ -169,8 +170,7 @@ class ComfyHost:
         """The file a VideoFromFile plays whole and unedited (a path, not bytes in memory), for
         streaming; None for any other video, which is then read as the frames ComfyUI makes
         of it (get_components applies its trim and crop)."""
-        from comfy_api.latest import InputImpl
-
+        InputImpl = _comfy_api("InputImpl").InputImpl
         if not isinstance(video, InputImpl.VideoFromFile):
             return None
         source = video.get_stream_source()
@@ -183,16 +183,13 @@ class ComfyHost:
         return components.images, components.audio, components.frame_rate
 
     def file_video(self, path: Path):
-        from comfy_api.latest import InputImpl
-
-        return InputImpl.VideoFromFile(str(path))
+        return _comfy_api("InputImpl").InputImpl.VideoFromFile(str(path))
 
     def frames_video(self, images, audio, fps):
         from fractions import Fraction
 
-        from comfy_api.latest import InputImpl, Types
-
-        return InputImpl.VideoFromComponents(Types.VideoComponents(
+        api = _comfy_api("InputImpl", "Types")
+        return api.InputImpl.VideoFromComponents(api.Types.VideoComponents(
             images=images, audio=audio, frame_rate=Fraction(fps)))
 
     def temp_file(self, prefix: str, suffix: str) -> Path:
@@ -223,13 +220,30 @@ def _host(node_id=None) -> ComfyHost:
     return ComfyHost(node_id)
 
 
+# ComfyUI's V3 API, the pinned version first: ``comfy_api.latest`` is the unstable one. v0_0_2
+# (0.3.75 and current releases) has all we use: io, ComfyExtension, InputImpl, Types.
+COMFY_API_VERSIONS = ("comfy_api.v0_0_2", "comfy_api.latest")
+
+
+def _comfy_api(*needed: str):
+    """The first of COMFY_API_VERSIONS the installed ComfyUI has with all of ``needed``."""
+    for name in COMFY_API_VERSIONS:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if all(hasattr(module, attribute) for attribute in needed):
+            return module
+    raise ImportError(f"ComfyUI's comfy_api has no version with {', '.join(needed)}")
+
+
 def _uses_v3() -> bool:
-    """ComfyUI with the V3 node schema (comfy_api.latest)? Outside ComfyUI: no, and nothing
-    is imported to find out."""
+    """ComfyUI with the V3 node schema? Outside ComfyUI: no, and nothing is imported to find
+    out."""
     if importlib.util.find_spec("comfy_api") is None:
         return False
     try:
-        from comfy_api.latest import ComfyExtension, io  # noqa: F401
+        _comfy_api("ComfyExtension", "io")
     except ImportError:
         return False
     return True
@@ -398,10 +412,34 @@ def _log_clashes(loading: bool) -> None:
     comfy = _comfy_nodes()
     if comfy is None:
         return
-    for line in clashing_packs([n.id for n in build_nodes()], comfy.NODE_CLASS_MAPPINGS,
-                               getattr(comfy, "LOADED_MODULE_DIRS", {}), OUR_MODULE,
-                               _registered_by, loading=loading):
+    our_ids = [n.id for n in build_nodes()]
+    mappings = comfy.NODE_CLASS_MAPPINGS
+    core = {i: _registered_by(mappings[i]) or "nodes" for i in our_ids
+            if i in mappings and _is_core(mappings[i])}
+    if core:
+        log.warning(f"SeedVR2: {_core_clash(core)}")
+    others = {i: cls for i, cls in mappings.items() if i not in core}
+    for line in clashing_packs(our_ids, others, getattr(comfy, "LOADED_MODULE_DIRS", {}),
+                               OUR_MODULE, _registered_by, loading=loading):
         log.warning(f"SeedVR2: {line}")
+
+
+def _is_core(cls) -> bool:
+    """A class ComfyUI's core registers: its nodes.py (no RELATIVE_PYTHON_MODULE), comfy_extras
+    or comfy_api_nodes (nodes.load_custom_node's module_parent for them)."""
+    module = _registered_by(cls)
+    return module is None or module.split(".")[0] in ("comfy_extras", "comfy_api_nodes")
+
+
+def _core_clash(core: dict) -> str:
+    """Core loads custom nodes with ``ignore=base_node_names`` (nodes.init_external_custom_nodes
+    -> load_custom_node: the IDs core registered first), so for these IDs core's node stays and
+    this pack's is dropped, whichever loads when."""
+    ids = ", ".join(core)
+    modules = ", ".join(sorted(set(core.values())))
+    return (f"ComfyUI's core registers the node IDs {ids} ({modules}): ComfyUI keeps its own "
+            f"and does not load this pack's {ids}: workflows with these IDs run ComfyUI's "
+            f"nodes. Use ComfyUI's nodes there, or a release of this pack with other IDs.")
 
 
 def _numz_prompt(json_data: dict) -> dict:
@@ -440,9 +478,10 @@ _hook_into_server()
 NODE_DISPLAY_NAME_MAPPINGS = {node.id: node.display_name for node in build_nodes()}
 
 if _uses_v3():
-    from comfy_api.latest import ComfyExtension, io as _io
+    _v3 = _comfy_api("ComfyExtension", "io")
+    _io = _v3.io
 
-    class SeedVR2Extension(ComfyExtension):
+    class SeedVR2Extension(_v3.ComfyExtension):
         async def get_node_list(self):
             _log_clashes(loading=True)  # a pack loaded before ours: ours replace its nodes
             return [_v3_class(node, _io) for node in build_nodes()]
