@@ -7,7 +7,8 @@ table; what each node does). This module only adapts them to ComfyUI:
   where ComfyUI has it, the classic
   ``NODE_CLASS_MAPPINGS`` API on older ComfyUI and outside ComfyUI;
 * a :class:`ComfyHost` giving the nodes ComfyUI's services: ``folder_paths`` (models/SEEDVR2,
-  registered here so ``extra_model_paths.yaml`` entries named SEEDVR2 add to it), the input
+  registered here so SEEDVR2 entries of ComfyUI's ``extra_paths.yaml``, or of the deprecated
+  ``extra_model_paths.yaml`` it replaces, add to it), the input
   and output folders, ``comfy.utils.ProgressBar``, ``comfy.model_management``'s interrupt flag,
   and its memory (its models are unloaded before ours load, the cache emptied after a run;
   models we keep with ``cache_model`` are handed to it as ModelPatchers, which it evicts
