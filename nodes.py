@@ -221,8 +221,10 @@ def _host(node_id=None) -> ComfyHost:
     return ComfyHost(node_id)
 
 
-# ComfyUI's V3 API, the pinned version first: ``comfy_api.latest`` is the unstable one. v0_0_2
-# (0.3.75 and current releases) has all we use: io, ComfyExtension, InputImpl, Types.
+# ComfyUI's V3 API, the pinned version first: ``comfy_api.latest`` is the one that changes.
+# v0_0_2 (0.3.75 and current releases, beside v0_0_3) has all we use: io, ComfyExtension,
+# InputImpl, Types. (Today every version re-exports latest's classes; the pinned name is the
+# one later releases keep as it is.)
 COMFY_API_VERSIONS = ("comfy_api.v0_0_2", "comfy_api.latest")
 
 
