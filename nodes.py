@@ -3,10 +3,12 @@
 The nodes are defined once in ``seedvr2.workflow.nodes`` (inputs generated from the option
 table; what each node does). This module only adapts them to ComfyUI:
 
-* the V3 schema (``comfy_api.latest``: ``comfy_entrypoint``) where ComfyUI has it, the classic
+* the V3 schema (``comfy_api``'s pinned ``v0_0_2``, else ``latest``: ``comfy_entrypoint``)
+  where ComfyUI has it, the classic
   ``NODE_CLASS_MAPPINGS`` API on older ComfyUI and outside ComfyUI;
 * a :class:`ComfyHost` giving the nodes ComfyUI's services: ``folder_paths`` (models/SEEDVR2,
-  registered here so ``extra_model_paths.yaml`` entries named SEEDVR2 add to it), the input
+  registered here so SEEDVR2 entries of ComfyUI's ``extra_paths.yaml``, or of the deprecated
+  ``extra_model_paths.yaml`` it replaces, add to it), the input
   and output folders, ``comfy.utils.ProgressBar``, ``comfy.model_management``'s interrupt flag,
   and its memory (its models are unloaded before ours load, the cache emptied after a run;
   models we keep with ``cache_model`` are handed to it as ModelPatchers, which it evicts
@@ -159,38 +161,36 @@ class ComfyHost:
     def warn(self, message: str) -> None:
         log.warning(f"SeedVR2: {message}")
 
-    # -- VIDEO values: comfy_api.latest's InputImpl.VideoFromFile / VideoFromComponents ------
-    # (VideoInput.get_components, VideoFromFile.get_stream_source; the trim window of current
-    # ComfyUI's VideoFromFile: get_active_trim_window).
+    # -- VIDEO values: comfy_api's InputImpl.VideoFromFile / VideoFromComponents -------------
+    # (VideoInput.get_components, VideoFromFile.get_stream_source; what current ComfyUI's
+    # VIDEO can carry on top of its file: VideoInput.has_pending_frame_edits,
+    # VideoFromFile.get_active_trim_window (as_trimmed), a crop (as_cropped: seen through
+    # VideoFromFile.get_dimensions, the crop's size)).
 
     def video_file(self, video) -> Optional[Path]:
-        """The file a VideoFromFile plays whole (a path, not bytes in memory; no trim window),
-        for streaming; None for any other video."""
-        from comfy_api.latest import InputImpl
-
+        """The file a VideoFromFile plays whole and unedited (a path, not bytes in memory), for
+        streaming; None for any other video, which is then read as the frames ComfyUI makes
+        of it (get_components applies its trim and crop)."""
+        InputImpl = _comfy_api("InputImpl").InputImpl
         if not isinstance(video, InputImpl.VideoFromFile):
             return None
-        trim = getattr(video, "get_active_trim_window", None)
-        if trim is not None and tuple(trim()) != (0.0, 0.0):
-            return None
         source = video.get_stream_source()
-        return Path(source) if isinstance(source, (str, os.PathLike)) else None
+        if not isinstance(source, (str, os.PathLike)) or _has_edits(video, source, InputImpl):
+            return None
+        return Path(source)
 
     def video_frames(self, video) -> tuple:
         components = video.get_components()
         return components.images, components.audio, components.frame_rate
 
     def file_video(self, path: Path):
-        from comfy_api.latest import InputImpl
-
-        return InputImpl.VideoFromFile(str(path))
+        return _comfy_api("InputImpl").InputImpl.VideoFromFile(str(path))
 
     def frames_video(self, images, audio, fps):
         from fractions import Fraction
 
-        from comfy_api.latest import InputImpl, Types
-
-        return InputImpl.VideoFromComponents(Types.VideoComponents(
+        api = _comfy_api("InputImpl", "Types")
+        return api.InputImpl.VideoFromComponents(api.Types.VideoComponents(
             images=images, audio=audio, frame_rate=Fraction(fps)))
 
     def temp_file(self, prefix: str, suffix: str) -> Path:
@@ -201,17 +201,52 @@ class ComfyHost:
         return Path(folder) / f"{name}_{counter:05}_{suffix}"
 
 
+def _has_edits(video, source, InputImpl) -> bool:
+    """Does this VideoFromFile show anything but its whole file: ComfyUI's own answer
+    (has_pending_frame_edits, in releases that have it), a trim window, or a crop? A crop has
+    no getter: the video's get_dimensions() (the crop's size) differs from the file's, as a
+    crop smaller than the frame always does (a crop of the whole frame changes nothing)."""
+    pending = getattr(video, "has_pending_frame_edits", None)
+    if pending is not None and pending():
+        return True
+    trim = getattr(video, "get_active_trim_window", None)
+    if trim is not None and tuple(trim()) != (0.0, 0.0):
+        return True
+    if not hasattr(video, "as_cropped"):  # a release without crops
+        return False
+    return tuple(video.get_dimensions()) != tuple(InputImpl.VideoFromFile(source).get_dimensions())
+
+
 def _host(node_id=None) -> ComfyHost:
     return ComfyHost(node_id)
 
 
+# ComfyUI's V3 API, the pinned version first: ``comfy_api.latest`` is the one that changes.
+# v0_0_2 (0.3.75 and current releases, beside v0_0_3) has all we use: io, ComfyExtension,
+# InputImpl, Types. (Today every version re-exports latest's classes; the pinned name is the
+# one later releases keep as it is.)
+COMFY_API_VERSIONS = ("comfy_api.v0_0_2", "comfy_api.latest")
+
+
+def _comfy_api(*needed: str):
+    """The first of COMFY_API_VERSIONS the installed ComfyUI has with all of ``needed``."""
+    for name in COMFY_API_VERSIONS:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if all(hasattr(module, attribute) for attribute in needed):
+            return module
+    raise ImportError(f"ComfyUI's comfy_api has no version with {', '.join(needed)}")
+
+
 def _uses_v3() -> bool:
-    """ComfyUI with the V3 node schema (comfy_api.latest)? Outside ComfyUI: no, and nothing
-    is imported to find out."""
+    """ComfyUI with the V3 node schema? Outside ComfyUI: no, and nothing is imported to find
+    out."""
     if importlib.util.find_spec("comfy_api") is None:
         return False
     try:
-        from comfy_api.latest import ComfyExtension, io  # noqa: F401
+        _comfy_api("ComfyExtension", "io")
     except ImportError:
         return False
     return True
@@ -380,10 +415,34 @@ def _log_clashes(loading: bool) -> None:
     comfy = _comfy_nodes()
     if comfy is None:
         return
-    for line in clashing_packs([n.id for n in build_nodes()], comfy.NODE_CLASS_MAPPINGS,
-                               getattr(comfy, "LOADED_MODULE_DIRS", {}), OUR_MODULE,
-                               _registered_by, loading=loading):
+    our_ids = [n.id for n in build_nodes()]
+    mappings = comfy.NODE_CLASS_MAPPINGS
+    core = {i: _registered_by(mappings[i]) or "nodes" for i in our_ids
+            if i in mappings and _is_core(mappings[i])}
+    if core:
+        log.warning(f"SeedVR2: {_core_clash(core)}")
+    others = {i: cls for i, cls in mappings.items() if i not in core}
+    for line in clashing_packs(our_ids, others, getattr(comfy, "LOADED_MODULE_DIRS", {}),
+                               OUR_MODULE, _registered_by, loading=loading):
         log.warning(f"SeedVR2: {line}")
+
+
+def _is_core(cls) -> bool:
+    """A class ComfyUI's core registers: its nodes.py (no RELATIVE_PYTHON_MODULE), comfy_extras
+    or comfy_api_nodes (nodes.load_custom_node's module_parent for them)."""
+    module = _registered_by(cls)
+    return module is None or module.split(".")[0] in ("comfy_extras", "comfy_api_nodes")
+
+
+def _core_clash(core: dict) -> str:
+    """Core loads custom nodes with ``ignore=base_node_names`` (nodes.init_external_custom_nodes
+    -> load_custom_node: the IDs core registered first), so for these IDs core's node stays and
+    this pack's is dropped, whichever loads when."""
+    ids = ", ".join(core)
+    modules = ", ".join(sorted(set(core.values())))
+    return (f"ComfyUI's core registers the node IDs {ids} ({modules}): ComfyUI keeps its own "
+            f"and does not load this pack's {ids}: workflows with these IDs run ComfyUI's "
+            f"nodes. Use ComfyUI's nodes there, or a release of this pack with other IDs.")
 
 
 def _numz_prompt(json_data: dict) -> dict:
@@ -422,9 +481,10 @@ _hook_into_server()
 NODE_DISPLAY_NAME_MAPPINGS = {node.id: node.display_name for node in build_nodes()}
 
 if _uses_v3():
-    from comfy_api.latest import ComfyExtension, io as _io
+    _v3 = _comfy_api("ComfyExtension", "io")
+    _io = _v3.io
 
-    class SeedVR2Extension(ComfyExtension):
+    class SeedVR2Extension(_v3.ComfyExtension):
         async def get_node_list(self):
             _log_clashes(loading=True)  # a pack loaded before ours: ours replace its nodes
             return [_v3_class(node, _io) for node in build_nodes()]

@@ -17,8 +17,29 @@
 # instead makes sure Debian's chromium and chromium-driver are installed for tests/test_browser.py
 # (apt-get, as root or with password-less sudo) and prints the browser and driver paths on the
 # last two lines; it exits 1 with the reason when they are missing and cannot be installed.
+#
+#   comfyui_test_env.sh frontend
+#
+# installs today's editor, comfyui-frontend-package==$FRONTEND_VERSION (pip, no dependencies), under
+# .comfyui-frontend/<version>/ (git-ignored; SEEDVR2_COMFYUI_FRONTEND_DIR moves it), once, and
+# prints its static folder on the last line: tests/test_browser.py serves it with ComfyUI's
+# main.py --front-end-root beside the editor the test ComfyUI ships.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+FRONTEND_VERSION="1.58.1"
+
+if [ "${1:-}" = "frontend" ]; then
+  source "$ROOT/scripts/env.sh"
+  dest="${SEEDVR2_COMFYUI_FRONTEND_DIR:-$ROOT/.comfyui-frontend}/$FRONTEND_VERSION"
+  if [ ! -f "$dest/.installed" ]; then
+    rm -rf "$dest"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --target "$dest" \
+      "comfyui-frontend-package==$FRONTEND_VERSION"
+    touch "$dest/.installed"
+  fi
+  echo "$dest/comfyui_frontend_package/static"
+  exit 0
+fi
 
 if [ "${1:-}" = "browser" ]; then
   if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then

@@ -47,6 +47,21 @@ def kinds():
                             for e in mm.current_loaded_models)}
 
 
+# A stand-in of the current release's pin accounting in load_models_gpu (0.3.75 has none):
+# model_memory() of every model it loads that is not dynamic is claimed as pinned host memory
+# (free_memory(..., pins_required=) then tears down or unregisters other models' pins).
+pin_claims: list = []
+installed_load_models_gpu = mm.load_models_gpu
+
+
+def load_models_gpu_with_pin_accounting(models, *args, **kwargs):
+    pin_claims.append(sum(mm.LoadedModel(m).model_memory() for m in models
+                          if not getattr(m, "is_dynamic", lambda: False)()))
+    return installed_load_models_gpu(models, *args, **kwargs)
+
+
+mm.load_models_gpu = load_models_gpu_with_pin_accounting
+
 dit, vae = key("dit", "dit"), key("vae", "vae")
 cache.get_or_load(dit, lambda: (torch.nn.Linear(64, 64), object()), keep=True)  # as the DiT
 cache.get_or_load(vae, lambda: (torch.nn.Linear(8, 8), object()), keep=True)
@@ -55,6 +70,7 @@ report["entry_types"] = sorted({type(e).__name__ for e in entries})
 report["patcher_is_comfy"] = all(isinstance(e.model, mp.ModelPatcher) for e in entries)
 report["after_sync"] = kinds()
 report["sync_again_adds_nothing"] = comfy_memory.sync(mm, cache) == entries
+report["pins_claimed_by_sync"] = sum(pin_claims)
 
 # Every read the current release makes, on the real entries.
 cls = comfy_memory.patcher_class()
@@ -87,6 +103,7 @@ report["reads"] = reads
 # A second model (ComfyUI's own kind of patcher) loads: ours stay, and stay in the list.
 other = mp.ModelPatcher(torch.nn.Linear(4, 4), device, device)
 mm.load_models_gpu([other])
+report["pins_claimed_by_other"] = pin_claims[-1]
 report["after_second_load"] = kinds()
 # free_memory with room to spare unloads nothing...
 mm.free_memory(1, device)

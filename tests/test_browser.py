@@ -10,6 +10,7 @@ and no network are needed. Screenshots of every step are kept in test-artifacts/
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from test_comfyui_server import NATIVE_VAES
+from test_comfyui_server import NATIVE_VAES, serve_comfyui
 from test_comfyui_server import comfyui  # noqa: F401  (the module's ComfyUI server)
 from test_workflows import EXAMPLES_DIR, IMAGE_OUT, NAMES
 
@@ -98,6 +99,13 @@ def _browser_paths() -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def browser(comfyui):  # noqa: F811
+    with _editor(comfyui) as driver:
+        yield driver
+
+
+@contextlib.contextmanager
+def _editor(server):
+    """Headless Chromium on the editor ``server`` serves, started and ready."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -112,11 +120,11 @@ def browser(comfyui):  # noqa: F811
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     # A new user is greeted with the Templates browser, open over the Run button: this user
     # has seen it (the templates test opens it itself).
-    request = urllib.request.Request(comfyui.url + "/settings/Comfy.TutorialCompleted",
+    request = urllib.request.Request(server.url + "/settings/Comfy.TutorialCompleted",
                                      data=b"true", headers={"Content-Type": "application/json"})
     urllib.request.urlopen(request, timeout=30).read()
     try:
-        driver.get(comfyui.url)
+        driver.get(server.url)
         deadline = time.monotonic() + 120
         while not driver.execute_script(
                 "return !!(window.app && window.app.graph && window.app.canvas && "
@@ -439,3 +447,125 @@ def test_numz_workflow_opens_with_every_value_in_its_place_and_runs(browser, com
     prompt = next(entry["prompt"][2] for prompt_id, entry in _history(comfyui).items()
                   if prompt_id not in before)
     assert prompt["2"]["inputs"]["attention_backend"] == "sdpa"
+
+
+def _js_set(name: str) -> list:
+    import re
+
+    source = (REPO / "web" / "seedvr2.js").read_text()
+    match = re.search(rf"const {name} = new Set\(\[(.*?)\]\);", source, re.DOTALL)
+    assert match, f"web/seedvr2.js has no {name}"
+    return re.findall(r'"(\w+)"', match[1])
+
+
+def test_the_editor_extension_knows_our_exact_node_ids_and_numz_s():
+    """The extension touches only these IDs (not every SeedVR2* node: ComfyUI's native
+    SeedVR2Preprocess, SeedVR2Conditioning ... are not ours); its lists are the library's."""
+    from seedvr2.workflow.nodes import build_nodes
+    from seedvr2.workflow.numz import NUMZ_NODES
+
+    assert _js_set("OUR_NODES") == [n.id for n in build_nodes()]
+    assert _js_set("NUMZ_NODES") == list(NUMZ_NODES)
+    source = (REPO / "web" / "seedvr2.js").read_text()
+    assert 'startsWith("SeedVR2")' not in source
+
+
+# -- Today's editor (comfyui-frontend-package, scripts/comfyui_test_env.sh frontend) --------------
+
+# ComfyUI's own SeedVR2 nodes (comfy_extras, newer than the test ComfyUI: missing there, which
+# the editor keeps as they were saved).
+NATIVE_SEEDVR2 = ("SeedVR2Preprocess", "SeedVR2Conditioning", "SeedVR2TemporalChunk",
+                  "SeedVR2TemporalMerge", "SeedVR2PostProcessing")
+
+# Loads a workflow while recording every request; returns the requests to the pack's routes and
+# the graph's nodes as the editor saves them.
+LOAD_RECORDING_REQUESTS = """
+const [workflow, done] = arguments;
+(async () => {
+  const requests = [], original = window.fetch;
+  window.fetch = (input, init) => {
+    requests.push(String(input?.url ?? input));
+    return original(input, init);
+  };
+  try {
+    await window.app.loadGraphData(workflow);
+  } finally {
+    window.fetch = original;
+  }
+  const nodes = window.app.graph.serialize().nodes.map(
+    (n) => [n.id, n.type, n.widgets_values ?? null]);
+  done({requests: requests.filter((url) => url.includes("/seedvr2/")), nodes});
+})().catch((e) => done({error: String(e && e.stack || e)}));
+"""
+
+
+@pytest.fixture(scope="module")
+def current_editor(tiny_model_dir, tmp_path_factory):
+    """A second test ComfyUI serving today's editor (--front-end-root), and a browser on it."""
+    result = subprocess.run(["bash", str(REPO / "scripts" / "comfyui_test_env.sh"), "frontend"],
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    static = result.stdout.strip().splitlines()[-1]
+    with serve_comfyui(tiny_model_dir, tmp_path_factory.mktemp("comfyui_current_editor"),
+                       ["--front-end-root", static]) as server, _editor(server) as driver:
+        yield driver, server
+
+
+def _native_seedvr2_workflow() -> dict:
+    nodes = [{"id": i, "type": kind, "pos": [i * 320, 100], "size": [300, 120], "flags": {},
+              "order": i, "mode": 0, "inputs": [], "outputs": [], "properties": {},
+              "widgets_values": [i, 0.5, "keep"]}
+             for i, kind in enumerate(NATIVE_SEEDVR2, start=1)]
+    return {"last_node_id": len(nodes), "last_link_id": 0, "nodes": nodes, "links": [],
+            "groups": [], "config": {}, "extra": {}, "version": 0.4}
+
+
+def test_current_editor_leaves_a_native_seedvr2_workflow_alone(current_editor):
+    """ComfyUI's native SeedVR2 nodes are not ours: the extension sends nothing to the pack's
+    route (whose JSON round trip would have turned non-finite numbers into null) and the graph
+    holds what was loaded."""
+    browser, _ = current_editor
+    state = browser.execute_async_script(LOAD_RECORDING_REQUESTS, _native_seedvr2_workflow())
+    _close_dialogs(browser)  # the missing nodes' notice
+    _screenshot(browser, "current_editor_native_seedvr2")
+    assert "error" not in state, state.get("error")
+    assert state["requests"] == []
+    expected = [[i, kind, [i, 0.5, "keep"]] for i, kind in enumerate(NATIVE_SEEDVR2, start=1)]
+    assert sorted(state["nodes"]) == expected
+
+
+def _numz_subgraph_workflow() -> dict:
+    """An instance of a subgraph whose only node is numz's VAE loader (numz v2.5.24's layout)."""
+    from test_numz import NUMZ_VALUES, _numz_node
+
+    inner = _numz_node(1, "SeedVR2LoadVAEModel", NUMZ_VALUES["SeedVR2LoadVAEModel"], {}, [],
+                       names=True)
+    subgraph_id = "7d3a2b1c-0000-4000-8000-000000000001"
+    subgraph = {"id": subgraph_id, "version": 1, "revision": 0, "name": "numz VAE",
+                "state": {"lastGroupId": 0, "lastNodeId": 1, "lastLinkId": 0,
+                          "lastRerouteId": 0},
+                "config": {}, "inputNode": {"id": -10, "bounding": [0, 0, 120, 60]},
+                "outputNode": {"id": -20, "bounding": [900, 0, 120, 60]},
+                "inputs": [], "outputs": [], "widgets": [], "nodes": [inner], "groups": [],
+                "links": [], "extra": {}}
+    instance = {"id": 1, "type": subgraph_id, "pos": [100, 100], "size": [300, 80],
+                "flags": {}, "order": 0, "mode": 0, "inputs": [], "outputs": [],
+                "properties": {}, "widgets_values": []}
+    return {"id": "7d3a2b1c-0000-4000-8000-000000000002", "revision": 0, "last_node_id": 1,
+            "last_link_id": 0, "nodes": [instance], "links": [], "groups": [], "config": {},
+            "extra": {}, "version": 0.4, "definitions": {"subgraphs": [subgraph]}}
+
+
+def test_current_editor_rewrites_a_numz_node_inside_a_subgraph(current_editor):
+    """Today's editor builds a workflow's subgraphs before beforeConfigureGraph: the numz
+    rewrite, made there, still reaches the node inside the subgraph."""
+    from test_numz import expected_inputs
+
+    browser, server = current_editor
+    _load(browser, _numz_subgraph_workflow())
+    _close_dialogs(browser)
+    widgets = browser.execute_script("""
+        const [subgraph] = [...window.app.graph.subgraphs.values()];
+        const node = subgraph.nodes[0];
+        return Object.fromEntries(node.widgets.map((w) => [w.name, w.value]));""")
+    assert widgets == expected_inputs("SeedVR2LoadVAEModel", server.client.object_info())

@@ -27,6 +27,11 @@ def test_comfyui_evicts_our_cached_models_through_its_own_classes():
     assert report["entry_types"] == ["LoadedModel"] and report["patcher_is_comfy"]
     assert report["after_sync"] == {"cached": both, "comfy": [ours, ours]}
     assert report["sync_again_adds_nothing"]
+    # Ours claim none of ComfyUI's pinned host memory (a stand-in of the current release's
+    # accounting in load_models_gpu: model_memory() of each non-dynamic model it loads), while
+    # a model ComfyUI loads itself is claimed at its size (Linear(4, 4), fp32).
+    assert report["pins_claimed_by_sync"] == 0
+    assert report["pins_claimed_by_other"] == (4 * 4 + 4) * 4
     # What the current release reads on each entry (is_dynamic, clone_base_uuid, ...) comes
     # from ComfyUI's base class: we shadow none of it, and override only methods the
     # installed release has, with its parameters.

@@ -9,6 +9,7 @@ always stops, whatever happens.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -82,8 +83,15 @@ def _stop(process: subprocess.Popen):
 
 @pytest.fixture(scope="module")
 def comfyui(tiny_model_dir, tmp_path_factory):
+    with serve_comfyui(tiny_model_dir, tmp_path_factory.mktemp("comfyui")) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def serve_comfyui(tiny_model_dir, base: Path, extra_args=()):
+    """The test ComfyUI, with this pack and the tiny models, serving from ``base``;
+    ``extra_args`` go to its main.py (e.g. another editor: --front-end-root)."""
     comfy_dir, python = _install()
-    base = tmp_path_factory.mktemp("comfyui")
     (base / "custom_nodes").mkdir()
     (base / "user").mkdir()  # ComfyUI keeps its database there
     (base / "custom_nodes" / "ComfyUI-SeedVR2").symlink_to(REPO, target_is_directory=True)
@@ -106,7 +114,7 @@ def comfyui(tiny_model_dir, tmp_path_factory):
         process = subprocess.Popen(
             [str(python), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
              "--disable-auto-launch", "--base-directory", str(base),
-             "--extra-model-paths-config", str(config)],
+             "--extra-model-paths-config", str(config), *extra_args],
             cwd=comfy_dir, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"

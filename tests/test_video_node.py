@@ -5,6 +5,7 @@ real ComfyUI in test_comfyui_server.py."""
 from __future__ import annotations
 
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 
@@ -70,3 +71,74 @@ def test_load_video_upscale_save_video_keeps_audio_and_rate_headless(from_frames
     assert probe_video(saved) == (CLIP_FRAMES, VIDEO_OUT, True)
     assert video_rate(saved) == 24
     assert streamed == []
+
+
+# -- ComfyUI's VIDEO with edits (current comfy_api: VideoFromFile(file, start_time=, duration=,
+# crop=), as as_trimmed / as_cropped make it) --------------------------------------------------
+
+FILE_SIZE = (640, 360)  # what the stand-in's file measures
+
+
+class _CurrentVideoFromFile:
+    """Shaped like current ComfyUI's InputImpl.VideoFromFile: trim and crop are kept beside the
+    file and applied only when frames are made (get_components) or saved; get_stream_source is
+    the unedited file; get_dimensions gives the crop's size. ``pending``: what
+    has_pending_frame_edits answers (the base class: False; a release may answer for edits)."""
+
+    def __init__(self, file, *, start_time=0, duration=0, crop=None, pending=False):
+        self.file, self.start, self.duration, self.crop = file, start_time, duration, crop
+        self.pending = pending
+
+    def get_stream_source(self):
+        return self.file
+
+    def get_active_trim_window(self):
+        return float(self.start), float(self.duration)
+
+    def has_pending_frame_edits(self):
+        return self.pending
+
+    def get_dimensions(self):
+        return self.crop[2:] if self.crop is not None else FILE_SIZE
+
+    def as_cropped(self, x=0, y=0, width=0, height=0):
+        return _CurrentVideoFromFile(self.file, start_time=self.start, duration=self.duration,
+                                     crop=(x, y, width, height))
+
+
+@pytest.fixture
+def comfy_host(tmp_path, monkeypatch):
+    """The pack's ComfyHost (imported as ComfyUI imports the pack: a package), with a
+    comfy_api whose VideoFromFile is the stand-in above."""
+    import importlib
+    import sys
+    import types
+
+    from conftest import REPO
+
+    (tmp_path / "seedvr2_pack").symlink_to(REPO, target_is_directory=True)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pack_nodes = importlib.import_module("seedvr2_pack.nodes")
+    latest = types.ModuleType("comfy_api.latest")
+    latest.InputImpl = types.SimpleNamespace(VideoFromFile=_CurrentVideoFromFile)
+    monkeypatch.setitem(sys.modules, "comfy_api", types.ModuleType("comfy_api"))
+    monkeypatch.setitem(sys.modules, "comfy_api.latest", latest)
+    yield pack_nodes.ComfyHost()
+    for name in [n for n in sys.modules if n.split(".")[0] == "seedvr2_pack"]:
+        del sys.modules[name]
+
+
+@pytest.mark.parametrize("edit", ["trim", "crop", "trim_and_crop", "pending"])
+def test_an_edited_comfy_video_is_never_streamed_from_its_raw_file(comfy_host, edit):
+    """The raw file is streamed only when the VIDEO shows all of it: otherwise the node reads
+    the frames ComfyUI makes (get_components, which applies the trim and the crop)."""
+    whole = _CurrentVideoFromFile("/videos/clip.mp4")
+    assert comfy_host.video_file(whole) == Path("/videos/clip.mp4")
+    # A crop of the whole frame is no edit.
+    assert comfy_host.video_file(whole.as_cropped(0, 0, *FILE_SIZE)) == Path("/videos/clip.mp4")
+    edited = {"trim": _CurrentVideoFromFile("/videos/clip.mp4", start_time=1.5, duration=2),
+              "crop": whole.as_cropped(10, 20, 320, 180),
+              "trim_and_crop": _CurrentVideoFromFile("/videos/clip.mp4", start_time=-2,
+                                                     crop=(0, 0, 320, 360)),
+              "pending": _CurrentVideoFromFile("/videos/clip.mp4", pending=True)}[edit]
+    assert comfy_host.video_file(edited) is None

@@ -1,10 +1,19 @@
 // The SeedVR2 pack's editor extension (served by ComfyUI from WEB_DIRECTORY).
 //
+// It touches this pack's nodes only, by their exact IDs (OUR_NODES): other packs' nodes and
+// ComfyUI's own native SeedVR2 nodes (SeedVR2Preprocess, SeedVR2Conditioning, ...) are left as
+// they are.
 // * Workflows saved with the numz pack: four of our node IDs are numz's, with another layout,
 //   and the editor puts saved widget values on widgets by position. Before the editor builds a
-//   loaded workflow's graph, one with our node types goes to the pack's server route, which
-//   rewrites numz-layout nodes to ours (seedvr2.workflow.numz: every value on the input of the
-//   same meaning); what has no place here is listed in a notice and in the browser console.
+//   loaded workflow's graph, one with any of those four node types (NUMZ_NODES, in the graph or
+//   a subgraph definition) goes to the pack's server route, which rewrites numz-layout nodes to
+//   ours (seedvr2.workflow.numz: every value on the input of the same meaning); what has no
+//   place here is listed in a notice and in the browser console. The reply replaces the
+//   workflow only when the route changed something: the JSON round trip would turn
+//   non-finite numbers into null. Current editors (frontend 1.58) build the subgraphs of a
+//   workflow (useSubgraphService().loadSubgraphs) before beforeConfigureGraph and build them
+//   again from definitions.subgraphs when the graph is configured, after it: the rewrite,
+//   made in place on that object, reaches them (tests/test_browser.py checks it).
 // * A seed's "control after generate" starts at the mode the node's spec gives ("fixed", under
 //   "seedvr2_control_mode"): current ComfyUI declares it as control_after_generate itself, but
 //   older editors read a string there as the widget's name, get true and start at "randomize".
@@ -13,6 +22,12 @@
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
+// seedvr2.workflow.nodes.build_nodes() and seedvr2.workflow.numz.NUMZ_NODES (tests check both).
+const OUR_NODES = new Set(["SeedVR2LoadDiTModel", "SeedVR2LoadVAEModel",
+  "SeedVR2TorchCompileSettings", "SeedVR2VideoUpscaler", "SeedVR2UpscaleVideoFile",
+  "SeedVR2UpscaleVideo"]);
+const NUMZ_NODES = new Set(["SeedVR2LoadDiTModel", "SeedVR2LoadVAEModel",
+  "SeedVR2TorchCompileSettings", "SeedVR2VideoUpscaler"]);
 const LOADERS = new Set(["SeedVR2LoadDiTModel", "SeedVR2LoadVAEModel"]);
 const DOWNLOADS_KEY = "seedvr2_downloads";
 const NUMZ_WORKFLOW_ROUTE = "/seedvr2/numz_workflow";
@@ -36,9 +51,9 @@ function downloadLabel(downloads) {
   };
 }
 
-function hasOurNodes(workflow) {
+function hasNumzNodeTypes(workflow) {
   const graphs = [workflow, ...(workflow?.definitions?.subgraphs ?? [])];
-  return graphs.some((g) => (g?.nodes ?? []).some((n) => String(n?.type).startsWith("SeedVR2")));
+  return graphs.some((g) => (g?.nodes ?? []).some((n) => NUMZ_NODES.has(n?.type)));
 }
 
 // The INT inputs whose spec declares the mode their control widget starts at.
@@ -56,18 +71,19 @@ function declaredControls(nodeData) {
 app.registerExtension({
   name: "SeedVR2.Editor",
   async beforeConfigureGraph(workflow) {
-    if (!hasOurNodes(workflow)) return;
+    if (!hasNumzNodeTypes(workflow)) return;
+    const sent = JSON.stringify(workflow);
     let reply;
     try {
       const response = await api.fetchApi(NUMZ_WORKFLOW_ROUTE, {
-        method: "POST", headers: { "Content-Type": "application/json" },
-        body: JSON.stringify(workflow) });
+        method: "POST", headers: { "Content-Type": "application/json" }, body: sent });
       if (!response.ok) throw new Error(`${response.status} ${response.statusText}`);
       reply = await response.json();
     } catch (error) {
       console.warn("SeedVR2: could not check the workflow for numz-layout nodes:", error);
       return;
     }
+    if (JSON.stringify(reply.workflow) === sent) return;  // nothing in numz's layout
     // The editor goes on with this object: rewritten in place.
     for (const key of Object.keys(workflow)) delete workflow[key];
     Object.assign(workflow, reply.workflow);
@@ -79,7 +95,7 @@ app.registerExtension({
     }
   },
   async beforeRegisterNodeDef(nodeType, nodeData) {
-    if (!String(nodeData.name).startsWith("SeedVR2")) return;  // our nodes only
+    if (!OUR_NODES.has(nodeData.name)) return;  // our nodes only
     const controls = declaredControls(nodeData);
     const isLoader = LOADERS.has(nodeData.name);
     if (!controls.length && !isLoader) return;

@@ -5,9 +5,10 @@ ComfyUI frees memory by walking ``comfy.model_management.current_loaded_models``
 ``free_memory()`` (another node loads a model), ``unload_all_models()`` ("Unload models",
 ``POST /free``, an out-of-memory retry), ``unload_model_and_clones()`` and, in current releases,
 ``models_for_pin_eviction()``. Models kept with ``cache_model`` live in the library's cache
-(:data:`seedvr2.memory.cache.MODEL_CACHE`). Each one is handed to ComfyUI the way model packs
-hand theirs: wrapped in a :class:`ModelPatcher` subclass built on the installed ComfyUI's own
-class and loaded with ``load_models_gpu``. Every attribute and method ComfyUI's loops read
+(:data:`seedvr2.memory.cache.MODEL_CACHE`). Each one is handed to ComfyUI wrapped in a
+:class:`ModelPatcher` subclass built on the installed ComfyUI's own class, in ComfyUI's own
+``LoadedModel`` entry (see :func:`_register` for why not through ``load_models_gpu``). Every
+attribute and method ComfyUI's loops read
 on an entry or its patcher (``is_dynamic()``, ``clone_base_uuid``,
 ``get_nested_additional_models()``, ``model_patches_models()``, ``is_clone()``, ``parent``,
 ``model_dtype()``, ...) is therefore ComfyUI's own code, of whatever release is installed;
@@ -31,13 +32,24 @@ The patcher is attached to the cache entry (:meth:`ModelCache.attach`): when our
 a model itself, the patcher, the stand-in and the model go together and ComfyUI's finalizer on
 the stand-in (``LoadedModel.model_load``) removes the entry, as for its own models.
 
+Pinned host memory: ours pin nothing through ComfyUI (BlockSwap pins its own arena), so they
+claim none of ComfyUI's pinned budget. The current release's pin accounting reads
+``ModelPatcher.pinned_memory_size()`` and ``loaded_ram_size()`` (ComfyUI's own, 0 for a
+model that is not dynamic: ours inherit them) and, in ``load_models_gpu``, adds
+``model_memory()`` of every non-dynamic model it loads to ``pins_required``, which
+``free_memory(..., pins_required=)`` makes room for (``ensure_pin_budget``,
+``ensure_pin_registerable``: other models' pins torn down or unregistered): our models are
+registered without that call (:func:`_register`).
+
 ComfyUI functions relied on, present in 0.3.75 and in the current release:
 ``comfy.model_patcher.ModelPatcher(model, load_device, offload_device, size)`` and the
 methods above (the names ``LoadedModel.model_load`` / ``model_unload`` call),
-``comfy.model_management.load_models_gpu(models)``, ``free_memory(memory_required, device,
-keep_loaded)``, ``get_torch_device()``, ``soft_empty_cache()`` and the list
-``current_loaded_models`` (read: its entries' ``.model``; written: ``.currently_used`` = False
-on ours, as ``free_memory`` does, so nodes that reload "the models in use" leave ours alone).
+``comfy.model_management.LoadedModel(patcher)`` and its ``model_load()``,
+``free_memory(memory_required, device, keep_loaded)``, ``get_torch_device()``,
+``soft_empty_cache()`` and the list ``current_loaded_models`` (read: its entries' ``.model``;
+written: our entries inserted first, as ``load_models_gpu`` inserts a model it loaded, and
+``.currently_used`` = False on ours, as ``free_memory`` does, so nodes that reload "the models
+in use" leave ours alone).
 
 Test hook, never set by users: with ``SEEDVR2_TEST_CACHE_STATE=<path>``, the kinds of model in
 the cache and in ComfyUI's list are written to that JSON file whenever they change here.
@@ -157,13 +169,24 @@ def sync(mm, cache) -> list:
             continue
         cache.attach(key, patcher)
         fresh.append(patcher)
-    if fresh:
-        mm.load_models_gpu(fresh)
+    _register(mm, fresh)
     entries = our_entries(mm, cache)
     for entry in entries:
         entry.currently_used = False  # between our runs; the nodes running now never use it
     _write_state(cache)
     return entries
+
+
+def _register(mm, patchers) -> None:
+    """Enter ``patchers`` in ComfyUI's list as ``load_models_gpu`` enters a model it loaded
+    (``LoadedModel(patcher)``, ``model_load()``, first in ``current_loaded_models``), without
+    its ``free_memory`` call: ours are already where they run, and that call would claim their
+    ``model_memory()`` as pinned host memory (current releases), evicting other models' pins for
+    memory ours never take from ComfyUI, and room for inference between our runs."""
+    for patcher in patchers:
+        entry = mm.LoadedModel(patcher)
+        entry.model_load()
+        mm.current_loaded_models.insert(0, entry)
 
 
 def room_needed(model_files, cache, device: str) -> int:
