@@ -235,6 +235,26 @@ def test_widget_names_decide_over_numz_v2_5_24_order(tmp_path):
                      "equivalent in this pack; dropped", *notes[1:]]
 
 
+def test_numz_new_resolution_is_our_resolution(tmp_path):
+    """numz's commits of late October 2025 call resolution new_resolution."""
+    info = _info(tmp_path)
+    workflow = numz_ui_workflow()
+    upscaler = next(n for n in workflow["nodes"] if n["id"] == 4)
+    (slot,) = [i for i in upscaler["inputs"] if i.get("widget") == {"name": "resolution"}]
+    slot["name"], slot["widget"] = "new_resolution", {"name": "new_resolution"}
+    notes = []
+    api = ui_to_api(workflow, info, notes.append)
+    widgets = {k: v for k, v in api["4"]["inputs"].items() if not isinstance(v, list)}
+    assert widgets == expected_inputs("SeedVR2VideoUpscaler", info)
+    assert not any("new_resolution" in note for note in notes)
+    prompt = numz_api_prompt()
+    prompt["4"]["inputs"]["new_resolution"] = prompt["4"]["inputs"].pop("resolution")
+    translated, notes = translate_prompt(prompt, info)
+    resolution = NUMZ_VALUES["SeedVR2VideoUpscaler"]["resolution"]
+    assert translated["4"]["inputs"]["resolution"] == resolution
+    assert not any("new_resolution" in note for note in notes)
+
+
 def test_a_choice_numz_has_and_we_do_not_takes_our_default_with_a_note(tmp_path):
     info = _info(tmp_path)
     workflow = numz_ui_workflow()

@@ -69,7 +69,9 @@ NUMZ_NODES = {
         ("seed", "resolution", "max_resolution", "batch_size", "uniform_batch_size",
          "color_correction", "temporal_overlap", "prepend_frames", "input_noise_scale",
          "latent_noise_scale", "offload_device", "enable_debug"),
-        dropped={"enable_debug": False}, ours_only=("devices",)),
+        # new_resolution: numz's name for resolution in its late October 2025 commits
+        renamed={"new_resolution": "resolution"}, dropped={"enable_debug": False},
+        ours_only=("devices",)),
 }
 
 
