@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -86,3 +87,37 @@ def test_bad_inputs_leave_nothing(tiny_options, tmp_path, capsys):
     assert main(_args(tiny_options, str(corrupt), "-o", str(tmp_path / "o.mp4"))) == 1
     assert "corrupt.mp4" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corrupt.mp4"]
+
+
+def _still(folder, name):
+    """A 64x48 PNG named ``name`` (the tiny models upscale it in a second)."""
+    from PIL import Image
+
+    from conftest import clip_frame
+
+    path = folder / name
+    Image.fromarray(clip_frame(3)).save(path)
+    return path
+
+
+def test_a_reader_gone_from_stdout_does_not_fail_a_finished_job(tiny_options, tmp_path):
+    """``seedvr2 upscale ... | head -c 0``: the summary has no reader; the job succeeded."""
+    source, out = _still(tmp_path, "still.png"), tmp_path / "out.png"
+    args = [a for a in _args(tiny_options, str(source), "-o", str(out)) if a != "--quiet"]
+    child = subprocess.Popen([sys.executable, "-m", "seedvr2", *args], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, cwd=REPO)
+    child.stdout.close()  # the reader leaves before the summary is printed
+    err = child.stderr.read().decode()
+    assert child.wait() == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err
+    assert _frames(out).shape == (1, 64, 86, 3)
+
+
+def test_names_stdout_cannot_encode_print_with_replacements(tiny_options, tmp_path):
+    source, out = _still(tmp_path, "clé.png"), tmp_path / "sortie_été.png"
+    args = [a for a in _args(tiny_options, str(source), "-o", str(out)) if a != "--quiet"]
+    result = subprocess.run([sys.executable, "-m", "seedvr2", *args], capture_output=True,
+                            cwd=REPO, env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    assert result.returncode == 0, result.stderr.decode()
+    assert result.stdout.decode("ascii").startswith(str(tmp_path / "sortie_?t?.png"))
+    assert out.is_file()
