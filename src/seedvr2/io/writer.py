@@ -326,7 +326,7 @@ class MediaWriter(FinishesOnExit):
         except OSError as e:
             if self._state == "kept":  # complete, but the final move failed: keep it
                 raise MediaError(f"{self.path}: could not move the finished output into "
-                                 f"place ({e}); it is kept at {self._temp}") from e
+                                 f"place ({e}); {self._what_is_kept()}") from e
             self.abort()
             raise MediaError(f"{self.path}: finishing the output failed: {e}") from e
         except BaseException:
@@ -337,6 +337,14 @@ class MediaWriter(FinishesOnExit):
             if self._state != "open":
                 self._release_hold()
         self._state = "closed"
+
+    def _what_is_kept(self) -> str:
+        """Where the finished output waits, or why nothing does (its folder was deleted)."""
+        if self._temp.exists():
+            return f"it is kept at {self._temp}"
+        if not self._temp.parent.is_dir():
+            return f"nothing is kept: the folder {self._temp.parent} was removed while writing"
+        return f"nothing is kept: {self._temp} was removed while writing"
 
     def abort(self) -> None:
         """Discard everything written so far. The final path is never touched."""
