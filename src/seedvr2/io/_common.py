@@ -7,6 +7,7 @@ Nothing here imports PyAV or Pillow; those load inside the functions that need t
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -222,6 +223,22 @@ def to_8bit(frame: np.ndarray) -> np.ndarray:
     if frame.dtype == np.uint8:
         return frame
     return ((frame.astype(np.uint32) * 255 + 32767) // 65535).astype(np.uint8)
+
+
+# printf-style frame number in a sequence pattern: %d, %5d, %05d.
+PRINTF = re.compile(r"%(0?)(\d*)d")
+
+
+def printf_pattern(pattern: Path) -> tuple[str, str, str]:
+    """(prefix, number spec, suffix) of a file name pattern like ``%05d.png``: the one syntax
+    of sequence patterns, read and written (``%%`` is a literal ``%``)."""
+    name = pattern.name
+    matches = list(PRINTF.finditer(name))
+    if len(matches) != 1 or "%" in name.replace(matches[0][0], "", 1).replace("%%", ""):
+        raise MediaError(f"{pattern}: a sequence pattern needs exactly one %d, %05d or "
+                         f"similar, in the file name")
+    m = matches[0]
+    return name[:m.start()].replace("%%", "%"), m[0], name[m.end():].replace("%%", "%")
 
 
 def writable_folder(folder: Path) -> None:

@@ -21,12 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ._common import (ARRAY_FORMATS, IMAGE_EXTENSIONS, MediaError, MediaInfo, fspath,
-                      sniff_image)
+from ._common import (ARRAY_FORMATS, IMAGE_EXTENSIONS, PRINTF, MediaError, MediaInfo, fspath,
+                      printf_pattern, sniff_image)
 from ._images import ImageProbe, animation_frames, load_image, probe_image, scan_animation
 
-# printf-style frame number in a sequence pattern: %d, %5d, %05d.
-_PRINTF = re.compile(r"%(0?)(\d*)d")
 # Counting packets makes an inexact frame count exact; it reads the whole file, so only do it
 # up front for files small enough that this is quick.
 _COUNT_PACKETS_MAX_BYTES = 256 * 2**20
@@ -44,7 +42,7 @@ def is_sequence_pattern(path) -> bool:
     """True for a path :func:`open_media` reads as a sequence pattern (``f/%05d.png``,
     ``f/*.png``): it does not exist and its name holds a printf number or glob characters."""
     p = fspath(path)
-    return not p.exists() and (bool(_PRINTF.search(p.name)) or any(ch in p.name for ch in "*?["))
+    return not p.exists() and (bool(PRINTF.search(p.name)) or any(ch in p.name for ch in "*?["))
 
 
 def open_media(path) -> MediaReader:
@@ -60,7 +58,7 @@ def open_media(path) -> MediaReader:
     if p.is_dir():
         return SequenceReader.from_directory(p)
     if not p.exists():  # an existing file named "100%done.png" is a file, not a pattern
-        if _PRINTF.search(p.name):
+        if PRINTF.search(p.name):
             return SequenceReader.from_pattern(p)
         if any(ch in p.name for ch in "*?["):
             return SequenceReader.from_glob(p)
@@ -272,14 +270,8 @@ class SequenceReader(MediaReader):
     def from_pattern(cls, pattern: Path) -> SequenceReader:
         """Files matching a printf pattern like ``frames/%05d.png`` (exactly as printf writes
         them, so ``%05d`` matches ``00042`` and ``123456`` but not ``42``)."""
-        folder, name = pattern.parent, pattern.name
-        matches = list(_PRINTF.finditer(name))
-        if len(matches) != 1 or "%" in name.replace(matches[0][0], "", 1).replace("%%", ""):
-            raise MediaError(f"{pattern}: a sequence pattern needs exactly one %d, %05d or "
-                             f"similar, in the file name")
-        m = matches[0]
-        prefix, suffix = name[:m.start()].replace("%%", "%"), name[m.end():].replace("%%", "%")
-        spec = m[0]
+        folder = pattern.parent
+        prefix, spec, suffix = printf_pattern(pattern)
         if not folder.is_dir():
             raise MediaError(f"{pattern}: folder {folder} does not exist")
         found = []

@@ -29,8 +29,9 @@ import numpy as np
 
 from ..options import option_ref
 from .temporaries import hold, remove_stale_temporaries, temporary_path
-from ._common import (ARRAY_FORMATS, IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, DisplayTransform,
-                      MediaError, MediaInfo, as_fraction, check_frame, fspath, writable_folder)
+from ._common import (ARRAY_FORMATS, IMAGE_EXTENSIONS, PRINTF, VIDEO_EXTENSIONS,
+                      DisplayTransform, MediaError, MediaInfo, as_fraction, check_frame, fspath,
+                      printf_pattern, writable_folder)
 
 # Image formats we write (BMP is read only).
 _WRITE_IMAGE_FORMATS = {ext: fmt for ext, fmt in IMAGE_EXTENSIONS.items() if fmt != "BMP"}
@@ -95,7 +96,9 @@ def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
     * ``.png``/``.jpg``/``.jpeg``/``.webp``/``.tif``/``.tiff`` -- one image; if more than one
       frame is written, numbered siblings ``name_00000.png``, ``name_00001.png`` ... instead.
       PNG and TIFF keep 16 bits, gray and alpha; JPEG and WebP are 8-bit (``quality``),
-      JPEG drops alpha (warned at open).
+      JPEG drops alpha (warned at open). A name with a printf number (``out/%05d.png``,
+      the syntax sequence inputs take) numbers every frame by it, one frame too:
+      ``out/00000.png``, ``out/00001.png`` ...
       When ``like`` is an animation (:class:`MediaInfo` kind ``"animation"``), ``.png``,
       ``.webp`` and ``.tif``/``.tiff`` write one animated file instead: an animated PNG or
       WebP with ``like``'s frame durations and loop count (a source without durations
@@ -140,6 +143,14 @@ def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
     if path.is_dir():
         raise MediaError(f"{path} is a folder; give a file name, or end the path with '/' "
                          f"to write a PNG sequence into the folder")
+    if PRINTF.search(path.name):
+        if ext not in _WRITE_IMAGE_FORMATS:
+            raise MediaError(f"{path}: a numbered pattern names image files, one per frame; "
+                             f"give an image extension (e.g. {path.parent / '%05d.png'}), or "
+                             f"a file name without %")
+        _warn_not_carried(path, like, False, set())
+        return ImageWriter(path, quality=quality, expected_frames=expected, display=display,
+                           pattern=printf_pattern(path), **common)
     if ext in VIDEO_EXTENSIONS:
         if fps is None:
             fps = like.fps if like is not None else None
@@ -750,13 +761,14 @@ class ImageWriter(_ImageFilesWriter):
 
     def __init__(self, path: Path, *, quality: int, expected_frames: int | None,
                  display: DisplayTransform | None = None, animation: tuple | None = None,
-                 **common):
+                 pattern: tuple[str, str, str] | None = None, **common):
         super().__init__(path, **common)
         self._ext = path.suffix
         self._fmt = _WRITE_IMAGE_FORMATS[path.suffix.lower()]
         self._quality = quality
         self._display = display
         self._animation = animation
+        self._pattern = pattern  # (prefix, %d spec, suffix): every frame numbered by it
         if animation is not None:
             self._ext, self._fmt = ".png", "PNG"  # the waiting frames
             expected_frames = None  # one file: only ``path`` must be free
@@ -769,9 +781,9 @@ class ImageWriter(_ImageFilesWriter):
             what = "an animation" if animation is not None else final_fmt
             warnings.warn(f"{path}: {what} is 8-bit here; 16-bit frames are rounded to 8 bits "
                           f"(use single .png or .tiff files to keep 16 bits)", stacklevel=3)
-        if expected_frames is not None and expected_frames > 1:
+        if pattern is not None or expected_frames is not None and expected_frames > 1:
             # Every name, now: finding o_00003.png taken only at the end would waste the run.
-            for index in range(expected_frames):
+            for index in range(expected_frames or 1):
                 self._refuse_existing(self._numbered(index))
         else:
             self._refuse_existing(path)
@@ -779,6 +791,9 @@ class ImageWriter(_ImageFilesWriter):
         self._open_temp_folder()
 
     def _numbered(self, index: int) -> Path:
+        if self._pattern is not None:
+            prefix, spec, suffix = self._pattern
+            return self.path.with_name(f"{prefix}{spec % index}{suffix}")
         return self.path.with_name(f"{self.path.stem}_{index:0{self._digits}d}{self._ext}")
 
     def _finish(self) -> None:
@@ -788,7 +803,7 @@ class ImageWriter(_ImageFilesWriter):
         if self._animation is not None:  # one frame: a still image of the final format
             self._convert_waiting_frame()
         self._state = "kept"
-        if self.frames_written == 1:
+        if self.frames_written == 1 and self._pattern is None:
             self._place(self._frame_file(0), self.path)
         else:
             targets = [self._numbered(i) for i in range(self.frames_written)]
