@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ._common import (ARRAY_FORMATS, IMAGE_EXTENSIONS, PRINTF, MediaError, MediaInfo, fspath,
-                      printf_pattern, sniff_image)
+from ._common import (ARRAY_FORMATS, IMAGE_EXTENSIONS, PRINTF, Colour, MediaError, MediaInfo,
+                      fspath, printf_pattern, sniff_image)
 from ._images import ImageProbe, animation_frames, load_image, probe_image, scan_animation
 
 # Counting packets makes an inexact frame count exact; it reads the whole file, so only do it
@@ -411,7 +411,8 @@ class VideoReader(MediaReader):
                 has_audio=bool(container.streams.audio), frame_count_exact=exact,
                 codec=stream.codec_context.name, rotation=rotation, mirrored=mirrored,
                 pixel_aspect=_pixel_aspect(stream),
-                other_streams=_other_streams(container, self._stream_index))
+                other_streams=_other_streams(container, self._stream_index),
+                colour=_colour(first))
             # A timestamp-based frame index needs a constant rate; FFmpeg's r_frame_rate
             # (base_rate) differing from the average rate is the tell-tale of variable rate.
             base, avg = stream.base_rate, stream.average_rate
@@ -846,6 +847,15 @@ def _source_colour_kwargs(frame) -> dict:
     if fmt.is_rgb or len(fmt.components) < 3 or frame.colorspace not in (0, 2):
         return {}  # RGB and gray sources have no matrix; tagged YUV converts by its tags
     return {"src_colorspace": "ITU709"} if frame.height >= 720 or frame.width >= 1280 else {}
+
+
+def _colour(frame) -> Colour:
+    """The colour description of a decoded frame; RGB and gray sources have no matrix."""
+    fmt = frame.format
+    if fmt.is_rgb or len(fmt.components) < 3:
+        return Colour.tagged(2, frame.color_primaries, frame.color_trc, 0)
+    return Colour.tagged(frame.colorspace, frame.color_primaries, frame.color_trc,
+                         frame.color_range)
 
 
 def _ffmpeg_message(e: Exception) -> str:

@@ -29,9 +29,9 @@ import numpy as np
 
 from ..options import option_ref
 from .temporaries import hold, remove_stale_temporaries, temporary_path
-from ._common import (ARRAY_FORMATS, IMAGE_EXTENSIONS, PRINTF, VIDEO_EXTENSIONS,
+from ._common import (ARRAY_FORMATS, IMAGE_EXTENSIONS, PRINTF, VIDEO_EXTENSIONS, Colour,
                       DisplayTransform, MediaError, MediaInfo, as_fraction, check_frame, fspath,
-                      printf_pattern, writable_folder)
+                      printf_pattern, refuse_hdr, writable_folder)
 
 # Image formats we write (BMP is read only).
 _WRITE_IMAGE_FORMATS = {ext: fmt for ext, fmt in IMAGE_EXTENSIONS.items() if fmt != "BMP"}
@@ -107,6 +107,12 @@ def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
     * an existing folder, or a path ending in ``/`` -- a numbered PNG sequence inside it:
       ``00000.png``, ``00001.png`` ... (more digits when ``like.frame_count`` needs them).
 
+    Video outputs carry ``like``'s colour description (:class:`~seedvr2.io._common.Colour`:
+    matrix, primaries, transfer, range; BT.709 limited range without one), converting the
+    frames with its matrix and range. An HDR source (PQ, HLG) needs 10 bits: H.264 and VP9
+    (8-bit here) are refused naming H.265, and so are image outputs, which are SDR (no tone
+    mapping).
+
     Frames are written as stored in the source. Video outputs carry ``like``'s rotation
     (and flip) and pixel aspect as tags; image outputs have neither, so each frame is turned
     upright and scaled to square pixels (:class:`~seedvr2.io._common.DisplayTransform`) --
@@ -137,6 +143,8 @@ def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
     ext = path.suffix.lower()
     known = ext in VIDEO_EXTENSIONS or ext in _WRITE_IMAGE_FORMATS
     display = DisplayTransform.of(like) if upright else None
+    if ext not in VIDEO_EXTENSIONS:
+        refuse_hdr(like, f"{path} (an image output)")
     if text.endswith(("/", os.sep)) or (path.is_dir() and not known):
         _warn_not_carried(path, like, False, set(), folder=True)
         return SequenceWriter(path, expected_frames=expected, display=display, **common)
@@ -166,7 +174,7 @@ def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
         return VideoWriter(path, fps=as_fraction(fps), codec=codec, crf=crf, preset=preset,
                            audio_from=audio, subtitle_streams=[i for i, _ in subtitles],
                            frame_times=frame_times, display=DisplayTransform.of(like),
-                           **common)
+                           colour=like.colour if like is not None else Colour(), **common)
     if ext in _WRITE_IMAGE_FORMATS:
         animation = _animation_of(path, like, fps)
         _warn_not_carried(path, like, False, set(), animation)
@@ -472,7 +480,8 @@ class VideoWriter(MediaWriter):
 
     def __init__(self, path: Path, *, fps: Fraction, codec: str, crf: int | None = None,
                  preset: str | None = None, audio_from=None, subtitle_streams=(),
-                 frame_times=None, display: DisplayTransform | None = None, **common):
+                 frame_times=None, display: DisplayTransform | None = None,
+                 colour: Colour = Colour(), **common):
         import av
 
         super().__init__(path, **common)
@@ -499,6 +508,11 @@ class VideoWriter(MediaWriter):
             raise MediaError(f"{path}: unknown preset {preset!r} for {key.upper()}; "
                              + ("VP9 has none" if key == "vp9" else
                                 f"use one of {', '.join(_PRESETS)}"))
+        if colour.hdr and not self._pix_fmt.endswith("10le"):
+            raise MediaError(f"{path}: the source is HDR video ({colour.hdr}), which needs "
+                             f"10 bits, and {key.upper()} is written in 8 bits here; give codec "
+                             f"h265 (10-bit) and a .mkv, .mp4 or .mov name")
+        self._colour = colour
         if self.channels == 4 and key == "vp9" and ext in (".webm", ".mkv"):
             self._pix_fmt = "yuva420p"  # Matroska/WebM store VP9's alpha beside each frame
         elif self.channels == 4:
@@ -528,9 +542,11 @@ class VideoWriter(MediaWriter):
             stream.options = options
             if key == "h265" and ext in (".mp4", ".mov", ".m4v"):
                 stream.codec_tag = "hvc1"  # Apple players only accept HEVC tagged hvc1
-            # Tag BT.709 limited range: the matrix _write converts with, so players agree.
+            # The source's colour description (BT.709 limited range for sources without one):
+            # _write converts with its matrix and range, so players agree.
             cc = stream.codec_context
-            cc.colorspace, cc.color_primaries, cc.color_trc, cc.color_range = 1, 1, 1, 1
+            cc.colorspace, cc.color_primaries = colour.matrix, colour.primaries
+            cc.color_trc, cc.color_range = colour.transfer, colour.range
             # The source's orientation and pixel shape travel as tags: players apply them,
             # and the frames stay as stored (no resampling of a video).
             if display is not None and display.mirrored:
@@ -571,10 +587,14 @@ class VideoWriter(MediaWriter):
         picture = av.VideoFrame.from_ndarray(
             np.ascontiguousarray(frame[:, :, 0] if channels == 1 else frame),
             format=ARRAY_FORMATS[channels, self.bit_depth])
-        # Convert to YUV ourselves with the BT.709 matrix the stream is tagged with; the
-        # encoder's own conversion would use BT.601 and shift colours.
+        # Convert to YUV ourselves with the matrix and range the stream is tagged with; the
+        # encoder's own conversion would use BT.601 limited range whatever the tags say.
+        # (No transfer or primaries here: swscale would convert the values between them, and
+        # the frames are already in the source's.)
+        colour = self._colour
         picture = self._reformatter.reformat(
-            picture, format=self._pix_fmt, dst_colorspace="ITU709", dst_color_range="MPEG",
+            picture, format=self._pix_fmt, dst_colorspace=colour.conversion_matrix,
+            dst_color_range=colour.range,
             threads=0 if self.width * self.height >= 640 * 480 else 1)
         pts = round(self._time_of(self.frames_written) / self._frame_time_base)
         if self._last_pts is not None and pts <= self._last_pts:
