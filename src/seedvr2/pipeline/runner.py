@@ -228,13 +228,14 @@ def input_frames(frames) -> torch.Tensor:
                              f"frames must be 0..255 (8-bit) or 0..65535 (16-bit); give float32 "
                              f"in [0, 1] for anything else")
         return frames.to(fits[0])
-    outside = (frames < 0).logical_or_(frames > 1).flatten(1).any(1)
+    # Per-frame reductions: no temporary the size of the input.
+    low, high = frames.amin(dim=(1, 2, 3)), frames.amax(dim=(1, 2, 3))
+    outside = (low < 0) | (high > 1)
     if outside.any():
         first = int(outside.nonzero()[0])
         warnings.warn(f"frames: {int(outside.sum())} of {len(frames)} have values outside "
-                      f"[0, 1] (frame {first}: {frames[first].min().item():g}.."
-                      f"{frames[first].max().item():g}); they are clamped to [0, 1]",
-                      stacklevel=3)
+                      f"[0, 1] (frame {first}: {low[first].item():g}..{high[first].item():g}); "
+                      f"they are clamped to [0, 1]", stacklevel=3)
         frames = frames.clamp(0.0, 1.0)
     return frames
 
