@@ -427,10 +427,7 @@ def translate_prompt(prompt: dict, object_info: dict) -> tuple[dict, list[str]]:
                 notes.append(f"{label}: the link into numz's {name} has no input here; removed")
             else:
                 ours[table.renamed.get(name, name)] = value
-        for name, widget in widgets.items():  # what numz lacks, or was dropped: our default
-            if name not in ours and widget.default is not None:
-                ours[name] = widget.default
-        node["inputs"] = ours
+        node["inputs"] = _with_defaults(ours, info)  # what numz lacks, or was dropped
     return prompt, notes
 
 
