@@ -114,7 +114,7 @@ def test_hdr_is_never_written_in_8_bits(tmp_path, name, codec, written):
     with pytest.raises(MediaError) as caught:
         open_writer(tmp_path / name, like=info, codec=codec)
     assert str(caught.value) == (
-        f"{tmp_path / name}: the source is HDR video (PQ (SMPTE ST 2084)), which needs 10 bits, "
+        f"{tmp_path / name}: the source is HDR video (PQ, SMPTE ST 2084), which needs 10 bits, "
         f"and {written} is written in 8 bits here; give codec h265 (10-bit) and a .mkv, .mp4 "
         f"or .mov name")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hdr.mkv"]
@@ -127,7 +127,7 @@ def test_hdr_to_images_is_refused_in_one_line(tmp_path, name):
     with pytest.raises(MediaError) as caught:
         open_writer(f"{tmp_path}/{name}", like=info)
     assert str(caught.value) == (
-        f"{tmp_path / 'hdr.mkv'} is HDR video (PQ (SMPTE ST 2084)) and "
+        f"{tmp_path / 'hdr.mkv'} is HDR video (PQ, SMPTE ST 2084) and "
         f"{tmp_path / name.rstrip('/')} (an image output) is SDR; this pack does not tone-map: "
         f"write a video with codec h265 (.mkv, .mp4 or .mov) to keep it HDR")
 
@@ -139,7 +139,7 @@ def test_hdr_to_an_image_batch_is_refused_in_one_line(tmp_path):
     with pytest.raises(MediaError) as caught:
         video_components(Video(path=info.path))
     assert str(caught.value) == (
-        f"{info.path} is HDR video (PQ (SMPTE ST 2084)) and an IMAGE batch is SDR; this pack "
+        f"{info.path} is HDR video (PQ, SMPTE ST 2084) and an IMAGE batch is SDR; this pack "
         f"does not tone-map: write a video with codec h265 (.mkv, .mp4 or .mov) to keep it HDR")
 
 
@@ -160,6 +160,6 @@ def test_an_upscaled_hdr_video_stays_hdr(tiny_options, tmp_path, capsys):
     args[args.index("--dit") + 1] = str(tmp_path / "missing.safetensors")
     assert main(args) == 1
     assert capsys.readouterr().err == (
-        f"error: {tmp_path / 'default.mkv'}: the source is HDR video (PQ (SMPTE ST 2084)), "
+        f"error: {tmp_path / 'default.mkv'}: the source is HDR video (PQ, SMPTE ST 2084), "
         f"which needs 10 bits, and H264 is written in 8 bits here; give codec h265 (10-bit) "
         f"and a .mkv, .mp4 or .mov name\n")

@@ -34,7 +34,7 @@ class MediaError(ValueError):
 # for BT.601 are 5 and 6, the same coefficients). Others (YCgCo, constant-luminance BT.2020,
 # ICtCp) swscale cannot write: such sources are written in BT.709.
 _WRITABLE_MATRICES = {1: 1, 4: 4, 5: 5, 6: 5, 7: 7, 9: 9}
-_HDR_TRANSFERS = {16: "PQ (SMPTE ST 2084)", 18: "HLG (ARIB STD-B67)"}
+_HDR_TRANSFERS = {16: "PQ, SMPTE ST 2084", 18: "HLG, ARIB STD-B67"}
 
 
 @dataclass(frozen=True)
