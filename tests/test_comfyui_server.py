@@ -524,6 +524,36 @@ def test_numz_api_prompt_and_editor_workflow_take_our_layout(comfyui):
         assert widgets == expected_inputs(kind, info), kind
 
 
+def test_numz_v2_0_to_2_4_prompt_and_editor_workflow_become_our_nodes(comfyui):
+    """numz's single SeedVR2 node (with BlockSwap and ExtraArgs) posted to /prompt runs as our
+    three nodes, and the editor's route rewrites it the same way."""
+    from PIL import Image
+    from test_numz import OLD_VALUES, old_api_prompt, old_expected, old_ui_workflow
+
+    from seedvr2.workflow.convert import ui_to_api
+
+    values = {**OLD_VALUES, "blocks_to_swap": 0, "cache_model": False}  # CPU; nothing kept
+    entry = comfyui.run(old_api_prompt("2025-09-22", values))
+    (saved,) = entry["outputs"]["6"]["images"]
+    with Image.open(comfyui.base / "output" / saved["subfolder"] / saved["filename"]) as im:
+        assert min(im.size) == values["new_resolution"]
+    assert ("SeedVR2: node 4 (SeedVR2): numz's enable_debug = True has no equivalent in this "
+            "pack; dropped") in comfyui.log.read_text()
+
+    request = urllib.request.Request(
+        comfyui.url + "/seedvr2/numz_workflow",
+        data=json.dumps(old_ui_workflow("2025-09-22")).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        answer = json.loads(reply.read())
+    info = comfyui.client.object_info()
+    api = ui_to_api(answer["workflow"], info)
+    found = {node["class_type"]: {k: v for k, v in node["inputs"].items()
+                                  if not isinstance(v, list)}
+             for node in api.values() if node["class_type"].startswith("SeedVR2")}
+    assert found == old_expected("2025-09-22", info)
+
+
 @pytest.mark.parametrize("from_frames", [False, True], ids=["file", "frames"])
 def test_load_video_upscale_save_video_keeps_audio_and_rate(comfyui, from_frames):
     """ComfyUI's VIDEO through our node: Load Video -> SeedVR2 Upscale Video -> Save Video

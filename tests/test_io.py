@@ -302,6 +302,25 @@ def test_output_appearing_during_write_is_kept_safe(tmp_path):
     assert len(kept) == 1, "the finished frame must survive"
 
 
+@pytest.mark.parametrize("name", ["clip.mp4", "frame.png"])
+def test_an_output_folder_deleted_while_writing_is_reported_as_gone(tmp_path, name):
+    """Nothing survives a deleted folder, and the error says so (not "kept at gone/...")."""
+    import shutil
+
+    folder = tmp_path / "gone"
+    folder.mkdir()
+    out = open_writer(folder / name, width=W, height=H, channels=3, bit_depth=8, fps=FPS)
+    out.write(_clip_frame(0))
+    shutil.rmtree(folder)
+    with pytest.raises(MediaError) as caught:
+        out.close()
+    assert str(caught.value).startswith(f"{folder / name}: could not move the finished output "
+                                        f"into place (")
+    assert str(caught.value).endswith(f"); nothing is kept: the folder {folder} was removed "
+                                      f"while writing")
+    assert not folder.exists()
+
+
 def test_unwritable_or_missing_folder(tmp_path, monkeypatch):
     with pytest.raises(MediaError, match=r"output folder .*nowhere does not exist"):
         open_writer(tmp_path / "nowhere" / "x.mp4", width=W, height=H, channels=3,

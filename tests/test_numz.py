@@ -235,6 +235,26 @@ def test_widget_names_decide_over_numz_v2_5_24_order(tmp_path):
                      "equivalent in this pack; dropped", *notes[1:]]
 
 
+def test_numz_new_resolution_is_our_resolution(tmp_path):
+    """numz's commits of late October 2025 call resolution new_resolution."""
+    info = _info(tmp_path)
+    workflow = numz_ui_workflow()
+    upscaler = next(n for n in workflow["nodes"] if n["id"] == 4)
+    (slot,) = [i for i in upscaler["inputs"] if i.get("widget") == {"name": "resolution"}]
+    slot["name"], slot["widget"] = "new_resolution", {"name": "new_resolution"}
+    notes = []
+    api = ui_to_api(workflow, info, notes.append)
+    widgets = {k: v for k, v in api["4"]["inputs"].items() if not isinstance(v, list)}
+    assert widgets == expected_inputs("SeedVR2VideoUpscaler", info)
+    assert not any("new_resolution" in note for note in notes)
+    prompt = numz_api_prompt()
+    prompt["4"]["inputs"]["new_resolution"] = prompt["4"]["inputs"].pop("resolution")
+    translated, notes = translate_prompt(prompt, info)
+    resolution = NUMZ_VALUES["SeedVR2VideoUpscaler"]["resolution"]
+    assert translated["4"]["inputs"]["resolution"] == resolution
+    assert not any("new_resolution" in note for note in notes)
+
+
 def test_a_choice_numz_has_and_we_do_not_takes_our_default_with_a_note(tmp_path):
     info = _info(tmp_path)
     workflow = numz_ui_workflow()
@@ -405,3 +425,179 @@ def test_numz_pack_loaded_first_is_named_in_the_log_when_ours_load(tmp_path):
         f"SeedVR2VideoUpscaler, SeedVR2UpscaleVideoFile, SeedVR2UpscaleVideo. ComfyUI keeps "
         f"the pack loaded last: this pack's replace custom_nodes.ComfyUI-SeedVR2_VideoUpscaler's. "
         f"Remove one of them (this pack also opens numz's workflows)."]
+
+
+# ---------------------------------------------------------------------------------------------
+# numz v2.0-2.4 (August to early October 2025): the single SeedVR2 node, fed by SeedVR2BlockSwap
+# and SeedVR2ExtraArgs. Layouts from numz's src/interfaces/comfyui_node.py of each date: widget
+# inputs in declaration order (all required), then the sockets (images; block_swap_config and
+# extra_args, optional).
+OLD_SEEDVR2 = {
+    "2025-08-13": ["model", "seed", "new_resolution", "batch_size", "preserve_vram",
+                   "cache_model", "enable_debug", "tiled_vae", "vae_tile_size",
+                   "vae_tile_overlap"],
+    "2025-08-15": ["model", "seed", "new_resolution", "batch_size"],
+    "2025-09-16": ["model", "seed", "new_resolution", "batch_size", "color_correction"],
+    "2025-09-18": ["model", "seed", "new_resolution", "batch_size", "color_correction",
+                   "cond_noise_scale"],
+    "2025-09-22": ["model", "seed", "new_resolution", "batch_size", "color_correction",
+                   "input_noise_scale", "latent_noise_scale"],
+}
+OLD_BLOCKSWAP = {"2025-08-13": ["blocks_to_swap", "use_non_blocking", "offload_io_components"],
+                 "2025-09-16": ["blocks_to_swap", "offload_io_components"]}
+OLD_EXTRA_ARGS = ["tiled_vae", "vae_tile_size", "vae_tile_overlap", "preserve_vram",
+                  "cache_model", "enable_debug", "device"]
+# What a numz user saved (none of it our default).
+OLD_VALUES = dict(model="dit3b_tiny.safetensors", seed=7, new_resolution=64, batch_size=9,
+                  color_correction="adain", cond_noise_scale=0.05, input_noise_scale=0.1,
+                  latent_noise_scale=0.05, blocks_to_swap=2, use_non_blocking=True,
+                  offload_io_components=True, tiled_vae=True, vae_tile_size=256,
+                  vae_tile_overlap=32, preserve_vram=True, cache_model=True, enable_debug=True,
+                  device="cpu")
+
+
+def _old_layout_of(date: str):
+    """(SeedVR2 widgets, BlockSwap widgets, ExtraArgs widgets or None) of numz on ``date``."""
+    blockswap = OLD_BLOCKSWAP["2025-09-16" if date >= "2025-09-16" else "2025-08-13"]
+    return OLD_SEEDVR2[date], blockswap, (OLD_EXTRA_ARGS if date >= "2025-08-15" else None)
+
+
+def old_ui_workflow(date: str, values=OLD_VALUES, image=EXAMPLE_IMAGE) -> dict:
+    """LoadImage -> SeedVR2 (with its config nodes) -> SaveImage, as numz saved it then."""
+    upscaler, blockswap, extra = _old_layout_of(date)
+    links = [[1, 1, 0, 4, 0, "IMAGE"], [2, 4, 0, 6, 0, "IMAGE"], [3, 2, 0, 4, 1,
+                                                                  "block_swap_config"]]
+    sockets = [{"name": "images", "type": "IMAGE", "link": 1},
+               {"name": "block_swap_config", "type": "block_swap_config", "link": 3}]
+
+    def config(node_id, kind, names, output):
+        return {"id": node_id, "type": kind, "pos": [0, 400 * node_id], "size": [300, 200],
+                "flags": {}, "order": node_id, "mode": 0, "inputs": [],
+                "outputs": [{"name": output, "type": output, "links": [node_id + 1]}],
+                "properties": {"Node name for S&R": kind},
+                "widgets_values": [values[n] for n in names]}
+    nodes = [
+        {"id": 1, "type": "LoadImage", "pos": [0, 100], "size": [300, 300], "flags": {},
+         "order": 0, "mode": 0, "inputs": [],
+         "outputs": [{"name": "IMAGE", "type": "IMAGE", "links": [1]},
+                     {"name": "MASK", "type": "MASK", "links": []}],
+         "properties": {"Node name for S&R": "LoadImage"}, "widgets_values": [image, "image"]},
+        config(2, "SeedVR2BlockSwap", blockswap, "block_swap_config"),
+        {"id": 4, "type": "SeedVR2", "pos": [800, 100], "size": [300, 300], "flags": {},
+         "order": 4, "mode": 0, "inputs": sockets,
+         "outputs": [{"name": "image", "type": "IMAGE", "links": [2]}],
+         "properties": {"Node name for S&R": "SeedVR2"},
+         "widgets_values": [v for n in upscaler
+                            for v in ([values[n], "fixed"] if n == "seed" else [values[n]])]},
+        {"id": 6, "type": "SaveImage", "pos": [1200, 100], "size": [300, 300], "flags": {},
+         "order": 6, "mode": 0, "inputs": [{"name": "images", "type": "IMAGE", "link": 2}],
+         "outputs": [], "properties": {"Node name for S&R": "SaveImage"},
+         "widgets_values": ["numz/old"]},
+    ]
+    if extra is not None:
+        nodes.append(config(3, "SeedVR2ExtraArgs", extra, "extra_args"))
+        sockets.append({"name": "extra_args", "type": "extra_args", "link": 4})
+        links.append([4, 3, 0, 4, 2, "extra_args"])
+    return {"last_node_id": 6, "last_link_id": len(links), "nodes": nodes, "links": links,
+            "groups": [], "config": {}, "extra": {}, "version": 0.4}
+
+
+def old_api_prompt(date: str, values=OLD_VALUES, image=EXAMPLE_IMAGE) -> dict:
+    upscaler, blockswap, extra = _old_layout_of(date)
+    prompt = {"1": {"class_type": "LoadImage", "inputs": {"image": image}},
+              "2": {"class_type": "SeedVR2BlockSwap", "inputs": {n: values[n] for n in blockswap}},
+              "4": {"class_type": "SeedVR2", "inputs": {
+                  **{n: values[n] for n in upscaler}, "images": ["1", 0],
+                  "block_swap_config": ["2", 0]}},
+              "6": {"class_type": "SaveImage", "inputs": {"images": ["4", 0],
+                                                          "filename_prefix": "numz/old"}}}
+    if extra is not None:
+        prompt["3"] = {"class_type": "SeedVR2ExtraArgs", "inputs": {n: values[n] for n in extra}}
+        prompt["4"]["inputs"]["extra_args"] = ["3", 0]
+    return prompt
+
+
+def old_expected(date: str, info: dict, values=OLD_VALUES) -> dict:
+    """Our three nodes' widget inputs after opening numz's: each saved value on the input of
+    the same meaning, our defaults elsewhere."""
+    from seedvr2.workflow.numz import _widgets
+
+    saved = {n for names in _old_layout_of(date) if names for n in names}
+    both = lambda a, b: {a: values[b]} if b in saved else {}  # noqa: E731
+    dit = {**both("model", "model"), **both("blocks_to_swap", "blocks_to_swap"),
+           **both("swap_io_components", "offload_io_components"),
+           **both("cache_model", "cache_model"), **both("device", "device"),
+           **({"offload_device": "cpu"} if "preserve_vram" in saved else {})}
+    vae = {**{f"{side}_tiled": values["tiled_vae"] for side in ("encode", "decode")},
+           **{f"{side}_tile_size": values["vae_tile_size"] for side in ("encode", "decode")},
+           **{f"{side}_tile_overlap": values["vae_tile_overlap"] for side in ("encode", "decode")},
+           **both("cache_model", "cache_model"), **both("device", "device"),
+           **({"offload_device": "cpu"} if "preserve_vram" in saved else {})}
+    upscaler = {**both("seed", "seed"), **both("resolution", "new_resolution"),
+                **both("batch_size", "batch_size"), **both("color_correction", "color_correction"),
+                **both("input_noise_scale", "input_noise_scale"),
+                **both("latent_noise_scale", "latent_noise_scale"),
+                **both("latent_noise_scale", "cond_noise_scale")}
+    return {kind: {w.name: ours.get(w.name, w.default) for w in _widgets(info[kind])}
+            for kind, ours in (("SeedVR2LoadDiTModel", dit), ("SeedVR2LoadVAEModel", vae),
+                               ("SeedVR2VideoUpscaler", upscaler))}
+
+
+def _old_notes(date: str, node_id) -> list[str]:
+    """Notes on the switches left on with no equivalent: the SeedVR2 node's, then its
+    config nodes' (BlockSwap's, then ExtraArgs')."""
+    names = [n for layout in _old_layout_of(date) for n in layout or ()]
+    return [f"node {node_id} (SeedVR2): numz's {name} = True has no equivalent in this pack; "
+            f"dropped" for name in names if name in ("enable_debug", "use_non_blocking")]
+
+
+def _by_class(prompt: dict) -> dict:
+    """class type -> its widget inputs (links left out), for a prompt with one of each."""
+    return {node["class_type"]: {k: v for k, v in node["inputs"].items()
+                                 if not isinstance(v, list)} for node in prompt.values()}
+
+
+@pytest.mark.parametrize("date", list(OLD_SEEDVR2))
+def test_numz_v2_0_to_2_4_workflows_become_our_three_nodes(date, tmp_path):
+    from seedvr2.workflow.numz import has_numz_nodes
+
+    info = _info(tmp_path)
+    expected = old_expected(date, info)
+    # The editor's format (opened in the editor, and converted by run-workflow).
+    notes = []
+    api = ui_to_api(old_ui_workflow(date), info, notes.append)
+    assert {k: v for k, v in _by_class(api).items() if k.startswith("SeedVR2")} == expected
+    upscaler = next(n for n in api.values() if n["class_type"] == "SeedVR2VideoUpscaler")
+    assert upscaler["inputs"]["image"] == ["1", 0] and api["6"]["inputs"]["images"] == ["4", 0]
+    for role, kind in (("dit", "SeedVR2LoadDiTModel"), ("vae", "SeedVR2LoadVAEModel")):
+        assert api[upscaler["inputs"][role][0]]["class_type"] == kind
+    assert sorted(n["class_type"] for n in api.values()) == [
+        "LoadImage", "SaveImage", "SeedVR2LoadDiTModel", "SeedVR2LoadVAEModel",
+        "SeedVR2VideoUpscaler"]
+    assert notes == _old_notes(date, 4)
+    # The API format (POST /prompt's handler and run-workflow).
+    prompt = old_api_prompt(date)
+    assert has_numz_nodes(prompt)
+    translated, notes = translate_prompt(prompt, info)
+    assert _by_class(translated) == {**expected, "LoadImage": {"image": EXAMPLE_IMAGE},
+                                     "SaveImage": {"filename_prefix": "numz/old"}}
+    assert translated["4"]["inputs"]["image"] == ["1", 0]
+    assert notes == _old_notes(date, 4)
+
+
+@pytest.mark.parametrize("date", ["2025-08-13", "2025-09-22"])
+def test_numz_v2_0_to_2_4_workflows_run_headless(date, tiny_model_dir, inputs, tmp_path,
+                                                 capsys, empty_model_cache):
+    from PIL import Image
+
+    values = {**OLD_VALUES, "blocks_to_swap": 0}  # no block swap on the CPU
+    for name, workflow in (("editor", old_ui_workflow(date, values)),
+                           ("api", old_api_prompt(date, values))):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(workflow))
+        rc = main(["run-workflow", str(path), "--model-dir", str(tiny_model_dir), "--input-dir",
+                   str(inputs), "--output-dir", str(tmp_path / name)])
+        assert rc == 0, capsys.readouterr().err
+        (saved,) = (tmp_path / name / "numz").glob("*.png")
+        with Image.open(saved) as im:
+            assert min(im.size) == values["new_resolution"]

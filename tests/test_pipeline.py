@@ -175,12 +175,61 @@ def test_interrupt_and_progress(clip, tiny_options):
 
 @pytest.mark.parametrize("frames,message", [
     (torch.zeros(0, 24, 32, 3), "the input has no frames"),
-    (torch.zeros(2, 24, 32, 2), r"frame 0 has shape \(24, 32, 2\): expected \(H, W, C\) with C = 1"),
+    (torch.zeros(2, 24, 32, 2), r"frames have shape \(2, 24, 32, 2\): expected \(T, H, W, C\) with "
+                                r"T, H and W at least 1 and C = 1"),
     (torch.full((2, 24, 32, 3), float("nan")), "frame 0 contains NaN or infinite values"),
 ])
 def test_bad_frames(tiny_options, frames, message):
     with pytest.raises(ValueError, match=message):
         _run(frames, tiny_options)
+
+
+@pytest.mark.parametrize("shape", [(5, 0, 48, 3), (5, 32, 0, 3)])
+def test_empty_frames_are_refused_before_any_model_loads(tmp_path, shape):
+    """A model path that does not exist proves nothing was loaded before the check."""
+    missing = str(tmp_path / "missing.safetensors")
+    expected = (f"frames have shape {shape}: expected (T, H, W, C) with T, H and W at least 1 "
+                f"and C = 1 (gray), 3 (RGB) or 4 (RGBA)")
+    with pytest.raises(InputError) as caught:
+        seedvr2.upscale(torch.zeros(shape), missing, missing, device="cpu")
+    assert str(caught.value) == expected
+
+
+def _ramp(levels: int) -> torch.Tensor:
+    """Two 24x32 frames whose values step through 0..levels-1."""
+    return torch.arange(2 * 24 * 32 * 3).reshape(2, 24, 32, 3) * 37 % levels
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16])
+def test_integer_frames_get_the_scale_of_their_values(tiny_options, dtype):
+    eight_bit = _ramp(256)
+    expected = _run(eight_bit.to(torch.uint8), tiny_options)
+    assert torch.equal(_run(eight_bit.to(dtype), tiny_options), expected)
+    if dtype != torch.int16:  # int16 stops at 32767, inside the 16-bit range
+        sixteen_bit = _ramp(65536)
+        assert torch.equal(_run(sixteen_bit.to(dtype), tiny_options),
+                           _run(sixteen_bit.to(torch.int32).to(torch.uint16), tiny_options))
+
+
+@pytest.mark.parametrize("values,found", [((-1, 3), "-1..3"), ((0, 70000), "0..70000")])
+def test_integer_frames_outside_both_scales_are_refused(values, found):
+    frames = torch.tensor(values, dtype=torch.int64).repeat(2 * 24 * 16 * 3 // 2)
+    with pytest.raises(InputError) as caught:
+        seedvr2.upscale(frames.reshape(2, 24, 16, 3), device="cpu")
+    assert str(caught.value) == (
+        f"frames are torch.int64 with values {found}: integer frames must be 0..255 (8-bit) or "
+        f"0..65535 (16-bit); give float32 in [0, 1] for anything else")
+
+
+def test_floats_outside_the_unit_range_are_clamped_with_one_warning(tiny_options):
+    frames = _ramp(256).float() / 255
+    frames[1, 0, 0] = torch.tensor([1.5, -0.25, 0.5])
+    with pytest.warns(UserWarning) as caught:
+        out = _run(frames, tiny_options)
+    assert [str(w.message) for w in caught] == [
+        "frames: 1 of 2 have values outside [0, 1] (frame 1: -0.25..1.5); they are clamped to "
+        "[0, 1]"]
+    assert torch.equal(out, _run(frames.clamp(0, 1), tiny_options))
 
 
 def test_frames_of_different_sizes(tiny_options):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -86,3 +87,72 @@ def test_bad_inputs_leave_nothing(tiny_options, tmp_path, capsys):
     assert main(_args(tiny_options, str(corrupt), "-o", str(tmp_path / "o.mp4"))) == 1
     assert "corrupt.mp4" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corrupt.mp4"]
+
+
+def _still(folder, name):
+    """A 64x48 PNG named ``name`` (the tiny models upscale it in a second)."""
+    from PIL import Image
+
+    from conftest import clip_frame
+
+    path = folder / name
+    Image.fromarray(clip_frame(3)).save(path)
+    return path
+
+
+def test_a_reader_gone_from_stdout_does_not_fail_a_finished_job(tiny_options, tmp_path):
+    """``seedvr2 upscale ... | head -c 0``: the summary has no reader; the job succeeded."""
+    source, out = _still(tmp_path, "still.png"), tmp_path / "out.png"
+    args = [a for a in _args(tiny_options, str(source), "-o", str(out)) if a != "--quiet"]
+    child = subprocess.Popen([sys.executable, "-m", "seedvr2", *args], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, cwd=REPO)
+    child.stdout.close()  # the reader leaves before the summary is printed
+    err = child.stderr.read().decode()
+    assert child.wait() == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err
+    assert _frames(out).shape == (1, 64, 86, 3)
+
+
+def test_names_stdout_cannot_encode_print_with_replacements(tiny_options, tmp_path):
+    source, out = _still(tmp_path, "clé.png"), tmp_path / "sortie_été.png"
+    args = [a for a in _args(tiny_options, str(source), "-o", str(out)) if a != "--quiet"]
+    result = subprocess.run([sys.executable, "-m", "seedvr2", *args], capture_output=True,
+                            cwd=REPO, env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    assert result.returncode == 0, result.stderr.decode()
+    assert result.stdout.decode("ascii").startswith(str(tmp_path / "sortie_?t?.png"))
+    assert out.is_file()
+
+
+def test_output_patterns_number_the_frames_as_input_patterns_do(tiny_options, tmp_path,
+                                                                 capsys):
+    """``-o out/%05d.png``: the syntax sequence inputs take; every frame numbered by it."""
+    clip = tmp_path / "three.mp4"
+    make_clip(clip, frames=3)
+    (tmp_path / "out").mkdir()
+    assert main(_args(tiny_options, str(clip), "-o", str(tmp_path / "out" / "%05d.png"))) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "00000.png", "00001.png", "00002.png"]
+    frames = _frames(tmp_path / "out" / "%05d.png")  # read back by the same pattern
+    assert frames.shape == (3, 64, 86, 3)
+    assert main(_args(tiny_options, str(clip), "-o", str(tmp_path / "one_%d.png"))) == 0
+    assert sorted(p.name for p in tmp_path.glob("one_*")) == ["one_0.png", "one_1.png",
+                                                             "one_2.png"]
+
+
+@pytest.mark.parametrize("name,message", [
+    ("%d_%05d.png", "{out}: a sequence pattern needs exactly one %d, %05d or similar, in the "
+                    "file name"),
+    ("%05d.mp4", "{out}: a numbered pattern names image files, one per frame; give an image "
+                 "extension (e.g. {folder}/%05d.png), or a file name without %"),
+])
+def test_bad_output_patterns_are_refused_before_any_work(tiny_options, tmp_path, capsys, name,
+                                                         message):
+    clip = tmp_path / "three.mp4"
+    make_clip(clip, frames=3)
+    out = tmp_path / name
+    missing = str(tmp_path / "missing.safetensors")  # no model is loaded before the check
+    args = _args(tiny_options, str(clip), "-o", str(out))
+    args[args.index("--dit") + 1] = missing
+    assert main(args) == 1
+    assert capsys.readouterr().err == f"error: {message.format(out=out, folder=tmp_path)}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["three.mp4"]

@@ -20,7 +20,8 @@ from .options import OptionError, Options, option_ref, option_value, resolve_opt
 from .pipeline.plan import make_plan
 from .io.background import BackgroundWriter
 from .pipeline.resume import install_kill_hook, open_resume_state, run_resumable
-from .pipeline.runner import JobStats, Models, Upscaler, output_size, to_integer_frames
+from .pipeline.runner import (JobStats, Models, Upscaler, input_frames, output_size,
+                              to_integer_frames)
 from .pipeline.setup import (MEMORY_CHECK_ENV, check_file_job, file_facts, load_models,
                              open_output, plan_file, prepare_job, resolve_auto_batch_for_ranks)
 
@@ -89,10 +90,7 @@ def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Pr
     (H, W, C) image is one frame. Returns float32 (T, H', W', C) in [0, 1] on the CPU.
     """
     opts = resolve_options(**options)
-    if frames.dim() == 3 if isinstance(frames, torch.Tensor) else frames.ndim == 3:
-        frames = frames[None]
-    if len(frames) == 0:
-        raise ValueError("frames: the input has no frames")
+    frames = input_frames(frames)
     devices, opts = process_devices(opts, dit, vae)
     if len(devices) > 1:
         from .distributed.job import check_sequence_parallel
@@ -100,7 +98,6 @@ def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Pr
 
         _check_named_models(dit, vae)
         check_sequence_parallel(opts, len(devices), dit, model_dir)
-        frames = torch.as_tensor(frames)
         size = output_size(frames.shape[1], frames.shape[2], opts)
         opts = resolve_auto_batch_for_ranks(opts, devices, dit, vae, model_dir, len(frames), size)
         out_shape = (len(frames), *size, frames.shape[3])

@@ -17,6 +17,20 @@ DESCRIPTION = ("SeedVR2 one-step video and image super-resolution. Also runs as 
                "'python -m seedvr2'; 'seedvr2 COMMAND --help' explains a command.")
 
 
+def _say(text: str) -> None:
+    """One line of results on stdout. Printing never fails a job that succeeded: a reader that
+    went away (``| head``) silences the rest of the output, as well-behaved Unix tools do, and
+    characters stdout's encoding lacks (``PYTHONIOENCODING=ascii``) print as '?'."""
+    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+    try:
+        print(text.encode(encoding, "replace").decode(encoding), flush=True)
+    except BrokenPipeError:
+        # Later lines, and the flush at exit, go nowhere instead of raising again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
 def _inspect(args) -> int:
     from .loading import CheckpointError, describe
 
@@ -29,20 +43,20 @@ def _inspect(args) -> int:
             status = 1
             continue
         if args.json:
-            print(json.dumps(info))
+            _say(json.dumps(info))
             continue
-        print(info["file"])
+        _say(info["file"])
         if info["kind"] == "dit":
             mm = f", mm_layers {info['mm_layers']}" if info["mm_layers"] is not None else ""
-            print(f"  DiT, {info['family'].upper()} family: vid_dim {info['vid_dim']}, "
-                  f"{info['heads']} heads x {info['head_dim']}, {info['num_layers']} layers{mm}, "
-                  f"txt_in_dim {info['txt_in_dim']}, {info['mlp_type']} MLP")
+            _say(f"  DiT, {info['family'].upper()} family: vid_dim {info['vid_dim']}, "
+                 f"{info['heads']} heads x {info['head_dim']}, {info['num_layers']} layers{mm}, "
+                 f"txt_in_dim {info['txt_in_dim']}, {info['mlp_type']} MLP")
         else:
-            print(f"  VAE: block_out_channels {info['block_out_channels']}, "
-                  f"latent_channels {info['latent_channels']}, "
-                  f"norm_num_groups {info['norm_num_groups']}")
-        print(f"  {info['format']}, dtype {'/'.join(info['dtypes'])}, "
-              f"{info['parameters']:,} parameters in {info['tensors']} tensors")
+            _say(f"  VAE: block_out_channels {info['block_out_channels']}, "
+                 f"latent_channels {info['latent_channels']}, "
+                 f"norm_num_groups {info['norm_num_groups']}")
+        _say(f"  {info['format']}, dtype {'/'.join(info['dtypes'])}, "
+             f"{info['parameters']:,} parameters in {info['tensors']} tensors")
     return status
 
 
@@ -71,9 +85,9 @@ def _quantize(args) -> int:
         if bar is not None:
             bar.close()
     if not args.quiet:
-        print(f"{summary.output}: {summary.kind.upper()} as {summary.target}, "
-              f"{summary.quantized} tensors quantised, {summary.kept} kept; "
-              f"{summary.input_bytes / 2**20:,.0f} MiB -> {summary.output_bytes / 2**20:,.0f} MiB")
+        _say(f"{summary.output}: {summary.kind.upper()} as {summary.target}, "
+             f"{summary.quantized} tensors quantised, {summary.kept} kept; "
+             f"{summary.input_bytes / 2**20:,.0f} MiB -> {summary.output_bytes / 2**20:,.0f} MiB")
     return 0
 
 
@@ -375,9 +389,9 @@ def _upscale_jobs(args, opts, given: dict, jobs: list) -> int:
                 continue
             bars.close()
             if not args.quiet and out is not None and not several:
-                print(_summary(out, stats, time.perf_counter() - start))
+                _say(_summary(out, stats, time.perf_counter() - start))
             elif not args.quiet and out is not None:
-                print(_ranks_summary(out, stats, time.perf_counter() - start))
+                _say(_ranks_summary(out, stats, time.perf_counter() - start))
     except (CheckpointError, ValueError) as e:
         bars.close()
         print(f"error: {e}", file=sys.stderr)
@@ -421,7 +435,7 @@ def _run_workflow(args) -> int:
         return 130
     if not args.quiet:
         for path in result.files:
-            print(path)
+            _say(str(path))
     return 0
 
 

@@ -7,6 +7,7 @@ Nothing here imports PyAV or Pillow; those load inside the functions that need t
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -27,6 +28,56 @@ class MediaError(ValueError):
     refusing to replace an existing output, which is a :class:`FileExistsError` so callers can
     catch it on its own (e.g. to ask the user or suggest ``--overwrite``).
     """
+
+
+# FFmpeg's YUV matrix codes (AVColorSpace) -> the matrix swscale converts with (its codes
+# for BT.601 are 5 and 6, the same coefficients). Others (YCgCo, constant-luminance BT.2020,
+# ICtCp) swscale cannot write: such sources are written in BT.709.
+_WRITABLE_MATRICES = {1: 1, 4: 4, 5: 5, 6: 5, 7: 7, 9: 9}
+_HDR_TRANSFERS = {16: "PQ, SMPTE ST 2084", 18: "HLG, ARIB STD-B67"}
+
+
+@dataclass(frozen=True)
+class Colour:
+    """A video's colour description in FFmpeg's codes: YUV ``matrix`` (AVColorSpace),
+    ``primaries``, ``transfer`` (AVColorTransferCharacteristic) and ``range`` (1 limited,
+    2 full). The defaults, BT.709 limited range, describe outputs of sources that have
+    none (images, untagged video, whose frames the reader converts as players assume)."""
+
+    matrix: int = 1
+    primaries: int = 1
+    transfer: int = 1
+    range: int = 1
+
+    @classmethod
+    def tagged(cls, matrix: int, primaries: int, transfer: int, colour_range: int) -> Colour:
+        """The description of a source's tags; each one unspecified (or a matrix this
+        FFmpeg cannot write) takes BT.709 limited range's."""
+        default = cls()
+        return cls(matrix if matrix in _WRITABLE_MATRICES else default.matrix,
+                   primaries if primaries not in (0, 2) else default.primaries,
+                   transfer if transfer not in (0, 2) else default.transfer,
+                   colour_range if colour_range in (1, 2) else default.range)
+
+    @property
+    def conversion_matrix(self) -> int:
+        """The swscale matrix that converts RGB to this description's YUV."""
+        return _WRITABLE_MATRICES[self.matrix]
+
+    @property
+    def hdr(self) -> str | None:
+        """The HDR transfer's name (PQ, HLG), or None for SDR."""
+        return _HDR_TRANSFERS.get(self.transfer)
+
+
+def refuse_hdr(info: MediaInfo | None, into: str) -> None:
+    """Raise a MediaError when ``info``'s source is HDR and ``into`` (what its frames would
+    become) is SDR: without tone mapping, PQ or HLG code values shown as SDR look washed out
+    and dull, so they are refused rather than converted wrongly."""
+    if info is not None and info.colour.hdr:
+        raise MediaError(f"{info.path} is HDR video ({info.colour.hdr}) and {into} is SDR; "
+                         f"this pack does not tone-map: write a video with codec h265 (.mkv, "
+                         f".mp4 or .mov) to keep it HDR")
 
 
 @dataclass(frozen=True)
@@ -55,6 +106,8 @@ class MediaInfo:
     TIFF pages, which have no timing) and ``loop`` how often it plays (0: forever), which
     animated image outputs given ``like=`` reproduce. Animations with a timing also have
     ``fps`` (and ``frame_times`` when the durations differ), so video outputs keep it.
+    ``colour`` is a video's colour description (:class:`Colour`), which video writers given
+    ``like=`` convert to and tag; frames are RGB in the source's primaries and transfer.
     """
 
     kind: str
@@ -78,6 +131,7 @@ class MediaInfo:
     pixel_aspect: Fraction = Fraction(1)
     frame_durations: tuple[Fraction, ...] | None = field(default=None, repr=False)
     loop: int | None = None
+    colour: Colour = Colour()
 
     @property
     def dtype(self) -> np.dtype:
@@ -222,6 +276,22 @@ def to_8bit(frame: np.ndarray) -> np.ndarray:
     if frame.dtype == np.uint8:
         return frame
     return ((frame.astype(np.uint32) * 255 + 32767) // 65535).astype(np.uint8)
+
+
+# printf-style frame number in a sequence pattern: %d, %5d, %05d.
+PRINTF = re.compile(r"%(0?)(\d*)d")
+
+
+def printf_pattern(pattern: Path) -> tuple[str, str, str]:
+    """(prefix, number spec, suffix) of a file name pattern like ``%05d.png``: the one syntax
+    of sequence patterns, read and written (``%%`` is a literal ``%``)."""
+    name = pattern.name
+    matches = list(PRINTF.finditer(name))
+    if len(matches) != 1 or "%" in name.replace(matches[0][0], "", 1).replace("%%", ""):
+        raise MediaError(f"{pattern}: a sequence pattern needs exactly one %d, %05d or "
+                         f"similar, in the file name")
+    m = matches[0]
+    return name[:m.start()].replace("%%", "%"), m[0], name[m.end():].replace("%%", "%")
 
 
 def writable_folder(folder: Path) -> None:

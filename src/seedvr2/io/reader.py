@@ -21,12 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ._common import (ARRAY_FORMATS, IMAGE_EXTENSIONS, MediaError, MediaInfo, fspath,
-                      sniff_image)
+from ._common import (ARRAY_FORMATS, IMAGE_EXTENSIONS, PRINTF, Colour, MediaError, MediaInfo,
+                      fspath, printf_pattern, sniff_image)
 from ._images import ImageProbe, animation_frames, load_image, probe_image, scan_animation
 
-# printf-style frame number in a sequence pattern: %d, %5d, %05d.
-_PRINTF = re.compile(r"%(0?)(\d*)d")
 # Counting packets makes an inexact frame count exact; it reads the whole file, so only do it
 # up front for files small enough that this is quick.
 _COUNT_PACKETS_MAX_BYTES = 256 * 2**20
@@ -44,7 +42,7 @@ def is_sequence_pattern(path) -> bool:
     """True for a path :func:`open_media` reads as a sequence pattern (``f/%05d.png``,
     ``f/*.png``): it does not exist and its name holds a printf number or glob characters."""
     p = fspath(path)
-    return not p.exists() and (bool(_PRINTF.search(p.name)) or any(ch in p.name for ch in "*?["))
+    return not p.exists() and (bool(PRINTF.search(p.name)) or any(ch in p.name for ch in "*?["))
 
 
 def open_media(path) -> MediaReader:
@@ -60,7 +58,7 @@ def open_media(path) -> MediaReader:
     if p.is_dir():
         return SequenceReader.from_directory(p)
     if not p.exists():  # an existing file named "100%done.png" is a file, not a pattern
-        if _PRINTF.search(p.name):
+        if PRINTF.search(p.name):
             return SequenceReader.from_pattern(p)
         if any(ch in p.name for ch in "*?["):
             return SequenceReader.from_glob(p)
@@ -272,14 +270,8 @@ class SequenceReader(MediaReader):
     def from_pattern(cls, pattern: Path) -> SequenceReader:
         """Files matching a printf pattern like ``frames/%05d.png`` (exactly as printf writes
         them, so ``%05d`` matches ``00042`` and ``123456`` but not ``42``)."""
-        folder, name = pattern.parent, pattern.name
-        matches = list(_PRINTF.finditer(name))
-        if len(matches) != 1 or "%" in name.replace(matches[0][0], "", 1).replace("%%", ""):
-            raise MediaError(f"{pattern}: a sequence pattern needs exactly one %d, %05d or "
-                             f"similar, in the file name")
-        m = matches[0]
-        prefix, suffix = name[:m.start()].replace("%%", "%"), name[m.end():].replace("%%", "%")
-        spec = m[0]
+        folder = pattern.parent
+        prefix, spec, suffix = printf_pattern(pattern)
         if not folder.is_dir():
             raise MediaError(f"{pattern}: folder {folder} does not exist")
         found = []
@@ -419,7 +411,8 @@ class VideoReader(MediaReader):
                 has_audio=bool(container.streams.audio), frame_count_exact=exact,
                 codec=stream.codec_context.name, rotation=rotation, mirrored=mirrored,
                 pixel_aspect=_pixel_aspect(stream),
-                other_streams=_other_streams(container, self._stream_index))
+                other_streams=_other_streams(container, self._stream_index),
+                colour=_colour(first))
             # A timestamp-based frame index needs a constant rate; FFmpeg's r_frame_rate
             # (base_rate) differing from the average rate is the tell-tale of variable rate.
             base, avg = stream.base_rate, stream.average_rate
@@ -854,6 +847,15 @@ def _source_colour_kwargs(frame) -> dict:
     if fmt.is_rgb or len(fmt.components) < 3 or frame.colorspace not in (0, 2):
         return {}  # RGB and gray sources have no matrix; tagged YUV converts by its tags
     return {"src_colorspace": "ITU709"} if frame.height >= 720 or frame.width >= 1280 else {}
+
+
+def _colour(frame) -> Colour:
+    """The colour description of a decoded frame; RGB and gray sources have no matrix."""
+    fmt = frame.format
+    if fmt.is_rgb or len(fmt.components) < 3:
+        return Colour.tagged(2, frame.color_primaries, frame.color_trc, 0)
+    return Colour.tagged(frame.colorspace, frame.color_primaries, frame.color_trc,
+                         frame.color_range)
 
 
 def _ffmpeg_message(e: Exception) -> str:

@@ -29,8 +29,9 @@ import numpy as np
 
 from ..options import option_ref
 from .temporaries import hold, remove_stale_temporaries, temporary_path
-from ._common import (ARRAY_FORMATS, IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, DisplayTransform,
-                      MediaError, MediaInfo, as_fraction, check_frame, fspath, writable_folder)
+from ._common import (ARRAY_FORMATS, IMAGE_EXTENSIONS, PRINTF, VIDEO_EXTENSIONS, Colour,
+                      DisplayTransform, MediaError, MediaInfo, as_fraction, check_frame, fspath,
+                      printf_pattern, refuse_hdr, writable_folder)
 
 # Image formats we write (BMP is read only).
 _WRITE_IMAGE_FORMATS = {ext: fmt for ext, fmt in IMAGE_EXTENSIONS.items() if fmt != "BMP"}
@@ -95,7 +96,9 @@ def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
     * ``.png``/``.jpg``/``.jpeg``/``.webp``/``.tif``/``.tiff`` -- one image; if more than one
       frame is written, numbered siblings ``name_00000.png``, ``name_00001.png`` ... instead.
       PNG and TIFF keep 16 bits, gray and alpha; JPEG and WebP are 8-bit (``quality``),
-      JPEG drops alpha (warned at open).
+      JPEG drops alpha (warned at open). A name with a printf number (``out/%05d.png``,
+      the syntax sequence inputs take) numbers every frame by it, one frame too:
+      ``out/00000.png``, ``out/00001.png`` ...
       When ``like`` is an animation (:class:`MediaInfo` kind ``"animation"``), ``.png``,
       ``.webp`` and ``.tif``/``.tiff`` write one animated file instead: an animated PNG or
       WebP with ``like``'s frame durations and loop count (a source without durations
@@ -103,6 +106,12 @@ def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
       had one); JPEG holds one frame, so it gets the numbered files, and a warning.
     * an existing folder, or a path ending in ``/`` -- a numbered PNG sequence inside it:
       ``00000.png``, ``00001.png`` ... (more digits when ``like.frame_count`` needs them).
+
+    Video outputs carry ``like``'s colour description (:class:`~seedvr2.io._common.Colour`:
+    matrix, primaries, transfer, range; BT.709 limited range without one), converting the
+    frames with its matrix and range. An HDR source (PQ, HLG) needs 10 bits: H.264 and VP9
+    (8-bit here) are refused naming H.265, and so are image outputs, which are SDR (no tone
+    mapping).
 
     Frames are written as stored in the source. Video outputs carry ``like``'s rotation
     (and flip) and pixel aspect as tags; image outputs have neither, so each frame is turned
@@ -134,12 +143,22 @@ def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
     ext = path.suffix.lower()
     known = ext in VIDEO_EXTENSIONS or ext in _WRITE_IMAGE_FORMATS
     display = DisplayTransform.of(like) if upright else None
+    if ext not in VIDEO_EXTENSIONS:
+        refuse_hdr(like, f"{path} (an image output)")
     if text.endswith(("/", os.sep)) or (path.is_dir() and not known):
         _warn_not_carried(path, like, False, set(), folder=True)
         return SequenceWriter(path, expected_frames=expected, display=display, **common)
     if path.is_dir():
         raise MediaError(f"{path} is a folder; give a file name, or end the path with '/' "
                          f"to write a PNG sequence into the folder")
+    if PRINTF.search(path.name):
+        if ext not in _WRITE_IMAGE_FORMATS:
+            raise MediaError(f"{path}: a numbered pattern names image files, one per frame; "
+                             f"give an image extension (e.g. {path.parent / '%05d.png'}), or "
+                             f"a file name without %")
+        _warn_not_carried(path, like, False, set())
+        return ImageWriter(path, quality=quality, expected_frames=expected, display=display,
+                           pattern=printf_pattern(path), **common)
     if ext in VIDEO_EXTENSIONS:
         if fps is None:
             fps = like.fps if like is not None else None
@@ -155,7 +174,7 @@ def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
         return VideoWriter(path, fps=as_fraction(fps), codec=codec, crf=crf, preset=preset,
                            audio_from=audio, subtitle_streams=[i for i, _ in subtitles],
                            frame_times=frame_times, display=DisplayTransform.of(like),
-                           **common)
+                           colour=like.colour if like is not None else Colour(), **common)
     if ext in _WRITE_IMAGE_FORMATS:
         animation = _animation_of(path, like, fps)
         _warn_not_carried(path, like, False, set(), animation)
@@ -326,7 +345,7 @@ class MediaWriter(FinishesOnExit):
         except OSError as e:
             if self._state == "kept":  # complete, but the final move failed: keep it
                 raise MediaError(f"{self.path}: could not move the finished output into "
-                                 f"place ({e}); it is kept at {self._temp}") from e
+                                 f"place ({e}); {self._what_is_kept()}") from e
             self.abort()
             raise MediaError(f"{self.path}: finishing the output failed: {e}") from e
         except BaseException:
@@ -337,6 +356,14 @@ class MediaWriter(FinishesOnExit):
             if self._state != "open":
                 self._release_hold()
         self._state = "closed"
+
+    def _what_is_kept(self) -> str:
+        """Where the finished output waits, or why nothing does (its folder was deleted)."""
+        if self._temp.exists():
+            return f"it is kept at {self._temp}"
+        if not self._temp.parent.is_dir():
+            return f"nothing is kept: the folder {self._temp.parent} was removed while writing"
+        return f"nothing is kept: {self._temp} was removed while writing"
 
     def abort(self) -> None:
         """Discard everything written so far. The final path is never touched."""
@@ -453,7 +480,8 @@ class VideoWriter(MediaWriter):
 
     def __init__(self, path: Path, *, fps: Fraction, codec: str, crf: int | None = None,
                  preset: str | None = None, audio_from=None, subtitle_streams=(),
-                 frame_times=None, display: DisplayTransform | None = None, **common):
+                 frame_times=None, display: DisplayTransform | None = None,
+                 colour: Colour = Colour(), **common):
         import av
 
         super().__init__(path, **common)
@@ -480,6 +508,11 @@ class VideoWriter(MediaWriter):
             raise MediaError(f"{path}: unknown preset {preset!r} for {key.upper()}; "
                              + ("VP9 has none" if key == "vp9" else
                                 f"use one of {', '.join(_PRESETS)}"))
+        if colour.hdr and not self._pix_fmt.endswith("10le"):
+            raise MediaError(f"{path}: the source is HDR video ({colour.hdr}), which needs "
+                             f"10 bits, and {key.upper()} is written in 8 bits here; give codec "
+                             f"h265 (10-bit) and a .mkv, .mp4 or .mov name")
+        self._colour = colour
         if self.channels == 4 and key == "vp9" and ext in (".webm", ".mkv"):
             self._pix_fmt = "yuva420p"  # Matroska/WebM store VP9's alpha beside each frame
         elif self.channels == 4:
@@ -509,9 +542,11 @@ class VideoWriter(MediaWriter):
             stream.options = options
             if key == "h265" and ext in (".mp4", ".mov", ".m4v"):
                 stream.codec_tag = "hvc1"  # Apple players only accept HEVC tagged hvc1
-            # Tag BT.709 limited range: the matrix _write converts with, so players agree.
+            # The source's colour description (BT.709 limited range for sources without one):
+            # _write converts with its matrix and range, so players agree.
             cc = stream.codec_context
-            cc.colorspace, cc.color_primaries, cc.color_trc, cc.color_range = 1, 1, 1, 1
+            cc.colorspace, cc.color_primaries = colour.matrix, colour.primaries
+            cc.color_trc, cc.color_range = colour.transfer, colour.range
             # The source's orientation and pixel shape travel as tags: players apply them,
             # and the frames stay as stored (no resampling of a video).
             if display is not None and display.mirrored:
@@ -552,10 +587,14 @@ class VideoWriter(MediaWriter):
         picture = av.VideoFrame.from_ndarray(
             np.ascontiguousarray(frame[:, :, 0] if channels == 1 else frame),
             format=ARRAY_FORMATS[channels, self.bit_depth])
-        # Convert to YUV ourselves with the BT.709 matrix the stream is tagged with; the
-        # encoder's own conversion would use BT.601 and shift colours.
+        # Convert to YUV ourselves with the matrix and range the stream is tagged with; the
+        # encoder's own conversion would use BT.601 limited range whatever the tags say.
+        # (No transfer or primaries here: swscale would convert the values between them, and
+        # the frames are already in the source's.)
+        colour = self._colour
         picture = self._reformatter.reformat(
-            picture, format=self._pix_fmt, dst_colorspace="ITU709", dst_color_range="MPEG",
+            picture, format=self._pix_fmt, dst_colorspace=colour.conversion_matrix,
+            dst_color_range=colour.range,
             threads=0 if self.width * self.height >= 640 * 480 else 1)
         pts = round(self._time_of(self.frames_written) / self._frame_time_base)
         if self._last_pts is not None and pts <= self._last_pts:
@@ -742,13 +781,14 @@ class ImageWriter(_ImageFilesWriter):
 
     def __init__(self, path: Path, *, quality: int, expected_frames: int | None,
                  display: DisplayTransform | None = None, animation: tuple | None = None,
-                 **common):
+                 pattern: tuple[str, str, str] | None = None, **common):
         super().__init__(path, **common)
         self._ext = path.suffix
         self._fmt = _WRITE_IMAGE_FORMATS[path.suffix.lower()]
         self._quality = quality
         self._display = display
         self._animation = animation
+        self._pattern = pattern  # (prefix, %d spec, suffix): every frame numbered by it
         if animation is not None:
             self._ext, self._fmt = ".png", "PNG"  # the waiting frames
             expected_frames = None  # one file: only ``path`` must be free
@@ -761,9 +801,9 @@ class ImageWriter(_ImageFilesWriter):
             what = "an animation" if animation is not None else final_fmt
             warnings.warn(f"{path}: {what} is 8-bit here; 16-bit frames are rounded to 8 bits "
                           f"(use single .png or .tiff files to keep 16 bits)", stacklevel=3)
-        if expected_frames is not None and expected_frames > 1:
+        if pattern is not None or expected_frames is not None and expected_frames > 1:
             # Every name, now: finding o_00003.png taken only at the end would waste the run.
-            for index in range(expected_frames):
+            for index in range(expected_frames or 1):
                 self._refuse_existing(self._numbered(index))
         else:
             self._refuse_existing(path)
@@ -771,6 +811,9 @@ class ImageWriter(_ImageFilesWriter):
         self._open_temp_folder()
 
     def _numbered(self, index: int) -> Path:
+        if self._pattern is not None:
+            prefix, spec, suffix = self._pattern
+            return self.path.with_name(f"{prefix}{spec % index}{suffix}")
         return self.path.with_name(f"{self.path.stem}_{index:0{self._digits}d}{self._ext}")
 
     def _finish(self) -> None:
@@ -780,7 +823,7 @@ class ImageWriter(_ImageFilesWriter):
         if self._animation is not None:  # one frame: a still image of the final format
             self._convert_waiting_frame()
         self._state = "kept"
-        if self.frames_written == 1:
+        if self.frames_written == 1 and self._pattern is None:
             self._place(self._frame_file(0), self.path)
         else:
             targets = [self._numbered(i) for i in range(self.frames_written)]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -196,6 +197,47 @@ def source_frame(frame, index: int) -> torch.Tensor:
     if frame.is_floating_point() and not torch.isfinite(frame).all():
         raise InputError(f"frame {index} contains NaN or infinite values")
     return frame
+
+
+def input_frames(frames) -> torch.Tensor:
+    """In-memory input (ComfyUI's IMAGE convention, or a numpy array) as a checked
+    (T, H, W, C) tensor, before any model loads. uint8 / uint16 keep their scale (255 /
+    65535); other integer dtypes take 0..255 when every value fits, else 0..65535, and
+    anything else is an error (an int64 0..255 tensor read as [0, 1] would saturate to
+    white). Floats outside [0, 1] are clamped, with one warning naming the first such frame
+    and the range found (resamplers upstream overshoot a little; refusing would break
+    workflows)."""
+    frames = torch.as_tensor(frames)
+    if frames.dim() == 3:
+        frames = frames[None]
+    shape = tuple(frames.shape)
+    if frames.dim() == 4 and shape[0] == 0:
+        raise InputError("frames: the input has no frames")
+    if frames.dim() != 4 or 0 in shape or shape[-1] not in (1, 3, 4):
+        raise InputError(f"frames have shape {shape}: expected (T, H, W, C) with T, H and W at "
+                         f"least 1 and C = 1 (gray), 3 (RGB) or 4 (RGBA)")
+    if frames.dtype in _INTEGER_SCALE:
+        return frames
+    if frames.dtype == torch.bool or frames.is_complex():
+        raise InputError(f"frames are {frames.dtype}: give float32 in [0, 1], or uint8 / uint16")
+    if not frames.is_floating_point():
+        low, high = frames.min().item(), frames.max().item()
+        fits = [dtype for dtype, top in _INTEGER_SCALE.items() if low >= 0 and high <= top]
+        if not fits:
+            raise InputError(f"frames are {frames.dtype} with values {low}..{high}: integer "
+                             f"frames must be 0..255 (8-bit) or 0..65535 (16-bit); give float32 "
+                             f"in [0, 1] for anything else")
+        return frames.to(fits[0])
+    # Per-frame reductions: no temporary the size of the input.
+    low, high = frames.amin(dim=(1, 2, 3)), frames.amax(dim=(1, 2, 3))
+    outside = (low < 0) | (high > 1)
+    if outside.any():
+        first = int(outside.nonzero()[0])
+        warnings.warn(f"frames: {int(outside.sum())} of {len(frames)} have values outside "
+                      f"[0, 1] (frame {first}: {low[first].item():g}..{high[first].item():g}); "
+                      f"they are clamped to [0, 1]", stacklevel=3)
+        frames = frames.clamp(0.0, 1.0)
+    return frames
 
 
 def unit_float(frames: torch.Tensor) -> torch.Tensor:

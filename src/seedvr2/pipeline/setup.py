@@ -289,6 +289,20 @@ def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
+def _numbered_names(out: Path, folder_output: bool) -> str:
+    """A regular expression of the names beside ``out`` a writer may number."""
+    from ..io._common import IMAGE_EXTENSIONS, PRINTF, printf_pattern
+
+    if folder_output:
+        return r"\d+\.png"
+    if out.suffix.lower() not in IMAGE_EXTENSIONS:
+        return r"(?!)"
+    if PRINTF.search(out.name):
+        prefix, _, suffix = printf_pattern(out)
+        return re.escape(prefix) + r"\d+" + re.escape(suffix)
+    return re.escape(out.stem) + r"_\d+" + re.escape(out.suffix)
+
+
 def refuse_input_as_output(inputs, dst) -> None:
     """Raise :class:`~seedvr2.io.MediaError` when writing ``dst`` would replace or delete one
     of ``inputs``, whatever ``overwrite`` says: the same file by any path (relative or
@@ -298,7 +312,6 @@ def refuse_input_as_output(inputs, dst) -> None:
     beside it: inputs among those are refused too (for an image output whatever its frame
     count, which a video's header may not tell exactly yet)."""
     from ..io import MediaError
-    from ..io._common import IMAGE_EXTENSIONS
 
     text = os.fspath(dst)
     out = Path(text)
@@ -311,9 +324,7 @@ def refuse_input_as_output(inputs, dst) -> None:
         parent_stat = os.stat(out if folder_output else out.parent)
     except OSError:
         return  # the output's folder does not exist yet: it holds no input
-    numbered = re.compile(r"\d+\.png" if folder_output else
-                          re.escape(out.stem) + r"_\d+" + re.escape(out.suffix)
-                          if out.suffix.lower() in IMAGE_EXTENSIONS else r"(?!)", re.IGNORECASE)
+    numbered = re.compile(_numbered_names(out, folder_output), re.IGNORECASE)
     for source in inputs:
         source = Path(source)
         try:

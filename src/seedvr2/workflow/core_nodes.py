@@ -84,9 +84,11 @@ def _video_frames(video: Video):
     import torch
 
     from ..io import open_media
+    from ..io._common import refuse_hdr
     from ..pipeline.runner import to_float_frame
 
     with open_media(video.path) as reader:
+        refuse_hdr(reader.info, "an IMAGE batch")
         frames = [to_float_frame(f, i)[..., :3] for i, f in enumerate(reader.frames())]
         info = reader.info
     audio = {"source": str(video.path)} if info.has_audio else None

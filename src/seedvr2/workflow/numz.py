@@ -10,6 +10,10 @@ note). Values are converted where the same setting has another widget (numz's co
 ``dynamic`` is a switch, ours a choice that adds ``auto``); a choice we do not have falls back to
 our default, with a note.
 
+Older numz releases (v2.0-2.4, August to early October 2025) had one ``SeedVR2`` node, fed by
+``SeedVR2BlockSwap`` and ``SeedVR2ExtraArgs``: each becomes our DiT loader, VAE loader and
+upscaler (:data:`OLD_INPUTS` says where each value goes), the config nodes read and removed.
+
 Which layout a saved node has: the editor of numz's time writes each widget input's name
 (``inputs[].widget.name``), in the widgets' order; numz changed its order between releases, so
 those names decide where a file has them. Without them, the values' types tell: values that fit
@@ -69,7 +73,9 @@ NUMZ_NODES = {
         ("seed", "resolution", "max_resolution", "batch_size", "uniform_batch_size",
          "color_correction", "temporal_overlap", "prepend_frames", "input_noise_scale",
          "latent_noise_scale", "offload_device", "enable_debug"),
-        dropped={"enable_debug": False}, ours_only=("devices",)),
+        # new_resolution: numz's name for resolution in its late October 2025 commits
+        renamed={"new_resolution": "resolution"}, dropped={"enable_debug": False},
+        ours_only=("devices",)),
 }
 
 
@@ -271,15 +277,7 @@ def _translate_node(node: dict, info: dict, links: list, notes: list) -> None:
     named, control = read
     label = f"node {node.get('id')} ({node['type']})"
     ours = _to_ours(label, table, named, by_name, notes)
-    new_values = []
-    for widget in widgets:
-        new_values.append(ours.get(widget.name, widget.default))
-        if widget.control:
-            declared = widget.extra.get(CONTROL_MODE_KEY,
-                                        widget.extra.get("control_after_generate"))
-            new_values.append(control.get(widget.name) or (
-                declared if declared in CONTROL_VALUES else "randomize"))
-    node["widgets_values"] = new_values
+    node["widgets_values"] = _editor_values(ours, control, widgets)
 
     # Input slots: our sockets, and the widget inputs the saved node had as slots, renamed; each
     # link into the node follows its input to the new slot.
@@ -322,6 +320,20 @@ def _translate_node(node: dict, info: dict, links: list, notes: list) -> None:
                 _set_link(links, link_id, type=output["type"])
 
 
+def _editor_values(ours: dict, control: dict, widgets: list[_Widget]) -> list:
+    """Widget values in our order, as the editor saves them: ``ours`` by name, our defaults
+    for the rest, and after each seed its control value (saved, else the declared one)."""
+    values = []
+    for widget in widgets:
+        values.append(ours.get(widget.name, widget.default))
+        if widget.control:
+            declared = widget.extra.get(CONTROL_MODE_KEY,
+                                        widget.extra.get("control_after_generate"))
+            values.append(control.get(widget.name) or (
+                declared if declared in CONTROL_VALUES else "randomize"))
+    return values
+
+
 def _drop_link(links: list, link_id) -> None:
     links[:] = [l for l in links
                 if not (isinstance(l, dict) and l.get("id") == link_id
@@ -357,12 +369,20 @@ def translate_workflow(workflow: dict, object_info: dict) -> tuple[dict, list[st
     ours (subgraphs included), and notes on the values left out."""
     workflow = copy.deepcopy(workflow)
     notes: list[str] = []
-    if any(isinstance(n, dict) and n.get("type") in NUMZ_NODES for n in _all_nodes(workflow)):
-        _translate_graph(workflow, object_info, notes)
-        for graph in (workflow.get("definitions") or {}).get("subgraphs") or []:
-            if isinstance(graph, dict):
-                _translate_graph(graph, object_info, notes)
+    old = _knows_old_nodes(object_info)
+    if any(isinstance(n, dict) and (n.get("type") in NUMZ_NODES or old and n.get("type") in
+                                    OLD_LAYOUTS) for n in _all_nodes(workflow)):
+        graphs = [workflow, *((workflow.get("definitions") or {}).get("subgraphs") or [])]
+        for graph in (g for g in graphs if isinstance(g, dict)):
+            if old:
+                _expand_old_graph(graph, object_info, notes)
+            _translate_graph(graph, object_info, notes)
     return workflow, notes
+
+
+def _knows_old_nodes(object_info: dict) -> bool:
+    """Can numz v2.0-2.4's nodes become ours (the /object_info has our three nodes)?"""
+    return all(is_ours(kind, object_info.get(kind)) for kind in OLD_TARGETS.values())
 
 
 def _all_nodes(workflow: dict) -> list:
@@ -382,9 +402,12 @@ def translate_prompt(prompt: dict, object_info: dict) -> tuple[dict, list[str]]:
     numz has no counterpart for get their defaults."""
     notes: list[str] = []
     if not isinstance(prompt, dict) or not any(
-            isinstance(n, dict) and n.get("class_type") in NUMZ_NODES for n in prompt.values()):
+            isinstance(n, dict) and n.get("class_type") in (*NUMZ_NODES, *OLD_LAYOUTS)
+            for n in prompt.values()):
         return prompt, notes
     prompt = copy.deepcopy(prompt)
+    if _knows_old_nodes(object_info):
+        _expand_old_prompt(prompt, object_info, notes)
     for node_id, node in prompt.items():
         kind = node.get("class_type") if isinstance(node, dict) else None
         info = object_info.get(kind) if kind in NUMZ_NODES else None
@@ -404,17 +427,17 @@ def translate_prompt(prompt: dict, object_info: dict) -> tuple[dict, list[str]]:
                 notes.append(f"{label}: the link into numz's {name} has no input here; removed")
             else:
                 ours[table.renamed.get(name, name)] = value
-        for name, widget in widgets.items():  # what numz lacks, or was dropped: our default
-            if name not in ours and widget.default is not None:
-                ours[name] = widget.default
-        node["inputs"] = ours
+        node["inputs"] = _with_defaults(ours, info)  # what numz lacks, or was dropped
     return prompt, notes
 
 
 def has_numz_nodes(prompt) -> bool:
     """Does an API prompt hold a node in numz's layout (cheap: no /object_info needed)? A node
-    with numz's input names, or with none of ours, or a bool for compile's ``dynamic``."""
+    of numz v2.0-2.4, with numz's input names, or with none of ours, or a bool for compile's
+    ``dynamic``."""
     for node in prompt.values() if isinstance(prompt, dict) else ():
+        if isinstance(node, dict) and node.get("class_type") in OLD_LAYOUTS:
+            return True
         table = NUMZ_NODES.get(node.get("class_type")) if isinstance(node, dict) else None
         inputs = node.get("inputs") if table is not None else None
         if isinstance(inputs, dict) and (
@@ -468,3 +491,203 @@ def clashing_packs(our_ids, class_mappings: dict, module_dirs: dict, our_module:
                      f"{', '.join(our_ids)}. ComfyUI keeps the pack loaded last: {winner}. "
                      f"Remove one of them (this pack also opens numz's workflows).")
     return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# numz v2.0-2.4 (August to early October 2025): one SeedVR2 node held the model and the upscale
+# settings; SeedVR2BlockSwap and SeedVR2ExtraArgs fed it their settings through links. Each
+# becomes our DiT loader, VAE loader and upscaler, every value on the input of the same meaning.
+
+OLD_UPSCALER, OLD_BLOCKSWAP, OLD_EXTRA_ARGS = "SeedVR2", "SeedVR2BlockSwap", "SeedVR2ExtraArgs"
+# Widget inputs in the editor's order, one tuple per release (numz's comfyui_node.py).
+OLD_LAYOUTS = {
+    OLD_UPSCALER: (
+        ("model", "seed", "new_resolution", "batch_size", "preserve_vram", "cache_model",
+         "enable_debug", "tiled_vae", "vae_tile_size", "vae_tile_overlap"),  # 2025-08-13
+        ("model", "seed", "new_resolution", "batch_size"),  # 2025-08-15
+        ("model", "seed", "new_resolution", "batch_size", "color_correction"),  # 2025-09-16
+        ("model", "seed", "new_resolution", "batch_size", "color_correction",
+         "cond_noise_scale"),  # 2025-09-18
+        ("model", "seed", "new_resolution", "batch_size", "color_correction",
+         "input_noise_scale", "latent_noise_scale")),  # 2025-09-22 to 2025-10-07
+    OLD_BLOCKSWAP: (("blocks_to_swap", "use_non_blocking", "offload_io_components"),
+                    ("blocks_to_swap", "offload_io_components")),  # from 2025-09-16
+    OLD_EXTRA_ARGS: (("tiled_vae", "vae_tile_size", "vae_tile_overlap", "preserve_vram",
+                      "cache_model", "enable_debug", "device"),),
+}
+OLD_LINKS = {"block_swap_config": OLD_BLOCKSWAP, "extra_args": OLD_EXTRA_ARGS}
+# numz input -> the (node, input) pairs here that mean the same: "dit" and "vae" are the loaders
+# made for the SeedVR2 node, "upscaler" the node that takes its place.
+OLD_INPUTS = {
+    "model": (("dit", "model"),), "seed": (("upscaler", "seed"),),
+    "new_resolution": (("upscaler", "resolution"),), "batch_size": (("upscaler", "batch_size"),),
+    "color_correction": (("upscaler", "color_correction"),),
+    "input_noise_scale": (("upscaler", "input_noise_scale"),),
+    "latent_noise_scale": (("upscaler", "latent_noise_scale"),),
+    "cond_noise_scale": (("upscaler", "latent_noise_scale"),),  # renamed so on 2025-09-22
+    "blocks_to_swap": (("dit", "blocks_to_swap"),),
+    "offload_io_components": (("dit", "swap_io_components"),),
+    "tiled_vae": (("vae", "encode_tiled"), ("vae", "decode_tiled")),
+    "vae_tile_size": (("vae", "encode_tile_size"), ("vae", "decode_tile_size")),
+    "vae_tile_overlap": (("vae", "encode_tile_overlap"), ("vae", "decode_tile_overlap")),
+    "cache_model": (("dit", "cache_model"), ("vae", "cache_model")),
+    "device": (("dit", "device"), ("vae", "device")),
+    # numz moved both models off the GPU between steps; here each loader's offload_device
+    "preserve_vram": (("dit", "offload_device"), ("vae", "offload_device")),
+}
+OLD_VALUES = {"preserve_vram": {True: "cpu", False: "none"}}
+OLD_DROPPED = {"use_non_blocking": False, "enable_debug": False}  # off: nothing is lost
+OLD_TARGETS = {"dit": "SeedVR2LoadDiTModel", "vae": "SeedVR2LoadVAEModel",
+               "upscaler": "SeedVR2VideoUpscaler"}
+
+
+def _old_settings(label: str, named: dict, infos: dict, notes: list) -> dict[str, dict]:
+    """numz's values by name (the SeedVR2 node's and its config nodes') -> our three nodes'
+    inputs by name; what has no place here is noted and left out."""
+    spread: dict[str, dict] = {role: {} for role in OLD_TARGETS}
+    for name, value in named.items():
+        if name in OLD_DROPPED and value == OLD_DROPPED[name]:
+            continue
+        if name not in OLD_INPUTS:
+            notes.append(f"{label}: numz's {name} = {value!r} has no equivalent in this pack; "
+                         f"dropped")
+            continue
+        for role, target in OLD_INPUTS[name]:
+            spread[role][target] = OLD_VALUES.get(name, {}).get(value, value)
+    ours = {}
+    for role, values in spread.items():
+        widgets = {w.name: w for w in _widgets(infos[OLD_TARGETS[role]])}
+        ours[role] = _to_ours(label, NumzNode(()), values, widgets, notes)
+    return ours
+
+
+def _old_layout(node: dict) -> Optional[tuple[dict, dict]]:
+    """(values by name, control values) of an old node saved by the editor: by the widget names
+    it saved, else by the one release layout its value count fits."""
+    values = node.get("widgets_values")
+    if not isinstance(values, list):
+        return None
+    saved = tuple(inp["widget"]["name"] for inp in node.get("inputs") or []
+                  if isinstance(inp, dict) and isinstance(inp.get("widget"), dict)
+                  and inp["widget"].get("name"))
+    for layout in ((saved,) if saved else OLD_LAYOUTS[node["type"]]):
+        read = _read(values, list(layout), {"seed"})
+        if read is not None:
+            return read
+    return None
+
+
+def _with_defaults(ours: dict, info: dict) -> dict:
+    """An API node's inputs: ``ours``, and our default for every other widget input."""
+    defaults = {w.name: w.default for w in _widgets(info) if w.default is not None}
+    return {**defaults, **ours}
+
+
+def _expand_old_prompt(prompt: dict, object_info: dict, notes: list) -> None:
+    """Each SeedVR2 node of an API prompt, in place: our upscaler under its ID, fed by a new
+    DiT and VAE loader; the config nodes linked into it are read and removed."""
+    next_id = max((int(k) for k in prompt if str(k).isdigit()), default=0) + 1
+    consumed = set()
+    for node_id, node in list(prompt.items()):
+        if not isinstance(node, dict) or node.get("class_type") != OLD_UPSCALER:
+            continue
+        inputs = node.get("inputs") if isinstance(node.get("inputs"), dict) else {}
+        named = {k: v for k, v in inputs.items() if not _is_link(v)}
+        for link_name, kind in OLD_LINKS.items():
+            link = inputs.get(link_name)
+            source = prompt.get(link[0]) if _is_link(link) else None
+            if isinstance(source, dict) and source.get("class_type") == kind:
+                named.update({k: v for k, v in (source.get("inputs") or {}).items()
+                              if not _is_link(v)})
+                consumed.add(link[0])
+        ours = _old_settings(f"node {node_id} ({OLD_UPSCALER})", named, object_info, notes)
+        loaders = {}
+        for role in ("dit", "vae"):
+            loaders[role], next_id = str(next_id), next_id + 1
+            prompt[loaders[role]] = {"class_type": OLD_TARGETS[role], "inputs": _with_defaults(
+                ours[role], object_info[OLD_TARGETS[role]])}
+        upscaler = _with_defaults(ours["upscaler"], object_info[OLD_TARGETS["upscaler"]])
+        upscaler.update(dit=[loaders["dit"], 0], vae=[loaders["vae"], 0])
+        if _is_link(inputs.get("images")):
+            upscaler["image"] = inputs["images"]
+        prompt[node_id] = {**node, "class_type": OLD_TARGETS["upscaler"], "inputs": upscaler}
+    for node_id in consumed:
+        prompt.pop(node_id, None)
+
+
+def _link_ends(links: list, link_id) -> Optional[tuple]:
+    for link in links:
+        if isinstance(link, dict) and link.get("id") == link_id:
+            return link.get("origin_id"), link.get("origin_slot")
+        if isinstance(link, list) and len(link) > 2 and link[0] == link_id:
+            return link[1], link[2]
+    return None
+
+
+def _expand_old_graph(graph: dict, object_info: dict, notes: list) -> None:
+    """Each SeedVR2 node of an editor graph, in place: our upscaler under its ID, fed by a new
+    DiT and VAE loader placed above it; the config nodes linked into it are read and removed."""
+    nodes, links = graph.get("nodes") or [], graph.get("links")
+    if not isinstance(links, list):
+        links = graph["links"] = []
+    by_id = {n.get("id"): n for n in nodes if isinstance(n, dict)}
+    next_node = max([graph.get("last_node_id") or 0,
+                     *(i for i in by_id if isinstance(i, int))]) + 1
+    next_link = max([graph.get("last_link_id") or 0,
+                     *(l.get("id") if isinstance(l, dict) else l[0] for l in links if l)]) + 1
+    consumed = set()
+    for node in [n for n in by_id.values() if n.get("type") == OLD_UPSCALER]:
+        read = _old_layout(node)
+        if read is None:
+            continue  # no release's layout: the conversion names the node
+        named, control = read
+        sockets = {}
+        for inp in node.get("inputs") or []:
+            if not isinstance(inp, dict) or inp.get("link") is None:
+                continue
+            ends = _link_ends(links, inp["link"])
+            source = by_id.get(ends[0]) if ends else None
+            if inp.get("name") in OLD_LINKS and source is not None \
+                    and source.get("type") == OLD_LINKS[inp["name"]]:
+                config = _old_layout(source)
+                named.update(config[0] if config else {})
+                consumed.add(source["id"])
+                _drop_link(links, inp["link"])
+            elif inp.get("name") == "images":
+                sockets["image"] = inp["link"]
+        ours = _old_settings(f"node {node['id']} ({OLD_UPSCALER})", named, object_info, notes)
+        x, y = (node.get("pos") or [0, 0])[:2]
+        for offset, role in enumerate(("dit", "vae")):
+            info = object_info[OLD_TARGETS[role]]
+            nodes.append({"id": next_node, "type": OLD_TARGETS[role],
+                          "pos": [x - 400, y + 300 * offset], "size": [300, 250], "flags": {},
+                          "order": 0, "mode": 0, "inputs": _editor_sockets(info, {}, links),
+                          "outputs": [{"name": info["output"][0], "type": info["output"][0],
+                                       "links": [next_link]}],
+                          "properties": {"Node name for S&R": OLD_TARGETS[role]},
+                          "widgets_values": _editor_values(ours[role], {}, _widgets(info))})
+            links.append([next_link, next_node, 0, node["id"], 0, info["output"][0]])
+            sockets[role] = next_link
+            next_node, next_link = next_node + 1, next_link + 1
+        info = object_info[OLD_TARGETS["upscaler"]]
+        node["type"] = OLD_TARGETS["upscaler"]
+        node["inputs"] = _editor_sockets(info, sockets, links)
+        node["widgets_values"] = _editor_values(ours["upscaler"], control, _widgets(info))
+        node.setdefault("properties", {})["Node name for S&R"] = OLD_TARGETS["upscaler"]
+    graph["nodes"] = [n for n in nodes if not (isinstance(n, dict) and n.get("id") in consumed)]
+    graph["last_node_id"], graph["last_link_id"] = next_node - 1, next_link - 1
+
+
+def _editor_sockets(info: dict, sockets: dict, links: list) -> list:
+    """A node's input slots (its inputs that are no widget), with the links of ``sockets``
+    (input name -> link ID) moved to their slot."""
+    widgets = {w.name for w in _widgets(info)}
+    slots = []
+    for name, spec in _inputs(info):
+        if name in widgets:
+            continue
+        link = sockets.get(name)
+        if link is not None:
+            _set_link(links, link, target_slot=len(slots), type=_input_type(spec))
+        slots.append({"name": name, "type": _input_type(spec), "link": link})
+    return slots
