@@ -1,4 +1,4 @@
-"""``seedvr2 quantize``: any supported weight file -> GGUF, fp8 or int8 weights.
+"""``seedvr2 quantize``: any supported weight file -> GGUF, fp8, int8, mxfp8 or nvfp4 weights.
 
 Targets:
 
@@ -275,7 +275,8 @@ def quantize_mxfp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_nvfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(packed e2m1 pairs, swizzled e4m3 block scales, fp32 tensor scale)``: 16 values share
     an e4m3 scale (their absmax / 6, in units of the tensor scale absmax / (448·6)); values
-    round to the nearest e2m1 (first of each pair in the high nibble)."""
+    round to the nearest e2m1 (first of each pair in the high nibble). Bit for bit what
+    comfy-kitchen's ``quantize_nvfp4`` writes with the same tensor scale (tested)."""
     rows, cols = weight.shape
     w = weight.to(torch.float32)
     scale_2 = (w.abs().amax() / (E4M3_MAX * E2M1_MAX)).clamp(min=torch.finfo(torch.float32).tiny)
@@ -283,9 +284,14 @@ def quantize_nvfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     block = (blocks.abs().amax(-1) / E2M1_MAX / scale_2).to(torch.float8_e4m3fn)
     step = (block.float() * scale_2).unsqueeze(-1)
     scaled = torch.where(step > 0, blocks / torch.where(step > 0, step, 1.0), 0.0)
-    table = torch.tensor(E2M1_VALUES[:8])  # the magnitudes; the sign is bit 3
-    codes = (scaled.abs().reshape(rows, cols, 1) - table).abs().argmin(-1).to(torch.uint8)
-    codes |= (scaled.reshape(rows, cols) < 0).to(torch.uint8) << 3
+    # The magnitude's code (0-7) counts the midpoints between neighbouring e2m1 magnitudes it
+    # passes; at a midpoint it rounds to the even code, as comfy-kitchen's quantiser does.
+    magnitude = scaled.abs().reshape(rows, cols)
+    codes = torch.zeros(rows, cols, dtype=torch.uint8)
+    for code, (low, high) in enumerate(zip(E2M1_VALUES[:7], E2M1_VALUES[1:8])):
+        middle = (low + high) / 2
+        codes += (magnitude > middle if code % 2 == 0 else magnitude >= middle).to(torch.uint8)
+    codes |= (scaled.reshape(rows, cols) < 0).to(torch.uint8) << 3  # the sign is bit 3
     packed = (codes[:, 0::2] << 4) | codes[:, 1::2]
     return packed, swizzle_block_scales(block.view(torch.uint8)).view(torch.float8_e4m3fn), \
         scale_2.reshape(())
