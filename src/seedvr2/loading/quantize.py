@@ -43,7 +43,7 @@ import torch
 
 from ..options import option_ref
 from .formats import CheckpointError, TensorSource, open_weights
-from .quantized import (E2M1_MAX, E2M1_VALUES, E4M3_MAX, regular_hadamard,
+from .quantized import (E2M1_MAX, E2M1_VALUES, E4M3_MAX, PackedWeight, regular_hadamard,
                         swizzle_block_scales)
 
 GGUF_TARGETS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16", "F16")
@@ -287,7 +287,7 @@ def quantize_nvfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     # The magnitude's code (0-7) counts the midpoints between neighbouring e2m1 magnitudes it
     # passes; at a midpoint it rounds to the even code, as comfy-kitchen's quantiser does.
     magnitude = scaled.abs().reshape(rows, cols)
-    codes = torch.zeros(rows, cols, dtype=torch.uint8)
+    codes = torch.zeros(rows, cols, dtype=torch.uint8, device=weight.device)
     for code, (low, high) in enumerate(zip(E2M1_VALUES[:7], E2M1_VALUES[1:8])):
         middle = (low + high) / 2
         codes += (magnitude > middle if code % 2 == 0 else magnitude >= middle).to(torch.uint8)
@@ -329,6 +329,28 @@ def _layer_layout(target: str, layer: str, shape: tuple) -> Optional[tuple[dict,
     return {"format": "nvfp4"}, {weight: (torch.uint8, (rows, cols // 2)),
                                  scale: (torch.float8_e4m3fn, _scales_shape(rows, cols // 16)),
                                  f"{layer}.weight_scale_2": (torch.float32, ())}
+
+
+def pack_weight(weight: torch.Tensor, target: str) -> Optional[PackedWeight]:
+    """``weight`` in a safetensors ``target`` as the loader holds it after reading the file
+    ``quantize`` writes (on the weight's device); None where the layer does not fit the target."""
+    found = _layer_layout(target, "layer", tuple(weight.shape))
+    if found is None:
+        return None
+    conf, _ = found
+    marker = torch.frombuffer(bytearray(json.dumps(conf).encode()), dtype=torch.uint8)
+    parts = _encode(weight, target, marker)[:-1]
+    if target in _FP8:
+        return PackedWeight("float", tuple(weight.shape), dict(zip(("data", "scale"), parts)))
+    if target == "mxfp8":
+        return PackedWeight("mxfp8", tuple(weight.shape),
+                            {"data": parts[0], "scale": parts[1].view(torch.uint8)})
+    if target == "nvfp4":
+        return PackedWeight("nvfp4", tuple(weight.shape),
+                            dict(zip(("data", "scale", "scale_2"), parts)))
+    scheme = "int8_rows" if target == "int8" else "int8_convrot"
+    params = {"group_size": conf["convrot_groupsize"]} if "convrot" in conf else {}
+    return PackedWeight(scheme, tuple(weight.shape), dict(zip(("data", "scale"), parts)), params)
 
 
 def _safetensors_plan(src: TensorSource, target: str, keep):
