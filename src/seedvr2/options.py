@@ -200,13 +200,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "cuda, cuda:N", check=_device_problem),
     Option("dtype", str, "auto", "compute precision: auto (bf16 on GPUs of compute capability "
            "8.0 or newer, else fp16; fp32 on CPU), fp32, fp16, bf16", choices=DTYPE_NAMES),
-    Option("compute_precision", str, "auto", "how quantised weights (int8, fp8 e4m3, mxfp8, "
-           "nvfp4) multiply: auto (with the comfy-kitchen package, on the GPU's low-precision "
-           "units where it has them: int8 from compute capability 8.0, fp8 from 8.9, mxfp8 and "
-           "nvfp4 from 10.0; the activations are rounded to the weights' format, within the "
-           "bounds the docs state; else as weights) or weights (dequantised to {dtype} and "
-           "multiplied there: the same numbers everywhere, no speed-up)",
-           choices=("auto", "weights")),
+    # The paths, their GPUs and error bounds: seedvr2.memory.compute_path and the docs.
+    # How quantised weights multiply (the paths, their GPUs and bounds: memory.compute_path).
+    Option("compute_precision", str, "auto", "auto: int8/fp8/fp4 matmuls on GPUs with them "
+           "(comfy-kitchen); weights: dequantise", choices=("auto", "weights")),
     Option("fps", str, "auto", "frame rate of a video written from images or an image "
            "sequence, which carry none: 24, 29.97 or 30000/1001 (auto: a video source keeps "
            "its own rate; images need this for a video output)", check=_fps_problem),
