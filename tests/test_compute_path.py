@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import seedvr2
 from seedvr2.loading import load_dit
 from seedvr2.loading.quantize import quantize_file
 from seedvr2.loading.quantized import (PackedWeight, attach_packed_weight, packed_modules,
@@ -20,8 +21,11 @@ from seedvr2.loading.quantized import (PackedWeight, attach_packed_weight, packe
 from seedvr2.memory import compute_path as policy
 from seedvr2.memory.compute_path import compute_path, weight_path
 
-from conftest import (constructor_kwargs, float_step_error, integer_step_error, load_case,
+from conftest import (REPO, constructor_kwargs, float_step_error, integer_step_error, load_case,
                       quantization_bound, relative_error)
+
+sys.path.insert(0, str(REPO / "bench"))
+import gpu_checks  # noqa: E402
 
 CUDA = torch.device("cuda", 0)
 
@@ -137,31 +141,12 @@ def ck():
 
 
 @pytest.fixture
-def any_device_capable(monkeypatch, kitchen_present, ck):
-    """Every device, the CPU included, reports a Blackwell's capability: every path is taken."""
-    monkeypatch.setattr(policy, "device_capability", lambda device: (12, 0))
-
-
-def _emulated_block_products(monkeypatch, ck):
-    """comfy-kitchen's eager scaled_mm_mxfp8/nvfp4 call torch's block-scaled matmul, which the
-    CPU lacks (it raises 'CPU does not support swizzle'). Here they are its definition,
-    ``dequantize(a) @ dequantize(b).T + bias``, dequantised by comfy-kitchen itself: what the
-    tensor cores compute up to their fp32 accumulation order."""
-    def mxfp8(a, b, block_scale_a, block_scale_b, bias=None, out_dtype=None):
-        out = torch.nn.functional.linear(ck.dequantize_mxfp8(a, block_scale_a, torch.float32),
-                                         ck.dequantize_mxfp8(b, block_scale_b, torch.float32),
-                                         None if bias is None else bias.float())
-        return out.to(out_dtype)
-
-    def nvfp4(a, b, tensor_scale_a, tensor_scale_b, block_scale_a, block_scale_b, bias=None,
-              out_dtype=None, alpha=None):
-        out = torch.nn.functional.linear(
-            ck.dequantize_nvfp4(a, tensor_scale_a, block_scale_a, torch.float32),
-            ck.dequantize_nvfp4(b, tensor_scale_b, block_scale_b, torch.float32),
-            None if bias is None else bias.float())
-        return out.to(out_dtype)
-    monkeypatch.setattr(ck, "scaled_mm_mxfp8", mxfp8)
-    monkeypatch.setattr(ck, "scaled_mm_nvfp4", nvfp4)
+def any_device_capable(ck):
+    """Every device, the CPU included, reports a Blackwell's capability, and the mxfp8/nvfp4
+    products (which the CPU cannot run) are their definition: the rehearsal's stand-in
+    (bench/gpu_checks.py's cpu_as_blackwell), so every path is taken."""
+    with gpu_checks.cpu_as_blackwell():
+        yield
 
 
 def test_a_declined_call_dequantises(monkeypatch, any_device_capable, ck):
@@ -220,8 +205,7 @@ PATH_OF = {"int8": "int8", "int8_convrot": "int8", "fp8_e4m3fn": "fp8", "mxfp8":
 
 @pytest.mark.parametrize("target", list(ACTIVATION_ERROR))
 def test_low_precision_dit_within_the_format_bound(target, tiny_fp32, monkeypatch,
-                                                   any_device_capable, ck, tmp_path):
-    _emulated_block_products(monkeypatch, ck)
+                                                   any_device_capable, tmp_path):
     source, case = tiny_fp32
     path = tmp_path / f"{target}.safetensors"
     quantize_file(source, path, target)
@@ -247,3 +231,28 @@ def test_low_precision_dit_within_the_format_bound(target, tiny_fp32, monkeypatc
     # The floor: the activations really were quantised (the two bf16 runs of one path agree
     # exactly on the CPU).
     assert 0 < error < bound
+
+
+# ---------------------------------------------------------------------------------------------
+# the option reaches the layers of a job
+
+
+def test_a_job_runs_its_compute_precision(tiny_options, tmp_path, monkeypatch, ck):
+    """seedvr2.upscale with an int8 DiT: auto takes the int8 product on a capable device (here
+    the CPU standing in for an Ampere GPU), weights and an incapable device dequantise."""
+    int8 = tmp_path / "dit3b_tiny_int8.safetensors"
+    quantize_file(tiny_options["dit"], int8, "int8")
+    frames = torch.rand(1, 24, 32, 3, generator=torch.Generator().manual_seed(4))
+    run = lambda precision: seedvr2.upscale(  # noqa: E731
+        frames, **{**tiny_options, "dit": str(int8), "dtype": "bf16"}, resolution=32,
+        compute_precision=precision)
+    dequantised = run("weights")
+    assert torch.equal(run("auto"), dequantised)  # the CPU has no low-precision units
+    monkeypatch.setattr(policy, "kitchen_installed", lambda: True)
+    monkeypatch.setattr(policy, "device_capability", lambda device: (8, 0))
+    products = []
+    real = ck.int8_linear
+    monkeypatch.setattr(ck, "int8_linear", lambda *a, **k: products.append(1) or real(*a, **k))
+    assert torch.equal(run("weights"), dequantised) and products == []
+    low = run("auto")
+    assert len(products) >= 30 and not torch.equal(low, dequantised)
