@@ -63,7 +63,7 @@ def low_precision_linear(path: str, x: torch.Tensor, weight: PackedWeight,
     has no backend for these operands."""
     import comfy_kitchen as ck
 
-    x2d = x.reshape(-1, x.shape[-1])
+    x2d = x.reshape(-1, x.shape[-1]).contiguous()  # the quantisers read rows of K values
     if bias is not None:
         bias = bias.to(x.dtype)
     try:

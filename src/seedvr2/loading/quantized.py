@@ -10,6 +10,9 @@ The models are not touched: :func:`attach_packed_weight` turns an ``nn.Linear`` 
 module's packed buffers in the module's ``compute_dtype``. Everything that reads
 ``self.weight`` (``F.linear``, ``F.conv3d``, ``weight.dtype``) keeps working; ``.to(device)``
 moves the packed bytes and ``.to(dtype)`` changes only the compute dtype, never the storage.
+A packed linear's forward asks ``memory.compute_path`` whether it multiplies in the weights'
+own precision instead (``compute_precision``, set per run by :func:`set_compute_precision`;
+``weights``, the dequantise path, until then): see ``loading.lowp``.
 
 Storage schemes (``PackedWeight.scheme``):
 
