@@ -75,22 +75,29 @@ EXPECTED = {
 }
 
 
+def _capable(monkeypatch, capability):
+    """CUDA devices report ``capability``; the CPU keeps reporting none."""
+    real = policy.device_capability
+    monkeypatch.setattr(policy, "device_capability",
+                        lambda device: capability if device.type == "cuda" else real(device))
+
+
 @pytest.mark.parametrize("scheme", list(EXPECTED))
-def test_each_capability_gets_its_path(scheme, kitchen_present):
-    got = [compute_path(_weight(scheme), torch.bfloat16, CUDA, "auto", capability=lambda d, c=c: c)
-           for c in CAPABILITIES]
+def test_each_capability_gets_its_path(scheme, kitchen_present, monkeypatch):
+    got = []
+    for capability in CAPABILITIES:
+        _capable(monkeypatch, capability)
+        got.append(compute_path(_weight(scheme), torch.bfloat16, CUDA, "auto"))
     assert got == EXPECTED[scheme]
-    # compute_precision weights, the CPU (no capability) and missing comfy-kitchen: dequantise.
-    best = lambda d: (12, 0)  # noqa: E731
-    assert compute_path(_weight(scheme), torch.bfloat16, CUDA, "weights", capability=best) == "weights"
+    # compute_precision weights and the CPU (no capability): dequantise.
+    assert compute_path(_weight(scheme), torch.bfloat16, CUDA, "weights") == "weights"
     assert compute_path(_weight(scheme), torch.bfloat16, torch.device("cpu"), "auto") == "weights"
 
 
 def test_without_comfy_kitchen_every_layer_dequantises(monkeypatch):
     monkeypatch.setattr(policy, "kitchen_installed", lambda: False)
-    best = lambda d: (12, 0)  # noqa: E731
-    assert {compute_path(_weight(s), torch.bfloat16, CUDA, "auto", capability=best)
-            for s in EXPECTED} == {"weights"}
+    _capable(monkeypatch, (12, 0))
+    assert {compute_path(_weight(s), torch.bfloat16, CUDA, "auto") for s in EXPECTED} == {"weights"}
 
 
 @pytest.mark.parametrize("weight, reason", [
@@ -101,16 +108,17 @@ def test_without_comfy_kitchen_every_layer_dequantises(monkeypatch):
     (_weight("nvfp4", cols=48), "nvfp4 input not a multiple of 32"),
     (_weight("mxfp8", cols=48), "mxfp8 input not a multiple of 32"),
 ])
-def test_shapes_the_kernels_do_not_take_dequantise(weight, reason, kitchen_present):
+def test_shapes_the_kernels_do_not_take_dequantise(weight, reason, kitchen_present, monkeypatch):
+    _capable(monkeypatch, (12, 0))
     assert weight_path(weight.scheme, weight.parts, weight.shape, weight.params) is None, reason
-    assert compute_path(weight, torch.bfloat16, CUDA, "auto", capability=lambda d: (12, 0)) == "weights"
+    assert compute_path(weight, torch.bfloat16, CUDA, "auto") == "weights"
 
 
-def test_float_paths_need_half_precision_activations(kitchen_present):
-    best = lambda d: (12, 0)  # noqa: E731
-    assert compute_path(_weight("fp8"), torch.float32, CUDA, "auto", capability=best) == "weights"
-    assert compute_path(_weight("nvfp4"), torch.float32, CUDA, "auto", capability=best) == "weights"
-    assert compute_path(_weight("int8_rows"), torch.float32, CUDA, "auto", capability=best) == "int8"
+def test_float_paths_need_half_precision_activations(kitchen_present, monkeypatch):
+    _capable(monkeypatch, (12, 0))
+    assert compute_path(_weight("fp8"), torch.float32, CUDA, "auto") == "weights"
+    assert compute_path(_weight("nvfp4"), torch.float32, CUDA, "auto") == "weights"
+    assert compute_path(_weight("int8_rows"), torch.float32, CUDA, "auto") == "int8"
 
 
 def test_kitchen_lookup_without_the_package():

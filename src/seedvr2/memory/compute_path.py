@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -38,9 +38,6 @@ WEIGHTS = "weights"
 # The first compute capability whose tensor cores multiply each path's operands.
 MIN_CAPABILITY = {"int8": (8, 0), "fp8": (8, 9), "mxfp8": (10, 0), "nvfp4": (10, 0)}
 _HALF_FLOATS = (torch.float16, torch.bfloat16)
-
-Capability = Callable[[torch.device], Optional[tuple[int, int]]]
-
 
 @functools.cache
 def kitchen_installed() -> bool:
@@ -81,15 +78,13 @@ def weight_path(scheme: str, parts, shape: tuple[int, ...], params) -> Optional[
     return None
 
 
-def compute_path(weight, x_dtype: torch.dtype, device: torch.device, precision: str,
-                 capability: Optional[Capability] = None) -> str:
+def compute_path(weight, x_dtype: torch.dtype, device: torch.device, precision: str) -> str:
     """The path a linear layer with packed ``weight`` takes for activations of ``x_dtype`` on
-    ``device``: ``weights`` (dequantise) or a low-precision path of the table above.
-    ``capability`` (default :func:`device_capability`) makes the choice testable anywhere."""
+    ``device``: ``weights`` (dequantise) or a low-precision path of the table above."""
     if precision == WEIGHTS or not kitchen_installed():
         return WEIGHTS
     path = weight_path(weight.scheme, weight.parts, tuple(weight.shape), weight.params)
     if path is None or (path != "int8" and x_dtype not in _HALF_FLOATS):
         return WEIGHTS
-    found = (capability or device_capability)(device)
+    found = device_capability(device)
     return path if found is not None and found >= MIN_CAPABILITY[path] else WEIGHTS
