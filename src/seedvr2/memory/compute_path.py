@@ -39,6 +39,7 @@ WEIGHTS = "weights"
 MIN_CAPABILITY = {"int8": (8, 0), "fp8": (8, 9), "mxfp8": (10, 0), "nvfp4": (10, 0)}
 _HALF_FLOATS = (torch.float16, torch.bfloat16)
 
+
 @functools.cache
 def kitchen_installed() -> bool:
     """Whether comfy-kitchen can be imported (looked up, not imported: importing it loads
