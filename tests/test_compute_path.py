@@ -17,7 +17,7 @@ import seedvr2
 from seedvr2.loading import load_dit
 from seedvr2.loading.quantize import quantize_file
 from seedvr2.loading.quantized import (PackedWeight, attach_packed_weight, packed_modules,
-                                       set_compute_precision, swizzle_block_scales)
+                                       set_compute_precision)
 from seedvr2.memory import compute_path as policy
 from seedvr2.memory.compute_path import compute_path, weight_path
 
