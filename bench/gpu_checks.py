@@ -16,6 +16,12 @@ or installed. Sections, in order of value (``--sections`` picks some):
 * vae       VAE encode and decode of 1080p x 21 (default temporal slices) with
             ``vae_cudnn_benchmark`` and ``vae_channels_last`` off and on; host syncs of a decode
 * dequant   GGUF Q8_0 / Q4_K and fp8 dequantisation of every packable 3B weight: ms per forward
+* lowp      3B DiT forward at 1080p x 21 in bf16, then with its block linears in int8,
+            int8_convrot, fp8 e4m3, mxfp8 and nvfp4, each with ``compute_precision`` weights
+            (dequantise) and auto (comfy-kitchen's low-precision products where this GPU has
+            them): time, peak memory, relative L2 difference from bf16, layers per path.
+            Needs comfy-kitchen (else one skipped row); past the 7-minute default, so run it
+            as ``--sections lowp`` (about 2.5 minutes)
 
 The table goes to stdout at the end and, when ``OUT`` is set, to ``$OUT/gpu_checks.md`` after
 every row, so a run stopped at its time limit still returns what it measured. Each section
@@ -26,7 +32,7 @@ sizes (real allocations, copies and weights; seconds): CUDA-only quantities are 
 their labelled CPU analogues (host reads instead of stream syncs, host memcpy instead of
 host->device copies, the schedule's resident blocks instead of allocator peaks).
 
-    bench/gpu_checks.sh [--rehearse] [--minutes 7] [--sections env,e2e,mfu,blockswap,vae,dequant]
+    bench/gpu_checks.sh [--rehearse] [--minutes 7] [--sections env,e2e,mfu,blockswap,vae,dequant,lowp]
 """
 
 from __future__ import annotations
@@ -60,10 +66,11 @@ from dit_forward import count_flops  # noqa: E402
 from seedvr2.models import build_dit, build_vae, dit_config, vae_config  # noqa: E402
 from seedvr2.models.config import shipped_config  # noqa: E402
 
-SECTIONS = ("env", "e2e", "mfu", "blockswap", "vae", "dequant")
+SECTIONS = ("env", "e2e", "mfu", "blockswap", "vae", "dequant", "lowp")
 # Seconds each section may run on the GPU (its rows then stop); the sum stays under the
 # 7-minute default. The rehearsal's sections take seconds; REHEARSE_CAP only bounds a hang.
-CAPS = {"env": 15, "e2e": 110, "mfu": 70, "blockswap": 75, "vae": 95, "dequant": 30}
+CAPS = {"env": 15, "e2e": 110, "mfu": 70, "blockswap": 75, "vae": 95, "dequant": 30,
+        "lowp": 150}
 REHEARSE_CAP = 60
 MIN_SECTION_SECONDS = 5  # a section with less time left is skipped, not started
 TEXT_TOKENS = 58
@@ -666,7 +673,8 @@ def _random_packed(fmt: str, shape: tuple, device: torch.device):
 
 
 def check_dequant(run: Run):
-    from seedvr2.loading.quantized import can_pack, fp8_matmul_applies
+    from seedvr2.loading.quantized import can_pack
+    from seedvr2.memory.compute_path import compute_path
 
     scale = run.scale
     with torch.device("meta"):
@@ -680,25 +688,129 @@ def check_dequant(run: Run):
             for shape, count in shapes.items():
                 packed = _random_packed(fmt, shape, run.device)
                 seconds += count * run.time(lambda: packed.dequantize(scale.dtype))
-                if len(shape) == 2 and fp8_matmul_applies(packed, scale.dtype, run.device,
-                                                          enabled=True):
+                if len(shape) == 2 and compute_path(packed, scale.dtype, run.device,
+                                                    "auto") == "fp8":
                     fp8_matmul += count
                 del packed
             note = (f"{sum(shapes.values())} packable weights, {values / 1e9:.3f} G values "
                     f"({len(shapes)} shapes timed, best of {scale.repeats}), "
                     f"{values * scale.dtype.itemsize / seconds / 1e9:.0f} GB/s written")
             if fmt.startswith("float8"):
-                note += (f"; with SEEDVR2_FP8_MATMUL=1, {fp8_matmul} of them run on "
-                         f"torch._scaled_mm instead (no dequant)" if run.cuda
-                         else "; torch._scaled_mm: CUDA only")
+                note += (f"; with compute_precision auto, {fp8_matmul} of them multiply in "
+                         f"fp8 (torch._scaled_mm) instead (no dequant)" if run.cuda
+                         else "; fp8 products: CUDA only (see the lowp section)")
             return f"{seconds * 1e3:.2f} ms per forward", note
         measure(run.report, "dequant", f"{fmt} -> {str(scale.dtype).removeprefix('torch.')}, "
                 f"every packable 3B weight{'' if scale.name == 'GPU' else ' (tiny stand-in)'}",
                 dequant_row)
 
 
+LOWP_FORMATS = ("int8", "int8_convrot", "fp8_e4m3fn", "mxfp8", "nvfp4")
+KITCHEN_WHEEL = ("comfy-kitchen is not installed here: pip install seedvr2-comfyui[kitchen]; "
+                 "for the GPU machine see bench/gpu_checks.sh (the wheel without its ROCm "
+                 "kernels, 37 MB, travels in .whl)")
+
+
+@contextlib.contextmanager
+def cpu_as_blackwell():
+    """The rehearsal's stand-in for a GPU with every low-precision unit: the CPU reports
+    compute capability 12.0, and comfy-kitchen's mxfp8/nvfp4 products (torch's block-scaled
+    matmul, which the CPU lacks: 'CPU does not support swizzle') become their definition,
+    ``dequantize(a) @ dequantize(b).T + bias``, dequantised by comfy-kitchen itself in fp32."""
+    import comfy_kitchen as ck
+
+    from seedvr2.memory import compute_path as policy
+
+    def mxfp8(a, b, block_scale_a, block_scale_b, bias=None, out_dtype=None):
+        return _fp32_linear(ck.dequantize_mxfp8(a, block_scale_a, torch.float32),
+                            ck.dequantize_mxfp8(b, block_scale_b, torch.float32), bias, out_dtype)
+
+    def nvfp4(a, b, tensor_scale_a, tensor_scale_b, block_scale_a, block_scale_b, bias=None,
+              out_dtype=None, alpha=None):
+        return _fp32_linear(ck.dequantize_nvfp4(a, tensor_scale_a, block_scale_a, torch.float32),
+                            ck.dequantize_nvfp4(b, tensor_scale_b, block_scale_b, torch.float32),
+                            bias, out_dtype)
+    saved = (policy.device_capability, policy.kitchen_installed, ck.scaled_mm_mxfp8,
+             ck.scaled_mm_nvfp4)
+    policy.device_capability, policy.kitchen_installed = (lambda device: (12, 0)), (lambda: True)
+    ck.scaled_mm_mxfp8, ck.scaled_mm_nvfp4 = mxfp8, nvfp4
+    try:
+        yield
+    finally:
+        (policy.device_capability, policy.kitchen_installed, ck.scaled_mm_mxfp8,
+         ck.scaled_mm_nvfp4) = saved
+
+
+def _fp32_linear(a, b, bias, out_dtype):
+    out = torch.nn.functional.linear(a, b, None if bias is None else bias.float())
+    return out.to(out_dtype)
+
+
+def _quantised_dit(run: Run, target: str):
+    """The lowp section's random 3B (same seed, so the same weights every call) in bf16, its
+    block linears packed in ``target`` as ``seedvr2 quantize`` writes them."""
+    from seedvr2.loading.quantize import pack_weight, should_quantize
+    from seedvr2.loading.quantized import attach_packed_weight
+
+    torch.manual_seed(1)
+    dit = random_model(build_dit, run.scale.dit3b, run.device, torch.bfloat16)
+    dit.set_attention_backend("auto")
+    if target == "bf16":
+        return dit
+    for name, module in list(dit.named_modules()):
+        if isinstance(module, torch.nn.Linear) and should_quantize(name + ".weight",
+                                                                   module.weight.shape):
+            packed = pack_weight(module.weight, target)
+            if packed is not None:
+                attach_packed_weight(module, packed, torch.bfloat16)
+    return dit
+
+
+def check_lowp(run: Run):
+    """3B DiT forward at 1080p x 21 per weight format and compute_precision: time, peak
+    memory and the output's relative L2 difference from the bf16 model's."""
+    from seedvr2.loading.quantized import packed_modules, set_compute_precision
+    from seedvr2.memory.compute_path import compute_path
+
+    scale, r = run.scale, run.report
+    if not _installed("comfy_kitchen"):
+        r.add("lowp", "(section)", "skipped", KITCHEN_WHEEL)
+        return
+    stand_in = contextlib.nullcontext() if run.cuda else cpu_as_blackwell()
+    inputs, _ = dit_inputs(run, "1080p", scale.dit3b.txt_in_dim)
+    inputs = tuple(t.bfloat16() if t.is_floating_point() and t.dim() == 2 else t for t in inputs)
+    reference = {}
+    with stand_in, torch.inference_mode():
+        for target in ("bf16",) + LOWP_FORMATS:
+            dit = _quantised_dit(run, target)
+            for precision in (("weights",) if target == "bf16" else ("weights", "auto")):
+                set_compute_precision(dit, precision)
+
+                def lowp_row(dit=dit, precision=precision):
+                    run.free()
+                    run.reset_peaks()
+                    seconds = run.time(lambda: dit(*inputs), 1)
+                    out = dit(*inputs).float()
+                    reference.setdefault("bf16", out)
+                    diff = ((out - reference["bf16"]).norm() / reference["bf16"].norm()).item()
+                    paths = collections.Counter(
+                        compute_path(p, torch.bfloat16, run.device, precision)
+                        for p in packed_modules(dit).values())
+                    taken = ", ".join(f"{n} {k}" for k, n in sorted(paths.items())) or "none"
+                    stand_in_note = "" if run.cuda or precision != "auto" else \
+                        " (the CPU as capability 12.0, see cpu_as_blackwell)"
+                    return (f"{seconds:.3f} s", f"{run.peaks()}; relative L2 difference from "
+                            f"bf16 {diff:.2e}; packed linears by path: {taken}{stand_in_note}")
+                what = "bf16 weights" if target == "bf16" else \
+                    f"{target}, compute_precision={precision}"
+                measure(r, "lowp", f"3B forward {scale.label('1080p')} x {scale.frames}, {what}",
+                        lowp_row)
+            del dit
+            run.free()
+
+
 CHECKS = {"env": check_env, "e2e": check_e2e, "mfu": check_mfu, "blockswap": check_blockswap,
-          "vae": check_vae, "dequant": check_dequant}
+          "vae": check_vae, "dequant": check_dequant, "lowp": check_lowp}
 
 
 # -- the command -----------------------------------------------------------------------------------

@@ -4,7 +4,18 @@
 # Prints one table on stdout, progress on stderr, and rewrites $OUT/gpu_checks.md after every
 # row when OUT is set. See bench/gpu_checks.py and docs/development.md "GPU checks".
 #
-#   bench/gpu_checks.sh [--rehearse] [--minutes 7] [--sections env,e2e,mfu,blockswap,vae,dequant]
+#   bench/gpu_checks.sh [--rehearse] [--minutes 7] [--sections env,e2e,mfu,blockswap,vae,dequant,lowp]
+#
+# The lowp section needs comfy-kitchen (0.2.40; its CUDA kernels need a torch built for CUDA 13,
+# as the GPU machine's cu130 torch is). Its cp312 wheel is 68 MB, over the 64 MiB a device call
+# carries; without the ROCm kernels (loaded only under a ROCm torch) it is 37 MB. In the repo root:
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 -d .whl comfy-kitchen==0.2.40
+#   zip -d .whl/comfy_kitchen-*.whl comfy_kitchen/backends/hip/_C.abi3.so
+# and on the GPU machine (carry .whl) before this script:
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+#   export PYTHONPATH=/tmp/site
 #
 # The interpreter: $PYTHON if set, else the checkout's .venv if there is one, else python3
 # (the machine's own Python with its torch: this script never installs anything).

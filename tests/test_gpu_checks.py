@@ -1,6 +1,7 @@
 """bench/gpu_checks.sh without a GPU: the rehearsal runs every section end to end on the CPU
 (as the GPU machine's Python would: PyAV and gguf made unimportable) and every row holds a
-measured value; a section past its time cap is stopped with the rows so far kept; bad
+measured value (lowp's through comfy-kitchen's eager backend where it is installed, one
+skipped row naming how to get it where not); a section past its time cap is stopped with the rows so far kept; bad
 arguments get one clear error."""
 
 from __future__ import annotations
@@ -32,6 +33,14 @@ def _run(*args, env=None, timeout=600):
                           env=env, timeout=timeout)
 
 
+def _importable(module: str, **env) -> bool:
+    """Whether the rehearsal's interpreter, with this environment, finds ``module``."""
+    code = f"import importlib.util; print(importlib.util.find_spec({module!r}) is not None)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=dict(os.environ, **env))
+    return out.stdout.strip() == "True"
+
+
 def _rows(markdown: str) -> list[tuple[str, ...]]:
     lines = [line for line in markdown.splitlines() if line.startswith("| ")]
     assert lines[0] == "| section | measurement | value | note |"
@@ -55,7 +64,11 @@ def test_rehearsal_measures_every_section_without_pyav_or_gguf(tmp_path):
     rows = _rows(written)
     assert _rows(result.stdout) == rows  # the file holds the table stdout ends with
     assert [s for s in gpu_checks.SECTIONS if not any(r[0] == s for r in rows)] == []
+    kitchen = _importable("comfy_kitchen", PYTHONPATH=str(blocker))
     for section, what, value, note in rows:
+        if section == "lowp" and not kitchen:  # the suite also runs without the kitchen extra
+            assert (what, value, note) == ("(section)", "skipped", gpu_checks.KITCHEN_WHEEL)
+            continue
         assert value not in ("error", "skipped", ""), (section, what, value, note)
         if (section, what) in NAMED_VALUES or what.startswith("attention kernel"):
             assert re.fullmatch(r"[\w.+ ()-]+", value), (what, value)
@@ -70,8 +83,28 @@ def test_rehearsal_measures_every_section_without_pyav_or_gguf(tmp_path):
                    "host syncs, 7B forward", "host syncs, decode", "Q4_K -> float32",
                    "float8_e4m3fn -> float32"):
         assert any(needed in what for _, what, _, _ in rows), needed
+    if kitchen:  # a measured row per format and compute_precision, each on its own path
+        for target in gpu_checks.LOWP_FORMATS:
+            for precision, path in (("weights", "weights"), ("auto", PATH_OF[target])):
+                row = names[("lowp", f"3B forward 1080p stand-in 32x48 x 5, {target}, "
+                                     f"compute_precision={precision}")]
+                assert f"packed linears by path: 30 {path}" in row[3], row
     steady = next(r for r in rows if "steady state" in r[1])
     assert re.search(r"per phase: encode [\d.]+ s, dit [\d.]+ s, decode [\d.]+ s", steady[3])
+
+
+PATH_OF = {"int8": "int8", "int8_convrot": "int8", "fp8_e4m3fn": "fp8", "mxfp8": "mxfp8",
+           "nvfp4": "nvfp4"}
+
+
+def test_lowp_without_comfy_kitchen_says_how_to_get_it(tmp_path):
+    blocker = tmp_path / "blocker"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text("import sys\nsys.modules['comfy_kitchen'] = None\n")
+    result = _run("--rehearse", "--sections", "lowp",
+                  env={"OUT": str(tmp_path / "out"), "PYTHONPATH": str(blocker)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _rows(result.stdout) == [("lowp", "(section)", "skipped", gpu_checks.KITCHEN_WHEEL)]
 
 
 def test_a_section_past_its_cap_is_stopped_and_the_rows_so_far_kept(tmp_path, monkeypatch):
@@ -96,9 +129,9 @@ def test_a_section_past_its_cap_is_stopped_and_the_rows_so_far_kept(tmp_path, mo
 @pytest.mark.parametrize("args, message", [
     (["--rehearse", "--sections", "mfu,bogus"],
      "--sections 'mfu,bogus': unknown section(s) bogus; choose from env, e2e, mfu, blockswap, "
-     "vae, dequant"),
+     "vae, dequant, lowp"),
     (["--rehearse", "--sections", ","], "--sections ',': unknown section(s) (none given); "
-     "choose from env, e2e, mfu, blockswap, vae, dequant"),
+     "choose from env, e2e, mfu, blockswap, vae, dequant, lowp"),
     (["--rehearse", "--minutes", "0"], "--minutes 0.0: give a time between 0 and 60 minutes"),
 ])
 def test_bad_arguments_are_named(args, message, capsys):

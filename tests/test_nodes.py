@@ -56,7 +56,11 @@ def test_loader_inputs_and_their_library_names():
     assert [i.name for i in nodes["SeedVR2LoadDiTModel"].inputs] == [
         "model", "device", "offload_device", "cache_model", "blocks_to_swap",
         "swap_io_components", "attention_backend", "dtype", "text_embeddings",
-        "torch_compile_args"]
+        "compute_precision", "torch_compile_args"]
+    # Added after the first release: optional, with the option's default and choices.
+    precision = nodes["SeedVR2LoadDiTModel"].input("compute_precision")
+    assert precision.optional and precision.default == "auto"
+    assert list(precision.choices) == ["auto", "weights"]
     assert [i.name for i in nodes["SeedVR2LoadVAEModel"].inputs] == [
         "model", "device", "offload_device", "cache_model", "encode_tiled", "encode_tile_size",
         "encode_tile_overlap", "decode_tiled", "decode_tile_size", "decode_tile_overlap", "dtype",

@@ -70,28 +70,67 @@ def test_plain_fp8_file_with_fp16_block(tiny, reference, tmp_path):
 
 
 # Per-weight relative error of each target: fp8 rounds to 3 mantissa bits (per-tensor scale
-# into the normal range); int8 has 127 levels per output row of at most 512 inputs.
-WEIGHT_ERROR = {"fp8_e4m3fn": float_step_error(3), "int8": integer_step_error(127, 512)}
+# into the normal range), as does mxfp8 (per 32); int8 has 127 levels per output row of at most
+# 512 inputs (rotated first for int8_convrot); nvfp4 rounds to e2m1's 1 mantissa bit (per 16).
+WEIGHT_ERROR = {"fp8_e4m3fn": float_step_error(3), "int8": integer_step_error(127, 512),
+                "int8_convrot": integer_step_error(127, 512), "mxfp8": float_step_error(3),
+                "nvfp4": float_step_error(1)}
+# What each target writes for blocks.0.attn.proj_qkv.vid (384 x 128): the comfy_quant marker
+# and the scale tensors' safetensors dtype and shape (block scales in 128x4 tiles).
+LAYOUT = {
+    "fp8_e4m3fn": ({"format": "float8_e4m3fn"}, {"weight": ("F8_E4M3", [384, 128]),
+                                                 "weight_scale": ("F32", [])}),
+    "int8": ({"format": "int8_tensorwise"}, {"weight": ("I8", [384, 128]),
+                                             "weight_scale": ("F32", [384, 1])}),
+    "int8_convrot": ({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 64},
+                     {"weight": ("I8", [384, 128]), "weight_scale": ("F32", [384, 1])}),
+    "mxfp8": ({"format": "mxfp8"}, {"weight": ("F8_E4M3", [384, 128]),
+                                    "weight_scale": ("F8_E8M0", [384, 4])}),
+    "nvfp4": ({"format": "nvfp4"}, {"weight": ("U8", [384, 64]),
+                                    "weight_scale": ("F8_E4M3", [384, 8]),
+                                    "weight_scale_2": ("F32", [])}),
+}
 
 
-@pytest.mark.parametrize("target", ["fp8_e4m3fn", "int8"])
-def test_quantize_to_fp8_and_int8(tiny, reference, target, tmp_path):
+@pytest.mark.parametrize("target", list(WEIGHT_ERROR))
+def test_quantize_targets_read_back(tiny, reference, target, tmp_path):
     _, _, case = tiny
     out = tmp_path / f"{target}.safetensors"
     summary = quantize_file(reference[0], out, target, keep=["blocks.3"])
     assert (summary.quantized, summary.kept) == (25, 78)
     header = json.loads(out.read_bytes()[8:8 + int.from_bytes(out.read_bytes()[:8], "little")])
     layer = "blocks.0.attn.proj_qkv.vid"
-    assert json.loads(bytes(load_file(out)[f"{layer}.comfy_quant"].tolist())) == \
-        {"format": "int8_tensorwise" if target == "int8" else "float8_" + target[4:]}
-    assert header[f"{layer}.weight_scale"]["shape"] == ([384, 1] if target == "int8" else [])
+    marker, tensors = LAYOUT[target]
+    assert json.loads(bytes(load_file(out)[f"{layer}.comfy_quant"].tolist())) == marker
+    assert {name: (header[f"{layer}.{name}"]["dtype"], header[f"{layer}.{name}"]["shape"])
+            for name in tensors} == tensors
     model = load_dit(out, dtype=torch.float32)
     assert len(packed_modules(model)) == 25
     error = relative_error(dit_output(model, case), reference[1])
     print(f"DiT 3B tiny, {target} weights: relative error {error:.2e}")
-    # Bounds 0.18 (fp8) and 0.042 (int8); measured 1.5e-2 and 3.8e-3. The floor: quantised
-    # weights really are in use (float32 rounding alone stays below 1e-5 here).
+    # Bounds 0.18 (fp8, mxfp8), 0.042 (int8, int8_convrot) and 0.72 (nvfp4); measured 1.5e-2,
+    # 1.6e-2, 3.8e-3, 4.0e-3 and 5.5e-2. The floor: quantised weights really are in use (float32 rounding alone stays
+    # below 1e-5 here).
     assert 1e-5 < error < quantization_bound([WEIGHT_ERROR[target]] * 25)
+
+
+@pytest.mark.parametrize("target", ["mxfp8", "nvfp4"])
+def test_block_formats_are_bit_exact_with_comfy_kitchen(target):
+    """Our quantisers write what comfy-kitchen's own (the reference of ComfyUI's files) does."""
+    ck = pytest.importorskip("comfy_kitchen", reason="comfy-kitchen (the kitchen extra) not installed")
+    from seedvr2.loading.quantize import quantize_mxfp8, quantize_nvfp4
+
+    weight = torch.randn(200, 256, generator=torch.Generator().manual_seed(3)) * 0.05
+    # Every e2m1 midpoint (ties round to the even code) in units of one block's step.
+    weight[0, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, 6]).repeat(2) * \
+        torch.tensor([1.0] * 8 + [-1.0] * 8)
+    if target == "mxfp8":
+        ours, theirs = quantize_mxfp8(weight), ck.quantize_mxfp8(weight)
+    else:
+        packed, block, scale_2 = quantize_nvfp4(weight)
+        ours, theirs = (packed, block), ck.quantize_nvfp4(weight, scale_2)
+    for mine, kitchen in zip(ours, theirs, strict=True):
+        assert torch.equal(mine.view(torch.uint8), kitchen.view(torch.uint8).reshape(mine.shape))
 
 
 # ---------------------------------------------------------------------------------------------

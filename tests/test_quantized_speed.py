@@ -1,5 +1,5 @@
 """Quantised layers on the device: constant tables made once per device, int32 gathers, and
-the choice of torch._scaled_mm for e4m3 weights (testable without a GPU)."""
+the fp8 product's arithmetic (torch._scaled_mm runs on the CPU)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from seedvr2.loading import quantized
 from seedvr2.loading.gguf import dequantize_blocks
-from seedvr2.loading.quantized import (PackedWeight, fp8_linear, fp8_matmul_applies,
-                                       swizzle_block_scales)
+from seedvr2.loading.lowp import low_precision_linear
+from seedvr2.loading.quantized import PackedWeight, swizzle_block_scales
 
 
 class _Ops(TorchDispatchMode):
@@ -82,30 +82,9 @@ def _e4m3(rows=32, cols=64, scale=True) -> PackedWeight:
     return PackedWeight("float", (rows, cols), parts)
 
 
-def test_scaled_mm_is_chosen_only_where_its_rules_hold():
-    cuda = torch.device("cuda", 0)
-    hopper = lambda device: (9, 0)  # noqa: E731
-    applies = lambda w, **kw: fp8_matmul_applies(  # noqa: E731
-        w, kw.get("dtype", torch.bfloat16), kw.get("device", cuda),
-        capability=kw.get("capability", hopper), enabled=kw.get("enabled", True))
-    assert applies(_e4m3())
-    assert applies(_e4m3(scale=False), dtype=torch.float16)
-    assert applies(_e4m3(), capability=lambda d: (8, 9))  # Ada
-    assert not applies(_e4m3(), capability=lambda d: (8, 6))  # Ampere: no fp8 tensor cores
-    assert not applies(_e4m3(), enabled=False)  # opt-in
-    assert not applies(_e4m3(), device=torch.device("cpu"))
-    assert not applies(_e4m3(), dtype=torch.float32)
-    assert not applies(_e4m3(rows=24))  # N not a multiple of 16
-    assert not applies(_e4m3(cols=40))  # K not a multiple of 16
-    e5m2 = PackedWeight("float", (32, 64), {"data": torch.zeros(32, 64, dtype=torch.float8_e5m2)})
-    assert not applies(e5m2)
-    per_row = PackedWeight("float", (32, 64), {"data": _e4m3().parts["data"],
-                                               "scale": torch.ones(32, 1)})
-    assert not applies(per_row)
-
-
 def test_fp8_linear_matches_the_dequantised_product():
-    """torch._scaled_mm runs on the CPU too, so the arithmetic is checked here.
+    """The fp8 path (comfy-kitchen quantises x, torch._scaled_mm multiplies) runs on the CPU
+    too, so the arithmetic is checked here (the dispatch is tests/test_compute_path.py's).
 
     Bound: only x is rounded (the weight is used as stored), to e4m3's 3 mantissa bits: a
     relative error e_k within ±2⁻⁴, about uniform, so of standard deviation 2⁻⁴/√3. An output
@@ -117,21 +96,8 @@ def test_fp8_linear_matches_the_dequantised_product():
     x = torch.randn(3, 7, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     bias = torch.randn(32).to(torch.bfloat16)
     expected = torch.nn.functional.linear(x.float(), weight.dequantize(), bias.float())
-    got = fp8_linear(x, weight, bias)
+    pytest.importorskip("comfy_kitchen", reason="comfy-kitchen (the kitchen extra) not installed")
+    got = low_precision_linear("fp8", x, weight, bias)
     assert got.shape == (3, 7, 32) and got.dtype == torch.bfloat16
     rms = (expected - bias.float()).square().mean().sqrt()
     assert (got.float() - expected).abs().max() < 4 * 2 ** -4 / 3 ** 0.5 * rms
-
-
-def test_packed_linear_takes_the_fp8_path_when_chosen(monkeypatch):
-    from seedvr2.loading.quantized import attach_packed_weight
-    layer = torch.nn.Linear(64, 32).to(torch.bfloat16)
-    attach_packed_weight(layer, _e4m3(), torch.bfloat16)
-    calls = []
-    monkeypatch.setattr(quantized, "fp8_matmul_applies", lambda w, dtype, device: True)
-    monkeypatch.setattr(quantized, "fp8_linear", lambda x, w, b: calls.append(x.shape) or x)
-    layer(torch.zeros(2, 64, dtype=torch.bfloat16))
-    assert calls == [(2, 64)]
-    monkeypatch.setattr(quantized, "fp8_matmul_applies", lambda w, dtype, device: False)
-    assert layer(torch.zeros(2, 64, dtype=torch.bfloat16)).shape == (2, 32)
-    assert calls == [(2, 64)]

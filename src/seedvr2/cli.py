@@ -509,13 +509,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object per file")
     p.set_defaults(run=_inspect)
 
-    p = sub.add_parser("quantize", help="convert a weight file to GGUF, fp8 or int8 "
+    p = sub.add_parser("quantize", help="convert a weight file to GGUF, fp8, int8, mxfp8 or nvfp4 "
                        "(small tensors, norms, biases and in/out projections stay unquantised)")
     p.add_argument("input", help="any weight file the loader reads (safetensors, .pth, GGUF)")
     p.add_argument("output", help="output file: .gguf for the GGUF types, .safetensors otherwise")
     p.add_argument("--type", required=True,
                    help="Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/BF16/F16 (GGUF), fp8_e4m3fn/fp8_e5m2 "
-                        "(per-tensor scale) or int8 (per-output-channel scale)")
+                        "(per-tensor scale), int8 (per-output-channel scale), int8_convrot "
+                        "(int8 of Hadamard-rotated weights), mxfp8 (e4m3, a power-of-two scale "
+                        "per 32) or nvfp4 (e2m1, an e4m3 scale per 16): the last four in "
+                        "ComfyUI's layouts")
     p.add_argument("--keep", action="append", default=[], metavar="PREFIX",
                    help="keep tensors under this key prefix unquantised, e.g. blocks.35 "
                         "(repeatable)")

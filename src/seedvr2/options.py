@@ -200,6 +200,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "cuda, cuda:N", check=_device_problem),
     Option("dtype", str, "auto", "compute precision: auto (bf16 on GPUs of compute capability "
            "8.0 or newer, else fp16; fp32 on CPU), fp32, fp16, bf16", choices=DTYPE_NAMES),
+    # The paths, their GPUs and error bounds: seedvr2.memory.compute_path and the docs.
+    # How quantised weights multiply (the paths, their GPUs and bounds: memory.compute_path).
+    Option("compute_precision", str, "auto", "auto: int8/fp8/fp4 matmuls on GPUs with them "
+           "(comfy-kitchen); weights: dequantise", choices=("auto", "weights")),
     Option("fps", str, "auto", "frame rate of a video written from images or an image "
            "sequence, which carry none: 24, 29.97 or 30000/1001 (auto: a video source keeps "
            "its own rate; images need this for a video output)", check=_fps_problem),
@@ -284,7 +288,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
 # exactly one (tests/test_cli_and_import.py checks).
 AREAS: dict[str, tuple[str, ...]] = {
     "input and output": ("resolution", "max_resolution", "fps", "resume"),
-    "models": ("text_embeddings", "dtype"),
+    "models": ("text_embeddings", "dtype", "compute_precision"),
     "quality and colour": ("seed", "batch_size", "temporal_overlap", "prepend_frames",
                            "color_correction", "input_noise_scale", "latent_noise_scale"),
     "memory and VRAM": ("chunk_size", "device", "dit_device", "vae_device", "dit_offload_device",

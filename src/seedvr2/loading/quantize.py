@@ -1,4 +1,4 @@
-"""``seedvr2 quantize``: any supported weight file -> GGUF, fp8 or int8 weights.
+"""``seedvr2 quantize``: any supported weight file -> GGUF, fp8, int8, mxfp8 or nvfp4 weights.
 
 Targets:
 
@@ -10,6 +10,16 @@ Targets:
   (absmax / largest fp8 value), marked for ComfyUI with a ``comfy_quant`` config tensor.
 * ``int8`` safetensors: int8 codes with a per-output-channel fp32 ``weight_scale`` (absmax of
   the row / 127): ComfyUI's ``int8_tensorwise`` layout with row scales.
+* ``int8_convrot``: the same of the weight rotated by a regular Hadamard matrix per group of
+  input channels (``"convrot": true, "convrot_groupsize"`` in the marker; 256, else 64 or 16).
+* ``mxfp8``: e4m3 values with a swizzled E8M0 ``weight_scale`` per 32 along a row.
+* ``nvfp4``: e2m1 pairs (uint8) with a swizzled e4m3 ``weight_scale`` per 16 and an fp32
+  ``weight_scale_2`` per tensor.
+
+The last three are the layouts of Comfy-Org's repackaged files (``<layer>.comfy_quant`` JSON
+markers, the scales beside the weight, block scales in cuBLAS' 128x4 tiles), which ComfyUI's
+loader and ours read. Their layers must fit the blocks (int8_convrot: input channels divisible
+by 16; mxfp8: by 32; nvfp4: by 32, output channels by 16); others stay unquantised.
 
 What stays unquantised (in the input's float dtype, fp16 for quantised inputs): tensors of
 fewer than 2 dimensions (norms, biases, modulation vectors), tensors of fewer than
@@ -33,9 +43,11 @@ import torch
 
 from ..options import option_ref
 from .formats import CheckpointError, TensorSource, open_weights
+from .quantized import (E2M1_MAX, E2M1_VALUES, E4M3_MAX, PackedWeight, regular_hadamard,
+                        swizzle_block_scales)
 
 GGUF_TARGETS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16", "F16")
-SAFETENSORS_TARGETS = ("fp8_e4m3fn", "fp8_e5m2", "int8")
+SAFETENSORS_TARGETS = ("fp8_e4m3fn", "fp8_e5m2", "int8", "int8_convrot", "mxfp8", "nvfp4")
 TARGETS = GGUF_TARGETS + SAFETENSORS_TARGETS
 
 SMALL_TENSOR = 4096  # values; smaller weights stay unquantised
@@ -46,7 +58,7 @@ _BLOCK = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "BF16": 1,
 _FP8 = {"fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 _ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
              torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int8: "I8",
-             torch.uint8: "U8"}
+             torch.uint8: "U8", torch.float8_e8m0fnu: "F8_E8M0"}
 
 
 def _keep_prefixes(keep: Sequence[str]) -> tuple[str, ...]:
@@ -233,45 +245,152 @@ def quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return codes.reshape(weight.shape), scale
 
 
+def convrot_group(cols: int) -> Optional[int]:
+    """The ConvRot group for ``cols`` input channels: the largest power of 4 up to 256 (the
+    group ComfyUI's files use) that divides them, at least 16; None when none does."""
+    return next((g for g in (256, 64, 16) if cols % g == 0), None)
+
+
+def quantize_int8_convrot(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_int8_rows` of ``W·H`` (``H`` the regular Hadamard matrix per group of
+    ``group`` input channels): the rotation spreads outliers over their group."""
+    rows, cols = weight.shape
+    h = regular_hadamard(group, device=weight.device)
+    rotated = (weight.to(torch.float32).view(rows, cols // group, group) @ h).view(rows, cols)
+    return quantize_int8_rows(rotated)
+
+
+def quantize_mxfp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(e4m3 values, swizzled E8M0 exponents)``: each run of 32 values along a row shares the
+    smallest power of two that brings its absmax within e4m3's 448."""
+    rows, cols = weight.shape
+    blocks = weight.to(torch.float32).view(rows, cols // 32, 32)
+    amax = blocks.abs().amax(-1).clamp(min=2.0 ** -127 * E4M3_MAX)
+    exponent = (torch.ceil(torch.log2(amax / E4M3_MAX)).to(torch.int32) + 127).clamp(1, 254)
+    values = blocks / torch.exp2(exponent.float() - 127).unsqueeze(-1)
+    data = values.clamp(-E4M3_MAX, E4M3_MAX).reshape(rows, cols).to(torch.float8_e4m3fn)
+    return data, swizzle_block_scales(exponent.to(torch.uint8)).view(torch.float8_e8m0fnu)
+
+
+def quantize_nvfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(packed e2m1 pairs, swizzled e4m3 block scales, fp32 tensor scale)``: 16 values share
+    an e4m3 scale (their absmax / 6, in units of the tensor scale absmax / (448·6)); values
+    round to the nearest e2m1 (first of each pair in the high nibble). Bit for bit what
+    comfy-kitchen's ``quantize_nvfp4`` writes with the same tensor scale (tested)."""
+    rows, cols = weight.shape
+    w = weight.to(torch.float32)
+    scale_2 = (w.abs().amax() / (E4M3_MAX * E2M1_MAX)).clamp(min=torch.finfo(torch.float32).tiny)
+    blocks = w.view(rows, cols // 16, 16)
+    block = (blocks.abs().amax(-1) / E2M1_MAX / scale_2).to(torch.float8_e4m3fn)
+    step = (block.float() * scale_2).unsqueeze(-1)
+    scaled = torch.where(step > 0, blocks / torch.where(step > 0, step, 1.0), 0.0)
+    # The magnitude's code (0-7) counts the midpoints between neighbouring e2m1 magnitudes it
+    # passes; at a midpoint it rounds to the even code, as comfy-kitchen's quantiser does.
+    magnitude = scaled.abs().reshape(rows, cols)
+    codes = torch.zeros(rows, cols, dtype=torch.uint8, device=weight.device)
+    for code, (low, high) in enumerate(zip(E2M1_VALUES[:7], E2M1_VALUES[1:8])):
+        middle = (low + high) / 2
+        codes += (magnitude > middle if code % 2 == 0 else magnitude >= middle).to(torch.uint8)
+    codes |= (scaled.reshape(rows, cols) < 0).to(torch.uint8) << 3  # the sign is bit 3
+    packed = (codes[:, 0::2] << 4) | codes[:, 1::2]
+    return packed, swizzle_block_scales(block.view(torch.uint8)).view(torch.float8_e4m3fn), \
+        scale_2.reshape(())
+
+
+def _scales_shape(rows: int, blocks: int) -> tuple[int, int]:
+    """The swizzled block-scale matrix of ``rows`` x ``blocks`` scales (128 x 4 tiles)."""
+    return -(-rows // 128) * 128, -(-blocks // 4) * 4
+
+
+def _layer_layout(target: str, layer: str, shape: tuple) -> Optional[tuple[dict, dict]]:
+    """``(comfy_quant config, {tensor: (dtype, shape)})`` of one quantised layer, or None when
+    the layer's shape does not fit the target's blocks (it is then kept unquantised)."""
+    weight, scale = f"{layer}.weight", f"{layer}.weight_scale"
+    rows, cols = shape[0], shape[-1]
+    if target in _FP8:
+        fmt = "float8_e4m3fn" if target == "fp8_e4m3fn" else "float8_e5m2"
+        return {"format": fmt}, {weight: (_FP8[target], shape), scale: (torch.float32, ())}
+    if target == "int8":
+        return ({"format": "int8_tensorwise"},
+                {weight: (torch.int8, shape), scale: (torch.float32, (rows, 1))})
+    if len(shape) != 2:
+        return None
+    if target == "int8_convrot":
+        group = convrot_group(cols)
+        return None if group is None else (
+            {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": group},
+            {weight: (torch.int8, shape), scale: (torch.float32, (rows, 1))})
+    if target == "mxfp8":
+        return None if cols % 32 else ({"format": "mxfp8"}, {
+            weight: (torch.float8_e4m3fn, shape),
+            scale: (torch.float8_e8m0fnu, _scales_shape(rows, cols // 32))})
+    if cols % 32 or rows % 16:  # nvfp4: the shapes its matmul takes (memory.compute_path)
+        return None
+    return {"format": "nvfp4"}, {weight: (torch.uint8, (rows, cols // 2)),
+                                 scale: (torch.float8_e4m3fn, _scales_shape(rows, cols // 16)),
+                                 f"{layer}.weight_scale_2": (torch.float32, ())}
+
+
+def pack_weight(weight: torch.Tensor, target: str) -> Optional[PackedWeight]:
+    """``weight`` in a safetensors ``target`` as the loader holds it after reading the file
+    ``quantize`` writes (on the weight's device); None where the layer does not fit the target."""
+    found = _layer_layout(target, "layer", tuple(weight.shape))
+    if found is None:
+        return None
+    conf, _ = found
+    marker = torch.frombuffer(bytearray(json.dumps(conf).encode()), dtype=torch.uint8)
+    parts = _encode(weight, target, marker)[:-1]
+    if target in _FP8:
+        return PackedWeight("float", tuple(weight.shape), dict(zip(("data", "scale"), parts)))
+    if target == "mxfp8":
+        return PackedWeight("mxfp8", tuple(weight.shape),
+                            {"data": parts[0], "scale": parts[1].view(torch.uint8)})
+    if target == "nvfp4":
+        return PackedWeight("nvfp4", tuple(weight.shape),
+                            dict(zip(("data", "scale", "scale_2"), parts)))
+    scheme = "int8_rows" if target == "int8" else "int8_convrot"
+    params = {"group_size": conf["convrot_groupsize"]} if "convrot" in conf else {}
+    return PackedWeight(scheme, tuple(weight.shape), dict(zip(("data", "scale"), parts)), params)
+
+
 def _safetensors_plan(src: TensorSource, target: str, keep):
-    """[(key, produce() -> {name: tensor}, {name: (dtype, shape)})] in file order."""
+    """[(key, {name: (dtype, shape)}, comfy_quant marker or None)] in file order."""
     plans = []
     for key, shape in src.shapes.items():
         shape = tuple(shape)
-        if should_quantize(key, shape, keep):
-            layer = key[: -len(".weight")]
-            if target == "int8":
-                fmt = {"format": "int8_tensorwise"}
-                layout = {key: (torch.int8, shape), f"{layer}.weight_scale": (torch.float32, (shape[0], 1))}
-            else:
-                fmt = {"format": "float8_e4m3fn" if target == "fp8_e4m3fn" else "float8_e5m2"}
-                layout = {key: (_FP8[target], shape), f"{layer}.weight_scale": (torch.float32, ())}
-            marker = torch.frombuffer(bytearray(json.dumps(fmt).encode()), dtype=torch.uint8)
-            layout[f"{layer}.comfy_quant"] = (torch.uint8, tuple(marker.shape))
-            plans.append((key, layout, marker, True))
+        found = should_quantize(key, shape, keep) and \
+            _layer_layout(target, key[: -len(".weight")], shape)
+        if found:
+            conf, layout = found
+            marker = torch.frombuffer(bytearray(json.dumps(conf).encode()), dtype=torch.uint8)
+            layout[f"{key[: -len('.weight')]}.comfy_quant"] = (torch.uint8, tuple(marker.shape))
+            plans.append((key, layout, marker))
         else:
             dtype = torch.float16 if key in src.packed else _stored_float(src.dtypes[key])
-            plans.append((key, {key: (dtype, shape)}, None, False))
+            plans.append((key, {key: (dtype, shape)}, None))
     return plans
 
 
-def _produce(src: TensorSource, key: str, layout: dict, marker, quantize: bool, target: str):
-    tensor = src.get(key)
-    if not quantize:
-        (dtype, _), = layout.values()
-        return [tensor.to(dtype)]
+def _encode(tensor: torch.Tensor, target: str, marker: torch.Tensor) -> list[torch.Tensor]:
+    """One quantised layer's tensors, in the order of its layout."""
     if target == "int8":
-        values, scale = quantize_int8_rows(tensor)
+        parts = quantize_int8_rows(tensor)
+    elif target == "int8_convrot":
+        parts = quantize_int8_convrot(tensor, json.loads(bytes(marker))["convrot_groupsize"])
+    elif target == "mxfp8":
+        parts = quantize_mxfp8(tensor)
+    elif target == "nvfp4":
+        parts = quantize_nvfp4(tensor)
     else:
-        values, scale = quantize_fp8(tensor, _FP8[target])
-    return [values, scale, marker]
+        parts = quantize_fp8(tensor, _FP8[target])
+    return [*parts, marker]
 
 
 def _write_safetensors(src: TensorSource, path: Path, target: str, config: dict, keep,
                        progress):
     plans = _safetensors_plan(src, target, keep)
     header, offset = {}, 0
-    for _, layout, _, _ in plans:
+    for _, layout, _ in plans:
         for name, (dtype, shape) in layout.items():
             numel = 1
             for s in shape:
@@ -287,12 +406,17 @@ def _write_safetensors(src: TensorSource, path: Path, target: str, config: dict,
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for i, (key, layout, marker, quantize) in enumerate(plans):
-            for (name, (dtype, shape)), tensor in zip(layout.items(),
-                                                       _produce(src, key, layout, marker, quantize, target)):
+        for i, (key, layout, marker) in enumerate(plans):
+            tensor = src.get(key)
+            if marker is None:
+                (dtype, _), = layout.values()
+                tensors = [tensor.to(dtype)]
+            else:
+                tensors = _encode(tensor, target, marker)
+            for (name, (dtype, shape)), tensor in zip(layout.items(), tensors, strict=True):
                 assert tensor.dtype == dtype and tuple(tensor.shape) == shape, name
                 f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
             if progress:
                 progress(i + 1, len(plans))
-    quantized = sum(p[3] for p in plans)
+    quantized = sum(p[2] is not None for p in plans)
     return quantized, len(plans) - quantized

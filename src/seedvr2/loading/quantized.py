@@ -10,6 +10,9 @@ The models are not touched: :func:`attach_packed_weight` turns an ``nn.Linear`` 
 module's packed buffers in the module's ``compute_dtype``. Everything that reads
 ``self.weight`` (``F.linear``, ``F.conv3d``, ``weight.dtype``) keeps working; ``.to(device)``
 moves the packed bytes and ``.to(dtype)`` changes only the compute dtype, never the storage.
+A packed linear's forward asks ``memory.compute_path`` whether it multiplies in the weights'
+own precision instead (``compute_precision``, set per run by :func:`set_compute_precision`;
+``weights``, the dequantise path, until then): see ``loading.lowp``.
 
 Storage schemes (``PackedWeight.scheme``):
 
@@ -34,12 +37,13 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import torch
 from torch import nn
+
+from ..memory.compute_path import COMPUTE_PRECISIONS, WEIGHTS, compute_path
 
 
 @dataclass(frozen=True)
@@ -203,6 +207,8 @@ def _dequantize_mxfp8(w: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
     return out.view(rows, cols)[: w.shape[0], : w.shape[1]].to(dtype)
 
 
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+E2M1_MAX = 6.0  # largest e2m1 value
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
@@ -233,59 +239,6 @@ DEQUANTIZERS: dict[str, Callable[[PackedWeight, torch.dtype], torch.Tensor]] = {
 
 
 # ---------------------------------------------------------------------------------------------
-# fp8 matmul: e4m3 weights multiplied as fp8 by torch._scaled_mm instead of dequantised
-
-# Opt-in (SEEDVR2_FP8_MATMUL=1): the activations are rounded to e4m3 too (3 mantissa bits
-# against bf16's 7, one scale per call from their absolute maximum), which changes the
-# output more than dequantising does; how much at full size is for a GPU run to measure.
-FP8_MATMUL = os.environ.get("SEEDVR2_FP8_MATMUL", "0") == "1"
-E4M3_MAX = 448.0  # largest finite float8_e4m3fn
-
-
-def fp8_matmul_applies(weight: PackedWeight, x_dtype: torch.dtype, x_device: torch.device,
-                       capability: Callable[[torch.device], tuple[int, int]] | None = None,
-                       enabled: bool | None = None) -> bool:
-    """Whether a linear layer with this packed weight runs on ``torch._scaled_mm``.
-
-    Its rules: CUDA compute capability 8.9 or newer (Ada, Hopper and later have fp8 tensor
-    cores), an e4m3 weight of shape (N, K) with N and K multiples of 16, a per-tensor scale
-    (or none), activations in fp16/bf16 (the output dtype). ``capability`` is injectable so
-    that the choice is testable without a GPU.
-    """
-    enabled = FP8_MATMUL if enabled is None else enabled
-    data = weight.parts.get("data")
-    scale = weight.parts.get("scale")
-    if not (enabled and weight.scheme == "float" and data is not None
-            and data.dtype == torch.float8_e4m3fn and data.dim() == 2
-            and (scale is None or scale.numel() == 1)
-            and x_device.type == "cuda" and x_dtype in (torch.float16, torch.bfloat16)):
-        return False
-    rows, cols = data.shape
-    if rows % 16 or cols % 16:
-        return False
-    capability = capability or torch.cuda.get_device_capability
-    return tuple(capability(x_device)) >= (8, 9)
-
-
-def fp8_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + bias`` with ``x`` rounded to e4m3 under one scale (its absolute maximum
-    over 448, computed on the device: no host sync) and ``W`` used as stored."""
-    data = weight.parts["data"]
-    cols = data.shape[1]
-    rows_x = x.reshape(-1, cols)
-    x_scale = (rows_x.abs().amax().float() / E4M3_MAX).clamp_(min=torch.finfo(torch.float32).tiny)
-    x_fp8 = (rows_x.float() / x_scale).to(torch.float8_e4m3fn)
-    w_scale = weight.parts.get("scale")
-    w_scale = (w_scale.float().reshape(()) if w_scale is not None
-               else torch.ones((), dtype=torch.float32, device=data.device))
-    # data is (N, K) row-major, so data.t() is the column-major (K, N) _scaled_mm wants.
-    out = torch._scaled_mm(x_fp8, data.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype)
-    if bias is not None:
-        out = out + bias.to(out.dtype)
-    return out.reshape(*x.shape[:-1], data.shape[0])
-
-
-# ---------------------------------------------------------------------------------------------
 # modules whose weight stays packed
 
 _PART_PREFIX = "weight_"
@@ -299,6 +252,7 @@ class PackedWeightMixin:
     _packed_params: dict
     _packed_parts: tuple[str, ...]
     compute_dtype: torch.dtype
+    compute_precision: str  # memory.compute_path's option: auto or weights
 
     @property
     def packed_weight(self) -> PackedWeight:
@@ -312,8 +266,13 @@ class PackedWeightMixin:
     def forward(self, x, *args, **kwargs):
         if isinstance(self, nn.Linear):
             packed = self.packed_weight
-            if fp8_matmul_applies(packed, x.dtype, x.device):
-                return fp8_linear(x, packed, self.bias)
+            path = compute_path(packed, x.dtype, x.device, self.compute_precision)
+            if path != WEIGHTS:
+                from .lowp import low_precision_linear
+
+                out = low_precision_linear(path, x, packed, self.bias)
+                if out is not None:
+                    return out
         return super().forward(x, *args, **kwargs)
 
     def _apply(self, fn, recurse=True):
@@ -373,6 +332,19 @@ def attach_packed_weight(module: nn.Module, packed: PackedWeight, compute_dtype:
     module._packed_params = dict(packed.params)
     module._packed_parts = tuple(packed.parts)
     module.compute_dtype = compute_dtype
+    module.compute_precision = getattr(module, "compute_precision", WEIGHTS)
+
+
+def set_compute_precision(model: nn.Module, precision: str):
+    """How ``model``'s packed linear layers multiply from now on (``compute_precision``:
+    ``auto`` or ``weights``, see ``memory.compute_path``); a per-run setting, like the
+    attention backend, so a cached model runs with each job's."""
+    if precision not in COMPUTE_PRECISIONS:
+        raise ValueError(f"compute_precision {precision!r}: expected one of "
+                         f"{', '.join(COMPUTE_PRECISIONS)}")
+    for module in model.modules():
+        if isinstance(module, PackedWeightMixin):
+            module.compute_precision = precision
 
 
 def packed_modules(model: nn.Module) -> dict[str, PackedWeight]:

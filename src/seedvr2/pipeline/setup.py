@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from ..loading import load_dit, load_vae
+from ..loading.quantized import set_compute_precision
 from ..loading.registry import DEFAULT_DIT, DEFAULT_VAE, default_model_dir, resolve_model_files
 from ..loading.text import load_text_embeddings
 from ..memory import MODEL_CACHE, ModelKey, resolve_device, resolve_dtype, resolve_offload
@@ -128,6 +129,8 @@ def load_models(dit=None, vae=None, *, opts: Options, model_dir=None) -> Models:
     # given VAE runs with this job's settings).
     vae.set_conv_settings(cudnn_benchmark=opts.vae_cudnn_benchmark,
                           channels_last=opts.vae_channels_last)
+    for model in (dit, vae):
+        set_compute_precision(model, opts.compute_precision)
     embedded = getattr(dit, "embedded_text_embeddings", None) or {}
     text = load_text_embeddings(opts.text_embeddings, dit.config.txt_in_dim, model_dir,
                                 embedded=embedded.get("pos"))

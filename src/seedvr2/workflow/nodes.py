@@ -265,6 +265,7 @@ LOADER_SETTINGS: dict[str, tuple] = {
         Setting("attention_backend", "attention_backend"),
         Setting("dtype", "dtype"),
         Setting("text_embeddings", "text_embeddings"),
+        Setting("compute_precision", "compute_precision"),
         _COMPILE_SETTING,
     ),
     "vae": (
