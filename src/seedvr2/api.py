@@ -16,12 +16,11 @@ from typing import Callable, Optional
 
 import torch
 
+from .faults import Faults
 from .options import OptionError, Options, option_ref, option_value, resolve_options
 from .pipeline.plan import make_plan
-from .io.background import BackgroundWriter
-from .pipeline.resume import install_kill_hook, open_resume_state, run_resumable
-from .pipeline.runner import JobStats, Models, Upscaler, output_size, to_integer_frames
-from .pipeline.setup import (MEMORY_CHECK_ENV, check_file_job, file_facts, load_models,
+from .pipeline.runner import JobStats, Upscaler, output_size
+from .pipeline.setup import (MEMORY_CHECK_ENV, Job, check_file_job, file_output, load_models,
                              open_output, plan_file, prepare_job, resolve_auto_batch_for_ranks)
 
 # The set-up steps are the library's too (custom pipelines, the CLI, tests).
@@ -30,10 +29,6 @@ __all__ = ["MEMORY_CHECK_ENV", "check_file_job", "load_models", "open_output", "
            "upscale_file"]
 
 Progress = Callable[[str, int, int], None]
-
-
-def _upscaler(models: Models, opts: Options, progress, should_stop) -> Upscaler:
-    return Upscaler(models, opts, progress, should_stop)
 
 
 def _check_one_process(opts: Options):
@@ -87,6 +82,7 @@ def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Pr
 
     ``frames``: float (T, H, W, C) in [0, 1] (or uint8/uint16), C = 1, 3 or 4; a single
     (H, W, C) image is one frame. Returns float32 (T, H', W', C) in [0, 1] on the CPU.
+    ``stats`` (a ``JobStats``) records the job as it runs.
     """
     opts = resolve_options(**options)
     if frames.dim() == 3 if isinstance(frames, torch.Tensor) else frames.ndim == 3:
@@ -94,31 +90,34 @@ def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Pr
     if len(frames) == 0:
         raise ValueError("frames: the input has no frames")
     devices, opts = process_devices(opts, dit, vae)
+    job = _job(opts, devices, (dit, vae), model_dir)
+    size = output_size(frames.shape[1], frames.shape[2], opts)
     if len(devices) > 1:
-        from .distributed.job import check_sequence_parallel
         from .distributed.launch import spawn_tensor_job
 
-        _check_named_models(dit, vae)
-        check_sequence_parallel(opts, len(devices), dit, model_dir)
         frames = torch.as_tensor(frames)
-        size = output_size(frames.shape[1], frames.shape[2], opts)
-        opts = resolve_auto_batch_for_ranks(opts, devices, dit, vae, model_dir, len(frames), size)
-        out_shape = (len(frames), *size, frames.shape[3])
-        return spawn_tensor_job(devices, frames, out_shape, dit, vae, model_dir=model_dir,
-                                progress=progress, should_stop=should_stop,
-                                **{**options, "batch_size": opts.batch_size})
-    _check_one_process(opts)
-    models = load_models(dit, vae, opts=opts, model_dir=model_dir)
-    job_stats = JobStats()
-    opts = prepare_job(models, opts, len(frames), output_size(frames.shape[1], frames.shape[2], opts),
-                       job_stats)
-    upscaler = _upscaler(models, opts, progress, should_stop)
-    upscaler.stats = job_stats
-    plan = make_plan(len(frames), opts)
-    pieces = [out for _, out in upscaler.run(iter(frames), plan)]
-    if stats is not None:
-        stats.__dict__.update(upscaler.stats.__dict__)
-    return torch.cat(pieces)
+        job = resolve_auto_batch_for_ranks(job, devices, len(frames), size)
+        return spawn_tensor_job(devices, job, frames, (len(frames), *size, frames.shape[3]),
+                                progress, should_stop)
+    upscaler = job.ready_upscaler(len(frames), size, progress=progress,
+                                  should_stop=should_stop, stats=stats)
+    plan = make_plan(len(frames), upscaler.opts)
+    return torch.cat([out for _, out in upscaler.run(iter(frames), plan)])
+
+
+def _job(opts: Options, devices: list[str], models: tuple, model_dir) -> Job:
+    """The job, its models resolved once, after the checks that need no model file: several
+    devices need models by name or path, and a ``sequence_parallel`` they can split."""
+    if len(devices) == 1:
+        _check_one_process(opts)
+    else:
+        _check_named_models(*models)
+    job = Job.build(opts, *models, model_dir, Faults.from_environment())
+    if len(devices) > 1:
+        from .distributed.job import check_sequence_parallel
+
+        check_sequence_parallel(job, len(devices))
+    return job
 
 
 def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: bool = False,
@@ -131,72 +130,75 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
     and subtitles where the output holds them (copied, not re-encoded); ``fps`` gives images
     and sequences a rate for a video output. The output is
     written under a temporary name and appears at ``dst`` only when complete; an existing
-    ``dst`` is replaced only with ``overwrite=True``. Returns the output path.
+    ``dst`` is replaced only with ``overwrite=True``. ``stats`` (a ``JobStats``) records the
+    job as it runs. Returns the output path.
     """
     from .distributed import in_distributed_launch, init_from_env
-    from .distributed.job import check_sequence_parallel, run_file_job
+    from .distributed.job import run_file_job
     from .distributed.launch import spawn_file_job
     from .io import open_media
 
     opts = resolve_options(**options)
-    job = dict(model_dir=model_dir, overwrite=overwrite, codec=codec, **options)
-    def ranks_auto(devices, gather=None):
-        if opts.batch_size == "auto":
-            with open_media(src) as reader:
-                count, size, _ = file_facts(reader, dst, opts, codec)
-            job["batch_size"] = resolve_auto_batch_for_ranks(
-                opts, devices, dit, vae, model_dir, count, size, gather).batch_size
-
     if in_distributed_launch():  # torchrun / Slurm: this process is one rank
         ctx = init_from_env(opts.devices if opts.devices != "auto" else "auto", opts.dist_timeout)
-
-        def gather(value):
-            import torch.distributed as dist
-
-            values = [None] * ctx.world_size
-            dist.all_gather_object(values, value)
-            return values
-        ranks_auto([str(ctx.device)], gather)
-        return run_file_job(ctx, src, dst, dit, vae, progress=progress, should_stop=should_stop,
-                            stats=stats, **job)
-    devices, opts = process_devices(opts, dit, vae)
-    if len(devices) > 1:
-        _check_named_models(dit, vae)
-        check_sequence_parallel(opts, len(devices), dit, model_dir)
-        ranks_auto(devices)
-        return spawn_file_job(devices, src, dst, dit, vae, stats=stats, **job)
-    _check_one_process(opts)
+        devices = [str(ctx.device)] * ctx.world_size
+    else:
+        ctx, (devices, opts) = None, process_devices(opts, dit, vae)
     with open_media(src) as reader:
-        frame_count, size, bit_depth = file_facts(reader, dst, opts, codec)
-        # Opening the writer first fails fast on an unwritable or existing output.
-        writer = open_output(reader.info, dst, size, bit_depth, codec, overwrite, opts.fps)
-        try:
-            models = load_models(dit, vae, opts=opts, model_dir=model_dir)
-            job_stats = JobStats()
-            opts = prepare_job(models, opts, frame_count, size, job_stats)
-            plan = make_plan(frame_count, opts)
-            upscaler = _upscaler(models, opts, progress, should_stop)
-            upscaler.stats = job_stats
-            state = open_resume_state(reader, dst, opts, plan, size, bit_depth, codec, dit, vae,
-                                      model_dir, models.dtype)
-        except BaseException:
-            writer.abort()
-            raise
-        if state is None:
-            # Encoding runs on a thread from a bounded queue while the device computes on.
-            with BackgroundWriter(writer) as output:
-                upscaler.frames_on_device = True  # rounded there, copied to the host as integers
-                for _, frames in upscaler.run(reader.frames(), plan):
-                    output.write_many(to_integer_frames(frames, bit_depth))
-        else:
-            writer.abort()  # the kept segments become the output instead
-            def compute(batches):
-                return upscaler.batch_outputs(reader.frames(start=plan.read_start(batches)),
-                                              plan, batches)
-            install_kill_hook(upscaler)
-            path = run_resumable(compute, dst, plan, state, info=reader.info, size=size,
-                                 bit_depth=bit_depth, codec=codec, overwrite=overwrite,
-                                 progress=upscaler.progress, stats=job_stats, fps=opts.fps)
-        if stats is not None:
-            stats.__dict__.update(upscaler.stats.__dict__)
-    return Path(writer.path) if state is None else path
+        output = file_output(reader, dst, opts, codec, overwrite)
+        if len(devices) == 1:
+            return _one_process_file_job(reader, output, opts, (dit, vae), model_dir,
+                                         (progress, should_stop, stats))
+        job = _job(opts, devices, (dit, vae), model_dir)
+        if opts.batch_size == "auto":
+            from .pipeline.setup import frame_count
+
+            job = resolve_auto_batch_for_ranks(job, devices[:1] if ctx else devices,
+                                               frame_count(reader), output.size,
+                                               _gather_over_ranks(ctx) if ctx else None)
+    if ctx is not None:
+        return run_file_job(ctx, job, src, output, progress, should_stop, stats)
+    return spawn_file_job(devices, job, src, output, stats)
+
+
+def _gather_over_ranks(ctx):
+    def gather(value):
+        import torch.distributed as dist
+
+        values = [None] * ctx.world_size
+        dist.all_gather_object(values, value)
+        return values
+    return gather
+
+
+def _one_process_file_job(reader, output, opts: Options, models: tuple, model_dir,
+                          report: tuple) -> Path:
+    """The file job in this process: the output opened first (an unwritable or existing one
+    fails before any model loads), then the models, then the sink fed by the upscaler."""
+    from .pipeline.identity import job_identity, source_digest
+    from .pipeline.sink import DirectSink, open_sink
+    from .pipeline.setup import frame_count
+
+    progress, should_stop, stats = report
+    count = frame_count(reader)
+    writer = output.open(reader.info)
+    try:
+        job = _job(opts, ["one"], models, model_dir)
+        models, opts = job.prepare(count, output.size, stats)
+        plan = make_plan(count, opts)
+        identity = job_identity(opts, source_digest(reader), job.models)
+    except BaseException:
+        writer.abort()
+        raise
+    with open_sink(writer, reader, output, plan, identity, models.dtype, job) as sink:
+        # A direct sink's frames are rounded to integers on the device: the copy to the host
+        # is then 4x (uint8) or 2x (uint16) smaller than float32 frames.
+        upscaler = Upscaler(models, opts, job.faults.with_kill_points(progress or _silent),
+                            should_stop, stats=stats, frames_on_device=isinstance(sink, DirectSink))
+        return sink.consume(lambda batches: upscaler.batch_outputs(
+            reader.frames(start=plan.read_start(batches)), plan, batches),
+            upscaler.progress, upscaler.stats, upscaler.check_stop)
+
+
+def _silent(phase: str, done: int, total: int):
+    pass

@@ -365,7 +365,8 @@ class Upscaler:
     """Runs a batch plan over a frame stream with loaded models."""
 
     def __init__(self, models: Models, opts: Options, progress: Optional[Progress] = None,
-                 should_stop: Optional[Callable[[], bool]] = None):
+                 should_stop: Optional[Callable[[], bool]] = None, *,
+                 stats: Optional[JobStats] = None, frames_on_device: bool = False):
         self.models, self.opts, self.dtype = models, opts, models.dtype
         self.progress = progress or (lambda phase, done, total: None)
         self.should_stop = should_stop or (lambda: False)
@@ -374,11 +375,11 @@ class Upscaler:
             if opts.tensor_offload_device != "none" else models.vae_device
         self.encode_tiles, self.encode_slice = tiling.settings_from_options(opts, "encode")
         self.decode_tiles, self.decode_slice = tiling.settings_from_options(opts, "decode")
-        self.stats = JobStats()
+        self.stats = stats if stats is not None else JobStats()  # this job's, recorded as it runs
         # A file job's consumer rounds frames to integers: on the device, the copy to the
         # host is then 4x (uint8) or 2x (uint16) smaller than float32 frames. Only decoded
         # frames stay; the blender keeps just the overlap frames between batches.
-        self.frames_on_device = False
+        self.frames_on_device = frames_on_device
         # DiT and VAE on different devices: batches are encoded on a thread, up to a chunk
         # ahead, while the DiT runs on those already encoded, so both devices work at once.
         # The results are those of the phases run one after the other (the same operations
@@ -646,20 +647,35 @@ class Upscaler:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
 
+    def check_stop(self):
+        """Raises :class:`Interrupted` once ``should_stop`` says so."""
+        self._stops()
+
     def run(self, frames: Iterable, plan: BatchPlan) -> Iterator[tuple[int, torch.Tensor]]:
         """Yields (first source frame, frames (n, H, W, C) float32 in [0, 1]) in order, one
-        frame at a time: the stop flag is read before each, so a Cancel while the consumer
-        writes (encoding is often the slowest phase) waits for one frame, not a batch."""
-        blender = OverlapBlender(plan)
-        emitted = 0
-        for batch, out in self.batch_outputs(frames, plan):
-            for first, final in blender.add(batch, out):
-                for k in range(final.shape[0]):
-                    self._stops()
-                    emitted += 1
-                    self.stats.frames = emitted
-                    yield first + k, final[k:k + 1]
-                    self.progress("frames", emitted, plan.source_frames)
+        frame at a time (:func:`final_frames`)."""
+        return final_frames(plan, self.batch_outputs(frames, plan), self.progress, self.stats,
+                            self.check_stop)
+
+
+def final_frames(plan: BatchPlan, outputs, progress: Optional[Progress] = None,
+                 stats: Optional[JobStats] = None, check_stop=None):
+    """Each batch's ``outputs`` (in plan order) blended into final frames, yielded one at a
+    time as (first source frame, frames): ``check_stop`` is called before each, so a Cancel
+    while the consumer writes (encoding is often the slowest phase) waits for one frame, not
+    a batch. ``progress`` and ``stats`` are told the frames finished."""
+    blender = OverlapBlender(plan)
+    for batch, out in outputs:
+        for first, final in blender.add(batch, out):
+            for k in range(final.shape[0]):
+                if check_stop is not None:
+                    check_stop()
+                if stats is not None:
+                    stats.frames = blender.emitted - final.shape[0] + k + 1
+                yield first + k, final[k:k + 1]
+                if progress is not None:
+                    progress("frames", blender.emitted - final.shape[0] + k + 1,
+                             plan.source_frames)
 
 
 class OverlapBlender:

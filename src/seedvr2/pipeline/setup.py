@@ -10,12 +10,13 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
 from ..loading import load_dit, load_vae
-from ..loading.registry import DEFAULT_DIT, DEFAULT_VAE, default_model_dir, resolve_model_files
+from ..loading.registry import default_model_dir
 from ..loading.text import load_text_embeddings
 from ..memory import MODEL_CACHE, ModelKey, resolve_device, resolve_dtype, resolve_offload
 from ..memory import budget as mem
@@ -24,8 +25,10 @@ from ..memory.compile import CompileSettings, apply_compile
 from ..memory.placement import OffloadedModel, default_pin, host_copy_bytes
 from ..memory.tiling import settings_from_options
 from ..options import OptionError, Options, option_ref
+from ..faults import NO_FAULTS, Faults
+from .identity import ModelRef, model_refs
 from .plan import make_plan
-from .runner import JobStats, Models, output_size
+from .runner import JobStats, Models, Upscaler, output_size
 
 log = logging.getLogger("seedvr2")
 
@@ -87,13 +90,8 @@ def _load_vae(path: Path, opts: Options, dtype, device, offload):
 
 
 def _model_files(dit, vae, model_dir: Path) -> tuple[Optional[Path], Optional[Path]]:
-    """The weight files of the models given by name or path (None for a loaded module), all
-    found or downloaded before either loads, so one error names every missing file."""
-    wanted = [(spec or default, kind) for spec, default, kind in
-              ((dit, DEFAULT_DIT, "dit"), (vae, DEFAULT_VAE, "vae"))
-              if not isinstance(spec, torch.nn.Module)]
-    paths = iter(resolve_model_files(wanted, model_dir, download_missing=True))
-    return tuple(None if isinstance(spec, torch.nn.Module) else next(paths) for spec in (dit, vae))
+    """The weight files of the models given by name or path (None for a loaded module)."""
+    return tuple(None if ref.loaded else ref.model for ref in model_refs(dit, vae, model_dir))
 
 
 def load_models(dit=None, vae=None, *, opts: Options, model_dir=None) -> Models:
@@ -230,8 +228,8 @@ def prepare_job(models: Models, opts: Options, frame_count: int, size: tuple[int
     return opts
 
 
-def resolve_auto_batch_for_ranks(opts: Options, devices: list[str], dit, vae, model_dir,
-                                 frame_count: int, size: tuple[int, int], gather=None) -> Options:
+def resolve_auto_batch_for_ranks(job: Job, devices: list[str], frame_count: int,
+                                 size: tuple[int, int], gather=None) -> Job:
     """``batch_size="auto"`` for a job split over several processes, which must all use the
     same batch plan: resolved once, for the device with the least memory available, from
     the weight files' headers (no model is loaded). ``gather`` (torchrun: every rank calls
@@ -239,12 +237,12 @@ def resolve_auto_batch_for_ranks(opts: Options, devices: list[str], dit, vae, mo
     launcher) the available memory of each listed device is asked from here, which creates
     a CUDA context on each of them in this process.
     """
+    opts = job.opts
     if opts.batch_size != "auto":
-        return opts
-    model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
+        return job
     first = resolve_device(devices[0])
     dtype = resolve_dtype(opts.dtype, first)
-    dit_path, vae_path = _model_files(dit, vae, model_dir)
+    dit_path, vae_path = (ref.file for ref in job.models)
     dit_w, dit_cfg = mem.Weights.from_file(dit_path, "dit", dtype)
     vae_w, vae_cfg = mem.Weights.from_file(vae_path, "vae", dtype)
     budget = mem.Budget(dit_cfg, vae_cfg, dit_w, vae_w)
@@ -258,18 +256,76 @@ def resolve_auto_batch_for_ranks(opts: Options, devices: list[str], dit, vae, mo
         values = [min(values) // ranks]
     device = "cuda:0" if first.type == "cuda" else "cpu"
     place = mem.Placement(device, device)
-    job = _budget_job(opts, size, 5, dtype, mem.TEXT_TOKENS, {device})
+    one_batch = _budget_job(opts, size, 5, dtype, mem.TEXT_TOKENS, {device})
     plan_frames = plan_frames_of(frame_count, opts)
     if values:
-        batch = mem.auto_batch_size(budget, job, place, {device: min(values)}, plan_frames,
+        batch = mem.auto_batch_size(budget, one_batch, place, {device: min(values)}, plan_frames,
                                     opts.temporal_overlap)
     else:
         batch = mem.batch_candidates(plan_frames, opts.temporal_overlap)[-1]
     log.info("batch_size auto: %d frames per batch on every rank", batch)
-    return opts.replace(batch_size=batch)
+    return job.with_options(opts.replace(batch_size=batch))
+
+
+@dataclass(frozen=True)
+class Job:
+    """What one job computes, resolved once by the facade: validated options, both models
+    (:class:`~seedvr2.pipeline.identity.ModelRef`), the model folder, and the tests' faults
+    (none in production). Picklable: spawned ranks receive it as it is."""
+
+    opts: Options
+    models: tuple[ModelRef, ModelRef]
+    model_dir: Path
+    faults: Faults = NO_FAULTS
+
+    @classmethod
+    def build(cls, opts: Options, dit=None, vae=None, model_dir=None,
+              faults: Faults = NO_FAULTS) -> "Job":
+        model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
+        return cls(opts, model_refs(dit, vae, model_dir), model_dir, faults)
+
+    def with_options(self, opts: Options) -> "Job":
+        return Job(opts, self.models, self.model_dir, self.faults)
+
+    def prepare(self, frame_count: int, size: tuple[int, int],
+                stats: Optional[JobStats] = None) -> tuple[Models, Options]:
+        """The set-up of one process or one rank: the models loaded, then this device
+        checked against the memory budget before any frame; returns them with the options
+        this device runs (``batch_size`` auto resolved; ``stats`` is told it and the
+        estimate)."""
+        dit, vae = (ref.model for ref in self.models)
+        models = load_models(dit, vae, opts=self.opts, model_dir=self.model_dir)
+        return models, prepare_job(models, self.opts, frame_count, size, stats)
+
+    def ready_upscaler(self, frame_count: int, size: tuple[int, int], build=Upscaler,
+                       **upscaler_args) -> Upscaler:
+        """:meth:`prepare`, then ``build(models, opts, **upscaler_args)``."""
+        return build(*self.prepare(frame_count, size, upscaler_args.get("stats")),
+                     **upscaler_args)
 
 
 VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv")
+
+
+@dataclass(frozen=True)
+class FileOutput:
+    """Where and how a file job writes: built once per job from the input's header."""
+
+    dst: Any
+    size: tuple[int, int]  # (H, W)
+    bit_depth: int
+    codec: str = "h264"
+    overwrite: bool = False
+    fps: str = "auto"  # the option: a rate for images written as a video
+
+    @property
+    def is_video(self) -> bool:
+        return Path(str(self.dst)).suffix.lower() in VIDEO_SUFFIXES
+
+    def open(self, info):
+        """The writer of the output (:func:`open_output`)."""
+        return open_output(info, self.dst, self.size, self.bit_depth, self.codec,
+                           self.overwrite, self.fps)
 
 
 def _output_format(info, dst, opts: Options, codec: str) -> tuple[tuple[int, int], int]:
@@ -331,13 +387,18 @@ def refuse_input_as_output(inputs, dst) -> None:
                              f"{'folder' if folder_output else 'name'}")
 
 
-def file_facts(reader, dst, opts: Options, codec: str) -> tuple[int, tuple[int, int], int]:
-    """Frame count, output (H, W) and bit depth of a file job; first of all, an output that
-    would replace the input is refused (:func:`refuse_input_as_output`)."""
+def file_output(reader, dst, opts: Options, codec: str = "h264",
+                overwrite: bool = False) -> FileOutput:
+    """The output of a file job, from the input's header; first of all, an output that would
+    replace the input is refused (:func:`refuse_input_as_output`)."""
     refuse_input_as_output(input_files(reader), dst)
+    size, bit_depth = _output_format(reader.info, dst, opts, codec)
+    return FileOutput(dst, size, bit_depth, codec, overwrite, opts.fps)
+
+
+def frame_count(reader) -> int:
     info = reader.info
-    frame_count = info.frame_count if info.frame_count_exact else reader.count_frames()
-    return (frame_count, *_output_format(info, dst, opts, codec))
+    return info.frame_count if info.frame_count_exact else reader.count_frames()
 
 
 def check_file_job(src, dst, opts: Options, codec: str, overwrite: bool,
@@ -354,15 +415,14 @@ def check_file_job(src, dst, opts: Options, codec: str, overwrite: bool,
         open_output(reader.info, dst, size, bit_depth, codec, overwrite, opts.fps).abort()
 
 
-def plan_file(reader, dst, opts: Options, codec: str):
-    """Batch plan, output (H, W) and bit depth of a file job: the same in one process and on
-    every rank of a distributed one. ``opts.batch_size`` must be a number by now
-    (:func:`prepare_job`, :func:`resolve_auto_batch_for_ranks`)."""
+def plan_file(reader, opts: Options):
+    """Batch plan of a file job: the same in one process and on every rank of a distributed
+    one. ``opts.batch_size`` must be a number by now (:func:`prepare_job`,
+    :func:`resolve_auto_batch_for_ranks`)."""
     if opts.batch_size == "auto":
         raise OptionError("batch_size = 'auto' must be resolved before the batch plan is made "
                           "(prepare_job or resolve_auto_batch_for_ranks)")
-    frame_count, size, bit_depth = file_facts(reader, dst, opts, codec)
-    return make_plan(frame_count, opts), size, bit_depth
+    return make_plan(frame_count(reader), opts)
 
 
 def open_output(info, dst, size: tuple[int, int], bit_depth: int, codec: str, overwrite: bool,
