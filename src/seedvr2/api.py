@@ -1,12 +1,10 @@
 """The facade every interface calls: ``upscale`` (frames in memory) and ``upscale_file``.
 
-Options are validated once (``seedvr2.options``); models may be given loaded, or by registered
-name or path and are then loaded (``seedvr2.pipeline.setup``, shared with the distributed
-ranks). Before any frame is processed, ``prepare_job`` resolves ``batch_size="auto"`` and
-checks the job against the memory of each CUDA device (``seedvr2.memory.budget``), so a job
-that cannot fit stops up front with the settings that would, instead of running out of
-memory mid-video. Here the facade only decides: one process, or several
-(``seedvr2.distributed``).
+Here a job is built once (``seedvr2.pipeline.setup.Job``: options validated, models given
+loaded, by registered name or by path, the tests' faults read) and run in one of two ways: in this process, or over several ranks (``seedvr2.distributed``: spawned here, or this
+process is one rank of a torchrun/Slurm launch). Both load models and check the memory
+budget through ``Job.prepare`` before any frame, and a file job writes through the same
+sinks (``seedvr2.pipeline.sink``). See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -106,17 +104,17 @@ def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Pr
 
 
 def _job(opts: Options, devices: list[str], models: tuple, model_dir) -> Job:
-    """The job, its models resolved once, after the checks that need no model file: several
-    devices need models by name or path, and a ``sequence_parallel`` they can split."""
+    """The job, after the checks that need no model file: several devices need models by
+    name or path (each rank resolves them itself), and a ``sequence_parallel`` they can
+    split."""
     if len(devices) == 1:
         _check_one_process(opts)
-    else:
-        _check_named_models(*models)
-    job = Job.build(opts, *models, model_dir, Faults.from_environment())
-    if len(devices) > 1:
-        from .distributed.job import check_sequence_parallel
+        return Job.build(opts, *models, model_dir, Faults.from_environment())
+    from .distributed.job import check_sequence_parallel
 
-        check_sequence_parallel(job, len(devices))
+    _check_named_models(*models)
+    job = Job.build(opts, *models, model_dir, Faults.from_environment())
+    check_sequence_parallel(job, len(devices))
     return job
 
 
@@ -183,7 +181,7 @@ def _one_process_file_job(reader, output, opts: Options, models: tuple, model_di
     count = frame_count(reader)
     writer = output.open(reader.info)
     try:
-        job = _job(opts, ["one"], models, model_dir)
+        job = _job(opts, ["one"], models, model_dir).resolved()
         models, opts = job.prepare(count, output.size, stats)
         plan = make_plan(count, opts)
         identity = job_identity(opts, source_digest(reader), job.models)

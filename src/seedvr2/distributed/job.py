@@ -71,7 +71,7 @@ def check_sequence_parallel(job: Job, ranks: int):
     if ranks % k:
         raise OptionError(f"sequence_parallel = {k} must divide the number of ranks "
                           f"({ranks}); use {ranks} or a divisor of it")
-    dit = job.models[0]
+    dit = job.resolved().models[0]
     if dit.loaded:
         heads = {block.attn.heads for block in dit.model.blocks}
     else:
@@ -86,8 +86,8 @@ def check_sequence_parallel(job: Job, ranks: int):
 
 
 def _on_rank(ctx: DistContext, job: Job) -> Job:
-    """The job as this rank runs it: both models on the rank's own device."""
-    opts = job.opts
+    """The job as this rank runs it: its models resolved, both on the rank's own device."""
+    job, opts = job.resolved(), job.opts
     if opts.dit_device != "auto" or opts.vae_device != "auto":
         log.warning("with several devices each rank runs both models on its own device; "
                     "dit_device/vae_device are ignored")
@@ -252,9 +252,7 @@ def _produce(work: RankWork, consume=None):
     yields every rank's ``(batch, frames)`` of those batches in plan order) and its result
     is returned. ``consume`` is None elsewhere: this rank sends its batches to the writer."""
     ctx, k = work.ctx, work.job.opts.sequence_parallel
-    if ctx.world_size % k:
-        raise OptionError(f"sequence_parallel = {k} must divide the number of ranks "
-                          f"({ctx.world_size}); use {ctx.world_size} or a divisor of it")
+    check_sequence_parallel(work.job, ctx.world_size)
     timeout = datetime.timedelta(seconds=work.job.opts.dist_timeout)
     group = sequence_group(k, timeout) if k > 1 else None
     meeting = meeting_group(k)
@@ -329,7 +327,6 @@ def run_file_job(ctx: DistContext, job: Job, src, output, progress=None, should_
 
     _terminate_cleanly()
     job = _on_rank(ctx, job)
-    check_sequence_parallel(job, ctx.world_size)
     with open_media(src) as reader:
         plan = plan_file(reader, job.opts)
         identity = job_identity(job.opts, source_digest(reader), job.models)

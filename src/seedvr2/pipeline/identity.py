@@ -81,11 +81,12 @@ def file_digest(path) -> str:
 
 @dataclass(frozen=True)
 class ModelRef:
-    """A model as the caller gave it (None, a registered name, a path, or a loaded module),
-    resolved once: ``model`` is then the module, or the weight file (found or downloaded)."""
+    """A model as the caller gave it (None, a registered name, a path, or a loaded module);
+    once resolved (:func:`model_refs`) ``model`` is the module, or the weight file (a
+    ``Path``, found or downloaded)."""
 
     kind: str  # "dit" or "vae"
-    model: Any  # torch.nn.Module or Path
+    model: Any
 
     @property
     def loaded(self) -> bool:

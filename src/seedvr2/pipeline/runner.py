@@ -361,6 +361,18 @@ class StopPoints:
         return handles
 
 
+class _PhaseCounts:
+    """Batches done per phase, told to ``progress`` as they finish."""
+
+    def __init__(self, progress: Progress, total: int):
+        self.progress, self.total = progress, total
+        self.counts = {"encode": 0, "dit": 0, "decode": 0}
+
+    def done(self, phase: str):
+        self.counts[phase] += 1
+        self.progress(phase, self.counts[phase], self.total)
+
+
 class Upscaler:
     """Runs a batch plan over a frame stream with loaded models."""
 
@@ -576,76 +588,76 @@ class Upscaler:
         on this chunk's latents (that chunk's latents and input frames are the extra memory).
         """
         chosen = list(range(len(plan.batches))) if batches is None else list(batches)
-        first_source = plan.read_start(chosen)
         needed = None if batches is None else {
             plan.source_index(f) for i in chosen for f in range(plan.batches[i].start, plan.batches[i].stop)}
         wanted = set(chosen)
         chunks = [c for c in ([i for i in chunk if i in wanted] for chunk in plan.chunks) if c]
-        overlap = self.overlap_phases
         self._stops = StopPoints(self.should_stop)
         reader = ReadAhead(frames, self._read_ahead_depth(plan))
-        source = FrameSource(reader, plan, first_source, needed,
+        source = FrameSource(reader, plan, plan.read_start(chosen), needed,
                              pin=self.models.vae_device.type == "cuda")
         encoded = self._encoded([i for chunk in chunks for i in chunk], plan, source)
-        hooks = []
-        total = len(chosen)
-        done = {"encode": 0, "dit": 0, "decode": 0}
-
-        def count(phase: str):
-            done[phase] += 1
-            self.progress(phase, done[phase], total)
-
-        def denoise(item: _Encoded):
-            self._stops()
-            with self._phase("dit"):
-                self._denoise(item)
-            count("dit")
-
+        hooks, counts = [], _PhaseCounts(self.progress, len(chosen))
         try:
             hooks = self._stops.attach(self.models)
-            if overlap:
+            if self.overlap_phases:
                 self.models.activate("vae")
                 self.models.activate("dit")
                 encoded = ReadAhead(encoded, max(len(c) for c in chunks))
             for chunk in chunks:
-                items = []
-                if not overlap:
-                    self.models.activate("vae")
-                for _ in chunk:
-                    items.append(next(encoded))
-                    count("encode")
-                    if overlap:
-                        denoise(items[-1])
-                if not overlap:
-                    self.models.park("vae")
-                    self.models.activate("dit")
-                    for item in items:
-                        denoise(item)
-                    self.models.park("dit")
-                    self.models.activate("vae")
-                for item in items:
-                    self._stops()
-                    with self._vae_lock, self._phase("decode"):
-                        out = self._decode(item)
-                    count("decode")
-                    yield item.batch, out
-                    del out
-                    self._collect_times()  # the consumer has fetched the frames: these ended
+                yield from self._chunk_outputs(chunk, encoded, counts)
         finally:
             # Also after an error or interrupt: no weights copies or tensors stay on the
             # device, and no thread reads or encodes on.
             self._stops.abandon()
             encoded.close()
             reader.close()
-            for hook in hooks:
-                hook.remove()
-            self.models.park("dit")
+            self._wind_down(hooks)
+
+    def _chunk_outputs(self, chunk: list[int], encoded, counts: "_PhaseCounts"):
+        """One chunk's phases: encode every batch, the DiT on each (as each is encoded when
+        the phases overlap), decode each."""
+        overlap = self.overlap_phases
+        items = []
+        if not overlap:
+            self.models.activate("vae")
+        for _ in chunk:
+            items.append(next(encoded))
+            counts.done("encode")
+            if overlap:
+                self._denoise_counted(items[-1], counts)
+        if not overlap:
             self.models.park("vae")
-            self._collect_times(wait=True)
-            for name, phase in self.stats.phases.items():
-                log.debug("phase %s: %s", name, phase.describe(f"{phase.calls} call(s)"))
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            self.models.activate("dit")
+            for item in items:
+                self._denoise_counted(item, counts)
+            self.models.park("dit")
+            self.models.activate("vae")
+        for item in items:
+            self._stops()
+            with self._vae_lock, self._phase("decode"):
+                out = self._decode(item)
+            counts.done("decode")
+            yield item.batch, out
+            del out
+            self._collect_times()  # the consumer has fetched the frames: these ended
+
+    def _denoise_counted(self, item: _Encoded, counts: "_PhaseCounts"):
+        self._stops()
+        with self._phase("dit"):
+            self._denoise(item)
+        counts.done("dit")
+
+    def _wind_down(self, hooks: list):
+        for hook in hooks:
+            hook.remove()
+        self.models.park("dit")
+        self.models.park("vae")
+        self._collect_times(wait=True)
+        for name, phase in self.stats.phases.items():
+            log.debug("phase %s: %s", name, phase.describe(f"{phase.calls} call(s)"))
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def check_stop(self):
         """Raises :class:`Interrupted` once ``should_stop`` says so."""

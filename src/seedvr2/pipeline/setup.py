@@ -89,11 +89,6 @@ def _load_vae(path: Path, opts: Options, dtype, device, offload):
     return vae, placement
 
 
-def _model_files(dit, vae, model_dir: Path) -> tuple[Optional[Path], Optional[Path]]:
-    """The weight files of the models given by name or path (None for a loaded module)."""
-    return tuple(None if ref.loaded else ref.model for ref in model_refs(dit, vae, model_dir))
-
-
 def load_models(dit=None, vae=None, *, opts: Options, model_dir=None) -> Models:
     """DiT, VAE and text embedding placed and prepared as the options say (cached if asked)."""
     device = resolve_device(opts.device)
@@ -103,25 +98,9 @@ def load_models(dit=None, vae=None, *, opts: Options, model_dir=None) -> Models:
     dit_offload, vae_offload = (resolve_offload(opts.dit_offload_device),
                                 resolve_offload(opts.vae_offload_device))
     model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
-    dit_path, vae_path = _model_files(dit, vae, model_dir)
-    dit_placement = vae_placement = None
-    if isinstance(dit, torch.nn.Module):
-        dit = dit.to(device=dit_device if dit_offload is None else dit_offload, dtype=dtype)
-        dit.set_attention_backend(opts.attention_backend)  # a loaded file's is set at load
-        dit_placement = _placement(dit, dit_device, dit_offload, "dit_offload_device")
-    else:
-        path = dit_path
-        key = ModelKey.for_file("dit", path, dtype, dit_device, _settings_of(opts, "dit"))
-        dit, dit_placement = MODEL_CACHE.get_or_load(
-            key, lambda: _load_dit(path, opts, dtype, dit_device, dit_offload), opts.cache_dit)
-    if isinstance(vae, torch.nn.Module):
-        vae = vae.to(device=vae_device if vae_offload is None else vae_offload, dtype=dtype)
-        vae_placement = _placement(vae, vae_device, vae_offload, "vae_offload_device")
-    else:
-        path = vae_path
-        key = ModelKey.for_file("vae", path, dtype, vae_device, _settings_of(opts, "vae"))
-        vae, vae_placement = MODEL_CACHE.get_or_load(
-            key, lambda: _load_vae(path, opts, dtype, vae_device, vae_offload), opts.cache_vae)
+    dit_ref, vae_ref = model_refs(dit, vae, model_dir)
+    dit, dit_placement = _ready_model(dit_ref, opts, dtype, dit_device, dit_offload)
+    vae, vae_placement = _ready_model(vae_ref, opts, dtype, vae_device, vae_offload)
     # Per run, not per load: they change how the VAE runs, not what it holds (a cached or
     # given VAE runs with this job's settings).
     vae.set_conv_settings(cudnn_benchmark=opts.vae_cudnn_benchmark,
@@ -131,6 +110,21 @@ def load_models(dit=None, vae=None, *, opts: Options, model_dir=None) -> Models:
                                 embedded=embedded.get("pos"))
     return Models(dit, vae, text, dit_device, vae_device, dtype, dit_offload, vae_offload,
                   dit_placement, vae_placement)
+
+
+def _ready_model(ref: ModelRef, opts: Options, dtype, device, offload):
+    """One model and its placement: a loaded module moved where the options say, a file
+    loaded through the model cache."""
+    setting = f"{ref.kind}_offload_device"
+    if ref.loaded:
+        model = ref.model.to(device=device if offload is None else offload, dtype=dtype)
+        if ref.kind == "dit":
+            model.set_attention_backend(opts.attention_backend)  # a loaded file's is set at load
+        return model, _placement(model, device, offload, setting)
+    load = _load_dit if ref.kind == "dit" else _load_vae
+    key = ModelKey.for_file(ref.kind, ref.model, dtype, device, _settings_of(opts, ref.kind))
+    return MODEL_CACHE.get_or_load(key, lambda: load(ref.model, opts, dtype, device, offload),
+                                   opts.cache_dit if ref.kind == "dit" else opts.cache_vae)
 
 
 def _budget_job(opts: Options, size: tuple[int, int], batch: int, dtype: torch.dtype,
@@ -168,39 +162,21 @@ def prepare_job(models: Models, opts: Options, frame_count: int, size: tuple[int
     (``SEEDVR2_MEMORY_CHECK=warn`` in the environment turns that into a warning, for when the
     estimate is wrong). Returns the options with a concrete batch size.
     """
-    dit_device, vae_device = str(models.dit_device), str(models.vae_device)
-    place = mem.Placement(
-        dit_device, vae_device,
-        str(models.dit_offload) if models.dit_offload is not None else None,
-        str(models.vae_offload) if models.vae_offload is not None else None,
-        models.blockswap.blocks_to_swap if models.blockswap is not None else 0,
-        bool(opts.swap_io_components and models.blockswap is not None))
+    place = _placement_of(models, opts)
     budget = mem.Budget(models.dit.config, models.vae.config, mem.Weights.of_module(models.dit),
                         mem.Weights.of_module(models.vae))
-    devices = {dit_device, vae_device}
-
-    def available(device: str) -> Optional[int]:
-        own = mem.bytes_on(models.dit, torch.device(device)) + mem.bytes_on(models.vae, torch.device(device))
-        return mem.device_available(torch.device(device), own)
-
-    # The CPU (and other devices) count the host's available RAM: a job past it fails in the
-    # allocator minutes into its work, naming no setting.
-    known = {d: a for d in sorted(devices) if (a := available(d)) is not None}
-    cuda = {d: a for d, a in known.items() if d.startswith("cuda")}
-    plan_frames = plan_frames_of(frame_count, opts)
+    devices = {str(models.dit_device), str(models.vae_device)}
+    known = _available_memory(models, devices)
     job = lambda batch: _budget_job(opts, size, batch, models.dtype, models.text.shape[0], devices)  # noqa: E731
     auto = opts.batch_size == "auto"
     if auto:
-        limits = cuda or known
-        if limits:
-            batch = mem.auto_batch_size(budget, job(5), place, limits, plan_frames,
-                                        opts.temporal_overlap)
-        else:
-            batch = mem.batch_candidates(plan_frames, opts.temporal_overlap)[-1]
-        opts = opts.replace(batch_size=batch)
+        cuda = {d: a for d, a in known.items() if d.startswith("cuda")}
+        opts = opts.replace(batch_size=_auto_batch(budget, job(5), place, cuda or known,
+                                                   plan_frames_of(frame_count, opts), opts))
         log.info("batch_size auto: %d frames per batch (largest 4n+1 that fits %s for %dx%d "
-                 "output, %d frames)", batch, ", ".join(f"{mem.gib(v)} on {d}" for d, v in limits.items())
-                 or "the default", size[1], size[0], plan_frames)
+                 "output, %d frames)", opts.batch_size, ", ".join(
+                     f"{mem.gib(v)} on {d}" for d, v in (cuda or known).items()) or "the default",
+                 size[1], size[0], plan_frames_of(frame_count, opts))
     (encode, encode_slice), (decode, decode_slice) = (settings_from_options(opts, stage)
                                                       for stage in ("encode", "decode"))
     exact = tuple(stage for stage, tiles in (("encode", encode), ("decode", decode))
@@ -209,23 +185,59 @@ def prepare_job(models: Models, opts: Options, frame_count: int, size: tuple[int
         mem.check_exact_tiling(models.vae.config, opts.batch_size, size[0], size[1],
                                models.dtype.itemsize, decode_slice, encode_slice,
                                mem.host_available(), exact)
+    est = _checked_estimate(budget, job(opts.batch_size), place, known)
+    if stats is not None:
+        stats.batch_size, stats.batch_size_auto = opts.batch_size, auto
+        stats.estimated_bytes = {d: est.peak(d) for d in est.devices}
+    return opts
+
+
+def _placement_of(models: Models, opts: Options) -> mem.Placement:
+    return mem.Placement(
+        str(models.dit_device), str(models.vae_device),
+        str(models.dit_offload) if models.dit_offload is not None else None,
+        str(models.vae_offload) if models.vae_offload is not None else None,
+        models.blockswap.blocks_to_swap if models.blockswap is not None else 0,
+        bool(opts.swap_io_components and models.blockswap is not None))
+
+
+def _available_memory(models: Models, devices: set) -> dict:
+    """Bytes available to the job on each device where that is known (the models' own
+    tensors there count as available). The CPU (and other devices) count the host's
+    available RAM: a job past it fails in the allocator minutes into its work, naming no
+    setting."""
+    def available(device: str) -> Optional[int]:
+        own = mem.bytes_on(models.dit, torch.device(device)) + mem.bytes_on(models.vae, torch.device(device))
+        return mem.device_available(torch.device(device), own)
+    return {d: a for d in sorted(devices) if (a := available(d)) is not None}
+
+
+def _auto_batch(budget, one_batch: mem.Job, place, limits: dict, plan_frames: int,
+                opts: Options) -> int:
+    """The one ``batch_size="auto"`` decision: the largest batch whose estimate fits every
+    device of ``limits`` (bytes available), else (nothing known) the smallest candidate."""
+    if limits:
+        return mem.auto_batch_size(budget, one_batch, place, limits, plan_frames,
+                                   opts.temporal_overlap)
+    return mem.batch_candidates(plan_frames, opts.temporal_overlap)[-1]
+
+
+def _checked_estimate(budget, job: mem.Job, place, known: dict):
+    """The job's estimate, checked against the memory available (``known``)."""
     try:
-        est = mem.check(budget, job(opts.batch_size), place, known)
+        est = mem.check(budget, job, place, known)
     except mem.BudgetError as e:
         if os.environ.get(MEMORY_CHECK_ENV, "").strip().lower() != "warn":
             raise mem.BudgetError(f"{e} (to try anyway, set {MEMORY_CHECK_ENV}=warn)") from None
         log.warning("%s; running anyway (%s=warn)", e, MEMORY_CHECK_ENV)
-        est = mem.estimate(budget, job(opts.batch_size), place)
-    for d in sorted(devices):
+        est = mem.estimate(budget, job, place)
+    for d in sorted(est.devices):
         log.debug("memory budget on %s: needs about %s, %s available", d, mem.gib(est.peak(d)),
                   mem.gib(known[d]) if d in known else "unknown (not checked)")
     for need in est.phases:
         log.debug("memory budget, %s phase on %s: %s (%s)", need.phase, need.device,
                   mem.gib(need.total), need.describe())
-    if stats is not None:
-        stats.batch_size, stats.batch_size_auto = opts.batch_size, auto
-        stats.estimated_bytes = {d: est.peak(d) for d in est.devices}
-    return opts
+    return est
 
 
 def resolve_auto_batch_for_ranks(job: Job, devices: list[str], frame_count: int,
@@ -242,7 +254,7 @@ def resolve_auto_batch_for_ranks(job: Job, devices: list[str], frame_count: int,
         return job
     first = resolve_device(devices[0])
     dtype = resolve_dtype(opts.dtype, first)
-    dit_path, vae_path = (ref.file for ref in job.models)
+    dit_path, vae_path = (ref.file for ref in job.resolved().models)
     dit_w, dit_cfg = mem.Weights.from_file(dit_path, "dit", dtype)
     vae_w, vae_cfg = mem.Weights.from_file(vae_path, "vae", dtype)
     budget = mem.Budget(dit_cfg, vae_cfg, dit_w, vae_w)
@@ -257,21 +269,18 @@ def resolve_auto_batch_for_ranks(job: Job, devices: list[str], frame_count: int,
     device = "cuda:0" if first.type == "cuda" else "cpu"
     place = mem.Placement(device, device)
     one_batch = _budget_job(opts, size, 5, dtype, mem.TEXT_TOKENS, {device})
-    plan_frames = plan_frames_of(frame_count, opts)
-    if values:
-        batch = mem.auto_batch_size(budget, one_batch, place, {device: min(values)}, plan_frames,
-                                    opts.temporal_overlap)
-    else:
-        batch = mem.batch_candidates(plan_frames, opts.temporal_overlap)[-1]
+    batch = _auto_batch(budget, one_batch, place, {device: min(values)} if values else {},
+                        plan_frames_of(frame_count, opts), opts)
     log.info("batch_size auto: %d frames per batch on every rank", batch)
     return job.with_options(opts.replace(batch_size=batch))
 
 
 @dataclass(frozen=True)
 class Job:
-    """What one job computes, resolved once by the facade: validated options, both models
+    """What one job computes: validated options, both models
     (:class:`~seedvr2.pipeline.identity.ModelRef`), the model folder, and the tests' faults
-    (none in production). Picklable: spawned ranks receive it as it is."""
+    (none in production). Picklable: spawned ranks receive it as it is and resolve its models
+    themselves (:meth:`resolved`: a missing file is then the failing rank's error)."""
 
     opts: Options
     models: tuple[ModelRef, ModelRef]
@@ -282,7 +291,14 @@ class Job:
     def build(cls, opts: Options, dit=None, vae=None, model_dir=None,
               faults: Faults = NO_FAULTS) -> "Job":
         model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
-        return cls(opts, model_refs(dit, vae, model_dir), model_dir, faults)
+        return cls(opts, (ModelRef("dit", dit), ModelRef("vae", vae)), model_dir, faults)
+
+    def resolved(self) -> "Job":
+        """The job with its models resolved, once: files found or downloaded."""
+        if all(ref.loaded or isinstance(ref.model, Path) for ref in self.models):
+            return self
+        return Job(self.opts, model_refs(*(ref.model for ref in self.models), self.model_dir),
+                   self.model_dir, self.faults)
 
     def with_options(self, opts: Options) -> "Job":
         return Job(opts, self.models, self.model_dir, self.faults)
