@@ -1,10 +1,11 @@
 """The facade every interface calls: ``upscale`` (frames in memory) and ``upscale_file``.
 
 Here a job is built once (``seedvr2.pipeline.setup.Job``: options validated, models given
-loaded, by registered name or by path, the tests' faults read) and run in one of two ways: in this process, or over several ranks (``seedvr2.distributed``: spawned here, or this
-process is one rank of a torchrun/Slurm launch). Both load models and check the memory
-budget through ``Job.prepare`` before any frame, and a file job writes through the same
-sinks (``seedvr2.pipeline.sink``). See docs/architecture.md.
+loaded, by registered name or by path, the tests' faults read) and run in this process or
+over several ranks (``seedvr2.distributed``: spawned here, or this process is one rank of a
+torchrun/Slurm launch). Both load models and check the memory budget through ``Job.prepare``
+before any frame, and a file job writes through the same sinks (``seedvr2.pipeline.sink``).
+See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -103,16 +104,18 @@ def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Pr
     return torch.cat([out for _, out in upscaler.run(iter(frames), plan)])
 
 
-def _job(opts: Options, devices: list[str], models: tuple, model_dir) -> Job:
-    """The job, after the checks that need no model file: several devices need models by
-    name or path (each rank resolves them itself), and a ``sequence_parallel`` they can
+def _job(opts: Options, devices: list[str], models: tuple, model_dir,
+         spawned: bool = True) -> Job:
+    """The job, after the checks that need no model file: spawned ranks need models by name
+    or path (each resolves them itself), and several ranks a ``sequence_parallel`` they can
     split."""
     if len(devices) == 1:
         _check_one_process(opts)
         return Job.build(opts, *models, model_dir, Faults.from_environment())
     from .distributed.job import check_sequence_parallel
 
-    _check_named_models(*models)
+    if spawned:
+        _check_named_models(*models)
     job = Job.build(opts, *models, model_dir, Faults.from_environment())
     check_sequence_parallel(job, len(devices))
     return job
@@ -142,12 +145,11 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
         devices = [str(ctx.device)] * ctx.world_size
     else:
         ctx, (devices, opts) = None, process_devices(opts, dit, vae)
+    job = _job(opts, devices, (dit, vae), model_dir, spawned=ctx is None)
     with open_media(src) as reader:
         output = file_output(reader, dst, opts, codec, overwrite)
         if len(devices) == 1:
-            return _one_process_file_job(reader, output, opts, (dit, vae), model_dir,
-                                         (progress, should_stop, stats))
-        job = _job(opts, devices, (dit, vae), model_dir)
+            return _one_process_file_job(reader, output, job, (progress, should_stop, stats))
         if opts.batch_size == "auto":
             from .pipeline.setup import frame_count
 
@@ -169,8 +171,7 @@ def _gather_over_ranks(ctx):
     return gather
 
 
-def _one_process_file_job(reader, output, opts: Options, models: tuple, model_dir,
-                          report: tuple) -> Path:
+def _one_process_file_job(reader, output, job: Job, report: tuple) -> Path:
     """The file job in this process: the output opened first (an unwritable or existing one
     fails before any model loads), then the models, then the sink fed by the upscaler."""
     from .pipeline.identity import job_identity, source_digest
@@ -181,7 +182,7 @@ def _one_process_file_job(reader, output, opts: Options, models: tuple, model_di
     count = frame_count(reader)
     writer = output.open(reader.info)
     try:
-        job = _job(opts, ["one"], models, model_dir).resolved()
+        job = job.resolved()
         models, opts = job.prepare(count, output.size, stats)
         plan = make_plan(count, opts)
         identity = job_identity(opts, source_digest(reader), job.models)

@@ -107,7 +107,8 @@ def model_refs(dit, vae, model_dir: Path) -> tuple[ModelRef, ModelRef]:
     names every missing file."""
     specs = {"dit": dit, "vae": vae}
     wanted = [(spec or default, kind) for (kind, spec), default in
-              zip(specs.items(), (DEFAULT_DIT, DEFAULT_VAE)) if not isinstance(spec, torch.nn.Module)]
+              zip(specs.items(), (DEFAULT_DIT, DEFAULT_VAE))
+              if not isinstance(spec, torch.nn.Module)]
     paths = iter(resolve_model_files(wanted, model_dir, download_missing=True))
     return tuple(ModelRef(kind, spec if isinstance(spec, torch.nn.Module) else next(paths))
                  for kind, spec in specs.items())

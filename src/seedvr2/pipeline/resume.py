@@ -560,7 +560,7 @@ def open_resume_state(reader, output, plan: BatchPlan, identity: dict,
     # Images without a rate into a video (the rate comes from ``fps``) are written directly.
     if len(plan.chunks) < 2 or output.is_video and reader.info.fps is None:
         return None
-    frames = faults.segment_frames or SEGMENT_FRAMES
+    frames = SEGMENT_FRAMES if faults.segment_frames is None else faults.segment_frames
     return ResumeState(output.dst, _journal_identity(identity, plan, output, compute_dtype, frames),
                        plan, plan_segments(plan, frames), fresh=fresh,
                        dtype=np.dtype(np.uint16 if output.bit_depth == 16 else np.uint8),
