@@ -134,8 +134,12 @@ class TakenChunks:
         # Loaded before taking any chunk, unless none is left (a resumed job with every batch
         # kept, more ranks than chunks): then only if this rank must compute after all (the
         # writer, for a lost rank's batches).
-        if not self.counter.all_taken():
-            self._ready()
+        try:
+            if not self.counter.all_taken():
+                self._ready()
+        except BaseException:
+            self.heartbeat.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *exc):

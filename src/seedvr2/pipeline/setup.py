@@ -427,8 +427,7 @@ def check_file_job(src, dst, opts: Options, codec: str, overwrite: bool,
 
     with open_media(src) as reader:
         refuse_input_as_output([*input_files(reader), *other_inputs], dst)
-        size, bit_depth = _output_format(reader.info, dst, opts, codec)
-        open_output(reader.info, dst, size, bit_depth, codec, overwrite, opts.fps).abort()
+        file_output(reader, dst, opts, codec, overwrite).open(reader.info).abort()
 
 
 def plan_file(reader, opts: Options):
