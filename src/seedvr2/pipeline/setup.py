@@ -344,13 +344,6 @@ class FileOutput:
                            self.overwrite, self.fps)
 
 
-def _output_format(info, dst, opts: Options, codec: str) -> tuple[tuple[int, int], int]:
-    """Output (H, W) and bit depth of a file job."""
-    is_video_out = Path(str(dst)).suffix.lower() in VIDEO_SUFFIXES
-    bit_depth = 16 if info.bit_depth == 16 or is_video_out and codec == "h265" else 8
-    return output_size(info.height, info.width, opts), bit_depth
-
-
 def input_files(reader) -> list[Path]:
     """The files a file job reads: the video or image, or every file of an image sequence."""
     files = getattr(reader, "files", None)
@@ -408,8 +401,10 @@ def file_output(reader, dst, opts: Options, codec: str = "h264",
     """The output of a file job, from the input's header; first of all, an output that would
     replace the input is refused (:func:`refuse_input_as_output`)."""
     refuse_input_as_output(input_files(reader), dst)
-    size, bit_depth = _output_format(reader.info, dst, opts, codec)
-    return FileOutput(dst, size, bit_depth, codec, overwrite, opts.fps)
+    info, video = reader.info, Path(str(dst)).suffix.lower() in VIDEO_SUFFIXES
+    bit_depth = 16 if info.bit_depth == 16 or video and codec == "h265" else 8
+    return FileOutput(dst, output_size(info.height, info.width, opts), bit_depth, codec,
+                      overwrite, opts.fps)
 
 
 def frame_count(reader) -> int:
