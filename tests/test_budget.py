@@ -350,9 +350,11 @@ def test_ranks_resolve_auto_once_for_the_smallest_device(tiny_options):
     from seedvr2.api import resolve_auto_batch_for_ranks
 
     opts = resolve_options(device="cpu", dtype="fp32", resolution=64, batch_size="auto")
+    from seedvr2.pipeline.setup import Job
+
+    file_job = Job.build(opts, tiny_options["dit"], tiny_options["vae"], tiny_options["model_dir"])
     resolve = lambda values: resolve_auto_batch_for_ranks(  # noqa: E731
-        opts, ["cpu"], tiny_options["dit"], tiny_options["vae"], tiny_options["model_dir"], 40,
-        (64, 96), gather=lambda mine: values).batch_size
+        file_job, ["cpu"], 40, (64, 96), gather=lambda mine: values).opts.batch_size
     assert resolve([100 * GIB, 100 * GIB]) == 41
     dit, config = Weights.from_file(tiny_options["dit"], "dit", torch.float32)
     from seedvr2.loading import load_dit

@@ -216,7 +216,13 @@ def test_nccl_world_size_one_runs_the_distributed_path(clip, tiny_options, tmp_p
     seedvr2.upscale_file(clip, f"{tmp_path}/one/", **options)
     model_dir = options.pop("model_dir")
     dit, vae = options.pop("dit"), options.pop("vae")
-    spawn_file_job(["cuda:0"], clip, f"{tmp_path}/nccl/", dit, vae, model_dir=model_dir, **options)
+    from seedvr2.io import open_media
+    from seedvr2.pipeline.setup import Job, file_output
+
+    opts = resolve_options(**options)
+    with open_media(clip) as reader:
+        output = file_output(reader, f"{tmp_path}/nccl/", opts)
+    spawn_file_job(["cuda:0"], Job.build(opts, dit, vae, model_dir), clip, output)
     one, nccl = _frames(tmp_path / "one"), _frames(tmp_path / "nccl")
     assert one.shape == nccl.shape
     assert np.abs(one.astype(int) - nccl.astype(int)).max() <= 1
@@ -269,6 +275,7 @@ def _two_gpus(monkeypatch):
 
     from seedvr2 import api
     from seedvr2.distributed import launch
+    from seedvr2.pipeline import setup
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -280,7 +287,8 @@ def _two_gpus(monkeypatch):
 
     def load_models(dit, vae, opts, model_dir=None):
         raise _Reached(opts)
-    monkeypatch.setattr(api, "load_models", load_models)
+    monkeypatch.setattr(api, "load_models", load_models)  # the command's, once per run
+    monkeypatch.setattr(setup, "load_models", load_models)  # a job's set-up (Job.prepare)
 
 
 @pytest.mark.parametrize("option, value", [("device", "cuda:0"), ("device", "cuda:1"),

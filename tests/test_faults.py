@@ -97,8 +97,12 @@ def test_digest_compares_model_and_input_content(tiny_model_dir, tmp_path, clip)
     import torch
     from safetensors.torch import load_file, save_file
 
-    from seedvr2.distributed.job import job_digest
     from seedvr2.options import resolve_options
+    from seedvr2.pipeline.identity import ModelRef, identity_digest, job_identity
+
+    def job_digest(opts, dit, vae, source):
+        return identity_digest(job_identity(opts, source, (ModelRef("dit", dit),
+                                                           ModelRef("vae", vae))))
 
     original = tiny_model_dir / "dit3b_tiny.safetensors"
     weights = load_file(original)
@@ -114,9 +118,9 @@ def test_digest_compares_model_and_input_content(tiny_model_dir, tmp_path, clip)
     assert changed.stat().st_size == original.stat().st_size
     vae = tiny_model_dir / "vae_tiny.safetensors"
     opts = resolve_options(batch_size=5)
-    same = job_digest(opts, 13, 64, 48, (str(original), str(vae)), source="a")
-    assert job_digest(opts, 13, 64, 48, (str(original), str(vae)), source="a") == same
-    assert job_digest(opts, 13, 64, 48, (str(changed), str(vae)), source="a") != same
+    same = job_digest(opts, original, vae, source="a")
+    assert job_digest(opts, original, vae, source="a") == same
+    assert job_digest(opts, changed, vae, source="a") != same
 
     from seedvr2.io import open_media
     from seedvr2.pipeline.identity import source_digest

@@ -5,6 +5,7 @@ the same code end to end over gloo)."""
 from __future__ import annotations
 
 import datetime
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -123,9 +124,10 @@ def test_worker_sends_cpu_integers_on_the_frame_group(monkeypatch):
         sent.append((tensor.clone(), dst, tag, group))
         return Work()
     monkeypatch.setattr(wire.dist, "isend", isend)
-    monkeypatch.delenv(job.FAULT_ENV, raising=False)
     ctx = job.DistContext(1, 2, 1, torch.device("cpu"))
-    job._send_all(ctx, plan, iter(outputs), 8, "frames-group")
+    rank_job = job.Job(resolve_options(), (), Path())  # no faults
+    job._send_all(job.RankWork(ctx, rank_job, plan, None, (4, 6, 3), 8,
+                               frames_group="frames-group"), iter(outputs))
     assert {(dst, group) for _, dst, _, group in sent} == {(0, "frames-group")}
     assert all(t.device.type == "cpu" for t, *_ in sent)
     assert {t.dtype for t, *_ in sent} == {torch.int64, torch.uint8, torch.float32}

@@ -211,15 +211,19 @@ def test_second_job_on_the_same_output_is_refused(clip, tiny_options, tmp_path):
     from seedvr2.io import open_media
     from seedvr2.options import resolve_options
     from seedvr2.pipeline.plan import make_plan
+    from seedvr2.pipeline.identity import job_identity, model_refs, source_digest
     from seedvr2.pipeline.resume import open_resume_state
+    from seedvr2.pipeline.setup import FileOutput
 
     out = tmp_path / "up.mp4"
     opts = resolve_options(resolution=32, batch_size=5, temporal_overlap=1, dtype="fp32",
                            text_embeddings=str(tiny_options["model_dir"] / "text_64.safetensors"))
     with open_media(clip) as reader:
-        first = open_resume_state(reader, out, opts, make_plan(23, opts), (32, 42), 8, "h264",
-                                  tiny_options["dit"], tiny_options["vae"],
-                                  tiny_options["model_dir"], __import__("torch").float32)
+        models = model_refs(tiny_options["dit"], tiny_options["vae"], tiny_options["model_dir"])
+        first = open_resume_state(reader, FileOutput(out, (32, 42), 8, "h264"),
+                                  make_plan(23, opts),
+                                  job_identity(opts, source_digest(reader), models),
+                                  __import__("torch").float32, fresh=False)
     assert first is not None
     try:
         second = _cli(tiny_options, clip, out)

@@ -8,10 +8,13 @@ import os
 import subprocess
 import sys
 
+from types import SimpleNamespace
+
 import pytest
 
 from seedvr2.distributed import taking
 from seedvr2.distributed.groups import DistContext
+from seedvr2.faults import Faults
 from seedvr2.options import resolve_options
 from seedvr2.pipeline.plan import make_plan
 
@@ -55,8 +58,10 @@ def _run(counter, plan, computed):
         computed.extend(batches)
         return ((plan.batches[b], f"frames of {b}") for b in batches)
     ctx = DistContext(rank=0, world_size=2, local_rank=0, device=None)
-    return list(taking.taken_in_order(ctx, counter, plan, compute, 3, (32, 32), None,
-                                      lambda ctx, n: None, timeout_s=0.5))
+    job = SimpleNamespace(faults=Faults(), opts=SimpleNamespace(dist_timeout=0.5))
+    work = SimpleNamespace(ctx=ctx, job=job, plan=plan, frame_shape=(32, 32, 3),
+                           frames_group=None)
+    return list(taking.ChunkCollector(work, counter, compute).outputs())
 
 
 @pytest.fixture

@@ -1,12 +1,11 @@
 """The facade every interface calls: ``upscale`` (frames in memory) and ``upscale_file``.
 
-Options are validated once (``seedvr2.options``); models may be given loaded, or by registered
-name or path and are then loaded (``seedvr2.pipeline.setup``, shared with the distributed
-ranks). Before any frame is processed, ``prepare_job`` resolves ``batch_size="auto"`` and
-checks the job against the memory of each CUDA device (``seedvr2.memory.budget``), so a job
-that cannot fit stops up front with the settings that would, instead of running out of
-memory mid-video. Here the facade only decides: one process, or several
-(``seedvr2.distributed``).
+Here a job is built once (``seedvr2.pipeline.setup.Job``: options validated, models given
+loaded, by registered name or by path, the tests' faults read) and run in this process or
+over several ranks (``seedvr2.distributed``: spawned here, or this process is one rank of a
+torchrun/Slurm launch). Both load models and check the memory budget through ``Job.prepare``
+before any frame, and a file job writes through the same sinks (``seedvr2.pipeline.sink``).
+See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -16,13 +15,11 @@ from typing import Callable, Optional
 
 import torch
 
+from .faults import Faults
 from .options import OptionError, Options, option_ref, option_value, resolve_options
 from .pipeline.plan import make_plan
-from .io.background import BackgroundWriter
-from .pipeline.resume import install_kill_hook, open_resume_state, run_resumable
-from .pipeline.runner import (JobStats, Models, Upscaler, input_frames, output_size,
-                              to_integer_frames)
-from .pipeline.setup import (MEMORY_CHECK_ENV, check_file_job, file_facts, load_models,
+from .pipeline.runner import JobStats, Upscaler, input_frames, output_size
+from .pipeline.setup import (MEMORY_CHECK_ENV, Job, check_file_job, file_output, load_models,
                              open_output, plan_file, prepare_job, resolve_auto_batch_for_ranks)
 
 # The set-up steps are the library's too (custom pipelines, the CLI, tests).
@@ -31,10 +28,6 @@ __all__ = ["MEMORY_CHECK_ENV", "check_file_job", "load_models", "open_output", "
            "upscale_file"]
 
 Progress = Callable[[str, int, int], None]
-
-
-def _upscaler(models: Models, opts: Options, progress, should_stop) -> Upscaler:
-    return Upscaler(models, opts, progress, should_stop)
 
 
 def _check_one_process(opts: Options):
@@ -88,34 +81,40 @@ def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Pr
 
     ``frames``: float (T, H, W, C) in [0, 1] (or uint8/uint16), C = 1, 3 or 4; a single
     (H, W, C) image is one frame. Returns float32 (T, H', W', C) in [0, 1] on the CPU.
+    ``stats`` (a ``JobStats``) records the job as it runs.
     """
     opts = resolve_options(**options)
     frames = input_frames(frames)
     devices, opts = process_devices(opts, dit, vae)
+    job = _job(opts, devices, (dit, vae), model_dir)
+    size = output_size(frames.shape[1], frames.shape[2], opts)
     if len(devices) > 1:
-        from .distributed.job import check_sequence_parallel
         from .distributed.launch import spawn_tensor_job
 
-        _check_named_models(dit, vae)
-        check_sequence_parallel(opts, len(devices), dit, model_dir)
-        size = output_size(frames.shape[1], frames.shape[2], opts)
-        opts = resolve_auto_batch_for_ranks(opts, devices, dit, vae, model_dir, len(frames), size)
-        out_shape = (len(frames), *size, frames.shape[3])
-        return spawn_tensor_job(devices, frames, out_shape, dit, vae, model_dir=model_dir,
-                                progress=progress, should_stop=should_stop,
-                                **{**options, "batch_size": opts.batch_size})
-    _check_one_process(opts)
-    models = load_models(dit, vae, opts=opts, model_dir=model_dir)
-    job_stats = JobStats()
-    opts = prepare_job(models, opts, len(frames), output_size(frames.shape[1], frames.shape[2], opts),
-                       job_stats)
-    upscaler = _upscaler(models, opts, progress, should_stop)
-    upscaler.stats = job_stats
-    plan = make_plan(len(frames), opts)
-    pieces = [out for _, out in upscaler.run(iter(frames), plan)]
-    if stats is not None:
-        stats.__dict__.update(upscaler.stats.__dict__)
-    return torch.cat(pieces)
+        job = resolve_auto_batch_for_ranks(job, devices, len(frames), size)
+        return spawn_tensor_job(devices, job, frames, (len(frames), *size, frames.shape[3]),
+                                progress, should_stop)
+    upscaler = job.ready_upscaler(len(frames), size, progress=progress,
+                                  should_stop=should_stop, stats=stats)
+    plan = make_plan(len(frames), upscaler.opts)
+    return torch.cat([out for _, out in upscaler.run(iter(frames), plan)])
+
+
+def _job(opts: Options, devices: list[str], models: tuple, model_dir,
+         spawned: bool = True) -> Job:
+    """The job, after the checks that need no model file: spawned ranks need models by name
+    or path (each resolves them itself), and several ranks a ``sequence_parallel`` they can
+    split."""
+    if len(devices) == 1:
+        _check_one_process(opts)
+        return Job.build(opts, *models, model_dir, Faults.from_environment())
+    from .distributed.job import check_sequence_parallel
+
+    if spawned:
+        _check_named_models(*models)
+    job = Job.build(opts, *models, model_dir, Faults.from_environment())
+    check_sequence_parallel(job, len(devices))
+    return job
 
 
 def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: bool = False,
@@ -128,72 +127,73 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
     and subtitles where the output holds them (copied, not re-encoded); ``fps`` gives images
     and sequences a rate for a video output. The output is
     written under a temporary name and appears at ``dst`` only when complete; an existing
-    ``dst`` is replaced only with ``overwrite=True``. Returns the output path.
+    ``dst`` is replaced only with ``overwrite=True``. ``stats`` (a ``JobStats``) records the
+    job as it runs. Returns the output path.
     """
     from .distributed import in_distributed_launch, init_from_env
-    from .distributed.job import check_sequence_parallel, run_file_job
+    from .distributed.job import run_file_job
     from .distributed.launch import spawn_file_job
     from .io import open_media
 
     opts = resolve_options(**options)
-    job = dict(model_dir=model_dir, overwrite=overwrite, codec=codec, **options)
-    def ranks_auto(devices, gather=None):
-        if opts.batch_size == "auto":
-            with open_media(src) as reader:
-                count, size, _ = file_facts(reader, dst, opts, codec)
-            job["batch_size"] = resolve_auto_batch_for_ranks(
-                opts, devices, dit, vae, model_dir, count, size, gather).batch_size
-
     if in_distributed_launch():  # torchrun / Slurm: this process is one rank
         ctx = init_from_env(opts.devices if opts.devices != "auto" else "auto", opts.dist_timeout)
-
-        def gather(value):
-            import torch.distributed as dist
-
-            values = [None] * ctx.world_size
-            dist.all_gather_object(values, value)
-            return values
-        ranks_auto([str(ctx.device)], gather)
-        return run_file_job(ctx, src, dst, dit, vae, progress=progress, should_stop=should_stop,
-                            stats=stats, **job)
-    devices, opts = process_devices(opts, dit, vae)
-    if len(devices) > 1:
-        _check_named_models(dit, vae)
-        check_sequence_parallel(opts, len(devices), dit, model_dir)
-        ranks_auto(devices)
-        return spawn_file_job(devices, src, dst, dit, vae, stats=stats, **job)
-    _check_one_process(opts)
+        devices = [str(ctx.device)] * ctx.world_size
+    else:
+        ctx, (devices, opts) = None, process_devices(opts, dit, vae)
+    job = _job(opts, devices, (dit, vae), model_dir, spawned=ctx is None)
     with open_media(src) as reader:
-        frame_count, size, bit_depth = file_facts(reader, dst, opts, codec)
-        # Opening the writer first fails fast on an unwritable or existing output.
-        writer = open_output(reader.info, dst, size, bit_depth, codec, overwrite, opts.fps)
-        try:
-            models = load_models(dit, vae, opts=opts, model_dir=model_dir)
-            job_stats = JobStats()
-            opts = prepare_job(models, opts, frame_count, size, job_stats)
-            plan = make_plan(frame_count, opts)
-            upscaler = _upscaler(models, opts, progress, should_stop)
-            upscaler.stats = job_stats
-            state = open_resume_state(reader, dst, opts, plan, size, bit_depth, codec, dit, vae,
-                                      model_dir, models.dtype)
-        except BaseException:
-            writer.abort()
-            raise
-        if state is None:
-            # Encoding runs on a thread from a bounded queue while the device computes on.
-            with BackgroundWriter(writer) as output:
-                upscaler.frames_on_device = True  # rounded there, copied to the host as integers
-                for _, frames in upscaler.run(reader.frames(), plan):
-                    output.write_many(to_integer_frames(frames, bit_depth))
-        else:
-            writer.abort()  # the kept segments become the output instead
-            def compute(batches):
-                return upscaler.batch_outputs(reader.frames(start=plan.read_start(batches)),
-                                              plan, batches)
-            install_kill_hook(upscaler)
-            path = run_resumable(compute, dst, plan, state, info=reader.info, size=size,
-                                 bit_depth=bit_depth, codec=codec, overwrite=overwrite,
-                                 progress=upscaler.progress, stats=job_stats, fps=opts.fps)
-        if stats is not None:
-            stats.__dict__.update(upscaler.stats.__dict__)
-    return Path(writer.path) if state is None else path
+        output = file_output(reader, dst, opts, codec, overwrite)
+        if len(devices) == 1:
+            return _one_process_file_job(reader, output, job, (progress, should_stop, stats))
+        if opts.batch_size == "auto":
+            from .pipeline.setup import frame_count
+
+            job = resolve_auto_batch_for_ranks(job, devices[:1] if ctx else devices,
+                                               frame_count(reader), output.size,
+                                               _gather_over_ranks(ctx) if ctx else None)
+    if ctx is not None:
+        return run_file_job(ctx, job, src, output, progress, should_stop, stats)
+    return spawn_file_job(devices, job, src, output, stats)
+
+
+def _gather_over_ranks(ctx):
+    def gather(value):
+        import torch.distributed as dist
+
+        values = [None] * ctx.world_size
+        dist.all_gather_object(values, value)
+        return values
+    return gather
+
+
+def _one_process_file_job(reader, output, job: Job, report: tuple) -> Path:
+    """The file job in this process: the output opened first (an unwritable or existing one
+    fails before any model loads), then the models, then the sink fed by the upscaler."""
+    from .pipeline.identity import job_identity, source_digest
+    from .pipeline.sink import DirectSink, open_sink
+    from .pipeline.setup import frame_count
+
+    progress, should_stop, stats = report
+    count = frame_count(reader)
+    writer = output.open(reader.info)
+    try:
+        job = job.resolved()
+        models, opts = job.prepare(count, output.size, stats)
+        plan = make_plan(count, opts)
+        identity = job_identity(opts, source_digest(reader), job.models)
+    except BaseException:
+        writer.abort()
+        raise
+    with open_sink(writer, reader, output, plan, identity, models.dtype, job) as sink:
+        # A direct sink's frames are rounded to integers on the device: the copy to the host
+        # is then 4x (uint8) or 2x (uint16) smaller than float32 frames.
+        upscaler = Upscaler(models, opts, job.faults.with_kill_points(progress or _silent),
+                            should_stop, stats=stats, frames_on_device=isinstance(sink, DirectSink))
+        return sink.consume(lambda batches: upscaler.batch_outputs(
+            reader.frames(start=plan.read_start(batches)), plan, batches),
+            upscaler.progress, upscaler.stats, upscaler.check_stop)
+
+
+def _silent(phase: str, done: int, total: int):
+    pass

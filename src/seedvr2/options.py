@@ -303,6 +303,13 @@ AREAS: dict[str, tuple[str, ...]] = {
 }
 
 
+# Options that choose where or how a job runs, never what it computes: ranks on different
+# devices agree on a job, and a re-run resumes it, whatever these say. Every other option
+# shapes the output (the job's identity, ``pipeline.identity.job_identity``).
+NOT_SHAPING_OUTPUT = frozenset({"device", "dit_device", "vae_device", "devices", "dist_timeout",
+                                "resume", "cache_dit", "cache_vae"})
+
+
 @dataclass(frozen=True)
 class Options:
     """A complete, validated option set (attribute per option)."""
@@ -310,6 +317,8 @@ class Options:
     values: dict
 
     def __getattr__(self, name):
+        if name == "values":  # not set yet (unpickling): no recursion through this method
+            raise AttributeError(name)
         try:
             return self.values[name]
         except KeyError:

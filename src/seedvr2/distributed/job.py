@@ -13,22 +13,24 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import hashlib
-import json
 import logging
 import os
 import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 
-from ..io.background import BackgroundWriter
-from ..options import OptionError, resolve_options
-from ..pipeline.runner import OverlapBlender, Upscaler, to_integer_frames
+from ..options import OptionError
+from ..pipeline.identity import identity_digest, job_identity
+from ..pipeline.plan import BatchPlan, make_plan
+from ..pipeline.runner import final_frames
+from ..pipeline.setup import Job
 from . import frames as wire
 from .assign import assign_batches, owner_of
 from .groups import DistContext
@@ -36,42 +38,6 @@ from .sequence import meeting_group, sequence_group, sequence_parallel
 from .vae_share import SharedVaeUpscaler, vae_owners
 
 log = logging.getLogger("seedvr2")
-
-FAULT_ENV = "SEEDVR2_FAULT"  # test hook, "RANK:ACTION=N": see fault_point
-FAULT_MARK_ENV = "SEEDVR2_FAULT_MARK"  # test hook: file where a fault writes its wall time
-
-
-def _fault_spec(ctx: DistContext) -> tuple[str, int] | None:
-    spec = os.environ.get(FAULT_ENV, "")
-    if not spec:
-        return None
-    rank, _, point = spec.partition(":")
-    if int(rank) != ctx.rank:
-        return None
-    action, _, count = point.partition("=")
-    return action, int(count or 0)
-
-
-def fault_point(ctx: DistContext, batches_done: int):
-    """The fault hook of the multi-process tests, a no-op unless ``SEEDVR2_FAULT`` names this
-    rank: ``after_batches=N`` dies without any cleanup (as a crash or ``kill -9`` would) and
-    ``freeze_after_batches=N`` stops itself (as a hung driver would, SIGSTOP) once this rank
-    has delivered N batches (rank 0: once it has written N), or at the end of its work if it
-    delivers fewer. With ``SEEDVR2_FAULT_MARK`` the fault fires once: the mark file records
-    its wall time, and a fault whose mark exists is spent."""
-    spec = _fault_spec(ctx)
-    if spec is None or batches_done < spec[1]:
-        return
-    mark = os.environ.get(FAULT_MARK_ENV)
-    if mark:
-        if Path(mark).exists():
-            return  # fired in an earlier attempt (torchrun restarted the workers): once only
-        Path(mark).write_text(repr(time.time()))
-    if spec[0] == "after_batches":
-        os._exit(17)
-    if spec[0] == "freeze_after_batches":
-        os.kill(os.getpid(), signal.SIGSTOP)
-
 
 def _terminate_cleanly():
     """SIGTERM (sent by torchrun or the spawn launcher when a peer fails) becomes an exception,
@@ -84,57 +50,34 @@ def _terminate_cleanly():
         pass
 
 
-def job_digest(opts, frame_count: int, width: int, height: int, models: tuple,
-               model_dir=None, source: str = "") -> str:
-    """What every rank must agree on: the options that shape the result, the input (its
-    size, frame count and, for files, its content digest) and the model files by content —
-    a copy with one weight changed, same name and size, differs."""
-    from ..loading.registry import DEFAULT_DIT, DEFAULT_VAE, resolve_model_file
-    from ..pipeline.identity import model_digest
-
-    per_rank = {"device", "dit_device", "vae_device", "devices"}
-    settings = {k: v for k, v in opts.values.items() if k not in per_rank}
-    identities = []
-    for spec, kind, default in zip(models, ("dit", "vae"), (DEFAULT_DIT, DEFAULT_VAE)):
-        if not isinstance(spec, torch.nn.Module):
-            spec = resolve_model_file(spec or default, model_dir, kind, download_missing=True)
-        identities.append(model_digest(spec))
-    text = Path(str(opts.text_embeddings))
-    if text.is_file():
-        identities.append(model_digest(text))
-    blob = json.dumps([settings, frame_count, width, height, identities, source], sort_keys=True,
-                      default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()
-
-
-def check_agreement(ctx: DistContext, digest: str):
-    """Refuse to start when ranks disagree on options, input or model files (by content)."""
+def check_agreement(ctx: DistContext, identity: dict):
+    """Refuse to start when ranks disagree on the job's identity: options that shape the
+    output, input or model files (by content)."""
     digests = [None] * ctx.world_size
-    dist.all_gather_object(digests, digest)
+    dist.all_gather_object(digests, identity_digest(identity))
     differing = [r for r, d in enumerate(digests) if d != digests[0]]
     if differing:
         raise RuntimeError(f"ranks {differing} disagree with rank 0 on options, input or model "
                            f"files; every rank must run the same command on the same files")
 
 
-def check_sequence_parallel(opts, ranks: int, dit=None, model_dir=None):
+def check_sequence_parallel(job: Job, ranks: int):
     """Refuse ``sequence_parallel`` that cannot split the ranks into groups or the DiT's
     attention heads over a group, from the weight file's header: before any worker starts
     (the launcher) or loads a model (torchrun)."""
-    k = opts.sequence_parallel
+    k = job.opts.sequence_parallel
     if k == 1:
         return
     if ranks % k:
         raise OptionError(f"sequence_parallel = {k} must divide the number of ranks "
                           f"({ranks}); use {ranks} or a divisor of it")
-    if isinstance(dit, torch.nn.Module):
-        heads = {block.attn.heads for block in dit.blocks}
+    dit = job.resolved().models[0]
+    if dit.loaded:
+        heads = {block.attn.heads for block in dit.model.blocks}
     else:
         from ..loading.load import describe
-        from ..loading.registry import DEFAULT_DIT, resolve_model_file
 
-        heads = {describe(resolve_model_file(dit or DEFAULT_DIT, model_dir, "dit",
-                                             download_missing=True))["heads"]}
+        heads = {describe(dit.model)["heads"]}
     for count in heads:
         if count % k:
             raise OptionError(f"sequence_parallel = {k}: sequence parallelism over {k} ranks "
@@ -142,133 +85,194 @@ def check_sequence_parallel(opts, ranks: int, dit=None, model_dir=None):
                               f"heads (use a group size that divides {count})")
 
 
-def _rank_options(ctx: DistContext, options: dict):
-    opts = resolve_options(**options)
+def _on_rank(ctx: DistContext, job: Job) -> Job:
+    """The job as this rank runs it: its models resolved, both on the rank's own device."""
+    job, opts = job.resolved(), job.opts
     if opts.dit_device != "auto" or opts.vae_device != "auto":
         log.warning("with several devices each rank runs both models on its own device; "
                     "dit_device/vae_device are ignored")
-    return opts.replace(device=str(ctx.device), dit_device="auto", vae_device="auto")
+    return job.with_options(opts.replace(device=str(ctx.device), dit_device="auto",
+                                         vae_device="auto"))
 
 
-def _run_share(ctx: DistContext, plan, read_from, consume, channels: int, size: tuple[int, int],
-               bit_depth, dit, vae, opts, model_dir, progress, should_stop, first_chunk: int = 0):
-    """Upscale this rank's batches of chunks ``first_chunk``…; the writer rank also gathers
-    everyone's.
+@dataclass
+class RankWork:
+    """One rank's part of a job: who it is, the job and its plan, where its source frames
+    come from (``read_from(first)``: the frames from index ``first`` on) and the shape
+    (H, W, C) and wire format (``bit_depth`` 8, 16, or None for float32) of its output."""
 
-    ``read_from(first)`` gives the source frames from index ``first`` on. On the writer rank
-    ``consume(outputs_from)`` finishes the job: ``outputs_from(batches)`` yields every
-    rank's ``(batch, frames)`` of those (the remaining) batches in plan order; ``consume`` is
-    None elsewhere. With ``sequence_parallel`` = k, consecutive groups of k ranks share each
-    batch's DiT call; chunks are dealt to the groups, and each batch's VAE work is done, and its
-    frames delivered, by one rank of its group (``vae_share.py``). ``bit_depth`` (8, 16, or
-    None for float32 output) sets the frames' wire format.
-    """
-    from ..pipeline.setup import load_models, prepare_job
+    ctx: DistContext
+    job: Job
+    plan: BatchPlan
+    read_from: Callable[[int], Iterable]
+    frame_shape: tuple[int, int, int]
+    bit_depth: Optional[int]
+    progress: Optional[Callable] = None
+    should_stop: Optional[Callable[[], bool]] = None
+    first_chunk: int = 0  # chunks before it are kept by the writer's resume journal
+    frames_group: object = None  # gloo group of every rank, made in _produce
 
-    k = opts.sequence_parallel
-    if ctx.world_size % k:
-        raise OptionError(f"sequence_parallel = {k} must divide the number of ranks "
-                          f"({ctx.world_size}); use {ctx.world_size} or a divisor of it")
-    timeout = datetime.timedelta(seconds=opts.dist_timeout)
-    group = sequence_group(k, timeout) if k > 1 else None
-    meeting = meeting_group(k)
-    frames_group = wire.frame_group(timeout)  # every rank, in the same order
-    _mark_started(ctx)
-    if k == 1:
-        _run_taken(ctx, plan, read_from, consume, channels, size, bit_depth, dit, vae, opts,
-                   model_dir, progress, should_stop, frames_group, first_chunk)
-        return
-    shares = assign_batches(plan, ctx.world_size // k, first_chunk)
-    mine = shares[ctx.rank // k]
-    if ctx.is_writer and len(plan.chunks) - first_chunk < len(shares):
-        log.warning("%d rank groups for %d chunks: %d group(s) stay idle", len(shares),
-                    len(plan.chunks) - first_chunk, len(shares) - len(plan.chunks) + first_chunk)
-    with contextlib.ExitStack() as stack:
-        outputs = iter(())
-        if mine:
-            models = load_models(dit, vae, opts=opts, model_dir=model_dir)
-            # This rank's own device against the budget, before any frame (batch_size is
-            # already the one every rank uses).
-            prepare_job(models, opts, plan.source_frames, size)
-            stack.enter_context(sequence_parallel(models.dit, group, meeting))
-            upscaler = SharedVaeUpscaler(models, opts, progress, should_stop, plan, k,
-                                         ctx.rank % k, ctx.rank - ctx.rank % k, meeting)
-            # Each rank delivers the batches it decoded (vae_share.py); the others it only
-            # helped to compute come out without frames.
-            outputs = ((b, out) for b, out in upscaler.batch_outputs(
-                read_from(plan.read_start(mine)), plan, mine) if out is not None)
-        if consume is not None:
-            consume(lambda batches: _gather(ctx, plan, shares, k, outputs, channels, size,
-                                            frames_group, batches))
-        else:
-            _send_all(ctx, plan, outputs, bit_depth, frames_group)
+    def compute(self, upscaler, batches: list[int]):
+        return upscaler.batch_outputs(self.read_from(self.plan.read_start(batches)), self.plan,
+                                      batches)
 
 
-def _run_taken(ctx: DistContext, plan, read_from, consume, channels: int, size, bit_depth, dit,
-               vae, opts, model_dir, progress, should_stop, frames_group, first_chunk: int):
+class TakenChunks:
     """Every rank takes the plan's next chunk when it is ready (``taking.py``); the writer
-    receives them and hands them to ``consume`` in plan order."""
-    from ..pipeline.resume import install_kill_hook
-    from ..pipeline.setup import load_models, prepare_job
-    from .taking import (ChunkCounter, Heartbeat, Liveness, Watchdog, chunk_outputs,
-                         mark_sent, taken_in_order)
+    receives the others' batches and yields them in plan order."""
 
-    counter = ChunkCounter(len(plan.chunks), first_chunk)
-    with Heartbeat(counter, ctx.rank):
-        upscaler = None
+    def __init__(self, work: RankWork):
+        from .taking import ChunkCounter, Heartbeat
 
-        def ready() -> Upscaler:
-            nonlocal upscaler
-            if upscaler is None:
-                models = load_models(dit, vae, opts=opts, model_dir=model_dir)
-                # This rank's own device against the budget, before any frame (batch_size is
-                # already the one every rank uses).
-                prepare_job(models, opts, plan.source_frames, size)
-                upscaler = Upscaler(models, opts, progress, should_stop)
-                if ctx.is_writer:
-                    install_kill_hook(upscaler)
-            return upscaler
+        self.work = work
+        self.counter = ChunkCounter(len(work.plan.chunks), work.first_chunk)
+        self.heartbeat = Heartbeat(self.counter, work.ctx.rank)
+        self.upscaler = None
+
+    def __enter__(self):
+        self.heartbeat.__enter__()
         # Loaded before taking any chunk, unless none is left (a resumed job with every batch
         # kept, more ranks than chunks): then only if this rank must compute after all (the
         # writer, for a lost rank's batches).
-        if not counter.all_taken():
-            ready()
+        try:
+            if not self.counter.all_taken():
+                self._ready()
+        except BaseException:
+            self.heartbeat.__exit__(None, None, None)
+            raise
+        return self
 
-        def compute(batches: list[int]):
-            return ready().batch_outputs(read_from(plan.read_start(batches)), plan, batches)
-        if consume is not None:
-            def in_order(batches: list[int]):
-                assert batches == [b for c in plan.chunks[first_chunk:] for b in c], batches
-                return taken_in_order(ctx, counter, plan, compute, channels, size,
-                                      frames_group, fault_point, opts.dist_timeout)
-            consume(in_order)
-        else:
-            liveness = Liveness(counter, opts.dist_timeout)
-            _send_all(ctx, plan, chunk_outputs(ctx, counter, plan, compute), bit_depth,
-                      frames_group, lambda index: mark_sent(counter, index),
-                      lambda: Watchdog(liveness, 0, "waiting for the writer (rank 0)"))
-            fault_point(ctx, sys.maxsize)  # a fault not reached by then: at the end of its work
+    def __exit__(self, *exc):
+        self.heartbeat.__exit__(*exc)
+
+    def _ready(self):
+        if self.upscaler is None:
+            work = self.work
+            progress = work.progress
+            if work.ctx.is_writer:
+                progress = work.job.faults.with_kill_points(progress or (lambda *a: None))
+            # This rank's own device against the budget, before any frame (batch_size is
+            # already the one every rank uses).
+            self.upscaler = work.job.ready_upscaler(work.plan.source_frames, work.frame_shape[:2],
+                                                    progress=progress,
+                                                    should_stop=work.should_stop)
+        return self.upscaler
+
+    def _compute(self, batches: list[int]):
+        return self.work.compute(self._ready(), batches)
+
+    def outputs(self, batches: list[int]):
+        from .taking import ChunkCollector
+
+        plan = self.work.plan
+        assert batches == [b for c in plan.chunks[self.work.first_chunk:] for b in c], batches
+        return ChunkCollector(self.work, self.counter, self._compute).outputs()
+
+    def send_all(self):
+        from .taking import Liveness, Watchdog, chunk_outputs, mark_sent
+
+        work, counter = self.work, self.counter
+        liveness = Liveness(counter, work.job.opts.dist_timeout)
+        _send_all(work, chunk_outputs(work.ctx.rank, counter, work.plan, self._compute,
+                                      work.job.faults),
+                  lambda index: mark_sent(counter, index),
+                  lambda: Watchdog(liveness, 0, "waiting for the writer (rank 0)"))
+        # A fault not reached by then: at the end of its work.
+        work.job.faults.fault_point(work.ctx.rank, sys.maxsize)
 
 
-def _blend_into(plan, sink, progress):
-    """A writer's ``consume`` without resume: blend every batch and hand the finished frames
-    to ``sink(first, frames)``."""
-    def consume(outputs_from):
-        blender = OverlapBlender(plan)
-        for batch, out in outputs_from(list(range(len(plan.batches)))):
-            for first, final in blender.add(batch, out):
-                sink(first, final)
-                if progress:
-                    progress("frames", blender.emitted, plan.source_frames)
-    return consume
+class SharedBatches:
+    """With ``sequence_parallel`` = k, consecutive groups of k ranks share each batch's DiT
+    call; chunks are dealt to the groups, and each batch's VAE work is done, and its frames
+    delivered, by one rank of its group (``vae_share.py``)."""
+
+    def __init__(self, work: RankWork, group, meeting):
+        ctx, plan, k = work.ctx, work.plan, work.job.opts.sequence_parallel
+        self.work, self.group, self.meeting, self.k = work, group, meeting, k
+        self.shares = assign_batches(plan, ctx.world_size // k, work.first_chunk)
+        self.mine = self.shares[ctx.rank // k]
+        idle = len(self.shares) - len(plan.chunks) + work.first_chunk
+        if ctx.is_writer and idle > 0:
+            log.warning("%d rank groups for %d chunks: %d group(s) stay idle", len(self.shares),
+                        len(plan.chunks) - work.first_chunk, idle)
+        self.stack = contextlib.ExitStack()
+        self.local = iter(())
+
+    def __enter__(self):
+        work = self.work
+        if self.mine:
+            upscaler = work.job.ready_upscaler(
+                work.plan.source_frames, work.frame_shape[:2], build=SharedVaeUpscaler,
+                progress=work.progress, should_stop=work.should_stop,
+                owners=vae_owners(work.plan, self.k),
+                seat=(work.ctx.rank % self.k, work.ctx.rank - work.ctx.rank % self.k),
+                channel=self.meeting)
+            self.stack.enter_context(sequence_parallel(upscaler.models.dit, self.group,
+                                                       self.meeting))
+            # Each rank delivers the batches it decoded (vae_share.py); the others it only
+            # helped to compute come out without frames.
+            self.local = ((b, out) for b, out in work.compute(upscaler, self.mine)
+                          if out is not None)
+        return self
+
+    def __exit__(self, *exc):
+        self.stack.close()
+
+    def outputs(self, batches: list[int]):
+        """The writer's side: ``(batch, frames)`` of ``batches`` in plan order, those it
+        decoded itself computed here, the others received from the rank of their group
+        that decoded them."""
+        work, k = self.work, self.k
+        plan, local = work.plan, iter(self.local)
+        decoder = vae_owners(plan, k)
+        owner = {b: group * k + decoder[b] for b, group in owner_of(self.shares).items()}
+        for written, index in enumerate(batches):
+            b = plan.batches[index]
+            work.job.faults.fault_point(work.ctx.rank, written)
+            if owner[b.index] == work.ctx.rank:
+                batch, out = next(local)
+                assert batch.index == b.index
+            else:
+                out = _received(work, owner[b.index], b)
+            yield b, out
+
+    def send_all(self):
+        _send_all(self.work, self.local)
 
 
-def _first_chunk(ctx: DistContext, plan, state) -> int:
+def _received(work: RankWork, rank: int, b):
+    try:
+        return wire.recv_batch(rank, b.index, (b.frames, *work.frame_shape), work.frames_group)
+    except Exception as e:
+        raise RuntimeError(f"rank {rank} did not deliver batch {b.index} "
+                           f"(frames {b.start}-{b.stop - 1}): it failed or timed out "
+                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                           ) from e
+
+
+def _produce(work: RankWork, consume=None):
+    """Upscale this rank's batches of chunks ``work.first_chunk``…; the writer rank also
+    gathers everyone's: ``consume(outputs_from)`` finishes the job (``outputs_from(batches)``
+    yields every rank's ``(batch, frames)`` of those batches in plan order) and its result
+    is returned. ``consume`` is None elsewhere: this rank sends its batches to the writer."""
+    ctx, k = work.ctx, work.job.opts.sequence_parallel
+    check_sequence_parallel(work.job, ctx.world_size)
+    timeout = datetime.timedelta(seconds=work.job.opts.dist_timeout)
+    group = sequence_group(k, timeout) if k > 1 else None
+    meeting = meeting_group(k)
+    work.frames_group = wire.frame_group(timeout)  # every rank, in the same order
+    _mark_started(ctx)
+    with TakenChunks(work) if k == 1 else SharedBatches(work, group, meeting) as producer:
+        if consume is None:
+            return producer.send_all()
+        return consume(producer.outputs)
+
+
+def _first_chunk(ctx: DistContext, plan, remaining: Optional[list[int]]) -> int:
     """The writer's resume journal decides where every rank starts: the first chunk with a
     batch still to compute (the journal lives on the writer's disk only)."""
     first = [0]
-    if state is not None:
-        remaining = state.remaining_batches
+    if remaining is not None:
         first[0] = next((i for i, c in enumerate(plan.chunks) if c[0] == remaining[0]),
                         0) if remaining else len(plan.chunks)
     if ctx.world_size > 1:
@@ -301,19 +305,19 @@ def _mark_started(ctx: DistContext):
     threading.Thread(target=beat, name="seedvr2-launch-beat", daemon=True).start()
 
 
-def _mark_done(ctx: DistContext):
+def _mark_done(ctx: DistContext, job: Job):
     """The writer tells the spawn launcher that the output is complete: what follows (leaving
     the process group, which with NCCL and a lost peer may never return) cannot lose it."""
     folder = os.environ.get(STARTED_ENV)
     if folder and ctx.is_writer:
         Path(folder, "done").touch()
-    fault_point(ctx, sys.maxsize)  # the writer's fault not reached by then: after its output
+    job.faults.fault_point(ctx.rank, sys.maxsize)  # the writer's not reached: after its output
 
 
-def run_file_job(ctx: DistContext, src, dst, dit=None, vae=None, *, model_dir=None,
-                 overwrite: bool = False, codec: str = "h264", progress=None, should_stop=None,
-                 stats=None, **options) -> Path | None:
-    """This rank's share of ``upscale_file``; returns the output path on rank 0.
+def run_file_job(ctx: DistContext, job: Job, src, output, progress=None, should_stop=None,
+                 stats=None) -> Path | None:
+    """This rank's share of ``upscale_file`` (``output``: the facade's ``FileOutput``);
+    returns the output path on rank 0.
 
     The writer keeps the job's resume journal (``pipeline/resume.py``) exactly as one process
     would: a killed job (a lost writer, a failed launch, torchrun restarting its workers) run
@@ -322,134 +326,70 @@ def run_file_job(ctx: DistContext, src, dst, dit=None, vae=None, *, model_dir=No
     from ..io import open_media
     from ..memory.policy import resolve_dtype
     from ..pipeline.identity import source_digest
-    from ..pipeline.resume import open_resume_state, run_resumable
-    from ..pipeline.setup import open_output, plan_file
+    from ..pipeline.setup import plan_file
+    from ..pipeline.sink import open_sink
 
     _terminate_cleanly()
-    opts = _rank_options(ctx, options)
-    check_sequence_parallel(opts, ctx.world_size, dit, model_dir)
+    job = _on_rank(ctx, job)
     with open_media(src) as reader:
-        info = reader.info
-        plan, size, bit_depth = plan_file(reader, dst, opts, codec)
-        check_agreement(ctx, job_digest(opts, plan.source_frames, info.width, info.height,
-                                        (dit, vae), model_dir, source_digest(reader)))
-        writer = state = None
-        if ctx.is_writer:
-            # Opened first: an existing or unwritable output fails before any work.
-            writer = open_output(info, dst, size, bit_depth, codec, overwrite, opts.fps)
-            try:
-                # The journal names the options as given, not this rank's device.
-                state = open_resume_state(reader, dst, resolve_options(**options), plan, size,
-                                          bit_depth, codec, dit, vae, model_dir,
-                                          resolve_dtype(opts.dtype, ctx.device))
-            except BaseException:
-                writer.abort()
-                raise
-            if state is not None:
-                writer.abort()  # the kept segments become the output instead
-        first_chunk = _first_chunk(ctx, plan, state)
-
-        def read_from(first: int):
-            return reader.frames(start=first)
+        plan = plan_file(reader, job.opts)
+        identity = job_identity(job.opts, source_digest(reader), job.models)
+        check_agreement(ctx, identity)
+        work = RankWork(ctx, job, plan, lambda first: reader.frames(start=first),
+                        (*output.size, reader.info.channels), output.bit_depth, progress,
+                        should_stop)
         if not ctx.is_writer:
-            _run_share(ctx, plan, read_from, None, info.channels, size, bit_depth, dit, vae,
-                       opts, model_dir, progress, should_stop, first_chunk)
-            return None
-        if state is not None:
-            result = {}
-
-            def consume(outputs_from):
-                result["path"] = None  # from here on run_resumable keeps what is complete
-                result["path"] = run_resumable(
-                    outputs_from, dst, plan, state, info=info, size=size, bit_depth=bit_depth,
-                    codec=codec, overwrite=overwrite, progress=progress, stats=stats,
-                    fps=opts.fps)
-            try:
-                _run_share(ctx, plan, read_from, consume, info.channels, size, bit_depth, dit,
-                           vae, opts, model_dir, progress, should_stop, first_chunk)
-            except BaseException:
-                if "path" not in result:  # failed before writing began (loading the models)
-                    state.keep_or_discard(len(plan.batches))
-                raise
-            _mark_done(ctx)
-            return result["path"]
-        # The writer aborts (removing its partial file) on any exception, SIGTERM included;
-        # it encodes on a thread while this rank computes and receives.
-        with BackgroundWriter(writer) as output:
-            sink = lambda first, final: output.write_many(to_integer_frames(final, bit_depth))
-            _run_share(ctx, plan, read_from, _blend_into(plan, sink, progress), info.channels,
-                       size, bit_depth, dit, vae, opts, model_dir, progress, should_stop)
-        if stats is not None:
-            stats.frames = plan.source_frames
-        _mark_done(ctx)
-        return Path(writer.path)
+            work.first_chunk = _first_chunk(ctx, plan, None)
+            return _produce(work)
+        with open_sink(output.open(reader.info), reader, output, plan, identity,
+                       resolve_dtype(job.opts.dtype, ctx.device), job) as sink:
+            work.first_chunk = _first_chunk(ctx, plan, sink.remaining_batches)
+            path = _produce(work, lambda outputs_from: sink.consume(outputs_from, progress,
+                                                                    stats))
+    _mark_done(ctx, job)
+    return path
 
 
-def run_tensor_job(ctx: DistContext, frames: torch.Tensor, out: torch.Tensor, dit=None, vae=None,
-                   *, model_dir=None, progress=None, should_stop=None, **options) -> None:
+def run_tensor_job(ctx: DistContext, job: Job, frames: torch.Tensor, out: torch.Tensor,
+                   progress=None, should_stop=None) -> None:
     """This rank's share of ``upscale`` on frames in (shared) memory; the writer rank fills
     ``out`` (T, H', W', C) float32 with the finished frames."""
-    from ..pipeline.plan import make_plan
-
     _terminate_cleanly()
-    opts = _rank_options(ctx, options)
-    plan = make_plan(len(frames), opts)
-    check_agreement(ctx, job_digest(opts, len(frames), frames.shape[2], frames.shape[1],
-                                    (dit, vae), model_dir))
+    job = _on_rank(ctx, job)
+    plan = make_plan(len(frames), job.opts)
+    check_agreement(ctx, job_identity(job.opts, "frames " + "x".join(map(str, frames.shape)),
+                                      job.models))
 
-    def fill(first: int, final: torch.Tensor):
-        out[first: first + len(final)] = final
-    _run_share(ctx, plan, lambda first: iter(frames[first:]),
-               _blend_into(plan, fill, progress) if ctx.is_writer else None,
-               out.shape[-1], tuple(out.shape[1:3]), None, dit, vae, opts, model_dir, progress,
-               should_stop)
-    _mark_done(ctx)
+    def fill(outputs_from):
+        for first, final in final_frames(plan, outputs_from(list(range(len(plan.batches)))),
+                                         progress):
+            out[first: first + len(final)] = final
+    _produce(RankWork(ctx, job, plan, lambda first: iter(frames[first:]), tuple(out.shape[1:]),
+                      None, progress, should_stop), fill if ctx.is_writer else None)
+    _mark_done(ctx, job)
 
 
-def _send_all(ctx: DistContext, plan, outputs, bit_depth, group, posted=None, guard=None):
+def _send_all(work: RankWork, outputs, posted=None, guard=None):
     """Send each finished batch to the writer, one message in flight. ``posted(batch)`` is
     told when a message is posted; ``guard()`` is a context around each wait for the writer
     (a watchdog on its heartbeat)."""
-    fault = _fault_spec(ctx)
+    rank, faults = work.ctx.rank, work.job.faults
+    fault_after = faults.rank_fault_after(rank)
     pending = None  # (works, message): the message must live until its sends complete
 
     def complete():
         with guard() if guard is not None else contextlib.nullcontext():
-            for work in pending[0]:
-                work.wait()
+            for sending in pending[0]:
+                sending.wait()
     for sent, (batch, out) in enumerate(outputs, start=1):
-        message = wire.encode_batch(out, wire.quantized_span(plan, batch), bit_depth)
+        message = wire.encode_batch(out, wire.quantized_span(work.plan, batch), work.bit_depth)
         if pending is not None:
             complete()
-        pending = (wire.send_batch(message, 0, batch.index, group), message)
+        pending = (wire.send_batch(message, 0, batch.index, work.frames_group), message)
         if posted is not None:
             posted(batch.index)
-        if fault is not None and sent >= fault[1]:
+        if fault_after is not None and sent >= fault_after:
             complete()
-            fault_point(ctx, sent)
+            faults.fault_point(rank, sent)
     if pending is not None:
         complete()
-
-
-def _gather(ctx, plan, shares, group_size, local_outputs, channels, size, group, batches):
-    """The writer's side with sequence parallelism: ``(batch, frames)`` of ``batches`` in plan
-    order, those it decoded itself computed here, the others received from the rank of their
-    group that decoded them."""
-    decoder = vae_owners(plan, group_size)
-    owner = {b: group * group_size + decoder[b] for b, group in owner_of(shares).items()}
-    local = iter(local_outputs)
-    for written, index in enumerate(batches):
-        b = plan.batches[index]
-        fault_point(ctx, written)
-        if owner[b.index] == ctx.rank:
-            batch, out = next(local)
-            assert batch.index == b.index
-        else:
-            try:
-                out = wire.recv_batch(owner[b.index], b.index, (b.frames, *size, channels), group)
-            except Exception as e:
-                raise RuntimeError(f"rank {owner[b.index]} did not deliver batch {b.index} "
-                                   f"(frames {b.start}-{b.stop - 1}): it failed or timed out "
-                                   f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-                                   ) from e
-        yield b, out

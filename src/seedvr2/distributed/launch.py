@@ -80,15 +80,15 @@ WRITER_STATS = "writer.json"  # in the launch folder: the writer's JobStats for 
 
 
 def _file_worker(rank: int, devices: list[str], port: int, threads: int, log_level: int,
-                 args: tuple, kwargs: dict):
+                 job, file: tuple):
     from ..pipeline.runner import JobStats
     from .job import STARTED_ENV, run_file_job
 
     _log_like_parent(rank, log_level)
-    ctx = _join_group(rank, devices, port, threads, kwargs.get("dist_timeout", 60.0))
+    ctx = _join_group(rank, devices, port, threads, job.opts.dist_timeout)
     stats = JobStats()
     try:
-        run_file_job(ctx, *args, stats=stats, **kwargs)
+        run_file_job(ctx, job, *file, stats=stats)
         if ctx.is_writer:
             Path(os.environ[STARTED_ENV], WRITER_STATS).write_text(json.dumps(
                 {"frames": stats.frames, "batches_reused": stats.batches_reused,
@@ -97,18 +97,18 @@ def _file_worker(rank: int, devices: list[str], port: int, threads: int, log_lev
         destroy()
 
 
-def _tensor_worker(rank: int, devices: list[str], port: int, threads: int, frames, out, models,
-                   events, stop, kwargs: dict):
+def _tensor_worker(rank: int, devices: list[str], port: int, threads: int, job,
+                   tensors: tuple, channel: tuple):
     from .job import run_tensor_job
 
-    ctx = _join_group(rank, devices, port, threads, kwargs.get("dist_timeout", 60.0))
+    ctx = _join_group(rank, devices, port, threads, job.opts.dist_timeout)
+    events, stop = channel
 
     def report(phase: str, done: int, total: int):
         if phase == "frames":  # only the writer rank counts finished frames
             events.put((phase, done, total))
     try:
-        run_tensor_job(ctx, frames, out, *models, progress=report, should_stop=stop.is_set,
-                       **kwargs)
+        run_tensor_job(ctx, job, *tensors, progress=report, should_stop=stop.is_set)
     finally:
         destroy()
 
@@ -253,25 +253,27 @@ def _held(folder: Path):
             lock.release()
 
 
-def spawn_file_job(device_list: list[str], src, dst, *args, stats=None, **kwargs) -> Path:
+def spawn_file_job(device_list: list[str], job, src, output, stats=None) -> Path:
     """Run ``upscale_file`` over several local devices; raises naming the failed rank.
     ``stats`` (a ``JobStats``) is told the writer's frame and batch counts and the ranks the
     job went on without."""
-    timeout_s = float(kwargs.get("dist_timeout", 60.0))
+    timeout_s = job.opts.dist_timeout
     with _launched(_file_worker, device_list, timeout_s,
-                   (log.getEffectiveLevel(), (src, dst, *args), kwargs)) as (workers, started):
+                   (log.getEffectiveLevel(), job, (src, output))) as (workers, started):
         try:
             lost = _join(workers, timeout_s, started)
         finally:
             _stop(workers)
             # Only now that no worker lives: a rank killed outright left its temporaries behind.
-            remove_stale_temporaries(dst)
+            remove_stale_temporaries(output.dst)
         if stats is not None:
             written = started / WRITER_STATS
             if written.is_file():
-                stats.__dict__.update(json.loads(written.read_text()))
+                writer = json.loads(written.read_text())
+                stats.frames, stats.batches_reused, stats.batches_total = (
+                    writer["frames"], writer["batches_reused"], writer["batches_total"])
             stats.ranks_lost = lost
-    return Path(dst)
+    return Path(output.dst)
 
 
 def _join(workers, timeout_s: float, started: Path, tick=None):
@@ -352,8 +354,8 @@ def _stop(workers):
             process.join()
 
 
-def spawn_tensor_job(device_list: list[str], frames: torch.Tensor, out_shape: tuple, dit=None,
-                     vae=None, *, progress=None, should_stop=None, **kwargs) -> torch.Tensor:
+def spawn_tensor_job(device_list: list[str], job, frames: torch.Tensor, out_shape: tuple,
+                     progress=None, should_stop=None) -> torch.Tensor:
     """Run ``upscale`` on frames in memory over several local devices.
 
     Frames go to the workers and results come back through shared memory (no pickling of
@@ -385,9 +387,9 @@ def spawn_tensor_job(device_list: list[str], frames: torch.Tensor, out_shape: tu
         relay()
         if should_stop is not None and not stop.is_set() and should_stop():
             stop.set()
-    timeout_s = float(kwargs.get("dist_timeout", 60.0))
+    timeout_s = job.opts.dist_timeout
     with _launched(_tensor_worker, device_list, timeout_s,
-                   (frames, out, (dit, vae), events, stop, kwargs)) as (workers, started):
+                   (job, (frames, out), (events, stop))) as (workers, started):
         try:
             _join(workers, timeout_s, started, tick)
         except RuntimeError:

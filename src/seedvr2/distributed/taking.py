@@ -41,7 +41,6 @@ from . import frames as wire
 log = logging.getLogger("seedvr2")
 
 LOOKAHEAD_CHUNKS = 2  # chunks the writer may compute ahead while waiting for an earlier one
-SLOW_ENV = "SEEDVR2_SLOW"  # test hook, "RANK:SECONDS": that rank sleeps this long per batch
 
 _jobs = itertools.count()  # every rank runs the same jobs in the same order (folder inputs)
 
@@ -93,13 +92,6 @@ class RankLost(Exception):
     def __init__(self, rank: int, reason: str):
         super().__init__(f"{'a rank' if rank < 0 else f'rank {rank}'} {reason}")
         self.rank, self.reason = rank, reason
-
-
-def _slowness(rank: int) -> float:
-    spec = os.environ.get(SLOW_ENV, "")
-    if spec and spec.partition(":")[0] == str(rank):
-        return float(spec.partition(":")[2])
-    return 0.0
 
 
 class Heartbeat:
@@ -253,112 +245,124 @@ def mark_sent(counter: ChunkCounter, batch_index: int):
     counter.store.set(counter.prefix + f"sent/{batch_index}", "1")
 
 
-def _slowed(rank: int, outputs):
-    delay = _slowness(rank)
+def _slowed(delay: float, outputs):
     for batch, out in outputs:
         if delay:
             time.sleep(delay)
         yield batch, out
 
 
-def chunk_outputs(ctx, counter: ChunkCounter, plan, compute):
+def chunk_outputs(rank: int, counter: ChunkCounter, plan, compute, faults):
     """A non-writer rank's batches: (batch, frames) of every chunk it takes, in order.
     ``compute(batches)`` yields the outputs of those plan batch indices."""
-    while (chunk := counter.take(ctx.rank)) is not None:
-        yield from _slowed(ctx.rank, compute(list(plan.chunks[chunk])))
+    while (chunk := counter.take(rank)) is not None:
+        yield from _slowed(faults.slowness(rank), compute(list(plan.chunks[chunk])))
 
 
-def taken_in_order(ctx, counter: ChunkCounter, plan, compute, channels: int, size, group,
-                   fault_point, timeout_s: float):
+class ChunkCollector:
     """The writer's side: take chunks, receive the others', and yield ``(batch, frames)`` for
-    every batch of chunks ``counter.first``… in plan order. A lost rank's undelivered
-    batches are computed here (see the module's notes); the log says what happened."""
-    held: dict[int, list] = {}  # chunk -> this rank's outputs computed ahead of their turn
-    liveness = Liveness(counter, timeout_s)
-    lost: dict[int, str] = {}  # rank -> why
-    redone: Counter = Counter()  # lost rank -> its batches computed here
-    taken: Counter = Counter()  # rank -> chunks it took, for the log
+    every batch of chunks ``counter.first``… in plan order (:meth:`outputs`). While a chunk
+    it waits for is computed elsewhere, it computes up to :data:`LOOKAHEAD_CHUNKS` chunks
+    ahead (``held``); a lost rank's undelivered batches are computed here (see the module's
+    notes); the log says what happened."""
 
-    def own(batches):
-        return _slowed(ctx.rank, compute(batches))
+    def __init__(self, work, counter: ChunkCounter, compute):
+        self.rank, self.plan, self.faults = work.ctx.rank, work.plan, work.job.faults
+        self.frame_shape, self.group = work.frame_shape, work.frames_group
+        self.counter, self.compute = counter, compute
+        self.timeout_s = work.job.opts.dist_timeout
+        self.liveness = Liveness(counter, self.timeout_s)
+        self.held: dict[int, list] = {}  # chunk -> this rank's outputs computed ahead of their turn
+        self.lost: dict[int, str] = {}  # rank -> why
+        self.redone: Counter = Counter()  # lost rank -> its batches computed here
+        self.taken: Counter = Counter()  # rank -> chunks it took, for the log
 
-    def take_ahead() -> bool:
-        if len(held) >= LOOKAHEAD_CHUNKS or (ahead := counter.take(ctx.rank)) is None:
+    def own(self, batches):
+        return _slowed(self.faults.slowness(self.rank), self.compute(batches))
+
+    def take_ahead(self) -> bool:
+        if len(self.held) >= LOOKAHEAD_CHUNKS or (ahead := self.counter.take(self.rank)) is None:
             return False
-        held[ahead] = list(own(list(plan.chunks[ahead])))
+        self.held[ahead] = list(self.own(list(self.plan.chunks[ahead])))
         return True
 
-    def lose(e: RankLost):
-        if e.rank not in lost:
-            lost[e.rank] = e.reason
-            liveness.stop(e.rank)
-            log.warning("%s; rank %d computes its unfinished batches", e, ctx.rank)
+    def lose(self, e: RankLost):
+        if e.rank not in self.lost:
+            self.lost[e.rank] = e.reason
+            self.liveness.stop(e.rank)
+            log.warning("%s; rank %d computes its unfinished batches", e, self.rank)
 
-    def owner_of(index: int) -> int:
+    def owner_of(self, index: int) -> int:
         """Who has chunk ``index``; -1 when its taker was lost before saying so."""
         waited = None
-        while (owner := counter.owner(index)) is None:
-            if counter.handed_out() <= index:  # nobody has it yet: take it (or a later one)
-                chunk = counter.take(ctx.rank)
+        while (owner := self.counter.owner(index)) is None:
+            if self.counter.handed_out() <= index:  # nobody has it yet: take it (or a later one)
+                chunk = self.counter.take(self.rank)
                 if chunk is not None and chunk != index:
-                    held[chunk] = list(own(list(plan.chunks[chunk])))
+                    self.held[chunk] = list(self.own(list(self.plan.chunks[chunk])))
                 continue
             # Taken, but the taker has not recorded itself: it is about to, or it died in
             # between. Meanwhile compute ahead, bounded.
             waited = waited or time.monotonic()
-            if time.monotonic() - waited > timeout_s:
+            if time.monotonic() - waited > self.timeout_s:
                 return -1
-            if not take_ahead():
+            if not self.take_ahead():
                 time.sleep(0.05)
         return owner
 
-    def receive(owner: int, batch):
+    def receive(self, owner: int, batch):
         """The batch's message from ``owner``; while it is not there, compute chunks ahead
         (bounded) and watch that ``owner`` is alive."""
-        sent = counter.prefix + f"sent/{batch.index}"
+        sent = self.counter.prefix + f"sent/{batch.index}"
         # gloo's receives cannot be polled: the sender marks the store once it has posted.
-        while not counter.store.check([sent]):
-            liveness.check(owner)
-            if not take_ahead():
+        while not self.counter.store.check([sent]):
+            self.liveness.check(owner)
+            if not self.take_ahead():
                 time.sleep(0.05)
-        with Watchdog(liveness, owner, f"waiting for rank {owner}'s batch {batch.index}",
+        with Watchdog(self.liveness, owner, f"waiting for rank {owner}'s batch {batch.index}",
                       stop_lost=True):
             try:
-                return wire.recv_batch(owner, batch.index, (batch.frames, *size, channels),
-                                       group)
+                return wire.recv_batch(owner, batch.index, (batch.frames, *self.frame_shape),
+                                       self.group)
             except Exception as e:  # noqa: BLE001 -- a receive fails when its sender died
                 detail = str(e).splitlines()[0] if str(e) else type(e).__name__
                 raise RankLost(owner, f"did not deliver batch {batch.index} (frames "
                                       f"{batch.start}-{batch.stop - 1}): {detail}") from e
 
-    written = 0
-    for index in range(counter.first, len(plan.chunks)):
-        batches = list(plan.chunks[index])
-        owner = owner_of(index)
-        taken[owner] += 1
+    def chunk(self, index: int):
+        """``(batch, frames)`` of chunk ``index``: computed here (ahead, or now), or received
+        from its owner; from a lost owner's first undelivered batch on, computed here."""
+        batches = list(self.plan.chunks[index])
+        owner = self.owner_of(index)
+        self.taken[owner] += 1
         if owner < 0:
-            lose(RankLost(-1, f"took chunk {index} and was lost before recording itself"))
-        outputs = iter(held.pop(index) if index in held else own(batches)) \
-            if owner == ctx.rank else None
+            self.lose(RankLost(-1, f"took chunk {index} and was lost before recording itself"))
+        outputs = iter(self.held.pop(index) if index in self.held else self.own(batches)) \
+            if owner == self.rank else None
         for position, b in enumerate(batches):
-            batch = plan.batches[b]
+            batch = self.plan.batches[b]
             if outputs is None:
                 try:
-                    if owner in lost:
-                        raise RankLost(owner, lost[owner])
-                    out = receive(owner, batch)
+                    if owner in self.lost:
+                        raise RankLost(owner, self.lost[owner])
+                    out = self.receive(owner, batch)
                 except RankLost as e:
-                    lose(e)
-                    redone[owner] += len(batches) - position
-                    outputs = iter(own(batches[position:]))
+                    self.lose(e)
+                    self.redone[owner] += len(batches) - position
+                    outputs = iter(self.own(batches[position:]))
             if outputs is not None:
                 done, out = next(outputs)
                 assert done.index == b, (done.index, b)
-            fault_point(ctx, written)
             yield batch, out
-            written += 1
-    log.info("chunks taken: %s", ", ".join(f"rank {r}: {n}" for r, n in sorted(taken.items())
-                                          if r >= 0))
-    for rank, reason in lost.items():
-        log.warning("%s: rank %d computed its %d unfinished batch(es) itself; every frame is "
-                    "written", RankLost(rank, reason), ctx.rank, redone[rank])
+
+    def outputs(self):
+        for written, (batch, out) in enumerate(
+                (item for index in range(self.counter.first, len(self.plan.chunks))
+                 for item in self.chunk(index))):
+            self.faults.fault_point(self.rank, written)
+            yield batch, out
+        log.info("chunks taken: %s", ", ".join(f"rank {r}: {n}" for r, n in
+                                              sorted(self.taken.items()) if r >= 0))
+        for rank, reason in self.lost.items():
+            log.warning("%s: rank %d computed its %d unfinished batch(es) itself; every frame "
+                        "is written", RankLost(rank, reason), self.rank, self.redone[rank])

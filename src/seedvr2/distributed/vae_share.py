@@ -48,16 +48,17 @@ class SharedVaeUpscaler(Upscaler):
     """An :class:`Upscaler` for one rank of a sequence-parallel group: the VAE phases run
     only this rank's batches (``vae_owners``), the DiT phase every batch of the group.
 
-    ``first_rank`` is the global rank of the group's rank 0 and ``channel`` a gloo group of
-    the group's ranks (``sequence.meeting_group``). Batches this rank does not decode are
-    yielded with ``None`` frames.
+    ``seat`` is this rank's place in its group and the global rank of the group's rank 0,
+    ``channel`` a gloo group of the group's ranks (``sequence.meeting_group``). Batches this
+    rank does not decode are yielded with ``None`` frames.
     """
 
-    def __init__(self, models, opts, progress, should_stop, plan: BatchPlan, group_size: int,
-                 group_rank: int, first_rank: int, channel: Optional[dist.ProcessGroup]):
+    def __init__(self, models, opts, progress, should_stop, *, owners: list[int],
+                 seat: tuple[int, int], channel: Optional[dist.ProcessGroup]):
         super().__init__(models, opts, progress, should_stop)
-        self.owners = vae_owners(plan, group_size)
-        self.group_rank, self.first_rank, self.channel = group_rank, first_rank, channel
+        self.owners = owners  # vae_owners of the plan
+        self.group_rank, self.first_rank = seat
+        self.channel = channel
 
     def owns(self, batch: Batch) -> bool:
         return self.owners[batch.index] == self.group_rank

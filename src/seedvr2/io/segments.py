@@ -18,8 +18,6 @@ from pathlib import Path
 from ._common import VIDEO_EXTENSIONS, MediaError, fspath
 from .writer import MediaWriter, _AudioCopy
 
-ASSEMBLY_HOOK_ENV = "SEEDVR2_KILL_IN_ASSEMBLY"  # test hook: SIGKILL after this many segments
-
 
 def sync_file(path: Path):
     """Flush a closed file's data to the disk, so that a journal naming it never outlives it
@@ -37,12 +35,13 @@ class SegmentConcat(MediaWriter):
     Each segment's timestamps start at 0 and are shifted by the time of its first frame:
     ``frame_times[first]`` for a variable-rate video (the source's frame times, seconds from
     its first frame), else ``first / fps``. ``audio_from`` is the file whose audio streams
-    (and ``subtitle_streams``) are copied in."""
+    (and ``subtitle_streams``) are copied in; ``after_segment(n)`` is told that the first n
+    segments are in (the tests' kill point, ``seedvr2.faults``)."""
 
     def __init__(self, dst, segments: list[Path], counts: list[int], *, fps: Fraction,
                  width: int, height: int, channels: int, bit_depth: int, audio_from=None,
                  subtitle_streams=(), frame_times=None,
-                 overwrite: bool = False):
+                 overwrite: bool = False, after_segment=None):
         path = fspath(dst)
         super().__init__(path, width=width, height=height, channels=channels,
                          bit_depth=bit_depth, overwrite=overwrite)
@@ -51,6 +50,7 @@ class SegmentConcat(MediaWriter):
         self._segments, self._counts = list(segments), list(counts)
         self._fps, self._audio_from = fps, audio_from
         self._subtitles, self._frame_times = list(subtitle_streams), frame_times
+        self._after_segment = after_segment or (lambda segments: None)
         self._claim_temp_file(path)
         self.frames_written = sum(self._counts)
 
@@ -71,9 +71,7 @@ class SegmentConcat(MediaWriter):
                 for number, (segment, count) in enumerate(zip(self._segments, self._counts)):
                     self._copy(segment, out, video, audio, frames_before)
                     frames_before += count
-                    if os.environ.get(ASSEMBLY_HOOK_ENV) == str(number + 1):
-                        import signal
-                        os.kill(os.getpid(), signal.SIGKILL)
+                    self._after_segment(number + 1)
                 if audio is not None:
                     audio.mux_until(None)
             finally:

@@ -17,10 +17,14 @@ import hashlib
 import json
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
-from ..loading.registry import sha256_of
+import torch
+
+from ..loading.registry import DEFAULT_DIT, DEFAULT_VAE, resolve_model_files, sha256_of
+from ..options import NOT_SHAPING_OUTPUT, Options
 
 CACHE_ENV = "SEEDVR2_CACHE_DIR"
 _MAX_ENTRIES = 4096  # one line per file ever hashed; old ones go first
@@ -75,11 +79,66 @@ def file_digest(path) -> str:
     return digest
 
 
-def model_digest(spec) -> str:
-    """A model argument by content: a file's digest, else (a registered name not on this
-    machine yet, a loaded module) its text."""
-    path = Path(str(spec)) if spec is not None else None
-    return file_digest(path) if path is not None and path.is_file() else f"name:{spec}"
+@dataclass(frozen=True)
+class ModelRef:
+    """A model as the caller gave it (None, a registered name, a path, or a loaded module);
+    once resolved (:func:`model_refs`) ``model`` is the module, or the weight file (a
+    ``Path``, found or downloaded)."""
+
+    kind: str  # "dit" or "vae"
+    model: Any
+
+    @property
+    def loaded(self) -> bool:
+        return isinstance(self.model, torch.nn.Module)
+
+    @property
+    def file(self) -> Path | None:
+        """The weight file: the one given, or the one a loaded module came from."""
+        return getattr(self.model, "weights_file", None) if self.loaded else self.model
+
+    def digest(self) -> str:
+        """The weights by content: the file's digest, else the loaded module's tensors."""
+        return file_digest(self.file) if self.file else _module_digest(self.model)
+
+
+def model_refs(dit, vae, model_dir: Path) -> tuple[ModelRef, ModelRef]:
+    """Both models resolved: files found or downloaded before either loads, so one error
+    names every missing file."""
+    specs = {"dit": dit, "vae": vae}
+    wanted = [(spec or default, kind) for (kind, spec), default in
+              zip(specs.items(), (DEFAULT_DIT, DEFAULT_VAE))
+              if not isinstance(spec, torch.nn.Module)]
+    paths = iter(resolve_model_files(wanted, model_dir, download_missing=True))
+    return tuple(ModelRef(kind, spec if isinstance(spec, torch.nn.Module) else next(paths))
+                 for kind, spec in specs.items())
+
+
+def _module_digest(module: torch.nn.Module) -> str:
+    """A loaded model's weights by content (the CLI passes its once-loaded models)."""
+    whole = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        whole.update(name.encode())
+        whole.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+                     if tensor.numel() else b"")
+    return whole.hexdigest()
+
+
+def job_identity(opts: Options, source: str, models: tuple[ModelRef, ModelRef]) -> dict:
+    """The one fingerprint of a job: what its frames depend on. The options that shape the
+    output (not those of :data:`~seedvr2.options.NOT_SHAPING_OUTPUT`), the input
+    (``source``: its content digest) and the weights by content — a copy of a checkpoint with
+    one weight changed, same name and size, differs. Ranks check that they agree on it
+    (:func:`identity_digest`); the resume journal records it (with the plan and output)."""
+    text = Path(str(opts.text_embeddings))
+    return {"options": {k: v for k, v in sorted(opts.values.items())
+                        if k not in NOT_SHAPING_OUTPUT},
+            "source": source, **{ref.kind: ref.digest() for ref in models},
+            "text": file_digest(text) if text.is_file() else str(opts.text_embeddings)}
+
+
+def identity_digest(identity: dict) -> str:
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def source_digest(reader) -> str:

@@ -52,7 +52,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import socket
 import sys
 import time
@@ -66,43 +65,21 @@ import torch
 
 from ..io.segments import SegmentConcat, sync_file
 from ..io.temporaries import RESUME_JOURNAL, lock_folder, resume_folder
+from ..faults import NO_FAULTS, Faults
 from ..loading.registry import sha256_of
-from .identity import files_digest, model_digest, source_digest
+from .identity import files_digest
 from .plan import BatchPlan
 
 log = logging.getLogger("seedvr2")
 
-JOURNAL_VERSION = 2
+JOURNAL_VERSION = 3  # 3: the job's identity is the one the ranks agree on (identity.py)
 SEGMENT_FRAMES = 96  # at least this many frames per segment (each one restarts the GOP)
-SEGMENT_FRAMES_ENV = "SEEDVR2_SEGMENT_FRAMES"  # tests: smaller segments on short clips
 CHECKPOINT_SECONDS = 60.0  # a part closes at the first chunk end after this much work
-CHECKPOINT_SECONDS_ENV = "SEEDVR2_CHECKPOINT_SECONDS"  # tests: a part at every chunk end (0)
-KILL_ENV = "SEEDVR2_KILL_AT"  # tests: "POINT:N" SIGKILLs the job at the N-th POINT
 JOURNAL, OWNER = RESUME_JOURNAL, "owner.json"
-# Options that do not change a single frame: a re-run may differ in them and still resume.
-_NOT_SHAPING = {"resume", "devices", "dist_timeout", "cache_dit", "cache_vae"}
 
 
 class ResumeFolderInUse(RuntimeError):
     """Another live job holds the resume folder of the same output."""
-
-
-def kill_point(point: str, count: int):
-    """The resume tests' kill hook: SIGKILL this process at the ``count``-th ``point``
-    (``encode``/``dit``/``decode``: that batch's phase is done; ``write``: a segment has
-    frames in it; ``segment``: a segment is closed but the journal does not name it yet;
-    ``journal``: the journal names it; ``part``: the journal names the count-th part)."""
-    spec = os.environ.get(KILL_ENV, "")
-    if spec and spec == f"{point}:{count}":
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def segment_frames() -> int:
-    return int(os.environ.get(SEGMENT_FRAMES_ENV, SEGMENT_FRAMES))
-
-
-def checkpoint_seconds() -> float:
-    return float(os.environ.get(CHECKPOINT_SECONDS_ENV, CHECKPOINT_SECONDS))
 
 
 @dataclass(frozen=True)
@@ -191,27 +168,27 @@ def _describe_difference(old: dict, new: dict) -> str:
     return "; ".join(reasons) or "the journal is unreadable"
 
 
-def job_identity(opts, plan: BatchPlan, *, output, codec: str, size, bit_depth: int,
-                 source: str, models: dict, video: bool) -> dict:
-    """Everything a kept piece's frames and bytes depend on (not the checkpoint interval:
-    parts hold exact frames wherever they end)."""
+def _journal_identity(identity: dict, plan: BatchPlan, output, compute_dtype: torch.dtype,
+                      segment_frames: int) -> dict:
+    """Everything a kept piece's frames and bytes depend on: the job's identity, its plan and
+    its output (not the checkpoint interval: parts hold exact frames wherever they end)."""
     from .. import __version__
 
+    dst = str(output.dst)
     return {
-        "segment_ext": Path(str(output)).suffix.lower() if video else "/",
+        "segment_ext": Path(dst).suffix.lower() if output.is_video else "/",
         "version": JOURNAL_VERSION,
         "library": __version__,
-        "options": {k: v for k, v in sorted(opts.values.items()) if k not in _NOT_SHAPING},
+        **identity,
+        "compute_dtype": str(compute_dtype),
         "plan": [[b.start, b.stop, b.length, b.overlap] for b in plan.batches],
         "chunks": [list(c) for c in plan.chunks],
         "source_frames": plan.source_frames,
-        "segment_frames": segment_frames(),
-        "output": str(Path(str(output)).resolve()) + ("/" if str(output).endswith(("/", os.sep)) else ""),
-        "codec": codec,
-        "size": list(size),
-        "bit_depth": bit_depth,
-        "source": source,
-        **models,
+        "segment_frames": segment_frames,
+        "output": str(Path(dst).resolve()) + ("/" if dst.endswith(("/", os.sep)) else ""),
+        "codec": output.codec,
+        "size": list(output.size),
+        "bit_depth": output.bit_depth,
     }
 
 
@@ -285,9 +262,10 @@ class ResumeState:
     continue."""
 
     def __init__(self, dst, identity: dict, plan: BatchPlan, segments: list[Segment], *,
-                 fresh: bool, dtype: np.dtype):
+                 fresh: bool, dtype: np.dtype, faults: Faults = NO_FAULTS):
         self.folder = resume_folder(dst)
         self.identity, self.plan, self.segments, self.dtype = identity, plan, segments, dtype
+        self.faults = faults
         self.pieces: list[Piece] = []  # closed and verified, in order
         self.tail: Optional[torch.Tensor] = None  # the blend state after the last piece
         self.context: tuple[int, ...] = ()  # a chunk computed again only for its tail
@@ -471,7 +449,9 @@ class ResumeState:
     # -- closing pieces -----------------------------------------------------------------------
 
     def checkpoint_due(self) -> bool:
-        return time.monotonic() - self.last_checkpoint >= checkpoint_seconds()
+        interval = self.faults.checkpoint_seconds
+        return time.monotonic() - self.last_checkpoint >= (
+            CHECKPOINT_SECONDS if interval is None else interval)
 
     def open_part(self, segment: Segment, first_batch: int, first_frame: int) -> _Part:
         return _Part(self.folder, segment, first_batch, first_frame)
@@ -480,7 +460,7 @@ class ResumeState:
         """Record the part's frames (the segment's frames so far) as kept."""
         self._record(part.close(last_batch), tail)
         self.parts_closed += 1
-        kill_point("part", self.parts_closed)
+        self.faults.kill_point("part", self.parts_closed)
 
     def complete(self, segment: Segment, tail: torch.Tensor):
         """Record ``segment`` as complete (its file closed) with the blend tail after it;
@@ -491,14 +471,14 @@ class ResumeState:
                 sync_file(f)
         else:
             sync_file(path)
-        kill_point("segment", segment.number + 1)
+        self.faults.kill_point("segment", segment.number + 1)
         piece = Piece(path.name, segment.number, segment.batches[0], segment.batches[-1],
                       segment.first_frame, segment.frames, content_digest(path))
         parts = self.parts_of(segment)
         self._record(piece, tail, replacing=parts)
         for part in parts:
             (self.folder / part.name).unlink(missing_ok=True)
-        kill_point("journal", segment.number + 1)
+        self.faults.kill_point("journal", segment.number + 1)
 
     def _record(self, piece: Piece, tail: torch.Tensor, replacing=()):
         old_tail = self._tail_name
@@ -567,126 +547,99 @@ class ResumeState:
                     total_batches, self.folder)
 
 
-def open_resume_state(reader, dst, opts, plan: BatchPlan, size, bit_depth: int, codec: str,
-                      dit, vae, model_dir, compute_dtype: torch.dtype) -> Optional[ResumeState]:
+def open_resume_state(reader, output, plan: BatchPlan, identity: dict,
+                      compute_dtype: torch.dtype, *, fresh: bool,
+                      faults: Faults = NO_FAULTS) -> Optional[ResumeState]:
     """The resume journal of this job, or None when the job is written directly: a plan of
     one chunk (nothing to continue from), or a video made from images without a rate.
-    ``opts`` are the job's options as the caller gave them (one process or several: the
-    same journal), models are named by content whether given loaded or by file, and
-    ``compute_dtype`` is the precision ``dtype`` resolved to on this device (``auto``
-    differs between GPUs). Raises :class:`ResumeFolderInUse` while another job writes the
-    same output."""
-    from ..loading.registry import DEFAULT_DIT, DEFAULT_VAE, resolve_model_file
-    from .setup import VIDEO_SUFFIXES
-
-    segments = plan_segments(plan, segment_frames())
-    video = Path(str(dst)).suffix.lower() in VIDEO_SUFFIXES
-    info = reader.info
+    ``output`` is the job's :class:`~seedvr2.pipeline.setup.FileOutput`, ``identity`` its
+    fingerprint (:func:`~seedvr2.pipeline.identity.job_identity`: one process or several, the
+    same journal) and ``compute_dtype`` the precision ``dtype`` resolved to on this device
+    (``auto`` differs between GPUs); ``fresh`` discards what was kept. Raises
+    :class:`ResumeFolderInUse` while another job writes the same output."""
     # Images without a rate into a video (the rate comes from ``fps``) are written directly.
-    if len(plan.chunks) < 2 or video and info.fps is None:
+    if len(plan.chunks) < 2 or output.is_video and reader.info.fps is None:
         return None
-    models = {"compute_dtype": str(compute_dtype)}
-    for kind, spec, default in (("dit", dit, DEFAULT_DIT), ("vae", vae, DEFAULT_VAE)):
-        if isinstance(spec, torch.nn.Module):  # loaded by the caller (the CLI, once per run)
-            source_file = getattr(spec, "weights_file", None)
-            models[kind] = model_digest(source_file) if source_file else _module_digest(spec)
-        else:
-            models[kind] = model_digest(resolve_model_file(spec or default, model_dir, kind))
-    text = Path(str(opts.text_embeddings))
-    models["text"] = model_digest(text) if text.is_file() else str(opts.text_embeddings)
-    identity = job_identity(opts, plan, output=dst, codec=codec, size=size, bit_depth=bit_depth,
-                            source=source_digest(reader), models=models, video=video)
-    return ResumeState(dst, identity, plan, segments, fresh=not opts.resume,
-                       dtype=np.dtype(np.uint16 if bit_depth == 16 else np.uint8))
+    frames = SEGMENT_FRAMES if faults.segment_frames is None else faults.segment_frames
+    return ResumeState(output.dst, _journal_identity(identity, plan, output, compute_dtype, frames),
+                       plan, plan_segments(plan, frames), fresh=fresh,
+                       dtype=np.dtype(np.uint16 if output.bit_depth == 16 else np.uint8),
+                       faults=faults)
 
 
-def _module_digest(module: torch.nn.Module) -> str:
-    """A loaded model's weights by content (the CLI passes its once-loaded models)."""
-    whole = hashlib.sha256()
-    for name, tensor in sorted(module.state_dict().items()):
-        whole.update(name.encode())
-        whole.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
-                     if tensor.numel() else b"")
-    return whole.hexdigest()
-
-
-def install_kill_hook(upscaler):
-    """The resume tests' kill points inside the upscaler's phases (``SEEDVR2_KILL_AT``)."""
-    if not os.environ.get(KILL_ENV):
-        return
-    report = upscaler.progress
-
-    def progress(phase: str, done: int, total: int):
-        kill_point(phase, done)
-        report(phase, done, total)
-    upscaler.progress = progress
-
-
-def run_resumable(compute, dst, plan: BatchPlan, state: ResumeState, *, info, size,
-                  bit_depth: int, codec: str, overwrite: bool, progress, stats=None,
-                  fps="auto"):
-    """Upscale ``plan`` into ``dst`` through pieces kept in ``state``; returns the final path.
+def run_resumable(compute, state: ResumeState, info, output, progress=None, stats=None) -> Path:
+    """Upscale ``state.plan`` into ``output`` through pieces kept in ``state``; returns the
+    final path.
 
     ``compute(batches)`` yields ``(batch, frames)`` for the given plan batch indices, in
     order: this process's upscaler, or the writer rank's gathering of every rank's batches.
-    ``progress(phase, done, total)`` is told the finished frames."""
-    from ..io import open_writer
-    from ..io.writer import carried_streams
-    from .runner import OverlapBlender, to_integer_frames
-    from .setup import open_output
-
-    segments = state.segments
-    blender = OverlapBlender(plan)
-    remaining = state.remaining_batches
+    ``progress(phase, done, total)`` is told the finished frames; ``stats`` (a ``JobStats``)
+    the frames and the batches reused."""
+    plan = state.plan
     if state.pieces:
         log.info("resuming: %d of %d batches are kept in %s; computing the other %d",
                  state.reused_batches, len(plan.batches), state.folder,
                  len(plan.batches) - state.reused_batches)
     if stats is not None:
-        stats.batches_reused = state.reused_batches
-        stats.batches_total = len(plan.batches)
-    video = state.ext != "/"
+        stats.batches_reused, stats.batches_total = state.reused_batches, len(plan.batches)
     try:
+        remaining = state.remaining_batches
         outputs = iter(compute(remaining)) if remaining else iter(())
-        for expected in state.context:  # computed again for its blend tail only
-            batch, out = next(outputs)
-            assert batch.index == expected, (batch.index, expected)
-            for _ in blender.add(batch, out):
-                pass
-        if state.tail is not None:
-            blender.pending = state.tail
-        blender.emitted = state.next_frame
-        for segment in segments[state.open_segment:]:
-            _write_segment(segment, outputs, blender, state, info=info, size=size,
-                           bit_depth=bit_depth, codec=codec, video=video,
-                           open_writer=open_writer, to_integer=to_integer_frames,
-                           progress=progress or (lambda phase, done, total: None))
+        blender = _restored_blender(state, outputs)
+        for segment in state.segments[state.open_segment:]:
+            _write_segment(segment, outputs, blender, state, info, output,
+                           progress or (lambda phase, done, total: None))
         # Every batch is taken: this runs the producer to its end (the ranks' summary).
         leftover = next(outputs, None)
         assert leftover is None, leftover
         if stats is not None:
             stats.frames = plan.source_frames
         state.verify_segments()
-        if video:
-            carried, subtitles = carried_streams(info, Path(str(dst)).suffix.lower())
-            final = SegmentConcat(dst, [state.segment_path(s) for s in segments],
-                                  [s.frames for s in segments], fps=info.fps, width=size[1],
-                                  height=size[0], channels=info.channels, bit_depth=bit_depth,
-                                  audio_from=carried, subtitle_streams=[i for i, _ in subtitles],
-                                  frame_times=info.frame_times,
-                                  overwrite=overwrite)
-            final.close()
-            path = final.path
-        else:
-            with open_output(info, dst, size, bit_depth, codec, overwrite, fps) as writer:
-                for s in segments:
-                    writer.write_many(_read_pngs(state.segment_path(s)))
-            path = writer.path
+        path = _assemble(state, info, output)
     except BaseException:
         state.keep_or_discard(len(plan.batches))
         raise
     state.discard()
     return Path(path)
+
+
+def _restored_blender(state: ResumeState, outputs):
+    """The blend state after the last kept piece: its tail, or the chunk computed again for
+    it (taken from ``outputs``)."""
+    from .runner import OverlapBlender
+
+    blender = OverlapBlender(state.plan)
+    for expected in state.context:  # computed again for its blend tail only
+        batch, out = next(outputs)
+        assert batch.index == expected, (batch.index, expected)
+        for _ in blender.add(batch, out):
+            pass
+    if state.tail is not None:
+        blender.pending = state.tail
+    blender.emitted = state.next_frame
+    return blender
+
+
+def _assemble(state: ResumeState, info, output):
+    """The final output from the complete segments: a video by stream copy with the source's
+    audio muxed in, images through the ordinary image writer. Returns its path."""
+    from ..io.writer import carried_streams
+
+    segments, size = state.segments, output.size
+    if state.ext == "/":
+        with output.open(info) as writer:
+            for s in segments:
+                writer.write_many(_read_pngs(state.segment_path(s)))
+        return writer.path
+    carried, subtitles = carried_streams(info, Path(str(output.dst)).suffix.lower())
+    final = SegmentConcat(output.dst, [state.segment_path(s) for s in segments],
+                          [s.frames for s in segments], fps=info.fps, width=size[1],
+                          height=size[0], channels=info.channels, bit_depth=output.bit_depth,
+                          audio_from=carried, subtitle_streams=[i for i, _ in subtitles],
+                          frame_times=info.frame_times, overwrite=output.overwrite,
+                          after_segment=state.faults.assembled)
+    final.close()
+    return final.path
 
 
 def _read_pngs(folder: Path):
@@ -696,29 +649,37 @@ def _read_pngs(folder: Path):
         yield from media.frames()
 
 
-def _write_segment(segment: Segment, outputs, blender, state: ResumeState, *, info, size,
-                   bit_depth, codec, video: bool, open_writer, to_integer, progress):
-    """Write ``segment``: its kept parts' frames again, then the frames of its other chunks,
-    closing a part at a chunk's end when a checkpoint is due."""
-    path = state.segment_path(segment)
-    target = str(path) if video else f"{path}/"
-    channels = info.channels
+def _segment_writer(segment: Segment, state: ResumeState, info, output):
+    """The writer of one segment file (video) or folder (lossless PNGs)."""
+    from ..io import open_writer
+
+    path, video = state.segment_path(segment), state.ext != "/"
     # Image segments stay as stored: the final writer turns them upright (rotation, pixel
     # aspect) when it reads them back; video segments carry the tags either way.
-    kwargs = dict(like=info, width=size[1], height=size[0], channels=channels,
-                  bit_depth=bit_depth, overwrite=True, upright=False)
+    kwargs = dict(like=info, width=output.size[1], height=output.size[0],
+                  channels=info.channels, bit_depth=output.bit_depth, overwrite=True,
+                  upright=False)
     if video:
-        kwargs.update(codec=codec)
+        kwargs.update(codec=output.codec)
         if info.frame_times:  # variable rate: this segment's frames at their own times
             first = info.frame_times[segment.first_frame]
             kwargs.update(frame_times=[t - first for t in info.frame_times[
                 segment.first_frame: segment.first_frame + segment.frames]])
-    written = 0
     with warnings.catch_warnings():
         # A segment carries no audio or subtitles by design (the assembly adds the audio);
         # what the final output cannot hold was said when it was checked at the start.
         warnings.simplefilter("ignore", UserWarning)
-        writer = open_writer(target, **kwargs)
+        return open_writer(str(path) if video else f"{path}/", **kwargs)
+
+
+def _write_segment(segment: Segment, outputs, blender, state: ResumeState, info, output,
+                   progress):
+    """Write ``segment``: its kept parts' frames again, then the frames of its other chunks,
+    closing a part at a chunk's end when a checkpoint is due."""
+    from .runner import to_integer_frames
+
+    written = 0
+    writer = _segment_writer(segment, state, info, output)
     first_batch = max(segment.batches[0], state.next_batch)
     chunks = [c for c in blender.plan.chunks if c[0] in segment.batches and c[0] >= first_batch]
     part = state.open_part(segment, first_batch, blender.emitted)
@@ -733,11 +694,11 @@ def _write_segment(segment: Segment, outputs, blender, state: ResumeState, *, in
                     batch, out = next(outputs)
                     assert batch.index == expected, (batch.index, expected)
                     for _, final in blender.add(batch, out):
-                        frames = to_integer(final, bit_depth)
+                        frames = to_integer_frames(final, output.bit_depth)
                         writer.write_many(frames)
                         part.write(frames)
                         written += len(final)
-                        kill_point("write", segment.number + 1)
+                        state.faults.kill_point("write", segment.number + 1)
                         progress("frames", blender.emitted, blender.plan.source_frames)
                 if number + 1 < len(chunks) and part.frames and state.checkpoint_due():
                     state.close_part(part, chunk[-1], blender.pending)

@@ -403,11 +403,24 @@ class StopPoints:
         return handles
 
 
+class _PhaseCounts:
+    """Batches done per phase, told to ``progress`` as they finish."""
+
+    def __init__(self, progress: Progress, total: int):
+        self.progress, self.total = progress, total
+        self.counts = {"encode": 0, "dit": 0, "decode": 0}
+
+    def done(self, phase: str):
+        self.counts[phase] += 1
+        self.progress(phase, self.counts[phase], self.total)
+
+
 class Upscaler:
     """Runs a batch plan over a frame stream with loaded models."""
 
     def __init__(self, models: Models, opts: Options, progress: Optional[Progress] = None,
-                 should_stop: Optional[Callable[[], bool]] = None):
+                 should_stop: Optional[Callable[[], bool]] = None, *,
+                 stats: Optional[JobStats] = None, frames_on_device: bool = False):
         self.models, self.opts, self.dtype = models, opts, models.dtype
         self.progress = progress or (lambda phase, done, total: None)
         self.should_stop = should_stop or (lambda: False)
@@ -416,11 +429,11 @@ class Upscaler:
             if opts.tensor_offload_device != "none" else models.vae_device
         self.encode_tiles, self.encode_slice = tiling.settings_from_options(opts, "encode")
         self.decode_tiles, self.decode_slice = tiling.settings_from_options(opts, "decode")
-        self.stats = JobStats()
+        self.stats = stats if stats is not None else JobStats()  # this job's, recorded as it runs
         # A file job's consumer rounds frames to integers: on the device, the copy to the
         # host is then 4x (uint8) or 2x (uint16) smaller than float32 frames. Only decoded
         # frames stay; the blender keeps just the overlap frames between batches.
-        self.frames_on_device = False
+        self.frames_on_device = frames_on_device
         # DiT and VAE on different devices: batches are encoded on a thread, up to a chunk
         # ahead, while the DiT runs on those already encoded, so both devices work at once.
         # The results are those of the phases run one after the other (the same operations
@@ -617,91 +630,106 @@ class Upscaler:
         on this chunk's latents (that chunk's latents and input frames are the extra memory).
         """
         chosen = list(range(len(plan.batches))) if batches is None else list(batches)
-        first_source = plan.read_start(chosen)
         needed = None if batches is None else {
             plan.source_index(f) for i in chosen for f in range(plan.batches[i].start, plan.batches[i].stop)}
         wanted = set(chosen)
         chunks = [c for c in ([i for i in chunk if i in wanted] for chunk in plan.chunks) if c]
-        overlap = self.overlap_phases
         self._stops = StopPoints(self.should_stop)
         reader = ReadAhead(frames, self._read_ahead_depth(plan))
-        source = FrameSource(reader, plan, first_source, needed,
+        source = FrameSource(reader, plan, plan.read_start(chosen), needed,
                              pin=self.models.vae_device.type == "cuda")
         encoded = self._encoded([i for chunk in chunks for i in chunk], plan, source)
-        hooks = []
-        total = len(chosen)
-        done = {"encode": 0, "dit": 0, "decode": 0}
-
-        def count(phase: str):
-            done[phase] += 1
-            self.progress(phase, done[phase], total)
-
-        def denoise(item: _Encoded):
-            self._stops()
-            with self._phase("dit"):
-                self._denoise(item)
-            count("dit")
-
+        hooks, counts = [], _PhaseCounts(self.progress, len(chosen))
         try:
             hooks = self._stops.attach(self.models)
-            if overlap:
+            if self.overlap_phases:
                 self.models.activate("vae")
                 self.models.activate("dit")
                 encoded = ReadAhead(encoded, max(len(c) for c in chunks))
             for chunk in chunks:
-                items = []
-                if not overlap:
-                    self.models.activate("vae")
-                for _ in chunk:
-                    items.append(next(encoded))
-                    count("encode")
-                    if overlap:
-                        denoise(items[-1])
-                if not overlap:
-                    self.models.park("vae")
-                    self.models.activate("dit")
-                    for item in items:
-                        denoise(item)
-                    self.models.park("dit")
-                    self.models.activate("vae")
-                for item in items:
-                    self._stops()
-                    with self._vae_lock, self._phase("decode"):
-                        out = self._decode(item)
-                    count("decode")
-                    yield item.batch, out
-                    del out
-                    self._collect_times()  # the consumer has fetched the frames: these ended
+                yield from self._chunk_outputs(chunk, encoded, counts)
         finally:
             # Also after an error or interrupt: no weights copies or tensors stay on the
             # device, and no thread reads or encodes on.
             self._stops.abandon()
             encoded.close()
             reader.close()
-            for hook in hooks:
-                hook.remove()
-            self.models.park("dit")
+            self._wind_down(hooks)
+
+    def _chunk_outputs(self, chunk: list[int], encoded, counts: "_PhaseCounts"):
+        """One chunk's phases: encode every batch, the DiT on each (as each is encoded when
+        the phases overlap), decode each."""
+        overlap = self.overlap_phases
+        items = []
+        if not overlap:
+            self.models.activate("vae")
+        for _ in chunk:
+            items.append(next(encoded))
+            counts.done("encode")
+            if overlap:
+                self._denoise_counted(items[-1], counts)
+        if not overlap:
             self.models.park("vae")
-            self._collect_times(wait=True)
-            for name, phase in self.stats.phases.items():
-                log.debug("phase %s: %s", name, phase.describe(f"{phase.calls} call(s)"))
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            self.models.activate("dit")
+            for item in items:
+                self._denoise_counted(item, counts)
+            self.models.park("dit")
+            self.models.activate("vae")
+        for item in items:
+            self._stops()
+            with self._vae_lock, self._phase("decode"):
+                out = self._decode(item)
+            counts.done("decode")
+            yield item.batch, out
+            del out
+            self._collect_times()  # the consumer has fetched the frames: these ended
+
+    def _denoise_counted(self, item: _Encoded, counts: "_PhaseCounts"):
+        self._stops()
+        with self._phase("dit"):
+            self._denoise(item)
+        counts.done("dit")
+
+    def _wind_down(self, hooks: list):
+        for hook in hooks:
+            hook.remove()
+        self.models.park("dit")
+        self.models.park("vae")
+        self._collect_times(wait=True)
+        for name, phase in self.stats.phases.items():
+            log.debug("phase %s: %s", name, phase.describe(f"{phase.calls} call(s)"))
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def check_stop(self):
+        """Raises :class:`Interrupted` once ``should_stop`` says so."""
+        self._stops()
 
     def run(self, frames: Iterable, plan: BatchPlan) -> Iterator[tuple[int, torch.Tensor]]:
         """Yields (first source frame, frames (n, H, W, C) float32 in [0, 1]) in order, one
-        frame at a time: the stop flag is read before each, so a Cancel while the consumer
-        writes (encoding is often the slowest phase) waits for one frame, not a batch."""
-        blender = OverlapBlender(plan)
-        emitted = 0
-        for batch, out in self.batch_outputs(frames, plan):
-            for first, final in blender.add(batch, out):
-                for k in range(final.shape[0]):
-                    self._stops()
-                    emitted += 1
-                    self.stats.frames = emitted
-                    yield first + k, final[k:k + 1]
-                    self.progress("frames", emitted, plan.source_frames)
+        frame at a time (:func:`final_frames`)."""
+        return final_frames(plan, self.batch_outputs(frames, plan), self.progress, self.stats,
+                            self.check_stop)
+
+
+def final_frames(plan: BatchPlan, outputs, progress: Optional[Progress] = None,
+                 stats: Optional[JobStats] = None, check_stop=None):
+    """Each batch's ``outputs`` (in plan order) blended into final frames, yielded one at a
+    time as (first source frame, frames): ``check_stop`` is called before each, so a Cancel
+    while the consumer writes (encoding is often the slowest phase) waits for one frame, not
+    a batch. ``progress`` and ``stats`` are told the frames finished."""
+    blender = OverlapBlender(plan)
+    for batch, out in outputs:
+        for first, final in blender.add(batch, out):
+            for k in range(final.shape[0]):
+                if check_stop is not None:
+                    check_stop()
+                if stats is not None:
+                    stats.frames = blender.emitted - final.shape[0] + k + 1
+                yield first + k, final[k:k + 1]
+                if progress is not None:
+                    progress("frames", blender.emitted - final.shape[0] + k + 1,
+                             plan.source_frames)
 
 
 class OverlapBlender:

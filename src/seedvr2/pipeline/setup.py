@@ -10,13 +10,14 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
 from ..loading import load_dit, load_vae
 from ..loading.quantized import set_compute_precision
-from ..loading.registry import DEFAULT_DIT, DEFAULT_VAE, default_model_dir, resolve_model_files
+from ..loading.registry import default_model_dir
 from ..loading.text import load_text_embeddings
 from ..memory import MODEL_CACHE, ModelKey, resolve_device, resolve_dtype, resolve_offload
 from ..memory import budget as mem
@@ -25,8 +26,10 @@ from ..memory.compile import CompileSettings, apply_compile
 from ..memory.placement import OffloadedModel, default_pin, host_copy_bytes
 from ..memory.tiling import settings_from_options
 from ..options import OptionError, Options, option_ref
+from ..faults import NO_FAULTS, Faults
+from .identity import ModelRef, model_refs
 from .plan import make_plan
-from .runner import JobStats, Models, output_size
+from .runner import JobStats, Models, Upscaler, output_size
 
 log = logging.getLogger("seedvr2")
 
@@ -87,16 +90,6 @@ def _load_vae(path: Path, opts: Options, dtype, device, offload):
     return vae, placement
 
 
-def _model_files(dit, vae, model_dir: Path) -> tuple[Optional[Path], Optional[Path]]:
-    """The weight files of the models given by name or path (None for a loaded module), all
-    found or downloaded before either loads, so one error names every missing file."""
-    wanted = [(spec or default, kind) for spec, default, kind in
-              ((dit, DEFAULT_DIT, "dit"), (vae, DEFAULT_VAE, "vae"))
-              if not isinstance(spec, torch.nn.Module)]
-    paths = iter(resolve_model_files(wanted, model_dir, download_missing=True))
-    return tuple(None if isinstance(spec, torch.nn.Module) else next(paths) for spec in (dit, vae))
-
-
 def load_models(dit=None, vae=None, *, opts: Options, model_dir=None) -> Models:
     """DiT, VAE and text embedding placed and prepared as the options say (cached if asked)."""
     device = resolve_device(opts.device)
@@ -106,25 +99,9 @@ def load_models(dit=None, vae=None, *, opts: Options, model_dir=None) -> Models:
     dit_offload, vae_offload = (resolve_offload(opts.dit_offload_device),
                                 resolve_offload(opts.vae_offload_device))
     model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
-    dit_path, vae_path = _model_files(dit, vae, model_dir)
-    dit_placement = vae_placement = None
-    if isinstance(dit, torch.nn.Module):
-        dit = dit.to(device=dit_device if dit_offload is None else dit_offload, dtype=dtype)
-        dit.set_attention_backend(opts.attention_backend)  # a loaded file's is set at load
-        dit_placement = _placement(dit, dit_device, dit_offload, "dit_offload_device")
-    else:
-        path = dit_path
-        key = ModelKey.for_file("dit", path, dtype, dit_device, _settings_of(opts, "dit"))
-        dit, dit_placement = MODEL_CACHE.get_or_load(
-            key, lambda: _load_dit(path, opts, dtype, dit_device, dit_offload), opts.cache_dit)
-    if isinstance(vae, torch.nn.Module):
-        vae = vae.to(device=vae_device if vae_offload is None else vae_offload, dtype=dtype)
-        vae_placement = _placement(vae, vae_device, vae_offload, "vae_offload_device")
-    else:
-        path = vae_path
-        key = ModelKey.for_file("vae", path, dtype, vae_device, _settings_of(opts, "vae"))
-        vae, vae_placement = MODEL_CACHE.get_or_load(
-            key, lambda: _load_vae(path, opts, dtype, vae_device, vae_offload), opts.cache_vae)
+    dit_ref, vae_ref = model_refs(dit, vae, model_dir)
+    dit, dit_placement = _ready_model(dit_ref, opts, dtype, dit_device, dit_offload)
+    vae, vae_placement = _ready_model(vae_ref, opts, dtype, vae_device, vae_offload)
     # Per run, not per load: they change how the VAE runs, not what it holds (a cached or
     # given VAE runs with this job's settings).
     vae.set_conv_settings(cudnn_benchmark=opts.vae_cudnn_benchmark,
@@ -136,6 +113,21 @@ def load_models(dit=None, vae=None, *, opts: Options, model_dir=None) -> Models:
                                 embedded=embedded.get("pos"))
     return Models(dit, vae, text, dit_device, vae_device, dtype, dit_offload, vae_offload,
                   dit_placement, vae_placement)
+
+
+def _ready_model(ref: ModelRef, opts: Options, dtype, device, offload):
+    """One model and its placement: a loaded module moved where the options say, a file
+    loaded through the model cache."""
+    setting = f"{ref.kind}_offload_device"
+    if ref.loaded:
+        model = ref.model.to(device=device if offload is None else offload, dtype=dtype)
+        if ref.kind == "dit":
+            model.set_attention_backend(opts.attention_backend)  # a loaded file's is set at load
+        return model, _placement(model, device, offload, setting)
+    load = _load_dit if ref.kind == "dit" else _load_vae
+    key = ModelKey.for_file(ref.kind, ref.model, dtype, device, _settings_of(opts, ref.kind))
+    return MODEL_CACHE.get_or_load(key, lambda: load(ref.model, opts, dtype, device, offload),
+                                   opts.cache_dit if ref.kind == "dit" else opts.cache_vae)
 
 
 def _budget_job(opts: Options, size: tuple[int, int], batch: int, dtype: torch.dtype,
@@ -173,39 +165,21 @@ def prepare_job(models: Models, opts: Options, frame_count: int, size: tuple[int
     (``SEEDVR2_MEMORY_CHECK=warn`` in the environment turns that into a warning, for when the
     estimate is wrong). Returns the options with a concrete batch size.
     """
-    dit_device, vae_device = str(models.dit_device), str(models.vae_device)
-    place = mem.Placement(
-        dit_device, vae_device,
-        str(models.dit_offload) if models.dit_offload is not None else None,
-        str(models.vae_offload) if models.vae_offload is not None else None,
-        models.blockswap.blocks_to_swap if models.blockswap is not None else 0,
-        bool(opts.swap_io_components and models.blockswap is not None))
+    place = _placement_of(models, opts)
     budget = mem.Budget(models.dit.config, models.vae.config, mem.Weights.of_module(models.dit),
                         mem.Weights.of_module(models.vae))
-    devices = {dit_device, vae_device}
-
-    def available(device: str) -> Optional[int]:
-        own = mem.bytes_on(models.dit, torch.device(device)) + mem.bytes_on(models.vae, torch.device(device))
-        return mem.device_available(torch.device(device), own)
-
-    # The CPU (and other devices) count the host's available RAM: a job past it fails in the
-    # allocator minutes into its work, naming no setting.
-    known = {d: a for d in sorted(devices) if (a := available(d)) is not None}
-    cuda = {d: a for d, a in known.items() if d.startswith("cuda")}
-    plan_frames = plan_frames_of(frame_count, opts)
+    devices = {str(models.dit_device), str(models.vae_device)}
+    known = _available_memory(models, devices)
     job = lambda batch: _budget_job(opts, size, batch, models.dtype, models.text.shape[0], devices)  # noqa: E731
     auto = opts.batch_size == "auto"
     if auto:
-        limits = cuda or known
-        if limits:
-            batch = mem.auto_batch_size(budget, job(5), place, limits, plan_frames,
-                                        opts.temporal_overlap)
-        else:
-            batch = mem.batch_candidates(plan_frames, opts.temporal_overlap)[-1]
-        opts = opts.replace(batch_size=batch)
+        cuda = {d: a for d, a in known.items() if d.startswith("cuda")}
+        opts = opts.replace(batch_size=_auto_batch(budget, job(5), place, cuda or known,
+                                                   plan_frames_of(frame_count, opts), opts))
         log.info("batch_size auto: %d frames per batch (largest 4n+1 that fits %s for %dx%d "
-                 "output, %d frames)", batch, ", ".join(f"{mem.gib(v)} on {d}" for d, v in limits.items())
-                 or "the default", size[1], size[0], plan_frames)
+                 "output, %d frames)", opts.batch_size, ", ".join(
+                     f"{mem.gib(v)} on {d}" for d, v in (cuda or known).items()) or "the default",
+                 size[1], size[0], plan_frames_of(frame_count, opts))
     (encode, encode_slice), (decode, decode_slice) = (settings_from_options(opts, stage)
                                                       for stage in ("encode", "decode"))
     exact = tuple(stage for stage, tiles in (("encode", encode), ("decode", decode))
@@ -214,27 +188,63 @@ def prepare_job(models: Models, opts: Options, frame_count: int, size: tuple[int
         mem.check_exact_tiling(models.vae.config, opts.batch_size, size[0], size[1],
                                models.dtype.itemsize, decode_slice, encode_slice,
                                mem.host_available(), exact)
-    try:
-        est = mem.check(budget, job(opts.batch_size), place, known)
-    except mem.BudgetError as e:
-        if os.environ.get(MEMORY_CHECK_ENV, "").strip().lower() != "warn":
-            raise mem.BudgetError(f"{e} (to try anyway, set {MEMORY_CHECK_ENV}=warn)") from None
-        log.warning("%s; running anyway (%s=warn)", e, MEMORY_CHECK_ENV)
-        est = mem.estimate(budget, job(opts.batch_size), place)
-    for d in sorted(devices):
-        log.debug("memory budget on %s: needs about %s, %s available", d, mem.gib(est.peak(d)),
-                  mem.gib(known[d]) if d in known else "unknown (not checked)")
-    for need in est.phases:
-        log.debug("memory budget, %s phase on %s: %s (%s)", need.phase, need.device,
-                  mem.gib(need.total), need.describe())
+    est = _checked_estimate(budget, job(opts.batch_size), place, known)
     if stats is not None:
         stats.batch_size, stats.batch_size_auto = opts.batch_size, auto
         stats.estimated_bytes = {d: est.peak(d) for d in est.devices}
     return opts
 
 
-def resolve_auto_batch_for_ranks(opts: Options, devices: list[str], dit, vae, model_dir,
-                                 frame_count: int, size: tuple[int, int], gather=None) -> Options:
+def _placement_of(models: Models, opts: Options) -> mem.Placement:
+    return mem.Placement(
+        str(models.dit_device), str(models.vae_device),
+        str(models.dit_offload) if models.dit_offload is not None else None,
+        str(models.vae_offload) if models.vae_offload is not None else None,
+        models.blockswap.blocks_to_swap if models.blockswap is not None else 0,
+        bool(opts.swap_io_components and models.blockswap is not None))
+
+
+def _available_memory(models: Models, devices: set) -> dict:
+    """Bytes available to the job on each device where that is known (the models' own
+    tensors there count as available). The CPU (and other devices) count the host's
+    available RAM: a job past it fails in the allocator minutes into its work, naming no
+    setting."""
+    def available(device: str) -> Optional[int]:
+        own = mem.bytes_on(models.dit, torch.device(device)) + mem.bytes_on(models.vae, torch.device(device))
+        return mem.device_available(torch.device(device), own)
+    return {d: a for d in sorted(devices) if (a := available(d)) is not None}
+
+
+def _auto_batch(budget, one_batch: mem.Job, place, limits: dict, plan_frames: int,
+                opts: Options) -> int:
+    """The one ``batch_size="auto"`` decision: the largest batch whose estimate fits every
+    device of ``limits`` (bytes available), else (nothing known) the smallest candidate."""
+    if limits:
+        return mem.auto_batch_size(budget, one_batch, place, limits, plan_frames,
+                                   opts.temporal_overlap)
+    return mem.batch_candidates(plan_frames, opts.temporal_overlap)[-1]
+
+
+def _checked_estimate(budget, job: mem.Job, place, known: dict):
+    """The job's estimate, checked against the memory available (``known``)."""
+    try:
+        est = mem.check(budget, job, place, known)
+    except mem.BudgetError as e:
+        if os.environ.get(MEMORY_CHECK_ENV, "").strip().lower() != "warn":
+            raise mem.BudgetError(f"{e} (to try anyway, set {MEMORY_CHECK_ENV}=warn)") from None
+        log.warning("%s; running anyway (%s=warn)", e, MEMORY_CHECK_ENV)
+        est = mem.estimate(budget, job, place)
+    for d in sorted(est.devices):
+        log.debug("memory budget on %s: needs about %s, %s available", d, mem.gib(est.peak(d)),
+                  mem.gib(known[d]) if d in known else "unknown (not checked)")
+    for need in est.phases:
+        log.debug("memory budget, %s phase on %s: %s (%s)", need.phase, need.device,
+                  mem.gib(need.total), need.describe())
+    return est
+
+
+def resolve_auto_batch_for_ranks(job: Job, devices: list[str], frame_count: int,
+                                 size: tuple[int, int], gather=None) -> Job:
     """``batch_size="auto"`` for a job split over several processes, which must all use the
     same batch plan: resolved once, for the device with the least memory available, from
     the weight files' headers (no model is loaded). ``gather`` (torchrun: every rank calls
@@ -242,12 +252,12 @@ def resolve_auto_batch_for_ranks(opts: Options, devices: list[str], dit, vae, mo
     launcher) the available memory of each listed device is asked from here, which creates
     a CUDA context on each of them in this process.
     """
+    opts = job.opts
     if opts.batch_size != "auto":
-        return opts
-    model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
+        return job
     first = resolve_device(devices[0])
     dtype = resolve_dtype(opts.dtype, first)
-    dit_path, vae_path = _model_files(dit, vae, model_dir)
+    dit_path, vae_path = (ref.file for ref in job.resolved().models)
     dit_w, dit_cfg = mem.Weights.from_file(dit_path, "dit", dtype)
     vae_w, vae_cfg = mem.Weights.from_file(vae_path, "vae", dtype)
     budget = mem.Budget(dit_cfg, vae_cfg, dit_w, vae_w)
@@ -261,25 +271,80 @@ def resolve_auto_batch_for_ranks(opts: Options, devices: list[str], dit, vae, mo
         values = [min(values) // ranks]
     device = "cuda:0" if first.type == "cuda" else "cpu"
     place = mem.Placement(device, device)
-    job = _budget_job(opts, size, 5, dtype, mem.TEXT_TOKENS, {device})
-    plan_frames = plan_frames_of(frame_count, opts)
-    if values:
-        batch = mem.auto_batch_size(budget, job, place, {device: min(values)}, plan_frames,
-                                    opts.temporal_overlap)
-    else:
-        batch = mem.batch_candidates(plan_frames, opts.temporal_overlap)[-1]
+    one_batch = _budget_job(opts, size, 5, dtype, mem.TEXT_TOKENS, {device})
+    batch = _auto_batch(budget, one_batch, place, {device: min(values)} if values else {},
+                        plan_frames_of(frame_count, opts), opts)
     log.info("batch_size auto: %d frames per batch on every rank", batch)
-    return opts.replace(batch_size=batch)
+    return job.with_options(opts.replace(batch_size=batch))
+
+
+@dataclass(frozen=True)
+class Job:
+    """What one job computes: validated options, both models
+    (:class:`~seedvr2.pipeline.identity.ModelRef`), the model folder, and the tests' faults
+    (none in production). Picklable: spawned ranks receive it as it is and resolve its models
+    themselves (:meth:`resolved`: a missing file is then the failing rank's error)."""
+
+    opts: Options
+    models: tuple[ModelRef, ModelRef]
+    model_dir: Path
+    faults: Faults = NO_FAULTS
+
+    @classmethod
+    def build(cls, opts: Options, dit=None, vae=None, model_dir=None,
+              faults: Faults = NO_FAULTS) -> "Job":
+        model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
+        return cls(opts, (ModelRef("dit", dit), ModelRef("vae", vae)), model_dir, faults)
+
+    def resolved(self) -> "Job":
+        """The job with its models resolved, once: files found or downloaded."""
+        if all(ref.loaded or isinstance(ref.model, Path) for ref in self.models):
+            return self
+        return Job(self.opts, model_refs(*(ref.model for ref in self.models), self.model_dir),
+                   self.model_dir, self.faults)
+
+    def with_options(self, opts: Options) -> "Job":
+        return Job(opts, self.models, self.model_dir, self.faults)
+
+    def prepare(self, frame_count: int, size: tuple[int, int],
+                stats: Optional[JobStats] = None) -> tuple[Models, Options]:
+        """The set-up of one process or one rank: the models loaded, then this device
+        checked against the memory budget before any frame; returns them with the options
+        this device runs (``batch_size`` auto resolved; ``stats`` is told it and the
+        estimate)."""
+        dit, vae = (ref.model for ref in self.models)
+        models = load_models(dit, vae, opts=self.opts, model_dir=self.model_dir)
+        return models, prepare_job(models, self.opts, frame_count, size, stats)
+
+    def ready_upscaler(self, frame_count: int, size: tuple[int, int], build=Upscaler,
+                       **upscaler_args) -> Upscaler:
+        """:meth:`prepare`, then ``build(models, opts, **upscaler_args)``."""
+        return build(*self.prepare(frame_count, size, upscaler_args.get("stats")),
+                     **upscaler_args)
 
 
 VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv")
 
 
-def _output_format(info, dst, opts: Options, codec: str) -> tuple[tuple[int, int], int]:
-    """Output (H, W) and bit depth of a file job."""
-    is_video_out = Path(str(dst)).suffix.lower() in VIDEO_SUFFIXES
-    bit_depth = 16 if info.bit_depth == 16 or is_video_out and codec == "h265" else 8
-    return output_size(info.height, info.width, opts), bit_depth
+@dataclass(frozen=True)
+class FileOutput:
+    """Where and how a file job writes: built once per job from the input's header."""
+
+    dst: Any
+    size: tuple[int, int]  # (H, W)
+    bit_depth: int
+    codec: str = "h264"
+    overwrite: bool = False
+    fps: str = "auto"  # the option: a rate for images written as a video
+
+    @property
+    def is_video(self) -> bool:
+        return Path(str(self.dst)).suffix.lower() in VIDEO_SUFFIXES
+
+    def open(self, info):
+        """The writer of the output (:func:`open_output`)."""
+        return open_output(info, self.dst, self.size, self.bit_depth, self.codec,
+                           self.overwrite, self.fps)
 
 
 def input_files(reader) -> list[Path]:
@@ -345,13 +410,20 @@ def refuse_input_as_output(inputs, dst) -> None:
                              f"{'folder' if folder_output else 'name'}")
 
 
-def file_facts(reader, dst, opts: Options, codec: str) -> tuple[int, tuple[int, int], int]:
-    """Frame count, output (H, W) and bit depth of a file job; first of all, an output that
-    would replace the input is refused (:func:`refuse_input_as_output`)."""
+def file_output(reader, dst, opts: Options, codec: str = "h264",
+                overwrite: bool = False) -> FileOutput:
+    """The output of a file job, from the input's header; first of all, an output that would
+    replace the input is refused (:func:`refuse_input_as_output`)."""
     refuse_input_as_output(input_files(reader), dst)
+    info, video = reader.info, Path(str(dst)).suffix.lower() in VIDEO_SUFFIXES
+    bit_depth = 16 if info.bit_depth == 16 or video and codec == "h265" else 8
+    return FileOutput(dst, output_size(info.height, info.width, opts), bit_depth, codec,
+                      overwrite, opts.fps)
+
+
+def frame_count(reader) -> int:
     info = reader.info
-    frame_count = info.frame_count if info.frame_count_exact else reader.count_frames()
-    return (frame_count, *_output_format(info, dst, opts, codec))
+    return info.frame_count if info.frame_count_exact else reader.count_frames()
 
 
 def check_file_job(src, dst, opts: Options, codec: str, overwrite: bool,
@@ -364,19 +436,17 @@ def check_file_job(src, dst, opts: Options, codec: str, overwrite: bool,
 
     with open_media(src) as reader:
         refuse_input_as_output([*input_files(reader), *other_inputs], dst)
-        size, bit_depth = _output_format(reader.info, dst, opts, codec)
-        open_output(reader.info, dst, size, bit_depth, codec, overwrite, opts.fps).abort()
+        file_output(reader, dst, opts, codec, overwrite).open(reader.info).abort()
 
 
-def plan_file(reader, dst, opts: Options, codec: str):
-    """Batch plan, output (H, W) and bit depth of a file job: the same in one process and on
-    every rank of a distributed one. ``opts.batch_size`` must be a number by now
-    (:func:`prepare_job`, :func:`resolve_auto_batch_for_ranks`)."""
+def plan_file(reader, opts: Options):
+    """Batch plan of a file job: the same in one process and on every rank of a distributed
+    one. ``opts.batch_size`` must be a number by now (:func:`prepare_job`,
+    :func:`resolve_auto_batch_for_ranks`)."""
     if opts.batch_size == "auto":
         raise OptionError("batch_size = 'auto' must be resolved before the batch plan is made "
                           "(prepare_job or resolve_auto_batch_for_ranks)")
-    frame_count, size, bit_depth = file_facts(reader, dst, opts, codec)
-    return make_plan(frame_count, opts), size, bit_depth
+    return make_plan(frame_count(reader), opts)
 
 
 def open_output(info, dst, size: tuple[int, int], bit_depth: int, codec: str, overwrite: bool,

@@ -1,0 +1,101 @@
+"""Fault injection for the tests, in one place: kills, freezes and slow ranks at named points.
+
+The multi-process and resume tests need a job to die (or hang, or lag) at an exact instant,
+and short clips to be cut into several resume segments. They say so through environment
+variables, which only :meth:`Faults.from_environment` reads; the facade calls it once per job
+and hands the result down explicitly (spawned workers receive it pickled). ``Faults()``, the
+default everywhere below the facade, injects nothing: production sets none of these.
+
+* ``SEEDVR2_KILL_AT=POINT:N``: SIGKILL at the N-th POINT (``encode``/``dit``/``decode``: that
+  batch's phase is done; ``write``: a segment has frames in it; ``segment``: a segment is
+  closed but the journal does not name it yet; ``journal``: the journal names it; ``part``:
+  the journal names the N-th part).
+* ``SEEDVR2_KILL_IN_ASSEMBLY=N``: SIGKILL once the final video holds N segments.
+* ``SEEDVR2_SEGMENT_FRAMES`` / ``SEEDVR2_CHECKPOINT_SECONDS``: smaller resume segments, and a
+  part at every chunk's end (0).
+* ``SEEDVR2_FAULT=RANK:ACTION=N``: that rank dies (``after_batches``) or freezes
+  (``freeze_after_batches``) once it has delivered N batches; with ``SEEDVR2_FAULT_MARK=FILE``
+  only once (the file records the fault's wall time).
+* ``SEEDVR2_SLOW=RANK:SECONDS``: that rank sleeps this long per batch.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+
+@dataclass(frozen=True)
+class Faults:
+    kill_at: str = ""
+    kill_in_assembly: int = 0
+    segment_frames: Optional[int] = None
+    checkpoint_seconds: Optional[float] = None
+    rank_fault: str = ""
+    fault_mark: str = ""
+    slow: str = ""
+
+    @classmethod
+    def from_environment(cls) -> "Faults":
+        env = os.environ.get
+        frames, seconds = env("SEEDVR2_SEGMENT_FRAMES"), env("SEEDVR2_CHECKPOINT_SECONDS")
+        return cls(env("SEEDVR2_KILL_AT", ""), int(env("SEEDVR2_KILL_IN_ASSEMBLY") or 0),
+                   int(frames) if frames else None, float(seconds) if seconds else None,
+                   env("SEEDVR2_FAULT", ""), env("SEEDVR2_FAULT_MARK", ""),
+                   env("SEEDVR2_SLOW", ""))
+
+    def kill_point(self, point: str, count: int):
+        """SIGKILL this process at the ``count``-th ``point`` when the tests ask for it."""
+        if self.kill_at and self.kill_at == f"{point}:{count}":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def with_kill_points(self, progress: Callable[[str, int, int], None]):
+        """``progress`` that first reaches the kill point of each phase step it is told."""
+        if not self.kill_at:
+            return progress
+
+        def report(phase: str, done: int, total: int):
+            self.kill_point(phase, done)
+            progress(phase, done, total)
+        return report
+
+    def assembled(self, segments: int):
+        """The final video holds ``segments`` segments."""
+        if self.kill_in_assembly == segments:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def rank_fault_after(self, rank: int) -> Optional[int]:
+        """Batches after which ``rank``'s fault fires; None when it has none."""
+        target, _, point = self.rank_fault.partition(":")
+        if not self.rank_fault or int(target) != rank:
+            return None
+        return int(point.partition("=")[2] or 0)
+
+    def fault_point(self, rank: int, batches_done: int):
+        """``rank`` has delivered ``batches_done`` batches (the writer: written them): its
+        fault fires here when that is its count (dies without any cleanup as a crash would,
+        or stops itself as a hung driver would)."""
+        after = self.rank_fault_after(rank)
+        if after is None or batches_done < after:
+            return
+        if self.fault_mark:
+            if Path(self.fault_mark).exists():
+                return  # fired in an earlier attempt (torchrun restarted the workers): once only
+            Path(self.fault_mark).write_text(repr(time.time()))
+        action = self.rank_fault.partition(":")[2].partition("=")[0]
+        if action == "after_batches":
+            os._exit(17)
+        if action == "freeze_after_batches":
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    def slowness(self, rank: int) -> float:
+        """Seconds ``rank`` sleeps per batch."""
+        target, _, seconds = self.slow.partition(":")
+        return float(seconds) if self.slow and target == str(rank) else 0.0
+
+
+NO_FAULTS = Faults()
