@@ -5,12 +5,14 @@ explicit argument of the pure functions."""
 from __future__ import annotations
 
 import contextlib
+import math
 
 import re
 import weakref
 from dataclasses import replace
 
 import numpy as np
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -430,6 +432,88 @@ def test_prepare_job_checks_cuda_devices_up_front(tiny_options, monkeypatch, cap
                        r"batch_size=9: .* is available\. Settings that would fit: batch_size=5 "
                        r"\(to try anyway, set SEEDVR2_MEMORY_CHECK=warn\)$"):
         prepare_job(models, opts, 40, (64, 96))
+
+
+class _DynamicVram:
+    """A stand-in for ComfyUI under dynamic VRAM on cuda:0: its idle models stay resident, so
+    the device shows little free memory until ``make_room`` asks for some (ComfyUI's
+    ``free_memory`` then unloads until that much is free)."""
+
+    def __init__(self, total: int, resident: int):
+        self.total, self.resident, self.calls = total, resident, []
+
+    def make_room(self, device: str, need: int) -> None:
+        self.calls.append((device, need))
+        if device == "cuda:0":
+            self.resident = max(0, min(self.resident, self.total - need))
+
+    def available(self, device, own=0) -> int:
+        self.calls.append(("measured", str(device)))
+        return self.total - self.resident + own
+
+
+def test_the_host_frees_what_the_job_needs_before_memory_is_measured(tiny_options, monkeypatch):
+    """Under ComfyUI's dynamic VRAM free memory alone would make 'auto' pick tiny batches (or
+    refuse a job that fits): the job first asks the host for its largest batch's estimate,
+    then measures, and picks what an empty device gives."""
+    from seedvr2.api import load_models, prepare_job
+    from seedvr2.pipeline.runner import JobStats
+
+    opts = resolve_options(device="cpu", dtype="fp32", resolution=64, batch_size="auto")
+    models = load_models(tiny_options["dit"], tiny_options["vae"], opts=opts,
+                         model_dir=tiny_options["model_dir"])
+    on_gpu = replace(models, dit_device=torch.device("cuda", 0), vae_device=torch.device("cuda", 0))
+    empty = _DynamicVram(100 * GIB, resident=0)
+    monkeypatch.setattr(mem, "device_available", empty.available)
+    assert prepare_job(on_gpu, opts, 40, (64, 96)).batch_size == 41
+    stats = JobStats()
+    assert prepare_job(on_gpu, opts.replace(batch_size=41), 40, (64, 96), stats).batch_size == 41
+    need_41 = stats.estimated_bytes["cuda:0"]
+    assert prepare_job(on_gpu, opts.replace(batch_size=5), 40, (64, 96), stats).batch_size == 5
+    need_5 = stats.estimated_bytes["cuda:0"]
+
+    # ComfyUI's models hold all but what batch 5 needs: without asking, 'auto' takes 5 ...
+    assert need_41 > need_5
+    left = math.ceil(need_5 / mem.AUTO_CUDA_SHARE)
+    crowded = _DynamicVram(100 * GIB, resident=100 * GIB - left)
+    monkeypatch.setattr(mem, "device_available", crowded.available)
+    assert prepare_job(on_gpu, opts, 40, (64, 96)).batch_size == 5
+    # ... asking first gives the empty device's choice, and asks before it measures: the
+    # largest candidate's estimate over the share 'auto' plans in (the tiny models stay on the
+    # CPU here, so none of the estimate is already ours on cuda:0).
+    host = _DynamicVram(100 * GIB, resident=100 * GIB - left)
+    monkeypatch.setattr(mem, "device_available", host.available)
+    assert prepare_job(on_gpu, opts, 40, (64, 96), None, host.make_room).batch_size == 41
+    assert host.calls == [("cuda:0", math.ceil(need_41 / mem.AUTO_CUDA_SHARE)),
+                          ("measured", "cuda:0")]
+    # A fixed batch asks for its own estimate; a job that fits asks for nothing more than it.
+    host = _DynamicVram(100 * GIB, resident=100 * GIB - need_5 // 2)
+    monkeypatch.setattr(mem, "device_available", host.available)
+    assert prepare_job(on_gpu, opts.replace(batch_size=41), 40, (64, 96), None,
+                       host.make_room).batch_size == 41
+    assert host.calls == [("cuda:0", need_41), ("measured", "cuda:0")]
+
+
+def test_only_one_process_asks_the_host_for_room(tiny_options, monkeypatch):
+    """The facade hands ``make_room`` to a job of this process, never to spawned ranks (their
+    memory is not this process's host's, and a job they receive must pickle)."""
+    import pickle
+
+    from seedvr2 import api
+
+    opts = resolve_options(device="cpu")
+    asked = []
+    one = api._job(opts, ["cpu"], (tiny_options["dit"], tiny_options["vae"]),
+                   tiny_options["model_dir"], make_room=lambda d, n: asked.append(d))
+    assert one.make_room is not None
+    many = api._job(opts, ["cpu", "cpu"], (tiny_options["dit"], tiny_options["vae"]),
+                    tiny_options["model_dir"], make_room=lambda d, n: asked.append(d))
+    assert many.make_room is None
+    pickle.dumps(many)
+    out = api.upscale(torch.rand(1, 16, 16, 3), **tiny_options, resolution=16,
+                      make_room=lambda d, n: asked.append((d, n)))
+    assert out.shape == (1, 16, 16, 3)
+    assert [d for d, _ in asked] == ["cpu"] and asked[0][1] > 0
 
 
 def test_exact_tiling_host_ram_check():

@@ -19,8 +19,9 @@ from .faults import Faults
 from .options import OptionError, Options, option_ref, option_value, resolve_options
 from .pipeline.plan import make_plan
 from .pipeline.runner import JobStats, Upscaler, input_frames, output_size
-from .pipeline.setup import (MEMORY_CHECK_ENV, Job, check_file_job, file_output, load_models,
-                             open_output, plan_file, prepare_job, resolve_auto_batch_for_ranks)
+from .pipeline.setup import (MEMORY_CHECK_ENV, Job, MakeRoom, check_file_job, file_output,
+                             load_models, open_output, plan_file, prepare_job,
+                             resolve_auto_batch_for_ranks)
 
 # The set-up steps are the library's too (custom pipelines, the CLI, tests).
 __all__ = ["MEMORY_CHECK_ENV", "check_file_job", "load_models", "open_output", "plan_file",
@@ -76,17 +77,19 @@ def _check_named_models(dit, vae):
 
 def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Progress] = None,
             should_stop: Optional[Callable[[], bool]] = None, stats: Optional[JobStats] = None,
-            **options) -> torch.Tensor:
+            make_room: Optional[MakeRoom] = None, **options) -> torch.Tensor:
     """Upscale frames in memory: ComfyUI's IMAGE convention in and out.
 
     ``frames``: float (T, H, W, C) in [0, 1] (or uint8/uint16), C = 1, 3 or 4; a single
     (H, W, C) image is one frame. Returns float32 (T, H', W', C) in [0, 1] on the CPU.
-    ``stats`` (a ``JobStats``) records the job as it runs.
+    ``stats`` (a ``JobStats``) records the job as it runs. ``make_room(device, bytes)``, where
+    a host holds memory it frees on demand (ComfyUI), is asked for what the job needs before
+    the memory budget measures a device (one process only).
     """
     opts = resolve_options(**options)
     frames = input_frames(frames)
     devices, opts = process_devices(opts, dit, vae)
-    job = _job(opts, devices, (dit, vae), model_dir)
+    job = _job(opts, devices, (dit, vae), model_dir, make_room=make_room)
     size = output_size(frames.shape[1], frames.shape[2], opts)
     if len(devices) > 1:
         from .distributed.launch import spawn_tensor_job
@@ -101,13 +104,13 @@ def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Pr
 
 
 def _job(opts: Options, devices: list[str], models: tuple, model_dir,
-         spawned: bool = True) -> Job:
+         spawned: bool = True, make_room: Optional[MakeRoom] = None) -> Job:
     """The job, after the checks that need no model file: spawned ranks need models by name
     or path (each resolves them itself), and several ranks a ``sequence_parallel`` they can
-    split."""
+    split. Only one process asks ``make_room`` (the host's memory is this process's)."""
     if len(devices) == 1:
         _check_one_process(opts)
-        return Job.build(opts, *models, model_dir, Faults.from_environment())
+        return Job.build(opts, *models, model_dir, Faults.from_environment(), make_room)
     from .distributed.job import check_sequence_parallel
 
     if spawned:
@@ -120,15 +123,16 @@ def _job(opts: Options, devices: list[str], models: tuple, model_dir,
 def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: bool = False,
                  codec: str = "h264", progress: Optional[Progress] = None,
                  should_stop: Optional[Callable[[], bool]] = None,
-                 stats: Optional[JobStats] = None, **options) -> Path:
+                 stats: Optional[JobStats] = None, make_room: Optional[MakeRoom] = None,
+                 **options) -> Path:
     """Upscale a video, image or image sequence file to ``dst``, streaming frame by frame.
 
     Video keeps its exact frame rate (variable-rate video: every frame's time) and its audio
     and subtitles where the output holds them (copied, not re-encoded); ``fps`` gives images
     and sequences a rate for a video output. The output is
     written under a temporary name and appears at ``dst`` only when complete; an existing
-    ``dst`` is replaced only with ``overwrite=True``. ``stats`` (a ``JobStats``) records the
-    job as it runs. Returns the output path.
+    ``dst`` is replaced only with ``overwrite=True``. ``stats`` and ``make_room`` as in
+    :func:`upscale`. Returns the output path.
     """
     from .distributed import in_distributed_launch, init_from_env
     from .distributed.job import run_file_job
@@ -141,7 +145,7 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
         devices = [str(ctx.device)] * ctx.world_size
     else:
         ctx, (devices, opts) = None, process_devices(opts, dit, vae)
-    job = _job(opts, devices, (dit, vae), model_dir, spawned=ctx is None)
+    job = _job(opts, devices, (dit, vae), model_dir, spawned=ctx is None, make_room=make_room)
     with open_media(src) as reader:
         output = file_output(reader, dst, opts, codec, overwrite)
         if len(devices) == 1:

@@ -7,11 +7,12 @@ writer. The facade (``seedvr2.api``) and ``seedvr2.distributed`` both call it.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 from pathlib import Path
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -152,8 +153,12 @@ def plan_frames_of(frame_count: int, opts: Options) -> int:
     return frame_count + min(opts.prepend_frames, max(frame_count - 1, 0))
 
 
+# A host's request for free memory before the budget measures it: make_room(device, bytes).
+MakeRoom = Callable[[str, int], None]
+
+
 def prepare_job(models: Models, opts: Options, frame_count: int, size: tuple[int, int],
-                stats: Optional[JobStats] = None) -> Options:
+                stats: Optional[JobStats] = None, make_room: Optional[MakeRoom] = None) -> Options:
     """Resolve ``batch_size="auto"`` and check the memory budget, before any work starts.
 
     ``auto`` becomes the largest 4n+1 batch (at least 5 when any fits, at most the clip
@@ -163,15 +168,20 @@ def prepare_job(models: Models, opts: Options, frame_count: int, size: tuple[int
     free memory of a CUDA device, the host's available RAM for the CPU) raises
     :class:`~seedvr2.memory.budget.BudgetError` naming settings that would fit
     (``SEEDVR2_MEMORY_CHECK=warn`` in the environment turns that into a warning, for when the
-    estimate is wrong). Returns the options with a concrete batch size.
+    estimate is wrong). Returns the options with a concrete batch size. ``make_room`` (a
+    host such as ComfyUI) is first asked for what the job's largest batch needs.
     """
     place = _placement_of(models, opts)
     budget = mem.Budget(models.dit.config, models.vae.config, mem.Weights.of_module(models.dit),
                         mem.Weights.of_module(models.vae))
     devices = {str(models.dit_device), str(models.vae_device)}
-    known = _available_memory(models, devices)
     job = lambda batch: _budget_job(opts, size, batch, models.dtype, models.text.shape[0], devices)  # noqa: E731
     auto = opts.batch_size == "auto"
+    if make_room is not None:
+        biggest = mem.batch_candidates(plan_frames_of(frame_count, opts),
+                                       opts.temporal_overlap)[0] if auto else opts.batch_size
+        _ask_for_room(make_room, mem.estimate(budget, job(biggest), place), models, auto)
+    known = _available_memory(models, devices)
     if auto:
         cuda = {d: a for d, a in known.items() if d.startswith("cuda")}
         opts = opts.replace(batch_size=_auto_batch(budget, job(5), place, cuda or known,
@@ -204,15 +214,36 @@ def _placement_of(models: Models, opts: Options) -> mem.Placement:
         bool(opts.swap_io_components and models.blockswap is not None))
 
 
+def _ask_for_room(make_room: MakeRoom, est: mem.Estimate, models: Models, auto: bool) -> None:
+    """Ask the host for the bytes ``est`` needs on each device beyond our models' own tensors
+    there, before memory is measured: under ComfyUI's dynamic VRAM its idle models stay
+    resident until memory is demanded, so free memory alone would choose tiny batches or
+    refuse a job that fits. An automatic batch on CUDA plans within
+    :data:`~seedvr2.memory.budget.AUTO_CUDA_SHARE` of what is there, so it asks for that much
+    more."""
+    for device in sorted(est.devices):
+        need = est.peak(device)
+        if auto and device.startswith("cuda"):
+            need = math.ceil(need / mem.AUTO_CUDA_SHARE)
+        own = _own_bytes(models, device)
+        if need > own:
+            make_room(device, need - own)
+
+
+def _own_bytes(models: Models, device: str) -> int:
+    """Bytes of our models' tensors on ``device``."""
+    return (mem.bytes_on(models.dit, torch.device(device))
+            + mem.bytes_on(models.vae, torch.device(device)))
+
+
 def _available_memory(models: Models, devices: set) -> dict:
     """Bytes available to the job on each device where that is known (the models' own
     tensors there count as available). The CPU (and other devices) count the host's
     available RAM: a job past it fails in the allocator minutes into its work, naming no
     setting."""
-    def available(device: str) -> Optional[int]:
-        own = mem.bytes_on(models.dit, torch.device(device)) + mem.bytes_on(models.vae, torch.device(device))
-        return mem.device_available(torch.device(device), own)
-    return {d: a for d in sorted(devices) if (a := available(d)) is not None}
+    available = {d: mem.device_available(torch.device(d), _own_bytes(models, d))
+                 for d in sorted(devices)}
+    return {d: a for d, a in available.items() if a is not None}
 
 
 def _auto_batch(budget, one_batch: mem.Job, place, limits: dict, plan_frames: int,
@@ -289,22 +320,26 @@ class Job:
     models: tuple[ModelRef, ModelRef]
     model_dir: Path
     faults: Faults = NO_FAULTS
+    # The host's request for free memory (:func:`prepare_job`); one process only, never
+    # pickled to spawned ranks (the facade gives them none).
+    make_room: Optional[MakeRoom] = field(default=None, compare=False)
 
     @classmethod
     def build(cls, opts: Options, dit=None, vae=None, model_dir=None,
-              faults: Faults = NO_FAULTS) -> "Job":
+              faults: Faults = NO_FAULTS, make_room: Optional[MakeRoom] = None) -> "Job":
         model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
-        return cls(opts, (ModelRef("dit", dit), ModelRef("vae", vae)), model_dir, faults)
+        return cls(opts, (ModelRef("dit", dit), ModelRef("vae", vae)), model_dir, faults,
+                   make_room)
 
     def resolved(self) -> "Job":
         """The job with its models resolved, once: files found or downloaded."""
         if all(ref.loaded or isinstance(ref.model, Path) for ref in self.models):
             return self
-        return Job(self.opts, model_refs(*(ref.model for ref in self.models), self.model_dir),
-                   self.model_dir, self.faults)
+        return replace(self, models=model_refs(*(ref.model for ref in self.models),
+                                               self.model_dir))
 
     def with_options(self, opts: Options) -> "Job":
-        return Job(opts, self.models, self.model_dir, self.faults)
+        return replace(self, opts=opts)
 
     def prepare(self, frame_count: int, size: tuple[int, int],
                 stats: Optional[JobStats] = None) -> tuple[Models, Options]:
@@ -314,7 +349,7 @@ class Job:
         estimate)."""
         dit, vae = (ref.model for ref in self.models)
         models = load_models(dit, vae, opts=self.opts, model_dir=self.model_dir)
-        return models, prepare_job(models, self.opts, frame_count, size, stats)
+        return models, prepare_job(models, self.opts, frame_count, size, stats, self.make_room)
 
     def ready_upscaler(self, frame_count: int, size: tuple[int, int], build=Upscaler,
                        **upscaler_args) -> Upscaler:
