@@ -16,6 +16,10 @@ or installed. Sections, in order of value (``--sections`` picks some):
 * vae       VAE encode and decode of 1080p x 21 (default temporal slices) with
             ``vae_cudnn_benchmark`` and ``vae_channels_last`` off and on; host syncs of a decode
 * dequant   GGUF Q8_0 / Q4_K and fp8 dequantisation of every packable 3B weight: ms per forward
+* room      ComfyUI's dynamic VRAM: a resident model holding all but 1 GiB of the device, freed
+            only when asked (as ComfyUI's free_memory does): the automatic batch size with the
+            device empty, with the resident model and no request, and with the job's request
+            for room (``make_room``), which should give the empty device's choice
 * lowp      3B DiT forward at 1080p x 21 in bf16, then with its block linears in int8,
             int8_convrot, fp8 e4m3, mxfp8 and nvfp4, each with ``compute_precision`` weights
             (dequantise) and auto (comfy-kitchen's low-precision products where this GPU has
@@ -32,7 +36,7 @@ sizes (real allocations, copies and weights; seconds): CUDA-only quantities are 
 their labelled CPU analogues (host reads instead of stream syncs, host memcpy instead of
 host->device copies, the schedule's resident blocks instead of allocator peaks).
 
-    bench/gpu_checks.sh [--rehearse] [--minutes 7] [--sections env,e2e,mfu,blockswap,vae,dequant,lowp]
+    bench/gpu_checks.sh [--rehearse] [--minutes 7] [--sections env,e2e,mfu,blockswap,vae,dequant,room,lowp]
 """
 
 from __future__ import annotations
@@ -66,11 +70,11 @@ from dit_forward import count_flops  # noqa: E402
 from seedvr2.models import build_dit, build_vae, dit_config, vae_config  # noqa: E402
 from seedvr2.models.config import shipped_config  # noqa: E402
 
-SECTIONS = ("env", "e2e", "mfu", "blockswap", "vae", "dequant", "lowp")
+SECTIONS = ("env", "e2e", "mfu", "blockswap", "vae", "dequant", "room", "lowp")
 # Seconds each section may run on the GPU (its rows then stop); the sum stays under the
 # 7-minute default. The rehearsal's sections take seconds; REHEARSE_CAP only bounds a hang.
 CAPS = {"env": 15, "e2e": 110, "mfu": 70, "blockswap": 75, "vae": 95, "dequant": 30,
-        "lowp": 150}
+        "room": 25, "lowp": 150}
 REHEARSE_CAP = 60
 MIN_SECTION_SECONDS = 5  # a section with less time left is skipped, not started
 TEXT_TOKENS = 58
@@ -809,8 +813,50 @@ def check_lowp(run: Run):
             run.free()
 
 
+def check_room(run: Run):
+    """The automatic batch size beside a resident model that leaves the device all but
+    ROOM_LEFT free and goes only when asked: what ComfyUI's idle models do under dynamic VRAM."""
+    from seedvr2.api import load_models, prepare_job
+    from seedvr2.memory import budget as mem
+    from seedvr2.options import resolve_options
+
+    scale = run.scale
+    opts = resolve_options(device=str(run.device), resolution=scale.e2e_resolution,
+                           batch_size="auto", dtype={torch.bfloat16: "bf16", torch.float16: "fp16",
+                                                     torch.float32: "fp32"}[scale.dtype])
+    models = load_models(random_dit(run), random_vae(run), opts=opts)
+    size, frames = scale.sizes["1080p"], 121
+    auto = lambda make_room=None: prepare_job(models, opts, frames, size, None,  # noqa: E731
+                                              make_room).batch_size
+    measure(run.report, "room", "auto batch, device empty", lambda: (f"{auto()} frames", ""))
+    free = mem.device_available(run.device) or 0
+    resident = [torch.empty(max(free - ROOM_LEFT, 0) if run.cuda else REHEARSAL_RESIDENT,
+                            dtype=torch.uint8, device=run.device)]
+    held = gib(resident[0].numel())
+    asked = []
+
+    def make_room(device: str, need: int):  # ComfyUI's free_memory: unload until need is free
+        asked.append(need)
+        resident.clear()
+        run.free()
+
+    def crowded():
+        try:
+            return f"{auto()} frames", f"a resident model of {held}, not asked to leave"
+        except mem.BudgetError as e:
+            return "0 frames", f"refused: {e}"[:300]
+    measure(run.report, "room", "auto batch, resident model, no request", crowded)
+    measure(run.report, "room", "auto batch, resident model, job asks for room",
+            lambda: (f"{auto(make_room)} frames",
+                     f"asked for {', '.join(gib(n) for n in asked)}; resident {held} freed"))
+
+
+ROOM_LEFT = 1 << 30  # what the resident model leaves free on the GPU
+REHEARSAL_RESIDENT = 64 << 20  # the rehearsal's stand-in (host RAM is what the CPU measures)
+
+
 CHECKS = {"env": check_env, "e2e": check_e2e, "mfu": check_mfu, "blockswap": check_blockswap,
-          "vae": check_vae, "dequant": check_dequant, "lowp": check_lowp}
+          "vae": check_vae, "dequant": check_dequant, "room": check_room, "lowp": check_lowp}
 
 
 # -- the command -----------------------------------------------------------------------------------

@@ -4,7 +4,7 @@
 # Prints one table on stdout, progress on stderr, and rewrites $OUT/gpu_checks.md after every
 # row when OUT is set. See bench/gpu_checks.py and docs/development.md "GPU checks".
 #
-#   bench/gpu_checks.sh [--rehearse] [--minutes 7] [--sections env,e2e,mfu,blockswap,vae,dequant,lowp]
+#   bench/gpu_checks.sh [--rehearse] [--minutes 7] [--sections env,e2e,mfu,blockswap,vae,dequant,room,lowp]
 #
 # The lowp section needs comfy-kitchen (0.2.40; its CUDA kernels need a torch built for CUDA 13,
 # as the GPU machine's cu130 torch is). Its cp312 wheel is 68 MB, over the 64 MiB a device call

@@ -129,9 +129,9 @@ def test_a_section_past_its_cap_is_stopped_and_the_rows_so_far_kept(tmp_path, mo
 @pytest.mark.parametrize("args, message", [
     (["--rehearse", "--sections", "mfu,bogus"],
      "--sections 'mfu,bogus': unknown section(s) bogus; choose from env, e2e, mfu, blockswap, "
-     "vae, dequant, lowp"),
+     "vae, dequant, room, lowp"),
     (["--rehearse", "--sections", ","], "--sections ',': unknown section(s) (none given); "
-     "choose from env, e2e, mfu, blockswap, vae, dequant, lowp"),
+     "choose from env, e2e, mfu, blockswap, vae, dequant, room, lowp"),
     (["--rehearse", "--minutes", "0"], "--minutes 0.0: give a time between 0 and 60 minutes"),
 ])
 def test_bad_arguments_are_named(args, message, capsys):
