@@ -617,9 +617,7 @@ def open_gguf(path: Path) -> TensorSource:
                 raise CheckpointError(f"{path}: metadata {ORIG_SHAPE_KEY + name!r} must be an "
                                       f"integer array, got {orig!r}")
             shape = tuple(orig)
-        numel = 1
-        for s in shape:
-            numel *= s
+        numel = math.prod(shape)
         if numel != tensor.n_elements:
             raise CheckpointError(f"{path}: tensor {name!r} has {tensor.n_elements} values but "
                                   f"its shape {list(shape)} needs {numel}")

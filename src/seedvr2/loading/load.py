@@ -7,6 +7,7 @@ file's tensors (converted one at a time), so peak memory is about one copy of th
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -60,10 +61,7 @@ def _target_dtype(src: TensorSource, requested: torch.dtype | None) -> torch.dty
             dt = torch.float16  # quantised storage computes in fp16 unless asked otherwise
         if dt.is_floating_point:
             dt = dt if dt in _STANDARD_FLOATS else torch.float32 if dt == torch.float64 else torch.float16
-            n = 1
-            for s in src.shapes[key]:
-                n *= s
-            weight[dt] = weight.get(dt, 0) + n
+            weight[dt] = weight.get(dt, 0) + math.prod(src.shapes[key])
     return max(weight, key=weight.get) if weight else torch.float32
 
 
@@ -157,7 +155,6 @@ def _load(path, kind: str, dtype: torch.dtype | None, device, keep_packed: bool 
     return model
 
 
-
 def load_dit(path, dtype: torch.dtype | None = None, device="cpu", keep_packed: bool = True
              ) -> nn.Module:
     """A NaDiT (3B or 7B family, detected) from a safetensors, .pth/.pt or GGUF file.
@@ -185,14 +182,8 @@ def describe(path) -> dict:
         cfg = _config_for(src, kind)
         dtypes = sorted({src.packed.get(k) or str(d).replace("torch.", "")
                          for k, d in src.dtypes.items()})
-        count = 0
-        for key, shape in src.shapes.items():
-            if key.endswith("rope.rope.freqs") or key in EMBEDDED_TEXT_KEYS:
-                continue
-            n = 1
-            for s in shape:
-                n *= s
-            count += n
+        count = sum(math.prod(shape) for key, shape in src.shapes.items()
+                    if not key.endswith("rope.rope.freqs") and key not in EMBEDDED_TEXT_KEYS)
         info = {"file": str(src.path), "format": src.format, "kind": kind, "dtypes": dtypes,
                 "parameters": count, "tensors": len(src.shapes)}
         if isinstance(cfg, DiTConfig):

@@ -33,6 +33,7 @@ complete; tensors are read, converted and written one at a time.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -72,10 +73,7 @@ def _stored_float(dtype: torch.dtype) -> torch.dtype:
 
 def should_quantize(key: str, shape: Sequence[int], keep: tuple[str, ...] = ()) -> bool:
     """Whether ``quantize`` packs this tensor (see the module doc for what stays)."""
-    numel = 1
-    for s in shape:
-        numel *= s
-    return (key.endswith(".weight") and len(shape) >= 2 and numel >= SMALL_TENSOR
+    return (key.endswith(".weight") and len(shape) >= 2 and math.prod(shape) >= SMALL_TENSOR
             and not key.startswith(ALWAYS_KEEP) and not key.startswith(keep))
 
 
@@ -143,9 +141,7 @@ def _gguf_plan(src: TensorSource, target: str, keep) -> list[_GGUFPlan]:
     plans = []
     for key, shape in src.shapes.items():
         shape = tuple(shape)
-        numel = 1
-        for s in shape:
-            numel *= s
+        numel = math.prod(shape)
         quantize = should_quantize(key, shape, keep)
         block = _BLOCK[target]
         if quantize and (len(shape) > 2 or shape[-1] % block):
@@ -392,10 +388,7 @@ def _write_safetensors(src: TensorSource, path: Path, target: str, config: dict,
     header, offset = {}, 0
     for _, layout, _ in plans:
         for name, (dtype, shape) in layout.items():
-            numel = 1
-            for s in shape:
-                numel *= s
-            size = numel * torch.empty(0, dtype=dtype).element_size()
+            size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
             header[name] = {"dtype": _ST_DTYPE[dtype], "shape": list(shape),
                             "data_offsets": [offset, offset + size]}
             offset += size
