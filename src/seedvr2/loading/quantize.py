@@ -155,8 +155,8 @@ def _gguf_plan(src: TensorSource, target: str, keep) -> list[_GGUFPlan]:
         if quantize:
             plans.append(_GGUFPlan(key, target, shape, None))
             continue
-        float_type = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}[
-            _stored_float(src.dtypes[key]) if key not in src.packed else torch.float16]
+        float_type = _ST_DTYPE[_stored_float(src.dtypes[key]) if key not in src.packed
+                               else torch.float16]
         if len(shape) > 4:  # GGUF holds at most 4 dimensions
             plans.append(_GGUFPlan(key, float_type, (shape[0], numel // shape[0]), shape))
         else:
@@ -198,8 +198,7 @@ def _write_gguf(src: TensorSource, path: Path, target: str, config: dict, keep, 
                 writer.add_array(ORIG_SHAPE_KEY + plan.key, list(plan.orig))
             ggml = getattr(gguf.GGMLQuantizationType, plan.qtype)
             block, type_size = gguf.GGML_QUANT_SIZES[ggml]
-            numel = int(np.prod(plan.stored))
-            nbytes = numel // block * type_size
+            nbytes = math.prod(plan.stored) // block * type_size
             if plan.qtype in ("F32", "F16"):
                 numpy_dtype = np.dtype(np.float32 if plan.qtype == "F32" else np.float16)
                 writer.add_tensor_info(plan.key, plan.stored, numpy_dtype, nbytes)
