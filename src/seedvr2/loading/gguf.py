@@ -95,11 +95,6 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     return _unpack(qs, 4, 1)
 
 
-def _little_endian_bits(word: torch.Tensor) -> torch.Tensor:
-    """A little-endian 32-bit word as 4 bytes ``(n, 4)`` -> its 32 bits ``(n, 32)``, bit 0 first."""
-    return _unpack(word, 1, -1).reshape(word.shape[0], 32)
-
-
 class _Scratch:
     """Flat buffers that every chunk decoded by one thread reuses."""
 
@@ -165,7 +160,8 @@ def _q4_1(b, out, scales, scratch):
 
 
 def _q5(b, offset):
-    high = _little_endian_bits(b[:, offset:offset + 4])
+    # The little-endian 32-bit word of high bits, as 4 bytes -> its 32 bits, bit 0 first.
+    high = _unpack(b[:, offset:offset + 4], 1, -1).reshape(b.shape[0], 32)
     low = _nibbles(b[:, offset + 4:]).view(-1, 32)
     return low | (high << 4)
 

@@ -687,12 +687,6 @@ def alternatives(budget: Budget, job: Job, place: Placement, available: Mapping[
     return []
 
 
-def _fmt_failure(job: Job, need: PhaseNeed, have: int, batch_text: str) -> str:
-    return (f"not enough memory on {need.device} for {job.width}x{job.height} frames at "
-            f"{batch_text}: the {need.phase} phase needs about {gib(need.total)} "
-            f"({need.describe()}) but {gib(have)} is available")
-
-
 def check(budget: Budget, job: Job, place: Placement, available: Mapping[str, int],
           min_batch: int = 1, batch_text: Optional[str] = None) -> Estimate:
     """The estimate, or :class:`BudgetError` when a device in ``available`` is short; the
@@ -702,7 +696,10 @@ def check(budget: Budget, job: Job, place: Placement, available: Mapping[str, in
     if not short:
         return est
     need, have = short[0]
-    message = _fmt_failure(job, need, have, batch_text or option_ref("batch_size", job.batch_size))
+    message = (f"not enough memory on {need.device} for {job.width}x{job.height} frames at "
+               f"{batch_text or option_ref('batch_size', job.batch_size)}: the {need.phase} "
+               f"phase needs about {gib(need.total)} ({need.describe()}) but {gib(have)} is "
+               f"available")
     alts = alternatives(budget, job, place, available, min_batch)
     if alts:
         message += ". Settings that would fit: " + "; or ".join(alts)

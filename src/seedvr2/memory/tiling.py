@@ -230,10 +230,6 @@ def tile_starts(length: int, tile: int, overlap: int) -> List[int]:
     return [min(i * stride, length - tile) for i in range(count)]
 
 
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
-
-
 # == exact mode: frame-wide planes, tile-wise layers ==========================================
 
 class _ChannelStats:
@@ -612,10 +608,12 @@ def _blend_into(out: Tensor, region: Tuple[slice, ...], piece: Tensor,
 
 
 def _layout(vae: VideoAutoencoder, tiles: TileSettings, h: int, w: int, scale: int,
-            dtype: torch.dtype, device: torch.device) -> Tuple[List[_Span], List[_Span]]:
+            device: torch.device) -> Tuple[List[_Span], List[_Span]]:
     if not tiles.enabled:
         return [_Span(0, h, None)], [_Span(0, w, None)]
     s = vae.spatial_factor
+    # Blend weights in the accumulation precision: float32 unless the VAE runs in fp32/fp64.
+    dtype = vae.dtype if vae.dtype in (torch.float32, torch.float64) else torch.float32
     size, overlap = tiles.tile_size // s, tiles.tile_overlap // s
     return (_axis_spans(h, size, overlap, scale, dtype, device),
             _axis_spans(w, size, overlap, scale, dtype, device))
@@ -626,7 +624,7 @@ def _fast_encode(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
     B, _, T, H, W = video.shape
     s, f, dtype = vae.spatial_factor, vae.temporal_factor, vae.dtype
     h, w, t = H // s, W // s, (T - 1) // f + 1
-    rows, cols = _layout(vae, tiles, h, w, 1, _accumulation_dtype(dtype), video.device)
+    rows, cols = _layout(vae, tiles, h, w, 1, video.device)
     shape = (B, vae.latent_channels, t, h, w)
     mean = torch.zeros(shape, dtype=dtype, device=video.device)
     logvar = torch.zeros(shape, dtype=dtype, device=video.device)
@@ -659,7 +657,7 @@ def _fast_decode(vae: VideoAutoencoder, latent: Tensor, tiles: TileSettings,
                  latent_chunks: List[Tuple[int, int]], between: Between) -> Tensor:
     B, _, t, h, w = latent.shape
     s, f, dtype = vae.spatial_factor, vae.temporal_factor, vae.dtype
-    rows, cols = _layout(vae, tiles, h, w, s, _accumulation_dtype(dtype), latent.device)
+    rows, cols = _layout(vae, tiles, h, w, s, latent.device)
     out = torch.zeros((B, vae.config.out_channels, f * (t - 1) + 1, h * s, w * s), dtype=dtype,
                       device=latent.device)
     for row in rows:
