@@ -62,10 +62,6 @@ _ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
              torch.uint8: "U8", torch.float8_e8m0fnu: "F8_E8M0"}
 
 
-def _keep_prefixes(keep: Sequence[str]) -> tuple[str, ...]:
-    return tuple(k if k.endswith(".") else k + "." for k in keep)
-
-
 def _stored_float(dtype: torch.dtype) -> torch.dtype:
     """The dtype an unquantised tensor keeps: its own float dtype, fp16 for narrower ones."""
     return dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float16
@@ -116,7 +112,8 @@ def quantize_file(source, output, target: str, keep: Sequence[str] = (), overwri
         kind, config = _model_config(src)
         try:
             writer = _write_gguf if target in GGUF_TARGETS else _write_safetensors
-            counts = writer(src, tmp, target, config, _keep_prefixes(keep), progress)
+            prefixes = tuple(k if k.endswith(".") else k + "." for k in keep)
+            counts = writer(src, tmp, target, config, prefixes, progress)
             os.replace(tmp, output)
         except BaseException:
             tmp.unlink(missing_ok=True)
