@@ -531,12 +531,8 @@ def estimate(budget: Budget, job: Job, place: Placement) -> Estimate:
 
 def shortfalls(est: Estimate, available: Mapping[str, int]) -> list[tuple[PhaseNeed, int]]:
     """(worst phase, bytes available) for each device in ``available`` the job exceeds."""
-    out = []
-    for device, have in available.items():
-        worst = est.worst(device)
-        if worst is not None and worst.total > have:
-            out.append((worst, have))
-    return out
+    return [(worst, have) for device, have in available.items()
+            if (worst := est.worst(device)) is not None and worst.total > have]
 
 
 def fits(budget: Budget, job: Job, place: Placement, available: Mapping[str, int]) -> bool:
