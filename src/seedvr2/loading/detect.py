@@ -34,10 +34,6 @@ def describe_unknown(shapes: Shapes) -> str:
             f"tensors such as {sample}")
 
 
-def _block_indices(shapes: Shapes) -> list[int]:
-    return sorted({int(m.group(1)) for k in shapes if (m := re.match(r"blocks\.(\d+)\.", k))})
-
-
 def detect_dit(shapes: Shapes) -> dict:
     """Constructor kwargs of the NaDiT these tensors belong to."""
     def shape(key: str) -> tuple[int, ...]:
@@ -45,7 +41,7 @@ def detect_dit(shapes: Shapes) -> dict:
             raise CheckpointError(f"missing tensor {key!r}, which every SeedVR2 DiT has")
         return shapes[key]
 
-    blocks = _block_indices(shapes)
+    blocks = sorted({int(m.group(1)) for k in shapes if (m := re.match(r"blocks\.(\d+)\.", k))})
     if blocks != list(range(len(blocks))):
         raise CheckpointError(f"DiT blocks are not numbered 0..N-1 (found {blocks[:8]}...)")
     num_layers = len(blocks)

@@ -6,6 +6,7 @@ The format is told by the file's first bytes, never by its name.
 from __future__ import annotations
 
 import json
+import math
 import pickle
 import struct
 import zipfile
@@ -146,10 +147,7 @@ def read_safetensors_header(path: Path) -> tuple[dict, dict]:
             raise CheckpointError(f"{path}: corrupt safetensors header (tensor {name!r}: "
                                   f"{problem})")
         begin, end = entry["data_offsets"]
-        count = 1
-        for dim in entry["shape"]:
-            count *= dim
-        need = count * _SAFETENSORS_DTYPES[entry["dtype"]].itemsize
+        need = math.prod(entry["shape"]) * _SAFETENSORS_DTYPES[entry["dtype"]].itemsize
         if end - begin != need:
             raise CheckpointError(f"{path}: corrupt safetensors header (tensor {name!r}: shape "
                                   f"{entry['shape']} of {entry['dtype']} needs {need} bytes, its "

@@ -95,11 +95,6 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     return _unpack(qs, 4, 1)
 
 
-def _little_endian_bits(word: torch.Tensor) -> torch.Tensor:
-    """A little-endian 32-bit word as 4 bytes ``(n, 4)`` -> its 32 bits ``(n, 32)``, bit 0 first."""
-    return _unpack(word, 1, -1).reshape(word.shape[0], 32)
-
-
 class _Scratch:
     """Flat buffers that every chunk decoded by one thread reuses."""
 
@@ -165,7 +160,8 @@ def _q4_1(b, out, scales, scratch):
 
 
 def _q5(b, offset):
-    high = _little_endian_bits(b[:, offset:offset + 4])
+    # The little-endian 32-bit word of high bits, as 4 bytes -> its 32 bits, bit 0 first.
+    high = _unpack(b[:, offset:offset + 4], 1, -1).reshape(b.shape[0], 32)
     low = _nibbles(b[:, offset + 4:]).view(-1, 32)
     return low | (high << 4)
 
@@ -490,12 +486,6 @@ def dequantize_blocks(blocks: torch.Tensor, qtype: str, dtype: torch.dtype = tor
 # reading
 
 
-def _field_value(field):
-    """A metadata field's value: str, number, or list for arrays."""
-    value = field.contents()
-    return value
-
-
 # GGUF metadata value types -> size in bytes (8: string, 9: array)
 _GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 
@@ -609,17 +599,14 @@ def open_gguf(path: Path) -> TensorSource:
         if tensor.data_offset + tensor.n_bytes > size:
             raise CheckpointError(f"{path}: truncated GGUF file (tensor {name!r} ends at byte "
                                   f"{tensor.data_offset + tensor.n_bytes}, file has {size})")
-        stored = tuple(int(v) for v in reversed(tensor.shape.tolist()))
-        shape = stored
+        shape = tuple(int(v) for v in reversed(tensor.shape.tolist()))
         if ORIG_SHAPE_KEY + name in fields:
-            orig = _field_value(fields[ORIG_SHAPE_KEY + name])
+            orig = fields[ORIG_SHAPE_KEY + name].contents()
             if not isinstance(orig, list) or not all(isinstance(v, int) for v in orig):
                 raise CheckpointError(f"{path}: metadata {ORIG_SHAPE_KEY + name!r} must be an "
                                       f"integer array, got {orig!r}")
             shape = tuple(orig)
-        numel = 1
-        for s in shape:
-            numel *= s
+        numel = math.prod(shape)
         if numel != tensor.n_elements:
             raise CheckpointError(f"{path}: tensor {name!r} has {tensor.n_elements} values but "
                                   f"its shape {list(shape)} needs {numel}")
@@ -639,13 +626,13 @@ def open_gguf(path: Path) -> TensorSource:
 
     metadata: dict[str, str] = {}
     if CONFIG_KEY in fields:
-        config = _field_value(fields[CONFIG_KEY])
+        config = fields[CONFIG_KEY].contents()
         if not isinstance(config, str):
             raise CheckpointError(f"{path}: metadata {CONFIG_KEY!r} must be a JSON string")
         metadata["config"] = config
     arch = fields.get("general.architecture")
     if arch is not None:
-        metadata["general.architecture"] = str(_field_value(arch))
+        metadata["general.architecture"] = str(arch.contents())
 
     def get(key: str) -> torch.Tensor:
         if key in packed:

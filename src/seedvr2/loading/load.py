@@ -7,13 +7,15 @@ file's tensors (converted one at a time), so peak memory is about one copy of th
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..models import build_dit, build_vae
+from ..models import build_on_meta
 from ..models.config import ConfigError, DiTConfig, VAEConfig, dit_config, dit_family, vae_config
+from ..memory.placement import set_tensor
 from ..models.rope import FrequencyTable, share_equal_tables
 from .detect import describe_unknown, detect_dit, detect_vae, model_kind
 from .formats import CheckpointError, TensorSource, aligned, open_weights
@@ -60,10 +62,7 @@ def _target_dtype(src: TensorSource, requested: torch.dtype | None) -> torch.dty
             dt = torch.float16  # quantised storage computes in fp16 unless asked otherwise
         if dt.is_floating_point:
             dt = dt if dt in _STANDARD_FLOATS else torch.float32 if dt == torch.float64 else torch.float16
-            n = 1
-            for s in src.shapes[key]:
-                n *= s
-            weight[dt] = weight.get(dt, 0) + n
+            weight[dt] = weight.get(dt, 0) + math.prod(src.shapes[key])
     return max(weight, key=weight.get) if weight else torch.float32
 
 
@@ -99,15 +98,6 @@ def _summary(cfg) -> str:
     return f"a VAE (block_out_channels {list(cfg.block_out_channels)})"
 
 
-def _assign(model: nn.Module, key: str, tensor: torch.Tensor):
-    module_name, _, name = key.rpartition(".")
-    module = model.get_submodule(module_name)
-    if name in module._parameters:
-        module._parameters[name] = nn.Parameter(tensor, requires_grad=False)
-    else:
-        module._buffers[name] = tensor
-
-
 def _assign_packed(model: nn.Module, key: str, src: TensorSource, target: torch.dtype, device,
                    keep_packed: bool):
     """A quantised weight: kept packed in a linear/conv (dequantised per forward), else expanded."""
@@ -117,15 +107,14 @@ def _assign_packed(model: nn.Module, key: str, src: TensorSource, target: torch.
     if keep_packed and can_pack(module, name):
         attach_packed_weight(module, packed, target)
     else:
-        _assign(model, key, packed.dequantize(target))
+        set_tensor(model, key, packed.dequantize(target))
 
 
 def _load(path, kind: str, dtype: torch.dtype | None, device, keep_packed: bool = True
           ) -> nn.Module:
     with open_weights(path) as src:
         cfg = _config_for(src, kind)
-        with torch.device("meta"):
-            model = build_dit(cfg) if kind == "dit" else build_vae(cfg)
+        model = build_on_meta(kind, cfg)
         rope_missing = _check_tensors(src, model, cfg)
         target = _target_dtype(src, dtype)
         embedded = {}
@@ -139,7 +128,7 @@ def _load(path, kind: str, dtype: torch.dtype | None, device, keep_packed: bool 
             tensor = src.get(key)
             keep_fp32 = key.endswith("rope.rope.freqs")
             tensor = tensor.to(device=device, dtype=torch.float32 if keep_fp32 else target)
-            _assign(model, key, aligned(tensor))
+            set_tensor(model, key, aligned(tensor))
         if rope_missing:
             log.info("%s: %d RoPE frequency buffers absent from the file; recomputed",
                      Path(path).name, len(rope_missing))
@@ -155,7 +144,6 @@ def _load(path, kind: str, dtype: torch.dtype | None, device, keep_packed: bool 
     model.weights_file = str(Path(path).resolve())
     model.eval().requires_grad_(False)
     return model
-
 
 
 def load_dit(path, dtype: torch.dtype | None = None, device="cpu", keep_packed: bool = True
@@ -185,14 +173,8 @@ def describe(path) -> dict:
         cfg = _config_for(src, kind)
         dtypes = sorted({src.packed.get(k) or str(d).replace("torch.", "")
                          for k, d in src.dtypes.items()})
-        count = 0
-        for key, shape in src.shapes.items():
-            if key.endswith("rope.rope.freqs") or key in EMBEDDED_TEXT_KEYS:
-                continue
-            n = 1
-            for s in shape:
-                n *= s
-            count += n
+        count = sum(math.prod(shape) for key, shape in src.shapes.items()
+                    if not key.endswith("rope.rope.freqs") and key not in EMBEDDED_TEXT_KEYS)
         info = {"file": str(src.path), "format": src.format, "kind": kind, "dtypes": dtypes,
                 "parameters": count, "tensors": len(src.shapes)}
         if isinstance(cfg, DiTConfig):

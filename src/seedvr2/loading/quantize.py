@@ -33,6 +33,7 @@ complete; tensors are read, converted and written one at a time.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -61,10 +62,6 @@ _ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
              torch.uint8: "U8", torch.float8_e8m0fnu: "F8_E8M0"}
 
 
-def _keep_prefixes(keep: Sequence[str]) -> tuple[str, ...]:
-    return tuple(k if k.endswith(".") else k + "." for k in keep)
-
-
 def _stored_float(dtype: torch.dtype) -> torch.dtype:
     """The dtype an unquantised tensor keeps: its own float dtype, fp16 for narrower ones."""
     return dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float16
@@ -72,10 +69,7 @@ def _stored_float(dtype: torch.dtype) -> torch.dtype:
 
 def should_quantize(key: str, shape: Sequence[int], keep: tuple[str, ...] = ()) -> bool:
     """Whether ``quantize`` packs this tensor (see the module doc for what stays)."""
-    numel = 1
-    for s in shape:
-        numel *= s
-    return (key.endswith(".weight") and len(shape) >= 2 and numel >= SMALL_TENSOR
+    return (key.endswith(".weight") and len(shape) >= 2 and math.prod(shape) >= SMALL_TENSOR
             and not key.startswith(ALWAYS_KEEP) and not key.startswith(keep))
 
 
@@ -118,7 +112,8 @@ def quantize_file(source, output, target: str, keep: Sequence[str] = (), overwri
         kind, config = _model_config(src)
         try:
             writer = _write_gguf if target in GGUF_TARGETS else _write_safetensors
-            counts = writer(src, tmp, target, config, _keep_prefixes(keep), progress)
+            prefixes = tuple(k if k.endswith(".") else k + "." for k in keep)
+            counts = writer(src, tmp, target, config, prefixes, progress)
             os.replace(tmp, output)
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -143,9 +138,7 @@ def _gguf_plan(src: TensorSource, target: str, keep) -> list[_GGUFPlan]:
     plans = []
     for key, shape in src.shapes.items():
         shape = tuple(shape)
-        numel = 1
-        for s in shape:
-            numel *= s
+        numel = math.prod(shape)
         quantize = should_quantize(key, shape, keep)
         block = _BLOCK[target]
         if quantize and (len(shape) > 2 or shape[-1] % block):
@@ -159,8 +152,8 @@ def _gguf_plan(src: TensorSource, target: str, keep) -> list[_GGUFPlan]:
         if quantize:
             plans.append(_GGUFPlan(key, target, shape, None))
             continue
-        float_type = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}[
-            _stored_float(src.dtypes[key]) if key not in src.packed else torch.float16]
+        float_type = _ST_DTYPE[_stored_float(src.dtypes[key]) if key not in src.packed
+                               else torch.float16]
         if len(shape) > 4:  # GGUF holds at most 4 dimensions
             plans.append(_GGUFPlan(key, float_type, (shape[0], numel // shape[0]), shape))
         else:
@@ -202,8 +195,7 @@ def _write_gguf(src: TensorSource, path: Path, target: str, config: dict, keep, 
                 writer.add_array(ORIG_SHAPE_KEY + plan.key, list(plan.orig))
             ggml = getattr(gguf.GGMLQuantizationType, plan.qtype)
             block, type_size = gguf.GGML_QUANT_SIZES[ggml]
-            numel = int(np.prod(plan.stored))
-            nbytes = numel // block * type_size
+            nbytes = math.prod(plan.stored) // block * type_size
             if plan.qtype in ("F32", "F16"):
                 numpy_dtype = np.dtype(np.float32 if plan.qtype == "F32" else np.float16)
                 writer.add_tensor_info(plan.key, plan.stored, numpy_dtype, nbytes)
@@ -392,10 +384,7 @@ def _write_safetensors(src: TensorSource, path: Path, target: str, config: dict,
     header, offset = {}, 0
     for _, layout, _ in plans:
         for name, (dtype, shape) in layout.items():
-            numel = 1
-            for s in shape:
-                numel *= s
-            size = numel * torch.empty(0, dtype=dtype).element_size()
+            size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
             header[name] = {"dtype": _ST_DTYPE[dtype], "shape": list(shape),
                             "data_offsets": [offset, offset + size]}
             offset += size

@@ -77,9 +77,11 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
+from ..models import build_on_meta
 from ..models.config import DiTConfig, VAEConfig
 from ..options import option_ref
 from .blockswap import BlockSwap
+from .placement import named_tensors
 from .tiling import TileSettings
 
 GIB = 1 << 30
@@ -176,7 +178,7 @@ class Weights:
         """Exact sizes of a loaded model, wherever its tensors are (packed weights count as
         stored; tensors shared between modules count once)."""
         seen, sizes = set(), []
-        for name, t in _named_tensors(module):
+        for name, t in named_tensors(module):
             key = _storage_key(t)
             if key in seen:
                 continue
@@ -188,11 +190,8 @@ class Weights:
     def from_config(cls, kind: str, config, bytes_per_param: float) -> "Weights":
         """Sizes of a model built from ``config`` (DiT or VAE) with every parameter stored at
         ``bytes_per_param`` (see :data:`STORAGE_BYTES`); built on ``meta``, nothing allocated."""
-        from ..models import build_dit, build_vae
-
-        with torch.device("meta"):
-            model = build_dit(config) if kind == "dit" else build_vae(config)
-        sizes = [(name, math.ceil(t.numel() * bytes_per_param)) for name, t in _named_tensors(model)]
+        model = build_on_meta(kind, config)
+        sizes = [(name, math.ceil(t.numel() * bytes_per_param)) for name, t in named_tensors(model)]
         return cls._from_sizes(sizes, _largest_layer(model))
 
     @classmethod
@@ -215,16 +214,7 @@ class Weights:
                 per = STORAGE_BYTES.get(label, 1.0) if label is not None else \
                     4 if key.endswith("rope.rope.freqs") else torch.empty((), dtype=dtype).element_size()
                 sizes.append((key, math.ceil(numel * per)))
-        from ..models import build_dit, build_vae
-
-        with torch.device("meta"):
-            model = build_dit(config) if kind == "dit" else build_vae(config)
-        return cls._from_sizes(sizes, _largest_layer(model)), config
-
-
-def _named_tensors(module: torch.nn.Module):
-    yield from module.named_parameters(remove_duplicate=False)
-    yield from module.named_buffers(remove_duplicate=False)
+        return cls._from_sizes(sizes, _largest_layer(build_on_meta(kind, config))), config
 
 
 def _storage_key(t: torch.Tensor):
@@ -252,7 +242,7 @@ def bytes_on(module: Optional[torch.nn.Module], device: torch.device) -> int:
         return 0
     device = torch.device(device)
     seen, total = set(), 0
-    for _, t in _named_tensors(module):
+    for _, t in named_tensors(module):
         if t.device.type != device.type or (device.index is not None and t.device.index != device.index):
             continue
         # Memory held, so each storage once (an offloaded model's arena is one storage).
@@ -541,12 +531,8 @@ def estimate(budget: Budget, job: Job, place: Placement) -> Estimate:
 
 def shortfalls(est: Estimate, available: Mapping[str, int]) -> list[tuple[PhaseNeed, int]]:
     """(worst phase, bytes available) for each device in ``available`` the job exceeds."""
-    out = []
-    for device, have in available.items():
-        worst = est.worst(device)
-        if worst is not None and worst.total > have:
-            out.append((worst, have))
-    return out
+    return [(worst, have) for device, have in available.items()
+            if (worst := est.worst(device)) is not None and worst.total > have]
 
 
 def fits(budget: Budget, job: Job, place: Placement, available: Mapping[str, int]) -> bool:
@@ -697,12 +683,6 @@ def alternatives(budget: Budget, job: Job, place: Placement, available: Mapping[
     return []
 
 
-def _fmt_failure(job: Job, need: PhaseNeed, have: int, batch_text: str) -> str:
-    return (f"not enough memory on {need.device} for {job.width}x{job.height} frames at "
-            f"{batch_text}: the {need.phase} phase needs about {gib(need.total)} "
-            f"({need.describe()}) but {gib(have)} is available")
-
-
 def check(budget: Budget, job: Job, place: Placement, available: Mapping[str, int],
           min_batch: int = 1, batch_text: Optional[str] = None) -> Estimate:
     """The estimate, or :class:`BudgetError` when a device in ``available`` is short; the
@@ -712,7 +692,10 @@ def check(budget: Budget, job: Job, place: Placement, available: Mapping[str, in
     if not short:
         return est
     need, have = short[0]
-    message = _fmt_failure(job, need, have, batch_text or option_ref("batch_size", job.batch_size))
+    message = (f"not enough memory on {need.device} for {job.width}x{job.height} frames at "
+               f"{batch_text or option_ref('batch_size', job.batch_size)}: the {need.phase} "
+               f"phase needs about {gib(need.total)} ({need.describe()}) but {gib(have)} is "
+               f"available")
     alts = alternatives(budget, job, place, available, min_batch)
     if alts:
         message += ". Settings that would fit: " + "; or ".join(alts)

@@ -3,25 +3,11 @@ and device.
 
 ``compute_precision`` ``weights`` dequantises every packed weight to the compute dtype and
 multiplies there (memory is saved, time is not). ``auto`` sends a layer to the GPU's
-low-precision units through comfy-kitchen (the optional ``kitchen`` extra) where the device has
-them; its activations are quantised inside each forward, per call:
-
-=============  ==========  ===========================================  ===================
-weights        path        product                                      compute capability
-=============  ==========  ===========================================  ===================
-int8 (rows,    ``int8``    ``int8_linear`` (per-row int8 activations;   8.0 (Ampere)
-convrot)                   ConvRot rotates them as the weights were)
-fp8 e4m3       ``fp8``     ``torch._scaled_mm`` (per-tensor e4m3        8.9 (Ada, Hopper)
-                           activations)
-mxfp8          ``mxfp8``   ``scaled_mm_mxfp8`` (e4m3 activations, one   10.0 (Blackwell)
-                           power-of-two scale per 32)
-nvfp4          ``nvfp4``   ``scaled_mm_nvfp4`` (e2m1 activations, one   10.0 (Blackwell)
-                           e4m3 scale per 16 and one per tensor)
-=============  ==========  ===========================================  ===================
-
-Everything else (GGUF, e5m2, per-channel fp8 scales, convolutions, shapes the kernels do not
-take, the CPU, comfy-kitchen not installed) keeps the dequantise path; so does a call a kernel
-declines at run time (see ``loading.lowp``).
+low-precision product for its weights' format (int8, fp8 e4m3, mxfp8, nvfp4 through
+comfy-kitchen, from the compute capability in :data:`MIN_CAPABILITY`), its activations
+quantised inside each forward. Everything else keeps the dequantise path; so does a call a
+kernel declines at run time (see ``loading.lowp``). The paths, the GPUs they need and each
+one's error bound: docs/memory.md, "Quantised weights: compute_precision".
 """
 
 from __future__ import annotations

@@ -111,8 +111,6 @@ from ..models.vae_blocks import (
 
 # Pixels per latent along H and W in every SeedVR2 VAE (spatial_downsample_factor).
 TILE_MULTIPLE = 8
-# Video frames per latent frame (temporal_downsample_factor): temporal slices are multiples.
-SLICE_MULTIPLE = 4
 
 # Called before every tile and slice, outside the VAE's (possibly compiled) forwards: the
 # pipeline's stop check, so a Cancel takes effect within a tile. None: nothing to call.
@@ -230,10 +228,6 @@ def tile_starts(length: int, tile: int, overlap: int) -> List[int]:
     stride = tile - overlap
     count = -(-(length - tile) // stride) + 1
     return [min(i * stride, length - tile) for i in range(count)]
-
-
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
 # == exact mode: frame-wide planes, tile-wise layers ==========================================
@@ -614,10 +608,12 @@ def _blend_into(out: Tensor, region: Tuple[slice, ...], piece: Tensor,
 
 
 def _layout(vae: VideoAutoencoder, tiles: TileSettings, h: int, w: int, scale: int,
-            dtype: torch.dtype, device: torch.device) -> Tuple[List[_Span], List[_Span]]:
+            device: torch.device) -> Tuple[List[_Span], List[_Span]]:
     if not tiles.enabled:
         return [_Span(0, h, None)], [_Span(0, w, None)]
     s = vae.spatial_factor
+    # Blend weights in the accumulation precision: float32 unless the VAE runs in fp32/fp64.
+    dtype = vae.dtype if vae.dtype in (torch.float32, torch.float64) else torch.float32
     size, overlap = tiles.tile_size // s, tiles.tile_overlap // s
     return (_axis_spans(h, size, overlap, scale, dtype, device),
             _axis_spans(w, size, overlap, scale, dtype, device))
@@ -628,7 +624,7 @@ def _fast_encode(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
     B, _, T, H, W = video.shape
     s, f, dtype = vae.spatial_factor, vae.temporal_factor, vae.dtype
     h, w, t = H // s, W // s, (T - 1) // f + 1
-    rows, cols = _layout(vae, tiles, h, w, 1, _accumulation_dtype(dtype), video.device)
+    rows, cols = _layout(vae, tiles, h, w, 1, video.device)
     shape = (B, vae.latent_channels, t, h, w)
     mean = torch.zeros(shape, dtype=dtype, device=video.device)
     logvar = torch.zeros(shape, dtype=dtype, device=video.device)
@@ -661,7 +657,7 @@ def _fast_decode(vae: VideoAutoencoder, latent: Tensor, tiles: TileSettings,
                  latent_chunks: List[Tuple[int, int]], between: Between) -> Tensor:
     B, _, t, h, w = latent.shape
     s, f, dtype = vae.spatial_factor, vae.temporal_factor, vae.dtype
-    rows, cols = _layout(vae, tiles, h, w, s, _accumulation_dtype(dtype), latent.device)
+    rows, cols = _layout(vae, tiles, h, w, s, latent.device)
     out = torch.zeros((B, vae.config.out_channels, f * (t - 1) + 1, h * s, w * s), dtype=dtype,
                       device=latent.device)
     for row in rows:
@@ -699,27 +695,23 @@ def encode_posterior(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
     multiple of 4; exact). Without either this is the plain call. ``between()`` is called
     before every tile and temporal slice (exact mode: every layer's tile).
     """
-    with vae.conv_settings():
-        return _encode_posterior(vae, video, tiles, temporal_chunk, between)
-
-
-def _encode_posterior(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
-                      temporal_chunk: Optional[int], between: Between) -> Tuple[Tensor, Tensor]:
     _check_settings(vae, tiles, temporal_chunk)
     between = between or _nothing
-    if not tiles.enabled and temporal_chunk is None:
-        return vae.encode_posterior(video)
-    vae.check_video(video)
-    T, H, W = video.shape[2:]
-    s = vae.spatial_factor
-    chunk = temporal_chunk if temporal_chunk is not None else T
-    frame_chunks = _chunks(T, 1 + chunk, chunk)
-    tiled = _needs_tiles(tiles, H // s, W // s, s)
-    if not tiled and len(frame_chunks) == 1:
-        return vae.encode_posterior(video)
-    if tiled and tiles.exact:
-        return _exact_encode(vae, video, tiles, frame_chunks, between)
-    return _fast_encode(vae, video, tiles if tiled else TileSettings(), frame_chunks, between)
+    with vae.conv_settings():
+        if not tiles.enabled and temporal_chunk is None:
+            return vae.encode_posterior(video)
+        vae.check_video(video)
+        T, H, W = video.shape[2:]
+        s = vae.spatial_factor
+        chunk = temporal_chunk if temporal_chunk is not None else T
+        frame_chunks = _chunks(T, 1 + chunk, chunk)
+        tiled = _needs_tiles(tiles, H // s, W // s, s)
+        if not tiled and len(frame_chunks) == 1:
+            return vae.encode_posterior(video)
+        if tiled and tiles.exact:
+            return _exact_encode(vae, video, tiles, frame_chunks, between)
+        return _fast_encode(vae, video, tiles if tiled else TileSettings(), frame_chunks,
+                            between)
 
 
 def encode(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
@@ -738,27 +730,22 @@ def decode(vae: VideoAutoencoder, latent: Tensor, tiles: TileSettings,
     latent frames at a time (= ``1 + c, c, ...`` output frames; exact). Without either this
     is the plain call. ``between()`` is called as in :func:`encode_posterior`.
     """
-    with vae.conv_settings():
-        return _decode(vae, latent, tiles, temporal_chunk, between)
-
-
-def _decode(vae: VideoAutoencoder, latent: Tensor, tiles: TileSettings,
-            temporal_chunk: Optional[int], between: Between) -> Tensor:
     _check_settings(vae, tiles, temporal_chunk)
     between = between or _nothing
-    if not tiles.enabled and temporal_chunk is None:
-        return vae.decode(latent)
-    vae.check_latent(latent)
-    t, h, w = latent.shape[2:]
-    f = vae.temporal_factor
-    chunk = temporal_chunk // f if temporal_chunk is not None else t
-    latent_chunks = _chunks(t, 1 + chunk, chunk)
-    tiled = _needs_tiles(tiles, h, w, vae.spatial_factor)
-    if not tiled and len(latent_chunks) == 1:
-        return vae.decode(latent)
-    if tiled and tiles.exact:
-        return _exact_decode(vae, latent, tiles, latent_chunks, between)
-    return _fast_decode(vae, latent, tiles if tiled else TileSettings(), latent_chunks, between)
+    with vae.conv_settings():
+        if not tiles.enabled and temporal_chunk is None:
+            return vae.decode(latent)
+        vae.check_latent(latent)
+        t, h, w = latent.shape[2:]
+        chunk = temporal_chunk // vae.temporal_factor if temporal_chunk is not None else t
+        latent_chunks = _chunks(t, 1 + chunk, chunk)
+        tiled = _needs_tiles(tiles, h, w, vae.spatial_factor)
+        if not tiled and len(latent_chunks) == 1:
+            return vae.decode(latent)
+        if tiled and tiles.exact:
+            return _exact_decode(vae, latent, tiles, latent_chunks, between)
+        return _fast_decode(vae, latent, tiles if tiled else TileSettings(), latent_chunks,
+                            between)
 
 
 __all__ = ["TileSettings", "encode_posterior", "encode", "decode", "tile_starts",

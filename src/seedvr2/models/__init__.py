@@ -29,5 +29,11 @@ def build_vae(config) -> torch.nn.Module:
     return VideoAutoencoder(vae_config(config))
 
 
-__all__ = ["ConfigError", "DiTConfig", "VAEConfig", "build_dit", "build_vae",
+def build_on_meta(kind: str, config) -> torch.nn.Module:
+    """The DiT (``kind`` "dit") or the VAE from ``config``, on ``meta``: nothing allocated."""
+    with torch.device("meta"):
+        return build_dit(config) if kind == "dit" else build_vae(config)
+
+
+__all__ = ["ConfigError", "DiTConfig", "VAEConfig", "build_dit", "build_on_meta", "build_vae",
            "dit_config", "vae_config"]

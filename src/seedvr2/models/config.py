@@ -245,7 +245,7 @@ def _as_dict(config, kind: str) -> dict:
     return dict(config)
 
 
-def _check_keys(raw: dict, cls, kind: str, allowed: set) -> dict:
+def _check_keys(raw: dict, kind: str, allowed: set) -> dict:
     unknown = sorted(set(raw) - allowed - _IGNORED_KEYS)
     if unknown:
         raise ConfigError(f"{kind} config has unknown key(s) {unknown}: no official SeedVR2 "
@@ -278,7 +278,7 @@ def dit_config(config) -> DiTConfig:
     family = dit_family(raw)
     names = {f.name for f in dataclasses.fields(DiTConfig) if not f.metadata.get("derived")}
     allowed = names - (_ONLY_7B if family == DIT_3B else _ONLY_3B)
-    return DiTConfig(**_check_keys(raw, DiTConfig, "DiT", allowed), family=family)
+    return DiTConfig(**_check_keys(raw, "DiT", allowed), family=family)
 
 
 def vae_config(config) -> VAEConfig:
@@ -286,4 +286,4 @@ def vae_config(config) -> VAEConfig:
         return config
     raw = _as_dict(config, "VAE")
     allowed = {f.name for f in dataclasses.fields(VAEConfig)}
-    return VAEConfig(**_check_keys(raw, VAEConfig, "VAE", allowed))
+    return VAEConfig(**_check_keys(raw, "VAE", allowed))

@@ -161,18 +161,12 @@ LAYOUT_CACHE_SIZE = 8
 _layouts: "OrderedDict[tuple, WindowLayout]" = OrderedDict()
 
 
-def _stream_key(device: torch.device):
-    if device.type == "cuda":
-        return torch.cuda.current_stream(device).stream_id
-    return None
-
-
 def layout_for(method: str, num: tuple[int, int, int], patched_thw: list[tuple[int, int, int]],
                txt_lens: list[int], device: torch.device) -> WindowLayout:
     """:meth:`WindowLayout.build`, reusing the device tensors of an earlier call with the same
     shapes. Every call gets its own ``cache`` (per-call RoPE tables are not kept)."""
     key = (method, tuple(num), tuple(map(tuple, patched_thw)), tuple(txt_lens), str(device),
-           _stream_key(device))
+           torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None)
     layout = _layouts.get(key)
     if layout is None:
         layout = WindowLayout.build(method, num, patched_thw, txt_lens, device)
