@@ -70,55 +70,18 @@ def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
     explicitly). Frames must then be (H, W, C) arrays of uint8 (8-bit) or uint16 (16-bit);
     (H, W) is accepted for one channel.
 
-    The destination decides the output:
-
-    * ``.mp4``/``.m4v``/``.mov``/``.mkv`` -- a video: ``codec="h264"`` (libx264, 8-bit
-      yuv420p, ``crf`` default 18) or ``"h265"`` (libx265, 10-bit yuv420p10le, default 20;
-      16-bit frames keep their precision down to 10 bits); ``preset`` is the x264/x265
-      speed preset (default "medium"; "faster" keeps up with 4K output better). ``fps`` is
-      kept exactly (use a Fraction such as 30000/1001); frames get constant-rate
-      timestamps, unless ``frame_times`` (seconds from the first frame, one per frame;
-      default: ``like.frame_times``, set for variable-frame-rate sources) gives each
-      frame's presentation time. Width and height must be even (yuv420 halves chroma):
-      an odd size is an error at open. Alpha is dropped, with a warning. ``audio_from``
-      (a path, or a MediaInfo) copies that file's audio streams packet for packet, without
-      re-encoding (MP4 strips the ADTS headers of AAC from MPEG-TS, as it must), shifted
-      by the source video's start time so the sync with the first frame is kept. The whole
-      track is copied, so write all of the source's frames. A source without audio adds
-      nothing; ``audio_from`` is ignored for image outputs. With ``audio_from`` a
-      MediaInfo, its subtitle streams are copied too where the container holds them
-      (Matroska: SubRip/ASS/WebVTT/DVD/PGS; WebM: WebVTT; MP4/MOV: mov_text). Whatever of
-      ``like``'s source is not carried over (a second video stream, subtitles the container
-      can't hold, audio when writing images, ...) is named in one warning.
-    * ``.webm`` -- VP9 (libvpx-vp9, ``crf`` 0-63, default 24), whatever ``codec`` says
-      unless it asks for H.265 (refused): WebM holds nothing else. RGBA frames keep their
-      alpha (yuva420p), as in ``.mkv`` with ``codec="vp9"``. Audio must be Opus or Vorbis.
-    * ``.png``/``.jpg``/``.jpeg``/``.webp``/``.tif``/``.tiff`` -- one image; if more than one
-      frame is written, numbered siblings ``name_00000.png``, ``name_00001.png`` ... instead.
-      PNG and TIFF keep 16 bits, gray and alpha; JPEG and WebP are 8-bit (``quality``),
-      JPEG drops alpha (warned at open). A name with a printf number (``out/%05d.png``,
-      the syntax sequence inputs take) numbers every frame by it, one frame too:
-      ``out/00000.png``, ``out/00001.png`` ...
-      When ``like`` is an animation (:class:`MediaInfo` kind ``"animation"``), ``.png``,
-      ``.webp`` and ``.tif``/``.tiff`` write one animated file instead: an animated PNG or
-      WebP with ``like``'s frame durations and loop count (a source without durations
-      needs ``fps``), or a multi-page TIFF (TIFF stores no timing: warned when the source
-      had one); JPEG holds one frame, so it gets the numbered files, and a warning.
-    * an existing folder, or a path ending in ``/`` -- a numbered PNG sequence inside it:
-      ``00000.png``, ``00001.png`` ... (more digits when ``like.frame_count`` needs them).
-
-    Video outputs carry ``like``'s colour description (:class:`~seedvr2.io._common.Colour`:
-    matrix, primaries, transfer, range; BT.709 limited range without one), converting the
-    frames with its matrix and range. An HDR source (PQ, HLG) needs 10 bits: H.264 and VP9
-    (8-bit here) are refused naming H.265, and so are image outputs, which are SDR (no tone
-    mapping).
-
-    Frames are written as stored in the source. Video outputs carry ``like``'s rotation
-    (and flip) and pixel aspect as tags; image outputs have neither, so each frame is turned
-    upright and scaled to square pixels (:class:`~seedvr2.io._common.DisplayTransform`) --
-    the image files are then larger than ``width`` x ``height`` for anamorphic sources.
-    ``upright=False`` writes images as stored instead, for intermediate files that are read
-    back and written again through a writer that turns them upright.
+    The destination decides the output: a video extension (``codec`` h264/h265/vp9, ``crf``,
+    ``preset``; ``.webm`` is always VP9), an image extension (one image, numbered siblings
+    for several frames, one animated file when ``like`` is an animation), a printf pattern
+    (``out/%05d.png``: every frame numbered by it) or a folder / a path ending in ``/`` (a
+    numbered PNG sequence). ``frame_times`` (default ``like.frame_times``) gives each video
+    frame its presentation time; ``audio_from`` (a path, or a MediaInfo, which adds its
+    subtitles) copies audio packet for packet, so write all of the source's frames. Video
+    outputs carry ``like``'s colour description, rotation and pixel aspect as tags; image
+    outputs are turned upright and scaled to square pixels unless ``upright=False`` (for
+    intermediate files read back through a writer that turns them upright). What each
+    output keeps and drops: docs/media.md ("Inputs and outputs", "Colour descriptions and
+    HDR").
 
     Raises :class:`FileExistsError` when the output exists and ``overwrite`` is false, and
     :class:`MediaError` for everything else that can be known before writing.
