@@ -163,13 +163,9 @@ _AUDIO_REFUSED = {".mov": {"opus": ".mp4 or .mkv", "vorbis": ".mkv"},
 def carried_streams(source: MediaInfo, ext: str) -> tuple[Path | None, list[tuple[int, str]]]:
     """What a video output ``ext`` copies from ``source``: the file to copy streams from
     (None: nothing to copy) and its subtitle streams the container holds, as (index, codec)."""
-    subtitles = _copyable_subtitles(source, ext)
+    subtitles = [(index, codec) for index, kind, codec in source.other_streams
+                 if kind == "subtitle" and codec in _SUBTITLE_CODECS.get(ext, ())]
     return (source.path if source.has_audio or subtitles else None), subtitles
-
-
-def _copyable_subtitles(source: MediaInfo, ext: str) -> list[tuple[int, str]]:
-    return [(index, codec) for index, kind, codec in source.other_streams
-            if kind == "subtitle" and codec in _SUBTITLE_CODECS.get(ext, ())]
 
 
 # Image formats that hold several frames in one file: PNG (APNG), WebP, TIFF (pages).
@@ -239,9 +235,15 @@ def _pick(name: str, value, like: MediaInfo | None):
     return value
 
 
-class FinishesOnExit:
-    """Context management of an output: ``close()`` when the block ends normally, ``abort()``
-    (discard the output) when it raises."""
+class FrameOutput:
+    """What every output of frames shares: ``write_many`` over ``write``, and context
+    management: ``close()`` when the block ends normally, ``abort()`` (discard the output)
+    when it raises."""
+
+    def write_many(self, frames: Iterable[np.ndarray]) -> None:
+        """Append frames from an iterable or a (N, H, W, C) array."""
+        for frame in frames:
+            self.write(frame)
 
     def __enter__(self):
         return self
@@ -253,7 +255,7 @@ class FinishesOnExit:
             self.abort()
 
 
-class MediaWriter(FinishesOnExit):
+class MediaWriter(FrameOutput):
     """Base class: frame checks, the temporary -> final protocol and context management."""
 
     def __init__(self, path: Path, *, width: int, height: int, channels: int, bit_depth: int,
@@ -283,11 +285,6 @@ class MediaWriter(FinishesOnExit):
             raise MediaError(f"{self.path}: writing frame {self.frames_written} failed: "
                              f"{e}") from e
         self.frames_written += 1
-
-    def write_many(self, frames: Iterable[np.ndarray]) -> None:
-        """Append frames from an iterable or a (N, H, W, C) array."""
-        for frame in frames:
-            self.write(frame)
 
     def close(self) -> None:
         """Finish the output and move it to its final name. A no-op once closed.
@@ -383,7 +380,7 @@ class MediaWriter(FinishesOnExit):
         """Refuse an existing ``path`` (unless overwriting), check its folder, then create and
         hold the single-file temporary the output is written to (same suffix as ``path``)."""
         self._refuse_existing(path)
-        self._check_folder(path.parent)
+        writable_folder(path.parent)
         temp = self._temp_path(suffix=path.suffix)
         try:
             _create_exclusive(temp)
@@ -400,9 +397,6 @@ class MediaWriter(FinishesOnExit):
         if getattr(self, "_hold", None) is not None:
             self._hold.release()
             self._hold = None
-
-    def _check_folder(self, folder: Path) -> None:
-        writable_folder(folder)
 
     def _folder_error(self, folder: Path, e: OSError) -> MediaError:
         return MediaError(f"cannot write to output folder {folder}: {e.strerror or e}")
@@ -770,7 +764,7 @@ class ImageWriter(_ImageFilesWriter):
                 self._refuse_existing(self._numbered(index))
         else:
             self._refuse_existing(path)
-        self._check_folder(path.parent)
+        writable_folder(path.parent)
         self._open_temp_folder()
 
     def _numbered(self, index: int) -> Path:
@@ -860,7 +854,7 @@ class SequenceWriter(_ImageFilesWriter):
             raise FileExistsError(f"{path} already exists and is not empty; pass "
                                   f"{option_ref('overwrite', True)} to replace its frames, or "
                                   f"choose another output folder")
-        self._check_folder(path.parent)
+        writable_folder(path.parent)
         self._open_temp_folder()
 
     def _finish(self) -> None:
