@@ -207,13 +207,17 @@ def resize(frame: np.ndarray, width: int, height: int) -> np.ndarray:
 
 
 def sniff_image(path: Path) -> str | None:
-    """Pillow format name if the file's first bytes are a still-image signature, else None.
+    """Pillow format name if the file's first bytes are a still-image signature, else None;
+    a MediaError naming ``path`` when it can't be read.
 
     Content beats extension so a PNG named ``.jpg`` or a video named ``.png`` still opens
     with the right decoder.
     """
-    with open(path, "rb") as f:
-        head = f.read(16)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except OSError as e:
+        raise MediaError(f"{path}: cannot read file: {e.strerror or e}") from e
     if head.startswith(b"\x89PNG\r\n\x1a\n"):
         return "PNG"
     if head.startswith(b"\xff\xd8\xff"):

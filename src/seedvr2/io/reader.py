@@ -51,8 +51,9 @@ def open_media(path) -> MediaReader:
     The kind is decided by content: a folder or a pattern is a sequence; a file whose first
     bytes are a PNG/JPEG/WebP/TIFF/BMP signature is a single image (read with Pillow, or FFmpeg
     for 16-bit colour), or an animation when it holds several frames; anything else is handed
-    to FFmpeg as a video. A glob such as ``f/*.png`` also works as a sequence. Raises :class:`MediaError` naming the path when it is
-    missing, unreadable, empty, or not something we can decode.
+    to FFmpeg as a video. A glob such as ``f/*.png`` also works as a sequence. Raises
+    :class:`MediaError` naming the path when it is missing, unreadable, empty, or not
+    something we can decode.
     """
     p = fspath(path)
     if p.is_dir():
@@ -67,10 +68,7 @@ def open_media(path) -> MediaReader:
         raise MediaError(f"{p}: not a regular file")
     if p.stat().st_size == 0:
         raise MediaError(f"{p}: file is empty")
-    try:
-        fmt = sniff_image(p)
-    except OSError as e:
-        raise MediaError(f"{p}: cannot read file: {e.strerror or e}") from e
+    fmt = sniff_image(p)
     if fmt is not None:
         probe = probe_image(p, fmt)
         return AnimationReader(p, probe) if probe.frames > 1 else ImageReader(p, fmt, probe)
@@ -327,10 +325,7 @@ def _single_frame(f: Path, probe: ImageProbe) -> ImageProbe:
 
 
 def _sniff_sequence_file(f: Path) -> str:
-    try:
-        fmt = sniff_image(f)
-    except OSError as e:
-        raise MediaError(f"{f}: cannot read file: {e.strerror or e}") from e
+    fmt = sniff_image(f)
     if fmt is None:
         raise MediaError(f"{f}: not a PNG, JPEG, WebP, TIFF or BMP image (empty or corrupt?)")
     return fmt
