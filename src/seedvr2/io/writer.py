@@ -700,13 +700,21 @@ def _codec_title(name: str) -> str:
 
 
 class _ImageFilesWriter(MediaWriter):
-    """Shared by the image writers: frames go to a hidden partial folder first."""
+    """Shared by the image writers: frames go to a hidden partial folder first, numbered
+    with at least five digits (more when ``expected_frames`` needs them)."""
 
     _fmt: str
     _ext: str
     _quality: int = 95
 
+    def __init__(self, path: Path, *, expected_frames: int | None,
+                 display: DisplayTransform | None, **common):
+        super().__init__(path, **common)
+        self._display = display
+        self._digits = max(5, len(str((expected_frames or 1) - 1)))
+
     def _open_temp_folder(self) -> None:
+        writable_folder(self.path.parent)
         temp = self._temp_path()
         try:
             os.mkdir(temp)
@@ -714,8 +722,6 @@ class _ImageFilesWriter(MediaWriter):
             raise self._folder_error(self.path.parent, e) from e
         self._temp = temp
         self._hold_temp()
-
-    _display: DisplayTransform | None = None
 
     def _frame_file(self, index: int) -> Path:
         return self._temp / f"{index:0{self._digits}d}{self._ext}"
@@ -739,17 +745,16 @@ class ImageWriter(_ImageFilesWriter):
     def __init__(self, path: Path, *, quality: int, expected_frames: int | None,
                  display: DisplayTransform | None = None, animation: tuple | None = None,
                  pattern: tuple[str, str, str] | None = None, **common):
-        super().__init__(path, **common)
+        if animation is not None:
+            expected_frames = None  # one file: only ``path`` must be free
+        super().__init__(path, expected_frames=expected_frames, display=display, **common)
         self._ext = path.suffix
         self._fmt = _WRITE_IMAGE_FORMATS[path.suffix.lower()]
         self._quality = quality
-        self._display = display
         self._animation = animation
         self._pattern = pattern  # (prefix, %d spec, suffix): every frame numbered by it
         if animation is not None:
             self._ext, self._fmt = ".png", "PNG"  # the waiting frames
-            expected_frames = None  # one file: only ``path`` must be free
-        self._digits = max(5, len(str((expected_frames or 1) - 1)))
         if self.channels == 4 and path.suffix.lower() in (".jpg", ".jpeg"):
             warnings.warn(f"{path}: JPEG has no alpha channel; alpha is dropped (use .png or "
                           f".webp to keep it)", stacklevel=3)
@@ -764,7 +769,6 @@ class ImageWriter(_ImageFilesWriter):
                 self._refuse_existing(self._numbered(index))
         else:
             self._refuse_existing(path)
-        writable_folder(path.parent)
         self._open_temp_folder()
 
     def _numbered(self, index: int) -> Path:
@@ -845,16 +849,13 @@ class SequenceWriter(_ImageFilesWriter):
 
     def __init__(self, path: Path, *, expected_frames: int | None,
                  display: DisplayTransform | None = None, **common):
-        super().__init__(path, **common)
-        self._display = display
-        self._digits = max(5, len(str((expected_frames or 1) - 1)))
+        super().__init__(path, expected_frames=expected_frames, display=display, **common)
         if path.exists() and not path.is_dir():
             raise MediaError(f"{path} exists and is not a folder; a frame sequence needs one")
         if path.is_dir() and any(path.iterdir()) and not self.overwrite:
             raise FileExistsError(f"{path} already exists and is not empty; pass "
                                   f"{option_ref('overwrite', True)} to replace its frames, or "
                                   f"choose another output folder")
-        writable_folder(path.parent)
         self._open_temp_folder()
 
     def _finish(self) -> None:
