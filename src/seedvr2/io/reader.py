@@ -58,11 +58,10 @@ def open_media(path) -> MediaReader:
     p = fspath(path)
     if p.is_dir():
         return SequenceReader.from_directory(p)
-    if not p.exists():  # an existing file named "100%done.png" is a file, not a pattern
-        if PRINTF.search(p.name):
-            return SequenceReader.from_pattern(p)
-        if any(ch in p.name for ch in "*?["):
-            return SequenceReader.from_glob(p)
+    if is_sequence_pattern(p):  # an existing file named "100%done.png" is a file
+        return (SequenceReader.from_pattern if PRINTF.search(p.name) else
+                SequenceReader.from_glob)(p)
+    if not p.exists():
         raise MediaError(f"{p}: no such file or directory")
     if not p.is_file():
         raise MediaError(f"{p}: not a regular file")

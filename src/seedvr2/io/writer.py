@@ -198,7 +198,8 @@ def _warn_not_carried(path: Path, like: MediaInfo | None, audio_copied: bool,
     if like is None:
         return
     dropped = []
-    if like.kind == "animation" and (folder or path.suffix.lower() in _WRITE_IMAGE_FORMATS):
+    video = not folder and path.suffix.lower() in VIDEO_EXTENSIONS  # else image files
+    if like.kind == "animation" and not video:
         if animation is None:
             holder = "a folder holds" if folder else f"{path.suffix} holds one frame:"
             dropped.append(f"its animation ({holder} numbered frames without their timing; "
@@ -207,15 +208,14 @@ def _warn_not_carried(path: Path, like: MediaInfo | None, audio_copied: bool,
             dropped.append("its frame durations (TIFF pages have no timing; write .png, .webp "
                            "or a video to keep them)")
     if like.has_audio and not audio_copied:
-        dropped.append("its audio (images hold none; write a video to keep it)"
-                       if folder or path.suffix.lower() not in VIDEO_EXTENSIONS else "its audio")
+        dropped.append("its audio" if video else
+                       "its audio (images hold none; write a video to keep it)")
     for index, kind, codec in like.other_streams:
         if index in subtitles_copied:
             continue
         if kind == "subtitle":
             holders = [e for e, codecs in _SUBTITLE_CODECS.items() if codec in codecs]
-            where = f"; {' or '.join(holders)} holds it" if holders and not folder and \
-                path.suffix.lower() in VIDEO_EXTENSIONS else ""
+            where = f"; {' or '.join(holders)} holds it" if holders and video else ""
             dropped.append(f"subtitle stream #{index} ({codec}{where})")
         elif kind == "video":
             dropped.append(f"video stream #{index} ({codec}; only the first video stream is "
@@ -387,11 +387,7 @@ class MediaWriter(FrameOutput):
         except OSError as e:
             raise self._folder_error(path.parent, e) from e
         self._temp = temp
-        self._hold_temp()
-
-    def _hold_temp(self) -> None:
-        """Mark the temporary as in use, so a later run does not take it for stale."""
-        self._hold = hold(self._temp)
+        self._hold = hold(temp)  # in use: a later run must not take it for stale
 
     def _release_hold(self) -> None:
         if getattr(self, "_hold", None) is not None:
@@ -721,7 +717,7 @@ class _ImageFilesWriter(MediaWriter):
         except OSError as e:
             raise self._folder_error(self.path.parent, e) from e
         self._temp = temp
-        self._hold_temp()
+        self._hold = hold(temp)  # in use: a later run must not take it for stale
 
     def _frame_file(self, index: int) -> Path:
         return self._temp / f"{index:0{self._digits}d}{self._ext}"
