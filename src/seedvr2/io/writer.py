@@ -858,15 +858,13 @@ class SequenceWriter(_ImageFilesWriter):
         self._state = "kept"
         if self.path.is_dir() and not any(self.path.iterdir()):
             self.path.rmdir()
-        if not self.path.exists():
-            try:
+        try:
+            if not self.path.exists():
                 os.rename(self._temp, self.path)
                 return
-            except OSError:  # the folder appeared (and filled) meanwhile
-                if not self.overwrite:
-                    raise FileExistsError(f"{self.path} appeared while writing; the finished "
-                                          f"frames are kept in {self._temp}") from None
-        elif not self.overwrite:
+        except OSError:  # the folder appeared (and filled) meanwhile
+            pass
+        if not self.overwrite:
             raise FileExistsError(f"{self.path} appeared while writing; the finished frames "
                                   f"are kept in {self._temp}")
         new = {f.name for f in self._temp.iterdir()}
