@@ -217,10 +217,10 @@ class SequenceReader(MediaReader):
         self.path = source
         self.files = files
         first = files[0]
-        self._fmt = _sniff_sequence_file(first)
-        self._probe = _single_frame(first, probe_image(first, self._fmt))
+        self._probe = _sequence_probe(first)
+        self._fmt = self._probe.fmt
         for f in files[1:]:
-            probe = _single_frame(f, probe_image(f, _sniff_sequence_file(f)))
+            probe = _sequence_probe(f)
             if _shape(probe) != _shape(self._probe):
                 raise MediaError(
                     f"{f}: {_describe(probe)} differs from the first frame {first.name} "
@@ -314,8 +314,9 @@ class SequenceReader(MediaReader):
             yield frame
 
 
-def _single_frame(f: Path, probe: ImageProbe) -> ImageProbe:
-    """``probe``, after refusing a file with several frames: a sequence image gives one."""
+def _sequence_probe(f: Path) -> ImageProbe:
+    """The header of one sequence image, refusing a file with several frames."""
+    probe = probe_image(f, _sniff_sequence_file(f))
     if probe.frames > 1:
         raise MediaError(f"{f}: holds {probe.frames} frames (an animated or multi-page "
                          f"image); the images of a sequence must have one frame each -- "
