@@ -302,6 +302,27 @@ def test_output_appearing_during_write_is_kept_safe(tmp_path):
     assert len(kept) == 1, "the finished frame must survive"
 
 
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_sequence_folder_appearing_during_write(tmp_path, overwrite):
+    dst = tmp_path / "frames"
+    out = open_writer(f"{dst}/", width=W, height=H, channels=3, bit_depth=8,
+                      overwrite=overwrite)
+    out.write(_clip_frame(0))
+    dst.mkdir()
+    (dst / "notes.txt").write_text("someone else's")
+    if overwrite:  # merged in: the frame replaces nothing of theirs
+        out.close()
+        assert sorted(p.name for p in dst.iterdir()) == ["00000.png", "notes.txt"]
+        return
+    with pytest.raises(FileExistsError) as caught:
+        out.close()
+    kept = [n for n in _visible(tmp_path) if n.startswith(".frames.partial-")]
+    assert len(kept) == 1, "the finished frames must survive"
+    assert str(caught.value) == (f"{dst} appeared while writing; the finished frames are kept "
+                                 f"in {tmp_path / kept[0]}")
+    assert (dst / "notes.txt").read_text() == "someone else's"
+
+
 @pytest.mark.parametrize("name", ["clip.mp4", "frame.png"])
 def test_an_output_folder_deleted_while_writing_is_reported_as_gone(tmp_path, name):
     """Nothing survives a deleted folder, and the error says so (not "kept at gone/...")."""

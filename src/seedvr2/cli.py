@@ -91,17 +91,17 @@ def _quantize(args) -> int:
     return 0
 
 
-MEDIA_SUFFIXES = {".mp4", ".m4v", ".mov", ".mkv", ".avi", ".webm", ".ts", ".gif", ".png",
-                  ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".bmp"}
-# Kinds we write as they came; other videos (AVI, GIF, TS, ...) become MP4, BMP becomes PNG.
-_WRITTEN_AS_IS = {".mp4", ".m4v", ".mov", ".mkv", ".webm", ".png", ".jpg", ".jpeg", ".webp",
-                  ".tif", ".tiff"}
+# Videos a folder input picks up besides the kinds we write (and BMP, which we only read).
+_READ_ONLY_VIDEOS = {".avi", ".ts", ".gif"}
 
 
 def _output_suffix(src: Path) -> str:
-    """The output extension for ``src``: the same one rule for single files and folders."""
+    """The output extension for ``src``: the same one rule for single files and folders.
+    Kinds we write keep theirs; other videos (AVI, GIF, TS, ...) become MP4, BMP PNG."""
+    from .io._common import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
+
     ext = src.suffix.lower()
-    if ext in _WRITTEN_AS_IS:
+    if ext in VIDEO_EXTENSIONS or ext in IMAGE_EXTENSIONS and ext != ".bmp":
         return src.suffix
     return ".png" if ext == ".bmp" else ".mp4"
 
@@ -122,7 +122,10 @@ def _folder_jobs(src: Path, output: str | None) -> tuple[Path, list[tuple[Path, 
     """The output folder and (input, output) pairs of a folder input; raises ValueError when
     they can't be made (nothing to do, the output folder is a file, two inputs would write
     the same output)."""
-    inputs = sorted(p for p in src.iterdir() if p.suffix.lower() in MEDIA_SUFFIXES
+    from .io._common import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
+
+    media = VIDEO_EXTENSIONS.keys() | IMAGE_EXTENSIONS.keys() | _READ_ONLY_VIDEOS
+    inputs = sorted(p for p in src.iterdir() if p.suffix.lower() in media
                     and not p.name.startswith(".") and p.is_file())  # hidden: our temporaries
     if not inputs:
         raise ValueError(f"{src}: no video or image files in this folder (for an image "
@@ -186,10 +189,9 @@ class _Bars:
 
     LABELS = {"encode": "VAE encode", "dit": "DiT", "decode": "VAE decode", "frames": "frames"}
 
-    def __init__(self, enabled: bool, stream=None):
-        stream = stream or sys.stderr
+    def __init__(self, enabled: bool):
         self.enabled, self.bars = enabled, {}
-        self.plain = _PlainProgress(stream) if enabled and not stream.isatty() else None
+        self.plain = _PlainProgress(sys.stderr) if enabled and not sys.stderr.isatty() else None
 
     def __call__(self, phase: str, done: int, total: int):
         if not self.enabled:

@@ -13,26 +13,14 @@ processes them in chunks and writes results as they come. This package gives it 
                 dst.write(upscale(frame))
     # out.mp4 appears only now; an exception inside ``with`` leaves nothing behind.
 
-Design:
+Contracts (what each format keeps and drops, for users: docs/media.md):
 
-* An animated WebP or PNG, or a multi-page TIFF, gives every frame (with each frame's
-  duration); written back to a format that animates (PNG, WebP, TIFF) it stays one
-  animated file with the same timing and loop count.
-* Frames come as stored; video outputs keep the source's rotation tag and pixel aspect,
-  image outputs are turned upright with square pixels.
 * Frames are numpy (H, W, C) arrays, C = 1 (gray), 3 (RGB) or 4 (RGBA), uint8 or uint16.
   Sources with more than 8 bits (10-bit video, 16-bit PNG/TIFF) arrive as uint16 scaled to
   the full 16-bit range; gray+alpha becomes RGBA. Frame ``i`` is the ``i``-th frame in
   presentation order, whichever ``start`` it is read from.
-* Readers stream: videos decode lazily (seeking by timestamp for ``start > 0``), sequences
-  load one file per frame. Writers stream too: each frame is encoded as it is written.
-* Variable-frame-rate video is counted by decoding at open; ``MediaInfo.frame_times`` then
-  holds every frame's presentation time, and video writers given ``like=`` (or
-  ``frame_times=``) write those times, keeping the copied audio in sync.
-* Writers never lose or clobber work: output goes to a hidden ``.name.partial-<random>``
-  next to the destination and is moved into place only by a successful ``close()``; an
-  existing output is replaced only with ``overwrite=True``; problems that can be known
-  up front (folder, size, codec, container) are raised when the writer is opened.
+* Readers and writers stream, one frame at a time; writers never lose or clobber work
+  (:mod:`seedvr2.io.writer`).
 * Errors are :class:`MediaError` (a ValueError) naming the file, except refusing to
   overwrite, which is a :class:`FileExistsError`.
 * ``import seedvr2.io`` stays cheap: PyAV and Pillow are imported inside the functions

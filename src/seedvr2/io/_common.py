@@ -95,19 +95,16 @@ class MediaInfo:
     ``fps`` is an exact :class:`~fractions.Fraction` (e.g. 30000/1001) for videos, ``None`` for
     images and sequences (the files carry no rate). ``bit_depth`` is 8 or 16: sources with
     more than 8 bits (10-bit video, 16-bit PNG) are delivered as 16-bit frames.
-    ``rotation`` is the video's display rotation in degrees counter-clockwise (phone videos),
-    ``mirrored`` whether the display matrix also flips it left-right after rotating, and
-    ``pixel_aspect`` the width : height of one stored pixel (anamorphic video: 2 shows 48x32
-    stored pixels as 96x32). Frames are delivered as stored; video writers given ``like=``
-    tag the same rotation, flip and pixel aspect, and image writers turn frames upright with
-    square pixels (:class:`DisplayTransform`).
+    ``rotation`` (degrees counter-clockwise), ``mirrored`` (flipped left-right after
+    rotating) and ``pixel_aspect`` (width : height of one stored pixel) describe how the
+    stored frames are shown (:class:`DisplayTransform`).
     ``kind`` ``"animation"`` is one image file holding several frames (animated WebP/PNG,
     multi-page TIFF); ``frame_durations`` then holds how long each frame is shown (None for
-    TIFF pages, which have no timing) and ``loop`` how often it plays (0: forever), which
-    animated image outputs given ``like=`` reproduce. Animations with a timing also have
-    ``fps`` (and ``frame_times`` when the durations differ), so video outputs keep it.
-    ``colour`` is a video's colour description (:class:`Colour`), which video writers given
-    ``like=`` convert to and tag; frames are RGB in the source's primaries and transfer.
+    TIFF pages, which have no timing) and ``loop`` how often it plays (0: forever).
+    Animations with a timing also have ``fps`` (and ``frame_times`` when the durations
+    differ), so video outputs keep it. ``colour`` is a video's colour description
+    (:class:`Colour`); frames are RGB in the source's primaries and transfer. Writers given
+    ``like=`` reproduce all of these (:func:`~seedvr2.io.writer.open_writer`).
     """
 
     kind: str
@@ -210,13 +207,17 @@ def resize(frame: np.ndarray, width: int, height: int) -> np.ndarray:
 
 
 def sniff_image(path: Path) -> str | None:
-    """Pillow format name if the file's first bytes are a still-image signature, else None.
+    """Pillow format name if the file's first bytes are a still-image signature, else None;
+    a MediaError naming ``path`` when it can't be read.
 
     Content beats extension so a PNG named ``.jpg`` or a video named ``.png`` still opens
     with the right decoder.
     """
-    with open(path, "rb") as f:
-        head = f.read(16)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except OSError as e:
+        raise MediaError(f"{path}: cannot read file: {e.strerror or e}") from e
     if head.startswith(b"\x89PNG\r\n\x1a\n"):
         return "PNG"
     if head.startswith(b"\xff\xd8\xff"):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._common import MediaError
+from ._common import ARRAY_FORMATS, MediaError, to_8bit
 
 # Pillow mode -> (mode to convert to or None, channels, bit depth). "P" is decided per file.
 _PIL_MODES = {
@@ -27,8 +27,6 @@ _PIL_MODES = {
 }
 # PNG IHDR colour type -> channels after our conversions (4 = gray+alpha becomes RGBA).
 _PNG_COLOUR_CHANNELS = {0: 1, 2: 3, 3: 3, 4: 4, 6: 4}
-# FFmpeg pixel formats for 16-bit frames with 1, 3 or 4 channels (native little-endian arrays).
-FFMPEG_16BIT_FORMATS = {1: "gray16le", 3: "rgb48le", 4: "rgba64le"}
 _EXIF_ORIENTATION = 0x0112
 # zlib level for PNG: saving runs in the pipeline's thread, and levels above 3 cost 2-5x the
 # time (a 1080p 16-bit frame: 0.6 s at 3, 1.9 s at 6) for files only a few percent smaller.
@@ -202,27 +200,14 @@ def save_animation(path: Path, frames, fmt: str, durations, loop: int, quality: 
     formats store here) and playing ``loop`` times (0: forever), or a multi-page TIFF (no
     timing). Encoders merge a frame identical to the one before it into that one, shown
     for both durations: the animation looks the same."""
-    from PIL import Image
-
-    from ._common import to_8bit
-
-    images = []
-    for frame in frames:
-        frame = to_8bit(frame)
-        if fmt == "WEBP" and frame.shape[2] == 1:
-            frame = np.repeat(frame, 3, axis=2)
-        images.append(Image.fromarray(frame[:, :, 0] if frame.shape[2] == 1 else frame))
-    options = {"save_all": True, "append_images": images[1:]}
-    timing = {"duration": [round(d * 1000) for d in durations], "loop": loop} \
-        if durations is not None else {}
+    images = [_pillow_image(frame, fmt) for frame in frames]
+    options = {"save_all": True, "append_images": images[1:], **_encoder_options(fmt, quality)}
+    if durations is not None and fmt != "TIFF":
+        options.update(duration=[round(d * 1000) for d in durations], loop=loop)
     if fmt == "PNG":
         # Each frame replaces the last (no blending over it, which would mix the alpha of
         # two frames), as decoded.
-        options.update(timing, compress_level=PNG_COMPRESS_LEVEL, disposal=0, blend=0)
-    elif fmt == "WEBP":
-        options.update(timing, quality=quality, method=4)
-    else:
-        options.update(compression="tiff_deflate")
+        options.update(disposal=0, blend=0)
     images[0].save(path, format=fmt, **options)
 
 
@@ -258,7 +243,7 @@ def _load_ffmpeg(path: Path, probe: ImageProbe) -> np.ndarray:
         frames = codec.decode(av.Packet(path.read_bytes())) + codec.decode(None)
         if not frames:
             raise MediaError("no picture decoded")
-        array = frames[0].to_ndarray(format=FFMPEG_16BIT_FORMATS[probe.channels])
+        array = frames[0].to_ndarray(format=ARRAY_FORMATS[probe.channels, 16])
     except (av.FFmpegError, MediaError) as e:
         raise MediaError(f"{path}: cannot decode image: {e}") from e
     return array[:, :, None] if array.ndim == 2 else array
@@ -271,27 +256,31 @@ def save_image(path: Path, frame: np.ndarray, fmt: str, quality: int) -> None:
     8-bit formats, so 16-bit frames are rounded to 8 bits. JPEG has no alpha: it is dropped
     (the writer warns when it is opened). WebP has no gray: gray is stored as RGB.
     """
-    channels = frame.shape[2]
     if frame.dtype == np.uint16 and fmt in ("PNG", "TIFF"):
         _save_ffmpeg(path, frame, fmt)
         return
+    _pillow_image(frame, fmt).save(path, format=fmt, **_encoder_options(fmt, quality))
+
+
+def _encoder_options(fmt: str, quality: int) -> dict:
+    """Pillow's encoder options for ``fmt``; ``quality`` (1-100) for the lossy ones."""
+    return {"PNG": {"compress_level": PNG_COMPRESS_LEVEL},
+            "JPEG": {"quality": quality, "subsampling": 0},  # 4:4:4: don't blur upscaled chroma
+            "WEBP": {"quality": quality, "method": 4},
+            "TIFF": {"compression": "tiff_deflate"}}[fmt]
+
+
+def _pillow_image(frame: np.ndarray, fmt: str):
+    """The Pillow image of an (H, W, C) ``frame`` that ``fmt`` can hold: 8 bits, no alpha in
+    JPEG, no gray in WebP."""
     from PIL import Image
 
-    from ._common import to_8bit
-
     frame = to_8bit(frame)
-    if fmt == "JPEG" and channels == 4:
+    if fmt == "JPEG" and frame.shape[2] == 4:
         frame = frame[:, :, :3]
-    if fmt == "WEBP" and channels == 1:
+    if fmt == "WEBP" and frame.shape[2] == 1:
         frame = np.repeat(frame, 3, axis=2)
-    image = Image.fromarray(frame[:, :, 0] if frame.shape[2] == 1 else frame)
-    options = {
-        "PNG": {"compress_level": PNG_COMPRESS_LEVEL},
-        "JPEG": {"quality": quality, "subsampling": 0},  # 4:4:4: don't blur upscaled chroma
-        "WEBP": {"quality": quality, "method": 4},
-        "TIFF": {"compression": "tiff_deflate"},
-    }[fmt]
-    image.save(path, format=fmt, **options)
+    return Image.fromarray(frame[:, :, 0] if frame.shape[2] == 1 else frame)
 
 
 def _save_ffmpeg(path: Path, frame: np.ndarray, fmt: str) -> None:
@@ -300,7 +289,7 @@ def _save_ffmpeg(path: Path, frame: np.ndarray, fmt: str) -> None:
     import av
 
     height, width, channels = frame.shape
-    source = FFMPEG_16BIT_FORMATS[channels]
+    source = ARRAY_FORMATS[channels, 16]
     # PNG stores big-endian samples; FFmpeg's png encoder only takes the *be formats.
     target = source.replace("le", "be") if fmt == "PNG" else source
     codec = av.CodecContext.create("png" if fmt == "PNG" else "tiff", "w")

@@ -17,13 +17,13 @@ from __future__ import annotations
 import queue
 import threading
 
-from .writer import FinishesOnExit
+from .writer import FrameOutput
 
 _STOP = object()
 _POLL_S = 0.1  # how often a blocked put looks whether the encoding thread has died
 
 
-class BackgroundWriter(FinishesOnExit):
+class BackgroundWriter(FrameOutput):
     def __init__(self, writer, max_pending: int = 8):
         if max_pending < 1:
             raise ValueError(f"max_pending must be at least 1, got {max_pending}")
@@ -80,10 +80,6 @@ class BackgroundWriter(FinishesOnExit):
         if self._finished:
             raise RuntimeError(f"{self.path}: background writer is already closed")
         self._put(frame)
-
-    def write_many(self, frames) -> None:
-        for frame in frames:
-            self.write(frame)
 
     def _stop_thread(self):
         if not self._thread.is_alive():

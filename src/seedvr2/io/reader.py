@@ -51,26 +51,23 @@ def open_media(path) -> MediaReader:
     The kind is decided by content: a folder or a pattern is a sequence; a file whose first
     bytes are a PNG/JPEG/WebP/TIFF/BMP signature is a single image (read with Pillow, or FFmpeg
     for 16-bit colour), or an animation when it holds several frames; anything else is handed
-    to FFmpeg as a video. A glob such as ``f/*.png`` also works as a sequence. Raises :class:`MediaError` naming the path when it is
-    missing, unreadable, empty, or not something we can decode.
+    to FFmpeg as a video. A glob such as ``f/*.png`` also works as a sequence. Raises
+    :class:`MediaError` naming the path when it is missing, unreadable, empty, or not
+    something we can decode.
     """
     p = fspath(path)
     if p.is_dir():
         return SequenceReader.from_directory(p)
-    if not p.exists():  # an existing file named "100%done.png" is a file, not a pattern
-        if PRINTF.search(p.name):
-            return SequenceReader.from_pattern(p)
-        if any(ch in p.name for ch in "*?["):
-            return SequenceReader.from_glob(p)
+    if is_sequence_pattern(p):  # an existing file named "100%done.png" is a file
+        return (SequenceReader.from_pattern if PRINTF.search(p.name) else
+                SequenceReader.from_glob)(p)
+    if not p.exists():
         raise MediaError(f"{p}: no such file or directory")
     if not p.is_file():
         raise MediaError(f"{p}: not a regular file")
     if p.stat().st_size == 0:
         raise MediaError(f"{p}: file is empty")
-    try:
-        fmt = sniff_image(p)
-    except OSError as e:
-        raise MediaError(f"{p}: cannot read file: {e.strerror or e}") from e
+    fmt = sniff_image(p)
     if fmt is not None:
         probe = probe_image(p, fmt)
         return AnimationReader(p, probe) if probe.frames > 1 else ImageReader(p, fmt, probe)
@@ -220,10 +217,10 @@ class SequenceReader(MediaReader):
         self.path = source
         self.files = files
         first = files[0]
-        self._fmt = _sniff_sequence_file(first)
-        self._probe = _single_frame(first, probe_image(first, self._fmt))
+        self._probe = _sequence_probe(first)
+        self._fmt = self._probe.fmt
         for f in files[1:]:
-            probe = _single_frame(f, probe_image(f, _sniff_sequence_file(f)))
+            probe = _sequence_probe(f)
             if _shape(probe) != _shape(self._probe):
                 raise MediaError(
                     f"{f}: {_describe(probe)} differs from the first frame {first.name} "
@@ -317,8 +314,9 @@ class SequenceReader(MediaReader):
             yield frame
 
 
-def _single_frame(f: Path, probe: ImageProbe) -> ImageProbe:
-    """``probe``, after refusing a file with several frames: a sequence image gives one."""
+def _sequence_probe(f: Path) -> ImageProbe:
+    """The header of one sequence image, refusing a file with several frames."""
+    probe = probe_image(f, _sniff_sequence_file(f))
     if probe.frames > 1:
         raise MediaError(f"{f}: holds {probe.frames} frames (an animated or multi-page "
                          f"image); the images of a sequence must have one frame each -- "
@@ -327,10 +325,7 @@ def _single_frame(f: Path, probe: ImageProbe) -> ImageProbe:
 
 
 def _sniff_sequence_file(f: Path) -> str:
-    try:
-        fmt = sniff_image(f)
-    except OSError as e:
-        raise MediaError(f"{f}: cannot read file: {e.strerror or e}") from e
+    fmt = sniff_image(f)
     if fmt is None:
         raise MediaError(f"{f}: not a PNG, JPEG, WebP, TIFF or BMP image (empty or corrupt?)")
     return fmt

@@ -118,10 +118,8 @@ def abandoned(path: Path) -> bool:
     where the filesystem has no locks (then nothing is taken for abandoned)."""
     try:
         probe = Hold(path)
-    except BlockingIOError:
-        return False  # a live writer holds it
-    except OSError:
-        return False  # no locks here, or gone: leave it alone
+    except OSError:  # a live writer holds it (BlockingIOError), no locks here, or gone
+        return False
     probe.release()
     return True
 

@@ -70,55 +70,18 @@ def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
     explicitly). Frames must then be (H, W, C) arrays of uint8 (8-bit) or uint16 (16-bit);
     (H, W) is accepted for one channel.
 
-    The destination decides the output:
-
-    * ``.mp4``/``.m4v``/``.mov``/``.mkv`` -- a video: ``codec="h264"`` (libx264, 8-bit
-      yuv420p, ``crf`` default 18) or ``"h265"`` (libx265, 10-bit yuv420p10le, default 20;
-      16-bit frames keep their precision down to 10 bits); ``preset`` is the x264/x265
-      speed preset (default "medium"; "faster" keeps up with 4K output better). ``fps`` is
-      kept exactly (use a Fraction such as 30000/1001); frames get constant-rate
-      timestamps, unless ``frame_times`` (seconds from the first frame, one per frame;
-      default: ``like.frame_times``, set for variable-frame-rate sources) gives each
-      frame's presentation time. Width and height must be even (yuv420 halves chroma):
-      an odd size is an error at open. Alpha is dropped, with a warning. ``audio_from``
-      (a path, or a MediaInfo) copies that file's audio streams packet for packet, without
-      re-encoding (MP4 strips the ADTS headers of AAC from MPEG-TS, as it must), shifted
-      by the source video's start time so the sync with the first frame is kept. The whole
-      track is copied, so write all of the source's frames. A source without audio adds
-      nothing; ``audio_from`` is ignored for image outputs. With ``audio_from`` a
-      MediaInfo, its subtitle streams are copied too where the container holds them
-      (Matroska: SubRip/ASS/WebVTT/DVD/PGS; WebM: WebVTT; MP4/MOV: mov_text). Whatever of
-      ``like``'s source is not carried over (a second video stream, subtitles the container
-      can't hold, audio when writing images, ...) is named in one warning.
-    * ``.webm`` -- VP9 (libvpx-vp9, ``crf`` 0-63, default 24), whatever ``codec`` says
-      unless it asks for H.265 (refused): WebM holds nothing else. RGBA frames keep their
-      alpha (yuva420p), as in ``.mkv`` with ``codec="vp9"``. Audio must be Opus or Vorbis.
-    * ``.png``/``.jpg``/``.jpeg``/``.webp``/``.tif``/``.tiff`` -- one image; if more than one
-      frame is written, numbered siblings ``name_00000.png``, ``name_00001.png`` ... instead.
-      PNG and TIFF keep 16 bits, gray and alpha; JPEG and WebP are 8-bit (``quality``),
-      JPEG drops alpha (warned at open). A name with a printf number (``out/%05d.png``,
-      the syntax sequence inputs take) numbers every frame by it, one frame too:
-      ``out/00000.png``, ``out/00001.png`` ...
-      When ``like`` is an animation (:class:`MediaInfo` kind ``"animation"``), ``.png``,
-      ``.webp`` and ``.tif``/``.tiff`` write one animated file instead: an animated PNG or
-      WebP with ``like``'s frame durations and loop count (a source without durations
-      needs ``fps``), or a multi-page TIFF (TIFF stores no timing: warned when the source
-      had one); JPEG holds one frame, so it gets the numbered files, and a warning.
-    * an existing folder, or a path ending in ``/`` -- a numbered PNG sequence inside it:
-      ``00000.png``, ``00001.png`` ... (more digits when ``like.frame_count`` needs them).
-
-    Video outputs carry ``like``'s colour description (:class:`~seedvr2.io._common.Colour`:
-    matrix, primaries, transfer, range; BT.709 limited range without one), converting the
-    frames with its matrix and range. An HDR source (PQ, HLG) needs 10 bits: H.264 and VP9
-    (8-bit here) are refused naming H.265, and so are image outputs, which are SDR (no tone
-    mapping).
-
-    Frames are written as stored in the source. Video outputs carry ``like``'s rotation
-    (and flip) and pixel aspect as tags; image outputs have neither, so each frame is turned
-    upright and scaled to square pixels (:class:`~seedvr2.io._common.DisplayTransform`) --
-    the image files are then larger than ``width`` x ``height`` for anamorphic sources.
-    ``upright=False`` writes images as stored instead, for intermediate files that are read
-    back and written again through a writer that turns them upright.
+    The destination decides the output: a video extension (``codec`` h264/h265/vp9, ``crf``,
+    ``preset``; ``.webm`` is always VP9), an image extension (one image, numbered siblings
+    for several frames, one animated file when ``like`` is an animation), a printf pattern
+    (``out/%05d.png``: every frame numbered by it) or a folder / a path ending in ``/`` (a
+    numbered PNG sequence). ``frame_times`` (default ``like.frame_times``) gives each video
+    frame its presentation time; ``audio_from`` (a path, or a MediaInfo, which adds its
+    subtitles) copies audio packet for packet, so write all of the source's frames. Video
+    outputs carry ``like``'s colour description, rotation and pixel aspect as tags; image
+    outputs are turned upright and scaled to square pixels unless ``upright=False`` (for
+    intermediate files read back through a writer that turns them upright). What each
+    output keeps and drops: docs/media.md ("Inputs and outputs", "Colour descriptions and
+    HDR").
 
     Raises :class:`FileExistsError` when the output exists and ``overwrite`` is false, and
     :class:`MediaError` for everything else that can be known before writing.
@@ -200,13 +163,9 @@ _AUDIO_REFUSED = {".mov": {"opus": ".mp4 or .mkv", "vorbis": ".mkv"},
 def carried_streams(source: MediaInfo, ext: str) -> tuple[Path | None, list[tuple[int, str]]]:
     """What a video output ``ext`` copies from ``source``: the file to copy streams from
     (None: nothing to copy) and its subtitle streams the container holds, as (index, codec)."""
-    subtitles = _copyable_subtitles(source, ext)
+    subtitles = [(index, codec) for index, kind, codec in source.other_streams
+                 if kind == "subtitle" and codec in _SUBTITLE_CODECS.get(ext, ())]
     return (source.path if source.has_audio or subtitles else None), subtitles
-
-
-def _copyable_subtitles(source: MediaInfo, ext: str) -> list[tuple[int, str]]:
-    return [(index, codec) for index, kind, codec in source.other_streams
-            if kind == "subtitle" and codec in _SUBTITLE_CODECS.get(ext, ())]
 
 
 # Image formats that hold several frames in one file: PNG (APNG), WebP, TIFF (pages).
@@ -239,7 +198,8 @@ def _warn_not_carried(path: Path, like: MediaInfo | None, audio_copied: bool,
     if like is None:
         return
     dropped = []
-    if like.kind == "animation" and (folder or path.suffix.lower() in _WRITE_IMAGE_FORMATS):
+    video = not folder and path.suffix.lower() in VIDEO_EXTENSIONS  # else image files
+    if like.kind == "animation" and not video:
         if animation is None:
             holder = "a folder holds" if folder else f"{path.suffix} holds one frame:"
             dropped.append(f"its animation ({holder} numbered frames without their timing; "
@@ -248,15 +208,14 @@ def _warn_not_carried(path: Path, like: MediaInfo | None, audio_copied: bool,
             dropped.append("its frame durations (TIFF pages have no timing; write .png, .webp "
                            "or a video to keep them)")
     if like.has_audio and not audio_copied:
-        dropped.append("its audio (images hold none; write a video to keep it)"
-                       if folder or path.suffix.lower() not in VIDEO_EXTENSIONS else "its audio")
+        dropped.append("its audio" if video else
+                       "its audio (images hold none; write a video to keep it)")
     for index, kind, codec in like.other_streams:
         if index in subtitles_copied:
             continue
         if kind == "subtitle":
             holders = [e for e, codecs in _SUBTITLE_CODECS.items() if codec in codecs]
-            where = f"; {' or '.join(holders)} holds it" if holders and not folder and \
-                path.suffix.lower() in VIDEO_EXTENSIONS else ""
+            where = f"; {' or '.join(holders)} holds it" if holders and video else ""
             dropped.append(f"subtitle stream #{index} ({codec}{where})")
         elif kind == "video":
             dropped.append(f"video stream #{index} ({codec}; only the first video stream is "
@@ -276,9 +235,15 @@ def _pick(name: str, value, like: MediaInfo | None):
     return value
 
 
-class FinishesOnExit:
-    """Context management of an output: ``close()`` when the block ends normally, ``abort()``
-    (discard the output) when it raises."""
+class FrameOutput:
+    """What every output of frames shares: ``write_many`` over ``write``, and context
+    management: ``close()`` when the block ends normally, ``abort()`` (discard the output)
+    when it raises."""
+
+    def write_many(self, frames: Iterable[np.ndarray]) -> None:
+        """Append frames from an iterable or a (N, H, W, C) array."""
+        for frame in frames:
+            self.write(frame)
 
     def __enter__(self):
         return self
@@ -290,7 +255,7 @@ class FinishesOnExit:
             self.abort()
 
 
-class MediaWriter(FinishesOnExit):
+class MediaWriter(FrameOutput):
     """Base class: frame checks, the temporary -> final protocol and context management."""
 
     def __init__(self, path: Path, *, width: int, height: int, channels: int, bit_depth: int,
@@ -320,11 +285,6 @@ class MediaWriter(FinishesOnExit):
             raise MediaError(f"{self.path}: writing frame {self.frames_written} failed: "
                              f"{e}") from e
         self.frames_written += 1
-
-    def write_many(self, frames: Iterable[np.ndarray]) -> None:
-        """Append frames from an iterable or a (N, H, W, C) array."""
-        for frame in frames:
-            self.write(frame)
 
     def close(self) -> None:
         """Finish the output and move it to its final name. A no-op once closed.
@@ -420,26 +380,19 @@ class MediaWriter(FinishesOnExit):
         """Refuse an existing ``path`` (unless overwriting), check its folder, then create and
         hold the single-file temporary the output is written to (same suffix as ``path``)."""
         self._refuse_existing(path)
-        self._check_folder(path.parent)
+        writable_folder(path.parent)
         temp = self._temp_path(suffix=path.suffix)
         try:
             _create_exclusive(temp)
         except OSError as e:
             raise self._folder_error(path.parent, e) from e
         self._temp = temp
-        self._hold_temp()
-
-    def _hold_temp(self) -> None:
-        """Mark the temporary as in use, so a later run does not take it for stale."""
-        self._hold = hold(self._temp)
+        self._hold = hold(temp)  # in use: a later run must not take it for stale
 
     def _release_hold(self) -> None:
         if getattr(self, "_hold", None) is not None:
             self._hold.release()
             self._hold = None
-
-    def _check_folder(self, folder: Path) -> None:
-        writable_folder(folder)
 
     def _folder_error(self, folder: Path, e: OSError) -> MediaError:
         return MediaError(f"cannot write to output folder {folder}: {e.strerror or e}")
@@ -743,22 +696,28 @@ def _codec_title(name: str) -> str:
 
 
 class _ImageFilesWriter(MediaWriter):
-    """Shared by the image writers: frames go to a hidden partial folder first."""
+    """Shared by the image writers: frames go to a hidden partial folder first, numbered
+    with at least five digits (more when ``expected_frames`` needs them)."""
 
     _fmt: str
     _ext: str
     _quality: int = 95
 
+    def __init__(self, path: Path, *, expected_frames: int | None,
+                 display: DisplayTransform | None, **common):
+        super().__init__(path, **common)
+        self._display = display
+        self._digits = max(5, len(str((expected_frames or 1) - 1)))
+
     def _open_temp_folder(self) -> None:
+        writable_folder(self.path.parent)
         temp = self._temp_path()
         try:
             os.mkdir(temp)
         except OSError as e:
             raise self._folder_error(self.path.parent, e) from e
         self._temp = temp
-        self._hold_temp()
-
-    _display: DisplayTransform | None = None
+        self._hold = hold(temp)  # in use: a later run must not take it for stale
 
     def _frame_file(self, index: int) -> Path:
         return self._temp / f"{index:0{self._digits}d}{self._ext}"
@@ -782,17 +741,16 @@ class ImageWriter(_ImageFilesWriter):
     def __init__(self, path: Path, *, quality: int, expected_frames: int | None,
                  display: DisplayTransform | None = None, animation: tuple | None = None,
                  pattern: tuple[str, str, str] | None = None, **common):
-        super().__init__(path, **common)
+        if animation is not None:
+            expected_frames = None  # one file: only ``path`` must be free
+        super().__init__(path, expected_frames=expected_frames, display=display, **common)
         self._ext = path.suffix
         self._fmt = _WRITE_IMAGE_FORMATS[path.suffix.lower()]
         self._quality = quality
-        self._display = display
         self._animation = animation
         self._pattern = pattern  # (prefix, %d spec, suffix): every frame numbered by it
         if animation is not None:
             self._ext, self._fmt = ".png", "PNG"  # the waiting frames
-            expected_frames = None  # one file: only ``path`` must be free
-        self._digits = max(5, len(str((expected_frames or 1) - 1)))
         if self.channels == 4 and path.suffix.lower() in (".jpg", ".jpeg"):
             warnings.warn(f"{path}: JPEG has no alpha channel; alpha is dropped (use .png or "
                           f".webp to keep it)", stacklevel=3)
@@ -807,7 +765,6 @@ class ImageWriter(_ImageFilesWriter):
                 self._refuse_existing(self._numbered(index))
         else:
             self._refuse_existing(path)
-        self._check_folder(path.parent)
         self._open_temp_folder()
 
     def _numbered(self, index: int) -> Path:
@@ -888,31 +845,26 @@ class SequenceWriter(_ImageFilesWriter):
 
     def __init__(self, path: Path, *, expected_frames: int | None,
                  display: DisplayTransform | None = None, **common):
-        super().__init__(path, **common)
-        self._display = display
-        self._digits = max(5, len(str((expected_frames or 1) - 1)))
+        super().__init__(path, expected_frames=expected_frames, display=display, **common)
         if path.exists() and not path.is_dir():
             raise MediaError(f"{path} exists and is not a folder; a frame sequence needs one")
         if path.is_dir() and any(path.iterdir()) and not self.overwrite:
             raise FileExistsError(f"{path} already exists and is not empty; pass "
                                   f"{option_ref('overwrite', True)} to replace its frames, or "
                                   f"choose another output folder")
-        self._check_folder(path.parent)
         self._open_temp_folder()
 
     def _finish(self) -> None:
         self._state = "kept"
         if self.path.is_dir() and not any(self.path.iterdir()):
             self.path.rmdir()
-        if not self.path.exists():
-            try:
+        try:
+            if not self.path.exists():
                 os.rename(self._temp, self.path)
                 return
-            except OSError:  # the folder appeared (and filled) meanwhile
-                if not self.overwrite:
-                    raise FileExistsError(f"{self.path} appeared while writing; the finished "
-                                          f"frames are kept in {self._temp}") from None
-        elif not self.overwrite:
+        except OSError:  # the folder appeared (and filled) meanwhile
+            pass
+        if not self.overwrite:
             raise FileExistsError(f"{self.path} appeared while writing; the finished frames "
                                   f"are kept in {self._temp}")
         new = {f.name for f in self._temp.iterdir()}
