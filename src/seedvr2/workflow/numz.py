@@ -32,10 +32,9 @@ import copy
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from .nodes import COMPILE_TYPE, CONTROL_MODE_KEY
+from .nodes import COMPILE_TYPE, CONTROL_MODE_KEY, WIDGET_TYPES
 
 CONTROL_VALUES = ("fixed", "increment", "decrement", "randomize")
-WIDGET_TYPES = ("INT", "FLOAT", "BOOLEAN", "STRING", "COMBO")
 NUMZ_COMPILE_TYPE = "TORCH_COMPILE_ARGS"  # numz's type for the compile settings link
 
 
@@ -113,9 +112,12 @@ def _inputs(info: dict) -> list[tuple[str, list]]:
     return found
 
 
-def _widgets(info: dict) -> list[_Widget]:
+def widget_inputs(info: dict) -> list[_Widget]:
+    """A node's widget inputs, in the editor's order."""
     found = []
     for name, spec in _inputs(info):
+        if not spec:
+            continue
         kind, extra = spec[0], (spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {})
         choices = kind if isinstance(kind, list) else None
         kind = "COMBO" if choices is not None else kind
@@ -255,7 +257,7 @@ def _translate_node(node: dict, info: dict, links: list, notes: list) -> None:
     values = node.get("widgets_values")
     if not isinstance(values, list):
         return
-    widgets = _widgets(info)
+    widgets = widget_inputs(info)
     by_name = {w.name: w for w in widgets}
     saved = [inp["widget"]["name"] for inp in node.get("inputs") or []
              if isinstance(inp, dict) and isinstance(inp.get("widget"), dict)
@@ -415,7 +417,7 @@ def translate_prompt(prompt: dict, object_info: dict) -> tuple[dict, list[str]]:
         if not isinstance(inputs, dict) or not is_ours(kind, info):
             continue
         table = NUMZ_NODES[kind]
-        widgets = {w.name: w for w in _widgets(info)}
+        widgets = {w.name: w for w in widget_inputs(info)}
         if not _numz_prompt_node(table, inputs, widgets):
             continue
         label = f"node {node_id} ({kind})"
@@ -556,7 +558,7 @@ def _old_settings(label: str, named: dict, infos: dict, notes: list) -> dict[str
             spread[role][target] = OLD_VALUES.get(name, {}).get(value, value)
     ours = {}
     for role, values in spread.items():
-        widgets = {w.name: w for w in _widgets(infos[OLD_TARGETS[role]])}
+        widgets = {w.name: w for w in widget_inputs(infos[OLD_TARGETS[role]])}
         ours[role] = _to_ours(label, NumzNode(()), values, widgets, notes)
     return ours
 
@@ -579,7 +581,7 @@ def _old_layout(node: dict) -> Optional[tuple[dict, dict]]:
 
 def _with_defaults(ours: dict, info: dict) -> dict:
     """An API node's inputs: ``ours``, and our default for every other widget input."""
-    defaults = {w.name: w.default for w in _widgets(info) if w.default is not None}
+    defaults = {w.name: w.default for w in widget_inputs(info) if w.default is not None}
     return {**defaults, **ours}
 
 
@@ -665,14 +667,14 @@ def _expand_old_graph(graph: dict, object_info: dict, notes: list) -> None:
                           "outputs": [{"name": info["output"][0], "type": info["output"][0],
                                        "links": [next_link]}],
                           "properties": {"Node name for S&R": OLD_TARGETS[role]},
-                          "widgets_values": _editor_values(ours[role], {}, _widgets(info))})
+                          "widgets_values": _editor_values(ours[role], {}, widget_inputs(info))})
             links.append([next_link, next_node, 0, node["id"], 0, info["output"][0]])
             sockets[role] = next_link
             next_node, next_link = next_node + 1, next_link + 1
         info = object_info[OLD_TARGETS["upscaler"]]
         node["type"] = OLD_TARGETS["upscaler"]
         node["inputs"] = _editor_sockets(info, sockets, links)
-        node["widgets_values"] = _editor_values(ours["upscaler"], control, _widgets(info))
+        node["widgets_values"] = _editor_values(ours["upscaler"], control, widget_inputs(info))
         node.setdefault("properties", {})["Node name for S&R"] = OLD_TARGETS["upscaler"]
     graph["nodes"] = [n for n in nodes if not (isinstance(n, dict) and n.get("id") in consumed)]
     graph["last_node_id"], graph["last_link_id"] = next_node - 1, next_link - 1
@@ -681,7 +683,7 @@ def _expand_old_graph(graph: dict, object_info: dict, notes: list) -> None:
 def _editor_sockets(info: dict, sockets: dict, links: list) -> list:
     """A node's input slots (its inputs that are no widget), with the links of ``sockets``
     (input name -> link ID) moved to their slot."""
-    widgets = {w.name for w in _widgets(info)}
+    widgets = {w.name for w in widget_inputs(info)}
     slots = []
     for name, spec in _inputs(info):
         if name in widgets:
