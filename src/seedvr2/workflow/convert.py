@@ -23,8 +23,8 @@ from typing import Callable, Optional
 
 from .errors import WorkflowError
 from .numz import CONTROL_VALUES, translate_workflow, widget_inputs
+from .server import UPLOAD_FLAGS
 
-UPLOAD_FLAGS = ("image_upload", "video_upload", "animated_image_upload", "audio_upload")
 FRONTEND_ONLY = ("Note", "MarkdownNote", "Reroute", "PrimitiveNode")
 MUTED, BYPASSED = 2, 4
 
