@@ -8,12 +8,9 @@ them its own. Nodes stay thin: they parse inputs, call the facade (:mod:`seedvr2
 report progress.
 
 Every option input comes from the one option table (:mod:`seedvr2.options`): type, default,
-range, choices and tooltip. The upscaler's pipeline inputs carry the option names;
-:data:`LOADER_SETTINGS` / :data:`UPSCALER_SETTINGS` name the other inputs after the node
-(``cache_model`` is ``cache_dit`` on the DiT loader) and add only widget details (a device
-dropdown, a step). Inputs added after the first release are optional, so saved workflows keep
-validating. A compile setting the library has no option for is reported ("... is not supported
-yet; ignored") when changed from its default, never dropped silently.
+range, choices and tooltip. :data:`LOADER_SETTINGS` / :data:`UPSCALER_SETTINGS` name the inputs
+that carry another name (``cache_model`` is ``cache_dit`` on the DiT loader) and add only widget
+details. Optional inputs and unsupported compile settings, as users see them: docs/comfyui.md.
 
 Import cost: this module imports only :mod:`seedvr2.options`; torch, the models and the
 model registry load when a node runs or its dropdowns are listed.
