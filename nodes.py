@@ -1,24 +1,11 @@
 """ComfyUI nodes: thin adapters over the ``seedvr2`` library in ``src/seedvr2``.
 
-The nodes are defined once in ``seedvr2.workflow.nodes`` (inputs generated from the option
-table; what each node does). This module only adapts them to ComfyUI:
-
-* the V3 schema (``comfy_api``'s pinned ``v0_0_2``, else ``latest``: ``comfy_entrypoint``)
-  where ComfyUI has it, the classic
-  ``NODE_CLASS_MAPPINGS`` API on older ComfyUI and outside ComfyUI;
-* a :class:`ComfyHost` giving the nodes ComfyUI's services: ``folder_paths`` (models/SEEDVR2,
-  registered here so SEEDVR2 entries of ComfyUI's ``extra_paths.yaml``, or of the deprecated
-  ``extra_model_paths.yaml`` it replaces, add to it), the input
-  and output folders, ``comfy.utils.ProgressBar``, ``comfy.model_management``'s interrupt flag,
-  and its memory (its models are unloaded before ours load, the cache emptied after a run;
-  models we keep with ``cache_model`` are handed to it as ModelPatchers, which it evicts
-  like its own: ``seedvr2.workflow.comfy_memory``);
-* numz's workflows (four of our node IDs are the numz pack's, with another layout;
-  ``seedvr2.workflow.numz`` rewrites them): ``PromptServer.add_on_prompt_handler`` for API
-  prompts sent to ``/prompt``, a route the editor extension sends loaded workflows to
-  (``PromptServer.routes``), and a log naming both packs' folders when the numz pack is
-  installed too (``nodes.NODE_CLASS_MAPPINGS``, ``RELATIVE_PYTHON_MODULE`` and
-  ``LOADED_MODULE_DIRS``, read when our nodes register and when the server starts).
+The nodes are defined once in ``seedvr2.workflow.nodes``; this module adapts them to ComfyUI:
+the V3 schema (``comfy_entrypoint``) where ComfyUI has it, else the classic
+``NODE_CLASS_MAPPINGS``; a :class:`ComfyHost` giving the nodes ComfyUI's folders, progress bar,
+interrupt flag and memory (``seedvr2.workflow.comfy_memory``); and the hooks that rewrite numz's
+workflows (``seedvr2.workflow.numz``) and log clashing packs. docs/comfyui.md says what users
+see of each.
 
 Importing this module does no work: the library's heavy parts load when a node runs.
 """
@@ -44,7 +31,7 @@ COMFY_FOLDER = "SEEDVR2"
 # Where ComfyUI's native SeedVR2 support keeps the DiT and the VAE (registry: comfy_folder).
 NATIVE_FOLDERS = ("diffusion_models", "vae")
 
-try:  # inside ComfyUI only
+try:  # inside ComfyUI only; registered so SEEDVR2 entries of extra_paths.yaml add to it
     import folder_paths
 
     folder_paths.add_model_folder_path(COMFY_FOLDER, os.path.join(folder_paths.models_dir,
@@ -217,10 +204,6 @@ def _has_edits(video, source, InputImpl) -> bool:
     return tuple(video.get_dimensions()) != tuple(InputImpl.VideoFromFile(source).get_dimensions())
 
 
-def _host(node_id=None) -> ComfyHost:
-    return ComfyHost(node_id)
-
-
 # ComfyUI's V3 API, the pinned version first: ``comfy_api.latest`` is the one that changes.
 # v0_0_2 (0.3.75 and current releases, beside v0_0_3) has all we use: io, ComfyExtension,
 # InputImpl, Types. (Today every version re-exports latest's classes; the pinned name is the
@@ -252,10 +235,6 @@ def _uses_v3() -> bool:
     return True
 
 
-def _node_id_hidden(kwargs: dict) -> Optional[str]:
-    return kwargs.pop("unique_id", None)
-
-
 def _accept_unlisted(node: NodeDef):
     """A validation classmethod for the node's inputs whose dropdown is a convenience
     (``accepts_unlisted``), or None. ComfyUI leaves the "value not in list" check to a node's
@@ -281,7 +260,7 @@ def _accept_unlisted(node: NodeDef):
 
 def _classic_class(node: NodeDef) -> type:
     def INPUT_TYPES(cls):
-        host = _host()
+        host = ComfyHost()
         types = {"required": {i.name: tuple(input_spec(i, host)) for i in node.inputs
                               if not i.optional},
                  "hidden": {"unique_id": "UNIQUE_ID"}}
@@ -291,7 +270,7 @@ def _classic_class(node: NodeDef) -> type:
         return types
 
     def run(self, **kwargs):
-        result: NodeResult = node.run(_host(_node_id_hidden(kwargs)), **kwargs)
+        result: NodeResult = node.run(ComfyHost(kwargs.pop("unique_id", None)), **kwargs)
         if result.ui:
             return {"ui": result.ui, "result": tuple(result.outputs)}
         return tuple(result.outputs)
@@ -365,7 +344,7 @@ def _v3_class(node: NodeDef, io) -> type:
     class Node(io.ComfyNode):
         @classmethod
         def define_schema(cls):
-            host = _host()
+            host = ComfyHost()
             return io.Schema(node_id=node.id, display_name=node.display_name,
                              category=node.category, description=node.description,
                              inputs=[_v3_input(io, i, host) for i in node.inputs],
@@ -374,7 +353,7 @@ def _v3_class(node: NodeDef, io) -> type:
 
         @classmethod
         def execute(cls, **kwargs):
-            result = node.run(_host(cls.hidden.unique_id), **kwargs)
+            result = node.run(ComfyHost(cls.hidden.unique_id), **kwargs)
             return io.NodeOutput(*result.outputs, ui=result.ui)
 
     validate = _accept_unlisted(node)
@@ -406,7 +385,7 @@ def _numz_object_info() -> dict:
     """/object_info of our nodes that have numz's IDs and are the ones ComfyUI runs."""
     comfy = _comfy_nodes()
     mappings = getattr(comfy, "NODE_CLASS_MAPPINGS", {})
-    host = _host()
+    host = ComfyHost()
     return {node.id: object_info(node, host) for node in build_nodes()
             if node.id in NUMZ_NODES and _registered_by(mappings.get(node.id)) == OUR_MODULE}
 

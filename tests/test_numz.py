@@ -153,12 +153,12 @@ def numz_api_prompt(image=EXAMPLE_IMAGE) -> dict:
 def expected_inputs(node_type: str, info: dict) -> dict:
     """Our inputs after opening numz's node: each numz value on the input of the same meaning;
     our inputs numz has no counterpart for at their defaults."""
-    from seedvr2.workflow.numz import _widgets
+    from seedvr2.workflow.numz import widget_inputs
 
     values = {OURS.get(k, k): v for k, v in NUMZ_VALUES[node_type].items() if k not in DROPPED}
     if node_type == "SeedVR2TorchCompileSettings":
         values["dynamic"] = "false"  # numz's switch; ours adds "auto"
-    return {w.name: values.get(w.name, w.default) for w in _widgets(info[node_type])}
+    return {w.name: values.get(w.name, w.default) for w in widget_inputs(info[node_type])}
 
 
 def _info(tmp_path):
@@ -520,7 +520,7 @@ def old_api_prompt(date: str, values=OLD_VALUES, image=EXAMPLE_IMAGE) -> dict:
 def old_expected(date: str, info: dict, values=OLD_VALUES) -> dict:
     """Our three nodes' widget inputs after opening numz's: each saved value on the input of
     the same meaning, our defaults elsewhere."""
-    from seedvr2.workflow.numz import _widgets
+    from seedvr2.workflow.numz import widget_inputs
 
     saved = {n for names in _old_layout_of(date) if names for n in names}
     both = lambda a, b: {a: values[b]} if b in saved else {}  # noqa: E731
@@ -538,7 +538,7 @@ def old_expected(date: str, info: dict, values=OLD_VALUES) -> dict:
                 **both("input_noise_scale", "input_noise_scale"),
                 **both("latent_noise_scale", "latent_noise_scale"),
                 **both("latent_noise_scale", "cond_noise_scale")}
-    return {kind: {w.name: ours.get(w.name, w.default) for w in _widgets(info[kind])}
+    return {kind: {w.name: ours.get(w.name, w.default) for w in widget_inputs(info[kind])}
             for kind, ours in (("SeedVR2LoadDiTModel", dit), ("SeedVR2LoadVAEModel", vae),
                                ("SeedVR2VideoUpscaler", upscaler))}
 

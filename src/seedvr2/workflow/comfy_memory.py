@@ -14,9 +14,7 @@ on an entry or its patcher (``is_dynamic()``, ``clone_base_uuid``,
 ``model_dtype()``, ...) is therefore ComfyUI's own code, of whatever release is installed;
 nothing of ComfyUI is imitated, replaced or wrapped.
 
-The patcher wraps a weightless stand-in module (``SeedVR2CachedModel``), not our model:
-ComfyUI's finalizer on the wrapped module must not fire inside its own unloading loop, while
-our weights must go at once (see the stand-in's docstring).
+The patcher wraps a weightless stand-in module (``SeedVR2CachedModel``; its docstring says why).
 
 The subclass changes these methods, because we place our models ourselves (BlockSwap keeps
 blocks on the host on purpose, quantized and GGUF weights are not ``comfy.ops`` layers, which
@@ -33,13 +31,9 @@ a model itself, the patcher, the stand-in and the model go together and ComfyUI'
 the stand-in (``LoadedModel.model_load``) removes the entry, as for its own models.
 
 Pinned host memory: ours pin nothing through ComfyUI (BlockSwap pins its own arena), so they
-claim none of ComfyUI's pinned budget. The current release's pin accounting reads
-``ModelPatcher.pinned_memory_size()`` and ``loaded_ram_size()`` (ComfyUI's own, 0 for a
-model that is not dynamic: ours inherit them) and, in ``load_models_gpu``, adds
-``model_memory()`` of every non-dynamic model it loads to ``pins_required``, which
-``free_memory(..., pins_required=)`` makes room for (``ensure_pin_budget``,
-``ensure_pin_registerable``: other models' pins torn down or unregistered): our models are
-registered without that call (:func:`_register`).
+claim none of ComfyUI's pinned budget: ``pinned_memory_size()`` and ``loaded_ram_size()`` are
+ComfyUI's own (0 for a model that is not dynamic), and :func:`_register` says why ours skip
+``load_models_gpu``'s ``pins_required``.
 
 ComfyUI functions relied on, present in 0.3.75 and in the current release:
 ``comfy.model_patcher.ModelPatcher(model, load_device, offload_device, size)`` and the

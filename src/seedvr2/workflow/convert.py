@@ -22,8 +22,9 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from .errors import WorkflowError
-from .numz import CONTROL_VALUES, WIDGET_TYPES, translate_workflow
-UPLOAD_FLAGS = ("image_upload", "video_upload", "animated_image_upload", "audio_upload")
+from .numz import CONTROL_VALUES, translate_workflow, widget_inputs
+from .server import UPLOAD_FLAGS
+
 FRONTEND_ONLY = ("Note", "MarkdownNote", "Reroute", "PrimitiveNode")
 MUTED, BYPASSED = 2, 4
 
@@ -32,49 +33,29 @@ def is_ui_format(workflow) -> bool:
     return isinstance(workflow, dict) and isinstance(workflow.get("nodes"), list)
 
 
-def widget_inputs(info: dict) -> list[tuple[str, dict, str]]:
-    """(name, options, type) of a node's widget inputs, in the editor's order."""
-    inputs = info.get("input", {})
-    order = info.get("input_order") or {k: list(v) for k, v in inputs.items()}
-    found = []
-    for section in ("required", "optional"):
-        specs = inputs.get(section) or {}
-        for name in order.get(section, list(specs)):
-            spec = specs.get(name)
-            if not spec:
-                continue
-            kind, extra = spec[0], (spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {})
-            kind = "COMBO" if isinstance(kind, list) else kind
-            if kind in WIDGET_TYPES and not extra.get("forceInput"):
-                found.append((name, extra, kind))
-    return found
-
-
 def _map_widget_values(node: dict, info: dict) -> dict:
     values = node.get("widgets_values")
     widgets = widget_inputs(info)
     if values is None:
         return {}
     if isinstance(values, dict):  # some nodes save widgets by name
-        return {name: values[name] for name, _, _ in widgets if name in values}
+        return {w.name: values[w.name] for w in widgets if w.name in values}
     if not isinstance(values, list):
         raise WorkflowError("widgets_values must be a list", str(node.get("id")), node.get("type"))
     mapped, i = {}, 0
-    for name, extra, kind in widgets:
+    for widget in widgets:
         if i >= len(values):
             break  # a workflow saved before later inputs existed: those take their defaults
-        mapped[name] = values[i]
+        mapped[widget.name] = values[i]
         i += 1
-        has_control = extra.get("control_after_generate") or \
-            kind == "INT" and name in ("seed", "noise_seed")
-        if has_control and i < len(values) and values[i] in CONTROL_VALUES:
+        if widget.control and i < len(values) and values[i] in CONTROL_VALUES:
             i += 1
-    has_upload = any(extra.get(flag) for _, extra, _ in widgets for flag in UPLOAD_FLAGS)
+    has_upload = any(w.extra.get(flag) for w in widgets for flag in UPLOAD_FLAGS)
     if has_upload and i == len(values) - 1:
         i += 1
     if i < len(values):
         raise WorkflowError(f"{len(values)} widget values for the {len(widgets)} widgets "
-                            f"{[w[0] for w in widgets]}; the workflow was saved with a different "
+                            f"{[w.name for w in widgets]}; the workflow was saved with a different "
                             f"version of this node", str(node.get("id")), node.get("type"))
     return mapped
 

@@ -80,7 +80,10 @@ def _load_video(host, file: str) -> NodeResult:
     return NodeResult((Video(path=path),))
 
 
-def _video_frames(video: Video):
+def video_components(video: Video) -> tuple:
+    """(frames, audio or None, frame rate) of a video, as Get Video Components outputs them."""
+    if video.path is None:
+        return video.images, video.audio, float(video.fps)
     import torch
 
     from ..io import open_media
@@ -92,15 +95,7 @@ def _video_frames(video: Video):
         frames = [to_float_frame(f, i)[..., :3] for i, f in enumerate(reader.frames())]
         info = reader.info
     audio = {"source": str(video.path)} if info.has_audio else None
-    return torch.stack(frames), float(info.fps or 0.0), audio
-
-
-def video_components(video: Video) -> tuple:
-    """(frames, audio or None, frame rate) of a video, as Get Video Components outputs them."""
-    if video.path is not None:
-        images, fps, audio = _video_frames(video)
-        return images, audio, fps
-    return video.images, video.audio, float(video.fps)
+    return torch.stack(frames), audio, float(info.fps or 0.0)
 
 
 def _get_video_components(host, video: Video) -> NodeResult:
@@ -117,10 +112,7 @@ def _save_video(host, video: Video, filename_prefix: str = "video/ComfyUI", form
 
     from ..io import open_writer
 
-    if video.path is not None:
-        images, fps, audio = _video_frames(video)
-    else:
-        images, fps, audio = video.images, video.fps, video.audio
+    images, audio, fps = video_components(video)
     height, width = images.shape[1:3]
     path, entry = host.output_file(filename_prefix, ".mp4", width, height)
     rate = Fraction(fps).limit_denominator(1001)
@@ -132,7 +124,6 @@ def _save_video(host, video: Video, filename_prefix: str = "video/ComfyUI", form
                 writer.write(np.clip(frame[..., :3].cpu().numpy() * 255.0 + 0.5, 0, 255)
                              .astype(np.uint8))
     return NodeResult(ui={"images": [entry], "animated": [True]})
-
 
 
 def _audio_file(audio: Optional[dict], scratch: Path) -> Optional[Path]:

@@ -162,18 +162,14 @@ def initial_view(placed: dict) -> dict:
                                        round(m_top / scale - top, 1)]}
 
 
-def _definitions() -> dict:
-    from .execute import registry
-
-    return registry()
-
-
 def _widget_value(inp, values: dict):
     return values.get(inp.name, inp.default)
 
 
 def api_prompt(example: Example) -> dict:
-    nodes = _definitions()
+    from .execute import registry
+
+    nodes = registry()
     prompt = {}
     for node in sorted(example.nodes, key=lambda n: n.id):
         definition = nodes[node.type]
@@ -203,7 +199,9 @@ def _order(example: Example) -> dict:
 
 
 def ui_workflow(example: Example) -> dict:
-    nodes = _definitions()
+    from .execute import registry
+
+    nodes = registry()
     order = _order(example)
     placed = layout(example, nodes)
     links, ui_nodes = [], []
@@ -341,16 +339,14 @@ def _thumb_inputs(folder: Path) -> None:
 def _tiny_models(conformance: Path, folder: Path) -> None:
     """The conformance kit's tiny 3B DiT and VAE (configs in the metadata, as the loaders
     read them) and its 64-wide text embeddings, in ``folder``."""
-    import json as _json
-
     from safetensors.torch import load_file, save_file
 
     folder.mkdir(parents=True, exist_ok=True)
     for name in ("dit3b_tiny", "vae_tiny"):
-        config = _json.loads((conformance / name / "config.json").read_text())
+        config = json.loads((conformance / name / "config.json").read_text())
         save_file(load_file(conformance / name / "weights.safetensors"),
                   folder / f"{name}.safetensors",
-                  metadata={"config": _json.dumps(config["constructor_kwargs"])})
+                  metadata={"config": json.dumps(config["constructor_kwargs"])})
     e2e = load_file(conformance / "pipeline" / "e2e_video_9f.safetensors")
     save_file({"pos": e2e["inputs.txt_pos"].contiguous(),
                "neg": e2e["inputs.txt_neg"].contiguous()}, folder / "text_64.safetensors")
@@ -360,14 +356,12 @@ def _thumb_sets(example: Example) -> list[str]:
     sets = []
     for node in example.nodes:
         # The CPU in fp32 on every machine: the same pictures wherever they are made.
-        if node.type == "SeedVR2LoadDiTModel":
-            sets += [f"{node.id}.model=dit3b_tiny.safetensors", f"{node.id}.device=cpu",
+        if node.type in ("SeedVR2LoadDiTModel", "SeedVR2LoadVAEModel"):
+            model = "dit3b_tiny" if node.type == "SeedVR2LoadDiTModel" else "vae_tiny"
+            sets += [f"{node.id}.model={model}.safetensors", f"{node.id}.device=cpu",
                      f"{node.id}.dtype=fp32"]
             if node.values.get("blocks_to_swap"):
                 sets.append(f"{node.id}.blocks_to_swap=2")  # the tiny DiT has 4 blocks
-        elif node.type == "SeedVR2LoadVAEModel":
-            sets += [f"{node.id}.model=vae_tiny.safetensors", f"{node.id}.device=cpu",
-                     f"{node.id}.dtype=fp32"]
         elif node.type in ("SeedVR2VideoUpscaler", "SeedVR2UpscaleVideoFile",
                            "SeedVR2UpscaleVideo"):
             sets += [f"{node.id}.resolution={THUMB_RESOLUTION}", f"{node.id}.batch_size=5",

@@ -46,12 +46,9 @@ def coerce(inp: Input, value, host):
                 value = value.lower() == "true"
             elif not isinstance(value, bool):
                 raise ValueError
-        elif kind in ("STRING", "COMBO"):
-            if not isinstance(value, str):
-                if kind == "COMBO" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    pass
-                else:
-                    raise ValueError
+        elif kind in ("STRING", "COMBO") and not isinstance(value, str):
+            if kind == "STRING" or not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ValueError  # a COMBO of numbers takes a number
     except (TypeError, ValueError):
         raise ValueError(f"{inp.name} = {value!r}: expected {kind.lower() if kind != 'COMBO' else 'one of the choices'}") from None
     if inp.min is not None and value < inp.min:

@@ -8,12 +8,9 @@ them its own. Nodes stay thin: they parse inputs, call the facade (:mod:`seedvr2
 report progress.
 
 Every option input comes from the one option table (:mod:`seedvr2.options`): type, default,
-range, choices and tooltip. The upscaler's pipeline inputs carry the option names;
-:data:`LOADER_SETTINGS` / :data:`UPSCALER_SETTINGS` name the other inputs after the node
-(``cache_model`` is ``cache_dit`` on the DiT loader) and add only widget details (a device
-dropdown, a step). Inputs added after the first release are optional, so saved workflows keep
-validating. A compile setting the library has no option for is reported ("... is not supported
-yet; ignored") when changed from its default, never dropped silently.
+range, choices and tooltip. :data:`LOADER_SETTINGS` / :data:`UPSCALER_SETTINGS` name the inputs
+that carry another name (``cache_model`` is ``cache_dit`` on the DiT loader) and add only widget
+details. Optional inputs and unsupported compile settings, as users see them: docs/comfyui.md.
 
 Import cost: this module imports only :mod:`seedvr2.options`; torch, the models and the
 model registry load when a node runs or its dropdowns are listed.
@@ -25,6 +22,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol, Union
 
@@ -470,10 +468,6 @@ class _Job:
     notes: list = field(default_factory=list)
 
 
-def _setting_default(setting: Setting):
-    return setting.node_input().default
-
-
 def plan_job(dit: ModelHandle, vae: ModelHandle, upscaler: dict, pipeline: dict) -> _Job:
     """Turn loader handles, upscaler settings and pipeline inputs into facade options."""
     job = _Job(options={name: _from_widget(name, v) for name, v in pipeline.items()})
@@ -485,7 +479,7 @@ def plan_job(dit: ModelHandle, vae: ModelHandle, upscaler: dict, pipeline: dict)
         for setting in settings:
             value = values.get(setting.input)
             if value is None:  # an optional input left out: its option's default
-                value = _setting_default(setting)
+                value = setting.node_input().default
             options = setting.library_options(value)
             for option, v in options.items():
                 name = setting.input if len(options) == 1 else \
@@ -544,14 +538,13 @@ def _hold_until_interrupted(host: Host, request: Path):
         time.sleep(0.05)
 
 
-def _run_facade(host: Host, dit: ModelHandle, vae: ModelHandle, upscaler: dict, pipeline: dict,
-                call: Callable):
-    """Run ``call(dit path, vae path, options, model dir, progress, stop)``: one facade call,
-    which loads the models (or takes them from the library's model cache)."""
+def _run_facade(host: Host, dit: ModelHandle, vae: ModelHandle, inputs: dict, call: Callable):
+    """Run ``call(dit path, vae path, model_dir=, progress=, should_stop=, **options)``: one
+    facade call, which loads the models (or takes them from the library's model cache)."""
     from ..options import resolve_options
     from ..pipeline.runner import Interrupted
 
-    job = plan_job(dit, vae, upscaler, pipeline)
+    job = plan_job(dit, vae, *_split_inputs(inputs))
     for message in job.unsupported + job.notes:
         host.warn(message)
     resolve_options(**job.options)  # bad values fail here, before anything is loaded
@@ -564,8 +557,9 @@ def _run_facade(host: Host, dit: ModelHandle, vae: ModelHandle, upscaler: dict, 
         # inference tensors, which the DiT's RoPE cache cannot key on (no version counter).
         # The pipeline enters inference mode itself.
         with torch.inference_mode(False):
-            return call(dit.path, vae.path, job.options, model_dir, _progress_callback(host),
-                        _stop_check(host))
+            return call(dit.path, vae.path, model_dir=model_dir,
+                        progress=_progress_callback(host), should_stop=_stop_check(host),
+                        **job.options)
     except Interrupted:
         host.raise_interrupted()
         raise
@@ -579,19 +573,16 @@ def _as_comfy_image(frames):
 
 
 def _split_inputs(inputs: dict) -> tuple[dict, dict]:
-    upscaler = {s.input: inputs.pop(s.input) for s in UPSCALER_SETTINGS if s.input in inputs}
-    return upscaler, inputs
+    """(the upscaler's own settings, its pipeline inputs)."""
+    upscaler = {s.input: inputs[s.input] for s in UPSCALER_SETTINGS if s.input in inputs}
+    return upscaler, {name: v for name, v in inputs.items() if name not in upscaler}
 
 
 def _upscale_images(host: Host, image, dit: ModelHandle, vae: ModelHandle, **inputs) -> NodeResult:
     from ..api import upscale
 
-    upscaler, pipeline = _split_inputs(inputs)
-
-    def call(dit_path, vae_path, options, model_dir, progress, should_stop):
-        return upscale(image, dit_path, vae_path, model_dir=model_dir, progress=progress,
-                           should_stop=should_stop, **options)
-    return NodeResult((_as_comfy_image(_run_facade(host, dit, vae, upscaler, pipeline, call)),))
+    return NodeResult((_as_comfy_image(_run_facade(host, dit, vae, inputs,
+                                                   partial(upscale, image))),))
 
 
 PREVIEW_FRAMES = 4
@@ -625,22 +616,17 @@ def _upscale_video_file(host: Host, dit: ModelHandle, vae: ModelHandle, video_pa
 
     from ..options import resolve_options
 
-    upscaler, pipeline = _split_inputs(inputs)
     if not video_path.strip():
         raise ValueError("video_path is empty: give a video file in the input folder")
     src = host.input_path(video_path.strip())
 
     with open_media(src) as reader:  # a missing or unreadable input fails before any loading
         info = reader.info
-    opts = resolve_options(**plan_job(dit, vae, upscaler, pipeline).options)
+    opts = resolve_options(**plan_job(dit, vae, *_split_inputs(inputs)).options)
     height, width = output_size(info.height, info.width, opts)
     suffix = ".png" if info.kind == "image" and Path(src).suffix.lower() in IMAGE_EXTENSIONS else ".mp4"
     dst, saved = host.output_file(filename_prefix, suffix, width, height)
-
-    def call(dit_path, vae_path, options, model_dir, progress, should_stop):
-        return upscale_file(src, dst, dit_path, vae_path, model_dir=model_dir, codec=codec,
-                                progress=progress, should_stop=should_stop, **options)
-    out = _run_facade(host, dit, vae, upscaler, pipeline, call)
+    out = _run_facade(host, dit, vae, inputs, partial(upscale_file, src, dst, codec=codec))
     # The editor draws a node's "images" (with "animated" set, as a video player), as it does
     # for ComfyUI's Save Video.
     ui = {"images": [saved]}
@@ -656,23 +642,13 @@ def _upscale_video(host: Host, video, dit: ModelHandle, vae: ModelHandle, codec:
     made of frames (Create Video) is upscaled in memory, with its audio and rate."""
     from ..api import upscale, upscale_file
 
-    upscaler, pipeline = _split_inputs(inputs)
     source = host.video_file(video)
     if source is not None:
         dst = host.temp_file("SeedVR2/video", ".mp4")
-
-        def call_file(dit_path, vae_path, options, model_dir, progress, should_stop):
-            return upscale_file(source, dst, dit_path, vae_path, model_dir=model_dir,
-                                codec=codec, progress=progress, should_stop=should_stop,
-                                **options)
-        return NodeResult((host.file_video(_run_facade(host, dit, vae, upscaler, pipeline,
-                                                       call_file)),))
+        call_file = partial(upscale_file, source, dst, codec=codec)
+        return NodeResult((host.file_video(_run_facade(host, dit, vae, inputs, call_file)),))
     images, audio, fps = host.video_frames(video)
-
-    def call_frames(dit_path, vae_path, options, model_dir, progress, should_stop):
-        return upscale(images, dit_path, vae_path, model_dir=model_dir, progress=progress,
-                       should_stop=should_stop, **options)
-    frames = _as_comfy_image(_run_facade(host, dit, vae, upscaler, pipeline, call_frames))
+    frames = _as_comfy_image(_run_facade(host, dit, vae, inputs, partial(upscale, images)))
     return NodeResult((host.frames_video(frames, audio, fps),))
 
 

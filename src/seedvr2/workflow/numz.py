@@ -1,29 +1,21 @@
-"""Workflows saved with the numz pack (ComfyUI-SeedVR2_VideoUpscaler v2.5.x), run as ours.
+"""Workflows saved with the numz pack (ComfyUI-SeedVR2_VideoUpscaler), run as ours.
 
-Four of our node IDs are numz's own (:data:`NUMZ_NODES`), with another input layout: a saved
-numz workflow holds numz's widget values in numz's order, and an API prompt numz's input names.
-This module rewrites both into our layout, so every value lands on the input that means the same
-thing; the one table below says what numz v2.5.24's nodes take (names, and the order the editor
-saves their widget values in) and which of its inputs are ours under another name
-(``attention_mode`` is our ``attention_backend``) or have no counterpart here (dropped, with a
-note). Values are converted where the same setting has another widget (numz's compile
-``dynamic`` is a switch, ours a choice that adds ``auto``); a choice we do not have falls back to
-our default, with a note.
+Four of our node IDs are numz's own (:data:`NUMZ_NODES`: one table of numz v2.5.24's inputs,
+in the order the editor saves their widget values), with another input layout; numz v2.0-2.4's
+``SeedVR2`` node (fed by ``SeedVR2BlockSwap`` and ``SeedVR2ExtraArgs``) becomes our DiT loader,
+VAE loader and upscaler (:data:`OLD_INPUTS`). Editor workflows and API prompts are rewritten to
+our layout, each value on the input of the same meaning, with a note for each value that has no
+place here. What users see, and the table of old inputs: docs/comfyui.md ("Workflows from the
+numz pack").
 
-Older numz releases (v2.0-2.4, August to early October 2025) had one ``SeedVR2`` node, fed by
-``SeedVR2BlockSwap`` and ``SeedVR2ExtraArgs``: each becomes our DiT loader, VAE loader and
-upscaler (:data:`OLD_INPUTS` says where each value goes), the config nodes read and removed.
-
-Which layout a saved node has: the editor of numz's time writes each widget input's name
-(``inputs[].widget.name``), in the widgets' order; numz changed its order between releases, so
-those names decide where a file has them. Without them, the values' types tell: values that fit
-our widgets are ours, else they are read in numz v2.5.24's order. An API prompt is numz's when it
+A saved node's layout: the widget names the editor of numz's time saved
+(``inputs[].widget.name``; numz changed its order between releases), else values that fit our
+widgets are ours, else they are read in numz v2.5.24's order. An API prompt is numz's when it
 lacks every input our node has had since its first release and numz's never had.
 
-Used by the headless UI -> API conversion (:mod:`.convert`), ``seedvr2 run-workflow`` and, inside
-ComfyUI, the pack's ``/prompt`` hook and the editor extension (``web/seedvr2.js``, which sends a
-workflow with our node types here before the editor builds its graph). Works on ``/object_info``
-entries, so the same code serves our built-in table and a ComfyUI server's.
+Used by :mod:`.convert`, ``seedvr2 run-workflow`` and, inside ComfyUI, the pack's ``/prompt``
+hook and the editor extension (``web/seedvr2.js``). Works on ``/object_info`` entries, so the
+same code serves our built-in table and a ComfyUI server's.
 """
 
 from __future__ import annotations
@@ -32,10 +24,9 @@ import copy
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from .nodes import COMPILE_TYPE, CONTROL_MODE_KEY
+from .nodes import COMPILE_TYPE, CONTROL_MODE_KEY, WIDGET_TYPES
 
 CONTROL_VALUES = ("fixed", "increment", "decrement", "randomize")
-WIDGET_TYPES = ("INT", "FLOAT", "BOOLEAN", "STRING", "COMBO")
 NUMZ_COMPILE_TYPE = "TORCH_COMPILE_ARGS"  # numz's type for the compile settings link
 
 
@@ -113,9 +104,12 @@ def _inputs(info: dict) -> list[tuple[str, list]]:
     return found
 
 
-def _widgets(info: dict) -> list[_Widget]:
+def widget_inputs(info: dict) -> list[_Widget]:
+    """A node's widget inputs, in the editor's order."""
     found = []
     for name, spec in _inputs(info):
+        if not spec:
+            continue
         kind, extra = spec[0], (spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {})
         choices = kind if isinstance(kind, list) else None
         kind = "COMBO" if choices is not None else kind
@@ -237,15 +231,29 @@ def _static_choices(widget: _Widget) -> bool:
 # Editor workflows
 
 
+def _link_id(link):
+    """A saved link's ID: links are ``{"id": ...}`` objects or ``[id, origin, ...]`` lists."""
+    if isinstance(link, dict):
+        return link.get("id")
+    return link[0] if isinstance(link, list) and link else None
+
+
 def _set_link(links: list, link_id, **changes) -> None:
     positions = {"origin_id": 1, "origin_slot": 2, "target_id": 3, "target_slot": 4, "type": 5}
-    for link in links:
-        if isinstance(link, dict) and link.get("id") == link_id:
+    for link in (l for l in links if _link_id(l) == link_id):
+        if isinstance(link, dict):
             link.update(changes)
-        elif isinstance(link, list) and link and link[0] == link_id:
+        else:
             for key, value in changes.items():
                 if positions[key] < len(link):
                     link[positions[key]] = value
+
+
+def _saved_widget_names(node: dict) -> list:
+    """The widget input names the editor of numz's time saved with a node, in widget order."""
+    return [inp["widget"]["name"] for inp in node.get("inputs") or []
+            if isinstance(inp, dict) and isinstance(inp.get("widget"), dict)
+            and inp["widget"].get("name")]
 
 
 def _translate_node(node: dict, info: dict, links: list, notes: list) -> None:
@@ -255,11 +263,9 @@ def _translate_node(node: dict, info: dict, links: list, notes: list) -> None:
     values = node.get("widgets_values")
     if not isinstance(values, list):
         return
-    widgets = _widgets(info)
+    widgets = widget_inputs(info)
     by_name = {w.name: w for w in widgets}
-    saved = [inp["widget"]["name"] for inp in node.get("inputs") or []
-             if isinstance(inp, dict) and isinstance(inp.get("widget"), dict)
-             and inp["widget"].get("name")]
+    saved = _saved_widget_names(node)
     ours_in_order = [w.name for w in widgets]
     if saved:
         if saved == ours_in_order[:len(saved)] and _our_layout(values, widgets):
@@ -335,9 +341,7 @@ def _editor_values(ours: dict, control: dict, widgets: list[_Widget]) -> list:
 
 
 def _drop_link(links: list, link_id) -> None:
-    links[:] = [l for l in links
-                if not (isinstance(l, dict) and l.get("id") == link_id
-                        or isinstance(l, list) and l and l[0] == link_id)]
+    links[:] = [l for l in links if _link_id(l) != link_id]
 
 
 def _translate_graph(graph: dict, object_info: dict, notes: list) -> None:
@@ -350,7 +354,7 @@ def _translate_graph(graph: dict, object_info: dict, notes: list) -> None:
             continue
         _translate_node(node, object_info[node["type"]], links, notes)
     # A link removed above leaves no end behind on the node it came from.
-    kept = {l.get("id") if isinstance(l, dict) else l[0] for l in links if l}
+    kept = {_link_id(l) for l in links if l}
     for node in graph.get("nodes") or []:
         for output in (node.get("outputs") or []) if isinstance(node, dict) else []:
             if isinstance(output, dict) and output.get("links"):
@@ -360,8 +364,7 @@ def _translate_graph(graph: dict, object_info: dict, notes: list) -> None:
     for link in links:
         kind = link.get("type") if isinstance(link, dict) else (link[5] if len(link) > 5 else None)
         if kind == NUMZ_COMPILE_TYPE:
-            _set_link(links, link["id"] if isinstance(link, dict) else link[0],
-                      type=COMPILE_TYPE)
+            _set_link(links, _link_id(link), type=COMPILE_TYPE)
 
 
 def translate_workflow(workflow: dict, object_info: dict) -> tuple[dict, list[str]]:
@@ -415,7 +418,7 @@ def translate_prompt(prompt: dict, object_info: dict) -> tuple[dict, list[str]]:
         if not isinstance(inputs, dict) or not is_ours(kind, info):
             continue
         table = NUMZ_NODES[kind]
-        widgets = {w.name: w for w in _widgets(info)}
+        widgets = {w.name: w for w in widget_inputs(info)}
         if not _numz_prompt_node(table, inputs, widgets):
             continue
         label = f"node {node_id} ({kind})"
@@ -440,10 +443,8 @@ def has_numz_nodes(prompt) -> bool:
             return True
         table = NUMZ_NODES.get(node.get("class_type")) if isinstance(node, dict) else None
         inputs = node.get("inputs") if table is not None else None
-        if isinstance(inputs, dict) and (
-                any(n in inputs for n in (*table.renamed, *table.dropped))
-                or table.ours_only and not any(n in inputs for n in table.ours_only)
-                or isinstance(inputs.get("dynamic"), bool)):
+        if isinstance(inputs, dict) and (_numz_prompt_node(table, inputs, {})
+                                         or isinstance(inputs.get("dynamic"), bool)):
             return True
     return False
 
@@ -556,7 +557,7 @@ def _old_settings(label: str, named: dict, infos: dict, notes: list) -> dict[str
             spread[role][target] = OLD_VALUES.get(name, {}).get(value, value)
     ours = {}
     for role, values in spread.items():
-        widgets = {w.name: w for w in _widgets(infos[OLD_TARGETS[role]])}
+        widgets = {w.name: w for w in widget_inputs(infos[OLD_TARGETS[role]])}
         ours[role] = _to_ours(label, NumzNode(()), values, widgets, notes)
     return ours
 
@@ -567,9 +568,7 @@ def _old_layout(node: dict) -> Optional[tuple[dict, dict]]:
     values = node.get("widgets_values")
     if not isinstance(values, list):
         return None
-    saved = tuple(inp["widget"]["name"] for inp in node.get("inputs") or []
-                  if isinstance(inp, dict) and isinstance(inp.get("widget"), dict)
-                  and inp["widget"].get("name"))
+    saved = _saved_widget_names(node)
     for layout in ((saved,) if saved else OLD_LAYOUTS[node["type"]]):
         read = _read(values, list(layout), {"seed"})
         if read is not None:
@@ -579,7 +578,7 @@ def _old_layout(node: dict) -> Optional[tuple[dict, dict]]:
 
 def _with_defaults(ours: dict, info: dict) -> dict:
     """An API node's inputs: ``ours``, and our default for every other widget input."""
-    defaults = {w.name: w.default for w in _widgets(info) if w.default is not None}
+    defaults = {w.name: w.default for w in widget_inputs(info) if w.default is not None}
     return {**defaults, **ours}
 
 
@@ -665,14 +664,14 @@ def _expand_old_graph(graph: dict, object_info: dict, notes: list) -> None:
                           "outputs": [{"name": info["output"][0], "type": info["output"][0],
                                        "links": [next_link]}],
                           "properties": {"Node name for S&R": OLD_TARGETS[role]},
-                          "widgets_values": _editor_values(ours[role], {}, _widgets(info))})
+                          "widgets_values": _editor_values(ours[role], {}, widget_inputs(info))})
             links.append([next_link, next_node, 0, node["id"], 0, info["output"][0]])
             sockets[role] = next_link
             next_node, next_link = next_node + 1, next_link + 1
         info = object_info[OLD_TARGETS["upscaler"]]
         node["type"] = OLD_TARGETS["upscaler"]
         node["inputs"] = _editor_sockets(info, sockets, links)
-        node["widgets_values"] = _editor_values(ours["upscaler"], control, _widgets(info))
+        node["widgets_values"] = _editor_values(ours["upscaler"], control, widget_inputs(info))
         node.setdefault("properties", {})["Node name for S&R"] = OLD_TARGETS["upscaler"]
     graph["nodes"] = [n for n in nodes if not (isinstance(n, dict) and n.get("id") in consumed)]
     graph["last_node_id"], graph["last_link_id"] = next_node - 1, next_link - 1
@@ -681,7 +680,7 @@ def _expand_old_graph(graph: dict, object_info: dict, notes: list) -> None:
 def _editor_sockets(info: dict, sockets: dict, links: list) -> list:
     """A node's input slots (its inputs that are no widget), with the links of ``sockets``
     (input name -> link ID) moved to their slot."""
-    widgets = {w.name for w in _widgets(info)}
+    widgets = {w.name for w in widget_inputs(info)}
     slots = []
     for name, spec in _inputs(info):
         if name in widgets:

@@ -1,25 +1,17 @@
 """Run a prompt on a running ComfyUI server: upload its input files, POST /prompt, follow it,
-fetch the outputs.
+fetch the outputs (``seedvr2 run-workflow --server``; docs/comfyui.md says what users see).
 
-HTTP goes through urllib. Progress is followed on ComfyUI's websocket (``/ws?clientId=...``,
-opened before the prompt is queued so no event is missed) with the ``websocket-client``
-package, the client ComfyUI's own API examples use (an optional dependency of this mode):
-which node runs, its progress, cached nodes, the end. When the websocket cannot be opened (a
-proxy that does not pass it) or drops, ``/history/<prompt id>`` is polled instead; the
-finished prompt's history entry is the result either way.
+Progress is followed on ComfyUI's websocket with ``websocket-client`` (an optional dependency),
+opened before the prompt is queued so no event is missed; when it cannot be opened or drops,
+``/history/<prompt id>`` is polled instead. The finished prompt's history entry is the result
+either way.
 
-Input files: a workflow names files in the server's input folder (LoadImage's ``image``,
-LoadVideo's ``file``: the inputs with an upload button; our Upscale Video File's
-``video_path``). A name the server does not list but that is a file inside ``input_dir`` is
-uploaded (POST /upload/image, as the editor's upload button does) and the input set to the
-name the server gave it (an absolute name too, when it lies inside ``input_dir``). A name the
-server already has is used as it is. Any other name that leads outside ``input_dir``
-(absolute, ``~``, ``..``, a link out) is refused before anything is sent:
-a workflow from someone else must not be able to send the user's files away.
-
-Outputs: the server's history names each saved file by subfolder and name; a file is
-downloaded only when that path stays inside the output folder, else the whole download is
-refused, naming the offending entries (the server is not trusted with the user's disk).
+Input files the server does not list are uploaded from ``input_dir`` (POST /upload/image, as
+the editor's upload button does) and the input set to the name the server gave the file.
+Neither the workflow nor the server is trusted with the user's disk: an input name that leads
+outside ``input_dir`` (absolute, ``~``, ``..``, a link out) refuses the run before anything is
+sent (a workflow from someone else must not send the user's files away), and output paths the
+server lists outside the output folder refuse the whole download.
 """
 
 from __future__ import annotations
@@ -132,12 +124,15 @@ class ComfyServer:
                 log.info(f"websocket: {e}; following the run by polling /history")
             else:
                 return check_history(entry)
+        return check_history(self._poll(prompt_id, deadline, timeout, poll))
+
+    def _poll(self, prompt_id: str, deadline, timeout, interval: float) -> dict:
         while True:
             entry = self._history(prompt_id)
             if entry is not None:  # ComfyUI records a prompt in its history once it has ended
-                return check_history(entry)
+                return entry
             self._check_deadline(deadline, prompt_id, timeout)
-            time.sleep(poll)
+            time.sleep(interval)
 
     @staticmethod
     def _check_deadline(deadline, prompt_id, timeout):
@@ -171,12 +166,7 @@ class ComfyServer:
                 break  # ComfyUI sends this once the prompt is done and in the history
             if on_event is not None:
                 on_event(kind, body)
-        while True:
-            entry = self._history(prompt_id)
-            if entry is not None:
-                return entry
-            self._check_deadline(deadline, prompt_id, timeout)
-            time.sleep(0.1)
+        return self._poll(prompt_id, deadline, timeout, 0.1)
 
     def interrupt(self, prompt_id: Optional[str] = None) -> None:
         """Interrupt the running prompt (only if it is ``prompt_id``, when given)."""
