@@ -119,17 +119,26 @@ class ComfyHost:
 
     def before_load(self, model_files=(), device: str = "auto") -> None:
         """Give our models room on our device: ComfyUI unloads its models (never our cached
-        ones) only until the model files we are about to load fit, not all of them.
-        Activations are not counted here: the memory budget checks them after loading and
-        names settings that fit."""
+        ones) only until the model files we are about to load fit, not all of them. The
+        job asks for its activations once it knows them (:meth:`make_room`)."""
         import comfy.model_management as mm
 
         from .src.seedvr2.memory.cache import MODEL_CACHE
-        from .src.seedvr2.workflow.comfy_memory import room_needed, unload_comfy_models
+        from .src.seedvr2.workflow.comfy_memory import room_needed
 
         target = mm.get_torch_device() if device in ("auto", None) else device
-        unload_comfy_models(mm, MODEL_CACHE, room_needed(model_files, MODEL_CACHE, str(target)),
-                            target)
+        self.make_room(target, room_needed(model_files, MODEL_CACHE, str(target)))
+
+    def make_room(self, device, need: int) -> None:
+        """``need`` bytes free on ``device`` before the job's memory budget measures it
+        (models and activations): under dynamic VRAM ComfyUI's idle models stay resident
+        until memory is demanded, and ``free_memory`` is how it is demanded."""
+        import comfy.model_management as mm
+
+        from .src.seedvr2.memory.cache import MODEL_CACHE
+        from .src.seedvr2.workflow.comfy_memory import unload_comfy_models
+
+        unload_comfy_models(mm, MODEL_CACHE, need, device)
 
     def after_run(self) -> None:
         """Show the models we keep (cache_model) to ComfyUI's memory management, so it can

@@ -186,6 +186,24 @@ def test_upscaler_node_keeps_rgba_and_reports_progress(tiny_model_dir, tmp_path)
     assert seen[-1] == (6, 6)  # encode + DiT + decode of two batches
 
 
+def test_the_upscaler_node_asks_its_host_for_the_job_s_room(tiny_model_dir, tmp_path):
+    """ComfyUI's idle models stay resident under dynamic VRAM until memory is demanded: the
+    node hands its host's ``make_room`` to the job, which asks for its estimate (activations
+    included) on its device before measuring free memory."""
+    host = HeadlessHost(model_dir=tiny_model_dir, output_dir=tmp_path, quiet=True)
+    asked = []
+    host.make_room = lambda device, need: asked.append((device, need))
+    nodes = _by_id()
+    dit = nodes["SeedVR2LoadDiTModel"].run(host, model="dit3b_tiny.safetensors",
+                                           **{**_defaults("dit"), "dtype": "fp32"}).outputs[0]
+    vae = nodes["SeedVR2LoadVAEModel"].run(host, model="vae_tiny.safetensors",
+                                           **{**_defaults("vae"), "dtype": "fp32"}).outputs[0]
+    inputs = {i.name: i.default for i in nodes["SeedVR2VideoUpscaler"].inputs if i.is_widget}
+    nodes["SeedVR2VideoUpscaler"].run(host, image=torch.rand(1, 16, 16, 3), dit=dit, vae=vae,
+                                      **{**inputs, "resolution": 16, "batch_size": 1})
+    assert [device for device, _ in asked] == ["cpu"] and asked[0][1] > 0
+
+
 def _defaults(kind):
     return {s.input: s.node_input().default for s in defs.LOADER_SETTINGS[kind]
             if not s.node_input().optional}

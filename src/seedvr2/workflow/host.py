@@ -133,6 +133,9 @@ class HeadlessHost:
     def before_load(self, model_files=(), device: str = "auto") -> None:
         pass  # nothing else holds models in this process
 
+    def make_room(self, device: str, need: int) -> None:
+        pass
+
     def after_run(self) -> None:
         import gc
 

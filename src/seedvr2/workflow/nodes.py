@@ -119,6 +119,7 @@ class Host(Protocol):
     def interrupted(self) -> bool: ...
     def raise_interrupted(self) -> None: ...  # raises the host's own interruption, if flagged
     def before_load(self, model_files=(), device: str = "auto") -> None: ...  # room for these files
+    def make_room(self, device: str, need: int) -> None: ...  # room for the job's estimate
     def after_run(self) -> None: ...  # give memory back
     def warn(self, message: str) -> None: ...
     # VIDEO values, in the host's own form (ComfyUI's VideoInput; headless core_nodes.Video):
@@ -559,7 +560,7 @@ def _run_facade(host: Host, dit: ModelHandle, vae: ModelHandle, inputs: dict, ca
         with torch.inference_mode(False):
             return call(dit.path, vae.path, model_dir=model_dir,
                         progress=_progress_callback(host), should_stop=_stop_check(host),
-                        **job.options)
+                        make_room=host.make_room, **job.options)
     except Interrupted:
         host.raise_interrupted()
         raise
