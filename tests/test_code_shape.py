@@ -43,7 +43,7 @@ def test_the_measure_sees_a_long_wide_function(tmp_path):
 
 
 TEST_SWITCH = re.compile(r"SEEDVR2_(KILL_AT|KILL_IN_ASSEMBLY|SEGMENT_FRAMES|CHECKPOINT_SECONDS|"
-                         r"FAULT|FAULT_MARK|SLOW)\b")
+                         r"FAULT|FAULT_MARK|SLOW|TEST_[A-Z_]+)\b")
 
 
 def test_test_faults_are_read_in_one_module_and_nothing_is_patched_in():

@@ -17,10 +17,16 @@ default everywhere below the facade, injects nothing: production sets none of th
   (``freeze_after_batches``) once it has delivered N batches; with ``SEEDVR2_FAULT_MARK=FILE``
   only once (the file records the fault's wall time).
 * ``SEEDVR2_SLOW=RANK:SECONDS``: that rank sleeps this long per batch.
+* ``SEEDVR2_TEST_HOLD_UNTIL_INTERRUPT=PATH``: while a file exists there, the next node run
+  removes it, writes ``PATH.waiting`` and waits until it is interrupted, so a ComfyUI test
+  interrupts a run at a known point instead of racing it.
+* ``SEEDVR2_TEST_CACHE_STATE=PATH``: the kinds of model in our cache and in ComfyUI's list are
+  written to that JSON file whenever they change.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -38,6 +44,8 @@ class Faults:
     rank_fault: str = ""
     fault_mark: str = ""
     slow: str = ""
+    hold_until_interrupt: str = ""
+    cache_state: str = ""
 
     @classmethod
     def from_environment(cls) -> "Faults":
@@ -46,7 +54,28 @@ class Faults:
         return cls(env("SEEDVR2_KILL_AT", ""), int(env("SEEDVR2_KILL_IN_ASSEMBLY") or 0),
                    int(frames) if frames else None, float(seconds) if seconds else None,
                    env("SEEDVR2_FAULT", ""), env("SEEDVR2_FAULT_MARK", ""),
-                   env("SEEDVR2_SLOW", ""))
+                   env("SEEDVR2_SLOW", ""), env("SEEDVR2_TEST_HOLD_UNTIL_INTERRUPT", ""),
+                   env("SEEDVR2_TEST_CACHE_STATE", ""))
+
+    def hold_until_interrupted(self, interrupted: Callable[[], bool]):
+        """If the hold file exists, consume it, say so in ``<file>.waiting`` and wait (at most
+        5 minutes) until ``interrupted()``."""
+        request = Path(self.hold_until_interrupt)
+        try:
+            request.unlink()
+        except FileNotFoundError:
+            return
+        request.with_name(request.name + ".waiting").write_text("waiting for an interrupt\n")
+        deadline = time.monotonic() + 300
+        while not interrupted() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def record_cache_state(self, state: dict):
+        """``state`` to the cache-state file (renamed into place: never half written)."""
+        if self.cache_state:
+            tmp = Path(self.cache_state + ".tmp")
+            tmp.write_text(json.dumps(state))
+            tmp.replace(self.cache_state)
 
     def kill_point(self, point: str, count: int):
         """SIGKILL this process at the ``count``-th ``point`` when the tests ask for it."""

@@ -6,10 +6,12 @@ from __future__ import annotations
 import contextlib
 import datetime
 import importlib
+import io
 import json
 import logging
 import multiprocessing.connection
 import os
+import pickle
 import shutil
 import stat
 import sys
@@ -120,8 +122,6 @@ def _threads_per_rank(device_list: list[str]) -> int:
 def _failure(workers, rank: int) -> RuntimeError:
     """The launcher's error: which rank failed and, for a raised exception, its last line
     (the worker's full traceback is on stderr)."""
-    import pickle
-
     process = workers.processes[rank]
     try:
         with open(workers.error_files[rank], "rb") as f:
@@ -157,6 +157,36 @@ class _WorkerFunction:
 
     def __reduce__(self):
         return getattr, (_Imported(LIBRARY_MODULE), self.name)
+
+
+class _LibraryPickler(pickle.Pickler):
+    """Pickles this library's classes under its own name: inside ComfyUI they live in modules
+    named after the pack's folder path (``/…/custom_nodes/X.src.seedvr2.pipeline.setup``),
+    which a spawned child cannot import."""
+
+    prefix = __name__[:-len(LIBRARY_MODULE)]  # "/…/X.src." inside ComfyUI, else ""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, type) and obj.__module__.startswith(self.prefix + "seedvr2"):
+            return getattr, (_Imported(obj.__module__[len(self.prefix):]), obj.__qualname__)
+        return NotImplemented
+
+
+class _Portable:
+    """``value`` (a job, an output: our dataclasses) sent to a spawned worker, unpickled
+    there under the library's own module names (:class:`_LibraryPickler`)."""
+
+    def __init__(self, value):
+        buffer = io.BytesIO()
+        _LibraryPickler(buffer).dump(value)
+        self.data = buffer.getvalue()
+
+    def __reduce__(self):
+        return pickle.loads, (self.data,)
+
+
+def _portable(value):
+    return value if __name__ == LIBRARY_MODULE else _Portable(value)
 
 
 @contextlib.contextmanager
@@ -259,7 +289,8 @@ def spawn_file_job(device_list: list[str], job, src, output, stats=None) -> Path
     job went on without."""
     timeout_s = job.opts.dist_timeout
     with _launched(_file_worker, device_list, timeout_s,
-                   (log.getEffectiveLevel(), job, (src, output))) as (workers, started):
+                   (log.getEffectiveLevel(), _portable(job), _portable((src, output)))) \
+            as (workers, started):
         try:
             lost = _join(workers, timeout_s, started)
         finally:
@@ -389,7 +420,7 @@ def spawn_tensor_job(device_list: list[str], job, frames: torch.Tensor, out_shap
             stop.set()
     timeout_s = job.opts.dist_timeout
     with _launched(_tensor_worker, device_list, timeout_s,
-                   (job, (frames, out), (events, stop))) as (workers, started):
+                   (_portable(job), (frames, out), (events, stop))) as (workers, started):
         try:
             _join(workers, timeout_s, started, tick)
         except RuntimeError:

@@ -45,22 +45,19 @@ written: our entries inserted first, as ``load_models_gpu`` inserts a model it l
 ``.currently_used`` = False on ours, as ``free_memory`` does, so nodes that reload "the models
 in use" leave ours alone).
 
-Test hook, never set by users: with ``SEEDVR2_TEST_CACHE_STATE=<path>``, the kinds of model in
-the cache and in ComfyUI's list are written to that JSON file whenever they change here.
+The tests follow the cache and ComfyUI's list through a file (:mod:`seedvr2.faults`).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import os
 import sys
 from pathlib import Path
-from typing import Optional
+
+from ..faults import Faults
 
 log = logging.getLogger("seedvr2")
-CACHE_STATE_ENV = "SEEDVR2_TEST_CACHE_STATE"
 # What our patcher class overrides, each a method ComfyUI's LoadedModel calls on a patcher.
 OVERRIDDEN = ("partially_load", "partially_unload", "model_size", "loaded_size", "detach")
 
@@ -208,12 +205,10 @@ def unload_comfy_models(mm, cache, required_bytes: int, device=None) -> None:
 
 
 def _write_state(cache) -> None:
-    target: Optional[str] = os.environ.get(CACHE_STATE_ENV)
-    if not target:
+    faults = Faults.from_environment()
+    if not faults.cache_state:
         return
     mm = sys.modules.get("comfy.model_management")
     registered = [e.model.key.kind for e in our_entries(mm, cache)]
-    state = {"cached": sorted(k.kind for k in cache.keys()), "registered": sorted(registered)}
-    tmp = Path(target + ".tmp")
-    tmp.write_text(json.dumps(state))
-    tmp.replace(target)
+    faults.record_cache_state({"cached": sorted(k.kind for k in cache.keys()),
+                               "registered": sorted(registered)})

@@ -19,13 +19,12 @@ model registry load when a node runs or its dropdowns are listed.
 from __future__ import annotations
 
 import logging
-import os
-import time
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol, Union
 
+from ..faults import Faults
 from ..options import OPTIONS, Option
 
 log = logging.getLogger("seedvr2")
@@ -35,10 +34,6 @@ DIT_TYPE, VAE_TYPE, COMPILE_TYPE = "SEEDVR2_DIT", "SEEDVR2_VAE", "SEEDVR2_TORCH_
 WIDGET_TYPES = ("INT", "FLOAT", "BOOLEAN", "STRING", "COMBO")
 MODEL_SUFFIXES = (".safetensors", ".gguf", ".pth", ".pt")
 ATTENTION_BACKENDS = OPTIONS["attention_backend"].choices
-# A test hook, never set by users: a path; while a file exists there, the next upscaling run
-# removes it, writes "<path>.waiting" and waits until it is interrupted, so a test interrupts a
-# run at a known point instead of racing it.
-HOLD_UNTIL_INTERRUPT_ENV = "SEEDVR2_TEST_HOLD_UNTIL_INTERRUPT"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -515,28 +510,15 @@ def _progress_callback(host: Host) -> Callable[[str, int, int], None]:
 
 
 def _stop_check(host: Host) -> Callable[[], bool]:
-    hold = os.environ.get(HOLD_UNTIL_INTERRUPT_ENV)
+    faults = Faults.from_environment()  # the tests' hold (seedvr2.faults); none in production
     checked = [False]
 
     def should_stop() -> bool:
-        if hold and not checked[0]:
+        if faults.hold_until_interrupt and not checked[0]:
             checked[0] = True
-            _hold_until_interrupted(host, Path(hold))
+            faults.hold_until_interrupted(host.interrupted)
         return host.interrupted()
     return should_stop
-
-
-def _hold_until_interrupted(host: Host, request: Path):
-    """Test hook: if ``request`` exists, consume it, say so in ``<request>.waiting`` and wait
-    (at most 5 minutes) until the host is interrupted."""
-    try:
-        request.unlink()
-    except FileNotFoundError:
-        return
-    request.with_name(request.name + ".waiting").write_text("waiting for an interrupt\n")
-    deadline = time.monotonic() + 300
-    while not host.interrupted() and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def _run_facade(host: Host, dit: ModelHandle, vae: ModelHandle, inputs: dict, call: Callable):
