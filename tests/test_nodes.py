@@ -168,15 +168,21 @@ def test_compile_settings_become_compile_options(tmp_path):
                                       "Model) is not supported yet; ignored")
 
 
+def _tiny_loaders(nodes, host):
+    """The DiT and VAE loader nodes' outputs for the tiny models in fp32."""
+    dit = nodes["SeedVR2LoadDiTModel"].run(host, model="dit3b_tiny.safetensors",
+                                           **{**_defaults("dit"), "dtype": "fp32"}).outputs[0]
+    vae = nodes["SeedVR2LoadVAEModel"].run(host, model="vae_tiny.safetensors",
+                                           **{**_defaults("vae"), "dtype": "fp32"}).outputs[0]
+    return dit, vae
+
+
 def test_upscaler_node_keeps_rgba_and_reports_progress(tiny_model_dir, tmp_path):
     host = HeadlessHost(model_dir=tiny_model_dir, output_dir=tmp_path, quiet=True)
     seen = []
     host.progress = lambda value, total: seen.append((value, total))
     nodes = _by_id()
-    dit = nodes["SeedVR2LoadDiTModel"].run(host, model="dit3b_tiny.safetensors",
-                                           **{**_defaults("dit"), "dtype": "fp32"}).outputs[0]
-    vae = nodes["SeedVR2LoadVAEModel"].run(host, model="vae_tiny.safetensors",
-                                           **{**_defaults("vae"), "dtype": "fp32"}).outputs[0]
+    dit, vae = _tiny_loaders(nodes, host)
     assert dit.path == str(tiny_model_dir / "dit3b_tiny.safetensors")
     image = torch.rand(2, 24, 32, 4)
     inputs = {i.name: i.default for i in nodes["SeedVR2VideoUpscaler"].inputs if i.is_widget}
@@ -194,10 +200,7 @@ def test_the_upscaler_node_asks_its_host_for_the_job_s_room(tiny_model_dir, tmp_
     asked = []
     host.make_room = lambda device, need: asked.append((device, need))
     nodes = _by_id()
-    dit = nodes["SeedVR2LoadDiTModel"].run(host, model="dit3b_tiny.safetensors",
-                                           **{**_defaults("dit"), "dtype": "fp32"}).outputs[0]
-    vae = nodes["SeedVR2LoadVAEModel"].run(host, model="vae_tiny.safetensors",
-                                           **{**_defaults("vae"), "dtype": "fp32"}).outputs[0]
+    dit, vae = _tiny_loaders(nodes, host)
     inputs = {i.name: i.default for i in nodes["SeedVR2VideoUpscaler"].inputs if i.is_widget}
     nodes["SeedVR2VideoUpscaler"].run(host, image=torch.rand(1, 16, 16, 3), dit=dit, vae=vae,
                                       **{**inputs, "resolution": 16, "batch_size": 1})
