@@ -248,3 +248,40 @@ def quantization_bound(weight_errors) -> float:
     half of one layer's (the residual stream dilutes each layer's share), so the bound is loose
     but derived; a decoding bug (wrong scale, nibble order, block layout) gives O(1)."""
     return sum(e * e for e in weight_errors) ** 0.5
+
+
+def import_pack_beside(tmp_path: Path, registered: str, other_dirs: dict = None):
+    """Import the pack as ComfyUI's classic path does (no comfy_api), from
+    ``custom_nodes/ComfyUI-SeedVR2``, after ComfyUI has registered nodes: ``registered`` is
+    Python run first, setting ``nodes.NODE_CLASS_MAPPINGS`` on the stand-in ``nodes`` module;
+    ``other_dirs`` are other packs' folders (``LOADED_MODULE_DIRS``). Returns the pack folder
+    and the finished process (its stderr holds the warnings the import logged)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    ours = tmp_path / "custom_nodes" / "ComfyUI-SeedVR2"
+    ours.parent.mkdir()
+    ours.symlink_to(REPO, target_is_directory=True)
+    dirs = {**{name: str(path) for name, path in (other_dirs or {}).items()},
+            "ComfyUI-SeedVR2": str(ours)}
+    code = textwrap.dedent(f"""
+        import importlib.util, logging, sys, types
+        logging.basicConfig(level=logging.WARNING, format="%(message)s")
+        folder_paths = types.ModuleType("folder_paths")
+        folder_paths.models_dir = {str(tmp_path / "models")!r}
+        folder_paths.add_model_folder_path = lambda *args, **kwargs: None
+        sys.modules["folder_paths"] = folder_paths
+        nodes = types.ModuleType("nodes")
+    """) + textwrap.dedent(registered) + textwrap.dedent(f"""
+        nodes.LOADED_MODULE_DIRS = {dirs!r}
+        sys.modules["nodes"] = nodes
+        path = {str(ours)!r}
+        spec = importlib.util.spec_from_file_location(path.replace(".", "_x_"),
+                                                      path + "/__init__.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    """)
+    return ours, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                cwd="/")

@@ -321,39 +321,16 @@ def test_a_core_node_with_one_of_our_ids_is_reported_as_core_keeping_its_own(tmp
     """ComfyUI loads custom nodes with ignore=base_node_names: a core node (comfy_extras) with
     one of our IDs stays and ours is dropped. The log says so, not that ours replace it; another
     pack's clash is still reported as before. (Classic path: no comfy_api here.)"""
-    import subprocess
-    import sys
-    import textwrap
+    from conftest import import_pack_beside
 
-    from conftest import REPO
-
-    ours = tmp_path / "custom_nodes" / "ComfyUI-SeedVR2"
-    ours.parent.mkdir()
-    ours.symlink_to(REPO, target_is_directory=True)
-    code = textwrap.dedent(f"""
-        import importlib.util, logging, sys, types
-        logging.basicConfig(level=logging.WARNING, format="%(message)s")
-        folder_paths = types.ModuleType("folder_paths")
-        folder_paths.models_dir = {str(tmp_path / "models")!r}
-        folder_paths.add_model_folder_path = lambda *args, **kwargs: None
-        sys.modules["folder_paths"] = folder_paths
-        nodes = types.ModuleType("nodes")  # ComfyUI's, its core loaded
-        extras = type("SeedVR2UpscaleVideo", (), {{
-            "RELATIVE_PYTHON_MODULE": "comfy_extras.nodes_seedvr"}})
-        builtin = type("SeedVR2LoadVAEModel", (), {{}})  # nodes.py's own: no module set
-        nodes.NODE_CLASS_MAPPINGS = {{"SeedVR2UpscaleVideo": extras,
-                                      "SeedVR2LoadVAEModel": builtin, "LoadImage": builtin}}
-        nodes.LOADED_MODULE_DIRS = {{"ComfyUI-SeedVR2": {str(ours)!r}}}
-        sys.modules["nodes"] = nodes
-        path = {str(ours)!r}
-        spec = importlib.util.spec_from_file_location(path.replace(".", "_x_"),
-                                                      path + "/__init__.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
+    ours, result = import_pack_beside(tmp_path, """
+        # ComfyUI's core, loaded: a comfy_extras node and one of nodes.py's own (no module set)
+        extras = type("SeedVR2UpscaleVideo", (), {
+            "RELATIVE_PYTHON_MODULE": "comfy_extras.nodes_seedvr"})
+        builtin = type("SeedVR2LoadVAEModel", (), {})
+        nodes.NODE_CLASS_MAPPINGS = {"SeedVR2UpscaleVideo": extras,
+                                     "SeedVR2LoadVAEModel": builtin, "LoadImage": builtin}
     """)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            cwd="/")
     assert result.returncode == 0, result.stderr
     assert result.stderr.splitlines() == [
         "SeedVR2: ComfyUI's core registers the node IDs SeedVR2LoadVAEModel, SeedVR2UpscaleVideo "

@@ -108,17 +108,22 @@ def _numz_node(node_id, node_type, values, links_in, links_out, *, names=True, o
             "widgets_values": widgets_values}
 
 
+def _load_image_node(image: str) -> dict:
+    """The editor's LoadImage node 1, its IMAGE on link 1."""
+    return {"id": 1, "type": "LoadImage", "pos": [0, 100], "size": [300, 300], "flags": {},
+            "order": 0, "mode": 0, "inputs": [],
+            "outputs": [{"name": "IMAGE", "type": "IMAGE", "links": [1]},
+                        {"name": "MASK", "type": "MASK", "links": []}],
+            "properties": {"Node name for S&R": "LoadImage"}, "widgets_values": [image, "image"]}
+
+
 def numz_ui_workflow(*, names=True, compile_args=False, dit_order=None,
                      image=EXAMPLE_IMAGE) -> dict:
     """LoadImage -> numz's loaders and upscaler -> SaveImage, as numz v2.5.24 saves it."""
     links = [[1, 1, 0, 4, 0, "IMAGE"], [2, 2, 0, 4, 1, "SEEDVR2_DIT"],
              [3, 3, 0, 4, 2, "SEEDVR2_VAE"], [4, 4, 0, 6, 0, "IMAGE"]]
     nodes = [
-        {"id": 1, "type": "LoadImage", "pos": [0, 100], "size": [300, 300], "flags": {},
-         "order": 0, "mode": 0, "inputs": [],
-         "outputs": [{"name": "IMAGE", "type": "IMAGE", "links": [1]},
-                     {"name": "MASK", "type": "MASK", "links": []}],
-         "properties": {"Node name for S&R": "LoadImage"}, "widgets_values": [image, "image"]},
+        _load_image_node(image),
         _numz_node(2, "SeedVR2LoadDiTModel", NUMZ_VALUES["SeedVR2LoadDiTModel"],
                    {"torch_compile_args": 5 if compile_args else None}, [2], names=names,
                    order=dit_order),
@@ -384,39 +389,15 @@ def test_another_pack_with_our_node_ids_is_named_with_both_folders():
 def test_numz_pack_loaded_first_is_named_in_the_log_when_ours_load(tmp_path):
     """ComfyUI (classic path here: no comfy_api) with numz's nodes registered before ours: our
     pack's import logs both folders and what each registers."""
-    import subprocess
-    import sys
-    import textwrap
+    from conftest import import_pack_beside
 
-    from conftest import REPO
-
-    ours = tmp_path / "custom_nodes" / "ComfyUI-SeedVR2"
-    ours.parent.mkdir()
-    ours.symlink_to(REPO, target_is_directory=True)
     numz_dir = tmp_path / "custom_nodes" / "ComfyUI-SeedVR2_VideoUpscaler"
-    code = textwrap.dedent(f"""
-        import importlib.util, logging, sys, types
-        logging.basicConfig(level=logging.WARNING, format="%(message)s")
-        folder_paths = types.ModuleType("folder_paths")
-        folder_paths.models_dir = {str(tmp_path / "models")!r}
-        folder_paths.add_model_folder_path = lambda *args, **kwargs: None
-        sys.modules["folder_paths"] = folder_paths
-        nodes = types.ModuleType("nodes")  # ComfyUI's, after loading the numz pack
-        numz = type("SeedVR2LoadDiTModel", (), {{
-            "RELATIVE_PYTHON_MODULE": "custom_nodes.ComfyUI-SeedVR2_VideoUpscaler"}})
-        nodes.NODE_CLASS_MAPPINGS = {{"SeedVR2LoadDiTModel": numz, "SeedVR2VideoUpscaler": numz}}
-        nodes.LOADED_MODULE_DIRS = {{"ComfyUI-SeedVR2_VideoUpscaler": {str(numz_dir)!r},
-                                     "ComfyUI-SeedVR2": {str(ours)!r}}}
-        sys.modules["nodes"] = nodes
-        path = {str(ours)!r}
-        spec = importlib.util.spec_from_file_location(path.replace(".", "_x_"),
-                                                      path + "/__init__.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    """)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            cwd="/")
+    ours, result = import_pack_beside(tmp_path, """
+        # ComfyUI's, after loading the numz pack
+        numz = type("SeedVR2LoadDiTModel", (), {
+            "RELATIVE_PYTHON_MODULE": "custom_nodes.ComfyUI-SeedVR2_VideoUpscaler"})
+        nodes.NODE_CLASS_MAPPINGS = {"SeedVR2LoadDiTModel": numz, "SeedVR2VideoUpscaler": numz}
+    """, {"ComfyUI-SeedVR2_VideoUpscaler": numz_dir})
     assert result.returncode == 0, result.stderr
     assert result.stderr.splitlines() == [
         f"SeedVR2: two packs register the node IDs SeedVR2LoadDiTModel, SeedVR2VideoUpscaler: "
@@ -477,11 +458,7 @@ def old_ui_workflow(date: str, values=OLD_VALUES, image=EXAMPLE_IMAGE) -> dict:
                 "properties": {"Node name for S&R": kind},
                 "widgets_values": [values[n] for n in names]}
     nodes = [
-        {"id": 1, "type": "LoadImage", "pos": [0, 100], "size": [300, 300], "flags": {},
-         "order": 0, "mode": 0, "inputs": [],
-         "outputs": [{"name": "IMAGE", "type": "IMAGE", "links": [1]},
-                     {"name": "MASK", "type": "MASK", "links": []}],
-         "properties": {"Node name for S&R": "LoadImage"}, "widgets_values": [image, "image"]},
+        _load_image_node(image),
         config(2, "SeedVR2BlockSwap", blockswap, "block_swap_config"),
         {"id": 4, "type": "SeedVR2", "pos": [800, 100], "size": [300, 300], "flags": {},
          "order": 4, "mode": 0, "inputs": sockets,
