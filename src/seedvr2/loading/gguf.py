@@ -1,22 +1,9 @@
 """GGUF weight files: read with the ``gguf`` package, dequantised in torch on the device.
 
-Reading. ``gguf.GGUFReader`` memory-maps the file; every tensor becomes a torch view of the
-map (no copy). F32/F16/BF16 tensors are plain tensors; quantised ones stay packed as their raw
-GGML blocks, ``(n_blocks, type_size)`` bytes, in a :class:`~.quantized.PackedWeight`.
-Conventions shared with ComfyUI-GGUF:
-
-* a ``model.diffusion_model.`` key prefix is stripped;
-* GGUF holds at most 4 dimensions, so a weight of more dimensions (the VAE's 3-D convolutions)
-  or whose rows do not tile into blocks is stored flattened, its real shape in the metadata key
-  ``comfy.gguf.orig_shape.<tensor name>`` (an integer array); GGML blocks run along the flat
-  row-major data, so dequantising the flat data and reshaping gives the weight;
-* the ``seedvr2.config`` metadata key, when present, holds the model config as JSON (like the
-  safetensors ``config`` entry).
-
-Dequantisation. :func:`dequantize_blocks` decodes GGML blocks with vectorised torch integer and
-float ops on whatever device the bytes are on. Each type follows the GGML block layout and the
-order of float operations of ``gguf.quants`` (fp16 scales widened to fp32, products in fp32), so
-on the same bytes the fp32 result is bit-for-bit that of ``gguf.quants.dequantize``.
+Every tensor is a view of the memory-mapped file; quantised ones stay raw GGML blocks in a
+:class:`~.quantized.PackedWeight`, with ComfyUI-GGUF's conventions (``comfy.gguf.orig_shape``
+for flattened weights, a stripped ``model.diffusion_model.`` prefix). :func:`dequantize_blocks`
+follows ``gguf.quants``' float operations, bit-for-bit in fp32. See docs/models.md, "GGUF".
 """
 
 from __future__ import annotations

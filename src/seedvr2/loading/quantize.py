@@ -1,33 +1,9 @@
 """``seedvr2 quantize``: any supported weight file -> GGUF, fp8, int8, mxfp8 or nvfp4 weights.
 
-Targets:
-
-* GGUF ``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q5_0``, ``Q5_1``, ``BF16``, ``F16`` (quantised by the
-  ``gguf`` package, which cannot write the K-quants). The model config goes into the
-  ``seedvr2.config`` key; weights of more than 2 dimensions or whose rows do not tile into
-  blocks are stored flattened with their shape under ``comfy.gguf.orig_shape.<name>``.
-* ``fp8_e4m3fn`` / ``fp8_e5m2`` safetensors: fp8 values with a per-tensor fp32 ``weight_scale``
-  (absmax / largest fp8 value), marked for ComfyUI with a ``comfy_quant`` config tensor.
-* ``int8`` safetensors: int8 codes with a per-output-channel fp32 ``weight_scale`` (absmax of
-  the row / 127): ComfyUI's ``int8_tensorwise`` layout with row scales.
-* ``int8_convrot``: the same of the weight rotated by a regular Hadamard matrix per group of
-  input channels (``"convrot": true, "convrot_groupsize"`` in the marker; 256, else 64 or 16).
-* ``mxfp8``: e4m3 values with a swizzled E8M0 ``weight_scale`` per 32 along a row.
-* ``nvfp4``: e2m1 pairs (uint8) with a swizzled e4m3 ``weight_scale`` per 16 and an fp32
-  ``weight_scale_2`` per tensor.
-
-The last three are the layouts of Comfy-Org's repackaged files (``<layer>.comfy_quant`` JSON
-markers, the scales beside the weight, block scales in cuBLAS' 128x4 tiles), which ComfyUI's
-loader and ours read. Their layers must fit the blocks (int8_convrot: input channels divisible
-by 16; mxfp8: by 32; nvfp4: by 32, output channels by 16); others stay unquantised.
-
-What stays unquantised (in the input's float dtype, fp16 for quantised inputs): tensors of
-fewer than 2 dimensions (norms, biases, modulation vectors), tensors of fewer than
-:data:`SMALL_TENSOR` values, the input/output projections and embeddings of the DiT
-(``vid_in``, ``txt_in``, ``emb_in``, ``vid_out``) and of the VAE (``conv_in``, ``conv_out``,
-``quant_conv``, ``post_quant_conv``), any key under a ``keep`` prefix (e.g. ``blocks.35``),
-and embedded text embeddings. The output is written under a temporary name and renamed when
-complete; tensors are read, converted and written one at a time.
+Targets, their layouts (Comfy-Org's for int8_convrot/mxfp8/nvfp4) and what stays
+unquantised (:data:`SMALL_TENSOR`, the models' input/output layers, ``keep`` prefixes):
+docs/models.md, "Writing". Tensors are converted one at a time into a temporary file that is
+renamed when complete.
 """
 
 from __future__ import annotations
@@ -68,7 +44,7 @@ def _stored_float(dtype: torch.dtype) -> torch.dtype:
 
 
 def should_quantize(key: str, shape: Sequence[int], keep: tuple[str, ...] = ()) -> bool:
-    """Whether ``quantize`` packs this tensor (see the module doc for what stays)."""
+    """Whether ``quantize`` packs this tensor (docs/models.md, "Writing", for what stays)."""
     return (key.endswith(".weight") and len(shape) >= 2 and math.prod(shape) >= SMALL_TENSOR
             and not key.startswith(ALWAYS_KEEP) and not key.startswith(keep))
 

@@ -1,36 +1,10 @@
 """Weights kept in their storage format on the device and dequantised per layer at forward time.
 
-A :class:`PackedWeight` is a weight as a file stores it: the packed tensors (GGUF blocks, fp8
-values, int8 codes, block scales ...), the storage scheme and the weight's logical shape. Its
-:meth:`PackedWeight.dequantize` is pure torch and runs wherever the packed tensors live, so on
-a GPU the packed bytes stay packed in device memory and one layer at a time is expanded.
-
-The models are not touched: :func:`attach_packed_weight` turns an ``nn.Linear`` / ``nn.Conv3d``
-(also ``CausalConv3d``) into a subclass whose ``weight`` is a property that dequantises the
-module's packed buffers in the module's ``compute_dtype``. Everything that reads
-``self.weight`` (``F.linear``, ``F.conv3d``, ``weight.dtype``) keeps working; ``.to(device)``
-moves the packed bytes and ``.to(dtype)`` changes only the compute dtype, never the storage.
-A packed linear's forward asks ``memory.compute_path`` whether it multiplies in the weights'
-own precision instead (``compute_precision``, set per run by :func:`set_compute_precision`;
-``weights``, the dequantise path, until then): see ``loading.lowp``.
-
-Storage schemes (``PackedWeight.scheme``):
-
-* ``gguf``          GGML blocks (``params["qtype"]``), see ``gguf.py``;
-* ``float``         a narrow float (fp8 e4m3fn/e5m2), times an optional per-tensor ``scale``;
-* ``int8_rows``     int8 codes times a per-output-channel (or per-tensor) ``scale``: our int8
-                    format and ComfyUI's ``int8_tensorwise``;
-* ``int8_convrot``  as ``int8_rows`` on a weight rotated by a block-diagonal regular Hadamard
-                    matrix (groups of ``params["group_size"]`` input channels; ComfyUI/comfy-kitchen
-                    "ConvRot"); dequantisation rotates back;
-* ``mxfp8``         fp8 e4m3 values with one power-of-two (E8M0) scale per 32 values along a row;
-* ``nvfp4``         4-bit E2M1 pairs with one fp8 e4m3 scale per 16 values and a per-tensor
-                    fp32 scale. MX/NV block scales are stored in cuBLAS' swizzled tile layout.
-
-Safetensors files declare their layout through ComfyUI's conventions (a ``<layer>.comfy_quant``
-JSON tensor or the ``_quantization_metadata`` entry, sibling ``weight_scale`` /
-``weight_scale_2`` tensors) or through dtypes alone (plain fp8 files; int8 weights with a
-``weight_scale``): :func:`scan_safetensors_layout` reads that from the header.
+A :class:`PackedWeight` holds a weight as a file stores it (packed tensors, scheme, logical
+shape); :func:`attach_packed_weight` gives a linear or convolution a ``weight`` property that
+dequantises it in the module's ``compute_dtype``, so the models are not touched. Storage
+schemes and how files declare them (:func:`scan_safetensors_layout`): docs/models.md,
+"Quantised weights in memory"; multiplying in the weights' own precision: ``loading.lowp``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """One host allocation holding a model's weights, each tensor a view carved from it.
 
-Why not ``tensor.pin_memory()`` per tensor: PyTorch's caching host allocator rounds every
-pinned block up to a power of two (a 7B DiT's 15.2 GiB of weights pinned ~24.8 GiB) and
-keeps freed blocks cached for reuse, so ``torch.cuda.empty_cache()`` never returns them to the
-system. A :class:`HostArena` allocates plain host memory once, sized to the sum of its
-tensors (each rounded up only to :data:`ALIGNMENT` bytes), and pins it in place with
-``cudaHostRegister``; dropping the arena unregisters and frees exactly that memory.
-
-Pinning is injected (:data:`PinHook`): :func:`cuda_pin` on CUDA machines, anything that
-records calls in tests, ``None`` for pageable memory (offload to the CPU of a CPU job). When
-pinning fails (the OS's page-lock limit, too little free RAM), the arena stays pageable and
-its uploads go through a small pinned staging buffer (:class:`PinnedStaging`), so they stay
-asynchronous DMA copies with bounded pinned memory.
+Sized to the weights and pinned in place (``cudaHostRegister``), unlike per-tensor
+``pin_memory()``, whose caching allocator rounds to powers of two and never gives memory back.
+Pinning is injected (:data:`PinHook`); when it fails, uploads go through a small pinned
+staging buffer (:class:`PinnedStaging`). See docs/memory.md, "Weights off the GPU".
 """
 
 from __future__ import annotations
@@ -41,13 +33,9 @@ _CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context (a DiT and VAE
 class CudaRuntime:
     """The CUDA runtime calls pinning makes, each returning a ``cudaError_t`` as an int.
 
-    ``torch.cuda.cudart()`` binds ``cudaHostRegister`` and ``cudaHostUnregister`` but not
-    ``cudaGetLastError``, and a failed runtime call leaves its error as the thread's "last
-    error" until someone reads it: PyTorch reads it after its next kernel launch and raises
-    *that* error there ("CUDA error: out of memory" from an unrelated kernel). So the reading
-    call comes from the libcudart that torch itself loaded (the last error lives in that
-    library's state), found in the process's memory map; ``None`` when it cannot be found (a
-    statically linked runtime), and the failure is then reported as possibly resurfacing.
+    ``cudaGetLastError`` comes from the libcudart torch loaded (found in the process's memory
+    map), so a failed pin's error is reset instead of resurfacing after an unrelated kernel;
+    ``None`` when it cannot be found (docs/memory.md, "Weights off the GPU").
     """
 
     def __init__(self):
@@ -129,16 +117,10 @@ STAGING_SLOTS = 2
 
 
 class PinnedStaging:
-    """Host-to-device copies of pageable memory through a few small pinned buffers.
-
-    A copy from pageable memory is staged by the driver and blocks the host; through pinned
-    buffers each piece is a real asynchronous DMA on the current stream, and the host waits
-    only for the copy that last read a buffer before refilling it (its event), never for the
-    device. Pinned memory stays bounded: ``slots`` buffers of ``chunk_bytes``, allocated at the
-    first upload (through PyTorch's host allocator: a size that is a power of two is not
-    rounded). On BlockSwap's copy stream, which waits for compute, that host wait also waits
-    for the GPU to catch up: the fallback gives up running ahead, not correctness.
-    ``allocate`` and ``new_event`` are injectable for tests.
+    """Host-to-device copies of pageable memory through ``slots`` pinned buffers of
+    ``chunk_bytes``: each piece an asynchronous DMA on the current stream, the host waiting only
+    for the copy that last read a buffer (docs/memory.md, "Weights off the GPU"). ``allocate``
+    and ``new_event`` are injectable for tests.
     """
 
     def __init__(self, chunk_bytes: int = STAGING_CHUNK_BYTES, slots: int = STAGING_SLOTS,

@@ -1,17 +1,10 @@
 """BlockSwap: run a DiT whose weights do not fit on the GPU, at close to full speed.
 
-The first ``blocks_to_swap`` transformer blocks (and, with ``swap_io_components``, the input and
-output layers) live on the offload device in one pinned arena (``memory.arena``). Before a swapped block runs, its
-weights are on the compute device; while it runs, the *next* swapped block is already being
-copied on a side CUDA stream, so copies overlap compute; a copy waits for the compute of the
-unit whose memory it may reuse, so however far the host runs ahead, at most ``prefetch`` + 1
-swapped units are on the GPU. After use the device copy is simply dropped — weights never
-change, so nothing is copied back.
-
-:class:`SwapSchedule` is the pure decision logic (which block to load or release when) and
-keeps an event log; :class:`BlockSwap` carries it out with forward hooks. On a machine without
-CUDA there is nothing to gain and BlockSwap reports itself inactive, but the same code path
-can be forced on the CPU (tests do) to check the schedule and that outputs do not change.
+The first ``blocks_to_swap`` blocks (and, with ``swap_io_components``, the input and output
+layers) live in one pinned host arena; the next swapped block is copied on a side CUDA stream
+while the current one runs, at most ``prefetch`` + 1 swapped units are on the GPU, and a used
+copy is dropped (weights never change). :class:`SwapSchedule` decides, :class:`BlockSwap`
+carries it out with forward hooks. Stream ordering: docs/memory.md, "Weights off the GPU".
 """
 
 from __future__ import annotations
@@ -139,19 +132,9 @@ class BlockSwap:
 
     def _start_copy(self, unit: int, computed):
         """Start copying ``unit``'s weights; ``computed`` is an event on the compute stream
-        after every unit the schedule has released (None without streams).
-
-        Why the device memory stays bounded and the copy cannot overwrite weights in use:
-        the copies are allocated from the *compute* stream's pool, where the units the
-        schedule released were freed, so the allocator reuses their blocks at once, on the
-        host, however far the host runs ahead of the GPU: at most prefetch + 1 units are ever
-        allocated (the schedule's bound). (Allocated on the copy stream and handed to the
-        compute stream with ``record_stream``, freed blocks could not be reused until the GPU
-        had caught up, so a host ahead by the launch queue allocated a block for every
-        unit it had queued.) Reused blocks may still be read by queued kernels: the copy
-        stream first waits for ``computed``, which covers every kernel queued when the
-        blocks were freed. The compute stream waits for the copy's event before the unit
-        runs. The host copy is never written, so nothing else needs ordering.
+        after every unit the schedule has released (None without streams). The copy is allocated
+        from the compute stream's pool (reusing released units' blocks at once) and waits for
+        ``computed`` first: docs/memory.md, "Weights off the GPU".
         """
         copies = self.store.allocate(self.unit_entries[unit], self.device)
         self.copies[unit] = copies

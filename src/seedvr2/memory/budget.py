@@ -1,71 +1,11 @@
 """Memory budget: what a job needs on each device, known before any frame is processed.
 
-A job runs three phases per chunk (VAE encode, DiT, VAE decode); the models' weights and one
-phase's working set share a device at a time. :func:`estimate` computes, per phase and
-device, the bytes of the weights resident there plus the phase's activations, from the model
-configurations alone: it is a pure function of (configs, weight sizes, :class:`Job`,
-:class:`Placement`) and runs on any machine. :func:`check` compares it with the bytes
-available per device and raises one :class:`BudgetError` naming the settings that would fit;
-:func:`auto_batch_size` picks the largest 4n+1 batch that fits.
-
-The activation model
---------------------
-Peaks are counted tensor by tensor from the code's own data flow (which tensors are alive at
-the same time), not fitted curves, and calibrated against the peak of live tensor bytes
-measured on the CPU with the tiny conformance models (a dispatch-mode tracker, the CPU
-stand-in for ``torch.cuda.max_memory_allocated``; ``tests/test_budget.py`` asserts the
-estimate is above the measurement and within 1.5x of it). Measured 2026-12: the DiT block
-counts match within 1 % in fp32 and bf16 (whole DiT phase 15-21 % above, the pipeline's
-inputs counted generously), the VAE decoder's within 1-3 %, the encoder phase 9-11 % above,
-spatially tiled phases 24-31 % above. No CUDA device was available to calibrate against, so:
-
-* attention is assumed to run in a fused kernel (flash / memory-efficient SDPA, as PyTorch
-  picks for these shapes on CUDA): no ``N x N`` score matrix is counted, for the DiT's windows
-  nor for the VAE's per-frame mid-block attention;
-* CUDA-only costs (cuBLAS/cuDNN workspaces, allocator rounding and fragmentation) are covered
-  by a margin of :data:`ACTIVATION_MARGIN` of the activations plus a fixed overhead per device
-  and phase (:func:`fixed_overhead`: :data:`CUDA_FIXED_OVERHEAD` on CUDA, where cuDNN alone may
-  pick a 3-D convolution algorithm with a workspace near 1 GiB; :data:`FIXED_OVERHEAD`
-  elsewhere), and ``batch_size=auto`` plans for at most :data:`AUTO_CUDA_SHARE` of a CUDA
-  device's free memory. Both are deliberately generous until a GPU run calibrates them.
-
-DiT, per video token (``N = t * h/2 * w/2`` for a latent of ``t x h x w``; ``b`` = bytes of the
-compute dtype, ``D`` = vid_dim, ``I`` = heads x head_dim, ``F`` = MLP hidden width), the
-largest of three moments of a block:
-
-* MLP: block input, modulated input, attention output, residual sum (4D) and the MLP's
-  hidden tensors (SwiGLU: gate, input, activation = 3F; GELU: 2F), all in ``b``;
-* q/k normalisation and RoPE: 2D + the qkv projection and its window-ordered copy (6I) in
-  ``b``, q and k normed and rotated in float32 (16 I bytes);
-* window attention: 2D + qkv and its copy (6I) + q, k in ``b`` (2I) + one group's window
-  copies of q, k, v (3I) + the SDPA output, its flattened copy and the scattered output (3I);
-
-plus what lives for the whole forward: two RoPE tables (complex64, ``8 x head_dim`` bytes per
-token), two window layouts' index tensors (128 bytes per token), and the pipeline's inputs
-per latent position (noise, latent, condition and DiT input in float32, the DiT input in ``b``).
-
-VAE, per voxel of each resolution level (``p = 1 + 2/T`` for the causal padding buffers):
-every convolution in a residual block writes its normalised input into a padded buffer, so a
-block holds its caller's input, its own input, the first conv's output, the second conv's
-padded buffer and output (plus the 1x1 shortcut when the width changes), and the norm's
-float32 copy of its input in reduced precision; the largest such moment over all levels and
-the decoder's up-samplers is the peak. The decoder's last level (input C1 = 256, output
-C0 = 128 channels at full resolution) dominates: about 1.8 KB per output voxel in bf16, so a
-21-frame 1080p batch needs ~80 GB untiled and ~10 GB with 512-pixel tiles. Frame buffers of
-the pipeline (resized input, reference, padded video; colour correction after decoding) add
-a few float32 copies of 3 channels.
-
-With spatial tiling, the VAE's activations are those of one tile run through the whole
-network (``tile_size`` plus its ``context`` on each side, or the whole frame when smaller) plus
-the full-frame output the tiles are blended into; ``seedvr2.memory.tiling`` may hold less (its
-exact mode runs layer by layer, with frame-wide planes off the device unless its
-``state_device`` is None, which adds two float32 full-frame planes here); with causal temporal slices, those of ``1 + slice`` frames plus the
-frames each causal convolution carries to the next slice.
-
-Weights are the bytes of the model's tensors as they sit in memory (measured from a loaded
-module, or computed from a config and a storage format, see :data:`STORAGE_BYTES`); with
-BlockSwap the swapped blocks live on the offload device and at most two of them (the running
-one and the prefetched next) are on the compute device at once.
+:func:`estimate` computes, per phase (VAE encode, DiT, VAE decode) and device, the bytes of
+the weights resident there plus the phase's activations, from the model configurations alone
+(a pure function, runs on any machine); :func:`check` raises one :class:`BudgetError` naming
+settings that would fit; :func:`auto_batch_size` picks the largest 4n+1 batch that fits. The
+activation model (tensor by tensor, calibrated on CPU peaks) and its CUDA margins:
+docs/memory.md, "How the estimate is made".
 """
 
 from __future__ import annotations
@@ -119,7 +59,7 @@ class BudgetError(ValueError):
 
 
 def fixed_overhead(device: str) -> int:
-    """Bytes per phase on ``device`` that do not scale with the job (see the module doc)."""
+    """Bytes per phase on ``device`` that do not scale with the job (docs/memory.md)."""
     return CUDA_FIXED_OVERHEAD if device.startswith("cuda") else FIXED_OVERHEAD
 
 
@@ -312,7 +252,7 @@ class Budget:
 
 
 def dit_activation_bytes(cfg: DiTConfig, job: Job) -> int:
-    """Peak bytes of one DiT call on a batch (see the module docstring)."""
+    """Peak bytes of one DiT call on a batch (docs/memory.md, "How the estimate is made")."""
     b = job.dtype_bytes
     hp, wp = job.padded
     t = (job.batch_size - 1) // 4 + 1

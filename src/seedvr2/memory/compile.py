@@ -1,20 +1,9 @@
 """torch.compile settings, applied per DiT block and to the VAE's encoder and decoder.
 
-Compiling block by block (not the whole model) keeps BlockSwap's hooks outside the compiled
-graphs, and blocks compile through one function per class, so blocks of one kind share their
-graphs. Each block's window attention (layout, RoPE tables, the per-group SDPA loop) runs
-outside the graphs, so a new resolution recompiles once with dynamic shapes and then never;
-for the same reason ``fullgraph`` applies to the VAE and not to the DiT blocks (a warning
-says so).
-A compile that fails — at the first call, where torch.compile fails — falls back to eager
-with one warning, so a missing compiler never stops a run. Running out of memory is not a
-compiler failure: it is re-raised, and the module keeps its compiled path for the next run.
-
-CUDA-graph modes (``reduce-overhead``, ``max-autotune``, the ``cudagraphs`` backend) are
-refused: a CUDA graph replays fixed tensor addresses, but all blocks share one compiled
-function with their weights as inputs, and BlockSwap and offloading give weights new
-addresses on every activation, so the graphs would be re-recorded on every call until the
-recompile limit. ``max-autotune-no-cudagraphs`` keeps max-autotune's kernel tuning.
+Blocks of one kind share their graphs, and BlockSwap's hooks and the window attention stay
+outside them, so a new resolution recompiles once; ``fullgraph`` applies to the VAE only. A
+failing compile falls back to eager with one warning; running out of memory is re-raised.
+CUDA-graph modes are refused (weights move between calls). See docs/memory.md, ``compile``.
 """
 
 from __future__ import annotations

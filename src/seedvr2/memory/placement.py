@@ -1,25 +1,10 @@
 """Where a model's weights wait and how they reach the compute device.
 
-Weights never change after loading, so a model that waits off its compute device between
-phases (``dit_offload_device`` / ``vae_offload_device``) or swaps blocks (BlockSwap) keeps
-**one persistent host copy** of every tensor, in one :class:`~seedvr2.memory.arena.HostArena`
-(pinned on CUDA machines). Bringing weights to the device is an asynchronous copy from that
-copy; sending them back is only dropping the device tensors: nothing is ever copied back and
-no phase change goes through pageable memory.
-
-:class:`WeightStore` is that host copy with the bookkeeping of which names refer to which
-tensor: a tensor referenced under several names (the RoPE frequency table all blocks of a
-DiT share) is one entry, placed once, and every name is pointed at the same device copy.
-:class:`OffloadedModel` parks and activates a whole model with it; ``memory.blockswap`` uses
-the same store per block.
-
-Why this is safe on CUDA: device copies are allocated on the stream that will use them and
-made with ``non_blocking=True`` on it (or, in BlockSwap, on a copy stream between two event
-waits: see ``BlockSwap._start_copy``), so the kernels that read them are ordered after the
-copy; the source host memory is never written after loading, so an in-flight copy can never
-read changed data; and freeing a device copy returns its block to the caching allocator on
-the stream that last used it, so a later allocation on that stream is ordered after every
-read.
+A model that waits off its compute device (``dit_offload_device`` / ``vae_offload_device``)
+or swaps blocks keeps **one persistent host copy** of every tensor (:class:`WeightStore`, in a
+``memory.arena.HostArena``, pinned on CUDA machines): bringing weights to the device is an
+asynchronous copy from it, sending them back only drops the device tensors. A tensor under
+several names is one entry. Why this is safe on CUDA: docs/memory.md, "Weights off the GPU".
 """
 
 from __future__ import annotations

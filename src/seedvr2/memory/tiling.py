@@ -1,89 +1,11 @@
 """Run the causal video VAE in bounded memory: spatial tiles and causal temporal slices.
 
-The VAE's activations scale with ``T x H x W`` (the decoder's last stage holds several
-128-channel float maps of the full output), so a 4K clip does not fit on most GPUs in one
-pass. Two ways of cutting the work into pieces are offered here, and they combine.
-
-What the untiled VAE computes
-    Every layer is causal in time: convolutions see the current and earlier frames only
-    (their temporal padding repeats the first frame). GroupNorm statistics and the mid-block
-    attention are *per frame over the whole frame*: the official ``causal_norm_wrapper`` folds
-    time into the batch (``b c t h w -> (b t) c h w``) before ``nn.GroupNorm`` (its
-    large-tensor path splits channel *groups*, which changes nothing), and the attention
-    attends over the ``H*W`` positions of one frame. So both are independent of how a clip is
-    cut in time, but every norm depends on the whole frame of its input, which depends on
-    every earlier norm.
-
-Causal temporal slicing (exact)
-    A clip can be run in consecutive chunks if each causal convolution receives, in front of
-    a chunk, the last frames of its input from the previous chunk instead of the replicated
-    first frame; a ``CausalCache`` (``vae_blocks``) carries exactly those frames (and the
-    up-samplers' "first chunk" flag). The result is the single-pass result up to float
-    re-association (measured <= 8e-6 on the tiny VAE, often bit-identical), as in the
-    official pipeline's ``split_size`` slicing. ``temporal_chunk = c`` (a multiple of the
-    temporal factor 4, in *video* frames) means: encode chunks of ``1 + c, c, c, ...`` frames
-    (the strided convs need ``4k + 1`` frames first, then multiples of 4), decode chunks of
-    ``1 + c/4, c/4, ...`` latent frames, i.e. the same ``1 + c, c, ...`` output frames. The
-    official pipeline uses ``c = 4``. Activations then scale with ``1 + c`` frames instead of
-    the clip, plus the carried frames (two input frames per causal 3x3x3 conv).
-
-Spatial tiling, exact mode (default: ``TileSettings(exact=True)``)
-    Exact GroupNorm statistics need each norm's *whole-frame* input, which depends on every
-    earlier norm's statistics; a tile cannot know them in advance. (Measured on the tiny VAE:
-    running independent tiles in repeated passes, each pass normalising with the statistics
-    the previous pass recorded, does not converge fast - plain iteration diverged, an
-    affine-corrected one was still ~1e-2 off after five passes.) So the exact mode runs the
-    network *layer by layer over the whole frame, one tile at a time*:
-
-    * every activation between two layers that need the whole frame is a frame-wide *plane*
-      ``(B, C, T, H, W)`` on ``state_device`` (default the CPU: on a GPU, device memory then
-      holds one tile's working set; the host holds the planes);
-    * every convolution (with the GroupNorm + SiLU before it) is evaluated tile by tile: a
-      tile of the output reads its input region plus the conv's own halo (1 sample for 3x3;
-      zeros only at the frame border, as untiled), so each output sample is computed exactly
-      as untiled; tiles do not overlap and nothing is blended (``tile_overlap`` is unused);
-    * per-(sample, channel, frame) mean and variance of each plane are accumulated while its
-      tiles are written (float32, Chan's pairwise formula), so the next norm gets the
-      whole-frame statistics without another read;
-    * the mid-block attention runs per frame at latent resolution: all tokens of a frame on
-      the device (keys and values of the whole frame), queries in row blocks within
-      ``ATTENTION_SCORE_BUDGET``;
-    * with temporal slicing, the carried frames of each conv are frame-wide planes too.
-
-    Bound (``tests/test_tiling.py``): tiled equals untiled up to float rounding: max abs
-    difference <= 1e-5 of the output's range (max abs value) on the tiny conformance VAE in
-    float32, for the posterior moments and the decoded pixels, with and without temporal
-    slicing (measured 7e-7 .. 2e-6; e.g. 512-pixel tiles on 768x768: decode 1.2e-5 abs =
-    1.3e-6 of the range, where fast mode is off by 1.38 = 14%). Convolutions of different
-    shapes sum in different orders, hence not bit-identical. In bf16/fp16 the planes are
-    stored in the model dtype, i.e. rounded where the untiled model rounds its activations
-    too; the difference is then rounding noise, at most 1.5x (measured 0.6-0.9x) the untiled
-    model's own distance from float32.
-
-    Memory: the device holds one tile's input (with halo), its activated copy and its output,
-    at whatever level the network is (tile edges scale with the level's resolution: a
-    ``tile_size``-pixel square of the video at every level), plus per frame the latent-level
-    attention tokens, keys and values; it falls with the tile size. The state device holds
-    two or three planes (a residual block's input, its inner activation and, where the width
-    changes, its output; at the decoder's top 256 + 128 + 128 channels at full resolution)
-    and the carried frames. Time: the untiled arithmetic (nothing is computed twice), plus
-    per-tile call overhead (``bench/RESULTS.md``, CPU, 256x256: encode 1.1-1.2x the untiled
-    time, decode 1.7x at 128-pixel tiles and 2.9x at 64) and, with a separate state device,
-    moving every plane to the device and back once per layer.
-
-Spatial tiling, fast mode (``TileSettings(exact=False)``; approximate)
-    Independent tiles, each run through the whole VAE with its own GroupNorm statistics and
-    attention over the tile only, zero padded at its borders; tiles overlap by
-    ``tile_overlap`` and are cross-faded (raised cosine ``sin^2`` weights that form a partition
-    of unity, normalised per axis so they also sum to 1 where the last tile was shifted back
-    inside the image or where more than two tiles overlap). Needs no frame-wide state, but
-    differs from the untiled result everywhere (tile-wide statistics) and most near tile
-    borders (~48 px reach): on the tiny VAE, 512/64 tiles on a 768x768 frame gave decode max
-    abs 1.38 (~14% of the output range), mean 0.031.
-
-Both modes combine with temporal slicing. With tiling disabled and no temporal chunk,
-:func:`encode_posterior` and :func:`decode` *are* the plain ``vae.encode_posterior`` /
-``vae.decode`` calls; a frame that fits in one tile is run untiled (sliced if asked).
+Causal temporal slices are exact (a ``CausalCache`` carries each conv's last frames). Exact
+spatial tiles (the default) run the network layer by layer over frame-wide planes on
+``state_device``, tile by tile, with whole-frame GroupNorm statistics: untiled up to float
+rounding. Fast tiles (``exact=False``) are independent, overlapping and cross-faded:
+approximate. They combine; with neither, :func:`encode_posterior` and :func:`decode` are the
+plain VAE calls. Design, bounds and costs: docs/memory.md, "VAE tiling and temporal slices".
 """
 
 from __future__ import annotations
@@ -130,18 +52,12 @@ def _nearest_multiples(value: int, multiple: int, allow_zero: bool = False) -> s
 class TileSettings:
     """Spatial tiling of VAE encode or decode, sizes in pixels (of the video side).
 
-    ``tile_size`` and ``tile_overlap`` must be multiples of 8, the VAE's spatial factor: tiles
-    are cut on the latent grid (``tile_size / 8`` latents), so a tile's latents and pixels
-    are aligned with the whole frame's at every down/up-sampling level and every stride-2
-    stage inside a tile sees even sizes. This matches the ``vae_*_tile_size`` /
-    ``vae_*_tile_overlap`` options. ``tile_overlap`` must be smaller than ``tile_size``.
-
-    ``exact`` (default) runs the network layer by layer over frame-wide planes kept on
-    ``state_device`` (``None``: the VAE's device), tile by tile; the result equals the untiled
-    one up to float rounding and ``tile_overlap`` is not used. ``exact=False`` runs
-    independent, overlapping, cross-faded tiles (no frame-wide state, approximate; the
-    overlap should cover the ~48-pixel reach of the border error, as the default 64 does).
-    See the module docstring.
+    ``tile_size`` and ``tile_overlap`` are multiples of 8, the VAE's spatial factor: tiles are cut
+    on the latent grid, aligned with the whole frame's at every level (the ``vae_*_tile_size`` /
+    ``vae_*_tile_overlap`` options); the overlap is smaller than the tile. ``exact`` (default):
+    layer by layer over frame-wide planes on ``state_device`` (``None``: the VAE's device),
+    untiled up to rounding, ``tile_overlap`` unused; ``exact=False``: independent cross-faded
+    tiles (the overlap should cover the ~48-pixel border error, as the default 64 does).
     """
 
     enabled: bool = False

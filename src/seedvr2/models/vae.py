@@ -1,58 +1,12 @@
 """The causal 3-D video VAE of SeedVR2 (official ``VideoAutoencoderKLWrapper``, video_vae_v3).
 
-Overview
---------
-A KL autoencoder that compresses RGB video by 8x in each spatial direction and 4x in time
-into 16 latent channels::
-
-    video (B, 3, 4n+1, H, W) in [-1, 1]  --encoder-->  posterior N(mean, exp(logvar))
-                                                        mean, logvar: (B, 16, n+1, H/8, W/8)
+    video (B, 3, 4n+1, H, W) in [-1, 1]  --encoder-->  mean, logvar: (B, 16, n+1, H/8, W/8)
     latent (B, 16, t, h, w)              --decoder-->  video (B, 3, 4(t-1)+1, 8h, 8w)
 
-It is the Stable-Diffusion image VAE (diffusers ``AutoencoderKL``) inflated to 3-D, with all
-convolutions made *causal* in time: a latent frame depends on the current and earlier video
-frames only. Frame 0 is therefore encoded exactly like a still image, and a single image is
-simply a one-frame video (``T = 1 -> t = 1``). The ``4n + 1`` frame counts come from the two
-temporal stride-2 stages, each mapping ``2m + 1`` frames to ``m + 1`` (the first frame keeps
-its own latent frame, every following group of 4 frames shares one).
-
-Encoder (channels ``C0..C3`` = ``block_out_channels``, (128, 256, 512, 512) when released)
-    ``conv_in`` causal 3x3x3, ``3 -> C0``;
-    4 ``down_blocks``, each ``layers_per_block`` (=2) residual blocks (GroupNorm -> SiLU ->
-    causal 3x3x3 conv, twice, plus a 1x1x1 shortcut when the width changes), followed in
-    blocks 0..2 by a strided conv: block 0 halves space only (kernel 1x3x3), blocks 1 and 2
-    halve space and time (kernel 3x3x3, stride 2). Spatial down-sampling pads the right and
-    bottom edge by one zero instead of both sides, as in the SD VAE;
-    ``mid_block``: residual block, single-head self-attention within each frame, residual;
-    GroupNorm -> SiLU -> ``conv_out`` causal 3x3x3 to ``2 * 16`` channels, read as the
-    posterior mean (first 16) and log-variance (last 16, clamped to [-30, 20]).
-
-Decoder (mirror image)
-    ``conv_in`` ``16 -> C3``; ``mid_block``; 4 ``up_blocks`` of ``layers_per_block + 1`` (=3)
-    residual blocks, followed in blocks 0..2 by a learned depth-to-space up-sampler (a 1x1x1
-    conv to ``r * C`` channels rearranged into a ``2x`` larger grid, ``r = 8`` for blocks 0
-    and 1 which also double time, ``r = 4`` for block 2) and a causal 3x3x3 conv. Doubling
-    time turns frame 0 into two frames of which the second is dropped (``t -> 2t - 1``),
-    matching the encoder's treatment of frame 0. GroupNorm -> SiLU -> ``conv_out`` to RGB.
-
-Causality and normalisation
-    A causal conv with temporal padding ``p`` prepends ``2p`` copies of the first frame
-    (no zero padding in time); space is zero padded. GroupNorm (eps 1e-6) and attention act
-    on each frame separately (time folded into the batch), so no layer mixes future frames
-    in. Norm statistics are always computed in float32.
-
-Temporal chunking
-    Causality means a long clip can be processed in chunks if each causal conv keeps the
-    tail of its input for the next chunk (the official pipeline does this with 4-frame
-    chunks; it is numerically equivalent to one pass). :class:`Encoder` and :class:`Decoder`
-    accept a :class:`~.vae_blocks.CausalCache` for that; :class:`VideoAutoencoder` runs every
-    clip in a single pass, ``seedvr2.memory.tiling`` in temporal slices and/or spatial tiles
-    (a cache can also hand a norm the whole frame's statistics, which a tile needs).
-
-Scaling
-    ``encode`` returns the raw posterior mean. The SeedVR2 pipeline multiplies it by 0.9152
-    (shift 0) before the DiT and divides by 0.9152 before ``decode``; that belongs to the
-    pipeline, not to this module (the model's own ``scaling_factor`` field is unused).
+The SD image VAE inflated to 3-D with convolutions causal in time, so frame 0 is encoded like
+a still image and a clip can run in temporal chunks (a :class:`~.vae_blocks.CausalCache`).
+Architecture, causality and the 0.9152 latent scaling (the pipeline's, not this module's):
+docs/models.md, "The causal video VAE".
 """
 
 from __future__ import annotations
@@ -133,15 +87,12 @@ class Decoder(nn.Module):
 
 
 class VideoAutoencoder(nn.Module):
-    """The SeedVR2 causal video VAE; state dict keys are those of the official checkpoint
-    (``encoder.*``, ``decoder.*``, plus ``quant_conv.*`` / ``post_quant_conv.*`` only when
-    the config enables them; the released model does not).
+    """The SeedVR2 causal video VAE; state dict keys are the official checkpoint's (``quant_conv``
+    / ``post_quant_conv`` only when the config enables them; the released model does not).
 
-    Inputs are cast to the model's parameter dtype (not moved between devices) and made
-    contiguous channels-first; outputs come back in that dtype. Run inference under
-    ``torch.no_grad()`` / ``torch.inference_mode()``: that enables the write-in-place fast
-    paths (with autograd recording, the same maths runs out of place).
-    Building under ``torch.device("meta")`` allocates nothing.
+    Inputs are cast to the parameter dtype (not moved) and made contiguous channels-first.
+    Under ``torch.no_grad()`` / ``inference_mode()`` the in-place fast paths run (with autograd,
+    the same maths out of place). Building under ``torch.device("meta")`` allocates nothing.
     """
 
     def __init__(self, config: VAEConfig) -> None:

@@ -1,27 +1,9 @@
-"""Building blocks of the causal video VAE (see ``vae.py`` for the architecture as a whole).
+"""Building blocks of the causal video VAE on ``(B, C, T, H, W)`` tensors (see ``vae.py``).
 
-Every block works on channels-first video tensors ``(B, C, T, H, W)``. Two rules make the
-network *causal* in time, so that frame ``t`` of any output depends on input frames ``<= t``
-only, and so that a single image (``T = 1``) is a valid video:
-
-* convolutions never look ahead: the temporal receptive field is padded in front by repeating
-  the first frame (:class:`CausalConv3d`) instead of zero padding on both sides;
-* everything that is not a convolution acts on each frame on its own: GroupNorm statistics
-  (:class:`FrameGroupNorm`) and the mid-block self-attention (:class:`FrameAttention`).
-
-Because of that, a long video can be processed in consecutive temporal chunks if every
-causal convolution hands the last frames of its (padded) input on to the next chunk. The
-modules take an optional :class:`CausalCache` for this; without one they process the whole
-clip in one pass.
-
-The cache is also the seam through which a caller that cuts a frame into spatial tiles
-(``seedvr2.memory.tiling``) supplies what a tile cannot compute from its own pixels, the
-whole frame's GroupNorm statistics (:meth:`CausalCache.group_norm_stats`; by default those of
-the tensor at hand, i.e. the plain per-frame behaviour).
-
-Module and parameter names follow the diffusers-style names of the official checkpoint
-(``resnets.N.norm1``, ``downsamplers.0.conv``, ``attentions.0.to_q`` ...), so a released
-state dict loads strictly.
+Convolutions never look ahead (:class:`CausalConv3d`) and everything else acts per frame
+(:class:`FrameGroupNorm`, :class:`FrameAttention`); a :class:`CausalCache` carries state
+between temporal chunks and hands spatial tiles whole-frame norm statistics. Names follow the
+official checkpoint, so a released state dict loads strictly. See docs/models.md.
 """
 
 from __future__ import annotations
@@ -79,15 +61,10 @@ def conv3d(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: _int3 = 1,
 def conv3d_in_bands(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: _int3 = 1,
                     padding: _int3 = 0, limit: Optional[int] = None,
                     channels_last: bool = False) -> Tensor:
-    """``F.conv3d(x, weight, bias, stride, padding)``, as several calls on bands of output
-    rows when the input or output has more than ``limit`` (default :data:`SPLIT_ELEMENTS`)
-    elements.
-
-    Output rows ``[o0, o1)`` read input rows ``[o0*s - p, (o1-1)*s - p + k)``: each band gets
-    exactly those rows (the halo), zero rows where they fall outside the input (what the
-    conv's own padding would add), and no row padding of its own. Every output element is
-    the same sum over the same inputs and weights as in one call. ``channels_last``: see
-    :func:`conv3d`.
+    """``F.conv3d(x, weight, bias, stride, padding)``, as several calls on bands of output rows
+    when the input or output has more than ``limit`` (default :data:`SPLIT_ELEMENTS`) elements;
+    each band reads exactly its input rows and halo, so every output element is the same sum
+    (docs/models.md, "Large tensors"). ``channels_last``: see :func:`conv3d`.
     """
     limit = SPLIT_ELEMENTS if limit is None else limit
     stride, padding = _triple(stride), _triple(padding)
@@ -138,16 +115,11 @@ def group_stats_from_channels(mean_c: Tensor, var_c: Tensor,
 
 class CausalCache:
     """State carried between the pieces of one clip: consecutive temporal chunks and, for a
-    subclass, spatial tiles.
+    subclass, spatial tiles (docs/models.md, "Temporal chunks and the cache").
 
-    Each causal convolution stores the trailing frames of its padded input (what its next
-    window needs from the past); each temporal up-sampler remembers that it has seen the
-    first chunk. Use one fresh cache per clip and per direction (encode / decode), and feed
-    the chunks in order; chunk lengths must respect the temporal strides (``1 + 4k`` frames
-    for the first encoder chunk, then multiples of 4; any split of the latent for decoding).
-
-    ``temporal=False`` carries nothing between calls (every call is a whole clip, as without
-    a cache); that is for subclasses that only override :meth:`group_norm_stats`.
+    One fresh cache per clip and direction, chunks in order (``1 + 4k`` frames first when
+    encoding, then multiples of 4). ``temporal=False`` carries nothing between calls: for
+    subclasses that only override :meth:`group_norm_stats`.
     """
 
     def __init__(self, temporal: bool = True) -> None:
@@ -184,26 +156,14 @@ class CausalCache:
 
 
 class CausalConv3d(nn.Conv3d):
-    """A 3-D convolution that is causal in time.
+    """A 3-D convolution that is causal in time (docs/models.md, "Causality").
 
-    ``padding`` is given like the official layer's ``(p_t, p_h, p_w)``: the temporal part is
-    *not* zero padding but ``2 * p_t`` copies of the first frame prepended, so the output has
-    the same length as a symmetric ``p_t`` padding would give while seeing only the past.
-    Space is zero padded, symmetrically by ``(p_h, p_w)`` (inside ``conv3d``, no copy) or by
-    an explicit ``spatial_pad = (left, right, top, bottom)`` (the encoder's down-samplers pad
-    right and bottom only).
-
-    With a :class:`CausalCache`, chunks after the first are prefixed by the last
-    ``kernel_t - stride_t`` frames of the previous chunk's padded input instead of the
-    replicated first frame, which reproduces the single-pass result exactly.
-
-    Two ways to call it: ``conv(x)`` pads ``x`` by concatenation (one copy of ``x``); or a
-    producer that creates ``x`` anyway (norm, up-sampler) writes it straight into
-    ``buf, body = conv.input_buffer(...)`` and calls ``conv.forward_padded(buf)``, which
-    saves that copy and the memory of holding ``x`` and its padded version at once.
-
-    Parameters are the plain ``nn.Conv3d`` ``weight`` ``(out, in, kt, kh, kw)`` and ``bias``.
-    ``channels_last`` (set by :meth:`VideoAutoencoder.set_conv_settings`): see :func:`conv3d`.
+    ``padding`` ``(p_t, p_h, p_w)`` as the official layer: ``2 * p_t`` copies of the first frame
+    (or, with a :class:`CausalCache`, the previous chunk's last frames) are prepended; space is
+    zero padded by ``(p_h, p_w)`` or an explicit ``spatial_pad = (left, right, top, bottom)``.
+    Call ``conv(x)``, or write the input into ``buf, body = conv.input_buffer(...)`` and call
+    ``conv.forward_padded(buf)`` to save the padding copy. Parameters are ``nn.Conv3d``'s
+    ``weight`` ``(out, in, kt, kh, kw)`` and ``bias``; ``channels_last``: see :func:`conv3d`.
     """
 
     channels_last = False
@@ -266,14 +226,9 @@ class CausalConv3d(nn.Conv3d):
 
 
 class FrameGroupNorm(nn.GroupNorm):
-    """GroupNorm with statistics per frame, computed in float32 whatever the model dtype.
-
-    Equivalent to folding time into the batch, ``(B, C, T, H, W) -> (B*T, C, H, W)``, and
-    applying ``nn.GroupNorm``, but without the two transposing copies that would need: the
-    mean and variance of every (channel, frame) plane are reduced over ``H*W`` (contiguous),
-    combined exactly into per-(group, frame) statistics (law of total variance), and the
-    normalisation plus affine transform is one fused ``scale * x + shift`` pass, written to
-    ``out`` when given (e.g. the body of a causal conv's padded input).
+    """GroupNorm with statistics per frame, in float32 whatever the model dtype: ``nn.GroupNorm``
+    over ``(B*T, C, H, W)`` without the transposing copies, as one fused ``scale * x + shift``
+    pass written to ``out`` when given (docs/models.md, "Causality").
     """
 
     def forward(self, x: Tensor, out: Optional[Tensor] = None,
@@ -314,12 +269,9 @@ class FrameGroupNorm(nn.GroupNorm):
 
     def _forward_in_channel_groups(self, x: Tensor, out: Optional[Tensor],
                                    compute_dtype: torch.dtype) -> Tensor:
-        """The upcasting path of :meth:`forward` for inputs over ``SPLIT_ELEMENTS``: whole
-        groups of channels at a time are upcast, so no float32 copy of all of ``x`` exists.
-
-        Bit-identical to one piece: per-(channel, frame) moments are reduced plane by plane
-        either way, the group combination then sees the same per-channel values, and each
-        element is normalised by the same multiply and add (rounded separately, as in place).
+        """The upcasting path of :meth:`forward` for inputs over ``SPLIT_ELEMENTS``: whole groups
+        of channels at a time, so no float32 copy of all of ``x`` exists; bit-identical to one
+        piece (the same per-channel moments and the same multiply and add per element).
         """
         B, C, T = x.shape[:3]
         G = self.num_groups
@@ -383,15 +335,10 @@ class ResnetBlock3D(nn.Module):
 
 
 class FrameAttention(nn.Module):
-    """Single-head self-attention over the ``H*W`` positions of each frame, with residual.
-
-    ``x + to_out(softmax(q k^T / sqrt(C)) v)`` where ``q, k, v`` are linear maps (with bias)
-    of the group-normalised input and the head spans all ``C`` channels. Frames never attend
-    to each other, which keeps the block causal. Names match diffusers' ``Attention``.
-
-    Score matrices are bounded by ``ATTENTION_SCORE_BUDGET`` elements per SDPA call: frames
-    are attended in groups, and the queries of a frame in row blocks if one frame exceeds it.
-    A cache reaches the norm (:meth:`CausalCache.group_norm_stats`).
+    """Single-head self-attention over the ``H*W`` positions of each frame, with residual:
+    ``x + to_out(softmax(q k^T / sqrt(C)) v)`` (diffusers' ``Attention`` names). Score matrices
+    stay within ``ATTENTION_SCORE_BUDGET`` elements per SDPA call (frames in groups, a large
+    frame's queries in row blocks); a cache reaches the norm.
     """
 
     def __init__(self, channels: int, groups: int) -> None:
@@ -451,14 +398,10 @@ class Downsample3D(nn.Module):
 
 
 class Upsample3D(nn.Module):
-    """Learned depth-to-space up-sampling (x2 in H, W and, if ``temporal``, in T), then a conv.
-
-    ``upscale_conv`` (plain 1x1x1) makes ``r * C`` channels, ``r = 2*2*(2 if temporal else 1)``,
-    read as ``(x, y, z, c)`` with ``c`` fastest and moved to row offset ``x``, column offset
-    ``y`` and time offset ``z``. Doubling time would turn latent frame 0 into two frames, but
-    the encoder gave video frame 0 a latent frame of its own, so the second copy is dropped:
-    ``t -> 2t - 1`` restores the ``4n + 1`` frame count (in the first chunk of a clip only).
-    A causal 3x3x3 ``conv`` follows.
+    """Learned depth-to-space up-sampling (x2 in H, W and, if ``temporal``, in T), then a causal
+    conv: ``upscale_conv`` (1x1x1) makes ``r * C`` channels read as ``(x, y, z, c)``; doubled
+    time drops latent frame 0's second copy, ``t -> 2t - 1`` (first chunk only). See
+    docs/models.md, "The causal video VAE".
     """
 
     def __init__(self, channels: int, temporal: bool) -> None:
