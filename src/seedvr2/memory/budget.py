@@ -17,6 +17,7 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
+from ..loading.registry import STORAGE_BYTES
 from ..models import build_on_meta
 from ..models.config import DiTConfig, VAEConfig
 from ..options import option_ref
@@ -37,18 +38,6 @@ AUTO_MIN_BATCH = 5  # auto keeps temporal context: never fewer frames per batch 
 # frames) a batch gains no longer windows, so 'auto' stops there.
 AUTO_MAX_BATCH = 4 * 29 + 1
 TEXT_TOKENS = 58  # rows of the released positive text embedding (pos_emb.pt)
-
-# Bytes per parameter of each storage format a weight file can hold (labels of
-# ``loading.quantized.PackedWeight.label`` and plain dtypes). Block scales are included.
-STORAGE_BYTES: dict[str, float] = {
-    "fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fn_scaled": 1, "float8_e5m2_scaled": 1,
-    "int8_rows": 1, "int8_convrot": 1, "mxfp8": 1 + 1 / 32, "nvfp4": 0.5 + 1 / 16,
-    # GGUF: bytes per block / values per block (loading.gguf.BLOCK_SIZES)
-    "Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q5_0": 22 / 32, "Q5_1": 24 / 32, "Q8_0": 34 / 32,
-    "Q2_K": 84 / 256, "Q3_K": 110 / 256, "Q4_K": 144 / 256, "Q5_K": 176 / 256,
-    "Q6_K": 210 / 256, "IQ4_NL": 18 / 32, "IQ4_XS": 136 / 256, "F32": 4, "F16": 2, "BF16": 2,
-}
 
 # Top-level DiT modules that BlockSwap's swap_io_components moves.
 _DIT_IO = BlockSwap.INPUT_MODULES + BlockSwap.OUTPUT_MODULES
