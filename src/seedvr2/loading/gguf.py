@@ -22,7 +22,6 @@ import torch
 from .formats import CheckpointError, TensorSource
 from .quantized import PackedEntry, PackedWeight, device_constant
 
-QK_K = 256  # super-block size of the K-quants
 
 # GGML type name -> (values per block, bytes per block)
 BLOCK_SIZES: dict[str, tuple[int, int]] = {
@@ -41,20 +40,9 @@ CONFIG_KEY = "seedvr2.config"
 # ---------------------------------------------------------------------------------------------
 # dequantisation: blocks (n, type_size) uint8 -> out (n, block_size) float32
 #
-# Bit-exactness: every type applies the same fp32 operations, in the same order, as gguf.quants
-# (fp16 scales widened to fp32, the per-sub-block scale products computed first, then code x
-# scale, then - min), only as in-place ``mul_``/``sub_`` on the output instead of fresh arrays;
-# the integer codes have the values gguf.quants gives them (as int8 where it uses int8).
-#
-# Speed, on the CPU (a GPU takes everything in one chunk): blocks are decoded in chunks small
-# enough that a chunk's output and temporaries stay in cache. Per chunk, codes are unpacked by
-# integer ops on 16/32-bit words (2-4 bytes per lane), each over long contiguous rows: torch's
-# integer kernels fall back to scalar code on rows shorter than a vector, so a field shared by
-# several sub-blocks (the high bits) is broadcast along an outer axis, never interleaved at
-# 32-byte granularity. The codes of a chunk are thus laid out sub-block-major, ``(row of the
-# block, block, 32 codes)``, and the one interleaving step is the int -> fp32 conversion into
-# the ``(block, row, 32)`` output, whose 128-byte rows vectorise. Then one ``mul_`` (and
-# ``sub_``) applies the per-sub-block scales, computed beforehand for a run of chunks at once.
+# Every type applies gguf.quants' fp32 operations in the same order (in place), and on the
+# CPU decodes chunks small enough to stay in cache, unpacking codes by integer ops over long
+# contiguous rows: docs/models.md, "GGUF", for the layout and why.
 
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -386,14 +374,9 @@ KERNELS = {
     "IQ4_NL": (None, _iq4_nl), "IQ4_XS": (None, _iq4_xs),
 }
 
-# CPU scheduling. With one torch thread, blocks are decoded in chunks of about CPU_CHUNK_VALUES
-# values (512 KiB of fp32 output and its codes stay in cache, and each op's fixed cost is spread
-# over enough values), the scales computed for all blocks up front. With several, the chunks
-# are shared out to that many Python threads (torch releases the GIL inside its kernels), and
-# every op, the scale ones included (computed per run of chunks), stays under torch's grain
-# size of 32768 elements so that it runs on the calling thread: these ops are too short for an
-# OpenMP fork and join to pay, and on a loaded machine every barrier waits for a descheduled
-# thread. A GPU decodes everything at once.
+# CPU scheduling: one thread decodes cache-sized chunks; several share chunks out to Python
+# threads with every op under torch's grain size, so no OpenMP barrier runs (docs/models.md,
+# "GGUF"). A GPU decodes everything at once.
 CPU_CHUNK_VALUES = 1 << 17
 THREAD_CHUNK_VALUES = 32768 - 256  # a multiple of 256, below the grain size
 MAX_SCALES_PER_BLOCK = 32  # elements per block in the largest op of a ``scales`` function

@@ -1,16 +1,7 @@
-"""Windowed joint attention of the NaDiT.
-
-Every window is one sequence: the window's video tokens followed by all text tokens of the
-same sample. Video outputs return to their positions; a text token's output is the mean of
-its outputs over the sample's windows. Windows of equal (video, text) length are stacked and
-run through one ``scaled_dot_product_attention`` call.
-
-Sequence parallelism (Ulysses) plugs in through :class:`SequenceParallel`, a strategy object
-installed with ``NaDiT.set_sequence_parallel``; this module never talks to other processes
-itself. Under a strategy each rank holds a contiguous shard of the video tokens (text tokens
-are replicated): the projected video q/k/v are exchanged so that every rank holds *all* tokens
-for *its* heads, windows and RoPE run on full token positions, and the inverse exchange brings
-each rank its own tokens back with every head.
+"""Windowed joint attention of the NaDiT: each window's video tokens followed by all of its
+sample's text tokens, windows of equal length in one SDPA call; a text token's output is the
+mean over its sample's windows. Sequence parallelism (Ulysses) plugs in as a
+:class:`SequenceParallel` strategy. See docs/models.md, "Attention".
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""Model configurations with the official constructor key names.
-
-A config is accepted in three shapes, all resolved by :func:`dit_config` / :func:`vae_config`:
-
-* the name of a shipped config (``"3b"``, ``"7b"``, ``"vae"``; files in ``configs/``),
-* the ``constructor_kwargs`` dict of a conformance ``config.json``,
-* the ``config`` of a manifest or an official YAML taken verbatim (with ``__object__``).
-
-Keys the official constructors accept but that do not change inference (training switches,
-inert options) are accepted and kept; a key no official config has raises ``ConfigError``.
+"""Model configurations with the official constructor key names, resolved by
+:func:`dit_config` / :func:`vae_config` from a shipped name, a conformance ``config.json`` or
+an official config verbatim; a key no official config has raises ``ConfigError``
+(docs/models.md, "The DiT").
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
-"""NaDiT: the SeedVR2 diffusion transformer, both released families.
+"""NaDiT: the SeedVR2 diffusion transformer, both released families (docs/models.md).
 
-Input: noisy latent, low-resolution latent and mask of every sample, each sample's latent grid
-flattened in (T, H, W) raster order and concatenated (native-resolution packing, no padding),
-plus text tokens and a timestep per sample. Output: the predicted velocity in the same packing.
+Samples' latent grids are flattened and concatenated (native-resolution packing, no padding):
 
     vid (Σ T·H·W, 33) --patchify 1x2x2--> tokens (Σ T·H/2·W/2, dim) ─┐
     txt (Σ L, txt_in_dim) --Linear--> (Σ L, dim) ─────────────────────┤ num_layers × MMDiTBlock
     timestep (B,) --sinusoid + MLP--> emb (B, 6·dim) ─────────────────┘
     --> [3B: RMSNorm + output modulation] --> Linear --> unpatchify --> (Σ T·H·W, 16)
 
-Families (see ``config.py``): 3B = ``models/dit_v2`` (SwiGLU, first ``mm_layers`` blocks with
-separate video/text weights then shared, text RoPE, output norm); 7B = ``models/dit``
-(GELU MLP, separate weights everywhere, video-only pixel RoPE, no output norm).
+Output: the predicted velocity in the same packing.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """Bookkeeping for native-resolution packing: several samples' tokens concatenated, no padding.
 
-Host syncs. Everything here is known on the host (shapes and text lengths), so the device
-index tensors are built on the CPU and sent over, never read back. A copy from pageable host
-memory makes CUDA wait for the stream to drain first, so each list sent as
-``torch.tensor(list, device=cuda)`` stalled the host once, dozens of times per forward; here
-each packing sends its small tensors in one copy from pinned memory (:func:`to_device`), and
-window layouts (the big ones) are built once per shape and kept (``window.layout_for``).
+Everything here is known on the host, so index tensors are built on the CPU and sent in one
+copy from pinned memory (:func:`to_device`), never read back (docs/models.md, "Packing").
 """
 
 from __future__ import annotations
@@ -19,13 +15,8 @@ from .window import WindowLayout, layout_for
 
 
 def to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A tensor on ``device``; from the host without stalling it.
-
-    CPU to CUDA: copied from pinned memory with ``non_blocking``, so the host queues the copy
-    and goes on (a pageable copy waits for the stream to drain: a host sync per call); kernels
-    queued after it on the same stream see the data. The pinned source may be dropped at once:
-    PyTorch's caching host allocator records an event for the copy and does not hand the block
-    out again before it completes. Anything else: a plain move.
+    """A tensor on ``device``; from the host without stalling it (CPU to CUDA: a non-blocking
+    copy from pinned memory, which may be dropped at once; anything else: a plain move).
     """
     if device.type == "cuda" and values.device.type == "cpu":
         return values.pin_memory().to(device, non_blocking=True)

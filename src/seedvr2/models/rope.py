@@ -1,17 +1,9 @@
-"""3-D rotary position embeddings of the two NaDiT families.
+"""3-D rotary position embeddings of the two NaDiT families, on window-local positions.
 
-Both rotate interleaved pairs of head dimensions: pair p = (2p, 2p+1) turns by angle
-``pos·f_k``; three axis groups (t, h, w) of n pairs each are concatenated, so the first 6n
-dims of a head rotate and the rest pass through. Positions are local to the attention window
-(see ``window.py``). The frequency table is the persistent buffer ``rope.rope.freqs`` of
-every block, so checkpoints carry it; angles and rotations are always computed in fp32 from
-the buffer's values.
-
-* 3B ("mmrope3d"): language-model frequencies ``f_k = 1/10000^(2k/a)``, a = rope_dim // 3.
-  Video token at window-local (t, h, w) of a sample with L text tokens sits at (L + t, h, w);
-  text token j sits at (j, j, j). Video and text q/k are both rotated.
-* 7B ("3d pixel"): ``f_k = π·linspace(1, 128, n)``, a = (head_dim/2) // 3; positions along each
-  axis of a window are ``linspace(-1, 1, extent)``. Only video q/k are rotated.
+Interleaved pairs (2p, 2p+1) of head dims turn by ``pos·f_k`` in three axis groups (t, h, w);
+3B ("mmrope3d", ``f_k = 1/10000^(2k/a)``) rotates video and text, 7B ("3d pixel",
+``f_k = π·linspace(1, 128, n)``, positions ``linspace(-1, 1, extent)``) video only. Angles in
+fp32 from the ``rope.rope.freqs`` buffer. Positions and families: docs/models.md, "RoPE".
 """
 
 from __future__ import annotations
@@ -33,14 +25,9 @@ _TABLE_IDS = itertools.count()
 class FrequencyTable(nn.Module):
     """Holds the ``freqs`` buffer under the official key name (``...rope.rope.freqs``).
 
-    ``table_id`` names the table's values for caches: unique per table, and shared only by
-    tables :func:`share_equal_tables` found equal. Caches must not key on ``data_ptr()``:
-    placement code (BlockSwap, offload) gives a table fresh device copies, and a freed
-    copy's address is soon reused by another tensor.
-
-    ``defining`` makes the table's defining values (the formula its block was built with): a
-    table built on ``meta`` and materialised with ``to_empty`` gets them back from it, since a
-    meta tensor holds no values to copy and ``to_empty`` leaves new storage uninitialised.
+    ``table_id`` names the table's values for caches (never ``data_ptr()``: placement gives
+    tables fresh copies); ``defining`` recomputes the values of a table built on ``meta``
+    (docs/models.md, "RoPE").
     """
 
     def __init__(self, freqs: torch.Tensor, defining: Optional[Callable[[], torch.Tensor]] = None):

@@ -1,14 +1,7 @@
-"""Attention windows of the NaDiT and the packed-token bookkeeping built from them.
-
-Each sample's patched video grid (t, h, w) is cut into 3-D windows of roughly 400 tokens,
-independent of resolution. Every window becomes one attention sequence: its video tokens
-followed by all of the sample's text tokens. Blocks alternate a regular grid
-(``720pwin_by_size_bysize``) and a half-window-shifted grid (``720pswin_by_size_bysize``).
-
-:class:`WindowLayout` turns the windows of all samples of a call into index tensors so that
-windows of equal length run as one batched attention call instead of a Python loop.
-The layout is computed on the CPU and sent to the device in one copy; :func:`layout_for`
-keeps it per shape, so the batches of a video (all the same shape) send it once.
+"""Attention windows of the NaDiT (~400 tokens each, regular and half-shifted grids) and the
+packed-token bookkeeping built from them: a :class:`WindowLayout` batches windows of equal
+length, built on the CPU, sent in one copy and kept per shape (:func:`layout_for`). See
+docs/models.md, "Windows".
 """
 
 from __future__ import annotations
@@ -67,13 +60,8 @@ class WindowGroup:
 
 @dataclass
 class WindowLayout:
-    """All windows of one rule for a packed call.
-
-    ``perm`` lists the packed video token indices window after window, windows of one group
-    adjacent; ``local_pos`` is each of those tokens' (t, h, w) inside its window and
-    ``window_size`` that window's extent (both needed by RoPE, which is window-local);
-    ``extents`` holds the distinct extents per axis as host integers, so that code looping
-    over them never reads them back from the device.
+    """All windows of one rule for a packed call: token order (``perm``), window-local positions
+    and extents for RoPE, and ``extents`` as host integers (nothing is read back).
     """
 
     perm: torch.Tensor  # (Nv,) int64
@@ -153,10 +141,7 @@ class WindowLayout:
 
 
 # Layouts kept per (rule, shapes, device, stream): the batches of one video share them.
-# Bounded, as each holds ~70 bytes per video token on the device (3.4 MB at 1080p for the
-# 3B). Keyed by CUDA stream too: a layout's memory belongs to the stream it was allocated on,
-# and when an entry is evicted the caching allocator may give that memory to the next
-# allocation on that stream at once, which is safe only if no other stream still reads it.
+# Bounded (~70 bytes per video token each); keyed by stream: docs/models.md, "Windows".
 LAYOUT_CACHE_SIZE = 8
 _layouts: "OrderedDict[tuple, WindowLayout]" = OrderedDict()
 
