@@ -599,6 +599,30 @@ def _fast_decode(vae: VideoAutoencoder, latent: Tensor, tiles: TileSettings,
 
 # -- encode / decode --------------------------------------------------------------------------
 
+def _in_pieces(vae: VideoAutoencoder, x: Tensor, tiles: TileSettings,
+               temporal_chunk: Optional[int], between: Between, encoding: bool):
+    """Encode (``encoding``) or decode ``x`` in spatial tiles and/or causal temporal chunks;
+    the plain call when neither applies."""
+    _check_settings(vae, tiles, temporal_chunk)
+    plain = vae.encode_posterior if encoding else vae.decode
+    with vae.conv_settings():
+        if not tiles.enabled and temporal_chunk is None:
+            return plain(x)
+        (vae.check_video if encoding else vae.check_latent)(x)
+        T, H, W = x.shape[2:]
+        # temporal_chunk counts video frames and tile sizes pixels: scale both to x's units.
+        per_frame, s = (1, vae.spatial_factor) if encoding else (vae.temporal_factor, 1)
+        chunk = temporal_chunk // per_frame if temporal_chunk is not None else T
+        chunks = _chunks(T, 1 + chunk, chunk)
+        tiled = _needs_tiles(tiles, H // s, W // s, vae.spatial_factor)
+        if not tiled and len(chunks) == 1:
+            return plain(x)
+        exact, fast = (_exact_encode, _fast_encode) if encoding else (_exact_decode, _fast_decode)
+        if tiled and tiles.exact:
+            return exact(vae, x, tiles, chunks, between or _nothing)
+        return fast(vae, x, tiles if tiled else TileSettings(), chunks, between or _nothing)
+
+
 def encode_posterior(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
                      temporal_chunk: Optional[int] = None,
                      between: Between = None) -> Tuple[Tensor, Tensor]:
@@ -611,23 +635,7 @@ def encode_posterior(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
     multiple of 4; exact). Without either this is the plain call. ``between()`` is called
     before every tile and temporal slice (exact mode: every layer's tile).
     """
-    _check_settings(vae, tiles, temporal_chunk)
-    between = between or _nothing
-    with vae.conv_settings():
-        if not tiles.enabled and temporal_chunk is None:
-            return vae.encode_posterior(video)
-        vae.check_video(video)
-        T, H, W = video.shape[2:]
-        s = vae.spatial_factor
-        chunk = temporal_chunk if temporal_chunk is not None else T
-        frame_chunks = _chunks(T, 1 + chunk, chunk)
-        tiled = _needs_tiles(tiles, H // s, W // s, s)
-        if not tiled and len(frame_chunks) == 1:
-            return vae.encode_posterior(video)
-        if tiled and tiles.exact:
-            return _exact_encode(vae, video, tiles, frame_chunks, between)
-        return _fast_encode(vae, video, tiles if tiled else TileSettings(), frame_chunks,
-                            between)
+    return _in_pieces(vae, video, tiles, temporal_chunk, between, encoding=True)
 
 
 def encode(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
@@ -646,22 +654,7 @@ def decode(vae: VideoAutoencoder, latent: Tensor, tiles: TileSettings,
     latent frames at a time (= ``1 + c, c, ...`` output frames; exact). Without either this
     is the plain call. ``between()`` is called as in :func:`encode_posterior`.
     """
-    _check_settings(vae, tiles, temporal_chunk)
-    between = between or _nothing
-    with vae.conv_settings():
-        if not tiles.enabled and temporal_chunk is None:
-            return vae.decode(latent)
-        vae.check_latent(latent)
-        t, h, w = latent.shape[2:]
-        chunk = temporal_chunk // vae.temporal_factor if temporal_chunk is not None else t
-        latent_chunks = _chunks(t, 1 + chunk, chunk)
-        tiled = _needs_tiles(tiles, h, w, vae.spatial_factor)
-        if not tiled and len(latent_chunks) == 1:
-            return vae.decode(latent)
-        if tiled and tiles.exact:
-            return _exact_decode(vae, latent, tiles, latent_chunks, between)
-        return _fast_decode(vae, latent, tiles if tiled else TileSettings(), latent_chunks,
-                            between)
+    return _in_pieces(vae, latent, tiles, temporal_chunk, between, encoding=False)
 
 
 __all__ = ["TileSettings", "encode_posterior", "encode", "decode", "tile_starts",
