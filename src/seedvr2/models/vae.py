@@ -46,7 +46,7 @@ class Encoder(nn.Module):
         kinds = down_kinds(len(widths), temporal_scale_num)
         self.down_blocks = nn.ModuleList(
             DownEncoderBlock3D(widths[max(i - 1, 0)], widths[i], layers_per_block, groups,
-                               kinds[i])
+                               downsample=kinds[i])
             for i in range(len(widths)))
         self.mid_block = UNetMidBlock3D(widths[-1], groups)
         self.conv_norm_out = FrameGroupNorm(groups, widths[-1], eps=NORM_EPS)
@@ -73,7 +73,7 @@ class Decoder(nn.Module):
         kinds = up_kinds(len(widths), temporal_scale_num)
         self.up_blocks = nn.ModuleList(
             UpDecoderBlock3D(widths[max(i - 1, 0)], widths[i], layers_per_block + 1, groups,
-                             kinds[i])
+                             upsample=kinds[i])
             for i in range(len(widths)))
         self.conv_norm_out = FrameGroupNorm(groups, widths[-1], eps=NORM_EPS)
         self.conv_out = CausalConv3d(widths[-1], out_channels, 3, padding=1)

@@ -434,42 +434,44 @@ class Upsample3D(nn.Module):
         return self.conv.forward_padded(buf, cache)
 
 
-class _ResnetStage(nn.Module):
-    """``num_layers`` residual blocks, then an optional re-sampler, kept in the list named
-    ``RESAMPLERS`` (the checkpoint's key)."""
-
-    RESAMPLERS: str
-    RESAMPLER: type
+class DownEncoderBlock3D(nn.Module):
+    """``num_layers`` residual blocks, then an optional :class:`Downsample3D`."""
 
     def __init__(self, in_channels: int, out_channels: int, num_layers: int, groups: int,
-                 resample: Optional[str]) -> None:
+                 downsample: Optional[str]) -> None:
         super().__init__()
         self.resnets = nn.ModuleList(
             ResnetBlock3D(in_channels if i == 0 else out_channels, out_channels, groups)
             for i in range(num_layers))
-        setattr(self, self.RESAMPLERS,
-                nn.ModuleList([self.RESAMPLER(out_channels, resample == "time")])
-                if resample else None)
+        self.downsamplers = (nn.ModuleList([Downsample3D(out_channels, downsample == "time")])
+                             if downsample else None)
 
     def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
         for resnet in self.resnets:
             x = resnet(x, cache)
-        resamplers = getattr(self, self.RESAMPLERS)
-        if resamplers is not None:
-            x = resamplers[0](x, cache)
+        if self.downsamplers is not None:
+            x = self.downsamplers[0](x, cache)
         return x
 
 
-class DownEncoderBlock3D(_ResnetStage):
-    """``num_layers`` residual blocks, then an optional :class:`Downsample3D`."""
-
-    RESAMPLERS, RESAMPLER = "downsamplers", Downsample3D
-
-
-class UpDecoderBlock3D(_ResnetStage):
+class UpDecoderBlock3D(nn.Module):
     """``num_layers`` residual blocks, then an optional :class:`Upsample3D`."""
 
-    RESAMPLERS, RESAMPLER = "upsamplers", Upsample3D
+    def __init__(self, in_channels: int, out_channels: int, num_layers: int, groups: int,
+                 upsample: Optional[str]) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList(
+            ResnetBlock3D(in_channels if i == 0 else out_channels, out_channels, groups)
+            for i in range(num_layers))
+        self.upsamplers = (nn.ModuleList([Upsample3D(out_channels, upsample == "time")])
+                           if upsample else None)
+
+    def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
+        for resnet in self.resnets:
+            x = resnet(x, cache)
+        if self.upsamplers is not None:
+            x = self.upsamplers[0](x, cache)
+        return x
 
 
 class UNetMidBlock3D(nn.Module):
