@@ -535,66 +535,57 @@ def _layout(vae: VideoAutoencoder, tiles: TileSettings, h: int, w: int, scale: i
             _axis_spans(w, size, overlap, scale, dtype, device))
 
 
-def _fast_encode(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
-                 frame_chunks: List[Tuple[int, int]], between: Between) -> Tuple[Tensor, Tensor]:
-    B, _, T, H, W = video.shape
+def _fast(vae: VideoAutoencoder, x: Tensor, tiles: TileSettings,
+          chunks: List[Tuple[int, int]], between: Between, encoding: bool):
+    """Encode (``(mean, logvar)``) or decode (video) ``x`` in independent overlapping tiles,
+    cross-faded, each tile's temporal chunks through one cache."""
+    B, _, T, H, W = x.shape
     s, f, dtype = vae.spatial_factor, vae.temporal_factor, vae.dtype
-    h, w, t = H // s, W // s, (T - 1) // f + 1
-    rows, cols = _layout(vae, tiles, h, w, 1, video.device)
-    shape = (B, vae.latent_channels, t, h, w)
-    mean = torch.zeros(shape, dtype=dtype, device=video.device)
-    logvar = torch.zeros(shape, dtype=dtype, device=video.device)
+    # Tiles are cut on the latent grid: samples per latent of the input and of the output.
+    x_per, out_per = (s, 1) if encoding else (1, s)
+    h, w = H // x_per, W // x_per
+    rows, cols = _layout(vae, tiles, h, w, out_per, x.device)
+    if encoding:
+        shape = (B, vae.latent_channels, (T - 1) // f + 1, h, w)
+    else:
+        shape = (B, vae.config.out_channels, f * (T - 1) + 1, h * s, w * s)
+    outs = [torch.zeros(shape, dtype=dtype, device=x.device) for _ in range(1 + encoding)]
     for row in rows:
         for col in cols:
             weight = _tile_weight(row, col)
-            cache = CausalCache() if len(frame_chunks) > 1 else None  # one per tile
-            for f0, f1 in frame_chunks:
+            cache = CausalCache() if len(chunks) > 1 else None  # one per tile
+            for a0, a1 in chunks:
                 between()
                 # The slice is a strided view; .contiguous() copies just this piece.
-                piece = video[:, :, f0:f1, row.start * s:row.stop * s,
-                              col.start * s:col.stop * s].to(dtype).contiguous()
-                moments = vae.encoder(piece, cache)
+                piece = x[:, :, a0:a1, row.start * x_per:row.stop * x_per,
+                          col.start * x_per:col.stop * x_per].to(dtype).contiguous()
+                results = _fast_piece(vae, piece, cache, encoding)
                 del piece
-                if vae.quant_conv is not None:  # 1x1x1: no temporal state
-                    moments = vae.quant_conv(moments)
-                m, lv = moments.chunk(2, dim=1)
-                # Video frame 0 has latent frame 0; later chunks start at frame 1 + 4k -> k + 1.
-                l0 = 0 if f0 == 0 else (f0 - 1) // f + 1
-                region = (slice(None), slice(None), slice(l0, l0 + m.shape[2]),
-                          slice(row.start, row.stop), slice(col.start, col.stop))
-                _blend_into(mean, region, m, weight)
-                # Clamp per tile, as the plain call does; a blend of clamped values stays inside.
-                _blend_into(logvar, region, lv.clamp(LOGVAR_MIN, LOGVAR_MAX), weight)
-                del moments, m, lv
-    return mean, logvar
+                # Video frame 0 has latent frame 0; latent frame k > 0 has video frames
+                # 4k-3 .. 4k, so a chunk from video frame 1 + 4k starts at latent frame k + 1.
+                o0 = 0 if a0 == 0 else ((a0 - 1) // f + 1 if encoding else f * (a0 - 1) + 1)
+                region = (slice(None), slice(None), slice(o0, o0 + results[0].shape[2]),
+                          slice(row.start * out_per, row.stop * out_per),
+                          slice(col.start * out_per, col.stop * out_per))
+                for out, result in zip(outs, results):
+                    _blend_into(out, region, result, weight)
+                del results
+    return tuple(outs) if encoding else outs[0]
 
 
-def _fast_decode(vae: VideoAutoencoder, latent: Tensor, tiles: TileSettings,
-                 latent_chunks: List[Tuple[int, int]], between: Between) -> Tensor:
-    B, _, t, h, w = latent.shape
-    s, f, dtype = vae.spatial_factor, vae.temporal_factor, vae.dtype
-    rows, cols = _layout(vae, tiles, h, w, s, latent.device)
-    out = torch.zeros((B, vae.config.out_channels, f * (t - 1) + 1, h * s, w * s), dtype=dtype,
-                      device=latent.device)
-    for row in rows:
-        for col in cols:
-            weight = _tile_weight(row, col)
-            cache = CausalCache() if len(latent_chunks) > 1 else None  # one per tile
-            for l0, l1 in latent_chunks:
-                between()
-                z = latent[:, :, l0:l1, row.start:row.stop, col.start:col.stop] \
-                    .to(dtype).contiguous()
-                if vae.post_quant_conv is not None:  # 1x1x1: no temporal state
-                    z = vae.post_quant_conv(z)
-                piece = vae.decoder(z, cache)
-                del z
-                # Latent frame 0 decodes to video frame 0, latent frame k > 0 to 4k-3 .. 4k.
-                v0 = 0 if l0 == 0 else f * (l0 - 1) + 1
-                region = (slice(None), slice(None), slice(v0, v0 + piece.shape[2]),
-                          slice(row.start * s, row.stop * s), slice(col.start * s, col.stop * s))
-                _blend_into(out, region, piece, weight)
-                del piece
-    return out
+def _fast_piece(vae: VideoAutoencoder, piece: Tensor, cache: Optional[CausalCache],
+                encoding: bool) -> Tuple[Tensor, ...]:
+    """One tile's chunk through the encoder, ``(mean, logvar)`` with ``logvar`` clamped per
+    tile as the plain call does (a blend of clamped values stays inside), or the decoder."""
+    if encoding:
+        moments = vae.encoder(piece, cache)
+        if vae.quant_conv is not None:  # 1x1x1: no temporal state
+            moments = vae.quant_conv(moments)
+        mean, logvar = moments.chunk(2, dim=1)
+        return mean, logvar.clamp(LOGVAR_MIN, LOGVAR_MAX)
+    if vae.post_quant_conv is not None:  # 1x1x1: no temporal state
+        piece = vae.post_quant_conv(piece)
+    return (vae.decoder(piece, cache),)
 
 
 # -- encode / decode --------------------------------------------------------------------------
@@ -617,10 +608,11 @@ def _in_pieces(vae: VideoAutoencoder, x: Tensor, tiles: TileSettings,
         tiled = _needs_tiles(tiles, H // s, W // s, vae.spatial_factor)
         if not tiled and len(chunks) == 1:
             return plain(x)
-        exact, fast = (_exact_encode, _fast_encode) if encoding else (_exact_decode, _fast_decode)
         if tiled and tiles.exact:
+            exact = _exact_encode if encoding else _exact_decode
             return exact(vae, x, tiles, chunks, between or _nothing)
-        return fast(vae, x, tiles if tiled else TileSettings(), chunks, between or _nothing)
+        return _fast(vae, x, tiles if tiled else TileSettings(), chunks, between or _nothing,
+                     encoding)
 
 
 def encode_posterior(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
