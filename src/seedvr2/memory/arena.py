@@ -79,12 +79,9 @@ def _not_cleared(runtime: CudaRuntime) -> str:
 
 def cuda_pin(buffer: torch.Tensor, device: Optional[torch.device] = None,
              runtime: Optional[CudaRuntime] = None) -> Optional[Callable[[], None]]:
-    """Page-lock ``buffer`` with ``cudaHostRegister`` (no rounding, no caching allocator).
-
-    ``device`` is the one GPU the buffer's copies go to (``None``: the current one): unpinning
-    waits for it alone. On failure the runtime's error is read and reset (see
-    :class:`CudaRuntime`) and ``None`` returned: the arena then uploads through a small pinned
-    staging buffer (:class:`PinnedStaging`).
+    """Page-lock ``buffer`` with ``cudaHostRegister`` (no rounding, no caching allocator); unpinning
+    waits for ``device`` alone (``None``: the current GPU). On failure the runtime's error is reset
+    and ``None`` returned: the arena then uploads through :class:`PinnedStaging`.
     """
     runtime = runtime or CudaRuntime()
     ptr, nbytes = buffer.data_ptr(), buffer.numel() * buffer.element_size()

@@ -62,11 +62,8 @@ class SwapSchedule:
 class BlockSwap:
     """Attach BlockSwap to a NaDiT. ``detach()`` restores plain placement on ``device``.
 
-    Every weight keeps one host copy in a :class:`~seedvr2.memory.placement.WeightStore`
-    (pinned when the compute device is CUDA). A tensor referenced from several units (the
-    RoPE frequency table all blocks share) belongs to none of them: it stays resident with
-    the never-swapped weights, is copied to the device once, and every block reads that copy.
-    ``pin`` = "auto": pin where it pays (CPU host, CUDA compute); else a pin hook or None.
+    Tensors shared by several units (the RoPE table) stay resident with the never-swapped
+    weights. ``pin`` = "auto": pin where it pays (CPU host, CUDA compute); else a pin hook or None.
     """
 
     INPUT_MODULES = ("vid_in", "txt_in", "emb_in")

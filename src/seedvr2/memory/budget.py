@@ -661,12 +661,10 @@ def auto_batch_size(budget: Budget, job: Job, place: Placement, available: Mappi
 def exact_tiling_host_bytes(cfg: VAEConfig, batch: int, height: int, width: int, itemsize: int,
                             decode_slice: Optional[int], encode_slice: Optional[int],
                             stages: tuple = ("encode", "decode")) -> int:
-    """Host RAM the exact tiling mode holds in frame-wide planes (``TileSettings.exact``,
-    ``state_device`` cpu): at full resolution about three planes live at once (the decoder's
-    last up block: ``block_out_channels[1] + 2 * block_out_channels[0]`` channels; the
-    encoder's first: ``3 * block_out_channels[0]``), over the frames in flight (the batch, or
-    ``1 + slice`` plus two carried frames per causal conv when slicing), in the model dtype,
-    for the tiled ``stages``."""
+    """Host RAM the exact tiling mode holds in frame-wide planes (``state_device`` cpu) for the
+    tiled ``stages``: about three full-resolution planes over the frames in flight, in the model
+    dtype (docs/memory.md, "Exact spatial tiles").
+    """
     c0, c1 = cfg.block_out_channels[0], cfg.block_out_channels[min(1, len(cfg.block_out_channels) - 1)]
 
     def frames(slice_: Optional[int]) -> int:

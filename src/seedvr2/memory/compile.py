@@ -57,11 +57,8 @@ class CompileSettings:
 
 
 def _compile_forward(module: nn.Module, settings: CompileSettings, shared: dict):
-    """Route ``module.forward`` through a compiled copy of its class's forward.
-
-    Compiling the unbound function once per class (``shared``) lets modules of one structure
-    (all DiT blocks alike) share graphs: with parameters traced as inputs, a second block of
-    the same kind reuses the first one's graph instead of compiling its own.
+    """Route ``module.forward`` through a compiled copy of its class's forward, compiled once per
+    class (``shared``) so modules of one structure (all DiT blocks alike) share graphs.
     """
     eager = module.forward
     function = type(module).forward

@@ -44,12 +44,8 @@ class NonFiniteError(RuntimeError):
 
 
 def check_finite(values: torch.Tensor, phase: str, dtype: torch.dtype):
-    """Raise :class:`NonFiniteError` when ``values`` (a phase's fp16 output) holds NaN or inf.
-
-    fp16 tops out at 65504; activations of these models can exceed it where bf16 (the
-    precision they were trained in) cannot overflow. Only fp16 is checked: the check
-    reads one flag back from the device (a host sync) per batch and phase, which is cheap
-    against a DiT or VAE call, and bf16/fp32 do not overflow this way.
+    """Raise :class:`NonFiniteError` when ``values`` (a phase's fp16 output) holds NaN or inf;
+    one flag read back per batch and phase (docs/memory.md, ``dtype`` auto).
     """
     if dtype != torch.float16 or bool(torch.isfinite(values).all()):
         return

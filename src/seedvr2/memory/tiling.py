@@ -618,14 +618,10 @@ def _in_pieces(vae: VideoAutoencoder, x: Tensor, tiles: TileSettings,
 def encode_posterior(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
                      temporal_chunk: Optional[int] = None,
                      between: Between = None) -> Tuple[Tensor, Tensor]:
-    """``vae.encode_posterior(video)`` in spatial tiles and/or causal temporal chunks.
-
-    Same contract: ``video`` ``(B, 3, T, H, W)`` in [-1, 1] with ``T = 4n + 1`` and ``H, W``
-    multiples of 8; returns ``(mean, logvar)``, each ``(B, 16, n + 1, H/8, W/8)`` in the VAE's
-    dtype, ``logvar`` clamped to [-30, 20]. ``tiles`` tiles the input in pixels;
-    ``temporal_chunk`` = ``c`` encodes frames in chunks of ``1 + c, c, c, ...`` (``c`` a
-    multiple of 4; exact). Without either this is the plain call. ``between()`` is called
-    before every tile and temporal slice (exact mode: every layer's tile).
+    """``vae.encode_posterior(video)`` (same contract) in spatial tiles and/or causal temporal
+    chunks: ``tiles`` in pixels; ``temporal_chunk`` = ``c`` (a multiple of 4) encodes frames in
+    chunks of ``1 + c, c, c, ...`` (exact). Without either this is the plain call. ``between()``
+    is called before every tile and temporal slice (exact mode: every layer's tile).
     """
     return _in_pieces(vae, video, tiles, temporal_chunk, between, encoding=True)
 
@@ -638,13 +634,10 @@ def encode(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
 
 def decode(vae: VideoAutoencoder, latent: Tensor, tiles: TileSettings,
            temporal_chunk: Optional[int] = None, between: Between = None) -> Tensor:
-    """``vae.decode(latent)`` in spatial tiles and/or causal temporal chunks.
-
-    Same contract: ``latent`` ``(B, 16, t, h, w)`` unscaled, channels-first; returns video
-    ``(B, 3, 4(t - 1) + 1, 8h, 8w)`` in the VAE's dtype. ``tiles`` tiles the latent
-    (``tile_size / 8`` latents); ``temporal_chunk`` = ``c`` decodes ``1 + c/4, c/4, ...``
-    latent frames at a time (= ``1 + c, c, ...`` output frames; exact). Without either this
-    is the plain call. ``between()`` is called as in :func:`encode_posterior`.
+    """``vae.decode(latent)`` (same contract) in spatial tiles and/or causal temporal chunks:
+    ``tiles`` in pixels (``tile_size / 8`` latents); ``temporal_chunk`` = ``c`` decodes
+    ``1 + c/4, c/4, ...`` latent frames at a time (exact). Without either this is the plain
+    call. ``between()`` is called as in :func:`encode_posterior`.
     """
     return _in_pieces(vae, latent, tiles, temporal_chunk, between, encoding=False)
 
