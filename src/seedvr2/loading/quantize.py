@@ -21,7 +21,7 @@ import torch
 from ..options import option_ref
 from .formats import CheckpointError, TensorSource, open_weights
 from .quantized import (E2M1_MAX, E2M1_VALUES, E4M3_MAX, PackedWeight, regular_hadamard,
-                        swizzle_block_scales)
+                        scan_safetensors_layout, swizzle_block_scales)
 
 GGUF_TARGETS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16", "F16")
 SAFETENSORS_TARGETS = ("fp8_e4m3fn", "fp8_e5m2", "int8", "int8_convrot", "mxfp8", "nvfp4")
@@ -305,20 +305,14 @@ def pack_weight(weight: torch.Tensor, target: str) -> Optional[PackedWeight]:
     found = _layer_layout(target, "layer", tuple(weight.shape))
     if found is None:
         return None
-    conf, _ = found
+    conf, layout = found
     marker = torch.frombuffer(bytearray(json.dumps(conf).encode()), dtype=torch.uint8)
-    parts = _encode(weight, target, marker)[:-1]
-    if target in _FP8:
-        return PackedWeight("float", tuple(weight.shape), dict(zip(("data", "scale"), parts)))
-    if target == "mxfp8":
-        return PackedWeight("mxfp8", tuple(weight.shape),
-                            {"data": parts[0], "scale": parts[1].view(torch.uint8)})
-    if target == "nvfp4":
-        return PackedWeight("nvfp4", tuple(weight.shape),
-                            dict(zip(("data", "scale", "scale_2"), parts)))
-    scheme = "int8_rows" if target == "int8" else "int8_convrot"
-    params = {"group_size": conf["convrot_groupsize"]} if "convrot" in conf else {}
-    return PackedWeight(scheme, tuple(weight.shape), dict(zip(("data", "scale"), parts)), params)
+    # The tensors of the file, read back through the loader's own layout scan.
+    tensors = dict(zip([*layout, "layer.comfy_quant"], _encode(weight, target, marker)))
+    read = scan_safetensors_layout({k: tuple(t.shape) for k, t in tensors.items()},
+                                   {k: t.dtype for k, t in tensors.items()}, {},
+                                   lambda key: tensors[key].cpu().numpy().tobytes())
+    return read.packed["layer.weight"].read(tensors.__getitem__)
 
 
 def _safetensors_plan(src: TensorSource, target: str, keep):
