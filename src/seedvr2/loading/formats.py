@@ -68,7 +68,7 @@ class TensorSource:
         return config.get("constructor_kwargs", config)
 
 
-_SAFETENSORS_DTYPES = {
+SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
     "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
@@ -147,7 +147,7 @@ def read_safetensors_header(path: Path) -> tuple[dict, dict]:
             raise CheckpointError(f"{path}: corrupt safetensors header (tensor {name!r}: "
                                   f"{problem})")
         begin, end = entry["data_offsets"]
-        need = math.prod(entry["shape"]) * _SAFETENSORS_DTYPES[entry["dtype"]].itemsize
+        need = math.prod(entry["shape"]) * SAFETENSORS_DTYPES[entry["dtype"]].itemsize
         if end - begin != need:
             raise CheckpointError(f"{path}: corrupt safetensors header (tensor {name!r}: shape "
                                   f"{entry['shape']} of {entry['dtype']} needs {need} bytes, its "
@@ -183,7 +183,7 @@ def _tensor_entry_problem(entry) -> str | None:
             return f"no {key}"
     if not isinstance(entry["dtype"], str):
         return "dtype is not a string"
-    if entry["dtype"] not in _SAFETENSORS_DTYPES:
+    if entry["dtype"] not in SAFETENSORS_DTYPES:
         return f"unsupported dtype {entry['dtype']!r}"
     shape = entry["shape"]
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
@@ -211,7 +211,7 @@ def _open_safetensors(path: Path) -> TensorSource:
     try:
         layout = scan_safetensors_layout(
             {k: tuple(header[f]["shape"]) for k, f in file_key.items()},
-            {k: _SAFETENSORS_DTYPES[header[f]["dtype"]] for k, f in file_key.items()},
+            {k: SAFETENSORS_DTYPES[header[f]["dtype"]] for k, f in file_key.items()},
             metadata, lambda key: read(key).numpy().tobytes())
     except LayoutError as e:
         handle.__exit__(None, None, None)

@@ -19,7 +19,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..options import option_ref
-from .formats import CheckpointError, TensorSource, open_weights
+from .formats import SAFETENSORS_DTYPES, CheckpointError, TensorSource, open_weights
 from .quantized import (E2M1_MAX, E2M1_VALUES, E4M3_MAX, PackedWeight, regular_hadamard,
                         scan_safetensors_layout, swizzle_block_scales)
 
@@ -33,9 +33,7 @@ ALWAYS_KEEP = ("vid_in.", "txt_in.", "emb_in.", "vid_out.", "encoder.conv_in.",
                "positive_conditioning", "negative_conditioning")
 _BLOCK = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "BF16": 1, "F16": 1}
 _FP8 = {"fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-_ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-             torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int8: "I8",
-             torch.uint8: "U8", torch.float8_e8m0fnu: "F8_E8M0"}
+_ST_DTYPE = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}  # the header's names
 
 
 def _stored_float(dtype: torch.dtype) -> torch.dtype:

@@ -1,13 +1,9 @@
 """Known released SeedVR2 files, where model files live on this machine, and downloads.
 
-A model is named either by a registered file name (looked up in the model folder) or by a path.
-Registered names never contain folders, so a name cannot reach outside the model folder; other
-names from workflows are checked by :func:`model_path_in` (``allow_paths=False``), and only
-an explicit path on the command line may point elsewhere.
-
-:func:`download` fetches a registered file with ``huggingface_hub`` (resumable) into the model
-folder and accepts it only when its sha256 matches the registry. :func:`resolve_model_files`
-checks every file a job needs before it downloads any, so one error names all that are missing.
+A model is a registered file name (looked up in the model folder) or a path; names from
+workflows cannot leave the model folder (:func:`model_path_in`). :func:`download` fetches a
+registered file with ``huggingface_hub`` and checks its sha256; :func:`resolve_model_files`
+looks for every file a job needs before it downloads any.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Which arithmetic a quantised linear layer multiplies in, decided in one place per layer
-and device.
-
-``compute_precision`` ``weights`` dequantises every packed weight to the compute dtype and
-multiplies there (memory is saved, time is not). ``auto`` sends a layer to the GPU's
-low-precision product for its weights' format (int8, fp8 e4m3, mxfp8, nvfp4 through
-comfy-kitchen, from the compute capability in :data:`MIN_CAPABILITY`), its activations
-quantised inside each forward. Everything else keeps the dequantise path; so does a call a
-kernel declines at run time (see ``loading.lowp``). The paths, the GPUs they need and each
-one's error bound: docs/memory.md, "Quantised weights: compute_precision".
+and device: ``weights`` (dequantise to the compute dtype) or, with ``compute_precision auto``
+on a GPU of :data:`MIN_CAPABILITY`, comfy-kitchen's low-precision product for the weights'
+format (``loading.lowp``). Paths, GPUs and error bounds: docs/memory.md, "Quantised weights:
+compute_precision".
 """
 
 from __future__ import annotations

@@ -162,13 +162,9 @@ class VideoAutoencoder(nn.Module):
         return mean.contiguous(), logvar.clamp(LOGVAR_MIN, LOGVAR_MAX)
 
     def encode(self, video: Tensor) -> Tensor:
-        """The posterior mean (mode) of ``video``.
-
-        ``video``: ``(B, 3, T, H, W)`` in [-1, 1] with ``T = 4n + 1`` and ``H, W`` multiples
-        of 8. Returns ``(B, 16, n + 1, H/8, W/8)``, channels-first, *unscaled*: the SeedVR2
-        pipeline's latent is ``encode(video) * 0.9152`` moved to channels-last
-        ``(t, h, w, 16)`` per sample. For the sampled latent the official pipeline uses, see
-        :meth:`encode_posterior` and :meth:`sample_posterior`.
+        """The posterior mean (mode) of ``video``: ``(B, 16, n + 1, H/8, W/8)``, channels-first,
+        *unscaled* (docs/models.md, "Scaling and names"); arguments as :meth:`encode_posterior`.
+        For the sampled latent the official pipeline uses, see :meth:`sample_posterior`.
         """
         return self.encode_posterior(video)[0]
 
