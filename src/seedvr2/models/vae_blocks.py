@@ -24,13 +24,8 @@ NORM_EPS = 1e-6
 ATTENTION_SCORE_BUDGET = 1 << 28
 
 # Largest tensor (elements) one conv3d call reads or writes, and largest norm input upcast to
-# float32 in one piece. At 1080p the decoder's last stages convolve (1, 256, 7, 1088, 1920) =
-# 3.7e9 elements: cuDNN takes tensors of 2^31 elements or more only from 9.3 on and older
-# builds fall back to a slow path with a huge workspace; a bf16 norm input that size would be
-# upcast into a 15 GB float32 copy. Larger convs run in bands of rows with the kernel's halo
-# (:func:`conv3d_in_bands`), larger upcasting norms in groups of channels — both exact.
-# 2^30 keeps well clear of the 2^31 limit while each band stays big enough to run at full speed.
-# A module attribute, so that tests (and anyone on an old cuDNN short of memory) can lower it.
+# float32 in one piece: well under cuDNN's 2^31 limit (docs/models.md, "Large tensors"). A
+# module attribute, so that tests (and anyone on an old cuDNN short of memory) can lower it.
 SPLIT_ELEMENTS = 1 << 30
 
 
