@@ -50,14 +50,11 @@ def _nearest_multiples(value: int, multiple: int, allow_zero: bool = False) -> s
 
 @dataclass(frozen=True)
 class TileSettings:
-    """Spatial tiling of VAE encode or decode, sizes in pixels (of the video side).
-
-    ``tile_size`` and ``tile_overlap`` are multiples of 8, the VAE's spatial factor: tiles are cut
-    on the latent grid, aligned with the whole frame's at every level (the ``vae_*_tile_size`` /
-    ``vae_*_tile_overlap`` options); the overlap is smaller than the tile. ``exact`` (default):
-    layer by layer over frame-wide planes on ``state_device`` (``None``: the VAE's device),
-    untiled up to rounding, ``tile_overlap`` unused; ``exact=False``: independent cross-faded
-    tiles (the overlap should cover the ~48-pixel border error, as the default 64 does).
+    """Spatial tiling of VAE encode or decode (the ``vae_*_tile*`` options), sizes in pixels of the
+    video side: multiples of 8, as tiles are cut on the latent grid; the overlap is smaller than
+    the tile. ``exact`` (default): frame-wide planes on ``state_device`` (``None``: the VAE's
+    device), ``tile_overlap`` unused; ``exact=False``: independent cross-faded tiles, whose
+    overlap should cover the ~48-pixel border error (docs/memory.md, "VAE tiling").
     """
 
     enabled: bool = False
