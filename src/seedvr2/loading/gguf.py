@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .formats import CheckpointError, TensorSource
+from .formats import COMFY_PREFIX, CheckpointError, TensorSource
 from .quantized import PackedEntry, PackedWeight, device_constant
 
 
@@ -32,7 +32,6 @@ BLOCK_SIZES: dict[str, tuple[int, int]] = {
 PLAIN_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 SUPPORTED_TYPES = (*PLAIN_TYPES, *BLOCK_SIZES)
 
-PREFIX = "model.diffusion_model."
 ORIG_SHAPE_KEY = "comfy.gguf.orig_shape."
 CONFIG_KEY = "seedvr2.config"
 
@@ -552,7 +551,7 @@ def open_gguf(path: Path) -> TensorSource:
     size = path.stat().st_size
     fields = reader.fields
     names = [t.name for t in reader.tensors]
-    has_prefix = any(n.startswith(PREFIX) for n in names)
+    has_prefix = any(n.startswith(COMFY_PREFIX) for n in names)
     shapes: dict[str, tuple[int, ...]] = {}
     dtypes: dict[str, torch.dtype] = {}
     plain: dict[str, torch.Tensor] = {}
@@ -560,7 +559,7 @@ def open_gguf(path: Path) -> TensorSource:
     blocks: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         name = tensor.name
-        key = name[len(PREFIX):] if has_prefix and name.startswith(PREFIX) else name
+        key = name[len(COMFY_PREFIX):] if has_prefix and name.startswith(COMFY_PREFIX) else name
         qtype = tensor.tensor_type.name
         if qtype not in SUPPORTED_TYPES:
             raise CheckpointError(f"{path}: tensor {name!r} has GGML type {qtype}, which this "

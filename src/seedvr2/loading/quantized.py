@@ -401,7 +401,7 @@ def _conf(conf: dict, name: str, default):
     return conf.get(name, params.get(name, default))
 
 
-def _comfy_entry(layer: str, conf: dict, shapes, dtypes) -> PackedEntry:
+def _comfy_entry(layer: str, conf: dict, shapes) -> PackedEntry:
     fmt = conf["format"]
     key = f"{layer}.weight"
     if key not in shapes:
@@ -469,7 +469,7 @@ def scan_safetensors_layout(shapes: Mapping[str, tuple], dtypes: Mapping[str, to
     configs = _layer_configs(shapes, metadata, read_bytes)
     packed: dict[str, PackedEntry] = {}
     for layer, conf in configs.items():
-        packed[f"{layer}.weight"] = _comfy_entry(layer, conf, shapes, dtypes)
+        packed[f"{layer}.weight"] = _comfy_entry(layer, conf, shapes)
     for key, dtype in dtypes.items():
         if key in packed or not key.endswith(".weight") or len(shapes[key]) < 2:
             continue
