@@ -1,13 +1,9 @@
 """The example workflows in ``example_workflows/``, described once and written in both formats.
 
-Each example is a small graph (:class:`Example`, its nodes in layout columns); :func:`ui_workflow`
-writes what the editor saves (nodes with positions and sizes, links, widget values in widget
-order -- including the editor's extra values after a seed and a file upload -- and the view it
-opens with) and :func:`api_prompt` the API format, into ``api/`` (ComfyUI lists every
-``example_workflows/*.json`` as a template, and an API-format file opens as an empty canvas).
-:func:`thumbnails` runs each example and saves its result as the template's ``<name>.jpg``.
-Tests check that the committed files are what this module writes, and that converting each UI
-file with :mod:`.convert` gives its API twin.
+Each example is a small graph (:class:`Example`, its nodes in layout columns): :func:`ui_workflow`
+writes what the editor saves, :func:`api_prompt` its API twin into ``api/``, :func:`thumbnails`
+the template's ``<name>.jpg`` (docs/comfyui.md, "Example workflows"). Tests check the committed
+files are what this module writes, and that converting each UI file gives its API twin.
 
     python -m seedvr2.workflow.examples [FOLDER]    # rewrite the examples (after node changes)
     python -m seedvr2.workflow.examples --thumbnails    # and the thumbnails (minutes)
@@ -206,24 +202,9 @@ def ui_workflow(example: Example) -> dict:
     placed = layout(example, nodes)
     links, ui_nodes = [], []
     by_id = {n.id: n for n in example.nodes}
-    outgoing: dict = {}
-    def socket_inputs(node):
-        """Sockets, then widgets fed by a link (the editor's order for converted widgets)."""
-        inputs = nodes[node.type].inputs
-        return [i for i in inputs if not i.is_widget] + \
-            [i for i in inputs if i.is_widget and i.name in node.links]
-
-    for node in sorted(example.nodes, key=lambda n: n.id):
-        for slot, inp in enumerate(socket_inputs(node)):
-            if inp.name in node.links:
-                source, source_slot = node.links[inp.name]
-                link_id = len(links) + 1
-                kind = nodes[by_id[source].type].outputs[source_slot].type
-                links.append([link_id, source, source_slot, node.id, slot, kind])
-                outgoing.setdefault((source, source_slot), []).append(link_id)
+    outgoing: dict = {}  # (node id, output slot) -> link ids, filled as later nodes link to it
     for node in sorted(example.nodes, key=lambda n: n.id):
         definition = nodes[node.type]
-        sockets = socket_inputs(node)
         widgets_values = []
         for inp in definition.inputs:
             if not inp.is_widget:
@@ -233,9 +214,18 @@ def ui_workflow(example: Example) -> dict:
                 widgets_values.append(inp.control_after_generate)
         if any(inp.upload for inp in definition.inputs):
             widgets_values.append("image")  # the upload button, added after the other widgets
+        # Sockets, then widgets fed by a link (the editor's order for converted widgets).
+        sockets = [i for i in definition.inputs if not i.is_widget] + \
+            [i for i in definition.inputs if i.is_widget and i.name in node.links]
         inputs = []
         for slot, inp in enumerate(sockets):
-            link = next((l[0] for l in links if l[3] == node.id and l[4] == slot), None)
+            link = None
+            if inp.name in node.links:
+                source, source_slot = node.links[inp.name]
+                link = len(links) + 1
+                kind = nodes[by_id[source].type].outputs[source_slot].type
+                links.append([link, source, source_slot, node.id, slot, kind])
+                outgoing.setdefault((source, source_slot), []).append(link)
             entry = {"name": inp.name, "type": inp.type, "link": link}
             if inp.is_widget:
                 entry["widget"] = {"name": inp.name}
@@ -243,7 +233,7 @@ def ui_workflow(example: Example) -> dict:
                 entry["shape"] = 7  # the editor draws optional sockets hollow
             inputs.append(entry)
         outputs = [{"name": out.name, "type": out.type,
-                    "links": outgoing.get((node.id, slot), []), "slot_index": slot}
+                    "links": outgoing.setdefault((node.id, slot), []), "slot_index": slot}
                    for slot, out in enumerate(definition.outputs)]
         pos, size = placed[node.id]
         ui_nodes.append({

@@ -13,18 +13,11 @@ log = logging.getLogger("seedvr2")
 
 
 def confined_input_path(name: str, folders: dict) -> Path:
-    """The file a prompt's input name means, never outside the host's folders.
-
-    Every input file name of a prompt (LoadImage's ``image``, LoadVideo's ``file``, Upscale
-    Video File's ``video_path``) comes here, in ComfyUI and headless alike: a prompt may come
-    from anyone who reaches a ComfyUI started with ``--listen``, and an absolute path or a
-    ``..`` would let them read any video the server can open and get it back upscaled.
-    ``name`` is a path inside ``folders["input"]`` (subfolders allowed), or ComfyUI's annotated
-    form ``"name [output]"`` / ``"name [temp]"`` (``"[input]"`` too) for the other folders
-    given (as ``folder_paths.annotated_filepath`` reads it). Anything else raises ValueError.
-    The check is on the path as written (normalized), so links an administrator placed in
-    the input folder still work.
-    """
+    """The file a prompt's input name (LoadImage, LoadVideo, Upscale Video File) means, never
+    outside the host's folders: a prompt may come from anyone who reaches a ComfyUI started with
+    ``--listen``. ``name`` is a path inside ``folders["input"]``, or ComfyUI's annotated form
+    ``"name [output]"`` (``[temp]``, ``[input]``) for the other folders given; anything else
+    raises ValueError. Checked as written (normalized): links placed in the folder still work."""
     text, folder = name.strip(), "input"
     for tag in ("input", "output", "temp"):
         if text.endswith(f"[{tag}]") and tag in folders:

@@ -1,23 +1,17 @@
 """Our ComfyUI nodes, defined once and independent of ComfyUI.
 
-Each :class:`NodeDef` says what a node takes (:class:`Input`: type, default, range, choices,
-tooltip), what it returns and what it does (``run(host, **inputs)``). The ComfyUI pack
-(top-level ``nodes.py``) turns these into V3 or classic nodes and gives them a ComfyUI
-:class:`Host` (progress bar, interrupt flag, model folders, memory); the headless runner gives
-them its own. Nodes stay thin: they parse inputs, call the facade (:mod:`seedvr2.api`) and
-report progress.
-
-Every option input comes from the one option table (:mod:`seedvr2.options`): type, default,
-range, choices and tooltip. :data:`LOADER_SETTINGS` / :data:`UPSCALER_SETTINGS` name the inputs
-that carry another name (``cache_model`` is ``cache_dit`` on the DiT loader) and add only widget
-details. Optional inputs and unsupported compile settings, as users see them: docs/comfyui.md.
-
-Import cost: this module imports only :mod:`seedvr2.options`; torch, the models and the
-model registry load when a node runs or its dropdowns are listed.
+Each :class:`NodeDef` says what a node takes (:class:`Input`), returns and does
+(``run(host, **inputs)``); the ComfyUI pack (top-level ``nodes.py``) turns them into V3 or
+classic nodes with a ComfyUI :class:`Host`, the headless runner gives them its own. Nodes stay
+thin: they parse inputs, call the facade (:mod:`seedvr2.api`) and report progress. Every option
+input comes from the option table (:mod:`seedvr2.options`); :data:`LOADER_SETTINGS` /
+:data:`UPSCALER_SETTINGS` name those under another name. What users see: docs/comfyui.md.
+Import cost: only :mod:`seedvr2.options`; torch and the models load when a node runs.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -176,13 +170,9 @@ def _offload_choices(host) -> list:
 
 @dataclass(frozen=True)
 class Setting:
-    """A node input that is a library option under another name (architecture table).
-
-    The input's type, default, range, choices and tooltip all come from the option in
-    :data:`seedvr2.options.OPTIONS`; only how the editor shows it is said here: ``choices``
-    turns a free-form device option into a dropdown of what this machine has (the library
-    still checks the value), ``step`` is the widget's increment. An input that is not one
-    option (``torch_compile_args``) gives its own ``input_def`` and ``to_options``.
+    """A node input that is a library option under another name: all but how the editor shows
+    it (``choices``: a device dropdown of this machine's; ``step``) comes from the option. An
+    input that is not one option (``torch_compile_args``) gives ``input_def`` and ``to_options``.
     """
 
     input: str
@@ -340,24 +330,24 @@ class ModelHandle:
         return dict(self.settings)[name]
 
 
-_KIND_CACHE: dict = {}
-
-
 def _file_kind(path: Path) -> Optional[str]:
     """'dit', 'vae', or None for a file that is neither (text embeddings, other weights)."""
     try:
         stat = path.stat()
     except OSError:
         return None
-    key = (str(path), stat.st_size, stat.st_mtime_ns)
-    if key not in _KIND_CACHE:
-        from ..loading import CheckpointError, describe
+    return _kind_of_file(str(path), stat.st_size, stat.st_mtime_ns)
 
-        try:
-            _KIND_CACHE[key] = describe(path)["kind"]
-        except (CheckpointError, OSError, ValueError):
-            _KIND_CACHE[key] = None
-    return _KIND_CACHE[key]
+
+@functools.lru_cache(maxsize=None)
+def _kind_of_file(path: str, size: int, mtime_ns: int) -> Optional[str]:
+    """The header read once per file version (size and time are part of the key)."""
+    from ..loading import CheckpointError, describe
+
+    try:
+        return describe(Path(path))["kind"]
+    except (CheckpointError, OSError, ValueError):
+        return None
 
 
 def _local_models(host: Host, kind: str) -> list[str]:

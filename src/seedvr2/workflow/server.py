@@ -1,17 +1,7 @@
 """Run a prompt on a running ComfyUI server: upload its input files, POST /prompt, follow it,
-fetch the outputs (``seedvr2 run-workflow --server``; docs/comfyui.md says what users see).
-
-Progress is followed on ComfyUI's websocket with ``websocket-client`` (an optional dependency),
-opened before the prompt is queued so no event is missed; when it cannot be opened or drops,
-``/history/<prompt id>`` is polled instead. The finished prompt's history entry is the result
-either way.
-
-Input files the server does not list are uploaded from ``input_dir`` (POST /upload/image, as
-the editor's upload button does) and the input set to the name the server gave the file.
-Neither the workflow nor the server is trusted with the user's disk: an input name that leads
-outside ``input_dir`` (absolute, ``~``, ``..``, a link out) refuses the run before anything is
-sent (a workflow from someone else must not send the user's files away), and output paths the
-server lists outside the output folder refuse the whole download.
+fetch the outputs (``seedvr2 run-workflow --server``; what users see, and which paths are
+refused: docs/comfyui.md). The websocket is opened before the prompt is queued so no event is
+missed; ``/history/<prompt id>`` is polled when it fails, and its entry is the result either way.
 """
 
 from __future__ import annotations
@@ -387,9 +377,8 @@ def _server_files(object_info: dict) -> tuple[dict, set]:
 
 def upload_inputs(client: ComfyServer, prompt: dict, object_info: dict, input_dir,
                   on_upload: Optional[Callable[[Path, str], None]] = None) -> dict:
-    """``prompt`` with files of ``input_dir`` the server lacks uploaded and renamed (module
-    doc). Every name is checked before the first upload: one leading outside ``input_dir``
-    refuses the run with nothing sent."""
+    """``prompt`` with files of ``input_dir`` the server lacks uploaded and renamed. Every name
+    is checked before the first upload: one leading outside ``input_dir`` refuses the run."""
     file_inputs, listed = _server_files(object_info)
     prompt = json.loads(json.dumps(prompt))
     root = Path(input_dir).resolve()
