@@ -36,12 +36,9 @@ def confined_input_path(name: str, folders: dict) -> Path:
 
 
 class HeadlessHost:
-    """Runs nodes outside ComfyUI.
-
-    ``model_dir``: the model folder (default: ``$SEEDVR2_MODEL_DIR``, ComfyUI's models/SEEDVR2
-    when importable, else the user cache folder); ``input_dir``: where LoadImage / LoadVideo
-    names and relative video paths are looked up; ``output_dir``: where files are saved.
-    """
+    """Runs nodes outside ComfyUI: models from ``model_dir`` (default: ``$SEEDVR2_MODEL_DIR``,
+    ComfyUI's models/SEEDVR2 when importable, else the user cache folder), input file names
+    looked up in ``input_dir``, files saved in ``output_dir``."""
 
     def __init__(self, model_dir=None, input_dir=".", output_dir="output", quiet: bool = False):
         if model_dir is None:

@@ -318,16 +318,12 @@ def pipeline_options() -> list[Option]:
 
 @dataclass(frozen=True)
 class ModelHandle:
-    """What a loader node outputs: which file, and the loader's settings. Loading happens in the
-    upscaler (per run for now; a model cache keyed by this handle slots in there)."""
+    """What a loader node outputs: which file, and the loader's settings (the upscaler loads)."""
 
     kind: str  # "dit" or "vae"
     name: str  # as chosen in the dropdown
     path: str  # the resolved file
     settings: tuple = ()  # ((input name, value), ...) in LOADER_SETTINGS order
-
-    def setting(self, name: str):
-        return dict(self.settings)[name]
 
 
 def _file_kind(path: Path) -> Optional[str]:

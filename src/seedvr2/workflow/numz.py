@@ -127,6 +127,11 @@ def is_ours(node_type: str, info: Optional[dict]) -> bool:
 # Values
 
 
+# Choices that depend on the machine (files, devices): a value missing there is the user's to fix,
+# and validation names it; other choices are fixed lists, and a numz value not in one is noted.
+_MACHINE_CHOICES = ("model", "device", "offload_device")
+
+
 def _fits(value, kind: str) -> bool:
     if kind == "BOOLEAN":
         return isinstance(value, bool)
@@ -187,7 +192,8 @@ def _to_ours(node_label: str, table: NumzNode, named: dict, widgets: dict[str, _
         if widget.choices is not None and isinstance(value, bool):
             # numz's switch for a setting that is a choice here (compile "dynamic")
             value = str(value).lower()
-        if widget.choices is not None and value not in widget.choices and _static_choices(widget):
+        if widget.choices is not None and value not in widget.choices \
+                and widget.name not in _MACHINE_CHOICES:
             notes.append(f"{node_label}: numz's {name} = {value!r} is not available in this pack "
                          f"(choices: {', '.join(map(str, widget.choices))}); using "
                          f"{widget.default!r}")
@@ -208,12 +214,6 @@ def _out_of_range(value, widget: _Widget) -> bool:
         return False
     low, high = widget.extra.get("min"), widget.extra.get("max")
     return low is not None and value < low or high is not None and value > high
-
-
-def _static_choices(widget: _Widget) -> bool:
-    """A fixed list of choices (not files or devices, which depend on the machine: a value
-    missing there is the user's to fix, and validation names it)."""
-    return widget.name not in ("model", "device", "offload_device")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,10 +342,11 @@ def translate_workflow(workflow: dict, object_info: dict) -> tuple[dict, list[st
     workflow = copy.deepcopy(workflow)
     notes: list[str] = []
     old = _knows_old_nodes(object_info)
+    graphs = [g for g in (workflow, *((workflow.get("definitions") or {}).get("subgraphs") or []))
+              if isinstance(g, dict)]
     if any(isinstance(n, dict) and (n.get("type") in NUMZ_NODES or old and n.get("type") in
-                                    OLD_LAYOUTS) for n in _all_nodes(workflow)):
-        graphs = [workflow, *((workflow.get("definitions") or {}).get("subgraphs") or [])]
-        for graph in (g for g in graphs if isinstance(g, dict)):
+                                    OLD_LAYOUTS) for g in graphs for n in g.get("nodes") or []):
+        for graph in graphs:
             if old:
                 _expand_old_graph(graph, object_info, notes)
             _translate_graph(graph, object_info, notes)
@@ -355,14 +356,6 @@ def translate_workflow(workflow: dict, object_info: dict) -> tuple[dict, list[st
 def _knows_old_nodes(object_info: dict) -> bool:
     """Can numz v2.0-2.4's nodes become ours (the /object_info has our three nodes)?"""
     return all(is_ours(kind, object_info.get(kind)) for kind in OLD_TARGETS.values())
-
-
-def _all_nodes(workflow: dict) -> list:
-    nodes = list(workflow.get("nodes") or [])
-    for graph in (workflow.get("definitions") or {}).get("subgraphs") or []:
-        if isinstance(graph, dict):
-            nodes += graph.get("nodes") or []
-    return nodes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -438,11 +431,9 @@ def _is_link(value) -> bool:
 def clashing_packs(our_ids, class_mappings: dict, module_dirs: dict, our_module: str,
                    registered_by: Callable[[object], Optional[str]], *, loading: bool) -> list[str]:
     """Log lines for each other pack that registers one of ``our_ids`` in ComfyUI's
-    ``nodes.NODE_CLASS_MAPPINGS`` (a class's pack: ``registered_by``, ComfyUI's
-    ``RELATIVE_PYTHON_MODULE``): both packs' folders (``nodes.LOADED_MODULE_DIRS``, keyed by the
-    folder name) and what each registers. ``loading``: asked while this pack registers its nodes
-    (the other pack loaded first, and ours replace its), else after every pack loaded (the other
-    pack's loaded later and replaced ours). Empty when no other pack has our IDs."""
+    ``NODE_CLASS_MAPPINGS`` (a class's pack: ``registered_by``; folders: ``module_dirs``).
+    ``loading``: asked while this pack registers its nodes (ours replace the other's), else
+    after every pack loaded (the other replaced ours). Empty when no other pack has our IDs."""
     def folder(module: str) -> str:
         return module_dirs.get(module.rpartition(".")[2], module)
 

@@ -100,10 +100,8 @@ class ComfyServer:
     def wait(self, prompt_id: str, timeout: Optional[float] = None,
              on_event: Optional[Events] = None, poll: float = 0.25,
              events: Optional["EventStream"] = None) -> dict:
-        """The history entry of the finished prompt; raises with the node's error on failure.
-
-        ``events``: a websocket opened before the prompt was queued, to follow it on;
-        without one (or when it fails) ``/history`` is polled every ``poll`` seconds."""
+        """The history entry of the finished prompt (raises with the node's error), followed on
+        ``events`` (opened before queueing) or, without it or when it fails, by polling."""
         deadline = None if timeout is None else time.monotonic() + timeout
         if events is not None:
             try:
