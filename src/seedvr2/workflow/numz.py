@@ -13,6 +13,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from .execute import is_link
 from .nodes import COMPILE_TYPE, CONTROL_MODE_KEY, WIDGET_TYPES
 
 CONTROL_VALUES = ("fixed", "increment", "decrement", "randomize")
@@ -384,8 +385,8 @@ def translate_prompt(prompt: dict, object_info: dict) -> tuple[dict, list[str]]:
         if not _numz_prompt_node(table, inputs, widgets):
             continue
         label = f"node {node_id} ({kind})"
-        links = {k: v for k, v in inputs.items() if _is_link(v)}
-        values = {k: v for k, v in inputs.items() if not _is_link(v)}
+        links = {k: v for k, v in inputs.items() if is_link(v)}
+        values = {k: v for k, v in inputs.items() if not is_link(v)}
         ours = _to_ours(label, table, values, widgets, notes)
         for name, value in links.items():
             if name in table.dropped:
@@ -418,10 +419,6 @@ def _numz_prompt_node(table: NumzNode, inputs: dict, widgets: dict[str, _Widget]
             or bool(table.ours_only) and not any(n in inputs for n in table.ours_only)
             or any(isinstance(v, bool) and n in widgets and widgets[n].choices is not None
                    for n, v in inputs.items()))
-
-
-def _is_link(value) -> bool:
-    return isinstance(value, list) and len(value) == 2 and isinstance(value[1], int)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -551,13 +548,13 @@ def _expand_old_prompt(prompt: dict, object_info: dict, notes: list) -> None:
         if not isinstance(node, dict) or node.get("class_type") != OLD_UPSCALER:
             continue
         inputs = node.get("inputs") if isinstance(node.get("inputs"), dict) else {}
-        named = {k: v for k, v in inputs.items() if not _is_link(v)}
+        named = {k: v for k, v in inputs.items() if not is_link(v)}
         for link_name, kind in OLD_LINKS.items():
             link = inputs.get(link_name)
-            source = prompt.get(link[0]) if _is_link(link) else None
+            source = prompt.get(link[0]) if is_link(link) else None
             if isinstance(source, dict) and source.get("class_type") == kind:
                 named.update({k: v for k, v in (source.get("inputs") or {}).items()
-                              if not _is_link(v)})
+                              if not is_link(v)})
                 consumed.add(link[0])
         ours = _old_settings(f"node {node_id} ({OLD_UPSCALER})", named, object_info, notes)
         loaders = {}
@@ -567,7 +564,7 @@ def _expand_old_prompt(prompt: dict, object_info: dict, notes: list) -> None:
                 ours[role], object_info[OLD_TARGETS[role]])}
         upscaler = _with_defaults(ours["upscaler"], object_info[OLD_TARGETS["upscaler"]])
         upscaler.update(dit=[loaders["dit"], 0], vae=[loaders["vae"], 0])
-        if _is_link(inputs.get("images")):
+        if is_link(inputs.get("images")):
             upscaler["image"] = inputs["images"]
         prompt[node_id] = {**node, "class_type": OLD_TARGETS["upscaler"], "inputs": upscaler}
     for node_id in consumed:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .errors import WorkflowError, WorkflowInterrupted
+from .numz import widget_inputs
 
 log = logging.getLogger("seedvr2")
 Events = Callable[[str, dict], None]  # on_event(type, data) with ComfyUI's event names
@@ -362,14 +363,11 @@ def _server_files(object_info: dict) -> tuple[dict, set]:
     file_inputs: dict = {kind: {name} for kind, name in FILE_INPUTS.items()}
     listed: set = set()
     for kind, info in object_info.items():
-        for section in ("required", "optional"):
-            for name, spec in ((info.get("input") or {}).get(section) or {}).items():
-                extra = spec[1] if isinstance(spec, list) and len(spec) > 1 and \
-                    isinstance(spec[1], dict) else {}
-                if any(extra.get(flag) for flag in UPLOAD_FLAGS):
-                    file_inputs.setdefault(kind, set()).add(name)
-                    options = spec[0] if isinstance(spec[0], list) else extra.get("options", [])
-                    listed.update(o for o in options if isinstance(o, str))
+        for widget in widget_inputs(info):
+            if any(widget.extra.get(flag) for flag in UPLOAD_FLAGS):
+                file_inputs.setdefault(kind, set()).add(widget.name)
+                options = widget.choices or widget.extra.get("options", [])
+                listed.update(o for o in options if isinstance(o, str))
     return file_inputs, listed
 
 
