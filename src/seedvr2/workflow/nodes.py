@@ -581,9 +581,8 @@ def _upscale_video_file(host: Host, dit: ModelHandle, vae: ModelHandle, video_pa
     from ..api import upscale_file
     from ..io import open_media
     from ..io._common import IMAGE_EXTENSIONS
-    from ..pipeline.runner import output_size
-
     from ..options import resolve_options
+    from ..pipeline.runner import output_size
 
     if not video_path.strip():
         raise ValueError("video_path is empty: give a video file in the input folder")

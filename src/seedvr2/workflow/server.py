@@ -431,15 +431,15 @@ class ProgressPrinter:
             for node_id in data.get("nodes") or []:
                 self._say(f"{self.label(node_id)}: cached")
         elif kind == "executing":
-            self._close_bars()
+            self.close()
             self._say(f"{self.label(data.get('node'))}: running")
         elif kind == "progress":
             self._progress(str(data.get("node")), data.get("value", 0), data.get("max", 0))
         elif kind in ("executed", "execution_success", "execution_error",
                       "execution_interrupted"):
-            self._close_bars()
+            self.close()
         elif kind == "seedvr2_fallback":
-            self._close_bars()
+            self.close()
             self._say(f"websocket: {data.get('reason')}; following the run by polling /history")
 
     def _progress(self, node_id: str, value, total) -> None:
@@ -453,10 +453,7 @@ class ProgressPrinter:
                                              unit="step", file=self.stream, leave=True)
         bar.update(value - bar.n)
 
-    def _close_bars(self) -> None:
+    def close(self) -> None:
         for bar in self._bars.values():
             bar.close()
         self._bars.clear()
-
-    def close(self) -> None:
-        self._close_bars()
