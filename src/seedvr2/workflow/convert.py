@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from .errors import WorkflowError
-from .numz import read_widget_values, translate_workflow, widget_inputs
+from .numz import LINK_FIELDS, link_field, read_widget_values, translate_workflow, widget_inputs
 from .server import UPLOAD_FLAGS
 
 FRONTEND_ONLY = ("Note", "MarkdownNote", "Reroute", "PrimitiveNode")
@@ -46,11 +46,8 @@ def _links(workflow: dict) -> dict:
     """link id -> (origin node id, origin slot, target node id, target slot, type)."""
     links = {}
     for link in workflow.get("links") or []:
-        if isinstance(link, dict):
-            links[link["id"]] = (link["origin_id"], link["origin_slot"], link["target_id"],
-                                 link["target_slot"], link.get("type"))
-        elif isinstance(link, list) and len(link) >= 5:
-            links[link[0]] = tuple(link[1:6]) if len(link) >= 6 else (*link[1:5], None)
+        if isinstance(link, dict) or isinstance(link, list) and len(link) >= 5:
+            links[link_field(link, "id")] = tuple(link_field(link, key) for key in LINK_FIELDS[1:])
         else:
             raise WorkflowError(f"malformed link {link!r}: expected [id, origin, slot, target, "
                                 f"slot, type]")

@@ -111,17 +111,27 @@ GAP_X, GAP_Y = 60, 50
 VIEW_SIZE, VIEW_MARGINS = (1280, 720), (80, 150, 30, 30)  # left, top, right, bottom
 
 
-def widget_count(definition) -> int:
-    """Widgets the editor shows for a node: one per widget input, one more after a seed
-    (control after generate) and one upload button for a node with a file to upload."""
-    widgets = sum(1 + bool(i.control_after_generate) for i in definition.inputs if i.is_widget)
-    return widgets + any(i.upload for i in definition.inputs)
+def _widget_value(inp, values: dict):
+    return values.get(inp.name, inp.default)
+
+
+def editor_values(definition, values: dict) -> list:
+    """The widget values the editor saves for a node, one per widget it shows: each widget
+    input's (``values``, else the default), after a seed its "control after generate" mode, and
+    last the upload button's for a node with a file to upload."""
+    saved = []
+    for inp in definition.inputs:
+        if inp.is_widget:
+            saved.append(_widget_value(inp, values))
+            if inp.control_after_generate:
+                saved.append(inp.control_after_generate)
+    return saved + (["image"] if any(inp.upload for inp in definition.inputs) else [])
 
 
 def node_size(node: ExampleNode, definition) -> list:
     sockets = sum(1 for i in definition.inputs if not i.is_widget)
     rows = max(sockets, len(definition.outputs), 1)
-    widgets = widget_count(definition)
+    widgets = len(editor_values(definition, {}))
     height = rows * SLOT_HEIGHT + 6 + (8 + WIDGET_HEIGHT * widgets if widgets else 0)
     height += PREVIEW_ROOM.get(node.type, 0)
     return [WIDTH["SeedVR2" if node.type.startswith("SeedVR2") else "core"], height]
@@ -152,10 +162,6 @@ def initial_view(placed: dict) -> dict:
     # screen = (graph + offset) * scale
     return {"scale": scale, "offset": [round(m_left / scale - left, 1),
                                        round(m_top / scale - top, 1)]}
-
-
-def _widget_value(inp, values: dict):
-    return values.get(inp.name, inp.default)
 
 
 def api_prompt(example: Example) -> dict:
@@ -201,15 +207,6 @@ def ui_workflow(example: Example) -> dict:
     outgoing: dict = {}  # (node id, output slot) -> link ids, filled as later nodes link to it
     for node in sorted(example.nodes, key=lambda n: n.id):
         definition = nodes[node.type]
-        widgets_values = []
-        for inp in definition.inputs:
-            if not inp.is_widget:
-                continue
-            widgets_values.append(_widget_value(inp, node.values))
-            if inp.control_after_generate:
-                widgets_values.append(inp.control_after_generate)
-        if any(inp.upload for inp in definition.inputs):
-            widgets_values.append("image")  # the upload button, added after the other widgets
         # Sockets, then widgets fed by a link (the editor's order for converted widgets).
         sockets = [i for i in definition.inputs if not i.is_widget] + \
             [i for i in definition.inputs if i.is_widget and i.name in node.links]
@@ -237,7 +234,7 @@ def ui_workflow(example: Example) -> dict:
             "flags": {}, "order": order[node.id], "mode": 0, "inputs": inputs,
             "outputs": outputs, "properties": {"Node name for S&R": node.type,
                                                **_declared_models(definition, node.values)},
-            "widgets_values": widgets_values,
+            "widgets_values": editor_values(definition, node.values),
             **({"title": node.title} if node.title else {}),
         })
     return {"last_node_id": max(n.id for n in example.nodes), "last_link_id": len(links),

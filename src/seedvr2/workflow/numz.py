@@ -221,19 +221,19 @@ def _out_of_range(value, widget: _Widget) -> bool:
 # Editor workflows
 
 
-_LINK_FIELDS = ("id", "origin_id", "origin_slot", "target_id", "target_slot", "type")
+LINK_FIELDS = ("id", "origin_id", "origin_slot", "target_id", "target_slot", "type")
 
 
-def _link_field(link, key: str):
+def link_field(link, key: str):
     """A field of a saved link: links are ``{"id": ...}`` objects or ``[id, origin, ...]`` lists."""
     if isinstance(link, dict):
         return link.get(key)
-    index = _LINK_FIELDS.index(key)
+    index = LINK_FIELDS.index(key)
     return link[index] if isinstance(link, list) and index < len(link) else None
 
 
 def _link_id(link):
-    return _link_field(link, "id")
+    return link_field(link, "id")
 
 
 def _set_link(links: list, link_id, **changes) -> None:
@@ -242,8 +242,8 @@ def _set_link(links: list, link_id, **changes) -> None:
             link.update(changes)
         else:
             for key, value in changes.items():
-                if _LINK_FIELDS.index(key) < len(link):
-                    link[_LINK_FIELDS.index(key)] = value
+                if LINK_FIELDS.index(key) < len(link):
+                    link[LINK_FIELDS.index(key)] = value
 
 
 def _saved_widget_names(node: dict) -> list:
@@ -333,7 +333,7 @@ def _translate_graph(graph: dict, object_info: dict, notes: list) -> None:
     # Links from a numz compile node, or into one of our loaders, keep their old type name when
     # the nodes at either end were ours already; the type is ours on both ends now.
     for link in links:
-        if _link_field(link, "type") == NUMZ_COMPILE_TYPE:
+        if link_field(link, "type") == NUMZ_COMPILE_TYPE:
             _set_link(links, _link_id(link), type=COMPILE_TYPE)
 
 
@@ -592,7 +592,7 @@ def _expand_old_graph(graph: dict, object_info: dict, notes: list) -> None:
         for inp in node.get("inputs") or []:
             if not isinstance(inp, dict) or inp.get("link") is None:
                 continue
-            origin = next((_link_field(l, "origin_id") for l in links
+            origin = next((link_field(l, "origin_id") for l in links
                            if _link_id(l) == inp["link"]), None)
             source = by_id.get(origin)
             if inp.get("name") in OLD_LINKS and source is not None \
