@@ -138,12 +138,8 @@ def room_needed(model_files, cache, device: str) -> int:
     """Bytes our next run adds on ``device`` before any activation: the model files it will
     load there (those our cache already holds on that device cost nothing more)."""
     cached = {(k.path, k.device) for k in cache.keys()}
-    total = 0
-    for path in model_files:
-        resolved = str(Path(path).resolve())
-        if (resolved, str(device)) not in cached and Path(path).is_file():
-            total += Path(path).stat().st_size
-    return total
+    return sum(Path(path).stat().st_size for path in model_files
+               if (str(Path(path).resolve()), str(device)) not in cached and Path(path).is_file())
 
 
 def unload_comfy_models(mm, cache, required_bytes: int, device=None) -> None:
