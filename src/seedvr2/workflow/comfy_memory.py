@@ -89,15 +89,11 @@ def _module_of(cached):
     return next((m for m in candidates if isinstance(m, torch.nn.Module)), None)
 
 
-def _loaded_list(mm) -> list:
-    models = getattr(mm, "current_loaded_models", None)
-    return models if isinstance(models, list) else []
-
-
 def our_entries(mm, cache) -> list:
-    """ComfyUI's entries for the models of ``cache``."""
+    """ComfyUI's entries for the models of ``cache`` (none when ``mm`` has no list)."""
     ours = {id(cache.attached(k)) for k in cache.keys() if cache.attached(k) is not None}
-    return [e for e in _loaded_list(mm) if id(e.model) in ours]
+    loaded = getattr(mm, "current_loaded_models", None)
+    return [e for e in loaded if id(e.model) in ours] if isinstance(loaded, list) else []
 
 
 def sync(mm, cache) -> list:

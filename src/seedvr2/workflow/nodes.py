@@ -198,10 +198,8 @@ class Setting:
 
 # torch_compile_args field -> library option; the compile settings node's cache limits have no
 # library option yet and are passed on (or reported) only when changed from their defaults.
-COMPILE_FIELDS = {"backend": "compile_backend", "mode": "compile_mode",
-                  "fullgraph": "compile_fullgraph", "dynamic": "compile_dynamic",
-                  "dynamo_cache_size_limit": "compile_dynamo_cache_size_limit",
-                  "dynamo_recompile_limit": "compile_dynamo_recompile_limit"}
+COMPILE_FIELDS = {field: f"compile_{field}" for field in (
+    "backend", "mode", "fullgraph", "dynamic", "dynamo_cache_size_limit", "dynamo_recompile_limit")}
 COMPILE_LIMIT_DEFAULTS = {"dynamo_cache_size_limit": 64, "dynamo_recompile_limit": 128}
 
 
