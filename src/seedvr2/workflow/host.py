@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import re
+import tempfile
 import threading
 from pathlib import Path
 from typing import Optional
+
+from .core_nodes import Video, video_components
+from .errors import WorkflowInterrupted
 
 log = logging.getLogger("seedvr2")
 
@@ -115,8 +120,6 @@ class HeadlessHost:
         return self.stop.is_set()
 
     def raise_interrupted(self) -> None:
-        from .errors import WorkflowInterrupted
-
         if self.stop.is_set():
             raise WorkflowInterrupted("interrupted")
 
@@ -127,8 +130,6 @@ class HeadlessHost:
         pass
 
     def after_run(self) -> None:
-        import gc
-
         gc.collect()
         try:
             import torch
@@ -148,24 +149,16 @@ class HeadlessHost:
         return video.path
 
     def video_frames(self, video) -> tuple:
-        from .core_nodes import video_components
-
         return video_components(video)
 
     def file_video(self, path: Path):
-        from .core_nodes import Video
-
         return Video(path=Path(path))
 
     def frames_video(self, images, audio, fps):
-        from .core_nodes import Video
-
         return Video(images=images, fps=fps, audio=audio)
 
     def temp_file(self, prefix: str, suffix: str) -> Path:
         """A new name in this host's temporary folder (removed with the host)."""
-        import tempfile
-
         if self._temp is None:
             self._temp = tempfile.TemporaryDirectory(prefix="seedvr2_workflow_")
         folder = Path(self._temp.name) / os.path.dirname(prefix)
