@@ -9,9 +9,12 @@ its API twin.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Optional
+
+from .execute import registry
 
 EXAMPLE_IMAGE, EXAMPLE_VIDEO = "example.png", "seedvr2_example.mp4"  # example.png: stock ComfyUI's
 DIT_FP16, DIT_GGUF, VAE = ("seedvr2_ema_3b_fp16.safetensors", "seedvr2_ema_3b-Q4_K_M.gguf",
@@ -165,8 +168,6 @@ def initial_view(placed: dict) -> dict:
 
 
 def api_prompt(example: Example) -> dict:
-    from .execute import registry
-
     nodes = registry()
     prompt = {}
     for node in sorted(example.nodes, key=lambda n: n.id):
@@ -197,8 +198,6 @@ def _order(example: Example) -> dict:
 
 
 def ui_workflow(example: Example) -> dict:
-    from .execute import registry
-
     nodes = registry()
     order = _order(example)
     placed = layout(example, nodes)
@@ -282,7 +281,5 @@ THUMB_WIDTH = 320
 def thumbnail_stamp(example: Example) -> str:
     """What a thumbnail records (its JPEG comment) of the workflow it pictures: the example
     and a digest of its API prompt, so a test finds thumbnails older than their workflow."""
-    import hashlib
-
     digest = hashlib.sha256(dumps(api_prompt(example)).encode()).hexdigest()[:16]
     return f"seedvr2 example {example.name} {digest}"

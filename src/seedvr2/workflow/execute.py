@@ -10,14 +10,12 @@ from __future__ import annotations
 import reprlib
 from typing import Optional
 
-from .errors import WorkflowError
-from .nodes import Input, NodeDef, NodeResult
+from .core_nodes import CORE_NODES
+from .errors import WorkflowError, WorkflowInterrupted
+from .nodes import Input, NodeDef, NodeResult, build_nodes
 
 
 def registry() -> dict[str, NodeDef]:
-    from .core_nodes import CORE_NODES
-    from .nodes import build_nodes
-
     return {node.id: node for node in (*build_nodes(), *CORE_NODES)}
 
 
@@ -144,7 +142,6 @@ def _check_input(inp: Input, value, prompt: dict, nodes: dict[str, NodeDef],
 def execute(prompt: dict, host, nodes: Optional[dict[str, NodeDef]] = None) -> dict[str, NodeResult]:
     """Validate, then run ``prompt``; returns every executed node's result by node id."""
     from ..pipeline.runner import Interrupted
-    from .errors import WorkflowInterrupted
 
     nodes = nodes or registry()
     prompt = {str(k): v for k, v in prompt.items()} if isinstance(prompt, dict) else prompt

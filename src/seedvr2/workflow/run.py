@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Union
 
 from .convert import is_ui_format, ui_to_api
 from .errors import WorkflowError
+from .execute import execute, registry
+from .host import HeadlessHost
+from .nodes import object_info as node_object_info
 from .numz import translate_prompt
+from .server import ComfyServer, ProgressPrinter, upload_inputs
 
 
 @dataclass
@@ -43,10 +48,7 @@ def load_workflow(path) -> dict:
 
 def builtin_object_info(host) -> dict:
     """``/object_info`` of the nodes this runner has (ours and the headless core nodes)."""
-    from .execute import registry
-    from .nodes import object_info
-
-    return {node_id: object_info(node, host) for node_id, node in registry().items()}
+    return {node_id: node_object_info(node, host) for node_id, node in registry().items()}
 
 
 def to_api(workflow: dict, object_info: dict,
@@ -122,10 +124,6 @@ def run_workflow(workflow: Union[str, Path, dict], sets: Iterable[str] = (), *,
     if not isinstance(workflow, dict):
         workflow = load_workflow(workflow)
     if server is not None:
-        import sys
-
-        from .server import ComfyServer, ProgressPrinter, upload_inputs
-
         client = ComfyServer(server)
         info = client.object_info()
 
@@ -146,9 +144,6 @@ def run_workflow(workflow: Union[str, Path, dict], sets: Iterable[str] = (), *,
             if printer is not None:
                 printer.close()
         return RunResult(prompt, client.download(entry, Path(output_dir)), uploads=uploads)
-
-    from .execute import execute
-    from .host import HeadlessHost
 
     host = host or HeadlessHost(model_dir=model_dir, input_dir=input_dir, output_dir=output_dir,
                                 quiet=quiet)
