@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Protocol, Union
 
 from ..faults import Faults
-from ..options import OPTIONS, Option
+from ..options import OPTIONS, Option, resolve_options
 
 log = logging.getLogger("seedvr2")
 
@@ -508,7 +508,6 @@ def _stop_check(host: Host) -> Callable[[], bool]:
 def _run_facade(host: Host, dit: ModelHandle, vae: ModelHandle, inputs: dict, call: Callable):
     """Run ``call(dit path, vae path, model_dir=, progress=, should_stop=, **options)``: one
     facade call, which loads the models (or takes them from the library's model cache)."""
-    from ..options import resolve_options
     from ..pipeline.runner import Interrupted
 
     job = plan_job(dit, vae, *_split_inputs(inputs))
@@ -579,7 +578,6 @@ def _upscale_video_file(host: Host, dit: ModelHandle, vae: ModelHandle, video_pa
     from ..api import upscale_file
     from ..io import open_media
     from ..io._common import IMAGE_EXTENSIONS
-    from ..options import resolve_options
     from ..pipeline.runner import output_size
 
     if not video_path.strip():
