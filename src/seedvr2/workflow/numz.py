@@ -24,9 +24,7 @@ NUMZ_COMPILE_TYPE = "TORCH_COMPILE_ARGS"  # numz's type for the compile settings
 class NumzNode:
     """What numz v2.5.24's node of the same ID takes."""
 
-    # Its widget inputs in the order the editor saves their values (required inputs first, then
-    # optional ones, each in declaration order); a seed's "control after generate" value follows
-    # the seed.
+    # Its widget inputs in the order the editor saves their values (required, then optional)
     widgets: tuple
     renamed: dict = field(default_factory=dict)  # numz input -> our input of the same meaning
     # numz inputs with nothing here that means the same -> their default (off: dropping that
@@ -316,9 +314,7 @@ def _drop_link(links: list, link_id) -> None:
 
 
 def _translate_graph(graph: dict, object_info: dict, notes: list) -> None:
-    links = graph.get("links")
-    if not isinstance(links, list):
-        links = []
+    links = graph.get("links") if isinstance(graph.get("links"), list) else []
     for node in graph.get("nodes") or []:
         kind = node.get("type") if isinstance(node, dict) else None
         if not is_ours(kind, object_info.get(kind)):
