@@ -270,10 +270,6 @@ class EventsFailed(OSError):
     """The websocket could not be opened, or broke: follow the run on /history instead."""
 
 
-MISSING_WEBSOCKET_CLIENT = ("following a run on a ComfyUI server needs the websocket-client "
-                            "package: pip install websocket-client")
-
-
 class EventStream:
     """ComfyUI's event stream for one client: ``recv(timeout)`` is the next text message (a
     JSON event) or None when none arrived in time; binary messages (previews) are skipped.
@@ -285,7 +281,8 @@ class EventStream:
         except ImportError:
             websocket = None
         if not hasattr(websocket, "WebSocket"):  # absent, or the unrelated "websocket" package
-            raise WorkflowError(MISSING_WEBSOCKET_CLIENT)
+            raise WorkflowError("following a run on a ComfyUI server needs the websocket-client "
+                                "package: pip install websocket-client")
         self._lib = websocket
         self.ws = websocket.WebSocket()
         try:
