@@ -101,18 +101,19 @@ def _api(name: str) -> dict:
 
 
 def test_example_files_are_what_the_example_module_writes():
-    """Regenerate with: .venv/bin/python -m seedvr2.workflow.examples"""
+    """Regenerate with: .venv/bin/python scripts/gen_examples.py"""
     written = examples.files()
     on_disk = {p.relative_to(EXAMPLES_DIR).as_posix(): p.read_text()
                for p in EXAMPLES_DIR.rglob("*.json")}
     assert sorted(on_disk) == sorted(written)
     for name, text in written.items():
-        assert on_disk[name] == text, f"{name} is stale: run python -m seedvr2.workflow.examples"
+        assert on_disk[name] == text, \
+            f"{name} is stale: run .venv/bin/python scripts/gen_examples.py"
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_every_template_has_a_thumbnail_of_its_current_workflow(name):
-    """<name>.jpg beside each template: the result of running it (examples --thumbnails), made
+    """<name>.jpg beside each template: the result of running it (gen_examples --thumbnails), made
     from the workflow as it is now (the stamp in the JPEG comment: its API prompt's digest)."""
     from PIL import Image
 
@@ -121,7 +122,7 @@ def test_every_template_has_a_thumbnail_of_its_current_workflow(name):
         assert thumbnail.format == "JPEG" and thumbnail.width == examples.THUMB_WIDTH
         stamp = thumbnail.info.get("comment", b"").decode()
     assert stamp == examples.thumbnail_stamp(example), (
-        f"{name}.jpg pictures an older {name}.json: run python -m seedvr2.workflow.examples "
+        f"{name}.jpg pictures an older {name}.json: run .venv/bin/python scripts/gen_examples.py "
         f"--thumbnails")
 
 

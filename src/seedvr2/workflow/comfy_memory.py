@@ -1,51 +1,11 @@
 """Our model cache inside ComfyUI's memory management, through ComfyUI's own classes.
 
-ComfyUI frees memory by walking ``comfy.model_management.current_loaded_models`` (its
-``LoadedModel`` entries, each around a ``comfy.model_patcher.ModelPatcher``): in
-``free_memory()`` (another node loads a model), ``unload_all_models()`` ("Unload models",
-``POST /free``, an out-of-memory retry), ``unload_model_and_clones()`` and, in current releases,
-``models_for_pin_eviction()``. Models kept with ``cache_model`` live in the library's cache
-(:data:`seedvr2.memory.cache.MODEL_CACHE`). Each one is handed to ComfyUI wrapped in a
-:class:`ModelPatcher` subclass built on the installed ComfyUI's own class, in ComfyUI's own
-``LoadedModel`` entry (see :func:`_register` for why not through ``load_models_gpu``). Every
-attribute and method ComfyUI's loops read
-on an entry or its patcher (``is_dynamic()``, ``clone_base_uuid``,
-``get_nested_additional_models()``, ``model_patches_models()``, ``is_clone()``, ``parent``,
-``model_dtype()``, ...) is therefore ComfyUI's own code, of whatever release is installed;
-nothing of ComfyUI is imitated, replaced or wrapped.
-
-The patcher wraps a weightless stand-in module (``SeedVR2CachedModel``; its docstring says why).
-
-The subclass changes these methods, because we place our models ourselves (BlockSwap keeps
-blocks on the host on purpose, quantized and GGUF weights are not ``comfy.ops`` layers, which
-ComfyUI's partial loading would need):
-
-* ``partially_load()`` moves nothing (``load_models_gpu`` registers the model where it is);
-* ``model_size()`` / ``loaded_size()``: the bytes the model holds on its device now, so
-  ComfyUI counts what unloading it would free and never asks room for a model already there;
-* ``partially_unload()`` frees nothing, so ComfyUI goes on to unload it whole;
-* ``detach()``, ComfyUI's unload: the model leaves our cache (nothing is copied to the host).
-
-The patcher is attached to the cache entry (:meth:`ModelCache.attach`): when our cache evicts
-a model itself, the patcher, the stand-in and the model go together and ComfyUI's finalizer on
-the stand-in (``LoadedModel.model_load``) removes the entry, as for its own models.
-
-Pinned host memory: ours pin nothing through ComfyUI (BlockSwap pins its own arena), so they
-claim none of ComfyUI's pinned budget: ``pinned_memory_size()`` and ``loaded_ram_size()`` are
-ComfyUI's own (0 for a model that is not dynamic), and :func:`_register` says why ours skip
-``load_models_gpu``'s ``pins_required``.
-
-ComfyUI functions relied on, present in 0.3.75 and in the current release:
-``comfy.model_patcher.ModelPatcher(model, load_device, offload_device, size)`` and the
-methods above (the names ``LoadedModel.model_load`` / ``model_unload`` call),
-``comfy.model_management.LoadedModel(patcher)`` and its ``model_load()``,
-``free_memory(memory_required, device, keep_loaded)``, ``get_torch_device()``,
-``soft_empty_cache()`` and the list ``current_loaded_models`` (read: its entries' ``.model``;
-written: our entries inserted first, as ``load_models_gpu`` inserts a model it loaded, and
-``.currently_used`` = False on ours, as ``free_memory`` does, so nodes that reload "the models
-in use" leave ours alone).
-
-The tests follow the cache and ComfyUI's list through a file (:mod:`seedvr2.faults`).
+Each model kept with ``cache_model`` (:data:`seedvr2.memory.cache.MODEL_CACHE`) is handed to
+ComfyUI as a subclass of the installed ComfyUI's ``ModelPatcher`` (wrapping a weightless
+stand-in) in ComfyUI's own ``LoadedModel`` entry, so ComfyUI evicts it like its own models.
+What the subclass changes and why, and the ComfyUI functions relied on: docs/comfyui.md
+("Loading, the model cache and ComfyUI's memory"). The tests follow the cache and ComfyUI's
+list through a file (:mod:`seedvr2.faults`).
 """
 
 from __future__ import annotations
@@ -72,13 +32,9 @@ def patcher_class() -> type:
     from ..memory.budget import bytes_on
 
     class SeedVR2CachedModel(torch.nn.Module):
-        """What the patcher wraps: a weightless stand-in for one cached model of ours.
-
-        ComfyUI puts a finalizer on the module a patcher wraps, which drops the entry from its
-        list when that module dies; in ``free_memory()`` it then shifts the list under the loop
-        that is unloading (IndexError). Our weights must go the moment ComfyUI unloads them,
-        and with the stand-in they can: the weights die with our cache entry, the stand-in
-        outlives ComfyUI's loop (see ``detach``)."""
+        """What the patcher wraps: a weightless stand-in for one cached model of ours, so
+        the weights can die with our cache entry while the module ComfyUI's finalizer watches
+        outlives its unloading loop (docs/comfyui.md)."""
 
         def __init__(self):
             super().__init__()
@@ -133,15 +89,11 @@ def _module_of(cached):
     return next((m for m in candidates if isinstance(m, torch.nn.Module)), None)
 
 
-def _loaded_list(mm) -> list:
-    models = getattr(mm, "current_loaded_models", None)
-    return models if isinstance(models, list) else []
-
-
 def our_entries(mm, cache) -> list:
-    """ComfyUI's entries for the models of ``cache``."""
+    """ComfyUI's entries for the models of ``cache`` (none when ``mm`` has no list)."""
     ours = {id(cache.attached(k)) for k in cache.keys() if cache.attached(k) is not None}
-    return [e for e in _loaded_list(mm) if id(e.model) in ours]
+    loaded = getattr(mm, "current_loaded_models", None)
+    return [e for e in loaded if id(e.model) in ours] if isinstance(loaded, list) else []
 
 
 def sync(mm, cache) -> list:
@@ -169,11 +121,9 @@ def sync(mm, cache) -> list:
 
 
 def _register(mm, patchers) -> None:
-    """Enter ``patchers`` in ComfyUI's list as ``load_models_gpu`` enters a model it loaded
-    (``LoadedModel(patcher)``, ``model_load()``, first in ``current_loaded_models``), without
-    its ``free_memory`` call: ours are already where they run, and that call would claim their
-    ``model_memory()`` as pinned host memory (current releases), evicting other models' pins for
-    memory ours never take from ComfyUI, and room for inference between our runs."""
+    """Enter ``patchers`` in ComfyUI's list as ``load_models_gpu`` enters a model it loaded,
+    without its ``free_memory`` call: ours are already where they run, and that call would
+    claim pinned host memory ours never take (docs/comfyui.md)."""
     for patcher in patchers:
         entry = mm.LoadedModel(patcher)
         entry.model_load()
@@ -184,12 +134,8 @@ def room_needed(model_files, cache, device: str) -> int:
     """Bytes our next run adds on ``device`` before any activation: the model files it will
     load there (those our cache already holds on that device cost nothing more)."""
     cached = {(k.path, k.device) for k in cache.keys()}
-    total = 0
-    for path in model_files:
-        resolved = str(Path(path).resolve())
-        if (resolved, str(device)) not in cached and Path(path).is_file():
-            total += Path(path).stat().st_size
-    return total
+    return sum(Path(path).stat().st_size for path in model_files
+               if (str(Path(path).resolve()), str(device)) not in cached and Path(path).is_file())
 
 
 def unload_comfy_models(mm, cache, required_bytes: int, device=None) -> None:

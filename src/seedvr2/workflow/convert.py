@@ -1,20 +1,7 @@
-"""UI-format (editor) workflow -> API-format prompt.
-
-The editor saves nodes with their links and a list of widget values; the API format names
-every input. Widget values are matched to input names in the order ``/object_info`` lists the
-node's widget inputs (a running server's, or our own table: our nodes' definitions plus the
-core nodes the examples use). The editor also stores values of widgets that are not inputs,
-and those are skipped: the "control after generate" choice after a seed (inputs flagged
-``control_after_generate``, and INTs named seed/noise_seed in older editors) and the upload
-button's value (nodes with an input flagged ``image_upload`` / ``video_upload``: the editor
-adds the button after the node's other widgets, so its value is the last one).
-
-Frontend-only nodes are resolved: Reroute passes its link through, a PrimitiveNode gives its
-value, Note/MarkdownNote are dropped, a muted node (mode 2) is left out and a bypassed node
-(mode 4) passes its first input of the matching type through.
-
-Our nodes saved by the numz pack (same node IDs, another layout) are rewritten to ours first
-(:mod:`.numz`).
+"""UI-format (editor) workflow -> API-format prompt, with ``/object_info`` (a server's, or our
+own table) naming the widget values in order. The editor's extra values, frontend-only nodes,
+muted and bypassed nodes: docs/comfyui.md ("Without the editor"). Our nodes saved by the numz
+pack are rewritten to our layout first (:mod:`.numz`).
 """
 
 from __future__ import annotations
@@ -22,7 +9,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from .errors import WorkflowError
-from .numz import CONTROL_VALUES, translate_workflow, widget_inputs
+from .numz import LINK_FIELDS, link_field, read_widget_values, translate_workflow, widget_inputs
 from .server import UPLOAD_FLAGS
 
 FRONTEND_ONLY = ("Note", "MarkdownNote", "Reroute", "PrimitiveNode")
@@ -42,14 +29,9 @@ def _map_widget_values(node: dict, info: dict) -> dict:
         return {w.name: values[w.name] for w in widgets if w.name in values}
     if not isinstance(values, list):
         raise WorkflowError("widgets_values must be a list", str(node.get("id")), node.get("type"))
-    mapped, i = {}, 0
-    for widget in widgets:
-        if i >= len(values):
-            break  # a workflow saved before later inputs existed: those take their defaults
-        mapped[widget.name] = values[i]
-        i += 1
-        if widget.control and i < len(values) and values[i] in CONTROL_VALUES:
-            i += 1
+    # A workflow saved before later inputs existed has fewer values: those take their defaults.
+    pairs, _, i = read_widget_values(values, [w.name for w in widgets],
+                                     {w.name for w in widgets if w.control})
     has_upload = any(w.extra.get(flag) for w in widgets for flag in UPLOAD_FLAGS)
     if has_upload and i == len(values) - 1:
         i += 1
@@ -57,18 +39,15 @@ def _map_widget_values(node: dict, info: dict) -> dict:
         raise WorkflowError(f"{len(values)} widget values for the {len(widgets)} widgets "
                             f"{[w.name for w in widgets]}; the workflow was saved with a different "
                             f"version of this node", str(node.get("id")), node.get("type"))
-    return mapped
+    return dict(pairs)
 
 
 def _links(workflow: dict) -> dict:
     """link id -> (origin node id, origin slot, target node id, target slot, type)."""
     links = {}
     for link in workflow.get("links") or []:
-        if isinstance(link, dict):
-            links[link["id"]] = (link["origin_id"], link["origin_slot"], link["target_id"],
-                                 link["target_slot"], link.get("type"))
-        elif isinstance(link, list) and len(link) >= 5:
-            links[link[0]] = tuple(link[1:6]) if len(link) >= 6 else (*link[1:5], None)
+        if isinstance(link, dict) or isinstance(link, list) and len(link) >= 5:
+            links[link_field(link, "id")] = tuple(link_field(link, key) for key in LINK_FIELDS[1:])
         else:
             raise WorkflowError(f"malformed link {link!r}: expected [id, origin, slot, target, "
                                 f"slot, type]")

@@ -1,15 +1,10 @@
-"""Headless equivalents of the ComfyUI core nodes our example workflows use.
+"""Headless equivalents of the ComfyUI core nodes our example workflows use (the list and
+their audio handling: docs/comfyui.md, "Without the editor").
 
 Same node types, input names, order, defaults and outputs as ComfyUI's (a test compares them
 with a real server's ``/object_info``), so an example runs unchanged with or without ComfyUI.
-Only what the examples need is provided: LoadImage, SaveImage, PreviewImage, LoadVideo,
-GetVideoComponents, CreateVideo and SaveVideo.
-
-Headless VIDEO values are :class:`Video` objects. AUDIO values are ComfyUI's in-memory form,
-``{"waveform": (batch, channels, samples) float tensor in [-1, 1], "sample_rate": int}``, or,
-for audio that comes from a video file (GetVideoComponents here), ``{"source": path}``, which
-SaveVideo copies unchanged (no re-encoding, as ComfyUI copies a file's streams). In-memory
-audio is encoded to AAC by SaveVideo, as ComfyUI's SaveVideo does.
+VIDEO values are :class:`Video`; AUDIO is ComfyUI's ``{"waveform", "sample_rate"}``, or
+``{"source": path}`` for a video file's track, which SaveVideo copies unchanged.
 """
 
 from __future__ import annotations

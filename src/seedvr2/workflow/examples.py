@@ -1,25 +1,20 @@
 """The example workflows in ``example_workflows/``, described once and written in both formats.
 
-Each example is a small graph (:class:`Example`, its nodes in layout columns); :func:`ui_workflow`
-writes what the editor saves (nodes with positions and sizes, links, widget values in widget
-order -- including the editor's extra values after a seed and a file upload -- and the view it
-opens with) and :func:`api_prompt` the API format, into ``api/`` (ComfyUI lists every
-``example_workflows/*.json`` as a template, and an API-format file opens as an empty canvas).
-:func:`thumbnails` runs each example and saves its result as the template's ``<name>.jpg``.
-Tests check that the committed files are what this module writes, and that converting each UI
-file with :mod:`.convert` gives its API twin.
-
-    python -m seedvr2.workflow.examples [FOLDER]    # rewrite the examples (after node changes)
-    python -m seedvr2.workflow.examples --thumbnails    # and the thumbnails (minutes)
+Each example is a small graph (:class:`Example`, its nodes in layout columns): :func:`ui_workflow`
+writes what the editor saves, :func:`api_prompt` its API twin into ``api/`` (docs/comfyui.md,
+"Example workflows"). ``scripts/gen_examples.py`` writes the files and the thumbnails; tests
+check the committed files are what this module writes, and that converting each UI file gives
+its API twin.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional
+
+from .execute import registry
 
 EXAMPLE_IMAGE, EXAMPLE_VIDEO = "example.png", "seedvr2_example.mp4"  # example.png: stock ComfyUI's
 DIT_FP16, DIT_GGUF, VAE = ("seedvr2_ema_3b_fp16.safetensors", "seedvr2_ema_3b-Q4_K_M.gguf",
@@ -119,17 +114,27 @@ GAP_X, GAP_Y = 60, 50
 VIEW_SIZE, VIEW_MARGINS = (1280, 720), (80, 150, 30, 30)  # left, top, right, bottom
 
 
-def widget_count(definition) -> int:
-    """Widgets the editor shows for a node: one per widget input, one more after a seed
-    (control after generate) and one upload button for a node with a file to upload."""
-    widgets = sum(1 + bool(i.control_after_generate) for i in definition.inputs if i.is_widget)
-    return widgets + any(i.upload for i in definition.inputs)
+def _widget_value(inp, values: dict):
+    return values.get(inp.name, inp.default)
+
+
+def editor_values(definition, values: dict) -> list:
+    """The widget values the editor saves for a node, one per widget it shows: each widget
+    input's (``values``, else the default), after a seed its "control after generate" mode, and
+    last the upload button's for a node with a file to upload."""
+    saved = []
+    for inp in definition.inputs:
+        if inp.is_widget:
+            saved.append(_widget_value(inp, values))
+            if inp.control_after_generate:
+                saved.append(inp.control_after_generate)
+    return saved + (["image"] if any(inp.upload for inp in definition.inputs) else [])
 
 
 def node_size(node: ExampleNode, definition) -> list:
     sockets = sum(1 for i in definition.inputs if not i.is_widget)
     rows = max(sockets, len(definition.outputs), 1)
-    widgets = widget_count(definition)
+    widgets = len(editor_values(definition, {}))
     height = rows * SLOT_HEIGHT + 6 + (8 + WIDGET_HEIGHT * widgets if widgets else 0)
     height += PREVIEW_ROOM.get(node.type, 0)
     return [WIDTH["SeedVR2" if node.type.startswith("SeedVR2") else "core"], height]
@@ -162,13 +167,7 @@ def initial_view(placed: dict) -> dict:
                                        round(m_top / scale - top, 1)]}
 
 
-def _widget_value(inp, values: dict):
-    return values.get(inp.name, inp.default)
-
-
 def api_prompt(example: Example) -> dict:
-    from .execute import registry
-
     nodes = registry()
     prompt = {}
     for node in sorted(example.nodes, key=lambda n: n.id):
@@ -199,43 +198,26 @@ def _order(example: Example) -> dict:
 
 
 def ui_workflow(example: Example) -> dict:
-    from .execute import registry
-
     nodes = registry()
     order = _order(example)
     placed = layout(example, nodes)
     links, ui_nodes = [], []
     by_id = {n.id: n for n in example.nodes}
-    outgoing: dict = {}
-    def socket_inputs(node):
-        """Sockets, then widgets fed by a link (the editor's order for converted widgets)."""
-        inputs = nodes[node.type].inputs
-        return [i for i in inputs if not i.is_widget] + \
-            [i for i in inputs if i.is_widget and i.name in node.links]
-
-    for node in sorted(example.nodes, key=lambda n: n.id):
-        for slot, inp in enumerate(socket_inputs(node)):
-            if inp.name in node.links:
-                source, source_slot = node.links[inp.name]
-                link_id = len(links) + 1
-                kind = nodes[by_id[source].type].outputs[source_slot].type
-                links.append([link_id, source, source_slot, node.id, slot, kind])
-                outgoing.setdefault((source, source_slot), []).append(link_id)
+    outgoing: dict = {}  # (node id, output slot) -> link ids, filled as later nodes link to it
     for node in sorted(example.nodes, key=lambda n: n.id):
         definition = nodes[node.type]
-        sockets = socket_inputs(node)
-        widgets_values = []
-        for inp in definition.inputs:
-            if not inp.is_widget:
-                continue
-            widgets_values.append(_widget_value(inp, node.values))
-            if inp.control_after_generate:
-                widgets_values.append(inp.control_after_generate)
-        if any(inp.upload for inp in definition.inputs):
-            widgets_values.append("image")  # the upload button, added after the other widgets
+        # Sockets, then widgets fed by a link (the editor's order for converted widgets).
+        sockets = [i for i in definition.inputs if not i.is_widget] + \
+            [i for i in definition.inputs if i.is_widget and i.name in node.links]
         inputs = []
         for slot, inp in enumerate(sockets):
-            link = next((l[0] for l in links if l[3] == node.id and l[4] == slot), None)
+            link = None
+            if inp.name in node.links:
+                source, source_slot = node.links[inp.name]
+                link = len(links) + 1
+                kind = nodes[by_id[source].type].outputs[source_slot].type
+                links.append([link, source, source_slot, node.id, slot, kind])
+                outgoing.setdefault((source, source_slot), []).append(link)
             entry = {"name": inp.name, "type": inp.type, "link": link}
             if inp.is_widget:
                 entry["widget"] = {"name": inp.name}
@@ -243,7 +225,7 @@ def ui_workflow(example: Example) -> dict:
                 entry["shape"] = 7  # the editor draws optional sockets hollow
             inputs.append(entry)
         outputs = [{"name": out.name, "type": out.type,
-                    "links": outgoing.get((node.id, slot), []), "slot_index": slot}
+                    "links": outgoing.setdefault((node.id, slot), []), "slot_index": slot}
                    for slot, out in enumerate(definition.outputs)]
         pos, size = placed[node.id]
         ui_nodes.append({
@@ -251,7 +233,7 @@ def ui_workflow(example: Example) -> dict:
             "flags": {}, "order": order[node.id], "mode": 0, "inputs": inputs,
             "outputs": outputs, "properties": {"Node name for S&R": node.type,
                                                **_declared_models(definition, node.values)},
-            "widgets_values": widgets_values,
+            "widgets_values": editor_values(definition, node.values),
             **({"title": node.title} if node.title else {}),
         })
     return {"last_node_id": max(n.id for n in example.nodes), "last_link_id": len(links),
@@ -290,167 +272,14 @@ def files() -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Thumbnails: <name>.jpg beside each template, the picture the Templates browser shows. Each is
-# the result of running that workflow: in process, with the conformance kit's tiny models (the
-# released weights are multi-GB downloads) at THUMB_RESOLUTION on the CPU, on a synthetic input
-# drawn here, so the same command gives the same pictures anywhere.
+# Thumbnails: <name>.jpg beside each template, the picture the Templates browser shows, written by
+# scripts/gen_examples.py --thumbnails (the result of running the workflow).
 
-THUMB_RESOLUTION, THUMB_WIDTH = 192, 320
-THUMB_INPUT_SIZE, THUMB_FRAMES = (128, 96), 9  # (width, height) of the drawn input
-
-
-def _scene(t: float):
-    """A small landscape (sky, sun, hills), the sun moving with ``t`` in [0, 1]: uint8 HWC."""
-    import numpy as np
-
-    width, height = THUMB_INPUT_SIZE
-    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
-    sky = np.stack([90 + 100 * y / height, 150 + 60 * y / height, 235 - 40 * y / height], -1)
-    sun_x, sun_y = width * (0.25 + 0.5 * t), height * 0.3
-    sun = ((x - sun_x) ** 2 + (y - sun_y) ** 2) < (height * 0.12) ** 2
-    pixels = np.where(sun[..., None], np.array([255, 215, 90], np.float32), sky)
-    for base, amp, freq, colour in ((0.62, 0.10, 2.0, (70, 140, 70)),
-                                    (0.78, 0.07, 3.5, (40, 100, 50))):
-        ridge = height * (base + amp * np.sin(freq * np.pi * x / width + 1.3 * base))
-        pixels = np.where((y > ridge)[..., None], np.array(colour, np.float32), pixels)
-    return pixels.clip(0, 255).astype(np.uint8)
-
-
-def _thumb_inputs(folder: Path) -> None:
-    """The inputs the examples load, drawn: the image and a clip (no audio)."""
-    from fractions import Fraction
-
-    import av
-    from PIL import Image
-
-    folder.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(_scene(0.5)).save(folder / EXAMPLE_IMAGE)
-    with av.open(str(folder / EXAMPLE_VIDEO), "w") as out:
-        stream = out.add_stream("libx264", rate=Fraction(24))
-        stream.width, stream.height, stream.pix_fmt = *THUMB_INPUT_SIZE, "yuv444p"
-        stream.options = {"crf": "0"}  # lossless: the same frames in anywhere
-        for i in range(THUMB_FRAMES):
-            frame = av.VideoFrame.from_ndarray(_scene(i / (THUMB_FRAMES - 1)), format="rgb24")
-            frame.pts, frame.time_base = i, Fraction(1, 24)
-            out.mux(stream.encode(frame))
-        out.mux(stream.encode(None))
-
-
-def _tiny_models(conformance: Path, folder: Path) -> None:
-    """The conformance kit's tiny 3B DiT and VAE (configs in the metadata, as the loaders
-    read them) and its 64-wide text embeddings, in ``folder``."""
-    from safetensors.torch import load_file, save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    for name in ("dit3b_tiny", "vae_tiny"):
-        config = json.loads((conformance / name / "config.json").read_text())
-        save_file(load_file(conformance / name / "weights.safetensors"),
-                  folder / f"{name}.safetensors",
-                  metadata={"config": json.dumps(config["constructor_kwargs"])})
-    e2e = load_file(conformance / "pipeline" / "e2e_video_9f.safetensors")
-    save_file({"pos": e2e["inputs.txt_pos"].contiguous(),
-               "neg": e2e["inputs.txt_neg"].contiguous()}, folder / "text_64.safetensors")
-
-
-def _thumb_sets(example: Example) -> list[str]:
-    sets = []
-    for node in example.nodes:
-        # The CPU in fp32 on every machine: the same pictures wherever they are made.
-        if node.type in ("SeedVR2LoadDiTModel", "SeedVR2LoadVAEModel"):
-            model = "dit3b_tiny" if node.type == "SeedVR2LoadDiTModel" else "vae_tiny"
-            sets += [f"{node.id}.model={model}.safetensors", f"{node.id}.device=cpu",
-                     f"{node.id}.dtype=fp32"]
-            if node.values.get("blocks_to_swap"):
-                sets.append(f"{node.id}.blocks_to_swap=2")  # the tiny DiT has 4 blocks
-        elif node.type in ("SeedVR2VideoUpscaler", "SeedVR2UpscaleVideoFile",
-                           "SeedVR2UpscaleVideo"):
-            sets += [f"{node.id}.resolution={THUMB_RESOLUTION}", f"{node.id}.batch_size=5",
-                     f"{node.id}.devices=cpu"]
-    return sets
-
-
-def _result_picture(path: Path):
-    """The saved result as a PIL image: the image, or a video's middle frame."""
-    from PIL import Image
-
-    if path.suffix.lower() != ".mp4":
-        return Image.open(path).convert("RGB")
-    import av
-
-    with av.open(str(path)) as container:
-        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
-    return Image.fromarray(frames[len(frames) // 2])
+THUMB_WIDTH = 320
 
 
 def thumbnail_stamp(example: Example) -> str:
     """What a thumbnail records (its JPEG comment) of the workflow it pictures: the example
     and a digest of its API prompt, so a test finds thumbnails older than their workflow."""
-    import hashlib
-
     digest = hashlib.sha256(dumps(api_prompt(example)).encode()).hexdigest()[:16]
     return f"seedvr2 example {example.name} {digest}"
-
-
-def thumbnails(conformance: Path, folder: Path, work: Path) -> list[Path]:
-    """Run every example (see above) and write ``<name>.jpg`` into ``folder``."""
-    from PIL import Image
-
-    from .host import HeadlessHost
-    from .run import run_workflow
-
-    models, inputs = work / "models", work / "input"
-    _tiny_models(Path(conformance), models)
-    _thumb_inputs(inputs)
-    written = []
-    for example in EXAMPLES:
-        host = HeadlessHost(model_dir=models, input_dir=inputs, output_dir=work / example.name,
-                            quiet=True)
-        result = run_workflow(ui_workflow(example), _thumb_sets(example), host=host)
-        saved = next(p for p in result.files if p.suffix.lower() in (".png", ".mp4"))
-        picture = _result_picture(saved)
-        height = round(THUMB_WIDTH * picture.height / picture.width)
-        target = folder / f"{example.name}.jpg"
-        picture.resize((THUMB_WIDTH, height), Image.Resampling.LANCZOS).save(
-            target, quality=90, optimize=False, comment=thumbnail_stamp(example))
-        written.append(target)
-    return written
-
-
-def main(argv=None) -> int:
-    import argparse
-    import os
-    import tempfile
-
-    parser = argparse.ArgumentParser(
-        prog="python -m seedvr2.workflow.examples",
-        description="Write the example workflows (editor format, and API twins in api/); with "
-                    "--thumbnails also run each one and write its <name>.jpg thumbnail.")
-    parser.add_argument("folder", nargs="?", type=Path,
-                        default=Path(__file__).resolve().parents[3] / "example_workflows")
-    parser.add_argument("--thumbnails", action="store_true",
-                        help="run every example with the conformance kit's tiny models and "
-                             "save its result as <name>.jpg")
-    parser.add_argument("--conformance", type=Path,
-                        default=os.environ.get("SEEDVR2_CONFORMANCE") or
-                        Path(__file__).resolve().parents[3] / "tests" / "conformance",
-                        help="the conformance kit folder (default: $SEEDVR2_CONFORMANCE, else "
-                             "the repository's tests/conformance)")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    folder = args.folder
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, text in files().items():
-        (folder / name).parent.mkdir(parents=True, exist_ok=True)
-        (folder / name).write_text(text)
-        print(folder / name)
-    if args.thumbnails:
-        if not (args.conformance / "index.json").is_file():
-            parser.error(f"--thumbnails needs the conformance kit: none at {args.conformance} "
-                         f"(--conformance DIR)")
-        with tempfile.TemporaryDirectory() as work:
-            for path in thumbnails(args.conformance, folder, Path(work)):
-                print(path)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

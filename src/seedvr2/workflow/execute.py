@@ -1,9 +1,7 @@
-"""Run an API-format prompt in this process: our nodes plus the headless core nodes.
-
-An API-format prompt maps node ids to ``{"class_type": ..., "inputs": {...}}``; an input is a
-value or a link ``[source node id, output index]``. Like ComfyUI, the whole prompt is checked
-first (node types, links, every value against its input's type, range and choices), then the
-output nodes and what they depend on run in dependency order. Every problem is a
+"""Run an API-format prompt (node id -> ``{"class_type", "inputs"}``; a link is ``[source node
+id, output index]``) in this process: our nodes plus the headless core nodes. Like ComfyUI, the
+whole prompt is checked first (node types, links, every value against its input's type, range and
+choices), then the output nodes and what they need run in dependency order. Every problem is a
 :class:`WorkflowError` naming the node.
 """
 
@@ -12,14 +10,12 @@ from __future__ import annotations
 import reprlib
 from typing import Optional
 
-from .errors import WorkflowError
-from .nodes import Input, NodeDef, NodeResult
+from .core_nodes import CORE_NODES
+from .errors import WorkflowError, WorkflowInterrupted
+from .nodes import Input, NodeDef, NodeResult, build_nodes
 
 
 def registry() -> dict[str, NodeDef]:
-    from .core_nodes import CORE_NODES
-    from .nodes import build_nodes
-
     return {node.id: node for node in (*build_nodes(), *CORE_NODES)}
 
 
@@ -99,41 +95,14 @@ def validate(prompt: dict, nodes: dict[str, NodeDef], host) -> list[str]:
             raise WorkflowError(f"the workflow has a cycle: {' -> '.join(chain + (node_id,))}")
         state[node_id] = "visiting"
         node = prompt[node_id]
-        definition = nodes[node["class_type"]]
-        inputs = node.get("inputs", {})
-        for inp in definition.inputs:
-            value = inputs.get(inp.name)
-            if value is None:
-                if not inp.optional:
-                    raise WorkflowError(f"missing required input {inp.name!r}", node_id,
-                                        node["class_type"])
-                continue
-            if is_link(value):
-                source_id, slot = str(value[0]), value[1]
-                if source_id not in prompt:
-                    raise WorkflowError(f"input {inp.name!r} is linked to node {source_id}, which "
-                                        f"is not in the workflow", node_id, node["class_type"])
-                source = nodes[prompt[source_id]["class_type"]]
-                if not 0 <= slot < len(source.outputs):
-                    raise WorkflowError(f"input {inp.name!r} is linked to output {slot} of node "
-                                        f"{source_id} ({source.id}), which has "
-                                        f"{len(source.outputs)} outputs", node_id, node["class_type"])
-                produced = source.outputs[slot].type
-                if produced != inp.type and "*" not in (produced, inp.type):
-                    raise WorkflowError(f"input {inp.name!r} takes {inp.type} but is linked to "
-                                        f"{source.id} output {slot} ({produced})", node_id,
-                                        node["class_type"])
+        for inp in nodes[node["class_type"]].inputs:
+            try:
+                source_id = _check_input(inp, node.get("inputs", {}).get(inp.name), prompt, nodes,
+                                         host)
+            except ValueError as e:
+                raise WorkflowError(str(e), node_id, node["class_type"]) from None
+            if source_id is not None:
                 visit(source_id, chain + (node_id,))
-            elif not inp.is_widget:
-                raise WorkflowError(f"input {inp.name!r} takes {inp.type} and must be linked to "
-                                    f"another node's output, not given the value "
-                                    f"{reprlib.repr(value)}",
-                                    node_id, node["class_type"])
-            else:
-                try:
-                    coerce(inp, value, host)
-                except ValueError as e:
-                    raise WorkflowError(str(e), node_id, node["class_type"]) from None
         state[node_id] = "done"
         order.append(node_id)
 
@@ -142,10 +111,37 @@ def validate(prompt: dict, nodes: dict[str, NodeDef], host) -> list[str]:
     return order
 
 
+def _check_input(inp: Input, value, prompt: dict, nodes: dict[str, NodeDef],
+                 host) -> Optional[str]:
+    """Check one input's value (a ValueError says what is wrong); returns the node it links to."""
+    if value is None:
+        if not inp.optional:
+            raise ValueError(f"missing required input {inp.name!r}")
+        return None
+    if not is_link(value):
+        if not inp.is_widget:
+            raise ValueError(f"input {inp.name!r} takes {inp.type} and must be linked to another "
+                             f"node's output, not given the value {reprlib.repr(value)}")
+        coerce(inp, value, host)
+        return None
+    source_id, slot = str(value[0]), value[1]
+    if source_id not in prompt:
+        raise ValueError(f"input {inp.name!r} is linked to node {source_id}, which is not in the "
+                         f"workflow")
+    source = nodes[prompt[source_id]["class_type"]]
+    if not 0 <= slot < len(source.outputs):
+        raise ValueError(f"input {inp.name!r} is linked to output {slot} of node {source_id} "
+                         f"({source.id}), which has {len(source.outputs)} outputs")
+    produced = source.outputs[slot].type
+    if produced != inp.type and "*" not in (produced, inp.type):
+        raise ValueError(f"input {inp.name!r} takes {inp.type} but is linked to {source.id} "
+                         f"output {slot} ({produced})")
+    return source_id
+
+
 def execute(prompt: dict, host, nodes: Optional[dict[str, NodeDef]] = None) -> dict[str, NodeResult]:
     """Validate, then run ``prompt``; returns every executed node's result by node id."""
     from ..pipeline.runner import Interrupted
-    from .errors import WorkflowInterrupted
 
     nodes = nodes or registry()
     prompt = {str(k): v for k, v in prompt.items()} if isinstance(prompt, dict) else prompt

@@ -2,29 +2,27 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import re
+import tempfile
 import threading
 from pathlib import Path
 from typing import Optional
+
+from .core_nodes import Video, video_components
+from .errors import WorkflowInterrupted
 
 log = logging.getLogger("seedvr2")
 
 
 def confined_input_path(name: str, folders: dict) -> Path:
-    """The file a prompt's input name means, never outside the host's folders.
-
-    Every input file name of a prompt (LoadImage's ``image``, LoadVideo's ``file``, Upscale
-    Video File's ``video_path``) comes here, in ComfyUI and headless alike: a prompt may come
-    from anyone who reaches a ComfyUI started with ``--listen``, and an absolute path or a
-    ``..`` would let them read any video the server can open and get it back upscaled.
-    ``name`` is a path inside ``folders["input"]`` (subfolders allowed), or ComfyUI's annotated
-    form ``"name [output]"`` / ``"name [temp]"`` (``"[input]"`` too) for the other folders
-    given (as ``folder_paths.annotated_filepath`` reads it). Anything else raises ValueError.
-    The check is on the path as written (normalized), so links an administrator placed in
-    the input folder still work.
-    """
+    """The file a prompt's input name (LoadImage, LoadVideo, Upscale Video File) means, never
+    outside the host's folders: a prompt may come from anyone who reaches a ComfyUI started with
+    ``--listen``. ``name`` is a path inside ``folders["input"]``, or ComfyUI's annotated form
+    ``"name [output]"`` (``[temp]``, ``[input]``) for the other folders given; anything else
+    raises ValueError. Checked as written (normalized): links placed in the folder still work."""
     text, folder = name.strip(), "input"
     for tag in ("input", "output", "temp"):
         if text.endswith(f"[{tag}]") and tag in folders:
@@ -43,12 +41,9 @@ def confined_input_path(name: str, folders: dict) -> Path:
 
 
 class HeadlessHost:
-    """Runs nodes outside ComfyUI.
-
-    ``model_dir``: the model folder (default: ``$SEEDVR2_MODEL_DIR``, ComfyUI's models/SEEDVR2
-    when importable, else the user cache folder); ``input_dir``: where LoadImage / LoadVideo
-    names and relative video paths are looked up; ``output_dir``: where files are saved.
-    """
+    """Runs nodes outside ComfyUI: models from ``model_dir`` (default: ``$SEEDVR2_MODEL_DIR``,
+    ComfyUI's models/SEEDVR2 when importable, else the user cache folder), input file names
+    looked up in ``input_dir``, files saved in ``output_dir``."""
 
     def __init__(self, model_dir=None, input_dir=".", output_dir="output", quiet: bool = False):
         if model_dir is None:
@@ -125,8 +120,6 @@ class HeadlessHost:
         return self.stop.is_set()
 
     def raise_interrupted(self) -> None:
-        from .errors import WorkflowInterrupted
-
         if self.stop.is_set():
             raise WorkflowInterrupted("interrupted")
 
@@ -137,8 +130,6 @@ class HeadlessHost:
         pass
 
     def after_run(self) -> None:
-        import gc
-
         gc.collect()
         try:
             import torch
@@ -158,24 +149,16 @@ class HeadlessHost:
         return video.path
 
     def video_frames(self, video) -> tuple:
-        from .core_nodes import video_components
-
         return video_components(video)
 
     def file_video(self, path: Path):
-        from .core_nodes import Video
-
         return Video(path=Path(path))
 
     def frames_video(self, images, audio, fps):
-        from .core_nodes import Video
-
         return Video(images=images, fps=fps, audio=audio)
 
     def temp_file(self, prefix: str, suffix: str) -> Path:
         """A new name in this host's temporary folder (removed with the host)."""
-        import tempfile
-
         if self._temp is None:
             self._temp = tempfile.TemporaryDirectory(prefix="seedvr2_workflow_")
         folder = Path(self._temp.name) / os.path.dirname(prefix)

@@ -1,23 +1,17 @@
 """Our ComfyUI nodes, defined once and independent of ComfyUI.
 
-Each :class:`NodeDef` says what a node takes (:class:`Input`: type, default, range, choices,
-tooltip), what it returns and what it does (``run(host, **inputs)``). The ComfyUI pack
-(top-level ``nodes.py``) turns these into V3 or classic nodes and gives them a ComfyUI
-:class:`Host` (progress bar, interrupt flag, model folders, memory); the headless runner gives
-them its own. Nodes stay thin: they parse inputs, call the facade (:mod:`seedvr2.api`) and
-report progress.
-
-Every option input comes from the one option table (:mod:`seedvr2.options`): type, default,
-range, choices and tooltip. :data:`LOADER_SETTINGS` / :data:`UPSCALER_SETTINGS` name the inputs
-that carry another name (``cache_model`` is ``cache_dit`` on the DiT loader) and add only widget
-details. Optional inputs and unsupported compile settings, as users see them: docs/comfyui.md.
-
-Import cost: this module imports only :mod:`seedvr2.options`; torch, the models and the
-model registry load when a node runs or its dropdowns are listed.
+Each :class:`NodeDef` says what a node takes (:class:`Input`), returns and does
+(``run(host, **inputs)``); the ComfyUI pack (top-level ``nodes.py``) turns them into V3 or
+classic nodes with a ComfyUI :class:`Host`, the headless runner gives them its own. Nodes stay
+thin: they parse inputs, call the facade (:mod:`seedvr2.api`) and report progress. Every option
+input comes from the option table (:mod:`seedvr2.options`); :data:`LOADER_SETTINGS` /
+:data:`UPSCALER_SETTINGS` name those under another name. What users see: docs/comfyui.md.
+Import cost: only :mod:`seedvr2.options`; torch and the models load when a node runs.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -25,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Protocol, Union
 
 from ..faults import Faults
-from ..options import OPTIONS, Option
+from ..options import OPTIONS, Option, resolve_options
 
 log = logging.getLogger("seedvr2")
 
@@ -176,13 +170,9 @@ def _offload_choices(host) -> list:
 
 @dataclass(frozen=True)
 class Setting:
-    """A node input that is a library option under another name (architecture table).
-
-    The input's type, default, range, choices and tooltip all come from the option in
-    :data:`seedvr2.options.OPTIONS`; only how the editor shows it is said here: ``choices``
-    turns a free-form device option into a dropdown of what this machine has (the library
-    still checks the value), ``step`` is the widget's increment. An input that is not one
-    option (``torch_compile_args``) gives its own ``input_def`` and ``to_options``.
+    """A node input that is a library option under another name: all but how the editor shows
+    it (``choices``: a device dropdown of this machine's; ``step``) comes from the option. An
+    input that is not one option (``torch_compile_args``) gives ``input_def`` and ``to_options``.
     """
 
     input: str
@@ -208,10 +198,8 @@ class Setting:
 
 # torch_compile_args field -> library option; the compile settings node's cache limits have no
 # library option yet and are passed on (or reported) only when changed from their defaults.
-COMPILE_FIELDS = {"backend": "compile_backend", "mode": "compile_mode",
-                  "fullgraph": "compile_fullgraph", "dynamic": "compile_dynamic",
-                  "dynamo_cache_size_limit": "compile_dynamo_cache_size_limit",
-                  "dynamo_recompile_limit": "compile_dynamo_recompile_limit"}
+COMPILE_FIELDS = {field: f"compile_{field}" for field in (
+    "backend", "mode", "fullgraph", "dynamic", "dynamo_cache_size_limit", "dynamo_recompile_limit")}
 COMPILE_LIMIT_DEFAULTS = {"dynamo_cache_size_limit": 64, "dynamo_recompile_limit": 128}
 
 
@@ -328,19 +316,12 @@ def pipeline_options() -> list[Option]:
 
 @dataclass(frozen=True)
 class ModelHandle:
-    """What a loader node outputs: which file, and the loader's settings. Loading happens in the
-    upscaler (per run for now; a model cache keyed by this handle slots in there)."""
+    """What a loader node outputs: which file, and the loader's settings (the upscaler loads)."""
 
     kind: str  # "dit" or "vae"
     name: str  # as chosen in the dropdown
     path: str  # the resolved file
     settings: tuple = ()  # ((input name, value), ...) in LOADER_SETTINGS order
-
-    def setting(self, name: str):
-        return dict(self.settings)[name]
-
-
-_KIND_CACHE: dict = {}
 
 
 def _file_kind(path: Path) -> Optional[str]:
@@ -349,15 +330,18 @@ def _file_kind(path: Path) -> Optional[str]:
         stat = path.stat()
     except OSError:
         return None
-    key = (str(path), stat.st_size, stat.st_mtime_ns)
-    if key not in _KIND_CACHE:
-        from ..loading import CheckpointError, describe
+    return _kind_of_file(str(path), stat.st_size, stat.st_mtime_ns)
 
-        try:
-            _KIND_CACHE[key] = describe(path)["kind"]
-        except (CheckpointError, OSError, ValueError):
-            _KIND_CACHE[key] = None
-    return _KIND_CACHE[key]
+
+@functools.lru_cache(maxsize=None)
+def _kind_of_file(path: str, size: int, mtime_ns: int) -> Optional[str]:
+    """The header read once per file version (size and time are part of the key)."""
+    from ..loading import CheckpointError, describe
+
+    try:
+        return describe(Path(path))["kind"]
+    except (CheckpointError, OSError, ValueError):
+        return None
 
 
 def _local_models(host: Host, kind: str) -> list[str]:
@@ -524,7 +508,6 @@ def _stop_check(host: Host) -> Callable[[], bool]:
 def _run_facade(host: Host, dit: ModelHandle, vae: ModelHandle, inputs: dict, call: Callable):
     """Run ``call(dit path, vae path, model_dir=, progress=, should_stop=, **options)``: one
     facade call, which loads the models (or takes them from the library's model cache)."""
-    from ..options import resolve_options
     from ..pipeline.runner import Interrupted
 
     job = plan_job(dit, vae, *_split_inputs(inputs))
@@ -596,8 +579,6 @@ def _upscale_video_file(host: Host, dit: ModelHandle, vae: ModelHandle, video_pa
     from ..io import open_media
     from ..io._common import IMAGE_EXTENSIONS
     from ..pipeline.runner import output_size
-
-    from ..options import resolve_options
 
     if not video_path.strip():
         raise ValueError("video_path is empty: give a video file in the input folder")

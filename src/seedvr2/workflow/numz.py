@@ -1,21 +1,10 @@
-"""Workflows saved with the numz pack (ComfyUI-SeedVR2_VideoUpscaler), run as ours.
+"""Workflows saved with the numz pack (ComfyUI-SeedVR2_VideoUpscaler), rewritten to our layout.
 
-Four of our node IDs are numz's own (:data:`NUMZ_NODES`: one table of numz v2.5.24's inputs,
-in the order the editor saves their widget values), with another input layout; numz v2.0-2.4's
-``SeedVR2`` node (fed by ``SeedVR2BlockSwap`` and ``SeedVR2ExtraArgs``) becomes our DiT loader,
-VAE loader and upscaler (:data:`OLD_INPUTS`). Editor workflows and API prompts are rewritten to
-our layout, each value on the input of the same meaning, with a note for each value that has no
-place here. What users see, and the table of old inputs: docs/comfyui.md ("Workflows from the
-numz pack").
-
-A saved node's layout: the widget names the editor of numz's time saved
-(``inputs[].widget.name``; numz changed its order between releases), else values that fit our
-widgets are ours, else they are read in numz v2.5.24's order. An API prompt is numz's when it
-lacks every input our node has had since its first release and numz's never had.
-
-Used by :mod:`.convert`, ``seedvr2 run-workflow`` and, inside ComfyUI, the pack's ``/prompt``
-hook and the editor extension (``web/seedvr2.js``). Works on ``/object_info`` entries, so the
-same code serves our built-in table and a ComfyUI server's.
+Four of our node IDs are numz's own, with another input layout (:data:`NUMZ_NODES`); numz
+v2.0-2.4's ``SeedVR2`` node becomes our loaders and upscaler (:data:`OLD_INPUTS`). Editor
+workflows and API prompts alike, from ``/object_info`` entries (ours or a server's), with a note
+for each value that has no place here. How a layout is recognised, and what users see:
+docs/comfyui.md ("Workflows from the numz pack").
 """
 
 from __future__ import annotations
@@ -24,6 +13,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from .execute import is_link
 from .nodes import COMPILE_TYPE, CONTROL_MODE_KEY, WIDGET_TYPES
 
 CONTROL_VALUES = ("fixed", "increment", "decrement", "randomize")
@@ -34,9 +24,7 @@ NUMZ_COMPILE_TYPE = "TORCH_COMPILE_ARGS"  # numz's type for the compile settings
 class NumzNode:
     """What numz v2.5.24's node of the same ID takes."""
 
-    # Its widget inputs in the order the editor saves their values (required inputs first, then
-    # optional ones, each in declaration order); a seed's "control after generate" value follows
-    # the seed.
+    # Its widget inputs in the order the editor saves their values (required, then optional)
     widgets: tuple
     renamed: dict = field(default_factory=dict)  # numz input -> our input of the same meaning
     # numz inputs with nothing here that means the same -> their default (off: dropping that
@@ -138,6 +126,11 @@ def is_ours(node_type: str, info: Optional[dict]) -> bool:
 # Values
 
 
+# Choices that depend on the machine (files, devices): a value missing there is the user's to fix,
+# and validation names it; other choices are fixed lists, and a numz value not in one is noted.
+_MACHINE_CHOICES = ("model", "device", "offload_device")
+
+
 def _fits(value, kind: str) -> bool:
     if kind == "BOOLEAN":
         return isinstance(value, bool)
@@ -152,34 +145,34 @@ def _fits(value, kind: str) -> bool:
     return isinstance(value, (str, int, float))  # COMBO
 
 
-def _read(values: list, names: list, controls: set) -> Optional[tuple[dict, dict]]:
-    """Saved widget values by name, walking ``names`` (a control value follows each name in
-    ``controls``); also the control values found. None when the count does not match."""
-    named, control, i = {}, {}, 0
+def read_widget_values(values: list, names: list, controls: set) -> tuple[list, dict, int]:
+    """Saved widget values walked in ``names`` order while they last: the (name, value) pairs,
+    the "control after generate" values the editor saves after each name in ``controls``, and
+    how many values were read."""
+    pairs, control, i = [], {}, 0
     for name in names:
         if i >= len(values):
-            return None
-        named[name] = values[i]
+            break
+        pairs.append((name, values[i]))
         i += 1
         if name in controls and i < len(values) and values[i] in CONTROL_VALUES:
             control[name] = values[i]
             i += 1
-    return (named, control) if i == len(values) else None
+    return pairs, control, i
+
+
+def _read(values: list, names: list, controls: set) -> Optional[tuple[dict, dict]]:
+    """Saved widget values by name, and the control values; None when the count does not match."""
+    pairs, control, used = read_widget_values(values, names, controls)
+    return (dict(pairs), control) if len(pairs) == len(names) and used == len(values) else None
 
 
 def _our_layout(values: list, widgets: list[_Widget]) -> bool:
     """Values saved by our node: each fits its widget, in our order (a workflow saved before
     later inputs existed has fewer)."""
-    i = 0
-    for widget in widgets:
-        if i >= len(values):
-            return True
-        if not _fits(values[i], widget.kind):
-            return False
-        i += 1
-        if widget.control and i < len(values) and values[i] in CONTROL_VALUES:
-            i += 1
-    return i == len(values)
+    pairs, _, used = read_widget_values(values, [w.name for w in widgets],
+                                        {w.name for w in widgets if w.control})
+    return used == len(values) and all(_fits(v, w.kind) for w, (_, v) in zip(widgets, pairs))
 
 
 def _to_ours(node_label: str, table: NumzNode, named: dict, widgets: dict[str, _Widget],
@@ -198,7 +191,8 @@ def _to_ours(node_label: str, table: NumzNode, named: dict, widgets: dict[str, _
         if widget.choices is not None and isinstance(value, bool):
             # numz's switch for a setting that is a choice here (compile "dynamic")
             value = str(value).lower()
-        if widget.choices is not None and value not in widget.choices and _static_choices(widget):
+        if widget.choices is not None and value not in widget.choices \
+                and widget.name not in _MACHINE_CHOICES:
             notes.append(f"{node_label}: numz's {name} = {value!r} is not available in this pack "
                          f"(choices: {', '.join(map(str, widget.choices))}); using "
                          f"{widget.default!r}")
@@ -221,32 +215,33 @@ def _out_of_range(value, widget: _Widget) -> bool:
     return low is not None and value < low or high is not None and value > high
 
 
-def _static_choices(widget: _Widget) -> bool:
-    """A fixed list of choices (not files or devices, which depend on the machine: a value
-    missing there is the user's to fix, and validation names it)."""
-    return widget.name not in ("model", "device", "offload_device")
-
-
 # ---------------------------------------------------------------------------------------------
 # Editor workflows
 
 
-def _link_id(link):
-    """A saved link's ID: links are ``{"id": ...}`` objects or ``[id, origin, ...]`` lists."""
+LINK_FIELDS = ("id", "origin_id", "origin_slot", "target_id", "target_slot", "type")
+
+
+def link_field(link, key: str):
+    """A field of a saved link: links are ``{"id": ...}`` objects or ``[id, origin, ...]`` lists."""
     if isinstance(link, dict):
-        return link.get("id")
-    return link[0] if isinstance(link, list) and link else None
+        return link.get(key)
+    index = LINK_FIELDS.index(key)
+    return link[index] if isinstance(link, list) and index < len(link) else None
+
+
+def _link_id(link):
+    return link_field(link, "id")
 
 
 def _set_link(links: list, link_id, **changes) -> None:
-    positions = {"origin_id": 1, "origin_slot": 2, "target_id": 3, "target_slot": 4, "type": 5}
     for link in (l for l in links if _link_id(l) == link_id):
         if isinstance(link, dict):
             link.update(changes)
         else:
             for key, value in changes.items():
-                if positions[key] < len(link):
-                    link[positions[key]] = value
+                if LINK_FIELDS.index(key) < len(link):
+                    link[LINK_FIELDS.index(key)] = value
 
 
 def _saved_widget_names(node: dict) -> list:
@@ -266,15 +261,9 @@ def _translate_node(node: dict, info: dict, links: list, notes: list) -> None:
     widgets = widget_inputs(info)
     by_name = {w.name: w for w in widgets}
     saved = _saved_widget_names(node)
-    ours_in_order = [w.name for w in widgets]
-    if saved:
-        if saved == ours_in_order[:len(saved)] and _our_layout(values, widgets):
-            return
-        layout = saved
-    elif _our_layout(values, widgets):
+    if saved == [w.name for w in widgets][:len(saved)] and _our_layout(values, widgets):
         return
-    else:
-        layout = list(table.widgets)
+    layout = saved or list(table.widgets)
     controls = {n for n in layout if n in ("seed", "noise_seed") or
                 by_name.get(table.renamed.get(n, n), _Widget(n, "", {})).control}
     read = _read(values, layout, controls)
@@ -285,8 +274,7 @@ def _translate_node(node: dict, info: dict, links: list, notes: list) -> None:
     ours = _to_ours(label, table, named, by_name, notes)
     node["widgets_values"] = _editor_values(ours, control, widgets)
 
-    # Input slots: our sockets, and the widget inputs the saved node had as slots, renamed; each
-    # link into the node follows its input to the new slot.
+    # Input slots: the widget inputs the saved node had as slots, renamed; their links follow.
     our_inputs = {name for name, _ in _inputs(info)}
     saved_inputs = {}
     for inp in node.get("inputs") or []:
@@ -299,26 +287,7 @@ def _translate_node(node: dict, info: dict, links: list, notes: list) -> None:
                 _drop_link(links, inp["link"])
             continue
         saved_inputs[table.renamed.get(old, old)] = (old, inp)
-    new_inputs = []
-    for name, spec in _inputs(info):
-        kind = _input_type(spec)
-        old, entry = saved_inputs.get(name, (name, None))
-        is_widget = name in by_name
-        if entry is None:
-            if is_widget:
-                continue
-            entry = {"name": name, "type": kind, "link": None}
-        else:
-            entry = {**entry, "name": name, "type": kind}
-            for key in ("localized_name", "label"):  # the editor shows these; numz's name
-                if entry.get(key) == old:
-                    entry[key] = name
-            if is_widget:
-                entry["widget"] = {**(entry.get("widget") or {}), "name": name}
-        if entry.get("link") is not None:
-            _set_link(links, entry["link"], target_slot=len(new_inputs), type=kind)
-        new_inputs.append(entry)
-    node["inputs"] = new_inputs
+    node["inputs"] = _editor_sockets(info, saved_inputs, links)
     for slot, output in enumerate(node.get("outputs") or []):
         if isinstance(output, dict) and slot < len(info.get("output", [])):
             output["type"] = info["output"][slot]
@@ -345,9 +314,7 @@ def _drop_link(links: list, link_id) -> None:
 
 
 def _translate_graph(graph: dict, object_info: dict, notes: list) -> None:
-    links = graph.get("links")
-    if not isinstance(links, list):
-        links = []
+    links = graph.get("links") if isinstance(graph.get("links"), list) else []
     for node in graph.get("nodes") or []:
         kind = node.get("type") if isinstance(node, dict) else None
         if not is_ours(kind, object_info.get(kind)):
@@ -362,8 +329,7 @@ def _translate_graph(graph: dict, object_info: dict, notes: list) -> None:
     # Links from a numz compile node, or into one of our loaders, keep their old type name when
     # the nodes at either end were ours already; the type is ours on both ends now.
     for link in links:
-        kind = link.get("type") if isinstance(link, dict) else (link[5] if len(link) > 5 else None)
-        if kind == NUMZ_COMPILE_TYPE:
+        if link_field(link, "type") == NUMZ_COMPILE_TYPE:
             _set_link(links, _link_id(link), type=COMPILE_TYPE)
 
 
@@ -373,10 +339,11 @@ def translate_workflow(workflow: dict, object_info: dict) -> tuple[dict, list[st
     workflow = copy.deepcopy(workflow)
     notes: list[str] = []
     old = _knows_old_nodes(object_info)
+    graphs = [g for g in (workflow, *((workflow.get("definitions") or {}).get("subgraphs") or []))
+              if isinstance(g, dict)]
     if any(isinstance(n, dict) and (n.get("type") in NUMZ_NODES or old and n.get("type") in
-                                    OLD_LAYOUTS) for n in _all_nodes(workflow)):
-        graphs = [workflow, *((workflow.get("definitions") or {}).get("subgraphs") or [])]
-        for graph in (g for g in graphs if isinstance(g, dict)):
+                                    OLD_LAYOUTS) for g in graphs for n in g.get("nodes") or []):
+        for graph in graphs:
             if old:
                 _expand_old_graph(graph, object_info, notes)
             _translate_graph(graph, object_info, notes)
@@ -386,14 +353,6 @@ def translate_workflow(workflow: dict, object_info: dict) -> tuple[dict, list[st
 def _knows_old_nodes(object_info: dict) -> bool:
     """Can numz v2.0-2.4's nodes become ours (the /object_info has our three nodes)?"""
     return all(is_ours(kind, object_info.get(kind)) for kind in OLD_TARGETS.values())
-
-
-def _all_nodes(workflow: dict) -> list:
-    nodes = list(workflow.get("nodes") or [])
-    for graph in (workflow.get("definitions") or {}).get("subgraphs") or []:
-        if isinstance(graph, dict):
-            nodes += graph.get("nodes") or []
-    return nodes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -422,8 +381,8 @@ def translate_prompt(prompt: dict, object_info: dict) -> tuple[dict, list[str]]:
         if not _numz_prompt_node(table, inputs, widgets):
             continue
         label = f"node {node_id} ({kind})"
-        links = {k: v for k, v in inputs.items() if _is_link(v)}
-        values = {k: v for k, v in inputs.items() if not _is_link(v)}
+        links = {k: v for k, v in inputs.items() if is_link(v)}
+        values = {k: v for k, v in inputs.items() if not is_link(v)}
         ours = _to_ours(label, table, values, widgets, notes)
         for name, value in links.items():
             if name in table.dropped:
@@ -458,10 +417,6 @@ def _numz_prompt_node(table: NumzNode, inputs: dict, widgets: dict[str, _Widget]
                    for n, v in inputs.items()))
 
 
-def _is_link(value) -> bool:
-    return isinstance(value, list) and len(value) == 2 and isinstance(value[1], int)
-
-
 # ---------------------------------------------------------------------------------------------
 # Another pack with the same node IDs
 
@@ -469,11 +424,9 @@ def _is_link(value) -> bool:
 def clashing_packs(our_ids, class_mappings: dict, module_dirs: dict, our_module: str,
                    registered_by: Callable[[object], Optional[str]], *, loading: bool) -> list[str]:
     """Log lines for each other pack that registers one of ``our_ids`` in ComfyUI's
-    ``nodes.NODE_CLASS_MAPPINGS`` (a class's pack: ``registered_by``, ComfyUI's
-    ``RELATIVE_PYTHON_MODULE``): both packs' folders (``nodes.LOADED_MODULE_DIRS``, keyed by the
-    folder name) and what each registers. ``loading``: asked while this pack registers its nodes
-    (the other pack loaded first, and ours replace its), else after every pack loaded (the other
-    pack's loaded later and replaced ours). Empty when no other pack has our IDs."""
+    ``NODE_CLASS_MAPPINGS`` (a class's pack: ``registered_by``; folders: ``module_dirs``).
+    ``loading``: asked while this pack registers its nodes (ours replace the other's), else
+    after every pack loaded (the other replaced ours). Empty when no other pack has our IDs."""
     def folder(module: str) -> str:
         return module_dirs.get(module.rpartition(".")[2], module)
 
@@ -591,13 +544,13 @@ def _expand_old_prompt(prompt: dict, object_info: dict, notes: list) -> None:
         if not isinstance(node, dict) or node.get("class_type") != OLD_UPSCALER:
             continue
         inputs = node.get("inputs") if isinstance(node.get("inputs"), dict) else {}
-        named = {k: v for k, v in inputs.items() if not _is_link(v)}
+        named = {k: v for k, v in inputs.items() if not is_link(v)}
         for link_name, kind in OLD_LINKS.items():
             link = inputs.get(link_name)
-            source = prompt.get(link[0]) if _is_link(link) else None
+            source = prompt.get(link[0]) if is_link(link) else None
             if isinstance(source, dict) and source.get("class_type") == kind:
                 named.update({k: v for k, v in (source.get("inputs") or {}).items()
-                              if not _is_link(v)})
+                              if not is_link(v)})
                 consumed.add(link[0])
         ours = _old_settings(f"node {node_id} ({OLD_UPSCALER})", named, object_info, notes)
         loaders = {}
@@ -607,20 +560,11 @@ def _expand_old_prompt(prompt: dict, object_info: dict, notes: list) -> None:
                 ours[role], object_info[OLD_TARGETS[role]])}
         upscaler = _with_defaults(ours["upscaler"], object_info[OLD_TARGETS["upscaler"]])
         upscaler.update(dit=[loaders["dit"], 0], vae=[loaders["vae"], 0])
-        if _is_link(inputs.get("images")):
+        if is_link(inputs.get("images")):
             upscaler["image"] = inputs["images"]
         prompt[node_id] = {**node, "class_type": OLD_TARGETS["upscaler"], "inputs": upscaler}
     for node_id in consumed:
         prompt.pop(node_id, None)
-
-
-def _link_ends(links: list, link_id) -> Optional[tuple]:
-    for link in links:
-        if isinstance(link, dict) and link.get("id") == link_id:
-            return link.get("origin_id"), link.get("origin_slot")
-        if isinstance(link, list) and len(link) > 2 and link[0] == link_id:
-            return link[1], link[2]
-    return None
 
 
 def _expand_old_graph(graph: dict, object_info: dict, notes: list) -> None:
@@ -633,7 +577,7 @@ def _expand_old_graph(graph: dict, object_info: dict, notes: list) -> None:
     next_node = max([graph.get("last_node_id") or 0,
                      *(i for i in by_id if isinstance(i, int))]) + 1
     next_link = max([graph.get("last_link_id") or 0,
-                     *(l.get("id") if isinstance(l, dict) else l[0] for l in links if l)]) + 1
+                     *(_link_id(l) for l in links if l)]) + 1
     consumed = set()
     for node in [n for n in by_id.values() if n.get("type") == OLD_UPSCALER]:
         read = _old_layout(node)
@@ -644,8 +588,9 @@ def _expand_old_graph(graph: dict, object_info: dict, notes: list) -> None:
         for inp in node.get("inputs") or []:
             if not isinstance(inp, dict) or inp.get("link") is None:
                 continue
-            ends = _link_ends(links, inp["link"])
-            source = by_id.get(ends[0]) if ends else None
+            origin = next((link_field(l, "origin_id") for l in links
+                           if _link_id(l) == inp["link"]), None)
+            source = by_id.get(origin)
             if inp.get("name") in OLD_LINKS and source is not None \
                     and source.get("type") == OLD_LINKS[inp["name"]]:
                 config = _old_layout(source)
@@ -670,23 +615,36 @@ def _expand_old_graph(graph: dict, object_info: dict, notes: list) -> None:
             next_node, next_link = next_node + 1, next_link + 1
         info = object_info[OLD_TARGETS["upscaler"]]
         node["type"] = OLD_TARGETS["upscaler"]
-        node["inputs"] = _editor_sockets(info, sockets, links)
+        slots = {name: (name, {"name": name, "type": None, "link": link})
+                 for name, link in sockets.items()}
+        node["inputs"] = _editor_sockets(info, slots, links)
         node["widgets_values"] = _editor_values(ours["upscaler"], control, widget_inputs(info))
         node.setdefault("properties", {})["Node name for S&R"] = OLD_TARGETS["upscaler"]
     graph["nodes"] = [n for n in nodes if not (isinstance(n, dict) and n.get("id") in consumed)]
     graph["last_node_id"], graph["last_link_id"] = next_node - 1, next_link - 1
 
 
-def _editor_sockets(info: dict, sockets: dict, links: list) -> list:
-    """A node's input slots (its inputs that are no widget), with the links of ``sockets``
-    (input name -> link ID) moved to their slot."""
+def _editor_sockets(info: dict, saved: dict, links: list) -> list:
+    """A node's input slots in our order: its sockets, and the widget inputs given as slots;
+    ``saved``: our input name -> (the name it was saved under, the saved slot). Each link into
+    the node follows its input to the new slot."""
     widgets = {w.name for w in widget_inputs(info)}
     slots = []
     for name, spec in _inputs(info):
-        if name in widgets:
-            continue
-        link = sockets.get(name)
-        if link is not None:
-            _set_link(links, link, target_slot=len(slots), type=_input_type(spec))
-        slots.append({"name": name, "type": _input_type(spec), "link": link})
+        kind = _input_type(spec)
+        old, entry = saved.get(name, (name, None))
+        if entry is None:
+            if name in widgets:
+                continue
+            entry = {"name": name, "type": kind, "link": None}
+        else:
+            entry = {**entry, "name": name, "type": kind}
+            for key in ("localized_name", "label"):  # the editor shows these; numz's name
+                if entry.get(key) == old:
+                    entry[key] = name
+            if name in widgets:
+                entry["widget"] = {**(entry.get("widget") or {}), "name": name}
+        if entry.get("link") is not None:
+            _set_link(links, entry["link"], target_slot=len(slots), type=kind)
+        slots.append(entry)
     return slots

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Union
 
 from .convert import is_ui_format, ui_to_api
 from .errors import WorkflowError
+from .execute import execute, registry
+from .host import HeadlessHost
+from .nodes import object_info as node_object_info
 from .numz import translate_prompt
+from .server import ComfyServer, ProgressPrinter, upload_inputs
 
 
 @dataclass
@@ -43,10 +48,7 @@ def load_workflow(path) -> dict:
 
 def builtin_object_info(host) -> dict:
     """``/object_info`` of the nodes this runner has (ours and the headless core nodes)."""
-    from .execute import registry
-    from .nodes import object_info
-
-    return {node_id: object_info(node, host) for node_id, node in registry().items()}
+    return {node_id: node_object_info(node, host) for node_id, node in registry().items()}
 
 
 def to_api(workflow: dict, object_info: dict,
@@ -114,36 +116,26 @@ def run_workflow(workflow: Union[str, Path, dict], sets: Iterable[str] = (), *,
                  server: Optional[str] = None, model_dir=None, input_dir=".",
                  output_dir="output", quiet: bool = False, timeout: Optional[float] = None,
                  host=None) -> RunResult:
-    """Run ``workflow`` (a path or a parsed workflow) with ``--set``-style overrides.
-
-    In process (default): our nodes and the headless core nodes; models from ``model_dir``,
-    inputs from ``input_dir``, files saved under ``output_dir``. With ``server``: the prompt
-    runs on that ComfyUI (its folders): input files it does not have are uploaded from
-    ``input_dir``, progress is followed on its websocket (printed per node on stderr unless
-    ``quiet``; /history is polled when the websocket fails), and saved outputs are downloaded
-    into ``output_dir``. Raises :class:`WorkflowError` naming the failing node.
-    """
+    """Run ``workflow`` (a path or a parsed workflow) with ``--set``-style overrides, in this
+    process (models from ``model_dir``, inputs from ``input_dir``, files saved under
+    ``output_dir``) or on the ComfyUI at ``server`` (inputs it lacks uploaded from ``input_dir``,
+    outputs downloaded into ``output_dir``; docs/comfyui.md). Raises :class:`WorkflowError`
+    naming the failing node."""
     if not isinstance(workflow, dict):
         workflow = load_workflow(workflow)
     if server is not None:
-        import sys
-
-        from .server import ComfyServer, ProgressPrinter, upload_inputs
-
         client = ComfyServer(server)
         info = client.object_info()
 
-        def note(message):
+        def say(text):
             if not quiet:
-                print(f"note: {message}", file=sys.stderr, flush=True)
-        prompt = apply_sets(to_api(workflow, info, note), sets, info)
+                print(text, file=sys.stderr, flush=True)
+        prompt = apply_sets(to_api(workflow, info, lambda note: say(f"note: {note}")), sets, info)
         uploads = []
 
         def uploaded(local, name):
             uploads.append((local, name))
-            if not quiet:
-                print(f"uploaded {local} to the server's input folder as {name!r}",
-                      file=sys.stderr, flush=True)
+            say(f"uploaded {local} to the server's input folder as {name!r}")
         prompt = upload_inputs(client, prompt, info, input_dir, on_upload=uploaded)
         printer = None if quiet else ProgressPrinter(prompt)
         try:
@@ -152,9 +144,6 @@ def run_workflow(workflow: Union[str, Path, dict], sets: Iterable[str] = (), *,
             if printer is not None:
                 printer.close()
         return RunResult(prompt, client.download(entry, Path(output_dir)), uploads=uploads)
-
-    from .execute import execute
-    from .host import HeadlessHost
 
     host = host or HeadlessHost(model_dir=model_dir, input_dir=input_dir, output_dir=output_dir,
                                 quiet=quiet)

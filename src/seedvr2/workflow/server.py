@@ -1,17 +1,7 @@
 """Run a prompt on a running ComfyUI server: upload its input files, POST /prompt, follow it,
-fetch the outputs (``seedvr2 run-workflow --server``; docs/comfyui.md says what users see).
-
-Progress is followed on ComfyUI's websocket with ``websocket-client`` (an optional dependency),
-opened before the prompt is queued so no event is missed; when it cannot be opened or drops,
-``/history/<prompt id>`` is polled instead. The finished prompt's history entry is the result
-either way.
-
-Input files the server does not list are uploaded from ``input_dir`` (POST /upload/image, as
-the editor's upload button does) and the input set to the name the server gave the file.
-Neither the workflow nor the server is trusted with the user's disk: an input name that leads
-outside ``input_dir`` (absolute, ``~``, ``..``, a link out) refuses the run before anything is
-sent (a workflow from someone else must not send the user's files away), and output paths the
-server lists outside the output folder refuse the whole download.
+fetch the outputs (``seedvr2 run-workflow --server``; what users see, and which paths are
+refused: docs/comfyui.md). The websocket is opened before the prompt is queued so no event is
+missed; ``/history/<prompt id>`` is polled when it fails, and its entry is the result either way.
 """
 
 from __future__ import annotations
@@ -29,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .errors import WorkflowError, WorkflowInterrupted
+from .numz import widget_inputs
 
 log = logging.getLogger("seedvr2")
 Events = Callable[[str, dict], None]  # on_event(type, data) with ComfyUI's event names
@@ -110,10 +101,8 @@ class ComfyServer:
     def wait(self, prompt_id: str, timeout: Optional[float] = None,
              on_event: Optional[Events] = None, poll: float = 0.25,
              events: Optional["EventStream"] = None) -> dict:
-        """The history entry of the finished prompt; raises with the node's error on failure.
-
-        ``events``: a websocket opened before the prompt was queued, to follow it on;
-        without one (or when it fails) ``/history`` is polled every ``poll`` seconds."""
+        """The history entry of the finished prompt (raises with the node's error), followed on
+        ``events`` (opened before queueing) or, without it or when it fails, by polling."""
         deadline = None if timeout is None else time.monotonic() + timeout
         if events is not None:
             try:
@@ -281,10 +270,6 @@ class EventsFailed(OSError):
     """The websocket could not be opened, or broke: follow the run on /history instead."""
 
 
-MISSING_WEBSOCKET_CLIENT = ("following a run on a ComfyUI server needs the websocket-client "
-                            "package: pip install websocket-client")
-
-
 class EventStream:
     """ComfyUI's event stream for one client: ``recv(timeout)`` is the next text message (a
     JSON event) or None when none arrived in time; binary messages (previews) are skipped.
@@ -296,7 +281,8 @@ class EventStream:
         except ImportError:
             websocket = None
         if not hasattr(websocket, "WebSocket"):  # absent, or the unrelated "websocket" package
-            raise WorkflowError(MISSING_WEBSOCKET_CLIENT)
+            raise WorkflowError("following a run on a ComfyUI server needs the websocket-client "
+                                "package: pip install websocket-client")
         self._lib = websocket
         self.ws = websocket.WebSocket()
         try:
@@ -374,22 +360,18 @@ def _server_files(object_info: dict) -> tuple[dict, set]:
     file_inputs: dict = {kind: {name} for kind, name in FILE_INPUTS.items()}
     listed: set = set()
     for kind, info in object_info.items():
-        for section in ("required", "optional"):
-            for name, spec in ((info.get("input") or {}).get(section) or {}).items():
-                extra = spec[1] if isinstance(spec, list) and len(spec) > 1 and \
-                    isinstance(spec[1], dict) else {}
-                if any(extra.get(flag) for flag in UPLOAD_FLAGS):
-                    file_inputs.setdefault(kind, set()).add(name)
-                    options = spec[0] if isinstance(spec[0], list) else extra.get("options", [])
-                    listed.update(o for o in options if isinstance(o, str))
+        for widget in widget_inputs(info):
+            if any(widget.extra.get(flag) for flag in UPLOAD_FLAGS):
+                file_inputs.setdefault(kind, set()).add(widget.name)
+                options = widget.choices or widget.extra.get("options", [])
+                listed.update(o for o in options if isinstance(o, str))
     return file_inputs, listed
 
 
 def upload_inputs(client: ComfyServer, prompt: dict, object_info: dict, input_dir,
                   on_upload: Optional[Callable[[Path, str], None]] = None) -> dict:
-    """``prompt`` with files of ``input_dir`` the server lacks uploaded and renamed (module
-    doc). Every name is checked before the first upload: one leading outside ``input_dir``
-    refuses the run with nothing sent."""
+    """``prompt`` with files of ``input_dir`` the server lacks uploaded and renamed. Every name
+    is checked before the first upload: one leading outside ``input_dir`` refuses the run."""
     file_inputs, listed = _server_files(object_info)
     prompt = json.loads(json.dumps(prompt))
     root = Path(input_dir).resolve()
@@ -446,15 +428,15 @@ class ProgressPrinter:
             for node_id in data.get("nodes") or []:
                 self._say(f"{self.label(node_id)}: cached")
         elif kind == "executing":
-            self._close_bars()
+            self.close()
             self._say(f"{self.label(data.get('node'))}: running")
         elif kind == "progress":
             self._progress(str(data.get("node")), data.get("value", 0), data.get("max", 0))
         elif kind in ("executed", "execution_success", "execution_error",
                       "execution_interrupted"):
-            self._close_bars()
+            self.close()
         elif kind == "seedvr2_fallback":
-            self._close_bars()
+            self.close()
             self._say(f"websocket: {data.get('reason')}; following the run by polling /history")
 
     def _progress(self, node_id: str, value, total) -> None:
@@ -468,10 +450,7 @@ class ProgressPrinter:
                                              unit="step", file=self.stream, leave=True)
         bar.update(value - bar.n)
 
-    def _close_bars(self) -> None:
+    def close(self) -> None:
         for bar in self._bars.values():
             bar.close()
         self._bars.clear()
-
-    def close(self) -> None:
-        self._close_bars()
