@@ -1,10 +1,6 @@
-"""Still images: probe, decode and encode single files.
-
-Pillow handles 8-bit images (and applies EXIF orientation, which phone JPEGs rely on). Pillow
-cannot hold 16-bit colour -- it silently reduces a 16-bit RGB PNG to 8 bits -- so 16-bit PNG
-and TIFF go through FFmpeg's png/tiff codecs (bundled with PyAV) instead, at full precision.
-Two-channel images (gray + alpha) become RGBA: lossless, and the pipeline only handles 1, 3
-or 4 channels.
+"""Still images: probe, decode and encode single files. Pillow handles 8-bit images (and
+EXIF orientation); 16-bit PNG and TIFF go through FFmpeg's png/tiff codecs, as Pillow would cut
+them to 8 bits. Gray + alpha becomes RGBA (the pipeline handles 1, 3 or 4 channels).
 """
 
 from __future__ import annotations

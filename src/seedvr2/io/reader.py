@@ -1,10 +1,5 @@
 """Readers: a video, an image (one frame, or an animation's every frame) or a numbered image
-sequence, all as a stream of frames.
-
-:func:`open_media` picks the reader. Every reader has ``.info`` (a :class:`MediaInfo`) and
-``.frames(start=0, stop=None)``, an iterator of (H, W, C) uint8/uint16 numpy arrays, and is a
-context manager. Frame ``i`` is always the ``i``-th frame in presentation order, the same frame
-a full decode from the start would give; ``frames(start)`` just gets there faster.
+sequence, all as a stream of (H, W, C) frames in presentation order: docs/media.md#reading.
 """
 
 from __future__ import annotations
@@ -46,14 +41,9 @@ def is_sequence_pattern(path) -> bool:
 
 
 def open_media(path) -> MediaReader:
-    """Open a video, an image, a folder of numbered images or a pattern like ``f/%05d.png``.
-
-    The kind is decided by content: a folder or a pattern is a sequence; a file whose first
-    bytes are a PNG/JPEG/WebP/TIFF/BMP signature is a single image (read with Pillow, or FFmpeg
-    for 16-bit colour), or an animation when it holds several frames; anything else is handed
-    to FFmpeg as a video. A glob such as ``f/*.png`` also works as a sequence. Raises
-    :class:`MediaError` naming the path when it is missing, unreadable, empty, or not
-    something we can decode.
+    """Open a video, an image, a folder of numbered images or a pattern like ``f/%05d.png``,
+    telling them apart by content (docs/media.md#reading). Raises :class:`MediaError` naming
+    the path when it is missing, unreadable, empty, or not something we can decode.
     """
     p = fspath(path)
     if p.is_dir():
@@ -155,13 +145,9 @@ class ImageReader(MediaReader):
 
 
 class AnimationReader(MediaReader):
-    """Every frame of one animated WebP or PNG, or every page of a multi-page TIFF.
-
-    All frames are decoded once at open (a damaged frame or pages of different sizes fail
-    before any work, and each frame's duration is learned), then again one at a time as
-    they are read: a long animation is never held whole. ``info.kind`` is ``"animation"``;
-    see :class:`MediaInfo` for its timing.
-    """
+    """Every frame of one animated WebP or PNG, or every page of a multi-page TIFF: decoded
+    once at open, then again one at a time as read (never held whole). ``info.kind`` is
+    ``"animation"``."""
 
     def __init__(self, path: Path, probe: ImageProbe):
         self.path = path
@@ -203,13 +189,8 @@ def _animation_timing(durations) -> tuple[Fraction | None, tuple[Fraction, ...] 
 
 
 class SequenceReader(MediaReader):
-    """Numbered images read in numeric order (``9.png`` before ``10.png``).
-
-    Gaps in the numbering are allowed: frame ``i`` is the ``i``-th file. Every file's header is
-    checked at open, so a size or pixel-format mismatch is reported (naming the first
-    offending file) before any processing. A file whose pixels fail to decode is only found
-    when that frame is read.
-    """
+    """Numbered images read in numeric order (``9.png`` before ``10.png``; gaps allowed),
+    every file's header checked at open."""
 
     def __init__(self, source: Path, files: list[Path]):
         if not files:
@@ -353,22 +334,9 @@ def _describe(probe: ImageProbe) -> str:
 
 
 class VideoReader(MediaReader):
-    """A video file through FFmpeg (PyAV): the first video stream that is not cover art.
-
-    The first frame is decoded at open, so undecodable files fail before any work, and the
-    real pixel format (channels, bit depth), colour tags and rotation are known. Each
-    ``frames()`` call opens its own demuxer, so several iterators can run independently.
-
-    Seeking: frame ``i`` is the ``i``-th decoded frame. Its timestamp is
-    ``first_pts + i / fps`` only for constant-frame-rate video without gaps (cameras,
-    encoders, our own output), so ``frames(start)`` seeks by timestamp only when the video
-    looks like that: the frame count matches duration x fps (when both are known), and every
-    frame looked at while seeking -- from the keyframe before ``start`` to ``start`` -- sits on
-    the 1/fps grid to within one timestamp tick and at the expected index. Otherwise
-    (variable frame rate, dropped frames, missing timestamps, unseekable files) it decodes
-    from the beginning and counts: slow, but the same frames as a full decode. Frames before
-    the first keyframe after a seek are never used (open-GOP leading pictures may be broken).
-    Large files whose frame count is only estimated can't be checked for gaps.
+    """A video file through FFmpeg (PyAV): the first video stream that is not cover art,
+    decoded at open up to its first frame. ``frames(start)`` seeks by timestamp only where
+    that gives the same frames as decoding from the start (docs/media.md#reading).
     """
 
     def __init__(self, path: Path):
@@ -444,14 +412,8 @@ class VideoReader(MediaReader):
 
     def count_frames(self) -> int:
         """Make ``info.frame_count`` exact and, for variable-rate video, fill
-        ``info.frame_times``; returns the count.
-
-        Constant-rate video: its packets are counted (demux only), leaving out the ones the
-        container marks as not shown (MP4 edit lists) and AVI's empty "frame dropped"
-        chunks. If their timestamps are not on the 1/fps grid after all, or the video is
-        variable-rate, the whole video is decoded (no pixel conversion): only decoding
-        counts what a player shows, and gives every frame's time.
-        """
+        ``info.frame_times``; returns the count. Counts packets where that is exact, else
+        decodes (docs/media.md#reading)."""
         import dataclasses
 
         import av
