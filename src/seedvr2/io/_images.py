@@ -61,8 +61,7 @@ def probe_image(path: Path, fmt: str) -> ImageProbe:
 
     try:
         with Image.open(path) as im:
-            mode, (width, height) = im.mode, im.size
-            transparent = "transparency" in im.info
+            mode, (width, height), layout = im.mode, im.size, _pillow_layout(im)
             bits = im.tag_v2.get(258, (8,)) if fmt == "TIFF" else (8,)
             # PNG keeps EXIF after the pixels, so asking for it decodes the whole image: too slow
             # for probing long sequences, and PNGs with an orientation tag are rare.
@@ -74,14 +73,18 @@ def probe_image(path: Path, fmt: str) -> ImageProbe:
         return ImageProbe(width, height, min(len(bits), 4), 16, "tiff", "tiff16", fmt, frames)
     if orientation in (5, 6, 7, 8):  # 90-degree EXIF rotations swap the displayed size
         width, height = height, width
-    if mode == "P":
-        return ImageProbe(width, height, 4 if transparent else 3, 8, "pillow", mode, fmt,
-                          frames)
-    if mode not in _PIL_MODES:
+    if layout is None:
         raise MediaError(f"{path}: unsupported image mode {mode!r} "
                          f"(supported: gray, gray+alpha, RGB, RGBA, CMYK at 8 or 16 bits)")
-    _, channels, depth = _PIL_MODES[mode]
-    return ImageProbe(width, height, channels, depth, "pillow", mode, fmt, frames)
+    return ImageProbe(width, height, *layout, "pillow", mode, fmt, frames)
+
+
+def _pillow_layout(im) -> tuple[int, int] | None:
+    """(channels, bit depth) of a Pillow image after our conversions; None for a mode we
+    don't read. A palette image is RGB, or RGBA with a transparent colour."""
+    if im.mode == "P":
+        return 4 if "transparency" in im.info else 3, 8
+    return _PIL_MODES[im.mode][1:] if im.mode in _PIL_MODES else None
 
 
 def _apng_frames(path: Path) -> int:
@@ -146,15 +149,11 @@ def scan_animation(path: Path, probe: ImageProbe) -> AnimationScan:
                     raise MediaError(f"{path}: frame {index} of this {what} is "
                                      f"{im.size[0]}x{im.size[1]}, frame 0 is "
                                      f"{size[0]}x{size[1]}; every frame needs the same size")
-                mode = im.mode
-                if mode == "P":
-                    frame_channels = 4 if "transparency" in im.info else 3
-                elif mode in _PIL_MODES and _PIL_MODES[mode][2] == 8:
-                    frame_channels = _PIL_MODES[mode][1]
-                else:
+                layout = _pillow_layout(im)
+                if layout is None or layout[1] != 8:
                     raise MediaError(f"{path}: frame {index} of this {what} has pixel mode "
-                                     f"{mode!r}; animations are read as 8-bit gray, RGB or RGBA")
-                channels = max(channels, frame_channels)
+                                     f"{im.mode!r}; animations are read as 8-bit gray, RGB or RGBA")
+                channels = max(channels, layout[0])
                 duration = im.info.get("duration")
                 durations.append(None if duration is None else
                                  Fraction(duration).limit_denominator(1000) / 1000)

@@ -68,21 +68,11 @@ def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
     """
     text = os.fspath(dst)
     path = fspath(dst)
-    width = _pick("width", width, like)
-    height = _pick("height", height, like)
-    channels = _pick("channels", channels, like)
-    bit_depth = _pick("bit_depth", bit_depth, like)
-    if channels not in (1, 3, 4):
-        raise MediaError(f"{path}: frames must have 1, 3 or 4 channels, not {channels}")
-    if bit_depth not in (8, 16):
-        raise MediaError(f"{path}: bit depth must be 8 or 16, not {bit_depth}")
-    if width <= 0 or height <= 0:
-        raise MediaError(f"{path}: invalid frame size {width}x{height}")
+    common = dict(_frame_layout(path, like, width=width, height=height, channels=channels,
+                                bit_depth=bit_depth), overwrite=overwrite)
     if not 1 <= quality <= 100:
         raise MediaError(f"{path}: quality must be between 1 and 100, got {quality}")
     expected = like.frame_count if like is not None else None
-    common = dict(width=width, height=height, channels=channels, bit_depth=bit_depth,
-                  overwrite=overwrite)
     ext = path.suffix.lower()
     known = ext in VIDEO_EXTENSIONS or ext in _WRITE_IMAGE_FORMATS
     display = DisplayTransform.of(like) if upright else None
@@ -207,12 +197,23 @@ def _warn_not_carried(path: Path, like: MediaInfo | None, audio_copied: bool,
                       stacklevel=3)
 
 
-def _pick(name: str, value, like: MediaInfo | None):
-    if value is None and like is not None:
-        value = getattr(like, name)
-    if value is None:
-        raise MediaError(f"open_writer: pass {name}= (or like= a MediaInfo to copy it from)")
-    return value
+def _frame_layout(path: Path, like: MediaInfo | None, **given) -> dict:
+    """``width``, ``height``, ``channels`` and ``bit_depth``: each given or taken from ``like``,
+    and checked."""
+    layout = {}
+    for name, value in given.items():
+        if value is None and like is not None:
+            value = getattr(like, name)
+        if value is None:
+            raise MediaError(f"open_writer: pass {name}= (or like= a MediaInfo to copy it from)")
+        layout[name] = value
+    if layout["channels"] not in (1, 3, 4):
+        raise MediaError(f"{path}: frames must have 1, 3 or 4 channels, not {layout['channels']}")
+    if layout["bit_depth"] not in (8, 16):
+        raise MediaError(f"{path}: bit depth must be 8 or 16, not {layout['bit_depth']}")
+    if layout["width"] <= 0 or layout["height"] <= 0:
+        raise MediaError(f"{path}: invalid frame size {layout['width']}x{layout['height']}")
+    return layout
 
 
 class FrameOutput:
@@ -403,7 +404,7 @@ class MediaWriter(FrameOutput):
 
 
 class VideoWriter(MediaWriter):
-    """H.264 / H.265 / VP9 through PyAV, with optional audio packet copy. See :func:`open_writer`."""
+    """H.264 / H.265 / VP9 through PyAV, with optional audio packet copy (:func:`open_writer`)."""
 
     def __init__(self, path: Path, *, fps: Fraction, codec: str, crf: int | None = None,
                  preset: str | None = None, audio_from=None, subtitle_streams=(),
