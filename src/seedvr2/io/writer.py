@@ -742,11 +742,9 @@ class ImageWriter(_ImageFilesWriter):
         return self.path.with_name(f"{self.path.stem}_{index:0{self._digits}d}{self._ext}")
 
     def _finish(self) -> None:
-        if self._animation is not None and self.frames_written > 1:
+        if self._animation is not None:
             self._finish_animation()
             return
-        if self._animation is not None:  # one frame: a still image of the final format
-            self._convert_waiting_frame()
         self._state = "kept"
         if self.frames_written == 1 and self._pattern is None:
             self._place(self._frame_file(0), self.path)
@@ -763,7 +761,6 @@ class ImageWriter(_ImageFilesWriter):
                 self._place(self._frame_file(i), target)
         self._temp.rmdir()
 
-
     def _waiting_frames(self):
         from .reader import open_media
 
@@ -772,31 +769,25 @@ class ImageWriter(_ImageFilesWriter):
                 yield from image.frames()
 
     def _finish_animation(self) -> None:
-        from ._images import save_animation
+        """Encode the waiting PNGs into the final file: animated, or a still of one frame."""
+        from ._images import save_animation, save_image
 
-        durations, loop = self._animation
-        if durations is not None:  # as many as frames were written
-            durations = (tuple(durations) + durations[-1:] * self.frames_written)[
-                :self.frames_written]
         final_fmt = _WRITE_IMAGE_FORMATS[self.path.suffix.lower()]
-        animated = self._temp / f"animation{self.path.suffix}"
-        save_animation(animated, self._waiting_frames(), final_fmt, durations, loop,
-                       self._quality)
+        encoded = self._temp / f"animation{self.path.suffix}"
+        durations, loop = self._animation
+        if self.frames_written == 1:
+            save_image(encoded, next(self._waiting_frames()), final_fmt, self._quality)
+        else:
+            if durations is not None:  # as many as frames were written
+                durations = (tuple(durations) + durations[-1:] * self.frames_written)[
+                    :self.frames_written]
+            save_animation(encoded, self._waiting_frames(), final_fmt, durations, loop,
+                           self._quality)
         self._state = "kept"
-        self._place(animated, self.path)
+        self._place(encoded, self.path)
         for index in range(self.frames_written):
             self._frame_file(index).unlink()
         self._temp.rmdir()
-
-    def _convert_waiting_frame(self) -> None:
-        from ._images import save_image
-
-        waiting = self._frame_file(0)
-        frame = next(self._waiting_frames())
-        waiting.unlink()
-        self._ext = self.path.suffix
-        save_image(self._frame_file(0), frame, _WRITE_IMAGE_FORMATS[self._ext.lower()],
-                   self._quality)
 
 
 class SequenceWriter(_ImageFilesWriter):
