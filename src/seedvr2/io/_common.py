@@ -165,17 +165,26 @@ ARRAY_FORMATS = {(1, 8): "gray", (3, 8): "rgb24", (4, 8): "rgba",
                  (1, 16): "gray16le", (3, 16): "rgb48le", (4, 16): "rgba64le"}
 
 
-def resize(frame: np.ndarray, width: int, height: int) -> np.ndarray:
-    """``frame`` resampled to ``width`` x ``height`` (Lanczos, FFmpeg's swscale: it handles
-    every channel count at 8 and 16 bits, which Pillow does not)."""
+def to_picture(frame: np.ndarray):
+    """The PyAV picture of an (H, W, C) uint8/uint16 array, in its :data:`ARRAY_FORMATS`."""
     from av import VideoFrame
 
     channels = frame.shape[2]
-    fmt = ARRAY_FORMATS[channels, 16 if frame.dtype == np.uint16 else 8]
-    picture = VideoFrame.from_ndarray(
-        np.ascontiguousarray(frame[:, :, 0] if channels == 1 else frame), format=fmt)
-    array = picture.reformat(width=width, height=height, interpolation="LANCZOS").to_ndarray()
+    return VideoFrame.from_ndarray(
+        np.ascontiguousarray(frame[:, :, 0] if channels == 1 else frame),
+        format=ARRAY_FORMATS[channels, 16 if frame.dtype == np.uint16 else 8])
+
+
+def with_channels(array: np.ndarray) -> np.ndarray:
+    """A decoded (H, W) or (H, W, C) array as (H, W, C): gray gets its channel axis back."""
     return array[:, :, None] if array.ndim == 2 else array
+
+
+def resize(frame: np.ndarray, width: int, height: int) -> np.ndarray:
+    """``frame`` resampled to ``width`` x ``height`` (Lanczos, FFmpeg's swscale: it handles
+    every channel count at 8 and 16 bits, which Pillow does not)."""
+    picture = to_picture(frame).reformat(width=width, height=height, interpolation="LANCZOS")
+    return with_channels(picture.to_ndarray())
 
 
 def sniff_image(path: Path) -> str | None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._common import ARRAY_FORMATS, MediaError, to_8bit
+from ._common import ARRAY_FORMATS, MediaError, to_8bit, to_picture, with_channels
 
 # Pillow mode -> (mode to convert to or None, channels, bit depth). "P" is decided per file.
 _PIL_MODES = {
@@ -185,8 +185,7 @@ def animation_frames(path: Path, probe: ImageProbe, channels: int, start: int,
                 raise MediaError(f"{path}: cannot decode frame {index}: {e}") from e
             if turn is not None:
                 frame = frame.transpose(getattr(Image.Transpose, turn))
-            array = np.array(frame)
-            yield array[:, :, None] if array.ndim == 2 else array
+            yield with_channels(np.array(frame))
 
 
 def save_animation(path: Path, frames, fmt: str, durations, loop: int, quality: int) -> None:
@@ -226,8 +225,8 @@ def load_image(path: Path, probe: ImageProbe) -> np.ndarray:
     array = np.array(im)  # writable: the pipeline hands frames to torch.from_numpy
     if im.mode == "I":  # 32-bit integer gray: keep the 16-bit range it almost always holds
         array = np.clip(array, 0, 65535)
-    array = array.astype(np.uint16 if probe.bit_depth == 16 else np.uint8, copy=False)
-    return array[:, :, None] if array.ndim == 2 else array
+    return with_channels(array.astype(np.uint16 if probe.bit_depth == 16 else np.uint8,
+                                      copy=False))
 
 
 def _load_ffmpeg(path: Path, probe: ImageProbe) -> np.ndarray:
@@ -241,7 +240,7 @@ def _load_ffmpeg(path: Path, probe: ImageProbe) -> np.ndarray:
         array = frames[0].to_ndarray(format=ARRAY_FORMATS[probe.channels, 16])
     except (av.FFmpegError, MediaError) as e:
         raise MediaError(f"{path}: cannot decode image: {e}") from e
-    return array[:, :, None] if array.ndim == 2 else array
+    return with_channels(array)
 
 
 def save_image(path: Path, frame: np.ndarray, fmt: str, quality: int) -> None:
@@ -292,9 +291,7 @@ def _save_ffmpeg(path: Path, frame: np.ndarray, fmt: str) -> None:
     codec.time_base = Fraction(1, 1)
     codec.options = ({"compression_algo": "deflate"} if fmt == "TIFF"
                      else {"compression_level": str(PNG_COMPRESS_LEVEL)})
-    picture = av.VideoFrame.from_ndarray(
-        np.ascontiguousarray(frame[:, :, 0] if channels == 1 else frame), format=source)
-    packets = codec.encode(picture.reformat(format=target)) + codec.encode(None)
+    packets = codec.encode(to_picture(frame).reformat(format=target)) + codec.encode(None)
     with open(path, "wb") as f:
         for packet in packets:
             f.write(bytes(packet))

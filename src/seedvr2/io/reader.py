@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ._common import (ARRAY_FORMATS, IMAGE_EXTENSIONS, PRINTF, Colour, MediaError, MediaInfo,
-                      fspath, printf_pattern, sniff_image)
+                      fspath, printf_pattern, sniff_image, with_channels)
 from ._images import ImageProbe, animation_frames, load_image, probe_image, scan_animation
 
 # Counting packets makes an inexact frame count exact; it reads the whole file, so only do it
@@ -646,7 +646,7 @@ class VideoReader(MediaReader):
                 array = reformatter.reformat(frame, **kwargs).to_ndarray()
             except Exception as e:  # noqa: BLE001 -- name the frame whatever went wrong
                 raise MediaError(f"{self.path}: cannot convert frame {index}: {e}") from e
-            return array[:, :, None] if array.ndim == 2 else array
+            return with_channels(array)
 
         return convert
 

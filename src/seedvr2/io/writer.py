@@ -20,9 +20,9 @@ import numpy as np
 
 from ..options import option_ref
 from .temporaries import hold, remove_stale_temporaries, temporary_path
-from ._common import (ARRAY_FORMATS, IMAGE_EXTENSIONS, PRINTF, VIDEO_EXTENSIONS, Colour,
-                      DisplayTransform, MediaError, MediaInfo, as_fraction, check_frame, fspath,
-                      printf_pattern, refuse_hdr, writable_folder)
+from ._common import (IMAGE_EXTENSIONS, PRINTF, VIDEO_EXTENSIONS, Colour, DisplayTransform,
+                      MediaError, MediaInfo, as_fraction, check_frame, fspath, printf_pattern,
+                      refuse_hdr, to_picture, writable_folder)
 
 # Image formats we write (BMP is read only).
 _WRITE_IMAGE_FORMATS = {ext: fmt for ext, fmt in IMAGE_EXTENSIONS.items() if fmt != "BMP"}
@@ -516,15 +516,9 @@ class VideoWriter(MediaWriter):
         return stream
 
     def _write(self, frame: np.ndarray) -> None:
-        import av
-
-        keep_alpha = self._pix_fmt == "yuva420p"
-        if self.channels == 4 and not keep_alpha:
+        if self.channels == 4 and self._pix_fmt != "yuva420p":
             frame = frame[:, :, :3]
-        channels = self.channels if keep_alpha else min(self.channels, 3)
-        picture = av.VideoFrame.from_ndarray(
-            np.ascontiguousarray(frame[:, :, 0] if channels == 1 else frame),
-            format=ARRAY_FORMATS[channels, self.bit_depth])
+        picture = to_picture(frame)
         # Convert to YUV ourselves with the matrix and range the stream is tagged with; the
         # encoder's own conversion would use BT.601 limited range whatever the tags say.
         # (No transfer or primaries here: swscale would convert the values between them, and
