@@ -202,7 +202,7 @@ class SequenceReader(MediaReader):
         self._fmt = self._probe.fmt
         for f in files[1:]:
             probe = _sequence_probe(f)
-            if _shape(probe) != _shape(self._probe):
+            if _describe(probe) != _describe(self._probe):
                 raise MediaError(
                     f"{f}: {_describe(probe)} differs from the first frame {first.name} "
                     f"({_describe(self._probe)}); all images of a sequence must have the same "
@@ -320,11 +320,8 @@ def _sorted_unique(source: Path, numbered: list[tuple[int, Path]]) -> list[Path]
     return [f for _, f in numbered]
 
 
-def _shape(probe: ImageProbe) -> tuple[int, int, int, int]:
-    return (probe.width, probe.height, probe.channels, probe.bit_depth)
-
-
 def _describe(probe: ImageProbe) -> str:
+    """Size, channels and bit depth: what every image of a sequence must share."""
     kind = {1: "gray", 3: "RGB", 4: "RGBA"}[probe.channels]
     return f"{probe.width}x{probe.height} {kind} {probe.bit_depth}-bit"
 
