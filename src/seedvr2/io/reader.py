@@ -373,12 +373,10 @@ class VideoReader(MediaReader):
                 pixel_aspect=_pixel_aspect(stream),
                 other_streams=_other_streams(container, self._stream_index),
                 colour=_colour(first))
-            # A timestamp-based frame index needs a constant rate; FFmpeg's r_frame_rate
-            # (base_rate) differing from the average rate is the tell-tale of variable rate.
-            base, avg = stream.base_rate, stream.average_rate
+            # A timestamp-based frame index needs a constant rate.
+            base = stream.base_rate
             self._base_rate = Fraction(base) if base else None
-            self._constant_rate = (first.pts is not None and base is not None
-                                   and avg is not None and abs(base / avg - 1) < 1e-3)
+            self._constant_rate = first.pts is not None and _rates_agree(stream)
         finally:
             container.close()
         if not self._constant_rate or not self._count_matches_duration() or \
@@ -737,11 +735,17 @@ def _frame_rate(stream) -> Fraction | None:
     number as a cleaner fraction (30000/1001 rather than 1798200/60001 from rounded MKV
     timestamps), so prefer it when the two agree.
     """
-    avg, base = stream.average_rate, stream.base_rate
-    if avg and base and abs(base / avg - 1) < 1e-3:
-        return Fraction(base)
-    rate = avg or stream.guessed_rate or base
+    if _rates_agree(stream):
+        return Fraction(stream.base_rate)
+    rate = stream.average_rate or stream.guessed_rate or stream.base_rate
     return Fraction(rate) if rate else None
+
+
+def _rates_agree(stream) -> bool:
+    """FFmpeg's r_frame_rate (base_rate) and the average rate agree: a constant rate (their
+    differing is the tell-tale of variable rate)."""
+    base, avg = stream.base_rate, stream.average_rate
+    return bool(base and avg) and abs(base / avg - 1) < 1e-3
 
 
 def _estimate_frame_count(stream, container, fps: Fraction) -> tuple[int, bool]:
