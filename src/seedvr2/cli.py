@@ -373,10 +373,9 @@ def _upscale_jobs(args, opts, jobs: list) -> int:
         # One process: models load once for all inputs. Several: each worker loads its own.
         several = in_distributed_launch() or \
             len(process_devices(opts, args.dit, args.vae)[0]) > 1
-        if several:
-            dit, vae = args.dit, args.vae
-        else:
-            models = load_models(args.dit, args.vae, opts=opts, model_dir=args.model_dir)
+        dit, vae = args.dit, args.vae
+        if not several:
+            models = load_models(dit, vae, opts=opts, model_dir=args.model_dir)
             dit, vae = models.dit, models.vae
         for source, target in runnable:
             stats, start = JobStats(), time.perf_counter()
@@ -390,10 +389,9 @@ def _upscale_jobs(args, opts, jobs: list) -> int:
                 failed.append(source)
                 continue
             bars.close()
-            if not args.quiet and out is not None and not several:
-                _say(_summary(out, stats, time.perf_counter() - start))
-            elif not args.quiet and out is not None:
-                _say(_ranks_summary(out, stats, time.perf_counter() - start))
+            if not args.quiet and out is not None:
+                summary = _ranks_summary if several else _summary
+                _say(summary(out, stats, time.perf_counter() - start))
     except (CheckpointError, ValueError) as e:
         bars.close()
         print(f"error: {e}", file=sys.stderr)
