@@ -89,7 +89,9 @@ class MediaReader:
 
     def frames(self, start: int = 0, stop: int | None = None) -> Iterator[np.ndarray]:
         """Frames ``start`` .. ``stop - 1`` (``stop=None``: to the end) as (H, W, C) arrays."""
-        raise NotImplementedError
+        if start < 0 or (stop is not None and stop < 0):
+            raise ValueError(f"frame indices must be >= 0, got start={start}, stop={stop}")
+        return self._frames(start, stop)
 
     def __iter__(self) -> Iterator[np.ndarray]:
         return self.frames()
@@ -105,11 +107,6 @@ class MediaReader:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.info!r})"
-
-    @staticmethod
-    def _check_range(start: int, stop: int | None) -> None:
-        if start < 0 or (stop is not None and stop < 0):
-            raise ValueError(f"frame indices must be >= 0, got start={start}, stop={stop}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -132,8 +129,7 @@ class ImageReader(MediaReader):
                               height=height, channels=probe.channels,
                               bit_depth=probe.bit_depth, codec=fmt.lower())
 
-    def frames(self, start: int = 0, stop: int | None = None) -> Iterator[np.ndarray]:
-        self._check_range(start, stop)
+    def _frames(self, start: int, stop: int | None) -> Iterator[np.ndarray]:
         if self._image is None:
             raise MediaError(f"{self.path}: reader is closed")
         if start == 0 and (stop is None or stop > 0):
@@ -160,8 +156,7 @@ class AnimationReader(MediaReader):
                               frame_durations=scan.durations, loop=scan.loop)
         self._iterators: weakref.WeakSet | None = weakref.WeakSet()
 
-    def frames(self, start: int = 0, stop: int | None = None) -> Iterator[np.ndarray]:
-        self._check_range(start, stop)
+    def _frames(self, start: int, stop: int | None) -> Iterator[np.ndarray]:
         if self._iterators is None:
             raise MediaError(f"{self.path}: reader is closed")
         iterator = animation_frames(self.path, self._probe, self.info.channels, start, stop)
@@ -279,11 +274,7 @@ class SequenceReader(MediaReader):
 
         return cls(pattern, sorted(files, key=key))
 
-    def frames(self, start: int = 0, stop: int | None = None) -> Iterator[np.ndarray]:
-        self._check_range(start, stop)
-        return self._iterate(start, stop)
-
-    def _iterate(self, start: int, stop: int | None) -> Iterator[np.ndarray]:
+    def _frames(self, start: int, stop: int | None) -> Iterator[np.ndarray]:
         for f in self.files[start:stop]:
             fmt = _sniff_sequence_file(f)
             probe = self._probe if fmt == self._fmt else probe_image(f, fmt)
@@ -489,8 +480,7 @@ class VideoReader(MediaReader):
             return None
         return tuple(times)
 
-    def frames(self, start: int = 0, stop: int | None = None) -> Iterator[np.ndarray]:
-        self._check_range(start, stop)
+    def _frames(self, start: int, stop: int | None) -> Iterator[np.ndarray]:
         iterator = self._iterate(start, stop)
         self._iterators.add(iterator)
         return iterator
