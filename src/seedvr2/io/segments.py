@@ -12,7 +12,7 @@ from fractions import Fraction
 from pathlib import Path
 
 from ._common import VIDEO_EXTENSIONS, MediaError, fspath
-from .writer import MediaWriter, _AudioCopy
+from .writer import MediaWriter, _AudioCopy, shift_times
 
 
 def sync_file(path: Path):
@@ -95,23 +95,17 @@ class SegmentConcat(MediaWriter):
             for packet in source.demux(stream):
                 if packet.size == 0:  # the demuxer's end-of-stream marker
                     continue
-                if packet.pts is not None:
-                    packet.pts += shift
-                if packet.dts is not None:
-                    packet.dts += shift
-                elif not leading or leading[-1].dts is None:
+                shift_times(packet, shift)
+                if packet.dts is None:
                     leading.append(packet)
                     continue
-                if leading:
-                    _decode_times(leading, packet.dts)
-                    for waiting in leading:
-                        mux(waiting)
-                    leading = []
-                mux(packet)
-            if leading:
-                _decode_times(leading, None)
-                for waiting in leading:
+                _decode_times(leading, packet.dts)
+                for waiting in [*leading, packet]:
                     mux(waiting)
+                leading = []
+            _decode_times(leading, None)
+            for waiting in leading:
+                mux(waiting)
         del av
 
 

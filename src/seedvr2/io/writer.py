@@ -628,12 +628,8 @@ class _AudioCopy:
         self._output = output
 
     def _pull(self) -> None:
-        self._pending = None
-        for packet in self._packets:
-            if packet.size == 0:  # the demuxer's end-of-stream markers
-                continue
-            self._pending = packet
-            return
+        # Empty packets are the demuxer's end-of-stream markers.
+        self._pending = next((packet for packet in self._packets if packet.size), None)
 
     def mux_until(self, seconds: Fraction | None) -> None:
         """Mux audio packets up to ``seconds`` of output time (None: all that remain)."""
@@ -645,11 +641,7 @@ class _AudioCopy:
             if seconds is not None and pts is not None and \
                     (pts - shift) * packet.time_base > seconds:
                 return
-            if shift:
-                if packet.pts is not None:
-                    packet.pts -= shift
-                if packet.dts is not None:
-                    packet.dts -= shift
+            shift_times(packet, -shift)
             packet.stream = self._map[index]
             self._output.mux(packet)
             self._pull()
@@ -659,6 +651,14 @@ class _AudioCopy:
 
     def close(self) -> None:
         self._input.close()
+
+
+def shift_times(packet, ticks: int) -> None:
+    """Move the timestamps ``packet`` has by ``ticks`` of its time base."""
+    if packet.pts is not None:
+        packet.pts += ticks
+    if packet.dts is not None:
+        packet.dts += ticks
 
 
 def _codec_title(name: str) -> str:
