@@ -78,6 +78,23 @@ def test_bad_options(clip, tiny_options, tmp_path, extra, message):
     assert message in result.stderr
 
 
+def test_the_facade_takes_the_options_the_command_resolved(clip, tiny_options, tmp_path,
+                                                             monkeypatch):
+    import seedvr2.api
+    from seedvr2.options import OPTIONS
+
+    calls = []
+
+    def upscale_file(src, dst, dit=None, vae=None, *, opts=None, **keywords):
+        calls.append((opts, keywords))
+
+    monkeypatch.setattr(seedvr2.api, "upscale_file", upscale_file)
+    assert main(_args(tiny_options, str(clip), "-o", str(tmp_path / "out.mp4"))) == 0
+    [(opts, keywords)] = calls
+    assert (opts.resolution, opts.batch_size, opts.device) == (64, 9, "cpu")
+    assert not keywords.keys() & OPTIONS.keys()  # nothing left for the facade to resolve again
+
+
 def test_bad_inputs_leave_nothing(tiny_options, tmp_path, capsys):
     missing = tmp_path / "missing.mp4"
     assert main(_args(tiny_options, str(missing), "-o", str(tmp_path / "o.mp4"))) == 1

@@ -124,7 +124,7 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
                  codec: str = "h264", progress: Optional[Progress] = None,
                  should_stop: Optional[Callable[[], bool]] = None,
                  stats: Optional[JobStats] = None, make_room: Optional[MakeRoom] = None,
-                 **options) -> Path:
+                 opts: Optional[Options] = None, **options) -> Path:
     """Upscale a video, image or image sequence file to ``dst``, streaming frame by frame.
 
     Video keeps its exact frame rate (variable-rate video: every frame's time) and its audio
@@ -132,14 +132,15 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
     and sequences a rate for a video output. The output is
     written under a temporary name and appears at ``dst`` only when complete; an existing
     ``dst`` is replaced only with ``overwrite=True``. ``stats`` and ``make_room`` as in
-    :func:`upscale`. Returns the output path.
+    :func:`upscale`; ``opts``: options already resolved (the CLI's), instead of ``**options``.
+    Returns the output path.
     """
     from .distributed import in_distributed_launch, init_from_env
     from .distributed.job import run_file_job
     from .distributed.launch import spawn_file_job
     from .io import open_media
 
-    opts = resolve_options(**options)
+    opts = resolve_options(**options) if opts is None else opts
     if in_distributed_launch():  # torchrun / Slurm: this process is one rank
         ctx = init_from_env(opts.devices if opts.devices != "auto" else "auto", opts.dist_timeout)
         devices = [str(ctx.device)] * ctx.world_size

@@ -283,9 +283,9 @@ def _ranks_summary(path: Path, stats, seconds: float) -> str:
 def _upscale(args) -> int:
     from .options import OPTIONS, OptionError, resolve_options
 
-    given = {name: getattr(args, name) for name in OPTIONS if getattr(args, name) is not None}
-    try:
-        opts = resolve_options(**given)
+    try:  # once: the facade takes these, resolved
+        opts = resolve_options(**{name: getattr(args, name) for name in OPTIONS
+                                  if getattr(args, name) is not None})
     except OptionError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -313,7 +313,7 @@ def _upscale(args) -> int:
         jobs = [(src, args.output or _default_output(src, opts.resolution))]
     try:
         with _sigterm_unwinds(), _warnings_as_messages():
-            return _upscale_jobs(args, opts, given, jobs)
+            return _upscale_jobs(args, opts, jobs)
     finally:
         if made_folder is not None:  # every input failed: leave no empty folder behind
             _remove_empty_folders(out_dir, made_folder)
@@ -343,7 +343,7 @@ def _what_was_kept(target) -> str:
     return "the output was not written and nothing was kept"
 
 
-def _upscale_jobs(args, opts, given: dict, jobs: list) -> int:
+def _upscale_jobs(args, opts, jobs: list) -> int:
     import time
 
     from .api import check_file_job, load_models, process_devices, upscale_file
@@ -373,27 +373,25 @@ def _upscale_jobs(args, opts, given: dict, jobs: list) -> int:
         # One process: models load once for all inputs. Several: each worker loads its own.
         several = in_distributed_launch() or \
             len(process_devices(opts, args.dit, args.vae)[0]) > 1
-        if several:
-            dit, vae = args.dit, args.vae
-        else:
-            models = load_models(args.dit, args.vae, opts=opts, model_dir=args.model_dir)
+        dit, vae = args.dit, args.vae
+        if not several:
+            models = load_models(dit, vae, opts=opts, model_dir=args.model_dir)
             dit, vae = models.dit, models.vae
         for source, target in runnable:
             stats, start = JobStats(), time.perf_counter()
             try:
                 out = upscale_file(source, target, dit, vae, model_dir=args.model_dir,
                                    overwrite=args.overwrite, codec=args.codec, progress=bars,
-                                   stats=stats, **given)
+                                   stats=stats, opts=opts)
             except (ValueError, OSError, RuntimeError) as e:
                 bars.close()
                 print(f"error: {e}", file=sys.stderr)
                 failed.append(source)
                 continue
             bars.close()
-            if not args.quiet and out is not None and not several:
-                _say(_summary(out, stats, time.perf_counter() - start))
-            elif not args.quiet and out is not None:
-                _say(_ranks_summary(out, stats, time.perf_counter() - start))
+            if not args.quiet and out is not None:
+                summary = _ranks_summary if several else _summary
+                _say(summary(out, stats, time.perf_counter() - start))
     except (CheckpointError, ValueError) as e:
         bars.close()
         print(f"error: {e}", file=sys.stderr)

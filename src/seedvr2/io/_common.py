@@ -22,13 +22,8 @@ IMAGE_EXTENSIONS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WE
 
 
 class MediaError(ValueError):
-    """A media file or folder can't be read or written as asked. The message names the path.
-
-    Every error :mod:`seedvr2.io` raises for bad input or output is a ``MediaError``, except
-    refusing to replace an existing output, which is a :class:`FileExistsError` so callers can
-    catch it on its own (e.g. to ask the user or suggest ``--overwrite``).
-    """
-
+    """A media file or folder can't be read or written as asked; the message names the path.
+    Refusing to replace an existing output is a :class:`FileExistsError` instead."""
 
 # FFmpeg's YUV matrix codes (AVColorSpace) -> the matrix swscale converts with (its codes
 # for BT.601 are 5 and 6, the same coefficients). Others (YCgCo, constant-luminance BT.2020,
@@ -82,29 +77,10 @@ def refuse_hdr(info: MediaInfo | None, into: str) -> None:
 
 @dataclass(frozen=True)
 class MediaInfo:
-    """What a reader found, or what a writer should produce.
-
-    ``kind`` is ``"video"``, ``"image"`` (one still image) or ``"sequence"`` (numbered images).
-    ``frame_count`` is exact when ``frame_count_exact`` is true. For videos it comes from the
-    container's frame count when it stores one (MP4/MOV always do); otherwise it is estimated
-    from the stream (or container) duration times the frame rate, and ``frame_count_exact`` is
-    false -- :meth:`VideoReader.count_frames` decodes the video for an exact number.
-    ``frame_times`` is None for constant-rate media (frame ``i`` is shown at ``i / fps``);
-    for variable-frame-rate video it holds every frame's presentation time in seconds from
-    the first frame, which video writers given ``like=`` reproduce so audio stays in sync.
-    ``fps`` is an exact :class:`~fractions.Fraction` (e.g. 30000/1001) for videos, ``None`` for
-    images and sequences (the files carry no rate). ``bit_depth`` is 8 or 16: sources with
-    more than 8 bits (10-bit video, 16-bit PNG) are delivered as 16-bit frames.
-    ``rotation`` (degrees counter-clockwise), ``mirrored`` (flipped left-right after
-    rotating) and ``pixel_aspect`` (width : height of one stored pixel) describe how the
-    stored frames are shown (:class:`DisplayTransform`).
-    ``kind`` ``"animation"`` is one image file holding several frames (animated WebP/PNG,
-    multi-page TIFF); ``frame_durations`` then holds how long each frame is shown (None for
-    TIFF pages, which have no timing) and ``loop`` how often it plays (0: forever).
-    Animations with a timing also have ``fps`` (and ``frame_times`` when the durations
-    differ), so video outputs keep it. ``colour`` is a video's colour description
-    (:class:`Colour`); frames are RGB in the source's primaries and transfer. Writers given
-    ``like=`` reproduce all of these (:func:`~seedvr2.io.writer.open_writer`).
+    """What a reader found, or what a writer should produce; writers given ``like=`` reproduce
+    it (:func:`~seedvr2.io.writer.open_writer`). Each field: docs/media.md#reading.
+    ``frame_count`` is exact when ``frame_count_exact`` (:meth:`VideoReader.count_frames`
+    makes it so); ``frame_times`` is None at a constant rate (frame ``i`` at ``i / fps``).
     """
 
     kind: str
@@ -150,13 +126,9 @@ class MediaInfo:
 @dataclass(frozen=True)
 class DisplayTransform:
     """How stored frames are shown: scaled to square pixels, rotated counter-clockwise by
-    ``rotation`` degrees (a multiple of 90), then flipped left-right if ``mirrored``.
-
-    Image files have no rotation tag or pixel aspect, so image writers apply this to every
-    frame: a portrait phone video gives portrait PNGs, an anamorphic one undistorted PNGs.
-    Square pixels are reached by enlarging the short side of a pixel, never by shrinking,
-    so no upscaled detail is thrown away.
-    """
+    ``rotation`` degrees (a multiple of 90), then flipped left-right if ``mirrored``. Image
+    files have neither tag, so image writers apply it to every frame; square pixels are
+    reached by enlarging, never shrinking, so no upscaled detail is lost."""
 
     rotation: int = 0
     mirrored: bool = False
@@ -193,17 +165,26 @@ ARRAY_FORMATS = {(1, 8): "gray", (3, 8): "rgb24", (4, 8): "rgba",
                  (1, 16): "gray16le", (3, 16): "rgb48le", (4, 16): "rgba64le"}
 
 
-def resize(frame: np.ndarray, width: int, height: int) -> np.ndarray:
-    """``frame`` resampled to ``width`` x ``height`` (Lanczos, FFmpeg's swscale: it handles
-    every channel count at 8 and 16 bits, which Pillow does not)."""
+def to_picture(frame: np.ndarray):
+    """The PyAV picture of an (H, W, C) uint8/uint16 array, in its :data:`ARRAY_FORMATS`."""
     from av import VideoFrame
 
     channels = frame.shape[2]
-    fmt = ARRAY_FORMATS[channels, 16 if frame.dtype == np.uint16 else 8]
-    picture = VideoFrame.from_ndarray(
-        np.ascontiguousarray(frame[:, :, 0] if channels == 1 else frame), format=fmt)
-    array = picture.reformat(width=width, height=height, interpolation="LANCZOS").to_ndarray()
+    return VideoFrame.from_ndarray(
+        np.ascontiguousarray(frame[:, :, 0] if channels == 1 else frame),
+        format=ARRAY_FORMATS[channels, 16 if frame.dtype == np.uint16 else 8])
+
+
+def with_channels(array: np.ndarray) -> np.ndarray:
+    """A decoded (H, W) or (H, W, C) array as (H, W, C): gray gets its channel axis back."""
     return array[:, :, None] if array.ndim == 2 else array
+
+
+def resize(frame: np.ndarray, width: int, height: int) -> np.ndarray:
+    """``frame`` resampled to ``width`` x ``height`` (Lanczos, FFmpeg's swscale: it handles
+    every channel count at 8 and 16 bits, which Pillow does not)."""
+    picture = to_picture(frame).reformat(width=width, height=height, interpolation="LANCZOS")
+    return with_channels(picture.to_ndarray())
 
 
 def sniff_image(path: Path) -> str | None:

@@ -1,10 +1,6 @@
-"""Still images: probe, decode and encode single files.
-
-Pillow handles 8-bit images (and applies EXIF orientation, which phone JPEGs rely on). Pillow
-cannot hold 16-bit colour -- it silently reduces a 16-bit RGB PNG to 8 bits -- so 16-bit PNG
-and TIFF go through FFmpeg's png/tiff codecs (bundled with PyAV) instead, at full precision.
-Two-channel images (gray + alpha) become RGBA: lossless, and the pipeline only handles 1, 3
-or 4 channels.
+"""Still images: probe, decode and encode single files. Pillow handles 8-bit images (and
+EXIF orientation); 16-bit PNG and TIFF go through FFmpeg's png/tiff codecs, as Pillow would cut
+them to 8 bits. Gray + alpha becomes RGBA (the pipeline handles 1, 3 or 4 channels).
 """
 
 from __future__ import annotations
@@ -15,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._common import ARRAY_FORMATS, MediaError, to_8bit
+from ._common import ARRAY_FORMATS, MediaError, to_8bit, to_picture, with_channels
 
 # Pillow mode -> (mode to convert to or None, channels, bit depth). "P" is decided per file.
 _PIL_MODES = {
@@ -65,8 +61,7 @@ def probe_image(path: Path, fmt: str) -> ImageProbe:
 
     try:
         with Image.open(path) as im:
-            mode, (width, height) = im.mode, im.size
-            transparent = "transparency" in im.info
+            mode, (width, height), layout = im.mode, im.size, _pillow_layout(im)
             bits = im.tag_v2.get(258, (8,)) if fmt == "TIFF" else (8,)
             # PNG keeps EXIF after the pixels, so asking for it decodes the whole image: too slow
             # for probing long sequences, and PNGs with an orientation tag are rare.
@@ -78,14 +73,18 @@ def probe_image(path: Path, fmt: str) -> ImageProbe:
         return ImageProbe(width, height, min(len(bits), 4), 16, "tiff", "tiff16", fmt, frames)
     if orientation in (5, 6, 7, 8):  # 90-degree EXIF rotations swap the displayed size
         width, height = height, width
-    if mode == "P":
-        return ImageProbe(width, height, 4 if transparent else 3, 8, "pillow", mode, fmt,
-                          frames)
-    if mode not in _PIL_MODES:
+    if layout is None:
         raise MediaError(f"{path}: unsupported image mode {mode!r} "
                          f"(supported: gray, gray+alpha, RGB, RGBA, CMYK at 8 or 16 bits)")
-    _, channels, depth = _PIL_MODES[mode]
-    return ImageProbe(width, height, channels, depth, "pillow", mode, fmt, frames)
+    return ImageProbe(width, height, *layout, "pillow", mode, fmt, frames)
+
+
+def _pillow_layout(im) -> tuple[int, int] | None:
+    """(channels, bit depth) of a Pillow image after our conversions; None for a mode we
+    don't read. A palette image is RGB, or RGBA with a transparent colour."""
+    if im.mode == "P":
+        return 4 if "transparency" in im.info else 3, 8
+    return _PIL_MODES[im.mode][1:] if im.mode in _PIL_MODES else None
 
 
 def _apng_frames(path: Path) -> int:
@@ -150,15 +149,11 @@ def scan_animation(path: Path, probe: ImageProbe) -> AnimationScan:
                     raise MediaError(f"{path}: frame {index} of this {what} is "
                                      f"{im.size[0]}x{im.size[1]}, frame 0 is "
                                      f"{size[0]}x{size[1]}; every frame needs the same size")
-                mode = im.mode
-                if mode == "P":
-                    frame_channels = 4 if "transparency" in im.info else 3
-                elif mode in _PIL_MODES and _PIL_MODES[mode][2] == 8:
-                    frame_channels = _PIL_MODES[mode][1]
-                else:
+                layout = _pillow_layout(im)
+                if layout is None or layout[1] != 8:
                     raise MediaError(f"{path}: frame {index} of this {what} has pixel mode "
-                                     f"{mode!r}; animations are read as 8-bit gray, RGB or RGBA")
-                channels = max(channels, frame_channels)
+                                     f"{im.mode!r}; animations are read as 8-bit gray, RGB or RGBA")
+                channels = max(channels, layout[0])
                 duration = im.info.get("duration")
                 durations.append(None if duration is None else
                                  Fraction(duration).limit_denominator(1000) / 1000)
@@ -190,8 +185,7 @@ def animation_frames(path: Path, probe: ImageProbe, channels: int, start: int,
                 raise MediaError(f"{path}: cannot decode frame {index}: {e}") from e
             if turn is not None:
                 frame = frame.transpose(getattr(Image.Transpose, turn))
-            array = np.array(frame)
-            yield array[:, :, None] if array.ndim == 2 else array
+            yield with_channels(np.array(frame))
 
 
 def save_animation(path: Path, frames, fmt: str, durations, loop: int, quality: int) -> None:
@@ -231,8 +225,8 @@ def load_image(path: Path, probe: ImageProbe) -> np.ndarray:
     array = np.array(im)  # writable: the pipeline hands frames to torch.from_numpy
     if im.mode == "I":  # 32-bit integer gray: keep the 16-bit range it almost always holds
         array = np.clip(array, 0, 65535)
-    array = array.astype(np.uint16 if probe.bit_depth == 16 else np.uint8, copy=False)
-    return array[:, :, None] if array.ndim == 2 else array
+    return with_channels(array.astype(np.uint16 if probe.bit_depth == 16 else np.uint8,
+                                      copy=False))
 
 
 def _load_ffmpeg(path: Path, probe: ImageProbe) -> np.ndarray:
@@ -246,7 +240,7 @@ def _load_ffmpeg(path: Path, probe: ImageProbe) -> np.ndarray:
         array = frames[0].to_ndarray(format=ARRAY_FORMATS[probe.channels, 16])
     except (av.FFmpegError, MediaError) as e:
         raise MediaError(f"{path}: cannot decode image: {e}") from e
-    return array[:, :, None] if array.ndim == 2 else array
+    return with_channels(array)
 
 
 def save_image(path: Path, frame: np.ndarray, fmt: str, quality: int) -> None:
@@ -297,9 +291,7 @@ def _save_ffmpeg(path: Path, frame: np.ndarray, fmt: str) -> None:
     codec.time_base = Fraction(1, 1)
     codec.options = ({"compression_algo": "deflate"} if fmt == "TIFF"
                      else {"compression_level": str(PNG_COMPRESS_LEVEL)})
-    picture = av.VideoFrame.from_ndarray(
-        np.ascontiguousarray(frame[:, :, 0] if channels == 1 else frame), format=source)
-    packets = codec.encode(picture.reformat(format=target)) + codec.encode(None)
+    packets = codec.encode(to_picture(frame).reformat(format=target)) + codec.encode(None)
     with open(path, "wb") as f:
         for packet in packets:
             f.write(bytes(packet))

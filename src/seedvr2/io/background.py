@@ -1,15 +1,8 @@
 """Encode on a thread while the GPU computes the next frames.
 
-:class:`BackgroundWriter` wraps any writer from :func:`~seedvr2.io.open_writer` (anything
-with ``write``, ``close``, ``abort`` and ``path``): ``write`` hands the frame to a bounded
-queue and returns, one thread feeds the queue to the wrapped writer. The wrapped writer is
-only ever called from one thread at a time (the encoding thread while it runs; the caller's
-thread for ``close``/``abort`` after it has stopped), so it needs no locking.
-
-Errors: an exception raised while encoding stops the thread; the caller's next ``write`` or
-``close`` raises that same exception, and the wrapped writer is aborted (its temporary
-output removed). An exception in the caller's ``with`` block discards the queued frames and
-aborts as well. Memory: at most ``max_pending`` frames wait, plus the one being encoded.
+:class:`BackgroundWriter` wraps any writer from :func:`~seedvr2.io.open_writer`; an exception
+while encoding is raised by the caller's next ``write`` or ``close``, and the output is
+aborted (docs/media.md#writing).
 """
 
 from __future__ import annotations

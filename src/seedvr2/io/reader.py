@@ -1,10 +1,5 @@
 """Readers: a video, an image (one frame, or an animation's every frame) or a numbered image
-sequence, all as a stream of frames.
-
-:func:`open_media` picks the reader. Every reader has ``.info`` (a :class:`MediaInfo`) and
-``.frames(start=0, stop=None)``, an iterator of (H, W, C) uint8/uint16 numpy arrays, and is a
-context manager. Frame ``i`` is always the ``i``-th frame in presentation order, the same frame
-a full decode from the start would give; ``frames(start)`` just gets there faster.
+sequence, all as a stream of (H, W, C) frames in presentation order: docs/media.md#reading.
 """
 
 from __future__ import annotations
@@ -22,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ._common import (ARRAY_FORMATS, IMAGE_EXTENSIONS, PRINTF, Colour, MediaError, MediaInfo,
-                      fspath, printf_pattern, sniff_image)
+                      fspath, printf_pattern, sniff_image, with_channels)
 from ._images import ImageProbe, animation_frames, load_image, probe_image, scan_animation
 
 # Counting packets makes an inexact frame count exact; it reads the whole file, so only do it
@@ -46,14 +41,9 @@ def is_sequence_pattern(path) -> bool:
 
 
 def open_media(path) -> MediaReader:
-    """Open a video, an image, a folder of numbered images or a pattern like ``f/%05d.png``.
-
-    The kind is decided by content: a folder or a pattern is a sequence; a file whose first
-    bytes are a PNG/JPEG/WebP/TIFF/BMP signature is a single image (read with Pillow, or FFmpeg
-    for 16-bit colour), or an animation when it holds several frames; anything else is handed
-    to FFmpeg as a video. A glob such as ``f/*.png`` also works as a sequence. Raises
-    :class:`MediaError` naming the path when it is missing, unreadable, empty, or not
-    something we can decode.
+    """Open a video, an image, a folder of numbered images or a pattern like ``f/%05d.png``,
+    telling them apart by content (docs/media.md#reading). Raises :class:`MediaError` naming
+    the path when it is missing, unreadable, empty, or not something we can decode.
     """
     p = fspath(path)
     if p.is_dir():
@@ -99,7 +89,9 @@ class MediaReader:
 
     def frames(self, start: int = 0, stop: int | None = None) -> Iterator[np.ndarray]:
         """Frames ``start`` .. ``stop - 1`` (``stop=None``: to the end) as (H, W, C) arrays."""
-        raise NotImplementedError
+        if start < 0 or (stop is not None and stop < 0):
+            raise ValueError(f"frame indices must be >= 0, got start={start}, stop={stop}")
+        return self._frames(start, stop)
 
     def __iter__(self) -> Iterator[np.ndarray]:
         return self.frames()
@@ -115,11 +107,6 @@ class MediaReader:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.info!r})"
-
-    @staticmethod
-    def _check_range(start: int, stop: int | None) -> None:
-        if start < 0 or (stop is not None and stop < 0):
-            raise ValueError(f"frame indices must be >= 0, got start={start}, stop={stop}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -142,8 +129,7 @@ class ImageReader(MediaReader):
                               height=height, channels=probe.channels,
                               bit_depth=probe.bit_depth, codec=fmt.lower())
 
-    def frames(self, start: int = 0, stop: int | None = None) -> Iterator[np.ndarray]:
-        self._check_range(start, stop)
+    def _frames(self, start: int, stop: int | None) -> Iterator[np.ndarray]:
         if self._image is None:
             raise MediaError(f"{self.path}: reader is closed")
         if start == 0 and (stop is None or stop > 0):
@@ -155,13 +141,9 @@ class ImageReader(MediaReader):
 
 
 class AnimationReader(MediaReader):
-    """Every frame of one animated WebP or PNG, or every page of a multi-page TIFF.
-
-    All frames are decoded once at open (a damaged frame or pages of different sizes fail
-    before any work, and each frame's duration is learned), then again one at a time as
-    they are read: a long animation is never held whole. ``info.kind`` is ``"animation"``;
-    see :class:`MediaInfo` for its timing.
-    """
+    """Every frame of one animated WebP or PNG, or every page of a multi-page TIFF: decoded
+    once at open, then again one at a time as read (never held whole). ``info.kind`` is
+    ``"animation"``."""
 
     def __init__(self, path: Path, probe: ImageProbe):
         self.path = path
@@ -174,8 +156,7 @@ class AnimationReader(MediaReader):
                               frame_durations=scan.durations, loop=scan.loop)
         self._iterators: weakref.WeakSet | None = weakref.WeakSet()
 
-    def frames(self, start: int = 0, stop: int | None = None) -> Iterator[np.ndarray]:
-        self._check_range(start, stop)
+    def _frames(self, start: int, stop: int | None) -> Iterator[np.ndarray]:
         if self._iterators is None:
             raise MediaError(f"{self.path}: reader is closed")
         iterator = animation_frames(self.path, self._probe, self.info.channels, start, stop)
@@ -203,13 +184,8 @@ def _animation_timing(durations) -> tuple[Fraction | None, tuple[Fraction, ...] 
 
 
 class SequenceReader(MediaReader):
-    """Numbered images read in numeric order (``9.png`` before ``10.png``).
-
-    Gaps in the numbering are allowed: frame ``i`` is the ``i``-th file. Every file's header is
-    checked at open, so a size or pixel-format mismatch is reported (naming the first
-    offending file) before any processing. A file whose pixels fail to decode is only found
-    when that frame is read.
-    """
+    """Numbered images read in numeric order (``9.png`` before ``10.png``; gaps allowed),
+    every file's header checked at open."""
 
     def __init__(self, source: Path, files: list[Path]):
         if not files:
@@ -221,7 +197,7 @@ class SequenceReader(MediaReader):
         self._fmt = self._probe.fmt
         for f in files[1:]:
             probe = _sequence_probe(f)
-            if _shape(probe) != _shape(self._probe):
+            if _describe(probe) != _describe(self._probe):
                 raise MediaError(
                     f"{f}: {_describe(probe)} differs from the first frame {first.name} "
                     f"({_describe(self._probe)}); all images of a sequence must have the same "
@@ -298,11 +274,7 @@ class SequenceReader(MediaReader):
 
         return cls(pattern, sorted(files, key=key))
 
-    def frames(self, start: int = 0, stop: int | None = None) -> Iterator[np.ndarray]:
-        self._check_range(start, stop)
-        return self._iterate(start, stop)
-
-    def _iterate(self, start: int, stop: int | None) -> Iterator[np.ndarray]:
+    def _frames(self, start: int, stop: int | None) -> Iterator[np.ndarray]:
         for f in self.files[start:stop]:
             fmt = _sniff_sequence_file(f)
             probe = self._probe if fmt == self._fmt else probe_image(f, fmt)
@@ -339,11 +311,8 @@ def _sorted_unique(source: Path, numbered: list[tuple[int, Path]]) -> list[Path]
     return [f for _, f in numbered]
 
 
-def _shape(probe: ImageProbe) -> tuple[int, int, int, int]:
-    return (probe.width, probe.height, probe.channels, probe.bit_depth)
-
-
 def _describe(probe: ImageProbe) -> str:
+    """Size, channels and bit depth: what every image of a sequence must share."""
     kind = {1: "gray", 3: "RGB", 4: "RGBA"}[probe.channels]
     return f"{probe.width}x{probe.height} {kind} {probe.bit_depth}-bit"
 
@@ -353,22 +322,9 @@ def _describe(probe: ImageProbe) -> str:
 
 
 class VideoReader(MediaReader):
-    """A video file through FFmpeg (PyAV): the first video stream that is not cover art.
-
-    The first frame is decoded at open, so undecodable files fail before any work, and the
-    real pixel format (channels, bit depth), colour tags and rotation are known. Each
-    ``frames()`` call opens its own demuxer, so several iterators can run independently.
-
-    Seeking: frame ``i`` is the ``i``-th decoded frame. Its timestamp is
-    ``first_pts + i / fps`` only for constant-frame-rate video without gaps (cameras,
-    encoders, our own output), so ``frames(start)`` seeks by timestamp only when the video
-    looks like that: the frame count matches duration x fps (when both are known), and every
-    frame looked at while seeking -- from the keyframe before ``start`` to ``start`` -- sits on
-    the 1/fps grid to within one timestamp tick and at the expected index. Otherwise
-    (variable frame rate, dropped frames, missing timestamps, unseekable files) it decodes
-    from the beginning and counts: slow, but the same frames as a full decode. Frames before
-    the first keyframe after a seek are never used (open-GOP leading pictures may be broken).
-    Large files whose frame count is only estimated can't be checked for gaps.
+    """A video file through FFmpeg (PyAV): the first video stream that is not cover art,
+    decoded at open up to its first frame. ``frames(start)`` seeks by timestamp only where
+    that gives the same frames as decoding from the start (docs/media.md#reading).
     """
 
     def __init__(self, path: Path):
@@ -408,12 +364,10 @@ class VideoReader(MediaReader):
                 pixel_aspect=_pixel_aspect(stream),
                 other_streams=_other_streams(container, self._stream_index),
                 colour=_colour(first))
-            # A timestamp-based frame index needs a constant rate; FFmpeg's r_frame_rate
-            # (base_rate) differing from the average rate is the tell-tale of variable rate.
-            base, avg = stream.base_rate, stream.average_rate
+            # A timestamp-based frame index needs a constant rate.
+            base = stream.base_rate
             self._base_rate = Fraction(base) if base else None
-            self._constant_rate = (first.pts is not None and base is not None
-                                   and avg is not None and abs(base / avg - 1) < 1e-3)
+            self._constant_rate = first.pts is not None and _rates_agree(stream)
         finally:
             container.close()
         if not self._constant_rate or not self._count_matches_duration() or \
@@ -444,14 +398,8 @@ class VideoReader(MediaReader):
 
     def count_frames(self) -> int:
         """Make ``info.frame_count`` exact and, for variable-rate video, fill
-        ``info.frame_times``; returns the count.
-
-        Constant-rate video: its packets are counted (demux only), leaving out the ones the
-        container marks as not shown (MP4 edit lists) and AVI's empty "frame dropped"
-        chunks. If their timestamps are not on the 1/fps grid after all, or the video is
-        variable-rate, the whole video is decoded (no pixel conversion): only decoding
-        counts what a player shows, and gives every frame's time.
-        """
+        ``info.frame_times``; returns the count. Counts packets where that is exact, else
+        decodes (docs/media.md#reading)."""
         import dataclasses
 
         import av
@@ -532,8 +480,7 @@ class VideoReader(MediaReader):
             return None
         return tuple(times)
 
-    def frames(self, start: int = 0, stop: int | None = None) -> Iterator[np.ndarray]:
-        self._check_range(start, stop)
+    def _frames(self, start: int, stop: int | None) -> Iterator[np.ndarray]:
         iterator = self._iterate(start, stop)
         self._iterators.add(iterator)
         return iterator
@@ -684,7 +631,7 @@ class VideoReader(MediaReader):
                 array = reformatter.reformat(frame, **kwargs).to_ndarray()
             except Exception as e:  # noqa: BLE001 -- name the frame whatever went wrong
                 raise MediaError(f"{self.path}: cannot convert frame {index}: {e}") from e
-            return array[:, :, None] if array.ndim == 2 else array
+            return with_channels(array)
 
         return convert
 
@@ -778,11 +725,17 @@ def _frame_rate(stream) -> Fraction | None:
     number as a cleaner fraction (30000/1001 rather than 1798200/60001 from rounded MKV
     timestamps), so prefer it when the two agree.
     """
-    avg, base = stream.average_rate, stream.base_rate
-    if avg and base and abs(base / avg - 1) < 1e-3:
-        return Fraction(base)
-    rate = avg or stream.guessed_rate or base
+    if _rates_agree(stream):
+        return Fraction(stream.base_rate)
+    rate = stream.average_rate or stream.guessed_rate or stream.base_rate
     return Fraction(rate) if rate else None
+
+
+def _rates_agree(stream) -> bool:
+    """FFmpeg's r_frame_rate (base_rate) and the average rate agree: a constant rate (their
+    differing is the tell-tale of variable rate)."""
+    base, avg = stream.base_rate, stream.average_rate
+    return bool(base and avg) and abs(base / avg - 1) < 1e-3
 
 
 def _estimate_frame_count(stream, container, fps: Fraction) -> tuple[int, bool]:

@@ -1,12 +1,8 @@
 """A video assembled from closed segments by stream copy: nothing is decoded or re-encoded.
 
-A long job writes its output as consecutive segment files (each a complete video with the
-same encoder settings), so that a kill loses at most the segment being written. When every
-segment exists, :class:`SegmentConcat` joins their packets into the final file, shifting
-each segment's timestamps by the frames before it, copies the source's audio in alongside
-(packet for packet, as :class:`~seedvr2.io.writer.VideoWriter` does), and moves the result
-into place with the writers' temporary -> final protocol (never a half-written file at the
-final name; an existing output replaced only with ``overwrite``).
+A resumable job writes its output as consecutive segment files (docs/resume.md);
+:class:`SegmentConcat` joins them, copying the source's audio in alongside, with the writers'
+temporary -> final protocol.
 """
 
 from __future__ import annotations
@@ -16,7 +12,7 @@ from fractions import Fraction
 from pathlib import Path
 
 from ._common import VIDEO_EXTENSIONS, MediaError, fspath
-from .writer import MediaWriter, _AudioCopy
+from .writer import MediaWriter, _AudioCopy, shift_times
 
 
 def sync_file(path: Path):
@@ -51,7 +47,7 @@ class SegmentConcat(MediaWriter):
         self._fps, self._audio_from = fps, audio_from
         self._subtitles, self._frame_times = list(subtitle_streams), frame_times
         self._after_segment = after_segment or (lambda segments: None)
-        self._claim_temp_file(path)
+        self._claim_temp()
         self.frames_written = sum(self._counts)
 
     def _finish(self) -> None:
@@ -99,23 +95,17 @@ class SegmentConcat(MediaWriter):
             for packet in source.demux(stream):
                 if packet.size == 0:  # the demuxer's end-of-stream marker
                     continue
-                if packet.pts is not None:
-                    packet.pts += shift
-                if packet.dts is not None:
-                    packet.dts += shift
-                elif not leading or leading[-1].dts is None:
+                shift_times(packet, shift)
+                if packet.dts is None:
                     leading.append(packet)
                     continue
-                if leading:
-                    _decode_times(leading, packet.dts)
-                    for waiting in leading:
-                        mux(waiting)
-                    leading = []
-                mux(packet)
-            if leading:
-                _decode_times(leading, None)
-                for waiting in leading:
+                _decode_times(leading, packet.dts)
+                for waiting in [*leading, packet]:
                     mux(waiting)
+                leading = []
+            _decode_times(leading, None)
+            for waiting in leading:
+                mux(waiting)
         del av
 
 

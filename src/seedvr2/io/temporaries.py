@@ -1,19 +1,10 @@
 """Hidden temporaries next to an output: how they are named, held and cleaned up.
 
-Every writer builds its output under a temporary name in the destination folder and renames
-it when complete. This module is the one place that names those temporaries, so the writer
-that makes them and whoever cleans up after a crash (the ``--devices`` launcher when a rank
-is killed; the next run of the same command under torchrun, where no launcher of ours
-survives) look for the same names:
-
-* ``.NAME.partial-TOKEN`` for folders and image outputs (``.out.png.partial-1a2b3c4d``);
-* ``.STEM.partial-TOKEN.EXT`` for videos, whose muxer wants the extension
-  (``.out.partial-1a2b3c4d.mp4``).
-
-A live writer holds an exclusive ``flock`` on its temporary. The kernel drops the lock when
-the process ends, however it ends (``kill -9`` included), so a temporary nobody can lock is in
-use and one that can be locked is stale: :func:`remove_stale_temporaries` removes only those,
-and two jobs writing the same output never delete each other's work.
+The one place that names them (``.NAME.partial-TOKEN`` for folders and images,
+``.STEM.partial-TOKEN.EXT`` for videos), so the writer that makes them and whoever cleans up
+after a crash look for the same names. A live writer holds an exclusive ``flock`` on its
+temporary, which the kernel drops however the process ends: one nobody can lock is in use,
+one that can be locked is stale (docs/multi-gpu.md#temporary-files).
 """
 
 from __future__ import annotations

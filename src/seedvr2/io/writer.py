@@ -1,17 +1,8 @@
 """Writers: frames in, a video / an image / numbered images out, without ever losing work.
 
-:func:`open_writer` picks the writer from the destination. All writers:
-
-* write into a hidden temporary name in the destination folder
-  (``.name.partial-<random>.mp4``, or a ``.name.partial-<random>`` folder for images) and move
-  it to the final name only when :meth:`MediaWriter.close` succeeds -- the final path never
-  holds a half-written file, and a crash leaves only the clearly named partial behind;
-* refuse to replace an existing output unless ``overwrite=True`` (:class:`FileExistsError`),
-  checked at open and again, race-free, at the final move (a hard link, which fails if the
-  name was taken meanwhile; the finished temporary is then kept and named in the error);
-* find problems at open -- missing or unwritable folder, odd size for yuv420, codec the
-  container can't hold -- so nothing is discovered after hours of processing;
-* discard everything on :meth:`MediaWriter.abort`, or when the ``with`` block raises.
+:func:`open_writer` picks the writer from the destination. Every writer builds its output under
+a hidden temporary name and moves it into place at close, replaces an existing output only
+with ``overwrite=True``, and finds problems at open: docs/media.md#writing.
 """
 
 from __future__ import annotations
@@ -29,14 +20,14 @@ import numpy as np
 
 from ..options import option_ref
 from .temporaries import hold, remove_stale_temporaries, temporary_path
-from ._common import (ARRAY_FORMATS, IMAGE_EXTENSIONS, PRINTF, VIDEO_EXTENSIONS, Colour,
-                      DisplayTransform, MediaError, MediaInfo, as_fraction, check_frame, fspath,
-                      printf_pattern, refuse_hdr, writable_folder)
+from ._common import (IMAGE_EXTENSIONS, PRINTF, VIDEO_EXTENSIONS, Colour, DisplayTransform,
+                      MediaError, MediaInfo, as_fraction, check_frame, fspath, printf_pattern,
+                      refuse_hdr, to_picture, writable_folder)
 
 # Image formats we write (BMP is read only).
 _WRITE_IMAGE_FORMATS = {ext: fmt for ext, fmt in IMAGE_EXTENSIONS.items() if fmt != "BMP"}
 # codec -> (FFmpeg encoder, codec name in container support lists, pixel format, default CRF,
-# extra encoder options).
+# highest CRF, extra encoder options).
 # H.265 is written 10-bit: it keeps 16-bit sources' extra precision and bands less.
 # VP9 is what WebM holds, and it keeps alpha (yuva420p): transparent WebM in, transparent out.
 # "b": "0" makes libvpx's crf a pure quality target rather than a cap under a bitrate.
@@ -44,15 +35,14 @@ _WRITE_IMAGE_FORMATS = {ext: fmt for ext, fmt in IMAGE_EXTENSIONS.items() if fmt
 # different bits from run to run (the first frames' quantisers change; issue 13). It is off,
 # for outputs that repeat exactly; x265's cutree does not have this problem (tested).
 _VIDEO_CODECS = {
-    "h264": ("libx264", "h264", "yuv420p", 18, {"x264-params": "mbtree=0"}),
-    "h265": ("libx265", "hevc", "yuv420p10le", 20, {"x265-params": "log-level=error"}),
-    "vp9": ("libvpx-vp9", "vp9", "yuv420p", 24, {"b": "0", "row-mt": "1", "deadline": "good",
-                                                 "cpu-used": "4"}),
+    "h264": ("libx264", "h264", "yuv420p", 18, 51, {"x264-params": "mbtree=0"}),
+    "h265": ("libx265", "hevc", "yuv420p10le", 20, 51, {"x265-params": "log-level=error"}),
+    "vp9": ("libvpx-vp9", "vp9", "yuv420p", 24, 63, {"b": "0", "row-mt": "1",
+                                                     "deadline": "good", "cpu-used": "4"}),
 }
 _CODEC_ALIASES = {"h264": "h264", "avc": "h264", "libx264": "h264", "x264": "h264",
                   "h265": "h265", "hevc": "h265", "libx265": "h265", "x265": "h265",
                   "vp9": "vp9", "libvpx-vp9": "vp9"}
-_MAX_CRF = {"h264": 51, "h265": 51, "vp9": 63}
 _PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow",
             "slower", "veryslow", "placebo")  # the same names in x264 and x265
 
@@ -63,46 +53,26 @@ def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
                 crf: int | None = None, preset: str | None = None, quality: int = 95,
                 audio_from=None, frame_times=None, overwrite: bool = False,
                 upright: bool = True) -> MediaWriter:
-    """Open a writer for frames of ``height x width x channels`` at ``bit_depth`` bits.
+    """Open a writer for frames of ``height x width x channels`` at ``bit_depth`` bits: (H, W, C)
+    arrays of uint8 (8-bit) or uint16 (16-bit); (H, W) is accepted for one channel.
 
-    Any of ``width``, ``height``, ``channels``, ``bit_depth`` and ``fps`` left out is taken
-    from ``like`` (typically the source's :class:`MediaInfo`; pass the upscaled size
-    explicitly). Frames must then be (H, W, C) arrays of uint8 (8-bit) or uint16 (16-bit);
-    (H, W) is accepted for one channel.
-
-    The destination decides the output: a video extension (``codec`` h264/h265/vp9, ``crf``,
-    ``preset``; ``.webm`` is always VP9), an image extension (one image, numbered siblings
-    for several frames, one animated file when ``like`` is an animation), a printf pattern
-    (``out/%05d.png``: every frame numbered by it) or a folder / a path ending in ``/`` (a
-    numbered PNG sequence). ``frame_times`` (default ``like.frame_times``) gives each video
-    frame its presentation time; ``audio_from`` (a path, or a MediaInfo, which adds its
-    subtitles) copies audio packet for packet, so write all of the source's frames. Video
-    outputs carry ``like``'s colour description, rotation and pixel aspect as tags; image
-    outputs are turned upright and scaled to square pixels unless ``upright=False`` (for
-    intermediate files read back through a writer that turns them upright). What each
-    output keeps and drops: docs/media.md ("Inputs and outputs", "Colour descriptions and
-    HDR").
+    Any of ``width``, ``height``, ``channels``, ``bit_depth`` and ``fps`` left out is taken from
+    ``like`` (typically the source's :class:`MediaInfo`; pass the upscaled size explicitly). The
+    destination decides the output: a video or image extension, a printf pattern
+    (``out/%05d.png``) or a folder / a path ending in ``/``. ``audio_from`` (a path, or a
+    MediaInfo, which adds its subtitles) copies audio packet for packet. What each output
+    writes, keeps and drops: docs/media.md#writing and "Inputs and outputs".
 
     Raises :class:`FileExistsError` when the output exists and ``overwrite`` is false, and
     :class:`MediaError` for everything else that can be known before writing.
     """
     text = os.fspath(dst)
     path = fspath(dst)
-    width = _pick("width", width, like)
-    height = _pick("height", height, like)
-    channels = _pick("channels", channels, like)
-    bit_depth = _pick("bit_depth", bit_depth, like)
-    if channels not in (1, 3, 4):
-        raise MediaError(f"{path}: frames must have 1, 3 or 4 channels, not {channels}")
-    if bit_depth not in (8, 16):
-        raise MediaError(f"{path}: bit depth must be 8 or 16, not {bit_depth}")
-    if width <= 0 or height <= 0:
-        raise MediaError(f"{path}: invalid frame size {width}x{height}")
+    common = dict(_frame_layout(path, like, width=width, height=height, channels=channels,
+                                bit_depth=bit_depth), overwrite=overwrite)
     if not 1 <= quality <= 100:
         raise MediaError(f"{path}: quality must be between 1 and 100, got {quality}")
     expected = like.frame_count if like is not None else None
-    common = dict(width=width, height=height, channels=channels, bit_depth=bit_depth,
-                  overwrite=overwrite)
     ext = path.suffix.lower()
     known = ext in VIDEO_EXTENSIONS or ext in _WRITE_IMAGE_FORMATS
     display = DisplayTransform.of(like) if upright else None
@@ -227,12 +197,23 @@ def _warn_not_carried(path: Path, like: MediaInfo | None, audio_copied: bool,
                       stacklevel=3)
 
 
-def _pick(name: str, value, like: MediaInfo | None):
-    if value is None and like is not None:
-        value = getattr(like, name)
-    if value is None:
-        raise MediaError(f"open_writer: pass {name}= (or like= a MediaInfo to copy it from)")
-    return value
+def _frame_layout(path: Path, like: MediaInfo | None, **given) -> dict:
+    """``width``, ``height``, ``channels`` and ``bit_depth``: each given or taken from ``like``,
+    and checked."""
+    layout = {}
+    for name, value in given.items():
+        if value is None and like is not None:
+            value = getattr(like, name)
+        if value is None:
+            raise MediaError(f"open_writer: pass {name}= (or like= a MediaInfo to copy it from)")
+        layout[name] = value
+    if layout["channels"] not in (1, 3, 4):
+        raise MediaError(f"{path}: frames must have 1, 3 or 4 channels, not {layout['channels']}")
+    if layout["bit_depth"] not in (8, 16):
+        raise MediaError(f"{path}: bit depth must be 8 or 16, not {layout['bit_depth']}")
+    if layout["width"] <= 0 or layout["height"] <= 0:
+        raise MediaError(f"{path}: invalid frame size {layout['width']}x{layout['height']}")
+    return layout
 
 
 class FrameOutput:
@@ -371,21 +352,24 @@ class MediaWriter(FrameOutput):
             raise FileExistsError(f"{target} already exists; pass {option_ref('overwrite', True)} "
                                   f"to replace it, or choose another output name")
 
-    def _temp_path(self, suffix: str = "") -> Path:
+    def _claim_temp(self, folder: bool = False) -> None:
+        """Create and hold the temporary the output is written to: a folder (image outputs,
+        which check their final names themselves), else a file with the output's suffix
+        (muxers want it), after refusing an existing output unless overwriting."""
+        if not folder:
+            self._refuse_existing(self.path)
+        writable_folder(self.path.parent)
         # A run killed outright left its temporaries here; nothing else will remove them.
         remove_stale_temporaries(self.path)
-        return temporary_path(self.path, keep_suffix=bool(suffix))
-
-    def _claim_temp_file(self, path: Path) -> None:
-        """Refuse an existing ``path`` (unless overwriting), check its folder, then create and
-        hold the single-file temporary the output is written to (same suffix as ``path``)."""
-        self._refuse_existing(path)
-        writable_folder(path.parent)
-        temp = self._temp_path(suffix=path.suffix)
+        temp = temporary_path(self.path, keep_suffix=not folder)
         try:
-            _create_exclusive(temp)
+            if folder:
+                os.mkdir(temp)
+            else:  # umask permissions (tempfile.mkstemp would make the output owner-only)
+                os.close(os.open(temp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
         except OSError as e:
-            raise self._folder_error(path.parent, e) from e
+            raise MediaError(f"cannot write to output folder {self.path.parent}: "
+                             f"{e.strerror or e}") from e
         self._temp = temp
         self._hold = hold(temp)  # in use: a later run must not take it for stale
 
@@ -393,9 +377,6 @@ class MediaWriter(FrameOutput):
         if getattr(self, "_hold", None) is not None:
             self._hold.release()
             self._hold = None
-
-    def _folder_error(self, folder: Path, e: OSError) -> MediaError:
-        return MediaError(f"cannot write to output folder {folder}: {e.strerror or e}")
 
     def _place(self, temp: Path, final: Path) -> None:
         """Move finished ``temp`` to ``final`` without ever clobbering unless overwriting."""
@@ -418,18 +399,12 @@ class MediaWriter(FrameOutput):
             os.unlink(temp)
 
 
-def _create_exclusive(path: Path) -> None:
-    """Create an empty file that must not exist yet, with the usual umask permissions
-    (tempfile.mkstemp would make the final output owner-only)."""
-    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
-
-
 # --------------------------------------------------------------------------------------------
 # Video
 
 
 class VideoWriter(MediaWriter):
-    """H.264 / H.265 through PyAV, with optional audio packet copy. See :func:`open_writer`."""
+    """H.264 / H.265 / VP9 through PyAV, with optional audio packet copy (:func:`open_writer`)."""
 
     def __init__(self, path: Path, *, fps: Fraction, codec: str, crf: int | None = None,
                  preset: str | None = None, audio_from=None, subtitle_streams=(),
@@ -438,77 +413,14 @@ class VideoWriter(MediaWriter):
         import av
 
         super().__init__(path, **common)
-        self._container = self._audio = None
-        ext = path.suffix.lower()
-        key = _CODEC_ALIASES.get(str(codec).lower())
-        if key is None:
-            raise MediaError(f"{path}: unknown video codec {codec!r}; use 'h264', 'h265' or "
-                             f"'vp9'")
-        if ext == ".webm":
-            if key == "h265":
-                raise MediaError(f"{path}: WebM holds VP8/VP9/AV1 video, not H.265; write "
-                                 f".mkv or .mp4 for H.265, or leave the codec for WebM's VP9")
-            key = "vp9"  # WebM's codec: the default H.264 can't go there
-        encoder, codec_name, self._pix_fmt, default_crf, options = _VIDEO_CODECS[key]
-        if self.width % 2 or self.height % 2:
-            raise MediaError(
-                f"{path}: {key.upper()} in yuv420 needs an even width and height, got "
-                f"{self.width}x{self.height}; choose an even output size (or write PNGs)")
-        if crf is not None and not 0 <= crf <= _MAX_CRF[key]:
-            raise MediaError(f"{path}: crf must be between 0 and {_MAX_CRF[key]} for "
-                             f"{key.upper()}, got {crf}")
-        if preset is not None and (key == "vp9" or preset not in _PRESETS):
-            raise MediaError(f"{path}: unknown preset {preset!r} for {key.upper()}; "
-                             + ("VP9 has none" if key == "vp9" else
-                                f"use one of {', '.join(_PRESETS)}"))
-        if colour.hdr and not self._pix_fmt.endswith("10le"):
-            raise MediaError(f"{path}: the source is HDR video ({colour.hdr}), which needs "
-                             f"10 bits, and {key.upper()} is written in 8 bits here; give codec "
-                             f"h265 (10-bit) and a .mkv, .mp4 or .mov name")
-        self._colour = colour
-        if self.channels == 4 and key == "vp9" and ext in (".webm", ".mkv"):
-            self._pix_fmt = "yuva420p"  # Matroska/WebM store VP9's alpha beside each frame
-        elif self.channels == 4:
-            reason = "MP4 can't store VP9's alpha" if key == "vp9" else \
-                f"{key.upper()} video has no alpha channel"
-            warnings.warn(f"{path}: {reason}; alpha is dropped (write .webm, which keeps it as "
-                          f"VP9, or a PNG sequence)", stacklevel=3)
-        self.fps = fps
-        self._claim_temp_file(path)
+        self._container = self._audio = self._last_pts = None
+        self.fps, self._colour = fps, colour
+        key = self._choose_codec(codec, crf, preset)
+        self._claim_temp()
         try:
-            self._container = av.open(str(self._temp), "w", format=VIDEO_EXTENSIONS[ext])
-            if codec_name not in self._container.supported_codecs:
-                raise MediaError(f"{path}: {ext} files can't hold {key.upper()} video")
-            if encoder not in av.codecs_available:
-                raise MediaError(f"{path}: this FFmpeg build has no {encoder} encoder")
-            stream = self._container.add_stream(encoder, rate=fps)
-            stream.width, stream.height, stream.pix_fmt = self.width, self.height, self._pix_fmt
             self._frame_times = tuple(Fraction(t) for t in frame_times) if frame_times else None
             self._frame_time_base = _time_base_for(fps, self._frame_times)
-            self._last_pts = None
-            # The encoder counts time in this base too: at 1/fps, variable-rate timestamps
-            # would collide.
-            stream.time_base = stream.codec_context.time_base = self._frame_time_base
-            options = {"crf": str(default_crf if crf is None else crf), **options}
-            if preset is not None:
-                options["preset"] = str(preset)
-            stream.options = options
-            if key == "h265" and ext in (".mp4", ".mov", ".m4v"):
-                stream.codec_tag = "hvc1"  # Apple players only accept HEVC tagged hvc1
-            # The source's colour description (BT.709 limited range for sources without one):
-            # _write converts with its matrix and range, so players agree.
-            cc = stream.codec_context
-            cc.colorspace, cc.color_primaries = colour.matrix, colour.primaries
-            cc.color_trc, cc.color_range = colour.transfer, colour.range
-            # The source's orientation and pixel shape travel as tags: players apply them,
-            # and the frames stay as stored (no resampling of a video).
-            if display is not None and display.mirrored:
-                stream.set_display_rotation(display.rotation, hflip=True)
-            elif display is not None and display.rotation:
-                stream.set_display_rotation(display.rotation)
-            if display is not None and display.pixel_aspect != 1:
-                cc.sample_aspect_ratio = display.pixel_aspect
-            self._stream = stream
+            self._stream = self._open_stream(key, crf, preset, display)
             # One swscale context for all frames (frame.reformat() would make one per frame).
             self._reformatter = av.video.reformatter.VideoReformatter()
             if audio_from is not None:
@@ -521,25 +433,92 @@ class VideoWriter(MediaWriter):
                 copied = self._audio.describe() if self._audio is not None else ""
                 if not copied:
                     raise
-                raise MediaError(f"{path}: {ext} files can't hold the streams copied from "
-                                 f"{audio_from} ({copied}): FFmpeg says {e.strerror or e}; "
-                                 f"write .mkv, which holds most codecs") from e
+                raise MediaError(f"{path}: {path.suffix.lower()} files can't hold the streams "
+                                 f"copied from {audio_from} ({copied}): FFmpeg says "
+                                 f"{e.strerror or e}; write .mkv, which holds most codecs") from e
         except BaseException as e:
             self.abort()
             if isinstance(e, (av.FFmpegError, OSError)):
                 raise MediaError(f"{path}: cannot start writing video: {e}") from e
             raise
 
-    def _write(self, frame: np.ndarray) -> None:
+    def _choose_codec(self, codec: str, crf: int | None, preset: str | None) -> str:
+        """The codec key (h264/h265/vp9) and pixel format for this output, refusing what the
+        codec or container can't do before anything is written."""
+        path, ext = self.path, self.path.suffix.lower()
+        key = _CODEC_ALIASES.get(str(codec).lower())
+        if key is None:
+            raise MediaError(f"{path}: unknown video codec {codec!r}; use 'h264', 'h265' or "
+                             f"'vp9'")
+        if ext == ".webm":
+            if key == "h265":
+                raise MediaError(f"{path}: WebM holds VP8/VP9/AV1 video, not H.265; write "
+                                 f".mkv or .mp4 for H.265, or leave the codec for WebM's VP9")
+            key = "vp9"  # WebM's codec: the default H.264 can't go there
+        _, _, self._pix_fmt, _, max_crf, _ = _VIDEO_CODECS[key]
+        if self.width % 2 or self.height % 2:
+            raise MediaError(
+                f"{path}: {key.upper()} in yuv420 needs an even width and height, got "
+                f"{self.width}x{self.height}; choose an even output size (or write PNGs)")
+        if crf is not None and not 0 <= crf <= max_crf:
+            raise MediaError(f"{path}: crf must be between 0 and {max_crf} for "
+                             f"{key.upper()}, got {crf}")
+        if preset is not None and (key == "vp9" or preset not in _PRESETS):
+            raise MediaError(f"{path}: unknown preset {preset!r} for {key.upper()}; "
+                             + ("VP9 has none" if key == "vp9" else
+                                f"use one of {', '.join(_PRESETS)}"))
+        if self._colour.hdr and not self._pix_fmt.endswith("10le"):
+            raise MediaError(f"{path}: the source is HDR video ({self._colour.hdr}), which needs "
+                             f"10 bits, and {key.upper()} is written in 8 bits here; give codec "
+                             f"h265 (10-bit) and a .mkv, .mp4 or .mov name")
+        if self.channels == 4 and key == "vp9" and ext in (".webm", ".mkv"):
+            self._pix_fmt = "yuva420p"  # Matroska/WebM store VP9's alpha beside each frame
+        elif self.channels == 4:
+            reason = "MP4 can't store VP9's alpha" if key == "vp9" else \
+                f"{key.upper()} video has no alpha channel"
+            warnings.warn(f"{path}: {reason}; alpha is dropped (write .webm, which keeps it as "
+                          f"VP9, or a PNG sequence)", stacklevel=4)
+        return key
+
+    def _open_stream(self, key: str, crf: int | None, preset: str | None,
+                     display: DisplayTransform | None):
+        """Open the container on the temporary and add the video stream, tagged with the
+        source's colour description, orientation and pixel shape."""
         import av
 
-        keep_alpha = self._pix_fmt == "yuva420p"
-        if self.channels == 4 and not keep_alpha:
+        path, ext = self.path, self.path.suffix.lower()
+        encoder, codec_name, _, default_crf, _, options = _VIDEO_CODECS[key]
+        self._container = av.open(str(self._temp), "w", format=VIDEO_EXTENSIONS[ext])
+        if codec_name not in self._container.supported_codecs:
+            raise MediaError(f"{path}: {ext} files can't hold {key.upper()} video")
+        if encoder not in av.codecs_available:
+            raise MediaError(f"{path}: this FFmpeg build has no {encoder} encoder")
+        stream = self._container.add_stream(encoder, rate=self.fps)
+        stream.width, stream.height, stream.pix_fmt = self.width, self.height, self._pix_fmt
+        # The encoder counts time in this base too: at 1/fps, variable-rate timestamps
+        # would collide.
+        stream.time_base = stream.codec_context.time_base = self._frame_time_base
+        stream.options = {"crf": str(default_crf if crf is None else crf), **options,
+                          **({} if preset is None else {"preset": str(preset)})}
+        if key == "h265" and ext in (".mp4", ".mov", ".m4v"):
+            stream.codec_tag = "hvc1"  # Apple players only accept HEVC tagged hvc1
+        # The source's colour description (BT.709 limited range for sources without one):
+        # _write converts with its matrix and range, so players agree.
+        cc, colour = stream.codec_context, self._colour
+        cc.colorspace, cc.color_primaries = colour.matrix, colour.primaries
+        cc.color_trc, cc.color_range = colour.transfer, colour.range
+        # The source's orientation and pixel shape travel as tags: players apply them, and
+        # the frames stay as stored (no resampling of a video). None: shown as stored.
+        if display is not None and (display.rotation or display.mirrored):
+            stream.set_display_rotation(display.rotation, hflip=display.mirrored)
+        if display is not None and display.pixel_aspect != 1:
+            cc.sample_aspect_ratio = display.pixel_aspect
+        return stream
+
+    def _write(self, frame: np.ndarray) -> None:
+        if self.channels == 4 and self._pix_fmt != "yuva420p":
             frame = frame[:, :, :3]
-        channels = self.channels if keep_alpha else min(self.channels, 3)
-        picture = av.VideoFrame.from_ndarray(
-            np.ascontiguousarray(frame[:, :, 0] if channels == 1 else frame),
-            format=ARRAY_FORMATS[channels, self.bit_depth])
+        picture = to_picture(frame)
         # Convert to YUV ourselves with the matrix and range the stream is tagged with; the
         # encoder's own conversion would use BT.601 limited range whatever the tags say.
         # (No transfer or primaries here: swscale would convert the values between them, and
@@ -606,12 +585,8 @@ def _time_base_for(fps: Fraction, frame_times) -> Fraction:
 
 class _AudioCopy:
     """Copies every audio stream (and the subtitle streams asked for) of ``source`` into
-    ``output`` packet for packet.
-
-    Packets are interleaved with the video as frames are written (``mux_until``), so the
-    output is well interleaved and nothing is buffered. Timestamps are shifted by the
-    source video's start time, keeping the sync the source had with its first frame.
-    """
+    ``output`` packet for packet, interleaved with the video as frames are written
+    (``mux_until``) and shifted by the source video's start time, keeping its sync."""
 
     def __init__(self, source: Path, output, dst: Path, subtitle_streams=()):
         import av
@@ -653,12 +628,8 @@ class _AudioCopy:
         self._output = output
 
     def _pull(self) -> None:
-        self._pending = None
-        for packet in self._packets:
-            if packet.size == 0:  # the demuxer's end-of-stream markers
-                continue
-            self._pending = packet
-            return
+        # Empty packets are the demuxer's end-of-stream markers.
+        self._pending = next((packet for packet in self._packets if packet.size), None)
 
     def mux_until(self, seconds: Fraction | None) -> None:
         """Mux audio packets up to ``seconds`` of output time (None: all that remain)."""
@@ -670,11 +641,7 @@ class _AudioCopy:
             if seconds is not None and pts is not None and \
                     (pts - shift) * packet.time_base > seconds:
                 return
-            if shift:
-                if packet.pts is not None:
-                    packet.pts -= shift
-                if packet.dts is not None:
-                    packet.dts -= shift
+            shift_times(packet, -shift)
             packet.stream = self._map[index]
             self._output.mux(packet)
             self._pull()
@@ -684,6 +651,14 @@ class _AudioCopy:
 
     def close(self) -> None:
         self._input.close()
+
+
+def shift_times(packet, ticks: int) -> None:
+    """Move the timestamps ``packet`` has by ``ticks`` of its time base."""
+    if packet.pts is not None:
+        packet.pts += ticks
+    if packet.dts is not None:
+        packet.dts += ticks
 
 
 def _codec_title(name: str) -> str:
@@ -709,16 +684,6 @@ class _ImageFilesWriter(MediaWriter):
         self._display = display
         self._digits = max(5, len(str((expected_frames or 1) - 1)))
 
-    def _open_temp_folder(self) -> None:
-        writable_folder(self.path.parent)
-        temp = self._temp_path()
-        try:
-            os.mkdir(temp)
-        except OSError as e:
-            raise self._folder_error(self.path.parent, e) from e
-        self._temp = temp
-        self._hold = hold(temp)  # in use: a later run must not take it for stale
-
     def _frame_file(self, index: int) -> Path:
         return self._temp / f"{index:0{self._digits}d}{self._ext}"
 
@@ -732,11 +697,8 @@ class _ImageFilesWriter(MediaWriter):
 
 class ImageWriter(_ImageFilesWriter):
     """One image at ``path``, or ``stem_00000.ext``... next to it if several frames come; or,
-    given ``animation`` (frame durations or None, loop count), one animated file of them all.
-
-    The frames of an animation wait in the partial folder as PNGs (lossless) and are
-    encoded into the animated file at close: PNG, WebP and TIFF encoders take every frame
-    at once."""
+    given ``animation`` (frame durations or None, loop count), one animated file of them all,
+    encoded at close from frames waiting in the partial folder as PNGs."""
 
     def __init__(self, path: Path, *, quality: int, expected_frames: int | None,
                  display: DisplayTransform | None = None, animation: tuple | None = None,
@@ -765,7 +727,7 @@ class ImageWriter(_ImageFilesWriter):
                 self._refuse_existing(self._numbered(index))
         else:
             self._refuse_existing(path)
-        self._open_temp_folder()
+        self._claim_temp(folder=True)
 
     def _numbered(self, index: int) -> Path:
         if self._pattern is not None:
@@ -774,11 +736,9 @@ class ImageWriter(_ImageFilesWriter):
         return self.path.with_name(f"{self.path.stem}_{index:0{self._digits}d}{self._ext}")
 
     def _finish(self) -> None:
-        if self._animation is not None and self.frames_written > 1:
+        if self._animation is not None:
             self._finish_animation()
             return
-        if self._animation is not None:  # one frame: a still image of the final format
-            self._convert_waiting_frame()
         self._state = "kept"
         if self.frames_written == 1 and self._pattern is None:
             self._place(self._frame_file(0), self.path)
@@ -795,7 +755,6 @@ class ImageWriter(_ImageFilesWriter):
                 self._place(self._frame_file(i), target)
         self._temp.rmdir()
 
-
     def _waiting_frames(self):
         from .reader import open_media
 
@@ -804,42 +763,31 @@ class ImageWriter(_ImageFilesWriter):
                 yield from image.frames()
 
     def _finish_animation(self) -> None:
-        from ._images import save_animation
+        """Encode the waiting PNGs into the final file: animated, or a still of one frame."""
+        from ._images import save_animation, save_image
 
-        durations, loop = self._animation
-        if durations is not None:  # as many as frames were written
-            durations = (tuple(durations) + durations[-1:] * self.frames_written)[
-                :self.frames_written]
         final_fmt = _WRITE_IMAGE_FORMATS[self.path.suffix.lower()]
-        animated = self._temp / f"animation{self.path.suffix}"
-        save_animation(animated, self._waiting_frames(), final_fmt, durations, loop,
-                       self._quality)
+        encoded = self._temp / f"animation{self.path.suffix}"
+        durations, loop = self._animation
+        if self.frames_written == 1:
+            save_image(encoded, next(self._waiting_frames()), final_fmt, self._quality)
+        else:
+            if durations is not None:  # as many as frames were written
+                durations = (tuple(durations) + durations[-1:] * self.frames_written)[
+                    :self.frames_written]
+            save_animation(encoded, self._waiting_frames(), final_fmt, durations, loop,
+                           self._quality)
         self._state = "kept"
-        self._place(animated, self.path)
+        self._place(encoded, self.path)
         for index in range(self.frames_written):
             self._frame_file(index).unlink()
         self._temp.rmdir()
 
-    def _convert_waiting_frame(self) -> None:
-        from ._images import save_image
-
-        waiting = self._frame_file(0)
-        frame = next(self._waiting_frames())
-        waiting.unlink()
-        self._ext = self.path.suffix
-        save_image(self._frame_file(0), frame, _WRITE_IMAGE_FORMATS[self._ext.lower()],
-                   self._quality)
-
 
 class SequenceWriter(_ImageFilesWriter):
-    """Numbered PNGs (``00000.png``...) in the folder ``path``.
-
-    The frames are written to a hidden sibling folder which is renamed to ``path`` on close.
-    If ``path`` exists and is empty it is replaced. If it holds files, that is refused unless
-    ``overwrite=True``; then the new frames are moved in one by one (each replace atomic),
-    numbered PNGs left over from a longer earlier run are deleted, and other files are left
-    alone.
-    """
+    """Numbered PNGs (``00000.png``...) in the folder ``path``, written to a hidden sibling
+    folder renamed into place at close; replacing a folder that holds files needs
+    ``overwrite=True`` (docs/media.md#writing)."""
 
     _fmt, _ext = "PNG", ".png"
 
@@ -852,7 +800,7 @@ class SequenceWriter(_ImageFilesWriter):
             raise FileExistsError(f"{path} already exists and is not empty; pass "
                                   f"{option_ref('overwrite', True)} to replace its frames, or "
                                   f"choose another output folder")
-        self._open_temp_folder()
+        self._claim_temp(folder=True)
 
     def _finish(self) -> None:
         self._state = "kept"
