@@ -95,6 +95,16 @@ def test_the_facade_takes_the_options_the_command_resolved(clip, tiny_options, t
     assert not keywords.keys() & OPTIONS.keys()  # nothing left for the facade to resolve again
 
 
+def test_the_facade_refuses_options_given_twice(tmp_path):
+    import seedvr2
+    from seedvr2.options import resolve_options
+
+    with pytest.raises(TypeError, match=r"options given both as opts= and as keywords "
+                                        r"\(resolution\); give one"):
+        seedvr2.upscale_file(tmp_path / "in.mp4", tmp_path / "out.mp4",
+                             opts=resolve_options(), resolution=720)
+
+
 def test_bad_inputs_leave_nothing(tiny_options, tmp_path, capsys):
     missing = tmp_path / "missing.mp4"
     assert main(_args(tiny_options, str(missing), "-o", str(tmp_path / "o.mp4"))) == 1

@@ -140,6 +140,9 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
     from .distributed.launch import spawn_file_job
     from .io import open_media
 
+    if opts is not None and options:
+        raise TypeError(f"upscale_file: options given both as opts= and as keywords "
+                        f"({', '.join(sorted(options))}); give one")
     opts = resolve_options(**options) if opts is None else opts
     if in_distributed_launch():  # torchrun / Slurm: this process is one rank
         ctx = init_from_env(opts.devices if opts.devices != "auto" else "auto", opts.dist_timeout)
