@@ -76,6 +76,7 @@ class Option:
     max: Optional[float] = None
     check: Optional[Callable[[Any], Optional[str]]] = None  # returns an error text or None
     accepts_auto: bool = False  # the string "auto" is also a value (resolved at run time)
+    parse: Optional[Callable[[Any], Any]] = None  # any spelling -> the value; ValueError: why not
 
     @property
     def flag(self) -> str:
@@ -134,6 +135,29 @@ def _slice_problem(value: int) -> Optional[str]:
         f"must be a multiple of 4 frames (e.g. {value - value % 4 or 4}), or 0 for no slicing"
 
 
+def parse_scene_cuts(value):
+    """The scene_cuts option as ``"auto"`` or a sorted tuple of cut frames (``off`` is ``()``):
+    from ``auto``, ``off``, text such as ``120, 348`` or a list of frame numbers."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("auto", "off"):
+            return "auto" if text == "auto" else ()
+        try:
+            value = [int(v) for v in text.replace(" ", "").split(",") if v]
+        except ValueError:
+            raise ValueError("expected auto, off, or frame numbers such as 120,348") from None
+    if not isinstance(value, (list, tuple)) or \
+            not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise ValueError("expected auto, off, or frame numbers such as 120,348")
+    if any(v < 1 for v in value):
+        raise ValueError("a cut is the first frame of a new shot, so at least 1 (frame 0 "
+                         "starts the video); remove it")
+    if len(set(value)) < len(value):
+        repeated = sorted({v for v in value if value.count(v) > 1})
+        raise ValueError(f"frame {repeated[0]} is given twice; give each cut once")
+    return tuple(sorted(value))
+
+
 def parse_fps(value: str):
     """The fps option as an exact Fraction, or None for auto."""
     import math
@@ -183,6 +207,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "in the output (must be < {batch_size})", min=0, max=1000),
     Option("prepend_frames", int, 0, "reversed copies of the first frames prepended as "
            "temporal context and removed from the output", min=0, max=1000),
+    Option("scene_cuts", str, "auto", "scene cuts, where one shot ends and the next begins: "
+           "no batch, cross-fade or colour correction spans one. auto: detected from the "
+           "frames (colour and structure change together), off: none, or the first frame "
+           "of each new shot, such as 120,348", parse=parse_scene_cuts),
     Option("chunk_size", int, 0, "frames in flight: batches are encoded, upscaled and decoded "
            "phase by phase per chunk of about this many frames (0 = one batch per chunk)",
            min=0, max=1_000_000),
@@ -290,7 +318,8 @@ AREAS: dict[str, tuple[str, ...]] = {
     "input and output": ("resolution", "max_resolution", "fps", "resume"),
     "models": ("text_embeddings", "dtype", "compute_precision"),
     "quality and colour": ("seed", "batch_size", "temporal_overlap", "prepend_frames",
-                           "color_correction", "input_noise_scale", "latent_noise_scale"),
+                           "scene_cuts", "color_correction", "input_noise_scale",
+                           "latent_noise_scale"),
     "memory and VRAM": ("chunk_size", "device", "dit_device", "vae_device", "dit_offload_device",
                         "vae_offload_device", "tensor_offload_device", "cache_dit", "cache_vae",
                         "blocks_to_swap", "swap_io_components", "vae_encode_tiled",
@@ -333,6 +362,11 @@ def is_auto(opt: Option, value) -> bool:
 
 
 def _coerce(opt: Option, value):
+    if opt.parse is not None:
+        try:
+            return opt.parse(value)
+        except ValueError as e:
+            raise OptionError(f"{option_value(opt.name, value)}: {e}") from None
     if is_auto(opt, value):
         return "auto"
     if opt.type is bool:
