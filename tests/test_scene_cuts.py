@@ -4,11 +4,7 @@ upscaled independently of each other, and the same file from 1 or 2 ranks and a 
 from __future__ import annotations
 
 import itertools
-import os
 import re
-import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,7 +14,7 @@ from seedvr2.options import OptionError, resolve_options
 from seedvr2.pipeline import cuts
 from seedvr2.pipeline.plan import Batch, BatchPlan, make_plan, next_4n1
 
-from conftest import FPS, REPO, clip_frame
+from conftest import FPS, clip_frame
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -247,23 +243,23 @@ def _frames(path):
         return np.stack(list(media.frames()))
 
 
-def _cli(tiny_options, src, dst, *extra, env=None):
-    cmd = [sys.executable, "-m", "seedvr2", "upscale", str(src), "-o", str(dst),
-           "--dit", tiny_options["dit"], "--vae", tiny_options["vae"],
-           "--model-dir", str(tiny_options["model_dir"]), "--dtype", "fp32", "--device", "cpu",
-           "--resolution", "32", "--batch-size", "5", "--temporal-overlap", "1", *extra]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-                   "SEEDVR2_SEGMENT_FRAMES": "8", **(env or {})}
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=environment,
-                          timeout=300)
+def _cancelled_after(frames: int) -> dict:
+    """progress and should_stop that stop a job once ``frames`` frames are out."""
+    done = [0]
+
+    def progress(phase, count, total):
+        if phase == "frames":
+            done[0] = count
+    return dict(progress=progress, should_stop=lambda: done[0] >= frames)
 
 
 def test_one_process_two_ranks_and_a_resumed_run_give_the_same_file(tiny_options, tmp_path,
-                                                                    monkeypatch):
+                                                                    monkeypatch, caplog, capsys):
     import seedvr2
-    from seedvr2.pipeline.runner import JobStats
+    from seedvr2.cli import main
+    from seedvr2.pipeline.runner import Interrupted, JobStats
 
-    monkeypatch.setenv("SEEDVR2_SEGMENT_FRAMES", "8")  # as the runs below: the same segments
+    monkeypatch.setenv("SEEDVR2_SEGMENT_FRAMES", "8")  # segments end within the clip
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     clip = _write_clip(tmp_path / "cuts.mp4")
     options = dict(tiny_options, resolution=32, batch_size=5, temporal_overlap=1)
@@ -273,17 +269,21 @@ def test_one_process_two_ranks_and_a_resumed_run_give_the_same_file(tiny_options
     two = seedvr2.upscale_file(clip, tmp_path / "two.mp4", **{**options, "device": "auto"},
                                devices="cpu,cpu", dist_timeout=30)
     assert np.array_equal(_frames(two), _frames(one))
-    # Killed with other cuts given, then run with auto: the kept segments are not used.
+    # Cancelled with other cuts given, then with auto: the kept segments are not used.
     out = tmp_path / "resumed.mp4"
-    killed = _cli(tiny_options, clip, out, "--scene-cuts", "13",
-                  env={"SEEDVR2_KILL_AT": "journal:2"})
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    other = _cli(tiny_options, clip, out, env={"SEEDVR2_KILL_AT": "journal:2"})
-    assert other.returncode == -signal.SIGKILL, other.stderr[-2000:]
+    with pytest.raises(Interrupted):
+        seedvr2.upscale_file(clip, out, scene_cuts="13", **options, **_cancelled_after(20))
+    with pytest.raises(Interrupted):
+        seedvr2.upscale_file(clip, out, **options, **_cancelled_after(20))
     assert "not resuming, starting fresh: options scene_cuts ([13] -> [7, 13, 22]) changed" \
-        in other.stderr
-    again = _cli(tiny_options, clip, out)
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert re.search(r"[1-9]\d* of 7 batches reused", again.stdout), again.stdout
-    assert "3 scene cuts: 7, 13, 22" in again.stdout
+        in caplog.text
+    # The same command again resumes; its summary names the cuts.
+    capsys.readouterr()
+    assert main(["upscale", str(clip), "-o", str(out), "--dit", tiny_options["dit"], "--vae",
+                 tiny_options["vae"], "--model-dir", str(tiny_options["model_dir"]), "--device",
+                 "cpu", "--dtype", "fp32", "--resolution", "32", "--batch-size", "5",
+                 "--temporal-overlap", "1"]) == 0
+    summary = capsys.readouterr().out
+    assert re.search(r"[1-9] of 7 batches reused from a previous run; 3 scene cuts: 7, 13, 22;",
+                     summary), summary
     assert out.read_bytes() == one.read_bytes()
