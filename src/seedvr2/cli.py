@@ -511,8 +511,8 @@ def _add_upscale_flags(parser: argparse.ArgumentParser):
                        help="video codec: h264 (8-bit), h265 (10-bit) or vp9 (keeps alpha in "
                        ".mkv); .webm outputs are always VP9")
     files.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    files.add_argument("--dry-plan", action="store_true", help="print the scene cuts and "
-                       "batches each input would get, and stop (no model loads)")
+    files.add_argument("--dry-plan", action="store_true",
+                       help="print the scene cuts and batches; load no model")
     models = groups["models"]
     models.description = MODEL_FILES_HELP.format(dit=DEFAULT_DIT, vae=DEFAULT_VAE)
     models.add_argument("--dit", metavar="FILE", help="DiT: registered file name (looked up in "

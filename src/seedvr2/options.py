@@ -207,10 +207,6 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "in the output (must be < {batch_size})", min=0, max=1000),
     Option("prepend_frames", int, 0, "reversed copies of the first frames prepended as "
            "temporal context and removed from the output", min=0, max=1000),
-    Option("scene_cuts", str, "auto", "scene cuts, where one shot ends and the next begins: "
-           "no batch, cross-fade or colour correction spans one. auto: detected from the "
-           "frames (colour and structure change together), off: none, or the first frame "
-           "of each new shot, such as 120,348", parse=parse_scene_cuts),
     Option("chunk_size", int, 0, "frames in flight: batches are encoded, upscaled and decoded "
            "phase by phase per chunk of about this many frames (0 = one batch per chunk)",
            min=0, max=1_000_000),
@@ -309,6 +305,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "has one more): same result, memory of one slice instead of the batch (4, the "
            "default, is the official pipeline's setting; 0 = the whole batch at once)",
            min=0, max=1_000_000, check=_slice_problem),
+    # Added after the first release: last, so saved workflows' widget values keep their places.
+    Option("scene_cuts", str, "auto", "scene cuts no batch spans: auto (detected), off, or "
+           "the frames that begin new shots, e.g. 120,348", parse=parse_scene_cuts),
 ]}
 
 
