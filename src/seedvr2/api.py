@@ -86,8 +86,9 @@ def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Pr
     a host holds memory it frees on demand (ComfyUI), is asked for what the job needs before
     the memory budget measures a device (one process only).
     """
+    opts = resolve_options(**options)
     frames = input_frames(frames)
-    opts = _scene_cuts(resolve_options(**options), len(frames), lambda: iter(frames), stats)
+    opts = _scene_cuts(opts, len(frames), lambda: iter(frames), stats)
     devices, opts = process_devices(opts, dit, vae)
     job = _job(opts, devices, (dit, vae), model_dir, make_room=make_room)
     size = output_size(frames.shape[1], frames.shape[2], opts)
