@@ -66,15 +66,14 @@ def test_no_cut_in_a_pan_a_lighting_step_or_a_brighter_flat_colour():
 
 def _features(correlation: float, histogram_distance: float) -> tuple:
     """Two frames' features with the given structure correlation and histogram distance."""
-    g = torch.Generator().manual_seed(0)
-    a, other = torch.randn(2, 100, generator=g)
+    a, other = np.random.default_rng(0).standard_normal((2, 100))
     other = other - (other @ a) / (a @ a) * a  # orthogonal to a
-    unit = lambda v: (v - v.mean()) / v.std(unbiased=False)  # noqa: E731
+    unit = lambda v: (v - v.mean()) / v.std()  # noqa: E731
     a = unit(a)
     b = unit(correlation * a + (1 - correlation ** 2) ** 0.5 * unit(other))
-    h1, h2 = torch.zeros(64), torch.zeros(64)
+    h1, h2 = np.zeros(64), np.zeros(64)
     h1[0], h2[0], h2[1] = 1, 1 - histogram_distance, histogram_distance
-    chroma = torch.full((3,), 1 / 3)
+    chroma = np.full(3, 1 / 3)
     return cuts.FrameFeatures(a, h1, chroma), cuts.FrameFeatures(b, h2, chroma)
 
 
@@ -85,11 +84,11 @@ def test_a_cut_needs_both_measures_past_their_thresholds():
     assert not cuts.is_cut(*_features(low - 0.02, high - 0.02))  # same colours: motion
     assert not cuts.is_cut(*_features(1.0, 1.0))
     # Two flat frames: only their hue can differ.
-    red = torch.tensor([0.6, 0.2, 0.2])
-    flat_of = lambda chroma: cuts.FrameFeatures(None, torch.zeros(64), chroma)  # noqa: E731
+    red = np.array([0.6, 0.2, 0.2])
+    flat_of = lambda chroma: cuts.FrameFeatures(None, np.zeros(64), chroma)  # noqa: E731
     step = cuts.MIN_FLAT_HUE_DISTANCE / 2
-    assert cuts.is_cut(flat_of(red), flat_of(red + torch.tensor([step + 0.01, -step - 0.01, 0])))
-    assert not cuts.is_cut(flat_of(red), flat_of(red + torch.tensor([step - 0.01, 0.01 - step, 0])))
+    assert cuts.is_cut(flat_of(red), flat_of(red + [step + 0.01, -step - 0.01, 0]))
+    assert not cuts.is_cut(flat_of(red), flat_of(red + [step - 0.01, 0.01 - step, 0]))
 
 
 # -- the plan ---------------------------------------------------------------------------------

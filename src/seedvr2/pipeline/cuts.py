@@ -3,8 +3,8 @@
 A cut is the first frame of a new shot. The plan (:mod:`.plan`) never puts frames of two shots
 in one batch, cross-fade or prepended context, so nothing of a shot leaks into the next.
 
-Detection compares each frame with the one before on a small copy (area average to at most
-:data:`SMALL_WIDTH` pixels wide, in float32 on the CPU, of every 7th pixel of a 1080p frame);
+Detection compares each frame with the one before on a small copy (at most
+:data:`SMALL_WIDTH` pixels wide, each the mean of 4 x 4 samples over its area; numpy float32);
 only the previous frame's features are kept, so memory does not grow with the length. A cut
 needs two measures to agree:
 
@@ -39,11 +39,10 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
-import torch
-import torch.nn.functional as F
+import numpy as np
 
 from ..options import Options, OptionError, option_ref, option_value
-from .runner import source_frame, unit_float
+from .runner import source_frame
 
 log = logging.getLogger(__name__)
 
@@ -53,60 +52,62 @@ MIN_HISTOGRAM_DISTANCE = 0.15  # ... and histogram distance over this
 FLAT_STD = 0.01  # grey standard deviation (0..1 scale) under which a small frame is flat
 MIN_FLAT_HUE_DISTANCE = 0.05  # two flat frames: L1 distance of their mean chromaticities
 _BINS = 4  # histogram bins per channel
-_LUMA = torch.tensor([0.299, 0.587, 0.114])
+_LUMA = np.array([0.299, 0.587, 0.114], np.float32)
 
 
 @dataclass(frozen=True)
 class FrameFeatures:
-    grey: Optional[torch.Tensor]  # (h*w,) mean 0, std 1; None for a flat frame
-    histogram: torch.Tensor  # (64,) RGB histogram, sums to 1
-    chroma: torch.Tensor  # (3,) mean r, g, b over r + g + b
+    grey: Optional[np.ndarray]  # (h*w,) mean 0, std 1; None for a flat frame
+    histogram: np.ndarray  # (64,) RGB histogram, sums to 1
+    chroma: np.ndarray  # (3,) mean r, g, b over r + g + b
 
 
 def frame_features(frame, index: int = 0) -> FrameFeatures:
-    """The small features of one frame (H, W, C), any precision the pipeline takes."""
-    frame = source_frame(frame, index)
-    # Every step-th pixel of every step-th row: each small pixel still averages >= 4 x 4
-    # samples, and a 1080p frame costs 1/49 of the reads and conversions.
-    step = max(1, frame.shape[1] // (SMALL_WIDTH * 4))
-    rgb = unit_float(frame[::step, ::step, :3])  # alpha dropped
-    if rgb.shape[-1] == 1:
-        rgb = rgb.expand(-1, -1, 3)
-    height, width = rgb.shape[:2]
+    """The small features of one frame (H, W, C), any precision the pipeline takes. In
+    numpy, on this thread: torch would split even this little work over threads, which costs
+    more than the work on a busy machine."""
+    frame = source_frame(frame, index).numpy()
+    height, width = frame.shape[:2]
     size = (max(1, round(height * min(width, SMALL_WIDTH) / width)), min(width, SMALL_WIDTH))
-    small = F.adaptive_avg_pool2d(rgb.permute(2, 0, 1)[None], size)[0].reshape(3, -1)  # (3, h*w)
-    grey = _LUMA @ small
-    std = grey.std(unbiased=False)
-    histogram = _soft_histogram(small)
-    totals = small.sum(0) + 1e-6
-    chroma = (small / totals).mean(1)
-    return FrameFeatures(None if std < FLAT_STD else (grey - grey.mean()) / std, histogram,
-                         chroma)
+    # 4 x 4 samples spread evenly over each small pixel's area, averaged: an area average of
+    # a large frame at 1/100 of its reads.
+    rows, cols = (np.linspace(0, n - 1, 4 * k).round().astype(int) for n, k in zip(
+        (height, width), size))
+    sample = frame[rows[:, None], cols[None, :], :3].astype(np.float32)  # alpha dropped
+    if frame.dtype.kind == "u":
+        sample *= np.float32(1 / np.iinfo(frame.dtype).max)
+    small = sample.reshape(size[0], 4, size[1], 4, -1).mean((1, 3))  # (h, w, 1 or 3)
+    small = np.broadcast_to(small, (*size, 3)).reshape(-1, 3)  # (h*w, 3)
+    grey = (small * _LUMA).sum(1)  # not a matmul: BLAS would start threads for it
+    std = grey.std()
+    chroma = (small / (small.sum(1, keepdims=True) + 1e-6)).mean(0)
+    return FrameFeatures(None if std < FLAT_STD else (grey - grey.mean()) / std,
+                         _soft_histogram(small), chroma)
 
 
-def _soft_histogram(rgb: torch.Tensor) -> torch.Tensor:
-    """(3, n) colours in [0, 1] -> (64,) histogram, each colour shared between the 8 bin
+def _soft_histogram(rgb: np.ndarray) -> np.ndarray:
+    """(n, 3) colours in [0, 1] -> (64,) histogram, each colour shared between the 8 bin
     centres around it (trilinear): a colour drifting across a bin edge moves the histogram
     by as much as it drifts, not all at once."""
-    position = rgb.clamp(0, 1) * (_BINS - 1)
-    low = position.floor().clamp(max=_BINS - 2)
-    frac, low = position - low, low.long()
-    histogram = torch.zeros(_BINS ** 3)
+    position = np.clip(rgb, 0, 1) * (_BINS - 1)
+    low = np.minimum(np.floor(position), _BINS - 2)
+    frac, low = position - low, low.astype(int)
+    histogram = np.zeros(_BINS ** 3)
     for corner in itertools.product((0, 1), repeat=3):
-        index = ((low[0] + corner[0]) * _BINS + low[1] + corner[1]) * _BINS + low[2] + corner[2]
-        weight = torch.stack([frac[c] if up else 1 - frac[c] for c, up in enumerate(corner)])
-        histogram.index_add_(0, index, weight.prod(0))
-    return histogram / rgb.shape[1]
+        index = (((low + corner) * (_BINS ** 2, _BINS, 1)).sum(1))
+        weight = np.where(corner, frac, 1 - frac).prod(1)
+        histogram += np.bincount(index, weight, _BINS ** 3)
+    return histogram / len(rgb)
 
 
 def is_cut(before: FrameFeatures, after: FrameFeatures) -> bool:
     """Whether ``after`` starts a new shot (see the module's description)."""
     if before.grey is None and after.grey is None:
-        return float((before.chroma - after.chroma).abs().sum()) > MIN_FLAT_HUE_DISTANCE
+        return float(abs(before.chroma - after.chroma).sum()) > MIN_FLAT_HUE_DISTANCE
     if before.grey is not None and after.grey is not None:
         if float((before.grey * after.grey).mean()) >= MAX_CORRELATION:
             return False
-    return float((before.histogram - after.histogram).abs().sum()) / 2 > MIN_HISTOGRAM_DISTANCE
+    return float(abs(before.histogram - after.histogram).sum()) / 2 > MIN_HISTOGRAM_DISTANCE
 
 
 def detect_cuts(frames: Iterable) -> tuple[int, ...]:
