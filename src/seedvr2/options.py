@@ -138,24 +138,23 @@ def _slice_problem(value: int) -> Optional[str]:
 def parse_scene_cuts(value):
     """The scene_cuts option as ``"auto"`` or a sorted tuple of cut frames (``off`` is ``()``):
     from ``auto``, ``off``, text such as ``120, 348`` or a list of frame numbers."""
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text in ("auto", "off"):
-            return "auto" if text == "auto" else ()
-        try:
-            value = [int(v) for v in text.replace(" ", "").split(",") if v]
-        except ValueError:
-            raise ValueError("expected auto, off, or frame numbers such as 120,348") from None
-    if not isinstance(value, (list, tuple)) or \
-            not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise ValueError("expected auto, off, or frame numbers such as 120,348")
-    if any(v < 1 for v in value):
+    import operator
+
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text in ("auto", "off"):
+        return "auto" if text == "auto" else ()
+    try:
+        cuts = [int(v) for v in text.split(",") if v.strip()] if text is not None else \
+            [operator.index(v) for v in value]
+    except (TypeError, ValueError):
+        raise ValueError("expected auto, off, or frame numbers such as 120,348") from None
+    if any(v < 1 for v in cuts):
         raise ValueError("a cut is the first frame of a new shot, so at least 1 (frame 0 "
                          "starts the video); remove it")
-    if len(set(value)) < len(value):
-        repeated = sorted({v for v in value if value.count(v) > 1})
-        raise ValueError(f"frame {repeated[0]} is given twice; give each cut once")
-    return tuple(sorted(value))
+    if len(set(cuts)) < len(cuts):
+        raise ValueError(f"frame {next(v for v in cuts if cuts.count(v) > 1)} is given twice; "
+                         f"give each cut once")
+    return tuple(sorted(cuts))
 
 
 def parse_fps(value: str):

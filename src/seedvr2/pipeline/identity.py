@@ -127,12 +127,11 @@ def _module_digest(module: torch.nn.Module) -> str:
 def job_identity(opts: Options, source: str, models: tuple[ModelRef, ModelRef]) -> dict:
     """The one fingerprint of a job: what its frames depend on. The options that shape the
     output (not those of :data:`~seedvr2.options.NOT_SHAPING_OUTPUT`), the input
-    (``source``: its content digest; resolved scene cuts are options) and the weights by content — a copy of a checkpoint with
+    (``source``: its content digest) and the weights by content — a copy of a checkpoint with
     one weight changed, same name and size, differs. Ranks check that they agree on it
     (:func:`identity_digest`); the resume journal records it (with the plan and output)."""
     text = Path(str(opts.text_embeddings))
-    # As JSON keeps it (the resume journal compares a re-read identity): a tuple (scene_cuts)
-    # is a list there.
+    # Tuples (the resolved scene_cuts) as lists: the resume journal compares a re-read JSON.
     return {"options": {k: list(v) if isinstance(v, tuple) else v
                         for k, v in sorted(opts.values.items()) if k not in NOT_SHAPING_OUTPUT},
             "source": source, **{ref.kind: ref.digest() for ref in models},
