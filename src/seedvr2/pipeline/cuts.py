@@ -66,7 +66,7 @@ def frame_features(frame, index: int = 0) -> FrameFeatures:
     """The small features of one frame (H, W, C), any precision the pipeline takes. In
     numpy, on this thread: torch would split even this little work over threads, which costs
     more than the work on a busy machine."""
-    frame = source_frame(frame, index).numpy()
+    frame = source_frame(frame, index).cpu().numpy()
     height, width = frame.shape[:2]
     size = (max(1, round(height * min(width, SMALL_WIDTH) / width)), min(width, SMALL_WIDTH))
     # 4 x 4 samples spread evenly over each small pixel's area, averaged: an area average of
