@@ -170,7 +170,7 @@ def test_activation_estimate_bounds_the_measured_peak(tiny_options, dtype, tiled
         peaks[phase] = max(peaks.get(phase, 0), tracker.peak)
     upscaler._phase = measured
     frames = torch.rand(batch, 96, 128, 3)
-    list(upscaler.run(iter(frames), make_plan(batch, opts)))
+    list(upscaler.run(iter(frames), make_plan(batch, opts.replace(scene_cuts="off"))))
     budget = Budget(models.dit.config, models.vae.config, Weights.of_module(models.dit),
                     Weights.of_module(models.vae))
     size = (resolution, resolution * 128 // 96)

@@ -89,7 +89,8 @@ def _slow(modules, seconds: float, flag: Flag) -> list:
 def _run_until_interrupted(models, opts, frames, flag: Flag, consume=None) -> float:
     upscaler = Upscaler(models, opts, should_stop=flag)
     with pytest.raises(Interrupted, match="^upscaling interrupted$"):
-        for _, out in upscaler.run(iter(frames), make_plan(len(frames), opts)):
+        for _, out in upscaler.run(iter(frames), make_plan(len(frames),
+                                                           opts.replace(scene_cuts="off"))):
             if consume is not None:
                 consume(out)
     return flag.latency(time.monotonic())

@@ -21,11 +21,11 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 def test_assignment_deals_chunks_in_turn():
-    plan = make_plan(40, resolve_options(batch_size=5, chunk_size=10))
+    plan = make_plan(40, resolve_options(scene_cuts="off", batch_size=5, chunk_size=10))
     shares = assign_batches(plan, 3)
     assert shares == [[0, 1, 6, 7], [2, 3], [4, 5]]
     assert sorted(sum(shares, [])) == list(range(len(plan.batches)))
-    assert assign_batches(make_plan(3, resolve_options()), 4)[1:] == [[], [], []]
+    assert assign_batches(make_plan(3, resolve_options(scene_cuts="off")), 4)[1:] == [[], [], []]
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +211,7 @@ def test_nccl_world_size_one_runs_the_distributed_path(clip, tiny_options, tmp_p
     from seedvr2.distributed.launch import spawn_file_job
 
     options = dict(tiny_options, device="cuda:0", resolution=32, batch_size=5, temporal_overlap=1,
-                   dist_timeout=30)
+                   dist_timeout=30, scene_cuts="off")
     import seedvr2
     seedvr2.upscale_file(clip, f"{tmp_path}/one/", **options)
     model_dir = options.pop("model_dir")
@@ -242,7 +242,8 @@ def test_sequence_parallel_ranks_give_identical_frames(clip, tiny_options, tmp_p
     assert np.array_equal(_frames(tmp_path / "out"), single)
     encoded = [(int(rank), int(batch)) for rank, batch in re.findall(
         r"rank (\d+): VAE of batch (\d+): encoded and decoded on this rank", result.stderr)]
-    plan = make_plan(23, resolve_options(batch_size=5, temporal_overlap=1, chunk_size=10))
+    plan = make_plan(23, resolve_options(batch_size=5, temporal_overlap=1, chunk_size=10,
+                                         scene_cuts="off"))
     assert [len(c) for c in plan.chunks] == [2, 2, 2]
     assert sorted(encoded) == sorted((r, b) for b, r in vae_owners(plan, 2).items())
     assert {r for r, _ in encoded} == {0, 1} and len(encoded) == len(plan.batches)

@@ -19,7 +19,8 @@ from seedvr2.pipeline.runner import OverlapBlender, integer_frames, to_integer_f
 
 def _plan():
     # 23 frames, batches of 5 overlapping by 1: [0,5) [4,9) ... [20,23)
-    return make_plan(23, resolve_options(batch_size=5, temporal_overlap=1, prepend_frames=0))
+    return make_plan(23, resolve_options(batch_size=5, temporal_overlap=1, prepend_frames=0,
+                                         scene_cuts="off"))
 
 
 def test_quantized_span_leaves_every_blended_frame_float():
@@ -29,7 +30,8 @@ def test_quantized_span_leaves_every_blended_frame_float():
     assert wire.quantized_span(plan, middle) == (1, 4)  # frame 0 with batch 0, 4 with batch 2
     assert wire.quantized_span(plan, last) == (1, last.frames)  # nothing follows the last
     # An overlap of half the batch or more: every frame is blended, none is rounded early.
-    wide = make_plan(23, resolve_options(batch_size=5, temporal_overlap=3, prepend_frames=0))
+    wide = make_plan(23, resolve_options(batch_size=5, temporal_overlap=3, prepend_frames=0,
+                                         scene_cuts="off"))
     assert wire.quantized_span(wide, wide.batches[1]) == (0, 0)
 
 

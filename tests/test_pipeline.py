@@ -55,21 +55,22 @@ def test_condition_augmentation_and_sampler(conformance):
 # batch plan
 
 def test_plan_batches_overlap_and_padding():
-    plan = make_plan(23, resolve_options(batch_size=9, temporal_overlap=2))
+    plan = make_plan(23, resolve_options(batch_size=9, temporal_overlap=2, scene_cuts="off"))
     assert [(b.start, b.stop, b.length, b.overlap) for b in plan.batches] == \
         [(0, 9, 9, 0), (7, 16, 9, 2), (14, 23, 9, 2)]
-    plan = make_plan(12, resolve_options(batch_size=9))
+    plan = make_plan(12, resolve_options(batch_size=9, scene_cuts="off"))
     assert [(b.start, b.stop, b.length) for b in plan.batches] == [(0, 9, 9), (9, 12, 5)]
-    plan = make_plan(12, resolve_options(batch_size=9, uniform_batch_size=True))
+    plan = make_plan(12, resolve_options(batch_size=9, uniform_batch_size=True, scene_cuts="off"))
     assert plan.batches[-1].length == 9
 
 
 def test_plan_prepend_and_chunks():
-    plan = make_plan(10, resolve_options(batch_size=5, prepend_frames=3, chunk_size=10))
+    plan = make_plan(10, resolve_options(batch_size=5, prepend_frames=3, chunk_size=10,
+                                         scene_cuts="off"))
     assert [plan.source_index(i) for i in range(6)] == [3, 2, 1, 0, 1, 2]
     assert plan.plan_frames == 13
     assert plan.chunks == ((0, 1), (2,))
-    assert make_plan(2, resolve_options(prepend_frames=5)).prepend == 1
+    assert make_plan(2, resolve_options(prepend_frames=5, scene_cuts="off")).prepend == 1
 
 
 def test_blend_weights():
@@ -110,7 +111,8 @@ def test_end_to_end_matches_reference(conformance, tiny_options, monkeypatch, ca
     monkeypatch.setattr(runner_module, "_randn", reference_draws)
     opts = resolve_options(resolution=data["inputs.video_cthw"].shape[-2], batch_size=9,
                            color_correction="wavelet", device="cpu", dtype="fp32",
-                           text_embeddings=str(tiny_options["model_dir"] / "text_64.safetensors"))
+                           text_embeddings=str(tiny_options["model_dir"] / "text_64.safetensors"),
+                           scene_cuts="off")
     models = load_models(tiny_options["dit"], tiny_options["vae"], opts=opts,
                          model_dir=tiny_options["model_dir"])
     models.text = data["inputs.txt_pos"]  # each case has its own random text
@@ -236,7 +238,8 @@ def test_frames_of_different_sizes(tiny_options):
     frames = [torch.zeros(24, 32, 3), torch.zeros(24, 30, 3)]
     with pytest.raises(InputError, match=r"frame 1 has shape \(24, 30, 3\) but frame 0 has \(24, 32, 3\)"):
         opts = resolve_options(batch_size=5, resolution=48, device="cpu", dtype="fp32",
-                               text_embeddings=str(tiny_options["model_dir"] / "text_64.safetensors"))
+                               text_embeddings=str(tiny_options["model_dir"] / "text_64.safetensors"),
+                               scene_cuts="off")
         models = load_models(tiny_options["dit"], tiny_options["vae"], opts=opts,
                              model_dir=tiny_options["model_dir"])
         list(Upscaler(models, opts).run(iter(frames), make_plan(2, opts)))

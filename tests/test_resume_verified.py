@@ -221,7 +221,7 @@ def test_second_job_on_the_same_output_is_refused(clip, tiny_options, tmp_path):
     with open_media(clip) as reader:
         models = model_refs(tiny_options["dit"], tiny_options["vae"], tiny_options["model_dir"])
         first = open_resume_state(reader, FileOutput(out, (32, 42), 8, "h264"),
-                                  make_plan(23, opts),
+                                  make_plan(23, opts.replace(scene_cuts="off")),
                                   job_identity(opts, source_digest(reader), models),
                                   __import__("torch").float32, fresh=False)
     assert first is not None

@@ -78,7 +78,8 @@ def test_frames_cross_as_uint8_and_the_reference_stays_on_the_device(conformance
     the host the float32 colour reference at output size went there and back per batch."""
     models = _meta_models(conformance)
     opts = resolve_options(resolution=48, batch_size=5, temporal_overlap=1, device="cpu",
-                           dtype="fp32", tensor_offload_device="cpu", color_correction="wavelet")
+                           dtype="fp32", tensor_offload_device="cpu", color_correction="wavelet",
+                           scene_cuts="off")
     frames = torch.randint(0, 256, (9, 24, 32, channels), dtype=torch.uint8)
     plan = make_plan(len(frames), opts)
     out_h, out_w = runner_module.output_size(24, 32, opts)
@@ -189,7 +190,7 @@ class Frames:
 def _tiny_upscaler(tiny_options, **options) -> tuple:
     opts = resolve_options(device="cpu", dtype="fp32", resolution=48, batch_size=5,
                            text_embeddings=str(tiny_options["model_dir"] / "text_64.safetensors"),
-                           **options)
+                           scene_cuts="off", **options)
     models = load_models(tiny_options["dit"], tiny_options["vae"], opts=opts,
                          model_dir=tiny_options["model_dir"])
     return models, opts

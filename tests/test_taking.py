@@ -66,7 +66,8 @@ def _run(counter, plan, computed):
 
 @pytest.fixture
 def plan():
-    plan = make_plan(23, resolve_options(batch_size=5, temporal_overlap=1, chunk_size=9))
+    plan = make_plan(23, resolve_options(batch_size=5, temporal_overlap=1, chunk_size=9,
+                                         scene_cuts="off"))
     assert [list(c) for c in plan.chunks] == [[0, 1], [2, 3], [4, 5]]
     return plan
 

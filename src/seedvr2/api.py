@@ -88,6 +88,7 @@ def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Pr
     """
     opts = resolve_options(**options)
     frames = input_frames(frames)
+    opts = _scene_cuts(opts, len(frames), lambda: iter(frames), stats)
     devices, opts = process_devices(opts, dit, vae)
     job = _job(opts, devices, (dit, vae), model_dir, make_room=make_room)
     size = output_size(frames.shape[1], frames.shape[2], opts)
@@ -139,6 +140,7 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
     from .distributed.job import run_file_job
     from .distributed.launch import spawn_file_job
     from .io import open_media
+    from .pipeline.setup import frame_count
 
     if opts is not None and options:
         raise TypeError(f"upscale_file: options given both as opts= and as keywords "
@@ -152,17 +154,27 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
     job = _job(opts, devices, (dit, vae), model_dir, spawned=ctx is None, make_room=make_room)
     with open_media(src) as reader:
         output = file_output(reader, dst, opts, codec, overwrite)
+        # Before the plan, on every rank alike: a second decode for auto (none for given cuts).
+        job = job.with_options(_scene_cuts(job.opts, frame_count(reader), reader.frames, stats))
         if len(devices) == 1:
             return _one_process_file_job(reader, output, job, (progress, should_stop, stats))
         if opts.batch_size == "auto":
-            from .pipeline.setup import frame_count
-
             job = resolve_auto_batch_for_ranks(job, devices[:1] if ctx else devices,
                                                frame_count(reader), output.size,
                                                _gather_over_ranks(ctx) if ctx else None)
     if ctx is not None:
         return run_file_job(ctx, job, src, output, progress, should_stop, stats)
     return spawn_file_job(devices, job, src, output, stats)
+
+
+def _scene_cuts(opts: Options, count: int, frames, stats: Optional[JobStats]) -> Options:
+    """``opts`` with the scene cuts resolved (:mod:`.pipeline.cuts`), told to ``stats``."""
+    from .pipeline.cuts import resolve_scene_cuts
+
+    opts = resolve_scene_cuts(opts, count, frames)
+    if stats is not None:
+        stats.scene_cuts = opts.scene_cuts
+    return opts
 
 
 def _gather_over_ranks(ctx):

@@ -261,7 +261,7 @@ def _summary(path: Path, stats, seconds: float) -> str:
     fps = stats.frames / seconds if seconds else 0.0
     batch = f"batch_size {stats.batch_size}{' (auto)' if stats.batch_size_auto else ''}; " \
         if stats.batch_size else ""
-    batch += _reuse(stats)
+    batch += _reuse(stats) + _cuts(stats)
     return (f"{path}: {stats.frames} frames in {seconds:.1f}s ({fps:.2f} frames/s); {batch}"
             f"{stats.describe_phases()}; peak RSS {rss:,.0f} MiB{device}{estimate}")
 
@@ -271,13 +271,19 @@ def _reuse(stats) -> str:
            f"run; " if stats.batches_total else ""
 
 
+def _cuts(stats) -> str:
+    from .pipeline.cuts import describe_cuts
+
+    return "" if stats.scene_cuts is None else describe_cuts(stats.scene_cuts) + "; "
+
+
 def _ranks_summary(path: Path, stats, seconds: float) -> str:
     """Several processes: frames and time (the writer's), batches reused, ranks lost."""
     lost = ", ".join(f"rank {r} ({'killed by signal ' + str(-c) if c < 0 else f'exit code {c}'})"
                      for r, c in sorted(stats.ranks_lost.items()))
     lost = f"; without {lost} from then on: the others computed its batches" if lost else ""
     frames = f"{stats.frames} frames in " if stats.frames else "done in "
-    return f"{path}: {frames}{seconds:.1f}s; {_reuse(stats)}".rstrip("; ") + lost
+    return f"{path}: {frames}{seconds:.1f}s; {_reuse(stats)}{_cuts(stats)}".rstrip("; ") + lost
 
 
 def _upscale(args) -> int:
@@ -313,10 +319,24 @@ def _upscale(args) -> int:
         jobs = [(src, args.output or _default_output(src, opts.resolution))]
     try:
         with _sigterm_unwinds(), _warnings_as_messages():
+            if args.dry_plan:
+                return _dry_plan(opts, jobs)
             return _upscale_jobs(args, opts, jobs)
     finally:
         if made_folder is not None:  # every input failed: leave no empty folder behind
             _remove_empty_folders(out_dir, made_folder)
+
+
+def _dry_plan(opts, jobs: list) -> int:
+    from .pipeline.cuts import describe_file_plan
+
+    for source, _ in jobs:
+        try:
+            _say(describe_file_plan(source, opts))
+        except (ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    return 0
 
 
 def _remove_empty_folders(folder: Path, top: Path) -> None:
@@ -489,6 +509,8 @@ def _add_upscale_flags(parser: argparse.ArgumentParser):
                        help="video codec: h264 (8-bit), h265 (10-bit) or vp9 (keeps alpha in "
                        ".mkv); .webm outputs are always VP9")
     files.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    files.add_argument("--dry-plan", action="store_true",
+                       help="print the scene cuts and batches; load no model")
     models = groups["models"]
     models.description = MODEL_FILES_HELP.format(dit=DEFAULT_DIT, vae=DEFAULT_VAE)
     models.add_argument("--dit", metavar="FILE", help="DiT: registered file name (looked up in "

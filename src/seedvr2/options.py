@@ -76,6 +76,7 @@ class Option:
     max: Optional[float] = None
     check: Optional[Callable[[Any], Optional[str]]] = None  # returns an error text or None
     accepts_auto: bool = False  # the string "auto" is also a value (resolved at run time)
+    parse: Optional[Callable[[Any], Any]] = None  # any spelling -> the value; ValueError: why not
 
     @property
     def flag(self) -> str:
@@ -132,6 +133,28 @@ def _tile_problem(value: int) -> Optional[str]:
 def _slice_problem(value: int) -> Optional[str]:
     return None if value % 4 == 0 else \
         f"must be a multiple of 4 frames (e.g. {value - value % 4 or 4}), or 0 for no slicing"
+
+
+def parse_scene_cuts(value):
+    """The scene_cuts option as ``"auto"`` or a sorted tuple of cut frames (``off`` is ``()``):
+    from ``auto``, ``off``, text such as ``120, 348`` or a list of frame numbers."""
+    import operator
+
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text in ("auto", "off"):
+        return "auto" if text == "auto" else ()
+    try:
+        cuts = [int(v) for v in text.split(",") if v.strip()] if text is not None else \
+            [operator.index(v) for v in value]
+    except (TypeError, ValueError):
+        raise ValueError("expected auto, off, or frame numbers such as 120,348") from None
+    if any(v < 1 for v in cuts):
+        raise ValueError("a cut is the first frame of a new shot, so at least 1 (frame 0 "
+                         "starts the video); remove it")
+    if len(set(cuts)) < len(cuts):
+        raise ValueError(f"frame {next(v for v in cuts if cuts.count(v) > 1)} is given twice; "
+                         f"give each cut once")
+    return tuple(sorted(cuts))
 
 
 def parse_fps(value: str):
@@ -281,6 +304,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "has one more): same result, memory of one slice instead of the batch (4, the "
            "default, is the official pipeline's setting; 0 = the whole batch at once)",
            min=0, max=1_000_000, check=_slice_problem),
+    # Added after the first release: last, so saved workflows' widget values keep their places.
+    Option("scene_cuts", str, "auto", "scene cuts no batch spans: auto (detected), off, or "
+           "the frames that begin new shots, e.g. 120,348", parse=parse_scene_cuts),
 ]}
 
 
@@ -290,7 +316,8 @@ AREAS: dict[str, tuple[str, ...]] = {
     "input and output": ("resolution", "max_resolution", "fps", "resume"),
     "models": ("text_embeddings", "dtype", "compute_precision"),
     "quality and colour": ("seed", "batch_size", "temporal_overlap", "prepend_frames",
-                           "color_correction", "input_noise_scale", "latent_noise_scale"),
+                           "scene_cuts", "color_correction", "input_noise_scale",
+                           "latent_noise_scale"),
     "memory and VRAM": ("chunk_size", "device", "dit_device", "vae_device", "dit_offload_device",
                         "vae_offload_device", "tensor_offload_device", "cache_dit", "cache_vae",
                         "blocks_to_swap", "swap_io_components", "vae_encode_tiled",
@@ -333,6 +360,11 @@ def is_auto(opt: Option, value) -> bool:
 
 
 def _coerce(opt: Option, value):
+    if opt.parse is not None:
+        try:
+            return opt.parse(value)
+        except ValueError as e:
+            raise OptionError(f"{option_value(opt.name, value)}: {e}") from None
     if is_auto(opt, value):
         return "auto"
     if opt.type is bool:

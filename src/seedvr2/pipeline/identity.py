@@ -131,8 +131,9 @@ def job_identity(opts: Options, source: str, models: tuple[ModelRef, ModelRef]) 
     one weight changed, same name and size, differs. Ranks check that they agree on it
     (:func:`identity_digest`); the resume journal records it (with the plan and output)."""
     text = Path(str(opts.text_embeddings))
-    return {"options": {k: v for k, v in sorted(opts.values.items())
-                        if k not in NOT_SHAPING_OUTPUT},
+    # Tuples (the resolved scene_cuts) as lists: the resume journal compares a re-read JSON.
+    return {"options": {k: list(v) if isinstance(v, tuple) else v
+                        for k, v in sorted(opts.values.items()) if k not in NOT_SHAPING_OUTPUT},
             "source": source, **{ref.kind: ref.digest() for ref in models},
             "text": file_digest(text) if text.is_file() else str(opts.text_embeddings)}
 

@@ -12,6 +12,10 @@ frames before the previous one ends. The VAE needs 4n+1 frames: a short last bat
 by repeating its last frame, to the next 4n+1 length or, with ``uniform_batch_size``, to
 ``batch_size``. Frames shared by two batches are cross-faded (see :func:`blend_weights`).
 
+Shots. Scene cuts (``scene_cuts``, :mod:`.cuts`) split the video into shots, each planned as
+above on its own: no batch holds frames of two shots, the first batch of a shot shares no
+frames with the one before, and the prepended frames come from the first shot only.
+
 Chunks. Batches are grouped into chunks of about ``chunk_size`` new frames; the pipeline runs
 encode → DiT → decode phase by phase over a chunk, so at most a chunk's frames are in flight.
 """
@@ -45,6 +49,7 @@ class BatchPlan:
     prepend: int  # reversed frames added in front
     batches: tuple[Batch, ...]
     chunks: tuple[tuple[int, ...], ...]  # batch indices per chunk
+    cuts: tuple[int, ...] = ()  # scene cuts: source frames that start a shot
 
     @property
     def plan_frames(self) -> int:
@@ -73,21 +78,21 @@ def next_4n1(n: int) -> int:
 
 
 def make_plan(source_frames: int, opts: Options) -> BatchPlan:
+    """The plan of a clip of ``source_frames``. ``opts.scene_cuts`` must be resolved (a tuple:
+    :func:`~seedvr2.pipeline.cuts.resolve_scene_cuts`): each shot is planned on its own, so no
+    batch, cross-fade or prepended frame crosses a cut; with no cuts, one shot is the clip."""
     if source_frames < 1:
         raise ValueError("the input has no frames")
-    prepend = min(opts.prepend_frames, source_frames - 1)
-    total = source_frames + prepend
-    size, overlap = opts.batch_size, opts.temporal_overlap
-    step = size - overlap
-    batches, start = [], 0
-    while True:
-        stop = min(start + size, total)
-        frames = stop - start
-        length = size if opts.uniform_batch_size else next_4n1(frames)
-        batches.append(Batch(len(batches), start, stop, length, overlap if batches else 0))
-        if stop == total:
-            break
-        start += step
+    cuts = opts.scene_cuts
+    if not isinstance(cuts, tuple):
+        raise TypeError(f"scene_cuts = {cuts!r} must be resolved before the batch plan is made "
+                        f"(seedvr2.pipeline.cuts.resolve_scene_cuts)")
+    # The prepended frames copy frames 1..P of the first shot: they stay inside it.
+    prepend = min(opts.prepend_frames, (cuts[0] if cuts else source_frames) - 1)
+    bounds = [0, *(c + prepend for c in cuts), source_frames + prepend]
+    batches = []
+    for shot_start, shot_stop in zip(bounds, bounds[1:]):
+        _plan_shot(batches, shot_start, shot_stop, opts)
     chunk_frames = max(opts.chunk_size, 1)
     chunks, current, fresh = [], [], 0
     for b in batches:
@@ -98,7 +103,22 @@ def make_plan(source_frames: int, opts: Options) -> BatchPlan:
         current.append(b.index)
         fresh += new
     chunks.append(tuple(current))
-    return BatchPlan(source_frames, prepend, tuple(batches), tuple(chunks))
+    return BatchPlan(source_frames, prepend, tuple(batches), tuple(chunks), cuts)
+
+
+def _plan_shot(batches: list, start: int, total: int, opts: Options):
+    """Appends the batches of plan frames [start, total): windows of ``batch_size`` overlapping
+    by ``temporal_overlap``, the first with none, the last padded to 4n+1."""
+    size, overlap = opts.batch_size, opts.temporal_overlap
+    first = len(batches)
+    while True:
+        stop = min(start + size, total)
+        length = size if opts.uniform_batch_size else next_4n1(stop - start)
+        batches.append(Batch(len(batches), start, stop, length,
+                             overlap if len(batches) > first else 0))
+        if stop == total:
+            return
+        start += size - overlap
 
 
 def blend_weights(overlap: int) -> torch.Tensor:

@@ -153,9 +153,10 @@ def plan_segments(plan: BatchPlan, min_frames: int) -> list[Segment]:
 
 def _describe_difference(old: dict, new: dict) -> str:
     reasons = []
+    options_changed = old.get("options") != new.get("options")
     for key in sorted(set(old) | set(new)):
-        if old.get(key) == new.get(key):
-            continue
+        if old.get(key) == new.get(key) or options_changed and key in ("plan", "chunks"):
+            continue  # a plan follows from the options (scene_cuts, batch_size): name those
         if key == "options" and isinstance(old.get(key), dict):
             changed = sorted(k for k in set(old[key]) | set(new[key])
                              if old[key].get(k) != new[key].get(k))

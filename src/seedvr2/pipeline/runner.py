@@ -127,6 +127,7 @@ class JobStats:
     batches_reused: int = 0  # batches a resumed job took from the kept segments
     batches_total: int = 0  # batches of the plan (set by resumable file jobs)
     ranks_lost: dict = field(default_factory=dict)  # rank -> exit code, ranks the job went on without
+    scene_cuts: Optional[tuple] = None  # the cuts the plan kept to (None: not known here)
 
     def add(self, phase: str, seconds: float):
         stats = self.phases.setdefault(phase, PhaseStats())

@@ -1,0 +1,177 @@
+"""Scene cuts: where one shot ends and the next begins, found before the batch plan is made.
+
+A cut is the first frame of a new shot. The plan (:mod:`.plan`) never puts frames of two shots
+in one batch, cross-fade or prepended context, so nothing of a shot leaks into the next.
+
+Detection compares each frame with the one before on a small copy (at most
+:data:`SMALL_WIDTH` pixels wide, each the mean of 4 x 4 samples over its area; numpy float32);
+only the previous frame's features are kept, so memory does not grow with the length. A cut
+needs two measures to agree:
+
+* structure: the correlation of the two small grey frames, each normalised to mean 0 and
+  standard deviation 1. A brightness or contrast step leaves it at ~1 (it is invariant to
+  either), a slow pan keeps it high (neighbouring pixels of a small frame are alike); a new
+  shot drops it to about 0.
+* colour: the distance (half the L1 norm, 0..1) between the frames' RGB histograms
+  (4 x 4 x 4 bins, each colour shared between the bins around it). Fast motion in one scene
+  changes the structure but keeps the colours.
+
+A flat frame (no structure: grey standard deviation under :data:`FLAT_STD`) counts as changed
+structure next to any other frame. Between two flat frames colour alone can decide, and it is
+their mean chromaticity (r, g, b over r + g + b) that is compared: the same colour brighter or
+darker is the same shot, another hue is a new one. Limits: a cut between two shots of the
+same colours and layout, and a cross-fade (no single frame changes enough), are not found; give
+those cuts by hand (``scene_cuts=120,348``).
+
+The thresholds were chosen on the clips of tests/test_scene_cuts.py (small frames of smooth
+random patterns, each shot its own palette, and flat colours) and the suite's test clip:
+hard cuts gave correlations of -0.1 to 0.1 and histogram distances of 0.25 to 1; pans of
+2 px a frame correlations over 0.9 (histogram distance under 0.02); brightness steps (x1.6,
+clipping highlights) over 0.84 and contrast steps ~1.0, with histogram distances up to 0.9;
+a thin line moving fast over a slowly brightening frame a correlation of 0.08 but a
+histogram distance of 0.05. Both thresholds sit inside those gaps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+import numpy as np
+
+from ..options import Options, OptionError, option_ref, option_value
+from .runner import source_frame
+
+log = logging.getLogger(__name__)
+
+SMALL_WIDTH = 64  # pixels: enough for a shot's layout, ~1/1000 of a 1080p frame's pixels
+MAX_CORRELATION = 0.5  # a cut: structure correlation under this ...
+MIN_HISTOGRAM_DISTANCE = 0.15  # ... and histogram distance over this
+FLAT_STD = 0.01  # grey standard deviation (0..1 scale) under which a small frame is flat
+MIN_FLAT_HUE_DISTANCE = 0.05  # two flat frames: L1 distance of their mean chromaticities
+_BINS = 4  # histogram bins per channel
+_LUMA = np.array([0.299, 0.587, 0.114], np.float32)
+
+
+@dataclass(frozen=True)
+class FrameFeatures:
+    grey: Optional[np.ndarray]  # (h*w,) mean 0, std 1; None for a flat frame
+    histogram: np.ndarray  # (64,) RGB histogram, sums to 1
+    chroma: np.ndarray  # (3,) mean r, g, b over r + g + b
+
+
+def frame_features(frame, index: int = 0) -> FrameFeatures:
+    """The small features of one frame (H, W, C), any precision the pipeline takes. In
+    numpy, on this thread: torch would split even this little work over threads, which costs
+    more than the work on a busy machine."""
+    frame = source_frame(frame, index).cpu().numpy()
+    height, width = frame.shape[:2]
+    size = (max(1, round(height * min(width, SMALL_WIDTH) / width)), min(width, SMALL_WIDTH))
+    # 4 x 4 samples spread evenly over each small pixel's area, averaged: an area average of
+    # a large frame at 1/100 of its reads.
+    rows, cols = (np.linspace(0, n - 1, 4 * k).round().astype(int) for n, k in zip(
+        (height, width), size))
+    sample = frame[rows[:, None], cols[None, :], :3].astype(np.float32)  # alpha dropped
+    if frame.dtype.kind == "u":
+        sample *= np.float32(1 / np.iinfo(frame.dtype).max)
+    small = sample.reshape(size[0], 4, size[1], 4, -1).mean((1, 3))  # (h, w, 1 or 3)
+    small = np.broadcast_to(small, (*size, 3)).reshape(-1, 3)  # (h*w, 3)
+    grey = (small * _LUMA).sum(1)  # not a matmul: BLAS would start threads for it
+    std = grey.std()
+    chroma = (small / (small.sum(1, keepdims=True) + 1e-6)).mean(0)
+    return FrameFeatures(None if std < FLAT_STD else (grey - grey.mean()) / std,
+                         _soft_histogram(small), chroma)
+
+
+def _soft_histogram(rgb: np.ndarray) -> np.ndarray:
+    """(n, 3) colours in [0, 1] -> (64,) histogram, each colour shared between the 8 bin
+    centres around it (trilinear): a colour drifting across a bin edge moves the histogram
+    by as much as it drifts, not all at once."""
+    position = np.clip(rgb, 0, 1) * (_BINS - 1)
+    low = np.minimum(np.floor(position), _BINS - 2)
+    frac, low = position - low, low.astype(int)
+    histogram = np.zeros(_BINS ** 3)
+    for corner in itertools.product((0, 1), repeat=3):
+        index = (((low + corner) * (_BINS ** 2, _BINS, 1)).sum(1))
+        weight = np.where(corner, frac, 1 - frac).prod(1)
+        histogram += np.bincount(index, weight, _BINS ** 3)
+    return histogram / len(rgb)
+
+
+def is_cut(before: FrameFeatures, after: FrameFeatures) -> bool:
+    """Whether ``after`` starts a new shot (see the module's description)."""
+    if before.grey is None and after.grey is None:
+        return float(abs(before.chroma - after.chroma).sum()) > MIN_FLAT_HUE_DISTANCE
+    if before.grey is not None and after.grey is not None:
+        if float((before.grey * after.grey).mean()) >= MAX_CORRELATION:
+            return False
+    return float(abs(before.histogram - after.histogram).sum()) / 2 > MIN_HISTOGRAM_DISTANCE
+
+
+def detect_cuts(frames: Iterable) -> tuple[int, ...]:
+    """The cuts of a stream of frames, in one pass keeping one frame's features."""
+    cuts, previous = [], None
+    for index, frame in enumerate(frames):
+        features = frame_features(frame, index)
+        if previous is not None and is_cut(previous, features):
+            cuts.append(index)
+        previous = features
+    return tuple(cuts)
+
+
+def resolve_scene_cuts(opts: Options, frame_count: int,
+                       frames: Callable[[], Iterable]) -> Options:
+    """``opts`` with ``scene_cuts`` a tuple of cut frames: given ones checked against the
+    clip's ``frame_count``; ``auto`` detected on ``frames()`` (not read for one frame, nor
+    for given cuts)."""
+    cuts = opts.scene_cuts
+    if cuts == "auto":
+        cuts = detect_cuts(frames()) if frame_count > 1 else ()
+    elif cuts and cuts[-1] >= frame_count:
+        raise OptionError(f"{option_value('scene_cuts', ','.join(map(str, cuts)))}: the input "
+                          f"has {frame_count} frames (0 to {frame_count - 1}), so a cut at "
+                          f"{cuts[-1]} is past its end; remove it or use "
+                          f"{option_ref('scene_cuts', 'auto')}")
+    log.info("%s", describe_cuts(cuts))
+    return opts.replace(scene_cuts=cuts)
+
+
+def describe_cuts(cuts: tuple) -> str:
+    """``3 scene cuts: 120, 348, 901``, ``1 scene cut: 120`` or ``no scene cuts``."""
+    if not cuts:
+        return "no scene cuts"
+    return f"{len(cuts)} scene cut{'s' if len(cuts) > 1 else ''}: {', '.join(map(str, cuts))}"
+
+
+def describe_plan(plan) -> str:
+    """The plan in lines: the cuts, then each shot's batches as source frame ranges."""
+    lines = [f"{plan.source_frames} frames, {describe_cuts(plan.cuts)}, "
+             f"{len(plan.batches)} batches"]
+    starts = {c + plan.prepend for c in plan.cuts} | {0}
+    for b in plan.batches:
+        first, last = plan.source_start(b.start), b.stop - 1 - plan.prepend
+        if b.start in starts:
+            lines.append(f"shot from frame {first}:")
+        pad = f", padded to {b.length}" if b.length != b.frames else ""
+        fade = f", {b.overlap} cross-faded" if b.overlap else ""
+        fade += f", {plan.prepend - b.start} prepended" if b.start < plan.prepend else ""
+        lines.append(f"  batch {b.index}: frames {first}-{last} ({b.frames} frames{pad}{fade})")
+    return "\n".join(lines)
+
+
+def describe_file_plan(src, opts: Options) -> str:
+    """What ``seedvr2 upscale --dry-plan`` prints for one input: its scene cuts (resolved as a
+    job would) and batches, without loading a model."""
+    from ..io import open_media
+    from .plan import make_plan
+    from .setup import frame_count
+
+    if opts.batch_size == "auto":
+        raise OptionError(f"{option_value('batch_size', 'auto')} is chosen from the free memory "
+                          f"once the models load: give a number to see the plan")
+    with open_media(src) as reader:
+        count = frame_count(reader)
+        plan = make_plan(count, resolve_scene_cuts(opts, count, reader.frames))
+    return f"{src}: {describe_plan(plan)}"
