@@ -1,22 +1,6 @@
-"""Finished batches from a worker rank to the writer rank: their process group and wire format.
-
-Why a separate gloo group. With GPUs the default group is NCCL, which is right for the DiT's
-collectives (sequence parallelism) but wrong for frames: a batch's receive is posted long
-before its owner has computed it (a whole chunk of encode → DiT → decode), and NCCL's watchdog
-aborts any operation older than the group timeout; NCCL also needs the frames on the GPU, so
-they went CPU → GPU → CPU. Frames therefore travel between CPU tensors over a gloo group of
-their own, whose timeout covers a chunk's computation rather than a collective's latency.
-A dead peer still fails fast: gloo sees its socket close.
-
-Why integers, and why some frames stay float32. The writer stores uint8 or uint16 frames, so
-most frames can travel at that depth (4× or 2× fewer bytes than float32). But frames that a
-cross-fade mixes with a neighbouring batch (the batch's leading ``overlap`` frames and its
-trailing frames up to the next batch's start) must stay float32, or rank 0 would blend rounded
-values and differ from one process. The integers are the writer's own rounding
-(:func:`~seedvr2.pipeline.runner.integer_frames`), done by the sender; rank 0 turns them back
-into ``q / scale``, which the writer's rounding maps back to exactly ``q`` (see
-:func:`decode_batch`), so the file is bit-identical to one process. In-memory jobs return
-float32 frames: there everything travels as float32.
+"""Finished batches from a worker rank to the writer rank: their process group (gloo, CPU
+tensors, whatever the default group's backend) and wire format (the writer's integers where no
+cross-fade mixes frames, float32 where one does). Why: docs/multi-gpu.md#how-frames-travel.
 
 Message for one batch: an int64 header (``HEADER_FIELDS``), then the integer frames (possibly
 none), then the float32 frames (possibly none), each under its own tag.

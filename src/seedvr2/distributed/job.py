@@ -1,12 +1,7 @@
-"""One rank's part of a distributed file upscale.
-
-Every rank: same plan, the chunks it takes as it becomes free (``taking.py``; with sequence
-parallelism, its group's share dealt by ``assign_batches``), frames read from each chunk's
-first batch on, models on its own device. Ranks other than 0 send each finished batch to
-rank 0; rank 0 interleaves its own batches with received ones in plan order, blends them with
-the same :class:`OverlapBlender` as a single process, and writes. A send is posted without
-waiting and completed before the next one, so computing the next batch overlaps the transfer.
-Frames travel over a gloo group of CPU tensors at the output's bit depth (``frames.py``).
+"""One rank's part of a distributed file upscale: the same plan on every rank, the chunks it
+takes (``taking.py``) or its sequence-parallel group is dealt, sent to rank 0, which blends
+them in plan order with the same :class:`OverlapBlender` as one process and writes. A send is
+posted without waiting and completed before the next, so the next batch's compute overlaps it.
 """
 
 from __future__ import annotations

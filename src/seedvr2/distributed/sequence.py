@@ -1,31 +1,9 @@
-"""Sequence parallelism: one DiT call spread over the ranks of a group (Ulysses all-to-all).
-
-For a batch whose tokens do not fit one device. Every rank of the group runs the same DiT call
-on the same inputs; between the input embeddings and the output projection each rank holds a
-contiguous shard of the packed video tokens (uneven when the count does not divide), so the
-token-wise parts — modulation, norms, MLPs, projections — cost 1/N each. Around attention two
-``all_to_all_single`` exchanges turn ``[tokens/N, heads, d]`` into ``[tokens, heads/N, d]`` and
-back: each rank then attends for its own heads over every token, so window partition and RoPE
-see the full token positions and the result equals the one-process forward. Text tokens are
-few and stay replicated: each rank slices its heads of the text q/k/v and receives the other
-heads' text outputs in the same exchange that returns its video rows. At the end the video rows
-are gathered, so every rank returns the whole output.
-
-The DiT knows nothing of processes: :class:`UlyssesSequenceParallel` implements the
-``seedvr2.models.attention.SequenceParallel`` protocol and is installed with
-``NaDiT.set_sequence_parallel`` (or :func:`sequence_parallel`). Inference only (the collectives
-carry no gradients). NCCL (CUDA tensors) and gloo (CPU) both work; the group's timeout applies
-to every exchange. The number of heads must divide by the group size.
-
-Meeting before the exchanges. Ranks reach their first exchange after loading the models,
-encoding a chunk and, with ``compile``, compiling each block's graphs between its exchanges:
-work whose time differs between ranks by more than the group's timeout (60 s by default),
-which a waiting NCCL collective would turn into an error. So during the first DiT call at
-each input shape (where torch.compile may compile) the group meets at a barrier of a gloo
-group with a long timeout (:func:`meeting_group`) before every exchange; later calls at that
-shape exchange directly, and a dead peer still fails the barrier at once (its socket closes).
-The barrier is between hosts and does not wait for any GPU (no device sync): after it a
-rank's collective can lag only by its own launch queue, seconds, well inside the timeout.
+"""Sequence parallelism: one DiT call spread over the ranks of a group (Ulysses all-to-all),
+for a batch whose tokens do not fit one device: token shards outside attention, head shards
+inside, so the result equals the one-process forward. The DiT knows nothing of processes:
+:class:`UlyssesSequenceParallel` implements ``seedvr2.models.attention.SequenceParallel``.
+Inference only. How, and why ranks meet before the first exchanges:
+docs/multi-gpu.md#sequence-parallelism.
 """
 
 from __future__ import annotations
@@ -87,7 +65,7 @@ class UlyssesSequenceParallel:
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        # The same ranks as ``group`` over gloo with a long timeout (see the module's notes);
+        # The same ranks as ``group`` over gloo with a long timeout (meeting_group);
         # None: no meeting (every rank is known to be ready).
         self.meeting = meeting
         self.shapes_seen: set = set()

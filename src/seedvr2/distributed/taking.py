@@ -1,25 +1,7 @@
-"""Chunks taken, not dealt: each rank takes the plan's next chunk when it is ready for one.
-
-A counter in the process group's store hands out chunk indices (``store.add`` is atomic), and
-the taker records itself as the chunk's owner, so the writer (rank 0) knows whom to receive
-each chunk from. A slow rank therefore takes fewer chunks instead of setting everyone's pace.
-
-The writer still delivers batches in plan order and memory stays bounded: while it waits
-for a chunk that another rank is computing, it takes and computes up to
-:data:`LOOKAHEAD_CHUNKS` further chunks itself and keeps their frames until their turn; other
-ranks hold one finished batch in flight, as before. Results are the same frames whichever
-rank computes a batch (per-batch seeds), so taking changes speed only.
-
-**Lost ranks.** Every rank beats a heartbeat in the store and publishes where it runs. The
-writer counts a rank as lost when its process is gone (same machine: its pid has exited)
-or its heartbeat has not moved for ``dist_timeout`` (frozen: SIGSTOP, a hung driver), and
-when a receive from it fails (gloo reports the closed connection at once). A frozen rank on
-this machine is killed first, which is also what ends a receive blocked on it; one on another
-machine cannot be, and a receive blocked on it ends the writer (torchrun's restarts and
-resume take over). The writer then computes the lost rank's undelivered batches itself —
-they are the ones it needs next — while the other ranks go on taking chunks. A rank holds at
-most two chunks with undelivered batches (the one it computes and the one whose last send is
-in flight), so nothing else is lost with it.
+"""Chunks taken, not dealt: each rank takes the plan's next chunk when it is ready for one (a
+counter in the process group's store), so a slow rank takes fewer chunks instead of setting
+everyone's pace. The writer receives them in plan order, computing chunks ahead while it
+waits, and computes a lost rank's undelivered batches itself (docs/multi-gpu.md).
 """
 
 from __future__ import annotations
@@ -263,8 +245,8 @@ class ChunkCollector:
     """The writer's side: take chunks, receive the others', and yield ``(batch, frames)`` for
     every batch of chunks ``counter.first``… in plan order (:meth:`outputs`). While a chunk
     it waits for is computed elsewhere, it computes up to :data:`LOOKAHEAD_CHUNKS` chunks
-    ahead (``held``); a lost rank's undelivered batches are computed here (see the module's
-    notes); the log says what happened."""
+    ahead (``held``); a lost rank's undelivered batches are computed here; the log says what
+    happened."""
 
     def __init__(self, work, counter: ChunkCounter, compute):
         self.rank, self.plan, self.faults = work.ctx.rank, work.plan, work.job.faults

@@ -1,16 +1,6 @@
-"""The VAE side of sequence parallelism: the ranks of a group share each chunk's VAE work.
-
-The ranks of a sequence-parallel group must make the same DiT calls, but the VAE needs no
-cooperation, and every rank used to encode and decode every batch of its group's chunks.
-Here a chunk's batches are dealt in turn to the ranks of the group (:func:`vae_owners`). A
-batch's owner alone encodes it and sends the latent to the group before the DiT call (a
-broadcast over the group's gloo meeting group: CPU tensors and a long timeout, since the
-ranks finish their encodes at different times); every rank makes the joint DiT call and
-gets the whole result; the owner alone decodes it (it kept the batch's reference frames for
-colour correction, so nothing at full resolution travels) and delivers the frames to the
-writer. Each batch is computed exactly as in one process (same seeds, same code), so the
-output is the same. With one batch per chunk (``chunk_size`` 0) one rank of the group runs
-the VAE while the others wait: no faster than before, but the others hold no VAE activations.
+"""The VAE side of sequence parallelism: the ranks of a group share each chunk's VAE work. A
+batch's owner (:func:`vae_owners`) alone encodes it, sends the latent to the group before the
+joint DiT call, and decodes and delivers it (docs/multi-gpu.md#sequence-parallelism).
 """
 
 from __future__ import annotations

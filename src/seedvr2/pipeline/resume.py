@@ -1,46 +1,9 @@
 """Resume: a file job killed at any instant continues where it stopped when run again.
 
-While a job runs, its output is kept next to the output, in the hidden folder
-``.NAME.seedvr2-resume/``, as closed **pieces**:
-
-* **segments**: consecutive runs of whole chunks of the batch plan, each a finished file of
-  its own (a video in the output's codec, or a folder of lossless PNGs for image outputs).
-  Their boundaries depend on the plan alone (at least :data:`SEGMENT_FRAMES` frames), so the
-  assembled file does not depend on when a job was killed;
-* **parts**: the frames of the segment being written that are final so far, raw (exact
-  integers), closed at a chunk's end once :data:`CHECKPOINT_SECONDS` of work passed since
-  the last piece closed. A kill then loses at most that much work, whatever the clip's
-  length. A resumed job feeds them to the segment's encoder again (encoding is cheap next
-  to computing the frames), so the segment's bytes are those of an uninterrupted run;
-  they are deleted when their segment closes.
-
-Beside them are a small **journal** (``journal.json``) naming what the job is (options, plan,
-output, and the input and model files by content digest) and every closed piece with the
-SHA-256 of its content, and the **tail**: the last completed batch's frames that the next
-batch still cross-fades with (float32, exact), also by SHA-256. Each of those is written
-under a temporary name, flushed to disk and renamed, and the journal is renamed last:
-whatever instant a kill -9 hits, the journal names only pieces that are whole.
-
-Running the same job again (same input, output, options, models) reads the journal, checks
-every piece and the tail against their digests, drops anything it does not name, and
-computes only the batches after the last good piece; the tail restores the blend, and every
-batch draws its noise from (seed, its first frame), so the frames are those of an
-uninterrupted run. A damaged or missing piece is named (one line each) and computed again
-with everything after it; when the tail is not the one after the last good piece, the last
-good chunk is computed again for it. Segments are checked again right before the assembly
-and parts as they are read back: nothing unverified reaches the output. Anything different
-starts fresh, saying what differs. ``resume=False`` (``--no-resume``) discards what was kept
-and starts over.
-
-When every segment is complete the final output is assembled: videos by stream copy of the
-segments' packets (no re-encoding) with the source's audio muxed in at that point; image
-outputs through the ordinary image writer. Then the folder is removed. A job that fails or
-is interrupted keeps the folder when at least one piece is complete (and says so), and
-removes it otherwise. A live job locks its folder (``io/temporaries.py``): a second job on
-the same output is refused, naming the first.
-
-A job whose plan is a single chunk (a single image, a very short clip) is written directly,
-as is a video made from images without a rate.
+The output is kept beside it, in ``.NAME.seedvr2-resume/``, as closed pieces (segments of
+whole plan chunks, parts of the segment being written), the blend tail and a journal naming
+each with its SHA-256; the same job run again verifies them and computes only what is
+missing, so the file is that of an uninterrupted run. How, and its limits: docs/resume.md.
 """
 
 from __future__ import annotations
