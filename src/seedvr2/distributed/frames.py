@@ -39,12 +39,8 @@ def frame_group(collective_timeout: datetime.timedelta,
 
 
 def quantized_span(plan: BatchPlan, batch: Batch) -> tuple[int, int]:
-    """Frames [start, stop) of ``batch`` (batch-relative) that no cross-fade touches.
-
-    The leading ``overlap`` frames are blended with the previous batch; frames from the next
-    batch's start on are blended with the next one. With an overlap of half the batch or more
-    the two meet and the span is empty.
-    """
+    """Frames [start, stop) of ``batch`` (batch-relative) that no cross-fade touches: after
+    the leading ``overlap`` frames, before the next batch's start (empty when they meet)."""
     start = batch.overlap
     stop = plan.emit_stop(batch) - batch.start
     return (start, stop) if start < stop else (0, 0)
@@ -80,10 +76,6 @@ def encode_batch(frames: torch.Tensor, span: tuple[int, int], bit_depth: Optiona
         quantized = torch.empty((0, height, width, channels), dtype=torch.uint8)
     exact = torch.cat([frames[:start], frames[stop:]]).float().cpu().contiguous()
     return BatchMessage(header, quantized, exact)
-
-
-def empty_header() -> torch.Tensor:
-    return torch.zeros(len(HEADER_FIELDS), dtype=torch.int64)
 
 
 def buffers_for(header: torch.Tensor, expected: tuple[int, int, int, int],
@@ -131,9 +123,6 @@ def tags(batch_index: int) -> tuple[int, int, int]:
     return batch_index * 3, batch_index * 3 + 1, batch_index * 3 + 2
 
 
-_tags = tags  # the name the wire tests use
-
-
 def send_batch(message: BatchMessage, dst: int, batch_index: int, group) -> list:
     """Posts the message's sends without waiting; the caller keeps ``message`` alive and
     waits on the returned works before reusing or dropping it."""
@@ -146,7 +135,7 @@ def send_batch(message: BatchMessage, dst: int, batch_index: int, group) -> list
 
 def recv_batch(src: int, batch_index: int, expected: tuple[int, int, int, int], group) -> torch.Tensor:
     header_tag, quantized_tag, exact_tag = tags(batch_index)
-    header = empty_header()
+    header = torch.zeros(len(HEADER_FIELDS), dtype=torch.int64)
     dist.recv(header, src=src, tag=header_tag, group=group)
     message = buffers_for(header, expected, f"rank {src}")
     if message.quantized.numel():

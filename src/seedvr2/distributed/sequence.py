@@ -154,17 +154,18 @@ def sequence_group(size: int, timeout: Optional[datetime.timedelta] = None
     """This rank's sequence-parallel group when the world is cut into groups of ``size``
     consecutive ranks (ranks 0..size-1, size..2·size-1, ...). Collective: every rank of the
     world must call it, with the same ``size``. ``None`` means the default (whole-world) group."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     if size < 1 or world % size:
         raise ValueError(f"sequence_parallel={size} must divide the number of ranks ({world})")
-    if size == world:
-        return None
-    mine = None
-    for start in range(0, world, size):
-        group = dist.new_group(list(range(start, start + size)), timeout=timeout)
-        if start <= rank < start + size:
-            mine = group
-    return mine
+    return None if size == world else _own_group(size, timeout=timeout)
+
+
+def _own_group(size: int, **group_args) -> dist.ProcessGroup:
+    """This rank's group of ``size`` consecutive ranks; every rank makes every group."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = [dist.new_group(list(range(start, start + size)), **group_args)
+              for start in range(0, world, size)]
+    return groups[rank // size]
 
 
 # How long a rank waits at the meeting for the slowest of its group: loading a model, encoding
@@ -177,16 +178,7 @@ def meeting_group(size: int) -> Optional[dist.ProcessGroup]:
     with the :data:`MEETING_WAIT` timeout, for the meetings before the first exchanges.
     Collective: every rank of the world calls it, with the same ``size``. ``None`` for a
     group of one."""
-    if size == 1:
-        return None
-    world, rank = dist.get_world_size(), dist.get_rank()
-    mine = None
-    for start in range(0, world, size):
-        group = dist.new_group(list(range(start, start + size)), timeout=MEETING_WAIT,
-                               backend="gloo")
-        if start <= rank < start + size:
-            mine = group
-    return mine
+    return None if size == 1 else _own_group(size, timeout=MEETING_WAIT, backend="gloo")
 
 
 @contextlib.contextmanager

@@ -48,12 +48,10 @@ def _check_host_copy(model, offload, setting: str):
     """The offloaded model's host copy must fit the host RAM (the model's own tensors already
     there are replaced by it, so they count as available)."""
     if offload is not None and offload.type == "cpu":
-        mem.check_host_copy(host_copy_bytes(model), _plus(mem.host_available(),
-                                                          mem.bytes_on(model, offload)), setting)
-
-
-def _plus(available, own: int):
-    return None if available is None else available + own
+        available = mem.host_available()
+        if available is not None:
+            available += mem.bytes_on(model, offload)
+        mem.check_host_copy(host_copy_bytes(model), available, setting)
 
 
 def _placement(model, device, offload, setting: str):
@@ -159,18 +157,10 @@ MakeRoom = Callable[[str, int], None]
 
 def prepare_job(models: Models, opts: Options, frame_count: int, size: tuple[int, int],
                 stats: Optional[JobStats] = None, make_room: Optional[MakeRoom] = None) -> Options:
-    """Resolve ``batch_size="auto"`` and check the memory budget, before any work starts.
-
-    ``auto`` becomes the largest 4n+1 batch (at least 5 when any fits, at most the clip
-    rounded up to 4n+1 and :data:`seedvr2.memory.budget.AUTO_MAX_BATCH`) whose estimate fits:
-    on CUDA the device's free memory, on the CPU (and other devices) the host's available
-    RAM; when that is unknown, 5. Then a job whose estimate exceeds the memory available (the
-    free memory of a CUDA device, the host's available RAM for the CPU) raises
-    :class:`~seedvr2.memory.budget.BudgetError` naming settings that would fit
-    (``SEEDVR2_MEMORY_CHECK=warn`` in the environment turns that into a warning, for when the
-    estimate is wrong). Returns the options with a concrete batch size. ``make_room`` (a
-    host such as ComfyUI) is first asked for what the job's largest batch needs.
-    """
+    """Resolve ``batch_size="auto"`` and check the memory budget (raising
+    :class:`~seedvr2.memory.budget.BudgetError`), before any work starts; returns the options
+    with a concrete batch size. ``make_room`` (a host such as ComfyUI) is first asked for what
+    the job's largest batch needs. See docs/memory.md#the-memory-budget."""
     place = _placement_of(models, opts)
     budget = mem.Budget(models.dit.config, models.vae.config, mem.Weights.of_module(models.dit),
                         mem.Weights.of_module(models.vae))
@@ -190,15 +180,15 @@ def prepare_job(models: Models, opts: Options, frame_count: int, size: tuple[int
                  "output, %d frames)", opts.batch_size, ", ".join(
                      f"{mem.gib(v)} on {d}" for d, v in (cuda or known).items()) or "the default",
                  size[1], size[0], plan_frames_of(frame_count, opts))
-    (encode, encode_slice), (decode, decode_slice) = (settings_from_options(opts, stage)
-                                                      for stage in ("encode", "decode"))
-    exact = tuple(stage for stage, tiles in (("encode", encode), ("decode", decode))
+    batch = job(opts.batch_size)
+    exact = tuple(stage for stage, tiles in (("encode", batch.encode_tiles),
+                                             ("decode", batch.decode_tiles))
                   if tiles.enabled and tiles.exact)
     if exact:
         mem.check_exact_tiling(models.vae.config, opts.batch_size, size[0], size[1],
-                               models.dtype.itemsize, decode_slice, encode_slice,
+                               models.dtype.itemsize, batch.decode_slice, batch.encode_slice,
                                mem.host_available(), exact)
-    est = _checked_estimate(budget, job(opts.batch_size), place, known)
+    est = _checked_estimate(budget, batch, place, known)
     if stats is not None:
         stats.batch_size, stats.batch_size_auto = opts.batch_size, auto
         stats.estimated_bytes = {d: est.peak(d) for d in est.devices}
@@ -393,7 +383,8 @@ def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
 
 
 def _numbered_names(out: Path, folder_output: bool) -> str:
-    """A regular expression of the names beside ``out`` a writer may number."""
+    """A regular expression of the names beside ``out`` a writer may number (an image
+    output's whatever its frame count, which a video's header may not tell exactly yet)."""
     from ..io._common import IMAGE_EXTENSIONS, PRINTF, printf_pattern
 
     if folder_output:
@@ -408,12 +399,8 @@ def _numbered_names(out: Path, folder_output: bool) -> str:
 
 def refuse_input_as_output(inputs, dst) -> None:
     """Raise :class:`~seedvr2.io.MediaError` when writing ``dst`` would replace or delete one
-    of ``inputs``, whatever ``overwrite`` says: the same file by any path (relative or
-    absolute, a symbolic or hard link) is compared by device and inode. A folder output
-    (a PNG sequence) replaces the numbered PNGs in it and deletes those it does not write
-    (``SequenceWriter``), an image output of several frames writes ``NAME_00000.EXT``...
-    beside it: inputs among those are refused too (for an image output whatever its frame
-    count, which a video's header may not tell exactly yet)."""
+    of ``inputs``, whatever ``overwrite`` says: the same file by any path (device and inode),
+    or a numbered file the writer may replace or delete (docs/resume.md)."""
     from ..io import MediaError
 
     text = os.fspath(dst)
