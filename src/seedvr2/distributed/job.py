@@ -34,6 +34,7 @@ from .vae_share import SharedVaeUpscaler, vae_owners
 
 log = logging.getLogger("seedvr2")
 
+
 def _terminate_cleanly():
     """SIGTERM (sent by torchrun or the spawn launcher when a peer fails) becomes an exception,
     so open writers abort and remove their partial output."""
@@ -312,12 +313,9 @@ def _mark_done(ctx: DistContext, job: Job):
 def run_file_job(ctx: DistContext, job: Job, src, output, progress=None, should_stop=None,
                  stats=None) -> Path | None:
     """This rank's share of ``upscale_file`` (``output``: the facade's ``FileOutput``);
-    returns the output path on rank 0.
-
-    The writer keeps the job's resume journal (``pipeline/resume.py``) exactly as one process
-    would: a killed job (a lost writer, a failed launch, torchrun restarting its workers) run
-    again continues from the writer's last verified piece, with any number of ranks.
-    ``stats`` (a ``JobStats``, writer rank) is told the frames and the batches reused."""
+    returns the output path on rank 0, which keeps the resume journal as one process would
+    (docs/resume.md). ``stats`` (a ``JobStats``, writer rank) is told the frames and the
+    batches reused."""
     from ..io import open_media
     from ..memory.policy import resolve_dtype
     from ..pipeline.identity import source_digest

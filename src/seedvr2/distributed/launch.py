@@ -239,7 +239,10 @@ def _launched(worker, device_list: list[str], timeout_s: float, args: tuple):
 
     remove_stale_launch_folders()
     with tempfile.TemporaryDirectory(prefix=LAUNCH_PREFIX) as started, \
-            _hosted_store(timeout_s) as port, _held(Path(started)):
+            _hosted_store(timeout_s) as port, contextlib.ExitStack() as held:
+        lock = hold(Path(started))  # a live launcher's (remove_stale_launch_folders)
+        if lock is not None:
+            held.callback(lock.release)
         previous = os.environ.get(STARTED_ENV)
         os.environ[STARTED_ENV] = started  # the children's environment is ours at spawn
         try:
@@ -257,17 +260,6 @@ def _launched(worker, device_list: list[str], timeout_s: float, args: tuple):
             yield workers, Path(started)
         finally:
             _stop(workers)
-
-
-@contextlib.contextmanager
-def _held(folder: Path):
-    """``folder`` locked as a live launcher's (:func:`remove_stale_launch_folders`)."""
-    lock = hold(folder)
-    try:
-        yield
-    finally:
-        if lock is not None:
-            lock.release()
 
 
 def spawn_file_job(device_list: list[str], job, src, output, stats=None) -> Path:

@@ -188,13 +188,10 @@ class Liveness:
 
 
 class Watchdog:
-    """Around a blocking wait for rank ``rank``'s frames: gloo's point-to-point operations
-    cannot be polled or interrupted, so a thread watches that rank meanwhile. When it is
-    lost: with ``stop_lost`` and the rank on this machine, the thread kills it, so the wait
-    raises and the caller carries on without it; otherwise it ends this process with an error
-    naming the rank (the launchers then stop the rest; a temporary left behind is removed by
-    the launcher or by the next run of the same output, and a resumable job keeps its
-    complete segments)."""
+    """Around a blocking wait for rank ``rank``'s frames (gloo's point-to-point operations
+    cannot be polled or interrupted), a thread watches that rank. When it is lost: with
+    ``stop_lost`` and the rank on this machine, it kills it, so the wait raises and the caller
+    carries on without it; otherwise it ends this process with an error naming the rank."""
 
     def __init__(self, liveness: Liveness, rank: int, what: str, stop_lost: bool = False):
         self.liveness, self.rank, self.what, self.stop_lost = liveness, rank, what, stop_lost

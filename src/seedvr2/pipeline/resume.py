@@ -405,9 +405,8 @@ class ResumeState:
         return self.identity["segment_ext"]
 
     def segment_path(self, segment: Segment) -> Path:
-        suffix = self.identity["segment_ext"]
-        return self.folder / (f"seg-{segment.number:05d}{suffix}" if suffix != "/"
-                              else f"seg-{segment.number:05d}")
+        name = f"seg-{segment.number:05d}"
+        return self.folder / (name if self.ext == "/" else name + self.ext)
 
     # -- closing pieces -----------------------------------------------------------------------
 

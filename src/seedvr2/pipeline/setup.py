@@ -206,11 +206,8 @@ def _placement_of(models: Models, opts: Options) -> mem.Placement:
 
 def _ask_for_room(make_room: MakeRoom, est: mem.Estimate, models: Models, auto: bool) -> None:
     """Ask the host for the bytes ``est`` needs on each device beyond our models' own tensors
-    there, before memory is measured: under ComfyUI's dynamic VRAM its idle models stay
-    resident until memory is demanded, so free memory alone would choose tiny batches or
-    refuse a job that fits. An automatic batch on CUDA plans within
-    :data:`~seedvr2.memory.budget.AUTO_CUDA_SHARE` of what is there, so it asks for that much
-    more."""
+    there, before memory is measured (why: docs/comfyui.md); an automatic batch on CUDA plans
+    within :data:`~seedvr2.memory.budget.AUTO_CUDA_SHARE` of it, so asks for that much more."""
     for device in sorted(est.devices):
         need = est.peak(device)
         if auto and device.startswith("cuda"):
@@ -271,8 +268,7 @@ def resolve_auto_batch_for_ranks(job: Job, devices: list[str], frame_count: int,
     the weight files' headers (no model is loaded). ``gather`` (torchrun: every rank calls
     this) turns this process's available bytes into every rank's list; without it (our
     launcher) the available memory of each listed device is asked from here, which creates
-    a CUDA context on each of them in this process.
-    """
+    a CUDA context on each of them in this process."""
     opts = job.opts
     if opts.batch_size != "auto":
         return job
