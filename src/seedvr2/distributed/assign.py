@@ -13,7 +13,3 @@ def assign_batches(plan: BatchPlan, world_size: int, first_chunk: int = 0) -> li
     for i, chunk in enumerate(plan.chunks[first_chunk:]):
         shares[i % world_size].extend(chunk)
     return shares
-
-
-def owner_of(shares: list[list[int]]) -> dict[int, int]:
-    return {batch: rank for rank, share in enumerate(shares) for batch in share}

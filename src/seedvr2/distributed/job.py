@@ -27,7 +27,7 @@ from ..pipeline.plan import BatchPlan, make_plan
 from ..pipeline.runner import final_frames
 from ..pipeline.setup import Job
 from . import frames as wire
-from .assign import assign_batches, owner_of
+from .assign import assign_batches
 from .groups import DistContext
 from .sequence import meeting_group, sequence_group, sequence_parallel
 from .vae_share import SharedVaeUpscaler, vae_owners
@@ -165,13 +165,13 @@ class TakenChunks:
         return ChunkCollector(self.work, self.counter, self._compute).outputs()
 
     def send_all(self):
-        from .taking import Liveness, Watchdog, chunk_outputs, mark_sent
+        from .taking import Liveness, Watchdog, chunk_outputs
 
         work, counter = self.work, self.counter
         liveness = Liveness(counter, work.job.opts.dist_timeout)
         _send_all(work, chunk_outputs(work.ctx.rank, counter, work.plan, self._compute,
                                       work.job.faults),
-                  lambda index: mark_sent(counter, index),
+                  counter.mark_sent,
                   lambda: Watchdog(liveness, 0, "waiting for the writer (rank 0)"))
         # A fault not reached by then: at the end of its work.
         work.job.faults.fault_point(work.ctx.rank, sys.maxsize)
@@ -221,7 +221,8 @@ class SharedBatches:
         work, k = self.work, self.k
         plan, local = work.plan, iter(self.local)
         decoder = vae_owners(plan, k)
-        owner = {b: group * k + decoder[b] for b, group in owner_of(self.shares).items()}
+        owner = {b: group * k + decoder[b] for group, share in enumerate(self.shares)
+                 for b in share}
         for written, index in enumerate(batches):
             b = plan.batches[index]
             work.job.faults.fault_point(work.ctx.rank, written)

@@ -59,11 +59,6 @@ def _hosted_store(timeout_s: float):
         del store  # the last reference: its server stops here, after the workers have ended
 
 
-def _log_like_parent(rank: int, level: int):
-    """A spawned worker starts without logging set up: show what the parent would, by rank."""
-    logging.basicConfig(level=level, format=f"%(levelname)s %(name)s rank {rank}: %(message)s")
-
-
 def _join_group(rank: int, devices: list[str], port: int, threads: int, timeout_s: float):
     store = dist.TCPStore("127.0.0.1", port, is_master=False,
                           timeout=datetime.timedelta(seconds=timeout_s))  # _hosted_store's
@@ -85,7 +80,8 @@ def _file_worker(rank: int, devices: list[str], port: int, threads: int, log_lev
     from ..pipeline.runner import JobStats
     from .job import STARTED_ENV, run_file_job
 
-    _log_like_parent(rank, log_level)
+    # A spawned worker starts without logging set up: show what the parent would, by rank.
+    logging.basicConfig(level=log_level, format=f"%(levelname)s %(name)s rank {rank}: %(message)s")
     ctx = _join_group(rank, devices, port, threads, job.opts.dist_timeout)
     stats = JobStats()
     try:
@@ -111,10 +107,6 @@ def _tensor_worker(rank: int, devices: list[str], port: int, threads: int, job,
         run_tensor_job(ctx, job, *tensors, progress=report, should_stop=stop.is_set)
     finally:
         destroy()
-
-
-def _threads_per_rank(device_list: list[str]) -> int:
-    return max(1, (os.cpu_count() or 1) // len(device_list))
 
 
 def _failure(workers, rank: int) -> RuntimeError:
@@ -204,10 +196,9 @@ LAUNCH_FOLDER_GRACE_S = 60.0
 
 
 def remove_stale_launch_folders() -> list[Path]:
-    """Remove the launch folders of launchers that are gone (killed, so their ``with`` never
-    cleaned up); returns them. A live launcher holds a lock on its folder (:func:`hold`: the
-    kernel drops it when the process ends, ``kill -9`` included), so a folder that can be
-    locked is abandoned, and a live job's is never touched."""
+    """Remove the launch folders of launchers that are gone (killed before their cleanup);
+    returns them. A live launcher holds a lock on its folder (:func:`hold`, dropped by the
+    kernel when it dies), so a folder that can be locked is abandoned."""
     removed = []
     for folder in Path(tempfile.gettempdir()).glob(f"{LAUNCH_PREFIX}*"):
         try:
@@ -245,11 +236,11 @@ def _launched(worker, device_list: list[str], timeout_s: float, args: tuple):
             held.callback(lock.release)
         previous = os.environ.get(STARTED_ENV)
         os.environ[STARTED_ENV] = started  # the children's environment is ours at spawn
+        threads_per_rank = max(1, (os.cpu_count() or 1) // len(device_list))
         try:
             with _spawnable():
                 workers = mp.start_processes(
-                    _portable(worker),
-                    args=(device_list, port, _threads_per_rank(device_list), *args),
+                    _portable(worker), args=(device_list, port, threads_per_rank, *args),
                     nprocs=len(device_list), join=False, start_method="spawn")
         finally:
             if previous is None:

@@ -56,6 +56,10 @@ class ChunkCounter:
         key = self.prefix + f"owner/{chunk}"
         return int(self.store.get(key)) if self.store.check([key]) else None
 
+    def mark_sent(self, batch_index: int):
+        """Tell the writer that this batch's message is posted: it may block on it now."""
+        self.store.set(self.prefix + f"sent/{batch_index}", "1")
+
 
 def _process_here() -> str:
     """Where this process runs, comparable between ranks: a pid means the same process only
@@ -217,11 +221,6 @@ class Watchdog:
 
     def __exit__(self, *exc):
         self._done.set()
-
-
-def mark_sent(counter: ChunkCounter, batch_index: int):
-    """Tell the writer that this batch's message is posted: it may block on it now."""
-    counter.store.set(counter.prefix + f"sent/{batch_index}", "1")
 
 
 def _slowed(delay: float, outputs):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..pipeline.plan import Batch, BatchPlan
-from ..pipeline.runner import Upscaler
+from ..pipeline.runner import Upscaler, _Encoded
 
 log = logging.getLogger("seedvr2")
 
@@ -25,13 +25,6 @@ def vae_owners(plan: BatchPlan, size: int) -> dict[int, int]:
     """Rank within its group (0 .. size-1) that encodes and decodes each batch: a chunk's
     batches dealt in turn, from the chunk's first batch."""
     return {b: position % size for chunk in plan.chunks for position, b in enumerate(chunk)}
-
-
-class _Elsewhere:
-    """A batch another rank of the group encodes: its latent arrives before the DiT call."""
-
-    def __init__(self, batch: Batch):
-        self.batch, self.latent, self.result = batch, None, None
 
 
 class SharedVaeUpscaler(Upscaler):
@@ -55,7 +48,7 @@ class SharedVaeUpscaler(Upscaler):
 
     def _encode(self, batch: Batch, frames: list, size: tuple[int, int]):
         if not self.owns(batch):
-            return _Elsewhere(batch)
+            return _Encoded(batch, None, None, size)  # its latent arrives before the DiT call
         log.debug("VAE of batch %d: encoded and decoded on this rank", batch.index)
         return super()._encode(batch, frames, size)
 

@@ -415,9 +415,6 @@ class ResumeState:
         return time.monotonic() - self.last_checkpoint >= (
             CHECKPOINT_SECONDS if interval is None else interval)
 
-    def open_part(self, segment: Segment, first_batch: int, first_frame: int) -> _Part:
-        return _Part(self.folder, segment, first_batch, first_frame)
-
     def close_part(self, part: _Part, last_batch: int, tail: torch.Tensor):
         """Record the part's frames (the segment's frames so far) as kept."""
         self._record(part.close(last_batch), tail)
@@ -519,7 +516,6 @@ def open_resume_state(reader, output, plan: BatchPlan, identity: dict,
     same journal) and ``compute_dtype`` the precision ``dtype`` resolved to on this device
     (``auto`` differs between GPUs); ``fresh`` discards what was kept. Raises
     :class:`ResumeFolderInUse` while another job writes the same output."""
-    # Images without a rate into a video (the rate comes from ``fps``) are written directly.
     if len(plan.chunks) < 2 or output.is_video and reader.info.fps is None:
         return None
     frames = SEGMENT_FRAMES if faults.segment_frames is None else faults.segment_frames
@@ -644,7 +640,7 @@ def _write_segment(segment: Segment, outputs, blender, state: ResumeState, info,
     writer = _segment_writer(segment, state, info, output)
     first_batch = max(segment.batches[0], state.next_batch)
     chunks = [c for c in blender.plan.chunks if c[0] in segment.batches and c[0] >= first_batch]
-    part = state.open_part(segment, first_batch, blender.emitted)
+    part = _Part(state.folder, segment, first_batch, blender.emitted)
     try:
         with writer:
             for kept in state.parts_of(segment):
@@ -664,7 +660,7 @@ def _write_segment(segment: Segment, outputs, blender, state: ResumeState, info,
                         progress("frames", blender.emitted, blender.plan.source_frames)
                 if number + 1 < len(chunks) and part.frames and state.checkpoint_due():
                     state.close_part(part, chunk[-1], blender.pending)
-                    part = state.open_part(segment, chunk[-1] + 1, blender.emitted)
+                    part = _Part(state.folder, segment, chunk[-1] + 1, blender.emitted)
     finally:
         part.discard()
     assert written == segment.frames, (written, segment.frames)

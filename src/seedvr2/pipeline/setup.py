@@ -274,9 +274,8 @@ def resolve_auto_batch_for_ranks(job: Job, devices: list[str], frame_count: int,
         return job
     first = resolve_device(devices[0])
     dtype = resolve_dtype(opts.dtype, first)
-    dit_path, vae_path = (ref.file for ref in job.resolved().models)
-    dit_w, dit_cfg = mem.Weights.from_file(dit_path, "dit", dtype)
-    vae_w, vae_cfg = mem.Weights.from_file(vae_path, "vae", dtype)
+    (dit_w, dit_cfg), (vae_w, vae_cfg) = (mem.Weights.from_file(ref.file, ref.kind, dtype)
+                                          for ref in job.resolved().models)
     budget = mem.Budget(dit_cfg, vae_cfg, dit_w, vae_w)
     if gather is not None:
         values = gather(mem.device_available(first))
