@@ -63,30 +63,27 @@ def _placement(model, device, offload, setting: str):
     return OffloadedModel(model, device, offload, default_pin(device, offload))
 
 
-def _load_dit(path: Path, opts: Options, dtype, device, offload):
-    swapping = opts.blocks_to_swap > 0 or opts.swap_io_components
+def _load_file(ref: ModelRef, opts: Options, dtype, device, offload):
+    """A model file loaded, placed (a DiT with BlockSwap when asked) and compiled."""
+    dit = ref.kind == "dit"
+    swapping = dit and (opts.blocks_to_swap > 0 or opts.swap_io_components)
     if swapping and offload is None:
         raise OptionError(f"{option_ref('blocks_to_swap')}/{option_ref('swap_io_components')} need "
                           f"an offload device for the swapped weights: set "
                           f"{option_ref('dit_offload_device', 'cpu')} (or another device)")
-    # An offloaded DiT loads on its offload device; only what runs reaches the GPU.
-    dit = load_dit(path, dtype, offload if offload is not None else device)
-    dit.set_attention_backend(opts.attention_backend)
+    # An offloaded model loads on its offload device; only what runs reaches the GPU.
+    model = (load_dit if dit else load_vae)(ref.model, dtype,
+                                           offload if offload is not None else device)
     placement = None
+    if dit:
+        model.set_attention_backend(opts.attention_backend)
     if swapping:
-        _check_host_copy(dit, offload, "dit_offload_device")
-        placement = BlockSwap(dit, opts.blocks_to_swap, opts.swap_io_components, device, offload)
+        _check_host_copy(model, offload, "dit_offload_device")
+        placement = BlockSwap(model, opts.blocks_to_swap, opts.swap_io_components, device, offload)
     if placement is None or not placement.active:  # no CUDA: plain offloading
-        placement = _placement(dit, device, offload, "dit_offload_device")
-    apply_compile(dit, None, CompileSettings.from_options(opts))
-    return dit, placement
-
-
-def _load_vae(path: Path, opts: Options, dtype, device, offload):
-    vae = load_vae(path, dtype, offload if offload is not None else device)
-    placement = _placement(vae, device, offload, "vae_offload_device")
-    apply_compile(None, vae, CompileSettings.from_options(opts))
-    return vae, placement
+        placement = _placement(model, device, offload, f"{ref.kind}_offload_device")
+    apply_compile(*((model, None) if dit else (None, model)), CompileSettings.from_options(opts))
+    return model, placement
 
 
 def load_models(dit=None, vae=None, *, opts: Options, model_dir=None) -> Models:
@@ -123,9 +120,8 @@ def _ready_model(ref: ModelRef, opts: Options, dtype, device, offload):
         if ref.kind == "dit":
             model.set_attention_backend(opts.attention_backend)  # a loaded file's is set at load
         return model, _placement(model, device, offload, setting)
-    load = _load_dit if ref.kind == "dit" else _load_vae
     key = ModelKey.for_file(ref.kind, ref.model, dtype, device, _settings_of(opts, ref.kind))
-    return MODEL_CACHE.get_or_load(key, lambda: load(ref.model, opts, dtype, device, offload),
+    return MODEL_CACHE.get_or_load(key, lambda: _load_file(ref, opts, dtype, device, offload),
                                    opts.cache_dit if ref.kind == "dit" else opts.cache_vae)
 
 
