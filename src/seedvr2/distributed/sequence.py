@@ -23,10 +23,7 @@ def shard_bounds(total: int, parts: int) -> list[int]:
     """Row offsets of ``parts`` contiguous shards of ``total`` rows, the first ones one longer
     when ``parts`` does not divide ``total``: shard r is ``[bounds[r], bounds[r + 1])``."""
     base, extra = divmod(total, parts)
-    bounds = [0]
-    for r in range(parts):
-        bounds.append(bounds[-1] + base + (r < extra))
-    return bounds
+    return [r * base + min(r, extra) for r in range(parts + 1)]
 
 
 @dataclasses.dataclass

@@ -81,10 +81,8 @@ class RankLost(Exception):
 
 
 class Heartbeat:
-    """While a rank works, a thread counts up its key in the store every second. A rank that
-    is frozen (SIGSTOP, a hung process) stops counting; one that is merely slow (a long chunk
-    on a big GPU job) keeps counting, so waiting for its frames is not mistaken for death.
-    The rank also publishes where it runs (:func:`_process_here` and its pid)."""
+    """While a rank works, a thread counts up its key in the store every second: a frozen
+    rank stops counting, a slow one does not. The rank also publishes where it runs."""
 
     PERIOD_S = 1.0
 

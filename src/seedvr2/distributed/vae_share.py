@@ -29,12 +29,9 @@ def vae_owners(plan: BatchPlan, size: int) -> dict[int, int]:
 
 class SharedVaeUpscaler(Upscaler):
     """An :class:`Upscaler` for one rank of a sequence-parallel group: the VAE phases run
-    only this rank's batches (``vae_owners``), the DiT phase every batch of the group.
-
-    ``seat`` is this rank's place in its group and the global rank of the group's rank 0,
-    ``channel`` a gloo group of the group's ranks (``sequence.meeting_group``). Batches this
-    rank does not decode are yielded with ``None`` frames.
-    """
+    only this rank's batches (``vae_owners``; the others come out with ``None`` frames), the
+    DiT phase every batch of the group. ``seat``: this rank's place in its group and the
+    global rank of the group's rank 0; ``channel``: the group's ``meeting_group``."""
 
     def __init__(self, models, opts, progress, should_stop, *, owners: list[int],
                  seat: tuple[int, int], channel: Optional[dist.ProcessGroup]):

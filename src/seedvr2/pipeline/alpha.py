@@ -65,18 +65,15 @@ def _is_hard_matte(alpha: Tensor) -> bool:
     """True when (almost) every pixel is near 0, near 1, or on a thin rim between both."""
     near0 = alpha <= BINARY_TOLERANCE
     near1 = alpha >= 1.0 - BINARY_TOLERANCE
-    pad = RIM_WINDOW // 2
-    has0 = F.max_pool2d(near0.float(), RIM_WINDOW, stride=1, padding=pad) > 0
-    has1 = F.max_pool2d(near1.float(), RIM_WINDOW, stride=1, padding=pad) > 0
+    has0 = _dilate(near0.float(), RIM_WINDOW // 2) > 0
+    has1 = _dilate(near1.float(), RIM_WINDOW // 2) > 0
     settled = near0 | near1 | (has0 & has1)
     return bool(settled.float().mean() >= BINARY_FRACTION)
 
 
 def _local_range(alpha: Tensor, size: tuple[int, int], window: int) -> tuple[Tensor, Tensor]:
     """Min and max of alpha over a window around each output pixel's nearest source pixel."""
-    pad = window // 2
-    high = F.max_pool2d(alpha, window, stride=1, padding=pad)
-    low = -F.max_pool2d(-alpha, window, stride=1, padding=pad)
+    high, low = _dilate(alpha, window // 2), -_dilate(-alpha, window // 2)
     return (F.interpolate(low, size=size, mode="nearest"),
             F.interpolate(high, size=size, mode="nearest"))
 

@@ -67,10 +67,6 @@ class Piece:
     sha256: str
     shape: Optional[tuple[int, int, int]] = None
 
-    @property
-    def is_part(self) -> bool:
-        return self.shape is not None
-
     def entry(self) -> dict:
         entry = {"name": self.name, "segment": self.segment,
                  "batches": [self.first_batch, self.last_batch],
@@ -157,10 +153,8 @@ def _journal_identity(identity: dict, plan: BatchPlan, output, compute_dtype: to
 
 def _write_atomically(path: Path, data: bytes):
     temp = path.with_name(f".{path.name}.tmp")
-    with open(temp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    temp.write_bytes(data)
+    sync_file(temp)
     os.replace(temp, path)
 
 
@@ -208,9 +202,8 @@ class _Part:
         self.frames += len(frames)
 
     def close(self, last_batch: int) -> Piece:
-        self.file.flush()
-        os.fsync(self.file.fileno())
         self.file.close()
+        sync_file(self.temp)
         os.replace(self.temp, self.temp.with_name(self.name))
         return Piece(self.name, self.segment.number, self.first_batch, last_batch,
                      self.first_frame, self.frames, self.digest.hexdigest(), self.shape)
@@ -398,7 +391,7 @@ class ResumeState:
         return next((s.number for s in self.segments if after in s.batches), len(self.segments))
 
     def parts_of(self, segment: Segment) -> list[Piece]:
-        return [p for p in self.pieces if p.is_part and p.segment == segment.number]
+        return [p for p in self.pieces if p.shape is not None and p.segment == segment.number]
 
     @property
     def ext(self) -> str:
@@ -425,11 +418,8 @@ class ResumeState:
         """Record ``segment`` as complete (its file closed) with the blend tail after it;
         its parts go."""
         path = self.segment_path(segment)
-        if path.is_dir():
-            for f in path.iterdir():
-                sync_file(f)
-        else:
-            sync_file(path)
+        for f in path.iterdir() if path.is_dir() else [path]:
+            sync_file(f)
         self.faults.kill_point("segment", segment.number + 1)
         piece = Piece(path.name, segment.number, segment.batches[0], segment.batches[-1],
                       segment.first_frame, segment.frames, content_digest(path))
