@@ -237,10 +237,8 @@ def chunk_outputs(rank: int, counter: ChunkCounter, plan, compute, faults):
 
 class ChunkCollector:
     """The writer's side: take chunks, receive the others', and yield ``(batch, frames)`` for
-    every batch of chunks ``counter.first``… in plan order (:meth:`outputs`). While a chunk
-    it waits for is computed elsewhere, it computes up to :data:`LOOKAHEAD_CHUNKS` chunks
-    ahead (``held``); a lost rank's undelivered batches are computed here; the log says what
-    happened."""
+    every batch of chunks ``counter.first``… in plan order (:meth:`outputs`), computing chunks
+    ahead while it waits (``held``) and a lost rank's undelivered batches; the log says so."""
 
     def __init__(self, work, counter: ChunkCounter, compute):
         self.rank, self.plan, self.faults = work.ctx.rank, work.plan, work.job.faults

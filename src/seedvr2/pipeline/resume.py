@@ -571,13 +571,15 @@ def _restored_blender(state: ResumeState, outputs):
 def _assemble(state: ResumeState, info, output):
     """The final output from the complete segments: a video by stream copy with the source's
     audio muxed in, images through the ordinary image writer. Returns its path."""
+    from ..io import open_media
     from ..io.writer import carried_streams
 
     segments, size = state.segments, output.size
     if state.ext == "/":
         with output.open(info) as writer:
             for s in segments:
-                writer.write_many(_read_pngs(state.segment_path(s)))
+                with open_media(state.segment_path(s)) as pngs:
+                    writer.write_many(pngs.frames())
         return writer.path
     carried, subtitles = carried_streams(info, Path(str(output.dst)).suffix.lower())
     final = SegmentConcat(output.dst, [state.segment_path(s) for s in segments],
@@ -588,13 +590,6 @@ def _assemble(state: ResumeState, info, output):
                           after_segment=state.faults.assembled)
     final.close()
     return final.path
-
-
-def _read_pngs(folder: Path):
-    from ..io import open_media
-
-    with open_media(folder) as media:
-        yield from media.frames()
 
 
 def _segment_writer(segment: Segment, state: ResumeState, info, output):
