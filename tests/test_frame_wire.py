@@ -138,7 +138,7 @@ def test_worker_sends_cpu_integers_on_the_frame_group(monkeypatch):
     by_tag = {tag: t for t, _, tag, _ in sent}
     one, many = OverlapBlender(plan), OverlapBlender(plan)
     for b, out in outputs:
-        h, q, e = (by_tag.get(tag) for tag in wire._tags(b.index))
+        h, q, e = (by_tag.get(tag) for tag in wire.tags(b.index))
         message = wire.buffers_for(h, out.shape, "rank 1")
         if q is not None:
             message.quantized.copy_(q)

@@ -1,17 +1,6 @@
-"""Several processes, one video: frame-batch parallelism over torch.distributed.
-
-Every rank derives the same batch plan; each rank takes the plan's next chunk (a contiguous
-run of batches) when it is ready for one (``taking.py``; with sequence parallelism they are
-dealt to the rank groups in turn), each rank reads only the frames its chunks need, and finished
-batches travel to rank 0 — the writer — in plan order, where they are blended exactly as in
-one process. Bounded memory: a rank holds at most its current chunk and one finished batch in
-flight; results are bit-identical to the single-process run on CPU/gloo.
-
-Launch with ``torchrun --nproc-per-node N -m seedvr2 upscale ...`` (also across machines), under
-Slurm, or let ``--devices cuda:0,cuda:1`` (``cpu,cpu``) spawn the workers.
-
-One batch too big for one device: ``sequence.py`` spreads a single DiT call over a group of
-ranks (Ulysses sequence parallelism).
+"""Several processes, one video: frame-batch parallelism over torch.distributed (torchrun,
+Slurm, or ``--devices`` spawning the workers), with results bit-identical to one process on
+CPU/gloo; ``sequence.py`` spreads one DiT call over a group of ranks. See docs/multi-gpu.md.
 """
 
 from .assign import assign_batches

@@ -1,22 +1,6 @@
-"""Finished batches from a worker rank to the writer rank: their process group and wire format.
-
-Why a separate gloo group. With GPUs the default group is NCCL, which is right for the DiT's
-collectives (sequence parallelism) but wrong for frames: a batch's receive is posted long
-before its owner has computed it (a whole chunk of encode → DiT → decode), and NCCL's watchdog
-aborts any operation older than the group timeout; NCCL also needs the frames on the GPU, so
-they went CPU → GPU → CPU. Frames therefore travel between CPU tensors over a gloo group of
-their own, whose timeout covers a chunk's computation rather than a collective's latency.
-A dead peer still fails fast: gloo sees its socket close.
-
-Why integers, and why some frames stay float32. The writer stores uint8 or uint16 frames, so
-most frames can travel at that depth (4× or 2× fewer bytes than float32). But frames that a
-cross-fade mixes with a neighbouring batch (the batch's leading ``overlap`` frames and its
-trailing frames up to the next batch's start) must stay float32, or rank 0 would blend rounded
-values and differ from one process. The integers are the writer's own rounding
-(:func:`~seedvr2.pipeline.runner.integer_frames`), done by the sender; rank 0 turns them back
-into ``q / scale``, which the writer's rounding maps back to exactly ``q`` (see
-:func:`decode_batch`), so the file is bit-identical to one process. In-memory jobs return
-float32 frames: there everything travels as float32.
+"""Finished batches from a worker rank to the writer rank: their process group (gloo, CPU
+tensors, whatever the default group's backend) and wire format (the writer's integers where no
+cross-fade mixes frames, float32 where one does). Why: docs/multi-gpu.md#how-frames-travel.
 
 Message for one batch: an int64 header (``HEADER_FIELDS``), then the integer frames (possibly
 none), then the float32 frames (possibly none), each under its own tag.
@@ -55,12 +39,8 @@ def frame_group(collective_timeout: datetime.timedelta,
 
 
 def quantized_span(plan: BatchPlan, batch: Batch) -> tuple[int, int]:
-    """Frames [start, stop) of ``batch`` (batch-relative) that no cross-fade touches.
-
-    The leading ``overlap`` frames are blended with the previous batch; frames from the next
-    batch's start on are blended with the next one. With an overlap of half the batch or more
-    the two meet and the span is empty.
-    """
+    """Frames [start, stop) of ``batch`` (batch-relative) that no cross-fade touches: after
+    the leading ``overlap`` frames, before the next batch's start (empty when they meet)."""
     start = batch.overlap
     stop = plan.emit_stop(batch) - batch.start
     return (start, stop) if start < stop else (0, 0)
@@ -96,10 +76,6 @@ def encode_batch(frames: torch.Tensor, span: tuple[int, int], bit_depth: Optiona
         quantized = torch.empty((0, height, width, channels), dtype=torch.uint8)
     exact = torch.cat([frames[:start], frames[stop:]]).float().cpu().contiguous()
     return BatchMessage(header, quantized, exact)
-
-
-def empty_header() -> torch.Tensor:
-    return torch.zeros(len(HEADER_FIELDS), dtype=torch.int64)
 
 
 def buffers_for(header: torch.Tensor, expected: tuple[int, int, int, int],
@@ -147,9 +123,6 @@ def tags(batch_index: int) -> tuple[int, int, int]:
     return batch_index * 3, batch_index * 3 + 1, batch_index * 3 + 2
 
 
-_tags = tags  # the name the wire tests use
-
-
 def send_batch(message: BatchMessage, dst: int, batch_index: int, group) -> list:
     """Posts the message's sends without waiting; the caller keeps ``message`` alive and
     waits on the returned works before reusing or dropping it."""
@@ -162,7 +135,7 @@ def send_batch(message: BatchMessage, dst: int, batch_index: int, group) -> list
 
 def recv_batch(src: int, batch_index: int, expected: tuple[int, int, int, int], group) -> torch.Tensor:
     header_tag, quantized_tag, exact_tag = tags(batch_index)
-    header = empty_header()
+    header = torch.zeros(len(HEADER_FIELDS), dtype=torch.int64)
     dist.recv(header, src=src, tag=header_tag, group=group)
     message = buffers_for(header, expected, f"rank {src}")
     if message.quantized.numel():

@@ -1,9 +1,6 @@
-"""Process groups: who am I, how many are we, and the collective backend to talk with.
-
-NCCL when every rank has its own CUDA device, gloo otherwise. Rank and world size come from
-torchrun's variables, from Slurm's (with MASTER_ADDR/MASTER_PORT as rendezvous), or from our
-own spawn launcher. Every collective inherits the group's timeout, so a dead peer turns into
-an error instead of a hang.
+"""Process groups: who am I, how many are we (torchrun's variables, Slurm's, or our spawn
+launcher's), and the backend to talk with (NCCL when every rank has its own CUDA device, gloo
+otherwise). Every collective inherits the group's timeout: a dead peer is an error, not a hang.
 """
 
 from __future__ import annotations
@@ -73,14 +70,8 @@ def init_from_env(device_spec: str = "auto", timeout_s: float = 60.0,
 
 
 def _restart_store(timeout: datetime.timedelta):
-    """Under torchrun, a store of this restart attempt's own; None elsewhere (``env://``).
-
-    torchrun's agent hosts one store at ``MASTER_ADDR:MASTER_PORT`` for every attempt, and
-    ``env://`` uses it without a per-attempt prefix: after ``--max-restarts`` restarts the
-    workers, a rank can read the previous attempt's address of a peer and the group fails to
-    connect ("Connection refused"; seen with torch 2.14 and gloo). Prefixing the keys with the
-    attempt number keeps attempts apart.
-    """
+    """Under torchrun, a store of this restart attempt's own (its keys prefixed with the
+    attempt number: docs/multi-gpu.md#under-torchrun); None elsewhere (``env://``)."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None

@@ -1,12 +1,7 @@
-"""One rank's part of a distributed file upscale.
-
-Every rank: same plan, the chunks it takes as it becomes free (``taking.py``; with sequence
-parallelism, its group's share dealt by ``assign_batches``), frames read from each chunk's
-first batch on, models on its own device. Ranks other than 0 send each finished batch to
-rank 0; rank 0 interleaves its own batches with received ones in plan order, blends them with
-the same :class:`OverlapBlender` as a single process, and writes. A send is posted without
-waiting and completed before the next one, so computing the next batch overlaps the transfer.
-Frames travel over a gloo group of CPU tensors at the output's bit depth (``frames.py``).
+"""One rank's part of a distributed file upscale: the same plan on every rank, the chunks it
+takes (``taking.py``) or its sequence-parallel group is dealt, sent to rank 0, which blends
+them in plan order with the same :class:`OverlapBlender` as one process and writes. A send is
+posted without waiting and completed before the next, so the next batch's compute overlaps it.
 """
 
 from __future__ import annotations
@@ -32,12 +27,13 @@ from ..pipeline.plan import BatchPlan, make_plan
 from ..pipeline.runner import final_frames
 from ..pipeline.setup import Job
 from . import frames as wire
-from .assign import assign_batches, owner_of
+from .assign import assign_batches
 from .groups import DistContext
 from .sequence import meeting_group, sequence_group, sequence_parallel
 from .vae_share import SharedVaeUpscaler, vae_owners
 
 log = logging.getLogger("seedvr2")
+
 
 def _terminate_cleanly():
     """SIGTERM (sent by torchrun or the spawn launcher when a peer fails) becomes an exception,
@@ -169,13 +165,13 @@ class TakenChunks:
         return ChunkCollector(self.work, self.counter, self._compute).outputs()
 
     def send_all(self):
-        from .taking import Liveness, Watchdog, chunk_outputs, mark_sent
+        from .taking import Liveness, Watchdog, chunk_outputs
 
         work, counter = self.work, self.counter
         liveness = Liveness(counter, work.job.opts.dist_timeout)
         _send_all(work, chunk_outputs(work.ctx.rank, counter, work.plan, self._compute,
                                       work.job.faults),
-                  lambda index: mark_sent(counter, index),
+                  counter.mark_sent,
                   lambda: Watchdog(liveness, 0, "waiting for the writer (rank 0)"))
         # A fault not reached by then: at the end of its work.
         work.job.faults.fault_point(work.ctx.rank, sys.maxsize)
@@ -225,7 +221,8 @@ class SharedBatches:
         work, k = self.work, self.k
         plan, local = work.plan, iter(self.local)
         decoder = vae_owners(plan, k)
-        owner = {b: group * k + decoder[b] for b, group in owner_of(self.shares).items()}
+        owner = {b: group * k + decoder[b] for group, share in enumerate(self.shares)
+                 for b in share}
         for written, index in enumerate(batches):
             b = plan.batches[index]
             work.job.faults.fault_point(work.ctx.rank, written)
@@ -317,12 +314,9 @@ def _mark_done(ctx: DistContext, job: Job):
 def run_file_job(ctx: DistContext, job: Job, src, output, progress=None, should_stop=None,
                  stats=None) -> Path | None:
     """This rank's share of ``upscale_file`` (``output``: the facade's ``FileOutput``);
-    returns the output path on rank 0.
-
-    The writer keeps the job's resume journal (``pipeline/resume.py``) exactly as one process
-    would: a killed job (a lost writer, a failed launch, torchrun restarting its workers) run
-    again continues from the writer's last verified piece, with any number of ranks.
-    ``stats`` (a ``JobStats``, writer rank) is told the frames and the batches reused."""
+    returns the output path on rank 0, which keeps the resume journal as one process would
+    (docs/resume.md). ``stats`` (a ``JobStats``, writer rank) is told the frames and the
+    batches reused."""
     from ..io import open_media
     from ..memory.policy import resolve_dtype
     from ..pipeline.identity import source_digest

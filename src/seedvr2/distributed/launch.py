@@ -48,22 +48,15 @@ def parse_devices(spec: str) -> list[str]:
 
 @contextlib.contextmanager
 def _hosted_store(timeout_s: float):
-    """The job's rendezvous store, hosted by the launcher for as long as the job runs; yields
-    its port, which the OS picked when the store bound it. Rank 0 used to bind a port picked
-    free beforehand, seconds later (once it had imported torch): another process could take
-    the port meanwhile. Hosted here, the store also outlives any rank (rank 0 hosting it took
-    it down, or froze it, with itself)."""
+    """The job's rendezvous store, hosted by the launcher for as long as the job runs (so it
+    outlives any rank); yields its port, which the OS picked when the store bound it: no port
+    picked free beforehand that another process could take meanwhile."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
     try:
         yield store.port
     finally:
         del store  # the last reference: its server stops here, after the workers have ended
-
-
-def _log_like_parent(rank: int, level: int):
-    """A spawned worker starts without logging set up: show what the parent would, by rank."""
-    logging.basicConfig(level=level, format=f"%(levelname)s %(name)s rank {rank}: %(message)s")
 
 
 def _join_group(rank: int, devices: list[str], port: int, threads: int, timeout_s: float):
@@ -79,6 +72,7 @@ def _join_group(rank: int, devices: list[str], port: int, threads: int, timeout_
 
 
 WRITER_STATS = "writer.json"  # in the launch folder: the writer's JobStats for the summary
+_WRITER_COUNTS = ("frames", "batches_reused", "batches_total")  # the JobStats it holds
 
 
 def _file_worker(rank: int, devices: list[str], port: int, threads: int, log_level: int,
@@ -86,15 +80,15 @@ def _file_worker(rank: int, devices: list[str], port: int, threads: int, log_lev
     from ..pipeline.runner import JobStats
     from .job import STARTED_ENV, run_file_job
 
-    _log_like_parent(rank, log_level)
+    # A spawned worker starts without logging set up: show what the parent would, by rank.
+    logging.basicConfig(level=log_level, format=f"%(levelname)s %(name)s rank {rank}: %(message)s")
     ctx = _join_group(rank, devices, port, threads, job.opts.dist_timeout)
     stats = JobStats()
     try:
         run_file_job(ctx, job, *file, stats=stats)
         if ctx.is_writer:
             Path(os.environ[STARTED_ENV], WRITER_STATS).write_text(json.dumps(
-                {"frames": stats.frames, "batches_reused": stats.batches_reused,
-                 "batches_total": stats.batches_total}))
+                {name: getattr(stats, name) for name in _WRITER_COUNTS}))
     finally:
         destroy()
 
@@ -113,10 +107,6 @@ def _tensor_worker(rank: int, devices: list[str], port: int, threads: int, job,
         run_tensor_job(ctx, job, *tensors, progress=report, should_stop=stop.is_set)
     finally:
         destroy()
-
-
-def _threads_per_rank(device_list: list[str]) -> int:
-    return max(1, (os.cpu_count() or 1) // len(device_list))
 
 
 def _failure(workers, rank: int) -> RuntimeError:
@@ -147,34 +137,23 @@ class _Imported:
         return importlib.import_module, (self.name,)
 
 
-class _WorkerFunction:
-    """A worker function of this module, pickled by the library's name. Inside ComfyUI this
-    module is imported under the pack's folder path (``/…/custom_nodes/X.src.seedvr2…``),
-    which a spawned child cannot import; it imports ``seedvr2`` instead."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __reduce__(self):
-        return getattr, (_Imported(LIBRARY_MODULE), self.name)
-
-
 class _LibraryPickler(pickle.Pickler):
-    """Pickles this library's classes under its own name: inside ComfyUI they live in modules
-    named after the pack's folder path (``/…/custom_nodes/X.src.seedvr2.pipeline.setup``),
-    which a spawned child cannot import."""
+    """Pickles this library's classes and functions (the workers) under its own name: inside
+    ComfyUI they live in modules named after the pack's folder path
+    (``/…/custom_nodes/X.src.seedvr2.pipeline.setup``), which a spawned child cannot import."""
 
     prefix = __name__[:-len(LIBRARY_MODULE)]  # "/…/X.src." inside ComfyUI, else ""
 
     def reducer_override(self, obj):
-        if isinstance(obj, type) and obj.__module__.startswith(self.prefix + "seedvr2"):
+        if isinstance(obj, (type, types.FunctionType)) and \
+                obj.__module__.startswith(self.prefix + "seedvr2"):
             return getattr, (_Imported(obj.__module__[len(self.prefix):]), obj.__qualname__)
         return NotImplemented
 
 
 class _Portable:
-    """``value`` (a job, an output: our dataclasses) sent to a spawned worker, unpickled
-    there under the library's own module names (:class:`_LibraryPickler`)."""
+    """``value`` (a worker function, a job, an output: our dataclasses) sent to a spawned
+    worker, unpickled there under the library's own module names (:class:`_LibraryPickler`)."""
 
     def __init__(self, value):
         buffer = io.BytesIO()
@@ -217,10 +196,9 @@ LAUNCH_FOLDER_GRACE_S = 60.0
 
 
 def remove_stale_launch_folders() -> list[Path]:
-    """Remove the launch folders of launchers that are gone (killed, so their ``with`` never
-    cleaned up); returns them. A live launcher holds a lock on its folder (:func:`hold`: the
-    kernel drops it when the process ends, ``kill -9`` included), so a folder that can be
-    locked is abandoned, and a live job's is never touched."""
+    """Remove the launch folders of launchers that are gone (killed before their cleanup);
+    returns them. A live launcher holds a lock on its folder (:func:`hold`, dropped by the
+    kernel when it dies), so a folder that can be locked is abandoned."""
     removed = []
     for folder in Path(tempfile.gettempdir()).glob(f"{LAUNCH_PREFIX}*"):
         try:
@@ -252,14 +230,17 @@ def _launched(worker, device_list: list[str], timeout_s: float, args: tuple):
 
     remove_stale_launch_folders()
     with tempfile.TemporaryDirectory(prefix=LAUNCH_PREFIX) as started, \
-            _hosted_store(timeout_s) as port, _held(Path(started)):
+            _hosted_store(timeout_s) as port, contextlib.ExitStack() as held:
+        lock = hold(Path(started))  # a live launcher's (remove_stale_launch_folders)
+        if lock is not None:
+            held.callback(lock.release)
         previous = os.environ.get(STARTED_ENV)
         os.environ[STARTED_ENV] = started  # the children's environment is ours at spawn
+        threads_per_rank = max(1, (os.cpu_count() or 1) // len(device_list))
         try:
             with _spawnable():
                 workers = mp.start_processes(
-                    _WorkerFunction(worker.__name__),
-                    args=(device_list, port, _threads_per_rank(device_list), *args),
+                    _portable(worker), args=(device_list, port, threads_per_rank, *args),
                     nprocs=len(device_list), join=False, start_method="spawn")
         finally:
             if previous is None:
@@ -270,17 +251,6 @@ def _launched(worker, device_list: list[str], timeout_s: float, args: tuple):
             yield workers, Path(started)
         finally:
             _stop(workers)
-
-
-@contextlib.contextmanager
-def _held(folder: Path):
-    """``folder`` locked as a live launcher's (:func:`remove_stale_launch_folders`)."""
-    lock = hold(folder)
-    try:
-        yield
-    finally:
-        if lock is not None:
-            lock.release()
 
 
 def spawn_file_job(device_list: list[str], job, src, output, stats=None) -> Path:
@@ -301,22 +271,18 @@ def spawn_file_job(device_list: list[str], job, src, output, stats=None) -> Path
             written = started / WRITER_STATS
             if written.is_file():
                 writer = json.loads(written.read_text())
-                stats.frames, stats.batches_reused, stats.batches_total = (
-                    writer["frames"], writer["batches_reused"], writer["batches_total"])
+                for name in _WRITER_COUNTS:
+                    setattr(stats, name, writer[name])
             stats.ranks_lost = lost
     return Path(output.dst)
 
 
 def _join(workers, timeout_s: float, started: Path, tick=None):
-    """Wait for the job: it fails when the writer (rank 0) fails, or when any rank fails
-    before it has started the job (``job._mark_started``: the last collective is behind it).
-    A rank that dies later is reported and the job goes on: the writer computes its
-    unfinished batches (``taking.py``). A writer that has shown no sign of life for
-    ``timeout_s`` (its mark's time stopped moving: frozen) fails the job too. Raises naming
-    the failed rank once the others are stopped (:data:`STOP_GRACE_S` to end by themselves,
-    then SIGTERM, then SIGKILL). Once the writer has finished the output (it exited, or marked
-    it done), the output is complete: a rank still running ``timeout_s`` after that (frozen
-    after its last batch, or the writer stuck leaving the process group) is stopped."""
+    """Wait for the job; returns the ranks it went on without (rank -> exit code). Raises
+    naming the rank, once the others are stopped, when the writer (rank 0) fails or freezes
+    (its mark's time stops moving for ``timeout_s``) or any rank fails before it has started
+    the job (``job._mark_started``). A rank still running ``timeout_s`` after the output is
+    complete is stopped. See docs/multi-gpu.md#when-a-rank-is-lost."""
     processes = workers.processes
     lost: dict[int, int] = {}  # rank -> exit code: the ranks the job went on without
     ended: set[int] = set()  # ranks whose failure is dealt with
@@ -387,13 +353,9 @@ def _stop(workers):
 
 def spawn_tensor_job(device_list: list[str], job, frames: torch.Tensor, out_shape: tuple,
                      progress=None, should_stop=None) -> torch.Tensor:
-    """Run ``upscale`` on frames in memory over several local devices.
-
-    Frames go to the workers and results come back through shared memory (no pickling of
-    the video); the writer rank reports finished frames to ``progress`` here, and
-    ``should_stop`` is polled here and relayed to every worker. Works from a parent that has
-    already initialised CUDA (ComfyUI): the workers are spawned, not forked.
-    """
+    """Run ``upscale`` on frames in memory over several local devices, spawned (not forked:
+    the parent may have initialised CUDA), the frames both ways in shared memory; the writer's
+    finished frames reach ``progress`` here, and ``should_stop`` is relayed to every worker."""
     import torch.multiprocessing as mp
 
     from ..pipeline.runner import Interrupted

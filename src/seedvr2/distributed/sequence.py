@@ -1,31 +1,9 @@
-"""Sequence parallelism: one DiT call spread over the ranks of a group (Ulysses all-to-all).
-
-For a batch whose tokens do not fit one device. Every rank of the group runs the same DiT call
-on the same inputs; between the input embeddings and the output projection each rank holds a
-contiguous shard of the packed video tokens (uneven when the count does not divide), so the
-token-wise parts — modulation, norms, MLPs, projections — cost 1/N each. Around attention two
-``all_to_all_single`` exchanges turn ``[tokens/N, heads, d]`` into ``[tokens, heads/N, d]`` and
-back: each rank then attends for its own heads over every token, so window partition and RoPE
-see the full token positions and the result equals the one-process forward. Text tokens are
-few and stay replicated: each rank slices its heads of the text q/k/v and receives the other
-heads' text outputs in the same exchange that returns its video rows. At the end the video rows
-are gathered, so every rank returns the whole output.
-
-The DiT knows nothing of processes: :class:`UlyssesSequenceParallel` implements the
-``seedvr2.models.attention.SequenceParallel`` protocol and is installed with
-``NaDiT.set_sequence_parallel`` (or :func:`sequence_parallel`). Inference only (the collectives
-carry no gradients). NCCL (CUDA tensors) and gloo (CPU) both work; the group's timeout applies
-to every exchange. The number of heads must divide by the group size.
-
-Meeting before the exchanges. Ranks reach their first exchange after loading the models,
-encoding a chunk and, with ``compile``, compiling each block's graphs between its exchanges:
-work whose time differs between ranks by more than the group's timeout (60 s by default),
-which a waiting NCCL collective would turn into an error. So during the first DiT call at
-each input shape (where torch.compile may compile) the group meets at a barrier of a gloo
-group with a long timeout (:func:`meeting_group`) before every exchange; later calls at that
-shape exchange directly, and a dead peer still fails the barrier at once (its socket closes).
-The barrier is between hosts and does not wait for any GPU (no device sync): after it a
-rank's collective can lag only by its own launch queue, seconds, well inside the timeout.
+"""Sequence parallelism: one DiT call spread over the ranks of a group (Ulysses all-to-all),
+for a batch whose tokens do not fit one device: token shards outside attention, head shards
+inside, so the result equals the one-process forward. The DiT knows nothing of processes:
+:class:`UlyssesSequenceParallel` implements ``seedvr2.models.attention.SequenceParallel``.
+Inference only. How, and why ranks meet before the first exchanges:
+docs/multi-gpu.md#sequence-parallelism.
 """
 
 from __future__ import annotations
@@ -45,10 +23,7 @@ def shard_bounds(total: int, parts: int) -> list[int]:
     """Row offsets of ``parts`` contiguous shards of ``total`` rows, the first ones one longer
     when ``parts`` does not divide ``total``: shard r is ``[bounds[r], bounds[r + 1])``."""
     base, extra = divmod(total, parts)
-    bounds = [0]
-    for r in range(parts):
-        bounds.append(bounds[-1] + base + (r < extra))
-    return bounds
+    return [r * base + min(r, extra) for r in range(parts + 1)]
 
 
 @dataclasses.dataclass
@@ -87,7 +62,7 @@ class UlyssesSequenceParallel:
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        # The same ranks as ``group`` over gloo with a long timeout (see the module's notes);
+        # The same ranks as ``group`` over gloo with a long timeout (meeting_group);
         # None: no meeting (every rank is known to be ready).
         self.meeting = meeting
         self.shapes_seen: set = set()
@@ -176,17 +151,18 @@ def sequence_group(size: int, timeout: Optional[datetime.timedelta] = None
     """This rank's sequence-parallel group when the world is cut into groups of ``size``
     consecutive ranks (ranks 0..size-1, size..2·size-1, ...). Collective: every rank of the
     world must call it, with the same ``size``. ``None`` means the default (whole-world) group."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     if size < 1 or world % size:
         raise ValueError(f"sequence_parallel={size} must divide the number of ranks ({world})")
-    if size == world:
-        return None
-    mine = None
-    for start in range(0, world, size):
-        group = dist.new_group(list(range(start, start + size)), timeout=timeout)
-        if start <= rank < start + size:
-            mine = group
-    return mine
+    return None if size == world else _own_group(size, timeout=timeout)
+
+
+def _own_group(size: int, **group_args) -> dist.ProcessGroup:
+    """This rank's group of ``size`` consecutive ranks; every rank makes every group."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = [dist.new_group(list(range(start, start + size)), **group_args)
+              for start in range(0, world, size)]
+    return groups[rank // size]
 
 
 # How long a rank waits at the meeting for the slowest of its group: loading a model, encoding
@@ -199,16 +175,7 @@ def meeting_group(size: int) -> Optional[dist.ProcessGroup]:
     with the :data:`MEETING_WAIT` timeout, for the meetings before the first exchanges.
     Collective: every rank of the world calls it, with the same ``size``. ``None`` for a
     group of one."""
-    if size == 1:
-        return None
-    world, rank = dist.get_world_size(), dist.get_rank()
-    mine = None
-    for start in range(0, world, size):
-        group = dist.new_group(list(range(start, start + size)), timeout=MEETING_WAIT,
-                               backend="gloo")
-        if start <= rank < start + size:
-            mine = group
-    return mine
+    return None if size == 1 else _own_group(size, timeout=MEETING_WAIT, backend="gloo")
 
 
 @contextlib.contextmanager

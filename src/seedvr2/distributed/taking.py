@@ -1,25 +1,7 @@
-"""Chunks taken, not dealt: each rank takes the plan's next chunk when it is ready for one.
-
-A counter in the process group's store hands out chunk indices (``store.add`` is atomic), and
-the taker records itself as the chunk's owner, so the writer (rank 0) knows whom to receive
-each chunk from. A slow rank therefore takes fewer chunks instead of setting everyone's pace.
-
-The writer still delivers batches in plan order and memory stays bounded: while it waits
-for a chunk that another rank is computing, it takes and computes up to
-:data:`LOOKAHEAD_CHUNKS` further chunks itself and keeps their frames until their turn; other
-ranks hold one finished batch in flight, as before. Results are the same frames whichever
-rank computes a batch (per-batch seeds), so taking changes speed only.
-
-**Lost ranks.** Every rank beats a heartbeat in the store and publishes where it runs. The
-writer counts a rank as lost when its process is gone (same machine: its pid has exited)
-or its heartbeat has not moved for ``dist_timeout`` (frozen: SIGSTOP, a hung driver), and
-when a receive from it fails (gloo reports the closed connection at once). A frozen rank on
-this machine is killed first, which is also what ends a receive blocked on it; one on another
-machine cannot be, and a receive blocked on it ends the writer (torchrun's restarts and
-resume take over). The writer then computes the lost rank's undelivered batches itself —
-they are the ones it needs next — while the other ranks go on taking chunks. A rank holds at
-most two chunks with undelivered batches (the one it computes and the one whose last send is
-in flight), so nothing else is lost with it.
+"""Chunks taken, not dealt: each rank takes the plan's next chunk when it is ready for one (a
+counter in the process group's store), so a slow rank takes fewer chunks instead of setting
+everyone's pace. The writer receives them in plan order, computing chunks ahead while it
+waits, and computes a lost rank's undelivered batches itself (docs/multi-gpu.md).
 """
 
 from __future__ import annotations
@@ -74,6 +56,10 @@ class ChunkCounter:
         key = self.prefix + f"owner/{chunk}"
         return int(self.store.get(key)) if self.store.check([key]) else None
 
+    def mark_sent(self, batch_index: int):
+        """Tell the writer that this batch's message is posted: it may block on it now."""
+        self.store.set(self.prefix + f"sent/{batch_index}", "1")
+
 
 def _process_here() -> str:
     """Where this process runs, comparable between ranks: a pid means the same process only
@@ -95,10 +81,8 @@ class RankLost(Exception):
 
 
 class Heartbeat:
-    """While a rank works, a thread counts up its key in the store every second. A rank that
-    is frozen (SIGSTOP, a hung process) stops counting; one that is merely slow (a long chunk
-    on a big GPU job) keeps counting, so waiting for its frames is not mistaken for death.
-    The rank also publishes where it runs (:func:`_process_here` and its pid)."""
+    """While a rank works, a thread counts up its key in the store every second: a frozen
+    rank stops counting, a slow one does not. The rank also publishes where it runs."""
 
     PERIOD_S = 1.0
 
@@ -206,13 +190,10 @@ class Liveness:
 
 
 class Watchdog:
-    """Around a blocking wait for rank ``rank``'s frames: gloo's point-to-point operations
-    cannot be polled or interrupted, so a thread watches that rank meanwhile. When it is
-    lost: with ``stop_lost`` and the rank on this machine, the thread kills it, so the wait
-    raises and the caller carries on without it; otherwise it ends this process with an error
-    naming the rank (the launchers then stop the rest; a temporary left behind is removed by
-    the launcher or by the next run of the same output, and a resumable job keeps its
-    complete segments)."""
+    """Around a blocking wait for rank ``rank``'s frames (gloo's point-to-point operations
+    cannot be polled or interrupted), a thread watches that rank. When it is lost: with
+    ``stop_lost`` and the rank on this machine, it kills it, so the wait raises and the caller
+    carries on without it; otherwise it ends this process with an error naming the rank."""
 
     def __init__(self, liveness: Liveness, rank: int, what: str, stop_lost: bool = False):
         self.liveness, self.rank, self.what, self.stop_lost = liveness, rank, what, stop_lost
@@ -240,11 +221,6 @@ class Watchdog:
         self._done.set()
 
 
-def mark_sent(counter: ChunkCounter, batch_index: int):
-    """Tell the writer that this batch's message is posted: it may block on it now."""
-    counter.store.set(counter.prefix + f"sent/{batch_index}", "1")
-
-
 def _slowed(delay: float, outputs):
     for batch, out in outputs:
         if delay:
@@ -261,10 +237,8 @@ def chunk_outputs(rank: int, counter: ChunkCounter, plan, compute, faults):
 
 class ChunkCollector:
     """The writer's side: take chunks, receive the others', and yield ``(batch, frames)`` for
-    every batch of chunks ``counter.first``… in plan order (:meth:`outputs`). While a chunk
-    it waits for is computed elsewhere, it computes up to :data:`LOOKAHEAD_CHUNKS` chunks
-    ahead (``held``); a lost rank's undelivered batches are computed here (see the module's
-    notes); the log says what happened."""
+    every batch of chunks ``counter.first``… in plan order (:meth:`outputs`), computing chunks
+    ahead while it waits (``held``) and a lost rank's undelivered batches; the log says so."""
 
     def __init__(self, work, counter: ChunkCounter, compute):
         self.rank, self.plan, self.faults = work.ctx.rank, work.plan, work.job.faults

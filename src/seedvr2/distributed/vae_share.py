@@ -1,16 +1,6 @@
-"""The VAE side of sequence parallelism: the ranks of a group share each chunk's VAE work.
-
-The ranks of a sequence-parallel group must make the same DiT calls, but the VAE needs no
-cooperation, and every rank used to encode and decode every batch of its group's chunks.
-Here a chunk's batches are dealt in turn to the ranks of the group (:func:`vae_owners`). A
-batch's owner alone encodes it and sends the latent to the group before the DiT call (a
-broadcast over the group's gloo meeting group: CPU tensors and a long timeout, since the
-ranks finish their encodes at different times); every rank makes the joint DiT call and
-gets the whole result; the owner alone decodes it (it kept the batch's reference frames for
-colour correction, so nothing at full resolution travels) and delivers the frames to the
-writer. Each batch is computed exactly as in one process (same seeds, same code), so the
-output is the same. With one batch per chunk (``chunk_size`` 0) one rank of the group runs
-the VAE while the others wait: no faster than before, but the others hold no VAE activations.
+"""The VAE side of sequence parallelism: the ranks of a group share each chunk's VAE work. A
+batch's owner (:func:`vae_owners`) alone encodes it, sends the latent to the group before the
+joint DiT call, and decodes and delivers it (docs/multi-gpu.md#sequence-parallelism).
 """
 
 from __future__ import annotations
@@ -22,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..pipeline.plan import Batch, BatchPlan
-from ..pipeline.runner import Upscaler
+from ..pipeline.runner import Upscaler, _Encoded
 
 log = logging.getLogger("seedvr2")
 
@@ -37,21 +27,11 @@ def vae_owners(plan: BatchPlan, size: int) -> dict[int, int]:
     return {b: position % size for chunk in plan.chunks for position, b in enumerate(chunk)}
 
 
-class _Elsewhere:
-    """A batch another rank of the group encodes: its latent arrives before the DiT call."""
-
-    def __init__(self, batch: Batch):
-        self.batch, self.latent, self.result = batch, None, None
-
-
 class SharedVaeUpscaler(Upscaler):
     """An :class:`Upscaler` for one rank of a sequence-parallel group: the VAE phases run
-    only this rank's batches (``vae_owners``), the DiT phase every batch of the group.
-
-    ``seat`` is this rank's place in its group and the global rank of the group's rank 0,
-    ``channel`` a gloo group of the group's ranks (``sequence.meeting_group``). Batches this
-    rank does not decode are yielded with ``None`` frames.
-    """
+    only this rank's batches (``vae_owners``; the others come out with ``None`` frames), the
+    DiT phase every batch of the group. ``seat``: this rank's place in its group and the
+    global rank of the group's rank 0; ``channel``: the group's ``meeting_group``."""
 
     def __init__(self, models, opts, progress, should_stop, *, owners: list[int],
                  seat: tuple[int, int], channel: Optional[dist.ProcessGroup]):
@@ -65,7 +45,7 @@ class SharedVaeUpscaler(Upscaler):
 
     def _encode(self, batch: Batch, frames: list, size: tuple[int, int]):
         if not self.owns(batch):
-            return _Elsewhere(batch)
+            return _Encoded(batch, None, None, size)  # its latent arrives before the DiT call
         log.debug("VAE of batch %d: encoded and decoded on this rank", batch.index)
         return super()._encode(batch, frames, size)
 

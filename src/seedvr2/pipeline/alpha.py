@@ -1,45 +1,6 @@
-"""Alpha-channel upscaling for RGBA inputs, guided by the upscaled colour image.
-
-The diffusion model only sees RGB; the alpha channel of an RGBA input is upscaled apart and
-has to land on the object boundaries the model drew. Plain interpolation leaves a rim about
-two input pixels wide (a blurred halo on hard mattes) and ignores where the upscaled RGB
-actually put the edge. Following numz's edge-guided idea, with the changes noted,
-:func:`upscale_alpha` works in four steps:
-
-1. **Base.** Bicubic interpolation of alpha to the output size (antialiased where it
-   shrinks), limited to the range of the input's 3×3 neighbourhood around each output
-   pixel's nearest source pixel. The limit removes bicubic over- and undershoot and makes
-   any region with a constant neighbourhood -- fully opaque, fully transparent or any
-   other constant -- exactly that constant.
-2. **Guided filter** (He, Sun & Tang, TPAMI 2013) of the base, with the luminance of the
-   upscaled RGB as guide: in every (2r+1)² window alpha is fitted as ``a·Y + b`` (ridge
-   regression, ``eps = 3e-4``, i.e. luminance contrasts above ~0.02 count), and the
-   averaged fits give alpha transitions that follow the luminance edges of the upscaled
-   image. The radius grows with the scale factor, ``r = min(8, 2·ceil(scale))``, so that a
-   window spans the interpolated rim and the edge it should snap to.
-3. **Confidence gating.** A guided filter on a guide that does not explain alpha (flat
-   areas, unrelated texture) degenerates into a double box blur. The filtered alpha is
-   therefore used in proportion to the squared correlation ``ρ²`` between guide and alpha
-   in the window, dilated by r (a pixel near a well-explained window is trusted), and the
-   base is kept elsewhere. numz filters everywhere, which softens smooth (non-binary)
-   mattes under textured RGB; a Sobel-magnitude gate was tried and fails the same way,
-   since texture has edges too.
-4. **Matte sharpening.** If the input alpha is a hard matte -- at least 95 % of its pixels
-   (over all frames) lie within 0.1 of 0 or 1 or on a rim between such pixels (an
-   intermediate pixel with both a near-0 and a near-1 pixel within two pixels) -- the
-   transition is steepened by a sigmoid of gain 12 around 0.5, rescaled so that 0 and 1
-   stay fixed. The rim shrinks to a fraction of its width but stays anti-aliased. numz
-   decides "binary" from the 95 % count alone (which small or detailed mattes fail, since
-   their rim pixels are many) and snaps everything away from RGB edges to hard 0/1, which
-   aliases.
-
-The result is clamped to the neighbourhood range of step 1 once more: no step can create
-alpha values the input does not have locally, and constant alpha stays exactly constant.
-Edges can thus move by at most about one input pixel toward the RGB edge.
-
-Everything is deterministic (no atomics, no randomness), computes in float32, processes a
-few frames at a time to bound memory (about 15 single-channel full-size maps per chunk),
-and returns alpha's dtype on rgb's device.
+"""Alpha-channel upscaling for RGBA inputs, guided by the upscaled colour image: a bicubic
+base limited to the input's local range, a guided filter on the RGB's luminance used where it
+explains alpha, hard mattes sharpened. The steps and their reasons: docs/library.md (Alpha).
 """
 
 from __future__ import annotations
@@ -104,18 +65,15 @@ def _is_hard_matte(alpha: Tensor) -> bool:
     """True when (almost) every pixel is near 0, near 1, or on a thin rim between both."""
     near0 = alpha <= BINARY_TOLERANCE
     near1 = alpha >= 1.0 - BINARY_TOLERANCE
-    pad = RIM_WINDOW // 2
-    has0 = F.max_pool2d(near0.float(), RIM_WINDOW, stride=1, padding=pad) > 0
-    has1 = F.max_pool2d(near1.float(), RIM_WINDOW, stride=1, padding=pad) > 0
+    has0 = _dilate(near0.float(), RIM_WINDOW // 2) > 0
+    has1 = _dilate(near1.float(), RIM_WINDOW // 2) > 0
     settled = near0 | near1 | (has0 & has1)
     return bool(settled.float().mean() >= BINARY_FRACTION)
 
 
 def _local_range(alpha: Tensor, size: tuple[int, int], window: int) -> tuple[Tensor, Tensor]:
     """Min and max of alpha over a window around each output pixel's nearest source pixel."""
-    pad = window // 2
-    high = F.max_pool2d(alpha, window, stride=1, padding=pad)
-    low = -F.max_pool2d(-alpha, window, stride=1, padding=pad)
+    high, low = _dilate(alpha, window // 2), -_dilate(-alpha, window // 2)
     return (F.interpolate(low, size=size, mode="nearest"),
             F.interpolate(high, size=size, mode="nearest"))
 
@@ -142,7 +100,7 @@ def upscale_alpha(alpha: Tensor, rgb: Tensor) -> Tensor:
     """Alpha (T, 1, h, w) in [0, 1] resized to the upscaled RGB (T, 3, H, W) in [0, 1].
 
     Returns (T, 1, H, W) in [0, 1] with alpha's dtype, on rgb's device; transitions are
-    aligned with the RGB edges and, for hard mattes, sharpened (see the module docstring).
+    aligned with the RGB edges and, for hard mattes, sharpened (docs/library.md).
     """
     if alpha.ndim != 4 or alpha.shape[1] != 1:
         raise ValueError(f"alpha must be (T, 1, h, w), got {tuple(alpha.shape)}")

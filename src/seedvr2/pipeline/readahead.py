@@ -1,14 +1,11 @@
-"""Read input frames ahead on a thread while the device computes.
+"""Read input frames ahead on a thread while the device computes: :class:`ReadAhead` wraps any
+frame iterator (a video reader's ``frames()``, a tensor) in a bounded queue, so decoding the
+next batch's frames overlaps the current batch's compute instead of following it.
 
-:class:`ReadAhead` wraps any frame iterator (a video reader's ``frames()``, a tensor): one
-thread pulls items into a bounded queue, the caller takes them in order. Decoding the next
-batch's frames then overlaps the current batch's compute instead of following it.
-
-The wrapped iterator is only ever advanced by the reading thread, and closed by it
-(``close()`` on a generator, which runs its ``finally``) before the thread ends; ``close()``
-here waits for that, so whoever owns the reader (``with open_media(...)``) may close it as
-soon as ``close()`` returns. An exception raised by the iterator is raised to the caller at
-the position it occurred, after the items read before it.
+Only the reading thread advances the wrapped iterator, and it closes it (a generator's
+``finally`` runs) before it ends; ``close()`` waits for that, so the reader's owner (``with
+open_media(...)``) may close the reader once it returns. An exception from the iterator is
+raised to the caller where it occurred, after the items read before it.
 """
 
 from __future__ import annotations
@@ -17,11 +14,12 @@ import queue
 import threading
 from typing import Iterable, Iterator
 
-_END = object()
 _POLL_S = 0.05  # how often a blocked put or get looks whether the other side has stopped
 
 
-class _Failed:
+class _Ended:
+    """How the wrapped iterator ended: StopIteration, or the error it raised."""
+
     def __init__(self, error: BaseException):
         self.error = error
 
@@ -53,9 +51,9 @@ class ReadAhead(Iterator):
             for item in self._items:
                 if not self._put(item):
                     return
-            self._put(_END)
+            self._put(_Ended(StopIteration()))
         except BaseException as e:  # noqa: BLE001 -- handed to the caller's thread
-            self._put(_Failed(e))
+            self._put(_Ended(e))
         finally:
             close = getattr(self._items, "close", None)
             if close is not None:
@@ -72,10 +70,7 @@ class ReadAhead(Iterator):
                 if not self._thread.is_alive() and self._queue.empty():
                     self._done = True  # stopped by close()
                     raise StopIteration from None
-        if item is _END:
-            self._done = True
-            raise StopIteration
-        if isinstance(item, _Failed):
+        if isinstance(item, _Ended):
             self._done = True
             raise item.error
         return item

@@ -1,46 +1,9 @@
 """Resume: a file job killed at any instant continues where it stopped when run again.
 
-While a job runs, its output is kept next to the output, in the hidden folder
-``.NAME.seedvr2-resume/``, as closed **pieces**:
-
-* **segments**: consecutive runs of whole chunks of the batch plan, each a finished file of
-  its own (a video in the output's codec, or a folder of lossless PNGs for image outputs).
-  Their boundaries depend on the plan alone (at least :data:`SEGMENT_FRAMES` frames), so the
-  assembled file does not depend on when a job was killed;
-* **parts**: the frames of the segment being written that are final so far, raw (exact
-  integers), closed at a chunk's end once :data:`CHECKPOINT_SECONDS` of work passed since
-  the last piece closed. A kill then loses at most that much work, whatever the clip's
-  length. A resumed job feeds them to the segment's encoder again (encoding is cheap next
-  to computing the frames), so the segment's bytes are those of an uninterrupted run;
-  they are deleted when their segment closes.
-
-Beside them are a small **journal** (``journal.json``) naming what the job is (options, plan,
-output, and the input and model files by content digest) and every closed piece with the
-SHA-256 of its content, and the **tail**: the last completed batch's frames that the next
-batch still cross-fades with (float32, exact), also by SHA-256. Each of those is written
-under a temporary name, flushed to disk and renamed, and the journal is renamed last:
-whatever instant a kill -9 hits, the journal names only pieces that are whole.
-
-Running the same job again (same input, output, options, models) reads the journal, checks
-every piece and the tail against their digests, drops anything it does not name, and
-computes only the batches after the last good piece; the tail restores the blend, and every
-batch draws its noise from (seed, its first frame), so the frames are those of an
-uninterrupted run. A damaged or missing piece is named (one line each) and computed again
-with everything after it; when the tail is not the one after the last good piece, the last
-good chunk is computed again for it. Segments are checked again right before the assembly
-and parts as they are read back: nothing unverified reaches the output. Anything different
-starts fresh, saying what differs. ``resume=False`` (``--no-resume``) discards what was kept
-and starts over.
-
-When every segment is complete the final output is assembled: videos by stream copy of the
-segments' packets (no re-encoding) with the source's audio muxed in at that point; image
-outputs through the ordinary image writer. Then the folder is removed. A job that fails or
-is interrupted keeps the folder when at least one piece is complete (and says so), and
-removes it otherwise. A live job locks its folder (``io/temporaries.py``): a second job on
-the same output is refused, naming the first.
-
-A job whose plan is a single chunk (a single image, a very short clip) is written directly,
-as is a video made from images without a rate.
+The output is kept beside it, in ``.NAME.seedvr2-resume/``, as closed pieces (segments of
+whole plan chunks, parts of the segment being written), the blend tail and a journal naming
+each with its SHA-256; the same job run again verifies them and computes only what is
+missing, so the file is that of an uninterrupted run. How, and its limits: docs/resume.md.
 """
 
 from __future__ import annotations
@@ -103,10 +66,6 @@ class Piece:
     frames: int
     sha256: str
     shape: Optional[tuple[int, int, int]] = None
-
-    @property
-    def is_part(self) -> bool:
-        return self.shape is not None
 
     def entry(self) -> dict:
         entry = {"name": self.name, "segment": self.segment,
@@ -195,10 +154,8 @@ def _journal_identity(identity: dict, plan: BatchPlan, output, compute_dtype: to
 
 def _write_atomically(path: Path, data: bytes):
     temp = path.with_name(f".{path.name}.tmp")
-    with open(temp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    temp.write_bytes(data)
+    sync_file(temp)
     os.replace(temp, path)
 
 
@@ -246,9 +203,8 @@ class _Part:
         self.frames += len(frames)
 
     def close(self, last_batch: int) -> Piece:
-        self.file.flush()
-        os.fsync(self.file.fileno())
         self.file.close()
+        sync_file(self.temp)
         os.replace(self.temp, self.temp.with_name(self.name))
         return Piece(self.name, self.segment.number, self.first_batch, last_batch,
                      self.first_frame, self.frames, self.digest.hexdigest(), self.shape)
@@ -436,16 +392,15 @@ class ResumeState:
         return next((s.number for s in self.segments if after in s.batches), len(self.segments))
 
     def parts_of(self, segment: Segment) -> list[Piece]:
-        return [p for p in self.pieces if p.is_part and p.segment == segment.number]
+        return [p for p in self.pieces if p.shape is not None and p.segment == segment.number]
 
     @property
     def ext(self) -> str:
         return self.identity["segment_ext"]
 
     def segment_path(self, segment: Segment) -> Path:
-        suffix = self.identity["segment_ext"]
-        return self.folder / (f"seg-{segment.number:05d}{suffix}" if suffix != "/"
-                              else f"seg-{segment.number:05d}")
+        name = f"seg-{segment.number:05d}"
+        return self.folder / (name if self.ext == "/" else name + self.ext)
 
     # -- closing pieces -----------------------------------------------------------------------
 
@@ -453,9 +408,6 @@ class ResumeState:
         interval = self.faults.checkpoint_seconds
         return time.monotonic() - self.last_checkpoint >= (
             CHECKPOINT_SECONDS if interval is None else interval)
-
-    def open_part(self, segment: Segment, first_batch: int, first_frame: int) -> _Part:
-        return _Part(self.folder, segment, first_batch, first_frame)
 
     def close_part(self, part: _Part, last_batch: int, tail: torch.Tensor):
         """Record the part's frames (the segment's frames so far) as kept."""
@@ -467,11 +419,8 @@ class ResumeState:
         """Record ``segment`` as complete (its file closed) with the blend tail after it;
         its parts go."""
         path = self.segment_path(segment)
-        if path.is_dir():
-            for f in path.iterdir():
-                sync_file(f)
-        else:
-            sync_file(path)
+        for f in path.iterdir() if path.is_dir() else [path]:
+            sync_file(f)
         self.faults.kill_point("segment", segment.number + 1)
         piece = Piece(path.name, segment.number, segment.batches[0], segment.batches[-1],
                       segment.first_frame, segment.frames, content_digest(path))
@@ -558,7 +507,6 @@ def open_resume_state(reader, output, plan: BatchPlan, identity: dict,
     same journal) and ``compute_dtype`` the precision ``dtype`` resolved to on this device
     (``auto`` differs between GPUs); ``fresh`` discards what was kept. Raises
     :class:`ResumeFolderInUse` while another job writes the same output."""
-    # Images without a rate into a video (the rate comes from ``fps``) are written directly.
     if len(plan.chunks) < 2 or output.is_video and reader.info.fps is None:
         return None
     frames = SEGMENT_FRAMES if faults.segment_frames is None else faults.segment_frames
@@ -624,13 +572,15 @@ def _restored_blender(state: ResumeState, outputs):
 def _assemble(state: ResumeState, info, output):
     """The final output from the complete segments: a video by stream copy with the source's
     audio muxed in, images through the ordinary image writer. Returns its path."""
+    from ..io import open_media
     from ..io.writer import carried_streams
 
     segments, size = state.segments, output.size
     if state.ext == "/":
         with output.open(info) as writer:
             for s in segments:
-                writer.write_many(_read_pngs(state.segment_path(s)))
+                with open_media(state.segment_path(s)) as pngs:
+                    writer.write_many(pngs.frames())
         return writer.path
     carried, subtitles = carried_streams(info, Path(str(output.dst)).suffix.lower())
     final = SegmentConcat(output.dst, [state.segment_path(s) for s in segments],
@@ -641,13 +591,6 @@ def _assemble(state: ResumeState, info, output):
                           after_segment=state.faults.assembled)
     final.close()
     return final.path
-
-
-def _read_pngs(folder: Path):
-    from ..io import open_media
-
-    with open_media(folder) as media:
-        yield from media.frames()
 
 
 def _segment_writer(segment: Segment, state: ResumeState, info, output):
@@ -683,7 +626,7 @@ def _write_segment(segment: Segment, outputs, blender, state: ResumeState, info,
     writer = _segment_writer(segment, state, info, output)
     first_batch = max(segment.batches[0], state.next_batch)
     chunks = [c for c in blender.plan.chunks if c[0] in segment.batches and c[0] >= first_batch]
-    part = state.open_part(segment, first_batch, blender.emitted)
+    part = _Part(state.folder, segment, first_batch, blender.emitted)
     try:
         with writer:
             for kept in state.parts_of(segment):
@@ -703,7 +646,7 @@ def _write_segment(segment: Segment, outputs, blender, state: ResumeState, info,
                         progress("frames", blender.emitted, blender.plan.source_frames)
                 if number + 1 < len(chunks) and part.frames and state.checkpoint_due():
                     state.close_part(part, chunk[-1], blender.pending)
-                    part = state.open_part(segment, chunk[-1] + 1, blender.emitted)
+                    part = _Part(state.folder, segment, chunk[-1] + 1, blender.emitted)
     finally:
         part.discard()
     assert written == segment.frames, (written, segment.frames)

@@ -48,12 +48,10 @@ def _check_host_copy(model, offload, setting: str):
     """The offloaded model's host copy must fit the host RAM (the model's own tensors already
     there are replaced by it, so they count as available)."""
     if offload is not None and offload.type == "cpu":
-        mem.check_host_copy(host_copy_bytes(model), _plus(mem.host_available(),
-                                                          mem.bytes_on(model, offload)), setting)
-
-
-def _plus(available, own: int):
-    return None if available is None else available + own
+        available = mem.host_available()
+        if available is not None:
+            available += mem.bytes_on(model, offload)
+        mem.check_host_copy(host_copy_bytes(model), available, setting)
 
 
 def _placement(model, device, offload, setting: str):
@@ -65,30 +63,27 @@ def _placement(model, device, offload, setting: str):
     return OffloadedModel(model, device, offload, default_pin(device, offload))
 
 
-def _load_dit(path: Path, opts: Options, dtype, device, offload):
-    swapping = opts.blocks_to_swap > 0 or opts.swap_io_components
+def _load_file(ref: ModelRef, opts: Options, dtype, device, offload):
+    """A model file loaded, placed (a DiT with BlockSwap when asked) and compiled."""
+    dit = ref.kind == "dit"
+    swapping = dit and (opts.blocks_to_swap > 0 or opts.swap_io_components)
     if swapping and offload is None:
         raise OptionError(f"{option_ref('blocks_to_swap')}/{option_ref('swap_io_components')} need "
                           f"an offload device for the swapped weights: set "
                           f"{option_ref('dit_offload_device', 'cpu')} (or another device)")
-    # An offloaded DiT loads on its offload device; only what runs reaches the GPU.
-    dit = load_dit(path, dtype, offload if offload is not None else device)
-    dit.set_attention_backend(opts.attention_backend)
+    # An offloaded model loads on its offload device; only what runs reaches the GPU.
+    model = (load_dit if dit else load_vae)(ref.model, dtype,
+                                           offload if offload is not None else device)
     placement = None
+    if dit:
+        model.set_attention_backend(opts.attention_backend)
     if swapping:
-        _check_host_copy(dit, offload, "dit_offload_device")
-        placement = BlockSwap(dit, opts.blocks_to_swap, opts.swap_io_components, device, offload)
+        _check_host_copy(model, offload, "dit_offload_device")
+        placement = BlockSwap(model, opts.blocks_to_swap, opts.swap_io_components, device, offload)
     if placement is None or not placement.active:  # no CUDA: plain offloading
-        placement = _placement(dit, device, offload, "dit_offload_device")
-    apply_compile(dit, None, CompileSettings.from_options(opts))
-    return dit, placement
-
-
-def _load_vae(path: Path, opts: Options, dtype, device, offload):
-    vae = load_vae(path, dtype, offload if offload is not None else device)
-    placement = _placement(vae, device, offload, "vae_offload_device")
-    apply_compile(None, vae, CompileSettings.from_options(opts))
-    return vae, placement
+        placement = _placement(model, device, offload, f"{ref.kind}_offload_device")
+    apply_compile(*((model, None) if dit else (None, model)), CompileSettings.from_options(opts))
+    return model, placement
 
 
 def load_models(dit=None, vae=None, *, opts: Options, model_dir=None) -> Models:
@@ -125,9 +120,8 @@ def _ready_model(ref: ModelRef, opts: Options, dtype, device, offload):
         if ref.kind == "dit":
             model.set_attention_backend(opts.attention_backend)  # a loaded file's is set at load
         return model, _placement(model, device, offload, setting)
-    load = _load_dit if ref.kind == "dit" else _load_vae
     key = ModelKey.for_file(ref.kind, ref.model, dtype, device, _settings_of(opts, ref.kind))
-    return MODEL_CACHE.get_or_load(key, lambda: load(ref.model, opts, dtype, device, offload),
+    return MODEL_CACHE.get_or_load(key, lambda: _load_file(ref, opts, dtype, device, offload),
                                    opts.cache_dit if ref.kind == "dit" else opts.cache_vae)
 
 
@@ -159,18 +153,10 @@ MakeRoom = Callable[[str, int], None]
 
 def prepare_job(models: Models, opts: Options, frame_count: int, size: tuple[int, int],
                 stats: Optional[JobStats] = None, make_room: Optional[MakeRoom] = None) -> Options:
-    """Resolve ``batch_size="auto"`` and check the memory budget, before any work starts.
-
-    ``auto`` becomes the largest 4n+1 batch (at least 5 when any fits, at most the clip
-    rounded up to 4n+1 and :data:`seedvr2.memory.budget.AUTO_MAX_BATCH`) whose estimate fits:
-    on CUDA the device's free memory, on the CPU (and other devices) the host's available
-    RAM; when that is unknown, 5. Then a job whose estimate exceeds the memory available (the
-    free memory of a CUDA device, the host's available RAM for the CPU) raises
-    :class:`~seedvr2.memory.budget.BudgetError` naming settings that would fit
-    (``SEEDVR2_MEMORY_CHECK=warn`` in the environment turns that into a warning, for when the
-    estimate is wrong). Returns the options with a concrete batch size. ``make_room`` (a
-    host such as ComfyUI) is first asked for what the job's largest batch needs.
-    """
+    """Resolve ``batch_size="auto"`` and check the memory budget (raising
+    :class:`~seedvr2.memory.budget.BudgetError`), before any work starts; returns the options
+    with a concrete batch size. ``make_room`` (a host such as ComfyUI) is first asked for what
+    the job's largest batch needs. See docs/memory.md#the-memory-budget."""
     place = _placement_of(models, opts)
     budget = mem.Budget(models.dit.config, models.vae.config, mem.Weights.of_module(models.dit),
                         mem.Weights.of_module(models.vae))
@@ -190,15 +176,15 @@ def prepare_job(models: Models, opts: Options, frame_count: int, size: tuple[int
                  "output, %d frames)", opts.batch_size, ", ".join(
                      f"{mem.gib(v)} on {d}" for d, v in (cuda or known).items()) or "the default",
                  size[1], size[0], plan_frames_of(frame_count, opts))
-    (encode, encode_slice), (decode, decode_slice) = (settings_from_options(opts, stage)
-                                                      for stage in ("encode", "decode"))
-    exact = tuple(stage for stage, tiles in (("encode", encode), ("decode", decode))
+    batch = job(opts.batch_size)
+    exact = tuple(stage for stage, tiles in (("encode", batch.encode_tiles),
+                                             ("decode", batch.decode_tiles))
                   if tiles.enabled and tiles.exact)
     if exact:
         mem.check_exact_tiling(models.vae.config, opts.batch_size, size[0], size[1],
-                               models.dtype.itemsize, decode_slice, encode_slice,
+                               models.dtype.itemsize, batch.decode_slice, batch.encode_slice,
                                mem.host_available(), exact)
-    est = _checked_estimate(budget, job(opts.batch_size), place, known)
+    est = _checked_estimate(budget, batch, place, known)
     if stats is not None:
         stats.batch_size, stats.batch_size_auto = opts.batch_size, auto
         stats.estimated_bytes = {d: est.peak(d) for d in est.devices}
@@ -216,11 +202,8 @@ def _placement_of(models: Models, opts: Options) -> mem.Placement:
 
 def _ask_for_room(make_room: MakeRoom, est: mem.Estimate, models: Models, auto: bool) -> None:
     """Ask the host for the bytes ``est`` needs on each device beyond our models' own tensors
-    there, before memory is measured: under ComfyUI's dynamic VRAM its idle models stay
-    resident until memory is demanded, so free memory alone would choose tiny batches or
-    refuse a job that fits. An automatic batch on CUDA plans within
-    :data:`~seedvr2.memory.budget.AUTO_CUDA_SHARE` of what is there, so it asks for that much
-    more."""
+    there, before memory is measured (why: docs/comfyui.md); an automatic batch on CUDA plans
+    within :data:`~seedvr2.memory.budget.AUTO_CUDA_SHARE` of it, so asks for that much more."""
     for device in sorted(est.devices):
         need = est.peak(device)
         if auto and device.startswith("cuda"):
@@ -281,16 +264,14 @@ def resolve_auto_batch_for_ranks(job: Job, devices: list[str], frame_count: int,
     the weight files' headers (no model is loaded). ``gather`` (torchrun: every rank calls
     this) turns this process's available bytes into every rank's list; without it (our
     launcher) the available memory of each listed device is asked from here, which creates
-    a CUDA context on each of them in this process.
-    """
+    a CUDA context on each of them in this process."""
     opts = job.opts
     if opts.batch_size != "auto":
         return job
     first = resolve_device(devices[0])
     dtype = resolve_dtype(opts.dtype, first)
-    dit_path, vae_path = (ref.file for ref in job.resolved().models)
-    dit_w, dit_cfg = mem.Weights.from_file(dit_path, "dit", dtype)
-    vae_w, vae_cfg = mem.Weights.from_file(vae_path, "vae", dtype)
+    (dit_w, dit_cfg), (vae_w, vae_cfg) = (mem.Weights.from_file(ref.file, ref.kind, dtype)
+                                          for ref in job.resolved().models)
     budget = mem.Budget(dit_cfg, vae_cfg, dit_w, vae_w)
     if gather is not None:
         values = gather(mem.device_available(first))
@@ -393,7 +374,8 @@ def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
 
 
 def _numbered_names(out: Path, folder_output: bool) -> str:
-    """A regular expression of the names beside ``out`` a writer may number."""
+    """A regular expression of the names beside ``out`` a writer may number (an image
+    output's whatever its frame count, which a video's header may not tell exactly yet)."""
     from ..io._common import IMAGE_EXTENSIONS, PRINTF, printf_pattern
 
     if folder_output:
@@ -408,12 +390,8 @@ def _numbered_names(out: Path, folder_output: bool) -> str:
 
 def refuse_input_as_output(inputs, dst) -> None:
     """Raise :class:`~seedvr2.io.MediaError` when writing ``dst`` would replace or delete one
-    of ``inputs``, whatever ``overwrite`` says: the same file by any path (relative or
-    absolute, a symbolic or hard link) is compared by device and inode. A folder output
-    (a PNG sequence) replaces the numbered PNGs in it and deletes those it does not write
-    (``SequenceWriter``), an image output of several frames writes ``NAME_00000.EXT``...
-    beside it: inputs among those are refused too (for an image output whatever its frame
-    count, which a video's header may not tell exactly yet)."""
+    of ``inputs``, whatever ``overwrite`` says: the same file by any path (device and inode),
+    or a numbered file the writer may replace or delete (docs/resume.md)."""
     from ..io import MediaError
 
     text = os.fspath(dst)

@@ -1,8 +1,9 @@
 """Where a file job's batches go: written directly, or through the resume journal's pieces.
 
-One process and the writer rank of several open the same :class:`Sink` in one place
-(:func:`open_sink`) and hand it their producer: ``sink.consume(outputs_from)``, where
-``outputs_from(batches)`` yields ``(batch, frames)`` for those plan batches in order.
+One process and the writer rank of several open the same sink (:class:`DirectSink` or
+:class:`ResumableSink`) in one place (:func:`open_sink`) and hand it their producer:
+``sink.consume(outputs_from)``, where ``outputs_from(batches)`` yields ``(batch, frames)`` for
+those plan batches in order.
 """
 
 from __future__ import annotations
