@@ -33,7 +33,7 @@ class SharedVaeUpscaler(Upscaler):
     DiT phase every batch of the group. ``seat``: this rank's place in its group and the
     global rank of the group's rank 0; ``channel``: the group's ``meeting_group``."""
 
-    def __init__(self, models, opts, progress, should_stop, *, owners: list[int],
+    def __init__(self, models, opts, progress, should_stop, *, owners: dict[int, int],
                  seat: tuple[int, int], channel: Optional[dist.ProcessGroup]):
         super().__init__(models, opts, progress, should_stop)
         self.owners = owners  # vae_owners of the plan
