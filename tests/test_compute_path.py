@@ -5,13 +5,11 @@ dequantise path, within a bound derived from the format's step and the reduction
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 import seedvr2
 from seedvr2.loading import load_dit
@@ -21,8 +19,8 @@ from seedvr2.loading.quantized import (PackedWeight, attach_packed_weight, packe
 from seedvr2.memory import compute_path as policy
 from seedvr2.memory.compute_path import compute_path, weight_path
 
-from conftest import (REPO, constructor_kwargs, float_step_error, integer_step_error, load_case,
-                      quantization_bound, relative_error)
+from conftest import (REPO, float_step_error, integer_step_error, load_case, quantization_bound,
+                      relative_error)
 
 sys.path.insert(0, str(REPO / "bench"))
 import gpu_checks  # noqa: E402
@@ -185,12 +183,8 @@ def test_unknown_compute_precision_is_named():
 
 
 @pytest.fixture(scope="module")
-def tiny_fp32(conformance, tmp_path_factory):
-    folder = conformance / "dit3b_tiny"
-    path = tmp_path_factory.mktemp("lowp") / "fp32.safetensors"
-    save_file(load_file(folder / "weights.safetensors"), path,
-              metadata={"config": json.dumps(constructor_kwargs(folder))})
-    return path, load_case(folder, "image")
+def tiny_fp32(conformance, tiny_model_dir):
+    return tiny_model_dir / "dit3b_tiny.safetensors", load_case(conformance / "dit3b_tiny", "image")
 
 
 def _bf16_output(model, case):

@@ -116,17 +116,13 @@ def test_dequantize_in_compute_dtype():
 
 
 @pytest.fixture(scope="module")
-def dit3b_file(conformance, tmp_path_factory):
-    folder = conformance / "dit3b_tiny"
-    path = tmp_path_factory.mktemp("gguf") / "dit3b.safetensors"
-    save_file(load_file(folder / "weights.safetensors"), path,
-              metadata={"config": json.dumps(constructor_kwargs(folder))})
-    return path
+def dit3b_file(tiny_model_dir):
+    return tiny_model_dir / "dit3b_tiny.safetensors"  # read only: the folder is shared
 
 
 @pytest.fixture(scope="module")
-def dit3b_q8(dit3b_file):
-    out = dit3b_file.with_name("dit3b_Q8_0.gguf")
+def dit3b_q8(dit3b_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("gguf") / "dit3b_Q8_0.gguf"
     quantize_file(dit3b_file, out, "Q8_0")
     return out
 
