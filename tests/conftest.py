@@ -285,3 +285,22 @@ def import_pack_beside(tmp_path: Path, registered: str, other_dirs: dict = None)
     """)
     return ours, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                 cwd="/")
+
+
+# ---------------------------------------------------------------------------------------------
+# Hypothesis profiles for the property-based hostile tests (tests/hostile.py has their helpers).
+# "ci", the default: few, small, derandomized examples, so a run is repeatable and the suite
+# stays within CI's time. "long" (HYPOTHESIS_PROFILE=long): many random examples, for runs
+# outside CI that look for new failures.
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "ci", max_examples=20, derandomize=True, deadline=None, database=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
+                           HealthCheck.data_too_large])
+settings.register_profile(
+    "long", max_examples=1000, derandomize=False, deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
+                           HealthCheck.data_too_large])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

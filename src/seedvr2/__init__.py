@@ -25,4 +25,6 @@ def __getattr__(name: str):
         return importlib.import_module(f".{name}", __name__)
     if name in _FACADE:
         return getattr(importlib.import_module(".api", __name__), name)
+    if name == "SeedVR2Error":  # the base of every error raised on purpose (errors.py)
+        return importlib.import_module(".errors", __name__).SeedVR2Error
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

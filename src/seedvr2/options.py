@@ -17,11 +17,13 @@ import difflib
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from .errors import SeedVR2Error
+
 COLOR_CORRECTIONS = ("lab", "wavelet", "wavelet_adaptive", "hsv", "adain", "none")
 DTYPE_NAMES = ("auto", "fp32", "fp16", "bf16")
 
 
-class OptionError(ValueError):
+class OptionError(SeedVR2Error, ValueError):
     """An option value that cannot be used; the message names the option and the fix."""
 
 

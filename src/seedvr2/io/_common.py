@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import SeedVR2Error
+
 # Extensions decide the *output* kind. For input, content (magic bytes) wins over the extension.
 VIDEO_EXTENSIONS = {".mp4": "mp4", ".m4v": "mp4", ".mov": "mov", ".mkv": "matroska",
                     ".webm": "webm"}
@@ -21,7 +23,7 @@ IMAGE_EXTENSIONS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WE
                     ".tif": "TIFF", ".tiff": "TIFF", ".bmp": "BMP"}
 
 
-class MediaError(ValueError):
+class MediaError(SeedVR2Error, ValueError):
     """A media file or folder can't be read or written as asked; the message names the path.
     Refusing to replace an existing output is a :class:`FileExistsError` instead."""
 

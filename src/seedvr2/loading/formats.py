@@ -16,8 +16,10 @@ from typing import Callable
 
 import torch
 
+from ..errors import SeedVR2Error
 
-class CheckpointError(ValueError):
+
+class CheckpointError(SeedVR2Error, ValueError):
     """A weight file that cannot be loaded; the message names the file and what was expected."""
 
 

@@ -17,6 +17,7 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
+from ..errors import SeedVR2Error
 from ..memory.compute_path import COMPUTE_PRECISIONS, WEIGHTS, compute_path
 
 
@@ -331,7 +332,7 @@ def packed_modules(model: nn.Module) -> dict[str, PackedWeight]:
 # safetensors layouts
 
 
-class LayoutError(ValueError):
+class LayoutError(SeedVR2Error, ValueError):
     """A quantised layout that cannot be read; the caller adds the file name."""
 
 

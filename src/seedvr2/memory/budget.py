@@ -17,6 +17,7 @@ from typing import Mapping, Optional, Sequence
 
 import torch
 
+from ..errors import SeedVR2Error
 from ..loading.registry import STORAGE_BYTES
 from ..models import build_on_meta
 from ..models.config import DiTConfig, VAEConfig
@@ -43,7 +44,7 @@ TEXT_TOKENS = 58  # rows of the released positive text embedding (pos_emb.pt)
 _DIT_IO = BlockSwap.INPUT_MODULES + BlockSwap.OUTPUT_MODULES
 
 
-class BudgetError(ValueError):
+class BudgetError(SeedVR2Error, ValueError):
     """A job that will not fit the memory available; the message names settings that would."""
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import SeedVR2Error
+
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -39,7 +41,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(SeedVR2Error, RuntimeError):
     """A phase produced NaN or infinite values (fp16 overflow); the message names the fix."""
 
 

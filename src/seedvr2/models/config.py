@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from ..errors import SeedVR2Error
 
-class ConfigError(ValueError):
+
+class ConfigError(SeedVR2Error, ValueError):
     """A model configuration that no official SeedVR2 model has."""
 
 

@@ -26,6 +26,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..errors import SeedVR2Error
 from ..io.segments import SegmentConcat, sync_file
 from ..io.temporaries import RESUME_JOURNAL, lock_folder, resume_folder
 from ..faults import NO_FAULTS, Faults
@@ -41,7 +42,7 @@ CHECKPOINT_SECONDS = 60.0  # a part closes at the first chunk end after this muc
 JOURNAL, OWNER = RESUME_JOURNAL, "owner.json"
 
 
-class ResumeFolderInUse(RuntimeError):
+class ResumeFolderInUse(SeedVR2Error, RuntimeError):
     """Another live job holds the resume folder of the same output."""
 
 

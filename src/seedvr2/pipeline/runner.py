@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..errors import SeedVR2Error
 from ..memory import tiling
 from ..memory.blockswap import BlockSwap
 from ..memory.budget import host_rss
@@ -51,7 +52,7 @@ class Interrupted(Exception):
     resumable file job keeps the segments already written)."""
 
 
-class InputError(ValueError):
+class InputError(SeedVR2Error, ValueError):
     """Input frames that cannot be upscaled; the message names the frame and the problem."""
 
 

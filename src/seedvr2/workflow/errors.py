@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..errors import SeedVR2Error
 
-class WorkflowError(Exception):
+
+class WorkflowError(SeedVR2Error):
     """A workflow that cannot run: malformed, unknown node type, bad input, or a node's failure."""
 
     def __init__(self, message: str, node_id: Optional[str] = None,
