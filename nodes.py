@@ -194,14 +194,19 @@ class ComfyHost:
         sources = _whole_file_sources(video, InputImpl)
         if sources is None:
             return None
-        files = [Path(s) if isinstance(s, (str, os.PathLike)) else self._spooled(s)
-                 for s in sources]
-        if not isinstance(video, InputImpl.VideoFromFile):
-            from .src.seedvr2.io.joined import join_videos
+        on_disk = [isinstance(s, (str, os.PathLike)) for s in sources]
+        files = [Path(s) if path else self._spooled(s) for s, path in zip(sources, on_disk)]
+        if isinstance(video, InputImpl.VideoFromFile):
+            return files[0]
+        from .src.seedvr2.io.joined import join_videos
 
+        try:
             return join_videos(files, self.temp_file("SeedVR2/joined", ".mp4"),
                                self._soundtrack(getattr(video, "complete_audio", None)))
-        return files[0]
+        finally:
+            for file, path in zip(files, on_disk):
+                if not path:
+                    file.unlink(missing_ok=True)  # the parts' copies: joined now
 
     def video_size(self, video) -> Optional[tuple]:
         """(frames, height, width, frames already in RAM) without decoding, or None."""

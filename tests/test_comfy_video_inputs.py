@@ -178,6 +178,9 @@ def test_a_concatenation_is_written_part_by_part(comfy_host, tmp_path):
         tracemalloc.stop()
     frame = width * height * 3
     assert peak < 4 * frame < 2 * count * frame, peak  # a frame at a time, not the 32
+    # The joined video (and its soundtrack) stays; the in-memory part's copy is gone.
+    assert joined.name.startswith("joined_") and joined.suffix == ".mp4"
+    assert [p.name for p in joined.parent.iterdir() if p.name.startswith("input_")] == []
     with open_media(joined) as media:
         info = media.info
         assert (info.frame_count, info.width, info.height, info.fps, info.has_audio) == \
@@ -260,3 +263,17 @@ def test_a_release_without_frames_for_a_concatenation_says_what_to_do(comfy_host
         comfy_host.video_frames(OldVideoFromList([]))
     assert [c.__name__ for c in type(refused.value).__mro__[:3]] == \
         ["MediaError", "SeedVR2Error", "ValueError"]
+
+
+def test_parts_of_different_sizes_are_refused_naming_the_part(tmp_path):
+    from seedvr2.io import MediaError
+    from seedvr2.io.joined import join_videos
+
+    _clip(tmp_path / "a.mp4", 64, 48, 3, shade=0)
+    _clip(tmp_path / "b.mp4", 96, 48, 3, shade=50)
+    with pytest.raises(MediaError) as refused:
+        join_videos([tmp_path / "a.mp4", tmp_path / "b.mp4"], tmp_path / "joined.mp4")
+    assert str(refused.value) == (f"{tmp_path / 'b.mp4'}: part 1 of the joined video is 96x48 "
+                                  f"(3 channels), part 0 64x48 (3): the parts of one video must "
+                                  f"have one size")
+    assert not (tmp_path / "joined.mp4").exists()  # the writer removed its partial file
