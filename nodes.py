@@ -302,7 +302,14 @@ def _has_edits(video, source, InputImpl) -> bool:
         return True
     if not hasattr(video, "as_cropped"):  # a release without crops
         return False
-    return tuple(video.get_dimensions()) != tuple(InputImpl.VideoFromFile(source).get_dimensions())
+    try:
+        return tuple(video.get_dimensions()) != \
+            tuple(InputImpl.VideoFromFile(source).get_dimensions())
+    # No readable video in it (found by the hostile tests: PyAV's errors, ComfyUI's
+    # ValueError, or an AttributeError from a damaged stream without a decoder): no crop to
+    # see. The reader then refuses the file, naming it.
+    except Exception:
+        return False
 
 
 # ComfyUI's V3 API, the pinned version first: ``comfy_api.latest`` is the one that changes.

@@ -27,11 +27,15 @@ from seedvr2.io import open_media
 
 
 def _probe(file):
+    """(width, height, frames) as core's VideoFromFile reads them: PyAV's errors as they come,
+    ValueError for a container without video."""
     import av
 
     if isinstance(file, io.BytesIO):
         file.seek(0)
     with av.open(file) as container:
+        if not container.streams.video:
+            raise ValueError(f"No video stream found in file '{file}'")
         stream = container.streams.video[0]
         return stream.width, stream.height, stream.frames
 
@@ -277,3 +281,47 @@ def test_parts_of_different_sizes_are_refused_naming_the_part(tmp_path):
                                   f"(3 channels), part 0 64x48 (3): the parts of one video must "
                                   f"have one size")
     assert not (tmp_path / "joined.mp4").exists()  # the writer removed its partial file
+
+
+@pytest.fixture(scope="module")
+def clip_bytes(tmp_path_factory) -> bytes:
+    clip = tmp_path_factory.mktemp("hostile") / "clip.mp4"
+    make_clip(clip, frames=4)
+    return clip.read_bytes()
+
+
+def _hostile_container():
+    from hypothesis import strategies as st
+
+    return st.one_of(
+        st.binary(max_size=2048),  # not a video at all
+        st.integers(0, 100).map(lambda percent: ("cut", percent)),  # a truncated container
+        st.tuples(st.integers(0, 99), st.binary(min_size=1, max_size=64)).map(
+            lambda damage: ("damaged", *damage)))  # bytes overwritten mid-file
+
+
+def test_a_hostile_in_memory_container_is_streamed_or_refused_cleanly(comfy_host, clip_bytes):
+    """Bytes a node handed over as a VIDEO: a clean MediaError naming the copy in the temp
+    folder, or the frames a reader finds; never another exception."""
+    from hypothesis import given
+
+    from hostile import outcome
+
+    @given(_hostile_container())
+    def check(spec):
+        if isinstance(spec, bytes):
+            data = spec
+        elif spec[0] == "cut":
+            data = clip_bytes[: len(clip_bytes) * spec[1] // 100]
+        else:
+            at = len(clip_bytes) * spec[1] // 100
+            data = clip_bytes[:at] + spec[2] + clip_bytes[at + len(spec[2]):]
+        path = comfy_host.video_file(VideoFromFile(io.BytesIO(data)))
+        assert path is not None and path.read_bytes() == data
+
+        def read():
+            with open_media(path) as media:
+                return sum(1 for _ in media.frames())
+        result = outcome(read, str(path))
+        assert result.refused or result.value <= 4
+    check()
