@@ -145,3 +145,16 @@ def test_outside_comfyui_the_arena_pins_by_itself(monkeypatch):
     monkeypatch.delitem(sys.modules, "comfy.model_management", raising=False)
     assert not isinstance(default_pin(CUDA, CPU), ComfyPin)
     assert default_pin(CPU, CPU) is None
+
+
+def test_a_refusal_with_room_left_is_not_called_a_full_budget(model, monkeypatch, caplog):
+    """ComfyUI refusing for its own reasons (here: a release that pins no such tensor type)
+    while its budget has room: said as such; uploads go through the staging buffer."""
+    ledger = ComfyPinnedMemory(max_pinned=1 << 40)
+    ledger.PINNING_ALLOWED_TYPES = set()
+    _inside_comfyui(monkeypatch, ledger)
+    with caplog.at_level(logging.WARNING, logger="seedvr2"):
+        store = WeightStore(model, CPU, default_pin(CUDA, CPU))
+    assert not store.arena.pinned and store.arena.staging is not None
+    assert ledger.TOTAL_PINNED_MEMORY == 0
+    assert "ComfyUI could not pin" in caplog.text and "budget" not in caplog.text

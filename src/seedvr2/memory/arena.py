@@ -153,7 +153,30 @@ class ComfyPin:
                             "until the process ends", _size(nbytes))
         return unpin
 
-    def log_reduced(self, pinned: int, nbytes: int):
+    def pin_what_fits(self, buffer: torch.Tensor) -> tuple[Optional[Callable[[], None]], int]:
+        """Pin ``buffer`` whole, else the pages from its start that ComfyUI's budget has room
+        for, saying so; returns (unpin or None, bytes pinned from the start)."""
+        nbytes = buffer.numel()
+        unpin = self(buffer)
+        if unpin is not None:
+            return unpin, nbytes
+        if not self.enabled():
+            log.info("ComfyUI pins no host memory (--disable-pinned-memory, or no NVIDIA or AMD "
+                     "GPU): the %s of offloaded weights stay pageable, copied to the GPU "
+                     "synchronously", _size(nbytes))
+            return None, 0
+        room = self.room() // PAGE * PAGE
+        if room >= nbytes:  # refused for another reason than its budget
+            log.warning("ComfyUI could not pin %s of host memory for the offloaded weights; "
+                        "copies to the GPU go through a %s pinned staging buffer instead",
+                        _size(nbytes), _size(STAGING_SLOTS * STAGING_CHUNK_BYTES))
+            return None, 0
+        unpin = self(buffer[:room]) if room else None
+        pinned = room if unpin is not None else 0
+        self._log_reduced(pinned, nbytes)
+        return unpin, pinned
+
+    def _log_reduced(self, pinned: int, nbytes: int):
         ledger = self.ledger
         log.warning("pinning %s of the %s offloaded weights: ComfyUI's pinned-memory "
                     "budget (%s) has %s left beside the %s it holds; the rest goes to the GPU "
@@ -163,10 +186,6 @@ class ComfyPin:
                     _size(int(ledger.TOTAL_PINNED_MEMORY) - pinned),
                     _size(STAGING_SLOTS * STAGING_CHUNK_BYTES))
 
-    def log_disabled(self, nbytes: int):
-        log.info("ComfyUI pins no host memory (--disable-pinned-memory, or no NVIDIA "
-                 "or AMD GPU): the %s of offloaded weights stay pageable, copied to the GPU "
-                 "synchronously", _size(nbytes))
 
 
 # Uploads from an arena that could not be pinned go through this many pinned buffers of this
@@ -280,18 +299,14 @@ class HostArena:
         pins nothing."""
         if hook is None or self.pinned or self.nbytes == 0:
             return
-        unpin, self.pinned_upto = hook(self.buffer), self.nbytes
-        if unpin is None and isinstance(hook, ComfyPin):
+        if isinstance(hook, ComfyPin):
+            unpin, self.pinned_upto = hook.pin_what_fits(self.buffer)
             if not hook.enabled():
-                self.pinned_upto = 0
-                hook.log_disabled(self.nbytes)
-                return
-            self.pinned_upto = hook.room() // PAGE * PAGE
-            unpin = hook(self.buffer[: self.pinned_upto]) if self.pinned_upto else None
-            hook.log_reduced(self.pinned_upto if unpin is not None else 0, self.nbytes)
-        if unpin is None:
-            self.pinned_upto = 0
+                return  # ComfyUI pins nothing: neither do we, staging included
         else:
+            unpin = hook(self.buffer)
+            self.pinned_upto = self.nbytes if unpin is not None else 0
+        if unpin is not None:
             self.pinned = True
             # The finalizer holds the buffer, so the memory cannot be freed while registered.
             self._unpin = weakref.finalize(self, _release, unpin, self.buffer)
