@@ -101,11 +101,28 @@ class ComfyHost:
     # -- progress, interruption, memory ------------------------------------------------------
 
     def progress(self, value: int, total: int) -> None:
+        self._progress_bar(total).update_absolute(value, total)
+
+    def preview(self, thumbnail) -> None:
+        """The running node shows ``thumbnail`` ((h, w, 3) uint8, the newest finished frame)
+        as its progress bar's preview: ComfyUI's ``ProgressBar.update_absolute(value, total,
+        preview)`` with the ``("JPEG", PIL image, max size)`` its latent previews send
+        (latent_preview.LatentPreviewer), bounded by ``--preview-size``
+        (``comfy.cli_args.args.preview_size``); its server encodes the JPEG for the editor."""
+        from comfy.cli_args import args
+        from PIL import Image
+
+        bar = self._progress_bar(1)
+        image = Image.fromarray(thumbnail.numpy(), "RGB")
+        bar.update_absolute(bar.current, bar.total,
+                            ("JPEG", image, getattr(args, "preview_size", None)))
+
+    def _progress_bar(self, total: int):
         import comfy.utils
 
         if self._bar is None:
             self._bar = comfy.utils.ProgressBar(total, node_id=self.node_id)
-        self._bar.update_absolute(value, total)
+        return self._bar
 
     def interrupted(self) -> bool:
         import comfy.model_management
@@ -157,26 +174,83 @@ class ComfyHost:
     def warn(self, message: str) -> None:
         log.warning(f"SeedVR2: {message}")
 
-    # -- VIDEO values: comfy_api's InputImpl.VideoFromFile / VideoFromComponents -------------
-    # (VideoInput.get_components, VideoFromFile.get_stream_source; what current ComfyUI's
+    # -- VIDEO values: comfy_api's InputImpl.VideoFromFile / VideoFromComponents / VideoFromList
+    # (VideoInput.get_components, get_dimensions, get_frame_count; VideoFromFile.
+    # get_stream_source: a path, or a BytesIO of the whole container; what current ComfyUI's
     # VIDEO can carry on top of its file: VideoInput.has_pending_frame_edits,
     # VideoFromFile.get_active_trim_window (as_trimmed), a crop (as_cropped: seen through
-    # VideoFromFile.get_dimensions, the crop's size)).
+    # VideoFromFile.get_dimensions, the crop's size); VideoFromList.videos, its parts (each a
+    # VideoFromFile: core saves other parts into a BytesIO), and .complete_audio, an AUDIO for
+    # all of it or None).
 
     def video_file(self, video) -> Optional[Path]:
-        """The file a VideoFromFile plays whole and unedited (a path, not bytes in memory), for
-        streaming; None for any other video, which is then read as the frames ComfyUI makes
-        of it (get_components applies its trim and crop)."""
+        """A file that plays ``video`` whole, for streaming: a VideoFromFile's own file, or
+        one in ComfyUI's temp folder that its in-memory container (a BytesIO) is copied into,
+        or that the parts of a concatenation (VideoFromList) are written into one after the
+        other (seedvr2.io.joined). None for any other video (frames, or edits only frames can
+        show): it is then read as the frames ComfyUI makes of it (get_components applies its
+        trim and crop)."""
         InputImpl = _comfy_api("InputImpl").InputImpl
-        if not isinstance(video, InputImpl.VideoFromFile):
+        sources = _whole_file_sources(video, InputImpl)
+        if sources is None:
             return None
-        source = video.get_stream_source()
-        if not isinstance(source, (str, os.PathLike)) or _has_edits(video, source, InputImpl):
+        on_disk = [isinstance(s, (str, os.PathLike)) for s in sources]
+        files = [Path(s) if path else self._spooled(s) for s, path in zip(sources, on_disk)]
+        if isinstance(video, InputImpl.VideoFromFile):
+            return files[0]
+        from .src.seedvr2.io.joined import join_videos
+
+        try:
+            return join_videos(files, self.temp_file("SeedVR2/joined", ".mp4"),
+                               self._soundtrack(getattr(video, "complete_audio", None)))
+        finally:
+            for file, path in zip(files, on_disk):
+                if not path:
+                    file.unlink(missing_ok=True)  # the parts' copies: joined now
+
+    def video_size(self, video) -> Optional[tuple]:
+        """(frames, height, width, frames already in RAM) without decoding, or None."""
+        InputImpl = _comfy_api("InputImpl").InputImpl
+        try:
+            width, height = video.get_dimensions()
+            frames = video.get_frame_count()
+        except (AttributeError, ValueError, RuntimeError, NotImplementedError):
             return None
-        return Path(source)
+        frames_in_ram = getattr(InputImpl, "VideoFromComponents", ())
+        return int(frames), int(height), int(width), isinstance(video, frames_in_ram)
+
+    def _spooled(self, stream) -> Path:
+        """A VideoFromFile's in-memory container (its BytesIO, at its start) copied into
+        ComfyUI's temp folder a chunk at a time: the upscaler streams the copy (PyAV reads it a
+        frame at a time, as any file), never the frames in memory."""
+        import shutil
+
+        path = self.temp_file("SeedVR2/input", ".video")
+        stream.seek(0)
+        with open(path, "wb") as out:
+            shutil.copyfileobj(stream, out, 1 << 20)
+        stream.seek(0)
+        return path
+
+    def _soundtrack(self, audio) -> Optional[Path]:
+        """A concatenation's own AUDIO (ComfyUI's {"waveform", "sample_rate"}) encoded for
+        the joined file, or None."""
+        if audio is None:
+            return None
+        from .src.seedvr2.io import encode_audio
+
+        return encode_audio(audio["waveform"], int(audio["sample_rate"]),
+                            self.temp_file("SeedVR2/audio", ".m4a"))
 
     def video_frames(self, video) -> tuple:
-        components = video.get_components()
+        try:
+            components = video.get_components()
+        except NotImplementedError:  # VideoFromList in some 0.3x releases
+            from .src.seedvr2.io import MediaError
+
+            raise MediaError(f"this ComfyUI cannot give the frames of a {type(video).__name__} "
+                             f"(its get_components is not implemented): save the video with "
+                             f"Save Video and upscale that file") from None
         return components.images, components.audio, components.frame_rate
 
     def file_video(self, path: Path):
@@ -197,6 +271,24 @@ class ComfyHost:
         return Path(folder) / f"{name}_{counter:05}_{suffix}"
 
 
+def _whole_file_sources(video, InputImpl) -> Optional[list]:
+    """The stream sources (paths or BytesIO) that play ``video`` whole, one after the other:
+    a VideoFromFile's own, or each part's of a VideoFromList whose parts all are unedited
+    VideoFromFiles; None when frames alone can show it."""
+    VideoFromList = getattr(InputImpl, "VideoFromList", None)  # current releases
+    parts = video.videos if VideoFromList is not None and isinstance(video, VideoFromList) \
+        else [video]
+    sources = []
+    for part in parts:
+        if not isinstance(part, InputImpl.VideoFromFile):
+            return None
+        source = part.get_stream_source()
+        if _has_edits(part, source, InputImpl):
+            return None
+        sources.append(source)
+    return sources
+
+
 def _has_edits(video, source, InputImpl) -> bool:
     """Does this VideoFromFile show anything but its whole file: ComfyUI's own answer
     (has_pending_frame_edits, in releases that have it), a trim window, or a crop? A crop has
@@ -210,7 +302,14 @@ def _has_edits(video, source, InputImpl) -> bool:
         return True
     if not hasattr(video, "as_cropped"):  # a release without crops
         return False
-    return tuple(video.get_dimensions()) != tuple(InputImpl.VideoFromFile(source).get_dimensions())
+    try:
+        return tuple(video.get_dimensions()) != \
+            tuple(InputImpl.VideoFromFile(source).get_dimensions())
+    # No readable video in it (found by the hostile tests: PyAV's errors, ComfyUI's
+    # ValueError, or an AttributeError from a damaged stream without a decoder): no crop to
+    # see. The reader then refuses the file, naming it.
+    except Exception:
+        return False
 
 
 # ComfyUI's V3 API, the pinned version first: ``comfy_api.latest`` is the one that changes.

@@ -29,7 +29,7 @@ from test_workflows import (API_DIR, CLIP_FRAMES, EXAMPLES_DIR, IMAGE_OUT, VIDEO
                             make_inputs, probe_video, tiny_sets)
 
 from seedvr2.workflow.errors import WorkflowError, WorkflowInterrupted
-from seedvr2.workflow.examples import EXAMPLE_IMAGE
+from seedvr2.workflow.examples import EXAMPLE_IMAGE, EXAMPLE_VIDEO
 from seedvr2.workflow.server import ComfyServer
 
 INSTALL_TIMEOUT = 1200  # first install downloads ComfyUI's requirements
@@ -567,3 +567,96 @@ def test_load_video_upscale_save_video_keeps_audio_and_rate(comfyui, from_frames
     assert video_rate(path) == 24
     if not from_frames:
         assert list((comfyui.base / "temp" / "SeedVR2").glob("video_*.mp4"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Live previews
+
+def _preview_prompt() -> dict:
+    """Every upscaling node on the example clip (9 frames: two batches of 5): SeedVR2 Upscale
+    Video (4), the IMAGE upscaler on its frames (7) and Upscale Video File (9)."""
+    from test_video_node import LOADERS, UPSCALE
+
+    upscale = {**UPSCALE, "batch_size": 5}
+    image = {k: v for k, v in upscale.items() if k != "codec"}
+    models = {"dit": ["2", 0], "vae": ["3", 0]}
+    return {"1": {"class_type": "LoadVideo", "inputs": {"file": EXAMPLE_VIDEO}}, **LOADERS,
+            "4": {"class_type": "SeedVR2UpscaleVideo",
+                  "inputs": {"video": ["1", 0], **models, **upscale}},
+            "5": {"class_type": "SaveVideo",
+                  "inputs": {"video": ["4", 0], "filename_prefix": "previews/video",
+                             "format": "auto", "codec": "auto"}},
+            "6": {"class_type": "GetVideoComponents", "inputs": {"video": ["1", 0]}},
+            "7": {"class_type": "SeedVR2VideoUpscaler",
+                  "inputs": {"image": ["6", 0], **models, **image}},
+            "8": {"class_type": "PreviewImage", "inputs": {"images": ["7", 0]}},
+            "9": {"class_type": "SeedVR2UpscaleVideoFile",
+                  "inputs": {**models, "video_path": EXAMPLE_VIDEO,
+                             "filename_prefix": "previews/file", **upscale}}}
+
+
+def _follow_with_previews(comfyui, prompt: dict) -> dict:
+    """Run ``prompt`` on a websocket of its own that, as today's editor does, asks for
+    previews with their node (``supports_preview_metadata``); per node: its previews
+    [(arrival, metadata, image bytes)] and progress [(arrival, value, max)]."""
+    import struct
+
+    import websocket
+
+    client = ComfyServer(comfyui.url, timeout=60)
+    ws = websocket.create_connection(f"{comfyui.url.replace('http', 'ws', 1)}/ws?clientId="
+                                     f"{client.client_id}", timeout=RUN_TIMEOUT)
+    seen: dict = {}
+    try:
+        ws.send(json.dumps({"type": "feature_flags",
+                            "data": {"supports_preview_metadata": True}}))
+        prompt_id = client.submit(prompt)
+        while True:
+            opcode, data = ws.recv_data()
+            now = time.monotonic()
+            if opcode == websocket.ABNF.OPCODE_BINARY:
+                (kind,) = struct.unpack(">I", data[:4])
+                assert kind == 4, kind  # PREVIEW_IMAGE_WITH_METADATA
+                (length,) = struct.unpack(">I", data[4:8])
+                meta = json.loads(data[8:8 + length])
+                node = seen.setdefault(meta["node_id"], {"previews": [], "progress": []})
+                node["previews"].append((now, meta, data[8 + length:]))
+                continue
+            event = json.loads(data)
+            body = event.get("data") or {}
+            if body.get("prompt_id") != prompt_id:
+                continue
+            if event["type"] == "progress":
+                node = seen.setdefault(body["node"], {"previews": [], "progress": []})
+                node["progress"].append((now, body["value"], body["max"]))
+            elif event["type"] == "executing" and body.get("node") is None:
+                break
+    finally:
+        ws.close()
+    assert client.wait(prompt_id, timeout=RUN_TIMEOUT)["status"]["status_str"] == "success"
+    return seen
+
+
+def test_every_upscaling_node_shows_live_previews(comfyui):
+    """While a multi-batch job runs, each upscaling node's progress bar shows the newest
+    finished frame: JPEG previews of the output size arrive before the node's last progress,
+    at most about one a second (ComfyUI's ProgressBar.update_absolute(value, total, preview))."""
+    import io
+
+    from PIL import Image
+
+    seen = _follow_with_previews(comfyui, _preview_prompt())
+    for node_id in ("4", "7", "9"):
+        previews, progress = seen[node_id]["previews"], seen[node_id]["progress"]
+        assert previews, (node_id, comfyui.log_tail())
+        for _, meta, image in previews:
+            assert meta["image_type"] == "image/jpeg" and meta["node_id"] == node_id
+            with Image.open(io.BytesIO(image)) as im:  # ComfyUI fits it to --preview-size
+                assert im.format == "JPEG" and max(im.size) == 512
+                assert abs(im.size[0] / im.size[1] - VIDEO_OUT[0] / VIDEO_OUT[1]) < 0.01
+        first, last = previews[0][0], progress[-1][0]
+        assert first < last and progress[-1][1] == progress[-1][2], node_id  # while it ran
+        # One at once, then about one a second; the job ran on for more than a second.
+        assert len(previews) <= 2 + (previews[-1][0] - first), (node_id, len(previews))
+        if last - first > 1.5:
+            assert len(previews) >= 2, (node_id, last - first)

@@ -164,13 +164,16 @@ def test_in_memory_ranks_match_one_process(tiny_options, memory_frames, monkeypa
         one = seedvr2.upscale(memory_frames, **_memory_options(tiny_options))
     finally:
         torch.set_num_threads(threads)
-    seen = []
+    seen, shown = [], []
     two = seedvr2.upscale(memory_frames.clone(), **_memory_options(tiny_options), devices="cpu,cpu",
-                          progress=lambda *event: seen.append(event))
+                          progress=lambda *event: seen.append(event), preview=shown.append)
     assert two.shape == one.shape == (13, 32, 42, 3)
     assert torch.equal(two, one)
     assert seen and seen[-1] == ("frames", 13, 13)
     assert [done for _, done, _ in seen] == sorted(done for _, done, _ in seen)
+    # The writer rank's previews reach the launcher: its first finished frame, small.
+    from seedvr2.pipeline.preview import thumbnail
+    assert shown and torch.equal(shown[0], thumbnail(two[:1]))
 
 
 def test_in_memory_job_finishes_without_a_dead_rank(tiny_options, memory_frames, monkeypatch):

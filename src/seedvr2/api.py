@@ -18,6 +18,7 @@ import torch
 from .faults import Faults
 from .options import OptionError, Options, option_ref, option_value, resolve_options
 from .pipeline.plan import make_plan
+from .pipeline.preview import FramePreview, Show
 from .pipeline.runner import JobStats, Upscaler, input_frames, output_size
 from .pipeline.setup import (MEMORY_CHECK_ENV, Job, MakeRoom, check_file_job, file_output,
                              load_models, open_output, plan_file, prepare_job,
@@ -77,46 +78,51 @@ def _check_named_models(dit, vae):
 
 def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Progress] = None,
             should_stop: Optional[Callable[[], bool]] = None, stats: Optional[JobStats] = None,
-            make_room: Optional[MakeRoom] = None, **options) -> torch.Tensor:
+            make_room: Optional[MakeRoom] = None, preview: Optional[Show] = None,
+            **options) -> torch.Tensor:
     """Upscale frames in memory: ComfyUI's IMAGE convention in and out.
 
     ``frames``: float (T, H, W, C) in [0, 1] (or uint8/uint16), C = 1, 3 or 4; a single
     (H, W, C) image is one frame. Returns float32 (T, H', W', C) in [0, 1] on the CPU.
     ``stats`` (a ``JobStats``) records the job as it runs. ``make_room(device, bytes)``, where
     a host holds memory it frees on demand (ComfyUI), is asked for what the job needs before
-    the memory budget measures a device (one process only).
+    the memory budget measures a device (one process only). ``preview(thumbnail)`` is shown
+    the newest finished frame about once a second (:mod:`seedvr2.pipeline.preview`).
     """
     opts = resolve_options(**options)
     frames = input_frames(frames)
     opts = _scene_cuts(opts, len(frames), lambda: iter(frames), stats)
     devices, opts = process_devices(opts, dit, vae)
-    job = _job(opts, devices, (dit, vae), model_dir, make_room=make_room)
+    job = _job(opts, devices, (dit, vae), model_dir, make_room=make_room, preview=preview)
     size = output_size(frames.shape[1], frames.shape[2], opts)
     if len(devices) > 1:
         from .distributed.launch import spawn_tensor_job
 
         job = resolve_auto_batch_for_ranks(job, devices, len(frames), size)
         return spawn_tensor_job(devices, job, frames, (len(frames), *size, frames.shape[3]),
-                                progress, should_stop)
+                                progress, should_stop, preview)
     upscaler = job.ready_upscaler(len(frames), size, progress=progress,
                                   should_stop=should_stop, stats=stats)
     plan = make_plan(len(frames), upscaler.opts)
-    return torch.cat([out for _, out in upscaler.run(iter(frames), plan)])
+    return torch.cat([out for _, out in upscaler.run(iter(frames), plan, job.preview)])
 
 
-def _job(opts: Options, devices: list[str], models: tuple, model_dir,
-         spawned: bool = True, make_room: Optional[MakeRoom] = None) -> Job:
+def _job(opts: Options, devices: list[str], models: tuple, model_dir, spawned: bool = True,
+         make_room: Optional[MakeRoom] = None, preview: Optional[Show] = None) -> Job:
     """The job, after the checks that need no model file: spawned ranks need models by name
     or path (each resolves them itself), and several ranks a ``sequence_parallel`` they can
-    split. Only one process asks ``make_room`` (the host's memory is this process's)."""
+    split. Only one process asks ``make_room`` (the host's memory is this process's); the
+    process that blends the frames (this one, unless ranks are spawned) shows ``preview``."""
+    shown = FramePreview(preview) if preview is not None else None
     if len(devices) == 1:
         _check_one_process(opts)
-        return Job.build(opts, *models, model_dir, Faults.from_environment(), make_room)
+        return Job.build(opts, *models, model_dir, Faults.from_environment(), make_room, shown)
     from .distributed.job import check_sequence_parallel
 
     if spawned:
         _check_named_models(*models)
-    job = Job.build(opts, *models, model_dir, Faults.from_environment())
+    job = Job.build(opts, *models, model_dir, Faults.from_environment(),
+                    preview=None if spawned else shown)
     check_sequence_parallel(job, len(devices))
     return job
 
@@ -125,15 +131,16 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
                  codec: str = "h264", progress: Optional[Progress] = None,
                  should_stop: Optional[Callable[[], bool]] = None,
                  stats: Optional[JobStats] = None, make_room: Optional[MakeRoom] = None,
-                 opts: Optional[Options] = None, **options) -> Path:
+                 preview: Optional[Show] = None, opts: Optional[Options] = None,
+                 **options) -> Path:
     """Upscale a video, image or image sequence file to ``dst``, streaming frame by frame.
 
     Video keeps its exact frame rate (variable-rate video: every frame's time) and its audio
     and subtitles where the output holds them (copied, not re-encoded); ``fps`` gives images
     and sequences a rate for a video output. The output is
     written under a temporary name and appears at ``dst`` only when complete; an existing
-    ``dst`` is replaced only with ``overwrite=True``. ``stats`` and ``make_room`` as in
-    :func:`upscale`; ``opts``: options already resolved (the CLI's), instead of ``**options``.
+    ``dst`` is replaced only with ``overwrite=True``. ``stats``, ``make_room`` and
+    ``preview`` as in :func:`upscale`; ``opts``: options already resolved (the CLI's), instead of ``**options``.
     Returns the output path.
     """
     from .distributed import in_distributed_launch, init_from_env
@@ -151,7 +158,8 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
         devices = [str(ctx.device)] * ctx.world_size
     else:
         ctx, (devices, opts) = None, process_devices(opts, dit, vae)
-    job = _job(opts, devices, (dit, vae), model_dir, spawned=ctx is None, make_room=make_room)
+    job = _job(opts, devices, (dit, vae), model_dir, spawned=ctx is None, make_room=make_room,
+               preview=preview)
     with open_media(src) as reader:
         output = file_output(reader, dst, opts, codec, overwrite)
         # Before the plan, on every rank alike: a second decode for auto (none for given cuts).
@@ -164,7 +172,7 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
                                                _gather_over_ranks(ctx) if ctx else None)
     if ctx is not None:
         return run_file_job(ctx, job, src, output, progress, should_stop, stats)
-    return spawn_file_job(devices, job, src, output, stats)
+    return spawn_file_job(devices, job, src, output, stats, progress, preview)
 
 
 def _scene_cuts(opts: Options, count: int, frames, stats: Optional[JobStats]) -> Options:
@@ -212,7 +220,7 @@ def _one_process_file_job(reader, output, job: Job, report: tuple) -> Path:
                             should_stop, stats=stats, frames_on_device=isinstance(sink, DirectSink))
         return sink.consume(lambda batches: upscaler.batch_outputs(
             reader.frames(start=plan.read_start(batches)), plan, batches),
-            upscaler.progress, upscaler.stats, upscaler.check_stop)
+            upscaler.progress, upscaler.stats, upscaler.check_stop, job.preview)
 
 
 def _silent(phase: str, done: int, total: int):

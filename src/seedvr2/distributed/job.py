@@ -338,8 +338,8 @@ def run_file_job(ctx: DistContext, job: Job, src, output, progress=None, should_
         with open_sink(output.open(reader.info), reader, output, plan, identity,
                        resolve_dtype(job.opts.dtype, ctx.device), job) as sink:
             work.first_chunk = _first_chunk(ctx, plan, sink.remaining_batches)
-            path = _produce(work, lambda outputs_from: sink.consume(outputs_from, progress,
-                                                                    stats))
+            path = _produce(work, lambda outputs_from: sink.consume(
+                outputs_from, progress, stats, preview=job.preview))
     _mark_done(ctx, job)
     return path
 
@@ -356,7 +356,7 @@ def run_tensor_job(ctx: DistContext, job: Job, frames: torch.Tensor, out: torch.
 
     def fill(outputs_from):
         for first, final in final_frames(plan, outputs_from(list(range(len(plan.batches)))),
-                                         progress):
+                                         progress, preview=job.preview):
             out[first: first + len(final)] = final
     _produce(RankWork(ctx, job, plan, lambda first: iter(frames[first:]), tuple(out.shape[1:]),
                       None, progress, should_stop), fill if ctx.is_writer else None)

@@ -4,7 +4,9 @@ process per device on this machine, wired into one process group over the loopba
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
+import functools
 import importlib
 import io
 import json
@@ -75,17 +77,19 @@ WRITER_STATS = "writer.json"  # in the launch folder: the writer's JobStats for 
 _WRITER_COUNTS = ("frames", "batches_reused", "batches_total")  # the JobStats it holds
 
 
-def _file_worker(rank: int, devices: list[str], port: int, threads: int, log_level: int,
-                 job, file: tuple):
+def _file_worker(rank: int, devices: list[str], port: int, threads: int, job, file: tuple,
+                 report: tuple):
     from ..pipeline.runner import JobStats
     from .job import STARTED_ENV, run_file_job
 
+    log_level, events, previews = report
     # A spawned worker starts without logging set up: show what the parent would, by rank.
     logging.basicConfig(level=log_level, format=f"%(levelname)s %(name)s rank {rank}: %(message)s")
     ctx = _join_group(rank, devices, port, threads, job.opts.dist_timeout)
     stats = JobStats()
     try:
-        run_file_job(ctx, job, *file, stats=stats)
+        run_file_job(ctx, _relaying(job, events, previews), *file,
+                     progress=functools.partial(_relay_frames, events), stats=stats)
         if ctx.is_writer:
             Path(os.environ[STARTED_ENV], WRITER_STATS).write_text(json.dumps(
                 {name: getattr(stats, name) for name in _WRITER_COUNTS}))
@@ -98,15 +102,58 @@ def _tensor_worker(rank: int, devices: list[str], port: int, threads: int, job,
     from .job import run_tensor_job
 
     ctx = _join_group(rank, devices, port, threads, job.opts.dist_timeout)
-    events, stop = channel
-
-    def report(phase: str, done: int, total: int):
-        if phase == "frames":  # only the writer rank counts finished frames
-            events.put((phase, done, total))
+    events, stop, previews = channel
     try:
-        run_tensor_job(ctx, job, *tensors, progress=report, should_stop=stop.is_set)
+        run_tensor_job(ctx, _relaying(job, events, previews), *tensors,
+                       progress=functools.partial(_relay_frames, events),
+                       should_stop=stop.is_set)
     finally:
         destroy()
+
+
+# What a worker tells the launcher, on its events queue: ("frames", done, total) and
+# ("preview", (h, w, 3) uint8 array), both only from the writer rank, which blends the frames.
+def _relay_frames(events, phase: str, done: int, total: int):
+    if phase == "frames":  # only the writer rank counts finished frames
+        events.put((phase, done, total))
+
+
+def _relay_preview(events, thumbnail):
+    events.put(("preview", thumbnail.numpy()))
+
+
+def _relaying(job, events, previews: bool):
+    """The job with a preview that goes to the launcher (already small and at most about
+    once a second), when the launcher shows previews."""
+    from ..pipeline.preview import FramePreview
+
+    if not previews:
+        return job
+    return dataclasses.replace(job, preview=FramePreview(functools.partial(_relay_preview,
+                                                                           events)))
+
+
+def _relayer(events, progress, preview):
+    """The launcher's side: every event waiting on ``events`` told to ``progress`` or shown
+    to ``preview`` (as the tensor the library's ``preview`` takes)."""
+    def relay():
+        while True:
+            try:
+                event = events.get_nowait()
+            except Exception:  # queue.Empty
+                return
+            if event[0] == "preview":
+                if preview is not None:
+                    preview(torch.from_numpy(event[1]))
+            elif progress is not None:
+                progress(*event)
+    return relay
+
+
+def _spawn_context():
+    import torch.multiprocessing as mp
+
+    return mp.get_context("spawn")
 
 
 def _failure(workers, rank: int) -> RuntimeError:
@@ -253,16 +300,21 @@ def _launched(worker, device_list: list[str], timeout_s: float, args: tuple):
             _stop(workers)
 
 
-def spawn_file_job(device_list: list[str], job, src, output, stats=None) -> Path:
+def spawn_file_job(device_list: list[str], job, src, output, stats=None, progress=None,
+                   preview=None) -> Path:
     """Run ``upscale_file`` over several local devices; raises naming the failed rank.
     ``stats`` (a ``JobStats``) is told the writer's frame and batch counts and the ranks the
-    job went on without."""
+    job went on without; the writer's finished frames reach ``progress`` and ``preview``."""
     timeout_s = job.opts.dist_timeout
+    events = _spawn_context().Queue()
+    relay = _relayer(events, progress, preview)
     with _launched(_file_worker, device_list, timeout_s,
-                   (log.getEffectiveLevel(), _portable(job), _portable((src, output)))) \
+                   (_portable(job), _portable((src, output)),
+                    (log.getEffectiveLevel(), events, preview is not None))) \
             as (workers, started):
         try:
-            lost = _join(workers, timeout_s, started)
+            lost = _join(workers, timeout_s, started, relay)
+            relay()
         finally:
             _stop(workers)
             # Only now that no worker lives: a rank killed outright left its temporaries behind.
@@ -352,12 +404,11 @@ def _stop(workers):
 
 
 def spawn_tensor_job(device_list: list[str], job, frames: torch.Tensor, out_shape: tuple,
-                     progress=None, should_stop=None) -> torch.Tensor:
+                     progress=None, should_stop=None, preview=None) -> torch.Tensor:
     """Run ``upscale`` on frames in memory over several local devices, spawned (not forked:
     the parent may have initialised CUDA), the frames both ways in shared memory; the writer's
-    finished frames reach ``progress`` here, and ``should_stop`` is relayed to every worker."""
-    import torch.multiprocessing as mp
-
+    finished frames reach ``progress`` and ``preview`` here, and ``should_stop`` is relayed to
+    every worker."""
     from ..pipeline.runner import Interrupted
 
     if frames.device.type != "cpu":
@@ -365,24 +416,17 @@ def spawn_tensor_job(device_list: list[str], job, frames: torch.Tensor, out_shap
     if not frames.is_shared():
         frames.share_memory_()  # moves the storage into shared memory in place, no second copy
     out = torch.empty(out_shape, dtype=torch.float32).share_memory_()
-    spawn = mp.get_context("spawn")
-    events, stop = spawn.Queue(), spawn.Event()
+    events, stop = _spawn_context().Queue(), _spawn_context().Event()
+    relay = _relayer(events, progress, preview)
 
-    def relay():
-        while True:
-            try:
-                event = events.get_nowait()
-            except Exception:  # queue.Empty
-                return
-            if progress is not None:
-                progress(*event)
     def tick():
         relay()
         if should_stop is not None and not stop.is_set() and should_stop():
             stop.set()
     timeout_s = job.opts.dist_timeout
     with _launched(_tensor_worker, device_list, timeout_s,
-                   (_portable(job), (frames, out), (events, stop))) as (workers, started):
+                   (_portable(job), (frames, out), (events, stop, preview is not None))) \
+            as (workers, started):
         try:
             _join(workers, timeout_s, started, tick)
         except RuntimeError:

@@ -641,6 +641,9 @@ def _pick_video_stream(path: Path, container) -> int:
 
     for stream in container.streams.video:
         if not stream.disposition & Disposition.attached_pic:
+            if stream.codec_context is None:  # (PyAV gives a stream without a decoder none)
+                raise MediaError(f"{path}: its video stream cannot be decoded: FFmpeg has no "
+                                 f"decoder for it, or the file is damaged or truncated")
             return stream.index
     what = "audio only" if container.streams.audio else "no streams FFmpeg can use"
     raise MediaError(f"{path}: has no video stream ({what})")

@@ -3,13 +3,16 @@
 Sized to the weights and pinned in place (``cudaHostRegister``), unlike per-tensor
 ``pin_memory()``, whose caching allocator rounds to powers of two and never gives memory back.
 Pinning is injected (:data:`PinHook`); when it fails, uploads go through a small pinned
-staging buffer (:class:`PinnedStaging`). See docs/memory.md, "Weights off the GPU".
+staging buffer (:class:`PinnedStaging`). Inside ComfyUI the pins count in ComfyUI's own
+pinned-memory budget (:class:`ComfyPin`). See docs/memory.md, "Weights off the GPU", and
+docs/comfyui.md, "Pinned memory".
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import sys
 import weakref
 from typing import Callable, Optional, Sequence
 
@@ -107,6 +110,84 @@ def cuda_pin(buffer: torch.Tensor, device: Optional[torch.device] = None,
     return unpin
 
 
+def host_pin_ledger():
+    """ComfyUI's ``comfy.model_management`` when ComfyUI runs this process (already imported:
+    nothing is imported here), else None: the keeper of ComfyUI's pinned-memory budget."""
+    mm = sys.modules.get("comfy.model_management")
+    needed = ("pin_memory", "unpin_memory", "MAX_PINNED_MEMORY", "TOTAL_PINNED_MEMORY")
+    return mm if mm is not None and all(hasattr(mm, name) for name in needed) else None
+
+
+class ComfyPin:
+    """A :data:`PinHook` that pins through ComfyUI, so our arenas count in its pinned-memory
+    budget beside its own models' pins (docs/comfyui.md, "Pinned memory").
+
+    ComfyUI relied on (``comfy.model_management``, 0.3.75 and the current release):
+    ``pin_memory(tensor)``, which page-locks a contiguous CPU tensor with
+    ``cudaHostRegister`` and adds its bytes to ``TOTAL_PINNED_MEMORY`` only while that stays
+    within ``MAX_PINNED_MEMORY`` (current releases first unregister pins of models not in use
+    to make room; 0.3.75 takes only ``Parameter`` tensors, so the buffer is handed over as
+    one); ``unpin_memory(tensor)``, which unregisters it and subtracts it again; and the two
+    numbers (``MAX_PINNED_MEMORY`` <= 0: ComfyUI pins nothing, e.g. ``--disable-pinned-memory``
+    or no NVIDIA/AMD GPU). ``ledger`` is that module (:func:`host_pin_ledger`)."""
+
+    def __init__(self, ledger, device: torch.device):
+        self.ledger, self.device = ledger, device
+
+    def enabled(self) -> bool:
+        return self.ledger.MAX_PINNED_MEMORY > 0
+
+    def room(self) -> int:
+        """Bytes ComfyUI's budget has left."""
+        return max(0, int(self.ledger.MAX_PINNED_MEMORY - self.ledger.TOTAL_PINNED_MEMORY))
+
+    def __call__(self, buffer: torch.Tensor) -> Optional[Callable[[], None]]:
+        ledger, device, nbytes = self.ledger, self.device, buffer.numel()
+        if not ledger.pin_memory(buffer.as_subclass(torch.nn.Parameter)):
+            return None
+
+        def unpin():
+            torch.cuda.synchronize(device)  # as cuda_pin's unpin: copies in flight read it
+            if not ledger.unpin_memory(buffer.as_subclass(torch.nn.Parameter)):
+                log.warning("ComfyUI could not unpin %s of host memory: it stays page-locked "
+                            "until the process ends", _size(nbytes))
+        return unpin
+
+    def pin_what_fits(self, buffer: torch.Tensor) -> tuple[Optional[Callable[[], None]], int]:
+        """Pin ``buffer`` whole, else the pages from its start that ComfyUI's budget has room
+        for, saying so; returns (unpin or None, bytes pinned from the start)."""
+        nbytes = buffer.numel()
+        unpin = self(buffer)
+        if unpin is not None:
+            return unpin, nbytes
+        if not self.enabled():
+            log.info("ComfyUI pins no host memory (--disable-pinned-memory, or no NVIDIA or AMD "
+                     "GPU): the %s of offloaded weights stay pageable, copied to the GPU "
+                     "synchronously", _size(nbytes))
+            return None, 0
+        room = self.room() // PAGE * PAGE
+        if room >= nbytes:  # refused for another reason than its budget
+            log.warning("ComfyUI could not pin %s of host memory for the offloaded weights; "
+                        "copies to the GPU go through a %s pinned staging buffer instead",
+                        _size(nbytes), _size(STAGING_SLOTS * STAGING_CHUNK_BYTES))
+            return None, 0
+        unpin = self(buffer[:room]) if room else None
+        pinned = room if unpin is not None else 0
+        self._log_reduced(pinned, nbytes)
+        return unpin, pinned
+
+    def _log_reduced(self, pinned: int, nbytes: int):
+        ledger = self.ledger
+        log.warning("pinning %s of the %s offloaded weights: ComfyUI's pinned-memory "
+                    "budget (%s) has %s left beside the %s it holds; the rest goes to the GPU "
+                    "through a %s pinned staging buffer (slower uploads). Unload models to "
+                    "give it room.", _size(pinned), _size(nbytes),
+                    _size(int(ledger.MAX_PINNED_MEMORY)), _size(self.room() + pinned),
+                    _size(int(ledger.TOTAL_PINNED_MEMORY) - pinned),
+                    _size(STAGING_SLOTS * STAGING_CHUNK_BYTES))
+
+
+
 # Uploads from an arena that could not be pinned go through this many pinned buffers of this
 # size: host memory is copied into one while the other's DMA to the device runs.
 STAGING_CHUNK_BYTES = 32 * 2**20
@@ -158,7 +239,9 @@ class PinnedStaging:
 
 
 def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+    if nbytes >= 2**30:
+        return f"{nbytes / 2**30:.2f} GiB"
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
 
 
 def aligned_offsets(nbytes: Sequence[int]) -> tuple[list[int], int]:
@@ -202,36 +285,47 @@ class HostArena:
         self.buffer = raw[shift: shift + self.nbytes]
         self.views = [self.buffer[o: o + n].view(dtype).view(shape)
                       for o, n, (shape, dtype) in zip(offsets, sizes, specs)]
+        self._ends = [o + n for o, n in zip(offsets, sizes)]
         self.pinned = False
+        self.pinned_upto = 0  # bytes of the buffer pinned, from its start
         self.staging: Optional[PinnedStaging] = None  # uploads when pinning failed
         self._unpin: Optional[weakref.finalize] = None
 
     def pin(self, hook: Optional[PinHook]):
         """Pin the whole arena once through ``hook`` (None: stay pageable). When the hook
-        cannot pin, uploads go through a :class:`PinnedStaging` instead."""
+        cannot pin, uploads go through a :class:`PinnedStaging` instead. A :class:`ComfyPin`
+        that cannot pin it all pins the part ComfyUI's budget has room for (the views there
+        upload directly, the others through a staging buffer), and nothing when ComfyUI
+        pins nothing."""
         if hook is None or self.pinned or self.nbytes == 0:
             return
-        unpin = hook(self.buffer)
-        if unpin is None:
-            self.staging = PinnedStaging()
+        if isinstance(hook, ComfyPin):
+            unpin, self.pinned_upto = hook.pin_what_fits(self.buffer)
+            if not hook.enabled():
+                return  # ComfyUI pins nothing: neither do we, staging included
         else:
+            unpin = hook(self.buffer)
+            self.pinned_upto = self.nbytes if unpin is not None else 0
+        if unpin is not None:
             self.pinned = True
             # The finalizer holds the buffer, so the memory cannot be freed while registered.
             self._unpin = weakref.finalize(self, _release, unpin, self.buffer)
             self._unpin.atexit = False  # at exit the process's pages go anyway
+        if self.pinned_upto < self.nbytes:
+            self.staging = PinnedStaging()
 
     @property
     def pinned_bytes(self) -> int:
-        """Page-locked bytes this arena holds: the arena itself, or its staging buffers."""
-        if self.pinned:
-            return self.nbytes
-        return self.staging.pinned_bytes if self.staging is not None else 0
+        """Page-locked bytes this arena holds: the arena (or the part of it pinned), and its
+        staging buffers."""
+        staged = self.staging.pinned_bytes if self.staging is not None else 0
+        return (self.pinned_upto if self.pinned else 0) + staged
 
     def copy_into(self, index: int, out: torch.Tensor):
         """Copy ``views[index]`` into the device tensor ``out``, asynchronously, on the current
         stream (allocate ``out`` on the stream that will read and free it)."""
         view = self.views[index]
-        if self.staging is None or view.numel() == 0:
+        if self.staging is None or view.numel() == 0 or self._is_pinned(index):
             out.copy_(view, non_blocking=True)
             return
         try:
@@ -241,6 +335,9 @@ class HostArena:
                         "be synchronous", str(error).splitlines()[0])
             self.staging = None
             out.copy_(view, non_blocking=True)
+
+    def _is_pinned(self, index: int) -> bool:
+        return self.pinned and self._ends[index] <= self.pinned_upto
 
     def release(self):
         """Unpin now (idempotent); views stay valid as pageable memory."""

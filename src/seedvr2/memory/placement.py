@@ -16,7 +16,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from .arena import HostArena, PinHook, arena_bytes, cuda_pin
+from .arena import ComfyPin, HostArena, PinHook, arena_bytes, cuda_pin, host_pin_ledger
 
 
 def named_tensors(module: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
@@ -46,9 +46,14 @@ def host_copy_bytes(module: nn.Module) -> int:
 
 def default_pin(compute: torch.device, host: torch.device) -> Optional[PinHook]:
     """Pin host copies only where it pays: CPU memory feeding a CUDA device (whose copies
-    unpinning then waits for, and no other GPU's)."""
-    return functools.partial(cuda_pin, device=compute) \
-        if compute.type == "cuda" and host.type == "cpu" else None
+    unpinning then waits for, and no other GPU's). Inside ComfyUI through ComfyUI, so the
+    pins count in its pinned-memory budget (:class:`~seedvr2.memory.arena.ComfyPin`)."""
+    if compute.type != "cuda" or host.type != "cpu":
+        return None
+    ledger = host_pin_ledger()
+    if ledger is not None:
+        return ComfyPin(ledger, compute)
+    return functools.partial(cuda_pin, device=compute)
 
 
 class WeightStore:

@@ -517,14 +517,16 @@ def open_resume_state(reader, output, plan: BatchPlan, identity: dict,
                        faults=faults)
 
 
-def run_resumable(compute, state: ResumeState, info, output, progress=None, stats=None) -> Path:
+def run_resumable(compute, state: ResumeState, info, output, progress=None, stats=None,
+                  preview=None) -> Path:
     """Upscale ``state.plan`` into ``output`` through pieces kept in ``state``; returns the
     final path.
 
     ``compute(batches)`` yields ``(batch, frames)`` for the given plan batch indices, in
     order: this process's upscaler, or the writer rank's gathering of every rank's batches.
-    ``progress(phase, done, total)`` is told the finished frames; ``stats`` (a ``JobStats``)
-    the frames and the batches reused."""
+    ``progress(phase, done, total)`` is told the finished frames and ``preview`` (a
+    ``FramePreview``) shown the newest; ``stats`` (a ``JobStats``) the frames and the batches
+    reused."""
     plan = state.plan
     if state.pieces:
         log.info("resuming: %d of %d batches are kept in %s; computing the other %d",
@@ -536,9 +538,13 @@ def run_resumable(compute, state: ResumeState, info, output, progress=None, stat
         remaining = state.remaining_batches
         outputs = iter(compute(remaining)) if remaining else iter(())
         blender = _restored_blender(state, outputs)
+        def frames_done(done: int, total: int, newest):
+            if progress is not None:
+                progress("frames", done, total)
+            if preview is not None:
+                preview(newest)
         for segment in state.segments[state.open_segment:]:
-            _write_segment(segment, outputs, blender, state, info, output,
-                           progress or (lambda phase, done, total: None))
+            _write_segment(segment, outputs, blender, state, info, output, frames_done)
         # Every batch is taken: this runs the producer to its end (the ranks' summary).
         leftover = next(outputs, None)
         assert leftover is None, leftover
@@ -618,9 +624,10 @@ def _segment_writer(segment: Segment, state: ResumeState, info, output):
 
 
 def _write_segment(segment: Segment, outputs, blender, state: ResumeState, info, output,
-                   progress):
+                   frames_done):
     """Write ``segment``: its kept parts' frames again, then the frames of its other chunks,
-    closing a part at a chunk's end when a checkpoint is due."""
+    closing a part at a chunk's end when a checkpoint is due; ``frames_done(done, total,
+    newest frame)`` after each batch's frames."""
     from .runner import to_integer_frames
 
     written = 0
@@ -644,7 +651,7 @@ def _write_segment(segment: Segment, outputs, blender, state: ResumeState, info,
                         part.write(frames)
                         written += len(final)
                         state.faults.kill_point("write", segment.number + 1)
-                        progress("frames", blender.emitted, blender.plan.source_frames)
+                        frames_done(blender.emitted, blender.plan.source_frames, final[-1:])
                 if number + 1 < len(chunks) and part.frames and state.checkpoint_due():
                     state.close_part(part, chunk[-1], blender.pending)
                     part = _Part(state.folder, segment, chunk[-1] + 1, blender.emitted)

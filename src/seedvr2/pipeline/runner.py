@@ -707,19 +707,21 @@ class Upscaler:
         """Raises :class:`Interrupted` once ``should_stop`` says so."""
         self._stops()
 
-    def run(self, frames: Iterable, plan: BatchPlan) -> Iterator[tuple[int, torch.Tensor]]:
+    def run(self, frames: Iterable, plan: BatchPlan,
+            preview=None) -> Iterator[tuple[int, torch.Tensor]]:
         """Yields (first source frame, frames (n, H, W, C) float32 in [0, 1]) in order, one
-        frame at a time (:func:`final_frames`)."""
+        frame at a time (:func:`final_frames`, which shows each to ``preview``)."""
         return final_frames(plan, self.batch_outputs(frames, plan), self.progress, self.stats,
-                            self.check_stop)
+                            self.check_stop, preview)
 
 
 def final_frames(plan: BatchPlan, outputs, progress: Optional[Progress] = None,
-                 stats: Optional[JobStats] = None, check_stop=None):
+                 stats: Optional[JobStats] = None, check_stop=None, preview=None):
     """Each batch's ``outputs`` (in plan order) blended into final frames, yielded one at a
     time as (first source frame, frames): ``check_stop`` is called before each, so a Cancel
     while the consumer writes (encoding is often the slowest phase) waits for one frame, not
-    a batch. ``progress`` and ``stats`` are told the frames finished."""
+    a batch. ``progress`` and ``stats`` are told the frames finished, ``preview`` (a
+    :class:`~seedvr2.pipeline.preview.FramePreview`) is shown each one."""
     blender = OverlapBlender(plan)
     for batch, out in outputs:
         for first, final in blender.add(batch, out):
@@ -732,6 +734,8 @@ def final_frames(plan: BatchPlan, outputs, progress: Optional[Progress] = None,
                 if progress is not None:
                     progress("frames", blender.emitted - final.shape[0] + k + 1,
                              plan.source_frames)
+                if preview is not None:
+                    preview(final[k:k + 1])
 
 
 class OverlapBlender:

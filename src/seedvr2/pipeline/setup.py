@@ -304,13 +304,18 @@ class Job:
     # The host's request for free memory (:func:`prepare_job`); one process only, never
     # pickled to spawned ranks (the facade gives them none).
     make_room: Optional[MakeRoom] = field(default=None, compare=False)
+    # Shows the host the newest finished frame (a ``preview.FramePreview``), where frames are
+    # blended: this process, or the writer rank (spawned ranks get one that relays to the
+    # launcher's; never pickled).
+    preview: Optional[Callable] = field(default=None, compare=False)
 
     @classmethod
     def build(cls, opts: Options, dit=None, vae=None, model_dir=None,
-              faults: Faults = NO_FAULTS, make_room: Optional[MakeRoom] = None) -> "Job":
+              faults: Faults = NO_FAULTS, make_room: Optional[MakeRoom] = None,
+              preview: Optional[Callable] = None) -> "Job":
         model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
         return cls(opts, (ModelRef("dit", dit), ModelRef("vae", vae)), model_dir, faults,
-                   make_room)
+                   make_room, preview)
 
     def resolved(self) -> "Job":
         """The job with its models resolved, once: files found or downloaded."""

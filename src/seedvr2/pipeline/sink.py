@@ -3,7 +3,7 @@
 One process and the writer rank of several open the same sink (:class:`DirectSink` or
 :class:`ResumableSink`) in one place (:func:`open_sink`) and hand it their producer:
 ``sink.consume(outputs_from)``, where ``outputs_from(batches)`` yields ``(batch, frames)`` for
-those plan batches in order.
+those plan batches in order; each final frame is told to ``progress`` and shown to ``preview``.
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ class DirectSink:
     def __exit__(self, *exc):
         return self._output.__exit__(*exc)
 
-    def consume(self, outputs_from, progress=None, stats=None, check_stop=None) -> Path:
+    def consume(self, outputs_from, progress=None, stats=None, check_stop=None,
+                preview=None) -> Path:
         for _, frame in final_frames(self.plan, outputs_from(self.remaining_batches), progress,
-                                     stats, check_stop):
+                                     stats, check_stop, preview):
             self._output.write_many(to_integer_frames(frame, self.bit_depth))
         return Path(self.writer.path)
 
@@ -54,9 +55,11 @@ class ResumableSink:
         if kind is not None and not self._started:  # failed before writing began
             self.state.keep_or_discard(len(self.state.plan.batches))
 
-    def consume(self, outputs_from, progress=None, stats=None, check_stop=None) -> Path:
+    def consume(self, outputs_from, progress=None, stats=None, check_stop=None,
+                preview=None) -> Path:
         self._started = True  # from here on run_resumable keeps what is complete
-        return run_resumable(outputs_from, self.state, self.info, self.output, progress, stats)
+        return run_resumable(outputs_from, self.state, self.info, self.output, progress, stats,
+                             preview)
 
 
 def open_sink(writer, reader, output, plan, identity: dict, compute_dtype, job):

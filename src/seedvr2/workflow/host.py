@@ -111,6 +111,9 @@ class HeadlessHost:
             self._bar = tqdm(total=total, desc=self.label, unit="step", leave=False)
         self._bar.update(value - self._bar.n)
 
+    def preview(self, thumbnail) -> None:
+        pass  # headless: no picture to show while the job runs
+
     def close_bar(self) -> None:
         if self._bar is not None:
             self._bar.close()
@@ -147,6 +150,15 @@ class HeadlessHost:
 
     def video_file(self, video) -> Optional[Path]:
         return video.path
+
+    def video_size(self, video) -> Optional[tuple]:
+        if video.path is None:
+            return (*video.images.shape[:3], True)
+        from ..io import open_media
+
+        with open_media(video.path) as reader:
+            info = reader.info
+        return info.frame_count, info.height, info.width, False
 
     def video_frames(self, video) -> tuple:
         return video_components(video)

@@ -105,6 +105,7 @@ class Host(Protocol):
     def input_path(self, name: str) -> Path: ...
     def output_file(self, prefix: str, suffix: str, width: int, height: int) -> tuple[Path, dict]: ...
     def progress(self, value: int, total: int) -> None: ...
+    def preview(self, thumbnail) -> None: ...  # the newest finished frame, (h, w, 3) uint8
     def interrupted(self) -> bool: ...
     def raise_interrupted(self) -> None: ...  # raises the host's own interruption, if flagged
     def before_load(self, model_files=(), device: str = "auto") -> None: ...  # room for these files
@@ -112,7 +113,8 @@ class Host(Protocol):
     def after_run(self) -> None: ...  # give memory back
     def warn(self, message: str) -> None: ...
     # VIDEO values, in the host's own form (ComfyUI's VideoInput; headless core_nodes.Video):
-    def video_file(self, video) -> Optional[Path]: ...  # the whole file it plays, if it is one
+    def video_file(self, video) -> Optional[Path]: ...  # a file it plays whole, to stream
+    def video_size(self, video) -> Optional[tuple]: ...  # (frames, H, W, frames in RAM already)
     def video_frames(self, video) -> tuple: ...  # (IMAGE frames, AUDIO or None, frame rate)
     def file_video(self, path: Path): ...  # a VIDEO playing this file
     def frames_video(self, images, audio, fps): ...  # a VIDEO of these frames, audio and rate
@@ -525,7 +527,7 @@ def _run_facade(host: Host, dit: ModelHandle, vae: ModelHandle, inputs: dict, ca
         with torch.inference_mode(False):
             return call(dit.path, vae.path, model_dir=model_dir,
                         progress=_progress_callback(host), should_stop=_stop_check(host),
-                        make_room=host.make_room, **job.options)
+                        make_room=host.make_room, preview=host.preview, **job.options)
     except Interrupted:
         host.raise_interrupted()
         raise
@@ -601,9 +603,11 @@ def _upscale_video_file(host: Host, dit: ModelHandle, vae: ModelHandle, video_pa
 
 def _upscale_video(host: Host, video, dit: ModelHandle, vae: ModelHandle, codec: str,
                    **inputs) -> NodeResult:
-    """VIDEO in, VIDEO out. A video that is a file is streamed (any length fits in memory) into
-    a new file in the host's temporary folder, its audio and exact frame rate copied; a video
-    made of frames (Create Video) is upscaled in memory, with its audio and rate."""
+    """VIDEO in, VIDEO out. A video that is a file (or that the host streams into one) is
+    streamed (any length fits in memory) into a new file in the host's temporary folder, its
+    audio and exact frame rate copied; a video made of frames (Create Video, or edits only
+    frames can show) is upscaled in memory, with its audio and rate, once its size is known to
+    fit (:func:`_check_frames_fit`)."""
     from ..api import upscale, upscale_file
 
     source = host.video_file(video)
@@ -611,9 +615,45 @@ def _upscale_video(host: Host, video, dit: ModelHandle, vae: ModelHandle, codec:
         dst = host.temp_file("SeedVR2/video", ".mp4")
         call_file = partial(upscale_file, source, dst, codec=codec)
         return NodeResult((host.file_video(_run_facade(host, dit, vae, inputs, call_file)),))
+    _check_frames_fit(host.video_size(video), plan_job(dit, vae, *_split_inputs(inputs)))
     images, audio, fps = host.video_frames(video)
     frames = _as_comfy_image(_run_facade(host, dit, vae, inputs, partial(upscale, images)))
     return NodeResult((host.frames_video(frames, audio, fps),))
+
+
+FLOAT_BYTES = 4  # ComfyUI's IMAGE frames are float32
+
+
+def _check_frames_fit(size: Optional[tuple], job: "_Job") -> None:
+    """Before a VIDEO's frames are taken into memory: log what they and the upscaled frames
+    will hold in RAM, and refuse (:class:`~seedvr2.memory.budget.BudgetError`, naming the way
+    out) when that is more than the host has available. ``size``: the host's ``video_size``
+    (None: not known without decoding, said in the log)."""
+    from ..memory.budget import BudgetError, gib, host_available
+    from ..pipeline.runner import output_size
+
+    if size is None:
+        log.info("the VIDEO is upscaled in memory; its size is not known before its frames are "
+                 "taken")
+        return
+    frames, height, width, in_memory = size
+    out_height, out_width = output_size(height, width, resolve_options(**job.options))
+    taken = 0 if in_memory else frames * height * width * 3 * FLOAT_BYTES
+    need = taken + frames * out_height * out_width * 3 * FLOAT_BYTES
+    available = host_available()
+    log.info("the VIDEO is upscaled in memory: %d frames of %dx%d %s and %s upscaled to "
+             "%dx%d: %s of RAM (%s available)", frames, width, height,
+             "already in RAM" if in_memory else f"taken into RAM ({gib(taken)})",
+             gib(need - taken), out_width, out_height, gib(need),
+             gib(available) if available is not None else "unknown")
+    if available is not None and need > available:
+        raise BudgetError(
+            f"the VIDEO ({frames} frames of {width}x{height}) is not a file that can be "
+            f"streamed (frames, a trimmed or cropped video, or a concatenation of such), so it "
+            f"would be upscaled in memory: {gib(need)} of RAM for its frames and the upscaled "
+            f"ones at {out_width}x{out_height}, but {gib(available)} is available. Save it "
+            f"with Save Video and upscale that file (Load Video, or SeedVR2 Upscale Video "
+            f"File): a file is streamed, any length fits; or upscale fewer frames")
 
 
 # ---------------------------------------------------------------------------------------------
