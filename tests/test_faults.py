@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import netns
 from conftest import REPO, make_clip
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -163,8 +164,9 @@ def test_frozen_rank_is_stopped_and_taken_over_within_dist_timeout(clip, tiny_op
     assert ended - froze < 5 + 20, f"ended {ended - froze:.1f}s after the freeze"
     assert result.returncode == 0, result.stderr[-3000:]
     if after == 1:
-        assert ("rank 1 has shown no sign of life for dist_timeout (5s): frozen or hung: rank 0 "
-                "computed its 1 unfinished batch(es) itself") in result.stderr, result.stderr[-3000:]
+        assert ("rank 1 has shown no sign of life for dist_timeout (5s): frozen, hung or cut "
+                "off: rank 0 computed its 1 unfinished batch(es) itself") in result.stderr, \
+            result.stderr[-3000:]
         assert "the job finished without rank(s) 1" in result.stderr
         assert "without rank 1 (killed by signal 9) from then on" in result.stdout, result.stdout
     assert np.array_equal(_frames(tmp_path / "out"), single)
@@ -233,3 +235,77 @@ def test_impossible_sequence_parallel_is_refused_before_any_worker(
         seedvr2.upscale(torch.from_numpy(frames), **tiny_options, devices=devices,
                         sequence_parallel=k, batch_size=5)
     assert sorted(p.name for p in Path(tmp_path).iterdir()) == []
+
+
+# A node cut off ends itself within dist_timeout of losing the job plus this: the lifeline's
+# check period and one beat (a second each at most), then torchrun's agent noticing its
+# worker's exit and ending (measured: about 2 s on a loaded 2-core machine).
+CUT_OFF_SLACK_S = 10.0
+
+
+def _torchrun_node(tiny_options, clip, out, node: int, timeout: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+            "--nproc-per-node", "1", "--node-rank", str(node), "--master-addr",
+            netns.ADDRESSES[0], "--master-port", "29500", "--rdzv-conf", "timeout=60",
+            "-m", "seedvr2", "upscale", str(clip), "-o", f"{out}/", "--dit", tiny_options["dit"],
+            "--vae", tiny_options["vae"], "--model-dir", str(tiny_options["model_dir"]),
+            "--dtype", "fp32", "--device", "cpu",
+            "--text-embeddings", str(tiny_options["model_dir"] / "text_64.safetensors"),
+            "--resolution", "32", "--batch-size", "5", "--temporal-overlap", "1",
+            "--chunk-size", "9", "--dist-timeout", str(timeout)]
+
+
+def _wait_for(condition, seconds: float, what: str):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {seconds:g}s"
+        time.sleep(0.05)
+
+
+def test_node_cut_off_mid_job_ends_itself_and_the_writer_finishes(clip, tiny_options, tmp_path,
+                                                                  single):
+    """Two machines as a cluster has them: torchrun on each node (static rendezvous, gloo, one
+    rank per node), each in network and PID namespaces of its own, so the writer can neither
+    see nor signal rank 1. Once rank 1 has delivered its first batch, its node's link is cut:
+    no reset, no error, silence. Rank 1 ends itself within dist_timeout plus
+    CUT_OFF_SLACK_S of the cut, saying what it lost, with a non-zero status, whatever it was
+    blocked in; the writer takes its batches over and writes the frames of one process."""
+    reason = netns.unavailable()
+    if reason is not None:
+        pytest.skip(f"two nodes in namespaces of their own: {reason}")
+    timeout, mark, out = 4, tmp_path / "cut-at", tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1", SEEDVR2_FAULT="1:cut_off_after_batches=1",
+               SEEDVR2_FAULT_MARK=str(mark))
+    with netns.TwoNodes() as nodes:
+        logs, runs = [], []
+        for node in (0, 1):
+            logs.append((open(tmp_path / f"node{node}.out", "w"),
+                         open(tmp_path / f"node{node}.err", "w")))
+            runs.append(nodes.start(node, _torchrun_node(tiny_options, clip, out, node, timeout),
+                                    cwd=REPO, stdout=logs[-1][0], stderr=logs[-1][1],
+                                    env=dict(env, GLOO_SOCKET_IFNAME=netns.INTERFACES[node])))
+        text = lambda node, kind: (tmp_path / f"node{node}.{kind}").read_text()  # noqa: E731
+        _wait_for(lambda: mark.exists() or any(r.poll() is not None for r in runs), 120,
+                  "rank 1 delivering its first batch")
+        assert mark.exists(), text(0, "err")[-3000:] + text(1, "err")[-3000:]
+        nodes.cut(1)
+        cut = time.monotonic()
+        Path(f"{mark}.cut").touch()
+        try:
+            runs[1].wait(timeout + CUT_OFF_SLACK_S)
+        except subprocess.TimeoutExpired:
+            pass
+        exited = time.monotonic() - cut
+        print(f"rank 1's node, cut off with dist_timeout {timeout}s: "
+              f"{'exited' if runs[1].returncode is not None else 'still running'} "
+              f"{exited:.1f}s after the cut (status {runs[1].returncode})")
+        assert runs[1].returncode is not None, \
+            f"rank 1 still runs {exited:.1f}s after the cut: " + text(1, "err")[-3000:]
+        assert runs[1].returncode != 0
+        _wait_for(out.is_dir, 120, "the writer's output")
+        for stream in logs[0] + logs[1]:
+            stream.close()
+    assert "has not answered for dist_timeout" in text(1, "err"), text(1, "err")[-3000:]
+    assert "rank 1 has shown no sign of life for dist_timeout" in text(0, "err"), \
+        text(0, "err")[-3000:]
+    assert np.array_equal(_frames(out), single)
