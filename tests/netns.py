@@ -2,10 +2,12 @@
 joined by a veth pair (addresses that exist only inside them), each node run in its own PID
 namespace too, so that neither side can see, signal or wait for the other's processes.
 
-Nothing is named system-wide: each namespace lives as long as a process in it (a holder that
-sleeps at most :data:`HOLDER_S`, and the node started in it), so a test killed outright leaves
-nothing behind for long. Needs root and util-linux/iproute2 (``unshare``, ``nsenter``, ``ip``);
-:func:`unavailable` says why a machine cannot.
+Nothing is named system-wide: a namespace lives as long as a process in it, and every one
+of those is bounded: the holder sleeps at most :data:`LIFETIME_S`, a node's command is killed
+after as long (``timeout``, the first process of its PID namespace: when it goes, the kernel
+ends the rest). Leaving the context kills every process found in the two network namespaces,
+and waits for them. Needs root and util-linux/coreutils/iproute2 (``unshare``, ``nsenter``,
+``timeout``, ``ip``); :func:`unavailable` says why a machine cannot.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import time
 
 ADDRESSES = ("10.213.0.1", "10.213.0.2")  # node 0, node 1: inside the namespaces only
 INTERFACES = ("n0", "n1")  # the ends of the veth pair (names private to each namespace)
-HOLDER_S = 300  # a namespace's holder process ends by itself after this long
-TOOLS = ("unshare", "nsenter", "ip")
+LIFETIME_S = 300  # nothing started here outlives this, whatever happens to the test
+TOOLS = ("unshare", "nsenter", "timeout", "ip")
 
 
 def _quiet(*argv, timeout: float = 10) -> subprocess.CompletedProcess:
@@ -32,7 +34,7 @@ def unavailable() -> str | None:
         return "network and PID namespaces need root (CI runs as root)"
     missing = [tool for tool in TOOLS if shutil.which(tool) is None]
     if missing:
-        return f"{', '.join(missing)} not installed (util-linux and iproute2)"
+        return f"{', '.join(missing)} not installed (util-linux, coreutils, iproute2)"
     probe = _quiet("unshare", "--net", "--pid", "--fork", "--mount-proc", "ip", "link",
                    "set", "lo", "up")
     if probe.returncode != 0:
@@ -48,6 +50,7 @@ class TwoNodes:
     def __init__(self):
         self.holders: list[subprocess.Popen] = []
         self.started: list[subprocess.Popen] = []
+        self.namespaces: list[str] = []  # their /proc/PID/ns/net links: what to clean up
 
     def __enter__(self):
         try:
@@ -60,13 +63,14 @@ class TwoNodes:
     def _link(self):
         ours = os.readlink("/proc/self/ns/net")
         for _ in ADDRESSES:
-            holder = subprocess.Popen(["unshare", "--net", "sleep", str(HOLDER_S)])
+            holder = subprocess.Popen(["unshare", "--net", "sleep", str(LIFETIME_S)])
             self.holders.append(holder)
             deadline = time.monotonic() + 10
             while os.readlink(f"/proc/{holder.pid}/ns/net") == ours:
                 if holder.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("the namespace holder did not start")
                 time.sleep(0.01)
+            self.namespaces.append(os.readlink(f"/proc/{holder.pid}/ns/net"))
         self._in(0, "ip", "link", "add", INTERFACES[0], "type", "veth", "peer", "name",
                  INTERFACES[1], "netns", str(self.holders[1].pid))
         for node, (address, interface) in enumerate(zip(ADDRESSES, INTERFACES)):
@@ -86,7 +90,8 @@ class TwoNodes:
         """``argv`` on ``node``, in a PID namespace of its own (killing the process returned
         kills everything in it)."""
         process = subprocess.Popen([*self._enter(node), "unshare", "--pid", "--fork",
-                                    "--kill-child", "--mount-proc", *argv], **popen)
+                                    "--kill-child", "--mount-proc", "timeout", "--signal=KILL",
+                                    str(LIFETIME_S), *argv], **popen)
         self.started.append(process)
         return process
 
@@ -95,12 +100,33 @@ class TwoNodes:
         nothing tells either side (no reset, no error): a cable pulled, a switch gone."""
         self._in(node, "ip", "link", "set", INTERFACES[node], "down")
 
+    def _inside(self) -> list[int]:
+        """The processes in our network namespaces now."""
+        found = []
+        for entry in os.listdir("/proc"):
+            try:
+                if entry.isdigit() and os.readlink(f"/proc/{entry}/ns/net") in self.namespaces:
+                    found.append(int(entry))
+            except OSError:
+                continue  # gone meanwhile
+        return found
+
     def __exit__(self, *exc):
         for process in [*self.started, *self.holders]:
             if process.poll() is None:
-                process.send_signal(signal.SIGKILL)  # unshare --kill-child takes its child along
+                process.send_signal(signal.SIGKILL)
         for process in [*self.started, *self.holders]:
             try:
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 pass
+        # A node whose unshare was killed before it could tie its child's life to its own
+        # (the child then outlives it): anything still in our namespaces goes too.
+        deadline = time.monotonic() + 30
+        while (inside := self._inside()) and time.monotonic() < deadline:
+            for pid in inside:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.05)
