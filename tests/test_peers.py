@@ -96,20 +96,30 @@ def test_a_slow_store_is_not_a_lost_job(ended):
 
 def _meeting(store):
     keys = peers.JobKeys(store)
-    return sequence.Meeting(None, [0, 1], keys, peers.Liveness(keys, TIMEOUT_S))
+    return sequence.Meeting(None, [0, 1], 0, keys, peers.Liveness(keys, TIMEOUT_S))
 
 
-def test_a_meeting_waits_for_its_ranks_and_fails_on_a_lost_one(monkeypatch):
-    """Rank 0 meets rank 1 (which arrives later, from another thread), then meets again with
-    rank 1 gone: that raises RankLost naming it instead of waiting for it."""
-    monkeypatch.setattr(sequence.dist, "get_rank", lambda group=None: 0)
+def test_a_meeting_waits_for_its_ranks_and_fails_on_a_lost_one():
+    """Rank 0 meets rank 1, which arrives well after dist_timeout (compiling, say) but beats
+    meanwhile: the meeting waits for it (a collective with dist_timeout would have failed).
+    Then it meets again with rank 1 gone: that raises RankLost naming it instead of
+    waiting."""
     store = MemoryStore()
     meeting = _meeting(store)
-    key = meeting.keys.key("meeting/0/1")
-    threading.Timer(0.2, lambda: store.add(key, 1)).start()
+    keys, late = meeting.keys, 2.5 * TIMEOUT_S
+
+    def slow_peer():  # beats, then arrives
+        start = time.monotonic()
+        while time.monotonic() - start < late:
+            store.add(keys.key("alive/1"), 1)
+            time.sleep(TIMEOUT_S / 4)
+        store.add(keys.key("meeting/0/1"), 1)
+    peer = threading.Thread(target=slow_peer)
+    peer.start()
     started = time.monotonic()
     meeting.meet()
-    assert 0.2 <= time.monotonic() - started < 2
-    store.set(meeting.keys.key("where/1"), peers.where(_dead_pid()))
+    assert late <= time.monotonic() - started < late + 2
+    peer.join()
+    store.set(keys.key("where/1"), peers.where(_dead_pid()))
     with pytest.raises(peers.RankLost, match="rank 1 exited"):
         meeting.meet()

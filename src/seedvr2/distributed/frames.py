@@ -52,7 +52,8 @@ class Handover:
     def posted(self, index: int):
         self.keys.mark(f"sent/{index}")
 
-    def wait_posted(self, index: int, sender: int, meanwhile: Callable[[], bool] = lambda: False):
+    def wait_posted(self, index: int, sender: int,
+                    meanwhile: Callable[[], bool] = lambda: False):
         """Until ``sender`` has posted batch ``index``; raises :class:`RankLost` when it is
         lost first. ``meanwhile()``: work done while waiting."""
         wait_until(lambda: self.keys.exists(f"sent/{index}"),

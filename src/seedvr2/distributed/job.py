@@ -138,7 +138,7 @@ class Links:
         liveness = Liveness(keys, opts.dist_timeout)
         first = ctx.rank - ctx.rank % k
         return cls(frames, keys, liveness, wire.Handover(keys, liveness), group,
-                   Meeting(meeting, list(range(first, first + k)), keys, liveness)
+                   Meeting(meeting, list(range(first, first + k)), ctx.rank, keys, liveness)
                    if k > 1 else None)
 
 

@@ -181,19 +181,24 @@ class Meeting:
     polled there, watching that each of them lives, so the collective that follows waits for
     its transfer only and every group keeps the job's timeout; a lost peer raises
     :class:`~.peers.RankLost`. ``group``: the gloo :func:`meeting_group` the latents travel
-    over; ``ranks``: the group's global ranks."""
+    over; ``ranks``: the group's global ranks, ``rank`` this one's."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup], ranks: list[int], keys, liveness):
-        self.group, self.ranks, self.keys, self.liveness = group, ranks, keys, liveness
+    def __init__(self, group: Optional[dist.ProcessGroup], ranks: list[int], rank: int, keys,
+                 liveness):
+        self.group, self.ranks, self.rank = group, ranks, rank
+        self.keys, self.liveness = keys, liveness
         self.held = 0  # meetings so far: every rank of the group holds the same ones
 
     def meet(self):
         self.held += 1
-        key = self.keys.key(f"meeting/{self.ranks[0]}/{self.held}")
-        store, me = self.keys.store, dist.get_rank()
+        store, key = self.keys.store, self.keys.key(f"meeting/{self.ranks[0]}/{self.held}")
         store.add(key, 1)
-        wait_until(lambda: store.add(key, 0) >= len(self.ranks),
-                   lambda: [self.liveness.check(r) for r in self.ranks if r != me])
+        wait_until(lambda: store.add(key, 0) >= len(self.ranks), self._watch)
+
+    def _watch(self):
+        for rank in self.ranks:
+            if rank != self.rank:
+                self.liveness.check(rank)
 
 
 @contextlib.contextmanager
