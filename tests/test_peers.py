@@ -123,3 +123,29 @@ def test_a_meeting_waits_for_its_ranks_and_fails_on_a_lost_one():
     store.set(keys.key("where/1"), peers.where(_dead_pid()))
     with pytest.raises(peers.RankLost, match="rank 1 exited"):
         meeting.meet()
+
+
+def test_every_group_of_a_job_has_its_dist_timeout(monkeypatch):
+    """The groups one rank of a sequence-parallel job makes (its sequence group, the meeting
+    group the latents travel over, the frame group; every rank makes each group of the world)
+    all have the job's dist_timeout: no two-hour frame group, no one-hour meeting group."""
+    import datetime
+
+    import torch
+
+    from seedvr2.distributed import job
+    from seedvr2.distributed.groups import DistContext
+    from seedvr2.options import resolve_options
+
+    made = []
+    monkeypatch.setattr(sequence.dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(sequence.dist, "get_rank", lambda group=None: 3)
+    monkeypatch.setattr(sequence.dist, "new_group",
+                        lambda ranks=None, **kwargs: made.append((ranks, kwargs)) or len(made))
+    monkeypatch.setattr(peers.dist.distributed_c10d, "_get_default_store", MemoryStore)
+    opts = resolve_options(sequence_parallel=2, dist_timeout=7)
+    links = job.Links.make(DistContext(3, 4, 3, torch.device("cpu")), opts)
+    assert [ranks for ranks, _ in made] == [[0, 1], [2, 3], [0, 1], [2, 3], None]
+    assert {kwargs["timeout"] for _, kwargs in made} == {datetime.timedelta(seconds=7)}
+    assert (links.sequence_group, links.meeting.group, links.frames_group) == (2, 4, 5)
+    assert (links.meeting.ranks, links.meeting.rank) == ([2, 3], 3)
