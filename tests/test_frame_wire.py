@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -97,15 +98,17 @@ def test_bad_headers_are_named():
 
 def test_frame_group_is_gloo_whatever_the_default_backend():
     """The group is created with gloo explicitly (not inherited from an NCCL default group),
-    with a timeout long enough to wait for a chunk's computation."""
+    with the job's own timeout: no longer two hours (issue 38), as its waits last a
+    transfer (the hand-over)."""
     calls = []
     group = wire.frame_group(datetime.timedelta(seconds=60),
                              new_group=lambda **kw: calls.append(kw) or "frames-group")
     assert group == "frames-group"
-    assert calls == [dict(backend="gloo", timeout=wire.FRAME_WAIT)]
-    long = datetime.timedelta(hours=5)
-    wire.frame_group(long, new_group=lambda **kw: calls.append(kw))
-    assert calls[-1]["timeout"] == long
+    assert calls == [dict(backend="gloo", timeout=datetime.timedelta(seconds=60))]
+
+
+def _messages(sent, index: int) -> int:
+    return sum(tag // 3 == index for _, _, tag, _ in sent)
 
 
 def test_worker_sends_cpu_integers_on_the_frame_group(monkeypatch):
@@ -117,20 +120,40 @@ def test_worker_sends_cpu_integers_on_the_frame_group(monkeypatch):
     plan = _plan()
     outputs = [(b, torch.rand(b.frames, 4, 6, 3, generator=torch.Generator().manual_seed(b.index)))
                for b in plan.batches]
-    sent = []
+    sent, events = [], []
 
     class Work:
+        def __init__(self, tag):
+            self.tag = tag
+
         def wait(self):
-            pass
+            events.append(("wait", self.tag // 3))
+
+    class Handover:  # the store marks, recorded
+        def posted(self, index):
+            events.append(("posted", index))
+
+        def wait_receiving(self, index):
+            events.append(("writer receives", index))
     def isend(tensor, dst, tag, group):
         sent.append((tensor.clone(), dst, tag, group))
-        return Work()
+        return Work(tag)
     monkeypatch.setattr(wire.dist, "isend", isend)
     ctx = job.DistContext(1, 2, 1, torch.device("cpu"))
     rank_job = job.Job(resolve_options(), (), Path())  # no faults
-    job._send_all(job.RankWork(ctx, rank_job, plan, None, (4, 6, 3), 8,
-                               frames_group="frames-group"), iter(outputs))
+    links = SimpleNamespace(frames_group="frames-group", handover=Handover())
+    job._send_all(job.RankWork(ctx, rank_job, plan, None, (4, 6, 3), 8), links, iter(outputs))
     assert {(dst, group) for _, dst, _, group in sent} == {(0, "frames-group")}
+    # One message in flight, and gloo waited on only once the writer receives it: a wait
+    # inside gloo lasts one transfer, never a batch's computation.
+    expected = []
+    for i in range(len(outputs)):
+        if i:
+            expected += [("writer receives", i - 1)] + [("wait", i - 1)] * _messages(sent, i - 1)
+        expected.append(("posted", i))
+    last = len(outputs) - 1
+    expected += [("writer receives", last)] + [("wait", last)] * _messages(sent, last)
+    assert events == expected
     assert all(t.device.type == "cpu" for t, *_ in sent)
     assert {t.dtype for t, *_ in sent} == {torch.int64, torch.uint8, torch.float32}
 

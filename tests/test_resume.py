@@ -3,11 +3,14 @@ gives the frames of an uninterrupted run; anything different starts fresh and sa
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,14 +31,18 @@ def clip(tmp_path_factory):
     return path
 
 
-def _cli(tiny_options, src, dst, *extra, env=None, launcher=()):
+def _command(tiny_options, src, dst, *extra, env=None, launcher=()) -> tuple[list, dict]:
     cmd = [sys.executable, "-m", *launcher, "seedvr2", "upscale", str(src), "-o", str(dst),
            "--dit", tiny_options["dit"], "--vae", tiny_options["vae"],
            "--model-dir", str(tiny_options["model_dir"]), "--dtype", "fp32", "--device", "cpu",
            "--text-embeddings", str(tiny_options["model_dir"] / "text_64.safetensors"),
            "--resolution", "32", "--batch-size", "5", "--temporal-overlap", "1", *extra]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-                   **SEGMENT_ENV, **(env or {})}
+    return cmd, {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+                 **SEGMENT_ENV, **(env or {})}
+
+
+def _cli(tiny_options, src, dst, *extra, env=None, launcher=()):
+    cmd, environment = _command(tiny_options, src, dst, *extra, env=env, launcher=launcher)
     return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=environment,
                           timeout=300)
 
@@ -140,6 +147,55 @@ def test_torchrun_restart_resumes(clip, tiny_options, tmp_path, uninterrupted):
     assert np.array_equal(_frames(out), _frames(uninterrupted))
     assert out.read_bytes() == uninterrupted.read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["up.mp4"]
+
+
+def test_writer_cut_off_from_the_store_keeps_only_closed_pieces(clip, tiny_options, tmp_path):
+    """The job's store stops answering while the writer has half of its second segment
+    written (the launcher, which hosts the store, is frozen: SIGSTOP; to the ranks as silent
+    as a cut cable). Both ranks end themselves within dist_timeout, status 3, naming the
+    store; the journal names the closed segment only, and the half-written one is a hidden
+    temporary, never a finished-looking file: what the next run resumes from (as after a
+    kill: test_killed_job_reruns_only_missing_batches)."""
+    out, mark, log = tmp_path / "up.mp4", tmp_path.parent / f"{tmp_path.name}-cut", \
+        tmp_path.parent / f"{tmp_path.name}.err"
+    # Segments of two one-batch chunks: the fault stops the writer once it holds its third
+    # batch; it writes it into the second segment, then needs the store for the fourth.
+    cmd, env = _command(tiny_options, clip, out, "--devices", "cpu,cpu", "--dist-timeout", "3",
+                        env={"SEEDVR2_FAULT": "0:cut_off_after_batches=2",
+                             "SEEDVR2_FAULT_MARK": str(mark)})
+    with open(log, "w") as err:
+        launcher = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                                    stderr=err)
+    lost = "lost the job: the job's store (127.0.0.1:"
+    try:
+        deadline = time.monotonic() + 120
+        while not mark.exists() and launcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert mark.exists(), log.read_text()[-3000:]
+        launcher.send_signal(signal.SIGSTOP)
+        frozen = time.monotonic()
+        Path(f"{mark}.cut").touch()
+        while log.read_text().count(lost) < 2 and time.monotonic() - frozen < 3 + 10:
+            time.sleep(0.05)
+        ended = time.monotonic() - frozen
+    finally:
+        launcher.send_signal(signal.SIGCONT)
+        try:
+            launcher.wait(60)
+        except subprocess.TimeoutExpired:  # its ranks end by themselves once its store is gone
+            launcher.kill()
+            launcher.wait()
+            raise
+    assert log.read_text().count(lost) == 2, log.read_text()[-3000:]
+    assert ended < 3 + 10, f"the ranks ended {ended:.1f}s after the store went silent"
+    assert launcher.returncode != 0
+    assert "rank 0 exited with code 3" in log.read_text(), log.read_text()[-3000:]
+    folder = tmp_path / ".up.mp4.seedvr2-resume"
+    journal = json.loads((folder / "journal.json").read_text())
+    assert [piece["name"] for piece in journal["pieces"]] == ["seg-00000.mp4"]
+    left = sorted(p.name for p in folder.iterdir())
+    assert "seg-00001.mp4" not in left and any(n.startswith(".seg-00001.") for n in left), left
+    assert not out.exists()
 
 
 def _vfr_with_subtitles(path, tmp_path):

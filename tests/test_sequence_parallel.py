@@ -39,8 +39,9 @@ def test_sharded_packing_gives_own_rows_of_per_token_values():
 
 def test_first_call_at_each_shape_meets_before_every_exchange(monkeypatch, conformance):
     """Ranks reach the first exchange after loading, encoding and compiling at their own
-    speeds: during the first call at each shape every exchange (NCCL, short timeout) comes
-    after a barrier of the gloo meeting group (long timeout); later calls exchange directly."""
+    speeds: during the first call at each shape every exchange (NCCL, the job's timeout)
+    comes after a meeting (polled in the store, watching the peers live); later calls
+    exchange directly."""
     import torch.distributed as dist
 
     from seedvr2.distributed.sequence import sequence_parallel
@@ -50,7 +51,10 @@ def test_first_call_at_each_shape_meets_before_every_exchange(monkeypatch, confo
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
-    monkeypatch.setattr(dist, "barrier", lambda group=None: calls.append(("meet", group)))
+
+    class Meeting:
+        def meet(self):
+            calls.append(("meet", "store"))
 
     def exchange(out, send, output_split_sizes=None, input_split_sizes=None, group=None):
         calls.append(("exchange", group))
@@ -59,9 +63,9 @@ def test_first_call_at_each_shape_meets_before_every_exchange(monkeypatch, confo
     folder = conformance / "dit3b_tiny"
     model = load_dit(folder / "weights.safetensors")
     exchanges = 2 * len(model.blocks) + 1
-    first_shape = [("meet", "gloo"), ("exchange", "nccl")] * exchanges
+    first_shape = [("meet", "store"), ("exchange", "nccl")] * exchanges
     again = [("exchange", "nccl")] * exchanges
-    with sequence_parallel(model, group="nccl", meeting="gloo"), torch.no_grad():
+    with sequence_parallel(model, group="nccl", meeting=Meeting()), torch.no_grad():
         for name, expected in [("image", first_shape), ("image", again),
                                ("video_ragged", first_shape), ("image", again)]:
             calls.clear()

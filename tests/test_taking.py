@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from seedvr2.distributed import taking
+from seedvr2.distributed import frames, peers, taking
 from seedvr2.distributed.groups import DistContext
 from seedvr2.faults import Faults
 from seedvr2.options import resolve_options
@@ -41,10 +41,7 @@ class MemoryStore:
 
 
 def _counter(chunks: int, first: int = 0) -> taking.ChunkCounter:
-    counter = taking.ChunkCounter.__new__(taking.ChunkCounter)
-    counter.store, counter.prefix = MemoryStore(), "seedvr2/test/"
-    counter.chunks, counter.first = chunks, first
-    return counter
+    return taking.ChunkCounter(peers.JobKeys(MemoryStore()), chunks, first)
 
 
 def _dead_pid() -> int:
@@ -59,9 +56,11 @@ def _run(counter, plan, computed):
         return ((plan.batches[b], f"frames of {b}") for b in batches)
     ctx = DistContext(rank=0, world_size=2, local_rank=0, device=None)
     job = SimpleNamespace(faults=Faults(), opts=SimpleNamespace(dist_timeout=0.5))
-    work = SimpleNamespace(ctx=ctx, job=job, plan=plan, frame_shape=(32, 32, 3),
-                           frames_group=None)
-    return list(taking.ChunkCollector(work, counter, compute).outputs())
+    work = SimpleNamespace(ctx=ctx, job=job, plan=plan, frame_shape=(32, 32, 3))
+    liveness = peers.Liveness(counter.keys, job.opts.dist_timeout)
+    links = SimpleNamespace(frames_group=None, liveness=liveness,
+                            handover=frames.Handover(counter.keys, liveness))
+    return list(taking.ChunkCollector(work, links, counter, compute).outputs())
 
 
 @pytest.fixture
@@ -75,7 +74,7 @@ def plan():
 def test_chunks_of_an_exited_rank_are_computed_by_the_writer(plan, caplog):
     counter = _counter(len(plan.chunks))
     assert counter.take(1) == 0  # rank 1 took the first chunk, then its process ended
-    counter.store.set(counter.prefix + "where/1", taking._where(_dead_pid()))
+    counter.store.set(counter.prefix + "where/1", peers.where(_dead_pid()))
     computed = []
     with caplog.at_level("INFO", logger="seedvr2"):
         out = _run(counter, plan, computed)
@@ -89,14 +88,14 @@ def test_a_lost_rank_is_known_by_pid_and_start_time():
     """A rank's process is told from a later one the kernel gives the same pid: only the very
     process counts as running, and only it would be killed."""
     counter = _counter(3)
-    counter.store.set(counter.prefix + "where/1", taking._where(os.getpid()))
-    liveness = taking.Liveness(counter, timeout_s=60)
+    counter.store.set(counter.prefix + "where/1", peers.where(os.getpid()))
+    liveness = peers.Liveness(counter.keys, timeout_s=60)
     liveness.check(1)  # this very process: running
     here, pid, start = counter.store.get(counter.prefix + "where/1").decode().rsplit("|", 2)
     assert int(pid) == os.getpid() and start
     reused = f"{here}|{pid}|{int(start) + 1}"  # the same pid, started at another time
     counter.store.set(counter.prefix + "where/1", reused)
-    with pytest.raises(taking.RankLost, match="rank 1 exited"):
+    with pytest.raises(peers.RankLost, match="rank 1 exited"):
         liveness.check(1)
     assert liveness.stop(1)  # "stopped": gone already, and nothing was killed (we still run)
     counter.store.set(counter.prefix + "where/1", f"another machine|{pid}|{start}")

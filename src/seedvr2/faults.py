@@ -15,7 +15,10 @@ default everywhere below the facade, injects nothing: production sets none of th
   part at every chunk's end (0).
 * ``SEEDVR2_FAULT=RANK:ACTION=N``: that rank dies (``after_batches``) or freezes
   (``freeze_after_batches``) once it has delivered N batches; with ``SEEDVR2_FAULT_MARK=FILE``
-  only once (the file records the fault's wall time).
+  only once (the file records the fault's wall time). ``cut_off_after_batches`` (needs the
+  mark) stands still there until the test has cut its node off the network, which the test
+  says by creating ``FILE.cut`` (at most :data:`CUT_OFF_WAIT_S`), then carries on: the rank
+  meets its lost job in whatever it does next.
 * ``SEEDVR2_SLOW=RANK:SECONDS``: that rank sleeps this long per batch.
 * ``SEEDVR2_TEST_HOLD_UNTIL_INTERRUPT=PATH``: while a file exists there, the next node run
   removes it, writes ``PATH.waiting`` and waits until it is interrupted, so a ComfyUI test
@@ -33,6 +36,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
+
+
+CUT_OFF_WAIT_S = 60.0  # how long a rank waits for the test to cut it off
 
 
 @dataclass(frozen=True)
@@ -120,6 +126,11 @@ class Faults:
             os._exit(17)
         if action == "freeze_after_batches":
             os.kill(os.getpid(), signal.SIGSTOP)
+        if action == "cut_off_after_batches":
+            cut = Path(self.fault_mark + ".cut")
+            deadline = time.monotonic() + CUT_OFF_WAIT_S
+            while not cut.exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
 
     def slowness(self, rank: int) -> float:
         """Seconds ``rank`` sleeps per batch."""

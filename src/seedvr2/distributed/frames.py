@@ -1,6 +1,7 @@
 """Finished batches from a worker rank to the writer rank: their process group (gloo, CPU
-tensors, whatever the default group's backend) and wire format (the writer's integers where no
-cross-fade mixes frames, float32 where one does). Why: docs/multi-gpu.md#how-frames-travel.
+tensors, whatever the default group's backend), the hand-over that keeps its waits short, and
+the wire format (the writer's integers where no cross-fade mixes frames, float32 where one
+does). Why: docs/multi-gpu.md#how-frames-travel.
 
 Message for one batch: an int64 header (``HEADER_FIELDS``), then the integer frames (possibly
 none), then the float32 frames (possibly none), each under its own tag.
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from ..pipeline.plan import Batch, BatchPlan
 from ..pipeline.runner import integer_frames
+from .peers import JobKeys, Liveness, wait_until
 
 HEADER_FIELDS = ("magic", "frames", "height", "width", "channels", "bit_depth",
                  "quantized_start", "quantized_stop")
@@ -24,18 +26,47 @@ MAGIC = 0x5EED_F4A3  # a header that is not ours (a stray message) is refused, n
 # uint16 travels as its bit pattern in int16: every backend moves int16, not every one uint16.
 _WIRE_DTYPE = {8: torch.uint8, 16: torch.int16}
 _SCALE = {8: 255.0, 16: 65535.0}
-# A receive waits for its batch to be computed: up to a whole chunk of encode → DiT → decode
-# on the sending rank (minutes at 1080p). Two hours is far above that; a dead peer does not
-# wait for it (its socket closes), and the launchers stop every rank when one fails.
-FRAME_WAIT = datetime.timedelta(hours=2)
 
 
-def frame_group(collective_timeout: datetime.timedelta,
-                new_group: Callable = None):
+def frame_group(timeout: datetime.timedelta, new_group: Callable = None):
     """The gloo group frames travel over, whatever the default group's backend (NCCL on
-    GPUs). Every rank must call this, in the same order as other group creations."""
+    GPUs), with the job's timeout like every group: its waits last one transfer
+    (:class:`Handover`). Every rank must call this, in the same order as other group
+    creations."""
     new_group = new_group or dist.new_group
-    return new_group(backend="gloo", timeout=max(FRAME_WAIT, collective_timeout))
+    return new_group(backend="gloo", timeout=timeout)
+
+
+class Handover:
+    """A batch changes hands when both ends are there: the sender marks ``sent/I`` in the
+    job's store once its message is posted, the writer ``receiving/I`` once it receives. Each
+    waits for the other's mark there, polled and watching that the other lives
+    (:func:`~.peers.wait_until`), never inside gloo: a gloo wait then lasts one transfer, so
+    the frame group keeps the job's dist_timeout however long a batch takes to compute (a
+    batch is computed long after the writer could post its receive), and a peer gone silent
+    is noticed by its heartbeat, not by a two-hour timeout."""
+
+    def __init__(self, keys: JobKeys, liveness: Liveness):
+        self.keys, self.liveness = keys, liveness
+
+    def posted(self, index: int):
+        self.keys.mark(f"sent/{index}")
+
+    def wait_posted(self, index: int, sender: int,
+                    meanwhile: Callable[[], bool] = lambda: False):
+        """Until ``sender`` has posted batch ``index``; raises :class:`RankLost` when it is
+        lost first. ``meanwhile()``: work done while waiting."""
+        wait_until(lambda: self.keys.exists(f"sent/{index}"),
+                   lambda: self.liveness.check(sender), meanwhile)
+
+    def receiving(self, index: int):
+        self.keys.mark(f"receiving/{index}")
+
+    def wait_receiving(self, index: int, writer: int = 0):
+        """Until the writer receives batch ``index``; raises :class:`RankLost` when it is
+        lost first."""
+        wait_until(lambda: self.keys.exists(f"receiving/{index}"),
+                   lambda: self.liveness.check(writer))
 
 
 def quantized_span(plan: BatchPlan, batch: Batch) -> tuple[int, int]:

@@ -29,7 +29,8 @@ from ..pipeline.setup import Job
 from . import frames as wire
 from .assign import assign_batches
 from .groups import DistContext
-from .sequence import meeting_group, sequence_group, sequence_parallel
+from .peers import JobKeys, Lifeline, Liveness, RankLost
+from .sequence import Meeting, meeting_group, sequence_group, sequence_parallel
 from .vae_share import SharedVaeUpscaler, vae_owners
 
 log = logging.getLogger("seedvr2")
@@ -106,40 +107,62 @@ class RankWork:
     progress: Optional[Callable] = None
     should_stop: Optional[Callable[[], bool]] = None
     first_chunk: int = 0  # chunks before it are kept by the writer's resume journal
-    frames_group: object = None  # gloo group of every rank, made in _produce
 
     def compute(self, upscaler, batches: list[int]):
         return upscaler.batch_outputs(self.read_from(self.plan.read_start(batches)), self.plan,
                                       batches)
 
 
+@dataclass(frozen=True)
+class Links:
+    """What one rank's job talks over, made once by every rank in the same order: its groups,
+    every one with the job's own ``dist_timeout`` (waits longer than a transfer are polled in
+    the store instead: ``Handover``, ``Meeting``), its keys in the store, its view of the
+    other ranks, and this rank's sequence group and meeting (None without sequence
+    parallelism)."""
+
+    frames_group: object
+    keys: JobKeys
+    liveness: Liveness
+    handover: wire.Handover
+    sequence_group: object = None
+    meeting: Optional[Meeting] = None
+
+    @classmethod
+    def make(cls, ctx: DistContext, opts) -> "Links":
+        k, timeout = opts.sequence_parallel, datetime.timedelta(seconds=opts.dist_timeout)
+        group = sequence_group(k, timeout) if k > 1 else None
+        meeting = meeting_group(k, timeout)
+        frames = wire.frame_group(timeout)  # every rank, in the same order
+        keys = JobKeys()
+        liveness = Liveness(keys, opts.dist_timeout)
+        first = ctx.rank - ctx.rank % k
+        return cls(frames, keys, liveness, wire.Handover(keys, liveness), group,
+                   Meeting(meeting, list(range(first, first + k)), ctx.rank, keys, liveness)
+                   if k > 1 else None)
+
+
 class TakenChunks:
     """Every rank takes the plan's next chunk when it is ready (``taking.py``); the writer
     receives the others' batches and yields them in plan order."""
 
-    def __init__(self, work: RankWork):
-        from .taking import ChunkCounter, Heartbeat
+    def __init__(self, work: RankWork, links: Links):
+        from .taking import ChunkCounter
 
-        self.work = work
-        self.counter = ChunkCounter(len(work.plan.chunks), work.first_chunk)
-        self.heartbeat = Heartbeat(self.counter, work.ctx.rank)
+        self.work, self.links = work, links
+        self.counter = ChunkCounter(links.keys, len(work.plan.chunks), work.first_chunk)
         self.upscaler = None
 
     def __enter__(self):
-        self.heartbeat.__enter__()
         # Loaded before taking any chunk, unless none is left (a resumed job with every batch
         # kept, more ranks than chunks): then only if this rank must compute after all (the
         # writer, for a lost rank's batches).
-        try:
-            if not self.counter.all_taken():
-                self._ready()
-        except BaseException:
-            self.heartbeat.__exit__(None, None, None)
-            raise
+        if not self.counter.all_taken():
+            self._ready()
         return self
 
     def __exit__(self, *exc):
-        self.heartbeat.__exit__(*exc)
+        pass
 
     def _ready(self):
         if self.upscaler is None:
@@ -162,17 +185,14 @@ class TakenChunks:
 
         plan = self.work.plan
         assert batches == [b for c in plan.chunks[self.work.first_chunk:] for b in c], batches
-        return ChunkCollector(self.work, self.counter, self._compute).outputs()
+        return ChunkCollector(self.work, self.links, self.counter, self._compute).outputs()
 
     def send_all(self):
-        from .taking import Liveness, Watchdog, chunk_outputs
+        from .taking import chunk_outputs
 
-        work, counter = self.work, self.counter
-        liveness = Liveness(counter, work.job.opts.dist_timeout)
-        _send_all(work, chunk_outputs(work.ctx.rank, counter, work.plan, self._compute,
-                                      work.job.faults),
-                  counter.mark_sent,
-                  lambda: Watchdog(liveness, 0, "waiting for the writer (rank 0)"))
+        work = self.work
+        _send_all(work, self.links, chunk_outputs(work.ctx.rank, self.counter, work.plan,
+                                                  self._compute, work.job.faults))
         # A fault not reached by then: at the end of its work.
         work.job.faults.fault_point(work.ctx.rank, sys.maxsize)
 
@@ -182,9 +202,9 @@ class SharedBatches:
     call; chunks are dealt to the groups, and each batch's VAE work is done, and its frames
     delivered, by one rank of its group (``vae_share.py``)."""
 
-    def __init__(self, work: RankWork, group, meeting):
+    def __init__(self, work: RankWork, links: Links):
         ctx, plan, k = work.ctx, work.plan, work.job.opts.sequence_parallel
-        self.work, self.group, self.meeting, self.k = work, group, meeting, k
+        self.work, self.links, self.k = work, links, k
         self.shares = assign_batches(plan, ctx.world_size // k, work.first_chunk)
         self.mine = self.shares[ctx.rank // k]
         idle = len(self.shares) - len(plan.chunks) + work.first_chunk
@@ -202,9 +222,10 @@ class SharedBatches:
                 progress=work.progress, should_stop=work.should_stop,
                 owners=vae_owners(work.plan, self.k),
                 seat=(work.ctx.rank % self.k, work.ctx.rank - work.ctx.rank % self.k),
-                channel=self.meeting)
-            self.stack.enter_context(sequence_parallel(upscaler.models.dit, self.group,
-                                                       self.meeting))
+                meeting=self.links.meeting)
+            self.stack.enter_context(sequence_parallel(upscaler.models.dit,
+                                                       self.links.sequence_group,
+                                                       self.links.meeting))
             # Each rank delivers the batches it decoded (vae_share.py); the others it only
             # helped to compute come out without frames.
             self.local = ((b, out) for b, out in work.compute(upscaler, self.mine)
@@ -230,16 +251,18 @@ class SharedBatches:
                 batch, out = next(local)
                 assert batch.index == b.index
             else:
-                out = _received(work, owner[b.index], b)
+                out = _received(work, self.links, owner[b.index], b)
             yield b, out
 
     def send_all(self):
-        _send_all(self.work, self.local)
+        _send_all(self.work, self.links, self.local)
 
 
-def _received(work: RankWork, rank: int, b):
+def _received(work: RankWork, links: Links, rank: int, b):
     try:
-        return wire.recv_batch(rank, b.index, (b.frames, *work.frame_shape), work.frames_group)
+        links.handover.wait_posted(b.index, rank)
+        links.handover.receiving(b.index)
+        return wire.recv_batch(rank, b.index, (b.frames, *work.frame_shape), links.frames_group)
     except Exception as e:
         raise RuntimeError(f"rank {rank} did not deliver batch {b.index} "
                            f"(frames {b.start}-{b.stop - 1}): it failed or timed out "
@@ -251,15 +274,15 @@ def _produce(work: RankWork, consume=None):
     """Upscale this rank's batches of chunks ``work.first_chunk``…; the writer rank also
     gathers everyone's: ``consume(outputs_from)`` finishes the job (``outputs_from(batches)``
     yields every rank's ``(batch, frames)`` of those batches in plan order) and its result
-    is returned. ``consume`` is None elsewhere: this rank sends its batches to the writer."""
-    ctx, k = work.ctx, work.job.opts.sequence_parallel
+    is returned. ``consume`` is None elsewhere: this rank sends its batches to the writer.
+    Throughout, the rank's ``Lifeline`` ends it should it be cut off from the job."""
+    ctx, opts = work.ctx, work.job.opts
     check_sequence_parallel(work.job, ctx.world_size)
-    timeout = datetime.timedelta(seconds=work.job.opts.dist_timeout)
-    group = sequence_group(k, timeout) if k > 1 else None
-    meeting = meeting_group(k)
-    work.frames_group = wire.frame_group(timeout)  # every rank, in the same order
+    links = Links.make(ctx, opts)
     _mark_started(ctx)
-    with TakenChunks(work) if k == 1 else SharedBatches(work, group, meeting) as producer:
+    with Lifeline(links.keys, ctx.rank, opts.dist_timeout), \
+            (TakenChunks(work, links) if opts.sequence_parallel == 1
+             else SharedBatches(work, links)) as producer:
         if consume is None:
             return producer.send_all()
         return consume(producer.outputs)
@@ -363,27 +386,32 @@ def run_tensor_job(ctx: DistContext, job: Job, frames: torch.Tensor, out: torch.
     _mark_done(ctx, job)
 
 
-def _send_all(work: RankWork, outputs, posted=None, guard=None):
-    """Send each finished batch to the writer, one message in flight. ``posted(batch)`` is
-    told when a message is posted; ``guard()`` is a context around each wait for the writer
-    (a watchdog on its heartbeat)."""
+def _send_all(work: RankWork, links: Links, outputs):
+    """Send each finished batch to the writer, one message in flight: posted, then waited for
+    once the writer receives it (``links.handover``), after the next batch is computed."""
     rank, faults = work.ctx.rank, work.job.faults
     fault_after = faults.rank_fault_after(rank)
-    pending = None  # (works, message): the message must live until its sends complete
+    pending = None  # (batch index, works, message): the message must live until it is sent
 
     def complete():
-        with guard() if guard is not None else contextlib.nullcontext():
-            for sending in pending[0]:
-                sending.wait()
+        index, works, _ = pending
+        try:
+            links.handover.wait_receiving(index)
+        except RankLost as e:
+            raise RankLost(e.rank, f"(the writer) {e.reason}; rank {rank} cannot deliver batch "
+                                   f"{index}") from None
+        for sending in works:
+            sending.wait()
     for sent, (batch, out) in enumerate(outputs, start=1):
         message = wire.encode_batch(out, wire.quantized_span(work.plan, batch), work.bit_depth)
         if pending is not None:
             complete()
-        pending = (wire.send_batch(message, 0, batch.index, work.frames_group), message)
-        if posted is not None:
-            posted(batch.index)
+        pending = (batch.index, wire.send_batch(message, 0, batch.index, links.frames_group),
+                   message)
+        links.handover.posted(batch.index)
         if fault_after is not None and sent >= fault_after:
             complete()
+            pending = None
             faults.fault_point(rank, sent)
     if pending is not None:
         complete()

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..models.packing import Packing, to_device
+from .peers import wait_until
 
 
 def shard_bounds(total: int, parts: int) -> list[int]:
@@ -55,22 +56,22 @@ class UlyssesSequenceParallel:
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None,
-                 meeting: Optional[dist.ProcessGroup] = None):
+                 meeting: Optional["Meeting"] = None):
         if not dist.is_initialized():
             raise RuntimeError("sequence parallelism needs an initialised torch.distributed "
                                "process group (see seedvr2.distributed.init_from_env)")
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        # The same ranks as ``group`` over gloo with a long timeout (meeting_group);
-        # None: no meeting (every rank is known to be ready).
+        # Where the group meets before the first exchanges at a shape (a Meeting); None: no
+        # meeting (every rank is known to be ready).
         self.meeting = meeting
         self.shapes_seen: set = set()
         self.meet_before_exchanges = False
 
     def _exchange(self, out, send, **kwargs):
         if self.meet_before_exchanges:
-            dist.barrier(group=self.meeting)
+            self.meeting.meet()
         dist.all_to_all_single(out, send, group=self.group, **kwargs)
 
     def check(self, dit: torch.nn.Module):
@@ -165,25 +166,47 @@ def _own_group(size: int, **group_args) -> dist.ProcessGroup:
     return groups[rank // size]
 
 
-# How long a rank waits at the meeting for the slowest of its group: loading a model, encoding
-# a chunk and compiling take minutes, not hours; a dead peer does not wait for it.
-MEETING_WAIT = datetime.timedelta(hours=1)
+def meeting_group(size: int, timeout: Optional[datetime.timedelta] = None
+                  ) -> Optional[dist.ProcessGroup]:
+    """A gloo group of this rank's sequence group (as :func:`sequence_group` cuts the world),
+    for what a :class:`Meeting` sends. Collective: every rank of the world calls it, with the
+    same ``size``. ``None`` for a group of one."""
+    return None if size == 1 else _own_group(size, timeout=timeout, backend="gloo")
 
 
-def meeting_group(size: int) -> Optional[dist.ProcessGroup]:
-    """A gloo group of this rank's sequence group (as :func:`sequence_group` cuts the world)
-    with the :data:`MEETING_WAIT` timeout, for the meetings before the first exchanges.
-    Collective: every rank of the world calls it, with the same ``size``. ``None`` for a
-    group of one."""
-    return None if size == 1 else _own_group(size, timeout=MEETING_WAIT, backend="gloo")
+class Meeting:
+    """The ranks of one sequence group meet in the job's store before a collective that may
+    wait for the slowest of them (each exchange of a first DiT call at a shape, each latent's
+    broadcast): loading, encoding and compiling can set them minutes apart. The wait is
+    polled there, watching that each of them lives, so the collective that follows waits for
+    its transfer only and every group keeps the job's timeout; a lost peer raises
+    :class:`~.peers.RankLost`. ``group``: the gloo :func:`meeting_group` the latents travel
+    over; ``ranks``: the group's global ranks, ``rank`` this one's."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup], ranks: list[int], rank: int, keys,
+                 liveness):
+        self.group, self.ranks, self.rank = group, ranks, rank
+        self.keys, self.liveness = keys, liveness
+        self.held = 0  # meetings so far: every rank of the group holds the same ones
+
+    def meet(self):
+        self.held += 1
+        store, key = self.keys.store, self.keys.key(f"meeting/{self.ranks[0]}/{self.held}")
+        store.add(key, 1)
+        wait_until(lambda: store.add(key, 0) >= len(self.ranks), self._watch)
+
+    def _watch(self):
+        for rank in self.ranks:
+            if rank != self.rank:
+                self.liveness.check(rank)
 
 
 @contextlib.contextmanager
 def sequence_parallel(dit: torch.nn.Module, group: Optional[dist.ProcessGroup] = None,
-                      meeting: Optional[dist.ProcessGroup] = None
+                      meeting: Optional[Meeting] = None
                       ) -> Iterator[Optional[UlyssesSequenceParallel]]:
-    """Within the block, ``dit``'s calls run sequence-parallel over ``group`` (meeting in
-    ``meeting`` before the first exchanges at each shape: :func:`meeting_group`); the
+    """Within the block, ``dit``'s calls run sequence-parallel over ``group`` (its ranks
+    holding a :class:`Meeting` before the first exchanges at each shape); the
     previous strategy comes back afterwards. A group of one rank leaves the DiT as it is."""
     strategy = UlyssesSequenceParallel(group, meeting)
     if strategy.size == 1:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ..pipeline.plan import Batch, BatchPlan
 from ..pipeline.runner import Upscaler, _Encoded
+from .sequence import Meeting
 
 log = logging.getLogger("seedvr2")
 
@@ -31,14 +32,14 @@ class SharedVaeUpscaler(Upscaler):
     """An :class:`Upscaler` for one rank of a sequence-parallel group: the VAE phases run
     only this rank's batches (``vae_owners``; the others come out with ``None`` frames), the
     DiT phase every batch of the group. ``seat``: this rank's place in its group and the
-    global rank of the group's rank 0; ``channel``: the group's ``meeting_group``."""
+    global rank of the group's rank 0; ``meeting``: the group's :class:`Meeting`."""
 
     def __init__(self, models, opts, progress, should_stop, *, owners: dict[int, int],
-                 seat: tuple[int, int], channel: Optional[dist.ProcessGroup]):
+                 seat: tuple[int, int], meeting: Meeting):
         super().__init__(models, opts, progress, should_stop)
         self.owners = owners  # vae_owners of the plan
         self.group_rank, self.first_rank = seat
-        self.channel = channel
+        self.meeting = meeting
 
     def owns(self, batch: Batch) -> bool:
         return self.owners[batch.index] == self.group_rank
@@ -61,7 +62,8 @@ class SharedVaeUpscaler(Upscaler):
 
     def _share_latent(self, item):
         """The owner's latent of ``item`` to every rank of the group (in the same order on
-        every rank: the DiT phase walks the chunk's batches in plan order)."""
+        every rank: the DiT phase walks the chunk's batches in plan order), once all are
+        there: the owner may have encoded it long before the others are done encoding."""
         owner = self.first_rank + self.owners[item.batch.index]
         header = torch.zeros(_HEADER, dtype=torch.int64)
         if self.owns(item.batch):
@@ -70,11 +72,12 @@ class SharedVaeUpscaler(Upscaler):
             latent = item.latent.cpu().contiguous()
             header[:2] = torch.tensor([latent.dim(), _DTYPES.index(latent.dtype)])
             header[2: 2 + latent.dim()] = torch.tensor(latent.shape)
-        dist.broadcast(header, src=owner, group=self.channel)
+        self.meeting.meet()
+        dist.broadcast(header, src=owner, group=self.meeting.group)
         if not self.owns(item.batch):
             ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
             latent = torch.empty(header[2: 2 + ndim].tolist(), dtype=dtype)
-        dist.broadcast(latent, src=owner, group=self.channel)
+        dist.broadcast(latent, src=owner, group=self.meeting.group)
         if not self.owns(item.batch):
             # Where the owner keeps it too; to a GPU (tensor_offload_device none) this is a
             # pageable copy of a few MB, waited for once per batch: negligible beside the DiT.
