@@ -436,11 +436,14 @@ def _core_clash(core: dict) -> str:
 
 def _numz_prompt(json_data: dict) -> dict:
     """An API prompt sent to /prompt with numz's input names takes ours. A prompt that cannot
-    be read is left as it came (translate_prompt raises nothing): ComfyUI's validation names
-    what is wrong; a handler's exception would only be a traceback in ComfyUI's log."""
+    be rewritten goes on as it came, and ComfyUI's validation names what is wrong (ComfyUI only
+    logs a handler's exception, as a traceback)."""
     prompt = json_data.get("prompt") if isinstance(json_data, dict) else None
     if has_numz_nodes(prompt):  # (our own prompts skip listing the model folders)
-        json_data["prompt"], notes = translate_prompt(prompt, _numz_object_info())
+        try:
+            json_data["prompt"], notes = translate_prompt(prompt, _numz_object_info())
+        except WorkflowError as e:
+            notes = [f"numz-layout nodes left as they are: {e}"]
         for note in notes:
             log.warning(f"SeedVR2: {note}")
     return json_data

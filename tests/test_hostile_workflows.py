@@ -28,6 +28,7 @@ from test_numz import (OLD_SEEDVR2, OLD_VALUES, numz_api_prompt, numz_ui_workflo
                        old_ui_workflow)
 from test_workflows import inputs  # noqa: F401 (fixture)
 
+from seedvr2.workflow.errors import WorkflowError
 from seedvr2.workflow.execute import registry, validate
 from seedvr2.workflow.host import HeadlessHost
 from seedvr2.workflow.numz import translate_prompt, translate_workflow
@@ -178,7 +179,8 @@ def chain(length: int, kind: str) -> dict:
         for i in range(2, length + 2):
             prompt[str(i)] = {"class_type": "SeedVR2VideoUpscaler",
                               "inputs": {"image": [str(i - 1), 0]}}
-        prompt["0"] = {"class_type": "SaveImage", "inputs": {"images": [str(length + 1), 0]}}
+        prompt["0"] = {"class_type": "SaveImage", "inputs": {"images": [str(length + 1), 0],
+                                                             "filename_prefix": "chain"}}
         return prompt
     nodes = [{"id": 1, "type": "LoadImage", "mode": 0, "inputs": [],
               "outputs": [{"name": "IMAGE", "type": "IMAGE", "links": [1]}],
@@ -422,3 +424,150 @@ def test_any_value_in_any_input_is_a_run_or_one_error_naming_node_and_input(
     else:
         (saved,) = result.value.files
         assert saved.is_file() and out in saved.parents and not saved.name.startswith(".")
+
+
+# ---------------------------------------------------------------------------------------------
+# The kinds issue #33's round of hostile use found (each ended in a traceback before)
+
+
+def _refusal(call) -> str:
+    with pytest.raises(WorkflowError) as caught:
+        call()
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("kind", ["api", "reroute", "bypass"])
+def test_a_chain_of_5000_nodes_is_walked_without_recursion(kind, info, host):
+    workflow = chain(5000, kind)
+    if kind == "api":  # the chain is checked; its first upscaler lacks its models
+        assert _refusal(lambda: convert_and_validate(workflow, info, host)) == \
+            "node 5001 (SeedVR2VideoUpscaler): missing required input 'dit'"
+    else:  # Reroutes and bypassed nodes pass the image on: LoadImage -> SaveImage
+        assert convert_and_validate(workflow, info, host) == ["1", "5002"]
+
+
+def test_a_value_nested_600_deep_is_one_error_naming_node_and_input(info, host, tmp_path):
+    prompt = copy.deepcopy(API_EXAMPLES["image_upscale"])
+    prompt["4"]["inputs"]["seed"] = nested(7, 600, "list")
+    assert _refusal(lambda: convert_and_validate(prompt, info, host)) == (
+        "node 4 (SeedVR2VideoUpscaler): input 'seed' nests values more than 100 levels deep: "
+        "not something a workflow holds")
+    ui = copy.deepcopy(UI_EXAMPLES["image_upscale"])
+    ui["nodes"][3]["widgets_values"][2] = nested(7, 600, "dict")
+    assert _refusal(lambda: convert_and_validate(ui, info, host)) == (
+        "node 4 (SeedVR2VideoUpscaler): 'widgets_values' nests values more than 100 levels "
+        "deep: not something a workflow holds")
+    path = tmp_path / "deep.json"
+    path.write_bytes(dumps(prompt))
+    run = run_cli(["run-workflow", str(path), "--model-dir", str(tmp_path), "-q"])
+    assert (run.status, run.stderr) == (1, "error: node 4 (SeedVR2VideoUpscaler): input 'seed' "
+                                           "nests values more than 100 levels deep: not "
+                                           "something a workflow holds\n")
+
+
+def _ui_with(change) -> dict:
+    ui = copy.deepcopy(UI_EXAMPLES["image_upscale"])
+    change({n["id"]: n for n in ui["nodes"]}, ui)
+    return ui
+
+
+def _api_with(change) -> dict:
+    prompt = copy.deepcopy(API_EXAMPLES["image_upscale"])
+    change(prompt)
+    return prompt
+
+
+@pytest.mark.parametrize("workflow, message", [
+    (_ui_with(lambda n, ui: n[4].update(type=["SeedVR2VideoUpscaler"])),
+     "node 4 (?): its type ['SeedVR2VideoUpscaler'] is a list; a node type is a name (a string)"),
+    (_api_with(lambda p: p["4"].update(class_type=["SeedVR2VideoUpscaler"])),
+     "node 4 (?): its class_type ['SeedVR2VideoUpscaler'] is a list; a node type is a name (a "
+     "string)"),
+    (_ui_with(lambda n, ui: n[4].update(id=[4])),
+     "node #4 of the nodes list (SeedVR2VideoUpscaler): its id [4] is a list; a node id is a "
+     "number or a string"),
+    (_ui_with(lambda n, ui: n[4].update(inputs="image")),
+     "node 4 (SeedVR2VideoUpscaler): 'inputs' must be a list of slots, not a string ('image')"),
+    (_ui_with(lambda n, ui: n[4].update(inputs=[["image", "IMAGE", 1]])),
+     "node 4 (SeedVR2VideoUpscaler): inputs[0] must be an object, not a list (['image', "
+     "'IMAGE', 1])"),
+    (_api_with(lambda p: p["4"].update(inputs=["image"])),
+     "node 4 (SeedVR2VideoUpscaler): 'inputs' must be an object, not ['image']"),
+    (_api_with(lambda p: p["5"].update(inputs="SeedVR2/image")),
+     "node 5 (SaveImage): 'inputs' must be an object, not 'SeedVR2/image'"),
+    # A link to an output slot the node does not have: direct, and through a bypassed node.
+    (_ui_with(lambda n, ui: ui["links"][0].__setitem__(2, 5)),
+     "node 4 (SeedVR2VideoUpscaler): input 'image' is linked to output 5 of node 1 (LoadImage), "
+     "which has 2 outputs"),
+    (_ui_with(lambda n, ui: (n[4].update(mode=4), ui["links"][3].__setitem__(2, 7),
+                             ui["links"][3].__setitem__(5, None))),
+     "node 5 (SaveImage): missing required input 'images'"),
+    (_ui_with(lambda n, ui: ui["links"].append([9, 1, -1, 4, 0, "IMAGE"])),
+     "node 4 (SeedVR2VideoUpscaler): malformed link [9, 1, -1, 4, ...]: expected [id, origin "
+     "node, output slot, target node, input slot, type]"),
+])
+def test_a_malformed_workflow_is_one_error_naming_the_node(workflow, message, info, host):
+    assert _refusal(lambda: convert_and_validate(workflow, info, host)) == message
+
+
+def test_node_ids_that_are_no_numbers_are_ids_all_the_same(info, host):
+    """'²' is a digit to str.isdigit, not to int: numz's old node under that id is rewritten,
+    its new loaders numbered after the prompt's numeric ids."""
+    prompt = old_api_prompt("2025-09-22")
+    prompt["²"] = prompt.pop("4")
+    prompt["6"]["inputs"]["images"] = ["²", 0]
+    translated = to_api(prompt, info)
+    assert translated["²"]["class_type"] == "SeedVR2VideoUpscaler"
+    assert (translated["²"]["inputs"]["dit"], translated["²"]["inputs"]["vae"]) == \
+        (["7", 0], ["8", 0])
+    assert validate(translated, registry(), host) == ["1", "7", "8", "²", "6"]
+
+
+@pytest.mark.parametrize("workflow, message", [
+    ({**old_api_prompt("2025-09-22"), "2": {"class_type": "SeedVR2BlockSwap", "inputs": {
+        "blocks_to_swap": [2], "use_non_blocking": False, "offload_io_components": False}}},
+     "node 4 (SeedVR2): numz's blocks_to_swap = [2]: a widget value is a number, a text or a "
+     "switch, not a list"),
+    (numz_api_prompt() | {"4": {"class_type": "SeedVR2VideoUpscaler", "inputs": {
+        **numz_api_prompt()["4"]["inputs"], "seed": {"value": 7}}}},
+     "node 4 (SeedVR2VideoUpscaler): numz's seed = {'value': 7}: a widget value is a number, a "
+     "text or a switch, not an object"),
+])
+def test_a_numz_widget_value_that_is_a_list_is_one_error_naming_the_node(workflow, message, info,
+                                                                          host):
+    assert _refusal(lambda: convert_and_validate(workflow, info, host)) == message
+    ui = numz_ui_workflow()
+    ui["nodes"][3]["widgets_values"][0] = [7]  # the upscaler's seed
+    assert _refusal(lambda: convert_and_validate(ui, info, host)) == (
+        "node 4 (SeedVR2VideoUpscaler): numz's seed = [7]: a widget value is a number, a text or "
+        "a switch, not a list")
+
+
+@pytest.mark.parametrize("prefix, default", [("", True), ("  ", True), (".", True),
+                                             ("./", True), ("sub/..", True), ("sub/", False),
+                                             ("SeedVR2/x", False), (".x", False)])
+def test_a_prefix_that_names_no_file_takes_the_nodes_default(prefix, default):
+    from seedvr2.workflow.nodes import output_prefix
+
+    assert output_prefix(prefix, "SeedVR2/video") == ("SeedVR2/video" if default else prefix)
+
+
+def test_an_empty_filename_prefix_saves_under_the_nodes_default_name(tiny_model_dir, inputs,
+                                                                     tmp_path):
+    """Not a hidden ._00001_.png: Save Image's and Upscale Video File's own default names."""
+    from seedvr2.memory import MODEL_CACHE
+    from seedvr2.workflow.run import run_workflow
+
+    prompt = tiny_image_prompt()
+    prompt["5"]["inputs"]["filename_prefix"] = ""
+    prompt["6"] = {"class_type": "SeedVR2UpscaleVideoFile", "inputs": {
+        **{k: v for k, v in prompt["4"]["inputs"].items() if k != "image"},
+        "video_path": "example.png", "filename_prefix": "", "codec": "h264"}}
+    host = HeadlessHost(model_dir=tiny_model_dir, input_dir=inputs, output_dir=tmp_path,
+                        quiet=True)
+    try:
+        result = run_workflow(prompt, host=host)
+    finally:
+        MODEL_CACHE.clear()
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in result.files) == [
+        "ComfyUI_00001_.png", "SeedVR2/video_00001_.png"]

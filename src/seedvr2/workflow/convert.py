@@ -11,7 +11,7 @@ from typing import Callable, Optional
 from .errors import WorkflowError
 from .numz import LINK_FIELDS, link_field, read_widget_values, translate_workflow, widget_inputs
 from .server import UPLOAD_FLAGS
-from .shape import check_editor_workflow, node_label, shown
+from .shape import node_label, shown
 
 FRONTEND_ONLY = ("Note", "MarkdownNote", "Reroute", "PrimitiveNode")
 MUTED, BYPASSED = 2, 4
@@ -60,8 +60,7 @@ def ui_to_api(workflow: dict, object_info: dict,
               warn: Optional[Callable[[str], None]] = None) -> dict:
     """Convert an editor workflow; ``object_info`` is ``/object_info`` (or our built-in table).
     ``warn`` gets a note for each value of a numz-layout node that has no place in ours."""
-    check_editor_workflow(workflow)
-    workflow, notes = translate_workflow(workflow, object_info)
+    workflow, notes = translate_workflow(workflow, object_info)  # (checks its shape first)
     for note in notes:
         if warn is not None:
             warn(note)

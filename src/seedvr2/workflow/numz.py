@@ -9,11 +9,12 @@ docs/comfyui.md ("Workflows from the numz pack").
 
 from __future__ import annotations
 
-import copy
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from .errors import WorkflowError
 from .execute import is_link
 from .nodes import COMPILE_TYPE, CONTROL_MODE_KEY, WIDGET_TYPES
 from .shape import LINK_FIELDS, check_editor_workflow, node_label, shown
@@ -182,6 +183,7 @@ def _to_ours(node_label: str, table: NumzNode, named: dict, widgets: dict[str, _
     """numz input names and values -> ours; what has no place here is noted and left out."""
     ours = {}
     for name, value in named.items():
+        _check_widget_value(node_label, name, value)
         target = table.renamed.get(name, name)
         widget = widgets.get(target)
         if name in table.dropped and value == table.dropped[name]:
@@ -206,6 +208,15 @@ def _to_ours(node_label: str, table: NumzNode, named: dict, widgets: dict[str, _
             continue
         ours[target] = value
     return ours
+
+
+def _check_widget_value(node_label: str, name: str, value) -> None:
+    """A saved widget value is a number, a text, a switch or null; a list or an object there is
+    no value numz's node could have saved, and is refused naming numz's node and input."""
+    if isinstance(value, (list, dict)):
+        kind = "a list" if isinstance(value, list) else "an object"
+        raise WorkflowError(f"{node_label}: numz's {name} = {shown(value)}: a widget value is "
+                            f"a number, a text or a switch, not {kind}")
 
 
 def _as_numz_ran(kind: str, label: str, ours: dict, widgets: dict[str, _Widget],
@@ -355,7 +366,11 @@ def translate_workflow(workflow: dict, object_info: dict) -> tuple[dict, list[st
     ours (subgraphs included), and notes on the values left out. A malformed workflow is a
     :class:`WorkflowError` naming the node (:func:`.shape.check_editor_workflow`)."""
     check_editor_workflow(workflow)
-    workflow = copy.deepcopy(workflow)  # (its depth is checked: no deeper than shape.MAX_DEPTH)
+    # A copy (JSON's own: fast, and safe at the depth checked, shape.MAX_DEPTH)
+    try:
+        workflow = json.loads(json.dumps(workflow))
+    except (TypeError, ValueError) as e:  # a Python caller's object that is no JSON value
+        raise WorkflowError(f"not a workflow: {e}") from None
     notes: list[str] = []
     old = _knows_old_nodes(object_info)
     graphs = [workflow, *((workflow.get("definitions") or {}).get("subgraphs") or [])]
@@ -379,10 +394,10 @@ def _knows_old_nodes(object_info: dict) -> bool:
 
 def translate_prompt(prompt: dict, object_info: dict) -> tuple[dict, list[str]]:
     """A copy of an API-format prompt whose nodes with numz's input names take ours; our inputs
-    numz has no counterpart for get their defaults. Raises nothing: any other node, well formed
-    or not, is left as it is (the prompt's validation names what is wrong with it; inside
-    ComfyUI this runs in the /prompt handler). The nodes rewritten are new objects, the prompt
-    given is not changed."""
+    numz has no counterpart for get their defaults. Any other node, well formed or not, is left
+    as it is (the prompt's validation names what is wrong with it); a numz node's value that no
+    numz node could have saved (a list) is a :class:`WorkflowError` naming it. The nodes
+    rewritten are new objects, the prompt given is not changed."""
     notes: list[str] = []
     if not isinstance(prompt, dict) or not any(
             _class_type(n) in (*NUMZ_NODES, *OLD_LAYOUTS) for n in prompt.values()):
@@ -527,6 +542,7 @@ def _old_settings(label: str, named: dict, infos: dict, notes: list) -> dict[str
     inputs by name; what has no place here is noted and left out."""
     spread: dict[str, dict] = {role: {} for role in OLD_TARGETS}
     for name, value in named.items():
+        _check_widget_value(label, name, value)
         if name in OLD_DROPPED and value == OLD_DROPPED[name]:
             continue
         if name not in OLD_INPUTS:

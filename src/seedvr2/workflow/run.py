@@ -63,12 +63,12 @@ def to_api(workflow: dict, object_info: dict,
         return ui_to_api(workflow, object_info, warn)
     if isinstance(workflow, dict) and isinstance(workflow.get("prompt"), dict):
         workflow = workflow["prompt"]  # a saved /prompt request body
-    if not isinstance(workflow, dict) or not all(
+    if not isinstance(workflow, dict) or not any(
             isinstance(n, dict) and "class_type" in n for n in workflow.values()):
         raise WorkflowError("not a workflow: expected the editor's format (with \"nodes\" and "
                             "\"links\") or the API format ({\"1\": {\"class_type\": ..., "
                             "\"inputs\": {...}}})")
-    check_prompt(workflow)
+    check_prompt(workflow)  # names the entry that is no node
     prompt, notes = translate_prompt(workflow, object_info)
     for note in notes:
         if warn is not None:

@@ -63,19 +63,20 @@ def is_index(value) -> bool:
 
 def nesting_problem(value) -> Optional[str]:
     """What makes ``value`` unreadable: nesting past :data:`MAX_DEPTH` levels, or a number
-    too long to write; None when it is fine. Walked with a list, not recursion."""
-    stack = [(value, 0)]
-    while stack:
-        item, depth = stack.pop()
-        if depth > MAX_DEPTH:
+    too long to write; None when it is fine. Walked level by level, not recursively."""
+    level, items = 0, [value]
+    while items:
+        if level > MAX_DEPTH:
             return f"nests values more than {MAX_DEPTH} levels deep: not something a workflow holds"
-        if isinstance(item, int) and not isinstance(item, bool) and \
-                abs(item).bit_length() > MAX_INT_BITS:
-            return f"holds {shown(item)}: numbers past 4000 digits cannot be read"
-        if isinstance(item, dict):
-            stack.extend((inner, depth + 1) for inner in item.values())
-        elif isinstance(item, list):
-            stack.extend((inner, depth + 1) for inner in item)
+        inner = []
+        for item in items:
+            if isinstance(item, dict):
+                inner.extend(item.values())
+            elif isinstance(item, list):
+                inner.extend(item)
+            elif isinstance(item, int) and abs(item).bit_length() > MAX_INT_BITS:
+                return f"holds {shown(item)}: numbers past 4000 digits cannot be read"
+        items, level = inner, level + 1
     return None
 
 
@@ -158,15 +159,22 @@ def _check_node(node, index: int) -> None:
 LINK_FIELDS = ("id", "origin_id", "origin_slot", "target_id", "target_slot", "type")
 
 
-def _check_link(link) -> None:
-    fields = (dict(zip(LINK_FIELDS, link)) if isinstance(link, list) and len(link) >= 5
-              else link if isinstance(link, dict) else None)
-    ok = fields is not None and is_link_id(fields.get("id")) and \
+def _check_link(link, nodes: dict) -> None:
+    """A saved link; a malformed one is its target node's error, when it names one of
+    ``nodes`` (node id as text -> (index, node))."""
+    fields = (dict(zip(LINK_FIELDS, link)) if isinstance(link, list)
+              else link if isinstance(link, dict) else {})
+    ok = (not isinstance(link, list) or len(link) >= 5) and is_link_id(fields.get("id")) and \
         is_node_id(fields.get("origin_id")) and is_node_id(fields.get("target_id")) and \
         is_index(fields.get("origin_slot")) and is_index(fields.get("target_slot"))
-    if not ok:
-        raise WorkflowError(f"malformed link {shown(link)}: expected [id, origin node, output "
-                            f"slot, target node, input slot, type]")
+    if ok:
+        return
+    message = (f"malformed link {shown(link)}: expected [id, origin node, output slot, target "
+               f"node, input slot, type]")
+    target = fields.get("target_id")
+    if is_node_id(target) and str(target) in nodes:
+        raise _node_error(nodes[str(target)][1], nodes[str(target)][0], message)
+    raise WorkflowError(message)
 
 
 def check_editor_graph(graph, where: str = "the workflow") -> None:
@@ -175,31 +183,29 @@ def check_editor_graph(graph, where: str = "the workflow") -> None:
     if not isinstance(graph, dict) or not isinstance(graph.get("nodes"), list):
         raise WorkflowError(f"{where}: expected an object with a list of nodes, not "
                             f"{shown(graph)}")
-    seen = {}
+    seen = {}  # node id as text -> (index, node)
     for index, node in enumerate(graph["nodes"]):
         _check_node(node, index)
         key = str(node["id"])
         if key in seen:
             raise _node_error(node, index, f"two nodes have the id {shown(node['id'])} "
-                                           f"(#{seen[key] + 1} and #{index + 1} of {where}'s "
+                                           f"(#{seen[key][0] + 1} and #{index + 1} of {where}'s "
                                            f"nodes)")
-        seen[key] = index
+        seen[key] = (index, node)
     links = graph.get("links")
-    if links is None:
-        return
-    if not isinstance(links, list):
+    if links is not None and not isinstance(links, list):
         raise WorkflowError(f"{where}: 'links' must be a list, not {shown(links)}")
-    for key, value in graph.items():
-        problem = nesting_problem(value) if key not in ("nodes", "definitions") else None
-        if problem:
-            raise WorkflowError(f"{where}: {shown(key)} {problem}")
     ids = set()
-    for link in links:
-        _check_link(link)
+    for link in links or ():
+        _check_link(link, seen)
         link_id = link[0] if isinstance(link, list) else link["id"]
         if link_id in ids:
             raise WorkflowError(f"{where}: two links have the id {shown(link_id)}")
         ids.add(link_id)
+    for key, value in graph.items():
+        problem = nesting_problem(value) if key not in ("nodes", "definitions") else None
+        if problem:
+            raise WorkflowError(f"{where}: {shown(key)} {problem}")
 
 
 def check_editor_workflow(workflow) -> None:
@@ -232,14 +238,19 @@ def check_prompt(prompt) -> None:
         raise WorkflowError("the prompt must be a JSON object of nodes: {\"1\": {\"class_type\": "
                             "..., \"inputs\": {...}}, ...}")
     for node_id, node in prompt.items():
-        if not isinstance(node, dict) or not isinstance(node.get("class_type"), str):
-            raise WorkflowError("not a node: expected {\"class_type\": ..., \"inputs\": {...}}",
+        if not isinstance(node, dict) or "class_type" not in node:
+            raise WorkflowError(f"not a node: expected {{\"class_type\": ..., \"inputs\": "
+                                f"{{...}}}}, not {shown(node)}", node_label(node_id), "?")
+        if not isinstance(node["class_type"], str):
+            raise WorkflowError(f"its class_type {shown(node['class_type'])} is "
+                                f"{_kind(node['class_type'])}; a node type is a name (a string)",
                                 node_label(node_id), "?")
         if not isinstance(node.get("inputs", {}), dict):
             raise WorkflowError(f"'inputs' must be an object, not {shown(node['inputs'])}",
                                 node_label(node_id), node["class_type"])
-        fields = [(f"input {shown(k)}", v) for k, v in node.get("inputs", {}).items()]
-        for what, value in fields + [(shown(k), v) for k, v in node.items() if k != "inputs"]:
+        fields = [("input ", k, v) for k, v in node.get("inputs", {}).items()]
+        for what, key, value in fields + [("", k, v) for k, v in node.items() if k != "inputs"]:
             problem = nesting_problem(value)
             if problem:
-                raise WorkflowError(f"{what} {problem}", node_label(node_id), node["class_type"])
+                raise WorkflowError(f"{what}{shown(key)} {problem}", node_label(node_id),
+                                    node["class_type"])
