@@ -571,3 +571,100 @@ def test_an_empty_filename_prefix_saves_under_the_nodes_default_name(tiny_model_
         MODEL_CACHE.clear()
     assert sorted(p.relative_to(tmp_path).as_posix() for p in result.files) == [
         "ComfyUI_00001_.png", "SeedVR2/video_00001_.png"]
+
+
+# ---------------------------------------------------------------------------------------------
+# numz's own workflows of every layout (v2.0-2.4's SeedVR2 node of each date, v2.5's nodes),
+# with any values numz's nodes accepted then (their widget ranges, from numz's
+# comfyui_node.py of each date and src/interfaces/ of v2.5.24): each converts and runs. The
+# upscale itself is left out (the facade returns its input): every check of the prompt, the
+# loaders' settings and the job's options runs; test_numz runs real upscales.
+
+
+def _numz_ranges(date: str) -> dict:
+    """numz's widget ranges on ``date`` (tile sizes were 256-2048 in steps of 256 until 19
+    August 2025, then from 64 in steps of 32 without a maximum)."""
+    early = date < "2025-08-19"
+    return dict(
+        model=st.just("dit3b_tiny.safetensors"), seed=st.integers(0, 2**32 - 1),
+        new_resolution=st.sampled_from([16, 32]),  # (numz: 16 to 4320; small for the CPU)
+        batch_size=st.sampled_from([1, 5, 9]), color_correction=st.sampled_from(
+            ["wavelet", "adain", "none"]),
+        cond_noise_scale=st.floats(0, 1), input_noise_scale=st.floats(0, 1),
+        latent_noise_scale=st.floats(0, 1), blocks_to_swap=st.integers(0, 36),
+        use_non_blocking=st.booleans(), offload_io_components=st.booleans(),
+        tiled_vae=st.booleans(),
+        vae_tile_size=st.integers(1, 8).map(lambda n: 256 * n) if early else
+        st.integers(2, 64).map(lambda n: 32 * n),
+        vae_tile_overlap=st.integers(0, 4).map(lambda n: 64 * n) if early else
+        st.integers(0, 64).map(lambda n: 32 * n),
+        preserve_vram=st.booleans(), cache_model=st.booleans(), enable_debug=st.booleans(),
+        device=st.just("cpu"))
+
+
+@st.composite
+def _numz_v2_5_values(draw) -> dict:
+    """numz v2.5.24's widget ranges; BlockSwap and cache_model need an offload device there
+    (numz refuses them without one)."""
+    tiles = {f"{stage}_{key}": st.integers(*span).map(lambda n: 32 * n)
+             for stage in ("encode", "decode")
+             for key, span in (("tile_size", (2, 64)), ("tile_overlap", (0, 64)))}
+    dit = draw(st.fixed_dictionaries(dict(
+        model=st.just("dit3b_tiny.safetensors"), device=st.just("cpu"),
+        blocks_to_swap=st.integers(0, 36), swap_io_components=st.booleans(),
+        offload_device=st.sampled_from(["none", "cpu"]), cache_model=st.booleans(),
+        attention_mode=st.sampled_from(["sdpa", "flash_attn_2", "flash_attn_3", "sageattn_2",
+                                        "sageattn_3"]))))
+    if dit["blocks_to_swap"] or dit["swap_io_components"] or dit["cache_model"]:
+        dit["offload_device"] = "cpu"
+    vae = draw(st.fixed_dictionaries(dict(
+        model=st.just("vae_tiny.safetensors"), device=st.just("cpu"),
+        encode_tiled=st.booleans(), decode_tiled=st.booleans(), **tiles,
+        tile_debug=st.sampled_from(["false", "encode", "decode"]),
+        offload_device=st.sampled_from(["none", "cpu"]), cache_model=st.booleans())))
+    if vae["cache_model"]:
+        vae["offload_device"] = "cpu"
+    upscaler = draw(st.fixed_dictionaries(dict(
+        seed=st.integers(0, 2**32 - 1), resolution=st.sampled_from([16, 32]),
+        # (a max_resolution under 16 px on the short edge is refused here, named)
+        max_resolution=st.sampled_from([0, 64, 128]), batch_size=st.sampled_from([1, 5, 9]),
+        uniform_batch_size=st.booleans(), temporal_overlap=st.integers(0, 16),
+        prepend_frames=st.integers(0, 32),
+        color_correction=st.sampled_from(["lab", "wavelet", "wavelet_adaptive", "hsv", "adain",
+                                          "none"]),
+        input_noise_scale=st.floats(0, 1), latent_noise_scale=st.floats(0, 1),
+        offload_device=st.sampled_from(["none", "cpu"]), enable_debug=st.booleans())))
+    return {"SeedVR2LoadDiTModel": dit, "SeedVR2LoadVAEModel": vae,
+            "SeedVR2VideoUpscaler": upscaler}
+
+
+@st.composite
+def numz_accepted(draw):
+    """(layout, values, editor format or not)."""
+    date = draw(st.sampled_from([*sorted(OLD_SEEDVR2), "v2.5.24"]))
+    values = draw(_numz_v2_5_values() if date == "v2.5.24" else
+                  st.fixed_dictionaries(_numz_ranges(date)))
+    return date, values, draw(st.booleans())
+
+
+def numz_workflow(date: str, values: dict, editor: bool) -> dict:
+    if date == "v2.5.24":
+        return numz_ui_workflow(values=values) if editor else numz_api_prompt(values=values)
+    return (old_ui_workflow if editor else old_api_prompt)(date, values)
+
+
+@given(case=numz_accepted())
+def test_numz_workflows_with_values_numz_accepted_run(case, tiny_model_dir, inputs,
+                                                      tmp_path_factory, monkeypatch):
+    import seedvr2.api
+    from seedvr2.workflow.run import run_workflow
+
+    workflow = numz_workflow(*case)
+    monkeypatch.setattr(seedvr2.api, "upscale", lambda frames, *args, **kwargs: frames)
+    host = HeadlessHost(model_dir=tiny_model_dir, input_dir=inputs,
+                        output_dir=tmp_path_factory.mktemp("numz"), quiet=True)
+    monkeypatch.setattr(host, "after_run", lambda: None)  # (nothing loaded: nothing to free)
+    result = run_workflow(workflow, host=host)
+    assert len(result.files) == 1
+    for note in result.warnings:  # what has no place here, or what numz did by itself
+        assert note.startswith("node ") and "): numz's " in note, note

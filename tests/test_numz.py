@@ -118,19 +118,19 @@ def _load_image_node(image: str) -> dict:
             "properties": {"Node name for S&R": "LoadImage"}, "widgets_values": [image, "image"]}
 
 
-def numz_ui_workflow(*, names=True, compile_args=False, dit_order=None,
-                     image=EXAMPLE_IMAGE) -> dict:
+def numz_ui_workflow(*, names=True, compile_args=False, dit_order=None, image=EXAMPLE_IMAGE,
+                     values=NUMZ_VALUES) -> dict:
     """LoadImage -> numz's loaders and upscaler -> SaveImage, as numz v2.5.24 saves it."""
     links = [[1, 1, 0, 4, 0, "IMAGE"], [2, 2, 0, 4, 1, "SEEDVR2_DIT"],
              [3, 3, 0, 4, 2, "SEEDVR2_VAE"], [4, 4, 0, 6, 0, "IMAGE"]]
     nodes = [
         _load_image_node(image),
-        _numz_node(2, "SeedVR2LoadDiTModel", NUMZ_VALUES["SeedVR2LoadDiTModel"],
+        _numz_node(2, "SeedVR2LoadDiTModel", values["SeedVR2LoadDiTModel"],
                    {"torch_compile_args": 5 if compile_args else None}, [2], names=names,
                    order=dit_order),
-        _numz_node(3, "SeedVR2LoadVAEModel", NUMZ_VALUES["SeedVR2LoadVAEModel"], {}, [3],
+        _numz_node(3, "SeedVR2LoadVAEModel", values["SeedVR2LoadVAEModel"], {}, [3],
                    names=names),
-        _numz_node(4, "SeedVR2VideoUpscaler", NUMZ_VALUES["SeedVR2VideoUpscaler"],
+        _numz_node(4, "SeedVR2VideoUpscaler", values["SeedVR2VideoUpscaler"],
                    {"image": 1, "dit": 2, "vae": 3}, [4], names=names),
         {"id": 6, "type": "SaveImage", "pos": [2000, 100], "size": [300, 300], "flags": {},
          "order": 6, "mode": 0, "inputs": [{"name": "images", "type": "IMAGE", "link": 4}],
@@ -140,15 +140,15 @@ def numz_ui_workflow(*, names=True, compile_args=False, dit_order=None,
     if compile_args:
         links.append([5, 5, 0, 2, 0, "TORCH_COMPILE_ARGS"])
         nodes.append(_numz_node(5, "SeedVR2TorchCompileSettings",
-                                NUMZ_VALUES["SeedVR2TorchCompileSettings"], {}, [5], names=names))
+                                values["SeedVR2TorchCompileSettings"], {}, [5], names=names))
     return {"last_node_id": 6, "last_link_id": len(links), "nodes": nodes, "links": links,
             "groups": [], "config": {}, "extra": {}, "version": 0.4}
 
 
-def numz_api_prompt(image=EXAMPLE_IMAGE) -> dict:
+def numz_api_prompt(image=EXAMPLE_IMAGE, values=NUMZ_VALUES) -> dict:
     """The same workflow in the API format numz's users export (numz's input names)."""
     def node(kind, **links):
-        return {"class_type": kind, "inputs": {**NUMZ_VALUES[kind], **links}}
+        return {"class_type": kind, "inputs": {**values[kind], **links}}
     return {"1": {"class_type": "LoadImage", "inputs": {"image": image}},
             "2": node("SeedVR2LoadDiTModel"), "3": node("SeedVR2LoadVAEModel"),
             "4": node("SeedVR2VideoUpscaler", image=["1", 0], dit=["2", 0], vae=["3", 0]),

@@ -221,20 +221,31 @@ def _check_widget_value(node_label: str, name: str, value) -> None:
 
 def _as_numz_ran(kind: str, label: str, ours: dict, widgets: dict[str, _Widget],
                  notes: list) -> dict:
-    """``ours`` with what numz's node did by itself made explicit: its upscaler ran a
-    temporal_overlap not smaller than batch_size as no overlap (numz's
-    generation_phases: "temporal_overlap >= batch_size, resetting to 0"), where ours refuses
-    it."""
-    if kind != "SeedVR2VideoUpscaler" or "temporal_overlap" not in widgets \
-            or "batch_size" not in widgets:
-        return ours
-    overlap = ours.get("temporal_overlap", widgets["temporal_overlap"].default)
-    batch = ours.get("batch_size", widgets["batch_size"].default)
-    if _is_positive(overlap) and _is_positive(batch) and overlap >= batch:
-        notes.append(f"{label}: numz's temporal_overlap = {shown(overlap)} is not smaller than "
-                     f"batch_size = {shown(batch)}; numz ran it without overlap, and so does "
-                     f"this pack (temporal_overlap = 0)")
-        ours = {**ours, "temporal_overlap": 0}
+    """``ours`` with what numz's node did by itself, where ours refuses the values, made
+    explicit (with a note): its upscaler ran a temporal_overlap not smaller than batch_size as
+    no overlap (numz's generation_phases: "temporal_overlap >= batch_size, resetting to 0"); its
+    VAE tiling clamped a tile overlap to one latent pixel (8 pixels) less than the tile
+    (attn_video_vae's tiled_encode and tiled_decode)."""
+    def value(name):
+        return ours.get(name, widgets[name].default) if name in widgets else None
+
+    ours = dict(ours)
+    if kind == "SeedVR2VideoUpscaler":
+        overlap, batch = value("temporal_overlap"), value("batch_size")
+        if _is_positive(overlap) and _is_positive(batch) and overlap >= batch:
+            notes.append(f"{label}: numz's temporal_overlap = {shown(overlap)} is not smaller "
+                         f"than batch_size = {shown(batch)}; numz ran it without overlap, and "
+                         f"so does this pack (temporal_overlap = 0)")
+            ours["temporal_overlap"] = 0
+    if kind == "SeedVR2LoadVAEModel":
+        for stage in ("encode", "decode"):
+            size, overlap = value(f"{stage}_tile_size"), value(f"{stage}_tile_overlap")
+            if _is_positive(overlap) and _is_positive(size) and overlap >= size:
+                clamped = max(0, (int(size) // 8 - 1) * 8)
+                notes.append(f"{label}: numz's {stage}_tile_overlap = {shown(overlap)} is not "
+                             f"smaller than {stage}_tile_size = {shown(size)}; numz's tiling "
+                             f"overlapped {clamped} pixels, and so does this pack")
+                ours[f"{stage}_tile_overlap"] = clamped
     return ours
 
 
@@ -561,7 +572,9 @@ def _old_settings(label: str, named: dict, infos: dict, notes: list) -> dict[str
     ours = {}
     for role, values in spread.items():
         widgets = {w.name: w for w in widget_inputs(infos[OLD_TARGETS[role]])}
-        ours[role] = _to_ours(label, NumzNode(()), values, widgets, notes)
+        ours[role] = _as_numz_ran(OLD_TARGETS[role], label,
+                                  _to_ours(label, NumzNode(()), values, widgets, notes), widgets,
+                                  notes)
     return ours
 
 
