@@ -742,3 +742,30 @@ def test_a_numz_workflow_with_a_core_node_this_runner_lacks_is_refused_naming_it
         "that has it)")
     bypassed = ui_to_api(_with_join_image_with_alpha(4), info)  # passes the image on
     assert bypassed["4"]["inputs"]["image"] == ["1", 0] and "17" not in bypassed
+
+
+def test_numz_tile_overlap_not_smaller_than_its_tile_converts_to_what_numz_tiling_ran(tmp_path):
+    """numz's VAE tiling clamped the overlap to one latent pixel (8 pixels) under the tile;
+    ours refuses such an overlap, so the conversion writes what numz ran, with a note."""
+    info = _info(tmp_path)
+    values = {**OLD_VALUES, "vae_tile_size": 256, "vae_tile_overlap": 256}
+    translated, notes = translate_prompt(old_api_prompt("2025-09-22", values), info)
+    vae = next(n["inputs"] for n in translated.values()
+               if n["class_type"] == "SeedVR2LoadVAEModel")
+    assert [vae[f"{stage}_tile_{key}"] for stage in ("encode", "decode")
+            for key in ("size", "overlap")] == [256, 248, 256, 248]
+    assert notes[-1] == ("node 4 (SeedVR2): numz's vae_tile_overlap = 256 is not smaller than "
+                         "vae_tile_size = 256; numz's tiling overlapped 248 pixels, and so does "
+                         "this pack")
+    workflow = numz_ui_workflow()
+    vae_node = next(n for n in workflow["nodes"] if n["id"] == 3)
+    order = numz_widget_order("SeedVR2LoadVAEModel")
+    vae_node["widgets_values"][order.index("decode_tile_overlap")] = 160
+    notes = []
+    api = ui_to_api(workflow, info, notes.append)
+    size = NUMZ_VALUES["SeedVR2LoadVAEModel"]["decode_tile_size"]
+    assert (api["3"]["inputs"]["decode_tile_size"], api["3"]["inputs"]["decode_tile_overlap"]) \
+        == (size, size - 8)
+    assert (f"node 3 (SeedVR2LoadVAEModel): numz's decode_tile_overlap = 160 is not smaller than "
+            f"decode_tile_size = {size}; numz's tiling overlapped {size - 8} pixels, and so does "
+            f"this pack") in notes

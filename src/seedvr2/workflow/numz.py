@@ -220,31 +220,39 @@ def _check_widget_value(node_label: str, name: str, value) -> None:
 
 
 def _as_numz_ran(kind: str, label: str, ours: dict, widgets: dict[str, _Widget],
-                 notes: list) -> dict:
+                 notes: list, numz_names: Optional[dict] = None) -> dict:
     """``ours`` with what numz's node did by itself, where ours refuses the values, made
-    explicit (with a note): its upscaler ran a temporal_overlap not smaller than batch_size as
-    no overlap (numz's generation_phases: "temporal_overlap >= batch_size, resetting to 0"); its
-    VAE tiling clamped a tile overlap to one latent pixel (8 pixels) less than the tile
+    explicit (with a note, in numz's input names: ``numz_names``, ours -> numz's, where they
+    differ): its upscaler ran a temporal_overlap not smaller than batch_size as no overlap
+    (numz's generation_phases: "temporal_overlap >= batch_size, resetting to 0"); its VAE
+    tiling clamped a tile overlap to one latent pixel (8 pixels) less than the tile
     (attn_video_vae's tiled_encode and tiled_decode)."""
     def value(name):
         return ours.get(name, widgets[name].default) if name in widgets else None
+
+    def note(text):
+        if text not in notes:  # (numz's one tile setting is both of ours)
+            notes.append(text)
+
+    def numz(name):
+        return (numz_names or {}).get(name, name)
 
     ours = dict(ours)
     if kind == "SeedVR2VideoUpscaler":
         overlap, batch = value("temporal_overlap"), value("batch_size")
         if _is_positive(overlap) and _is_positive(batch) and overlap >= batch:
-            notes.append(f"{label}: numz's temporal_overlap = {shown(overlap)} is not smaller "
-                         f"than batch_size = {shown(batch)}; numz ran it without overlap, and "
-                         f"so does this pack (temporal_overlap = 0)")
+            note(f"{label}: numz's {numz('temporal_overlap')} = {shown(overlap)} is not smaller "
+                 f"than {numz('batch_size')} = {shown(batch)}; numz ran it without overlap, and "
+                 f"so does this pack (temporal_overlap = 0)")
             ours["temporal_overlap"] = 0
     if kind == "SeedVR2LoadVAEModel":
         for stage in ("encode", "decode"):
             size, overlap = value(f"{stage}_tile_size"), value(f"{stage}_tile_overlap")
             if _is_positive(overlap) and _is_positive(size) and overlap >= size:
                 clamped = max(0, (int(size) // 8 - 1) * 8)
-                notes.append(f"{label}: numz's {stage}_tile_overlap = {shown(overlap)} is not "
-                             f"smaller than {stage}_tile_size = {shown(size)}; numz's tiling "
-                             f"overlapped {clamped} pixels, and so does this pack")
+                note(f"{label}: numz's {numz(f'{stage}_tile_overlap')} = {shown(overlap)} is not "
+                     f"smaller than {numz(f'{stage}_tile_size')} = {shown(size)}; numz's "
+                     f"tiling overlapped {clamped} pixels, and so does this pack")
                 ours[f"{stage}_tile_overlap"] = clamped
     return ours
 
@@ -572,9 +580,11 @@ def _old_settings(label: str, named: dict, infos: dict, notes: list) -> dict[str
     ours = {}
     for role, values in spread.items():
         widgets = {w.name: w for w in widget_inputs(infos[OLD_TARGETS[role]])}
+        numz_names = {target: name for name, pairs in OLD_INPUTS.items()
+                      for where, target in pairs if where == role}
         ours[role] = _as_numz_ran(OLD_TARGETS[role], label,
                                   _to_ours(label, NumzNode(()), values, widgets, notes), widgets,
-                                  notes)
+                                  notes, numz_names)
     return ours
 
 
