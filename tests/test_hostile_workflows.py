@@ -390,11 +390,24 @@ def tiny_image_prompt() -> dict:
     return prompt
 
 
-OUR_WIDGETS = [(node_id, name) for node_id, node in tiny_image_prompt().items()
+def tiny_file_prompt() -> dict:
+    """The loaders -> Upscale Video File of the example image (a file job, 16 px)."""
+    prompt = tiny_image_prompt()
+    upscaler = {k: v for k, v in prompt.pop("4")["inputs"].items() if k != "image"}
+    del prompt["1"], prompt["5"]
+    prompt["6"] = {"class_type": "SeedVR2UpscaleVideoFile", "inputs": {
+        **upscaler, "video_path": "example.png", "filename_prefix": "SeedVR2/file",
+        "codec": "h264"}}
+    return prompt
+
+
+TINY_PROMPTS = {"image": tiny_image_prompt, "file": tiny_file_prompt}
+OUR_WIDGETS = [(kind, node_id, name) for kind, make in TINY_PROMPTS.items()
+               for node_id, node in make().items() if kind == "image" or node_id == "6"
                for name, value in node["inputs"].items() if not isinstance(value, list)]
 input_values = st.one_of(
     st.sampled_from(HOSTILE_TEXT + ["example.png", "example.png [input]", "/example.png",
-                                    "SeedVR2/../../x", "0", "17", "1e3", " 5 "]),
+                                    "SeedVR2/../../x", "missing.mp4", "0", "17", "1e3", " 5 "]),
     st.sampled_from([math.nan, math.inf, -math.inf, 10**400, 2**63, -2**63, -1, 0, 1, 5, 1.5,
                      1e308, -0.0, True, False, None, [], ["a"], {"a": 1}, [["1", 0]], ["1", 0]]),
     scalars, json_values)
@@ -407,8 +420,8 @@ def test_any_value_in_any_input_is_a_run_or_one_error_naming_node_and_input(
     from seedvr2.memory import MODEL_CACHE
     from seedvr2.workflow.run import run_workflow
 
-    node_id, name = target
-    prompt = tiny_image_prompt()
+    kind, node_id, name = target
+    prompt = TINY_PROMPTS[kind]()
     prompt[node_id]["inputs"][name] = value
     out = tmp_path_factory.mktemp("out")
     host = HeadlessHost(model_dir=tiny_model_dir, input_dir=inputs, output_dir=out, quiet=True)
@@ -417,10 +430,9 @@ def test_any_value_in_any_input_is_a_run_or_one_error_naming_node_and_input(
     finally:
         MODEL_CACHE.clear()
     if result.refused:
-        kind = prompt[node_id]["class_type"]
         assert name in result.message, result.message
-        cause = result.error.__cause__
-        assert cause is None or isinstance(cause, ValueError), (kind, repr(cause))
+        cause = result.error.__cause__  # a node's failure: one raised on purpose
+        assert cause is None or isinstance(cause, ValueError), repr(cause)
     else:
         (saved,) = result.value.files
         assert saved.is_file() and out in saved.parents and not saved.name.startswith(".")

@@ -619,10 +619,12 @@ def _upscale_video_file(host: Host, dit: ModelHandle, vae: ModelHandle, video_pa
 
     if not video_path.strip():
         raise ValueError("video_path is empty: give a video file in the input folder")
-    src = host.input_path(video_path.strip())
-
-    with open_media(src) as reader:  # a missing or unreadable input fails before any loading
-        info = reader.info
+    try:  # a name outside the folders, or a missing or unreadable input: before any loading
+        src = host.input_path(video_path.strip())
+        with open_media(src) as reader:
+            info = reader.info
+    except ValueError as e:  # (MediaError included)
+        raise ValueError(f"video_path = {video_path!r}: {e}") from None
     opts = resolve_options(**plan_job(dit, vae, *_split_inputs(inputs)).options)
     height, width = output_size(info.height, info.width, opts)
     suffix = ".png" if info.kind == "image" and Path(src).suffix.lower() in IMAGE_EXTENSIONS else ".mp4"
