@@ -33,6 +33,7 @@ from seedvr2.workflow.execute import registry, validate
 from seedvr2.workflow.host import HeadlessHost
 from seedvr2.workflow.numz import translate_prompt, translate_workflow
 from seedvr2.workflow.run import builtin_object_info, to_api
+from seedvr2.workflow.shape import shown
 
 EXAMPLES_DIR = REPO / "example_workflows"
 UI_EXAMPLES = {p.stem: json.loads(p.read_text()) for p in sorted(EXAMPLES_DIR.glob("*.json"))}
@@ -564,6 +565,16 @@ def test_a_prefix_that_names_no_file_takes_the_nodes_default(prefix, default):
     assert output_prefix(prefix, "SeedVR2/video") == ("SeedVR2/video" if default else prefix)
 
 
+def test_a_prefix_no_file_system_holds_is_refused_naming_it():
+    from seedvr2.workflow.nodes import output_prefix
+
+    assert output_prefix("d" * 200 + "/" + "f" * 200, "x") == "d" * 200 + "/" + "f" * 200
+    with pytest.raises(ValueError) as caught:
+        output_prefix("SeedVR2/" + "é" * 101, "x")
+    assert str(caught.value) == (f"filename_prefix = {shown('SeedVR2/' + 'é' * 101)}: a file or "
+                                 f"folder name in it is longer than 200 bytes")
+
+
 def test_an_empty_filename_prefix_saves_under_the_nodes_default_name(tiny_model_dir, inputs,
                                                                      tmp_path):
     """Not a hidden ._00001_.png: Save Image's and Upscale Video File's own default names."""
@@ -680,3 +691,38 @@ def test_numz_workflows_with_values_numz_accepted_run(case, tiny_model_dir, inpu
     assert len(result.files) == 1
     for note in result.warnings:  # what has no place here, or what numz did by itself
         assert note.startswith("node ") and "): numz's " in note, note
+
+
+# ---------------------------------------------------------------------------------------------
+# seedvr2 run-workflow --server: the same readers, and the uploads of input files
+
+
+@pytest.fixture(scope="module")
+def fake_comfy():
+    from test_hostile_inputs import FakeComfy
+
+    with FakeComfy([]) as fake:
+        yield fake
+
+
+@given(workflow=st.one_of(any_workflow, st.builds(
+    lambda image: {"1": {"class_type": "LoadImage", "inputs": {"image": image}},
+                   "2": {"class_type": "SaveImage", "inputs": {"images": ["1", 0]}}},
+    st.one_of(input_values, st.sampled_from(["mine.png", "../secret.png", "sub/../../secret.png",
+                                             "mine.png\x00", " ../secret.png"])))))
+@settings(max_examples=max(10, settings.default.max_examples // 2))
+def test_run_workflow_on_a_server_sends_a_prompt_or_one_error_line(workflow, fake_comfy,
+                                                                   tmp_path_factory):
+    folder = tmp_path_factory.mktemp("server")
+    (folder / "in").mkdir()
+    (folder / "in" / "mine.png").write_bytes(b"PNG")
+    (folder / "secret.png").write_bytes(b"SECRET")
+    path = folder / "workflow.json"
+    path.write_bytes(dumps(workflow))
+    uploads = len(fake_comfy.uploads)
+    run = run_cli(["run-workflow", str(path), "--server", fake_comfy.url, "-q", "--input-dir",
+                   str(folder / "in"), "--output-dir", str(folder / "out")])
+    if run.status:
+        assert run.status == 1 and run.stderr.startswith("error: "), run.stderr
+        assert run.stderr.count("\n") == 1, run.stderr
+    assert not any(b"SECRET" in body for body in fake_comfy.uploads[uploads:])

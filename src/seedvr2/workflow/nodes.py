@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Protocol, Union
 
 from ..faults import Faults
 from ..options import OPTIONS, Option, OptionError, resolve_options
+from .shape import shown
 
 log = logging.getLogger("seedvr2")
 
@@ -598,12 +599,21 @@ def _preview(path: Path):
     return _as_comfy_image(torch.stack(frames))
 
 
+MAX_NAME_BYTES = 200  # of a name in a filename_prefix: file systems hold 255, with the counter
+
+
 def output_prefix(prefix: str, default: str) -> str:
     """The ``filename_prefix`` a node saves under: ``default`` (the node's) for a prefix that
     is blank or names no file (``"."``, ``"sub/.."``), where ComfyUI's numbering
-    (``folder_paths.get_save_image_path``, and ours) would save a hidden ``._00001_`` file."""
-    if os.path.basename(os.path.normpath(prefix.strip() or ".")) == ".":
+    (``folder_paths.get_save_image_path``, and ours) would save a hidden ``._00001_`` file. A
+    name no file system holds is refused before anything runs."""
+    normal = os.path.normpath(prefix.strip() or ".")
+    if os.path.basename(normal) == ".":
         return default
+    if any(len(part.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES
+           for part in normal.split(os.sep)):
+        raise ValueError(f"filename_prefix = {shown(prefix)}: a file or folder name in it is "
+                         f"longer than {MAX_NAME_BYTES} bytes")
     return prefix
 
 
@@ -623,8 +633,9 @@ def _upscale_video_file(host: Host, dit: ModelHandle, vae: ModelHandle, video_pa
         src = host.input_path(video_path.strip())
         with open_media(src) as reader:
             info = reader.info
-    except ValueError as e:  # (MediaError included)
-        raise ValueError(f"video_path = {video_path!r}: {e}") from None
+    except (ValueError, OSError) as e:  # (MediaError included; OSError: a name too long)
+        raise ValueError(f"video_path = {shown(video_path)}: "
+                         f"{e.strerror if isinstance(e, OSError) and e.strerror else e}") from None
     opts = resolve_options(**plan_job(dit, vae, *_split_inputs(inputs)).options)
     height, width = output_size(info.height, info.width, opts)
     suffix = ".png" if info.kind == "image" and Path(src).suffix.lower() in IMAGE_EXTENSIONS else ".mp4"
