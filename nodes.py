@@ -22,6 +22,7 @@ from typing import Optional
 
 from .src.seedvr2.workflow.nodes import (CONTROL_MODE_KEY, NodeDef, NodeResult, build_nodes,
                                           input_spec, object_info, widget_default)
+from .src.seedvr2.workflow.errors import WorkflowError
 from .src.seedvr2.workflow.numz import (NUMZ_NODES, clashing_packs, has_numz_nodes,
                                          translate_prompt, translate_workflow)
 
@@ -533,13 +534,31 @@ def _core_clash(core: dict) -> str:
 
 
 def _numz_prompt(json_data: dict) -> dict:
-    """An API prompt sent to /prompt with numz's input names takes ours."""
+    """An API prompt sent to /prompt with numz's input names takes ours. A prompt that cannot
+    be rewritten goes on as it came, and ComfyUI's validation names what is wrong (ComfyUI only
+    logs a handler's exception, as a traceback)."""
     prompt = json_data.get("prompt") if isinstance(json_data, dict) else None
     if has_numz_nodes(prompt):  # (our own prompts skip listing the model folders)
-        json_data["prompt"], notes = translate_prompt(prompt, _numz_object_info())
+        try:
+            json_data["prompt"], notes = translate_prompt(prompt, _numz_object_info())
+        except WorkflowError as e:
+            notes = [f"numz-layout nodes left as they are: {e}"]
         for note in notes:
             log.warning(f"SeedVR2: {note}")
     return json_data
+
+
+def numz_workflow_reply(body) -> tuple[dict, int]:
+    """The editor's numz route (web/seedvr2.js): the workflow with numz-layout nodes rewritten
+    and the notes, or status 400 and the reason (the editor then opens it as it is)."""
+    try:
+        workflow, notes = translate_workflow(body, _numz_object_info())
+    except WorkflowError as e:
+        log.warning(f"SeedVR2: a workflow opened in the editor was left as it is: {e}")
+        return {"error": str(e)}, 400
+    for note in notes:
+        log.warning(f"SeedVR2: {note}")
+    return {"workflow": workflow, "notes": notes}, 200
 
 
 def _hook_into_server() -> None:
@@ -553,10 +572,14 @@ def _hook_into_server() -> None:
 
     @instance.routes.post(NUMZ_WORKFLOW_ROUTE)
     async def numz_workflow(request):
-        workflow, notes = translate_workflow(await request.json(), _numz_object_info())
-        for note in notes:
-            log.warning(f"SeedVR2: {note}")
-        return web.json_response({"workflow": workflow, "notes": notes})
+        try:
+            body = await request.json()
+        except ValueError as e:  # (aiohttp reads the body with json.loads)
+            return web.json_response({"error": f"not JSON: {e}"}, status=400)
+        except RecursionError:
+            return web.json_response({"error": "JSON nested too deeply"}, status=400)
+        reply, status = numz_workflow_reply(body)
+        return web.json_response(reply, status=status)
 
     async def after_every_pack_loaded(app):
         _log_clashes(loading=False)  # a pack loaded after ours replaced our nodes

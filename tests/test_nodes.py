@@ -298,7 +298,8 @@ def test_video_path_outside_the_input_folder_is_refused(tmp_path, name):
     with pytest.raises(ValueError) as error:
         node.run(host, dit=dit, vae=vae, **{**inputs, "video_path": name})
     assert str(error.value) == (
-        f"{name!r} is not a file name in the input folder: only files inside it are read "
+        f"video_path = {name!r}: {name!r} is not a file name in the input folder: only files "
+        f"inside it are read "
         f"(subfolders allowed; 'name [output]' for the output folder), never an absolute path, "
         f"'~' or '..'. Upload the file or copy it into {tmp_path / 'in'}")
 

@@ -17,6 +17,7 @@ from test_workflows import IMAGE_OUT, inputs, make_inputs  # noqa: F401 (fixture
 
 from seedvr2.cli import main
 from seedvr2.workflow.convert import ui_to_api
+from seedvr2.workflow.errors import WorkflowError
 from seedvr2.workflow.examples import EXAMPLE_IMAGE
 from seedvr2.workflow.host import HeadlessHost
 from seedvr2.workflow.numz import clashing_packs, translate_prompt
@@ -117,19 +118,19 @@ def _load_image_node(image: str) -> dict:
             "properties": {"Node name for S&R": "LoadImage"}, "widgets_values": [image, "image"]}
 
 
-def numz_ui_workflow(*, names=True, compile_args=False, dit_order=None,
-                     image=EXAMPLE_IMAGE) -> dict:
+def numz_ui_workflow(*, names=True, compile_args=False, dit_order=None, image=EXAMPLE_IMAGE,
+                     values=NUMZ_VALUES) -> dict:
     """LoadImage -> numz's loaders and upscaler -> SaveImage, as numz v2.5.24 saves it."""
     links = [[1, 1, 0, 4, 0, "IMAGE"], [2, 2, 0, 4, 1, "SEEDVR2_DIT"],
              [3, 3, 0, 4, 2, "SEEDVR2_VAE"], [4, 4, 0, 6, 0, "IMAGE"]]
     nodes = [
         _load_image_node(image),
-        _numz_node(2, "SeedVR2LoadDiTModel", NUMZ_VALUES["SeedVR2LoadDiTModel"],
+        _numz_node(2, "SeedVR2LoadDiTModel", values["SeedVR2LoadDiTModel"],
                    {"torch_compile_args": 5 if compile_args else None}, [2], names=names,
                    order=dit_order),
-        _numz_node(3, "SeedVR2LoadVAEModel", NUMZ_VALUES["SeedVR2LoadVAEModel"], {}, [3],
+        _numz_node(3, "SeedVR2LoadVAEModel", values["SeedVR2LoadVAEModel"], {}, [3],
                    names=names),
-        _numz_node(4, "SeedVR2VideoUpscaler", NUMZ_VALUES["SeedVR2VideoUpscaler"],
+        _numz_node(4, "SeedVR2VideoUpscaler", values["SeedVR2VideoUpscaler"],
                    {"image": 1, "dit": 2, "vae": 3}, [4], names=names),
         {"id": 6, "type": "SaveImage", "pos": [2000, 100], "size": [300, 300], "flags": {},
          "order": 6, "mode": 0, "inputs": [{"name": "images", "type": "IMAGE", "link": 4}],
@@ -139,15 +140,15 @@ def numz_ui_workflow(*, names=True, compile_args=False, dit_order=None,
     if compile_args:
         links.append([5, 5, 0, 2, 0, "TORCH_COMPILE_ARGS"])
         nodes.append(_numz_node(5, "SeedVR2TorchCompileSettings",
-                                NUMZ_VALUES["SeedVR2TorchCompileSettings"], {}, [5], names=names))
+                                values["SeedVR2TorchCompileSettings"], {}, [5], names=names))
     return {"last_node_id": 6, "last_link_id": len(links), "nodes": nodes, "links": links,
             "groups": [], "config": {}, "extra": {}, "version": 0.4}
 
 
-def numz_api_prompt(image=EXAMPLE_IMAGE) -> dict:
+def numz_api_prompt(image=EXAMPLE_IMAGE, values=NUMZ_VALUES) -> dict:
     """The same workflow in the API format numz's users export (numz's input names)."""
     def node(kind, **links):
-        return {"class_type": kind, "inputs": {**NUMZ_VALUES[kind], **links}}
+        return {"class_type": kind, "inputs": {**values[kind], **links}}
     return {"1": {"class_type": "LoadImage", "inputs": {"image": image}},
             "2": node("SeedVR2LoadDiTModel"), "3": node("SeedVR2LoadVAEModel"),
             "4": node("SeedVR2VideoUpscaler", image=["1", 0], dit=["2", 0], vae=["3", 0]),
@@ -578,3 +579,193 @@ def test_numz_v2_0_to_2_4_workflows_run_headless(date, tiny_model_dir, inputs, t
         (saved,) = (tmp_path / name / "numz").glob("*.png")
         with Image.open(saved) as im:
             assert min(im.size) == values["new_resolution"]
+
+
+# ---------------------------------------------------------------------------------------------
+# numz's own example workflows of August to October 2025 (example_workflows/ of its releases
+# v2.0-2.4), written here from their facts: the image example of 19 August 2025 (Load Image ->
+# SeedVR2 with a SeedVR2BlockSwap and a SeedVR2ExtraArgs node linked in -> Preview Image) and the
+# video example (Load Video -> Get Video Components -> SeedVR2 -> Create Video, its fps linked
+# from the components -> Save Video). Their BlockSwap nodes swap 16 blocks with preserve_vram
+# off: numz's BlockSwap kept the swapped blocks on the CPU by itself.
+NUMZ_AUGUST_VALUES = {**OLD_VALUES, "seed": 100, "new_resolution": 16, "batch_size": 1,
+                      "blocks_to_swap": 16, "use_non_blocking": False,
+                      "offload_io_components": False, "tiled_vae": True, "vae_tile_size": 512,
+                      "vae_tile_overlap": 64, "preserve_vram": False, "cache_model": False,
+                      "enable_debug": False, "device": "cpu"}  # (theirs: cuda:0)
+
+
+def numz_august_video_workflow(video: str, values={**NUMZ_AUGUST_VALUES, "batch_size": 5}) -> dict:
+    """numz's video example of August 2025, positional widget values as the editor saved them."""
+    workflow = old_ui_workflow("2025-08-15", values)
+    nodes = {n["id"]: n for n in workflow["nodes"]}
+    seedvr2 = nodes[4]
+    seedvr2["inputs"][0]["link"] = 10  # images: from Get Video Components
+    seedvr2["outputs"][0]["links"] = [18]
+    workflow["nodes"] = [n for n in workflow["nodes"] if n["id"] not in (1, 6)] + [
+        {"id": 8, "type": "LoadVideo", "mode": 0, "inputs": [],
+         "outputs": [{"name": "VIDEO", "type": "VIDEO", "links": [11]}],
+         "widgets_values": [video, "image"]},
+        {"id": 12, "type": "GetVideoComponents", "mode": 0,
+         "inputs": [{"name": "video", "type": "VIDEO", "link": 11}],
+         "outputs": [{"name": "images", "type": "IMAGE", "links": [10]},
+                     {"name": "audio", "type": "AUDIO", "links": None},
+                     {"name": "fps", "type": "FLOAT", "links": [12]}]},
+        {"id": 11, "type": "CreateVideo", "mode": 0,
+         "inputs": [{"name": "images", "type": "IMAGE", "link": 18},
+                    {"name": "audio", "type": "AUDIO", "link": None},
+                    {"name": "fps", "type": "FLOAT", "link": 12, "widget": {"name": "fps"}}],
+         "outputs": [{"name": "VIDEO", "type": "VIDEO", "links": [7]}], "widgets_values": [30]},
+        {"id": 10, "type": "SaveVideo", "mode": 0,
+         "inputs": [{"name": "video", "type": "VIDEO", "link": 7}], "outputs": [],
+         "widgets_values": ["numz/video", "mp4", "auto"]}]
+    workflow["links"] = [link for link in workflow["links"] if link[0] in (3, 4)] + [
+        [11, 8, 0, 12, 0, "VIDEO"], [10, 12, 0, 4, 0, "IMAGE"], [12, 12, 2, 11, 2, "FLOAT"],
+        [18, 4, 0, 11, 0, "IMAGE"], [7, 11, 0, 10, 0, "VIDEO"]]
+    return workflow
+
+
+def test_numz_blockswap_of_v2_0_to_2_4_offloads_to_the_cpu_as_it_did(tmp_path):
+    info = _info(tmp_path)
+    for date in ("2025-08-13", "2025-09-16"):
+        values = {**NUMZ_AUGUST_VALUES, "preserve_vram": False}
+        for api in (ui_to_api(old_ui_workflow(date, values), info),
+                    translate_prompt(old_api_prompt(date, values), info)[0]):
+            dit = next(n["inputs"] for n in api.values()
+                       if n["class_type"] == "SeedVR2LoadDiTModel")
+            vae = next(n["inputs"] for n in api.values()
+                       if n["class_type"] == "SeedVR2LoadVAEModel")
+            assert (dit["blocks_to_swap"], dit["offload_device"]) == (16, "cpu"), date
+            assert vae["offload_device"] == "none", date  # preserve_vram off: the VAE stays
+    # Swapping the I/O components alone offloads too; no swapping keeps preserve_vram's choice.
+    values = {**NUMZ_AUGUST_VALUES, "blocks_to_swap": 0, "offload_io_components": True}
+    api = translate_prompt(old_api_prompt("2025-09-16", values), info)[0]
+    assert api["7"]["inputs"]["offload_device"] == "cpu"
+    values = {**NUMZ_AUGUST_VALUES, "blocks_to_swap": 0}
+    api = translate_prompt(old_api_prompt("2025-09-16", values), info)[0]
+    assert api["7"]["inputs"]["offload_device"] == "none"
+
+
+def test_numz_august_2025_examples_run_headless(tiny_model_dir, inputs, tmp_path, capsys,
+                                                empty_model_cache):
+    from PIL import Image
+
+    from test_workflows import CLIP_FRAMES, probe_video
+
+    from seedvr2.workflow.examples import EXAMPLE_VIDEO
+
+    for name, workflow in (("image", old_ui_workflow("2025-08-15", NUMZ_AUGUST_VALUES)),
+                           ("video", numz_august_video_workflow(EXAMPLE_VIDEO))):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(workflow))
+        rc = main(["run-workflow", str(path), "--model-dir", str(tiny_model_dir), "--input-dir",
+                   str(inputs), "--output-dir", str(tmp_path / name), "-q"])
+        assert rc == 0, capsys.readouterr().err
+        (saved,) = (tmp_path / name / "numz").iterdir()
+        if name == "image":
+            with Image.open(saved) as im:
+                assert min(im.size) == NUMZ_AUGUST_VALUES["new_resolution"]
+        else:
+            frames, size, _ = probe_video(saved)
+            assert frames == CLIP_FRAMES and min(size) == NUMZ_AUGUST_VALUES["new_resolution"]
+
+
+def _numz_upscaler_values(workflow: dict, **values) -> dict:
+    """``workflow`` (numz_ui_workflow's) with the upscaler's widget values changed."""
+    upscaler = next(n for n in workflow["nodes"] if n["id"] == 4)
+    order = numz_widget_order("SeedVR2VideoUpscaler")
+    for name, value in values.items():
+        index = order.index(name)
+        upscaler["widgets_values"][index + (index > order.index("seed"))] = value
+    return workflow
+
+
+NOT_SMALLER = ("numz's temporal_overlap = 3 is not smaller than batch_size = 1; numz ran it "
+               "without overlap, and so does this pack (temporal_overlap = 0)")
+
+
+def test_numz_temporal_overlap_not_smaller_than_batch_size_runs_without_overlap(
+        tiny_model_dir, inputs, tmp_path, empty_model_cache):
+    """numz reset such an overlap to 0 with a warning (numz's generation_phases); ours refuses
+    it, so the conversion does what numz did, with a note."""
+    from PIL import Image
+
+    info = _info(tmp_path)
+    notes = []
+    workflow = _numz_upscaler_values(numz_ui_workflow(), batch_size=1, temporal_overlap=3,
+                                     resolution=16)
+    api = ui_to_api(workflow, info, notes.append)
+    assert (api["4"]["inputs"]["temporal_overlap"], api["4"]["inputs"]["batch_size"]) == (0, 1)
+    assert f"node 4 (SeedVR2VideoUpscaler): {NOT_SMALLER}" in notes
+    prompt = numz_api_prompt()
+    prompt["4"]["inputs"].update(batch_size=1, temporal_overlap=3)
+    translated, notes = translate_prompt(prompt, info)
+    assert translated["4"]["inputs"]["temporal_overlap"] == 0
+    assert f"node 4 (SeedVR2VideoUpscaler): {NOT_SMALLER}" in notes
+    # An overlap smaller than the batch stays, as numz ran it.
+    prompt["4"]["inputs"].update(batch_size=5, temporal_overlap=3)
+    assert translate_prompt(prompt, info)[0]["4"]["inputs"]["temporal_overlap"] == 3
+
+    host = HeadlessHost(model_dir=tiny_model_dir, input_dir=inputs, output_dir=tmp_path / "out",
+                        quiet=True)
+    result = run_workflow(workflow, host=host)
+    assert f"node 4 (SeedVR2VideoUpscaler): {NOT_SMALLER}" in result.warnings
+    (saved,) = result.files
+    with Image.open(saved) as im:
+        assert min(im.size) == 16
+
+
+def _with_join_image_with_alpha(mode: int) -> dict:
+    """numz's November image examples: Load Image's image and mask joined by the core node
+    JoinImageWithAlpha before the upscaler (mode 0), or with that node bypassed (mode 4)."""
+    workflow = numz_ui_workflow()
+    load = next(n for n in workflow["nodes"] if n["id"] == 1)
+    load["outputs"] = [{"name": "IMAGE", "type": "IMAGE", "links": [14]},
+                       {"name": "MASK", "type": "MASK", "links": [17]}]
+    workflow["nodes"].append({"id": 17, "type": "JoinImageWithAlpha", "mode": mode,
+                              "inputs": [{"name": "image", "type": "IMAGE", "link": 14},
+                                         {"name": "alpha", "type": "MASK", "link": 17}],
+                              "outputs": [{"name": "IMAGE", "type": "IMAGE", "links": [1]}],
+                              "widgets_values": []})
+    workflow["links"][0] = [1, 17, 0, 4, 0, "IMAGE"]
+    workflow["links"] += [[14, 1, 0, 17, 0, "IMAGE"], [17, 1, 1, 17, 1, "MASK"]]
+    return workflow
+
+
+def test_a_numz_workflow_with_a_core_node_this_runner_lacks_is_refused_naming_it(tmp_path):
+    info = _info(tmp_path)
+    with pytest.raises(WorkflowError) as caught:
+        ui_to_api(_with_join_image_with_alpha(0), info)
+    assert str(caught.value) == (
+        "node 17 (JoinImageWithAlpha): unknown node type 'JoinImageWithAlpha' (not one of our "
+        "nodes, nor a core node this runner provides; run it with --server against a ComfyUI "
+        "that has it)")
+    bypassed = ui_to_api(_with_join_image_with_alpha(4), info)  # passes the image on
+    assert bypassed["4"]["inputs"]["image"] == ["1", 0] and "17" not in bypassed
+
+
+def test_numz_tile_overlap_not_smaller_than_its_tile_converts_to_what_numz_tiling_ran(tmp_path):
+    """numz's VAE tiling clamped the overlap to one latent pixel (8 pixels) under the tile;
+    ours refuses such an overlap, so the conversion writes what numz ran, with a note."""
+    info = _info(tmp_path)
+    values = {**OLD_VALUES, "vae_tile_size": 256, "vae_tile_overlap": 256}
+    translated, notes = translate_prompt(old_api_prompt("2025-09-22", values), info)
+    vae = next(n["inputs"] for n in translated.values()
+               if n["class_type"] == "SeedVR2LoadVAEModel")
+    assert [vae[f"{stage}_tile_{key}"] for stage in ("encode", "decode")
+            for key in ("size", "overlap")] == [256, 248, 256, 248]
+    assert notes[-1] == ("node 4 (SeedVR2): numz's vae_tile_overlap = 256 is not smaller than "
+                         "vae_tile_size = 256; numz's tiling overlapped 248 pixels, and so does "
+                         "this pack")
+    workflow = numz_ui_workflow()
+    vae_node = next(n for n in workflow["nodes"] if n["id"] == 3)
+    order = numz_widget_order("SeedVR2LoadVAEModel")
+    vae_node["widgets_values"][order.index("decode_tile_overlap")] = 160
+    notes = []
+    api = ui_to_api(workflow, info, notes.append)
+    size = NUMZ_VALUES["SeedVR2LoadVAEModel"]["decode_tile_size"]
+    assert (api["3"]["inputs"]["decode_tile_size"], api["3"]["inputs"]["decode_tile_overlap"]) \
+        == (size, size - 8)
+    assert (f"node 3 (SeedVR2LoadVAEModel): numz's decode_tile_overlap = 160 is not smaller than "
+            f"decode_tile_size = {size}; numz's tiling overlapped {size - 8} pixels, and so does "
+            f"this pack") in notes

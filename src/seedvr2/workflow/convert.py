@@ -11,6 +11,7 @@ from typing import Callable, Optional
 from .errors import WorkflowError
 from .numz import LINK_FIELDS, link_field, read_widget_values, translate_workflow, widget_inputs
 from .server import UPLOAD_FLAGS
+from .shape import node_label, shown
 
 FRONTEND_ONLY = ("Note", "MarkdownNote", "Reroute", "PrimitiveNode")
 MUTED, BYPASSED = 2, 4
@@ -28,7 +29,8 @@ def _map_widget_values(node: dict, info: dict) -> dict:
     if isinstance(values, dict):  # some nodes save widgets by name
         return {w.name: values[w.name] for w in widgets if w.name in values}
     if not isinstance(values, list):
-        raise WorkflowError("widgets_values must be a list", str(node.get("id")), node.get("type"))
+        raise WorkflowError("widgets_values must be a list", node_label(node.get("id")),
+                            node.get("type"))
     # A workflow saved before later inputs existed has fewer values: those take their defaults.
     pairs, _, i = read_widget_values(values, [w.name for w in widgets],
                                      {w.name for w in widgets if w.control})
@@ -38,60 +40,68 @@ def _map_widget_values(node: dict, info: dict) -> dict:
     if i < len(values):
         raise WorkflowError(f"{len(values)} widget values for the {len(widgets)} widgets "
                             f"{[w.name for w in widgets]}; the workflow was saved with a different "
-                            f"version of this node", str(node.get("id")), node.get("type"))
+                            f"version of this node", node_label(node.get("id")), node.get("type"))
     return dict(pairs)
 
 
 def _links(workflow: dict) -> dict:
-    """link id -> (origin node id, origin slot, target node id, target slot, type)."""
-    links = {}
-    for link in workflow.get("links") or []:
-        if isinstance(link, dict) or isinstance(link, list) and len(link) >= 5:
-            links[link_field(link, "id")] = tuple(link_field(link, key) for key in LINK_FIELDS[1:])
-        else:
-            raise WorkflowError(f"malformed link {link!r}: expected [id, origin, slot, target, "
-                                f"slot, type]")
-    return links
+    """link id -> (origin node id, origin slot, target node id, target slot, type); the shape
+    of each link is checked (:func:`.shape.check_editor_graph`)."""
+    return {link_field(link, "id"): tuple(link_field(link, key) for key in LINK_FIELDS[1:])
+            for link in workflow.get("links") or []}
+
+
+def _slot_type(node: dict, slot: int):
+    outputs = node.get("outputs") or []
+    return outputs[slot].get("type") if slot < len(outputs) else None
 
 
 def ui_to_api(workflow: dict, object_info: dict,
               warn: Optional[Callable[[str], None]] = None) -> dict:
     """Convert an editor workflow; ``object_info`` is ``/object_info`` (or our built-in table).
     ``warn`` gets a note for each value of a numz-layout node that has no place in ours."""
-    workflow, notes = translate_workflow(workflow, object_info)
+    workflow, notes = translate_workflow(workflow, object_info)  # (checks its shape first)
     for note in notes:
         if warn is not None:
             warn(note)
-    nodes = {}
-    for node in workflow["nodes"]:
-        if not isinstance(node, dict) or "id" not in node or "type" not in node:
-            raise WorkflowError(f"malformed node {str(node)[:80]}: expected id and type")
-        nodes[node["id"]] = node
+    nodes = {str(node["id"]): node for node in workflow["nodes"]}  # ids are unique as text
     links = _links(workflow)
-    subgraphs = {g.get("id") for g in (workflow.get("definitions") or {}).get("subgraphs", [])}
+    subgraphs = {g["id"] for g in (workflow.get("definitions") or {}).get("subgraphs") or []}
 
-    def source_of(link_id, seen=()) -> Optional[list]:
-        """[node id, slot], a literal value (from a PrimitiveNode), or None (muted)."""
-        if link_id not in links:
-            raise WorkflowError(f"link {link_id} is missing from the workflow's links")
-        origin, slot, _, _, kind = links[link_id]
-        node = nodes.get(origin)
-        if node is None:
-            raise WorkflowError(f"link {link_id} comes from node {origin}, which does not exist")
-        if origin in seen:
-            raise WorkflowError(f"link {link_id}: Reroute/bypass nodes form a loop")
-        if node["type"] == "Reroute" or node.get("mode") == BYPASSED:
-            wanted = kind or (node.get("outputs") or [{}])[slot].get("type")
-            for inp in node.get("inputs") or []:
-                if inp.get("link") is not None and (node["type"] == "Reroute" or
-                                                    inp.get("type") in (wanted, "*")):
-                    return source_of(inp["link"], seen + (origin,))
-            return None
-        if node["type"] == "PrimitiveNode":
-            return ("literal", (node.get("widgets_values") or [None])[0])
-        if node.get("mode") == MUTED:
-            return None
-        return [str(origin), slot]
+    def source_of(node_id, link_id) -> Optional[list]:
+        """[node id, slot], a literal value (from a PrimitiveNode), or None (muted). Reroutes
+        and bypassed nodes are followed in a loop: a chain of any length is no recursion."""
+        seen = set()
+        while True:
+            if link_id not in links:
+                raise WorkflowError(f"link {shown(link_id)} is missing from the workflow's "
+                                    f"links", node_label(node_id), nodes[node_id]["type"])
+            origin, slot, _, _, kind = links[link_id]
+            origin = str(origin)
+            node = nodes.get(origin)
+            if node is None:
+                raise WorkflowError(f"link {shown(link_id)} comes from node {node_label(origin)}, "
+                                    f"which does not exist", node_label(node_id),
+                                    nodes[node_id]["type"])
+            if origin in seen:
+                raise WorkflowError(f"link {shown(link_id)}: Reroute/bypass nodes form a loop",
+                                    node_label(node_id), nodes[node_id]["type"])
+            seen.add(origin)
+            if node["type"] == "Reroute" or node.get("mode") == BYPASSED:
+                wanted = kind or _slot_type(node, slot)
+                link_id = next((inp["link"] for inp in node.get("inputs") or []
+                                if inp.get("link") is not None and (
+                                    node["type"] == "Reroute" or
+                                    inp.get("type") in (wanted, "*"))), None)
+                if link_id is None:
+                    return None
+                continue
+            if node["type"] == "PrimitiveNode":
+                values = node.get("widgets_values")
+                return ("literal", values[0] if isinstance(values, list) and values else None)
+            if node.get("mode") == MUTED:
+                return None
+            return [origin, slot]
 
     prompt = {}
     for node_id, node in nodes.items():
@@ -100,18 +110,18 @@ def ui_to_api(workflow: dict, object_info: dict,
             continue
         if kind in subgraphs:
             raise WorkflowError("subgraphs are not supported: unpack the subgraph into nodes "
-                                "in the editor", str(node_id), kind)
+                                "in the editor", node_label(node_id), kind)
         info = object_info.get(kind)
         if info is None:
             raise WorkflowError(f"unknown node type {kind!r} (not one of our nodes, nor a core "
                                 f"node this runner provides; run it with --server against a "
-                                f"ComfyUI that has it)", str(node_id), kind)
+                                f"ComfyUI that has it)", node_label(node_id), kind)
         inputs = _map_widget_values(node, info)
-        for slot, inp in enumerate(node.get("inputs") or []):
+        for inp in node.get("inputs") or []:
             if inp.get("link") is None:
                 continue
-            source = source_of(inp["link"])
-            name = (inp.get("widget") or {}).get("name") or inp.get("name")
+            source = source_of(node_id, inp["link"])
+            name = (inp.get("widget") or {}).get("name") or inp["name"]
             if source is None:
                 inputs.pop(name, None)
             elif isinstance(source, tuple):
@@ -119,5 +129,5 @@ def ui_to_api(workflow: dict, object_info: dict,
             else:
                 inputs[name] = source
         title = node.get("title") or info.get("display_name") or kind
-        prompt[str(node_id)] = {"inputs": inputs, "class_type": kind, "_meta": {"title": title}}
+        prompt[node_id] = {"inputs": inputs, "class_type": kind, "_meta": {"title": title}}
     return prompt

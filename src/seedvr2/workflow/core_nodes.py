@@ -15,7 +15,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Optional
 
-from .nodes import Input, NodeDef, NodeResult, Output
+from .nodes import Input, NodeDef, NodeResult, Output, output_prefix
 
 _CORE = "core (headless)"
 
@@ -55,7 +55,8 @@ def _save_images(host, images, filename_prefix: str = "ComfyUI") -> NodeResult:
     saved = []
     for frame in images:
         height, width = frame.shape[:2]
-        path, entry = host.output_file(filename_prefix, ".png", width, height)
+        path, entry = host.output_file(output_prefix(filename_prefix, "ComfyUI"), ".png", width,
+                                       height)
         pixels = np.clip(frame.cpu().numpy() * 255.0, 0, 255).astype(np.uint8)
         Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels).save(path)
         saved.append(entry)
@@ -109,7 +110,8 @@ def _save_video(host, video: Video, filename_prefix: str = "video/ComfyUI", form
 
     images, audio, fps = video_components(video)
     height, width = images.shape[1:3]
-    path, entry = host.output_file(filename_prefix, ".mp4", width, height)
+    path, entry = host.output_file(output_prefix(filename_prefix, "video/ComfyUI"), ".mp4", width,
+                                   height)
     rate = Fraction(fps).limit_denominator(1001)
     with tempfile.TemporaryDirectory(prefix="seedvr2_audio_") as scratch:
         audio_from = _audio_file(audio, Path(scratch))

@@ -13,7 +13,9 @@ class WorkflowError(SeedVR2Error):
     def __init__(self, message: str, node_id: Optional[str] = None,
                  class_type: Optional[str] = None):
         self.message, self.node_id, self.class_type = message, node_id, class_type
-        where = f"node {node_id} ({class_type}): " if node_id is not None else ""
+        kind = class_type if isinstance(class_type, str) and len(class_type) <= 60 and \
+            class_type.isprintable() else repr(class_type)[:60]
+        where = f"node {node_id} ({kind}): " if node_id is not None else ""
         super().__init__(where + message)
 
 

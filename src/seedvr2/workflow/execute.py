@@ -7,12 +7,13 @@ choices), then the output nodes and what they need run in dependency order. Ever
 
 from __future__ import annotations
 
-import reprlib
+import math
 from typing import Optional
 
 from .core_nodes import CORE_NODES
 from .errors import WorkflowError, WorkflowInterrupted
 from .nodes import Input, NodeDef, NodeResult, build_nodes
+from .shape import check_prompt, node_label, shown
 
 
 def registry() -> dict[str, NodeDef]:
@@ -26,7 +27,8 @@ def is_link(value) -> bool:
 
 
 def coerce(inp: Input, value, host):
-    """A widget value checked against its input; returns it in the input's Python type."""
+    """A widget value checked against its input; returns it in the input's Python type. Text
+    is read as ComfyUI reads it ("5" for an INT); numbers must be finite, text free of NUL."""
     kind = inp.type
     try:
         if kind == "INT":
@@ -43,72 +45,100 @@ def coerce(inp: Input, value, host):
             elif not isinstance(value, bool):
                 raise ValueError
         elif kind in ("STRING", "COMBO") and not isinstance(value, str):
-            if kind == "STRING" or not isinstance(value, (int, float)) or isinstance(value, bool):
+            if kind == "STRING" or inp.accepts_unlisted or isinstance(value, bool) \
+                    or not isinstance(value, (int, float)):
                 raise ValueError  # a COMBO of numbers takes a number
-    except (TypeError, ValueError):
-        raise ValueError(f"{inp.name} = {value!r}: expected {kind.lower() if kind != 'COMBO' else 'one of the choices'}") from None
+    except (TypeError, ValueError, OverflowError):
+        expected = kind.lower() if kind != "COMBO" else "one of the choices"
+        raise ValueError(f"{inp.name} = {shown(value)}: expected {expected}") from None
+    if kind == "FLOAT" and not math.isfinite(value):
+        raise ValueError(f"{inp.name} = {shown(value)}: expected a finite number")
+    if isinstance(value, str) and "\x00" in value:
+        raise ValueError(f"{inp.name} = {shown(value)}: a NUL character is in the text")
     if inp.min is not None and value < inp.min:
-        raise ValueError(f"{inp.name} = {value!r}: below the minimum {inp.min}")
+        raise ValueError(f"{inp.name} = {shown(value)}: below the minimum {inp.min}")
     if inp.max is not None and value > inp.max:
-        raise ValueError(f"{inp.name} = {value!r}: above the maximum {inp.max}")
+        raise ValueError(f"{inp.name} = {shown(value)}: above the maximum {inp.max}")
     if kind == "COMBO" and not inp.accepts_unlisted:
         options = inp.options(host)
         if value not in options:
-            shown = ", ".join(map(str, options[:12])) + (", ..." if len(options) > 12 else "")
-            raise ValueError(f"{inp.name} = {value!r}: not one of the choices ({shown or 'none'})")
+            listed = ", ".join(map(str, options[:12])) + (", ..." if len(options) > 12 else "")
+            raise ValueError(f"{inp.name} = {shown(value)}: not one of the choices "
+                             f"({listed or 'none'})")
     return value
-
-
-def _check_shape(prompt) -> None:
-    if not isinstance(prompt, dict) or not prompt:
-        raise WorkflowError("the prompt must be a JSON object of nodes: {\"1\": {\"class_type\": "
-                            "..., \"inputs\": {...}}, ...}")
-    for node_id, node in prompt.items():
-        if not isinstance(node, dict) or not isinstance(node.get("class_type"), str):
-            raise WorkflowError("not a node: expected {\"class_type\": ..., \"inputs\": {...}}",
-                                str(node_id), "?")
-        if not isinstance(node.get("inputs", {}), dict):
-            raise WorkflowError("'inputs' must be an object", str(node_id), node["class_type"])
 
 
 def validate(prompt: dict, nodes: dict[str, NodeDef], host) -> list[str]:
     """Check the prompt; returns the ids of the nodes to run, in dependency order."""
-    _check_shape(prompt)
+    check_prompt(prompt)
+    prompt = _by_text_id(prompt)
     for node_id, node in prompt.items():
         if node["class_type"] not in nodes:
             ours = ", ".join(sorted(nodes))
-            raise WorkflowError(f"unknown node type {node['class_type']!r}; this runner has "
-                                f"{ours} (run other nodes on a ComfyUI server with --server)",
-                                str(node_id), node["class_type"])
-    outputs = [str(i) for i, n in prompt.items() if nodes[n["class_type"]].output_node]
+            raise WorkflowError(f"unknown node type {shown(node['class_type'])}; this runner "
+                                f"has {ours} (run other nodes on a ComfyUI server with --server)",
+                                node_label(node_id), node["class_type"])
+    outputs = [i for i, n in prompt.items() if nodes[n["class_type"]].output_node]
     if not outputs:
         raise WorkflowError("the workflow has no output node (such as SaveImage, SaveVideo, "
                             "PreviewImage or SeedVR2 Upscale Video File): nothing would run")
     order: list[str] = []
-    state: dict[str, str] = {}
-    prompt = {str(k): v for k, v in prompt.items()}
-
-    def visit(node_id: str, chain: tuple):
-        if state.get(node_id) == "done":
-            return
-        if state.get(node_id) == "visiting":
-            raise WorkflowError(f"the workflow has a cycle: {' -> '.join(chain + (node_id,))}")
-        state[node_id] = "visiting"
-        node = prompt[node_id]
-        for inp in nodes[node["class_type"]].inputs:
-            try:
-                source_id = _check_input(inp, node.get("inputs", {}).get(inp.name), prompt, nodes,
-                                         host)
-            except ValueError as e:
-                raise WorkflowError(str(e), node_id, node["class_type"]) from None
-            if source_id is not None:
-                visit(source_id, chain + (node_id,))
-        state[node_id] = "done"
-        order.append(node_id)
-
-    for node_id in outputs:
-        visit(node_id, ())
+    done: set[str] = set()
+    for output in outputs:
+        _visit(output, prompt, nodes, host, done, order)
     return order
+
+
+def _visit(start: str, prompt: dict, nodes: dict[str, NodeDef], host, done: set,
+           order: list) -> None:
+    """Check ``start`` and every node it needs, depth first with a stack of its own (a chain of
+    thousands of nodes is no recursion), appending each to ``order`` after what it needs."""
+    if start in done:
+        return
+    path, on_path = [start], {start}  # the nodes being visited, each waiting for its sources
+    pending = [iter(_sources(start, prompt, nodes, host))]
+    while pending:
+        source_id = next(pending[-1], None)
+        if source_id is None:
+            pending.pop()
+            node_id = path.pop()
+            on_path.discard(node_id)
+            done.add(node_id)
+            order.append(node_id)
+        elif source_id in on_path:
+            cycle = " -> ".join(map(node_label, path[path.index(source_id):] + [source_id]))
+            raise WorkflowError(f"the workflow has a cycle: {cycle}")
+        elif source_id not in done:
+            path.append(source_id)
+            on_path.add(source_id)
+            pending.append(iter(_sources(source_id, prompt, nodes, host)))
+
+
+def _sources(node_id: str, prompt: dict, nodes: dict[str, NodeDef], host) -> list[str]:
+    """The nodes ``node_id``'s inputs link to, each input checked."""
+    node = prompt[node_id]
+    found = []
+    for inp in nodes[node["class_type"]].inputs:
+        try:
+            source_id = _check_input(inp, node.get("inputs", {}).get(inp.name), prompt, nodes,
+                                     host)
+        except ValueError as e:
+            raise WorkflowError(str(e), node_label(node_id), node["class_type"]) from None
+        if source_id is not None:
+            found.append(source_id)
+    return found
+
+
+def _by_text_id(prompt: dict) -> dict:
+    """The prompt keyed by text ids (a Python caller may use numbers); two keys that read the
+    same ("1" and 1) are refused."""
+    by_text = {}
+    for node_id, node in prompt.items():
+        if str(node_id) in by_text:
+            raise WorkflowError(f"two nodes have the id {node_label(node_id)}",
+                                node_label(node_id), node["class_type"])
+        by_text[str(node_id)] = node
+    return by_text
 
 
 def _check_input(inp: Input, value, prompt: dict, nodes: dict[str, NodeDef],
@@ -121,13 +151,13 @@ def _check_input(inp: Input, value, prompt: dict, nodes: dict[str, NodeDef],
     if not is_link(value):
         if not inp.is_widget:
             raise ValueError(f"input {inp.name!r} takes {inp.type} and must be linked to another "
-                             f"node's output, not given the value {reprlib.repr(value)}")
+                             f"node's output, not given the value {shown(value)}")
         coerce(inp, value, host)
         return None
     source_id, slot = str(value[0]), value[1]
     if source_id not in prompt:
-        raise ValueError(f"input {inp.name!r} is linked to node {source_id}, which is not in the "
-                         f"workflow")
+        raise ValueError(f"input {inp.name!r} is linked to node {node_label(source_id)}, which is "
+                         f"not in the workflow")
     source = nodes[prompt[source_id]["class_type"]]
     if not 0 <= slot < len(source.outputs):
         raise ValueError(f"input {inp.name!r} is linked to output {slot} of node {source_id} "
@@ -144,8 +174,8 @@ def execute(prompt: dict, host, nodes: Optional[dict[str, NodeDef]] = None) -> d
     from ..pipeline.runner import Interrupted
 
     nodes = nodes or registry()
-    prompt = {str(k): v for k, v in prompt.items()} if isinstance(prompt, dict) else prompt
     order = validate(prompt, nodes, host)
+    prompt = _by_text_id(prompt)
     results: dict[str, NodeResult] = {}
     for node_id in order:
         node = prompt[node_id]

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol, Union
 
 from ..faults import Faults
-from ..options import OPTIONS, Option, resolve_options
+from ..options import OPTIONS, Option, OptionError, resolve_options
+from .shape import shown
 
 log = logging.getLogger("seedvr2")
 
@@ -414,7 +416,10 @@ def _resolve_text_embeddings(host: Host, name) -> str:
 
     if not isinstance(name, str) or name.strip() == "auto":
         return name
-    inside = model_path_in(host.model_folder(), name.strip())  # refuses names leading out
+    try:
+        inside = model_path_in(host.model_folder(), name.strip())  # refuses names leading out
+    except CheckpointError as e:
+        raise CheckpointError(f"text_embeddings = {name!r}: {e}") from None
     path = host.model_path(name.strip()) or inside
     if not path.is_file():
         raise CheckpointError(f"text_embeddings {name!r}: no such file in the model folder "
@@ -428,9 +433,30 @@ def _load_model_node(kind: str):
         if "text_embeddings" in settings:
             settings["text_embeddings"] = _resolve_text_embeddings(host,
                                                                    settings["text_embeddings"])
+        _check_loader_settings(kind, settings)
         ordered = tuple((s.input, settings.get(s.input)) for s in LOADER_SETTINGS[kind])
         return NodeResult((ModelHandle(kind, model, path, ordered),))
     return run
+
+
+def _check_loader_settings(kind: str, settings: dict) -> None:
+    """A loader's settings checked on the loader, the node that has them, in its input names
+    (the upscaler, which resolves every option, would name the library's options)."""
+    named = [s for s in LOADER_SETTINGS[kind] if s.to_options is None]
+    given = {s.option: _from_widget(s.option, settings[s.input]) for s in named
+             if settings.get(s.input) is not None and s.input != "text_embeddings"}
+    try:
+        resolve_options(**given)
+    except OptionError as e:
+        message = str(e)
+        for s in sorted(named, key=lambda s: -len(s.option)):  # dit_offload_device first
+            message = message.replace(s.option, s.input)
+        raise ValueError(message) from None
+    swapping = given.get("blocks_to_swap", 0) > 0 or given.get("swap_io_components") is True
+    if kind == "dit" and swapping and given.get("dit_offload_device", "none") == "none":
+        raise ValueError(f"blocks_to_swap = {given.get('blocks_to_swap', 0)}, swap_io_components "
+                         f"= {given.get('swap_io_components', False)}: the swapped blocks need "
+                         f"an offload device: set offload_device (cpu)")
 
 
 def _torch_compile_settings(host: Host, **args) -> NodeResult:
@@ -575,6 +601,27 @@ def _preview(path: Path):
     return _as_comfy_image(torch.stack(frames))
 
 
+MAX_NAME_BYTES = 200  # of a name in a filename_prefix: file systems hold 255, with the counter
+
+
+def output_prefix(prefix: str, default: str) -> str:
+    """The ``filename_prefix`` a node saves under: ``default`` (the node's) for a prefix that
+    is blank or names no file (``"."``, ``"sub/.."``), where ComfyUI's numbering
+    (``folder_paths.get_save_image_path``, and ours) would save a hidden ``._00001_`` file. A
+    name no file system holds is refused before anything runs."""
+    normal = os.path.normpath(prefix.strip() or ".")
+    if os.path.basename(normal) == ".":
+        return default
+    if any(len(part.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES
+           for part in normal.split(os.sep)):
+        raise ValueError(f"filename_prefix = {shown(prefix)}: a file or folder name in it is "
+                         f"longer than {MAX_NAME_BYTES} bytes")
+    return prefix
+
+
+VIDEO_FILE_PREFIX = "SeedVR2/video"  # Upscale Video File's default filename_prefix
+
+
 def _upscale_video_file(host: Host, dit: ModelHandle, vae: ModelHandle, video_path: str,
                         filename_prefix: str, codec: str, **inputs) -> NodeResult:
     from ..api import upscale_file
@@ -584,14 +631,18 @@ def _upscale_video_file(host: Host, dit: ModelHandle, vae: ModelHandle, video_pa
 
     if not video_path.strip():
         raise ValueError("video_path is empty: give a video file in the input folder")
-    src = host.input_path(video_path.strip())
-
-    with open_media(src) as reader:  # a missing or unreadable input fails before any loading
-        info = reader.info
+    try:  # a name outside the folders, or a missing or unreadable input: before any loading
+        src = host.input_path(video_path.strip())
+        with open_media(src) as reader:
+            info = reader.info
+    except (ValueError, OSError) as e:  # (MediaError included; OSError: a name too long)
+        raise ValueError(f"video_path = {shown(video_path)}: "
+                         f"{e.strerror if isinstance(e, OSError) and e.strerror else e}") from None
     opts = resolve_options(**plan_job(dit, vae, *_split_inputs(inputs)).options)
     height, width = output_size(info.height, info.width, opts)
     suffix = ".png" if info.kind == "image" and Path(src).suffix.lower() in IMAGE_EXTENSIONS else ".mp4"
-    dst, saved = host.output_file(filename_prefix, suffix, width, height)
+    dst, saved = host.output_file(output_prefix(filename_prefix, VIDEO_FILE_PREFIX), suffix,
+                                  width, height)
     out = _run_facade(host, dit, vae, inputs, partial(upscale_file, src, dst, codec=codec))
     # The editor draws a node's "images" (with "animated" set, as a video player), as it does
     # for ComfyUI's Save Video.
@@ -740,7 +791,7 @@ def build_nodes() -> tuple:
                        "the output folder); other paths are refused",
                        choices=_input_videos, upload="video_upload", accepts_unlisted=True),
                  Input("filename_prefix", "STRING", "output name prefix in the output folder "
-                       "(may contain subfolders)", "SeedVR2/video"),
+                       "(may contain subfolders)", VIDEO_FILE_PREFIX),
                  Input("codec", "COMBO", "h264 (8-bit) or h265 (10-bit)", "h264",
                        choices=("h264", "h265")),
                  *_upscaler_inputs(writes_file=True)),

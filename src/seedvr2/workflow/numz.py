@@ -9,12 +9,15 @@ docs/comfyui.md ("Workflows from the numz pack").
 
 from __future__ import annotations
 
-import copy
+import json
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from .errors import WorkflowError
 from .execute import is_link
 from .nodes import COMPILE_TYPE, CONTROL_MODE_KEY, WIDGET_TYPES
+from .shape import LINK_FIELDS, check_editor_workflow, node_label, shown
 
 CONTROL_VALUES = ("fixed", "increment", "decrement", "randomize")
 NUMZ_COMPILE_TYPE = "TORCH_COMPILE_ARGS"  # numz's type for the compile settings link
@@ -180,29 +183,77 @@ def _to_ours(node_label: str, table: NumzNode, named: dict, widgets: dict[str, _
     """numz input names and values -> ours; what has no place here is noted and left out."""
     ours = {}
     for name, value in named.items():
+        _check_widget_value(node_label, name, value)
         target = table.renamed.get(name, name)
         widget = widgets.get(target)
         if name in table.dropped and value == table.dropped[name]:
             continue
         if name in table.dropped or widget is None:  # (an input of another numz release too)
-            notes.append(f"{node_label}: numz's {name} = {value!r} has no equivalent in this "
-                         f"pack; dropped")
+            notes.append(f"{node_label}: numz's {name} = {shown(value)} has no equivalent in "
+                         f"this pack; dropped")
             continue
         if widget.choices is not None and isinstance(value, bool):
             # numz's switch for a setting that is a choice here (compile "dynamic")
             value = str(value).lower()
         if widget.choices is not None and value not in widget.choices \
                 and widget.name not in _MACHINE_CHOICES:
-            notes.append(f"{node_label}: numz's {name} = {value!r} is not available in this pack "
-                         f"(choices: {', '.join(map(str, widget.choices))}); using "
+            notes.append(f"{node_label}: numz's {name} = {shown(value)} is not available in "
+                         f"this pack (choices: {', '.join(map(str, widget.choices))}); using "
                          f"{widget.default!r}")
             continue
         if _out_of_range(value, widget):
-            notes.append(f"{node_label}: numz's {name} = {value!r} is outside this pack's range "
-                         f"({widget.extra.get('min')} to {widget.extra.get('max')}); using "
+            notes.append(f"{node_label}: numz's {name} = {shown(value)} is outside this pack's "
+                         f"range ({widget.extra.get('min')} to {widget.extra.get('max')}); using "
                          f"{widget.default!r}")
             continue
         ours[target] = value
+    return ours
+
+
+def _check_widget_value(node_label: str, name: str, value) -> None:
+    """A saved widget value is a number, a text, a switch or null; a list or an object there is
+    no value numz's node could have saved, and is refused naming numz's node and input."""
+    if isinstance(value, (list, dict)):
+        kind = "a list" if isinstance(value, list) else "an object"
+        raise WorkflowError(f"{node_label}: numz's {name} = {shown(value)}: a widget value is "
+                            f"a number, a text or a switch, not {kind}")
+
+
+def _as_numz_ran(kind: str, label: str, ours: dict, widgets: dict[str, _Widget],
+                 notes: list, numz_names: Optional[dict] = None) -> dict:
+    """``ours`` with what numz's node did by itself, where ours refuses the values, made
+    explicit (with a note, in numz's input names: ``numz_names``, ours -> numz's, where they
+    differ): its upscaler ran a temporal_overlap not smaller than batch_size as no overlap
+    (numz's generation_phases: "temporal_overlap >= batch_size, resetting to 0"); its VAE
+    tiling clamped a tile overlap to one latent pixel (8 pixels) less than the tile
+    (attn_video_vae's tiled_encode and tiled_decode)."""
+    def value(name):
+        return ours.get(name, widgets[name].default) if name in widgets else None
+
+    def note(text):
+        if text not in notes:  # (numz's one tile setting is both of ours)
+            notes.append(text)
+
+    def numz(name):
+        return (numz_names or {}).get(name, name)
+
+    ours = dict(ours)
+    if kind == "SeedVR2VideoUpscaler":
+        overlap, batch = value("temporal_overlap"), value("batch_size")
+        if _is_positive(overlap) and _is_positive(batch) and overlap >= batch:
+            note(f"{label}: numz's {numz('temporal_overlap')} = {shown(overlap)} is not smaller "
+                 f"than {numz('batch_size')} = {shown(batch)}; numz ran it without overlap, and "
+                 f"so does this pack (temporal_overlap = 0)")
+            ours["temporal_overlap"] = 0
+    if kind == "SeedVR2LoadVAEModel":
+        for stage in ("encode", "decode"):
+            size, overlap = value(f"{stage}_tile_size"), value(f"{stage}_tile_overlap")
+            if _is_positive(overlap) and _is_positive(size) and overlap >= size:
+                clamped = max(0, (int(size) // 8 - 1) * 8)
+                note(f"{label}: numz's {numz(f'{stage}_tile_overlap')} = {shown(overlap)} is not "
+                     f"smaller than {numz(f'{stage}_tile_size')} = {shown(size)}; numz's "
+                     f"tiling overlapped {clamped} pixels, and so does this pack")
+                ours[f"{stage}_tile_overlap"] = clamped
     return ours
 
 
@@ -217,9 +268,6 @@ def _out_of_range(value, widget: _Widget) -> bool:
 
 # ---------------------------------------------------------------------------------------------
 # Editor workflows
-
-
-LINK_FIELDS = ("id", "origin_id", "origin_slot", "target_id", "target_slot", "type")
 
 
 def link_field(link, key: str):
@@ -270,8 +318,9 @@ def _translate_node(node: dict, info: dict, links: list, notes: list) -> None:
     if read is None:
         return  # neither layout: the conversion reports the count that does not match
     named, control = read
-    label = f"node {node.get('id')} ({node['type']})"
-    ours = _to_ours(label, table, named, by_name, notes)
+    label = f"node {node_label(node['id'])} ({node['type']})"
+    ours = _as_numz_ran(node["type"], label, _to_ours(label, table, named, by_name, notes),
+                        by_name, notes)
     node["widgets_values"] = _editor_values(ours, control, widgets)
 
     # Input slots: the widget inputs the saved node had as slots, renamed; their links follow.
@@ -314,17 +363,15 @@ def _drop_link(links: list, link_id) -> None:
 
 
 def _translate_graph(graph: dict, object_info: dict, notes: list) -> None:
-    links = graph.get("links") if isinstance(graph.get("links"), list) else []
-    for node in graph.get("nodes") or []:
-        kind = node.get("type") if isinstance(node, dict) else None
-        if not is_ours(kind, object_info.get(kind)):
-            continue
-        _translate_node(node, object_info[node["type"]], links, notes)
+    links = graph.get("links") or []
+    for node in graph["nodes"]:
+        if is_ours(node["type"], object_info.get(node["type"])):
+            _translate_node(node, object_info[node["type"]], links, notes)
     # A link removed above leaves no end behind on the node it came from.
-    kept = {_link_id(l) for l in links if l}
-    for node in graph.get("nodes") or []:
-        for output in (node.get("outputs") or []) if isinstance(node, dict) else []:
-            if isinstance(output, dict) and output.get("links"):
+    kept = {_link_id(l) for l in links}
+    for node in graph["nodes"]:
+        for output in node.get("outputs") or []:
+            if output.get("links"):
                 output["links"] = [i for i in output["links"] if i in kept]
     # Links from a numz compile node, or into one of our loaders, keep their old type name when
     # the nodes at either end were ours already; the type is ours on both ends now.
@@ -335,14 +382,19 @@ def _translate_graph(graph: dict, object_info: dict, notes: list) -> None:
 
 def translate_workflow(workflow: dict, object_info: dict) -> tuple[dict, list[str]]:
     """A copy of an editor workflow with each of our nodes saved in a numz layout rewritten to
-    ours (subgraphs included), and notes on the values left out."""
-    workflow = copy.deepcopy(workflow)
+    ours (subgraphs included), and notes on the values left out. A malformed workflow is a
+    :class:`WorkflowError` naming the node (:func:`.shape.check_editor_workflow`)."""
+    check_editor_workflow(workflow)
+    # A copy (JSON's own: fast, and safe at the depth checked, shape.MAX_DEPTH)
+    try:
+        workflow = json.loads(json.dumps(workflow))
+    except (TypeError, ValueError) as e:  # a Python caller's object that is no JSON value
+        raise WorkflowError(f"not a workflow: {e}") from None
     notes: list[str] = []
     old = _knows_old_nodes(object_info)
-    graphs = [g for g in (workflow, *((workflow.get("definitions") or {}).get("subgraphs") or []))
-              if isinstance(g, dict)]
-    if any(isinstance(n, dict) and (n.get("type") in NUMZ_NODES or old and n.get("type") in
-                                    OLD_LAYOUTS) for g in graphs for n in g.get("nodes") or []):
+    graphs = [workflow, *((workflow.get("definitions") or {}).get("subgraphs") or [])]
+    if any(n["type"] in NUMZ_NODES or old and n["type"] in OLD_LAYOUTS
+           for g in graphs for n in g["nodes"]):
         for graph in graphs:
             if old:
                 _expand_old_graph(graph, object_info, notes)
@@ -361,17 +413,19 @@ def _knows_old_nodes(object_info: dict) -> bool:
 
 def translate_prompt(prompt: dict, object_info: dict) -> tuple[dict, list[str]]:
     """A copy of an API-format prompt whose nodes with numz's input names take ours; our inputs
-    numz has no counterpart for get their defaults."""
+    numz has no counterpart for get their defaults. Any other node, well formed or not, is left
+    as it is (the prompt's validation names what is wrong with it); a numz node's value that no
+    numz node could have saved (a list) is a :class:`WorkflowError` naming it. The nodes
+    rewritten are new objects, the prompt given is not changed."""
     notes: list[str] = []
     if not isinstance(prompt, dict) or not any(
-            isinstance(n, dict) and n.get("class_type") in (*NUMZ_NODES, *OLD_LAYOUTS)
-            for n in prompt.values()):
+            _class_type(n) in (*NUMZ_NODES, *OLD_LAYOUTS) for n in prompt.values()):
         return prompt, notes
-    prompt = copy.deepcopy(prompt)
+    prompt = dict(prompt)
     if _knows_old_nodes(object_info):
         _expand_old_prompt(prompt, object_info, notes)
     for node_id, node in prompt.items():
-        kind = node.get("class_type") if isinstance(node, dict) else None
+        kind = _class_type(node)
         info = object_info.get(kind) if kind in NUMZ_NODES else None
         inputs = node.get("inputs") if info is not None else None
         if not isinstance(inputs, dict) or not is_ours(kind, info):
@@ -380,17 +434,24 @@ def translate_prompt(prompt: dict, object_info: dict) -> tuple[dict, list[str]]:
         widgets = {w.name: w for w in widget_inputs(info)}
         if not _numz_prompt_node(table, inputs, widgets):
             continue
-        label = f"node {node_id} ({kind})"
+        label = f"node {node_label(node_id)} ({kind})"
         links = {k: v for k, v in inputs.items() if is_link(v)}
         values = {k: v for k, v in inputs.items() if not is_link(v)}
-        ours = _to_ours(label, table, values, widgets, notes)
+        ours = _as_numz_ran(kind, label, _to_ours(label, table, values, widgets, notes), widgets,
+                            notes)
         for name, value in links.items():
             if name in table.dropped:
                 notes.append(f"{label}: the link into numz's {name} has no input here; removed")
             else:
                 ours[table.renamed.get(name, name)] = value
-        node["inputs"] = _with_defaults(ours, info)  # what numz lacks, or was dropped
+        # what numz lacks, or was dropped, takes our default
+        prompt[node_id] = {**node, "inputs": _with_defaults(ours, info)}
     return prompt, notes
+
+
+def _class_type(node) -> Optional[str]:
+    kind = node.get("class_type") if isinstance(node, dict) else None
+    return kind if isinstance(kind, str) else None
 
 
 def has_numz_nodes(prompt) -> bool:
@@ -398,9 +459,9 @@ def has_numz_nodes(prompt) -> bool:
     of numz v2.0-2.4, with numz's input names, or with none of ours, or a bool for compile's
     ``dynamic``."""
     for node in prompt.values() if isinstance(prompt, dict) else ():
-        if isinstance(node, dict) and node.get("class_type") in OLD_LAYOUTS:
+        if _class_type(node) in OLD_LAYOUTS:
             return True
-        table = NUMZ_NODES.get(node.get("class_type")) if isinstance(node, dict) else None
+        table = NUMZ_NODES.get(_class_type(node))
         inputs = node.get("inputs") if table is not None else None
         if isinstance(inputs, dict) and (_numz_prompt_node(table, inputs, {})
                                          or isinstance(inputs.get("dynamic"), bool)):
@@ -500,19 +561,35 @@ def _old_settings(label: str, named: dict, infos: dict, notes: list) -> dict[str
     inputs by name; what has no place here is noted and left out."""
     spread: dict[str, dict] = {role: {} for role in OLD_TARGETS}
     for name, value in named.items():
+        _check_widget_value(label, name, value)
         if name in OLD_DROPPED and value == OLD_DROPPED[name]:
             continue
         if name not in OLD_INPUTS:
-            notes.append(f"{label}: numz's {name} = {value!r} has no equivalent in this pack; "
-                         f"dropped")
+            notes.append(f"{label}: numz's {name} = {shown(value)} has no equivalent in this "
+                         f"pack; dropped")
             continue
         for role, target in OLD_INPUTS[name]:
-            spread[role][target] = OLD_VALUES.get(name, {}).get(value, value)
+            spread[role][target] = OLD_VALUES[name].get(value, value) \
+                if name in OLD_VALUES and isinstance(value, bool) else value
+    # numz's BlockSwap of these releases streamed the swapped blocks from the CPU by itself;
+    # here the DiT loader names the device the swapped blocks wait on.
+    dit = spread["dit"]
+    if (_is_positive(dit.get("blocks_to_swap")) or dit.get("swap_io_components") is True) \
+            and dit.get("offload_device", "none") == "none":
+        dit["offload_device"] = "cpu"
     ours = {}
     for role, values in spread.items():
         widgets = {w.name: w for w in widget_inputs(infos[OLD_TARGETS[role]])}
-        ours[role] = _to_ours(label, NumzNode(()), values, widgets, notes)
+        numz_names = {target: name for name, pairs in OLD_INPUTS.items()
+                      for where, target in pairs if where == role}
+        ours[role] = _as_numz_ran(OLD_TARGETS[role], label,
+                                  _to_ours(label, NumzNode(()), values, widgets, notes), widgets,
+                                  notes, numz_names)
     return ours
+
+
+def _is_positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def _old_layout(node: dict) -> Optional[tuple[dict, dict]]:
@@ -538,21 +615,22 @@ def _with_defaults(ours: dict, info: dict) -> dict:
 def _expand_old_prompt(prompt: dict, object_info: dict, notes: list) -> None:
     """Each SeedVR2 node of an API prompt, in place: our upscaler under its ID, fed by a new
     DiT and VAE loader; the config nodes linked into it are read and removed."""
-    next_id = max((int(k) for k in prompt if str(k).isdigit()), default=0) + 1
+    next_id = max((int(str(k)) for k in prompt if _is_number_id(k)), default=0) + 1
     consumed = set()
     for node_id, node in list(prompt.items()):
-        if not isinstance(node, dict) or node.get("class_type") != OLD_UPSCALER:
+        if _class_type(node) != OLD_UPSCALER:
             continue
         inputs = node.get("inputs") if isinstance(node.get("inputs"), dict) else {}
         named = {k: v for k, v in inputs.items() if not is_link(v)}
         for link_name, kind in OLD_LINKS.items():
             link = inputs.get(link_name)
-            source = prompt.get(link[0]) if is_link(link) else None
-            if isinstance(source, dict) and source.get("class_type") == kind:
-                named.update({k: v for k, v in (source.get("inputs") or {}).items()
-                              if not is_link(v)})
-                consumed.add(link[0])
-        ours = _old_settings(f"node {node_id} ({OLD_UPSCALER})", named, object_info, notes)
+            source_id = str(link[0]) if is_link(link) else None
+            source = prompt.get(source_id)
+            if _class_type(source) == kind and isinstance(source.get("inputs"), dict):
+                named.update({k: v for k, v in source["inputs"].items() if not is_link(v)})
+                consumed.add(source_id)
+        ours = _old_settings(f"node {node_label(node_id)} ({OLD_UPSCALER})", named, object_info,
+                             notes)
         loaders = {}
         for role in ("dit", "vae"):
             loaders[role], next_id = str(next_id), next_id + 1
@@ -567,40 +645,64 @@ def _expand_old_prompt(prompt: dict, object_info: dict, notes: list) -> None:
         prompt.pop(node_id, None)
 
 
+def _is_number_id(node_id) -> bool:
+    """A prompt's node id written in ASCII digits ("12"; not "²", which is a digit to
+    ``str.isdigit`` but no number to ``int``)."""
+    text = str(node_id)
+    return text.isascii() and text.isdigit()
+
+
+def _count(value) -> int:
+    """An editor counter (last_node_id, last_link_id): 0 when it is not a number."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _position(node: dict) -> tuple:
+    """A node's (x, y): the editor saves [x, y] (older ones {"0": x, "1": y})."""
+    pos = node.get("pos")
+    if isinstance(pos, dict):
+        pos = [pos.get("0"), pos.get("1")]
+    if isinstance(pos, list) and len(pos) >= 2 and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            for v in pos[:2]):
+        return pos[0], pos[1]
+    return 0, 0
+
+
 def _expand_old_graph(graph: dict, object_info: dict, notes: list) -> None:
     """Each SeedVR2 node of an editor graph, in place: our upscaler under its ID, fed by a new
     DiT and VAE loader placed above it; the config nodes linked into it are read and removed."""
-    nodes, links = graph.get("nodes") or [], graph.get("links")
-    if not isinstance(links, list):
+    nodes, links = graph["nodes"], graph.get("links")
+    if links is None:
         links = graph["links"] = []
-    by_id = {n.get("id"): n for n in nodes if isinstance(n, dict)}
-    next_node = max([graph.get("last_node_id") or 0,
-                     *(i for i in by_id if isinstance(i, int))]) + 1
-    next_link = max([graph.get("last_link_id") or 0,
-                     *(_link_id(l) for l in links if l)]) + 1
+    by_id = {str(n["id"]): n for n in nodes}  # (unique as text: shape.check_editor_graph)
+    next_node = max([_count(graph.get("last_node_id")),
+                     *(n["id"] for n in nodes if _count(n["id"]))]) + 1
+    next_link = max([_count(graph.get("last_link_id")), *(_link_id(l) for l in links)]) + 1
     consumed = set()
-    for node in [n for n in by_id.values() if n.get("type") == OLD_UPSCALER]:
+    for node in [n for n in nodes if n["type"] == OLD_UPSCALER]:
         read = _old_layout(node)
         if read is None:
             continue  # no release's layout: the conversion names the node
         named, control = read
         sockets = {}
         for inp in node.get("inputs") or []:
-            if not isinstance(inp, dict) or inp.get("link") is None:
+            if inp.get("link") is None:
                 continue
             origin = next((link_field(l, "origin_id") for l in links
                            if _link_id(l) == inp["link"]), None)
-            source = by_id.get(origin)
-            if inp.get("name") in OLD_LINKS and source is not None \
-                    and source.get("type") == OLD_LINKS[inp["name"]]:
+            source = by_id.get(str(origin))
+            if inp["name"] in OLD_LINKS and source is not None \
+                    and source["type"] == OLD_LINKS[inp["name"]]:
                 config = _old_layout(source)
                 named.update(config[0] if config else {})
-                consumed.add(source["id"])
+                consumed.add(str(source["id"]))
                 _drop_link(links, inp["link"])
             elif inp.get("name") == "images":
                 sockets["image"] = inp["link"]
-        ours = _old_settings(f"node {node['id']} ({OLD_UPSCALER})", named, object_info, notes)
-        x, y = (node.get("pos") or [0, 0])[:2]
+        ours = _old_settings(f"node {node_label(node['id'])} ({OLD_UPSCALER})", named,
+                             object_info, notes)
+        x, y = _position(node)
         for offset, role in enumerate(("dit", "vae")):
             info = object_info[OLD_TARGETS[role]]
             nodes.append({"id": next_node, "type": OLD_TARGETS[role],
@@ -619,8 +721,10 @@ def _expand_old_graph(graph: dict, object_info: dict, notes: list) -> None:
                  for name, link in sockets.items()}
         node["inputs"] = _editor_sockets(info, slots, links)
         node["widgets_values"] = _editor_values(ours["upscaler"], control, widget_inputs(info))
-        node.setdefault("properties", {})["Node name for S&R"] = OLD_TARGETS["upscaler"]
-    graph["nodes"] = [n for n in nodes if not (isinstance(n, dict) and n.get("id") in consumed)]
+        if not isinstance(node.get("properties"), dict):
+            node["properties"] = {}
+        node["properties"]["Node name for S&R"] = OLD_TARGETS["upscaler"]
+    graph["nodes"] = [n for n in nodes if str(n["id"]) not in consumed]
     graph["last_node_id"], graph["last_link_id"] = next_node - 1, next_link - 1
 
 

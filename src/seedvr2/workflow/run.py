@@ -14,6 +14,7 @@ from .execute import execute, registry
 from .host import HeadlessHost
 from .nodes import object_info as node_object_info
 from .numz import translate_prompt
+from .shape import check_prompt, node_label, shown
 from .server import ComfyServer, ProgressPrinter, upload_inputs
 
 
@@ -41,6 +42,8 @@ def load_workflow(path) -> dict:
                             f"{e.colno}") from None
     except RecursionError:
         raise WorkflowError(f"{path}: not a workflow: JSON nested too deeply") from None
+    except ValueError as e:  # a number of more digits than Python reads (int_max_str_digits)
+        raise WorkflowError(f"{path}: not a workflow: {e}".split("; use sys.")[0]) from None
     if not isinstance(workflow, dict):
         raise WorkflowError(f"{path}: a workflow is a JSON object, not {type(workflow).__name__}")
     return workflow
@@ -54,15 +57,18 @@ def builtin_object_info(host) -> dict:
 def to_api(workflow: dict, object_info: dict,
            warn: Optional[Callable[[str], None]] = None) -> dict:
     """The API-format prompt of a workflow in either format; our nodes saved by the numz pack
-    take our layout (``warn`` gets a note for each value left out)."""
+    take our layout (``warn`` gets a note for each value left out). A malformed workflow is a
+    :class:`WorkflowError` naming the node (:mod:`.shape`)."""
     if is_ui_format(workflow):
         return ui_to_api(workflow, object_info, warn)
-    if isinstance(workflow.get("prompt"), dict):  # a saved /prompt request body
-        workflow = workflow["prompt"]
-    if not all(isinstance(n, dict) and "class_type" in n for n in workflow.values()):
+    if isinstance(workflow, dict) and isinstance(workflow.get("prompt"), dict):
+        workflow = workflow["prompt"]  # a saved /prompt request body
+    if not isinstance(workflow, dict) or not any(
+            isinstance(n, dict) and "class_type" in n for n in workflow.values()):
         raise WorkflowError("not a workflow: expected the editor's format (with \"nodes\" and "
                             "\"links\") or the API format ({\"1\": {\"class_type\": ..., "
                             "\"inputs\": {...}}})")
+    check_prompt(workflow)  # names the entry that is no node
     prompt, notes = translate_prompt(workflow, object_info)
     for note in notes:
         if warn is not None:
@@ -70,26 +76,37 @@ def to_api(workflow: dict, object_info: dict,
     return prompt
 
 
-def _parse_value(text: str):
+def _parse_value(item: str, text: str):
     try:
         return json.loads(text)
+    except RecursionError:
+        raise WorkflowError(f"--set {_said(item)}: the value nests too deeply") from None
     except ValueError:
         return text  # a bare string: --set 1.image=photo.png
+
+
+def _said(text: str) -> str:
+    """Command-line text for a one-line message: as typed, or quoted when it has line breaks
+    or other unprintable characters, or is long."""
+    return text if text.isprintable() and len(text) <= 200 else shown(text)
 
 
 def _find_node(prompt: dict, key: str) -> str:
     if key in prompt:
         return key
-    by_title = [i for i, n in prompt.items() if n.get("_meta", {}).get("title") == key]
+    by_title = [i for i, n in prompt.items()
+                if isinstance(n.get("_meta"), dict) and n["_meta"].get("title") == key]
     by_type = [i for i, n in prompt.items() if n.get("class_type") == key]
     for matches in (by_title, by_type):
         if len(matches) == 1:
             return matches[0]
         if len(matches) > 1:
-            raise WorkflowError(f"--set {key}: {len(matches)} nodes match ({', '.join(matches)}); "
+            raise WorkflowError(f"--set {_said(key)}: {len(matches)} nodes match "
+                                f"({', '.join(map(node_label, matches))}); "
                                 f"use the node id")
-    listing = ", ".join(f"{i} {n.get('class_type')}" for i, n in prompt.items())
-    raise WorkflowError(f"--set {key}: no node with this id, title or type (nodes: {listing})")
+    listing = ", ".join(f"{node_label(i)} {n['class_type']}" for i, n in prompt.items())
+    raise WorkflowError(f"--set {_said(key)}: no node with this id, title or type (nodes: "
+                        f"{listing})")
 
 
 def apply_sets(prompt: dict, sets: Iterable[str], object_info: dict) -> dict:
@@ -100,15 +117,17 @@ def apply_sets(prompt: dict, sets: Iterable[str], object_info: dict) -> dict:
         target, sep, raw = item.partition("=")
         node_key, dot, name = target.rpartition(".")
         if not sep or not dot or not node_key or not name:
-            raise WorkflowError(f"--set {item}: expected NODE.INPUT=VALUE, e.g. 3.resolution=1080")
+            raise WorkflowError(f"--set {_said(item)}: expected NODE.INPUT=VALUE, e.g. "
+                                f"3.resolution=1080")
         node_id = _find_node(prompt, node_key)
         node = prompt[node_id]
         info = object_info.get(node["class_type"], {}).get("input", {})
         known = [n for section in ("required", "optional") for n in (info.get(section) or {})]
         if known and name not in known:
-            raise WorkflowError(f"--set {item}: node {node_id} ({node['class_type']}) has no "
-                                f"input {name!r} (inputs: {', '.join(known)})")
-        node.setdefault("inputs", {})[name] = _parse_value(raw)
+            raise WorkflowError(f"--set {_said(item)}: node {node_label(node_id)} "
+                                f"({node['class_type']}) has no input {shown(name)} (inputs: "
+                                f"{', '.join(known)})")
+        node.setdefault("inputs", {})[name] = _parse_value(item, raw)
     return prompt
 
 
@@ -121,8 +140,11 @@ def run_workflow(workflow: Union[str, Path, dict], sets: Iterable[str] = (), *,
     ``output_dir``) or on the ComfyUI at ``server`` (inputs it lacks uploaded from ``input_dir``,
     outputs downloaded into ``output_dir``; docs/comfyui.md). Raises :class:`WorkflowError`
     naming the failing node."""
-    if not isinstance(workflow, dict):
+    if isinstance(workflow, (str, Path)):
         workflow = load_workflow(workflow)
+    elif not isinstance(workflow, dict):
+        raise WorkflowError(f"not a workflow: {shown(workflow)} (give a file's path, or the "
+                            f"workflow as a dict)")
     if server is not None:
         client = ComfyServer(server)
         info = client.object_info()

@@ -368,6 +368,13 @@ def _server_files(object_info: dict) -> tuple[dict, set]:
     return file_inputs, listed
 
 
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # a name this file system cannot hold (too long): no file here
+        return False
+
+
 def upload_inputs(client: ComfyServer, prompt: dict, object_info: dict, input_dir,
                   on_upload: Optional[Callable[[Path, str], None]] = None) -> dict:
     """``prompt`` with files of ``input_dir`` the server lacks uploaded and renamed. Every name
@@ -385,15 +392,15 @@ def upload_inputs(client: ComfyServer, prompt: dict, object_info: dict, input_di
             raw = value.strip()
             # The server resolves names inside its own input folder only (absolute paths are
             # refused there too), so an absolute name is a local file or nothing: uploaded
-            # when it lies inside input_dir, refused otherwise.
-            local = (root / raw).resolve()
-            if raw.startswith("~") or not local.is_relative_to(root):
+            # when it lies inside input_dir, refused otherwise. (No file name holds a NUL.)
+            local = (root / raw.replace("\x00", "")).resolve()
+            if raw.startswith("~") or "\x00" in raw or not local.is_relative_to(root):
                 raise WorkflowError(
                     f"{name} = {value!r} is not a file inside the input folder {root}: only "
                     f"files inside --input-dir are uploaded to the server (copy the file there "
                     f"and name it relative to that folder); nothing was sent",
                     str(node_id), node.get("class_type"))
-            if not local.is_file():
+            if not _is_file(local):
                 continue  # the server reports the missing file
             subfolder = local.parent.relative_to(root).as_posix().removeprefix(".")
             planned.append((inputs, name, Path(input_dir) / raw, local, subfolder))
