@@ -16,8 +16,10 @@ from safetensors.torch import load_file, save_file
 from seedvr2.loading import CheckpointError, describe, load_dit
 from seedvr2.loading import registry
 from seedvr2.loading.quantize import quantize_file
-from seedvr2.loading.quantized import (E2M1_VALUES, packed_modules, regular_hadamard,
-                                       swizzle_block_scales, unswizzle_block_scales)
+from seedvr2.loading.int8 import regular_hadamard
+from seedvr2.loading.nvfp4 import E2M1_VALUES
+from seedvr2.loading.packed import swizzle_block_scales, unswizzle_block_scales
+from seedvr2.loading.quantized import packed_modules
 from seedvr2.loading.text import load_text_embeddings
 
 from conftest import (constructor_kwargs, dit_output, float_step_error, integer_step_error,
@@ -85,7 +87,7 @@ LAYOUT = {
     "int8_convrot": ({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 64},
                      {"weight": ("I8", [384, 128]), "weight_scale": ("F32", [384, 1])}),
     "mxfp8": ({"format": "mxfp8"}, {"weight": ("F8_E4M3", [384, 128]),
-                                    "weight_scale": ("F8_E8M0", [384, 4])}),
+                                    "weight_scale": ("U8", [384, 4])}),
     "nvfp4": ({"format": "nvfp4"}, {"weight": ("U8", [384, 64]),
                                     "weight_scale": ("F8_E4M3", [384, 8]),
                                     "weight_scale_2": ("F32", [])}),
@@ -118,7 +120,8 @@ def test_quantize_targets_read_back(tiny, reference, target, tmp_path):
 def test_block_formats_are_bit_exact_with_comfy_kitchen(target):
     """Our quantisers write what comfy-kitchen's own (the reference of ComfyUI's files) does."""
     ck = pytest.importorskip("comfy_kitchen", reason="comfy-kitchen (the kitchen extra) not installed")
-    from seedvr2.loading.quantize import quantize_mxfp8, quantize_nvfp4
+    from seedvr2.loading.mxfp8 import quantize_mxfp8
+    from seedvr2.loading.nvfp4 import quantize_nvfp4
 
     weight = torch.randn(200, 256, generator=torch.Generator().manual_seed(3)) * 0.05
     # Every e2m1 midpoint (ties round to the even code) in units of one block's step.

@@ -131,10 +131,10 @@ class Weights:
         float tensors converted to ``dtype``."""
         from ..loading.formats import open_weights
         from ..loading.load import EMBEDDED_TEXT_KEYS
-        from ..loading.load import _config_for  # the loader's own config detection
+        from ..loading.load import config_for  # the loader's own config detection
 
         with open_weights(path) as src:
-            config = _config_for(src, kind)
+            config = config_for(src, kind)
             sizes = []
             for key, shape in src.shapes.items():
                 if key in EMBEDDED_TEXT_KEYS:  # text embeddings stay on the CPU
