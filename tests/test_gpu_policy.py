@@ -42,7 +42,36 @@ def test_fp16_overflow_is_reported_with_the_setting_to_change():
     with pytest.raises(NonFiniteError, match=r"the DiT produced NaN or infinite values in fp16 "
                                              r".*set dtype to fp32 \(--dtype fp32"):
         check_finite(overflow, "DiT", torch.float16)
-    check_finite(overflow.float(), "DiT", torch.float32)  # only fp16 overflows this way
+    # Every dtype is checked (a weight of extreme magnitude overflows bf16 and fp32 too), the
+    # batch named.
+    with pytest.raises(NonFiniteError, match=r"^the DiT produced NaN or infinite values in "
+                                             r"float32: .*extreme magnitude.*; stopped at batch "
+                                             r"3 \(frames 12 to 20\)$"):
+        check_finite(overflow.float(), "DiT", torch.float32, "batch 3 (frames 12 to 20)")
+
+
+def test_pipeline_stops_on_non_finite_values_in_any_dtype_naming_the_batch(tiny_options,
+                                                                            monkeypatch):
+    """Each batch's latent, DiT output and decoded frames are checked in every dtype (a bf16 or
+    fp32 job of a weight file with extreme scales writes black frames otherwise): the job stops
+    naming the phase, the batch and the likely cause."""
+    import seedvr2
+    from seedvr2.pipeline import runner
+
+    real = runner.tiling.encode_posterior
+    calls = []
+
+    def poisoned(*args, **kwargs):
+        mean, logvar = real(*args, **kwargs)
+        calls.append(1)
+        return (mean * float("nan") if len(calls) == 2 else mean), logvar
+    monkeypatch.setattr(runner.tiling, "encode_posterior", poisoned)
+    with pytest.raises(NonFiniteError, match=r"^the VAE encoder produced NaN or infinite values "
+                                             r"in float32: .*; stopped at batch 1 \(frames 5 to "
+                                             r"9\)$"):
+        seedvr2.upscale(torch.rand(10, 16, 24, 3), **tiny_options, resolution=32, batch_size=5,
+                        scene_cuts="off",
+                        text_embeddings=str(tiny_options["model_dir"] / "text_64.safetensors"))
 
 
 def test_pipeline_stops_on_non_finite_dit_output_in_fp16(tiny_options, monkeypatch):

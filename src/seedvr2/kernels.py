@@ -107,7 +107,7 @@ _configured: dict = {}
 
 
 def _configure_kitchen(ck, torch_cuda) -> None:
-    if _configured.get(id(ck)) == torch_cuda:
+    if id(ck) in _configured and _configured[id(ck)] == torch_cuda:
         return
     if not kitchen_cuda_backend_allowed(torch_cuda):
         ck.disable_backend("cuda")
@@ -242,7 +242,7 @@ def _block_scales(block: int, packed: bool):
         k = a.shape[1] * (2 if packed else 1)
         bad = []
         for name, rows, scale in (("block_scale_a", a.shape[0], sa), ("block_scale_b", b.shape[0], sb)):
-            want = (_roundup(rows, 128), _roundup(k // block, 4))
+            want = (_roundup(rows, 128), _roundup(-(-k // block), 4))
             if tuple(scale.shape) != want:
                 bad.append(f"{name} is {list(scale.shape)}, not {list(want)}")
         return "; ".join(bad) or None

@@ -45,13 +45,14 @@ def _scale_shapes(shape, params=None):  # noqa: ARG001
 def _kernel_rules(shape: tuple) -> Optional[str]:
     rows, cols = shape
     meta = dict(device="meta")
+    padded = -(-cols // BLOCK) * BLOCK
+    # The activations as the product passes them: rows (and K) padded to 32 (pad_32x).
+    a = torch.empty(32, padded, dtype=torch.float8_e4m3fn, **meta)
     b = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, **meta)
-    # The activations as the product passes them: rows padded to 32 (pad_32x).
-    a = torch.empty(32, cols, dtype=torch.float8_e4m3fn, **meta)
-    scales = lambda n: torch.empty(tiled_scales_shape(n, cols // BLOCK),  # noqa: E731
-                                   dtype=torch.float8_e8m0fnu, **meta)
+    scales = lambda n, k: torch.empty(tiled_scales_shape(n, -(-k // BLOCK)),  # noqa: E731
+                                      dtype=torch.float8_e8m0fnu, **meta)
     found = violations("comfy_kitchen.scaled_mm_mxfp8", {
-        "a": a, "b": b, "block_scale_a": scales(32), "block_scale_b": scales(rows),
+        "a": a, "b": b, "block_scale_a": scales(32, padded), "block_scale_b": scales(rows, cols),
         "out_dtype": torch.bfloat16})
     return found[0] if found else None
 

@@ -237,6 +237,10 @@ def entry_problem(entry: PackedEntry, shapes: Mapping, dtypes: Mapping) -> Optio
     """What is wrong with the stored tensors of ``entry`` by the header alone (each part's
     dtype and shape against its scheme's rules), naming the tensor; or None."""
     scheme = scheme_of(entry.scheme)
+    if len(entry.shape) < 2 or 0 in entry.shape:
+        first = next(iter(entry.files.values()))
+        return f"tensor {first!r}: expected a weight of at least 2 non-zero dimensions " \
+               f"({entry.scheme}); found {list(entry.shape)}"
     for name, rule in scheme.parts.items():
         key = entry.files.get(name)
         if key is None or key not in shapes:
