@@ -182,12 +182,8 @@ def capable_gpu(capability=(12, 0), *, platform: str = "cuda", torch_cuda=(13, 0
                 continue
             module = importlib.import_module(spec.module)
             patch(module, spec.attribute, _wrapper(spec, getattr(module, spec.attribute), log))
-        if check_products:
-            from seedvr2.loading import quantized
-
-            patch(quantized, "low_precision_linear",
-                  _checked_product(quantized.low_precision_linear, log))
-        yield log
+        with checked_products(log) if check_products else contextlib.nullcontext(log):
+            yield log
     finally:
         for obj, name, value in reversed(patches):
             setattr(obj, name, value)
@@ -207,6 +203,22 @@ def _kitchen_or_none():
 
 # ---------------------------------------------------------------------------------------------
 # each layer's product against its definition
+
+
+@contextlib.contextmanager
+def checked_products(log: Optional[KernelLog] = None):
+    """Every layer's low-precision product checked against its definition (see the module
+    doc), on whatever device computes: inside :func:`capable_gpu` on the CPU, alone on a GPU
+    (bench/gpu_checks.py's lowp section). Yields the :class:`KernelLog` counting them."""
+    from seedvr2.loading import quantized
+
+    log = log if log is not None else KernelLog(Platform("(this device)"))
+    original = quantized.low_precision_linear
+    quantized.low_precision_linear = _checked_product(original, log)
+    try:
+        yield log
+    finally:
+        quantized.low_precision_linear = original
 
 
 def _checked_product(original, log: KernelLog):

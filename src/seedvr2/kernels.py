@@ -147,6 +147,7 @@ class Kernel:
     source: str
     rules: tuple[Rule, ...]
     capability: Optional[tuple[int, int]] = None
+    capability_quote: str = ""  # where the capability is stated, in its source's words
     rocm: object = False  # False, True or "kitchen"
 
     def violations(self, args: Mapping[str, Any]) -> list[str]:
@@ -163,7 +164,7 @@ class Kernel:
         if platform.kind == "cuda":
             if self.capability is not None and platform.capability < self.capability:
                 return f"{self.name} needs compute capability {self.capability[0]}." \
-                       f"{self.capability[1]} ({self.source})"
+                       f"{self.capability[1]} ({self.capability_quote})"
             return None
         if platform.kind == "rocm":
             if self.rocm == "kitchen":
@@ -398,7 +399,9 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
              lambda a: None if _tensor(a, "b") is None or _tensor(a, "a") is None
              or (_tensor(a, "a").shape[1] % 16 == 0 and _tensor(a, "b").shape[0] % 16 == 0)
              else "K or N not divisible by 16"),
-    ), capability=(10, 0), rocm=False),
+    ), capability=(10, 0), capability_quote=f"comfy-kitchen {KITCHEN_VERSION}, "
+       f"comfy_kitchen/tensor/mxfp8.py TensorCoreMXFP8Layout: \"Requires SM >= 10.0 (Blackwell) "
+       f"for hardware-accelerated matmul.\" MIN_SM_VERSION = (10, 0)", rocm=False),
     Kernel("comfy_kitchen.quantize_nvfp4", _KITCHEN_CUDA, (
         Rule("assert num_rows % 16 == 0, f\"num_rows must be divisible by 16, got {num_rows}\" "
              "(and num_cols likewise) unless pad_16x", _padded_rows(16, "pad_16x")),
@@ -435,21 +438,22 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
         Rule("Regular Hadamard size must be a power of 4 (comfy_kitchen/tensor/int8_utils.py "
              "_build_hadamard); ConvRot group size does not divide input features",
              _convrot_group),
-    ), capability=(7, 5), rocm="kitchen"),
+    ), capability=(7, 5), capability_quote=f"{_KITCHEN_CUDA} _build_constraints: "
+       f"\"int8_linear\" ... min_compute_capability=(7, 5)", rocm="kitchen"),
     Kernel("comfy_kitchen.quantize_per_tensor_fp8", _KITCHEN_CUDA, (
         Rule("\"quantize_per_tensor_fp8\": x float32/float16/bfloat16; scale float32; "
              "output_type float8_e4m3fn or float8_e5m2",
              lambda a: _dtype_in("x", _FLOATS)(a) or _dtype_in("scale", (torch.float32,))(a)),
     ), rocm="kitchen"),
     Kernel("torch._scaled_mm", _TORCH_SCALED_MM, (
-        Rule("torch._scaled_mm is only supported on CUDA devices with compute capability >= 9.0 "
-             "or 8.9, or ROCm MI300+", lambda a: None),
         Rule("self must be row_major ... mat2 must be col_major", _scaled_mm_layout),
         Rule("Expected self.size(1) to be divisible by 16 ... Expected both dimensions of mat2 "
              "to be divisible by 16", _scaled_mm_sizes),
         Rule("For tensorwise scaling, both scale_a and scale_b must be float (fp32) tensors.",
              _scaled_mm_tensorwise),
-    ), capability=(8, 9), rocm=False),
+    ), capability=(8, 9), capability_quote="aten/src/ATen/native/cuda/Blas.cpp: \"torch._scaled_mm "
+       "is only supported on CUDA devices with compute capability >= 9.0 or 8.9, or ROCm MI300+\"",
+       rocm=False),
     Kernel("torch.nn.functional.scaled_dot_product_attention", _TORCH_SDPA, (
         Rule("Flash attention requires q,k,v to have the same last dimension and to be less "
              "than or equal to 256 (check_head_dim_size_flash); the memory-efficient kernel's "
