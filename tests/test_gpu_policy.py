@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from seedvr2.memory import budget as mem
-from seedvr2.memory.budget import GIB, Budget, BudgetError, Job, Placement, Weights
+from seedvr2.memory.budget import GIB, Budget, BudgetError, BatchShape, Placement, Weights
 from seedvr2.memory.compile import CompileSettings, apply_compile, is_out_of_memory
 from seedvr2.memory.policy import NonFiniteError, check_finite, resolve_dtype
 from seedvr2.options import OptionError
@@ -191,7 +191,7 @@ def _budget() -> Budget:
 
 
 def test_cuda_phases_carry_the_cuda_fixed_overhead():
-    budget, job = _budget(), Job(256, 448, 5)
+    budget, job = _budget(), BatchShape(256, 448, 5)
     on_cuda = mem.estimate(budget, job, Placement("cuda:0", "cuda:0"))
     on_cpu = mem.estimate(budget, job, Placement("cpu", "cpu"))
     for gpu, cpu in zip(on_cuda.phases, on_cpu.phases):
@@ -201,7 +201,7 @@ def test_cuda_phases_carry_the_cuda_fixed_overhead():
 
 
 def test_auto_batch_plans_for_85_percent_of_cuda_memory():
-    budget, job = _budget(), Job(256, 448, 5)
+    budget, job = _budget(), BatchShape(256, 448, 5)
     place = Placement("cuda:0", "cuda:0")
     need = {b: mem.estimate(budget, replace(job, batch_size=b), place).peak("cuda:0")
             for b in (5, 9, 13)}
@@ -216,7 +216,7 @@ def test_auto_batch_plans_for_85_percent_of_cuda_memory():
 
 def test_cuda_shortfall_recommends_expandable_segments():
     with pytest.raises(BudgetError, match=r"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"):
-        mem.check(_budget(), Job(720, 1280, 9), Placement(), {"cuda:0": GIB})
+        mem.check(_budget(), BatchShape(720, 1280, 9), Placement(), {"cuda:0": GIB})
 
 
 def test_host_copy_must_fit_host_ram():

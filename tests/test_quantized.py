@@ -116,6 +116,30 @@ def test_quantize_targets_read_back(tiny, reference, target, tmp_path):
     assert 1e-5 < error < quantization_bound([WEIGHT_ERROR[target]] * 25)
 
 
+@pytest.mark.parametrize("target", ["fp8_e4m3fn", "int8", "int8_convrot", "mxfp8", "nvfp4"])
+def test_the_vae_is_not_written_in_comfyuis_layouts(conformance, tmp_path, target, capsys):
+    """ComfyUI builds the SeedVR2 VAE with manual_cast, which reads no comfy_quant marker: a VAE
+    in its quantised layouts would not load right there, so quantize refuses it and says why
+    (GGUF, which this loader reads, stays available)."""
+    from seedvr2.cli import main
+
+    folder = conformance / "vae_tiny"
+    src = tmp_path / "vae.safetensors"
+    save_file(load_file(folder / "weights.safetensors"), src,
+              metadata={"config": json.dumps(constructor_kwargs(folder))})
+    out = tmp_path / "vae_q.safetensors"
+    assert main(["quantize", str(src), str(out), "--type", target, "-q"]) == 1
+    assert capsys.readouterr().err == (
+        f"error: {src}: --type {target}: the VAE is not written in ComfyUI's quantised layouts: "
+        f"ComfyUI builds the SeedVR2 VAE with manual_cast, which reads no comfy_quant marker, "
+        f"so such a file would not load right there. Quantise the DiT, keep the VAE in fp16, "
+        f"or use a GGUF type (Q8_0 ...) for this loader\n")
+    assert not out.exists() and not out.with_name(out.name + ".partial").exists()
+    with pytest.raises(SystemExit):
+        main(["quantize", "--help"])
+    assert "A VAE is refused for them" in " ".join(capsys.readouterr().out.split())
+
+
 @pytest.mark.parametrize("target", ["mxfp8", "nvfp4"])
 def test_block_formats_are_bit_exact_with_comfy_kitchen(target):
     """Our quantisers write what comfy-kitchen's own (the reference of ComfyUI's files) does."""
