@@ -294,6 +294,74 @@ def test_regular_hadamard_is_its_own_inverse():
         regular_hadamard(128)
 
 
+L = "blocks.0.attn.proj_qkv.vid"  # 384 x 128
+
+
+def _int8_layer(state):
+    from seedvr2.loading.int8 import quantize_int8_rows
+
+    codes, scale = quantize_int8_rows(state[f"{L}.weight"])
+    return {f"{L}.weight": codes, f"{L}.weight_scale": scale}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({f"{L}.weight_scale": torch.ones(384, 1, dtype=torch.int32)},
+     f"tensor '{L}.weight_scale': expected float32 or float16 or bfloat16 of shape [] or [1] or "
+     f"[384] or [384, 1]; found int32 [384, 1] (int8_rows)"),
+    ({f"{L}.weight_scale": torch.ones(384, 1, dtype=torch.bool)},
+     f"tensor '{L}.weight_scale': expected float32 or float16 or bfloat16 of shape [] or [1] or "
+     f"[384] or [384, 1]; found bool [384, 1] (int8_rows)"),
+    ({f"{L}.weight_scale": torch.ones(385)},
+     f"tensor '{L}.weight_scale': expected float32 or float16 or bfloat16 of shape [] or [1] or "
+     f"[384] or [384, 1]; found float32 [385] (int8_rows)"),
+    ({f"{L}.comfy_quant": marker({"format": "int8_tensorwise", "convrot": True,
+                                  "convrot_groupsize": 2})},
+     f"tensor '{L}.comfy_quant': convrot_groupsize must be a power of 4 (4, 16, 64, 256, ...); "
+     f"found 2"),
+    ({f"{L}.comfy_quant": marker({"format": "int8_tensorwise", "convrot": True,
+                                  "convrot_groupsize": 0})},
+     f"tensor '{L}.comfy_quant': convrot_groupsize must be a power of 4 (4, 16, 64, 256, ...); "
+     f"found 0"),
+    ({f"{L}.comfy_quant": marker({"format": "int8_tensorwise", "convrot": True,
+                                  "convrot_groupsize": None})},
+     f"tensor '{L}.comfy_quant': convrot_groupsize must be a power of 4 (4, 16, 64, 256, ...); "
+     f"found None"),
+    ({f"{L}.comfy_quant": marker(["int8_tensorwise"])},
+     f"tensor '{L}.comfy_quant': expected a JSON object with a 'format' string; found "
+     f"[\"int8_tensorwise\"]"),
+    ({f"{L}.comfy_quant": torch.tensor(list(b"[" * 5000 + b"]" * 5000), dtype=torch.uint8)},
+     f"tensor '{L}.comfy_quant' is not a JSON quantisation config (nested too deeply)"),
+    ({f"{L}.weight_scale": torch.tensor([float("nan")] * 384).reshape(384, 1)},
+     f"tensor '{L}.weight_scale' holds NaN or infinite values; the file is damaged (re-download "
+     f"or re-convert it)"),
+])
+def test_bad_layouts_are_refused_at_load_naming_tensor_expected_and_found(tiny, tmp_path, change,
+                                                                          message):
+    """What used to load and change the picture (an int32 or bool scale), end in a bare
+    'shape [384, 1] is invalid' or only fail at the first forward pass (a ConvRot group of 2),
+    or end in a TypeError/RecursionError/ZeroDivisionError traceback, is one error at load
+    naming the file, the tensor, what was expected and what was found."""
+    state, config, _ = tiny
+    path = tmp_path / "bad.safetensors"
+    save_file({**state, **_int8_layer(state),
+               f"{L}.comfy_quant": marker({"format": "int8_tensorwise"}), **change}, path,
+              metadata={"config": config})
+    with pytest.raises(CheckpointError) as refused:
+        load_dit(path)
+    assert str(refused.value) == f"{path}: {message}"
+
+
+def test_a_layers_table_that_is_not_a_table_is_refused(tiny, tmp_path):
+    state, config, _ = tiny
+    path = tmp_path / "table.safetensors"
+    save_file({**state, **_int8_layer(state)}, path, metadata={
+        "config": config, "_quantization_metadata": json.dumps({"layers": [L]})})
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"{path}: metadata entry '_quantization_metadata': expected an object whose 'layers' "
+            f"maps layer names to configs; found [\"{L}\"]")):
+        describe(path)
+
+
 def test_unknown_comfy_format_names_layer(tiny, tmp_path):
     state, config, _ = tiny
     path = tmp_path / "w4a8.safetensors"

@@ -206,8 +206,7 @@ def describe(path) -> dict:
         kind = model_kind(src.shapes)
         if kind is None:
             raise CheckpointError(f"{src.path}: {describe_unknown(src.shapes)}")
-        model, _ = checked_model(src, kind)
-        cfg = model.config
+        cfg = config_for(src, kind)
         dtypes = sorted({src.packed.get(k) or str(d).replace("torch.", "")
                          for k, d in src.dtypes.items()})
         count = sum(math.prod(shape) for key, shape in src.shapes.items()

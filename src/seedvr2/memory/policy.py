@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ..errors import SeedVR2Error
 
@@ -51,6 +52,8 @@ def check_finite(values: torch.Tensor, phase: str, dtype: torch.dtype, batch: st
     and the likely cause; one flag read back per batch and phase (docs/memory.md, ``dtype``
     auto). In fp16 the cause is its range; weight files are checked at load and input frames
     when read, so elsewhere it is a weight of extreme magnitude."""
+    if values.device.type == "meta" or is_fake(values):
+        return  # a traced run (placement, memory): no values to read
     if bool(torch.isfinite(values).all()):
         return
     stopped = f"; stopped at {batch}" if batch else ""
