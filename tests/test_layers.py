@@ -5,6 +5,7 @@ inside ``loading/`` the imports form no circle and none hides in a function (iss
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 
@@ -19,8 +20,8 @@ SIDEWAYS = {("memory", "loading"), ("memory", "options"), ("loading", "options")
             ("io", "options")}
 
 
-def _module(path: Path) -> str:
-    parts = list(path.relative_to(SRC).with_suffix("").parts)
+def _module(path: Path, src: Path) -> str:
+    parts = list(path.relative_to(src).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -54,14 +55,19 @@ class _Imports(ast.NodeVisitor):
 
 def imports() -> list[tuple[str, str, int, bool]]:
     """(importing module, imported module, line, inside a function) for every project import."""
+    return list(_imports_under(SRC))
+
+
+@functools.lru_cache(maxsize=4)
+def _imports_under(src: Path) -> tuple:
     found = []
-    for path in sorted((SRC / "seedvr2").rglob("*.py")):
-        module = _module(path)
+    for path in sorted((src / "seedvr2").rglob("*.py")):
+        module = _module(path, src)
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
         visitor = _Imports(module, package)
         visitor.visit(ast.parse(path.read_text()))
         found += [(module, target, line, inner) for target, line, inner in visitor.found]
-    return found
+    return tuple(found)
 
 
 INTERFACES = {"cli", "__main__", "workflow"}  # one layer: the command line runs workflows
