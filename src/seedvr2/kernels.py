@@ -265,7 +265,8 @@ def _nvfp4_alpha(args):
     if alpha.dtype != torch.float32 or alpha.numel() != 1:
         return f"alpha is {alpha.dtype} of {alpha.numel()} values, not one float32"
     if sa is not None and sb is not None and alpha.device.type != "meta" and \
-            not torch.equal((sa.float() * sb.float()).reshape(()), alpha.reshape(())):
+            not torch.allclose((sa.float() * sb.float()).reshape(()), alpha.reshape(()).float(),
+                               rtol=0, atol=0, equal_nan=True):
         return "alpha is not tensor_scale_a * tensor_scale_b (the eager backend ignores alpha)"
     return None
 
