@@ -18,7 +18,7 @@ from ..models.config import ConfigError, DiTConfig, VAEConfig, dit_config, dit_f
 from ..models.rope import FrequencyTable, share_equal_tables
 from .detect import describe_unknown, detect_dit, detect_vae, model_kind
 from .formats import CheckpointError, TensorSource, aligned, open_weights
-from .packed import PackedWeight
+from .packed import PackedWeight, non_finite_values
 from .quantized import attach_packed_weight, can_pack
 
 log = logging.getLogger("seedvr2")
@@ -115,10 +115,9 @@ def _assign_packed(model: nn.Module, key: str, src: TensorSource, target: torch.
 def finite(src: TensorSource, key: str, tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` (the file's tensor ``key`` as it will be used), or one :class:`CheckpointError`
     naming the tensor when it holds NaN or infinite values: those give black frames."""
-    if bool(torch.isfinite(tensor).all()):
+    if not bool(non_finite_values(tensor).any()):
         return tensor
-    if not tensor.is_floating_point() or tensor.dtype == src.dtypes.get(key) or \
-            not bool(torch.isfinite(src.get(key).float()).all()):
+    if tensor.dtype == src.dtypes.get(key) or bool(non_finite_values(src.get(key)).any()):
         raise CheckpointError(f"{src.path}: tensor {key!r} holds NaN or infinite values; the "
                               f"file is damaged (re-download or re-convert it)")
     raise CheckpointError(f"{src.path}: tensor {key!r} overflows {_name(tensor.dtype)} (largest "
