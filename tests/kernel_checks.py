@@ -176,7 +176,7 @@ def capable_gpu(capability=(12, 0), *, platform: str = "cuda", torch_cuda=(13, 0
         patch(kernels, "kitchen_installed", lambda: ck is not None)
         patch(torch.version, "cuda", ".".join(map(str, torch_cuda)) if platform == "cuda"
               else None)
-        kernels._configured.clear()
+        kernels._configure_kitchen.cache_clear()
         for spec in wrapped:
             if spec.module == "comfy_kitchen" and ck is None:
                 continue
@@ -187,7 +187,7 @@ def capable_gpu(capability=(12, 0), *, platform: str = "cuda", torch_cuda=(13, 0
     finally:
         for obj, name, value in reversed(patches):
             setattr(obj, name, value)
-        kernels._configured.clear()
+        kernels._configure_kitchen.cache_clear()
         if ck is not None:
             ck.registry._disabled.clear()
             ck.registry._disabled.update(disabled)

@@ -259,7 +259,7 @@ def test_kitchens_cuda_kernels_need_torch_built_for_cuda_13(torch_cuda, disabled
     backend is disabled, and the log says which backend computes."""
     before = set(ck.registry._disabled)
     monkeypatch.setattr(torch.version, "cuda", torch_cuda)
-    kernels._configured.clear()
+    kernels._configure_kitchen.cache_clear()
     try:
         with caplog.at_level("INFO", "seedvr2"):
             assert kernels.kitchen() is ck
@@ -268,7 +268,7 @@ def test_kitchens_cuda_kernels_need_torch_built_for_cuda_13(torch_cuda, disabled
     finally:
         ck.registry._disabled.clear()
         ck.registry._disabled.update(before)
-        kernels._configured.clear()
+        kernels._configure_kitchen.cache_clear()
 
 
 @pytest.mark.parametrize("target, mistake", [

@@ -99,16 +99,15 @@ def kitchen():
     disables it (torch not built for CUDA 13+); the log says once which backend computes."""
     import comfy_kitchen as ck
 
-    _configure_kitchen(ck, _version(torch.version.cuda))
+    _configure_kitchen(_version(torch.version.cuda))
     return ck
 
 
-_configured: dict = {}
+@functools.cache
+def _configure_kitchen(torch_cuda) -> None:
+    """Once per process (per CUDA version torch reports: the tests change it)."""
+    import comfy_kitchen as ck
 
-
-def _configure_kitchen(ck, torch_cuda) -> None:
-    if id(ck) in _configured and _configured[id(ck)] == torch_cuda:
-        return
     if not kitchen_cuda_backend_allowed(torch_cuda):
         ck.disable_backend("cuda")
         built = "without CUDA" if torch_cuda is None else \
@@ -120,7 +119,6 @@ def _configure_kitchen(ck, torch_cuda) -> None:
         available = ck.list_backends().get("cuda", {}).get("available")
         log.info("comfy-kitchen: low-precision products computed by its %s backend",
                  "CUDA" if available else "eager")
-    _configured[id(ck)] = torch_cuda
 
 
 # ---------------------------------------------------------------------------------------------
