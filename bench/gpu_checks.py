@@ -36,7 +36,8 @@ sizes (real allocations, copies and weights; seconds): CUDA-only quantities are 
 their labelled CPU analogues (host reads instead of stream syncs, host memcpy instead of
 host->device copies, the schedule's resident blocks instead of allocator peaks).
 
-    bench/gpu_checks.sh [--rehearse] [--minutes 7] [--sections env,e2e,mfu,blockswap,vae,dequant,room,lowp]
+    bench/gpu_checks.sh [--rehearse [--capability 7.5,8.0,8.9,10.0,12.0]] [--minutes 7]
+                        [--sections env,e2e,mfu,blockswap,vae,dequant,room,lowp]
 """
 
 from __future__ import annotations
@@ -217,6 +218,8 @@ class Run:
     device: torch.device
     scale: Scale
     report: Report
+    capabilities: tuple = ((12, 0),)  # the rehearsal's stand-ins (--capability); a GPU: its own
+    lines: list = field(default_factory=list)  # the lowp section's summary lines
 
     @property
     def cuda(self) -> bool:
@@ -660,7 +663,7 @@ def _random_packed(fmt: str, shape: tuple, device: torch.device):
     """A PackedWeight of ``shape`` in ``fmt`` with random contents and finite scales (the
     dequantisers' speed does not depend on the values)."""
     from seedvr2.loading.gguf import BLOCK_SIZES
-    from seedvr2.loading.quantize import quantize_fp8
+    from seedvr2.loading.fp8 import quantize_fp8
     from seedvr2.loading.quantized import PackedWeight
 
     if fmt.startswith("float8"):
@@ -677,8 +680,8 @@ def _random_packed(fmt: str, shape: tuple, device: torch.device):
 
 
 def check_dequant(run: Run):
+    from seedvr2.loading.lowp import compute_path
     from seedvr2.loading.quantized import can_pack
-    from seedvr2.memory.compute_path import compute_path
 
     scale = run.scale
     with torch.device("meta"):
@@ -710,44 +713,24 @@ def check_dequant(run: Run):
 
 
 LOWP_FORMATS = ("int8", "int8_convrot", "fp8_e4m3fn", "mxfp8", "nvfp4")
+PATH_OF = {"int8": "int8", "int8_convrot": "int8", "fp8_e4m3fn": "fp8", "mxfp8": "mxfp8",
+           "nvfp4": "nvfp4", "bf16": "weights"}
 KITCHEN_WHEEL = ("comfy-kitchen is not installed here: pip install seedvr2-comfyui[kitchen]; "
                  "for the GPU machine see bench/gpu_checks.sh (the wheel without its ROCm "
                  "kernels, 37 MB, travels in .whl)")
 
 
-@contextlib.contextmanager
-def cpu_as_blackwell():
-    """The rehearsal's stand-in for a GPU with every low-precision unit: the CPU reports
-    compute capability 12.0, and comfy-kitchen's mxfp8/nvfp4 products (torch's block-scaled
-    matmul, which the CPU lacks: 'CPU does not support swizzle') become their definition,
-    ``dequantize(a) @ dequantize(b).T + bias``, dequantised by comfy-kitchen itself in fp32."""
-    import comfy_kitchen as ck
-
-    from seedvr2.memory import compute_path as policy
-
-    def mxfp8(a, b, block_scale_a, block_scale_b, bias=None, out_dtype=None):
-        return _fp32_linear(ck.dequantize_mxfp8(a, block_scale_a, torch.float32),
-                            ck.dequantize_mxfp8(b, block_scale_b, torch.float32), bias, out_dtype)
-
-    def nvfp4(a, b, tensor_scale_a, tensor_scale_b, block_scale_a, block_scale_b, bias=None,
-              out_dtype=None, alpha=None):
-        return _fp32_linear(ck.dequantize_nvfp4(a, tensor_scale_a, block_scale_a, torch.float32),
-                            ck.dequantize_nvfp4(b, tensor_scale_b, block_scale_b, torch.float32),
-                            bias, out_dtype)
-    saved = (policy.device_capability, policy.kitchen_installed, ck.scaled_mm_mxfp8,
-             ck.scaled_mm_nvfp4)
-    policy.device_capability, policy.kitchen_installed = (lambda device: (12, 0)), (lambda: True)
-    ck.scaled_mm_mxfp8, ck.scaled_mm_nvfp4 = mxfp8, nvfp4
-    try:
-        yield
-    finally:
-        (policy.device_capability, policy.kitchen_installed, ck.scaled_mm_mxfp8,
-         ck.scaled_mm_nvfp4) = saved
+sys.path.insert(0, str(BENCH.parent / "tests"))  # tests/kernel_checks.py: the CPU stand-in
 
 
-def _fp32_linear(a, b, bias, out_dtype):
-    out = torch.nn.functional.linear(a, b, None if bias is None else bias.float())
-    return out.to(out_dtype)
+def lowp_stand_in(run: Run, capability):
+    """What the lowp section runs under: on the CPU, the stand-in for a GPU of
+    ``capability`` (every kernel call checked against its preconditions, block-scaled matmuls
+    by their definition; tests/kernel_checks.py); on a GPU, its own kernels. Both check each
+    layer's product against ``dequant(quant(x)) @ dequant(W).T``."""
+    from kernel_checks import capable_gpu, checked_products
+
+    return checked_products() if run.cuda or capability is None else capable_gpu(capability)
 
 
 def _quantised_dit(run: Run, target: str):
@@ -766,51 +749,112 @@ def _quantised_dit(run: Run, target: str):
                                                                    module.weight.shape):
             packed = pack_weight(module.weight, target)
             if packed is not None:
-                attach_packed_weight(module, packed, torch.bfloat16)
+                attach_packed_weight(module, packed, torch.bfloat16, name)
     return dit
 
 
 def check_lowp(run: Run):
     """3B DiT forward at 1080p x 21 per weight format and compute_precision: time, peak
-    memory and the output's relative L2 difference from the bf16 model's."""
-    from seedvr2.loading.quantized import packed_modules, set_compute_precision
-    from seedvr2.memory.compute_path import compute_path
-
+    memory and the output's relative L2 difference from the bf16 model's; and per format and
+    capability one line ``lowp FORMAT capability X.Y: N layers on the kernel, M dequantised,
+    failed F``. Rehearsed capabilities whose dispatch takes the same path for every layer as
+    one already run share its measurement (the kernel calls and their checks are the same)."""
     scale, r = run.scale, run.report
     if not _installed("comfy_kitchen"):
         r.add("lowp", "(section)", "skipped", KITCHEN_WHEEL)
         return
-    stand_in = contextlib.nullcontext() if run.cuda else cpu_as_blackwell()
     inputs, _ = dit_inputs(run, "1080p", scale.dit3b.txt_in_dim)
     inputs = tuple(t.bfloat16() if t.is_floating_point() and t.dim() == 2 else t for t in inputs)
+    capabilities = [tuple(torch.cuda.get_device_capability(run.device))] if run.cuda \
+        else run.capabilities
     reference = {}
-    with stand_in, torch.inference_mode():
+    with torch.inference_mode():
         for target in ("bf16",) + LOWP_FORMATS:
             dit = _quantised_dit(run, target)
-            for precision in (("weights",) if target == "bf16" else ("weights", "auto")):
-                set_compute_precision(dit, precision)
-
-                def lowp_row(dit=dit, precision=precision):
-                    run.free()
-                    run.reset_peaks()
-                    seconds = run.time(lambda: dit(*inputs), 1)
-                    out = dit(*inputs).float()
-                    reference.setdefault("bf16", out)
-                    diff = ((out - reference["bf16"]).norm() / reference["bf16"].norm()).item()
-                    paths = collections.Counter(
-                        compute_path(p, torch.bfloat16, run.device, precision)
-                        for p in packed_modules(dit).values())
-                    taken = ", ".join(f"{n} {k}" for k, n in sorted(paths.items())) or "none"
-                    stand_in_note = "" if run.cuda or precision != "auto" else \
-                        " (the CPU as capability 12.0, see cpu_as_blackwell)"
-                    return (f"{seconds:.3f} s", f"{run.peaks()}; relative L2 difference from "
-                            f"bf16 {diff:.2e}; packed linears by path: {taken}{stand_in_note}")
-                what = "bf16 weights" if target == "bf16" else \
-                    f"{target}, compute_precision={precision}"
-                measure(r, "lowp", f"3B forward {scale.label('1080p')} x {scale.frames}, {what}",
-                        lowp_row)
+            measured = {}  # the layers' paths -> (value, note) of the row that ran them
+            for precision in ("weights",) if target == "bf16" else ("weights", "auto"):
+                for capability in capabilities if precision == "auto" else [None]:
+                    _lowp_row(run, dit, target, precision, capability, inputs, reference,
+                              measured)
             del dit
-            run.free()
+            if run.cuda:  # (a collection per format costs the CPU rehearsal seconds)
+                run.free()
+
+
+def _layer_paths(run: Run, dit, capability) -> tuple:
+    from seedvr2.loading.lowp import compute_path
+    from seedvr2.loading.quantized import packed_modules
+
+    with lowp_stand_in(run, capability):
+        return tuple(compute_path(p, torch.bfloat16, run.device, "auto")
+                     for p in packed_modules(dit).values())
+
+
+def _lowp_row(run: Run, dit, target, precision, capability, inputs, reference, measured):
+    from seedvr2.loading.quantized import packed_modules, set_compute_precision
+
+    set_compute_precision(dit, precision)
+    scale = run.scale
+    label = "bf16 weights" if target == "bf16" else f"{target}, compute_precision={precision}"
+    if capability is not None and not run.cuda:
+        label += f", capability {capability[0]}.{capability[1]} stand-in"
+    paths = _layer_paths(run, dit, capability) if precision == "auto" else None
+
+    def row():
+        if paths in measured:
+            seconds, diff, kernel, failed, checked, first = measured[paths]
+            shared = f"; the same paths as {first}: not run again"
+        else:
+            seconds, diff, kernel, failed, checked = _lowp_forward(run, dit, capability, inputs,
+                                                                   reference)
+            shared = ""
+            if paths is not None:
+                measured[paths] = (seconds, diff, kernel, failed, checked,
+                                   f"capability {capability[0]}.{capability[1]}")
+        packed = len(packed_modules(dit))
+        ways = ([f"{kernel} {PATH_OF[target]}"] if kernel else []) + \
+            ([f"{packed - kernel} weights"] if packed > kernel else [])
+        note = (f"{run.peaks()}; relative L2 difference from bf16 {diff:.2e}; packed linears "
+                f"by path: {', '.join(ways) or 'none'}{shared}")
+        if precision == "auto":
+            name = "fp8" if target.startswith("fp8") else target
+            line = (f"lowp {name} capability {capability[0]}.{capability[1]}: {kernel} layers on "
+                    f"the kernel, {packed - kernel} dequantised, failed {failed} "
+                    f"(relative L2 difference from bf16 {diff:.2e})")
+            run.lines.append(line)
+            print(line, file=sys.stderr, flush=True)
+            note += f"; {line}" + (f"; {checked}" if checked else "")
+        return f"{seconds:.3f} s", note
+    measure(run.report, "lowp", f"3B forward {scale.label('1080p')} x {scale.frames}, {label}", row)
+
+
+def _lowp_forward(run: Run, dit, capability, inputs, reference):
+    """(seconds, difference from bf16, layers on the kernel, layers failed, the failed
+    check's message or None) of one forward."""
+    from kernel_checks import KernelCheckFailed
+
+    if run.cuda:
+        run.free()
+        run.reset_peaks()
+    out = []
+    with lowp_stand_in(run, capability) as log:
+        try:
+            if run.cuda:  # after a warm-up run (kernel selection, allocator)
+                seconds = run.time(lambda: out.append(dit(*inputs).float()), 1)
+            else:  # the rehearsal checks the calls; one run is enough
+                start = time.perf_counter()
+                out.append(dit(*inputs).float())
+                seconds = time.perf_counter() - start
+            checked = None
+        except KernelCheckFailed as e:
+            seconds, checked = float("nan"), str(e)
+    failed = sum(getattr(m, "_lowp_failure", None) is not None for m in dit.modules()) + \
+        (checked is not None)
+    diff = float("nan")
+    if out:
+        reference.setdefault("bf16", out[-1])
+        diff = ((out[-1] - reference["bf16"]).norm() / reference["bf16"].norm()).item()
+    return seconds, diff, len(log.layers), failed, checked
 
 
 def check_room(run: Run):
@@ -872,7 +916,12 @@ def parse_args(argv):
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated subset of {','.join(SECTIONS)}")
     parser.add_argument("--device", default="cuda:0", help="the GPU to measure (default cuda:0)")
+    parser.add_argument("--capability", default="12.0", metavar="X.Y[,X.Y...]",
+                        help="with --rehearse: the compute capabilities whose paths the lowp "
+                             "section takes on the CPU, every kernel call checked against its "
+                             "preconditions (default 12.0)")
     args = parser.parse_args(argv)
+    args.capability = _capabilities(args.capability)
     chosen = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = [s for s in chosen if s not in SECTIONS]
     if unknown or not chosen:
@@ -893,6 +942,17 @@ def parse_args(argv):
     return args
 
 
+def _capabilities(text: str) -> tuple:
+    found = []
+    for part in text.split(","):
+        major, dot, minor = part.strip().partition(".")
+        if not (major.isdigit() and minor.isdigit() and dot) or not 1 <= int(major) <= 20:
+            raise UsageError(f"--capability {text!r}: give compute capabilities as X.Y, "
+                             f"comma-separated (e.g. 7.5,8.9,12.0)")
+        found.append((int(major), int(minor)))
+    return tuple(found)
+
+
 def main(argv=None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
@@ -907,7 +967,7 @@ def main(argv=None) -> int:
         torch.cuda.set_device(device)
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     report = Report(out, f"GPU checks ({scale.name}, {device}), started {started}")
-    run = Run(device, scale, report)
+    run = Run(device, scale, report, args.capability)
     torch.manual_seed(0)
     deadline = report.started + args.minutes * 60
     for name in args.sections:
@@ -929,6 +989,8 @@ def main(argv=None) -> int:
         if len(report.rows) == rows:
             report.add(name, "(section)", "error", "measured nothing")
         run.free()
+    for line in run.lines:
+        print(line)
     print(report.markdown())
     return 0
 

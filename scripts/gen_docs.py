@@ -56,7 +56,7 @@ def _budget_job(options: dict, height: int, width: int):
     opts = resolve_options(batch_size=TABLE_BATCH, **options)
     (encode, encode_slice), (decode, decode_slice) = (settings_from_options(opts, stage)
                                                       for stage in ("encode", "decode"))
-    return mem.Job(height, width, TABLE_BATCH, COMPUTE_BYTES, mem.TEXT_TOKENS, encode, decode,
+    return mem.BatchShape(height, width, TABLE_BATCH, COMPUTE_BYTES, mem.TEXT_TOKENS, encode, decode,
                    None, encode_slice, decode_slice)
 
 

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 from seedvr2.cli import main
 from seedvr2.io import open_media
 from seedvr2.memory import budget as mem
-from seedvr2.memory.budget import GIB, Budget, BudgetError, Job, Placement, Weights
+from seedvr2.memory.budget import GIB, Budget, BudgetError, BatchShape, Placement, Weights
 from seedvr2.memory.tiling import TileSettings
 from seedvr2.models.config import dit_config, vae_config
 from seedvr2.options import OptionError, resolve_options
@@ -85,7 +85,7 @@ def test_weights_of_a_loaded_module_count_shared_tensors_once(tiny_options):
 # -- the estimate -----------------------------------------------------------------------------
 
 def test_estimate_grows_with_resolution_batch_and_shrinks_with_tiling_and_swap(real):
-    base = Job(720, 1280, 9)
+    base = BatchShape(720, 1280, 9)
     sizes = [_peak(real, replace(base, height=h, width=w)) for h, w in
              ((360, 640), (540, 960), (720, 1280), (1080, 1920))]
     assert sizes == sorted(sizes) and len(set(sizes)) == 4
@@ -107,12 +107,12 @@ def test_estimate_grows_with_resolution_batch_and_shrinks_with_tiling_and_swap(r
 
 
 def test_estimate_per_device():
-    est = mem.estimate(_tiny_budget(), Job(64, 96, 9), Placement("cuda:0", "cuda:1"))
+    est = mem.estimate(_tiny_budget(), BatchShape(64, 96, 9), Placement("cuda:0", "cuda:1"))
     assert est.devices == ["cuda:1", "cuda:0"]
     assert [p.phase for p in est.phases if p.device == "cuda:1"] == ["encode", "decode"]
     # Latents and references of a chunk waiting on the device (tensor_offload_device none).
-    alone = mem.estimate(_tiny_budget(), Job(64, 96, 9), Placement())
-    waiting = mem.estimate(_tiny_budget(), Job(64, 96, 9, chunk_size=9), Placement())
+    alone = mem.estimate(_tiny_budget(), BatchShape(64, 96, 9), Placement())
+    waiting = mem.estimate(_tiny_budget(), BatchShape(64, 96, 9, chunk_size=9), Placement())
     assert waiting.peak("cuda:0") == alone.peak("cuda:0") + 18 * 64 * 96 * 14
 
 
@@ -203,17 +203,17 @@ def test_tiled_vae_estimate_bounds_the_measured_peak(tiny_options, stage):
             latent = torch.randn(1, 16, 2, height // 8, width // 8)
             with LivePeak() as tracker:
                 tiling.decode(vae, latent, tiles)
-    job = Job(height, width, frames, 4, **{f"{stage}_tiles": tiles})
+    job = BatchShape(height, width, frames, 4, **{f"{stage}_tiles": tiles})
     estimated = mem._vae_phase(vae.config, job, decode=stage == "decode")
     assert tracker.peak <= estimated <= 3 * tracker.peak
-    assert estimated < mem._vae_phase(vae.config, Job(height, width, frames, 4), stage == "decode")
+    assert estimated < mem._vae_phase(vae.config, BatchShape(height, width, frames, 4), stage == "decode")
 
 
 # -- the up-front error -----------------------------------------------------------------------
 
 def test_wont_fit_names_the_settings_that_would(real):
     with pytest.raises(BudgetError) as error:
-        mem.check(real, Job(720, 1280, 9), Placement(), {"cuda:0": 24 * GIB})
+        mem.check(real, BatchShape(720, 1280, 9), Placement(), {"cuda:0": 24 * GIB})
     assert str(error.value) == (
         "not enough memory on cuda:0 for 1280x720 frames at batch_size=9: the decode phase "
         "needs about 26.7 GiB (VAE weights 478 MiB, DiT weights 6.3 GiB, activations 16.8 GiB, "
@@ -222,7 +222,7 @@ def test_wont_fit_names_the_settings_that_would(real):
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the environment also helps (less "
         "fragmentation)")
     # Each named alternative really fits.
-    place, job, have = Placement(), Job(720, 1280, 9), {"cuda:0": 24 * GIB}
+    place, job, have = Placement(), BatchShape(720, 1280, 9), {"cuda:0": 24 * GIB}
     assert mem.fits(real, replace(job, batch_size=5), place, have)
     assert mem.fits(real, replace(job, decode_tiles=TILED), place, have)
     assert mem.fits(real, job, replace(place, dit_offload="cpu"), have)
@@ -232,7 +232,7 @@ def test_wont_fit_names_the_settings_that_would(real):
 def test_wont_fit_suggests_blockswap_and_combinations(real):
     tiles = TileSettings(True, 256, 32)
     place, have = Placement(dit_offload="cpu", vae_offload="cpu"), {"cuda:0": 8 * GIB}
-    job = Job(720, 1280, 21, encode_tiles=tiles, decode_tiles=tiles)
+    job = BatchShape(720, 1280, 21, encode_tiles=tiles, decode_tiles=tiles)
     assert mem.failing_phases(mem.estimate(real, job, place), have) == {"DiT"}
     with pytest.raises(BudgetError, match=r"Settings that would fit: (batch_size=\d+; or )?"
                                           r"blocks_to_swap=(\d+)\. Setting PYTORCH") as error:
@@ -243,9 +243,9 @@ def test_wont_fit_suggests_blockswap_and_combinations(real):
     # Nothing alone is enough: one combination of every saver.
     with pytest.raises(BudgetError, match=r"Settings that would fit: all of: batch_size=\d+, "
                                           r"dit_offload_device=cpu, .*blocks_to_swap=\d+\. "):
-        mem.check(real, Job(1080, 1920, 21), replace(place, dit_offload=None), have)
+        mem.check(real, BatchShape(1080, 1920, 21), replace(place, dit_offload=None), have)
     with pytest.raises(BudgetError, match="Nothing fits at this resolution"):
-        mem.check(real, Job(4320, 7680, 5), Placement(), {"cuda:0": 2 * GIB})
+        mem.check(real, BatchShape(4320, 7680, 5), Placement(), {"cuda:0": 2 * GIB})
 
 
 # -- batch_size auto --------------------------------------------------------------------------
@@ -269,7 +269,7 @@ def test_batch_candidates():
 
 def test_auto_picks_the_largest_4n1_that_fits():
     budget, place = _tiny_budget(), Placement()
-    job = Job(256, 448, 5)
+    job = BatchShape(256, 448, 5)
     need = {b: _peak(budget, replace(job, batch_size=b)) for b in (5, 9, 13, 17)}
     # On CUDA, auto plans for AUTO_CUDA_SHARE of the memory (test_gpu_policy checks that).
     auto = lambda have, frames=100, overlap=0: mem.auto_batch_size(  # noqa: E731

@@ -1,7 +1,9 @@
 """compute_precision: which quantised layers multiply in their own precision through
-comfy-kitchen (the dispatch table per compute capability, and the fallbacks), and each
+comfy-kitchen (the dispatch per platform and compute capability, and the fallbacks), and each
 format's low-precision DiT run on the CPU through comfy-kitchen's eager backend against the
-dequantise path, within a bound derived from the format's step and the reduction length."""
+dequantise path, within a bound derived from the format's step and the reduction length; every
+product also checked, layer by layer, against its definition and its kernels' preconditions
+(tests/kernel_checks.py)."""
 
 from __future__ import annotations
 
@@ -12,18 +14,17 @@ import pytest
 import torch
 
 import seedvr2
+from seedvr2 import kernels
+from seedvr2.kernels import Platform
 from seedvr2.loading import load_dit
+from seedvr2.loading.lowp import compute_path, weight_path
 from seedvr2.loading.quantize import quantize_file
 from seedvr2.loading.quantized import (PackedWeight, attach_packed_weight, packed_modules,
                                        set_compute_precision)
-from seedvr2.memory import compute_path as policy
-from seedvr2.memory.compute_path import compute_path, weight_path
 
-from conftest import (REPO, float_step_error, integer_step_error, load_case, quantization_bound,
+from conftest import (float_step_error, integer_step_error, load_case, quantization_bound,
                       relative_error)
-
-sys.path.insert(0, str(REPO / "bench"))
-import gpu_checks  # noqa: E402
+from kernel_checks import KernelCheckFailed, capable_gpu
 
 CUDA = torch.device("cuda", 0)
 
@@ -53,18 +54,19 @@ def _weight(scheme: str, rows=256, cols=256, **over) -> PackedWeight:
 
 @pytest.fixture
 def kitchen_present(monkeypatch):
-    monkeypatch.setattr(policy, "kitchen_installed", lambda: True)
+    monkeypatch.setattr(kernels, "kitchen_installed", lambda: True)
 
 
 # ---------------------------------------------------------------------------------------------
 # the dispatch table
 
 # Compute capability -> the path each layout takes (Turing, Ampere, Ada, Hopper, Blackwell
-# data centre and consumer).
+# data centre and consumer). int8 from 7.5: comfy-kitchen's int8_linear states
+# min_compute_capability=(7, 5) (RTX 20xx users ask for it).
 CAPABILITIES = [(7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)]
 EXPECTED = {
-    "int8_rows": ["weights", "int8", "int8", "int8", "int8", "int8", "int8"],
-    "int8_convrot": ["weights", "int8", "int8", "int8", "int8", "int8", "int8"],
+    "int8_rows": ["int8", "int8", "int8", "int8", "int8", "int8", "int8"],
+    "int8_convrot": ["int8", "int8", "int8", "int8", "int8", "int8", "int8"],
     "fp8": ["weights", "weights", "weights", "fp8", "fp8", "fp8", "fp8"],
     "mxfp8": ["weights", "weights", "weights", "weights", "weights", "mxfp8", "mxfp8"],
     "nvfp4": ["weights", "weights", "weights", "weights", "weights", "nvfp4", "nvfp4"],
@@ -74,10 +76,11 @@ EXPECTED = {
 
 
 def _capable(monkeypatch, capability):
-    """CUDA devices report ``capability``; the CPU keeps reporting none."""
-    real = policy.device_capability
-    monkeypatch.setattr(policy, "device_capability",
-                        lambda device: capability if device.type == "cuda" else real(device))
+    """CUDA devices are NVIDIA GPUs of ``capability`` (torch built for CUDA 13); the CPU
+    stays the CPU."""
+    real = kernels.platform_of
+    monkeypatch.setattr(kernels, "platform_of", lambda device: Platform(
+        "cuda", capability, (13, 0)) if device.type == "cuda" else real(device))
 
 
 @pytest.mark.parametrize("scheme", list(EXPECTED))
@@ -93,7 +96,7 @@ def test_each_capability_gets_its_path(scheme, kitchen_present, monkeypatch):
 
 
 def test_without_comfy_kitchen_every_layer_dequantises(monkeypatch):
-    monkeypatch.setattr(policy, "kitchen_installed", lambda: False)
+    monkeypatch.setattr(kernels, "kitchen_installed", lambda: False)
     _capable(monkeypatch, (12, 0))
     assert {compute_path(_weight(s), torch.bfloat16, CUDA, "auto") for s in EXPECTED} == {"weights"}
 
@@ -108,7 +111,7 @@ def test_without_comfy_kitchen_every_layer_dequantises(monkeypatch):
 ])
 def test_shapes_the_kernels_do_not_take_dequantise(weight, reason, kitchen_present, monkeypatch):
     _capable(monkeypatch, (12, 0))
-    assert weight_path(weight.scheme, weight.parts, weight.shape, weight.params) is None, reason
+    assert weight_path(weight) is None, reason
     assert compute_path(weight, torch.bfloat16, CUDA, "auto") == "weights"
 
 
@@ -122,7 +125,7 @@ def test_float_paths_need_half_precision_activations(kitchen_present, monkeypatc
 def test_kitchen_lookup_without_the_package():
     """The policy's real lookup in a process where comfy_kitchen cannot be imported."""
     code = ("import sys; sys.modules['comfy_kitchen'] = None\n"
-            "from seedvr2.memory.compute_path import kitchen_installed\n"
+            "from seedvr2.kernels import kitchen_installed\n"
             "print(kitchen_installed())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -146,31 +149,179 @@ def ck():
                                                        "not installed")
 
 
-@pytest.fixture
-def any_device_capable(ck):
-    """Every device, the CPU included, reports a Blackwell's capability, and the mxfp8/nvfp4
-    products (which the CPU cannot run) are their definition: the rehearsal's stand-in
-    (bench/gpu_checks.py's cpu_as_blackwell), so every path is taken."""
-    with gpu_checks.cpu_as_blackwell():
-        yield
-
-
-def test_a_declined_call_dequantises(monkeypatch, any_device_capable, ck):
-    layer = torch.nn.Linear(64, 32).to(torch.bfloat16)
-    weight = torch.randn(32, 64)
+def _int8_layer(rows=32, cols=64):
+    layer = torch.nn.Linear(cols, rows).to(torch.bfloat16)
+    weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(3))
     scale = weight.abs().amax(1, keepdim=True) / 127
-    packed = PackedWeight("int8_rows", (32, 64), {
+    packed = PackedWeight("int8_rows", (rows, cols), {
         "data": torch.round(weight / scale).to(torch.int8), "scale": scale})
-    attach_packed_weight(layer, packed, torch.bfloat16)
+    attach_packed_weight(layer, packed, torch.bfloat16, "blocks.0.mlp.vid.proj_in")
+    return layer, packed
+
+
+def test_a_declined_call_dequantises(monkeypatch, ck):
+    layer, packed = _int8_layer()
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     expected = torch.nn.functional.linear(x, packed.dequantize(torch.bfloat16), layer.bias)
     set_compute_precision(layer, "auto")
-    assert not torch.equal(layer(x), expected)  # the int8 product really runs
+    with capable_gpu((12, 0)):
+        assert not torch.equal(layer(x), expected)  # the int8 product really runs
 
     def decline(**kwargs):
         raise ck.NoCapableBackendError("int8_linear", {})
     monkeypatch.setattr(ck, "int8_linear", lambda *a, **k: decline())
-    assert torch.equal(layer(x), expected)
+    with capable_gpu((12, 0)):
+        assert torch.equal(layer(x), expected)
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul"),
+    AssertionError("num_rows must be divisible by 32, got 58"),
+    ValueError("Unsupported scale dtype"),
+])
+def test_a_failing_kernel_dequantises_that_layer_for_the_rest_of_the_job(error, monkeypatch, ck,
+                                                                          caplog):
+    """Any error of a kernel (not only comfy-kitchen's BackendError) dequantises the layer,
+    with one warning naming the layer, its format and the error, and the kernel is not tried
+    again in this job; the next job (set_compute_precision) tries it again."""
+    layer, packed = _int8_layer()
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    expected = torch.nn.functional.linear(x, packed.dequantize(torch.bfloat16), layer.bias)
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        raise error
+    monkeypatch.setattr(ck, "int8_linear", failing)
+    set_compute_precision(layer, "auto")
+    with capable_gpu((8, 0), check_products=False), caplog.at_level("WARNING", "seedvr2"):
+        assert torch.equal(layer(x), expected)
+        assert torch.equal(layer(x), expected)
+    assert len(calls) == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        f"blocks.0.mlp.vid.proj_in (int8_rows weights): the int8 low-precision product failed "
+        f"({type(error).__name__}: {error}); this layer dequantises to bfloat16 for the rest "
+        f"of the job"]
+    set_compute_precision(layer, "auto")  # the next job
+    with capable_gpu((8, 0), check_products=False):
+        layer(x)
+    assert len(calls) == 2
+
+
+def test_mxfp8_activations_are_padded_to_the_quantisers_32_rows(ck):
+    """comfy-kitchen's CUDA quantize_mxfp8 asserts num_rows % 32 == 0; the text stream alone
+    has 58 tokens. The product pads (pad_32x) and slices, as kitchen's own layout does."""
+    from seedvr2.loading.quantize import pack_weight
+
+    layer = torch.nn.Linear(64, 32).to(torch.bfloat16)
+    packed = pack_weight(torch.randn(32, 64, generator=torch.Generator().manual_seed(0)),
+                         "mxfp8")
+    attach_packed_weight(layer, packed, torch.bfloat16, "txt_in")
+    set_compute_precision(layer, "auto")
+    x = torch.randn(58, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with capable_gpu((10, 0)) as log:
+        out = layer(x)
+    assert out.shape == (58, 32) and log.products["mxfp8"] == 1
+    assert log.calls["comfy_kitchen.quantize_mxfp8"] == 1
+
+
+def test_a_quantiser_on_58_rows_is_what_the_cuda_kernel_refuses(ck):
+    with capable_gpu((10, 0)), pytest.raises(KernelCheckFailed,
+                                              match=r"x is 58 x 64, not multiples of 32"):
+        ck.quantize_mxfp8(torch.randn(58, 64, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("hip, capability", [("6.2", (9, 4)), ("6.2", (11, 0)), ("6.4", (12, 0))])
+def test_amd_gpus_are_gated_on_the_platform_before_the_capability(hip, capability, monkeypatch,
+                                                                   kitchen_present):
+    """ROCm reports SM-shaped capabilities (MI300 9.4, RDNA3 11.x): none of them makes an AMD
+    GPU an fp8/mxfp8/nvfp4 NVIDIA one. int8 runs there only where comfy-kitchen registers a
+    ROCm backend for int8_linear."""
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert kernels.platform_of(CUDA) == Platform("rocm")
+    for scheme in ("fp8", "mxfp8", "nvfp4"):
+        assert compute_path(_weight(scheme), torch.bfloat16, CUDA, "auto") == "weights", scheme
+    for reported, path in ((False, "weights"), (True, "int8")):
+        monkeypatch.setattr(kernels, "kitchen_runs_on_rocm", lambda function: reported)
+        assert compute_path(_weight("int8_rows"), torch.bfloat16, CUDA, "auto") == path
+
+
+@pytest.mark.parametrize("torch_cuda, disabled, backend", [
+    ("12.8", True, "eager backend (torch ops): torch is built for CUDA 12.8"),
+    (None, True, "eager backend (torch ops): torch is built without CUDA"),
+    ("13.0", False, "backend"),
+])
+def test_kitchens_cuda_kernels_need_torch_built_for_cuda_13(torch_cuda, disabled, backend, ck,
+                                                            monkeypatch, caplog):
+    """What ComfyUI's comfy/quant_ops.py does: below CUDA 13 (or without CUDA) kitchen's CUDA
+    backend is disabled, and the log says which backend computes."""
+    before = set(ck.registry._disabled)
+    monkeypatch.setattr(torch.version, "cuda", torch_cuda)
+    kernels._configure_kitchen.cache_clear()
+    try:
+        with caplog.at_level("INFO", "seedvr2"):
+            assert kernels.kitchen() is ck
+        assert ("cuda" in ck.registry._disabled) == disabled
+        assert any(backend in r.getMessage() for r in caplog.records), caplog.text
+    finally:
+        ck.registry._disabled.clear()
+        ck.registry._disabled.update(before)
+        kernels._configure_kitchen.cache_clear()
+
+
+@pytest.mark.parametrize("target, mistake", [
+    ("nvfp4", "tensor scale x1.5"), ("nvfp4", "block scales re-tiled"),
+    ("nvfp4", "activation nibbles swapped"), ("mxfp8", "block scales re-tiled"),
+    ("int8", "weight scale x1.5"), ("fp8_e4m3fn", "weight scale x1.5"),
+])
+def test_each_layer_product_is_checked_against_its_definition(target, mistake, monkeypatch, ck):
+    """A layout mistake the DiT-level bound cannot see (nvfp4's is 14x the measured error)
+    fails the per-layer check: dequant(quant(x)) @ dequant(W).T is exact up to summation
+    order."""
+    from dataclasses import replace
+
+    from seedvr2.loading.packed import SCHEMES
+    from seedvr2.loading.quantize import pack_weight
+
+    packed = pack_weight(torch.randn(128, 256, generator=torch.Generator().manual_seed(0)) * 0.02,
+                         target)
+    scheme = SCHEMES[packed.scheme]
+    right = scheme.product.run
+
+    def wrong(ck_, x2d, weight, bias):
+        parts = dict(weight.parts)
+        if mistake.endswith("x1.5"):
+            key = "scale_2" if target == "nvfp4" else "scale"
+            parts[key] = parts[key] * 1.5
+        elif mistake == "block scales re-tiled":
+            raw = parts["scale"].view(torch.uint8)
+            parts["scale"] = raw.reshape(-1, 32, 4, 4).transpose(1, 2).reshape(raw.shape) \
+                .view(parts["scale"].dtype)
+        else:  # the product sees a kitchen whose nvfp4 quantiser swaps the two nibbles
+            kitchen = ck_
+
+            class Swapped:
+                def __getattr__(self, name):
+                    return getattr(kitchen, name)
+
+                def quantize_nvfp4(self, *args, **kwargs):
+                    codes, scales = kitchen.quantize_nvfp4(*args, **kwargs)
+                    return (codes << 4) | (codes >> 4), scales
+            return right(Swapped(), x2d, replace(weight, parts=parts), bias)
+        return right(ck_, x2d, replace(weight, parts=parts), bias)
+    layer = torch.nn.Linear(256, 128).to(torch.bfloat16)
+    attach_packed_weight(layer, packed, torch.bfloat16, "blocks.1.attn.proj_qkv.vid")
+    set_compute_precision(layer, "auto")
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with capable_gpu((12, 0)) as log:
+        layer(x)  # the right product passes
+    assert sum(log.products.values()) == 1
+    monkeypatch.setitem(SCHEMES, packed.scheme, replace(scheme, product=replace(
+        scheme.product, run=wrong)))
+    with capable_gpu((12, 0)), pytest.raises(KernelCheckFailed, match="differs from dequant"):
+        layer(x)
 
 
 def test_unknown_compute_precision_is_named():
@@ -206,8 +357,8 @@ PATH_OF = {"int8": "int8", "int8_convrot": "int8", "fp8_e4m3fn": "fp8", "mxfp8":
 
 
 @pytest.mark.parametrize("target", list(ACTIVATION_ERROR))
-def test_low_precision_dit_within_the_format_bound(target, tiny_fp32, monkeypatch,
-                                                   any_device_capable, tmp_path):
+def test_low_precision_dit_within_the_format_bound(target, tiny_fp32, monkeypatch, ck,
+                                                   tmp_path):
     source, case = tiny_fp32
     path = tmp_path / f"{target}.safetensors"
     quantize_file(source, path, target)
@@ -216,12 +367,14 @@ def test_low_precision_dit_within_the_format_bound(target, tiny_fp32, monkeypatc
     assert len(packed) == 30  # every block linear fits every format's blocks here
     dequantised = _bf16_output(model, case)
     taken = []
-    real = policy.compute_path
+    real = compute_path
     monkeypatch.setattr(sys.modules["seedvr2.loading.quantized"], "compute_path",
                         lambda *a, **k: taken.append(real(*a, **k)) or taken[-1])
     set_compute_precision(model, "auto")
-    low = _bf16_output(model, case)
+    with capable_gpu((12, 0)) as log:  # every layer's product also checked by its definition
+        low = _bf16_output(model, case)
     assert set(taken) == {PATH_OF[target]} and len(taken) >= len(packed)
+    assert log.products[PATH_OF[target]] == len(taken)
     error = relative_error(low, dequantised)
     # Each quantised layer's input is rounded to the format (ACTIVATION_ERROR) and, in both
     # paths, its output to bf16 (8 significant bits), which then rounds differently downstream:
@@ -250,8 +403,8 @@ def test_a_job_runs_its_compute_precision(tiny_options, tmp_path, monkeypatch, c
         compute_precision=precision)
     dequantised = run("weights")
     assert torch.equal(run("auto"), dequantised)  # the CPU has no low-precision units
-    monkeypatch.setattr(policy, "kitchen_installed", lambda: True)
-    monkeypatch.setattr(policy, "device_capability", lambda device: (8, 0))
+    monkeypatch.setattr(kernels, "kitchen_installed", lambda: True)
+    monkeypatch.setattr(kernels, "platform_of", lambda device: Platform("cuda", (8, 0), (13, 0)))
     products = []
     real = ck.int8_linear
     monkeypatch.setattr(ck, "int8_linear", lambda *a, **k: products.append(1) or real(*a, **k))

@@ -86,8 +86,9 @@ def test_rehearsal_measures_every_section_without_pyav_or_gguf(tmp_path):
     if kitchen:  # a measured row per format and compute_precision, each on its own path
         for target in gpu_checks.LOWP_FORMATS:
             for precision, path in (("weights", "weights"), ("auto", PATH_OF[target])):
+                stand_in = ", capability 12.0 stand-in" if precision == "auto" else ""
                 row = names[("lowp", f"3B forward 1080p stand-in 32x48 x 5, {target}, "
-                                     f"compute_precision={precision}")]
+                                     f"compute_precision={precision}{stand_in}")]
                 assert f"packed linears by path: 30 {path}" in row[3], row
     steady = next(r for r in rows if "steady state" in r[1])
     assert re.search(r"per phase: encode [\d.]+ s, dit [\d.]+ s, decode [\d.]+ s", steady[3])
@@ -95,6 +96,36 @@ def test_rehearsal_measures_every_section_without_pyav_or_gguf(tmp_path):
 
 PATH_OF = {"int8": "int8", "int8_convrot": "int8", "fp8_e4m3fn": "fp8", "mxfp8": "mxfp8",
            "nvfp4": "nvfp4"}
+
+
+# Per rehearsed compute capability, the layers of the tiny 3B (30 packed linears) each format
+# computes on its kernel: int8 from 7.5 (comfy-kitchen's int8_linear), fp8 from 8.9
+# (torch._scaled_mm), mxfp8 and nvfp4 from 10.0.
+ON_THE_KERNEL = {"int8": (7, 5), "int8_convrot": (7, 5), "fp8": (8, 9), "mxfp8": (10, 0),
+                 "nvfp4": (10, 0)}
+REHEARSED = ((7, 5), (8, 0), (8, 9), (10, 0), (12, 0))
+
+
+def test_lowp_rehearsal_at_each_capability_prints_what_runs_where(tmp_path, monkeypatch, capsys):
+    """``--sections lowp --capability ...``: the lowp section on the CPU through the paths a
+    GPU of each capability takes, every kernel call checked against its preconditions and every
+    layer's product against its definition: one line per format and capability, failed 0."""
+    pytest.importorskip("comfy_kitchen", reason="comfy-kitchen not installed")
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert gpu_checks.main(["--rehearse", "--sections", "lowp", "--capability",
+                            ",".join(f"{a}.{b}" for a, b in REHEARSED)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("lowp ")]
+    expected = []
+    for fmt, needs in ON_THE_KERNEL.items():
+        for major, minor in REHEARSED:
+            kernel = 30 if (major, minor) >= needs else 0
+            expected.append(f"lowp {fmt} capability {major}.{minor}: {kernel} layers on the "
+                            f"kernel, {30 - kernel} dequantised, failed 0")
+    assert [line.split(" (relative")[0] for line in lines] == expected
+    assert all(re.search(r"\(relative L2 difference from bf16 \d\.\d\de-0[1-3]\)$", line)
+               for line in lines if not line.startswith("lowp int8 ")), lines
+    rows = _rows((tmp_path / "gpu_checks.md").read_text())
+    assert [r for r in rows if r[2] in ("error", "skipped")] == []
 
 
 def test_lowp_without_comfy_kitchen_says_how_to_get_it(tmp_path):
@@ -133,6 +164,8 @@ def test_a_section_past_its_cap_is_stopped_and_the_rows_so_far_kept(tmp_path, mo
     (["--rehearse", "--sections", ","], "--sections ',': unknown section(s) (none given); "
      "choose from env, e2e, mfu, blockswap, vae, dequant, room, lowp"),
     (["--rehearse", "--minutes", "0"], "--minutes 0.0: give a time between 0 and 60 minutes"),
+    (["--rehearse", "--capability", "8.9,sm90"], "--capability '8.9,sm90': give compute "
+     "capabilities as X.Y, comma-separated (e.g. 7.5,8.9,12.0)"),
 ])
 def test_bad_arguments_are_named(args, message, capsys):
     assert gpu_checks.main(args) == 2

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from seedvr2.memory import budget as mem
-from seedvr2.memory.budget import GIB, Budget, BudgetError, Job, Placement, Weights
+from seedvr2.memory.budget import GIB, Budget, BudgetError, BatchShape, Placement, Weights
 from seedvr2.memory.compile import CompileSettings, apply_compile, is_out_of_memory
 from seedvr2.memory.policy import NonFiniteError, check_finite, resolve_dtype
 from seedvr2.options import OptionError
@@ -42,7 +42,36 @@ def test_fp16_overflow_is_reported_with_the_setting_to_change():
     with pytest.raises(NonFiniteError, match=r"the DiT produced NaN or infinite values in fp16 "
                                              r".*set dtype to fp32 \(--dtype fp32"):
         check_finite(overflow, "DiT", torch.float16)
-    check_finite(overflow.float(), "DiT", torch.float32)  # only fp16 overflows this way
+    # Every dtype is checked (a weight of extreme magnitude overflows bf16 and fp32 too), the
+    # batch named.
+    with pytest.raises(NonFiniteError, match=r"^the DiT produced NaN or infinite values in "
+                                             r"float32: .*extreme magnitude.*; stopped at batch "
+                                             r"3 \(frames 12 to 20\)$"):
+        check_finite(overflow.float(), "DiT", torch.float32, "batch 3 (frames 12 to 20)")
+
+
+def test_pipeline_stops_on_non_finite_values_in_any_dtype_naming_the_batch(tiny_options,
+                                                                            monkeypatch):
+    """Each batch's latent, DiT output and decoded frames are checked in every dtype (a bf16 or
+    fp32 job of a weight file with extreme scales writes black frames otherwise): the job stops
+    naming the phase, the batch and the likely cause."""
+    import seedvr2
+    from seedvr2.pipeline import runner
+
+    real = runner.tiling.encode_posterior
+    calls = []
+
+    def poisoned(*args, **kwargs):
+        mean, logvar = real(*args, **kwargs)
+        calls.append(1)
+        return (mean * float("nan") if len(calls) == 2 else mean), logvar
+    monkeypatch.setattr(runner.tiling, "encode_posterior", poisoned)
+    with pytest.raises(NonFiniteError, match=r"^the VAE encoder produced NaN or infinite values "
+                                             r"in float32: .*; stopped at batch 1 \(frames 5 to "
+                                             r"9\)$"):
+        seedvr2.upscale(torch.rand(10, 16, 24, 3), **tiny_options, resolution=32, batch_size=5,
+                        scene_cuts="off",
+                        text_embeddings=str(tiny_options["model_dir"] / "text_64.safetensors"))
 
 
 def test_pipeline_stops_on_non_finite_dit_output_in_fp16(tiny_options, monkeypatch):
@@ -162,7 +191,7 @@ def _budget() -> Budget:
 
 
 def test_cuda_phases_carry_the_cuda_fixed_overhead():
-    budget, job = _budget(), Job(256, 448, 5)
+    budget, job = _budget(), BatchShape(256, 448, 5)
     on_cuda = mem.estimate(budget, job, Placement("cuda:0", "cuda:0"))
     on_cpu = mem.estimate(budget, job, Placement("cpu", "cpu"))
     for gpu, cpu in zip(on_cuda.phases, on_cpu.phases):
@@ -172,7 +201,7 @@ def test_cuda_phases_carry_the_cuda_fixed_overhead():
 
 
 def test_auto_batch_plans_for_85_percent_of_cuda_memory():
-    budget, job = _budget(), Job(256, 448, 5)
+    budget, job = _budget(), BatchShape(256, 448, 5)
     place = Placement("cuda:0", "cuda:0")
     need = {b: mem.estimate(budget, replace(job, batch_size=b), place).peak("cuda:0")
             for b in (5, 9, 13)}
@@ -187,7 +216,7 @@ def test_auto_batch_plans_for_85_percent_of_cuda_memory():
 
 def test_cuda_shortfall_recommends_expandable_segments():
     with pytest.raises(BudgetError, match=r"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"):
-        mem.check(_budget(), Job(720, 1280, 9), Placement(), {"cuda:0": GIB})
+        mem.check(_budget(), BatchShape(720, 1280, 9), Placement(), {"cuda:0": GIB})
 
 
 def test_host_copy_must_fit_host_ram():

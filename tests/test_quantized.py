@@ -16,8 +16,10 @@ from safetensors.torch import load_file, save_file
 from seedvr2.loading import CheckpointError, describe, load_dit
 from seedvr2.loading import registry
 from seedvr2.loading.quantize import quantize_file
-from seedvr2.loading.quantized import (E2M1_VALUES, packed_modules, regular_hadamard,
-                                       swizzle_block_scales, unswizzle_block_scales)
+from seedvr2.loading.int8 import regular_hadamard
+from seedvr2.loading.nvfp4 import E2M1_VALUES
+from seedvr2.loading.packed import swizzle_block_scales, unswizzle_block_scales
+from seedvr2.loading.quantized import packed_modules
 from seedvr2.loading.text import load_text_embeddings
 
 from conftest import (constructor_kwargs, dit_output, float_step_error, integer_step_error,
@@ -85,7 +87,7 @@ LAYOUT = {
     "int8_convrot": ({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 64},
                      {"weight": ("I8", [384, 128]), "weight_scale": ("F32", [384, 1])}),
     "mxfp8": ({"format": "mxfp8"}, {"weight": ("F8_E4M3", [384, 128]),
-                                    "weight_scale": ("F8_E8M0", [384, 4])}),
+                                    "weight_scale": ("U8", [384, 4])}),
     "nvfp4": ({"format": "nvfp4"}, {"weight": ("U8", [384, 64]),
                                     "weight_scale": ("F8_E4M3", [384, 8]),
                                     "weight_scale_2": ("F32", [])}),
@@ -114,11 +116,36 @@ def test_quantize_targets_read_back(tiny, reference, target, tmp_path):
     assert 1e-5 < error < quantization_bound([WEIGHT_ERROR[target]] * 25)
 
 
+@pytest.mark.parametrize("target", ["fp8_e4m3fn", "int8", "int8_convrot", "mxfp8", "nvfp4"])
+def test_the_vae_is_not_written_in_comfyuis_layouts(conformance, tmp_path, target, capsys):
+    """ComfyUI builds the SeedVR2 VAE with manual_cast, which reads no comfy_quant marker: a VAE
+    in its quantised layouts would not load right there, so quantize refuses it and says why
+    (GGUF, which this loader reads, stays available)."""
+    from seedvr2.cli import main
+
+    folder = conformance / "vae_tiny"
+    src = tmp_path / "vae.safetensors"
+    save_file(load_file(folder / "weights.safetensors"), src,
+              metadata={"config": json.dumps(constructor_kwargs(folder))})
+    out = tmp_path / "vae_q.safetensors"
+    assert main(["quantize", str(src), str(out), "--type", target, "-q"]) == 1
+    assert capsys.readouterr().err == (
+        f"error: {src}: --type {target}: the VAE is not written in ComfyUI's quantised layouts: "
+        f"ComfyUI builds the SeedVR2 VAE with manual_cast, which reads no comfy_quant marker, "
+        f"so such a file would not load right there. Quantise the DiT, keep the VAE in fp16, "
+        f"or use a GGUF type (Q8_0 ...) for this loader\n")
+    assert not out.exists() and not out.with_name(out.name + ".partial").exists()
+    with pytest.raises(SystemExit):
+        main(["quantize", "--help"])
+    assert "A VAE is refused for them" in " ".join(capsys.readouterr().out.split())
+
+
 @pytest.mark.parametrize("target", ["mxfp8", "nvfp4"])
 def test_block_formats_are_bit_exact_with_comfy_kitchen(target):
     """Our quantisers write what comfy-kitchen's own (the reference of ComfyUI's files) does."""
     ck = pytest.importorskip("comfy_kitchen", reason="comfy-kitchen (the kitchen extra) not installed")
-    from seedvr2.loading.quantize import quantize_mxfp8, quantize_nvfp4
+    from seedvr2.loading.mxfp8 import quantize_mxfp8
+    from seedvr2.loading.nvfp4 import quantize_nvfp4
 
     weight = torch.randn(200, 256, generator=torch.Generator().manual_seed(3)) * 0.05
     # Every e2m1 midpoint (ties round to the even code) in units of one block's step.
@@ -265,6 +292,74 @@ def test_regular_hadamard_is_its_own_inverse():
     assert torch.equal(h, h.T)
     with pytest.raises(ValueError, match="power of 4"):
         regular_hadamard(128)
+
+
+L = "blocks.0.attn.proj_qkv.vid"  # 384 x 128
+
+
+def _int8_layer(state):
+    from seedvr2.loading.int8 import quantize_int8_rows
+
+    codes, scale = quantize_int8_rows(state[f"{L}.weight"])
+    return {f"{L}.weight": codes, f"{L}.weight_scale": scale}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({f"{L}.weight_scale": torch.ones(384, 1, dtype=torch.int32)},
+     f"tensor '{L}.weight_scale': expected float32 or float16 or bfloat16 of shape [] or [1] or "
+     f"[384] or [384, 1]; found int32 [384, 1] (int8_rows)"),
+    ({f"{L}.weight_scale": torch.ones(384, 1, dtype=torch.bool)},
+     f"tensor '{L}.weight_scale': expected float32 or float16 or bfloat16 of shape [] or [1] or "
+     f"[384] or [384, 1]; found bool [384, 1] (int8_rows)"),
+    ({f"{L}.weight_scale": torch.ones(385)},
+     f"tensor '{L}.weight_scale': expected float32 or float16 or bfloat16 of shape [] or [1] or "
+     f"[384] or [384, 1]; found float32 [385] (int8_rows)"),
+    ({f"{L}.comfy_quant": marker({"format": "int8_tensorwise", "convrot": True,
+                                  "convrot_groupsize": 2})},
+     f"tensor '{L}.comfy_quant': convrot_groupsize must be a power of 4 (4, 16, 64, 256, ...); "
+     f"found 2"),
+    ({f"{L}.comfy_quant": marker({"format": "int8_tensorwise", "convrot": True,
+                                  "convrot_groupsize": 0})},
+     f"tensor '{L}.comfy_quant': convrot_groupsize must be a power of 4 (4, 16, 64, 256, ...); "
+     f"found 0"),
+    ({f"{L}.comfy_quant": marker({"format": "int8_tensorwise", "convrot": True,
+                                  "convrot_groupsize": None})},
+     f"tensor '{L}.comfy_quant': convrot_groupsize must be a power of 4 (4, 16, 64, 256, ...); "
+     f"found None"),
+    ({f"{L}.comfy_quant": marker(["int8_tensorwise"])},
+     f"tensor '{L}.comfy_quant': expected a JSON object with a 'format' string; found "
+     f"[\"int8_tensorwise\"]"),
+    ({f"{L}.comfy_quant": torch.tensor(list(b"[" * 5000 + b"]" * 5000), dtype=torch.uint8)},
+     f"tensor '{L}.comfy_quant' is not a JSON quantisation config (nested too deeply)"),
+    ({f"{L}.weight_scale": torch.tensor([float("nan")] * 384).reshape(384, 1)},
+     f"tensor '{L}.weight_scale' holds NaN or infinite values; the file is damaged (re-download "
+     f"or re-convert it)"),
+])
+def test_bad_layouts_are_refused_at_load_naming_tensor_expected_and_found(tiny, tmp_path, change,
+                                                                          message):
+    """What used to load and change the picture (an int32 or bool scale), end in a bare
+    'shape [384, 1] is invalid' or only fail at the first forward pass (a ConvRot group of 2),
+    or end in a TypeError/RecursionError/ZeroDivisionError traceback, is one error at load
+    naming the file, the tensor, what was expected and what was found."""
+    state, config, _ = tiny
+    path = tmp_path / "bad.safetensors"
+    save_file({**state, **_int8_layer(state),
+               f"{L}.comfy_quant": marker({"format": "int8_tensorwise"}), **change}, path,
+              metadata={"config": config})
+    with pytest.raises(CheckpointError) as refused:
+        load_dit(path)
+    assert str(refused.value) == f"{path}: {message}"
+
+
+def test_a_layers_table_that_is_not_a_table_is_refused(tiny, tmp_path):
+    state, config, _ = tiny
+    path = tmp_path / "table.safetensors"
+    save_file({**state, **_int8_layer(state)}, path, metadata={
+        "config": config, "_quantization_metadata": json.dumps({"layers": [L]})})
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"{path}: metadata entry '_quantization_metadata': expected an object whose 'layers' "
+            f"maps layer names to configs; found [\"{L}\"]")):
+        describe(path)
 
 
 def test_unknown_comfy_format_names_layer(tiny, tmp_path):

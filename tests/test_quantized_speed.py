@@ -7,10 +7,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from seedvr2.loading import quantized
+from seedvr2.loading import int8, packed
 from seedvr2.loading.gguf import dequantize_blocks
 from seedvr2.loading.lowp import low_precision_linear
-from seedvr2.loading.quantized import PackedWeight, swizzle_block_scales
+from seedvr2.loading.quantized import PackedWeight
+from seedvr2.loading.packed import swizzle_block_scales
 
 
 class _Ops(TorchDispatchMode):
@@ -59,8 +60,8 @@ def test_constant_tables_are_made_once_per_device(monkeypatch):
         made.append(args[0])
         return real(*args, **kwargs)
     weight = _nvfp4()
-    quantized.device_constant.cache_clear()
-    quantized.cached_hadamard.cache_clear()
+    packed.device_constant.cache_clear()
+    int8.cached_hadamard.cache_clear()
     monkeypatch.setattr(torch, "tensor", counting)
     for _ in range(3):
         weight.dequantize()
@@ -97,7 +98,7 @@ def test_fp8_linear_matches_the_dequantised_product():
     bias = torch.randn(32).to(torch.bfloat16)
     expected = torch.nn.functional.linear(x.float(), weight.dequantize(), bias.float())
     pytest.importorskip("comfy_kitchen", reason="comfy-kitchen (the kitchen extra) not installed")
-    got = low_precision_linear("fp8", x, weight, bias)
+    got = low_precision_linear(x, weight, bias)
     assert got.shape == (3, 7, 32) and got.dtype == torch.bfloat16
     rms = (expected - bias.float()).square().mean().sqrt()
     assert (got.float() - expected).abs().max() < 4 * 2 ** -4 / 3 ** 0.5 * rms

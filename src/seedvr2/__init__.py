@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.1.0"
+from .version import __version__
 
 _SUBMODULES = {"models", "loading", "pipeline", "io", "memory", "options", "cli", "api"}
 _FACADE = {"upscale", "upscale_file", "load_models"}

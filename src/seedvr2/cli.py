@@ -532,15 +532,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_inspect)
 
     p = sub.add_parser("quantize", help="convert a weight file to GGUF, fp8, int8, mxfp8 or nvfp4 "
-                       "(small tensors, norms, biases and in/out projections stay unquantised)")
+                       "(small tensors, norms, biases and in/out projections stay unquantised)",
+                       description="Convert a weight file to GGUF, fp8, int8, mxfp8 or nvfp4. "
+                       "The safetensors types are ComfyUI's layouts, written for what ComfyUI "
+                       "computes in them: the DiT's linear layers. A VAE is refused for them "
+                       "(ComfyUI builds the SeedVR2 VAE with manual_cast, which reads no "
+                       "comfy_quant marker): keep it in fp16, or use a GGUF type, which this "
+                       "loader reads. A file holding NaN or infinite values is refused.")
     p.add_argument("input", help="any weight file the loader reads (safetensors, .pth, GGUF)")
     p.add_argument("output", help="output file: .gguf for the GGUF types, .safetensors otherwise")
     p.add_argument("--type", required=True,
                    help="Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/BF16/F16 (GGUF), fp8_e4m3fn/fp8_e5m2 "
                         "(per-tensor scale), int8 (per-output-channel scale), int8_convrot "
                         "(int8 of Hadamard-rotated weights), mxfp8 (e4m3, a power-of-two scale "
-                        "per 32) or nvfp4 (e2m1, an e4m3 scale per 16): the last four in "
-                        "ComfyUI's layouts")
+                        "per 32) or nvfp4 (e2m1, an e4m3 scale per 16): the safetensors types "
+                        "in ComfyUI's layouts, for DiTs only")
     p.add_argument("--keep", action="append", default=[], metavar="PREFIX",
                    help="keep tensors under this key prefix unquantised, e.g. blocks.35 "
                         "(repeatable)")

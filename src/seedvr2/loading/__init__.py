@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-_LAZY = {"CheckpointError": ".formats", "describe": ".load", "load_dit": ".load",
+_LAZY = {"CheckpointError": ".source", "describe": ".load", "load_dit": ".load",
          "load_vae": ".load"}
 
 __all__ = list(_LAZY)

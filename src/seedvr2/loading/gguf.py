@@ -1,7 +1,7 @@
 """GGUF weight files: read with the ``gguf`` package, dequantised in torch on the device.
 
 Every tensor is a view of the memory-mapped file; quantised ones stay raw GGML blocks in a
-:class:`~.quantized.PackedWeight`, with ComfyUI-GGUF's conventions (``comfy.gguf.orig_shape``
+:class:`~.packed.PackedWeight` (scheme ``gguf``, registered here), with ComfyUI-GGUF's conventions (``comfy.gguf.orig_shape``
 for flattened weights, a stripped ``model.diffusion_model.`` prefix). :func:`dequantize_blocks`
 follows ``gguf.quants``' float operations, bit-for-bit in fp32. See docs/models.md, "GGUF".
 """
@@ -15,12 +15,13 @@ import mmap
 import struct
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .formats import COMFY_PREFIX, CheckpointError, TensorSource
-from .quantized import PackedEntry, PackedWeight, device_constant
+from .packed import Format, Part, PackedEntry, PackedWeight, Scheme, device_constant, register
+from .source import COMFY_PREFIX, CheckpointError, TensorSource
 
 
 # GGML type name -> (values per block, bytes per block)
@@ -451,6 +452,33 @@ def dequantize_blocks(blocks: torch.Tensor, qtype: str, dtype: torch.dtype = tor
     return out.view(-1)
 
 
+# Byte offsets of the fp16 scale fields in each block type: the only values of a block that
+# can be NaN or infinite (the codes are integers).
+FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
+               "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+               "IQ4_NL": (0,), "IQ4_XS": (0,)}
+
+
+def _non_finite_scales(blocks: torch.Tensor, params) -> torch.Tensor:
+    qtype = str(params["qtype"])
+    rows = blocks.reshape(-1, BLOCK_SIZES[qtype][1])
+    found = torch.zeros((), dtype=torch.bool, device=blocks.device)
+    for offset in FP16_FIELDS[qtype]:
+        scales = rows[:, offset:offset + 2].contiguous().view(torch.float16)
+        found = found | ~torch.isfinite(scales).all()
+    return found
+
+
+def _dequantize(w: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize_blocks(w.parts["blocks"], str(w.params["qtype"]), dtype).reshape(w.shape)
+
+
+register(Format("gguf", (Scheme(
+    "gguf", parts={"blocks": Part((torch.uint8,), lambda shape, params: [],
+                                  non_finite=_non_finite_scales)},
+    dequantize=_dequantize, label=lambda params, dtypes: str(params["qtype"])),)))
+
+
 # ---------------------------------------------------------------------------------------------
 # reading
 
@@ -528,6 +556,30 @@ def _known_type(gguf, type_id: int) -> bool:
 
 def open_gguf(path: Path) -> TensorSource:
     """A GGUF file as a :class:`TensorSource` (quantised tensors stay packed)."""
+    reader = _reader(path)
+    tensors = _read_tensors(path, reader)
+    packed, blocks = tensors.packed, tensors.blocks
+
+    def get(key: str) -> torch.Tensor:
+        if key in packed:
+            return packed[key].read(blocks.__getitem__).dequantize(torch.float32) \
+                .reshape(tensors.shapes[key])
+        return tensors.plain[key]
+
+    def close():
+        tensors.plain.clear()
+        blocks.clear()
+
+    return TensorSource(path, "gguf", shapes=tensors.shapes, dtypes=tensors.dtypes,
+                        metadata=_metadata(path, reader.fields),
+                        packed={k: v.label(tensors.dtypes) for k, v in packed.items()},
+                        part_keys={k: dict(v.files) for k, v in packed.items()},
+                        _get=get, _get_packed=lambda key: packed[key].read(blocks.__getitem__),
+                        _close=close)
+
+
+def _reader(path: Path):
+    """The gguf package's reader of ``path``, or one error naming what it could not read."""
     try:
         import gguf
     except ImportError:
@@ -535,7 +587,7 @@ def open_gguf(path: Path) -> TensorSource:
                               f"(pip install gguf)") from None
     try:
         # Copy-on-write map: tensors are writable views for torch, the file is never changed.
-        reader = gguf.GGUFReader(path, "c")
+        return gguf.GGUFReader(path, "c")
     except Exception as e:  # the reader raises ValueError/IndexError/struct errors alike
         # An unknown tensor type fails the whole reader, naming neither tensor nor file.
         for name, type_id in _tensor_type_ids(path) or ():
@@ -546,17 +598,23 @@ def open_gguf(path: Path) -> TensorSource:
                     f"of {', '.join(SUPPORTED_TYPES)}") from None
         detail = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise CheckpointError(f"{path}: unreadable GGUF file, truncated or corrupt "
-                              f"({detail})") from None
+                              f"({detail[:200]})") from None
 
+
+@dataclass
+class _Tensors:
+    shapes: dict = field(default_factory=dict)
+    dtypes: dict = field(default_factory=dict)
+    plain: dict = field(default_factory=dict)  # key -> tensor (F32/F16/BF16)
+    packed: dict = field(default_factory=dict)  # key -> PackedEntry of GGML blocks
+    blocks: dict = field(default_factory=dict)  # key -> (n_blocks, type_size) uint8
+
+
+def _read_tensors(path: Path, reader) -> _Tensors:
+    out = _Tensors()
     size = path.stat().st_size
-    fields = reader.fields
     names = [t.name for t in reader.tensors]
     has_prefix = any(n.startswith(COMFY_PREFIX) for n in names)
-    shapes: dict[str, tuple[int, ...]] = {}
-    dtypes: dict[str, torch.dtype] = {}
-    plain: dict[str, torch.Tensor] = {}
-    packed: dict[str, PackedEntry] = {}
-    blocks: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         name = tensor.name
         key = name[len(COMFY_PREFIX):] if has_prefix and name.startswith(COMFY_PREFIX) else name
@@ -568,56 +626,62 @@ def open_gguf(path: Path) -> TensorSource:
         if tensor.data_offset + tensor.n_bytes > size:
             raise CheckpointError(f"{path}: truncated GGUF file (tensor {name!r} ends at byte "
                                   f"{tensor.data_offset + tensor.n_bytes}, file has {size})")
-        shape = tuple(int(v) for v in reversed(tensor.shape.tolist()))
-        if ORIG_SHAPE_KEY + name in fields:
-            orig = fields[ORIG_SHAPE_KEY + name].contents()
-            if not isinstance(orig, list) or not all(isinstance(v, int) for v in orig):
-                raise CheckpointError(f"{path}: metadata {ORIG_SHAPE_KEY + name!r} must be an "
-                                      f"integer array, got {orig!r}")
-            shape = tuple(orig)
-        numel = math.prod(shape)
-        if numel != tensor.n_elements:
-            raise CheckpointError(f"{path}: tensor {name!r} has {tensor.n_elements} values but "
-                                  f"its shape {list(shape)} needs {numel}")
+        shape = _shape(path, reader.fields, tensor)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch warns about non-writable numpy arrays
             data = torch.from_numpy(tensor.data)
-        shapes[key] = shape
+        out.shapes[key] = shape
         if qtype in PLAIN_TYPES:
             if qtype == "BF16":  # the reader gives BF16 as raw bytes
                 data = data.view(torch.uint8).reshape(-1).view(torch.bfloat16)
-            plain[key] = data.reshape(shape)
-            dtypes[key] = PLAIN_TYPES[qtype]
+            out.plain[key] = data.reshape(shape)
+            out.dtypes[key] = PLAIN_TYPES[qtype]
         else:
-            blocks[key] = data.view(torch.uint8).reshape(-1, BLOCK_SIZES[qtype][1])
-            packed[key] = PackedEntry("gguf", shape, {"blocks": key}, params={"qtype": qtype})
-            dtypes[key] = torch.uint8
+            out.blocks[key] = data.view(torch.uint8).reshape(-1, BLOCK_SIZES[qtype][1])
+            out.packed[key] = PackedEntry("gguf", shape, {"blocks": key}, params={"qtype": qtype})
+            out.dtypes[key] = torch.uint8
+    return out
 
+
+def _shape(path: Path, fields, tensor) -> tuple[int, ...]:
+    """A tensor's logical shape: its dimensions, or ComfyUI-GGUF's ``orig_shape``; checked
+    against its number of values."""
+    name = tensor.name
+    shape = tuple(int(v) for v in reversed(tensor.shape.tolist()))
+    if ORIG_SHAPE_KEY + name in fields:
+        orig = _contents(path, fields[ORIG_SHAPE_KEY + name])
+        if not isinstance(orig, list) or not all(isinstance(v, int) and v >= 0 for v in orig):
+            raise CheckpointError(f"{path}: metadata {ORIG_SHAPE_KEY + name!r} must be an "
+                                  f"array of whole numbers, got {orig!r}"[:300])
+        shape = tuple(orig)
+    numel = math.prod(shape)
+    if numel != tensor.n_elements:
+        raise CheckpointError(f"{path}: tensor {name!r} has {tensor.n_elements} values but "
+                              f"its shape {list(shape)} needs {numel}")
+    return shape
+
+
+def _contents(path: Path, field):
+    """A metadata field's value as the gguf package decodes it; a value it cannot decode (not
+    UTF-8, damaged) is one error naming the field."""
+    try:
+        return field.contents()
+    except Exception as e:  # UnicodeDecodeError, IndexError, ValueError from damaged bytes
+        raise CheckpointError(f"{path}: metadata {field.name!r} cannot be read "
+                              f"({type(e).__name__})") from None
+
+
+def _metadata(path: Path, fields) -> dict[str, str]:
     metadata: dict[str, str] = {}
     if CONFIG_KEY in fields:
-        config = fields[CONFIG_KEY].contents()
+        config = _contents(path, fields[CONFIG_KEY])
         if not isinstance(config, str):
             raise CheckpointError(f"{path}: metadata {CONFIG_KEY!r} must be a JSON string")
         metadata["config"] = config
     arch = fields.get("general.architecture")
     if arch is not None:
-        metadata["general.architecture"] = str(arch.contents())
-
-    def get(key: str) -> torch.Tensor:
-        if key in packed:
-            return packed[key].read(blocks.__getitem__).dequantize(torch.float32).reshape(shapes[key])
-        return plain[key]
-
-    def get_packed(key: str) -> PackedWeight:
-        return packed[key].read(blocks.__getitem__)
-
-    def close():
-        plain.clear()
-        blocks.clear()
-
-    return TensorSource(path, "gguf", shapes=shapes, dtypes=dtypes, metadata=metadata,
-                        packed={k: v.label for k, v in packed.items()},
-                        _get=get, _get_packed=get_packed, _close=close)
+        metadata["general.architecture"] = str(_contents(path, arch))
+    return metadata
 
 
 def config_json(config: dict) -> str:

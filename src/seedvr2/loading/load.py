@@ -13,12 +13,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..models import build_on_meta
+from ..models import build_on_meta, set_tensor
 from ..models.config import ConfigError, DiTConfig, VAEConfig, dit_config, dit_family, vae_config
-from ..memory.placement import set_tensor
 from ..models.rope import FrequencyTable, share_equal_tables
 from .detect import describe_unknown, detect_dit, detect_vae, model_kind
 from .formats import CheckpointError, TensorSource, aligned, open_weights
+from .packed import PackedWeight, non_finite_values
 from .quantized import attach_packed_weight, can_pack
 
 log = logging.getLogger("seedvr2")
@@ -29,7 +29,9 @@ _STANDARD_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 EMBEDDED_TEXT_KEYS = {"positive_conditioning": "pos", "negative_conditioning": "neg"}
 
 
-def _config_for(src: TensorSource, kind: str) -> DiTConfig | VAEConfig:
+def config_for(src: TensorSource, kind: str) -> DiTConfig | VAEConfig:
+    """The model configuration a weight file holds (detected from its tensors; a ``config``
+    metadata entry overrides), or one :class:`CheckpointError` naming the file."""
     found = model_kind(src.shapes)
     if found != kind:
         what = describe_unknown(src.shapes) if found is None else f"this is a {found.upper()} file"
@@ -103,32 +105,65 @@ def _assign_packed(model: nn.Module, key: str, src: TensorSource, target: torch.
     """A quantised weight: kept packed in a linear/conv (dequantised per forward), else expanded."""
     module_name, _, name = key.rpartition(".")
     module = model.get_submodule(module_name)
-    packed = src.get_packed(key).to(device)
+    packed = finite_parts(src, key, src.get_packed(key).to(device))
     if keep_packed and can_pack(module, name):
-        attach_packed_weight(module, packed, target)
+        attach_packed_weight(module, packed, target, module_name)
     else:
-        set_tensor(model, key, packed.dequantize(target))
+        set_tensor(model, key, finite(src, key, packed.dequantize(target)))
+
+
+def finite(src: TensorSource, key: str, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (the file's tensor ``key`` as it will be used), or one :class:`CheckpointError`
+    naming the tensor when it holds NaN or infinite values: those give black frames."""
+    if not bool(non_finite_values(tensor).any()):
+        return tensor
+    if tensor.dtype == src.dtypes.get(key) or bool(non_finite_values(src.get(key)).any()):
+        raise CheckpointError(f"{src.path}: tensor {key!r} holds NaN or infinite values; the "
+                              f"file is damaged (re-download or re-convert it)")
+    raise CheckpointError(f"{src.path}: tensor {key!r} overflows {_name(tensor.dtype)} (largest "
+                          f"finite value {torch.finfo(tensor.dtype).max:g}); load the model in "
+                          f"bfloat16 or float32 (--dtype bf16 or fp32)")
+
+
+def finite_parts(src: TensorSource, key: str, packed: PackedWeight) -> PackedWeight:
+    """``packed``, or one :class:`CheckpointError` naming the stored tensor that holds NaN or
+    infinite values (a scale, fp8 codes, GGUF block scales)."""
+    part = packed.non_finite_part()
+    if part is None:
+        return packed
+    stored = src.part_keys.get(key, {}).get(part, key)
+    raise CheckpointError(f"{src.path}: tensor {stored!r} holds NaN or infinite values; the file "
+                          f"is damaged (re-download or re-convert it)")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def checked_model(src: TensorSource, kind: str) -> tuple[nn.Module, list[str]]:
+    """The model ``src`` describes, built on ``meta``, with every tensor of the file checked
+    against it (names, shapes, float dtypes); and the RoPE buffers the file lacks."""
+    cfg = config_for(src, kind)
+    model = build_on_meta(kind, cfg)
+    return model, _check_tensors(src, model, cfg)
 
 
 def _load(path, kind: str, dtype: torch.dtype | None, device, keep_packed: bool = True
           ) -> nn.Module:
     with open_weights(path) as src:
-        cfg = _config_for(src, kind)
-        model = build_on_meta(kind, cfg)
-        rope_missing = _check_tensors(src, model, cfg)
+        model, rope_missing = checked_model(src, kind)
         target = _target_dtype(src, dtype)
         embedded = {}
         for key in src.shapes:
             if key in EMBEDDED_TEXT_KEYS:
-                embedded[EMBEDDED_TEXT_KEYS[key]] = aligned(src.get(key).float())
+                embedded[EMBEDDED_TEXT_KEYS[key]] = finite(src, key, aligned(src.get(key).float()))
                 continue
             if key in src.packed:
                 _assign_packed(model, key, src, target, device, keep_packed)
                 continue
-            tensor = src.get(key)
             keep_fp32 = key.endswith("rope.rope.freqs")
-            tensor = tensor.to(device=device, dtype=torch.float32 if keep_fp32 else target)
-            set_tensor(model, key, aligned(tensor))
+            tensor = src.get(key).to(device=device, dtype=torch.float32 if keep_fp32 else target)
+            set_tensor(model, key, aligned(finite(src, key, tensor)))
         if rope_missing:
             log.info("%s: %d RoPE frequency buffers absent from the file; recomputed",
                      Path(path).name, len(rope_missing))
@@ -170,7 +205,7 @@ def describe(path) -> dict:
         kind = model_kind(src.shapes)
         if kind is None:
             raise CheckpointError(f"{src.path}: {describe_unknown(src.shapes)}")
-        cfg = _config_for(src, kind)
+        cfg = config_for(src, kind)
         dtypes = sorted({src.packed.get(k) or str(d).replace("torch.", "")
                          for k, d in src.dtypes.items()})
         count = sum(math.prod(shape) for key, shape in src.shapes.items()

@@ -1,10 +1,16 @@
-"""Linear layers multiplied in their weights' own precision through comfy-kitchen.
+"""Which arithmetic a quantised linear layer multiplies in, decided in one place per layer and
+device: ``weights`` (dequantise to the compute dtype) or, with ``compute_precision auto``, the
+low-precision product of the weights' format through comfy-kitchen (each format's
+:class:`~.packed.Product`).
 
-Each product quantises the activations inside the call (per call, from their own absolute
-maxima, on the device: no host sync) to the weights' format and multiplies the stored codes
-and scales as they are. Which layers come here is ``memory.compute_path``'s decision; a call
-that comfy-kitchen declines (no backend takes those operands) returns None and the layer
-dequantises as before. comfy-kitchen is imported on the first product, never with the pack.
+The decision reads the platform first (NVIDIA or AMD: ROCm reports SM-shaped capabilities that
+are not NVIDIA's), then the compute capability each kernel states, or on AMD what
+comfy-kitchen registers there (``seedvr2.kernels``), then whether the weight's layout fits the
+kernels' rules. Each product quantises the activations inside the call (per call, from their
+own absolute maxima, on the device: no host sync) and multiplies the stored codes and scales as
+they are. A product that fails (a kernel's assertion, a cuBLAS error, a call comfy-kitchen
+declines) is the caller's to fall back from (``quantized.PackedWeightMixin``). Paths, GPUs and
+error bounds: docs/memory.md, "Quantised weights: compute_precision".
 """
 
 from __future__ import annotations
@@ -13,61 +19,47 @@ from typing import Optional
 
 import torch
 
-from .quantized import E2M1_MAX, E4M3_MAX, PackedWeight
+from .. import kernels
+from .packed import PackedWeight, scheme_of
+from .schemes import SCHEMES  # noqa: F401 -- every format's product registered
+
+COMPUTE_PRECISIONS = ("auto", "weights")
+WEIGHTS = "weights"
+_HALF_FLOATS = (torch.float16, torch.bfloat16)
 
 
-def _int8(ck, x2d, weight: PackedWeight, bias):
-    convrot = weight.scheme == "int8_convrot"
-    return ck.int8_linear(x2d, weight.parts["data"], weight.parts["scale"].float().reshape(-1),
-                          bias, out_dtype=x2d.dtype, convrot=convrot,
-                          convrot_groupsize=int(weight.params.get("group_size", 256)))
+def weight_path(weight: PackedWeight) -> Optional[str]:
+    """The low-precision path a packed weight's layout could take on a capable GPU (None:
+    dequantise): its format's product, when the weight fits the product's kernels."""
+    product = scheme_of(weight.scheme).product
+    if product is None or product.fits(weight) is not None:
+        return None
+    return product.path
 
 
-def _fp8(ck, x2d, weight: PackedWeight, bias):
-    data = weight.parts["data"]
-    x_scale = (x2d.abs().amax().float() / E4M3_MAX).clamp_(min=torch.finfo(torch.float32).tiny)
-    w_scale = weight.parts.get("scale")
-    w_scale = (w_scale.float().reshape(()) if w_scale is not None
-               else torch.ones((), dtype=torch.float32, device=data.device))
-    # data is (N, K) row-major, so data.t() is the column-major (K, N) _scaled_mm wants.
-    out = torch._scaled_mm(ck.quantize_per_tensor_fp8(x2d, x_scale), data.t(), scale_a=x_scale,
-                           scale_b=w_scale, out_dtype=x2d.dtype)
-    return out if bias is None else out + bias.to(out.dtype)
+def compute_path(weight: PackedWeight, x_dtype: torch.dtype, device: torch.device,
+                 precision: str) -> str:
+    """The path a linear layer with packed ``weight`` takes for activations of ``x_dtype`` on
+    ``device``: ``weights`` (dequantise) or its format's low-precision path."""
+    if precision == WEIGHTS or not kernels.kitchen_installed():
+        return WEIGHTS
+    product = scheme_of(weight.scheme).product
+    if product is None or (product.half_activations and x_dtype not in _HALF_FLOATS):
+        return WEIGHTS
+    if kernels.runs_on(product.kernels, kernels.platform_of(device)) is not None:
+        return WEIGHTS
+    if product.fits(weight) is not None:
+        return WEIGHTS
+    return product.path
 
 
-def _mxfp8(ck, x2d, weight: PackedWeight, bias):
-    codes, scales = ck.quantize_mxfp8(x2d)
-    return ck.scaled_mm_mxfp8(codes, weight.parts["data"], scales,
-                              weight.parts["scale"].view(torch.float8_e8m0fnu), bias,
-                              out_dtype=x2d.dtype)
-
-
-def _nvfp4(ck, x2d, weight: PackedWeight, bias):
-    x_scale = (x2d.abs().amax().float() / (E4M3_MAX * E2M1_MAX)).clamp_(
-        min=torch.finfo(torch.float32).tiny)
-    # Rows padded to 16 (the kernel's tile); the padded rows are zero and cut off below.
-    codes, scales = ck.quantize_nvfp4(x2d, x_scale, pad_16x=True)
-    w_scale = weight.parts["scale_2"].float().reshape(())
-    out = ck.scaled_mm_nvfp4(codes, weight.parts["data"], x_scale, w_scale, scales,
-                             weight.parts["scale"].view(torch.float8_e4m3fn), bias,
-                             out_dtype=x2d.dtype, alpha=x_scale * w_scale)
-    return out[: x2d.shape[0]]
-
-
-PRODUCTS = {"int8": _int8, "fp8": _fp8, "mxfp8": _mxfp8, "nvfp4": _nvfp4}
-
-
-def low_precision_linear(path: str, x: torch.Tensor, weight: PackedWeight,
-                         bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """``x @ W.T + bias`` on ``path`` (a key of :data:`PRODUCTS`), or None when comfy-kitchen
-    has no backend for these operands."""
-    import comfy_kitchen as ck
-
+def low_precision_linear(x: torch.Tensor, weight: PackedWeight,
+                         bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x @ W.T + bias`` through the low-precision product of ``weight``'s format. Raises
+    what the kernels raise."""
+    ck = kernels.kitchen()
     x2d = x.reshape(-1, x.shape[-1]).contiguous()  # the quantisers read rows of K values
     if bias is not None:
         bias = bias.to(x.dtype)
-    try:
-        out = PRODUCTS[path](ck, x2d, weight, bias)
-    except ck.BackendError:
-        return None
+    out = scheme_of(weight.scheme).product.run(ck, x2d, weight, bias)
     return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -19,12 +19,16 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..options import option_ref
+from .detect import describe_unknown, model_kind
 from .formats import SAFETENSORS_DTYPES, CheckpointError, TensorSource, open_weights
-from .quantized import (E2M1_MAX, E2M1_VALUES, E4M3_MAX, PackedWeight, regular_hadamard,
-                        scan_safetensors_layout, swizzle_block_scales)
+from .gguf import CONFIG_KEY, ORIG_SHAPE_KEY, config_json
+from .load import checked_model, finite, finite_parts
+from .packed import PackedWeight
+from .safetensors import scan_safetensors_layout
+from .schemes import TARGETS as LAYER_TARGETS
 
 GGUF_TARGETS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16", "F16")
-SAFETENSORS_TARGETS = ("fp8_e4m3fn", "fp8_e5m2", "int8", "int8_convrot", "mxfp8", "nvfp4")
+SAFETENSORS_TARGETS = tuple(LAYER_TARGETS)  # fp8_e4m3fn, fp8_e5m2, int8, int8_convrot, mxfp8, nvfp4
 TARGETS = GGUF_TARGETS + SAFETENSORS_TARGETS
 
 SMALL_TENSOR = 4096  # values; smaller weights stay unquantised
@@ -32,8 +36,17 @@ ALWAYS_KEEP = ("vid_in.", "txt_in.", "emb_in.", "vid_out.", "encoder.conv_in.",
                "decoder.conv_out.", "quant_conv.", "post_quant_conv.",
                "positive_conditioning", "negative_conditioning")
 _BLOCK = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "BF16": 1, "F16": 1}
-_FP8 = {"fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 _ST_DTYPE = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}  # the header's names
+_ST_DTYPE[torch.uint8] = "U8"  # (F8_E8M0 bytes are written as U8: ComfyUI's reader knows no F8_E8M0)
+
+# Why the VAE is not written in ComfyUI's layouts: ComfyUI builds the SeedVR2 VAE with
+# comfy.ops.manual_cast, which reads no comfy_quant marker (its quantised layouts are computed
+# in the DiT's linear layers only), so such a VAE would not load right there.
+VAE_LAYOUTS_REFUSED = (
+    "the VAE is not written in ComfyUI's quantised layouts: ComfyUI builds the SeedVR2 VAE "
+    "with manual_cast, which reads no comfy_quant marker, so such a file would not load right "
+    "there. Quantise the DiT, keep the VAE in fp16, or use a GGUF type (Q8_0 ...) for this "
+    "loader")
 
 
 def _stored_float(dtype: torch.dtype) -> torch.dtype:
@@ -48,13 +61,12 @@ def should_quantize(key: str, shape: Sequence[int], keep: tuple[str, ...] = ()) 
 
 
 def _model_config(src: TensorSource) -> tuple[str, dict]:
-    from .detect import describe_unknown, model_kind
-    from .load import _config_for
-
+    """The model kind and config of ``src``, every tensor checked as the loader checks it."""
     kind = model_kind(src.shapes)
     if kind is None:
         raise CheckpointError(f"{src.path}: {describe_unknown(src.shapes)}")
-    return kind, _config_for(src, kind).to_dict()
+    model, _ = checked_model(src, kind)
+    return kind, model.config.to_dict()
 
 
 @dataclass
@@ -84,6 +96,8 @@ def quantize_file(source, output, target: str, keep: Sequence[str] = (), overwri
     tmp = output.with_name(output.name + ".partial")
     with open_weights(source) as src:
         kind, config = _model_config(src)
+        if kind == "vae" and target in SAFETENSORS_TARGETS:
+            raise CheckpointError(f"{src.path}: --type {target}: {VAE_LAYOUTS_REFUSED}")
         try:
             writer = _write_gguf if target in GGUF_TARGETS else _write_safetensors
             prefixes = tuple(k if k.endswith(".") else k + "." for k in keep)
@@ -155,8 +169,6 @@ def _write_gguf(src: TensorSource, path: Path, target: str, config: dict, keep, 
     import gguf
     import numpy as np
 
-    from .gguf import CONFIG_KEY, ORIG_SHAPE_KEY, config_json
-
     plans = _gguf_plan(src, target, keep)
     writer = gguf.GGUFWriter(path, arch="seedvr2")
     try:
@@ -180,7 +192,7 @@ def _write_gguf(src: TensorSource, path: Path, target: str, config: dict, keep, 
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for i, plan in enumerate(plans):
-            tensor = src.get(plan.key).reshape(plan.stored)
+            tensor = _source_tensor(src, plan.key).reshape(plan.stored)
             writer.write_tensor_data(_gguf_bytes(tensor, plan.qtype))
             if progress:
                 progress(i + 1, len(plans))
@@ -191,122 +203,29 @@ def _write_gguf(src: TensorSource, path: Path, target: str, config: dict, keep, 
     return quantized, len(plans) - quantized
 
 
+def _source_tensor(src: TensorSource, key: str) -> torch.Tensor:
+    """The source's tensor ``key`` in float, refused (naming the stored tensor) when it holds NaN
+    or infinite values: quantising them would write NaN scales."""
+    if key in src.packed:
+        finite_parts(src, key, src.get_packed(key))
+    return finite(src, key, src.get(key))
+
+
 # ---------------------------------------------------------------------------------------------
-# fp8 / int8 safetensors
-
-
-def quantize_fp8(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(fp8 values, fp32 scale)`` with ``weight ≈ values·scale`` (per-tensor absmax scale)."""
-    largest = torch.finfo(dtype).max
-    w = weight.to(torch.float32)
-    scale = (w.abs().amax() / largest).clamp(min=torch.finfo(torch.float32).tiny)
-    return (w / scale).clamp(-largest, largest).to(dtype), scale.reshape(())
-
-
-def quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(int8 codes, fp32 scale (rows, 1))`` with one absmax scale per output channel."""
-    w = weight.to(torch.float32).reshape(weight.shape[0], -1)
-    scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-    codes = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
-    return codes.reshape(weight.shape), scale
-
-
-def convrot_group(cols: int) -> Optional[int]:
-    """The ConvRot group for ``cols`` input channels: the largest power of 4 up to 256 (the
-    group ComfyUI's files use) that divides them, at least 16; None when none does."""
-    return next((g for g in (256, 64, 16) if cols % g == 0), None)
-
-
-def quantize_int8_convrot(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quantize_int8_rows` of ``W·H`` (``H`` the regular Hadamard matrix per group of
-    ``group`` input channels): the rotation spreads outliers over their group."""
-    rows, cols = weight.shape
-    h = regular_hadamard(group, device=weight.device)
-    rotated = (weight.to(torch.float32).view(rows, cols // group, group) @ h).view(rows, cols)
-    return quantize_int8_rows(rotated)
-
-
-def quantize_mxfp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(e4m3 values, swizzled E8M0 exponents)``: each run of 32 values along a row shares the
-    smallest power of two that brings its absmax within e4m3's 448."""
-    rows, cols = weight.shape
-    blocks = weight.to(torch.float32).view(rows, cols // 32, 32)
-    amax = blocks.abs().amax(-1).clamp(min=2.0 ** -127 * E4M3_MAX)
-    exponent = (torch.ceil(torch.log2(amax / E4M3_MAX)).to(torch.int32) + 127).clamp(1, 254)
-    values = blocks / torch.exp2(exponent.float() - 127).unsqueeze(-1)
-    data = values.clamp(-E4M3_MAX, E4M3_MAX).reshape(rows, cols).to(torch.float8_e4m3fn)
-    return data, swizzle_block_scales(exponent.to(torch.uint8)).view(torch.float8_e8m0fnu)
-
-
-def quantize_nvfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(packed e2m1 pairs, swizzled e4m3 block scales, fp32 tensor scale)``: 16 values share
-    an e4m3 scale (their absmax / 6, in units of the tensor scale absmax / (448·6)); values
-    round to the nearest e2m1 (first of each pair in the high nibble). Bit for bit what
-    comfy-kitchen's ``quantize_nvfp4`` writes with the same tensor scale (tested)."""
-    rows, cols = weight.shape
-    w = weight.to(torch.float32)
-    scale_2 = (w.abs().amax() / (E4M3_MAX * E2M1_MAX)).clamp(min=torch.finfo(torch.float32).tiny)
-    blocks = w.view(rows, cols // 16, 16)
-    block = (blocks.abs().amax(-1) / E2M1_MAX / scale_2).to(torch.float8_e4m3fn)
-    step = (block.float() * scale_2).unsqueeze(-1)
-    scaled = torch.where(step > 0, blocks / torch.where(step > 0, step, 1.0), 0.0)
-    # The magnitude's code (0-7) counts the midpoints between neighbouring e2m1 magnitudes it
-    # passes; at a midpoint it rounds to the even code, as comfy-kitchen's quantiser does.
-    magnitude = scaled.abs().reshape(rows, cols)
-    codes = torch.zeros(rows, cols, dtype=torch.uint8, device=weight.device)
-    for code, (low, high) in enumerate(zip(E2M1_VALUES[:7], E2M1_VALUES[1:8])):
-        middle = (low + high) / 2
-        codes += (magnitude > middle if code % 2 == 0 else magnitude >= middle).to(torch.uint8)
-    codes |= (scaled.reshape(rows, cols) < 0).to(torch.uint8) << 3  # the sign is bit 3
-    packed = (codes[:, 0::2] << 4) | codes[:, 1::2]
-    return packed, swizzle_block_scales(block.view(torch.uint8)).view(torch.float8_e4m3fn), \
-        scale_2.reshape(())
-
-
-def _scales_shape(rows: int, blocks: int) -> tuple[int, int]:
-    """The swizzled block-scale matrix of ``rows`` x ``blocks`` scales (128 x 4 tiles)."""
-    return -(-rows // 128) * 128, -(-blocks // 4) * 4
-
-
-def _layer_layout(target: str, layer: str, shape: tuple) -> Optional[tuple[dict, dict]]:
-    """``(comfy_quant config, {tensor: (dtype, shape)})`` of one quantised layer, or None when
-    the layer's shape does not fit the target's blocks (it is then kept unquantised)."""
-    weight, scale = f"{layer}.weight", f"{layer}.weight_scale"
-    rows, cols = shape[0], shape[-1]
-    if target in _FP8:
-        fmt = "float8_e4m3fn" if target == "fp8_e4m3fn" else "float8_e5m2"
-        return {"format": fmt}, {weight: (_FP8[target], shape), scale: (torch.float32, ())}
-    if target == "int8":
-        return ({"format": "int8_tensorwise"},
-                {weight: (torch.int8, shape), scale: (torch.float32, (rows, 1))})
-    if len(shape) != 2:
-        return None
-    if target == "int8_convrot":
-        group = convrot_group(cols)
-        return None if group is None else (
-            {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": group},
-            {weight: (torch.int8, shape), scale: (torch.float32, (rows, 1))})
-    if target == "mxfp8":
-        return None if cols % 32 else ({"format": "mxfp8"}, {
-            weight: (torch.float8_e4m3fn, shape),
-            scale: (torch.float8_e8m0fnu, _scales_shape(rows, cols // 32))})
-    if cols % 32 or rows % 16:  # nvfp4: the shapes its matmul takes (memory.compute_path)
-        return None
-    return {"format": "nvfp4"}, {weight: (torch.uint8, (rows, cols // 2)),
-                                 scale: (torch.float8_e4m3fn, _scales_shape(rows, cols // 16)),
-                                 f"{layer}.weight_scale_2": (torch.float32, ())}
+# safetensors: each quantised layer in its target's layout (loading.packed.TARGETS)
 
 
 def pack_weight(weight: torch.Tensor, target: str) -> Optional[PackedWeight]:
     """``weight`` in a safetensors ``target`` as the loader holds it after reading the file
     ``quantize`` writes (on the weight's device); None where the layer does not fit the target."""
-    found = _layer_layout(target, "layer", tuple(weight.shape))
+    found = LAYER_TARGETS[target].layout("layer", tuple(weight.shape))
     if found is None:
         return None
-    conf, layout = found
-    marker = torch.frombuffer(bytearray(json.dumps(conf).encode()), dtype=torch.uint8)
+    marker, layout = found
+    raw = torch.frombuffer(bytearray(json.dumps(marker).encode()), dtype=torch.uint8)
     # The tensors of the file, read back through the loader's own layout scan.
-    tensors = dict(zip([*layout, "layer.comfy_quant"], _encode(weight, target, marker)))
+    tensors = dict(zip(layout, LAYER_TARGETS[target].encode(weight, marker), strict=True))
+    tensors["layer.comfy_quant"] = raw
     read = scan_safetensors_layout({k: tuple(t.shape) for k, t in tensors.items()},
                                    {k: t.dtype for k, t in tensors.items()}, {},
                                    lambda key: tensors[key].cpu().numpy().tobytes())
@@ -319,31 +238,16 @@ def _safetensors_plan(src: TensorSource, target: str, keep):
     for key, shape in src.shapes.items():
         shape = tuple(shape)
         found = should_quantize(key, shape, keep) and \
-            _layer_layout(target, key[: -len(".weight")], shape)
+            LAYER_TARGETS[target].layout(key[: -len(".weight")], shape)
         if found:
-            conf, layout = found
-            marker = torch.frombuffer(bytearray(json.dumps(conf).encode()), dtype=torch.uint8)
-            layout[f"{key[: -len('.weight')]}.comfy_quant"] = (torch.uint8, tuple(marker.shape))
+            marker, layout = found
+            raw = json.dumps(marker).encode()
+            layout[f"{key[: -len('.weight')]}.comfy_quant"] = (torch.uint8, (len(raw),))
             plans.append((key, layout, marker))
         else:
             dtype = torch.float16 if key in src.packed else _stored_float(src.dtypes[key])
             plans.append((key, {key: (dtype, shape)}, None))
     return plans
-
-
-def _encode(tensor: torch.Tensor, target: str, marker: torch.Tensor) -> list[torch.Tensor]:
-    """One quantised layer's tensors, in the order of its layout."""
-    if target == "int8":
-        parts = quantize_int8_rows(tensor)
-    elif target == "int8_convrot":
-        parts = quantize_int8_convrot(tensor, json.loads(bytes(marker))["convrot_groupsize"])
-    elif target == "mxfp8":
-        parts = quantize_mxfp8(tensor)
-    elif target == "nvfp4":
-        parts = quantize_nvfp4(tensor)
-    else:
-        parts = quantize_fp8(tensor, _FP8[target])
-    return [*parts, marker]
 
 
 def _write_safetensors(src: TensorSource, path: Path, target: str, config: dict, keep,
@@ -364,12 +268,14 @@ def _write_safetensors(src: TensorSource, path: Path, target: str, config: dict,
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for i, (key, layout, marker) in enumerate(plans):
-            tensor = src.get(key)
+            tensor = _source_tensor(src, key)
             if marker is None:
                 (dtype, _), = layout.values()
                 tensors = [tensor.to(dtype)]
             else:
-                tensors = _encode(tensor, target, marker)
+                tensors = [*LAYER_TARGETS[target].encode(tensor, marker),
+                           torch.frombuffer(bytearray(json.dumps(marker).encode()),
+                                            dtype=torch.uint8)]
             for (name, (dtype, shape)), tensor in zip(layout.items(), tensors, strict=True):
                 assert tensor.dtype == dtype and tuple(tensor.shape) == shape, name
                 f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..options import option_ref
-from .formats import CheckpointError
+from .source import CheckpointError
 
 
 COMFY_FOLDER = "SEEDVR2"  # ComfyUI's models/SEEDVR2

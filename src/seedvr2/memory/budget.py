@@ -131,10 +131,10 @@ class Weights:
         float tensors converted to ``dtype``."""
         from ..loading.formats import open_weights
         from ..loading.load import EMBEDDED_TEXT_KEYS
-        from ..loading.load import _config_for  # the loader's own config detection
+        from ..loading.load import config_for  # the loader's own config detection
 
         with open_weights(path) as src:
-            config = _config_for(src, kind)
+            config = config_for(src, kind)
             sizes = []
             for key, shape in src.shapes.items():
                 if key in EMBEDDED_TEXT_KEYS:  # text embeddings stay on the CPU
@@ -188,7 +188,7 @@ def bytes_on(module: Optional[torch.nn.Module], device: torch.device) -> int:
 
 
 @dataclass(frozen=True)
-class Job:
+class BatchShape:
     """What one batch of the job looks like: output frame size, frames per batch, precision,
     VAE tiling. ``chunk_size`` is the option of that name when a chunk's latents and
     references wait on the compute device between phases (tensor_offload_device none or that
@@ -241,7 +241,7 @@ class Budget:
 # Activations
 
 
-def dit_activation_bytes(cfg: DiTConfig, job: Job) -> int:
+def dit_activation_bytes(cfg: DiTConfig, job: BatchShape) -> int:
     """Peak bytes of one DiT call on a batch (docs/memory.md, "How the estimate is made")."""
     b = job.dtype_bytes
     hp, wp = job.padded
@@ -347,7 +347,7 @@ def _causal_cache_bytes(cfg: VAEConfig, height: int, width: int, b: int) -> int:
     return total
 
 
-def _vae_phase(cfg: VAEConfig, job: Job, decode: bool) -> int:
+def _vae_phase(cfg: VAEConfig, job: BatchShape, decode: bool) -> int:
     """Activations of one VAE phase on a batch: the encoder/decoder's peak on one piece (a
     tile with its context, a temporal slice) plus the frame buffers held meanwhile."""
     b = job.dtype_bytes
@@ -417,7 +417,7 @@ class Estimate:
         return list(dict.fromkeys(p.device for p in self.phases))
 
 
-def estimate(budget: Budget, job: Job, place: Placement) -> Estimate:
+def estimate(budget: Budget, job: BatchShape, place: Placement) -> Estimate:
     """Bytes each phase needs on each device it touches (weights, activations, margins)."""
     dw, vw = budget.dit_weights, budget.vae_weights
     b = job.dtype_bytes
@@ -465,7 +465,7 @@ def shortfalls(est: Estimate, available: Mapping[str, int]) -> list[tuple[PhaseN
             if (worst := est.worst(device)) is not None and worst.total > have]
 
 
-def fits(budget: Budget, job: Job, place: Placement, available: Mapping[str, int]) -> bool:
+def fits(budget: Budget, job: BatchShape, place: Placement, available: Mapping[str, int]) -> bool:
     return not shortfalls(estimate(budget, job, place), available)
 
 
@@ -493,7 +493,7 @@ def failing_phases(est: Estimate, available: Mapping[str, int]) -> set:
     return {p.phase for p in est.phases if p.device in available and p.total > available[p.device]}
 
 
-def _tile_change(job: Job, which: Sequence[str], size: int, overlap: int) -> tuple[Job, str]:
+def _tile_change(job: BatchShape, which: Sequence[str], size: int, overlap: int) -> tuple[BatchShape, str]:
     """The job with VAE tiles of ``size`` pixels on the phases in ``which`` (keeping each
     phase's overlap when it is smaller than half a tile, else ``overlap``), and its text."""
     changes, enable, sizes, overlaps = {}, [], [], []
@@ -512,7 +512,7 @@ def _tile_change(job: Job, which: Sequence[str], size: int, overlap: int) -> tup
     return replace(job, **changes), text
 
 
-def _tile_options(job: Job, which: Sequence[str]) -> list[tuple[Job, Optional[str]]]:
+def _tile_options(job: BatchShape, which: Sequence[str]) -> list[tuple[BatchShape, Optional[str]]]:
     """The job as it is, then with tiles of each smaller step on the VAE phases in ``which``."""
     current = min((getattr(job, f"{w}_tiles").tile_size for w in which
                    if getattr(job, f"{w}_tiles").enabled), default=None)
@@ -555,7 +555,7 @@ def _first_fit(budget, job, options, available):
     return options[lo]
 
 
-def alternatives(budget: Budget, job: Job, place: Placement, available: Mapping[str, int],
+def alternatives(budget: Budget, job: BatchShape, place: Placement, available: Mapping[str, int],
                  min_batch: int = 1) -> list[str]:
     """Settings that would make the job fit: each single change from the current settings
     that is enough on its own; when none is, one combination (or an empty list)."""
@@ -613,7 +613,7 @@ def alternatives(budget: Budget, job: Job, place: Placement, available: Mapping[
     return []
 
 
-def check(budget: Budget, job: Job, place: Placement, available: Mapping[str, int],
+def check(budget: Budget, job: BatchShape, place: Placement, available: Mapping[str, int],
           min_batch: int = 1, batch_text: Optional[str] = None) -> Estimate:
     """The estimate, or :class:`BudgetError` when a device in ``available`` is short; the
     message lists settings that would fit (or says that none do)."""
@@ -639,7 +639,7 @@ def check(budget: Budget, job: Job, place: Placement, available: Mapping[str, in
     raise BudgetError(message)
 
 
-def auto_batch_size(budget: Budget, job: Job, place: Placement, available: Mapping[str, int],
+def auto_batch_size(budget: Budget, job: BatchShape, place: Placement, available: Mapping[str, int],
                     plan_frames: int, temporal_overlap: int) -> int:
     """The largest of :func:`batch_candidates` that fits (on CUDA devices, in
     :data:`AUTO_CUDA_SHARE` of the memory available); :class:`BudgetError` when even the
@@ -755,7 +755,7 @@ def device_available(device: torch.device, own_bytes: int = 0) -> Optional[int]:
     return None if ram is None else ram + own_bytes
 
 
-__all__ = ["Budget", "BudgetError", "Estimate", "Job", "PhaseNeed", "Placement", "Weights",
+__all__ = ["Budget", "BudgetError", "Estimate", "BatchShape", "PhaseNeed", "Placement", "Weights",
            "alternatives", "auto_batch_size", "batch_candidates", "bytes_on", "check",
            "check_host_copy",
            "device_available", "dit_activation_bytes", "estimate", "failing_phases", "fits",

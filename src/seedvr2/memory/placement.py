@@ -16,6 +16,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
+from ..models import set_tensor
 from .arena import ComfyPin, HostArena, PinHook, arena_bytes, cuda_pin, host_pin_ledger
 
 
@@ -23,16 +24,6 @@ def named_tensors(module: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
     """Every parameter and buffer under every name it has (shared tensors repeat)."""
     return itertools.chain(module.named_parameters(remove_duplicate=False),
                            module.named_buffers(remove_duplicate=False))
-
-
-def set_tensor(module: nn.Module, name: str, tensor: torch.Tensor):
-    owner_name, _, attr = name.rpartition(".")
-    owner = module.get_submodule(owner_name) if owner_name else module
-    if attr in owner._parameters:
-        owner._parameters[attr] = tensor if isinstance(tensor, nn.Parameter) else \
-            nn.Parameter(tensor, requires_grad=False)
-    else:
-        owner._buffers[attr] = tensor
 
 
 def unique_tensors(module: nn.Module) -> list[torch.Tensor]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ..errors import SeedVR2Error
 
@@ -45,16 +46,27 @@ class NonFiniteError(SeedVR2Error, RuntimeError):
     """A phase produced NaN or infinite values (fp16 overflow); the message names the fix."""
 
 
-def check_finite(values: torch.Tensor, phase: str, dtype: torch.dtype):
-    """Raise :class:`NonFiniteError` when ``values`` (a phase's fp16 output) holds NaN or inf;
-    one flag read back per batch and phase (docs/memory.md, ``dtype`` auto).
-    """
-    if dtype != torch.float16 or bool(torch.isfinite(values).all()):
+def check_finite(values: torch.Tensor, phase: str, dtype: torch.dtype, batch: str = ""):
+    """Raise :class:`NonFiniteError` when ``values`` (a phase's output for one batch: the
+    latent, the DiT's output, the decoded frames) hold NaN or inf, naming the phase, the batch
+    and the likely cause; one flag read back per batch and phase (docs/memory.md, ``dtype``
+    auto). In fp16 the cause is its range; weight files are checked at load and input frames
+    when read, so elsewhere it is a weight of extreme magnitude."""
+    if values.device.type == "meta" or is_fake(values):
+        return  # a traced run (placement, memory): no values to read
+    if bool(torch.isfinite(values).all()):
         return
+    stopped = f"; stopped at {batch}" if batch else ""
+    if dtype == torch.float16:
+        raise NonFiniteError(
+            f"the {phase} produced NaN or infinite values in fp16 (its range ends at 65504): "
+            f"set dtype to fp32 (--dtype fp32; or bf16 on a GPU of compute capability 8.0 or "
+            f"newer, where dtype auto picks it){stopped}")
     raise NonFiniteError(
-        f"the {phase} produced NaN or infinite values in fp16 (its range ends at 65504): "
-        f"set dtype to fp32 (--dtype fp32; or bf16 on a GPU of compute capability 8.0 or "
-        f"newer, where dtype auto picks it)")
+        f"the {phase} produced NaN or infinite values in {str(dtype).replace('torch.', '')}: "
+        f"its weights hold finite values (checked at load), so the likely cause is a weight of "
+        f"extreme magnitude (a hand-made or damaged quantised file: try the released weights) "
+        f"or, with dtype fp16, an overflow{stopped}")
 
 
 def resolve_offload(name: str) -> torch.device | None:

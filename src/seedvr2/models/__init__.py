@@ -1,7 +1,9 @@
 """SeedVR2 models in pure torch: the NaDiT (3B and 7B families) and the causal video VAE.
 
-Nothing here knows about files, devices or processes; ``seedvr2.loading`` builds these
-modules from checkpoints.
+Nothing here knows about weight files, ComfyUI or processes; ``seedvr2.loading`` builds these
+modules from checkpoints. What the models do read: their shipped configs (``configs/*.json``),
+and of the device only what picks a kernel (the attention backend by compute capability) or
+keys a cache (window layouts per CUDA stream).
 """
 
 from __future__ import annotations
@@ -35,5 +37,17 @@ def build_on_meta(kind: str, config) -> torch.nn.Module:
         return build_dit(config) if kind == "dit" else build_vae(config)
 
 
+def set_tensor(module: torch.nn.Module, name: str, tensor: torch.Tensor):
+    """Replace the parameter or buffer ``name`` (dotted) of ``module`` by ``tensor``: how a
+    model built on ``meta`` receives its weights, and how placement swaps them."""
+    owner_name, _, attr = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    if attr in owner._parameters:
+        owner._parameters[attr] = tensor if isinstance(tensor, torch.nn.Parameter) else \
+            torch.nn.Parameter(tensor, requires_grad=False)
+    else:
+        owner._buffers[attr] = tensor
+
+
 __all__ = ["ConfigError", "DiTConfig", "VAEConfig", "build_dit", "build_on_meta", "build_vae",
-           "dit_config", "vae_config"]
+           "dit_config", "set_tensor", "vae_config"]

@@ -30,6 +30,7 @@ from ..errors import SeedVR2Error
 from ..io.segments import SegmentConcat, sync_file
 from ..io.temporaries import RESUME_JOURNAL, lock_folder, resume_folder
 from ..faults import NO_FAULTS, Faults
+from ..version import __version__
 from ..loading.registry import sha256_of
 from .identity import files_digest
 from .plan import BatchPlan
@@ -133,8 +134,6 @@ def _journal_identity(identity: dict, plan: BatchPlan, output, compute_dtype: to
                       segment_frames: int) -> dict:
     """Everything a kept piece's frames and bytes depend on: the job's identity, its plan and
     its output (not the checkpoint interval: parts hold exact frames wherever they end)."""
-    from .. import __version__
-
     dst = str(output.dst)
     return {
         "segment_ext": Path(dst).suffix.lower() if output.is_video else "/",

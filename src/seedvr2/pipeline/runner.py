@@ -150,6 +150,11 @@ class JobStats:
         return ", ".join(p.describe(name) for name, p in self.phases.items())
 
 
+def _batch_name(batch: Batch) -> str:
+    """``batch 2 (frames 8 to 15)``: a batch for messages, by its plan frames counted from 0."""
+    return f"batch {batch.index} (frames {batch.start} to {batch.stop - 1})"
+
+
 def output_size(height: int, width: int, opts: Options) -> tuple[int, int]:
     """Output (H, W): short edge = resolution, long edge capped by max_resolution, even sizes."""
     scale = opts.resolution / min(height, width)
@@ -494,6 +499,7 @@ class Upscaler:
         latent = vae.sample_posterior(mean, logvar, noise=eps)
         # A host offload device is the user's choice of memory over speed: that copy (and
         # the one back) waits for the device.
+        check_finite(latent, "VAE encoder", self.dtype, _batch_name(batch))
         latent = (latent[0].permute(1, 2, 3, 0).float() * LATENT_SCALE).to(self.offload)
         return _Encoded(batch, latent, source, size)
 
@@ -518,7 +524,7 @@ class Upscaler:
         v = dit(vid.reshape(-1, vid.shape[-1]).to(self.dtype), text,
                 torch.tensor([[t, h, w]]), torch.tensor([[text.shape[0]]]),
                 torch.full((1,), T, device=device))
-        check_finite(v, "DiT", self.dtype)
+        check_finite(v, "DiT", self.dtype, _batch_name(item.batch))
         item.result = x0_from_velocity(noise, v.float().reshape(noise.shape)).to(self.offload)
         item.latent = None
 
@@ -527,7 +533,7 @@ class Upscaler:
         z = (item.result.to(device) / LATENT_SCALE).permute(3, 0, 1, 2)[None]
         video = tiling.decode(self.models.vae, z.to(self.dtype), self.decode_tiles,
                               self.decode_slice, self._vae_between)  # (1, 3, T, H16, W16)
-        check_finite(video, "VAE decoder", self.dtype)
+        check_finite(video, "VAE decoder", self.dtype, _batch_name(item.batch))
         item.result = None
         n = item.batch.frames
         frames = video[0, :, :n, : size[0], : size[1]].permute(1, 0, 2, 3).float()  # (n, 3, H, W)

@@ -126,7 +126,7 @@ def _ready_model(ref: ModelRef, opts: Options, dtype, device, offload):
 
 
 def _budget_job(opts: Options, size: tuple[int, int], batch: int, dtype: torch.dtype,
-                text_tokens: int, compute_devices: set) -> mem.Job:
+                text_tokens: int, compute_devices: set) -> mem.BatchShape:
     """The budget's view of one batch; chunk tensors count only when they wait on a compute
     device (tensor_offload_device none or equal to the DiT's / VAE's device)."""
     (encode, encode_slice), (decode, decode_slice) = (settings_from_options(opts, stage)
@@ -135,7 +135,7 @@ def _budget_job(opts: Options, size: tuple[int, int], batch: int, dtype: torch.d
         str(resolve_device(opts.tensor_offload_device))
     on_device = waits_on is None or waits_on in compute_devices
     chunk = opts.chunk_size if on_device else None
-    return mem.Job(size[0], size[1], batch, dtype.itemsize, text_tokens, encode, decode, chunk,
+    return mem.BatchShape(size[0], size[1], batch, dtype.itemsize, text_tokens, encode, decode, chunk,
                    encode_slice, decode_slice)
 
 
@@ -229,7 +229,7 @@ def _available_memory(models: Models, devices: set) -> dict:
     return {d: a for d, a in available.items() if a is not None}
 
 
-def _auto_batch(budget, one_batch: mem.Job, place, limits: dict, plan_frames: int,
+def _auto_batch(budget, one_batch: mem.BatchShape, place, limits: dict, plan_frames: int,
                 opts: Options) -> int:
     """The one ``batch_size="auto"`` decision: the largest batch whose estimate fits every
     device of ``limits`` (bytes available), else (nothing known) the smallest candidate."""
@@ -239,7 +239,7 @@ def _auto_batch(budget, one_batch: mem.Job, place, limits: dict, plan_frames: in
     return mem.batch_candidates(plan_frames, opts.temporal_overlap)[-1]
 
 
-def _checked_estimate(budget, job: mem.Job, place, known: dict):
+def _checked_estimate(budget, job: mem.BatchShape, place, known: dict):
     """The job's estimate, checked against the memory available (``known``)."""
     try:
         est = mem.check(budget, job, place, known)

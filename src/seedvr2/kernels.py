@@ -1,0 +1,480 @@
+"""The external kernels we call, what each requires, and where each runs.
+
+Every precondition is quoted once, here, with its source and version: comfy-kitchen 0.2.40's
+CUDA backend (``comfy_kitchen/backends/cuda/__init__.py``: its asserts and its
+``_build_constraints``), torch's ``_scaled_mm`` (``torch/_meta_registrations.py``, which
+mirrors ``aten/src/ATen/native/cuda/Blas.cpp``; torch 2.11 to 2.14), SDPA's fused kernels
+(``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``) and the 32-bit index limit of
+cuDNN convolutions. The eager backends run on any device and accept calls the GPU kernels
+refuse, so these rules are what a CPU test checks every call against (tests/kernel_checks.py,
+docs/development.md "Kernel preconditions"), and the dispatch (``loading.lowp``) reads the
+same rules to decide what a GPU of a given platform and capability runs.
+
+This module imports torch only: any layer may use it, as ``errors.py``. comfy-kitchen is
+imported by :func:`kitchen` on the first low-precision product, never with the pack.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+
+log = logging.getLogger("seedvr2")
+
+KITCHEN_VERSION = "0.2.40"
+_KITCHEN_CUDA = f"comfy-kitchen {KITCHEN_VERSION}, comfy_kitchen/backends/cuda/__init__.py"
+_KITCHEN_EAGER = f"comfy-kitchen {KITCHEN_VERSION}, comfy_kitchen/backends/eager/quantization.py"
+_TORCH_SCALED_MM = ("torch 2.11-2.14, torch/_meta_registrations.py _check_scaled_mm_sizes and "
+                    "aten/src/ATen/native/cuda/Blas.cpp _scaled_mm_out_cuda")
+_TORCH_SDPA = "torch 2.11-2.14, aten/src/ATen/native/transformers/cuda/sdp_utils.cpp"
+_TORCH_CONV = "torch 2.11-2.14, aten/src/ATen/native/Convolution.cpp (cuDNN path)"
+
+
+# ---------------------------------------------------------------------------------------------
+# where a device computes
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What decides which kernels a device runs: NVIDIA (``cuda``) with its compute capability
+    and the CUDA version torch was built for, AMD (``rocm``: ``torch.version.hip``; its
+    ``get_device_capability`` numbers are not NVIDIA's), or another device type."""
+
+    kind: str
+    capability: Optional[tuple[int, int]] = None
+    torch_cuda: Optional[tuple[int, ...]] = None
+
+    def describe(self) -> str:
+        if self.kind == "cuda":
+            cuda = ".".join(map(str, self.torch_cuda or ())) or "unknown"
+            return f"NVIDIA compute capability {self.capability[0]}.{self.capability[1]}, " \
+                   f"torch built for CUDA {cuda}"
+        return "AMD ROCm" if self.kind == "rocm" else self.kind
+
+
+def _version(text: Optional[str]) -> Optional[tuple[int, ...]]:
+    if not text:
+        return None
+    return tuple(int(part) for part in str(text).split(".")[:2] if part.isdigit())
+
+
+def platform_of(device: torch.device) -> Platform:
+    """The platform of ``device``: the platform first (ROCm reports SM-shaped capabilities,
+    MI300 9.4, RDNA3 11.x, which are not NVIDIA's), then the capability."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return Platform(device.type)
+    if getattr(torch.version, "hip", None):
+        return Platform("rocm")
+    return Platform("cuda", tuple(torch.cuda.get_device_capability(device)),
+                    _version(torch.version.cuda))
+
+
+@functools.cache
+def kitchen_installed() -> bool:
+    """Whether comfy-kitchen can be imported (looked up, not imported: importing it loads
+    its kernels, which only a low-precision product needs)."""
+    return importlib.util.find_spec("comfy_kitchen") is not None
+
+
+# ComfyUI's comfy/quant_ops.py (read for version 0.3.75 and today's main): "if
+# torch.version.cuda is None: ck.registry.disable('cuda') ... if cuda_version < (13,):
+# ck.registry.disable('cuda')": kitchen's compiled CUDA kernels are used with a torch built
+# for CUDA 13 or newer only; below, its eager backend (torch ops) computes.
+KITCHEN_CUDA_NEEDS = (13,)
+
+
+def kitchen_cuda_backend_allowed(torch_cuda: Optional[tuple[int, ...]]) -> bool:
+    return torch_cuda is not None and torch_cuda >= KITCHEN_CUDA_NEEDS
+
+
+def kitchen():
+    """comfy-kitchen, imported on first use, with its CUDA backend disabled where ComfyUI
+    disables it (torch not built for CUDA 13+); the log says once which backend computes."""
+    import comfy_kitchen as ck
+
+    _configure_kitchen(_version(torch.version.cuda))
+    return ck
+
+
+@functools.cache
+def _configure_kitchen(torch_cuda) -> None:
+    """Once per process (per CUDA version torch reports: the tests change it)."""
+    import comfy_kitchen as ck
+
+    if not kitchen_cuda_backend_allowed(torch_cuda):
+        ck.disable_backend("cuda")
+        built = "without CUDA" if torch_cuda is None else \
+            f"for CUDA {'.'.join(map(str, torch_cuda))}"
+        log.info("comfy-kitchen: low-precision products computed by its eager backend (torch "
+                 "ops): torch is built %s, and its CUDA kernels need CUDA 13 or newer (ComfyUI "
+                 "disables them likewise)", built)
+    else:
+        available = ck.list_backends().get("cuda", {}).get("available")
+        log.info("comfy-kitchen: low-precision products computed by its %s backend",
+                 "CUDA" if available else "eager")
+
+
+# ---------------------------------------------------------------------------------------------
+# preconditions
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One precondition: the source's words, and a check of a call's arguments (tensors, or
+    meta tensors of the same shapes) that says what is wrong, or None."""
+
+    quote: str
+    problem: Callable[[Mapping[str, Any]], Optional[str]]
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """An external kernel as we call it: ``name`` is the call (``comfy_kitchen.X``,
+    ``torch.X``); ``capability`` the least NVIDIA compute capability it runs on (None: any);
+    ``rocm`` whether it runs on AMD GPUs (``"kitchen"``: when comfy-kitchen registers a
+    non-eager backend for it there)."""
+
+    name: str
+    source: str
+    rules: tuple[Rule, ...]
+    capability: Optional[tuple[int, int]] = None
+    capability_quote: str = ""  # where the capability is stated, in its source's words
+    rocm: object = False  # False, True or "kitchen"
+
+    def violations(self, args: Mapping[str, Any]) -> list[str]:
+        """What the call with ``args`` (parameter name -> value) breaks, each with its rule."""
+        found = []
+        for rule in self.rules:
+            problem = rule.problem(args)
+            if problem:
+                found.append(f"{self.name}: {problem} ({self.source}: \"{rule.quote}\")")
+        return found
+
+    def runs_on(self, platform: Platform) -> Optional[str]:
+        """Why this kernel does not run on ``platform``, or None."""
+        if platform.kind == "cuda":
+            if self.capability is not None and platform.capability < self.capability:
+                return f"{self.name} needs compute capability {self.capability[0]}." \
+                       f"{self.capability[1]} ({self.capability_quote})"
+            return None
+        if platform.kind == "rocm":
+            if self.rocm == "kitchen":
+                function = self.name.rpartition(".")[2]
+                return None if kitchen_runs_on_rocm(function) else \
+                    f"comfy-kitchen has no ROCm backend for {function} here"
+            return None if self.rocm else f"{self.name} is not used on ROCm"
+        return f"{self.name} needs a GPU"
+
+
+def kitchen_runs_on_rocm(function: str) -> bool:
+    """Whether comfy-kitchen registered a backend other than eager (hip, triton) that
+    implements ``function``: what it reports available on this AMD GPU."""
+    ck = kitchen()
+    for name, backend in ck.list_backends().items():
+        if name != "eager" and backend["available"] and not backend["disabled"] and \
+                function in backend["capabilities"]:
+            return True
+    return False
+
+
+def _tensor(args, name) -> Optional[torch.Tensor]:
+    value = args.get(name)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _contiguous(*names):
+    def problem(args):
+        bad = [n for n in names if _tensor(args, n) is not None
+               and not _tensor(args, n).is_contiguous()]
+        return f"{', '.join(bad)} not contiguous" if bad else None
+    return problem
+
+
+def _dtype_in(name, dtypes):
+    def problem(args):
+        t = _tensor(args, name)
+        if t is None or t.dtype in dtypes:
+            return None
+        return f"{name} is {t.dtype}, not one of {', '.join(str(d) for d in dtypes)}"
+    return problem
+
+
+def _dims(name, ndim):
+    def problem(args):
+        t = _tensor(args, name)
+        return None if t is None or t.dim() == ndim else \
+            f"{name} has {t.dim()} dimensions, not {ndim}"
+    return problem
+
+
+def _padded_rows(multiple: int, flag: str):
+    def problem(args):
+        x = _tensor(args, "x")
+        if x is None or args.get(flag) or x.dim() != 2:
+            return None
+        rows, cols = x.shape
+        if rows % multiple or cols % multiple:
+            return f"x is {rows} x {cols}, not multiples of {multiple}, and {flag} is off"
+        return None
+    return problem
+
+
+def _roundup(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _block_scales(block: int, packed: bool):
+    """Scales of a (rows, K) operand in cuBLAS' 128x4 tiles: (roundup(rows, 128),
+    roundup(K / block, 4))."""
+    def problem(args):
+        a, b = _tensor(args, "a"), _tensor(args, "b")
+        sa, sb = _tensor(args, "block_scale_a"), _tensor(args, "block_scale_b")
+        if any(t is None for t in (a, b, sa, sb)):
+            return None
+        k = a.shape[1] * (2 if packed else 1)
+        bad = []
+        for name, rows, scale in (("block_scale_a", a.shape[0], sa), ("block_scale_b", b.shape[0], sb)):
+            want = (_roundup(rows, 128), _roundup(-(-k // block), 4))
+            if tuple(scale.shape) != want:
+                bad.append(f"{name} is {list(scale.shape)}, not {list(want)}")
+        return "; ".join(bad) or None
+    return problem
+
+
+def _same_k(args):
+    a, b = _tensor(args, "a"), _tensor(args, "b")
+    if a is None or b is None or a.shape[1] == b.shape[1]:
+        return None
+    return f"a is {list(a.shape)} and b {list(b.shape)}: their K differ"
+
+
+def _nvfp4_alpha(args):
+    alpha = _tensor(args, "alpha")
+    sa, sb = _tensor(args, "tensor_scale_a"), _tensor(args, "tensor_scale_b")
+    if alpha is None:
+        return "alpha is not given"
+    if alpha.dtype != torch.float32 or alpha.numel() != 1:
+        return f"alpha is {alpha.dtype} of {alpha.numel()} values, not one float32"
+    if sa is not None and sb is not None and alpha.device.type != "meta" and \
+            not torch.allclose((sa.float() * sb.float()).reshape(()), alpha.reshape(()).float(),
+                               rtol=0, atol=0, equal_nan=True):
+        return "alpha is not tensor_scale_a * tensor_scale_b (the eager backend ignores alpha)"
+    return None
+
+
+def _int8_weight(args):
+    weight, x, scale = _tensor(args, "weight"), _tensor(args, "x"), _tensor(args, "weight_scale")
+    if weight is None or x is None:
+        return None
+    if x.shape[-1] != weight.shape[1]:
+        return f"x has {x.shape[-1]} input features, the weight {weight.shape[1]}"
+    if scale is not None and scale.numel() not in (1, weight.shape[0]):
+        return f"weight_scale has {scale.numel()} values, not 1 or {weight.shape[0]}"
+    return None
+
+
+def _convrot_group(args):
+    if not args.get("convrot"):
+        return None
+    group, x = args.get("convrot_groupsize"), _tensor(args, "x")
+    if not isinstance(group, int) or isinstance(group, bool) or group < 4 or \
+            4 ** round(math.log(group, 4)) != group:
+        return f"convrot_groupsize {group!r} is not a power of 4"
+    if x is not None and x.shape[-1] % group:
+        return f"convrot_groupsize {group} does not divide the {x.shape[-1]} input features"
+    return None
+
+
+def _float_scale(name):
+    def problem(args):
+        t = _tensor(args, name)
+        if t is None:
+            return None
+        if t.dtype != torch.float32 or t.numel() != 1:
+            return f"{name} is {t.dtype} of {t.numel()} values, not one float32"
+        return None
+    return problem
+
+
+def _scaled_mm_layout(args):
+    a, b = _tensor(args, "self"), _tensor(args, "mat2")
+    if a is None or b is None:
+        return None
+    bad = []
+    if a.dim() == 2 and not (a.stride(1) == 1 and a.stride(0) >= a.shape[1]) and a.numel():
+        bad.append(f"self has strides {list(a.stride())}, not row-major")
+    if b.dim() == 2 and not (b.stride(0) == 1 and b.stride(1) >= b.shape[0]) and b.numel():
+        bad.append(f"mat2 has strides {list(b.stride())}, not column-major")
+    return "; ".join(bad) or None
+
+
+def _scaled_mm_sizes(args):
+    a, b = _tensor(args, "self"), _tensor(args, "mat2")
+    if a is None or b is None:
+        return None
+    if a.shape[1] % 16:
+        return f"self is {list(a.shape)}: size(1) not divisible by 16"
+    if b.shape[0] % 16 or b.shape[1] % 16:
+        return f"mat2 is {list(b.shape)}: a dimension not divisible by 16"
+    return None
+
+
+def _scaled_mm_tensorwise(args):
+    sa, sb = _tensor(args, "scale_a"), _tensor(args, "scale_b")
+    if sa is None or sb is None or sa.numel() != 1 or sb.numel() != 1:
+        return None
+    if sa.dtype != torch.float32 or sb.dtype != torch.float32:
+        return f"scales are {sa.dtype} and {sb.dtype}, not float32"
+    return None
+
+
+def _sdpa_fused(args):
+    """Flash (fp16/bf16) or memory-efficient attention can run: one head dimension for q, k
+    and v, at most 256, a multiple of the GEMM alignment (8 for fp16/bf16, 4 for fp32 on
+    compute capability 8.0+), and no mask."""
+    q, k, v = (_tensor(args, n) for n in ("query", "key", "value"))
+    if q is None or k is None or v is None:
+        return None
+    dims = {q.shape[-1], k.shape[-1], v.shape[-1]}
+    if len(dims) != 1:
+        return f"q, k, v have head dimensions {sorted(dims)}"
+    (head,) = dims
+    align = 8 if q.dtype in (torch.float16, torch.bfloat16) else 4
+    if head > 256 or head % align:
+        return f"head dimension {head} is over 256 or not a multiple of {align}"
+    if args.get("attn_mask") is not None:
+        return "an attention mask is given"
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        return "the last dimension of q, k or v is not contiguous"
+    return None
+
+
+_INT32_ELEMENTS = 2 ** 31
+
+
+def _conv_index(args):
+    x, weight = _tensor(args, "input"), _tensor(args, "weight")
+    if x is None:
+        return None
+    if x.numel() >= _INT32_ELEMENTS:
+        return f"the input has {x.numel()} elements, 2^31 or more"
+    if weight is not None and x.dim() == 5 and weight.dim() == 5:
+        out = x.shape[0] * weight.shape[0] * math.prod(x.shape[2:])  # an upper bound
+        if out >= _INT32_ELEMENTS:
+            return f"the output has up to {out} elements, 2^31 or more"
+    return None
+
+
+_HALF = (torch.float16, torch.bfloat16)
+_FLOATS = (torch.float32, *_HALF)
+
+KERNELS: dict[str, Kernel] = {k.name: k for k in (
+    Kernel("comfy_kitchen.quantize_mxfp8", _KITCHEN_CUDA, (
+        Rule("assert num_rows % 32 == 0, f\"num_rows must be divisible by 32, got {num_rows}\" "
+             "(and num_cols likewise) unless pad_32x", _padded_rows(32, "pad_32x")),
+        Rule("assert x.is_contiguous(), \"Input tensor must be contiguous\"", _contiguous("x")),
+        Rule("\"quantize_mxfp8\": x dtypes float32, float16, bfloat16, ExactDims(2)",
+             lambda a: _dtype_in("x", _FLOATS)(a) or _dims("x", 2)(a)),
+    ), rocm="kitchen"),
+    Kernel("comfy_kitchen.scaled_mm_mxfp8", f"{_KITCHEN_EAGER} (no CUDA backend in "
+           f"{KITCHEN_VERSION}: torch's block-scaled scaled_mm, BlockWise1x32, SWIZZLE_32_4_4)", (
+        Rule("\"scaled_mm_mxfp8\": a, b float8_e4m3fn, ExactDims(2); block scales "
+             "float8_e8m0fnu", lambda a: _dtype_in("a", (torch.float8_e4m3fn,))(a)
+             or _dtype_in("b", (torch.float8_e4m3fn,))(a)
+             or _dtype_in("block_scale_a", (torch.float8_e8m0fnu,))(a)
+             or _dtype_in("block_scale_b", (torch.float8_e8m0fnu,))(a)),
+        Rule("For blockwise scaling, scale_a should have expected_a_size elements "
+             "(block_size_mn * ceil_div(m, 128) * ceil_div(num_k_blocks, 4) * 4)",
+             _block_scales(32, packed=False)),
+        Rule("mat1 and mat2 shapes cannot be multiplied", _same_k),
+        Rule("Expected self.size(1) to be divisible by 16 ... both dimensions of mat2",
+             lambda a: None if _tensor(a, "b") is None or _tensor(a, "a") is None
+             or (_tensor(a, "a").shape[1] % 16 == 0 and _tensor(a, "b").shape[0] % 16 == 0)
+             else "K or N not divisible by 16"),
+    ), capability=(10, 0), capability_quote=f"comfy-kitchen {KITCHEN_VERSION}, "
+       f"comfy_kitchen/tensor/mxfp8.py TensorCoreMXFP8Layout: \"Requires SM >= 10.0 (Blackwell) "
+       f"for hardware-accelerated matmul.\" MIN_SM_VERSION = (10, 0)", rocm=False),
+    Kernel("comfy_kitchen.quantize_nvfp4", _KITCHEN_CUDA, (
+        Rule("assert num_rows % 16 == 0, f\"num_rows must be divisible by 16, got {num_rows}\" "
+             "(and num_cols likewise) unless pad_16x", _padded_rows(16, "pad_16x")),
+        Rule("assert x.is_contiguous(), \"Input tensor must be contiguous\"", _contiguous("x")),
+        Rule("\"quantize_nvfp4\": x float32, float16, bfloat16, ExactDims(2); per_tensor_scale "
+             "float32", lambda a: _dtype_in("x", _FLOATS)(a) or _dims("x", 2)(a)
+             or _dtype_in("per_tensor_scale", (torch.float32,))(a)),
+    ), rocm="kitchen"),
+    Kernel("comfy_kitchen.scaled_mm_nvfp4", _KITCHEN_CUDA, (
+        Rule("\"scaled_mm_nvfp4\": a, b uint8 with DivisibleBy(dim=1, factor=16); block scales "
+             "float8_e4m3fn; out_dtype float16 or bfloat16",
+             lambda a: _dtype_in("a", (torch.uint8,))(a) or _dtype_in("b", (torch.uint8,))(a)
+             or (None if _tensor(a, "a") is None or _tensor(a, "a").shape[1] % 16 == 0
+                 else "a's packed K is not divisible by 16")
+             or _dtype_in("block_scale_a", (torch.float8_e4m3fn,))(a)
+             or _dtype_in("block_scale_b", (torch.float8_e4m3fn,))(a)
+             or (None if a.get("out_dtype") in _HALF else "out_dtype not float16/bfloat16")),
+        Rule("assert n % 8 == 0, \"B tensor must have 8 alignment in N dimension\"",
+             lambda a: None if _tensor(a, "b") is None or _tensor(a, "b").shape[0] % 8 == 0
+             else f"N = {_tensor(a, 'b').shape[0]} is not a multiple of 8"),
+        Rule("assert block_scale_a.size() == (roundup_m, roundup_sk), \"Invalid A scale shape\"",
+             _block_scales(16, packed=True)),
+        Rule("assert k_a == k_b, \"Matrix dimensions do not match\"", _same_k),
+        Rule("assert alpha.dtype == torch.float32, \"alpha must be float32\"; assert "
+             "alpha.numel() == 1", _nvfp4_alpha),
+    ), capability=(10, 0), rocm=False),
+    Kernel("comfy_kitchen.int8_linear", _KITCHEN_CUDA, (
+        Rule("\"int8_linear\": x float32/float16/bfloat16, MinDims(2); weight int8, ExactDims(2); "
+             "weight_scale float32; min_compute_capability=(7, 5)",
+             lambda a: _dtype_in("x", _FLOATS)(a) or _dtype_in("weight", (torch.int8,))(a)
+             or _dims("weight", 2)(a) or _dtype_in("weight_scale", (torch.float32,))(a)),
+        Rule("assert k == k_w, \"Input and weight inner dimensions must match\"; INT8 weight "
+             "scale must be scalar or per-output-channel", _int8_weight),
+        Rule("Regular Hadamard size must be a power of 4 (comfy_kitchen/tensor/int8_utils.py "
+             "_build_hadamard); ConvRot group size does not divide input features",
+             _convrot_group),
+    ), capability=(7, 5), capability_quote=f"{_KITCHEN_CUDA} _build_constraints: "
+       f"\"int8_linear\" ... min_compute_capability=(7, 5)", rocm="kitchen"),
+    Kernel("comfy_kitchen.quantize_per_tensor_fp8", _KITCHEN_CUDA, (
+        Rule("\"quantize_per_tensor_fp8\": x float32/float16/bfloat16; scale float32; "
+             "output_type float8_e4m3fn or float8_e5m2",
+             lambda a: _dtype_in("x", _FLOATS)(a) or _dtype_in("scale", (torch.float32,))(a)),
+    ), rocm="kitchen"),
+    Kernel("torch._scaled_mm", _TORCH_SCALED_MM, (
+        Rule("self must be row_major ... mat2 must be col_major", _scaled_mm_layout),
+        Rule("Expected self.size(1) to be divisible by 16 ... Expected both dimensions of mat2 "
+             "to be divisible by 16", _scaled_mm_sizes),
+        Rule("For tensorwise scaling, both scale_a and scale_b must be float (fp32) tensors.",
+             _scaled_mm_tensorwise),
+    ), capability=(8, 9), capability_quote="aten/src/ATen/native/cuda/Blas.cpp: \"torch._scaled_mm "
+       "is only supported on CUDA devices with compute capability >= 9.0 or 8.9, or ROCm MI300+\"",
+       rocm=False),
+    Kernel("torch.nn.functional.scaled_dot_product_attention", _TORCH_SDPA, (
+        Rule("Flash attention requires q,k,v to have the same last dimension and to be less "
+             "than or equal to 256 (check_head_dim_size_flash); the memory-efficient kernel's "
+             "last dimension a multiple of minimum_gemm_alignment (8 for fp16/bf16, 4 for "
+             "fp32); both refuse attn_mask and a strided last dimension", _sdpa_fused),
+    ), rocm=True),
+    Kernel("torch.nn.functional.conv3d", _TORCH_CONV, (
+        Rule("Expected canUse32BitIndexMath(input) && canUse32BitIndexMath(output) to be true "
+             "(cuDNN indexes with 32 bits; older cuDNN takes a slow path above)", _conv_index),
+    ), rocm=True),
+)}
+
+
+def violations(name: str, args: Mapping[str, Any]) -> list[str]:
+    """What a call of the kernel ``name`` with ``args`` breaks (empty: none)."""
+    return KERNELS[name].violations(args)
+
+
+def runs_on(names, platform: Platform) -> Optional[str]:
+    """Why the kernels ``names`` do not all run on ``platform``, or None."""
+    for name in names:
+        reason = KERNELS[name].runs_on(platform)
+        if reason:
+            return reason
+    return None

@@ -1,0 +1,12 @@
+"""Every storage format of ``loading/``, imported so that each registers its row of
+:data:`~.packed.FORMATS`. Whatever reads the table (the safetensors reader, the loader, the
+low-precision dispatch, ``seedvr2 quantize``) imports this module first; a new format is one
+module that registers its row, and one name below.
+"""
+
+from __future__ import annotations
+
+from . import fp8, gguf, int8, mxfp8, nvfp4  # noqa: F401 -- each registers its format
+from .packed import FORMATS, MARKERS, SCHEMES, TARGETS
+
+__all__ = ["FORMATS", "MARKERS", "SCHEMES", "TARGETS"]
