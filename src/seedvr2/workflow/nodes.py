@@ -533,9 +533,14 @@ def _stop_check(host: Host) -> Callable[[], bool]:
     return should_stop
 
 
-def _run_facade(host: Host, dit: ModelHandle, vae: ModelHandle, inputs: dict, call: Callable):
+def _run_facade(host: Host, dit: ModelHandle, vae: ModelHandle, inputs: dict, call: Callable,
+                live_preview: bool = True):
     """Run ``call(dit path, vae path, model_dir=, progress=, should_stop=, **options)``: one
-    facade call, which loads the models (or takes them from the library's model cache)."""
+    facade call, which loads the models (or takes them from the library's model cache).
+    ``live_preview``: the node shows the newest finished frame while it runs. Off for a node
+    that shows its result itself: the editor (frontend 1.32 to 1.58, useNodeOutputStore's
+    getNodeImageUrls) draws a node's previews instead of its outputs until the node runs
+    again, so the finished video would never show."""
     from ..pipeline.runner import Interrupted
 
     job = plan_job(dit, vae, *_split_inputs(inputs))
@@ -553,7 +558,8 @@ def _run_facade(host: Host, dit: ModelHandle, vae: ModelHandle, inputs: dict, ca
         with torch.inference_mode(False):
             return call(dit.path, vae.path, model_dir=model_dir,
                         progress=_progress_callback(host), should_stop=_stop_check(host),
-                        make_room=host.make_room, preview=host.preview, **job.options)
+                        make_room=host.make_room,
+                        preview=host.preview if live_preview else None, **job.options)
     except Interrupted:
         host.raise_interrupted()
         raise
@@ -643,7 +649,8 @@ def _upscale_video_file(host: Host, dit: ModelHandle, vae: ModelHandle, video_pa
     suffix = ".png" if info.kind == "image" and Path(src).suffix.lower() in IMAGE_EXTENSIONS else ".mp4"
     dst, saved = host.output_file(output_prefix(filename_prefix, VIDEO_FILE_PREFIX), suffix,
                                   width, height)
-    out = _run_facade(host, dit, vae, inputs, partial(upscale_file, src, dst, codec=codec))
+    out = _run_facade(host, dit, vae, inputs, partial(upscale_file, src, dst, codec=codec),
+                      live_preview=False)  # the finished video plays on the node
     # The editor draws a node's "images" (with "animated" set, as a video player), as it does
     # for ComfyUI's Save Video.
     ui = {"images": [saved]}
