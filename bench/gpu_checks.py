@@ -70,6 +70,7 @@ from dit_forward import count_flops  # noqa: E402
 
 from seedvr2.models import build_dit, build_vae, dit_config, vae_config  # noqa: E402
 from seedvr2.models.config import shipped_config  # noqa: E402
+from seedvr2.models.vae_paths import VaePaths  # noqa: E402
 
 SECTIONS = ("env", "e2e", "mfu", "blockswap", "vae", "dequant", "room", "lowp")
 # Seconds each section may run on the GPU (its rows then stop); the sum stays under the
@@ -631,7 +632,7 @@ def check_vae(run: Run):
         for benchmark, channels_last in VAE_COMBOS:
             opts = resolve_options(vae_cudnn_benchmark=benchmark, vae_channels_last=channels_last)
             vae.set_conv_settings(cudnn_benchmark=opts.vae_cudnn_benchmark,
-                                  channels_last=opts.vae_channels_last)
+                                  paths=VaePaths(channels_last=opts.vae_channels_last))
             for stage in ("encode", "decode"):
                 tiles, slices = tiling.settings_from_options(opts, stage)
                 work = (lambda: tiling.encode_posterior(vae, video, tiles, slices)) \
@@ -647,7 +648,7 @@ def check_vae(run: Run):
                 measure(r, "vae", f"{stage} {scale.label('1080p')} x {scale.frames}, "
                         f"cudnn.benchmark {on(benchmark)}, channels_last_3d {on(channels_last)}",
                         vae_row)
-        vae.set_conv_settings(cudnn_benchmark=False, channels_last=False)
+        vae.set_conv_settings(cudnn_benchmark=False)
         tiles, slices = tiling.settings_from_options(resolve_options(), "decode")
 
         def decode_syncs():

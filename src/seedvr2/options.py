@@ -258,6 +258,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "a shape is slower); off leaves PyTorch's setting as it is"),
     Option("vae_channels_last", bool, False, "run the VAE's 3-D convolutions on channels-last "
            "(NDHWC) tensors and weights, the layout GPU tensor cores read without a transpose"),
+    Option("vae_fp16_accumulation", bool, False, "with an fp16 VAE on a GPU, run its 3-D "
+           "convolutions through comfy-kitchen's fp16_conv3d, which accumulates in fp16: faster, "
+           "about 16 dB lower PSNR against float32 (docs/memory.md, \"VAE kernel paths\"); "
+           "ignored, with a warning, where it cannot run"),
     Option("vae_encode_tiled", bool, False, "encode in spatial tiles (bounded VRAM at any size)"),
     Option("vae_encode_tile_size", int, 512, "encode tile size in pixels", min=64, max=16384,
            check=_tile_problem),
@@ -326,7 +330,8 @@ AREAS: dict[str, tuple[str, ...]] = {
                         "vae_encode_tile_size", "vae_encode_tile_overlap", "vae_decode_tiled",
                         "vae_decode_tile_size", "vae_decode_tile_overlap", "vae_tiling_exact",
                         "vae_encode_temporal_slice", "vae_decode_temporal_slice"),
-    "speed and compile": ("attention_backend", "vae_cudnn_benchmark", "vae_channels_last", "uniform_batch_size", "compile", "compile_backend",
+    "speed and compile": ("attention_backend", "vae_cudnn_benchmark", "vae_channels_last",
+                          "vae_fp16_accumulation", "uniform_batch_size", "compile", "compile_backend",
                           "compile_mode", "compile_fullgraph", "compile_dynamic"),
     "several GPUs": ("devices", "sequence_parallel", "dist_timeout"),
 }

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import VAEConfig
+from .vae_paths import TODAY, VaePaths
 from .vae_blocks import (
     NORM_EPS,
     CausalCache,
@@ -115,18 +116,24 @@ class VideoAutoencoder(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.encoder.conv_in.weight.dtype
 
-    # -- convolution settings (options vae_cudnn_benchmark, vae_channels_last) ---------------
+    # -- convolution settings (options vae_cudnn_benchmark, vae_channels_last, ...) ----------
 
     cudnn_benchmark = False
+    paths: VaePaths = TODAY
 
-    def set_conv_settings(self, *, cudnn_benchmark: bool, channels_last: bool) -> None:
+    def set_conv_settings(self, *, cudnn_benchmark: bool, paths: VaePaths = TODAY) -> None:
         """``cudnn_benchmark``: cuDNN times its algorithms for each new convolution shape while
-        this VAE runs (see :meth:`conv_settings`); ``channels_last``: every convolution runs on
-        channels-last tensors (see ``vae_blocks.conv3d``)."""
+        this VAE runs (see :meth:`conv_settings`); ``paths``: the kernels its convolutions,
+        norms and causal caches run on (``vae_paths.choose_paths``; default today's)."""
         self.cudnn_benchmark = bool(cudnn_benchmark)
+        self.paths = paths
         for module in self.modules():
             if isinstance(module, CausalConv3d):
-                module.channels_last = bool(channels_last)
+                module.paths = paths
+
+    def new_cache(self) -> CausalCache:
+        """A fresh causal cache for one clip and direction, on this VAE's paths."""
+        return CausalCache(paths=self.paths)
 
     @contextlib.contextmanager
     def conv_settings(self):

@@ -8,11 +8,15 @@ official checkpoint, so a released state dict loads strictly. See docs/models.md
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from . import vae_paths
+from .vae_paths import TODAY, PackedTail, VaePaths
 
 _int3 = Union[int, Tuple[int, int, int]]
 
@@ -40,31 +44,51 @@ def _triple(value: _int3) -> Tuple[int, int, int]:
 
 
 def conv3d(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: _int3 = 1,
-           padding: _int3 = 0, channels_last: bool = False) -> Tensor:
-    """``F.conv3d``; ``channels_last`` runs it on channels-last (NDHWC) input and weight (the
-    layout cuDNN's tensor-core kernels work in; channels-first inputs may be transposed inside
-    cuDNN) and returns the result channels-first again: everything around the convolutions
-    (views, in-place writes into padded buffers) stays in the one layout it is written for.
-    Whether the two copies this costs pay off is what ``bench/gpu_checks.sh`` measures."""
-    if not channels_last:
+           padding: _int3 = 0, paths: VaePaths = TODAY) -> Tensor:
+    """``F.conv3d`` on the VAE's kernel paths (``vae_paths``), channels-first out.
+
+    ``paths.channels_last`` runs it on channels-last (NDHWC) input and weight (the layout
+    cuDNN's tensor-core kernels work in; a channels-last padded buffer and its bands need no
+    conversion of the input) and returns the result channels-first again: everything around
+    the convolutions stays in the layout it is written for. ``paths.fp16_accumulation`` (fp16
+    inputs): comfy-kitchen's ``fp16_conv3d`` on the zero-padded input."""
+    if paths.fp16_accumulation and x.dtype == torch.float16:
+        pt, ph, pw = _triple(padding)
+        return vae_paths.fp16_conv3d(x, weight, bias, stride, (pw, pw, ph, ph, pt, pt))
+    if not paths.channels_last:
         return F.conv3d(x, weight, bias, stride, padding)
     layout = torch.channels_last_3d
     return F.conv3d(x.contiguous(memory_format=layout), weight.contiguous(memory_format=layout),
                     bias, stride, padding).contiguous()
 
 
+@dataclass(frozen=True)
+class ConvSpec:
+    """One convolution's weights, geometry and kernel paths, as :func:`conv_rows` runs it."""
+
+    weight: Tensor
+    bias: Optional[Tensor]
+    stride: Tuple[int, int, int] = (1, 1, 1)
+    padding: Tuple[int, int, int] = (0, 0, 0)
+    paths: VaePaths = TODAY
+
+    def fp16(self, x: Tensor) -> bool:
+        return self.paths.fp16_accumulation and x.dtype == torch.float16
+
+
 def conv3d_in_bands(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: _int3 = 1,
                     padding: _int3 = 0, limit: Optional[int] = None,
-                    channels_last: bool = False, out: Optional[Tensor] = None) -> Tensor:
+                    paths: VaePaths = TODAY, out: Optional[Tensor] = None) -> Tensor:
     """``F.conv3d(x, weight, bias, stride, padding)``, as several calls on bands of output rows
     when the input or output has more than ``limit`` (default :data:`SPLIT_ELEMENTS`) elements;
     each band reads exactly its input rows and halo, so every output element is the same sum
     (docs/models.md, "Large tensors"). Written into ``out`` when given (any strides: a view
-    into a padded buffer). ``channels_last``: see :func:`conv3d`.
+    into a padded buffer). ``paths``: see :func:`conv3d`.
     """
     B, C, T, H, W = x.shape
     rows = RowSource(lambda a, b: x[:, :, :, a:b], (B, C, T, H, W), B * C * T * W)
-    return conv_rows(rows, weight, bias, stride, padding, limit, channels_last, out)
+    spec = ConvSpec(weight, bias, _triple(stride), _triple(padding), paths)
+    return conv_rows(rows, spec, limit, out)
 
 
 class RowSource:
@@ -77,53 +101,61 @@ class RowSource:
         self.band, self.shape, self.row_elements = band, tuple(shape), row_elements
 
 
-def conv_rows(rows: RowSource, weight: Tensor, bias: Optional[Tensor], stride: _int3 = 1,
-              padding: _int3 = 0, limit: Optional[int] = None, channels_last: bool = False,
-              out: Optional[Tensor] = None) -> Tensor:
-    """:func:`conv3d_in_bands` on an input given as a :class:`RowSource`. Over ``limit``, bands
-    hold at most a quarter of it (each band's input, output and copies are temporaries).
+def conv_rows(rows: RowSource, spec: ConvSpec, limit: Optional[int] = None,
+              out: Optional[Tensor] = None, residual: Optional[Tensor] = None) -> Tensor:
+    """:func:`conv3d_in_bands` on an input given as a :class:`RowSource`, plus ``residual``
+    when given (fused into fp16_conv3d on that path). Over ``limit``, bands hold at most a
+    quarter of it (each band's input, output and copies are temporaries); on the fp16 path,
+    whose input is padded first, the whole input goes in one call up to half the limit.
 
     A band at the top or bottom edge is convolved with the conv's own zero padding of rows
     and the output rows that padding adds beyond the band are dropped (stride 1 in H: no padded
     copy of the band); a strided conv with row padding pads a copy instead."""
     limit = SPLIT_ELEMENTS if limit is None else limit
-    stride, padding = _triple(stride), _triple(padding)
     B, C, T, H, W = rows.shape
-    O, _, kt, kh, kw = weight.shape
+    O, _, kt, kh, kw = spec.weight.shape
     out_t, out_h, out_w = ((n + 2 * p - k) // s + 1 for n, p, k, s in
-                           zip((T, H, W), padding, (kt, kh, kw), stride))
+                           zip((T, H, W), spec.padding, (kt, kh, kw), spec.stride))
     out_row = B * O * out_t * out_w
-    if max(rows.row_elements * H, out_row * out_h) <= limit:
-        y = conv3d(rows.band(0, H), weight, bias, stride, padding, channels_last)
+    whole = limit // 2 if spec.paths.fp16_accumulation else limit
+    if max(rows.row_elements * H, out_row * out_h) <= whole:
+        y = _conv_band(rows, spec, (0, out_h), residual)
         return y if out is None else out.copy_(y)
     band_limit = limit // 4
     count = max(1, min(band_limit // out_row,
-                       (band_limit // rows.row_elements - kh) // stride[1] + 1))
+                       (band_limit // rows.row_elements - kh) // spec.stride[1] + 1))
     if out is None:
-        out = weight.new_empty(B, O, out_t, out_h, out_w)
+        out = spec.weight.new_empty(B, O, out_t, out_h, out_w)
     for o0 in range(0, out_h, count):
         o1 = min(o0 + count, out_h)
-        out[:, :, :, o0:o1] = _conv_band(rows, weight, bias, stride, padding, (o0, o1),
-                                         channels_last)
+        out[:, :, :, o0:o1] = _conv_band(rows, spec, (o0, o1), residual)
     return out
 
 
-def _conv_band(rows: RowSource, weight: Tensor, bias: Optional[Tensor],
-               stride: Tuple[int, int, int], padding: Tuple[int, int, int],
-               band: Tuple[int, int], channels_last: bool) -> Tensor:
-    """Output rows ``[o0, o1)`` of :func:`conv_rows`."""
+def _conv_band(rows: RowSource, spec: ConvSpec, band: Tuple[int, int],
+               residual: Optional[Tensor]) -> Tensor:
+    """Output rows ``[o0, o1)`` of :func:`conv_rows` (all of them: one call)."""
     o0, o1 = band
-    H, kh, sh, ph = rows.shape[3], weight.shape[3], stride[1], padding[1]
+    H, kh = rows.shape[3], spec.weight.shape[3]
+    (pt, ph, pw), sh = spec.padding, spec.stride[1]
     lo, hi = o0 * sh - ph, (o1 - 1) * sh - ph + kh
     x = rows.band(max(lo, 0), min(hi, H))
-    if lo >= 0 and hi <= H:
-        return conv3d(x, weight, bias, stride, (padding[0], 0, padding[2]), channels_last)
-    if sh == 1:  # the conv pads the clipped rows itself; drop what it adds past the band
-        y = conv3d(x, weight, bias, stride, padding, channels_last)
+    if residual is not None:
+        residual = residual[:, :, :, o0:o1]
+    if spec.fp16(x):  # the kernel pads nothing: the missing rows, columns and frames here
+        return vae_paths.fp16_conv3d(x, spec.weight, spec.bias, spec.stride,
+                                     (pw, pw, max(-lo, 0), max(hi - H, 0), pt, pt), residual)
+    if lo == -ph and hi - H == ph or lo >= 0 and hi <= H:  # all rows, or none at an edge
+        y = conv3d(x, spec.weight, spec.bias, spec.stride, (pt, ph if lo < 0 else 0, pw),
+                   spec.paths)
+    elif sh == 1:  # the conv pads the clipped rows itself; drop what it adds past the band
+        y = conv3d(x, spec.weight, spec.bias, spec.stride, spec.padding, spec.paths)
         start = o0 - max(lo, 0)  # band output j is output row max(lo, 0) + j
-        return y[:, :, :, start:start + (o1 - o0)]
-    x = F.pad(x, (0, 0, max(-lo, 0), max(hi - H, 0)))
-    return conv3d(x, weight, bias, stride, (padding[0], 0, padding[2]), channels_last)
+        y = y[:, :, :, start:start + (o1 - o0)]
+    else:
+        x = F.pad(x, (0, 0, max(-lo, 0), max(hi - H, 0)))
+        y = conv3d(x, spec.weight, spec.bias, spec.stride, (pt, 0, pw), spec.paths)
+    return y if residual is None else y.add_(residual)
 
 
 def frame_group_stats(x: Tensor, groups: int) -> Tuple[Tensor, Tensor]:
@@ -155,21 +187,50 @@ class CausalCache:
 
     One fresh cache per clip and direction, chunks in order (``1 + 4k`` frames first when
     encoding, then multiples of 4). ``temporal=False`` carries nothing between calls: for
-    subclasses that only override :meth:`group_norm_stats`.
+    subclasses that only override :meth:`group_norm_stats`. ``paths.int8_cache_bytes``: tails
+    of at least that many bytes are kept in int8 (``vae_paths.PackedTail``), in host memory with
+    ``paths.cache_offload``, each fetched back while the conv before it runs.
     """
 
-    def __init__(self, temporal: bool = True) -> None:
+    def __init__(self, temporal: bool = True, paths: VaePaths = TODAY) -> None:
         self.temporal = temporal
-        self._tails: Dict[nn.Module, Tensor] = {}
+        self.paths = paths
+        self._tails: Dict[nn.Module, Union[Tensor, PackedTail]] = {}
+        self._ahead: Dict[nn.Module, PackedTail] = {}  # tails on their way back to the GPU
         self._seen: set = set()
 
     def tail(self, module: nn.Module) -> Optional[Tensor]:
-        return self._tails.get(module)
+        kept = self._tails.get(module)
+        if not isinstance(kept, PackedTail):
+            return kept
+        ready = self._ahead.pop(module, None) or kept.fetch(module.weight.device)
+        self._prefetch_after(module)
+        return ready.unpack()
+
+    def _prefetch_after(self, module: nn.Module) -> None:
+        """Start copying the next parked tail (layer order: the order tails were first set)
+        from pinned host memory to its device, so it is there when its conv asks."""
+        modules = list(self._tails)
+        for following in modules[modules.index(module) + 1:]:
+            kept = self._tails[following]
+            if isinstance(kept, PackedTail) and kept.codes.device != following.weight.device:
+                self._ahead[following] = kept.fetch(following.weight.device)
+                return
+
+    def tail_length(self, module: nn.Module) -> Optional[int]:
+        kept = self._tails.get(module)
+        return None if kept is None else kept.shape[2]
 
     def set_tail(self, module: nn.Module, frames: Tensor, fresh: bool = False) -> None:
         """Keep ``frames`` for ``module``'s next chunk: a copy, so that the (much larger) padded
         input they are sliced from can be freed; ``fresh``: a tensor of their own, kept as is."""
-        if self.temporal:
+        if not self.temporal:
+            return
+        limit = self.paths.int8_cache_bytes
+        self._ahead.pop(module, None)
+        if limit is not None and frames.numel() * frames.element_size() >= limit:
+            self._tails[module] = PackedTail.pack(frames.detach(), self.paths.cache_offload)
+        else:
             self._tails[module] = frames.detach() if fresh else frames.detach().clone()
 
     def first_visit(self, module: nn.Module) -> bool:
@@ -200,10 +261,11 @@ class CausalConv3d(nn.Conv3d):
     zero padded by ``(p_h, p_w)`` or an explicit ``spatial_pad = (left, right, top, bottom)``.
     Call ``conv(x)``, or write the input into ``buf, body = conv.input_buffer(...)`` and call
     ``conv.forward_padded(buf)`` to save the padding copy. Parameters are ``nn.Conv3d``'s
-    ``weight`` ``(out, in, kt, kh, kw)`` and ``bias``; ``channels_last``: see :func:`conv3d`.
+    ``weight`` ``(out, in, kt, kh, kw)`` and ``bias``; ``paths``: the VAE's kernel paths
+    (:func:`conv3d`; channels-last padded buffers with ``paths.channels_last``).
     """
 
-    channels_last = False
+    paths: VaePaths = TODAY
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: _int3,
                  stride: _int3 = 1, padding: _int3 = 0, bias: bool = True,
@@ -240,28 +302,37 @@ class CausalConv3d(nn.Conv3d):
             raise NotImplementedError("input_buffer supports symmetric spatial padding only")
         B, C, T, H, W = shape
         n = self.head_length(cache)
-        buf = like.new_empty(B, C, n + T, H, W)
+        layout = torch.channels_last_3d if self.paths.channels_last else torch.contiguous_format
+        buf = torch.empty((B, C, n + T, H, W), dtype=like.dtype, device=like.device,
+                          memory_format=layout)
         return buf, buf[:, :, n:]
 
-    def forward_padded(self, buf: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
-        """Convolve a buffer from :meth:`input_buffer` whose body has been filled."""
+    def forward_padded(self, buf: Tensor, cache: Optional[CausalCache] = None,
+                       residual: Optional[Tensor] = None) -> Tensor:
+        """Convolve a buffer from :meth:`input_buffer` whose body has been filled (plus
+        ``residual``, an output-shaped tensor, when given)."""
         n = self.head_length(cache)
         if n:
             tail = cache.tail(self) if cache is not None else None
             buf[:, :, :n].copy_(buf[:, :, n:n + 1] if tail is None else tail)
-        return self._conv(buf, cache)
+        return self._conv(buf, cache, residual)
 
     def head_length(self, cache: Optional[CausalCache]) -> int:
         """Frames before the body in this conv's padded input (the cached tail or copies of
         the first frame)."""
-        tail = cache.tail(self) if cache is not None else None
-        return self.head_frames if tail is None else tail.shape[2]
+        cached = cache.tail_length(self) if cache is not None else None
+        return self.head_frames if cached is None else cached
 
-    def _conv(self, padded: Tensor, cache: Optional[CausalCache]) -> Tensor:
+    def spec(self) -> ConvSpec:
+        return ConvSpec(self.weight, self.bias, self.stride, self.conv_padding, self.paths)
+
+    def _conv(self, padded: Tensor, cache: Optional[CausalCache],
+              residual: Optional[Tensor] = None) -> Tensor:
         if cache is not None and self.tail_frames:
             cache.set_tail(self, padded[:, :, padded.shape[2] - self.tail_frames:])
-        return conv3d_in_bands(padded, self.weight, self.bias, self.stride, self.conv_padding,
-                               channels_last=self.channels_last)
+        B, C, T, H, W = padded.shape
+        rows = RowSource(lambda a, b: padded[:, :, :, a:b], padded.shape, B * C * T * W)
+        return conv_rows(rows, self.spec(), out=None, residual=residual)
 
 
 class FrameGroupNorm(nn.GroupNorm):
@@ -306,6 +377,23 @@ class FrameGroupNorm(nn.GroupNorm):
             out.view(B, C, T, -1).copy_(x_c.mul_(scale).add_(shift))
         return out
 
+    def statistics(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tuple[Tensor, Tensor]:
+        """The per-frame mean and variance ``(B, G, 1, T)`` :meth:`forward` normalises ``x``
+        with (from ``cache`` when it overrides them), in float32 (float64 for float64 input),
+        upcast a channel group at a time."""
+        B, C, T = x.shape[:3]
+        compute_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        if cache is not None and type(cache).group_norm_stats is not CausalCache.group_norm_stats:
+            return cache.group_norm_stats(self, x.to(compute_dtype))
+        x_flat = x.reshape(B, C, T, -1)
+        per_group = C // self.num_groups
+        step = max(1, SPLIT_ELEMENTS // 4 // (B * per_group * T * x_flat.shape[-1])) * per_group
+        moments = [torch.var_mean(x_flat[:, c:c + step].to(compute_dtype), dim=-1, correction=0)
+                   for c in range(0, C, step)]
+        return group_stats_from_channels(torch.cat([m for _, m in moments], dim=1),
+                                         torch.cat([v for v, _ in moments], dim=1),
+                                         self.num_groups)
+
     def _forward_in_channel_groups(self, x: Tensor, out: Optional[Tensor],
                                    compute_dtype: torch.dtype) -> Tensor:
         """The upcasting path of :meth:`forward` for inputs over ``SPLIT_ELEMENTS``: whole groups
@@ -340,15 +428,32 @@ class FrameGroupNorm(nn.GroupNorm):
 
 
 def norm_act_conv(norm: FrameGroupNorm, conv: CausalConv3d, x: Tensor,
-                  cache: Optional[CausalCache] = None) -> Tensor:
-    """``conv(silu(norm(x)))`` with the activation written straight into the conv's padded
-    input buffer (the pattern of every conv inside the residual blocks and before conv_out)."""
+                  cache: Optional[CausalCache] = None,
+                  residual: Optional[Tensor] = None) -> Tensor:
+    """``conv(silu(norm(x))) (+ residual)`` with the activation written straight into the
+    conv's padded input buffer (the pattern of every conv inside the residual blocks and
+    before conv_out); the residual is added band by band (fused into fp16_conv3d)."""
     buf, body = conv.input_buffer(x, x.shape, cache)
     if _records_graph(x, norm.weight, norm.bias):
         body.copy_(F.silu(norm(x, cache=cache)))
     else:
-        F.silu(norm(x, out=body, cache=cache), inplace=True)
-    return conv.forward_padded(buf, cache)
+        norm_silu_into(norm, x, body, cache, conv.paths)
+    return conv.forward_padded(buf, cache, residual)
+
+
+def norm_silu_into(norm: FrameGroupNorm, x: Tensor, out: Tensor,
+                   cache: Optional[CausalCache], paths: VaePaths) -> None:
+    """``out = silu(norm(x))`` (``out`` may be ``x`` itself): on the fused path (half-precision
+    input) comfy-kitchen's ``group_norm_silu_pad3d`` with the norm's own statistics, in place
+    one frame at a time; else the norm into ``out`` and SiLU in place (inference only)."""
+    if not (paths.fused_norm and x.dtype in vae_paths.HALF):
+        F.silu(norm(x, out=out, cache=cache), inplace=True)
+        return
+    mean, var = norm.statistics(x, cache)
+    stats = vae_paths.kitchen_stats(mean, var, norm.eps)
+    frames = 1 if out.data_ptr() == x.data_ptr() else None  # in place: a frame's copy at most
+    vae_paths.norm_silu_into(x, norm.weight, norm.bias, norm.num_groups, norm.eps, stats, out,
+                             frames)
 
 
 class ResnetBlock3D(nn.Module):
@@ -370,9 +475,10 @@ class ResnetBlock3D(nn.Module):
 
     def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
         h = norm_act_conv(self.norm1, self.conv1, x, cache)
-        h = norm_act_conv(self.norm2, self.conv2, h, cache)
         shortcut = x if self.conv_shortcut is None else self.conv_shortcut(x, cache)
-        return h.add_(shortcut)  # h is conv2's fresh output
+        # The shortcut is added to conv2's output band by band (on the fp16 path, in its
+        # epilogue): the same single addition per element as adding it afterwards.
+        return norm_act_conv(self.norm2, self.conv2, h, cache, residual=shortcut)
 
     def forward_owned(self, owned: List[Tensor], cache: Optional[CausalCache] = None) -> Tensor:
         """:meth:`forward` on an input handed over inside ``conv1``'s padded input buffer
@@ -383,12 +489,11 @@ class ResnetBlock3D(nn.Module):
         buf = owned.pop()
         body = buf[:, :, self.conv1.head_length(cache):]
         shortcut = self.conv_shortcut(body, cache)
-        F.silu(self.norm1(body, out=body, cache=cache), inplace=True)
+        norm_silu_into(self.norm1, body, body, cache, self.conv1.paths)
         del body
         h = self.conv1.forward_padded(buf, cache)
         del buf
-        h = norm_act_conv(self.norm2, self.conv2, h, cache)
-        return h.add_(shortcut)
+        return norm_act_conv(self.norm2, self.conv2, h, cache, residual=shortcut)
 
     def takes_owned(self, x: Tensor) -> bool:
         """Whether :meth:`forward_owned` may run on input ``x`` (a shortcut, no autograd)."""
@@ -511,8 +616,9 @@ class Upsample3D(nn.Module):
         def band(a: int, b: int) -> Tensor:  # padded input rows [a, b)
             s0, s1 = a // r, -(-b // r)
             y = conv3d(x[:, :, :, s0:s1], self.upscale_conv.weight, self.upscale_conv.bias,
-                       channels_last=conv.channels_last)
-            rows = y.new_empty(*padded[:3], (s1 - s0) * r, W * r)
+                       paths=conv.paths)
+            rows, _ = conv.input_buffer(y, (*padded[:2], padded[2] - n, (s1 - s0) * r, W * r),
+                                        cache)
             _depth_to_space(y, rows[:, :, n:], (C, r, z), drop)
             del y
             head = rows[:, :, :n]
@@ -522,8 +628,7 @@ class Upsample3D(nn.Module):
             return rows[..., a - s0 * r:b - s0 * r, :]
 
         row_elements = B * C * (n + T * z) * W * r  # a row of the band or of its upscale
-        out = conv_rows(RowSource(band, padded, row_elements), conv.weight, conv.bias,
-                        conv.stride, conv.conv_padding, channels_last=conv.channels_last, out=out)
+        out = conv_rows(RowSource(band, padded, row_elements), conv.spec(), out=out)
         if keep:
             cache.set_tail(conv, next_tail, fresh=True)
         return out
