@@ -63,7 +63,9 @@ class VaePaths:
                  ("comfy-kitchen fp16_conv3d (fp16 accumulation)" if self.fp16_accumulation
                   else "torch conv3d")]
         if self.int8_cache_bytes is not None:
-            parts.append(f"int8 causal tails from {self.int8_cache_bytes >> 20} MiB"
+            size = self.int8_cache_bytes
+            size = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size} bytes"
+            parts.append(f"int8 causal tails from {size}"
                          + (" in host memory" if self.cache_offload else ""))
         return ", ".join(parts)
 
