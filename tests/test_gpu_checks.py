@@ -172,9 +172,9 @@ def test_a_section_past_its_cap_is_stopped_and_the_rows_so_far_kept(tmp_path, mo
 @pytest.mark.parametrize("args, message", [
     (["--rehearse", "--sections", "mfu,bogus"],
      "--sections 'mfu,bogus': unknown section(s) bogus; choose from env, e2e, mfu, blockswap, "
-     "vae, dequant, room, lowp"),
+     "vae, dequant, room, lowp, vae_paths"),
     (["--rehearse", "--sections", ","], "--sections ',': unknown section(s) (none given); "
-     "choose from env, e2e, mfu, blockswap, vae, dequant, room, lowp"),
+     "choose from env, e2e, mfu, blockswap, vae, dequant, room, lowp, vae_paths"),
     (["--rehearse", "--minutes", "0"], "--minutes 0.0: give a time between 0 and 60 minutes"),
     (["--rehearse", "--capability", "8.9,sm90"], "--capability '8.9,sm90': give compute "
      "capabilities as X.Y, comma-separated (e.g. 7.5,8.9,12.0)"),

@@ -180,3 +180,38 @@ def test_with_autograd_the_block_gets_its_input_as_is(monkeypatch):
     monkeypatch.setattr(vae_blocks.ResnetBlock3D, "forward_owned", None)  # must not be called
     vae_blocks.run_layers([up, block], x).sum().backward()
     assert block.conv1.weight.grad is not None
+
+
+@pytest.mark.parametrize("limit", [1 << 30, 4096])
+def test_channels_last_buffers_give_todays_result(tiny_vae, limit, monkeypatch):  # noqa: F811
+    """vae_channels_last: the padded buffers are NDHWC and the bands views of them (issue #36);
+    the same sums, reassociated by the backend's channels-last kernels: within
+    conftest.network_bound of today's, in whole calls and in bands, across causal chunks."""
+    from seedvr2.memory import tiling
+    from seedvr2.models.vae_paths import VaePaths
+
+    video = load_case("video_9f")["inputs.video"]
+    tiles = tiling.TileSettings()
+    monkeypatch.setattr(vae_blocks, "SPLIT_ELEMENTS", limit)
+    layouts = []
+    real_buffer = CausalConv3d.input_buffer
+
+    def recording_buffer(self, *args):
+        buf, body = real_buffer(self, *args)
+        layouts.append(buf.is_contiguous(memory_format=torch.channels_last_3d))
+        return buf, body
+    try:
+        with torch.inference_mode():
+            latent = tiling.encode(tiny_vae, video, tiles, temporal_chunk=4)
+            decoded = tiling.decode(tiny_vae, latent, tiles, temporal_chunk=4)
+            tiny_vae.set_conv_settings(cudnn_benchmark=False, paths=VaePaths(channels_last=True))
+            monkeypatch.setattr(CausalConv3d, "input_buffer", recording_buffer)
+            latent_cl = tiling.encode(tiny_vae, video, tiles, temporal_chunk=4)
+            decoded_cl = tiling.decode(tiny_vae, latent, tiles, temporal_chunk=4)
+    finally:
+        tiny_vae.set_conv_settings(cudnn_benchmark=False)
+    assert layouts and all(layouts)  # every padded buffer
+    torch.testing.assert_close(latent_cl, latent, rtol=0,
+                               atol=network_bound(tiny_vae.encoder, latent))
+    torch.testing.assert_close(decoded_cl, decoded, rtol=0,
+                               atol=network_bound(tiny_vae.decoder, decoded))
