@@ -65,7 +65,9 @@ def test_loader_inputs_and_their_library_names():
         "model", "device", "offload_device", "cache_model", "encode_tiled", "encode_tile_size",
         "encode_tile_overlap", "decode_tiled", "decode_tile_size", "decode_tile_overlap", "dtype",
         "tiling_exact", "encode_temporal_slice", "decode_temporal_slice", "cudnn_benchmark",
-        "channels_last", "torch_compile_args"]
+        "channels_last", "fp16_accumulation", "torch_compile_args"]
+    fp16 = nodes["SeedVR2LoadVAEModel"].input("fp16_accumulation")
+    assert fp16.optional and fp16.default is False
     options = {s.input: s.option for s in defs.LOADER_SETTINGS["vae"]}
     assert options["encode_tile_size"] == "vae_encode_tile_size"
     assert options["cache_model"] == "cache_vae"
