@@ -258,10 +258,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "a shape is slower); off leaves PyTorch's setting as it is"),
     Option("vae_channels_last", bool, False, "run the VAE's 3-D convolutions on channels-last "
            "(NDHWC) tensors and weights, the layout GPU tensor cores read without a transpose"),
-    Option("vae_fp16_accumulation", bool, False, "with an fp16 VAE on a GPU, run its 3-D "
-           "convolutions through comfy-kitchen's fp16_conv3d, which accumulates in fp16: faster, "
-           "about 16 dB lower PSNR against float32 (docs/memory.md, \"VAE kernel paths\"); "
-           "ignored, with a warning, where it cannot run"),
+    Option("vae_fp16_accumulation", bool, False, "fp16 VAE on a GPU: convolutions through "
+           "comfy-kitchen's fp16_conv3d, accumulating in fp16 (faster, less exact; "
+           "docs/memory.md); else ignored with a warning"),
     Option("vae_encode_tiled", bool, False, "encode in spatial tiles (bounded VRAM at any size)"),
     Option("vae_encode_tile_size", int, 512, "encode tile size in pixels", min=64, max=16384,
            check=_tile_problem),

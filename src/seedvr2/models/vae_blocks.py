@@ -72,8 +72,9 @@ class ConvSpec:
     padding: Tuple[int, int, int] = (0, 0, 0)
     paths: VaePaths = TODAY
 
-    def fp16(self, x: Tensor) -> bool:
-        return self.paths.fp16_accumulation and x.dtype == torch.float16
+    def fp16(self, x) -> bool:
+        """Whether input ``x`` (a tensor or a :class:`RowSource`) goes to fp16_conv3d."""
+        return self.paths.fp16_accumulation and self.weight.dtype == torch.float16
 
 
 def conv3d_in_bands(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: _int3 = 1,
@@ -106,7 +107,8 @@ def conv_rows(rows: RowSource, spec: ConvSpec, limit: Optional[int] = None,
     """:func:`conv3d_in_bands` on an input given as a :class:`RowSource`, plus ``residual``
     when given (fused into fp16_conv3d on that path). Over ``limit``, bands hold at most a
     quarter of it (each band's input, output and copies are temporaries); on the fp16 path,
-    whose input is padded first, the whole input goes in one call up to half the limit.
+    whose input is padded first, the whole input goes in one call up to half the limit, and
+    into ``out`` up to a quarter.
 
     A band at the top or bottom edge is convolved with the conv's own zero padding of rows
     and the output rows that padding adds beyond the band are dropped (stride 1 in H: no padded
@@ -117,7 +119,9 @@ def conv_rows(rows: RowSource, spec: ConvSpec, limit: Optional[int] = None,
     out_t, out_h, out_w = ((n + 2 * p - k) // s + 1 for n, p, k, s in
                            zip((T, H, W), spec.padding, (kt, kh, kw), spec.stride))
     out_row = B * O * out_t * out_w
-    whole = limit // 2 if spec.paths.fp16_accumulation else limit
+    # Into a given buffer, the whole output would be a second full-size tensor beside it: then
+    # bands from a quarter of the limit on, as over it.
+    whole = limit // 4 if out is not None else limit // 2 if spec.fp16(rows) else limit
     if max(rows.row_elements * H, out_row * out_h) <= whole:
         y = _conv_band(rows, spec, (0, out_h), residual)
         return y if out is None else out.copy_(y)
