@@ -110,9 +110,8 @@ def test_fp16_conv_matches_today(limit):
     today = conv3d_in_bands(x, weight, bias, 1, (0, 1, 1), limit=limit)
     with capable_gpu((12, 0), check_products=False) as log:
         fp16 = conv3d_in_bands(x, weight, bias, 1, (0, 1, 1), limit=limit, paths=FP16)
-    assert log.calls["comfy_kitchen.fp16_conv3d"] == (1 if limit > x.numel() * 8 else
-                                                      log.calls["comfy_kitchen.fp16_conv3d"])
-    assert log.calls["comfy_kitchen.fp16_conv3d"] >= (1 if limit > 1000 else 3)
+    calls = log.calls["comfy_kitchen.fp16_conv3d"]
+    assert calls == 1 if limit > 1000 else calls > 3  # one call, or bands
     assert (fp16.float() - today.float()).abs().max().item() <= _conv_bound(weight, x, today)
 
 
@@ -162,8 +161,7 @@ def test_fp16_block_fuses_the_shortcut_and_a_dropped_residual_fails(monkeypatch)
         _set_paths(block, FP16)
         with capable_gpu((12, 0), check_products=False) as log:
             fused = block(x)
-        residuals = [call for call in log.calls if call == "comfy_kitchen.fp16_conv3d"]
-        assert residuals and log.calls["comfy_kitchen.fp16_conv3d"] == 3
+        assert log.calls["comfy_kitchen.fp16_conv3d"] == 3  # shortcut, conv1, conv2
         bound = 2 * low_precision_bound(F16, 3)
         assert _rel_l2(fused, today) <= bound
         real = ck.fp16_conv3d
@@ -243,3 +241,14 @@ def test_the_vae_on_every_path_stays_within_two_fp16_runs_of_today(tiny_vae):  #
     cached = sum(isinstance(m, CausalConv3d) and m.tail_frames > 0
                  for m in half.decoder.modules())
     assert _rel_l2(results["int8"][1], decoded) <= bound + 2 * cached ** 0.5 / 254
+
+
+def test_int8_tail_truncated_instead_of_rounded_fails_the_bound(monkeypatch):
+    tail = _frames((1, 16, 2, 8, 8), F16)
+    monkeypatch.setattr(vae_paths.torch, "round", lambda t: t)  # the cast then truncates
+    back = PackedTail.pack(tail).unpack()
+    step = tail.float().abs().max().item() / 127
+    eps = torch.finfo(F16).eps
+    allowed = step / 2 * (1 + 1e-6) + eps * tail.float().abs()
+    excess = (back.float() - tail.float()).abs() - allowed
+    assert excess.max().item() > step / 4

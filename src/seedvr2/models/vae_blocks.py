@@ -606,8 +606,8 @@ class Upsample3D(nn.Module):
                out: Optional[Tensor] = None) -> Tensor:
         """``conv(depth_to_space(upscale_conv(x)))`` (into ``out`` if given), over bands of
         output rows when large: each band's padded input rows (and halo) are made from the
-        input rows under them, so neither the ``r``-times-larger ``upscale_conv`` output nor the conv's
-        padded input exists whole (docs/models.md, "Large tensors")."""
+        input rows under them, so neither the ``r``-times-larger ``upscale_conv`` output nor
+        the conv's padded input exists whole (docs/models.md, "Large tensors")."""
         conv = self.conv
         B, _, T, H, W = x.shape
         C, r, z = self.channels, self.space_ratio, self.time_ratio
