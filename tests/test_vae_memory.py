@@ -45,13 +45,22 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def _traced_peak(decode: bool) -> int:
-    with FakeTensorMode(allow_non_fake_inputs=True):
+@pytest.fixture(scope="module")
+def fake_vae():
+    """The released VAE in fp16 on fake tensors (no memory), and the mode that made it."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
         torch.set_default_dtype(torch.float16)
         try:
             vae = VideoAutoencoder(vae_config("vae")).requires_grad_(False)
         finally:
             torch.set_default_dtype(torch.float32)
+    return mode, vae
+
+
+def _traced_peak(fake_vae, decode: bool) -> int:
+    fake_mode, vae = fake_vae
+    with fake_mode:
         x = (torch.empty(B, 16, (T - 1) // 4 + 1, H // 8, W // 8, dtype=torch.float16) if decode
              else torch.empty(B, 3, T, H, W, dtype=torch.float16))
         mode = LiveBytes()
@@ -66,7 +75,7 @@ def _band_temporaries() -> int:
 
 
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "encode"])
-def test_real_size_peak_is_what_the_layout_holds(decode):
+def test_real_size_peak_is_what_the_layout_holds(fake_vae, decode):
     """Decode: at the first full-resolution block's conv1, its padded input (256 channels,
     T + 2 frames), the shortcut's and conv1's outputs (128 channels, T frames) and one band;
     before (#35) 19.4 GiB: the input and its padded copy, the up-sampler's 4x output, two
@@ -77,5 +86,22 @@ def test_real_size_peak_is_what_the_layout_holds(decode):
         held = 256 * (T + 2) * frame + 2 * 128 * T * frame
     else:
         held = 3 * 128 * T * frame + 128 * (T + 2) * frame
-    peak = _traced_peak(decode)
+    peak = _traced_peak(fake_vae, decode)
     assert held <= peak <= held + _band_temporaries(), (peak / GIB, held / GIB)
+
+
+@pytest.mark.parametrize("value, paths", [
+    ("off", {}), ("on", {"int8_cache_bytes": 64 << 20}),
+    ("host", {"int8_cache_bytes": 64 << 20, "cache_offload": True})])
+def test_the_int8_cache_option_reaches_the_vae(tiny_options, value, paths):
+    """vae_int8_cache: the loaded VAE's causal caches keep tails from 64 MiB on in int8, on its
+    device or in host memory (issue #36); the job's other VAE paths are today's on the CPU."""
+    from seedvr2.models.vae_paths import VaePaths
+    from seedvr2.options import resolve_options
+    from seedvr2.pipeline.setup import load_models
+
+    opts = resolve_options(device="cpu", dtype="fp32", vae_int8_cache=value)
+    models = load_models(tiny_options["dit"], tiny_options["vae"], opts=opts,
+                         model_dir=tiny_options["model_dir"])
+    assert models.vae.paths == VaePaths(**paths)
+    assert models.vae.new_cache().paths == models.vae.paths
