@@ -203,6 +203,8 @@ def test_paths_are_logged_and_fp16_accumulation_falls_back_with_one_warning(capl
         assert choose_paths("cpu", F16, fp16_accumulation=True, channels_last=True) == \
             VaePaths(channels_last=True, fused_norm=True, fp16_accumulation=True)
         assert choose_paths("cpu", torch.float32) == TODAY  # the kernels take half precision
+    with capable_gpu((12, 0), torch_cuda=(12, 8), check_products=False):
+        assert choose_paths("cpu", F16, fp16_accumulation=True) == TODAY  # kitchen's eager
 
 
 def test_the_vae_on_every_path_stays_within_two_fp16_runs_of_today(tiny_vae):  # noqa: F811
