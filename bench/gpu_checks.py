@@ -26,6 +26,11 @@ or installed. Sections, in order of value (``--sections`` picks some):
             them): time, peak memory, relative L2 difference from bf16, layers per path.
             Needs comfy-kitchen (else one skipped row); past the 7-minute default, so run it
             as ``--sections lowp`` (about 2.5 minutes)
+* vae_paths VAE encode + decode of 1080p x 21 in fp16 (default temporal slices) on each of the
+            VAE's kernel paths (``seedvr2.models.vae_paths``): today, channels_last,
+            fused_norm, fp16_accumulation, int8_cache; one line per path
+            ``vae_paths PATH: time T s, peak P GiB, PSNR D dB vs today`` (the decoded video
+            against today's). Also past the default: ``--sections vae_paths`` (about 4 minutes)
 
 The table goes to stdout at the end and, when ``OUT`` is set, to ``$OUT/gpu_checks.md`` after
 every row, so a run stopped at its time limit still returns what it measured. Each section
@@ -37,7 +42,7 @@ their labelled CPU analogues (host reads instead of stream syncs, host memcpy in
 host->device copies, the schedule's resident blocks instead of allocator peaks).
 
     bench/gpu_checks.sh [--rehearse [--capability 7.5,8.0,8.9,10.0,12.0]] [--minutes 7]
-                        [--sections env,e2e,mfu,blockswap,vae,dequant,room,lowp]
+                        [--sections env,e2e,mfu,blockswap,vae,dequant,room,lowp,vae_paths]
 """
 
 from __future__ import annotations
@@ -70,12 +75,13 @@ from dit_forward import count_flops  # noqa: E402
 
 from seedvr2.models import build_dit, build_vae, dit_config, vae_config  # noqa: E402
 from seedvr2.models.config import shipped_config  # noqa: E402
+from seedvr2.models.vae_paths import VaePaths  # noqa: E402
 
-SECTIONS = ("env", "e2e", "mfu", "blockswap", "vae", "dequant", "room", "lowp")
+SECTIONS = ("env", "e2e", "mfu", "blockswap", "vae", "dequant", "room", "lowp", "vae_paths")
 # Seconds each section may run on the GPU (its rows then stop); the sum stays under the
 # 7-minute default. The rehearsal's sections take seconds; REHEARSE_CAP only bounds a hang.
 CAPS = {"env": 15, "e2e": 110, "mfu": 70, "blockswap": 75, "vae": 95, "dequant": 30,
-        "room": 25, "lowp": 150}
+        "room": 25, "lowp": 150, "vae_paths": 240}
 REHEARSE_CAP = 60
 MIN_SECTION_SECONDS = 5  # a section with less time left is skipped, not started
 TEXT_TOKENS = 58
@@ -112,6 +118,8 @@ class Scale:
     dtype: torch.dtype
     repeats: int
     label: Callable = str  # how a size label reads in a row
+    int8_cache_bytes: int = 64 << 20  # the vae_paths int8 row's threshold (vae_paths's own)
+    paths_clip: tuple = (21, 1088, 1920)  # the vae_paths clip: frames, H, W
 
     @property
     def blocks_3b(self) -> int:
@@ -143,7 +151,8 @@ def rehearse_scale() -> Scale:
     return Scale("rehearsal", dit_config(tiny("dit3b_tiny")),
                  _short(dit_config(tiny("dit7b_tiny")), SHORT_7B_BLOCKS),
                  vae_config(tiny("vae_tiny")), 5, sizes, (16, 24), 32, (0, 2, 4), 256,
-                 torch.float32, 2, label=lambda s: f"{s} stand-in {sizes[s][0]}x{sizes[s][1]}")
+                 torch.float32, 2, label=lambda s: f"{s} stand-in {sizes[s][0]}x{sizes[s][1]}",
+                 int8_cache_bytes=4096, paths_clip=(9, 16, 16))
 
 
 # -- the report ------------------------------------------------------------------------------------
@@ -631,7 +640,7 @@ def check_vae(run: Run):
         for benchmark, channels_last in VAE_COMBOS:
             opts = resolve_options(vae_cudnn_benchmark=benchmark, vae_channels_last=channels_last)
             vae.set_conv_settings(cudnn_benchmark=opts.vae_cudnn_benchmark,
-                                  channels_last=opts.vae_channels_last)
+                                  paths=VaePaths(channels_last=opts.vae_channels_last))
             for stage in ("encode", "decode"):
                 tiles, slices = tiling.settings_from_options(opts, stage)
                 work = (lambda: tiling.encode_posterior(vae, video, tiles, slices)) \
@@ -647,7 +656,7 @@ def check_vae(run: Run):
                 measure(r, "vae", f"{stage} {scale.label('1080p')} x {scale.frames}, "
                         f"cudnn.benchmark {on(benchmark)}, channels_last_3d {on(channels_last)}",
                         vae_row)
-        vae.set_conv_settings(cudnn_benchmark=False, channels_last=False)
+        vae.set_conv_settings(cudnn_benchmark=False)
         tiles, slices = tiling.settings_from_options(resolve_options(), "decode")
 
         def decode_syncs():
@@ -899,8 +908,123 @@ ROOM_LEFT = 1 << 30  # what the resident model leaves free on the GPU
 REHEARSAL_RESIDENT = 64 << 20  # the rehearsal's stand-in (host RAM is what the CPU measures)
 
 
+VAE_PATHS = ("today", "channels_last", "fused_norm", "fp16_accumulation", "int8_cache")
+
+
+class LiveBytes:
+    """The CPU analogue of the allocator's peak: the most bytes of tensors made inside and
+    alive at once (a dispatch mode; weights and inputs made before are not counted)."""
+
+    def __init__(self):
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        tracker = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        tracker.add(t.untyped_storage(), weakref)
+                return out
+        self.mode, self.live, self.peak, self.seen = Mode(), 0, 0, set()
+
+    def add(self, storage, weakref):
+        key, n = id(storage), storage.nbytes()
+        if key in self.seen or n == 0:
+            return
+        self.seen.add(key)
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self.free, key, n)
+
+    def free(self, key, n):
+        self.seen.discard(key)
+        self.live -= n
+
+
+def _vae_path_table(run: Run) -> dict:
+    """Each vae_paths row's paths: that path alone, as ``choose_paths`` allows it here (where it
+    cannot run, today's, with the reason in the row's note)."""
+    from seedvr2.models.vae_paths import TODAY, choose_paths
+
+    allowed = choose_paths(run.device, torch.float16, fp16_accumulation=True,
+                           int8_cache_bytes=run.scale.int8_cache_bytes, cache_offload=run.cuda)
+    return {"today": TODAY, "channels_last": VaePaths(channels_last=True),
+            "fused_norm": VaePaths(fused_norm=allowed.fused_norm),
+            "fp16_accumulation": VaePaths(fp16_accumulation=allowed.fp16_accumulation),
+            "int8_cache": VaePaths(int8_cache_bytes=allowed.int8_cache_bytes,
+                                   cache_offload=allowed.cache_offload)}
+
+
+def check_vae_paths(run: Run):
+    """Encode + decode per VAE kernel path (module doc); on the CPU through the stand-in for a
+    GPU of the highest ``--capability`` (comfy-kitchen's eager backend, every kernel call
+    checked against its preconditions)."""
+    from seedvr2.memory import tiling
+    from seedvr2.options import resolve_options
+
+    scale = run.scale
+    vae = random_model(build_vae, scale.vae, run.device, torch.float16)
+    frames, h, w = scale.paths_clip
+    torch.manual_seed(5)
+    video = torch.rand(1, 3, frames, h, w, device=run.device).mul_(2).sub_(1).half()
+    opts = resolve_options()
+    (enc_tiles, enc_slices), (dec_tiles, dec_slices) = (
+        tiling.settings_from_options(opts, stage) for stage in ("encode", "decode"))
+    stand_in = contextlib.nullcontext() if run.cuda or not _installed("comfy_kitchen") else \
+        vae_stand_in(max(run.capabilities))
+    decoded = {}
+    with stand_in, torch.inference_mode():
+        table = _vae_path_table(run)
+        for name in VAE_PATHS:
+            def work(paths=table[name], name=name):
+                vae.set_conv_settings(cudnn_benchmark=False, paths=paths)
+                latent = tiling.encode(vae, video, enc_tiles, enc_slices)
+                decoded[name] = tiling.decode(vae, latent, dec_tiles, dec_slices)
+
+            def row(name=name, work=work):
+                return _vae_paths_row(run, name, work, decoded, table[name])
+            measure(run.report, "vae_paths", f"{name}: encode + decode {h}x{w} x {frames}, "
+                    f"fp16", row)
+    vae.set_conv_settings(cudnn_benchmark=False)
+
+
+def vae_stand_in(capability):
+    from kernel_checks import capable_gpu
+
+    return capable_gpu(capability, check_products=False)
+
+
+def _vae_paths_row(run: Run, name: str, work, decoded: dict, paths) -> tuple:
+    run.free()
+    run.reset_peaks()
+    if run.cuda:
+        seconds = run.time(work, 1)
+        peak = torch.cuda.max_memory_allocated(run.device)
+    else:  # one run (the rehearsal shows the row works, it times nothing worth a repeat)
+        live = LiveBytes()
+        started = time.perf_counter()
+        with live.mode:
+            work()
+        seconds, peak = time.perf_counter() - started, live.peak
+    error = (decoded[name].float() - decoded["today"].float()).square().mean().item()
+    psnr = "inf" if error == 0 else f"{10 * math.log10(4 / error):.1f}"  # range [-1, 1]
+    line = (f"vae_paths {name}: time {seconds:.3f} s, peak {peak / 2 ** 30:.3g} GiB, "
+            f"PSNR {psnr} dB vs today")
+    run.lines.append(line)
+    fell_back = name != "today" and paths == VaePaths()
+    how = ("today's path: comfy-kitchen or this GPU cannot run it" if fell_back
+           else paths.describe())
+    return f"{seconds:.3f} s", f"{line.split(', ', 1)[1]}; {how}"
+
+
 CHECKS = {"env": check_env, "e2e": check_e2e, "mfu": check_mfu, "blockswap": check_blockswap,
-          "vae": check_vae, "dequant": check_dequant, "room": check_room, "lowp": check_lowp}
+          "vae": check_vae, "dequant": check_dequant, "room": check_room, "lowp": check_lowp,
+          "vae_paths": check_vae_paths}
 
 
 # -- the command -----------------------------------------------------------------------------------
@@ -918,8 +1042,8 @@ def parse_args(argv):
     parser.add_argument("--device", default="cuda:0", help="the GPU to measure (default cuda:0)")
     parser.add_argument("--capability", default="12.0", metavar="X.Y[,X.Y...]",
                         help="with --rehearse: the compute capabilities whose paths the lowp "
-                             "section takes on the CPU, every kernel call checked against its "
-                             "preconditions (default 12.0)")
+                             "section (vae_paths: the highest) takes on the CPU, every kernel "
+                             "call checked against its preconditions (default 12.0)")
     args = parser.parse_args(argv)
     args.capability = _capabilities(args.capability)
     chosen = [s.strip() for s in args.sections.split(",") if s.strip()]

@@ -4,10 +4,12 @@
 # Prints one table on stdout, progress on stderr, and rewrites $OUT/gpu_checks.md after every
 # row when OUT is set. See bench/gpu_checks.py and docs/development.md "GPU checks".
 #
-#   bench/gpu_checks.sh [--rehearse] [--minutes 7] [--sections env,e2e,mfu,blockswap,vae,dequant,room,lowp]
+#   bench/gpu_checks.sh [--rehearse] [--minutes 7] [--sections env,e2e,mfu,blockswap,vae,dequant,room,lowp,vae_paths]
 #   bench/gpu_checks.sh --rehearse --sections lowp --capability 7.5,8.0,8.9,10.0,12.0
 #     (the lowp section on the CPU through the paths a GPU of each capability takes, every kernel
 #     call checked against its preconditions: one line per format and capability, "failed 0")
+#   bench/gpu_checks.sh --sections vae_paths    (about 4 minutes; --rehearse --capability 12.0 on
+#     the CPU: one line "vae_paths PATH: time T s, peak P GiB, PSNR D dB vs today" per VAE path)
 #
 # The lowp section needs comfy-kitchen (0.2.40; its CUDA kernels need a torch built for CUDA 13,
 # as the GPU machine's cu130 torch is). Its cp312 wheel is 68 MB, over the 64 MiB a device call

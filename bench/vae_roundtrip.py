@@ -6,6 +6,7 @@ matmuls; the mid-block attention at 1/8 resolution is not counted, which only lo
 ratio). Prints both rates and their ratio.
 
     python bench/vae_roundtrip.py [--device cpu] [--dtype fp32] [--frames 5] [--size 128]
+                                  [--channels-last]    (channels-last padded buffers and convs)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from common import DTYPES, best_time, matmul_flops_per_s, synchronizer
 from seedvr2.models import build_vae
+from seedvr2.models.vae_paths import VaePaths
 
 
 def main():
@@ -26,6 +28,8 @@ def main():
     parser.add_argument("--frames", type=int, default=5)
     parser.add_argument("--size", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--channels-last", action="store_true",
+                        help="the VAE's channels_last path (option vae_channels_last)")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     sync = synchronizer(device)
@@ -36,6 +40,7 @@ def main():
         vae = build_vae("vae").to(dtype).eval()
     for p in vae.parameters():
         torch.nn.init.normal_(p, std=0.02)
+    vae.set_conv_settings(cudnn_benchmark=False, paths=VaePaths(channels_last=args.channels_last))
     video = torch.rand(1, 3, args.frames, args.size, args.size, device=device, dtype=dtype) * 2 - 1
 
     def roundtrip():
@@ -47,7 +52,7 @@ def main():
         flops = counter.get_total_flops()
         seconds = best_time(roundtrip, args.repeats, sync)
     print(f"device {device}, dtype {args.dtype}, threads {torch.get_num_threads()}, "
-          f"clip {args.frames}x{args.size}x{args.size}")
+          f"clip {args.frames}x{args.size}x{args.size}, channels_last {args.channels_last}")
     print(f"matmul 2048^2: {matmul_flops / 1e9:.1f} GFLOP/s")
     print(f"VAE encode+decode: {seconds * 1e3:.0f} ms, {flops / 1e9:.1f} GFLOP, "
           f"{flops / seconds / 1e9:.1f} GFLOP/s")

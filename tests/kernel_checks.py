@@ -23,7 +23,8 @@ column-major). Inside :func:`capable_gpu`:
 a kernel dequantises the layer) cannot swallow it. The returned :class:`KernelLog` counts the
 calls per kernel and the layers per path.
 
-To check more kernels (the VAE's ``group_norm_silu_pad3d``, ``fp16_conv3d``, issue #36): quote
+The VAE's ``group_norm_silu_pad3d`` and ``fp16_conv3d`` (issue #36) are checked likewise;
+their results against today's path are tests/test_vae_paths.py's. To check more kernels: quote
 their rules once in ``seedvr2.kernels.KERNELS``, add a :class:`Wrapped` entry here naming where
 the code calls them (module and attribute), the parameter names, and a stand-in where the CPU
 cannot run them; add a violating call per rule to ``tests/test_kernel_preconditions.py``
@@ -108,6 +109,8 @@ WRAPPED: tuple[Wrapped, ...] = (
             stand_in=_nvfp4_definition),
     Wrapped("comfy_kitchen.int8_linear", "comfy_kitchen", "int8_linear"),
     Wrapped("comfy_kitchen.quantize_per_tensor_fp8", "comfy_kitchen", "quantize_per_tensor_fp8"),
+    Wrapped("comfy_kitchen.group_norm_silu_pad3d", "comfy_kitchen", "group_norm_silu_pad3d"),
+    Wrapped("comfy_kitchen.fp16_conv3d", "comfy_kitchen", "fp16_conv3d"),
     Wrapped("torch._scaled_mm", "torch", "_scaled_mm", params=_SCALED_MM),
     Wrapped("torch.nn.functional.scaled_dot_product_attention", "torch.nn.functional",
             "scaled_dot_product_attention", params=_SDPA),

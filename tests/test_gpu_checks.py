@@ -90,6 +90,18 @@ def test_rehearsal_measures_every_section_without_pyav_or_gguf(tmp_path):
                 row = names[("lowp", f"3B forward 1080p stand-in 32x48 x 5, {target}, "
                                      f"compute_precision={precision}{stand_in}")]
                 assert f"packed linears by path: 30 {path}" in row[3], row
+    # vae_paths: one line per path, today's bit-identical to itself; where the kitchen runs,
+    # the fused norm and the int8 tails change the bits (finite PSNR), the eager backend's
+    # fp16_conv3d is torch's conv (inf on the CPU).
+    lines = [line for line in result.stdout.splitlines() if line.startswith("vae_paths ")]
+    pattern = r"vae_paths (\w+): time [\d.]+ s, peak [\d.e-]+ GiB, PSNR (inf|[\d.]+) dB vs today"
+    found = [re.fullmatch(pattern, line) for line in lines]
+    assert all(found) and [m[1] for m in found] == list(gpu_checks.VAE_PATHS), lines
+    psnr = {m[1]: m[2] for m in found}
+    assert psnr["today"] == "inf"
+    if kitchen:
+        assert psnr["fused_norm"] != "inf" and psnr["int8_cache"] != "inf", lines
+        assert float(psnr["int8_cache"]) > 40 and float(psnr["fused_norm"]) > 50, lines
     steady = next(r for r in rows if "steady state" in r[1])
     assert re.search(r"per phase: encode [\d.]+ s, dit [\d.]+ s, decode [\d.]+ s", steady[3])
 
@@ -160,9 +172,9 @@ def test_a_section_past_its_cap_is_stopped_and_the_rows_so_far_kept(tmp_path, mo
 @pytest.mark.parametrize("args, message", [
     (["--rehearse", "--sections", "mfu,bogus"],
      "--sections 'mfu,bogus': unknown section(s) bogus; choose from env, e2e, mfu, blockswap, "
-     "vae, dequant, room, lowp"),
+     "vae, dequant, room, lowp, vae_paths"),
     (["--rehearse", "--sections", ","], "--sections ',': unknown section(s) (none given); "
-     "choose from env, e2e, mfu, blockswap, vae, dequant, room, lowp"),
+     "choose from env, e2e, mfu, blockswap, vae, dequant, room, lowp, vae_paths"),
     (["--rehearse", "--minutes", "0"], "--minutes 0.0: give a time between 0 and 60 minutes"),
     (["--rehearse", "--capability", "8.9,sm90"], "--capability '8.9,sm90': give compute "
      "capabilities as X.Y, comma-separated (e.g. 7.5,8.9,12.0)"),

@@ -50,6 +50,25 @@ def _mm(**over):
     return {**args, **over}
 
 
+F16 = torch.float16
+
+
+def _gn(**over):
+    """A group_norm_silu_pad3d call as the VAE makes it: per-frame stats, no padding."""
+    args = {"x": meta(2, 16, 3, 8, 8), "weight": meta(16), "bias": meta(16), "num_groups": 4,
+            "eps": 1e-6, "pad": (0, 0, 0, 0, 0), "silu": True, "zero_pad": True,
+            "out": meta(2, 16, 3, 8, 8), "stats": meta(6, 4, 2, dtype=torch.float32)}
+    return {**args, **over}
+
+
+def _conv(**over):
+    """An fp16_conv3d call as the VAE makes it: padded input, the shortcut as residual."""
+    args = {"x": meta(1, 8, 5, 8, 8, dtype=F16), "weight": meta(16, 8, 3, 3, 3, dtype=F16),
+            "bias": meta(16, dtype=F16), "residual": meta(1, 16, 3, 6, 6, dtype=F16),
+            "stride": [1, 1, 1]}
+    return {**args, **over}
+
+
 def _attention(**over):
     q = meta(1, 2, 40, 64)
     return {**{"query": q, "key": q, "value": q}, **over}
@@ -101,6 +120,20 @@ VIOLATIONS = {
     ("torch.nn.functional.scaled_dot_product_attention", 0): (
         _attention(query=meta(1, 2, 40, 320), key=meta(1, 2, 40, 320), value=meta(1, 2, 40, 320)),
         "head dimension 320 is over 256 or not a multiple of 8"),
+    ("comfy_kitchen.group_norm_silu_pad3d", 0): (_gn(x=meta(1, 16, 3, 8, 8, dtype=torch.float32)),
+                                                 "x is torch.float32"),
+    ("comfy_kitchen.group_norm_silu_pad3d", 1): (
+        _gn(stats=meta(3, 4, 2, dtype=torch.float32)), "not float32 [6, 4, 2]"),
+    ("comfy_kitchen.group_norm_silu_pad3d", 2): (_gn(out=meta(2, 16, 5, 8, 8)),
+                                                 "not torch.bfloat16 [2, 16, 3, 8, 8]"),
+    ("comfy_kitchen.group_norm_silu_pad3d", 3): (
+        _gn(x=meta(1, 256, 7, 1088, 1920), stats=meta(7, 4, 2, dtype=torch.float32), out=None),
+        "2^30 or more"),
+    ("comfy_kitchen.fp16_conv3d", 0): (_conv(x=meta(1, 8, 3, 6, 6)), "x is torch.bfloat16"),
+    ("comfy_kitchen.fp16_conv3d", 1): (_conv(residual=meta(1, 16, 3, 8, 8, dtype=F16)),
+                                       "residual is [1, 16, 3, 8, 8], not the output's"),
+    ("comfy_kitchen.fp16_conv3d", 2): (_conv(x=meta(1, 128, 7, 1090, 1922, dtype=F16),
+                                             residual=None), "2^30 or more"),
     ("torch.nn.functional.conv3d", 0): ({"input": meta(1, 128, 33, 1088, 1920),
                                          "weight": meta(128, 128, 3, 3, 3)},
                                         "the input has 8823767040 elements, 2^31 or more"),

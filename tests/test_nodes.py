@@ -65,7 +65,11 @@ def test_loader_inputs_and_their_library_names():
         "model", "device", "offload_device", "cache_model", "encode_tiled", "encode_tile_size",
         "encode_tile_overlap", "decode_tiled", "decode_tile_size", "decode_tile_overlap", "dtype",
         "tiling_exact", "encode_temporal_slice", "decode_temporal_slice", "cudnn_benchmark",
-        "channels_last", "torch_compile_args"]
+        "channels_last", "fp16_accumulation", "int8_cache", "torch_compile_args"]
+    fp16 = nodes["SeedVR2LoadVAEModel"].input("fp16_accumulation")
+    assert fp16.optional and fp16.default is False
+    int8 = nodes["SeedVR2LoadVAEModel"].input("int8_cache")
+    assert int8.optional and int8.default == "off" and list(int8.choices) == ["off", "on", "host"]
     options = {s.input: s.option for s in defs.LOADER_SETTINGS["vae"]}
     assert options["encode_tile_size"] == "vae_encode_tile_size"
     assert options["cache_model"] == "cache_vae"

@@ -375,6 +375,62 @@ def _conv_index(args):
 _HALF = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float32, *_HALF)
 
+
+def _norm_stats(args):
+    x, stats = _tensor(args, "x"), _tensor(args, "stats")
+    if x is None or stats is None or x.dim() != 5:
+        return None
+    b, _, t = x.shape[:3]
+    want = (b * t, args.get("num_groups"), 2)
+    if tuple(stats.shape) != want or stats.dtype != torch.float32 or stats.device != x.device:
+        return f"stats is {stats.dtype} {list(stats.shape)}, not float32 {list(want)} on x's device"
+    return None
+
+
+def _norm_out(args):
+    x, out, pad = _tensor(args, "x"), _tensor(args, "out"), args.get("pad") or (0,) * 5
+    if x is None or x.dim() != 5:
+        return None
+    if min(pad) < 0:
+        return f"pad {list(pad)} has a negative entry"
+    if out is None:
+        return None
+    b, c, t, h, w = x.shape
+    left, right, top, bottom, front = pad
+    want = (b, c, t + front, h + top + bottom, w + left + right)
+    if tuple(out.shape) != want or out.dtype != x.dtype:
+        return f"out is {out.dtype} {list(out.shape)}, not {x.dtype} {list(want)}"
+    return None
+
+
+def _conv_operands(args):
+    x, weight, residual = (_tensor(args, n) for n in ("x", "weight", "residual"))
+    if x is None or weight is None:
+        return None
+    if x.shape[1] != weight.shape[1]:
+        return f"x has {x.shape[1]} channels, the weight {weight.shape[1]}"
+    bias = _tensor(args, "bias")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        return f"bias is {list(bias.shape)}, not [{weight.shape[0]}]"
+    if residual is not None:
+        stride = args.get("stride") or (1, 1, 1)
+        stride = (stride,) * 3 if isinstance(stride, int) else tuple(stride)
+        want = (x.shape[0], weight.shape[0], *((n - k) // s + 1 for n, k, s in
+                                               zip(x.shape[2:], weight.shape[2:], stride)))
+        if tuple(residual.shape) != want:
+            return f"residual is {list(residual.shape)}, not the output's {list(want)}"
+    return None
+
+
+_VIEW_ELEMENTS = 2 ** 30  # our own bound on one fused-kernel input view (issue #36)
+
+
+def _view_size(args):
+    x = _tensor(args, "x")
+    if x is not None and x.numel() >= _VIEW_ELEMENTS:
+        return f"x has {x.numel()} elements, 2^30 or more"
+    return None
+
 KERNELS: dict[str, Kernel] = {k.name: k for k in (
     Kernel("comfy_kitchen.quantize_mxfp8", _KITCHEN_CUDA, (
         Rule("assert num_rows % 32 == 0, f\"num_rows must be divisible by 32, got {num_rows}\" "
@@ -459,6 +515,31 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
              "last dimension a multiple of minimum_gemm_alignment (8 for fp16/bf16, 4 for "
              "fp32); both refuse attn_mask and a strided last dimension", _sdpa_fused),
     ), rocm=True),
+    Kernel("comfy_kitchen.group_norm_silu_pad3d", _KITCHEN_CUDA, (
+        Rule("\"group_norm_silu_pad3d\": x dtypes float16, bfloat16, ExactDims(5); weight, bias "
+             "float32, float16, bfloat16 or None",
+             lambda a: _dtype_in("x", _HALF)(a) or _dims("x", 5)(a)
+             or _dtype_in("weight", _FLOATS)(a) or _dtype_in("bias", _FLOATS)(a)),
+        Rule("raise ValueError(f\"group_norm_silu_pad3d: stats must be float32 [{b * t}, "
+             "{num_groups}, 2] on {x.device}\")", _norm_stats),
+        Rule("raise ValueError(\"group_norm_silu_pad3d: padding must be non-negative\"); "
+             "out must be (b, c, t + front, h + top + bottom, w + left + right) in x's dtype",
+             _norm_out),
+        Rule("x at most 2^30 elements per call (ours: the kernel indexes frame windows of the "
+             "whole tensor with 32-bit strides)", _view_size),
+    ), rocm="kitchen"),
+    Kernel("comfy_kitchen.fp16_conv3d", _KITCHEN_CUDA, (
+        Rule("\"fp16_conv3d\": x, weight float16, ExactDims(5); bias, residual float16 or None",
+             lambda a: _dtype_in("x", (torch.float16,))(a) or _dims("x", 5)(a)
+             or _dtype_in("weight", (torch.float16,))(a) or _dims("weight", 5)(a)
+             or _dtype_in("bias", (torch.float16,))(a)
+             or _dtype_in("residual", (torch.float16,))(a)),
+        Rule("weight.shape[1] == c; bias.shape == (k,); residual.shape == (n, k, z, p, q) "
+             "(zero padding only: x comes padded)", _conv_operands),
+        Rule("any(s > 2**31 - 1 for s in strides): return None (\"a frame window carries the "
+             "whole tensor's, which may not fit the kernel's 32-bit strides\"; ours: x under "
+             "2^30 elements)", _view_size),
+    ), rocm="kitchen"),
     Kernel("torch.nn.functional.conv3d", _TORCH_CONV, (
         Rule("Expected canUse32BitIndexMath(input) && canUse32BitIndexMath(output) to be true "
              "(cuDNN indexes with 32 bits; older cuDNN takes a slow path above)", _conv_index),

@@ -258,6 +258,12 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "a shape is slower); off leaves PyTorch's setting as it is"),
     Option("vae_channels_last", bool, False, "run the VAE's 3-D convolutions on channels-last "
            "(NDHWC) tensors and weights, the layout GPU tensor cores read without a transpose"),
+    Option("vae_fp16_accumulation", bool, False, "fp16 VAE on a GPU: convolutions through "
+           "comfy-kitchen's fp16_conv3d, accumulating in fp16 (faster, less exact; "
+           "docs/memory.md); else ignored with a warning"),
+    Option("vae_int8_cache", str, "off", "VAE causal cache tails of 64 MiB or more kept in int8 "
+           "(lossy: docs/memory.md): on = on the VAE's device, host = in pinned host memory",
+           choices=("off", "on", "host")),
     Option("vae_encode_tiled", bool, False, "encode in spatial tiles (bounded VRAM at any size)"),
     Option("vae_encode_tile_size", int, 512, "encode tile size in pixels", min=64, max=16384,
            check=_tile_problem),
@@ -325,8 +331,10 @@ AREAS: dict[str, tuple[str, ...]] = {
                         "blocks_to_swap", "swap_io_components", "vae_encode_tiled",
                         "vae_encode_tile_size", "vae_encode_tile_overlap", "vae_decode_tiled",
                         "vae_decode_tile_size", "vae_decode_tile_overlap", "vae_tiling_exact",
-                        "vae_encode_temporal_slice", "vae_decode_temporal_slice"),
-    "speed and compile": ("attention_backend", "vae_cudnn_benchmark", "vae_channels_last", "uniform_batch_size", "compile", "compile_backend",
+                        "vae_encode_temporal_slice", "vae_decode_temporal_slice",
+                        "vae_int8_cache"),
+    "speed and compile": ("attention_backend", "vae_cudnn_benchmark", "vae_channels_last",
+                          "vae_fp16_accumulation", "uniform_batch_size", "compile", "compile_backend",
                           "compile_mode", "compile_fullgraph", "compile_dynamic"),
     "several GPUs": ("devices", "sequence_parallel", "dist_timeout"),
 }

@@ -289,7 +289,7 @@ class _ExactRun:
                         x[:, :, x.shape[2] - conv.tail_frames:, a0 - r0:a1 - r0, b0 - c0:b1 - c0])
                 if pad_t or pad_b or pad_l or pad_r:
                     x = F.pad(x, (pad_l, pad_r, pad_t, pad_b))
-                y = conv3d(x, conv.weight, conv.bias, conv.stride, 0, conv.channels_last)
+                y = conv3d(x, conv.weight, conv.bias, conv.stride, 0, conv.paths)
                 del x
                 if residual is not None:
                     y.add_(residual(o0, o1, q0, q1))
@@ -310,7 +310,7 @@ class _ExactRun:
         def residual(o0: int, o1: int, q0: int, q1: int) -> Tensor:
             r = self._fetch(x.data[..., o0:o1, q0:q1])
             return r if shortcut is None else conv3d(r, shortcut.weight, shortcut.bias, 1, 0,
-                                                     shortcut.channels_last)
+                                                     shortcut.paths)
 
         # Without a width change the output overwrites x: each tile reads x only where it
         # writes, after reading it, and conv1 (the only other reader) is done.
@@ -355,7 +355,7 @@ class _ExactRun:
             # Depth-to-space of the source samples covering [r0, r1) x [c0, c1).
             a0, a1, b0, b1 = r0 // r, -(-r1 // r), c0 // r, -(-c1 // r)
             y = conv3d(self._fetch(x.data[..., a0:a1, b0:b1]), up.upscale_conv.weight,
-                       up.upscale_conv.bias, channels_last=up.conv.channels_last)
+                       up.upscale_conv.bias, paths=up.conv.paths)
             h, w = a1 - a0, b1 - b0
             y = y.view(B, r, r, z, C, T, h, w).permute(0, 4, 5, 3, 6, 1, 7, 2) \
                 .reshape(B, C, T * z, h * r, w * r)
@@ -550,7 +550,7 @@ def _fast(vae: VideoAutoencoder, x: Tensor, tiles: TileSettings,
     for row in rows:
         for col in cols:
             weight = _tile_weight(row, col)
-            cache = CausalCache() if len(chunks) > 1 else None  # one per tile
+            cache = vae.new_cache() if len(chunks) > 1 else None  # one per tile
             for a0, a1 in chunks:
                 between()
                 # The slice is a strided view; .contiguous() copies just this piece.

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import VAEConfig
+from .vae_paths import TODAY, VaePaths
 from .vae_blocks import (
     NORM_EPS,
     CausalCache,
@@ -28,6 +29,7 @@ from .vae_blocks import (
     UpDecoderBlock3D,
     down_kinds,
     norm_act_conv,
+    run_layers,
     up_kinds,
 )
 
@@ -53,11 +55,10 @@ class Encoder(nn.Module):
         self.conv_out = CausalConv3d(widths[-1], 2 * latent_channels, 3, padding=1)
 
     def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
-        x = self.conv_in(x, cache)
-        for block in self.down_blocks:
-            x = block(x, cache)
-        x = self.mid_block(x, cache)
-        return norm_act_conv(self.conv_norm_out, self.conv_out, x, cache)
+        layers = [self.conv_in, *(layer for block in self.down_blocks for layer in block.layers()),
+                  *self.mid_block.layers()]
+        return norm_act_conv(self.conv_norm_out, self.conv_out, run_layers(layers, x, cache),
+                             cache)
 
 
 class Decoder(nn.Module):
@@ -79,11 +80,10 @@ class Decoder(nn.Module):
         self.conv_out = CausalConv3d(widths[-1], out_channels, 3, padding=1)
 
     def forward(self, z: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
-        x = self.conv_in(z, cache)
-        x = self.mid_block(x, cache)
-        for block in self.up_blocks:
-            x = block(x, cache)
-        return norm_act_conv(self.conv_norm_out, self.conv_out, x, cache)
+        layers = [self.conv_in, *self.mid_block.layers(),
+                  *(layer for block in self.up_blocks for layer in block.layers())]
+        return norm_act_conv(self.conv_norm_out, self.conv_out, run_layers(layers, z, cache),
+                             cache)
 
 
 class VideoAutoencoder(nn.Module):
@@ -116,18 +116,24 @@ class VideoAutoencoder(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.encoder.conv_in.weight.dtype
 
-    # -- convolution settings (options vae_cudnn_benchmark, vae_channels_last) ---------------
+    # -- convolution settings (options vae_cudnn_benchmark, vae_channels_last, ...) ----------
 
     cudnn_benchmark = False
+    paths: VaePaths = TODAY
 
-    def set_conv_settings(self, *, cudnn_benchmark: bool, channels_last: bool) -> None:
+    def set_conv_settings(self, *, cudnn_benchmark: bool, paths: VaePaths = TODAY) -> None:
         """``cudnn_benchmark``: cuDNN times its algorithms for each new convolution shape while
-        this VAE runs (see :meth:`conv_settings`); ``channels_last``: every convolution runs on
-        channels-last tensors (see ``vae_blocks.conv3d``)."""
+        this VAE runs (see :meth:`conv_settings`); ``paths``: the kernels its convolutions,
+        norms and causal caches run on (``vae_paths.choose_paths``; default today's)."""
         self.cudnn_benchmark = bool(cudnn_benchmark)
+        self.paths = paths
         for module in self.modules():
             if isinstance(module, CausalConv3d):
-                module.channels_last = bool(channels_last)
+                module.paths = paths
+
+    def new_cache(self) -> CausalCache:
+        """A fresh causal cache for one clip and direction, on this VAE's paths."""
+        return CausalCache(paths=self.paths)
 
     @contextlib.contextmanager
     def conv_settings(self):

@@ -8,11 +8,15 @@ official checkpoint, so a released state dict loads strictly. See docs/models.md
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from . import vae_paths
+from .vae_paths import TODAY, PackedTail, VaePaths
 
 _int3 = Union[int, Tuple[int, int, int]]
 
@@ -40,49 +44,122 @@ def _triple(value: _int3) -> Tuple[int, int, int]:
 
 
 def conv3d(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: _int3 = 1,
-           padding: _int3 = 0, channels_last: bool = False) -> Tensor:
-    """``F.conv3d``; ``channels_last`` runs it on channels-last (NDHWC) input and weight (the
-    layout cuDNN's tensor-core kernels work in; channels-first inputs may be transposed inside
-    cuDNN) and returns the result channels-first again: everything around the convolutions
-    (views, in-place writes into padded buffers) stays in the one layout it is written for.
-    Whether the two copies this costs pay off is what ``bench/gpu_checks.sh`` measures."""
-    if not channels_last:
+           padding: _int3 = 0, paths: VaePaths = TODAY) -> Tensor:
+    """``F.conv3d`` on the VAE's kernel paths (``vae_paths``), channels-first out.
+
+    ``paths.channels_last`` runs it on channels-last (NDHWC) input and weight (the layout
+    cuDNN's tensor-core kernels work in; a channels-last padded buffer and its bands need no
+    conversion of the input) and returns the result channels-first again: everything around
+    the convolutions stays in the layout it is written for. ``paths.fp16_accumulation`` (fp16
+    inputs): comfy-kitchen's ``fp16_conv3d`` on the zero-padded input."""
+    if paths.fp16_accumulation and x.dtype == torch.float16:
+        pt, ph, pw = _triple(padding)
+        return vae_paths.fp16_conv3d(x, weight, bias, stride, (pw, pw, ph, ph, pt, pt))
+    if not paths.channels_last:
         return F.conv3d(x, weight, bias, stride, padding)
     layout = torch.channels_last_3d
     return F.conv3d(x.contiguous(memory_format=layout), weight.contiguous(memory_format=layout),
                     bias, stride, padding).contiguous()
 
 
+@dataclass(frozen=True)
+class ConvSpec:
+    """One convolution's weights, geometry and kernel paths, as :func:`conv_rows` runs it."""
+
+    weight: Tensor
+    bias: Optional[Tensor]
+    stride: Tuple[int, int, int] = (1, 1, 1)
+    padding: Tuple[int, int, int] = (0, 0, 0)
+    paths: VaePaths = TODAY
+
+    def fp16(self, x) -> bool:
+        """Whether input ``x`` (a tensor or a :class:`RowSource`) goes to fp16_conv3d."""
+        return self.paths.fp16_accumulation and self.weight.dtype == torch.float16
+
+
 def conv3d_in_bands(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: _int3 = 1,
                     padding: _int3 = 0, limit: Optional[int] = None,
-                    channels_last: bool = False) -> Tensor:
+                    paths: VaePaths = TODAY, out: Optional[Tensor] = None) -> Tensor:
     """``F.conv3d(x, weight, bias, stride, padding)``, as several calls on bands of output rows
     when the input or output has more than ``limit`` (default :data:`SPLIT_ELEMENTS`) elements;
     each band reads exactly its input rows and halo, so every output element is the same sum
-    (docs/models.md, "Large tensors"). ``channels_last``: see :func:`conv3d`.
+    (docs/models.md, "Large tensors"). Written into ``out`` when given (any strides: a view
+    into a padded buffer). ``paths``: see :func:`conv3d`.
     """
-    limit = SPLIT_ELEMENTS if limit is None else limit
-    stride, padding = _triple(stride), _triple(padding)
     B, C, T, H, W = x.shape
-    O, _, kt, kh, kw = weight.shape
+    rows = RowSource(lambda a, b: x[:, :, :, a:b], (B, C, T, H, W), B * C * T * W)
+    spec = ConvSpec(weight, bias, _triple(stride), _triple(padding), paths)
+    return conv_rows(rows, spec, limit, out)
+
+
+class RowSource:
+    """An input of shape ``(B, C, T, H, W)`` handed to :func:`conv_rows` as bands of rows:
+    ``band(a, b)`` gives rows ``[a, b)`` (within ``[0, H)``) as a tensor, made on demand (a
+    view, or rows computed from a smaller input); ``row_elements``: the most elements one of
+    its rows makes, so that bands stay within the limit."""
+
+    def __init__(self, band, shape: Sequence[int], row_elements: int) -> None:
+        self.band, self.shape, self.row_elements = band, tuple(shape), row_elements
+
+
+def conv_rows(rows: RowSource, spec: ConvSpec, limit: Optional[int] = None,
+              out: Optional[Tensor] = None, residual: Optional[Tensor] = None) -> Tensor:
+    """:func:`conv3d_in_bands` on an input given as a :class:`RowSource`, plus ``residual``
+    when given (fused into fp16_conv3d on that path). Over ``limit``, bands hold at most a
+    quarter of it (each band's input, output and copies are temporaries); on the fp16 path,
+    whose input is padded first, the whole input goes in one call up to half the limit, and
+    into ``out`` up to a quarter.
+
+    A band at the top or bottom edge is convolved with the conv's own zero padding of rows
+    and the output rows that padding adds beyond the band are dropped (stride 1 in H: no padded
+    copy of the band); a strided conv with row padding pads a copy instead."""
+    limit = SPLIT_ELEMENTS if limit is None else limit
+    B, C, T, H, W = rows.shape
+    O, _, kt, kh, kw = spec.weight.shape
     out_t, out_h, out_w = ((n + 2 * p - k) // s + 1 for n, p, k, s in
-                           zip((T, H, W), padding, (kt, kh, kw), stride))
+                           zip((T, H, W), spec.padding, (kt, kh, kw), spec.stride))
     out_row = B * O * out_t * out_w
-    in_row = B * C * T * W
-    if max(x.numel(), out_row * out_h) <= limit:
-        return conv3d(x, weight, bias, stride, padding, channels_last)
-    rows = max(1, min(limit // out_row, (limit // in_row - kh) // stride[1] + 1))
-    out = x.new_empty(B, O, out_t, out_h, out_w)
-    band_padding = (padding[0], 0, padding[2])
-    for o0 in range(0, out_h, rows):
-        o1 = min(o0 + rows, out_h)
-        lo = o0 * stride[1] - padding[1]
-        hi = (o1 - 1) * stride[1] - padding[1] + kh
-        band = x[:, :, :, max(lo, 0):min(hi, H)]
-        if lo < 0 or hi > H:
-            band = F.pad(band, (0, 0, max(-lo, 0), max(hi - H, 0)))
-        out[:, :, :, o0:o1] = conv3d(band, weight, bias, stride, band_padding, channels_last)
+    # Into a given buffer, the whole output would be a second full-size tensor beside it: then
+    # bands from a quarter of the limit on, as over it.
+    whole = limit // 4 if out is not None else limit // 2 if spec.fp16(rows) else limit
+    if max(rows.row_elements * H, out_row * out_h) <= whole:
+        y = _conv_band(rows, spec, (0, out_h), residual)
+        return y if out is None else out.copy_(y)
+    band_limit = limit // 4
+    count = max(1, min(band_limit // out_row,
+                       (band_limit // rows.row_elements - kh) // spec.stride[1] + 1))
+    if out is None:
+        out = spec.weight.new_empty(B, O, out_t, out_h, out_w)
+    for o0 in range(0, out_h, count):
+        o1 = min(o0 + count, out_h)
+        out[:, :, :, o0:o1] = _conv_band(rows, spec, (o0, o1), residual)
     return out
+
+
+def _conv_band(rows: RowSource, spec: ConvSpec, band: Tuple[int, int],
+               residual: Optional[Tensor]) -> Tensor:
+    """Output rows ``[o0, o1)`` of :func:`conv_rows` (all of them: one call)."""
+    o0, o1 = band
+    H, kh = rows.shape[3], spec.weight.shape[3]
+    (pt, ph, pw), sh = spec.padding, spec.stride[1]
+    lo, hi = o0 * sh - ph, (o1 - 1) * sh - ph + kh
+    x = rows.band(max(lo, 0), min(hi, H))
+    if residual is not None:
+        residual = residual[:, :, :, o0:o1]
+    if spec.fp16(x):  # the kernel pads nothing: the missing rows, columns and frames here
+        return vae_paths.fp16_conv3d(x, spec.weight, spec.bias, spec.stride,
+                                     (pw, pw, max(-lo, 0), max(hi - H, 0), pt, pt), residual)
+    if lo == -ph and hi - H == ph or lo >= 0 and hi <= H:  # all rows, or none at an edge
+        y = conv3d(x, spec.weight, spec.bias, spec.stride, (pt, ph if lo < 0 else 0, pw),
+                   spec.paths)
+    elif sh == 1:  # the conv pads the clipped rows itself; drop what it adds past the band
+        y = conv3d(x, spec.weight, spec.bias, spec.stride, spec.padding, spec.paths)
+        start = o0 - max(lo, 0)  # band output j is output row max(lo, 0) + j
+        y = y[:, :, :, start:start + (o1 - o0)]
+    else:
+        x = F.pad(x, (0, 0, max(-lo, 0), max(hi - H, 0)))
+        y = conv3d(x, spec.weight, spec.bias, spec.stride, (pt, 0, pw), spec.paths)
+    return y if residual is None else y.add_(residual)
 
 
 def frame_group_stats(x: Tensor, groups: int) -> Tuple[Tensor, Tensor]:
@@ -114,21 +191,51 @@ class CausalCache:
 
     One fresh cache per clip and direction, chunks in order (``1 + 4k`` frames first when
     encoding, then multiples of 4). ``temporal=False`` carries nothing between calls: for
-    subclasses that only override :meth:`group_norm_stats`.
+    subclasses that only override :meth:`group_norm_stats`. ``paths.int8_cache_bytes``: tails
+    of at least that many bytes are kept in int8 (``vae_paths.PackedTail``), in host memory with
+    ``paths.cache_offload``, each fetched back while the conv before it runs.
     """
 
-    def __init__(self, temporal: bool = True) -> None:
+    def __init__(self, temporal: bool = True, paths: VaePaths = TODAY) -> None:
         self.temporal = temporal
-        self._tails: Dict[nn.Module, Tensor] = {}
+        self.paths = paths
+        self._tails: Dict[nn.Module, Union[Tensor, PackedTail]] = {}
+        self._ahead: Dict[nn.Module, PackedTail] = {}  # tails on their way back to the GPU
         self._seen: set = set()
 
     def tail(self, module: nn.Module) -> Optional[Tensor]:
-        return self._tails.get(module)
+        kept = self._tails.get(module)
+        if not isinstance(kept, PackedTail):
+            return kept
+        ready = self._ahead.pop(module, None) or kept.fetch(module.weight.device)
+        self._prefetch_after(module)
+        return ready.unpack()
 
-    def set_tail(self, module: nn.Module, frames: Tensor) -> None:
-        if self.temporal:
-            # A copy, so that the (much larger) padded input it is sliced from can be freed.
-            self._tails[module] = frames.detach().clone()
+    def _prefetch_after(self, module: nn.Module) -> None:
+        """Start copying the next parked tail (layer order: the order tails were first set)
+        from pinned host memory to its device, so it is there when its conv asks."""
+        modules = list(self._tails)
+        for following in modules[modules.index(module) + 1:]:
+            kept = self._tails[following]
+            if isinstance(kept, PackedTail) and kept.codes.device != following.weight.device:
+                self._ahead[following] = kept.fetch(following.weight.device)
+                return
+
+    def tail_length(self, module: nn.Module) -> Optional[int]:
+        kept = self._tails.get(module)
+        return None if kept is None else kept.shape[2]
+
+    def set_tail(self, module: nn.Module, frames: Tensor, fresh: bool = False) -> None:
+        """Keep ``frames`` for ``module``'s next chunk: a copy, so that the (much larger) padded
+        input they are sliced from can be freed; ``fresh``: a tensor of their own, kept as is."""
+        if not self.temporal:
+            return
+        limit = self.paths.int8_cache_bytes
+        self._ahead.pop(module, None)
+        if limit is not None and frames.numel() * frames.element_size() >= limit:
+            self._tails[module] = PackedTail.pack(frames.detach(), self.paths.cache_offload)
+        else:
+            self._tails[module] = frames.detach() if fresh else frames.detach().clone()
 
     def first_visit(self, module: nn.Module) -> bool:
         """True the first time ``module`` asks, i.e. while it processes the first chunk
@@ -158,10 +265,11 @@ class CausalConv3d(nn.Conv3d):
     zero padded by ``(p_h, p_w)`` or an explicit ``spatial_pad = (left, right, top, bottom)``.
     Call ``conv(x)``, or write the input into ``buf, body = conv.input_buffer(...)`` and call
     ``conv.forward_padded(buf)`` to save the padding copy. Parameters are ``nn.Conv3d``'s
-    ``weight`` ``(out, in, kt, kh, kw)`` and ``bias``; ``channels_last``: see :func:`conv3d`.
+    ``weight`` ``(out, in, kt, kh, kw)`` and ``bias``; ``paths``: the VAE's kernel paths
+    (:func:`conv3d`; channels-last padded buffers with ``paths.channels_last``).
     """
 
-    channels_last = False
+    paths: VaePaths = TODAY
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: _int3,
                  stride: _int3 = 1, padding: _int3 = 0, bias: bool = True,
@@ -197,27 +305,38 @@ class CausalConv3d(nn.Conv3d):
         if self.spatial_pad is not None:
             raise NotImplementedError("input_buffer supports symmetric spatial padding only")
         B, C, T, H, W = shape
-        n = self._head_length(cache)
-        buf = like.new_empty(B, C, n + T, H, W)
+        n = self.head_length(cache)
+        layout = torch.channels_last_3d if self.paths.channels_last else torch.contiguous_format
+        buf = torch.empty((B, C, n + T, H, W), dtype=like.dtype, device=like.device,
+                          memory_format=layout)
         return buf, buf[:, :, n:]
 
-    def forward_padded(self, buf: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
-        """Convolve a buffer from :meth:`input_buffer` whose body has been filled."""
-        n = self._head_length(cache)
+    def forward_padded(self, buf: Tensor, cache: Optional[CausalCache] = None,
+                       residual: Optional[Tensor] = None) -> Tensor:
+        """Convolve a buffer from :meth:`input_buffer` whose body has been filled (plus
+        ``residual``, an output-shaped tensor, when given)."""
+        n = self.head_length(cache)
         if n:
             tail = cache.tail(self) if cache is not None else None
             buf[:, :, :n].copy_(buf[:, :, n:n + 1] if tail is None else tail)
-        return self._conv(buf, cache)
+        return self._conv(buf, cache, residual)
 
-    def _head_length(self, cache: Optional[CausalCache]) -> int:
-        tail = cache.tail(self) if cache is not None else None
-        return self.head_frames if tail is None else tail.shape[2]
+    def head_length(self, cache: Optional[CausalCache]) -> int:
+        """Frames before the body in this conv's padded input (the cached tail or copies of
+        the first frame)."""
+        cached = cache.tail_length(self) if cache is not None else None
+        return self.head_frames if cached is None else cached
 
-    def _conv(self, padded: Tensor, cache: Optional[CausalCache]) -> Tensor:
+    def spec(self) -> ConvSpec:
+        return ConvSpec(self.weight, self.bias, self.stride, self.conv_padding, self.paths)
+
+    def _conv(self, padded: Tensor, cache: Optional[CausalCache],
+              residual: Optional[Tensor] = None) -> Tensor:
         if cache is not None and self.tail_frames:
             cache.set_tail(self, padded[:, :, padded.shape[2] - self.tail_frames:])
-        return conv3d_in_bands(padded, self.weight, self.bias, self.stride, self.conv_padding,
-                               channels_last=self.channels_last)
+        B, C, T, H, W = padded.shape
+        rows = RowSource(lambda a, b: padded[:, :, :, a:b], padded.shape, B * C * T * W)
+        return conv_rows(rows, self.spec(), out=None, residual=residual)
 
 
 class FrameGroupNorm(nn.GroupNorm):
@@ -262,6 +381,23 @@ class FrameGroupNorm(nn.GroupNorm):
             out.view(B, C, T, -1).copy_(x_c.mul_(scale).add_(shift))
         return out
 
+    def statistics(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tuple[Tensor, Tensor]:
+        """The per-frame mean and variance ``(B, G, 1, T)`` :meth:`forward` normalises ``x``
+        with (from ``cache`` when it overrides them), in float32 (float64 for float64 input),
+        upcast a channel group at a time."""
+        B, C, T = x.shape[:3]
+        compute_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        if cache is not None and type(cache).group_norm_stats is not CausalCache.group_norm_stats:
+            return cache.group_norm_stats(self, x.to(compute_dtype))
+        x_flat = x.reshape(B, C, T, -1)
+        per_group = C // self.num_groups
+        step = max(1, SPLIT_ELEMENTS // 4 // (B * per_group * T * x_flat.shape[-1])) * per_group
+        moments = [torch.var_mean(x_flat[:, c:c + step].to(compute_dtype), dim=-1, correction=0)
+                   for c in range(0, C, step)]
+        return group_stats_from_channels(torch.cat([m for _, m in moments], dim=1),
+                                         torch.cat([v for v, _ in moments], dim=1),
+                                         self.num_groups)
+
     def _forward_in_channel_groups(self, x: Tensor, out: Optional[Tensor],
                                    compute_dtype: torch.dtype) -> Tensor:
         """The upcasting path of :meth:`forward` for inputs over ``SPLIT_ELEMENTS``: whole groups
@@ -273,7 +409,8 @@ class FrameGroupNorm(nn.GroupNorm):
         per_group = C // G
         x_flat = x.reshape(B, C, T, -1)
         plane_elements = x_flat.shape[0] * per_group * T * x_flat.shape[-1]
-        step = max(1, SPLIT_ELEMENTS // plane_elements) * per_group  # whole groups per piece
+        # Whole groups per piece, a quarter of the limit as the conv bands: a temporary.
+        step = max(1, SPLIT_ELEMENTS // 4 // plane_elements) * per_group
         moments = [torch.var_mean(x_flat[:, c:c + step].to(compute_dtype), dim=-1, correction=0)
                    for c in range(0, C, step)]
         var_c = torch.cat([v for v, _ in moments], dim=1)
@@ -290,19 +427,37 @@ class FrameGroupNorm(nn.GroupNorm):
         for c in range(0, C, step):
             piece = x_flat[:, c:c + step].to(compute_dtype)
             out_flat[:, c:c + step].copy_(piece.mul_(scale[:, c:c + step]).add_(shift[:, c:c + step]))
+            del piece  # one float32 piece alive at a time, not the last one and the next
         return out
 
 
 def norm_act_conv(norm: FrameGroupNorm, conv: CausalConv3d, x: Tensor,
-                  cache: Optional[CausalCache] = None) -> Tensor:
-    """``conv(silu(norm(x)))`` with the activation written straight into the conv's padded
-    input buffer (the pattern of every conv inside the residual blocks and before conv_out)."""
+                  cache: Optional[CausalCache] = None,
+                  residual: Optional[Tensor] = None) -> Tensor:
+    """``conv(silu(norm(x))) (+ residual)`` with the activation written straight into the
+    conv's padded input buffer (the pattern of every conv inside the residual blocks and
+    before conv_out); the residual is added band by band (fused into fp16_conv3d)."""
     buf, body = conv.input_buffer(x, x.shape, cache)
     if _records_graph(x, norm.weight, norm.bias):
         body.copy_(F.silu(norm(x, cache=cache)))
     else:
-        F.silu(norm(x, out=body, cache=cache), inplace=True)
-    return conv.forward_padded(buf, cache)
+        norm_silu_into(norm, x, body, cache, conv.paths)
+    return conv.forward_padded(buf, cache, residual)
+
+
+def norm_silu_into(norm: FrameGroupNorm, x: Tensor, out: Tensor,
+                   cache: Optional[CausalCache], paths: VaePaths) -> None:
+    """``out = silu(norm(x))`` (``out`` may be ``x`` itself): on the fused path (half-precision
+    input) comfy-kitchen's ``group_norm_silu_pad3d`` with the norm's own statistics, in place
+    one frame at a time; else the norm into ``out`` and SiLU in place (inference only)."""
+    if not (paths.fused_norm and x.dtype in vae_paths.HALF):
+        F.silu(norm(x, out=out, cache=cache), inplace=True)
+        return
+    mean, var = norm.statistics(x, cache)
+    stats = vae_paths.kitchen_stats(mean, var, norm.eps)
+    frames = 1 if out.data_ptr() == x.data_ptr() else None  # in place: a frame's copy at most
+    vae_paths.norm_silu_into(x, norm.weight, norm.bias, norm.num_groups, norm.eps, stats, out,
+                             frames)
 
 
 class ResnetBlock3D(nn.Module):
@@ -324,9 +479,29 @@ class ResnetBlock3D(nn.Module):
 
     def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
         h = norm_act_conv(self.norm1, self.conv1, x, cache)
-        h = norm_act_conv(self.norm2, self.conv2, h, cache)
         shortcut = x if self.conv_shortcut is None else self.conv_shortcut(x, cache)
-        return h.add_(shortcut)  # h is conv2's fresh output
+        # The shortcut is added to conv2's output band by band (on the fp16 path, in its
+        # epilogue): the same single addition per element as adding it afterwards.
+        return norm_act_conv(self.norm2, self.conv2, h, cache, residual=shortcut)
+
+    def forward_owned(self, owned: List[Tensor], cache: Optional[CausalCache] = None) -> Tensor:
+        """:meth:`forward` on an input handed over inside ``conv1``'s padded input buffer
+        (:meth:`CausalConv3d.input_buffer`, body filled): ``owned`` is a one-element list the
+        block takes the buffer out of, so that nothing else keeps it alive. The shortcut reads
+        the input first, then the norm overwrites it in place: one full-size buffer where
+        :meth:`forward` holds the input and a padded copy. Inference only, with a shortcut."""
+        buf = owned.pop()
+        body = buf[:, :, self.conv1.head_length(cache):]
+        shortcut = self.conv_shortcut(body, cache)
+        norm_silu_into(self.norm1, body, body, cache, self.conv1.paths)
+        del body
+        h = self.conv1.forward_padded(buf, cache)
+        del buf
+        return norm_act_conv(self.norm2, self.conv2, h, cache, residual=shortcut)
+
+    def takes_owned(self, x: Tensor) -> bool:
+        """Whether :meth:`forward_owned` may run on input ``x`` (a shortcut, no autograd)."""
+        return self.conv_shortcut is not None and not _records_graph(x, *self.parameters())
 
 
 class FrameAttention(nn.Module):
@@ -409,24 +584,72 @@ class Upsample3D(nn.Module):
         self.conv = CausalConv3d(channels, channels, 3, padding=1)
 
     def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
-        # (B, r*C, T, H, W): r times the input, so the output is what may need bands.
-        y = conv3d_in_bands(x, self.upscale_conv.weight, self.upscale_conv.bias,
-                            channels_last=self.conv.channels_last)
-        B, _, T, H, W = y.shape
-        C, r, z = self.channels, self.space_ratio, self.time_ratio
+        return self._write(x, cache, self._drops_first_frame(cache))
+
+    def forward_into(self, x: Tensor, following: CausalConv3d,
+                     cache: Optional[CausalCache] = None) -> Tensor:
+        """The output written into the body of ``following``'s padded input buffer
+        (:meth:`CausalConv3d.input_buffer`); returns that buffer, head not yet filled."""
+        drop = self._drops_first_frame(cache)
+        B, _, T, H, W = x.shape
+        r = self.space_ratio
+        buf, body = following.input_buffer(
+            x, (B, self.channels, T * self.time_ratio - drop, H * r, W * r), cache)
+        self._write(x, cache, drop, body)
+        return buf
+
+    def _drops_first_frame(self, cache: Optional[CausalCache]) -> bool:
         # Only the clip's first frame has a duplicate: later chunks keep all 2T frames.
-        drop = z > 1 and (cache is None or cache.first_visit(self))
-        # Depth-to-space straight into the conv's padded input: (B, x, y, z, C, T, H, W) ->
-        # (B, C, T, z, H, x, W, y), skipping (t=0, z=1) instead of cutting it out afterwards.
-        src = y.view(B, r, r, z, C, T, H, W).permute(0, 4, 5, 3, 6, 1, 7, 2)
-        buf, out = self.conv.input_buffer(y, (B, C, T * z - drop, H * r, W * r), cache)
-        if not drop:
-            out.view(B, C, T, z, H, r, W, r).copy_(src)
-        else:
-            out[:, :, 0].view(B, C, H, r, W, r).copy_(src[:, :, 0, 0])
-            out[:, :, 1:].view(B, C, T - 1, z, H, r, W, r).copy_(src[:, :, 1:])
-        del y, src
-        return self.conv.forward_padded(buf, cache)
+        return self.time_ratio > 1 and (cache is None or cache.first_visit(self))
+
+    def _write(self, x: Tensor, cache: Optional[CausalCache], drop: bool,
+               out: Optional[Tensor] = None) -> Tensor:
+        """``conv(depth_to_space(upscale_conv(x)))`` (into ``out`` if given), over bands of
+        output rows when large: each band's padded input rows (and halo) are made from the
+        input rows under them, so neither the ``r``-times-larger ``upscale_conv`` output nor
+        the conv's padded input exists whole (docs/models.md, "Large tensors")."""
+        conv = self.conv
+        B, _, T, H, W = x.shape
+        C, r, z = self.channels, self.space_ratio, self.time_ratio
+        n = conv.head_length(cache)
+        tail = cache.tail(conv) if cache is not None else None
+        keep = cache is not None and cache.temporal and conv.tail_frames > 0
+        padded = (B, C, n + T * z - drop, H * r, W * r)
+        next_tail = x.new_empty(*padded[:2], conv.tail_frames, *padded[3:]) if keep else None
+
+        def band(a: int, b: int) -> Tensor:  # padded input rows [a, b)
+            s0, s1 = a // r, -(-b // r)
+            y = conv3d(x[:, :, :, s0:s1], self.upscale_conv.weight, self.upscale_conv.bias,
+                       paths=conv.paths)
+            rows, _ = conv.input_buffer(y, (*padded[:2], padded[2] - n, (s1 - s0) * r, W * r),
+                                        cache)
+            _depth_to_space(y, rows[:, :, n:], (C, r, z), drop)
+            del y
+            head = rows[:, :, :n]
+            head.copy_(rows[:, :, n:n + 1] if tail is None else tail[..., s0 * r:s1 * r, :])
+            if next_tail is not None:
+                next_tail[..., s0 * r:s1 * r, :].copy_(rows[:, :, padded[2] - conv.tail_frames:])
+            return rows[..., a - s0 * r:b - s0 * r, :]
+
+        row_elements = B * C * (n + T * z) * W * r  # a row of the band or of its upscale
+        out = conv_rows(RowSource(band, padded, row_elements), conv.spec(), out=out)
+        if keep:
+            cache.set_tail(conv, next_tail, fresh=True)
+        return out
+
+
+def _depth_to_space(y: Tensor, out: Tensor, ratios: Tuple[int, int, int], drop: bool) -> None:
+    """``upscale_conv``'s output ``y`` ``(B, x*y*z*C, T, h, w)``, read as ``(B, x, y, z, C, T,
+    h, w)``, into ``out`` ``(B, C, T*z - drop, h*x, w*y)`` (:class:`Upsample3D`), skipping
+    ``(t=0, z=1)`` when ``drop`` instead of cutting it out afterwards."""
+    C, r, z = ratios
+    B, _, T, h, w = y.shape
+    src = y.view(B, r, r, z, C, T, h, w).permute(0, 4, 5, 3, 6, 1, 7, 2)
+    if not drop:
+        out.view(B, C, T, z, h, r, w, r).copy_(src)
+    else:
+        out[:, :, 0].view(B, C, h, r, w, r).copy_(src[:, :, 0, 0])
+        out[:, :, 1:].view(B, C, T - 1, z, h, r, w, r).copy_(src[:, :, 1:])
 
 
 class DownEncoderBlock3D(nn.Module):
@@ -441,12 +664,11 @@ class DownEncoderBlock3D(nn.Module):
         self.downsamplers = (nn.ModuleList([Downsample3D(out_channels, downsample == "time")])
                              if downsample else None)
 
+    def layers(self) -> List[nn.Module]:
+        return [*self.resnets, *(self.downsamplers or ())]
+
     def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
-        for resnet in self.resnets:
-            x = resnet(x, cache)
-        if self.downsamplers is not None:
-            x = self.downsamplers[0](x, cache)
-        return x
+        return run_layers(self.layers(), x, cache)
 
 
 class UpDecoderBlock3D(nn.Module):
@@ -461,12 +683,11 @@ class UpDecoderBlock3D(nn.Module):
         self.upsamplers = (nn.ModuleList([Upsample3D(out_channels, upsample == "time")])
                            if upsample else None)
 
+    def layers(self) -> List[nn.Module]:
+        return [*self.resnets, *(self.upsamplers or ())]
+
     def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
-        for resnet in self.resnets:
-            x = resnet(x, cache)
-        if self.upsamplers is not None:
-            x = self.upsamplers[0](x, cache)
-        return x
+        return run_layers(self.layers(), x, cache)
 
 
 class UNetMidBlock3D(nn.Module):
@@ -478,10 +699,33 @@ class UNetMidBlock3D(nn.Module):
                                       ResnetBlock3D(channels, channels, groups)])
         self.attentions = nn.ModuleList([FrameAttention(channels, groups)])
 
+    def layers(self) -> List[nn.Module]:
+        return [self.resnets[0], self.attentions[0], self.resnets[1]]
+
     def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
-        x = self.resnets[0](x, cache)
-        x = self.attentions[0](x, cache)
-        return self.resnets[1](x, cache)
+        return run_layers(self.layers(), x, cache)
+
+
+def run_layers(layers: Sequence[nn.Module], x: Tensor,
+               cache: Optional[CausalCache] = None) -> Tensor:
+    """Each of ``layers`` (called ``layer(x, cache)``) on the output of the one before, with
+    no reference left to an input once its layer is done (a nested ``block(x)`` would hold
+    the block's input through all of its layers). An :class:`Upsample3D` followed by a block
+    with a shortcut writes straight into that block's padded input buffer
+    (:meth:`ResnetBlock3D.forward_owned`; docs/models.md, "Large tensors")."""
+    i = 0
+    while i < len(layers):
+        layer, following = layers[i], layers[i + 1] if i + 1 < len(layers) else None
+        if (isinstance(layer, Upsample3D) and isinstance(following, ResnetBlock3D)
+                and following.takes_owned(x) and not _records_graph(x, *layer.parameters())):
+            owned = [layer.forward_into(x, following.conv1, cache)]
+            del x  # the up-sampler's input, not needed past here
+            x = following.forward_owned(owned, cache)
+            i += 2
+        else:
+            x = layer(x, cache)
+            i += 1
+    return x
 
 
 def down_kinds(num_blocks: int, temporal_scale_num: int) -> Sequence[Optional[str]]:

@@ -26,6 +26,7 @@ from ..memory.blockswap import BlockSwap
 from ..memory.compile import CompileSettings, apply_compile
 from ..memory.placement import OffloadedModel, default_pin, host_copy_bytes
 from ..memory.tiling import settings_from_options
+from ..models.vae_paths import INT8_CACHE_BYTES, choose_paths
 from ..options import OptionError, Options, option_ref
 from ..faults import NO_FAULTS, Faults
 from .identity import ModelRef, model_refs
@@ -100,8 +101,11 @@ def load_models(dit=None, vae=None, *, opts: Options, model_dir=None) -> Models:
     vae, vae_placement = _ready_model(vae_ref, opts, dtype, vae_device, vae_offload)
     # Per run, not per load: they change how the VAE runs, not what it holds (a cached or
     # given VAE runs with this job's settings).
-    vae.set_conv_settings(cudnn_benchmark=opts.vae_cudnn_benchmark,
-                          channels_last=opts.vae_channels_last)
+    vae.set_conv_settings(cudnn_benchmark=opts.vae_cudnn_benchmark, paths=choose_paths(
+        vae_device, vae.dtype, channels_last=opts.vae_channels_last,
+        fp16_accumulation=opts.vae_fp16_accumulation,
+        int8_cache_bytes=None if opts.vae_int8_cache == "off" else INT8_CACHE_BYTES,
+        cache_offload=opts.vae_int8_cache == "host"))
     for model in (dit, vae):
         set_compute_precision(model, opts.compute_precision)
     embedded = getattr(dit, "embedded_text_embeddings", None) or {}

@@ -270,6 +270,8 @@ LOADER_SETTINGS: dict[str, tuple] = {
         Setting("decode_temporal_slice", "vae_decode_temporal_slice", step=4),
         Setting("cudnn_benchmark", "vae_cudnn_benchmark"),
         Setting("channels_last", "vae_channels_last"),
+        Setting("fp16_accumulation", "vae_fp16_accumulation"),
+        Setting("int8_cache", "vae_int8_cache"),
         _COMPILE_SETTING,
     ),
 }

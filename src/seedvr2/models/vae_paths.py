@@ -1,0 +1,187 @@
+"""Which kernels the causal VAE runs on (issue #36), chosen once per VAE and device.
+
+Today's path is plain torch: channels-first buffers, ``FrameGroupNorm`` in float32 pieces,
+then SiLU, cuDNN convolutions, causal caches in the model dtype. Four others, each falling back
+to today's where comfy-kitchen or the GPU's capability is missing (``seedvr2.kernels`` quotes
+their preconditions; the log says once which path runs):
+
+* ``channels_last``: the causal padded input buffers are NDHWC themselves (bands are views of
+  them), so a channels-last convolution reads its input without a conversion;
+* ``fused_norm``: norm -> SiLU -> padded buffer in one pass of comfy-kitchen's
+  ``group_norm_silu_pad3d``, with ``FrameGroupNorm``'s own statistics as ``(mean, rstd)``;
+  the causal head frames are copied from the first frame as today (kitchen zero-pads front
+  frames, so it is asked for none);
+* ``fp16_accumulation`` (option ``vae_fp16_accumulation``, fp16 models only): convolutions
+  through comfy-kitchen's ``fp16_conv3d``, accumulating in fp16, on input views under 2^30
+  elements, the residual block's shortcut fused into its second convolution;
+* ``int8_cache_bytes``: causal cache tails of at least this many bytes packed to int8 with one
+  float32 scale per tensor (as ComfyUI's ``TensorWiseINT8Layout``), optionally parked in
+  (pinned) host memory and fetched back ahead of the chunk that reads them.
+
+Requirements, costs and error bounds: docs/memory.md, "VAE kernel paths".
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import kernels
+
+log = logging.getLogger("seedvr2")
+
+NORM_KERNEL = "comfy_kitchen.group_norm_silu_pad3d"
+CONV_KERNEL = "comfy_kitchen.fp16_conv3d"
+# Causal tails from this size on are packed to int8 when the int8 cache is asked for: the
+# full-resolution levels' tails (1080p: 256 channels x 2 frames is 2 GiB in fp16), not the
+# small ones, where the scale's cost and the rounding would buy nothing (ComfyUI: 64 MiB).
+INT8_CACHE_BYTES = 64 << 20
+# Largest input view (elements) of one fused-kernel call (kernels.py quotes why).
+VIEW_ELEMENTS = 1 << 30
+HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class VaePaths:
+    """The VAE's kernel paths; the default is today's. See the module doc."""
+
+    channels_last: bool = False
+    fused_norm: bool = False
+    fp16_accumulation: bool = False
+    int8_cache_bytes: Optional[int] = None
+    cache_offload: bool = False  # int8 tails in (pinned) host memory, prefetched
+
+    def describe(self) -> str:
+        parts = [("channels-last padded buffers" if self.channels_last
+                  else "channels-first buffers"),
+                 ("comfy-kitchen group_norm_silu_pad3d" if self.fused_norm
+                  else "FrameGroupNorm then SiLU"),
+                 ("comfy-kitchen fp16_conv3d (fp16 accumulation)" if self.fp16_accumulation
+                  else "torch conv3d")]
+        if self.int8_cache_bytes is not None:
+            size = self.int8_cache_bytes
+            size = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size} bytes"
+            parts.append(f"int8 causal tails from {size}"
+                         + (" in host memory" if self.cache_offload else ""))
+        return ", ".join(parts)
+
+
+TODAY = VaePaths()
+
+
+def choose_paths(device, dtype: torch.dtype, *, channels_last: bool = False,
+                 fp16_accumulation: bool = False, int8_cache_bytes: Optional[int] = None,
+                 cache_offload: bool = False) -> VaePaths:
+    """The paths a VAE of ``dtype`` on ``device`` runs: the fused norm wherever comfy-kitchen
+    runs it (half precision), fp16 accumulation where asked for and possible; each path that
+    cannot run is logged with why, and the chosen paths once."""
+    platform = kernels.platform_of(torch.device(device))
+
+    def usable(kernel: str, wanted_dtypes) -> Optional[str]:
+        if dtype not in wanted_dtypes:
+            return f"the VAE runs in {str(dtype).removeprefix('torch.')}"
+        if not kernels.kitchen_installed():
+            return "comfy-kitchen is not installed (pip install seedvr2-comfyui[kitchen])"
+        if platform.kind == "cuda" and not kernels.kitchen_cuda_backend_allowed(
+                platform.torch_cuda):  # its eager stand-in would copy whole activations
+            return "comfy-kitchen's CUDA kernels need a torch built for CUDA 13 or newer"
+        return kernels.runs_on([kernel], platform)
+
+    fused = usable(NORM_KERNEL, HALF) is None
+    fp16 = False
+    if fp16_accumulation:
+        why = usable(CONV_KERNEL, (torch.float16,))
+        fp16 = why is None
+        if why:
+            log.warning("vae_fp16_accumulation: %s; the VAE's convolutions run as without it",
+                        why)
+    paths = VaePaths(bool(channels_last), fused, fp16, int8_cache_bytes,
+                     bool(cache_offload) and int8_cache_bytes is not None)
+    log.info("VAE paths on %s: %s", platform.describe(), paths.describe())
+    return paths
+
+
+# -- the fused norm ---------------------------------------------------------------------------
+
+def kitchen_stats(mean: Tensor, var: Tensor, eps: float) -> Tensor:
+    """``FrameGroupNorm`` statistics ``(B, G, 1, T)`` as comfy-kitchen's ``stats``: float32
+    ``[B*T, G, 2]`` of ``(mean, rstd)``, rows frame-major within each sample."""
+    B, G, _, T = mean.shape
+    pair = torch.stack((mean.float(), torch.rsqrt(var.float() + eps)), dim=-1)  # (B,G,1,T,2)
+    return pair.view(B, G, T, 2).permute(0, 2, 1, 3).reshape(B * T, G, 2)
+
+
+def norm_silu_into(x: Tensor, weight: Tensor, bias: Tensor, groups: int, eps: float,
+                   stats: Tensor, out: Tensor, frames: Optional[int] = None) -> None:
+    """``out = silu(group_norm(x))`` through ``group_norm_silu_pad3d`` with the given per-frame
+    ``stats`` (:func:`kitchen_stats`), ``frames`` at a time (default: as many as stay under
+    :data:`VIEW_ELEMENTS`); ``out`` has ``x``'s shape (a body view of a padded buffer: no
+    padding asked of the kernel, which would zero the causal head)."""
+    ck = kernels.kitchen()
+    B, C, T = x.shape[:3]
+    per_frame = x[:, :, :1].numel()
+    step = frames or max(1, (VIEW_ELEMENTS - 1) // per_frame)
+    rows = stats.view(B, T, groups, 2)
+    for t0 in range(0, T, step):
+        t1 = min(t0 + step, T)
+        ck.group_norm_silu_pad3d(x[:, :, t0:t1], weight, bias, groups, eps, (0, 0, 0, 0, 0),
+                                 True, True, out=out[:, :, t0:t1],
+                                 stats=rows[:, t0:t1].reshape(B * (t1 - t0), groups, 2))
+
+
+# -- fp16 accumulation ------------------------------------------------------------------------
+
+def fp16_conv3d(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride, pad,
+                residual: Optional[Tensor] = None) -> Tensor:
+    """``conv3d(x zero-padded by pad, weight, bias, stride) (+ residual)`` through
+    comfy-kitchen's ``fp16_conv3d``, which pads nothing itself; ``pad`` in ``F.pad``'s order
+    ``(left, right, top, bottom, front, back)``. Channels-first out."""
+    if any(pad):
+        x = torch.nn.functional.pad(x, pad)
+    stride = [stride] * 3 if isinstance(stride, int) else list(stride)
+    y = kernels.kitchen().fp16_conv3d(x, weight, bias, residual, stride)
+    return y.contiguous()
+
+
+# -- int8 causal tails ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PackedTail:
+    """A causal tail in int8 with one float32 scale (``absmax / 127``); ``dtype`` and
+    ``channels_last`` say how to unpack it."""
+
+    codes: Tensor
+    scale: Tensor
+    dtype: torch.dtype
+    channels_last: bool
+
+    @staticmethod
+    def pack(frames: Tensor, host: bool = False) -> "PackedTail":
+        scale = frames.abs().amax().float().clamp_min(torch.finfo(torch.float32).tiny) / 127
+        codes = torch.round(frames.float() / scale).clamp_(-127, 127).to(torch.int8)
+        layout = frames.dim() == 5 and frames.is_contiguous(memory_format=torch.channels_last_3d) \
+            and not frames.is_contiguous()
+        if host and codes.device.type != "cpu":
+            parked = torch.empty(codes.shape, dtype=torch.int8, pin_memory=True)
+            codes = parked.copy_(codes, non_blocking=True)
+        return PackedTail(codes, scale, frames.dtype, layout)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def fetch(self, device: torch.device) -> "PackedTail":
+        """The codes on ``device``, copied asynchronously from pinned memory (a prefetch)."""
+        if self.codes.device == device:
+            return self
+        return PackedTail(self.codes.to(device, non_blocking=True), self.scale, self.dtype,
+                          self.channels_last)
+
+    def unpack(self) -> Tensor:
+        values = (self.codes.float() * self.scale.to(self.codes.device)).to(self.dtype)
+        return values.contiguous(memory_format=torch.channels_last_3d) if self.channels_last \
+            else values
