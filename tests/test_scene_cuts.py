@@ -218,6 +218,25 @@ def test_dry_plan_prints_cuts_and_batches_without_models(tmp_path, capsys):
            "  batch 6: frames 22-25 (4 frames, padded to 5)" in out
 
 
+def test_prepended_frames_cut_short_by_the_first_shot_are_reported(tmp_path, capsys):
+    from seedvr2.cli import main
+
+    clip = _write_clip(tmp_path / "cuts.mp4")
+    assert main(["upscale", str(clip), "--dry-plan", "--batch-size", "5", "--prepend-frames",
+                 "4", "--scene-cuts", "3,13"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ("warning: --prepend-frames 4: the first shot has 3 frames (a scene cut at "
+                   "frame 3), so 2 are prepended\n")
+    assert "  batch 0: frames 0-2 (5 frames, 2 prepended)" in out
+    assert main(["upscale", str(clip), "--dry-plan", "--batch-size", "5", "--prepend-frames",
+                 "2", "--scene-cuts", "3,13"]) == 0
+    assert capsys.readouterr().err == ""  # as many as asked for: nothing to say
+    with pytest.warns(UserWarning, match=r"^prepend_frames = 30: the input has 26 frames, so "
+                                         r"25 are prepended$"):
+        cuts.resolve_scene_cuts(resolve_options(prepend_frames=30, scene_cuts="off"), 26,
+                                lambda: iter(()))
+
+
 # -- files: one process, two ranks, a resumed run ---------------------------------------------
 
 def _write_clip(path):

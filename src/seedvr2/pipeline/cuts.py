@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
@@ -135,7 +136,20 @@ def resolve_scene_cuts(opts: Options, frame_count: int,
                           f"{cuts[-1]} is past its end; remove it or use "
                           f"{option_ref('scene_cuts', 'auto')}")
     log.info("%s", describe_cuts(cuts))
+    _warn_if_prepend_shortened(opts.prepend_frames, cuts, frame_count)
     return opts.replace(scene_cuts=cuts)
+
+
+def _warn_if_prepend_shortened(prepend: int, cuts: tuple, frame_count: int):
+    """The plan prepends copies of frames 1..P of the first shot (:func:`.plan.make_plan`), so
+    at most one less than the shot's length: say so in one line when fewer than asked for
+    are."""
+    length = cuts[0] if cuts else frame_count
+    if prepend > length - 1:
+        shot = f"the first shot has {length} frames (a scene cut at frame {length})" if cuts \
+            else f"the input has {length} frame{'s' if length != 1 else ''}"
+        warnings.warn(f"{option_value('prepend_frames', prepend)}: {shot}, so "
+                      f"{length - 1} {'is' if length == 2 else 'are'} prepended", stacklevel=3)
 
 
 def describe_cuts(cuts: tuple) -> str:
