@@ -350,6 +350,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     # Added after the first release: last, so saved workflows' widget values keep their places.
     Option("scene_cuts", str, "auto", "scene cuts no batch spans: auto (detected), off, or "
            "the frames that begin new shots, e.g. 120,348", parse=parse_scene_cuts),
+    Option("min_scene_length", int, 15, "shortest shot {scene_cuts} auto makes, in frames "
+           "(PySceneDetect's min_scene_len): a cut closer than this to the previous one or to "
+           "the start is not made, and a flash (frames that return to the shot before them "
+           "within this length) is no cut", min=1, max=1_000_000),
 ]}
 
 
@@ -359,7 +363,7 @@ AREAS: dict[str, tuple[str, ...]] = {
     "input and output": ("resolution", "max_resolution", "fps", "resume"),
     "models": ("text_embeddings", "dtype", "compute_precision"),
     "quality and colour": ("seed", "batch_size", "temporal_overlap", "prepend_frames",
-                           "scene_cuts", "color_correction", "input_noise_scale",
+                           "scene_cuts", "min_scene_length", "color_correction", "input_noise_scale",
                            "latent_noise_scale"),
     "memory and VRAM": ("chunk_size", "device", "dit_device", "vae_device", "dit_offload_device",
                         "vae_offload_device", "tensor_offload_device", "cache_dit", "cache_vae",
