@@ -170,7 +170,7 @@ def parse_scene_cuts(value):
     variable that was never set, and ``off`` says what is meant."""
     import operator
 
-    text = value.strip().lower() if isinstance(value, str) else None
+    text = value.strip(" ").lower() if isinstance(value, str) else None
     if text in ("auto", "off"):
         return "auto" if text == "auto" else ()
     try:
