@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 import seedvr2
 from hostile import outcome
@@ -73,7 +73,8 @@ def test_frames_in_memory_upscale_as_given_plainly_or_are_refused(tiny_options, 
     assert out.shape[0] == (plain.shape[0] if plain.dim() == 4 else 1)
     assert torch.isfinite(out).all() and out.min() >= 0 and out.max() <= 1
     if given is not plain:
-        assert torch.equal(out, _upscale(tiny_options, plain))
+        with _no_warning_check():
+            assert torch.equal(out, _upscale(tiny_options, plain))
 
 
 class _no_warning_check:  # clamping warnings (values over 1) are expected and fine
@@ -104,3 +105,46 @@ def test_every_non_finite_value_is_refused_naming_the_first_frame(tiny_options, 
     with pytest.raises(seedvr2.SeedVR2Error) as refused:
         _upscale(tiny_options, frames)
     assert str(refused.value) == "frame 2 contains NaN or infinite values"
+
+
+# The upscaler node's IMAGE input: the same frames, through the node as ComfyUI runs it.
+
+@pytest.fixture(scope="module")
+def upscaler_node(tiny_model_dir, tmp_path_factory):
+    from seedvr2.workflow import nodes as defs
+    from seedvr2.workflow.host import HeadlessHost
+
+    host = HeadlessHost(model_dir=tiny_model_dir, output_dir=tmp_path_factory.mktemp("out"),
+                        quiet=True)
+    nodes = {n.id: n for n in defs.build_nodes()}
+    loaded = []
+    for kind, name in (("dit", "dit3b_tiny.safetensors"), ("vae", "vae_tiny.safetensors")):
+        settings = {s.input: s.node_input().default for s in defs.LOADER_SETTINGS[kind]
+                    if not s.node_input().optional}
+        node = nodes["SeedVR2LoadDiTModel" if kind == "dit" else "SeedVR2LoadVAEModel"]
+        loaded.append(node.run(host, model=name, **{**settings, "dtype": "fp32"}).outputs[0])
+    upscaler = nodes["SeedVR2VideoUpscaler"]
+    widgets = {i.name: i.default for i in upscaler.inputs if i.is_widget}
+
+    def run(image):
+        return upscaler.run(host, image=image, dit=loaded[0], vae=loaded[1], **{
+            **widgets, "resolution": 16, "batch_size": 1}).outputs[0]
+    return run
+
+
+@settings(max_examples=8)
+@given(case=frames())
+def test_the_image_node_upscales_as_given_plainly_or_refuses_naming_the_frame(upscaler_node,
+                                                                               case):
+    given, plain, bad = case
+    with _no_warning_check():
+        result = outcome(lambda: upscaler_node(given))
+    if bad is not None:
+        assert result.refused and f"frame {bad} contains NaN or infinite values" in \
+            result.message, result.message
+    elif not result.refused:
+        out = result.value
+        assert out.dtype == torch.float32 and torch.isfinite(out).all()
+        if given is not plain:
+            with _no_warning_check():
+                assert torch.equal(out, upscaler_node(plain))
