@@ -108,3 +108,48 @@ def test_clips_upscale_or_fail_in_one_line(tiny_options, tmp_path_factory, clip)
         return
     with open_media(out) as reader:
         assert sum(1 for _ in reader.frames()) == clip["frames"]
+
+
+# Sequence patterns: a folder of numbered images (and names that only look numbered), read
+# through printf-style patterns and globs as users type them.
+
+PATTERN_TOKENS = st.lists(st.sampled_from(
+    ["f", "%d", "%05d", "%5d", "%0", "%", "%%", "d", "*", "?", "[0-9]", "9", "99999999999",
+     "²", "٣", "-", "+", " ", "$", ".png"]), min_size=1, max_size=6).map("".join)
+
+
+@pytest.fixture(scope="module")
+def numbered_folder(tmp_path_factory):
+    from PIL import Image
+
+    folder = tmp_path_factory.mktemp("numbered")
+    for name in ["f00001.png", "f00002.png", "f3.png", "f².png", "f٣.png", "f-1.png", "1.png",
+                 "%d.png", "f%05d.png"]:
+        Image.new("RGB", (16, 12), (len(name) * 9 % 256, 0, 0)).save(folder / name, "PNG")
+    return folder
+
+
+@given(name=PATTERN_TOKENS)
+def test_sequence_patterns_are_read_or_refused_in_one_line(numbered_folder, name):
+    run = run_cli(["upscale", str(numbered_folder / name), "--dry-plan", "--batch-size", "5"])
+    if run.status != 0:
+        assert run.stderr.count("error:") == 1 and name in run.stderr, run.stderr
+
+
+def test_a_pattern_padding_past_20_digits_is_refused(numbered_folder):
+    """%99999999999d made Python build a 10^11-character number: MemoryError."""
+    run = run_cli(["upscale", str(numbered_folder / "f%99999999999d.png"), "--dry-plan"])
+    assert run.status == 1 and run.stderr == (
+        f"error: {numbered_folder / 'f%99999999999d.png'}: %99999999999d pads frame numbers to "
+        f"99999999999 digits; at most 20 are meaningful (%05d pads to 5)\n")
+    run = run_cli(["upscale", str(numbered_folder / "f%d.png"), "--dry-plan", "--batch-size",
+                   "5"])  # f3.png only: f00001.png, f².png, f٣.png are not as %d writes
+    assert run.status == 0 and ": 1 frames, " in run.stdout, run.stdout
+
+
+def test_a_glob_pathlib_refuses_is_refused_naming_it(numbered_folder):
+    """Found by the long profile: pathlib's ValueError came out without the pattern."""
+    run = run_cli(["upscale", str(numbered_folder / "f**"), "--dry-plan"])
+    assert run.status == 1 and run.stderr == (
+        f"error: {numbered_folder / 'f**'}: not a usable file name pattern (Invalid pattern: "
+        f"'**' can only be an entire path component)\n")
