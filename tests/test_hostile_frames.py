@@ -132,7 +132,7 @@ def upscaler_node(tiny_model_dir, tmp_path_factory):
     return run
 
 
-@settings(max_examples=8)
+@settings(max_examples=settings.default.max_examples // 2)  # 10 in ci
 @given(case=frames())
 def test_the_image_node_upscales_as_given_plainly_or_refuses_naming_the_frame(upscaler_node,
                                                                                case):

@@ -90,7 +90,7 @@ def test_clips_are_read_whole_or_refused_naming_the_file(tmp_path_factory, clip)
         assert frame.shape[2] in (1, 3, 4) and frame.dtype in (np.uint8, np.uint16)
 
 
-@settings(max_examples=6)
+@settings(max_examples=settings.default.max_examples // 3)  # each runs the models: 6 in ci
 @given(clip=clips())
 def test_clips_upscale_or_fail_in_one_line(tiny_options, tmp_path_factory, clip):
     folder = tmp_path_factory.mktemp("media")
