@@ -19,9 +19,16 @@ needs two measures to agree:
 A flat frame (no structure: grey standard deviation under :data:`FLAT_STD`) counts as changed
 structure next to any other frame. Between two flat frames colour alone can decide, and it is
 their mean chromaticity (r, g, b over r + g + b) that is compared: the same colour brighter or
-darker is the same shot, another hue is a new one. Limits: a cut between two shots of the
-same colours and layout, and a cross-fade (no single frame changes enough), are not found; give
-those cuts by hand (``scene_cuts=120,348``).
+darker is the same shot, another hue is a new one; black (mean grey under :data:`DARK`) has no
+hue. Limits: a cut between two shots of the same colours and layout, and a cross-fade (no
+single frame changes enough), are not found; give those cuts by hand (``scene_cuts=120,348``).
+
+Over the stream (:func:`detect_cuts`): a faint frame (grey deviation under :data:`FADE_STD`)
+next to a flat one is a fade to or from black, not a cut; the first frame with structure after
+flat ones is a cut when its structure differs from the last one before them (a fade through
+black into another shot). No shot is shorter than ``min_scene_length`` (PySceneDetect's
+``min_scene_len``): a cut too close to the previous one is dropped, and when its frame returns
+to the shot before that previous cut, that cut goes too (a flash, two changes that cancel).
 
 The thresholds were chosen on the clips of tests/test_scene_cuts.py (small frames of smooth
 random patterns, each shot its own palette, and flat colours) and the suite's test clip:
