@@ -126,3 +126,34 @@ def test_same_jobs_in_two_processes_give_identical_frames(tiny_model_dir, tmp_pa
         differ = np.argwhere((a != b).reshape(len(a), -1).any(1)).ravel().tolist()
         assert differ == [], f"{name}: frames {differ} differ between the two runs " \
                              f"({int((a != b).sum())} values)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Thread counts: one process on 2 threads and two ranks on 1 thread each must compute the same
+# bits (issue 33). oneDNN's 1x1x1 convolution splits its channel sum by the thread count at the
+# VAE's real widths (256-512 channels; the tiny VAE is too narrow to show it).
+
+def test_pointwise_vae_convolutions_do_not_depend_on_the_thread_count():
+    import torch
+    import torch.nn.functional as F
+
+    from conftest import rounding_bound
+    from seedvr2.models.vae_blocks import CausalConv3d, Upsample3D
+
+    torch.manual_seed(0)
+    shortcut = CausalConv3d(256, 512, 1)
+    upsample = Upsample3D(256, temporal=True)
+    x = torch.randn(1, 256, 3, 32, 32)
+    results = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            with torch.no_grad():
+                results.append((shortcut(x), upsample(x)))
+    finally:
+        torch.set_num_threads(before)
+    (one, up_one), (two, up_two) = results
+    assert torch.equal(one, two) and torch.equal(up_one, up_two)
+    reference = F.conv3d(x.double(), shortcut.weight.double(), shortcut.bias.double()).float()
+    assert (one - reference).abs().max() <= rounding_bound(reference, terms=256)

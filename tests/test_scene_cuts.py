@@ -20,6 +20,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 H, W = 48, 64
 CUTS = (7, 13, 22)  # mid-batch for batches of 5 (and of 9)
+SHORT_SHOTS = 4  # min_scene_length the clip's shots need (the default, 15, would merge them)
 
 
 def pattern(seed: int, shift: float = 0.0) -> np.ndarray:
@@ -51,6 +52,9 @@ def cut_clip(first_shot=None) -> np.ndarray:
 def test_detection_finds_exactly_the_cuts():
     assert cuts.detect_cuts(cut_clip()) == CUTS
     assert cuts.detect_cuts(torch.from_numpy(cut_clip()).float() / 255) == CUTS  # any precision
+    assert cuts.detect_cuts(cut_clip(), SHORT_SHOTS) == CUTS
+    assert cuts.detect_cuts(cut_clip(), 7) == (7, 22)  # 13 is 6 frames after 7: too short
+    assert cuts.detect_cuts(cut_clip(), 8) == (13, 22)  # the first shot too
 
 
 def test_no_cut_in_a_pan_a_lighting_step_or_a_brighter_flat_colour():
@@ -62,6 +66,46 @@ def test_no_cut_in_a_pan_a_lighting_step_or_a_brighter_flat_colour():
     assert cuts.detect_cuts([flat((100, 25, 25))] * 3 + [flat((200, 50, 50))] * 3) == ()
     # The suite's test clip: a thin line moving fast over a frame that brightens.
     assert cuts.detect_cuts([clip_frame(i) for i in range(60)]) == ()
+
+
+def _faded(frames, gains):
+    return [(f.astype(float) * g).round().astype(np.uint8) for f, g in zip(frames, gains)]
+
+
+def _auto_cuts(frames) -> tuple:
+    """The cuts scene_cuts=auto finds with the default options (min_scene_length 15)."""
+    return cuts.resolve_scene_cuts(resolve_options(), len(frames), lambda: iter(frames)) \
+        .scene_cuts
+
+
+def test_a_flash_is_no_cut():
+    """One white frame, or two over-exposed ones, in a steady shot: two changes that return
+    to the shot; cutting there split the shot where nothing changed (issue 33)."""
+    shot = [pattern(1, shift=i) for i in range(40)]
+    white = shot[:20] + [flat((255, 255, 255))] + shot[21:]
+    assert cuts.detect_cuts(white) == (20, 21)  # each change alone looks like a cut ...
+    assert _auto_cuts(white) == ()  # ... together they are a flash
+    bright = shot[:20] + [np.clip(f.astype(int) + 150, 0, 255).astype(np.uint8)
+                          for f in shot[20:22]] + shot[22:]
+    assert _auto_cuts(bright) == ()
+    # Two frames of another shot, then a third shot: no return, so a cut; the two-frame
+    # shot is shorter than min_scene_length and joins the third.
+    other = shot[:20] + [pattern(2, shift=i) for i in range(2)] + [pattern(8, shift=i)
+                                                                  for i in range(18)]
+    assert cuts.detect_cuts(other) == (20, 22)
+    assert _auto_cuts(other) == (20,)
+
+
+def test_a_fade_is_no_cut_and_a_fade_into_another_shot_cuts_where_it_appears():
+    first, second = ([pattern(seed, shift=i) for i in range(40)] for seed in (1, 2))
+    ramp = list(np.linspace(1, 0, 10))
+    out = _faded(first[:20], [1] * 10 + ramp)  # frames 10-19 fade to black
+    assert _auto_cuts(out + [flat((0, 0, 0))] * 5) == ()
+    back = _faded(first[20:], ramp[::-1] + [1] * 10)
+    assert _auto_cuts(out + back) == ()  # out to black and back into the same shot
+    into = _faded(second, ramp[::-1] + [1] * 10)
+    assert _auto_cuts(out + into) == (22,)  # the first frame of the new shot that shows it
+    assert _auto_cuts(out + [flat((0, 0, 0))] * 3 + second[:20]) == (23,)  # a hard start
 
 
 def _features(correlation: float, histogram_distance: float) -> tuple:
@@ -181,7 +225,7 @@ def _upscale(tiny_options, frames, **options):
 
     return seedvr2.upscale(torch.from_numpy(frames), **dict(
         tiny_options, resolution=32, batch_size=5, temporal_overlap=1, prepend_frames=2,
-        devices="cpu", **options))
+        devices="cpu", min_scene_length=SHORT_SHOTS, **options))
 
 
 def test_shots_do_not_depend_on_each_other_and_off_is_todays_output(tiny_options):
@@ -210,12 +254,32 @@ def test_dry_plan_prints_cuts_and_batches_without_models(tmp_path, capsys):
 
     clip = _write_clip(tmp_path / "cuts.mp4")
     assert main(["upscale", str(clip), "--dry-plan", "--batch-size", "5",
-                 "--temporal-overlap", "1", "--dit", "missing.safetensors"]) == 0
+                 "--temporal-overlap", "1", "--dit", "missing.safetensors",
+                 f"--min-scene-length={SHORT_SHOTS}"]) == 0
     out = capsys.readouterr().out
     assert f"{clip}: 26 frames, 3 scene cuts: 7, 13, 22, 7 batches" in out
     assert "shot from frame 13:\n  batch 4: frames 13-17 (5 frames)\n" \
            "  batch 5: frames 17-21 (5 frames, 1 cross-faded)\nshot from frame 22:\n" \
            "  batch 6: frames 22-25 (4 frames, padded to 5)" in out
+
+
+def test_prepended_frames_cut_short_by_the_first_shot_are_reported(tmp_path, capsys):
+    from seedvr2.cli import main
+
+    clip = _write_clip(tmp_path / "cuts.mp4")
+    assert main(["upscale", str(clip), "--dry-plan", "--batch-size", "5", "--prepend-frames",
+                 "4", "--scene-cuts", "3,13"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ("warning: --prepend-frames 4: the first shot has 3 frames (a scene cut at "
+                   "frame 3), so 2 are prepended\n")
+    assert "  batch 0: frames 0-2 (5 frames, 2 prepended)" in out
+    assert main(["upscale", str(clip), "--dry-plan", "--batch-size", "5", "--prepend-frames",
+                 "2", "--scene-cuts", "3,13"]) == 0
+    assert capsys.readouterr().err == ""  # as many as asked for: nothing to say
+    with pytest.warns(UserWarning, match=r"^prepend_frames = 30: the input has 26 frames, so "
+                                         r"25 are prepended$"):
+        cuts.resolve_scene_cuts(resolve_options(prepend_frames=30, scene_cuts="off"), 26,
+                                lambda: iter(()))
 
 
 # -- files: one process, two ranks, a resumed run ---------------------------------------------
@@ -261,7 +325,8 @@ def test_one_process_two_ranks_and_a_resumed_run_give_the_same_file(tiny_options
     monkeypatch.setenv("SEEDVR2_SEGMENT_FRAMES", "8")  # segments end within the clip
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     clip = _write_clip(tmp_path / "cuts.mp4")
-    options = dict(tiny_options, resolution=32, batch_size=5, temporal_overlap=1)
+    options = dict(tiny_options, resolution=32, batch_size=5, temporal_overlap=1,
+                   min_scene_length=SHORT_SHOTS)
     stats = JobStats()
     one = seedvr2.upscale_file(clip, tmp_path / "one.mp4", stats=stats, **options)
     assert stats.scene_cuts == CUTS
@@ -281,7 +346,7 @@ def test_one_process_two_ranks_and_a_resumed_run_give_the_same_file(tiny_options
     assert main(["upscale", str(clip), "-o", str(out), "--dit", tiny_options["dit"], "--vae",
                  tiny_options["vae"], "--model-dir", str(tiny_options["model_dir"]), "--device",
                  "cpu", "--dtype", "fp32", "--resolution", "32", "--batch-size", "5",
-                 "--temporal-overlap", "1"]) == 0
+                 "--temporal-overlap", "1", f"--min-scene-length={SHORT_SHOTS}"]) == 0
     summary = capsys.readouterr().out
     assert re.search(r"[1-9] of 7 batches reused from a previous run; 3 scene cuts: 7, 13, 22;",
                      summary), summary

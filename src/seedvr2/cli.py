@@ -459,11 +459,15 @@ def _run_workflow(args) -> int:
     return 0
 
 
-def _or_auto(kind):
-    """An argparse type: a number of ``kind`` or the word auto."""
+def _number(kind, auto: bool = False):
+    """An argparse type: a number of ``kind`` in plain decimal (options.plain_number), or
+    with ``auto`` also the word auto."""
+    from .options import plain_number
+
     def parse(text: str):
-        return "auto" if text.strip().lower() == "auto" else kind(text)
-    parse.__name__ = f"{kind.__name__} or auto"  # argparse names it in its error message
+        return "auto" if auto and text.strip().lower() == "auto" else plain_number(kind, text)
+    # argparse names it in its error message: "invalid int or auto value: 'lots'"
+    parse.__name__ = kind.__name__ + (" or auto" if auto else "")
     return parse
 
 
@@ -486,9 +490,9 @@ def _option_flag(group, opt):
     if opt.type is bool:
         kwargs["action"] = argparse.BooleanOptionalAction
     elif opt.accepts_auto:
-        kwargs["type"] = _or_auto(opt.type)
+        kwargs["type"] = _number(opt.type, auto=True)
     else:
-        kwargs["type"] = opt.type
+        kwargs["type"] = _number(opt.type) if opt.type in (int, float) else opt.type
         if opt.choices:
             kwargs["choices"] = opt.choices
     group.add_argument(opt.flag, dest=opt.name, **kwargs)

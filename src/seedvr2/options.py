@@ -14,7 +14,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import difflib
+import re
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Callable, Optional
 
 from .errors import SeedVR2Error
@@ -59,12 +61,19 @@ def option_ref(name: str, value=None, *, flag: Optional[str] = None) -> str:
     return flag if value is None else f"{flag} {value}"
 
 
+MAX_QUOTED = 80  # characters of a value an error message quotes
+
+
 def option_value(name: str, value) -> str:
     """An option and the value given for it, as the subject of an error message:
-    ``batch_size = 8`` for Python callers, ``--batch-size 8`` on the command line."""
+    ``batch_size = 8`` for Python callers, ``--batch-size 8`` on the command line. A long value
+    (a list of 100,000 cuts) is quoted by its beginning and its length."""
+    shown = repr(value) if _CALLER.get() == "python" else str(value)
+    if len(shown) > MAX_QUOTED:
+        shown = f"{shown[:MAX_QUOTED - 20]}... ({len(shown)} characters)"
     if _CALLER.get() == "python":
-        return f"{name} = {value!r}"
-    return option_ref(name, value)
+        return f"{name} = {shown}"
+    return option_ref(name, shown)
 
 
 @dataclass(frozen=True)
@@ -98,8 +107,25 @@ def _batch_size_problem(value: int) -> Optional[str]:
     return f"must be 4n+1 (1, 5, 9, 13, 17, 21, ...); nearest valid values: {lower} or {upper}"
 
 
+_PLAIN_INT = re.compile(r" *(-?[0-9]+) *")
+_PLAIN_FLOAT = re.compile(r" *(-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?|-?inf|nan) *",
+                          re.IGNORECASE)
+
+
+def plain_number(kind: type, text: str):
+    """``text`` as an int or float when it is spelled in plain ASCII decimal (spaces around
+    allowed; floats also as ``1e-3``, and ``inf``/``nan`` for the range checks to name); else
+    ValueError. Python's own int()/float() also read ``1_0`` as 10, ``+3``, other scripts'
+    digits (``١``) and surrounding newlines: a value spelled so is more likely a mistake
+    than meant."""
+    match = (_PLAIN_INT if kind is int else _PLAIN_FLOAT).fullmatch(text)
+    if match is None:
+        raise ValueError(f"not a plain decimal {kind.__name__}: {text!r}")
+    return kind(match.group(1))
+
+
 def _is_device(value: str) -> bool:
-    return value in ("cpu", "cuda", "mps") or value.startswith("cuda:") and value[5:].isdigit()
+    return value in ("cpu", "cuda", "mps") or re.fullmatch("cuda:[0-9]+", value) is not None
 
 
 def _device_problem(value: str) -> Optional[str]:
@@ -139,49 +165,64 @@ def _slice_problem(value: int) -> Optional[str]:
 
 def parse_scene_cuts(value):
     """The scene_cuts option as ``"auto"`` or a sorted tuple of cut frames (``off`` is ``()``):
-    from ``auto``, ``off``, text such as ``120, 348`` or a list of frame numbers."""
+    from ``auto``, ``off``, text such as ``120, 348`` (plain decimal frame numbers, spaces
+    around them allowed) or a list of frame numbers. Empty text is refused: it may be a
+    variable that was never set, and ``off`` says what is meant."""
     import operator
 
-    text = value.strip().lower() if isinstance(value, str) else None
+    text = value.strip(" ").lower() if isinstance(value, str) else None
     if text in ("auto", "off"):
         return "auto" if text == "auto" else ()
     try:
-        cuts = [int(v) for v in text.split(",") if v.strip()] if text is not None else \
+        cuts = [plain_number(int, v) for v in text.split(",")] if text is not None else \
             [operator.index(v) for v in value]
     except (TypeError, ValueError):
-        raise ValueError("expected auto, off, or frame numbers such as 120,348") from None
+        raise ValueError("expected auto, off, or frame numbers such as 120,348 (digits 0-9 "
+                         "separated by commas)") from None
     if any(v < 1 for v in cuts):
         raise ValueError("a cut is the first frame of a new shot, so at least 1 (frame 0 "
                          "starts the video); remove it")
-    if len(set(cuts)) < len(cuts):
-        raise ValueError(f"frame {next(v for v in cuts if cuts.count(v) > 1)} is given twice; "
-                         f"give each cut once")
-    return tuple(sorted(cuts))
+    cuts.sort()
+    twice = next((a for a, b in zip(cuts, cuts[1:]) if a == b), None)  # linear once sorted
+    if twice is not None:
+        raise ValueError(f"frame {twice} is given twice; give each cut once")
+    return tuple(cuts)
 
 
 def parse_fps(value: str):
     """The fps option as an exact Fraction, or None for auto."""
     import math
-    from fractions import Fraction
 
     if value == "auto":
         return None
     text = value.strip()
     if "/" in text:
-        rate = Fraction(text)
+        rate = Fraction(*(plain_number(int, part) for part in text.split("/", 1)))
     else:
-        number = float(text)
+        number = plain_number(float, text)
         if not math.isfinite(number):  # inf, nan, and 1e400 (which float reads as inf)
             raise ValueError("must be a finite number")
         rate = Fraction(number).limit_denominator(1001)
     if rate <= 0:
         raise ValueError("must be positive")
+    if not MIN_FPS <= rate <= MAX_FPS:
+        raise FpsRangeError(f"must be between {MIN_FPS} and {MAX_FPS} frames a second (what "
+                            f"video containers and players handle)")
     return rate
+
+
+class FpsRangeError(ValueError):
+    """A well-formed frame rate that no video can have."""
+
+
+MIN_FPS, MAX_FPS = Fraction(1, 1000), 1000
 
 
 def _fps_problem(value: str) -> Optional[str]:
     try:
         parse_fps(value)
+    except FpsRangeError as e:
+        return str(e)
     except (ValueError, ZeroDivisionError):
         return "expected auto, or a positive rate such as 24, 29.97 or 30000/1001"
     return None
@@ -315,6 +356,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     # Added after the first release: last, so saved workflows' widget values keep their places.
     Option("scene_cuts", str, "auto", "scene cuts no batch spans: auto (detected), off, or "
            "the frames that begin new shots, e.g. 120,348", parse=parse_scene_cuts),
+    Option("min_scene_length", int, 15, "shortest shot {scene_cuts} auto makes, in frames "
+           "(PySceneDetect's min_scene_len): a cut closer than this to the previous one or to "
+           "the start is not made, and a flash (frames that return to the shot before them "
+           "within this length) is no cut", min=1, max=1_000_000),
 ]}
 
 
@@ -324,8 +369,8 @@ AREAS: dict[str, tuple[str, ...]] = {
     "input and output": ("resolution", "max_resolution", "fps", "resume"),
     "models": ("text_embeddings", "dtype", "compute_precision"),
     "quality and colour": ("seed", "batch_size", "temporal_overlap", "prepend_frames",
-                           "scene_cuts", "color_correction", "input_noise_scale",
-                           "latent_noise_scale"),
+                           "scene_cuts", "min_scene_length", "color_correction",
+                           "input_noise_scale", "latent_noise_scale"),
     "memory and VRAM": ("chunk_size", "device", "dit_device", "vae_device", "dit_offload_device",
                         "vae_offload_device", "tensor_offload_device", "cache_dit", "cache_vae",
                         "blocks_to_swap", "swap_io_components", "vae_encode_tiled",
@@ -389,7 +434,7 @@ def _coerce(opt: Option, value):
         value = float(value)
     if opt.type in (int, float) and isinstance(value, str):
         try:
-            value = opt.type(value)
+            value = plain_number(opt.type, value)
         except ValueError:
             raise OptionError(f"{option_value(opt.name, value)}: expected a number"
                               + (" or auto" if opt.accepts_auto else "")) from None

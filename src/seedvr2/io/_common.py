@@ -262,8 +262,10 @@ def to_8bit(frame: np.ndarray) -> np.ndarray:
     return ((frame.astype(np.uint32) * 255 + 32767) // 65535).astype(np.uint8)
 
 
-# printf-style frame number in a sequence pattern: %d, %5d, %05d.
-PRINTF = re.compile(r"%(0?)(\d*)d")
+# printf-style frame number in a sequence pattern: %d, %5d, %05d (ASCII digits: re's \d would
+# also take other scripts' digits, which printf does not).
+PRINTF = re.compile(r"%(0?)([0-9]*)d")
+MAX_NUMBER_WIDTH = 20  # digits of a frame number: 2^64 has 20
 
 
 def printf_pattern(pattern: Path) -> tuple[str, str, str]:
@@ -275,6 +277,9 @@ def printf_pattern(pattern: Path) -> tuple[str, str, str]:
         raise MediaError(f"{pattern}: a sequence pattern needs exactly one %d, %05d or "
                          f"similar, in the file name")
     m = matches[0]
+    if m[2] and int(m[2]) > MAX_NUMBER_WIDTH:
+        raise MediaError(f"{pattern}: {m[0]} pads frame numbers to {int(m[2])} digits; at most "
+                         f"{MAX_NUMBER_WIDTH} are meaningful (%05d pads to 5)")
     return name[:m.start()].replace("%%", "%"), m[0], name[m.end():].replace("%%", "%")
 
 

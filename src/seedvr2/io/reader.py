@@ -252,7 +252,7 @@ class SequenceReader(MediaReader):
             if f.name.startswith(prefix) and f.name.endswith(suffix) and \
                     len(f.name) > len(prefix) + len(suffix):
                 digits = f.name[len(prefix):len(f.name) - len(suffix)]
-                if digits.isdigit() and spec % int(digits) == digits:
+                if digits.isascii() and digits.isdigit() and spec % int(digits) == digits:
                     found.append((int(digits), f))
         if not found:
             raise MediaError(f"{pattern}: no files match this pattern")
@@ -264,7 +264,10 @@ class SequenceReader(MediaReader):
         name (then by name, for names without numbers)."""
         if not pattern.parent.is_dir():
             raise MediaError(f"{pattern}: folder {pattern.parent} does not exist")
-        files = [f for f in pattern.parent.glob(pattern.name) if f.is_file()]
+        try:
+            files = [f for f in pattern.parent.glob(pattern.name) if f.is_file()]
+        except ValueError as e:  # pathlib's own refusals: "'**' can only be an entire ..."
+            raise MediaError(f"{pattern}: not a usable file name pattern ({e})") from None
         if not files:
             raise MediaError(f"{pattern}: no files match this pattern")
 

@@ -56,10 +56,29 @@ def conv3d(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: _int3 = 1,
         pt, ph, pw = _triple(padding)
         return vae_paths.fp16_conv3d(x, weight, bias, stride, (pw, pw, ph, ph, pt, pt))
     if not paths.channels_last:
+        if x.device.type == "cpu" and _is_pointwise(weight, stride, padding):
+            return _pointwise_conv3d(x, weight, bias)
         return F.conv3d(x, weight, bias, stride, padding)
     layout = torch.channels_last_3d
     return F.conv3d(x.contiguous(memory_format=layout), weight.contiguous(memory_format=layout),
                     bias, stride, padding).contiguous()
+
+
+def _is_pointwise(weight: Tensor, stride: _int3, padding: _int3) -> bool:
+    return weight.shape[2:] == (1, 1, 1) and _triple(stride) == (1, 1, 1) and \
+        _triple(padding) == (0, 0, 0)
+
+
+def _pointwise_conv3d(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """A 1x1x1 convolution as one matrix product over the channels. On the CPU, oneDNN's
+    1x1x1 kernel splits the channel sum by the thread count, so 1 and 2 threads (one process
+    versus two ranks of one thread each) differ in the last bit; the matrix product sums each
+    output in the same order at any thread count (tests/test_determinism.py)."""
+    B, C, T, H, W = x.shape
+    out = torch.matmul(weight.reshape(weight.shape[0], C), x.reshape(B, C, T * H * W))
+    if bias is not None:
+        out = out + bias.view(1, -1, 1)
+    return out.view(B, -1, T, H, W)
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,16 @@ needs two measures to agree:
 A flat frame (no structure: grey standard deviation under :data:`FLAT_STD`) counts as changed
 structure next to any other frame. Between two flat frames colour alone can decide, and it is
 their mean chromaticity (r, g, b over r + g + b) that is compared: the same colour brighter or
-darker is the same shot, another hue is a new one. Limits: a cut between two shots of the
-same colours and layout, and a cross-fade (no single frame changes enough), are not found; give
-those cuts by hand (``scene_cuts=120,348``).
+darker is the same shot, another hue is a new one; black (mean grey under :data:`DARK`) has no
+hue. Limits: a cut between two shots of the same colours and layout, and a cross-fade (no
+single frame changes enough), are not found; give those cuts by hand (``scene_cuts=120,348``).
+
+Over the stream (:func:`detect_cuts`): a faint frame (grey deviation under :data:`FADE_STD`)
+next to a flat one is a fade to or from black, not a cut; the first frame with structure after
+flat ones is a cut when its structure differs from the last one before them (a fade through
+black into another shot). No shot is shorter than ``min_scene_length`` (PySceneDetect's
+``min_scene_len``): a cut too close to the previous one is dropped, and when its frame returns
+to the shot before that previous cut, that cut goes too (a flash, two changes that cancel).
 
 The thresholds were chosen on the clips of tests/test_scene_cuts.py (small frames of smooth
 random patterns, each shot its own palette, and flat colours) and the suite's test clip:
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
@@ -50,6 +58,10 @@ SMALL_WIDTH = 64  # pixels: enough for a shot's layout, ~1/1000 of a 1080p frame
 MAX_CORRELATION = 0.5  # a cut: structure correlation under this ...
 MIN_HISTOGRAM_DISTANCE = 0.15  # ... and histogram distance over this
 FLAT_STD = 0.01  # grey standard deviation (0..1 scale) under which a small frame is flat
+# A structured frame this faint next to a flat one is the end or start of a fade, not a cut:
+# a fade over 10 frames from the test shots' 0.04-0.07 leaves 0.005-0.02 before black.
+FADE_STD = 0.025
+DARK = 0.05  # mean grey under which a flat frame is black: its hue is noise
 MIN_FLAT_HUE_DISTANCE = 0.05  # two flat frames: L1 distance of their mean chromaticities
 _BINS = 4  # histogram bins per channel
 _LUMA = np.array([0.299, 0.587, 0.114], np.float32)
@@ -60,6 +72,8 @@ class FrameFeatures:
     grey: Optional[np.ndarray]  # (h*w,) mean 0, std 1; None for a flat frame
     histogram: np.ndarray  # (64,) RGB histogram, sums to 1
     chroma: np.ndarray  # (3,) mean r, g, b over r + g + b
+    std: float = 1.0  # grey standard deviation, 0..1 scale
+    mean: float = 0.5  # mean grey, 0..1
 
 
 def frame_features(frame, index: int = 0) -> FrameFeatures:
@@ -82,7 +96,7 @@ def frame_features(frame, index: int = 0) -> FrameFeatures:
     std = grey.std()
     chroma = (small / (small.sum(1, keepdims=True) + 1e-6)).mean(0)
     return FrameFeatures(None if std < FLAT_STD else (grey - grey.mean()) / std,
-                         _soft_histogram(small), chroma)
+                         _soft_histogram(small), chroma, float(std), float(grey.mean()))
 
 
 def _soft_histogram(rgb: np.ndarray) -> np.ndarray:
@@ -101,24 +115,66 @@ def _soft_histogram(rgb: np.ndarray) -> np.ndarray:
 
 
 def is_cut(before: FrameFeatures, after: FrameFeatures) -> bool:
-    """Whether ``after`` starts a new shot (see the module's description)."""
+    """Whether ``after`` starts a new shot next to ``before`` (see the module's
+    description)."""
     if before.grey is None and after.grey is None:
+        if min(before.mean, after.mean) < DARK:
+            return False  # black is black: the hue of a dark frame is its noise
         return float(abs(before.chroma - after.chroma).sum()) > MIN_FLAT_HUE_DISTANCE
     if before.grey is not None and after.grey is not None:
-        if float((before.grey * after.grey).mean()) >= MAX_CORRELATION:
+        if not _new_structure(before, after):
             return False
+    elif (after if before.grey is None else before).std < FADE_STD:
+        return False  # the structure fades out to a flat frame, or in from one
     return float(abs(before.histogram - after.histogram).sum()) / 2 > MIN_HISTOGRAM_DISTANCE
 
 
-def detect_cuts(frames: Iterable) -> tuple[int, ...]:
-    """The cuts of a stream of frames, in one pass keeping one frame's features."""
-    cuts, previous = [], None
+def _new_structure(before: FrameFeatures, after: FrameFeatures) -> bool:
+    return float((before.grey * after.grey).mean()) < MAX_CORRELATION
+
+
+@dataclass
+class _Detection:
+    """What :func:`detect_cuts` keeps: a few frames' features, not the frames."""
+
+    min_length: int
+    cuts: list  # (cut frame, the features of the frame before it)
+    previous: Optional[FrameFeatures] = None
+    last_structured: Optional[FrameFeatures] = None  # the last frame that was not flat
+
+    def see(self, index: int, features: FrameFeatures) -> None:
+        previous = self.previous
+        if previous is not None and (is_cut(previous, features) or self._faded_to_another(
+                previous, features)):
+            self._add(index, previous, features)
+        self.previous = features
+        if features.grey is not None:
+            self.last_structured = features
+
+    def _faded_to_another(self, previous: FrameFeatures, features: FrameFeatures) -> bool:
+        """A fade through a flat colour (black) into a new shot: the first frame with
+        structure again has another structure than the last one before the flat frames."""
+        return previous.grey is None and features.grey is not None and \
+            self.last_structured is not None and _new_structure(self.last_structured, features)
+
+    def _add(self, index: int, previous: FrameFeatures, features: FrameFeatures) -> None:
+        last = self.cuts[-1] if self.cuts else (0, None)
+        if index - last[0] >= self.min_length:
+            self.cuts.append((index, previous))
+        elif last[1] is not None and not is_cut(last[1], features):
+            self.cuts.pop()  # a flash: a short excursion back to the shot before it
+        # else: a shot shorter than min_length; the cut before it stands
+
+
+def detect_cuts(frames: Iterable, min_length: int = 1) -> tuple[int, ...]:
+    """The cuts of a stream of frames, in one pass keeping a few frames' features. No shot
+    is shorter than ``min_length`` frames (the first included): a cut closer than that to the
+    one before it is dropped, and when the frames there return to the shot before that cut
+    (a flash), that cut is dropped too."""
+    detection = _Detection(min_length, [])
     for index, frame in enumerate(frames):
-        features = frame_features(frame, index)
-        if previous is not None and is_cut(previous, features):
-            cuts.append(index)
-        previous = features
-    return tuple(cuts)
+        detection.see(index, frame_features(frame, index))
+    return tuple(cut for cut, _ in detection.cuts)
 
 
 def resolve_scene_cuts(opts: Options, frame_count: int,
@@ -128,14 +184,27 @@ def resolve_scene_cuts(opts: Options, frame_count: int,
     for given cuts)."""
     cuts = opts.scene_cuts
     if cuts == "auto":
-        cuts = detect_cuts(frames()) if frame_count > 1 else ()
+        cuts = detect_cuts(frames(), opts.min_scene_length) if frame_count > 1 else ()
     elif cuts and cuts[-1] >= frame_count:
         raise OptionError(f"{option_value('scene_cuts', ','.join(map(str, cuts)))}: the input "
                           f"has {frame_count} frames (0 to {frame_count - 1}), so a cut at "
                           f"{cuts[-1]} is past its end; remove it or use "
                           f"{option_ref('scene_cuts', 'auto')}")
     log.info("%s", describe_cuts(cuts))
+    _warn_if_prepend_shortened(opts.prepend_frames, cuts, frame_count)
     return opts.replace(scene_cuts=cuts)
+
+
+def _warn_if_prepend_shortened(prepend: int, cuts: tuple, frame_count: int):
+    """The plan prepends copies of frames 1..P of the first shot (:func:`.plan.make_plan`), so
+    at most one less than the shot's length: say so in one line when fewer than asked for
+    are."""
+    length = cuts[0] if cuts else frame_count
+    if prepend > length - 1:
+        shot = f"the first shot has {length} frames (a scene cut at frame {length})" if cuts \
+            else f"the input has {length} frame{'s' if length != 1 else ''}"
+        warnings.warn(f"{option_value('prepend_frames', prepend)}: {shot}, so "
+                      f"{length - 1} {'is' if length == 2 else 'are'} prepended", stacklevel=3)
 
 
 def describe_cuts(cuts: tuple) -> str:

@@ -194,8 +194,10 @@ def source_frame(frame, index: int) -> torch.Tensor:
             frame = torch.from_numpy(np.ascontiguousarray(frame))
         else:
             frame = torch.from_numpy(np.asarray(frame, dtype=np.float32))
-    elif frame.dtype not in _INTEGER_SCALE:
-        frame = frame.float()
+    else:
+        frame = frame.detach()  # read, never differentiated: numpy() refuses a graph's tensor
+        if frame.dtype not in _INTEGER_SCALE:
+            frame = frame.float()
     if frame.dim() == 2:
         frame = frame[..., None]
     if frame.dim() != 3 or frame.shape[-1] not in (1, 3, 4):
@@ -213,8 +215,8 @@ def input_frames(frames) -> torch.Tensor:
     anything else is an error (an int64 0..255 tensor read as [0, 1] would saturate to
     white). Floats outside [0, 1] are clamped, with one warning naming the first such frame
     and the range found (resamplers upstream overshoot a little; refusing would break
-    workflows)."""
-    frames = torch.as_tensor(frames)
+    workflows). NaN and infinite values are refused, naming the first such frame."""
+    frames = torch.as_tensor(frames).detach()
     if frames.dim() == 3:
         frames = frames[None]
     shape = tuple(frames.shape)
@@ -235,8 +237,12 @@ def input_frames(frames) -> torch.Tensor:
                              f"frames must be 0..255 (8-bit) or 0..65535 (16-bit); give float32 "
                              f"in [0, 1] for anything else")
         return frames.to(fits[0])
-    # Per-frame reductions: no temporary the size of the input.
+    # Per-frame reductions: no temporary the size of the input. Both propagate NaN, and an
+    # infinity is its frame's minimum or maximum.
     low, high = frames.amin(dim=(1, 2, 3)), frames.amax(dim=(1, 2, 3))
+    finite = torch.isfinite(low) & torch.isfinite(high)
+    if not finite.all():
+        raise InputError(f"frame {int((~finite).nonzero()[0])} contains NaN or infinite values")
     outside = (low < 0) | (high > 1)
     if outside.any():
         first = int(outside.nonzero()[0])
