@@ -413,6 +413,11 @@ def test_prepare_job_checks_cuda_devices_up_front(tiny_options, monkeypatch, cap
     monkeypatch.setattr(mem, "device_available",
                         lambda device, own=0: seen.append(str(device)) or need - 1)
     monkeypatch.delenv(MEMORY_CHECK_ENV, raising=False)
+    with caplog.at_level("WARNING", logger="seedvr2"):  # fit auto (the default): batch 5
+        assert prepare_job(on_gpu, opts, 40, (64, 96)).batch_size == 5
+    assert "running with batch_size=5 (costs: smaller batches" in caplog.text
+    seen.clear()
+    opts = opts.replace(fit="strict")
     with pytest.raises(BudgetError, match=r"^not enough memory on cuda:0 for 96x64 frames at "
                        r"batch_size=9: .* is available\. Settings that would fit: batch_size=5.* "
                        r"\(to try anyway, set SEEDVR2_MEMORY_CHECK=warn\)$"):
@@ -425,7 +430,7 @@ def test_prepare_job_checks_cuda_devices_up_front(tiny_options, monkeypatch, cap
     # On the CPU the host's available RAM is the limit; only settings that save RAM there are
     # offered (offloading to the CPU frees nothing).
     monkeypatch.delenv(MEMORY_CHECK_ENV, raising=False)
-    assert prepare_job(models, opts, 40, (64, 96), stats).batch_size == 9
+    assert prepare_job(models, opts.replace(fit="auto"), 40, (64, 96), stats).batch_size == 9
     need = stats.estimated_bytes["cpu"]
     monkeypatch.setattr(mem, "device_available", lambda device, own=0: need - 1)
     with pytest.raises(BudgetError, match=r"^not enough memory on cpu for 96x64 frames at "

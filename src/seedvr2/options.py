@@ -309,6 +309,13 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     # Added after the first release: last, so saved workflows' widget values keep their places.
     Option("scene_cuts", str, "auto", "scene cuts no batch spans: auto (detected), off, or "
            "the frames that begin new shots, e.g. 120,348", parse=parse_scene_cuts),
+    Option("fit", str, "auto", "when the memory budget says the job will not fit: auto "
+           "applies the cheapest change that does (a smaller {batch_size}, then VAE tiling, "
+           "then offloading, then BlockSwap) and says what it changed; strict stops with an "
+           "error naming settings that would fit", choices=("auto", "strict")),
+    Option("max_vram", float, 0.0, "GiB the job may plan to use on each compute device (GPU, "
+           "or host RAM for the CPU), for a shared device; 0 = all that is free",
+           min=0.0, max=1_000_000.0),
 ]}
 
 
@@ -320,8 +327,8 @@ AREAS: dict[str, tuple[str, ...]] = {
     "quality and colour": ("seed", "batch_size", "temporal_overlap", "prepend_frames",
                            "scene_cuts", "color_correction", "input_noise_scale",
                            "latent_noise_scale"),
-    "memory and VRAM": ("chunk_size", "device", "dit_device", "vae_device", "dit_offload_device",
-                        "vae_offload_device", "tensor_offload_device", "cache_dit", "cache_vae",
+    "memory and VRAM": ("fit", "max_vram", "chunk_size", "device", "dit_device", "vae_device",
+                        "dit_offload_device", "vae_offload_device", "tensor_offload_device", "cache_dit", "cache_vae",
                         "blocks_to_swap", "swap_io_components", "vae_encode_tiled",
                         "vae_encode_tile_size", "vae_encode_tile_overlap", "vae_decode_tiled",
                         "vae_decode_tile_size", "vae_decode_tile_overlap", "vae_tiling_exact",
@@ -334,9 +341,11 @@ AREAS: dict[str, tuple[str, ...]] = {
 
 # Options that choose where or how a job runs, never what it computes: ranks on different
 # devices agree on a job, and a re-run resumes it, whatever these say. Every other option
-# shapes the output (the job's identity, ``pipeline.identity.job_identity``).
+# shapes the output (the job's identity, ``pipeline.identity.job_identity``). ``fit`` and
+# ``max_vram`` act only through the settings a fit changes, which are in the identity as run
+# (the same cap fits the same way again, so a re-run resumes).
 NOT_SHAPING_OUTPUT = frozenset({"device", "dit_device", "vae_device", "devices", "dist_timeout",
-                                "resume", "cache_dit", "cache_vae"})
+                                "resume", "cache_dit", "cache_vae", "fit", "max_vram"})
 
 
 @dataclass(frozen=True)

@@ -613,6 +613,117 @@ def alternatives(budget: Budget, job: BatchShape, place: Placement, available: M
     return []
 
 
+@dataclass(frozen=True)
+class Fit:
+    """Settings that make a job fit (``fit`` auto): the option changes, as (name, value) in
+    the order they were made, the job and placement with them, and what they cost."""
+
+    changes: tuple[tuple[str, object], ...]
+    job: BatchShape
+    place: Placement
+    costs: tuple[str, ...]
+
+    def describe(self) -> str:
+        return ", ".join(option_ref(name, value) for name, value in self.changes)
+
+
+# What each kind of change costs, in the README's order of preference ("Out of memory").
+_COSTS = {"batch": "smaller batches: less temporal consistency",
+          "tiles": "VAE tiles: slight differences at their seams, a little slower",
+          "offload": "models wait in host RAM between phases: a copy per chunk",
+          "swap": "DiT blocks stream from host RAM: slower DiT"}
+
+
+def _changes(job: BatchShape, place: Placement, new_job: BatchShape,
+             new_place: Placement) -> tuple[tuple[tuple[str, object], ...], tuple[str, ...]]:
+    """The options (name, value) that turn (job, place) into (new_job, new_place), and the
+    costs of those changes."""
+    out, costs = [], []
+    if new_job.batch_size != job.batch_size:
+        out.append(("batch_size", new_job.batch_size))
+        costs.append(_COSTS["batch"])
+    for w in ("encode", "decode"):
+        old, new = getattr(job, f"{w}_tiles"), getattr(new_job, f"{w}_tiles")
+        for attr, option in (("enabled", "tiled"), ("tile_size", "tile_size"),
+                             ("tile_overlap", "tile_overlap")):
+            if getattr(new, attr) != getattr(old, attr) and new.enabled:
+                out.append((f"vae_{w}_{option}", getattr(new, attr)))
+    if new_job.encode_tiles != job.encode_tiles or new_job.decode_tiles != job.decode_tiles:
+        costs.append(_COSTS["tiles"])
+    moved = [(kind, getattr(new_place, f"{kind}_offload")) for kind in ("vae", "dit")
+             if getattr(new_place, f"{kind}_offload") != getattr(place, f"{kind}_offload")]
+    out += [(f"{kind}_offload_device", where) for kind, where in moved]
+    if new_job.chunk_size != job.chunk_size:
+        out.append(("tensor_offload_device", "cpu"))
+    if moved or new_job.chunk_size != job.chunk_size:
+        costs.append(_COSTS["offload"])
+    if (new_place.blocks_to_swap, new_place.swap_io) != (place.blocks_to_swap, place.swap_io):
+        out.append(("blocks_to_swap", new_place.blocks_to_swap))
+        if new_place.swap_io != place.swap_io:
+            out.append(("swap_io_components", new_place.swap_io))
+        costs.append(_COSTS["swap"])
+    return tuple(out), tuple(costs)
+
+
+def _fit_candidates(budget: Budget, job: BatchShape, place: Placement, failing: set,
+                    min_batch: int):
+    """(job, placement) candidates, cheapest first: smaller batches, then VAE tiles, then
+    offloading (either model, both, the waiting tensors), then BlockSwap."""
+    for size in range(job.batch_size - 4, min_batch - 1, -4):
+        yield replace(job, batch_size=size), place
+    for candidate, _ in _tile_options(job, [w for w in ("encode", "decode") if w in failing])[1:]:
+        yield candidate, place
+    # Offloading to the CPU frees nothing for a job that computes on the CPU.
+    if place.dit_device == place.vae_device and place.dit_device != "cpu":
+        vae_off = replace(place, vae_offload=place.vae_offload or "cpu")
+        if place.vae_offload is None:
+            yield job, vae_off
+        if place.dit_offload is None and not place.swapping:
+            yield job, replace(place, dit_offload="cpu")
+            yield job, replace(vae_off, dit_offload="cpu")
+    if job.chunk_size is not None and not (place.dit_device == place.vae_device == "cpu"):
+        yield replace(job, chunk_size=None), place
+
+
+def fit_job(budget: Budget, job: BatchShape, place: Placement, available: Mapping[str, int],
+            min_batch: int = 1) -> Optional[Fit]:
+    """The cheapest settings the budget finds that make the job fit ``available`` (one change
+    of :func:`_fit_candidates`, else BlockSwap, else a combination as :func:`alternatives`
+    makes), or None when nothing fits."""
+    failing = failing_phases(estimate(budget, job, place), available)
+    found = next(((j, p) for j, p in _fit_candidates(budget, job, place, failing, min_batch)
+                  if fits(budget, j, p, available)), None)
+    if found is None and "DiT" in failing:
+        swap = _first_fit(budget, job, _swap_options(budget, place)[1:] or [(place, None)],
+                          available)
+        found = (job, swap[0]) if swap is not None and swap[0] != place else None
+    if found is None:
+        found = _fit_combined(budget, job, place, available, min_batch)
+    if found is None:
+        return None
+    changes, costs = _changes(job, place, *found)
+    return Fit(changes, found[0], found[1], costs)
+
+
+def _fit_combined(budget: Budget, job: BatchShape, place: Placement,
+                  available: Mapping[str, int], min_batch: int):
+    """Every cheap saver at once, then the largest batch with the largest tiles and the
+    fewest swapped blocks that fit; None when nothing does."""
+    if place.dit_device == place.vae_device and place.dit_device != "cpu":
+        place = replace(place, vae_offload=place.vae_offload or "cpu")
+        if not place.swapping:
+            place = replace(place, dit_offload=place.dit_offload or "cpu")
+    if job.chunk_size is not None and not (place.dit_device == place.vae_device == "cpu"):
+        job = replace(job, chunk_size=None)
+    swaps = _swap_options(budget, place)
+    for size in range(job.batch_size, min_batch - 1, -4):
+        for tiled, _ in _tile_options(replace(job, batch_size=size), ("encode", "decode")):
+            swap = _first_fit(budget, tiled, swaps, available)
+            if swap is not None:
+                return tiled, swap[0]
+    return None
+
+
 def check(budget: Budget, job: BatchShape, place: Placement, available: Mapping[str, int],
           min_batch: int = 1, batch_text: Optional[str] = None) -> Estimate:
     """The estimate, or :class:`BudgetError` when a device in ``available`` is short; the
@@ -755,7 +866,8 @@ def device_available(device: torch.device, own_bytes: int = 0) -> Optional[int]:
     return None if ram is None else ram + own_bytes
 
 
-__all__ = ["Budget", "BudgetError", "Estimate", "BatchShape", "PhaseNeed", "Placement", "Weights",
+__all__ = ["Budget", "BudgetError", "Estimate", "BatchShape", "Fit", "PhaseNeed", "Placement",
+           "Weights", "fit_job",
            "alternatives", "auto_batch_size", "batch_candidates", "bytes_on", "check",
            "check_host_copy",
            "device_available", "dit_activation_bytes", "estimate", "failing_phases", "fits",
