@@ -28,6 +28,7 @@ from .vae_blocks import (
     UpDecoderBlock3D,
     down_kinds,
     norm_act_conv,
+    run_layers,
     up_kinds,
 )
 
@@ -53,11 +54,10 @@ class Encoder(nn.Module):
         self.conv_out = CausalConv3d(widths[-1], 2 * latent_channels, 3, padding=1)
 
     def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
-        x = self.conv_in(x, cache)
-        for block in self.down_blocks:
-            x = block(x, cache)
-        x = self.mid_block(x, cache)
-        return norm_act_conv(self.conv_norm_out, self.conv_out, x, cache)
+        layers = [self.conv_in, *(layer for block in self.down_blocks for layer in block.layers()),
+                  *self.mid_block.layers()]
+        return norm_act_conv(self.conv_norm_out, self.conv_out, run_layers(layers, x, cache),
+                             cache)
 
 
 class Decoder(nn.Module):
@@ -79,11 +79,10 @@ class Decoder(nn.Module):
         self.conv_out = CausalConv3d(widths[-1], out_channels, 3, padding=1)
 
     def forward(self, z: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
-        x = self.conv_in(z, cache)
-        x = self.mid_block(x, cache)
-        for block in self.up_blocks:
-            x = block(x, cache)
-        return norm_act_conv(self.conv_norm_out, self.conv_out, x, cache)
+        layers = [self.conv_in, *self.mid_block.layers(),
+                  *(layer for block in self.up_blocks for layer in block.layers())]
+        return norm_act_conv(self.conv_norm_out, self.conv_out, run_layers(layers, z, cache),
+                             cache)
 
 
 class VideoAutoencoder(nn.Module):

@@ -8,7 +8,7 @@ official checkpoint, so a released state dict loads strictly. See docs/models.md
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -55,34 +55,75 @@ def conv3d(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: _int3 = 1,
 
 def conv3d_in_bands(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: _int3 = 1,
                     padding: _int3 = 0, limit: Optional[int] = None,
-                    channels_last: bool = False) -> Tensor:
+                    channels_last: bool = False, out: Optional[Tensor] = None) -> Tensor:
     """``F.conv3d(x, weight, bias, stride, padding)``, as several calls on bands of output rows
     when the input or output has more than ``limit`` (default :data:`SPLIT_ELEMENTS`) elements;
     each band reads exactly its input rows and halo, so every output element is the same sum
-    (docs/models.md, "Large tensors"). ``channels_last``: see :func:`conv3d`.
+    (docs/models.md, "Large tensors"). Written into ``out`` when given (any strides: a view
+    into a padded buffer). ``channels_last``: see :func:`conv3d`.
     """
+    B, C, T, H, W = x.shape
+    rows = RowSource(lambda a, b: x[:, :, :, a:b], (B, C, T, H, W), B * C * T * W)
+    return conv_rows(rows, weight, bias, stride, padding, limit, channels_last, out)
+
+
+class RowSource:
+    """An input of shape ``(B, C, T, H, W)`` handed to :func:`conv_rows` as bands of rows:
+    ``band(a, b)`` gives rows ``[a, b)`` (within ``[0, H)``) as a tensor, made on demand (a
+    view, or rows computed from a smaller input); ``row_elements``: the most elements one of
+    its rows makes, so that bands stay within the limit."""
+
+    def __init__(self, band, shape: Sequence[int], row_elements: int) -> None:
+        self.band, self.shape, self.row_elements = band, tuple(shape), row_elements
+
+
+def conv_rows(rows: RowSource, weight: Tensor, bias: Optional[Tensor], stride: _int3 = 1,
+              padding: _int3 = 0, limit: Optional[int] = None, channels_last: bool = False,
+              out: Optional[Tensor] = None) -> Tensor:
+    """:func:`conv3d_in_bands` on an input given as a :class:`RowSource`. Over ``limit``, bands
+    hold at most a quarter of it (each band's input, output and copies are temporaries).
+
+    A band at the top or bottom edge is convolved with the conv's own zero padding of rows
+    and the output rows that padding adds beyond the band are dropped (stride 1 in H: no padded
+    copy of the band); a strided conv with row padding pads a copy instead."""
     limit = SPLIT_ELEMENTS if limit is None else limit
     stride, padding = _triple(stride), _triple(padding)
-    B, C, T, H, W = x.shape
+    B, C, T, H, W = rows.shape
     O, _, kt, kh, kw = weight.shape
     out_t, out_h, out_w = ((n + 2 * p - k) // s + 1 for n, p, k, s in
                            zip((T, H, W), padding, (kt, kh, kw), stride))
     out_row = B * O * out_t * out_w
-    in_row = B * C * T * W
-    if max(x.numel(), out_row * out_h) <= limit:
-        return conv3d(x, weight, bias, stride, padding, channels_last)
-    rows = max(1, min(limit // out_row, (limit // in_row - kh) // stride[1] + 1))
-    out = x.new_empty(B, O, out_t, out_h, out_w)
-    band_padding = (padding[0], 0, padding[2])
-    for o0 in range(0, out_h, rows):
-        o1 = min(o0 + rows, out_h)
-        lo = o0 * stride[1] - padding[1]
-        hi = (o1 - 1) * stride[1] - padding[1] + kh
-        band = x[:, :, :, max(lo, 0):min(hi, H)]
-        if lo < 0 or hi > H:
-            band = F.pad(band, (0, 0, max(-lo, 0), max(hi - H, 0)))
-        out[:, :, :, o0:o1] = conv3d(band, weight, bias, stride, band_padding, channels_last)
+    if max(rows.row_elements * H, out_row * out_h) <= limit:
+        y = conv3d(rows.band(0, H), weight, bias, stride, padding, channels_last)
+        return y if out is None else out.copy_(y)
+    band_limit = limit // 4
+    count = max(1, min(band_limit // out_row,
+                       (band_limit // rows.row_elements - kh) // stride[1] + 1))
+    if out is None:
+        out = weight.new_empty(B, O, out_t, out_h, out_w)
+    for o0 in range(0, out_h, count):
+        o1 = min(o0 + count, out_h)
+        out[:, :, :, o0:o1] = _conv_band(rows, weight, bias, stride, padding, (o0, o1),
+                                         channels_last)
     return out
+
+
+def _conv_band(rows: RowSource, weight: Tensor, bias: Optional[Tensor],
+               stride: Tuple[int, int, int], padding: Tuple[int, int, int],
+               band: Tuple[int, int], channels_last: bool) -> Tensor:
+    """Output rows ``[o0, o1)`` of :func:`conv_rows`."""
+    o0, o1 = band
+    H, kh, sh, ph = rows.shape[3], weight.shape[3], stride[1], padding[1]
+    lo, hi = o0 * sh - ph, (o1 - 1) * sh - ph + kh
+    x = rows.band(max(lo, 0), min(hi, H))
+    if lo >= 0 and hi <= H:
+        return conv3d(x, weight, bias, stride, (padding[0], 0, padding[2]), channels_last)
+    if sh == 1:  # the conv pads the clipped rows itself; drop what it adds past the band
+        y = conv3d(x, weight, bias, stride, padding, channels_last)
+        start = o0 - max(lo, 0)  # band output j is output row max(lo, 0) + j
+        return y[:, :, :, start:start + (o1 - o0)]
+    x = F.pad(x, (0, 0, max(-lo, 0), max(hi - H, 0)))
+    return conv3d(x, weight, bias, stride, (padding[0], 0, padding[2]), channels_last)
 
 
 def frame_group_stats(x: Tensor, groups: int) -> Tuple[Tensor, Tensor]:
@@ -125,10 +166,11 @@ class CausalCache:
     def tail(self, module: nn.Module) -> Optional[Tensor]:
         return self._tails.get(module)
 
-    def set_tail(self, module: nn.Module, frames: Tensor) -> None:
+    def set_tail(self, module: nn.Module, frames: Tensor, fresh: bool = False) -> None:
+        """Keep ``frames`` for ``module``'s next chunk: a copy, so that the (much larger) padded
+        input they are sliced from can be freed; ``fresh``: a tensor of their own, kept as is."""
         if self.temporal:
-            # A copy, so that the (much larger) padded input it is sliced from can be freed.
-            self._tails[module] = frames.detach().clone()
+            self._tails[module] = frames.detach() if fresh else frames.detach().clone()
 
     def first_visit(self, module: nn.Module) -> bool:
         """True the first time ``module`` asks, i.e. while it processes the first chunk
@@ -197,19 +239,21 @@ class CausalConv3d(nn.Conv3d):
         if self.spatial_pad is not None:
             raise NotImplementedError("input_buffer supports symmetric spatial padding only")
         B, C, T, H, W = shape
-        n = self._head_length(cache)
+        n = self.head_length(cache)
         buf = like.new_empty(B, C, n + T, H, W)
         return buf, buf[:, :, n:]
 
     def forward_padded(self, buf: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
         """Convolve a buffer from :meth:`input_buffer` whose body has been filled."""
-        n = self._head_length(cache)
+        n = self.head_length(cache)
         if n:
             tail = cache.tail(self) if cache is not None else None
             buf[:, :, :n].copy_(buf[:, :, n:n + 1] if tail is None else tail)
         return self._conv(buf, cache)
 
-    def _head_length(self, cache: Optional[CausalCache]) -> int:
+    def head_length(self, cache: Optional[CausalCache]) -> int:
+        """Frames before the body in this conv's padded input (the cached tail or copies of
+        the first frame)."""
         tail = cache.tail(self) if cache is not None else None
         return self.head_frames if tail is None else tail.shape[2]
 
@@ -273,7 +317,8 @@ class FrameGroupNorm(nn.GroupNorm):
         per_group = C // G
         x_flat = x.reshape(B, C, T, -1)
         plane_elements = x_flat.shape[0] * per_group * T * x_flat.shape[-1]
-        step = max(1, SPLIT_ELEMENTS // plane_elements) * per_group  # whole groups per piece
+        # Whole groups per piece, a quarter of the limit as the conv bands: a temporary.
+        step = max(1, SPLIT_ELEMENTS // 4 // plane_elements) * per_group
         moments = [torch.var_mean(x_flat[:, c:c + step].to(compute_dtype), dim=-1, correction=0)
                    for c in range(0, C, step)]
         var_c = torch.cat([v for v, _ in moments], dim=1)
@@ -290,6 +335,7 @@ class FrameGroupNorm(nn.GroupNorm):
         for c in range(0, C, step):
             piece = x_flat[:, c:c + step].to(compute_dtype)
             out_flat[:, c:c + step].copy_(piece.mul_(scale[:, c:c + step]).add_(shift[:, c:c + step]))
+            del piece  # one float32 piece alive at a time, not the last one and the next
         return out
 
 
@@ -327,6 +373,26 @@ class ResnetBlock3D(nn.Module):
         h = norm_act_conv(self.norm2, self.conv2, h, cache)
         shortcut = x if self.conv_shortcut is None else self.conv_shortcut(x, cache)
         return h.add_(shortcut)  # h is conv2's fresh output
+
+    def forward_owned(self, owned: List[Tensor], cache: Optional[CausalCache] = None) -> Tensor:
+        """:meth:`forward` on an input handed over inside ``conv1``'s padded input buffer
+        (:meth:`CausalConv3d.input_buffer`, body filled): ``owned`` is a one-element list the
+        block takes the buffer out of, so that nothing else keeps it alive. The shortcut reads
+        the input first, then the norm overwrites it in place: one full-size buffer where
+        :meth:`forward` holds the input and a padded copy. Inference only, with a shortcut."""
+        buf = owned.pop()
+        body = buf[:, :, self.conv1.head_length(cache):]
+        shortcut = self.conv_shortcut(body, cache)
+        F.silu(self.norm1(body, out=body, cache=cache), inplace=True)
+        del body
+        h = self.conv1.forward_padded(buf, cache)
+        del buf
+        h = norm_act_conv(self.norm2, self.conv2, h, cache)
+        return h.add_(shortcut)
+
+    def takes_owned(self, x: Tensor) -> bool:
+        """Whether :meth:`forward_owned` may run on input ``x`` (a shortcut, no autograd)."""
+        return self.conv_shortcut is not None and not _records_graph(x, *self.parameters())
 
 
 class FrameAttention(nn.Module):
@@ -409,24 +475,72 @@ class Upsample3D(nn.Module):
         self.conv = CausalConv3d(channels, channels, 3, padding=1)
 
     def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
-        # (B, r*C, T, H, W): r times the input, so the output is what may need bands.
-        y = conv3d_in_bands(x, self.upscale_conv.weight, self.upscale_conv.bias,
-                            channels_last=self.conv.channels_last)
-        B, _, T, H, W = y.shape
-        C, r, z = self.channels, self.space_ratio, self.time_ratio
+        return self._write(x, cache, self._drops_first_frame(cache))
+
+    def forward_into(self, x: Tensor, following: CausalConv3d,
+                     cache: Optional[CausalCache] = None) -> Tensor:
+        """The output written into the body of ``following``'s padded input buffer
+        (:meth:`CausalConv3d.input_buffer`); returns that buffer, head not yet filled."""
+        drop = self._drops_first_frame(cache)
+        B, _, T, H, W = x.shape
+        r = self.space_ratio
+        buf, body = following.input_buffer(
+            x, (B, self.channels, T * self.time_ratio - drop, H * r, W * r), cache)
+        self._write(x, cache, drop, body)
+        return buf
+
+    def _drops_first_frame(self, cache: Optional[CausalCache]) -> bool:
         # Only the clip's first frame has a duplicate: later chunks keep all 2T frames.
-        drop = z > 1 and (cache is None or cache.first_visit(self))
-        # Depth-to-space straight into the conv's padded input: (B, x, y, z, C, T, H, W) ->
-        # (B, C, T, z, H, x, W, y), skipping (t=0, z=1) instead of cutting it out afterwards.
-        src = y.view(B, r, r, z, C, T, H, W).permute(0, 4, 5, 3, 6, 1, 7, 2)
-        buf, out = self.conv.input_buffer(y, (B, C, T * z - drop, H * r, W * r), cache)
-        if not drop:
-            out.view(B, C, T, z, H, r, W, r).copy_(src)
-        else:
-            out[:, :, 0].view(B, C, H, r, W, r).copy_(src[:, :, 0, 0])
-            out[:, :, 1:].view(B, C, T - 1, z, H, r, W, r).copy_(src[:, :, 1:])
-        del y, src
-        return self.conv.forward_padded(buf, cache)
+        return self.time_ratio > 1 and (cache is None or cache.first_visit(self))
+
+    def _write(self, x: Tensor, cache: Optional[CausalCache], drop: bool,
+               out: Optional[Tensor] = None) -> Tensor:
+        """``conv(depth_to_space(upscale_conv(x)))`` (into ``out`` if given), over bands of
+        output rows when large: each band's padded input rows (and halo) are made from the
+        input rows under them, so neither the ``r``-times-larger ``upscale_conv`` output nor the conv's
+        padded input exists whole (docs/models.md, "Large tensors")."""
+        conv = self.conv
+        B, _, T, H, W = x.shape
+        C, r, z = self.channels, self.space_ratio, self.time_ratio
+        n = conv.head_length(cache)
+        tail = cache.tail(conv) if cache is not None else None
+        keep = cache is not None and cache.temporal and conv.tail_frames > 0
+        padded = (B, C, n + T * z - drop, H * r, W * r)
+        next_tail = x.new_empty(*padded[:2], conv.tail_frames, *padded[3:]) if keep else None
+
+        def band(a: int, b: int) -> Tensor:  # padded input rows [a, b)
+            s0, s1 = a // r, -(-b // r)
+            y = conv3d(x[:, :, :, s0:s1], self.upscale_conv.weight, self.upscale_conv.bias,
+                       channels_last=conv.channels_last)
+            rows = y.new_empty(*padded[:3], (s1 - s0) * r, W * r)
+            _depth_to_space(y, rows[:, :, n:], (C, r, z), drop)
+            del y
+            head = rows[:, :, :n]
+            head.copy_(rows[:, :, n:n + 1] if tail is None else tail[..., s0 * r:s1 * r, :])
+            if next_tail is not None:
+                next_tail[..., s0 * r:s1 * r, :].copy_(rows[:, :, padded[2] - conv.tail_frames:])
+            return rows[..., a - s0 * r:b - s0 * r, :]
+
+        row_elements = B * C * (n + T * z) * W * r  # a row of the band or of its upscale
+        out = conv_rows(RowSource(band, padded, row_elements), conv.weight, conv.bias,
+                        conv.stride, conv.conv_padding, channels_last=conv.channels_last, out=out)
+        if keep:
+            cache.set_tail(conv, next_tail, fresh=True)
+        return out
+
+
+def _depth_to_space(y: Tensor, out: Tensor, ratios: Tuple[int, int, int], drop: bool) -> None:
+    """``upscale_conv``'s output ``y`` ``(B, x*y*z*C, T, h, w)``, read as ``(B, x, y, z, C, T,
+    h, w)``, into ``out`` ``(B, C, T*z - drop, h*x, w*y)`` (:class:`Upsample3D`), skipping
+    ``(t=0, z=1)`` when ``drop`` instead of cutting it out afterwards."""
+    C, r, z = ratios
+    B, _, T, h, w = y.shape
+    src = y.view(B, r, r, z, C, T, h, w).permute(0, 4, 5, 3, 6, 1, 7, 2)
+    if not drop:
+        out.view(B, C, T, z, h, r, w, r).copy_(src)
+    else:
+        out[:, :, 0].view(B, C, h, r, w, r).copy_(src[:, :, 0, 0])
+        out[:, :, 1:].view(B, C, T - 1, z, h, r, w, r).copy_(src[:, :, 1:])
 
 
 class DownEncoderBlock3D(nn.Module):
@@ -441,12 +555,11 @@ class DownEncoderBlock3D(nn.Module):
         self.downsamplers = (nn.ModuleList([Downsample3D(out_channels, downsample == "time")])
                              if downsample else None)
 
+    def layers(self) -> List[nn.Module]:
+        return [*self.resnets, *(self.downsamplers or ())]
+
     def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
-        for resnet in self.resnets:
-            x = resnet(x, cache)
-        if self.downsamplers is not None:
-            x = self.downsamplers[0](x, cache)
-        return x
+        return run_layers(self.layers(), x, cache)
 
 
 class UpDecoderBlock3D(nn.Module):
@@ -461,12 +574,11 @@ class UpDecoderBlock3D(nn.Module):
         self.upsamplers = (nn.ModuleList([Upsample3D(out_channels, upsample == "time")])
                            if upsample else None)
 
+    def layers(self) -> List[nn.Module]:
+        return [*self.resnets, *(self.upsamplers or ())]
+
     def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
-        for resnet in self.resnets:
-            x = resnet(x, cache)
-        if self.upsamplers is not None:
-            x = self.upsamplers[0](x, cache)
-        return x
+        return run_layers(self.layers(), x, cache)
 
 
 class UNetMidBlock3D(nn.Module):
@@ -478,10 +590,33 @@ class UNetMidBlock3D(nn.Module):
                                       ResnetBlock3D(channels, channels, groups)])
         self.attentions = nn.ModuleList([FrameAttention(channels, groups)])
 
+    def layers(self) -> List[nn.Module]:
+        return [self.resnets[0], self.attentions[0], self.resnets[1]]
+
     def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
-        x = self.resnets[0](x, cache)
-        x = self.attentions[0](x, cache)
-        return self.resnets[1](x, cache)
+        return run_layers(self.layers(), x, cache)
+
+
+def run_layers(layers: Sequence[nn.Module], x: Tensor,
+               cache: Optional[CausalCache] = None) -> Tensor:
+    """Each of ``layers`` (called ``layer(x, cache)``) on the output of the one before, with
+    no reference left to an input once its layer is done (a nested ``block(x)`` would hold
+    the block's input through all of its layers). An :class:`Upsample3D` followed by a block
+    with a shortcut writes straight into that block's padded input buffer
+    (:meth:`ResnetBlock3D.forward_owned`; docs/models.md, "Large tensors")."""
+    i = 0
+    while i < len(layers):
+        layer, following = layers[i], layers[i + 1] if i + 1 < len(layers) else None
+        if (isinstance(layer, Upsample3D) and isinstance(following, ResnetBlock3D)
+                and following.takes_owned(x) and not _records_graph(x, *layer.parameters())):
+            owned = [layer.forward_into(x, following.conv1, cache)]
+            del x  # the up-sampler's input, not needed past here
+            x = following.forward_owned(owned, cache)
+            i += 2
+        else:
+            x = layer(x, cache)
+            i += 1
+    return x
 
 
 def down_kinds(num_blocks: int, temporal_scale_num: int) -> Sequence[Optional[str]]:
