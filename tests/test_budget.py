@@ -149,7 +149,7 @@ class LivePeak(TorchDispatchMode):
 def test_activation_estimate_bounds_the_measured_peak(tiny_options, dtype, tiled, resolution,
                                                       batch):
     """Each phase's estimated activations are at least the measured peak of live tensors
-    (tiny models on the CPU, the whole pipeline per phase) and at most 1.7x it."""
+    (tiny models on the CPU, the whole pipeline per phase) and at most 1.5x it."""
     from seedvr2.pipeline.setup import _budget_job, load_models
     from seedvr2.pipeline.plan import make_plan
     from seedvr2.pipeline.runner import Upscaler
@@ -178,9 +178,9 @@ def test_activation_estimate_bounds_the_measured_peak(tiny_options, dtype, tiled
     for need in mem.estimate(budget, job, Placement("cpu", "cpu")).phases:
         estimated = dict(need.parts)["activations"]
         actual = peaks[{"DiT": "dit"}.get(need.phase, need.phase)]
-        # 1.7: the VAE layout of #35 part 3 holds less (1.63x in fp32 encode) until the budget
-        # is re-fitted to it (#35 part 2); the lower bound is the one that keeps jobs safe.
-        assert actual <= estimated <= 1.7 * actual, (need.phase, estimated, actual)
+        # 1.5: the tiny DiT's fixed tensors (text, layouts) weigh more than at real size, where
+        # the estimate is within 1.3x the trace (bench/memory_trace.py, bench/RESULTS.md).
+        assert actual <= estimated <= 1.5 * actual, (need.phase, estimated, actual)
 
 
 @pytest.mark.parametrize("stage", ["encode", "decode"])

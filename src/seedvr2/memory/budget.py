@@ -204,6 +204,7 @@ class BatchShape:
     chunk_size: Optional[int] = None
     encode_slice: Optional[int] = None  # VAE causal temporal slice (video frames), None = whole
     decode_slice: Optional[int] = None
+    color_correction: str = "wavelet"  # the option: what colour correction holds after decode
 
     @property
     def padded(self) -> tuple[int, int]:
@@ -241,6 +242,12 @@ class Budget:
 # Activations
 
 
+# Calibration on the real-size trace (bench/memory_trace.py): the tensors below are what one
+# block holds at its peak; the trace of the whole forward (window layouts, RoPE tables, the
+# attention output and log-sum-exp of fused kernels) is up to 8 % more at 2160p.
+_DIT_SCALE = 1.1
+
+
 def dit_activation_bytes(cfg: DiTConfig, job: BatchShape) -> int:
     """Peak bytes of one DiT call on a batch (docs/memory.md, "How the estimate is made")."""
     b = job.dtype_bytes
@@ -255,7 +262,7 @@ def dit_activation_bytes(cfg: DiTConfig, job: BatchShape) -> int:
     per_token = max(mlp, qk_fp32, windows) + 8 * cfg.head_dim + 128
     inputs = positions * (4 * (16 + 16 + 17 + 33 + 16) + b * 33)
     text = job.text_tokens * (cfg.txt_in_dim + 8 * d) * max(b, 4)
-    return tokens * per_token + inputs + text
+    return int((tokens * per_token + inputs + text) * _DIT_SCALE)
 
 
 def _resnet_peak(c_hold: int, c_in: int, c_out: int, layers: int, frames: int, b: int) -> float:
@@ -328,12 +335,37 @@ def vae_decode_bytes(cfg: VAEConfig, frames: int, height: int, width: int, b: in
     return int(peak)
 
 
-# Float32 frame buffers of the pipeline per output pixel and frame (3 channels x 4 bytes each):
-# while the encoder runs, encode holds the padded video (the resized frames and reference are
-# gone by then; the input frames wait at input resolution in their integer precision);
-# after decoding, colour correction works on a handful of such copies.
-_ENCODE_FRAME_BYTES = 12 + 16
-_DECODE_FRAME_BYTES = 16 * 12
+# Calibration on the real-size trace (bench/memory_trace.py, table in bench/RESULTS.md): the
+# per-layer model above counts every tensor of the layers' own code at its largest; the code
+# holds less (buffers reused, bands and float32 norm pieces of at most SPLIT_ELEMENTS / 4
+# elements above SPLIT_ELEMENTS), the more so the larger a full-resolution plane is. So the
+# model's figure is scaled by what the trace shows for each size class of the full-resolution
+# planes of one piece (channels x frames x pixels): at most SPLIT_ELEMENTS / 4 (a tile),
+# at most SPLIT_ELEMENTS, more. (encode, decode) per class.
+_SPLIT = 1 << 30  # models.vae_blocks.SPLIT_ELEMENTS
+_CORE_SCALE = ((_SPLIT // 4, (0.95, 0.97)), (_SPLIT, (0.88, 0.64)), (None, (0.74, 0.58)))
+# The causal cache a temporal slice carries (the tails kept per conv), traced against
+# _causal_cache_bytes: (encode, decode).
+_CACHE_SCALE = (0.50, 1.18)
+# Bytes per output pixel and frame the pipeline holds around the VAE: while encoding, the
+# resized video (float32) and its copy in the model dtype; while decoding in pieces, the
+# output the pieces are blended into (traced: 19 and 8 bytes at 16 bits).
+_ENCODE_HELD = 20
+_DECODE_HELD = 9
+# After decoding: the frames in float32 (12 bytes), the decoded video, and what colour
+# correction adds per pixel (traced on fake tensors for the methods that do not depend on
+# the pixels' values: wavelet 48, lab 56; hsv and wavelet_adaptive branch on values and
+# keep the former allowance of 16 float32 frames).
+_COLOUR_BYTES = {"none": 0, "wavelet": 52, "lab": 60, "adain": 60, "hsv": 192,
+                 "wavelet_adaptive": 192}
+
+
+def _core_scale(cfg: VAEConfig, frames: int, height: int, width: int, decode: bool) -> float:
+    plane = cfg.block_out_channels[0] * frames * height * width
+    for limit, scales in _CORE_SCALE:
+        if limit is None or plane <= limit:
+            return scales[decode]
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _causal_cache_bytes(cfg: VAEConfig, height: int, width: int, b: int) -> int:
@@ -369,16 +401,15 @@ def _vae_phase(cfg: VAEConfig, job: BatchShape, decode: bool) -> int:
         pixels_planes = pixels * 4 * (widths[0] + widths[min(1, len(widths) - 1)])
     else:
         pixels_planes = 0
+    scale = _core_scale(cfg, piece, th, tw, decode)
+    cache = int(cache * _CACHE_SCALE[decode])
     if decode:
-        core = vae_decode_bytes(cfg, piece, th, tw, b) + cache
-        held = pixels * 3 * 4 if pieced else 0  # the full-frame output the pieces go into
-        held += piece * th * tw * 3 * 8 if pieced else 0  # one piece's float32 blend
-        after = pixels * (_DECODE_FRAME_BYTES + 3 * b)
-        return max(core + held + pixels * 3 * b + pixels_planes, after)
-    core = vae_encode_bytes(cfg, piece, th, tw, b) + cache
-    held = pixels * (_ENCODE_FRAME_BYTES + 6 * b)
-    held += piece * th * tw * 3 * b if pieced else 0  # the piece's input copy
-    return core + held + pixels_planes
+        core = int(vae_decode_bytes(cfg, piece, th, tw, b) * scale) + cache
+        held = pixels * _DECODE_HELD if pieced else 0  # the full-frame output of the pieces
+        after = pixels * (12 + 3 * b + _COLOUR_BYTES.get(job.color_correction, 192))
+        return max(core + held + pixels_planes, after)
+    core = int(vae_encode_bytes(cfg, piece, th, tw, b) * scale) + cache
+    return core + pixels * _ENCODE_HELD + pixels_planes
 
 
 # ---------------------------------------------------------------------------------------------
