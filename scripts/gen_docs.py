@@ -9,7 +9,7 @@
 * README.md, between the ``vram-table`` markers: the memory budget's estimate
   (``seedvr2.memory.budget``) of the GPU memory each released DiT file needs at 720p, 1080p
   and 2160p, with the default batch size and with the settings that lower it. Estimates of
-  the budget model, not measurements.
+  the budget model, calibrated on the real-size trace of ``bench/memory_trace.py``.
 """
 
 from __future__ import annotations
@@ -126,7 +126,14 @@ def vram_table() -> str:
         f"({', '.join(f'{w}x{h}' for _, h, w in OUTPUT_SIZES)}), bf16, the "
         f"{_gib(mem.CUDA_FIXED_OVERHEAD)} GiB CUDA workspace allowance included. What the "
         f"swapped setting still needs grows with the batch: at `--batch-size 1` 2160p needs "
-        f"{_gib(min(single))}-{_gib(max(single))} GiB.")
+        f"{_gib(min(single))}-{_gib(max(single))} GiB.\n\n"
+        f"Traced figures: for the fp16 (bf16) rows, every phase of every cell was run at real "
+        f"size on fake tensors (`bench/memory_trace.py`: the shipped configurations, the "
+        f"pipeline's own code, every live device tensor counted) and the estimate here is "
+        f"1.0-1.3x that trace before the workspace allowance ([bench/RESULTS.md]"
+        f"(bench/RESULTS.md)); the quantised rows differ only by their weights' size. A GPU run "
+        f"adds what no trace sees: the CUDA allocator's rounding and fragmentation and the "
+        f"libraries' workspaces (the allowance above is for those, until a GPU measures them).")
 
 
 def replace_between(text: str, start: str, end: str, body: str, where: str) -> str:

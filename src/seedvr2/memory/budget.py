@@ -347,11 +347,17 @@ _CORE_SCALE = ((_SPLIT // 4, (0.95, 0.97)), (_SPLIT, (0.88, 0.64)), (None, (0.74
 # The causal cache a temporal slice carries (the tails kept per conv), traced against
 # _causal_cache_bytes: (encode, decode).
 _CACHE_SCALE = (0.50, 1.18)
-# Bytes per output pixel and frame the pipeline holds around the VAE: while encoding, the
-# resized video (float32) and its copy in the model dtype; while decoding in pieces, the
-# output the pieces are blended into (traced: 19 and 8 bytes at 16 bits).
-_ENCODE_HELD = 20
-_DECODE_HELD = 9
+# Bytes per output pixel and frame the pipeline holds around the VAE, with ``b`` bytes per
+# value of the model dtype: while encoding, the resized video (float32, 12) and its copy in the
+# model dtype; while decoding in pieces, the output the pieces are blended into (traced at
+# b = 2: 19 and 8 bytes; 2 and 3 more for the blending's temporaries).
+def _encode_held(b: int) -> int:
+    return 14 + 3 * b
+
+
+def _decode_held(b: int) -> int:
+    return 3 + 3 * b
+
 # After decoding: the frames in float32 (12 bytes), the decoded video, and what colour
 # correction adds per pixel (traced on fake tensors for the methods that do not depend on
 # the pixels' values: wavelet 48, lab 56; hsv and wavelet_adaptive branch on values and
@@ -405,11 +411,12 @@ def _vae_phase(cfg: VAEConfig, job: BatchShape, decode: bool) -> int:
     cache = int(cache * _CACHE_SCALE[decode])
     if decode:
         core = int(vae_decode_bytes(cfg, piece, th, tw, b) * scale) + cache
-        held = pixels * _DECODE_HELD if pieced else 0  # the full-frame output of the pieces
+        # The full-frame output of the pieces, and one piece's float32 blend (value, weight).
+        held = pixels * _decode_held(b) + piece * th * tw * 3 * 8 if pieced else 0
         after = pixels * (12 + 3 * b + _COLOUR_BYTES.get(job.color_correction, 192))
         return max(core + held + pixels_planes, after)
     core = int(vae_encode_bytes(cfg, piece, th, tw, b) * scale) + cache
-    return core + pixels * _ENCODE_HELD + pixels_planes
+    return core + pixels * _encode_held(b) + pixels_planes
 
 
 # ---------------------------------------------------------------------------------------------
