@@ -37,7 +37,7 @@ import sys
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable
 from unittest import mock
 
 import torch
@@ -202,40 +202,41 @@ def build_models(dit_cfg, vae_cfg, device: str, dtype: torch.dtype) -> Models:
     return Models(dit, vae, text, dev, dev, dtype)
 
 
-def trace_phases(models: Models, opts, size: tuple[int, int], input_size: tuple[int, int],
-                 device: str) -> dict:
-    """Peak activation bytes (above the models' own tensors) of each phase of one batch,
-    run through the pipeline's phase functions under :class:`LiveBytes`."""
+def run_phases(models: Models, opts, size: tuple[int, int], input_size: tuple[int, int],
+               phase: Callable[[str, Callable], object]) -> None:
+    """One batch through the pipeline's phase functions (frame upload and resize, the VAE
+    encode, the DiT, the VAE decode and colour correction), each run as
+    ``phase(name, function)``, which returns the function's result."""
     batch = Batch(0, 0, opts.batch_size, opts.batch_size, 0)
     frames = [torch.zeros(*input_size, 3, dtype=torch.uint8) for _ in range(opts.batch_size)]
     up = Upscaler(models, opts)
     up._stops = lambda device=None: None  # no stop checks: no CUDA events to record
+    item = phase("encode", lambda: up._encode(batch, frames, size))
+    phase("DiT", lambda: up._denoise(item))
+    phase("decode", lambda: up._decode(item))
+
+
+def trace_phases(models: Models, opts, size: tuple[int, int], input_size: tuple[int, int],
+                 device: str) -> dict:
+    """Peak bytes of each phase's live tensors on ``device`` beyond the models' own (what
+    earlier phases left there, such as the input frames kept for colour correction, included),
+    counted under :class:`LiveBytes`."""
     counter = LiveBytes(device)
-    peaks = {}
     for model in (models.dit, models.vae):  # weights are seen through views: count them first
         for _, t in named_tensors(model):
             if counter._on_device(t):
                 counter.track(t)
+    weights, peaks = counter.now, {}
+
+    def traced(name: str, function: Callable):
+        counter.reset_peak()
+        result = function()
+        peaks[name] = counter.peak - weights
+        return result
+
     with torch.no_grad(), _traceable(), counter:
-        base = counter.now
-        item = up._encode(batch, frames, size)
-        peaks["encode"] = counter.peak - base
-        counter.reset_peak()
-        base = counter.now - _bytes_of(item.source, counter)  # the source waits for decode
-        up._denoise(item)
-        peaks["DiT"] = counter.peak - base
-        counter.reset_peak()
-        base = counter.now - _bytes_of(item.source, counter)
-        out = up._decode(item)
-        peaks["decode"] = counter.peak - base
-        del out, item
+        run_phases(models, opts, size, input_size, traced)
     return peaks
-
-
-def _bytes_of(t: Optional[torch.Tensor], counter: LiveBytes) -> int:
-    if t is None or not counter._on_device(t):
-        return 0
-    return t.untyped_storage().nbytes()
 
 
 @functools.lru_cache(maxsize=None)
