@@ -127,13 +127,9 @@ def vram_table() -> str:
         f"{_gib(mem.CUDA_FIXED_OVERHEAD)} GiB CUDA workspace allowance included. What the "
         f"swapped setting still needs grows with the batch: at `--batch-size 1` 2160p needs "
         f"{_gib(min(single))}-{_gib(max(single))} GiB.\n\n"
-        f"Traced figures: for the fp16 (bf16) rows, every phase of every cell was run at real "
-        f"size on fake tensors (`bench/memory_trace.py`: the shipped configurations, the "
-        f"pipeline's own code, every live device tensor counted) and the estimate here is "
-        f"1.0-1.3x that trace before the workspace allowance ([bench/RESULTS.md]"
-        f"(bench/RESULTS.md)); the quantised rows differ only by their weights' size. A GPU run "
-        f"adds what no trace sees: the CUDA allocator's rounding and fragmentation and the "
-        f"libraries' workspaces (the allowance above is for those, until a GPU measures them).")
+        f"The fp16 rows are traced: each phase of each cell run at real size on fake tensors "
+        f"(`bench/memory_trace.py`), the estimate 1.0-1.3x the trace ([bench/RESULTS.md]"
+        f"(bench/RESULTS.md)). A GPU adds the allocator's overhead, which the allowance covers.")
 
 
 def replace_between(text: str, start: str, end: str, body: str, where: str) -> str:

@@ -19,6 +19,7 @@ from hypothesis import given, strategies as st
 
 from seedvr2.memory import budget as mem
 from seedvr2.memory.budget import GIB, Budget, Placement, Weights
+from seedvr2.models.config import dit_config, vae_config
 from seedvr2.options import OptionError, resolve_options
 
 from conftest import REPO, make_clip
@@ -40,7 +41,8 @@ def _need(tiny_options, batch: int) -> int:
     opts = resolve_options(device="cpu", dtype="fp32", resolution=32, batch_size=batch,
                            temporal_overlap=1)
     job = _budget_job(opts, SIZE, batch, torch.float32, mem.TEXT_TOKENS, {"cpu"})
-    return mem.estimate(Budget(dit_cfg, vae_cfg, dit, vae), job, Placement("cpu", "cpu")).peak("cpu")
+    budget = Budget(dit_cfg, vae_cfg, dit, vae)
+    return mem.estimate(budget, job, Placement("cpu", "cpu")).peak("cpu")
 
 
 @pytest.fixture(scope="module")
@@ -118,43 +120,40 @@ def test_fit_changes_tiling_when_the_batch_is_already_small(tiny_options, caplog
                               max_vram=float(tight), stats=stats)
     assert out.shape == (5, 192, 256, 3)
     assert stats.batch_size == 5
-    assert re.search(r"fit=auto: .* running with vae_\w+_tiled=True", caplog.text), caplog.text
-    with pytest.raises(mem.BudgetError, match=r"; or vae_encode_tiled=True with vae_encode_tile_size=128 "):
+    assert re.search(r"fit=auto: .* running with vae_\w+_tiled=True, vae_\w+_tile_size=128 "
+                     r"\(costs: VAE tiles: ", caplog.text), caplog.text
+    with pytest.raises(mem.BudgetError,
+                       match=r"; or vae_(en|de)code_tiled=True with vae_(en|de)code_tile_size=128 "):
         seedvr2.upscale(frames, **tiny_options, resolution=192, batch_size=5,
                         max_vram=float(tight), fit="strict")
 
 
 def test_fit_job_order_batch_tiles_offload_swap():
     """On a GPU placement the budget's fit tries, in order: the batch (not below 5 frames
-    here), VAE tiles, offloading, BlockSwap; each change named with what it costs."""
-    real = Budget(mem.dit_config("3b") if hasattr(mem, "dit_config") else _cfg("3b"),
-                  _cfg("vae"), Weights.from_config("dit", "3b", 2),
+    here), VAE tiles, offloading, BlockSwap, then all of them at once; each change named with
+    what it costs, and what it returns fits."""
+    real = Budget(dit_config("3b"), vae_config("vae"), Weights.from_config("dit", "3b", 2),
                   Weights.from_config("vae", "vae", 2))
-    job = mem.BatchShape(1080, 1920, 9)
-    place = Placement()
-
-    def fitted(have, lowest=5):
-        return mem.fit_job(real, job, place, {"cuda:0": have}, lowest)
-
+    job, place = mem.BatchShape(1080, 1920, 9), Placement()
     need = {size: mem.estimate(real, mem.BatchShape(1080, 1920, size), place).peak("cuda:0")
             for size in (5, 9)}
-    five = fitted(need[5])
-    assert five.changes == (("batch_size", 5),) and five.costs == (mem._COSTS["batch"],)
-    tiles = fitted(need[5] - 1)
-    assert tiles.changes[0] == ("vae_encode_tiled", True) or tiles.changes[0][0].startswith("vae_")
-    assert mem._COSTS["tiles"] in tiles.costs and "batch_size" not in dict(tiles.changes)
-    dit_only = mem.estimate(real, job, place).phases[1].total
-    weights = real.dit_weights.total
-    swapped = fitted(dit_only - weights // 2)
-    assert swapped is not None and ("blocks_to_swap" in dict(swapped.changes)
-                                    or "dit_offload_device" in dict(swapped.changes))
+    cost = mem._COSTS
+
+    def fitted(have):
+        found = mem.fit_job(real, job, place, {"cuda:0": have}, 5)
+        if found is not None:
+            assert mem.fits(real, found.job, found.place, {"cuda:0": have})
+        return found and (found.changes, found.costs)
+
+    assert fitted(need[5]) == ((("batch_size", 5),), (cost["batch"],))
+    assert fitted(need[5] - 1) == ((("vae_encode_tiled", True), ("vae_decode_tiled", True)),
+                                   (cost["tiles"],))
+    changes, costs = fitted(6 * GIB)
+    assert changes[:4] == (("vae_encode_tiled", True), ("vae_decode_tiled", True),
+                           ("vae_offload_device", "cpu"), ("dit_offload_device", "cpu"))
+    assert changes[4][0] == "blocks_to_swap" and costs == (cost["tiles"], cost["offload"],
+                                                           cost["swap"])
     assert fitted(1 << 20) is None  # nothing fits a MiB
-
-
-def _cfg(name):
-    from seedvr2.models.config import dit_config, vae_config
-
-    return vae_config(name) if name == "vae" else dit_config(name)
 
 
 MAX_VRAM_TEXT = st.one_of(
