@@ -76,6 +76,13 @@ def test_rehearsal_measures_every_section_without_pyav_or_gguf(tmp_path):
             assert re.match(r"\d+(\.\d+)? \S", value), (section, what, value)
     names = {(r[0], r[1]): r for r in rows}
     assert "PyAV no, gguf no" in names[("env", "software")][3]
+    # The trace section: on the CPU the real run's live tensor bytes are what the fake-tensor
+    # trace of the same job counts, phase by phase.
+    traced = [r for r in rows if r[0] == "trace"]
+    assert len(traced) == 3 * len(gpu_checks.TRACE_CELLS)
+    for _, what, value, note in traced:
+        live = value.removesuffix(" live tensor bytes (CPU: no allocator)")
+        assert note.startswith(f"trace {live} (weights "), (what, value, note)
     kernel = next(r for r in rows if r[1].startswith("attention kernel"))
     assert kernel[2] == "flash" and "_scaled_dot_product_flash_attention_for_cpu" in kernel[3]
     for needed in ("steady state (second run)", "4 of 4 blocks swapped",
@@ -159,10 +166,10 @@ def test_a_section_past_its_cap_is_stopped_and_the_rows_so_far_kept(tmp_path, mo
 
 @pytest.mark.parametrize("args, message", [
     (["--rehearse", "--sections", "mfu,bogus"],
-     "--sections 'mfu,bogus': unknown section(s) bogus; choose from env, e2e, mfu, blockswap, "
-     "vae, dequant, room, lowp"),
+     "--sections 'mfu,bogus': unknown section(s) bogus; choose from env, e2e, trace, mfu, "
+     "blockswap, vae, dequant, room, lowp"),
     (["--rehearse", "--sections", ","], "--sections ',': unknown section(s) (none given); "
-     "choose from env, e2e, mfu, blockswap, vae, dequant, room, lowp"),
+     "choose from env, e2e, trace, mfu, blockswap, vae, dequant, room, lowp"),
     (["--rehearse", "--minutes", "0"], "--minutes 0.0: give a time between 0 and 60 minutes"),
     (["--rehearse", "--capability", "8.9,sm90"], "--capability '8.9,sm90': give compute "
      "capabilities as X.Y, comma-separated (e.g. 7.5,8.9,12.0)"),
