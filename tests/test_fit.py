@@ -191,3 +191,32 @@ def test_fit_hostile_values(value):
     result = outcome(lambda: resolve_options(fit=value).fit, "fit")
     if not result.refused:
         assert result.value in ("auto", "strict")
+
+
+def test_a_fit_that_moves_a_model_loads_it_again(tiny_options, monkeypatch):
+    """Offloading or BlockSwap chosen by a fit places the models differently: Job.prepare
+    loads them again with the fitted options and checks those strictly (a CPU job is never
+    offered offloading, so the fit is stood in for here)."""
+    from seedvr2.pipeline import setup
+
+    loads, checks = [], []
+    load, prepare = setup.load_models, setup.prepare_job
+
+    def counted_load(*args, opts, **kwargs):
+        loads.append(opts.vae_offload_device)
+        return load(*args, opts=opts, **kwargs)
+
+    def fitting_prepare(models, opts, *args, **kwargs):
+        checks.append(opts.fit)
+        ready = prepare(models, opts, *args, **kwargs)
+        return ready if opts.fit == "strict" else ready.replace(vae_offload_device="cpu")
+
+    monkeypatch.setattr(setup, "load_models", counted_load)
+    monkeypatch.setattr(setup, "prepare_job", fitting_prepare)
+    opts = resolve_options(device="cpu", dtype="fp32", resolution=32, batch_size=5)
+    job = setup.Job.build(opts, tiny_options["dit"], tiny_options["vae"],
+                          tiny_options["model_dir"])
+    models, ready = job.prepare(5, (32, 42))
+    assert loads == ["none", "cpu"] and checks == ["auto", "strict"]
+    assert (ready.vae_offload_device, ready.fit) == ("cpu", "auto")
+    assert models.vae_offload == torch.device("cpu") and models.vae_placement is not None
