@@ -626,29 +626,12 @@ def alternatives(budget: Budget, job: BatchShape, place: Placement, available: M
         out.append(option_ref("tensor_offload_device", "cpu"))
     if out:
         return out
-    # No single change is enough: the cheap savers at once, then the largest batch with the
-    # largest tiles and the fewest swapped blocks that fit.
-    changes = []
-    if shared and place.vae_offload is None:
-        place = replace(place, vae_offload="cpu")
-        changes.append(option_ref("vae_offload_device", "cpu"))
-    if shared and place.dit_offload is None and not place.swapping:
-        place = replace(place, dit_offload="cpu")
-        changes.append(option_ref("dit_offload_device", "cpu"))
-    if job.chunk_size is not None and not host_only:
-        job = replace(job, chunk_size=None)
-        changes.append(option_ref("tensor_offload_device", "cpu"))
-    swaps = _swap_options(budget, place)
-    for size in range(job.batch_size, min_batch - 1, -4):
-        sized = replace(job, batch_size=size)
-        for tiled, tile_text in _tile_options(sized, ("encode", "decode")):
-            swap = _first_fit(budget, tiled, swaps, available)
-            if swap is None:
-                continue
-            parts = ([option_ref("batch_size", size)] if size != job.batch_size else []) + changes
-            parts += [t for t in (tile_text, swap[1]) if t is not None]
-            return ["all of: " + ", ".join(parts)]
-    return []
+    # No single change is enough: the combination fit auto would apply (_fit_combined).
+    combined = _fit_combined(budget, job, place, available, min_batch)
+    if combined is None:
+        return []
+    changes, _ = _changes(job, place, *combined)
+    return ["all of: " + ", ".join(option_ref(name, value) for name, value in changes)]
 
 
 @dataclass(frozen=True)
