@@ -347,10 +347,12 @@ _CORE_SCALE = ((_SPLIT // 4, (0.95, 0.97)), (_SPLIT, (0.88, 0.64)), (None, (0.74
 # The causal cache a temporal slice carries (the tails kept per conv), traced against
 # _causal_cache_bytes: (encode, decode).
 _CACHE_SCALE = (0.50, 1.18)
+
+
 # Bytes per output pixel and frame the pipeline holds around the VAE, with ``b`` bytes per
 # value of the model dtype: while encoding, the resized video (float32, 12) and its copy in the
 # model dtype; while decoding in pieces, the output the pieces are blended into (traced at
-# b = 2: 19 and 8 bytes; 2 and 3 more for the blending's temporaries).
+# b = 2: 19 and 8 bytes, here rounded up to 20 and 9).
 def _encode_held(b: int) -> int:
     return 14 + 3 * b
 
@@ -358,10 +360,12 @@ def _encode_held(b: int) -> int:
 def _decode_held(b: int) -> int:
     return 3 + 3 * b
 
+
 # After decoding: the frames in float32 (12 bytes), the decoded video, and what colour
 # correction adds per pixel (traced on fake tensors for the methods that do not depend on
-# the pixels' values: wavelet 48, lab 56; hsv and wavelet_adaptive branch on values and
-# keep the former allowance of 16 float32 frames).
+# the pixels' values: wavelet 48, lab 56, here 4 more; hsv and wavelet_adaptive branch on
+# values, so cannot be traced without data, and keep the former allowance of 16 float32
+# frames).
 _COLOUR_BYTES = {"none": 0, "wavelet": 52, "lab": 60, "adain": 60, "hsv": 192,
                  "wavelet_adaptive": 192}
 
@@ -630,8 +634,8 @@ def alternatives(budget: Budget, job: BatchShape, place: Placement, available: M
     combined = _fit_combined(budget, job, place, available, min_batch)
     if combined is None:
         return []
-    changes, _ = _changes(job, place, *combined)
-    return ["all of: " + ", ".join(option_ref(name, value) for name, value in changes)]
+    changes, costs = _changes(job, place, *combined)
+    return ["all of: " + Fit(changes, *combined, costs).describe()]
 
 
 @dataclass(frozen=True)
