@@ -309,12 +309,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     # Added after the first release: last, so saved workflows' widget values keep their places.
     Option("scene_cuts", str, "auto", "scene cuts no batch spans: auto (detected), off, or "
            "the frames that begin new shots, e.g. 120,348", parse=parse_scene_cuts),
-    Option("fit", str, "auto", "when the memory budget says the job will not fit: auto "
-           "applies the cheapest change that does (a smaller {batch_size}, then VAE tiling, "
-           "then offloading, then BlockSwap) and says what it changed; strict stops with an "
-           "error naming settings that would fit", choices=("auto", "strict")),
-    Option("max_vram", float, 0.0, "GiB the job may plan to use on each compute device (GPU, "
-           "or host RAM for the CPU), for a shared device; 0 = all that is free",
+    Option("fit", str, "auto", "a job that will not fit: auto applies the cheapest change "
+           "that does and says so; strict stops, naming it", choices=("auto", "strict")),
+    Option("max_vram", float, 0.0, "GiB a job may plan to use per compute device; 0 = all free",
            min=0.0, max=1_000_000.0),
 ]}
 
