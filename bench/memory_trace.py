@@ -42,7 +42,7 @@ from unittest import mock
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -104,11 +104,13 @@ class LiveBytes(TorchDispatchMode):
 
 
 def _fused_attention(q, k, v, *args, **kwargs):
-    """What a fused attention kernel (flash, cuDNN, memory-efficient) allocates: the output,
-    and the float32 log-sum-exp of (batch, heads, queries). q/k/v: (..., heads, seq, dim) as
+    """What a fused attention kernel (flash, cuDNN, memory-efficient) allocates: the output
+    (laid out as q is), and the float32 log-sum-exp of (batch, heads, queries). q/k/v: (..., heads, seq, dim) as
     ``F.scaled_dot_product_attention`` takes them."""
     lse = torch.empty(*q.shape[:-1], dtype=torch.float32, device=q.device)
     del lse
+    if v.shape[-1] == q.shape[-1]:
+        return torch.empty_like(q)  # the kernels write the output in q's memory layout
     return torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
 
 
@@ -234,7 +236,9 @@ def trace_phases(models: Models, opts, size: tuple[int, int], input_size: tuple[
         peaks[name] = counter.peak - weights
         return result
 
-    with torch.no_grad(), _traceable(), counter:
+    # Fake tensors need the stand-ins (no values, no CUDA runtime); real ones run as they are.
+    fake = is_fake(next(models.dit.parameters()))
+    with torch.no_grad(), (_traceable() if fake else contextlib.nullcontext()), counter:
         run_phases(models, opts, size, input_size, traced)
     return peaks
 
