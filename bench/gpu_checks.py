@@ -6,6 +6,10 @@ or installed. Sections, in order of value (``--sections`` picks some):
 * env       the GPU, torch, what ``dtype=auto`` and ``attention_backend=auto`` choose here
 * e2e       ``seedvr2.upscale`` of a synthetic 21-frame clip to 1080p with the 3B, run twice:
             frames/s of the second (steady state) run, seconds per phase, peaks vs the budget
+* trace     the pipeline's phases of one 3B batch at 720p untiled and 1080p with 512-pixel VAE
+            tiles: torch.cuda.max_memory_allocated and max_memory_reserved per phase beside
+            the fake-tensor trace of the same job (bench/memory_trace.py) and the budget's
+            estimate, to calibrate the budget's fixed allowance and margin
 * mfu       3B DiT forward at 720p and 1080p x 21: time, model FLOP utilisation against the
             data-sheet dense peak, the attention kernel the profiler saw (flash / cuDNN /
             mem-efficient / math / FlashAttention-3), and the host syncs of a 3B and a 7B
@@ -24,7 +28,7 @@ or installed. Sections, in order of value (``--sections`` picks some):
             int8_convrot, fp8 e4m3, mxfp8 and nvfp4, each with ``compute_precision`` weights
             (dequantise) and auto (comfy-kitchen's low-precision products where this GPU has
             them): time, peak memory, relative L2 difference from bf16, layers per path.
-            Needs comfy-kitchen (else one skipped row); past the 7-minute default, so run it
+            Needs comfy-kitchen (else one skipped row); past the 8-minute default, so run it
             as ``--sections lowp`` (about 2.5 minutes)
 * vae_paths VAE encode + decode of 1080p x 21 in fp16 (default temporal slices) on each of the
             VAE's kernel paths (``seedvr2.models.vae_paths``): today, channels_last,
@@ -41,8 +45,8 @@ sizes (real allocations, copies and weights; seconds): CUDA-only quantities are 
 their labelled CPU analogues (host reads instead of stream syncs, host memcpy instead of
 host->device copies, the schedule's resident blocks instead of allocator peaks).
 
-    bench/gpu_checks.sh [--rehearse [--capability 7.5,8.0,8.9,10.0,12.0]] [--minutes 7]
-                        [--sections env,e2e,mfu,blockswap,vae,dequant,room,lowp,vae_paths]
+    bench/gpu_checks.sh [--rehearse [--capability 7.5,8.0,8.9,10.0,12.0]] [--minutes 8]
+                        [--sections env,e2e,trace,mfu,blockswap,vae,dequant,room,lowp,vae_paths]
 """
 
 from __future__ import annotations
@@ -77,11 +81,13 @@ from seedvr2.models import build_dit, build_vae, dit_config, vae_config  # noqa:
 from seedvr2.models.config import shipped_config  # noqa: E402
 from seedvr2.models.vae_paths import VaePaths  # noqa: E402
 
-SECTIONS = ("env", "e2e", "mfu", "blockswap", "vae", "dequant", "room", "lowp", "vae_paths")
-# Seconds each section may run on the GPU (its rows then stop); the sum stays under the
-# 7-minute default. The rehearsal's sections take seconds; REHEARSE_CAP only bounds a hang.
-CAPS = {"env": 15, "e2e": 110, "mfu": 70, "blockswap": 75, "vae": 95, "dequant": 30,
-        "room": 25, "lowp": 150, "vae_paths": 240}
+SECTIONS = ("env", "e2e", "trace", "mfu", "blockswap", "vae", "dequant", "room", "lowp",
+            "vae_paths")
+# Seconds each section may run on the GPU (its rows then stop); the sections up to room stay
+# under the 8-minute default (lowp and vae_paths run past it: --sections). The rehearsal's
+# sections take seconds; REHEARSE_CAP only bounds a hang.
+CAPS = {"env": 15, "e2e": 110, "trace": 60, "mfu": 70, "blockswap": 75, "vae": 95,
+        "dequant": 30, "room": 25, "lowp": 150, "vae_paths": 240}
 REHEARSE_CAP = 60
 MIN_SECTION_SECONDS = 5  # a section with less time left is skipped, not started
 TEXT_TOKENS = 58
@@ -504,6 +510,79 @@ def check_e2e(run: Run):
                     f"{gib(estimate.get(name))}" for name, p in stats.phases.items())
             return f"{scale.frames / seconds:.2f} frames/s", note
         measure(run.report, "e2e", f"{label}, {attempt}", one_run)
+
+
+# (size, VAE tiled) of the trace section's cells; the 3B, the scale's frames, bf16 on a GPU.
+TRACE_CELLS = (("720p", False), ("1080p", True))
+
+
+def _trace_options(run: Run, height: int, tiled: bool):
+    from seedvr2.options import resolve_options
+
+    tile = 512 if run.cuda else 64  # the smallest tile; the rehearsal frames fit in one
+    return resolve_options(batch_size=run.scale.frames, resolution=height, device=str(run.device),
+                           vae_encode_tiled=tiled, vae_decode_tiled=tiled,
+                           vae_encode_tile_size=tile, vae_decode_tile_size=tile,
+                           vae_encode_tile_overlap=tile // 8, vae_decode_tile_overlap=tile // 8)
+
+
+def _allocator_peaks(run: Run, weights: int):
+    """A ``phase(name, function)`` for ``memory_trace.run_phases`` recording each phase's
+    peaks: on CUDA the allocator's (allocated, reserved); on the CPU, its labelled analogue,
+    the live tensor bytes (weights included) of the same dispatch-mode count as the trace."""
+    import memory_trace
+
+    peaks = {}
+
+    def phase(name, function):
+        run.free()
+        if run.cuda:
+            run.reset_peaks()
+            result = function()
+            run.sync()
+            peaks[name] = (torch.cuda.max_memory_allocated(run.device),
+                           torch.cuda.max_memory_reserved(run.device))
+            return result
+        with memory_trace.LiveBytes(str(run.device)) as counter:
+            result = function()
+        peaks[name] = (weights + counter.peak, None)
+        return result
+    return phase, peaks
+
+
+def check_trace(run: Run):
+    import memory_trace
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from seedvr2.memory import budget as mem
+    from seedvr2.pipeline.runner import Models
+
+    scale = run.scale
+    dit, vae = random_dit(run), random_vae(run)
+    weights = tensor_bytes(dit) + tensor_bytes(vae)
+    models = Models(dit, vae, dit.embedded_text_embeddings["pos"], run.device, run.device,
+                    scale.dtype)
+    budget = mem.Budget(dit.config, vae.config, mem.Weights.of_module(dit),
+                        mem.Weights.of_module(vae))
+    for size, tiled in TRACE_CELLS:
+        h, w = scale.sizes[size]
+        opts, setting = _trace_options(run, h, tiled), "VAE tiles" if tiled else "untiled"
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            fake = memory_trace.build_models(dit.config, vae.config, str(run.device), scale.dtype)
+            traced = memory_trace.trace_phases(fake, opts, (h, w), (h // 2, w // 2),
+                                               str(run.device))
+        estimate = memory_trace.estimate_phases(budget, opts, (h, w), mem.Placement(
+            str(run.device), str(run.device)), str(run.device))
+        phase, peaks = _allocator_peaks(run, weights)
+        with torch.inference_mode():
+            memory_trace.run_phases(models, opts, (h, w), (h // 2, w // 2), phase)
+        for name, (allocated, reserved) in peaks.items():
+            what = "allocated" if run.cuda else "live tensor bytes (CPU: no allocator)"
+            note = (f"reserved {gib(reserved)}; " if reserved is not None else "") + (
+                f"trace {gib(weights + traced[name])} (weights {gib(weights)}); budget "
+                f"{gib(estimate[name])} + {gib(mem.fixed_overhead(str(run.device)))} allowance")
+            measure(run.report, "trace", f"3B {scale.label(size)} x {scale.frames}, {setting}, "
+                    f"{name}", lambda a=allocated, n=note, w=what: (f"{gib(a)} {w}", n))
 
 
 def check_mfu(run: Run):
@@ -1022,9 +1101,9 @@ def _vae_paths_row(run: Run, name: str, work, decoded: dict, paths) -> tuple:
     return f"{seconds:.3f} s", f"{line.split(', ', 1)[1]}; {how}"
 
 
-CHECKS = {"env": check_env, "e2e": check_e2e, "mfu": check_mfu, "blockswap": check_blockswap,
-          "vae": check_vae, "dequant": check_dequant, "room": check_room, "lowp": check_lowp,
-          "vae_paths": check_vae_paths}
+CHECKS = {"env": check_env, "e2e": check_e2e, "trace": check_trace, "mfu": check_mfu,
+          "blockswap": check_blockswap, "vae": check_vae, "dequant": check_dequant,
+          "room": check_room, "lowp": check_lowp, "vae_paths": check_vae_paths}
 
 
 # -- the command -----------------------------------------------------------------------------------
@@ -1035,8 +1114,8 @@ def parse_args(argv):
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rehearse", action="store_true",
                         help="every section on the CPU with tiny models at small sizes")
-    parser.add_argument("--minutes", type=float, default=7.0,
-                        help="start no section after this many minutes (default 7)")
+    parser.add_argument("--minutes", type=float, default=8.0,
+                        help="start no section after this many minutes (default 8)")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated subset of {','.join(SECTIONS)}")
     parser.add_argument("--device", default="cuda:0", help="the GPU to measure (default cuda:0)")

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# What the first GPU run must measure, as one command from a checkout (about 7 minutes on one
+# What the first GPU run must measure, as one command from a checkout (about 8 minutes on one
 # H200; random weights of the real shapes; nothing downloaded or installed, no network).
 # Prints one table on stdout, progress on stderr, and rewrites $OUT/gpu_checks.md after every
 # row when OUT is set. See bench/gpu_checks.py and docs/development.md "GPU checks".
 #
-#   bench/gpu_checks.sh [--rehearse] [--minutes 7] [--sections env,e2e,mfu,blockswap,vae,dequant,room,lowp,vae_paths]
+#   bench/gpu_checks.sh [--rehearse] [--minutes 8] [--sections env,e2e,trace,mfu,blockswap,vae,dequant,room,lowp,vae_paths]
 #   bench/gpu_checks.sh --rehearse --sections lowp --capability 7.5,8.0,8.9,10.0,12.0
 #     (the lowp section on the CPU through the paths a GPU of each capability takes, every kernel
 #     call checked against its preconditions: one line per format and capability, "failed 0")

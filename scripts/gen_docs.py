@@ -9,7 +9,7 @@
 * README.md, between the ``vram-table`` markers: the memory budget's estimate
   (``seedvr2.memory.budget``) of the GPU memory each released DiT file needs at 720p, 1080p
   and 2160p, with the default batch size and with the settings that lower it. Estimates of
-  the budget model, not measurements.
+  the budget model, calibrated on the real-size trace of ``bench/memory_trace.py``.
 """
 
 from __future__ import annotations
@@ -126,7 +126,10 @@ def vram_table() -> str:
         f"({', '.join(f'{w}x{h}' for _, h, w in OUTPUT_SIZES)}), bf16, the "
         f"{_gib(mem.CUDA_FIXED_OVERHEAD)} GiB CUDA workspace allowance included. What the "
         f"swapped setting still needs grows with the batch: at `--batch-size 1` 2160p needs "
-        f"{_gib(min(single))}-{_gib(max(single))} GiB.")
+        f"{_gib(min(single))}-{_gib(max(single))} GiB.\n\n"
+        f"The fp16 rows are traced: each phase of each cell run at real size on fake tensors "
+        f"(`bench/memory_trace.py`), the estimate 1.0-1.3x the trace ([bench/RESULTS.md]"
+        f"(bench/RESULTS.md)). A GPU adds the allocator's overhead, which the allowance covers.")
 
 
 def replace_between(text: str, start: str, end: str, body: str, where: str) -> str:

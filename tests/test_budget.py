@@ -149,7 +149,7 @@ class LivePeak(TorchDispatchMode):
 def test_activation_estimate_bounds_the_measured_peak(tiny_options, dtype, tiled, resolution,
                                                       batch):
     """Each phase's estimated activations are at least the measured peak of live tensors
-    (tiny models on the CPU, the whole pipeline per phase) and at most 1.7x it."""
+    (tiny models on the CPU, the whole pipeline per phase) and at most 1.5x it."""
     from seedvr2.pipeline.setup import _budget_job, load_models
     from seedvr2.pipeline.plan import make_plan
     from seedvr2.pipeline.runner import Upscaler
@@ -178,17 +178,22 @@ def test_activation_estimate_bounds_the_measured_peak(tiny_options, dtype, tiled
     for need in mem.estimate(budget, job, Placement("cpu", "cpu")).phases:
         estimated = dict(need.parts)["activations"]
         actual = peaks[{"DiT": "dit"}.get(need.phase, need.phase)]
-        # 1.7: the VAE layout of #35 part 3 holds less (1.63x in fp32 encode) until the budget
-        # is re-fitted to it (#35 part 2); the lower bound is the one that keeps jobs safe.
-        assert actual <= estimated <= 1.7 * actual, (need.phase, estimated, actual)
+        # 1.5: the tiny DiT's fixed tensors (text, layouts) weigh more than at real size, where
+        # the estimate is within 1.3x the trace (bench/memory_trace.py, bench/RESULTS.md).
+        assert actual <= estimated <= 1.5 * actual, (need.phase, estimated, actual)
 
 
 @pytest.mark.parametrize("stage", ["encode", "decode"])
-def test_tiled_vae_estimate_bounds_the_measured_peak(tiny_options, stage):
+def test_tiled_vae_estimate_bounds_the_measured_peak(tiny_options, stage, monkeypatch):
     """Spatial tiles: the estimate of the phase bounds the tiled VAE call's own peak (which
     leaves out the pipeline's frame buffers, hence the looser upper bound)."""
     from seedvr2.loading import load_vae
     from seedvr2.memory import tiling
+    from seedvr2.models import vae_blocks
+
+    # The budget counts a GPU's convolutions; the CPU's own 1x1x1 path (matrix products a
+    # frame at a time, for thread-count independence) peaks 0.8 % higher on this decode.
+    monkeypatch.setattr(vae_blocks, "_is_pointwise", lambda *args: False)
 
     vae = load_vae(tiny_options["vae"], torch.float32, "cpu")
     # Independent tiles, one pass (fields of the tiling module's variants, where present).
@@ -215,20 +220,21 @@ def test_tiled_vae_estimate_bounds_the_measured_peak(tiny_options, stage):
 
 def test_wont_fit_names_the_settings_that_would(real):
     with pytest.raises(BudgetError) as error:
-        mem.check(real, BatchShape(720, 1280, 9), Placement(), {"cuda:0": 24 * GIB})
+        mem.check(real, BatchShape(720, 1280, 9), Placement(), {"cuda:0": 18 * GIB})
     assert str(error.value) == (
-        "not enough memory on cuda:0 for 1280x720 frames at batch_size=9: the decode phase "
-        "needs about 26.7 GiB (VAE weights 478 MiB, DiT weights 6.3 GiB, activations 16.8 GiB, "
-        "margin 3.2 GiB) but 24.0 GiB is available. Settings that would fit: batch_size=5; or "
-        "vae_decode_tiled=True with vae_decode_tile_size=512; or dit_offload_device=cpu. Setting "
+        "not enough memory on cuda:0 for 1280x720 frames at batch_size=9: the encode phase "
+        "needs about 20.4 GiB (VAE weights 478 MiB, DiT weights 6.3 GiB, activations 11.0 GiB, "
+        "margin 2.6 GiB) but 18.0 GiB is available. Settings that would fit: batch_size=5; or "
+        "vae_encode_tiled=True and vae_decode_tiled=True with vae_encode_tile_size=512 and "
+        "vae_decode_tile_size=512; or dit_offload_device=cpu. Setting "
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in the environment also helps (less "
         "fragmentation)")
     # Each named alternative really fits.
-    place, job, have = Placement(), BatchShape(720, 1280, 9), {"cuda:0": 24 * GIB}
+    place, job, have = Placement(), BatchShape(720, 1280, 9), {"cuda:0": 18 * GIB}
     assert mem.fits(real, replace(job, batch_size=5), place, have)
-    assert mem.fits(real, replace(job, decode_tiles=TILED), place, have)
+    assert mem.fits(real, replace(job, encode_tiles=TILED, decode_tiles=TILED), place, have)
     assert mem.fits(real, job, replace(place, dit_offload="cpu"), have)
-    assert mem.check(real, job, place, {"cuda:0": 27 * GIB}).peak("cuda:0") <= 27 * GIB
+    assert mem.check(real, job, place, {"cuda:0": 21 * GIB}).peak("cuda:0") <= 21 * GIB
 
 
 def test_wont_fit_suggests_blockswap_and_combinations(real):
@@ -243,8 +249,9 @@ def test_wont_fit_suggests_blockswap_and_combinations(real):
     assert mem.fits(real, job, replace(place, blocks_to_swap=swap), have)
     assert not mem.fits(real, job, replace(place, blocks_to_swap=swap - 1), have)
     # Nothing alone is enough: one combination of every saver.
-    with pytest.raises(BudgetError, match=r"Settings that would fit: all of: batch_size=\d+, "
-                                          r"dit_offload_device=cpu, .*blocks_to_swap=\d+\. "):
+    with pytest.raises(BudgetError, match=r"Settings that would fit: all of: (batch_size=\d+, )?"
+                                          r"(vae_\w+=\w+, )*dit_offload_device=cpu, "
+                                          r"blocks_to_swap=\d+\. "):
         mem.check(real, BatchShape(1080, 1920, 21), replace(place, dit_offload=None), have)
     with pytest.raises(BudgetError, match="Nothing fits at this resolution"):
         mem.check(real, BatchShape(4320, 7680, 5), Placement(), {"cuda:0": 2 * GIB})
@@ -415,6 +422,11 @@ def test_prepare_job_checks_cuda_devices_up_front(tiny_options, monkeypatch, cap
     monkeypatch.setattr(mem, "device_available",
                         lambda device, own=0: seen.append(str(device)) or need - 1)
     monkeypatch.delenv(MEMORY_CHECK_ENV, raising=False)
+    with caplog.at_level("WARNING", logger="seedvr2"):  # fit auto (the default): batch 5
+        assert prepare_job(on_gpu, opts, 40, (64, 96)).batch_size == 5
+    assert "running with batch_size=5 (costs: smaller batches" in caplog.text
+    seen.clear()
+    opts = opts.replace(fit="strict")
     with pytest.raises(BudgetError, match=r"^not enough memory on cuda:0 for 96x64 frames at "
                        r"batch_size=9: .* is available\. Settings that would fit: batch_size=5.* "
                        r"\(to try anyway, set SEEDVR2_MEMORY_CHECK=warn\)$"):
@@ -427,7 +439,7 @@ def test_prepare_job_checks_cuda_devices_up_front(tiny_options, monkeypatch, cap
     # On the CPU the host's available RAM is the limit; only settings that save RAM there are
     # offered (offloading to the CPU frees nothing).
     monkeypatch.delenv(MEMORY_CHECK_ENV, raising=False)
-    assert prepare_job(models, opts, 40, (64, 96), stats).batch_size == 9
+    assert prepare_job(models, opts.replace(fit="auto"), 40, (64, 96), stats).batch_size == 9
     need = stats.estimated_bytes["cpu"]
     monkeypatch.setattr(mem, "device_available", lambda device, own=0: need - 1)
     with pytest.raises(BudgetError, match=r"^not enough memory on cpu for 96x64 frames at "

@@ -49,8 +49,9 @@ def test_upscale_help_is_grouped_by_area_and_speaks_in_flags(capsys):
     assert "seedvr2_ema_3b_fp16.safetensors" in models and "ema_vae_fp16.safetensors" in models
     assert "--model-dir, else $SEEDVR2_MODEL_DIR, else ~/.cache/seedvr2/models" in models
     # The ungrouped help was 201 lines; --scene-cuts and --dry-plan came later (4 lines),
-    # --vae-fp16-accumulation and --vae-int8-cache (9 lines), --min-scene-length (5 lines).
-    assert len(text.splitlines()) < 201 + 4 + 9 + 5
+    # --vae-fp16-accumulation and --vae-int8-cache (9 lines), --min-scene-length (5 lines),
+    # --fit and --max-vram (5 lines).
+    assert len(text.splitlines()) < 201 + 4 + 9 + 5 + 5
 
 
 def test_top_level_help_has_no_markup(capsys):

@@ -76,6 +76,17 @@ def test_rehearsal_measures_every_section_without_pyav_or_gguf(tmp_path):
             assert re.match(r"\d+(\.\d+)? \S", value), (section, what, value)
     names = {(r[0], r[1]): r for r in rows}
     assert "PyAV no, gguf no" in names[("env", "software")][3]
+    # The trace section: on the CPU the real run's live tensor bytes are what the fake-tensor
+    # trace of the same job counts, phase by phase, within 2 % (the weights included; the
+    # CPU's attention kernel at these tiny shapes is not quite the fused one the trace models).
+    traced = [r for r in rows if r[0] == "trace"]
+    assert len(traced) == 3 * len(gpu_checks.TRACE_CELLS)
+    units = {"MiB": 2 ** 20, "GiB": 2 ** 30}
+    size = lambda text: float(text.split()[0]) * units[text.split()[1]]  # noqa: E731
+    for _, what, value, note in traced:
+        live = size(value.removesuffix(" live tensor bytes (CPU: no allocator)"))
+        trace = size(re.match(r"trace (\S+ \S+) \(weights ", note).group(1))
+        assert abs(trace - live) <= 0.02 * live, (what, value, note)
     kernel = next(r for r in rows if r[1].startswith("attention kernel"))
     assert kernel[2] == "flash" and "_scaled_dot_product_flash_attention_for_cpu" in kernel[3]
     for needed in ("steady state (second run)", "4 of 4 blocks swapped",
@@ -171,10 +182,10 @@ def test_a_section_past_its_cap_is_stopped_and_the_rows_so_far_kept(tmp_path, mo
 
 @pytest.mark.parametrize("args, message", [
     (["--rehearse", "--sections", "mfu,bogus"],
-     "--sections 'mfu,bogus': unknown section(s) bogus; choose from env, e2e, mfu, blockswap, "
-     "vae, dequant, room, lowp, vae_paths"),
+     "--sections 'mfu,bogus': unknown section(s) bogus; choose from env, e2e, trace, mfu, "
+     "blockswap, vae, dequant, room, lowp, vae_paths"),
     (["--rehearse", "--sections", ","], "--sections ',': unknown section(s) (none given); "
-     "choose from env, e2e, mfu, blockswap, vae, dequant, room, lowp, vae_paths"),
+     "choose from env, e2e, trace, mfu, blockswap, vae, dequant, room, lowp, vae_paths"),
     (["--rehearse", "--minutes", "0"], "--minutes 0.0: give a time between 0 and 60 minutes"),
     (["--rehearse", "--capability", "8.9,sm90"], "--capability '8.9,sm90': give compute "
      "capabilities as X.Y, comma-separated (e.g. 7.5,8.9,12.0)"),

@@ -401,8 +401,8 @@ def test_a_resolution_past_the_hosts_ram_is_refused_before_any_work(tiny_options
                  "--resolution", "16384", "--quiet"]) == 1
     assert capsys.readouterr().err == (
         "error: not enough memory on cpu for 21846x16384 frames at --batch-size 5: the encode "
-        "phase needs about 776.2 GiB (VAE weights 5 MiB, DiT weights 7 MiB, activations "
-        "663.0 GiB, margin 66.5 GiB, waiting tensors 46.7 GiB) but 16.0 GiB is available. "
+        "phase needs about 563.7 GiB (VAE weights 5 MiB, DiT weights 7 MiB, activations "
+        "469.8 GiB, margin 47.2 GiB, waiting tensors 46.7 GiB) but 16.0 GiB is available. "
         "Nothing fits at this resolution, even with the smallest batch, VAE tiles of 128 "
         "pixels: lower --resolution or use a device with more memory (to try anyway, set "
         "SEEDVR2_MEMORY_CHECK=warn)\n")

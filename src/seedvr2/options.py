@@ -360,6 +360,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "(PySceneDetect's min_scene_len): a cut closer than this to the previous one or to "
            "the start is not made, and a flash (frames that return to the shot before them "
            "within this length) is no cut", min=1, max=1_000_000),
+    Option("fit", str, "auto", "a job that will not fit: auto applies the cheapest change "
+           "that does and says so; strict stops, naming it", choices=("auto", "strict")),
+    Option("max_vram", float, 0.0, "GiB a job may plan to use per compute device; 0 = all free",
+           min=0.0, max=1_000_000.0),
 ]}
 
 
@@ -371,8 +375,9 @@ AREAS: dict[str, tuple[str, ...]] = {
     "quality and colour": ("seed", "batch_size", "temporal_overlap", "prepend_frames",
                            "scene_cuts", "min_scene_length", "color_correction",
                            "input_noise_scale", "latent_noise_scale"),
-    "memory and VRAM": ("chunk_size", "device", "dit_device", "vae_device", "dit_offload_device",
-                        "vae_offload_device", "tensor_offload_device", "cache_dit", "cache_vae",
+    "memory and VRAM": ("fit", "max_vram", "chunk_size", "device", "dit_device", "vae_device",
+                        "dit_offload_device", "vae_offload_device", "tensor_offload_device",
+                        "cache_dit", "cache_vae",
                         "blocks_to_swap", "swap_io_components", "vae_encode_tiled",
                         "vae_encode_tile_size", "vae_encode_tile_overlap", "vae_decode_tiled",
                         "vae_decode_tile_size", "vae_decode_tile_overlap", "vae_tiling_exact",
@@ -387,9 +392,11 @@ AREAS: dict[str, tuple[str, ...]] = {
 
 # Options that choose where or how a job runs, never what it computes: ranks on different
 # devices agree on a job, and a re-run resumes it, whatever these say. Every other option
-# shapes the output (the job's identity, ``pipeline.identity.job_identity``).
+# shapes the output (the job's identity, ``pipeline.identity.job_identity``). ``fit`` and
+# ``max_vram`` act only through the settings a fit changes, which are in the identity as run
+# (the same cap fits the same way again, so a re-run resumes).
 NOT_SHAPING_OUTPUT = frozenset({"device", "dit_device", "vae_device", "devices", "dist_timeout",
-                                "resume", "cache_dit", "cache_vae"})
+                                "resume", "cache_dit", "cache_vae", "fit", "max_vram"})
 
 
 @dataclass(frozen=True)

@@ -173,7 +173,7 @@ class TakenChunks:
             # This rank's own device against the budget, before any frame (batch_size is
             # already the one every rank uses).
             self.upscaler = work.job.ready_upscaler(work.plan.source_frames, work.frame_shape[:2],
-                                                    progress=progress,
+                                                    fixed_batch=True, progress=progress,
                                                     should_stop=work.should_stop)
         return self.upscaler
 
@@ -219,7 +219,7 @@ class SharedBatches:
         if self.mine:
             upscaler = work.job.ready_upscaler(
                 work.plan.source_frames, work.frame_shape[:2], build=SharedVaeUpscaler,
-                progress=work.progress, should_stop=work.should_stop,
+                fixed_batch=True, progress=work.progress, should_stop=work.should_stop,
                 owners=vae_owners(work.plan, self.k),
                 seat=(work.ctx.rank % self.k, work.ctx.rank - work.ctx.rank % self.k),
                 meeting=self.links.meeting)

@@ -204,6 +204,7 @@ class BatchShape:
     chunk_size: Optional[int] = None
     encode_slice: Optional[int] = None  # VAE causal temporal slice (video frames), None = whole
     decode_slice: Optional[int] = None
+    color_correction: str = "wavelet"  # the option: what colour correction holds after decode
 
     @property
     def padded(self) -> tuple[int, int]:
@@ -241,6 +242,12 @@ class Budget:
 # Activations
 
 
+# Calibration on the real-size trace (bench/memory_trace.py): the tensors below are what one
+# block holds at its peak; the trace of the whole forward (window layouts, RoPE tables, the
+# attention output and log-sum-exp of fused kernels) is up to 8 % more at 2160p.
+_DIT_SCALE = 1.1
+
+
 def dit_activation_bytes(cfg: DiTConfig, job: BatchShape) -> int:
     """Peak bytes of one DiT call on a batch (docs/memory.md, "How the estimate is made")."""
     b = job.dtype_bytes
@@ -255,7 +262,7 @@ def dit_activation_bytes(cfg: DiTConfig, job: BatchShape) -> int:
     per_token = max(mlp, qk_fp32, windows) + 8 * cfg.head_dim + 128
     inputs = positions * (4 * (16 + 16 + 17 + 33 + 16) + b * 33)
     text = job.text_tokens * (cfg.txt_in_dim + 8 * d) * max(b, 4)
-    return tokens * per_token + inputs + text
+    return int((tokens * per_token + inputs + text) * _DIT_SCALE)
 
 
 def _resnet_peak(c_hold: int, c_in: int, c_out: int, layers: int, frames: int, b: int) -> float:
@@ -328,12 +335,47 @@ def vae_decode_bytes(cfg: VAEConfig, frames: int, height: int, width: int, b: in
     return int(peak)
 
 
-# Float32 frame buffers of the pipeline per output pixel and frame (3 channels x 4 bytes each):
-# while the encoder runs, encode holds the padded video (the resized frames and reference are
-# gone by then; the input frames wait at input resolution in their integer precision);
-# after decoding, colour correction works on a handful of such copies.
-_ENCODE_FRAME_BYTES = 12 + 16
-_DECODE_FRAME_BYTES = 16 * 12
+# Calibration on the real-size trace (bench/memory_trace.py, table in bench/RESULTS.md): the
+# per-layer model above counts every tensor of the layers' own code at its largest; the code
+# holds less (buffers reused, bands and float32 norm pieces of at most SPLIT_ELEMENTS / 4
+# elements above SPLIT_ELEMENTS), the more so the larger a full-resolution plane is. So the
+# model's figure is scaled by what the trace shows for each size class of the full-resolution
+# planes of one piece (channels x frames x pixels): at most SPLIT_ELEMENTS / 4 (a tile),
+# at most SPLIT_ELEMENTS, more. (encode, decode) per class.
+_SPLIT = 1 << 30  # models.vae_blocks.SPLIT_ELEMENTS
+_CORE_SCALE = ((_SPLIT // 4, (0.95, 0.97)), (_SPLIT, (0.88, 0.64)), (None, (0.74, 0.58)))
+# The causal cache a temporal slice carries (the tails kept per conv), traced against
+# _causal_cache_bytes: (encode, decode).
+_CACHE_SCALE = (0.50, 1.18)
+
+
+# Bytes per output pixel and frame the pipeline holds around the VAE, with ``b`` bytes per
+# value of the model dtype: while encoding, the resized video (float32, 12) and its copy in the
+# model dtype; while decoding in pieces, the output the pieces are blended into (traced at
+# b = 2: 19 and 8 bytes, here rounded up to 20 and 9).
+def _encode_held(b: int) -> int:
+    return 14 + 3 * b
+
+
+def _decode_held(b: int) -> int:
+    return 3 + 3 * b
+
+
+# After decoding: the frames in float32 (12 bytes), the decoded video, and what colour
+# correction adds per pixel (traced on fake tensors for the methods that do not depend on
+# the pixels' values: wavelet 48, lab 56, here 4 more; hsv and wavelet_adaptive branch on
+# values, so cannot be traced without data, and keep the former allowance of 16 float32
+# frames).
+_COLOUR_BYTES = {"none": 0, "wavelet": 52, "lab": 60, "adain": 60, "hsv": 192,
+                 "wavelet_adaptive": 192}
+
+
+def _core_scale(cfg: VAEConfig, frames: int, height: int, width: int, decode: bool) -> float:
+    plane = cfg.block_out_channels[0] * frames * height * width
+    for limit, scales in _CORE_SCALE:
+        if limit is None or plane <= limit:
+            return scales[decode]
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _causal_cache_bytes(cfg: VAEConfig, height: int, width: int, b: int) -> int:
@@ -369,16 +411,16 @@ def _vae_phase(cfg: VAEConfig, job: BatchShape, decode: bool) -> int:
         pixels_planes = pixels * 4 * (widths[0] + widths[min(1, len(widths) - 1)])
     else:
         pixels_planes = 0
+    scale = _core_scale(cfg, piece, th, tw, decode)
+    cache = int(cache * _CACHE_SCALE[decode])
     if decode:
-        core = vae_decode_bytes(cfg, piece, th, tw, b) + cache
-        held = pixels * 3 * 4 if pieced else 0  # the full-frame output the pieces go into
-        held += piece * th * tw * 3 * 8 if pieced else 0  # one piece's float32 blend
-        after = pixels * (_DECODE_FRAME_BYTES + 3 * b)
-        return max(core + held + pixels * 3 * b + pixels_planes, after)
-    core = vae_encode_bytes(cfg, piece, th, tw, b) + cache
-    held = pixels * (_ENCODE_FRAME_BYTES + 6 * b)
-    held += piece * th * tw * 3 * b if pieced else 0  # the piece's input copy
-    return core + held + pixels_planes
+        core = int(vae_decode_bytes(cfg, piece, th, tw, b) * scale) + cache
+        # The full-frame output of the pieces, and one piece's float32 blend (value, weight).
+        held = pixels * _decode_held(b) + piece * th * tw * 3 * 8 if pieced else 0
+        after = pixels * (12 + 3 * b + _COLOUR_BYTES.get(job.color_correction, 192))
+        return max(core + held + pixels_planes, after)
+    core = int(vae_encode_bytes(cfg, piece, th, tw, b) * scale) + cache
+    return core + pixels * _encode_held(b) + pixels_planes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -588,29 +630,123 @@ def alternatives(budget: Budget, job: BatchShape, place: Placement, available: M
         out.append(option_ref("tensor_offload_device", "cpu"))
     if out:
         return out
-    # No single change is enough: the cheap savers at once, then the largest batch with the
-    # largest tiles and the fewest swapped blocks that fit.
-    changes = []
-    if shared and place.vae_offload is None:
-        place = replace(place, vae_offload="cpu")
-        changes.append(option_ref("vae_offload_device", "cpu"))
-    if shared and place.dit_offload is None and not place.swapping:
-        place = replace(place, dit_offload="cpu")
-        changes.append(option_ref("dit_offload_device", "cpu"))
-    if job.chunk_size is not None and not host_only:
+    # No single change is enough: the combination fit auto would apply (_fit_combined).
+    combined = _fit_combined(budget, job, place, available, min_batch)
+    if combined is None:
+        return []
+    changes, costs = _changes(job, place, *combined)
+    return ["all of: " + Fit(changes, *combined, costs).describe()]
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Settings that make a job fit (``fit`` auto): the option changes, as (name, value) in
+    the order they were made, the job and placement with them, and what they cost."""
+
+    changes: tuple[tuple[str, object], ...]
+    job: BatchShape
+    place: Placement
+    costs: tuple[str, ...]
+
+    def describe(self) -> str:
+        return ", ".join(option_ref(name, value) for name, value in self.changes)
+
+
+# What each kind of change costs, in the README's order of preference ("Out of memory").
+_COSTS = {"batch": "smaller batches: less temporal consistency",
+          "tiles": "VAE tiles: slight differences at their seams, a little slower",
+          "offload": "models wait in host RAM between phases: a copy per chunk",
+          "swap": "DiT blocks stream from host RAM: slower DiT"}
+
+
+def _changes(job: BatchShape, place: Placement, new_job: BatchShape,
+             new_place: Placement) -> tuple[tuple[tuple[str, object], ...], tuple[str, ...]]:
+    """The options (name, value) that turn (job, place) into (new_job, new_place), and the
+    costs of those changes."""
+    out, costs = [], []
+    if new_job.batch_size != job.batch_size:
+        out.append(("batch_size", new_job.batch_size))
+        costs.append(_COSTS["batch"])
+    for w in ("encode", "decode"):
+        old, new = getattr(job, f"{w}_tiles"), getattr(new_job, f"{w}_tiles")
+        for attr, option in (("enabled", "tiled"), ("tile_size", "tile_size"),
+                             ("tile_overlap", "tile_overlap")):
+            if getattr(new, attr) != getattr(old, attr) and new.enabled:
+                out.append((f"vae_{w}_{option}", getattr(new, attr)))
+    if new_job.encode_tiles != job.encode_tiles or new_job.decode_tiles != job.decode_tiles:
+        costs.append(_COSTS["tiles"])
+    moved = [(kind, getattr(new_place, f"{kind}_offload")) for kind in ("vae", "dit")
+             if getattr(new_place, f"{kind}_offload") != getattr(place, f"{kind}_offload")]
+    out += [(f"{kind}_offload_device", where) for kind, where in moved]
+    if new_job.chunk_size != job.chunk_size:
+        out.append(("tensor_offload_device", "cpu"))
+    if moved or new_job.chunk_size != job.chunk_size:
+        costs.append(_COSTS["offload"])
+    if (new_place.blocks_to_swap, new_place.swap_io) != (place.blocks_to_swap, place.swap_io):
+        out.append(("blocks_to_swap", new_place.blocks_to_swap))
+        if new_place.swap_io != place.swap_io:
+            out.append(("swap_io_components", new_place.swap_io))
+        costs.append(_COSTS["swap"])
+    return tuple(out), tuple(costs)
+
+
+def _fit_candidates(budget: Budget, job: BatchShape, place: Placement, failing: set,
+                    min_batch: int):
+    """(job, placement) candidates, cheapest first: smaller batches, then VAE tiles, then
+    offloading (either model, both, the waiting tensors), then BlockSwap."""
+    for size in range(job.batch_size - 4, min_batch - 1, -4):
+        yield replace(job, batch_size=size), place
+    for candidate, _ in _tile_options(job, [w for w in ("encode", "decode") if w in failing])[1:]:
+        yield candidate, place
+    # Offloading to the CPU frees nothing for a job that computes on the CPU.
+    if place.dit_device == place.vae_device and place.dit_device != "cpu":
+        vae_off = replace(place, vae_offload=place.vae_offload or "cpu")
+        if place.vae_offload is None:
+            yield job, vae_off
+        if place.dit_offload is None and not place.swapping:
+            yield job, replace(place, dit_offload="cpu")
+            yield job, replace(vae_off, dit_offload="cpu")
+    if job.chunk_size is not None and not (place.dit_device == place.vae_device == "cpu"):
+        yield replace(job, chunk_size=None), place
+
+
+def fit_job(budget: Budget, job: BatchShape, place: Placement, available: Mapping[str, int],
+            min_batch: int = 1) -> Optional[Fit]:
+    """The cheapest settings the budget finds that make the job fit ``available`` (one change
+    of :func:`_fit_candidates`, else BlockSwap, else a combination as :func:`alternatives`
+    makes), or None when nothing fits."""
+    failing = failing_phases(estimate(budget, job, place), available)
+    found = next(((j, p) for j, p in _fit_candidates(budget, job, place, failing, min_batch)
+                  if fits(budget, j, p, available)), None)
+    if found is None and "DiT" in failing:
+        swap = _first_fit(budget, job, _swap_options(budget, place)[1:] or [(place, None)],
+                          available)
+        found = (job, swap[0]) if swap is not None and swap[0] != place else None
+    if found is None:
+        found = _fit_combined(budget, job, place, available, min_batch)
+    if found is None:
+        return None
+    changes, costs = _changes(job, place, *found)
+    return Fit(changes, found[0], found[1], costs)
+
+
+def _fit_combined(budget: Budget, job: BatchShape, place: Placement,
+                  available: Mapping[str, int], min_batch: int):
+    """Every cheap saver at once, then the largest batch with the largest tiles and the
+    fewest swapped blocks that fit; None when nothing does."""
+    if place.dit_device == place.vae_device and place.dit_device != "cpu":
+        place = replace(place, vae_offload=place.vae_offload or "cpu")
+        if not place.swapping:
+            place = replace(place, dit_offload=place.dit_offload or "cpu")
+    if job.chunk_size is not None and not (place.dit_device == place.vae_device == "cpu"):
         job = replace(job, chunk_size=None)
-        changes.append(option_ref("tensor_offload_device", "cpu"))
     swaps = _swap_options(budget, place)
     for size in range(job.batch_size, min_batch - 1, -4):
-        sized = replace(job, batch_size=size)
-        for tiled, tile_text in _tile_options(sized, ("encode", "decode")):
+        for tiled, _ in _tile_options(replace(job, batch_size=size), ("encode", "decode")):
             swap = _first_fit(budget, tiled, swaps, available)
-            if swap is None:
-                continue
-            parts = ([option_ref("batch_size", size)] if size != job.batch_size else []) + changes
-            parts += [t for t in (tile_text, swap[1]) if t is not None]
-            return ["all of: " + ", ".join(parts)]
-    return []
+            if swap is not None:
+                return tiled, swap[0]
+    return None
 
 
 def check(budget: Budget, job: BatchShape, place: Placement, available: Mapping[str, int],
@@ -755,7 +891,8 @@ def device_available(device: torch.device, own_bytes: int = 0) -> Optional[int]:
     return None if ram is None else ram + own_bytes
 
 
-__all__ = ["Budget", "BudgetError", "Estimate", "BatchShape", "PhaseNeed", "Placement", "Weights",
+__all__ = ["Budget", "BudgetError", "Estimate", "BatchShape", "Fit", "PhaseNeed", "Placement",
+           "Weights", "fit_job",
            "alternatives", "auto_batch_size", "batch_candidates", "bytes_on", "check",
            "check_host_copy",
            "device_available", "dit_activation_bytes", "estimate", "failing_phases", "fits",

@@ -8,6 +8,8 @@ official checkpoint, so a released state dict loads strictly. See docs/models.md
 
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -70,15 +72,25 @@ def _is_pointwise(weight: Tensor, stride: _int3, padding: _int3) -> bool:
 
 
 def _pointwise_conv3d(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
-    """A 1x1x1 convolution as one matrix product over the channels. On the CPU, oneDNN's
-    1x1x1 kernel splits the channel sum by the thread count, so 1 and 2 threads (one process
-    versus two ranks of one thread each) differ in the last bit; the matrix product sums each
-    output in the same order at any thread count (tests/test_determinism.py)."""
+    """A 1x1x1 convolution as matrix products over the channels, a frame at a time. On the
+    CPU, oneDNN's 1x1x1 kernel splits the channel sum by the thread count, so 1 and 2 threads
+    (one process versus two ranks of one thread each) differ in the last bit; the matrix
+    product sums each output in the same order at any thread count
+    (tests/test_determinism.py). A frame at a time: an input that is a view (a padded
+    buffer's interior) is copied one frame at a time, never whole."""
     B, C, T, H, W = x.shape
-    out = torch.matmul(weight.reshape(weight.shape[0], C), x.reshape(B, C, T * H * W))
+    matrix = weight.reshape(weight.shape[0], C)
+    if _records_graph(x, weight, *(() if bias is None else (bias,))):
+        out = torch.matmul(matrix, x.reshape(B, C, T * H * W)).view(B, -1, T, H, W)
+        return out if bias is None else out + bias.view(1, -1, 1, 1, 1)
+    out = x.new_empty(B, matrix.shape[0], T, H, W)
+    rows = out.view(B, -1, T, H * W)
+    for b, t in itertools.product(range(B), range(T)):
+        # Straight into the output: BLAS takes its rows T*H*W apart (a leading dimension).
+        torch.mm(matrix, x[b, :, t].reshape(C, H * W), out=rows[b, :, t])
     if bias is not None:
-        out = out + bias.view(1, -1, 1)
-    return out.view(B, -1, T, H, W)
+        out.add_(bias.view(1, -1, 1, 1, 1))
+    return out
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ writer. The facade (``seedvr2.api``) and ``seedvr2.distributed`` both call it.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
@@ -140,7 +141,7 @@ def _budget_job(opts: Options, size: tuple[int, int], batch: int, dtype: torch.d
     on_device = waits_on is None or waits_on in compute_devices
     chunk = opts.chunk_size if on_device else None
     return mem.BatchShape(size[0], size[1], batch, dtype.itemsize, text_tokens, encode, decode, chunk,
-                   encode_slice, decode_slice)
+                          encode_slice, decode_slice, opts.color_correction)
 
 
 MEMORY_CHECK_ENV = "SEEDVR2_MEMORY_CHECK"  # "warn": a job over budget only logs a warning
@@ -156,11 +157,15 @@ MakeRoom = Callable[[str, int], None]
 
 
 def prepare_job(models: Models, opts: Options, frame_count: int, size: tuple[int, int],
-                stats: Optional[JobStats] = None, make_room: Optional[MakeRoom] = None) -> Options:
-    """Resolve ``batch_size="auto"`` and check the memory budget (raising
+                stats: Optional[JobStats] = None, make_room: Optional[MakeRoom] = None,
+                fixed_batch: bool = False) -> Options:
+    """Resolve ``batch_size="auto"``, fit the job to the memory available (``fit`` auto: the
+    cheapest change that fits, said in one line) and check the memory budget (raising
     :class:`~seedvr2.memory.budget.BudgetError`), before any work starts; returns the options
-    with a concrete batch size. ``make_room`` (a host such as ComfyUI) is first asked for what
-    the job's largest batch needs. See docs/memory.md#the-memory-budget."""
+    the job runs with. ``make_room`` (a host such as ComfyUI) is first asked for what the
+    job's largest batch needs; ``fixed_batch``: the batch plan is already made (every rank of
+    a distributed job runs it), so a fit keeps the batch size. See
+    docs/memory.md#the-memory-budget."""
     place = _placement_of(models, opts)
     budget = mem.Budget(models.dit.config, models.vae.config, mem.Weights.of_module(models.dit),
                         mem.Weights.of_module(models.vae))
@@ -171,15 +176,11 @@ def prepare_job(models: Models, opts: Options, frame_count: int, size: tuple[int
         biggest = mem.batch_candidates(plan_frames_of(frame_count, opts),
                                        opts.temporal_overlap)[0] if auto else opts.batch_size
         _ask_for_room(make_room, mem.estimate(budget, job(biggest), place), models, auto)
-    known = _available_memory(models, devices)
+    known = capped(_available_memory(models, devices), devices, opts.max_vram)
     if auto:
-        cuda = {d: a for d, a in known.items() if d.startswith("cuda")}
-        opts = opts.replace(batch_size=_auto_batch(budget, job(5), place, cuda or known,
-                                                   plan_frames_of(frame_count, opts), opts))
-        log.info("batch_size auto: %d frames per batch (largest 4n+1 that fits %s for %dx%d "
-                 "output, %d frames)", opts.batch_size, ", ".join(
-                     f"{mem.gib(v)} on {d}" for d, v in (cuda or known).items()) or "the default",
-                 size[1], size[0], plan_frames_of(frame_count, opts))
+        opts = opts.replace(batch_size=_resolved_batch(budget, job(5), place, known,
+                                                       plan_frames_of(frame_count, opts), opts,
+                                                       size))
     batch = job(opts.batch_size)
     exact = tuple(stage for stage, tiles in (("encode", batch.encode_tiles),
                                              ("decode", batch.decode_tiles))
@@ -188,11 +189,63 @@ def prepare_job(models: Models, opts: Options, frame_count: int, size: tuple[int
         mem.check_exact_tiling(models.vae.config, opts.batch_size, size[0], size[1],
                                models.dtype.itemsize, batch.decode_slice, batch.encode_slice,
                                mem.host_available(), exact)
+    opts, batch, place = _fitted(budget, batch, place, known, opts, fixed_batch)
     est = _checked_estimate(budget, batch, place, known)
     if stats is not None:
         stats.batch_size, stats.batch_size_auto = opts.batch_size, auto
         stats.estimated_bytes = {d: est.peak(d) for d in est.devices}
     return opts
+
+
+def capped(known: dict, devices: set, max_vram: float) -> dict:
+    """The memory available on each device, at most ``max_vram`` GiB on each compute device
+    (0: no cap); a device whose memory is unknown plans within the cap."""
+    if not max_vram:
+        return known
+    cap = int(max_vram * mem.GIB)
+    return {**known, **{d: min(known.get(d, cap), cap) for d in devices}}
+
+
+def _resolved_batch(budget, one_batch: mem.BatchShape, place, known: dict, plan_frames: int,
+                    opts: Options, size: tuple[int, int]) -> int:
+    """``batch_size="auto"`` as a number, said in one line; when not even the smallest batch
+    fits, that one (``fit`` auto then changes other settings) or the error (``fit`` strict)."""
+    cuda = {d: a for d, a in known.items() if d.startswith("cuda")}
+    try:
+        batch = _auto_batch(budget, one_batch, place, cuda or known, plan_frames, opts)
+    except mem.BudgetError:
+        if opts.fit != "auto":
+            raise
+        batch = mem.batch_candidates(plan_frames, opts.temporal_overlap)[-1]
+    log.info("batch_size auto: %d frames per batch (largest 4n+1 that fits %s for %dx%d "
+             "output, %d frames)", batch, ", ".join(
+                 f"{mem.gib(v)} on {d}" for d, v in (cuda or known).items()) or "the default",
+             size[1], size[0], plan_frames)
+    return batch
+
+
+def _fitted(budget, batch: mem.BatchShape, place, known: dict, opts: Options,
+            fixed_batch: bool):
+    """With ``fit`` auto, a job over budget gets the cheapest settings that fit (the batch
+    size kept at least 5 frames where anything fits so, or as it is when ``fixed_batch``);
+    returns the options, the
+    budget's job and placement to run with (unchanged when it fits or nothing does)."""
+    short = mem.shortfalls(mem.estimate(budget, batch, place), known)
+    if opts.fit != "auto" or not short:
+        return opts, batch, place
+    lowest = batch.batch_size if fixed_batch else min(mem.AUTO_MIN_BATCH, batch.batch_size)
+    found = mem.fit_job(budget, batch, place, known, lowest)
+    if found is None and lowest > 1 and not fixed_batch:  # fewer frames rather than nothing
+        found = mem.fit_job(budget, batch, place, known, 1)
+    if found is None:
+        return opts, batch, place  # the check names what to do
+    need, have = short[0]
+    cap = f" ({option_ref('max_vram', opts.max_vram)})" if opts.max_vram else ""
+    log.warning("%s: the %s phase needs about %s on %s but %s is available%s; running with "
+                "%s (costs: %s). %s stops instead", option_ref("fit", "auto"), need.phase,
+                mem.gib(need.total), need.device, mem.gib(have), cap, found.describe(),
+                "; ".join(found.costs), option_ref("fit", "strict"))
+    return opts.replace(**dict(found.changes)), found.job, found.place
 
 
 def _placement_of(models: Models, opts: Options) -> mem.Placement:
@@ -288,8 +341,8 @@ def resolve_auto_batch_for_ranks(job: Job, devices: list[str], frame_count: int,
     device = "cuda:0" if first.type == "cuda" else "cpu"
     place = mem.Placement(device, device)
     one_batch = _budget_job(opts, size, 5, dtype, mem.TEXT_TOKENS, {device})
-    batch = _auto_batch(budget, one_batch, place, {device: min(values)} if values else {},
-                        plan_frames_of(frame_count, opts), opts)
+    limits = capped({device: min(values)} if values else {}, {device}, opts.max_vram)
+    batch = _auto_batch(budget, one_batch, place, limits, plan_frames_of(frame_count, opts), opts)
     log.info("batch_size auto: %d frames per batch on every rank", batch)
     return job.with_options(opts.replace(batch_size=batch))
 
@@ -332,20 +385,41 @@ class Job:
         return replace(self, opts=opts)
 
     def prepare(self, frame_count: int, size: tuple[int, int],
-                stats: Optional[JobStats] = None) -> tuple[Models, Options]:
+                stats: Optional[JobStats] = None,
+                fixed_batch: bool = False) -> tuple[Models, Options]:
         """The set-up of one process or one rank: the models loaded, then this device
         checked against the memory budget before any frame; returns them with the options
-        this device runs (``batch_size`` auto resolved; ``stats`` is told it and the
-        estimate)."""
+        this device runs (``batch_size`` auto resolved, ``fit`` applied; ``stats`` is told
+        them and the estimate). A fit that moves a model (offload, BlockSwap) loads it again
+        placed that way."""
         dit, vae = (ref.model for ref in self.models)
         models = load_models(dit, vae, opts=self.opts, model_dir=self.model_dir)
-        return models, prepare_job(models, self.opts, frame_count, size, stats, self.make_room)
+        opts = prepare_job(models, self.opts, frame_count, size, stats, self.make_room,
+                           fixed_batch)
+        if _placing(opts) == _placing(self.opts):
+            return models, opts
+        models = None  # the models placed the first way go before the second load
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        models = load_models(dit, vae, opts=opts, model_dir=self.model_dir)
+        checked = prepare_job(models, opts.replace(fit="strict"), frame_count, size, stats,
+                              self.make_room, fixed_batch)
+        return models, checked.replace(fit=opts.fit)
 
     def ready_upscaler(self, frame_count: int, size: tuple[int, int], build=Upscaler,
-                       **upscaler_args) -> Upscaler:
+                       fixed_batch: bool = False, **upscaler_args) -> Upscaler:
         """:meth:`prepare`, then ``build(models, opts, **upscaler_args)``."""
-        return build(*self.prepare(frame_count, size, upscaler_args.get("stats")),
+        return build(*self.prepare(frame_count, size, upscaler_args.get("stats"), fixed_batch),
                      **upscaler_args)
+
+
+# The options that place the models: a fit changing one loads the models again.
+_PLACING = ("dit_offload_device", "vae_offload_device", "blocks_to_swap", "swap_io_components")
+
+
+def _placing(opts: Options) -> tuple:
+    return tuple(opts.values[name] for name in _PLACING)
 
 
 VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv")
