@@ -990,40 +990,6 @@ REHEARSAL_RESIDENT = 64 << 20  # the rehearsal's stand-in (host RAM is what the 
 VAE_PATHS = ("today", "channels_last", "fused_norm", "fp16_accumulation", "int8_cache")
 
 
-class LiveBytes:
-    """The CPU analogue of the allocator's peak: the most bytes of tensors made inside and
-    alive at once (a dispatch mode; weights and inputs made before are not counted)."""
-
-    def __init__(self):
-        import weakref
-
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_leaves
-
-        tracker = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                for t in tree_leaves(out):
-                    if isinstance(t, torch.Tensor):
-                        tracker.add(t.untyped_storage(), weakref)
-                return out
-        self.mode, self.live, self.peak, self.seen = Mode(), 0, 0, set()
-
-    def add(self, storage, weakref):
-        key, n = id(storage), storage.nbytes()
-        if key in self.seen or n == 0:
-            return
-        self.seen.add(key)
-        self.live += n
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self.free, key, n)
-
-    def free(self, key, n):
-        self.seen.discard(key)
-        self.live -= n
-
 
 def _vae_path_table(run: Run) -> dict:
     """Each vae_paths row's paths: that path alone, as ``choose_paths`` allows it here (where it
@@ -1085,9 +1051,10 @@ def _vae_paths_row(run: Run, name: str, work, decoded: dict, paths) -> tuple:
         seconds = run.time(work, 1)
         peak = torch.cuda.max_memory_allocated(run.device)
     else:  # one run (the rehearsal shows the row works, it times nothing worth a repeat)
-        live = LiveBytes()
+        import memory_trace
+
         started = time.perf_counter()
-        with live.mode:
+        with memory_trace.LiveBytes(str(run.device)) as live:
             work()
         seconds, peak = time.perf_counter() - started, live.peak
     error = (decoded[name].float() - decoded["today"].float()).square().mean().item()

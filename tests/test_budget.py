@@ -8,15 +8,13 @@ import contextlib
 import math
 
 import re
-import weakref
+import sys
 from dataclasses import replace
 
 import numpy as np
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from seedvr2.cli import main
 from seedvr2.io import open_media
@@ -26,7 +24,10 @@ from seedvr2.memory.tiling import TileSettings
 from seedvr2.models.config import dit_config, vae_config
 from seedvr2.options import OptionError, resolve_options
 
-from conftest import make_clip
+from conftest import REPO, make_clip
+
+sys.path.insert(0, str(REPO / "bench"))
+import memory_trace  # noqa: E402
 
 TILED = TileSettings(True, 512, 64)
 
@@ -116,32 +117,11 @@ def test_estimate_per_device():
     assert waiting.peak("cuda:0") == alone.peak("cuda:0") + 18 * 64 * 96 * 14
 
 
-class LivePeak(TorchDispatchMode):
-    """Peak bytes of the tensors created inside the mode: the CPU stand-in for
-    torch.cuda.max_memory_allocated that the activation model is calibrated against."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self.seen = set()
-
-    def _free(self, key, n):
-        self.seen.discard(key)
-        self.live -= n
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                storage = t.untyped_storage()
-                key = (id(storage), storage.data_ptr())
-                if key in self.seen or storage.nbytes() == 0:
-                    continue
-                self.seen.add(key)
-                self.live += storage.nbytes()
-                self.peak = max(self.peak, self.live)
-                weakref.finalize(storage, self._free, key, storage.nbytes())
-        return out
+def LivePeak():
+    """Peak bytes of the CPU tensors created inside the mode: the CPU stand-in for
+    torch.cuda.max_memory_allocated that the activation model is calibrated against
+    (bench/memory_trace.py's counter)."""
+    return memory_trace.LiveBytes("cpu")
 
 
 @pytest.mark.parametrize("dtype,tiled,resolution,batch", [

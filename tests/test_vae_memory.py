@@ -3,46 +3,24 @@ in fp16 traced on fake tensors (no data), every live tensor counted (issue #35, 
 
 from __future__ import annotations
 
-import weakref
+import sys
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from seedvr2.models import vae_blocks
 from seedvr2.models.config import vae_config
 from seedvr2.models.vae import VideoAutoencoder
 
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+from memory_trace import LiveBytes  # noqa: E402
+
 GIB = 1 << 30
 B, T, H, W = 1, 5, 1088, 1920  # 1080p padded to the multiple of 16, one 5-frame batch
 
-
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of the storages made inside the mode (the weights, made before, excluded)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self.seen = set()
-
-    def _free(self, key, n):
-        self.seen.discard(key)
-        self.live -= n
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                if id(storage) in self.seen or storage.nbytes() == 0:
-                    continue
-                self.seen.add(id(storage))
-                self.live += storage.nbytes()
-                self.peak = max(self.peak, self.live)
-                weakref.finalize(storage, self._free, id(storage), storage.nbytes())
-        return out
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +41,7 @@ def _traced_peak(fake_vae, decode: bool) -> int:
     with fake_mode:
         x = (torch.empty(B, 16, (T - 1) // 4 + 1, H // 8, W // 8, dtype=torch.float16) if decode
              else torch.empty(B, 3, T, H, W, dtype=torch.float16))
-        mode = LiveBytes()
+        mode = LiveBytes("cpu")  # (fake tensors on the CPU)
         with torch.inference_mode(), mode:
             (vae.decode if decode else vae.encode)(x)
     return mode.peak
