@@ -66,7 +66,8 @@ SOURCES = textwrap.dedent("""
     def clip(path, frames):
         with av.open(str(path), "w") as container:
             video = container.add_stream("libx264", rate=25)
-            video.width, video.height, video.pix_fmt = frames[0].shape[1], frames[0].shape[0], "yuv420p"
+            video.width, video.height = frames[0].shape[1], frames[0].shape[0]
+            video.pix_fmt = "yuv420p"
             audio = container.add_stream("aac", rate=44100, layout="mono")
             for i, array in enumerate(frames):
                 frame = av.VideoFrame.from_ndarray(array, format="rgb24")
