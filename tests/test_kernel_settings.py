@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import seedvr2
 from seedvr2.models import attention, build_dit, build_vae
 from seedvr2.models.attention import WindowAttention, auto_backend
+from seedvr2.models.vae_paths import VaePaths
 from seedvr2.options import resolve_options
 
 from conftest import constructor_kwargs, network_bound
@@ -110,11 +111,11 @@ def test_channels_last_reaches_every_convolution_and_keeps_the_result(tiny_vae, 
         expected = tiny_vae.decode(tiny_vae.encode(video))
         assert conv_calls and not any(cl for cl, _ in conv_calls)
         conv_calls.clear()
-        tiny_vae.set_conv_settings(cudnn_benchmark=False, channels_last=True)
+        tiny_vae.set_conv_settings(cudnn_benchmark=False, paths=VaePaths(channels_last=True))
         try:
             out = tiny_vae.decode(tiny_vae.encode(video))
         finally:
-            tiny_vae.set_conv_settings(cudnn_benchmark=False, channels_last=False)
+            tiny_vae.set_conv_settings(cudnn_benchmark=False)
     assert conv_calls and all(cl for cl, _ in conv_calls)
     # Same sums in another memory order: they differ by rounding only.
     torch.testing.assert_close(out, expected, atol=network_bound(tiny_vae, expected), rtol=0)
@@ -125,7 +126,7 @@ def test_cudnn_benchmark_is_set_while_the_vae_runs_and_restored(tiny_vae, conv_c
                                                                 monkeypatch):
     latent = torch.randn(1, 16, 2, 4, 4)
     assert torch.backends.cudnn.benchmark is False
-    tiny_vae.set_conv_settings(cudnn_benchmark=True, channels_last=False)
+    tiny_vae.set_conv_settings(cudnn_benchmark=True)
     try:
         with torch.no_grad():
             tiny_vae.decode(latent)
@@ -143,7 +144,7 @@ def test_cudnn_benchmark_is_set_while_the_vae_runs_and_restored(tiny_vae, conv_c
         assert conv_calls[-1][1] is True and torch.backends.cudnn.benchmark is False
         monkeypatch.setattr(F, "conv3d", recording)
     finally:
-        tiny_vae.set_conv_settings(cudnn_benchmark=False, channels_last=False)
+        tiny_vae.set_conv_settings(cudnn_benchmark=False)
     conv_calls.clear()
     with torch.no_grad():
         tiny_vae.decode(latent)
