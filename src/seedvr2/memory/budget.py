@@ -21,6 +21,7 @@ from ..errors import SeedVR2Error
 from ..loading.registry import STORAGE_BYTES
 from ..models import build_on_meta
 from ..models.config import DiTConfig, VAEConfig
+from ..models.vae_blocks import SPLIT_ELEMENTS
 from ..options import option_ref
 from .blockswap import BlockSwap
 from .placement import named_tensors
@@ -227,6 +228,16 @@ class Placement:
     def swapping(self) -> bool:
         return self.blocks_to_swap > 0 or self.swap_io
 
+    @property
+    def host_only(self) -> bool:
+        """Both models compute on the CPU: offloading to it frees nothing."""
+        return self.dit_device == "cpu" and self.vae_device == "cpu"
+
+    @property
+    def one_accelerator(self) -> bool:
+        """Both models on one device that is not the CPU: offloading either frees room there."""
+        return self.dit_device == self.vae_device != "cpu"
+
 
 @dataclass(frozen=True)
 class Budget:
@@ -342,7 +353,8 @@ def vae_decode_bytes(cfg: VAEConfig, frames: int, height: int, width: int, b: in
 # model's figure is scaled by what the trace shows for each size class of the full-resolution
 # planes of one piece (channels x frames x pixels): at most SPLIT_ELEMENTS / 4 (a tile),
 # at most SPLIT_ELEMENTS, more. (encode, decode) per class.
-_SPLIT = 1 << 30  # models.vae_blocks.SPLIT_ELEMENTS
+_SPLIT = SPLIT_ELEMENTS  # the real limit the calibration was traced with (tests lower the
+# module attribute; the size classes stay those of the code as shipped)
 _CORE_SCALE = ((_SPLIT // 4, (0.95, 0.97)), (_SPLIT, (0.88, 0.64)), (None, (0.74, 0.58)))
 # The causal cache a temporal slice carries (the tails kept per conv), traced against
 # _causal_cache_bytes: (encode, decode).
@@ -603,9 +615,7 @@ def alternatives(budget: Budget, job: BatchShape, place: Placement, available: M
     that is enough on its own; when none is, one combination (or an empty list)."""
     failing = failing_phases(estimate(budget, job, place), available)
     vae_failing = [w for w in ("encode", "decode") if w in failing]
-    # Offloading to the CPU frees nothing for a job that computes on the CPU.
-    shared = place.dit_device == place.vae_device and place.dit_device != "cpu"
-    host_only = place.dit_device == "cpu" and place.vae_device == "cpu"
+    shared, host_only = place.one_accelerator, place.host_only
     out = []
     for size in range(job.batch_size - 4, min_batch - 1, -4):
         if fits(budget, replace(job, batch_size=size), place, available):
@@ -698,15 +708,14 @@ def _fit_candidates(budget: Budget, job: BatchShape, place: Placement, failing: 
         yield replace(job, batch_size=size), place
     for candidate, _ in _tile_options(job, [w for w in ("encode", "decode") if w in failing])[1:]:
         yield candidate, place
-    # Offloading to the CPU frees nothing for a job that computes on the CPU.
-    if place.dit_device == place.vae_device and place.dit_device != "cpu":
+    if place.one_accelerator:
         vae_off = replace(place, vae_offload=place.vae_offload or "cpu")
         if place.vae_offload is None:
             yield job, vae_off
         if place.dit_offload is None and not place.swapping:
             yield job, replace(place, dit_offload="cpu")
             yield job, replace(vae_off, dit_offload="cpu")
-    if job.chunk_size is not None and not (place.dit_device == place.vae_device == "cpu"):
+    if job.chunk_size is not None and not place.host_only:
         yield replace(job, chunk_size=None), place
 
 
@@ -734,11 +743,11 @@ def _fit_combined(budget: Budget, job: BatchShape, place: Placement,
                   available: Mapping[str, int], min_batch: int):
     """Every cheap saver at once, then the largest batch with the largest tiles and the
     fewest swapped blocks that fit; None when nothing does."""
-    if place.dit_device == place.vae_device and place.dit_device != "cpu":
+    if place.one_accelerator:
         place = replace(place, vae_offload=place.vae_offload or "cpu")
         if not place.swapping:
             place = replace(place, dit_offload=place.dit_offload or "cpu")
-    if job.chunk_size is not None and not (place.dit_device == place.vae_device == "cpu"):
+    if job.chunk_size is not None and not place.host_only:
         job = replace(job, chunk_size=None)
     swaps = _swap_options(budget, place)
     for size in range(job.batch_size, min_batch - 1, -4):
