@@ -468,7 +468,7 @@ def budget_phases(run: Run, dit, vae) -> dict:
     """The memory budget's estimate per phase (bytes) for the e2e job."""
     from seedvr2.memory import budget as mem
     from seedvr2.options import resolve_options
-    from seedvr2.pipeline.setup import _budget_job
+    from seedvr2.memory.fit import batch_shape
 
     device = str(run.device)
     budget = mem.Budget(dit.config, vae.config, mem.Weights.of_module(dit),
@@ -476,7 +476,7 @@ def budget_phases(run: Run, dit, vae) -> dict:
     opts = resolve_options(batch_size=run.scale.frames)
     h, w = run.scale.e2e_input
     size = (run.scale.e2e_resolution, round(run.scale.e2e_resolution * w / h))
-    job = _budget_job(opts, size, run.scale.frames, run.scale.dtype, TEXT_TOKENS, {device})
+    job = batch_shape(opts, size, run.scale.frames, run.scale.dtype, TEXT_TOKENS, {device})
     placement = mem.Placement(device, device)
     return {p.phase.lower(): p.total for p in mem.estimate(budget, job, placement).phases}
 

@@ -18,6 +18,7 @@ import torch
 
 from seedvr2.cli import main
 from seedvr2.io import open_media
+from seedvr2.loading.schemes import bytes_per_weight
 from seedvr2.memory import budget as mem
 from seedvr2.memory.budget import GIB, Budget, BudgetError, BatchShape, Placement, Weights
 from seedvr2.memory.tiling import TileSettings
@@ -56,7 +57,7 @@ def test_weights_from_config_and_storage_formats(real):
     params = sum(p.numel() for p in model.parameters())
     buffers = sum(b.numel() for name, b in model.named_buffers() if name in model.state_dict())
     assert w.total == 2 * (params + buffers)  # bf16: 2 bytes per stored value (RoPE tables too)
-    q4 = Weights.from_config("dit", "3b", mem.STORAGE_BYTES["Q4_K"])
+    q4 = Weights.from_config("dit", "3b", bytes_per_weight("Q4_K"))
     assert q4.total < w.total / 3
     # BlockSwap: swapped blocks leave, two of them (running + prefetched) are in flight.
     assert w.resident(0) == w.total
@@ -130,7 +131,8 @@ def test_activation_estimate_bounds_the_measured_peak(tiny_options, dtype, tiled
                                                       batch):
     """Each phase's estimated activations are at least the measured peak of live tensors
     (tiny models on the CPU, the whole pipeline per phase) and at most 1.5x it."""
-    from seedvr2.pipeline.setup import _budget_job, load_models
+    from seedvr2.memory.fit import batch_shape
+    from seedvr2.pipeline.model_loading import load_models
     from seedvr2.pipeline.plan import make_plan
     from seedvr2.pipeline.runner import Upscaler
 
@@ -154,7 +156,7 @@ def test_activation_estimate_bounds_the_measured_peak(tiny_options, dtype, tiled
     budget = Budget(models.dit.config, models.vae.config, Weights.of_module(models.dit),
                     Weights.of_module(models.vae))
     size = (resolution, resolution * 128 // 96)
-    job = _budget_job(opts, size, batch, models.dtype, models.text.shape[0], {"cpu"})
+    job = batch_shape(opts, size, batch, models.dtype, models.text.shape[0], {"cpu"})
     for need in mem.estimate(budget, job, Placement("cpu", "cpu")).phases:
         estimated = dict(need.parts)["activations"]
         actual = peaks[{"DiT": "dit"}.get(need.phase, need.phase)]
@@ -338,13 +340,13 @@ def test_upscale_reports_the_resolved_batch(tiny_options):
 
 
 def test_ranks_resolve_auto_once_for_the_smallest_device(tiny_options):
-    from seedvr2.api import resolve_auto_batch_for_ranks
+    from seedvr2.api import fit_for_ranks
 
     opts = resolve_options(device="cpu", dtype="fp32", resolution=64, batch_size="auto")
-    from seedvr2.pipeline.setup import Job
+    from seedvr2.pipeline.job import Job
 
     file_job = Job.build(opts, tiny_options["dit"], tiny_options["vae"], tiny_options["model_dir"])
-    resolve = lambda values: resolve_auto_batch_for_ranks(  # noqa: E731
+    resolve = lambda values: fit_for_ranks(  # noqa: E731
         file_job, ["cpu"], 40, (64, 96), gather=lambda mine: values).opts.batch_size
     assert resolve([100 * GIB, 100 * GIB]) == 41
     dit, config = Weights.from_file(tiny_options["dit"], "dit", torch.float32)
@@ -357,10 +359,10 @@ def test_ranks_resolve_auto_once_for_the_smallest_device(tiny_options):
     assert len(dit.blocks) == len(loaded.blocks)
     assert dit.total - loaded.total == (len(model.blocks) - 1) * rope.numel() * rope.element_size()
     vae, vae_cfg = Weights.from_file(tiny_options["vae"], "vae", torch.float32)
-    from seedvr2.pipeline.setup import _budget_job
+    from seedvr2.memory.fit import batch_shape
 
     budget = Budget(config, vae_cfg, dit, vae)
-    job = _budget_job(opts, (64, 96), 13, torch.float32, mem.TEXT_TOKENS, {"cpu"})
+    job = batch_shape(opts, (64, 96), 13, torch.float32, mem.TEXT_TOKENS, {"cpu"})
     need = mem.estimate(budget, job, Placement("cpu", "cpu")).peak("cpu")
     # CPU ranks share the host: each gets its share of the smallest report.
     assert resolve([2 * need + 1, 100 * GIB]) == 13

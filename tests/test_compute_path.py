@@ -132,7 +132,7 @@ def test_kitchen_lookup_without_the_package():
 
 
 def test_importing_the_pack_does_not_import_comfy_kitchen():
-    code = ("import sys, seedvr2, seedvr2.loading.quantized, seedvr2.pipeline.setup\n"
+    code = ("import sys, seedvr2, seedvr2.loading.quantized, seedvr2.pipeline.job\n"
             "print(sys.modules.get('comfy_kitchen') is not None)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

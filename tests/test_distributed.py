@@ -220,7 +220,7 @@ def test_nccl_world_size_one_runs_the_distributed_path(clip, tiny_options, tmp_p
     model_dir = options.pop("model_dir")
     dit, vae = options.pop("dit"), options.pop("vae")
     from seedvr2.io import open_media
-    from seedvr2.pipeline.setup import Job, file_output
+    from seedvr2.pipeline.job import Job, file_output
 
     opts = resolve_options(**options)
     with open_media(clip) as reader:
@@ -279,7 +279,7 @@ def _two_gpus(monkeypatch):
 
     from seedvr2 import api
     from seedvr2.distributed import launch
-    from seedvr2.pipeline import setup
+    from seedvr2.pipeline.job import Job
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -292,7 +292,8 @@ def _two_gpus(monkeypatch):
     def load_models(dit, vae, opts, model_dir=None):
         raise _Reached(opts)
     monkeypatch.setattr(api, "load_models", load_models)  # the command's, once per run
-    monkeypatch.setattr(setup, "load_models", load_models)  # a job's set-up (Job.prepare)
+    monkeypatch.setattr(Job, "prepare", lambda job, *args, **kwargs: load_models(
+        None, None, job.opts))  # a job's set-up, before it measures a device
 
 
 @pytest.mark.parametrize("option, value", [("device", "cuda:0"), ("device", "cuda:1"),

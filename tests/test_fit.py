@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -34,13 +35,13 @@ SIZE = (32, 42)  # the output of the 64x48 clip at resolution 32 (H, W)
 def _need(tiny_options, batch: int) -> int:
     """The budget's peak on the CPU for the test's job at ``batch`` frames per batch, from the
     weight files' headers (as a job computes it)."""
-    from seedvr2.pipeline.setup import _budget_job
+    from seedvr2.memory.fit import batch_shape
 
     dit, dit_cfg = Weights.from_file(tiny_options["dit"], "dit", torch.float32)
     vae, vae_cfg = Weights.from_file(tiny_options["vae"], "vae", torch.float32)
     opts = resolve_options(device="cpu", dtype="fp32", resolution=32, batch_size=batch,
                            temporal_overlap=1)
-    job = _budget_job(opts, SIZE, batch, torch.float32, mem.TEXT_TOKENS, {"cpu"})
+    job = batch_shape(opts, SIZE, batch, torch.float32, mem.TEXT_TOKENS, {"cpu"})
     budget = Budget(dit_cfg, vae_cfg, dit, vae)
     return mem.estimate(budget, job, Placement("cpu", "cpu")).peak("cpu")
 
@@ -142,7 +143,7 @@ def test_fit_job_order_batch_tiles_offload_swap():
     def fitted(have):
         found = mem.fit_job(real, job, place, {"cuda:0": have}, 5)
         if found is not None:
-            assert mem.fits(real, found.job, found.place, {"cuda:0": have})
+            assert mem.fits(real, found.shape, found.place, {"cuda:0": have})
         return found and (found.changes, found.costs)
 
     assert fitted(need[5]) == ((("batch_size", 5),), (cost["batch"],))
@@ -193,30 +194,89 @@ def test_fit_hostile_values(value):
         assert result.value in ("auto", "strict")
 
 
-def test_a_fit_that_moves_a_model_loads_it_again(tiny_options, monkeypatch):
-    """Offloading or BlockSwap chosen by a fit places the models differently: Job.prepare
-    loads them again with the fitted options and checks those strictly (a CPU job is never
-    offered offloading, so the fit is stood in for here)."""
-    from seedvr2.pipeline import setup
+def test_a_fit_that_moves_a_model_loads_each_model_once(tiny_options, monkeypatch):
+    """The fit is decided before any model loads (from the weight files' headers), so a job
+    whose fit offloads the VAE loads each model once, placed as the fit says (a CPU job is
+    never offered offloading: the budget's fit and check are stood in for here)."""
+    import seedvr2
+    from seedvr2.loading import load as loader
+    from seedvr2.pipeline.runner import JobStats
 
-    loads, checks = [], []
-    load, prepare = setup.load_models, setup.prepare_job
+    loads, load = [], loader._load
+    monkeypatch.setattr(loader, "_load", lambda path, kind, *args, **kwargs: (
+        loads.append(kind), load(path, kind, *args, **kwargs))[1])
+    monkeypatch.setattr(mem, "fit_job", lambda budget, shape, place, available, lowest=1: mem.Fit(
+        (("vae_offload_device", "cpu"),), shape, replace(place, vae_offload="cpu"), ("offload",)))
+    monkeypatch.setattr(mem, "check", lambda budget, shape, place, available, **kwargs:
+                        mem.estimate(budget, shape, place))
+    stats = JobStats()
+    out = seedvr2.upscale(torch.rand(5, 48, 64, 3), **tiny_options, resolution=32, batch_size=5,
+                          cache_dit=False, cache_vae=False, max_vram=0.01, stats=stats)
+    assert out.shape == (5, 32, 42, 3) and sorted(loads) == ["dit", "vae"]
 
-    def counted_load(*args, opts, **kwargs):
-        loads.append(opts.vae_offload_device)
-        return load(*args, opts=opts, **kwargs)
 
-    def fitting_prepare(models, opts, *args, **kwargs):
-        checks.append(opts.fit)
-        ready = prepare(models, opts, *args, **kwargs)
-        return ready if opts.fit == "strict" else ready.replace(vae_offload_device="cpu")
+@pytest.mark.parametrize("batch", [9, "auto"])
+def test_a_fit_proposes_no_batch_at_or_below_the_temporal_overlap(tiny_options, cap, batch):
+    """Batches of 9 overlapping by 6 over a cap that fits 5: fit auto does not lower the batch
+    to 5, which the option check would refuse blaming the user; it refuses naming what is
+    possible, and fit strict suggests no such batch either (issue 44)."""
+    import seedvr2
 
-    monkeypatch.setattr(setup, "load_models", counted_load)
-    monkeypatch.setattr(setup, "prepare_job", fitting_prepare)
-    opts = resolve_options(device="cpu", dtype="fp32", resolution=32, batch_size=5)
-    job = setup.Job.build(opts, tiny_options["dit"], tiny_options["vae"],
-                          tiny_options["model_dir"])
-    models, ready = job.prepare(5, (32, 42))
-    assert loads == ["none", "cpu"] and checks == ["auto", "strict"]
-    assert (ready.vae_offload_device, ready.fit) == ("cpu", "auto")
-    assert models.vae_offload == torch.device("cpu") and models.vae_placement is not None
+    frames = torch.rand(23, 48, 64, 3)
+    for fit in ("auto", "strict"):
+        with pytest.raises(mem.BudgetError) as refused:
+            seedvr2.upscale(frames, **tiny_options, resolution=32, batch_size=batch,
+                            temporal_overlap=6, max_vram=float(cap), fit=fit)
+        assert "batch_size=5" not in str(refused.value), str(refused.value)
+
+
+def test_two_ranks_fit_as_one_process_does(tiny_options, cap, monkeypatch):
+    """With two CPU ranks, batches of 9 over a cap that fits 5 run batch 5 on every rank,
+    the frames of one process's batch-5 job (issue 44: the batch was fixed before fitting
+    and each rank refused)."""
+    import seedvr2
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    frames = torch.rand(13, 48, 64, 3)
+    options = dict(tiny_options, resolution=32, temporal_overlap=1, dist_timeout=30)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each worker runs: the same reduction order, the same bits
+    try:
+        one = seedvr2.upscale(frames, **options, batch_size=5)
+    finally:
+        torch.set_num_threads(threads)
+    two = seedvr2.upscale(frames.clone(), **options, batch_size=9, max_vram=float(cap),
+                          devices="cpu,cpu")
+    assert torch.equal(two, one)
+
+
+def test_a_rank_failure_is_named_in_words(tmp_path):
+    """The launcher's error gives a rank's message, not the exception's class path."""
+    import pickle
+    from types import SimpleNamespace
+
+    from seedvr2.distributed.launch import _failure
+
+    files = []
+    for text in ("Traceback ...\nseedvr2.memory.budget.BudgetError: not enough memory on cpu",
+                 "Traceback ...\nbuiltins.ZeroDivisionError: division by zero"):
+        files.append(tmp_path / f"error{len(files)}")
+        files[-1].write_bytes(pickle.dumps(text))
+    workers = SimpleNamespace(processes=[SimpleNamespace(exitcode=1)] * 2, error_files=files)
+    assert [str(_failure(workers, rank)) for rank in (0, 1)] == [
+        "distributed upscale failed on rank 0: not enough memory on cpu",
+        "distributed upscale failed on rank 1: ZeroDivisionError: division by zero"]
+
+
+def test_max_vram_caps_the_accelerators_not_the_host():
+    """A VAE on the CPU beside a DiT on a GPU: max_vram caps the GPU only, the CPU plans
+    within its RAM (issue 42); with no accelerator the cap is on the CPU, as before; a device
+    whose memory is unknown plans within the cap."""
+    from seedvr2.memory.fit import capped
+
+    assert capped({"cpu": 100 * GIB}, {"cuda:0", "cpu"}, 1.0) == {"cpu": 100 * GIB,
+                                                                   "cuda:0": GIB}
+    assert capped({"cpu": 100 * GIB, "cuda:0": 50 * GIB}, {"cuda:0", "cpu"}, 1.0) == {
+        "cpu": 100 * GIB, "cuda:0": GIB}
+    assert capped({"cpu": 100 * GIB}, {"cpu"}, 1.0) == {"cpu": GIB}
+    assert capped({"cpu": 100 * GIB}, {"cpu"}, 0.0) == {"cpu": 100 * GIB}

@@ -169,7 +169,7 @@ def test_the_options_reach_the_vae_of_a_job(tiny_options, conv_calls, exact):
 
 def test_a_given_dit_module_gets_the_jobs_attention_backend(conformance, tiny_options):
     from seedvr2.loading import load_dit
-    from seedvr2.pipeline.setup import load_models
+    from seedvr2.pipeline.model_loading import load_models
 
     dit = load_dit(conformance / "dit3b_tiny" / "weights.safetensors")
     assert {b.attn.backend for b in dit.blocks} == {"sdpa"}

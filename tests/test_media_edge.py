@@ -464,7 +464,7 @@ def test_pattern_input_default_output_and_fps(tiny_options, tmp_path, capsys):
 
 def test_fps_does_not_retime_a_video(tmp_path):
     """A video keeps its own rate (its sound would drift otherwise); --fps says it is ignored."""
-    from seedvr2.pipeline.setup import open_output
+    from seedvr2.io.files import open_output
 
     src = tmp_path / "clip.mp4"
     _write_video(src, [Fraction(i, 10) for i in range(3)])

@@ -323,10 +323,10 @@ def test_model_cache_drop_releases_the_pinned_arena(tiny_options, monkeypatch):
     from seedvr2.api import load_models
     from seedvr2.memory import MODEL_CACHE
     from seedvr2.options import resolve_options
-    from seedvr2.pipeline import setup
+    from seedvr2.pipeline import model_loading
 
     pin = RecordingPin()
-    monkeypatch.setattr(setup, "default_pin", lambda compute, host: pin)
+    monkeypatch.setattr(model_loading, "default_pin", lambda compute, host: pin)
     MODEL_CACHE.clear()
     opts = resolve_options(device="cpu", dtype="fp32", cache_vae=True, vae_offload_device="cpu",
                            text_embeddings=str(tiny_options["model_dir"] / "text_64.safetensors"))

@@ -100,7 +100,7 @@ def test_a_spawned_file_jobs_writer_relays_its_frames_and_previews(tiny_options,
     from seedvr2.distributed import launch
     from seedvr2.io import open_media
     from seedvr2.options import resolve_options
-    from seedvr2.pipeline.setup import Job, file_output
+    from seedvr2.pipeline.job import Job, file_output
 
     clip = tmp_path / "clip.mp4"
     make_clip(clip, frames=5)

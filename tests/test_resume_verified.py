@@ -213,7 +213,7 @@ def test_second_job_on_the_same_output_is_refused(clip, tiny_options, tmp_path):
     from seedvr2.pipeline.plan import make_plan
     from seedvr2.pipeline.identity import job_identity, model_refs, source_digest
     from seedvr2.pipeline.resume import open_resume_state
-    from seedvr2.pipeline.setup import FileOutput
+    from seedvr2.io.files import FileOutput
 
     out = tmp_path / "up.mp4"
     opts = resolve_options(resolution=32, batch_size=5, temporal_overlap=1, dtype="fp32",

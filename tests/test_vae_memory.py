@@ -76,7 +76,7 @@ def test_the_int8_cache_option_reaches_the_vae(tiny_options, value, paths):
     device or in host memory (issue #36); the job's other VAE paths are today's on the CPU."""
     from seedvr2.models.vae_paths import VaePaths
     from seedvr2.options import resolve_options
-    from seedvr2.pipeline.setup import load_models
+    from seedvr2.pipeline.model_loading import load_models
 
     opts = resolve_options(device="cpu", dtype="fp32", vae_int8_cache=value)
     models = load_models(tiny_options["dit"], tiny_options["vae"], opts=opts,

@@ -1,6 +1,6 @@
 """The facade every interface calls: ``upscale`` (frames in memory) and ``upscale_file``.
 
-Here a job is built once (``seedvr2.pipeline.setup.Job``: options validated, models given
+Here a job is built once (``seedvr2.pipeline.job.Job``: options validated, models given
 loaded, by registered name or by path, the tests' faults read) and run in this process or
 over several ranks (``seedvr2.distributed``: spawned here, or this process is one rank of a
 torchrun/Slurm launch). Both load models and check the memory budget through ``Job.prepare``
@@ -20,14 +20,15 @@ from .options import OptionError, Options, option_ref, option_value, resolve_opt
 from .pipeline.plan import make_plan
 from .pipeline.preview import FramePreview, Show
 from .pipeline.runner import JobStats, Upscaler, input_frames, output_size
-from .pipeline.setup import (MEMORY_CHECK_ENV, Job, MakeRoom, check_file_job, file_output,
-                             load_models, open_output, plan_file, prepare_job,
-                             resolve_auto_batch_for_ranks)
+from .io.files import frame_count, open_output
+from .memory.fit import MEMORY_CHECK_ENV, MakeRoom
+from .pipeline.job import (Job, check_file_job, file_output, fit_for_ranks, plan_file,
+                           prepare_job)
+from .pipeline.model_loading import load_models
 
 # The set-up steps are the library's too (custom pipelines, the CLI, tests).
-__all__ = ["MEMORY_CHECK_ENV", "check_file_job", "load_models", "open_output", "plan_file",
-           "prepare_job", "process_devices", "resolve_auto_batch_for_ranks", "upscale",
-           "upscale_file"]
+__all__ = ["MEMORY_CHECK_ENV", "check_file_job", "fit_for_ranks", "load_models", "open_output",
+           "plan_file", "prepare_job", "process_devices", "upscale", "upscale_file"]
 
 Progress = Callable[[str, int, int], None]
 
@@ -98,7 +99,7 @@ def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Pr
     if len(devices) > 1:
         from .distributed.launch import spawn_tensor_job
 
-        job = resolve_auto_batch_for_ranks(job, devices, len(frames), size)
+        job = fit_for_ranks(job, devices, len(frames), size)
         return spawn_tensor_job(devices, job, frames, (len(frames), *size, frames.shape[3]),
                                 progress, should_stop, preview)
     upscaler = job.ready_upscaler(len(frames), size, progress=progress,
@@ -147,7 +148,6 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
     from .distributed.job import run_file_job
     from .distributed.launch import spawn_file_job
     from .io import open_media
-    from .pipeline.setup import frame_count
 
     if opts is not None and options:
         raise TypeError(f"upscale_file: options given both as opts= and as keywords "
@@ -166,10 +166,8 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
         job = job.with_options(_scene_cuts(job.opts, frame_count(reader), reader.frames, stats))
         if len(devices) == 1:
             return _one_process_file_job(reader, output, job, (progress, should_stop, stats))
-        if opts.batch_size == "auto":
-            job = resolve_auto_batch_for_ranks(job, devices[:1] if ctx else devices,
-                                               frame_count(reader), output.size,
-                                               _gather_over_ranks(ctx) if ctx else None)
+        job = fit_for_ranks(job, devices[:1] if ctx else devices, frame_count(reader),
+                            output.size, _gather_over_ranks(ctx) if ctx else None)
     if ctx is not None:
         return run_file_job(ctx, job, src, output, progress, should_stop, stats)
     return spawn_file_job(devices, job, src, output, stats, progress, preview)
@@ -200,7 +198,6 @@ def _one_process_file_job(reader, output, job: Job, report: tuple) -> Path:
     fails before any model loads), then the models, then the sink fed by the upscaler."""
     from .pipeline.identity import job_identity, source_digest
     from .pipeline.sink import DirectSink, open_sink
-    from .pipeline.setup import frame_count
 
     progress, should_stop, stats = report
     count = frame_count(reader)

@@ -25,7 +25,7 @@ from ..options import OptionError
 from ..pipeline.identity import identity_digest, job_identity
 from ..pipeline.plan import BatchPlan, make_plan
 from ..pipeline.runner import final_frames
-from ..pipeline.setup import Job
+from ..pipeline.job import Job
 from . import frames as wire
 from .assign import assign_batches
 from .groups import DistContext
@@ -343,7 +343,7 @@ def run_file_job(ctx: DistContext, job: Job, src, output, progress=None, should_
     from ..io import open_media
     from ..memory.policy import resolve_dtype
     from ..pipeline.identity import source_digest
-    from ..pipeline.setup import plan_file
+    from ..pipeline.job import plan_file
     from ..pipeline.sink import open_sink
 
     _terminate_cleanly()

@@ -168,7 +168,16 @@ def _failure(workers, rank: int) -> RuntimeError:
                             f"{process.exitcode}")
     lines = [line for line in str(trace).strip().splitlines() if line.strip()]
     return RuntimeError(f"distributed upscale failed on rank {rank}: "
-                        f"{lines[-1].strip() if lines else trace}")
+                        f"{_in_words(lines[-1].strip()) if lines else trace}")
+
+
+def _in_words(last: str) -> str:
+    """A traceback's last line as a person reads it: our errors' messages say what is wrong
+    (the class path goes), another exception keeps its short name."""
+    name, colon, message = last.partition(": ")
+    if not colon or " " in name:
+        return last
+    return message if name.startswith("seedvr2.") else f"{name.rpartition('.')[2]}: {message}"
 
 
 LIBRARY_MODULE = "seedvr2.distributed.launch"  # this module under the library's own name
@@ -187,7 +196,7 @@ class _Imported:
 class _LibraryPickler(pickle.Pickler):
     """Pickles this library's classes and functions (the workers) under its own name: inside
     ComfyUI they live in modules named after the pack's folder path
-    (``/…/custom_nodes/X.src.seedvr2.pipeline.setup``), which a spawned child cannot import."""
+    (``/…/custom_nodes/X.src.seedvr2.pipeline.job``), which a spawned child cannot import."""
 
     prefix = __name__[:-len(LIBRARY_MODULE)]  # "/…/X.src." inside ComfyUI, else ""
 

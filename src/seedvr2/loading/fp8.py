@@ -120,4 +120,7 @@ def _target(name: str) -> Target:
 
 
 register(Format("fp8", (FLOAT,), markers={fmt: _read_marker for fmt in FP8},
-                by_dtype=_read_by_dtype, targets=tuple(_target(t) for t in TARGETS)))
+                by_dtype=_read_by_dtype, targets=tuple(_target(t) for t in TARGETS),
+                bytes_per_weight=dict.fromkeys(
+                    ("fp8", "fp8_e4m3fn", "float8_e4m3fn", "float8_e5m2",
+                     "float8_e4m3fn_scaled", "float8_e5m2_scaled"), 1)))

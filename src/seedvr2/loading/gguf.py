@@ -476,7 +476,9 @@ def _dequantize(w: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
 register(Format("gguf", (Scheme(
     "gguf", parts={"blocks": Part((torch.uint8,), lambda shape, params: [],
                                   non_finite=_non_finite_scales)},
-    dequantize=_dequantize, label=lambda params, dtypes: str(params["qtype"])),)))
+    dequantize=_dequantize, label=lambda params, dtypes: str(params["qtype"])),),
+    bytes_per_weight={**{qtype: size / block for qtype, (block, size) in BLOCK_SIZES.items()},
+                      **{name: dtype.itemsize for name, dtype in PLAIN_TYPES.items()}}))
 
 
 # ---------------------------------------------------------------------------------------------

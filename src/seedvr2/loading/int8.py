@@ -180,4 +180,5 @@ register(Format(
     "int8", (ROWS, CONVROT), markers={"int8_tensorwise": _read_marker}, by_dtype=_read_by_dtype,
     targets=(Target("int8", _rows_layout, lambda weight, marker: list(quantize_int8_rows(weight))),
              Target("int8_convrot", _convrot_layout, lambda weight, marker: list(
-                 quantize_int8_convrot(weight, marker["convrot_groupsize"]))))))
+                 quantize_int8_convrot(weight, marker["convrot_groupsize"])))),
+    bytes_per_weight=dict.fromkeys(("int8", "int8_rows", "int8_convrot"), 1)))

@@ -116,4 +116,5 @@ def _layout(layer: str, shape: tuple[int, ...]):
 
 register(Format("mxfp8", (MXFP8,), markers={"mxfp8": _read_marker},
                 targets=(Target("mxfp8", _layout, lambda weight, marker: list(
-                    quantize_mxfp8(weight))),)))
+                    quantize_mxfp8(weight))),),
+                bytes_per_weight={"mxfp8": 1 + 1 / 32}))

@@ -141,4 +141,5 @@ def _layout(layer: str, shape: tuple[int, ...]):
 
 register(Format("nvfp4", (NVFP4,), markers={"nvfp4": _read_marker},
                 targets=(Target("nvfp4", _layout, lambda weight, marker: list(
-                    quantize_nvfp4(weight))),)))
+                    quantize_nvfp4(weight))),),
+                bytes_per_weight={"nvfp4": 0.5 + 1 / 16}))

@@ -205,6 +205,9 @@ class Format:
     markers: Mapping[str, MarkerReader] = field(default_factory=dict)
     by_dtype: Optional[DtypeReader] = None
     targets: tuple[Target, ...] = ()
+    # Bytes per weight of each label and target name it stores, block scales included (what
+    # the memory budget and the registry's file sizes count).
+    bytes_per_weight: Mapping[str, float] = field(default_factory=dict)
 
 
 FORMATS: dict[str, Format] = {}
@@ -223,6 +226,17 @@ def register(fmt: Format) -> Format:
     for target in fmt.targets:
         TARGETS[target.name] = target
     return fmt
+
+
+PLAIN_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+def bytes_per_weight(label: str) -> Optional[float]:
+    """Bytes per weight of a storage format's label or target (a plain dtype's name too), or
+    None when no row of :data:`FORMATS` names it."""
+    found = [fmt.bytes_per_weight[label] for fmt in FORMATS.values()
+             if label in fmt.bytes_per_weight]
+    return found[0] if found else PLAIN_BYTES.get(label)
 
 
 def scheme_of(name: str) -> Scheme:

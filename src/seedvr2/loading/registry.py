@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..options import option_ref
+from .schemes import bytes_per_weight
 from .source import CheckpointError
 
 
@@ -82,20 +83,10 @@ KNOWN_FILES["seedvr2_ema_vae_fp16.safetensors"] = KnownFile(
 
 # Parameters per model (the conformance kit's manifests of the official models).
 _PARAMETERS = {"3b": 3_391_475_776, "7b": 8_239_607_872, "vae": 250_648_227}
-# Bytes per weight of each storage format: of a tensor (plain dtypes, the labels of
-# ``loading.quantized.PackedWeight.label``, GGUF types; block scales included) and of a
-# registered file (``KnownFile.format``). The mixed 7B files keep the last of 36 blocks in fp16
+# Bytes per weight of the registered files that mix storage formats (each single format's
+# is in its row of packed.FORMATS): the mixed 7B files keep the last of 36 blocks in fp16
 # (1 + 1/36); Q4_K_M mixes Q4_K with a few Q6_K tensors: about 4.5 bits per weight.
-STORAGE_BYTES: dict[str, float] = {
-    "fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, "fp8_e4m3fn": 1,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fn_scaled": 1, "float8_e5m2_scaled": 1,
-    "int8_rows": 1, "int8_convrot": 1, "mxfp8": 1 + 1 / 32, "nvfp4": 0.5 + 1 / 16,
-    "fp8_e4m3fn_mixed_block35_fp16": 1 + 1 / 36, "Q4_K_M": 4.5 / 8,
-    # GGUF: bytes per block / values per block (loading.gguf.BLOCK_SIZES)
-    "Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q5_0": 22 / 32, "Q5_1": 24 / 32, "Q8_0": 34 / 32,
-    "Q2_K": 84 / 256, "Q3_K": 110 / 256, "Q4_K": 144 / 256, "Q5_K": 176 / 256,
-    "Q6_K": 210 / 256, "IQ4_NL": 18 / 32, "IQ4_XS": 136 / 256, "F32": 4, "F16": 2, "BF16": 2,
-}
+_MIXED_BYTES = {"fp8_e4m3fn_mixed_block35_fp16": 1 + 1 / 36, "Q4_K_M": 4.5 / 8}
 
 DEFAULT_DIT = "seedvr2_ema_3b_fp16.safetensors"
 DEFAULT_VAE = "ema_vae_fp16.safetensors"
@@ -130,7 +121,7 @@ def approximate_bytes(name: str) -> Optional[int]:
     (what a download costs), or None when the registry cannot say."""
     known = KNOWN_FILES[name]
     params = _PARAMETERS.get(known.family or known.kind)
-    per_weight = STORAGE_BYTES.get(known.format)
+    per_weight = _MIXED_BYTES.get(known.format) or bytes_per_weight(known.format)
     if params is None or per_weight is None:
         return None
     return round(params * per_weight)

@@ -18,7 +18,7 @@ from typing import Mapping, Optional, Sequence
 import torch
 
 from ..errors import SeedVR2Error
-from ..loading.registry import STORAGE_BYTES
+from ..loading.schemes import bytes_per_weight
 from ..models import build_on_meta
 from ..models.config import DiTConfig, VAEConfig
 from ..models.vae_blocks import SPLIT_ELEMENTS
@@ -120,7 +120,7 @@ class Weights:
     @classmethod
     def from_config(cls, kind: str, config, bytes_per_param: float) -> "Weights":
         """Sizes of a model built from ``config`` (DiT or VAE) with every parameter stored at
-        ``bytes_per_param`` (see :data:`STORAGE_BYTES`); built on ``meta``, nothing allocated."""
+        ``bytes_per_param`` (see :func:`~seedvr2.loading.packed.bytes_per_weight`); built on ``meta``, nothing allocated."""
         model = build_on_meta(kind, config)
         sizes = [(name, math.ceil(t.numel() * bytes_per_param)) for name, t in named_tensors(model)]
         return cls._from_sizes(sizes, _largest_layer(model))
@@ -142,7 +142,7 @@ class Weights:
                     continue
                 numel = math.prod(shape)
                 label = src.packed.get(key)
-                per = STORAGE_BYTES.get(label, 1.0) if label is not None else \
+                per = (bytes_per_weight(label) or 1.0) if label is not None else \
                     4 if key.endswith("rope.rope.freqs") else torch.empty((), dtype=dtype).element_size()
                 sizes.append((key, math.ceil(numel * per)))
         return cls._from_sizes(sizes, _largest_layer(build_on_meta(kind, config))), config
@@ -259,11 +259,11 @@ class Budget:
 _DIT_SCALE = 1.1
 
 
-def dit_activation_bytes(cfg: DiTConfig, job: BatchShape) -> int:
+def dit_activation_bytes(cfg: DiTConfig, shape: BatchShape) -> int:
     """Peak bytes of one DiT call on a batch (docs/memory.md, "How the estimate is made")."""
-    b = job.dtype_bytes
-    hp, wp = job.padded
-    t = (job.batch_size - 1) // 4 + 1
+    b = shape.dtype_bytes
+    hp, wp = shape.padded
+    t = (shape.batch_size - 1) // 4 + 1
     positions = t * (hp // 8) * (wp // 8)
     tokens = positions // 4
     d, inner, hidden = cfg.vid_dim, cfg.heads * cfg.head_dim, cfg.mlp_hidden_dim
@@ -272,7 +272,7 @@ def dit_activation_bytes(cfg: DiTConfig, job: BatchShape) -> int:
     windows = b * (2 * d + 14 * inner)
     per_token = max(mlp, qk_fp32, windows) + 8 * cfg.head_dim + 128
     inputs = positions * (4 * (16 + 16 + 17 + 33 + 16) + b * 33)
-    text = job.text_tokens * (cfg.txt_in_dim + 8 * d) * max(b, 4)
+    text = shape.text_tokens * (cfg.txt_in_dim + 8 * d) * max(b, 4)
     return int((tokens * per_token + inputs + text) * _DIT_SCALE)
 
 
@@ -401,14 +401,14 @@ def _causal_cache_bytes(cfg: VAEConfig, height: int, width: int, b: int) -> int:
     return total
 
 
-def _vae_phase(cfg: VAEConfig, job: BatchShape, decode: bool) -> int:
+def _vae_phase(cfg: VAEConfig, shape: BatchShape, decode: bool) -> int:
     """Activations of one VAE phase on a batch: the encoder/decoder's peak on one piece (a
     tile with its context, a temporal slice) plus the frame buffers held meanwhile."""
-    b = job.dtype_bytes
-    hp, wp = job.padded
-    frames = job.batch_size
-    tiles = job.decode_tiles if decode else job.encode_tiles
-    temporal = job.decode_slice if decode else job.encode_slice
+    b = shape.dtype_bytes
+    hp, wp = shape.padded
+    frames = shape.batch_size
+    tiles = shape.decode_tiles if decode else shape.encode_tiles
+    temporal = shape.decode_slice if decode else shape.encode_slice
     context = getattr(tiles, "context", 0)  # pixels computed around a tile and discarded
     th, tw = (min(tiles.tile_size + 2 * context, hp), min(tiles.tile_size + 2 * context, wp)) \
         if tiles.enabled else (hp, wp)
@@ -429,7 +429,7 @@ def _vae_phase(cfg: VAEConfig, job: BatchShape, decode: bool) -> int:
         core = int(vae_decode_bytes(cfg, piece, th, tw, b) * scale) + cache
         # The full-frame output of the pieces, and one piece's float32 blend (value, weight).
         held = pixels * _decode_held(b) + piece * th * tw * 3 * 8 if pieced else 0
-        after = pixels * (12 + 3 * b + _COLOUR_BYTES.get(job.color_correction, 192))
+        after = pixels * (12 + 3 * b + _COLOUR_BYTES.get(shape.color_correction, 192))
         return max(core + held + pixels_planes, after)
     core = int(vae_encode_bytes(cfg, piece, th, tw, b) * scale) + cache
     return core + pixels * _encode_held(b) + pixels_planes
@@ -471,14 +471,14 @@ class Estimate:
         return list(dict.fromkeys(p.device for p in self.phases))
 
 
-def estimate(budget: Budget, job: BatchShape, place: Placement) -> Estimate:
+def estimate(budget: Budget, shape: BatchShape, place: Placement) -> Estimate:
     """Bytes each phase needs on each device it touches (weights, activations, margins)."""
     dw, vw = budget.dit_weights, budget.vae_weights
-    b = job.dtype_bytes
-    hp, wp = job.padded
+    b = shape.dtype_bytes
+    hp, wp = shape.padded
     # Latents, references and results of a chunk (at most chunk_size new frames, at least a
     # batch, plus the overlap) waiting on the compute device.
-    frames = max(job.chunk_size, job.batch_size) + job.batch_size if job.chunk_size is not None else 0
+    frames = max(shape.chunk_size, shape.batch_size) + shape.batch_size if shape.chunk_size is not None else 0
     waiting = frames * hp * wp * (12 + 2)
 
     def parked_dit(device: str) -> int:  # the DiT while a VAE phase runs on ``device``
@@ -499,10 +499,10 @@ def estimate(budget: Budget, job: BatchShape, place: Placement) -> Estimate:
         return PhaseNeed(phase, device, tuple(parts))
 
     vae_transient = vw.largest_layer * b
-    enc = _vae_phase(budget.vae, job, decode=False)
-    dec = _vae_phase(budget.vae, job, decode=True)
+    enc = _vae_phase(budget.vae, shape, decode=False)
+    dec = _vae_phase(budget.vae, shape, decode=True)
     dit_weights = dw.resident(place.blocks_to_swap, place.swap_io) if place.swapping else dw.total
-    dit_act = dit_activation_bytes(budget.dit, job) + dw.largest_layer * b
+    dit_act = dit_activation_bytes(budget.dit, shape) + dw.largest_layer * b
     vd, dd = place.vae_device, place.dit_device
     return Estimate((
         need("encode", vd, [("VAE weights", vw.total), ("DiT weights", parked_dit(vd))],
@@ -519,12 +519,17 @@ def shortfalls(est: Estimate, available: Mapping[str, int]) -> list[tuple[PhaseN
             if (worst := est.worst(device)) is not None and worst.total > have]
 
 
-def fits(budget: Budget, job: BatchShape, place: Placement, available: Mapping[str, int]) -> bool:
-    return not shortfalls(estimate(budget, job, place), available)
+def fits(budget: Budget, shape: BatchShape, place: Placement, available: Mapping[str, int]) -> bool:
+    return not shortfalls(estimate(budget, shape, place), available)
 
 
 # ---------------------------------------------------------------------------------------------
 # Settings that fit
+
+
+def smallest_batch(temporal_overlap: int) -> int:
+    """The smallest batch the option check accepts: 4n+1 above ``temporal_overlap``."""
+    return temporal_overlap + 1 + (-temporal_overlap) % 4
 
 
 def batch_candidates(plan_frames: int, temporal_overlap: int, lowest: int = AUTO_MIN_BATCH,
@@ -532,10 +537,8 @@ def batch_candidates(plan_frames: int, temporal_overlap: int, lowest: int = AUTO
     """4n+1 batch sizes 'auto' may pick, largest first: above ``temporal_overlap``, at most
     the clip (``plan_frames`` rounded up to 4n+1) and ``highest``, at least ``lowest`` unless
     the clip is shorter."""
-    def up(n):
-        return n + (1 - n) % 4
-    floor = up(temporal_overlap + 1)
-    top = max(min(up(plan_frames), highest), floor)
+    floor = smallest_batch(temporal_overlap)
+    top = max(min(plan_frames + (1 - plan_frames) % 4, highest), floor)
     bottom = max(floor, min(lowest, top))
     return list(range(top, bottom - 1, -4))
 
@@ -547,12 +550,12 @@ def failing_phases(est: Estimate, available: Mapping[str, int]) -> set:
     return {p.phase for p in est.phases if p.device in available and p.total > available[p.device]}
 
 
-def _tile_change(job: BatchShape, which: Sequence[str], size: int, overlap: int) -> tuple[BatchShape, str]:
-    """The job with VAE tiles of ``size`` pixels on the phases in ``which`` (keeping each
+def _tile_change(shape: BatchShape, which: Sequence[str], size: int, overlap: int) -> tuple[BatchShape, str]:
+    """The shape with VAE tiles of ``size`` pixels on the phases in ``which`` (keeping each
     phase's overlap when it is smaller than half a tile, else ``overlap``), and its text."""
     changes, enable, sizes, overlaps = {}, [], [], []
     for w in which:
-        current = getattr(job, f"{w}_tiles")
+        current = getattr(shape, f"{w}_tiles")
         keep = current.tile_overlap if current.tile_overlap <= size // 2 else overlap
         changes[f"{w}_tiles"] = replace(current, enabled=True, tile_size=size, tile_overlap=keep)
         if not current.enabled:
@@ -563,17 +566,17 @@ def _tile_change(job: BatchShape, which: Sequence[str], size: int, overlap: int)
     text = " and ".join(sizes + overlaps)
     if enable:
         text = " and ".join(enable) + " with " + text
-    return replace(job, **changes), text
+    return replace(shape, **changes), text
 
 
-def _tile_options(job: BatchShape, which: Sequence[str]) -> list[tuple[BatchShape, Optional[str]]]:
-    """The job as it is, then with tiles of each smaller step on the VAE phases in ``which``."""
-    current = min((getattr(job, f"{w}_tiles").tile_size for w in which
-                   if getattr(job, f"{w}_tiles").enabled), default=None)
-    out = [(job, None)]
+def _tile_options(shape: BatchShape, which: Sequence[str]) -> list[tuple[BatchShape, Optional[str]]]:
+    """The shape as it is, then with tiles of each smaller step on the VAE phases in ``which``."""
+    current = min((getattr(shape, f"{w}_tiles").tile_size for w in which
+                   if getattr(shape, f"{w}_tiles").enabled), default=None)
+    out = [(shape, None)]
     for size, overlap in _TILE_STEPS:
         if which and (current is None or size < current):
-            out.append(_tile_change(job, which, size, overlap))
+            out.append(_tile_change(shape, which, size, overlap))
     return out
 
 
@@ -594,67 +597,70 @@ def _swap_options(budget: Budget, place: Placement) -> list[tuple[Placement, Opt
     return out
 
 
-def _first_fit(budget, job, options, available):
-    """The first (placement, text) of ``options`` (monotone: later ones need less) that fits,
-    by bisection."""
+def _first_fit(budget: Budget, options: list, available: Mapping[str, int]):
+    """The first (shape, placement, text) of ``options`` (monotone: later ones need less)
+    that fits, by bisection; None when none does."""
     lo, hi = 0, len(options) - 1
-    if not fits(budget, job, options[hi][0], available):
+    if hi < 0 or not fits(budget, *options[hi][:2], available):
         return None
     while lo < hi:
         mid = (lo + hi) // 2
-        if fits(budget, job, options[mid][0], available):
+        if fits(budget, *options[mid][:2], available):
             hi = mid
         else:
             lo = mid + 1
     return options[lo]
 
 
-def alternatives(budget: Budget, job: BatchShape, place: Placement, available: Mapping[str, int],
-                 min_batch: int = 1) -> list[str]:
-    """Settings that would make the job fit: each single change from the current settings
-    that is enough on its own; when none is, one combination (or an empty list)."""
-    failing = failing_phases(estimate(budget, job, place), available)
-    vae_failing = [w for w in ("encode", "decode") if w in failing]
-    shared, host_only = place.one_accelerator, place.host_only
-    out = []
-    for size in range(job.batch_size - 4, min_batch - 1, -4):
-        if fits(budget, replace(job, batch_size=size), place, available):
-            out.append(option_ref("batch_size", size))
-            break
-    for candidate, text in _tile_options(job, vae_failing)[1:]:
-        if fits(budget, candidate, place, available):
-            out.append(text)
-            break
-    if shared and place.dit_offload is None and not place.swapping \
-            and fits(budget, job, replace(place, dit_offload="cpu"), available):
-        out.append(option_ref("dit_offload_device", "cpu"))
-    if shared and place.vae_offload is None \
-            and fits(budget, job, replace(place, vae_offload="cpu"), available):
-        out.append(option_ref("vae_offload_device", "cpu"))
+def _single_changes(budget: Budget, shape: BatchShape, place: Placement, failing: set,
+                    min_batch: int):
+    """Each kind of single change, cheapest kind first (the README's order, "Out of
+    memory"), as a list of (shape, placement, text) from the least to the most it changes:
+    smaller batches, VAE tiles, offloading the VAE or the DiT or both (text None: a
+    combination, which :func:`alternatives` does not offer alone), the waiting tensors,
+    BlockSwap."""
+    yield [(replace(shape, batch_size=n), place, option_ref("batch_size", n))
+           for n in range(shape.batch_size - 4, min_batch - 1, -4)]
+    yield [(tiled, place, text) for tiled, text in
+           _tile_options(shape, [w for w in ("encode", "decode") if w in failing])[1:]]
+    if place.one_accelerator:
+        vae_off = replace(place, vae_offload=place.vae_offload or "cpu")
+        if place.vae_offload is None:
+            yield [(shape, vae_off, option_ref("vae_offload_device", "cpu"))]
+        if place.dit_offload is None and not place.swapping:
+            yield [(shape, replace(place, dit_offload="cpu"),
+                    option_ref("dit_offload_device", "cpu"))]
+            yield [(shape, replace(vae_off, dit_offload="cpu"), None)]
+    if shape.chunk_size is not None and not place.host_only:
+        yield [(replace(shape, chunk_size=None), place, option_ref("tensor_offload_device", "cpu"))]
     if "DiT" in failing:
-        swap = _first_fit(budget, job, _swap_options(budget, place), available)
-        if swap is not None and swap[1] is not None:
-            out.append(swap[1])
-    if job.chunk_size is not None and not host_only \
-            and fits(budget, replace(job, chunk_size=None), place, available):
-        out.append(option_ref("tensor_offload_device", "cpu"))
-    if out:
-        return out
-    # No single change is enough: the combination fit auto would apply (_fit_combined).
-    combined = _fit_combined(budget, job, place, available, min_batch)
+        yield [(shape, swapped, text) for swapped, text in _swap_options(budget, place)[1:]]
+
+
+def alternatives(budget: Budget, shape: BatchShape, place: Placement,
+                 available: Mapping[str, int], min_batch: int = 1) -> list[str]:
+    """Settings that would make the job fit: each single change from the current settings
+    that is enough on its own (the least of each kind); when none is, one combination (or an
+    empty list)."""
+    failing = failing_phases(estimate(budget, shape, place), available)
+    found = [_first_fit(budget, [o for o in options if o[2] is not None], available)
+             for options in _single_changes(budget, shape, place, failing, min_batch)]
+    if any(found):
+        return [text for _, _, text in filter(None, found)]
+    combined = _fit_combined(budget, shape, place, available, min_batch)
     if combined is None:
         return []
-    changes, costs = _changes(job, place, *combined)
+    changes, costs = _changes(shape, place, *combined)
     return ["all of: " + Fit(changes, *combined, costs).describe()]
 
 
 @dataclass(frozen=True)
 class Fit:
     """Settings that make a job fit (``fit`` auto): the option changes, as (name, value) in
-    the order they were made, the job and placement with them, and what they cost."""
+    the order they were made, the shape and placement with them, and what they cost."""
 
     changes: tuple[tuple[str, object], ...]
-    job: BatchShape
+    shape: BatchShape
     place: Placement
     costs: tuple[str, ...]
 
@@ -669,28 +675,28 @@ _COSTS = {"batch": "smaller batches: less temporal consistency",
           "swap": "DiT blocks stream from host RAM: slower DiT"}
 
 
-def _changes(job: BatchShape, place: Placement, new_job: BatchShape,
+def _changes(shape: BatchShape, place: Placement, new_shape: BatchShape,
              new_place: Placement) -> tuple[tuple[tuple[str, object], ...], tuple[str, ...]]:
-    """The options (name, value) that turn (job, place) into (new_job, new_place), and the
+    """The options (name, value) that turn (shape, place) into (new_shape, new_place), and the
     costs of those changes."""
     out, costs = [], []
-    if new_job.batch_size != job.batch_size:
-        out.append(("batch_size", new_job.batch_size))
+    if new_shape.batch_size != shape.batch_size:
+        out.append(("batch_size", new_shape.batch_size))
         costs.append(_COSTS["batch"])
     for w in ("encode", "decode"):
-        old, new = getattr(job, f"{w}_tiles"), getattr(new_job, f"{w}_tiles")
+        old, new = getattr(shape, f"{w}_tiles"), getattr(new_shape, f"{w}_tiles")
         for attr, option in (("enabled", "tiled"), ("tile_size", "tile_size"),
                              ("tile_overlap", "tile_overlap")):
             if getattr(new, attr) != getattr(old, attr) and new.enabled:
                 out.append((f"vae_{w}_{option}", getattr(new, attr)))
-    if new_job.encode_tiles != job.encode_tiles or new_job.decode_tiles != job.decode_tiles:
+    if new_shape.encode_tiles != shape.encode_tiles or new_shape.decode_tiles != shape.decode_tiles:
         costs.append(_COSTS["tiles"])
     moved = [(kind, getattr(new_place, f"{kind}_offload")) for kind in ("vae", "dit")
              if getattr(new_place, f"{kind}_offload") != getattr(place, f"{kind}_offload")]
     out += [(f"{kind}_offload_device", where) for kind, where in moved]
-    if new_job.chunk_size != job.chunk_size:
+    if new_shape.chunk_size != shape.chunk_size:
         out.append(("tensor_offload_device", "cpu"))
-    if moved or new_job.chunk_size != job.chunk_size:
+    if moved or new_shape.chunk_size != shape.chunk_size:
         costs.append(_COSTS["offload"])
     if (new_place.blocks_to_swap, new_place.swap_io) != (place.blocks_to_swap, place.swap_io):
         out.append(("blocks_to_swap", new_place.blocks_to_swap))
@@ -700,46 +706,23 @@ def _changes(job: BatchShape, place: Placement, new_job: BatchShape,
     return tuple(out), tuple(costs)
 
 
-def _fit_candidates(budget: Budget, job: BatchShape, place: Placement, failing: set,
-                    min_batch: int):
-    """(job, placement) candidates, cheapest first: smaller batches, then VAE tiles, then
-    offloading (either model, both, the waiting tensors), then BlockSwap."""
-    for size in range(job.batch_size - 4, min_batch - 1, -4):
-        yield replace(job, batch_size=size), place
-    for candidate, _ in _tile_options(job, [w for w in ("encode", "decode") if w in failing])[1:]:
-        yield candidate, place
-    if place.one_accelerator:
-        vae_off = replace(place, vae_offload=place.vae_offload or "cpu")
-        if place.vae_offload is None:
-            yield job, vae_off
-        if place.dit_offload is None and not place.swapping:
-            yield job, replace(place, dit_offload="cpu")
-            yield job, replace(vae_off, dit_offload="cpu")
-    if job.chunk_size is not None and not place.host_only:
-        yield replace(job, chunk_size=None), place
-
-
-def fit_job(budget: Budget, job: BatchShape, place: Placement, available: Mapping[str, int],
-            min_batch: int = 1) -> Optional[Fit]:
-    """The cheapest settings the budget finds that make the job fit ``available`` (one change
-    of :func:`_fit_candidates`, else BlockSwap, else a combination as :func:`alternatives`
-    makes), or None when nothing fits."""
-    failing = failing_phases(estimate(budget, job, place), available)
-    found = next(((j, p) for j, p in _fit_candidates(budget, job, place, failing, min_batch)
-                  if fits(budget, j, p, available)), None)
-    if found is None and "DiT" in failing:
-        swap = _first_fit(budget, job, _swap_options(budget, place)[1:] or [(place, None)],
-                          available)
-        found = (job, swap[0]) if swap is not None and swap[0] != place else None
-    if found is None:
-        found = _fit_combined(budget, job, place, available, min_batch)
+def fit_job(budget: Budget, shape: BatchShape, place: Placement,
+            available: Mapping[str, int], min_batch: int = 1) -> Optional[Fit]:
+    """The cheapest settings the budget finds that make the job fit ``available`` (the first
+    single change of :func:`_single_changes` that is enough, else a combination as
+    :func:`alternatives` makes), or None when nothing fits."""
+    failing = failing_phases(estimate(budget, shape, place), available)
+    found = next(filter(None, (_first_fit(budget, options, available) for options in
+                               _single_changes(budget, shape, place, failing, min_batch))), None)
+    found = found[:2] if found is not None else _fit_combined(budget, shape, place, available,
+                                                              min_batch)
     if found is None:
         return None
-    changes, costs = _changes(job, place, *found)
+    changes, costs = _changes(shape, place, *found)
     return Fit(changes, found[0], found[1], costs)
 
 
-def _fit_combined(budget: Budget, job: BatchShape, place: Placement,
+def _fit_combined(budget: Budget, shape: BatchShape, place: Placement,
                   available: Mapping[str, int], min_batch: int):
     """Every cheap saver at once, then the largest batch with the largest tiles and the
     fewest swapped blocks that fit; None when nothing does."""
@@ -747,31 +730,31 @@ def _fit_combined(budget: Budget, job: BatchShape, place: Placement,
         place = replace(place, vae_offload=place.vae_offload or "cpu")
         if not place.swapping:
             place = replace(place, dit_offload=place.dit_offload or "cpu")
-    if job.chunk_size is not None and not place.host_only:
-        job = replace(job, chunk_size=None)
+    if shape.chunk_size is not None and not place.host_only:
+        shape = replace(shape, chunk_size=None)
     swaps = _swap_options(budget, place)
-    for size in range(job.batch_size, min_batch - 1, -4):
-        for tiled, _ in _tile_options(replace(job, batch_size=size), ("encode", "decode")):
-            swap = _first_fit(budget, tiled, swaps, available)
+    for size in range(shape.batch_size, min_batch - 1, -4):
+        for tiled, _ in _tile_options(replace(shape, batch_size=size), ("encode", "decode")):
+            swap = _first_fit(budget, [(tiled, p, text) for p, text in swaps], available)
             if swap is not None:
-                return tiled, swap[0]
+                return tiled, swap[1]
     return None
 
 
-def check(budget: Budget, job: BatchShape, place: Placement, available: Mapping[str, int],
+def check(budget: Budget, shape: BatchShape, place: Placement, available: Mapping[str, int],
           min_batch: int = 1, batch_text: Optional[str] = None) -> Estimate:
     """The estimate, or :class:`BudgetError` when a device in ``available`` is short; the
     message lists settings that would fit (or says that none do)."""
-    est = estimate(budget, job, place)
+    est = estimate(budget, shape, place)
     short = shortfalls(est, available)
     if not short:
         return est
     need, have = short[0]
-    message = (f"not enough memory on {need.device} for {job.width}x{job.height} frames at "
-               f"{batch_text or option_ref('batch_size', job.batch_size)}: the {need.phase} "
+    message = (f"not enough memory on {need.device} for {shape.width}x{shape.height} frames at "
+               f"{batch_text or option_ref('batch_size', shape.batch_size)}: the {need.phase} "
                f"phase needs about {gib(need.total)} ({need.describe()}) but {gib(have)} is "
                f"available")
-    alts = alternatives(budget, job, place, available, min_batch)
+    alts = alternatives(budget, shape, place, available, min_batch)
     if alts:
         message += ". Settings that would fit: " + "; or ".join(alts)
     else:
@@ -784,7 +767,7 @@ def check(budget: Budget, job: BatchShape, place: Placement, available: Mapping[
     raise BudgetError(message)
 
 
-def auto_batch_size(budget: Budget, job: BatchShape, place: Placement, available: Mapping[str, int],
+def auto_batch_size(budget: Budget, shape: BatchShape, place: Placement, available: Mapping[str, int],
                     plan_frames: int, temporal_overlap: int) -> int:
     """The largest of :func:`batch_candidates` that fits (on CUDA devices, in
     :data:`AUTO_CUDA_SHARE` of the memory available); :class:`BudgetError` when even the
@@ -793,12 +776,12 @@ def auto_batch_size(budget: Budget, job: BatchShape, place: Placement, available
     planned = {d: int(have * AUTO_CUDA_SHARE) if d.startswith("cuda") else have
                for d, have in available.items()}
     for size in candidates:
-        if fits(budget, replace(job, batch_size=size), place, planned):
+        if fits(budget, replace(shape, batch_size=size), place, planned):
             return size
-    if fits(budget, replace(job, batch_size=candidates[-1]), place, available):
+    if fits(budget, replace(shape, batch_size=candidates[-1]), place, available):
         return candidates[-1]  # only the smallest fits, above the share: still worth a try
-    smallest = replace(job, batch_size=candidates[-1])
-    check(budget, smallest, place, available, min_batch=1,
+    smallest = replace(shape, batch_size=candidates[-1])
+    check(budget, smallest, place, available, min_batch=smallest_batch(temporal_overlap),
           batch_text=f"{option_ref('batch_size', 'auto')} (even {candidates[-1]} frames)")
     return candidates[-1]  # pragma: no cover (check raised)
 

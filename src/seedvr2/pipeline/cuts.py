@@ -235,7 +235,7 @@ def describe_file_plan(src, opts: Options) -> str:
     job would) and batches, without loading a model."""
     from ..io import open_media
     from .plan import make_plan
-    from .setup import frame_count
+    from ..io.files import frame_count
 
     if opts.batch_size == "auto":
         raise OptionError(f"{option_value('batch_size', 'auto')} is chosen from the free memory "

@@ -502,7 +502,7 @@ def open_resume_state(reader, output, plan: BatchPlan, identity: dict,
                       faults: Faults = NO_FAULTS) -> Optional[ResumeState]:
     """The resume journal of this job, or None when the job is written directly: a plan of
     one chunk (nothing to continue from), or a video made from images without a rate.
-    ``output`` is the job's :class:`~seedvr2.pipeline.setup.FileOutput`, ``identity`` its
+    ``output`` is the job's :class:`~seedvr2.io.files.FileOutput`, ``identity`` its
     fingerprint (:func:`~seedvr2.pipeline.identity.job_identity`: one process or several, the
     same journal) and ``compute_dtype`` the precision ``dtype`` resolved to on this device
     (``auto`` differs between GPUs); ``fresh`` discards what was kept. Raises

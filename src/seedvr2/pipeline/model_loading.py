@@ -1,0 +1,132 @@
+"""The models a job runs, loaded and placed as the options say: through the model cache,
+each on its device or waiting on its offload device (a DiT with BlockSwap when asked),
+compiled, with the VAE's kernel paths and the compute precision set for this run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..loading import load_dit, load_vae
+from ..loading.quantized import set_compute_precision
+from ..loading.registry import default_model_dir
+from ..loading.text import load_text_embeddings
+from ..memory import MODEL_CACHE, ModelKey
+from ..memory.blockswap import BlockSwap
+from ..memory.budget import bytes_on, check_host_copy, host_available
+from ..memory.compile import CompileSettings, apply_compile
+from ..memory.fit import ModelDevices
+from ..memory.placement import OffloadedModel, default_pin, host_copy_bytes
+from ..models.vae_paths import INT8_CACHE_BYTES, choose_paths
+from ..options import OptionError, Options, option_ref
+from .identity import ModelRef, model_refs
+from .runner import Models
+
+
+def _settings_of(opts: Options, kind: str) -> tuple:
+    """The options that shape a loaded model (its cache key besides file, dtype and device)."""
+    compiled = CompileSettings.from_options(opts)
+    if kind == "vae":
+        return (compiled, opts.vae_offload_device)
+    return (compiled, opts.blocks_to_swap, opts.swap_io_components, opts.dit_offload_device,
+            opts.attention_backend)
+
+
+def _check_host_copy(model, offload, setting: str):
+    """The offloaded model's host copy must fit the host RAM (the model's own tensors already
+    there are replaced by it, so they count as available)."""
+    if offload is not None and offload.type == "cpu":
+        available = host_available()
+        if available is not None:
+            available += bytes_on(model, offload)
+        check_host_copy(host_copy_bytes(model), available, setting)
+
+
+def _placement(model, device, offload, setting: str):
+    """An offloaded model waits in one persistent host copy (pinned on CUDA) between its
+    phases; without an offload device it simply stays on its device."""
+    if offload is None:
+        return None
+    _check_host_copy(model, offload, setting)
+    return OffloadedModel(model, device, offload, default_pin(device, offload))
+
+
+def _load_file(ref: ModelRef, opts: Options, dtype, device, offload):
+    """A model file loaded, placed (a DiT with BlockSwap when asked) and compiled."""
+    dit = ref.kind == "dit"
+    swapping = dit and (opts.blocks_to_swap > 0 or opts.swap_io_components)
+    if swapping and offload is None:
+        raise OptionError(f"{option_ref('blocks_to_swap')}/{option_ref('swap_io_components')} need "
+                          f"an offload device for the swapped weights: set "
+                          f"{option_ref('dit_offload_device', 'cpu')} (or another device)")
+    # An offloaded model loads on its offload device; only what runs reaches the GPU.
+    model = (load_dit if dit else load_vae)(ref.model, dtype,
+                                           offload if offload is not None else device)
+    placement = None
+    if dit:
+        model.set_attention_backend(opts.attention_backend)
+    if swapping:
+        _check_host_copy(model, offload, "dit_offload_device")
+        placement = BlockSwap(model, opts.blocks_to_swap, opts.swap_io_components, device, offload)
+    if placement is None or not placement.active:  # no CUDA: plain offloading
+        placement = _placement(model, device, offload, f"{ref.kind}_offload_device")
+    apply_compile(*((model, None) if dit else (None, model)), CompileSettings.from_options(opts))
+    return model, placement
+
+
+def load_models(dit=None, vae=None, *, opts: Options, model_dir=None) -> Models:
+    """DiT, VAE and text embedding placed and prepared as the options say (cached if asked)."""
+    where = ModelDevices.of(opts)
+    dtype, dit_device, vae_device = where.dtype, where.dit, where.vae
+    dit_offload, vae_offload = where.dit_offload, where.vae_offload
+    model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
+    dit_ref, vae_ref = model_refs(dit, vae, model_dir)
+    dit, dit_placement = _ready_model(dit_ref, opts, dtype, dit_device, dit_offload)
+    vae, vae_placement = _ready_model(vae_ref, opts, dtype, vae_device, vae_offload)
+    # Per run, not per load: they change how the VAE runs, not what it holds (a cached or
+    # given VAE runs with this job's settings).
+    vae.set_conv_settings(cudnn_benchmark=opts.vae_cudnn_benchmark, paths=choose_paths(
+        vae_device, vae.dtype, channels_last=opts.vae_channels_last,
+        fp16_accumulation=opts.vae_fp16_accumulation,
+        int8_cache_bytes=None if opts.vae_int8_cache == "off" else INT8_CACHE_BYTES,
+        cache_offload=opts.vae_int8_cache == "host"))
+    for model in (dit, vae):
+        set_compute_precision(model, opts.compute_precision)
+    embedded = getattr(dit, "embedded_text_embeddings", None) or {}
+    text = load_text_embeddings(opts.text_embeddings, dit.config.txt_in_dim, model_dir,
+                                embedded=embedded.get("pos"))
+    return Models(dit, vae, text, dit_device, vae_device, dtype, dit_offload, vae_offload,
+                  dit_placement, vae_placement)
+
+
+def _ready_model(ref: ModelRef, opts: Options, dtype, device, offload):
+    """One model and its placement: a loaded module moved where the options say, a file
+    loaded through the model cache."""
+    setting = f"{ref.kind}_offload_device"
+    if ref.loaded:
+        model = ref.model.to(device=device if offload is None else offload, dtype=dtype)
+        if ref.kind == "dit":
+            model.set_attention_backend(opts.attention_backend)  # a loaded file's is set at load
+        return model, _placement(model, device, offload, setting)
+    key = ModelKey.for_file(ref.kind, ref.model, dtype, device, _settings_of(opts, ref.kind))
+    return MODEL_CACHE.get_or_load(key, lambda: _load_file(ref, opts, dtype, device, offload),
+                                   opts.cache_dit if ref.kind == "dit" else opts.cache_vae)
+
+
+def resident_bytes(refs: tuple[ModelRef, ModelRef], opts: Options,
+                   where: ModelDevices) -> dict[str, int]:
+    """Bytes of a job's models already on each of its compute devices before it loads them:
+    a given module, or the one the model cache holds for these options (the memory budget
+    counts them as available, since the job's estimate counts them as its own)."""
+    found = dict.fromkeys(where.compute, 0)
+    for ref, device in zip(refs, (where.dit, where.vae)):
+        if ref.loaded:
+            model = ref.model
+        else:
+            key = ModelKey.for_file(ref.kind, ref.model, where.dtype, device,
+                                    _settings_of(opts, ref.kind))
+            model = (MODEL_CACHE.peek(key) or (None,))[0]
+        for d in found:
+            found[d] += bytes_on(model, torch.device(d))
+    return found
