@@ -217,7 +217,8 @@ def test_a_concatenation_with_an_edited_part_is_taken_as_frames_after_a_size_che
     a video that cannot fit the RAM is refused with the way out."""
     from seedvr2.memory import budget
     from seedvr2.memory.budget import BudgetError
-    from seedvr2.workflow.nodes import _check_frames_fit, _Job
+    from seedvr2.options import resolve_options
+    from seedvr2.workflow.nodes import _check_frames_fit
 
     clip = tmp_path / "clip.mp4"
     make_clip(clip, frames=20)
@@ -225,16 +226,16 @@ def test_a_concatenation_with_an_edited_part_is_taken_as_frames_after_a_size_che
     assert comfy_host.video_file(video) is None
     size = comfy_host.video_size(video)
     assert size == (40, 48, 64, False)
-    job = _Job(options={"resolution": 480})  # 64x48 -> 640x480
+    opts = resolve_options(resolution=480)  # 64x48 -> 640x480
     need = 40 * 48 * 64 * 3 * 4 + 40 * 480 * 640 * 3 * 4
     monkeypatch.setattr(budget, "host_available", lambda: need)
     with caplog.at_level(logging.INFO, logger="seedvr2"):
-        _check_frames_fit(size, job)
+        _check_frames_fit(size, opts)
     assert ("the VIDEO is upscaled in memory: 40 frames of 64x48 taken into RAM (1 MiB) and "
             "141 MiB upscaled to 640x480: 142 MiB of RAM (142 MiB available)") in caplog.text
     monkeypatch.setattr(budget, "host_available", lambda: need // 2)
     with pytest.raises(BudgetError) as refused:
-        _check_frames_fit(size, job)
+        _check_frames_fit(size, opts)
     assert str(refused.value) == (
         "the VIDEO (40 frames of 64x48) is not a file that can be streamed (frames, a trimmed "
         "or cropped video, or a concatenation of such), so it would be upscaled in memory: "
@@ -245,7 +246,8 @@ def test_a_concatenation_with_an_edited_part_is_taken_as_frames_after_a_size_che
 
 def test_frames_already_in_memory_count_only_the_upscaled_ones(comfy_host, monkeypatch):
     from seedvr2.memory import budget
-    from seedvr2.workflow.nodes import _check_frames_fit, _Job
+    from seedvr2.options import resolve_options
+    from seedvr2.workflow.nodes import _check_frames_fit
 
     components = types.SimpleNamespace(images=torch.zeros(5, 48, 64, 3), audio=None,
                                        frame_rate=Fraction(24))
@@ -253,7 +255,7 @@ def test_frames_already_in_memory_count_only_the_upscaled_ones(comfy_host, monke
     assert comfy_host.video_file(video) is None
     assert comfy_host.video_size(video) == (5, 48, 64, True)
     monkeypatch.setattr(budget, "host_available", lambda: 5 * 480 * 640 * 3 * 4)
-    _check_frames_fit(comfy_host.video_size(video), _Job(options={"resolution": 480}))
+    _check_frames_fit(comfy_host.video_size(video), resolve_options(resolution=480))
 
 
 def test_a_release_without_frames_for_a_concatenation_says_what_to_do(comfy_host):

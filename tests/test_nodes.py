@@ -144,7 +144,7 @@ def test_settings_added_after_the_first_release_are_optional(monkeypatch):
 
 def test_disagreeing_loaders_and_unknown_compile_limits_are_reported(tmp_path):
     dit, vae = _handles(tmp_path, dtype="fp16")
-    job = defs.plan_job(dit, vae, {"devices": "auto", "offload_device": "cpu"}, {"seed": 1})
+    job = defs.facade_request(dit, vae, {"devices": "auto", "offload_device": "cpu"}, {"seed": 1})
     assert job.options["dtype"] == "fp16" and job.options["seed"] == 1
     assert job.options["dit_device"] == "auto" and job.options["cache_vae"] is False
     assert job.notes == ["dtype = 'auto' (SeedVR2 Load VAE Model) differs from 'fp16' (SeedVR2 "
@@ -152,11 +152,11 @@ def test_disagreeing_loaders_and_unknown_compile_limits_are_reported(tmp_path):
     args = {"backend": "inductor", "mode": "default", "fullgraph": False, "dynamic": "auto",
             "dynamo_cache_size_limit": 8, "dynamo_recompile_limit": 128}
     dit, vae = _handles(tmp_path, torch_compile_args=args)
-    job = defs.plan_job(dit, vae, {}, {})
+    job = defs.facade_request(dit, vae, {}, {})
     assert job.unsupported == ["torch_compile_args.dynamo_cache_size_limit = 8 (SeedVR2 Load "
                                "DiT Model) is not supported yet; ignored"]
     dit, vae = _handles(tmp_path)
-    assert defs.plan_job(dit, vae, {}, {}).unsupported == []  # defaults ask for nothing
+    assert defs.facade_request(dit, vae, {}, {}).unsupported == []  # defaults ask for nothing
 
 
 def test_compile_settings_become_compile_options(tmp_path):
@@ -164,7 +164,7 @@ def test_compile_settings_become_compile_options(tmp_path):
                                      fullgraph=False, dynamic="auto", dynamo_cache_size_limit=64,
                                      dynamo_recompile_limit=128).outputs[0]
     dit, vae = _handles(tmp_path, torch_compile_args=args)
-    job = defs.plan_job(dit, vae, {}, {})
+    job = defs.facade_request(dit, vae, {}, {})
     if "compile" in OPTIONS:
         assert job.options["compile"] is True and job.options["compile_mode"] == "max-autotune"
     else:
@@ -209,6 +209,32 @@ def test_the_upscaler_node_asks_its_host_for_the_job_s_room(tiny_model_dir, tmp_
     nodes["SeedVR2VideoUpscaler"].run(host, image=torch.rand(1, 16, 16, 3), dit=dit, vae=vae,
                                       **{**inputs, "resolution": 16, "batch_size": 1})
     assert [device for device, _ in asked] == ["cpu"] and asked[0][1] > 0
+
+
+def test_the_video_file_node_resolves_its_options_once_and_plans_once(tiny_model_dir,
+                                                                      tmp_path, monkeypatch):
+    """Upscale Video File turns its inputs into options once and hands them resolved to the
+    facade (three resolutions and two requests per run before)."""
+    import seedvr2.api
+    from conftest import make_clip
+    from seedvr2.options import resolve_options
+
+    (tmp_path / "in").mkdir()
+    make_clip(tmp_path / "in" / "clip.mp4", frames=5)
+    host = HeadlessHost(model_dir=tiny_model_dir, output_dir=tmp_path / "out",
+                        input_dir=tmp_path / "in", quiet=True)
+    calls = []
+    counted = lambda name, f: lambda *a, **k: calls.append(name) or f(*a, **k)  # noqa: E731
+    monkeypatch.setattr(defs, "resolve_options", counted("resolve", resolve_options))
+    monkeypatch.setattr(seedvr2.api, "resolve_options", counted("resolve", resolve_options))
+    monkeypatch.setattr(defs, "facade_request", counted("request", defs.facade_request))
+    nodes = _by_id()
+    dit, vae = _tiny_loaders(nodes, host)
+    calls.clear()  # the loaders check their own settings
+    inputs = {i.name: i.default for i in nodes["SeedVR2UpscaleVideoFile"].inputs if i.is_widget}
+    out = nodes["SeedVR2UpscaleVideoFile"].run(host, dit=dit, vae=vae, **{
+        **inputs, "video_path": "clip.mp4", "resolution": 32, "batch_size": 5}).outputs[0]
+    assert out.endswith(".mp4") and calls == ["request", "resolve"]
 
 
 def _defaults(kind):
@@ -271,8 +297,8 @@ def test_comfy_folder_name_matches_the_registry():
 def test_batch_size_zero_means_auto():
     dit = defs.ModelHandle("dit", "dit.safetensors", "/m/dit.safetensors")
     vae = defs.ModelHandle("vae", "vae.safetensors", "/m/vae.safetensors")
-    assert defs.plan_job(dit, vae, {}, {"batch_size": 0}).options["batch_size"] == "auto"
-    assert defs.plan_job(dit, vae, {}, {"batch_size": 9}).options["batch_size"] == 9
+    assert defs.facade_request(dit, vae, {}, {"batch_size": 0}).options["batch_size"] == "auto"
+    assert defs.facade_request(dit, vae, {}, {"batch_size": 9}).options["batch_size"] == 9
 
 
 def test_video_path_lists_input_videos_with_an_upload_button_and_takes_typed_paths(tmp_path):

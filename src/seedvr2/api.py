@@ -80,7 +80,7 @@ def _check_named_models(dit, vae):
 def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Progress] = None,
             should_stop: Optional[Callable[[], bool]] = None, stats: Optional[JobStats] = None,
             make_room: Optional[MakeRoom] = None, preview: Optional[Show] = None,
-            **options) -> torch.Tensor:
+            opts: Optional[Options] = None, **options) -> torch.Tensor:
     """Upscale frames in memory: ComfyUI's IMAGE convention in and out.
 
     ``frames``: float (T, H, W, C) in [0, 1] (or uint8/uint16), C = 1, 3 or 4; a single
@@ -89,8 +89,9 @@ def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Pr
     a host holds memory it frees on demand (ComfyUI), is asked for what the job needs before
     the memory budget measures a device (one process only). ``preview(thumbnail)`` is shown
     the newest finished frame about once a second (:mod:`seedvr2.pipeline.preview`).
+    ``opts``: options already resolved (a node's, the CLI's), instead of ``**options``.
     """
-    opts = resolve_options(**options)
+    opts = _options("upscale", opts, options)
     frames = input_frames(frames)
     opts = _scene_cuts(opts, len(frames), lambda: iter(frames), stats)
     devices, opts = process_devices(opts, dit, vae)
@@ -149,10 +150,7 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
     from .distributed.launch import spawn_file_job
     from .io import open_media
 
-    if opts is not None and options:
-        raise TypeError(f"upscale_file: options given both as opts= and as keywords "
-                        f"({', '.join(sorted(options))}); give one")
-    opts = resolve_options(**options) if opts is None else opts
+    opts = _options("upscale_file", opts, options)
     if in_distributed_launch():  # torchrun / Slurm: this process is one rank
         ctx = init_from_env(opts.devices if opts.devices != "auto" else "auto", opts.dist_timeout)
         devices = [str(ctx.device)] * ctx.world_size
@@ -171,6 +169,14 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
     if ctx is not None:
         return run_file_job(ctx, job, src, output, progress, should_stop, stats)
     return spawn_file_job(devices, job, src, output, stats, progress, preview)
+
+
+def _options(facade: str, opts: Optional[Options], options: dict) -> Options:
+    """The options of a facade call: resolved here, or given resolved (``opts=``)."""
+    if opts is not None and options:
+        raise TypeError(f"{facade}: options given both as opts= and as keywords "
+                        f"({', '.join(sorted(options))}); give one")
+    return resolve_options(**options) if opts is None else opts
 
 
 def _scene_cuts(opts: Options, count: int, frames, stats: Optional[JobStats]) -> Options:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Protocol, Union
 
 from ..faults import Faults
-from ..options import OPTIONS, Option, OptionError, resolve_options
+from ..options import OPTIONS, Option, OptionError, Options, resolve_options
 from .shape import shown
 
 log = logging.getLogger("seedvr2")
@@ -470,17 +470,19 @@ def _torch_compile_settings(host: Host, **args) -> NodeResult:
 
 
 @dataclass
-class _Job:
-    """Facade options for one run, and what the library cannot honour yet (reported once)."""
+class FacadeRequest:
+    """A node's facade options for one run, and what the library cannot honour yet (reported
+    once)."""
 
     options: dict = field(default_factory=dict)
     unsupported: list = field(default_factory=list)
     notes: list = field(default_factory=list)
 
 
-def plan_job(dit: ModelHandle, vae: ModelHandle, upscaler: dict, pipeline: dict) -> _Job:
+def facade_request(dit: ModelHandle, vae: ModelHandle, upscaler: dict,
+                   pipeline: dict) -> FacadeRequest:
     """Turn loader handles, upscaler settings and pipeline inputs into facade options."""
-    job = _Job(options={name: _from_widget(name, v) for name, v in pipeline.items()})
+    request = FacadeRequest(options={name: _from_widget(name, v) for name, v in pipeline.items()})
     sources = [("SeedVR2 Load DiT Model", LOADER_SETTINGS["dit"], dict(dit.settings)),
                ("SeedVR2 Load VAE Model", LOADER_SETTINGS["vae"], dict(vae.settings)),
                ("upscaler", UPSCALER_SETTINGS, upscaler)]
@@ -495,17 +497,17 @@ def plan_job(dit: ModelHandle, vae: ModelHandle, upscaler: dict, pipeline: dict)
                 name = setting.input if len(options) == 1 else \
                     f"{setting.input}.{option.removeprefix('compile_')}"
                 if option not in OPTIONS:  # a compile field the library has no option for
-                    job.unsupported.append(f"{name} = {v!r} ({label}) is not supported yet; "
+                    request.unsupported.append(f"{name} = {v!r} ({label}) is not supported yet; "
                                            f"ignored")
-                elif option in job.options and job.options[option] != v:
-                    job.notes.append(f"{name} = {v!r} ({label}) differs from "
-                                     f"{job.options[option]!r} ({set_by.get(option, '')}): one "
+                elif option in request.options and request.options[option] != v:
+                    request.notes.append(f"{name} = {v!r} ({label}) differs from "
+                                     f"{request.options[option]!r} ({set_by.get(option, '')}): one "
                                      f"{option} for both models is supported; using "
-                                     f"{job.options[option]!r}")
+                                     f"{request.options[option]!r}")
                 else:
-                    job.options[option] = v
+                    request.options[option] = v
                     set_by.setdefault(option, label)
-    return job
+    return request
 
 
 def _progress_callback(host: Host) -> Callable[[str, int, int], None]:
@@ -535,9 +537,18 @@ def _stop_check(host: Host) -> Callable[[], bool]:
     return should_stop
 
 
-def _run_facade(host: Host, dit: ModelHandle, vae: ModelHandle, inputs: dict, call: Callable,
+def _resolved(host: Host, dit: ModelHandle, vae: ModelHandle, inputs: dict) -> Options:
+    """The node's options, resolved once (bad values fail here, before anything is loaded);
+    what the library cannot honour yet is reported."""
+    request = facade_request(dit, vae, *_split_inputs(inputs))
+    for message in request.unsupported + request.notes:
+        host.warn(message)
+    return resolve_options(**request.options)
+
+
+def _run_facade(host: Host, dit: ModelHandle, vae: ModelHandle, opts: Options, call: Callable,
                 live_preview: bool = True):
-    """Run ``call(dit path, vae path, model_dir=, progress=, should_stop=, **options)``: one
+    """Run ``call(dit path, vae path, model_dir=, progress=, should_stop=, opts=)``: one
     facade call, which loads the models (or takes them from the library's model cache).
     ``live_preview``: the node shows the newest finished frame while it runs. Off for a node
     that shows its result itself: the editor (frontend 1.32 to 1.58, useNodeOutputStore's
@@ -545,14 +556,10 @@ def _run_facade(host: Host, dit: ModelHandle, vae: ModelHandle, inputs: dict, ca
     again, so the finished video would never show."""
     from ..pipeline.runner import Interrupted
 
-    job = plan_job(dit, vae, *_split_inputs(inputs))
-    for message in job.unsupported + job.notes:
-        host.warn(message)
-    resolve_options(**job.options)  # bad values fail here, before anything is loaded
     model_dir = Path(dit.path).parent  # text embeddings "auto" look next to the DiT
     import torch
 
-    host.before_load((dit.path, vae.path), job.options.get("dit_device", "auto"))
+    host.before_load((dit.path, vae.path), opts.dit_device)
     try:
         # ComfyUI runs nodes under torch.inference_mode(); models loaded there would hold
         # inference tensors, which the DiT's RoPE cache cannot key on (no version counter).
@@ -561,7 +568,7 @@ def _run_facade(host: Host, dit: ModelHandle, vae: ModelHandle, inputs: dict, ca
             return call(dit.path, vae.path, model_dir=model_dir,
                         progress=_progress_callback(host), should_stop=_stop_check(host),
                         make_room=host.make_room,
-                        preview=host.preview if live_preview else None, **job.options)
+                        preview=host.preview if live_preview else None, opts=opts)
     except Interrupted:
         host.raise_interrupted()
         raise
@@ -583,8 +590,8 @@ def _split_inputs(inputs: dict) -> tuple[dict, dict]:
 def _upscale_images(host: Host, image, dit: ModelHandle, vae: ModelHandle, **inputs) -> NodeResult:
     from ..api import upscale
 
-    return NodeResult((_as_comfy_image(_run_facade(host, dit, vae, inputs,
-                                                   partial(upscale, image))),))
+    opts = _resolved(host, dit, vae, inputs)
+    return NodeResult((_as_comfy_image(_run_facade(host, dit, vae, opts, partial(upscale, image))),))
 
 
 PREVIEW_FRAMES = 4
@@ -646,12 +653,12 @@ def _upscale_video_file(host: Host, dit: ModelHandle, vae: ModelHandle, video_pa
     except (ValueError, OSError) as e:  # (MediaError included; OSError: a name too long)
         raise ValueError(f"video_path = {shown(video_path)}: "
                          f"{e.strerror if isinstance(e, OSError) and e.strerror else e}") from None
-    opts = resolve_options(**plan_job(dit, vae, *_split_inputs(inputs)).options)
+    opts = _resolved(host, dit, vae, inputs)
     height, width = output_size(info.height, info.width, opts)
     suffix = ".png" if info.kind == "image" and Path(src).suffix.lower() in IMAGE_EXTENSIONS else ".mp4"
     dst, saved = host.output_file(output_prefix(filename_prefix, VIDEO_FILE_PREFIX), suffix,
                                   width, height)
-    out = _run_facade(host, dit, vae, inputs, partial(upscale_file, src, dst, codec=codec),
+    out = _run_facade(host, dit, vae, opts, partial(upscale_file, src, dst, codec=codec),
                       live_preview=False)  # the finished video plays on the node
     # The editor draws a node's "images" (with "animated" set, as a video player), as it does
     # for ComfyUI's Save Video.
@@ -670,21 +677,22 @@ def _upscale_video(host: Host, video, dit: ModelHandle, vae: ModelHandle, codec:
     fit (:func:`_check_frames_fit`)."""
     from ..api import upscale, upscale_file
 
+    opts = _resolved(host, dit, vae, inputs)
     source = host.video_file(video)
     if source is not None:
         dst = host.temp_file("SeedVR2/video", ".mp4")
         call_file = partial(upscale_file, source, dst, codec=codec)
-        return NodeResult((host.file_video(_run_facade(host, dit, vae, inputs, call_file)),))
-    _check_frames_fit(host.video_size(video), plan_job(dit, vae, *_split_inputs(inputs)))
+        return NodeResult((host.file_video(_run_facade(host, dit, vae, opts, call_file)),))
+    _check_frames_fit(host.video_size(video), opts)
     images, audio, fps = host.video_frames(video)
-    frames = _as_comfy_image(_run_facade(host, dit, vae, inputs, partial(upscale, images)))
+    frames = _as_comfy_image(_run_facade(host, dit, vae, opts, partial(upscale, images)))
     return NodeResult((host.frames_video(frames, audio, fps),))
 
 
 FLOAT_BYTES = 4  # ComfyUI's IMAGE frames are float32
 
 
-def _check_frames_fit(size: Optional[tuple], job: "_Job") -> None:
+def _check_frames_fit(size: Optional[tuple], opts: Options) -> None:
     """Before a VIDEO's frames are taken into memory: log what they and the upscaled frames
     will hold in RAM, and refuse (:class:`~seedvr2.memory.budget.BudgetError`, naming the way
     out) when that is more than the host has available. ``size``: the host's ``video_size``
@@ -697,7 +705,7 @@ def _check_frames_fit(size: Optional[tuple], job: "_Job") -> None:
                  "taken")
         return
     frames, height, width, in_memory = size
-    out_height, out_width = output_size(height, width, resolve_options(**job.options))
+    out_height, out_width = output_size(height, width, opts)
     taken = 0 if in_memory else frames * height * width * 3 * FLOAT_BYTES
     need = taken + frames * out_height * out_width * 3 * FLOAT_BYTES
     available = host_available()
