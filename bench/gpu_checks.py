@@ -427,7 +427,7 @@ def copy_overlap(prof) -> tuple[float, float]:
 # -- sections --------------------------------------------------------------------------------------
 
 def check_env(run: Run):
-    from seedvr2.memory.policy import resolve_dtype
+    from seedvr2.memory.device_choice import resolve_dtype
     from seedvr2.models.attention import FLASH_ATTN_3_MODULE, auto_backend
 
     r = run.report
@@ -752,7 +752,7 @@ def _random_packed(fmt: str, shape: tuple, device: torch.device):
     dequantisers' speed does not depend on the values)."""
     from seedvr2.loading.gguf import BLOCK_SIZES
     from seedvr2.loading.fp8 import quantize_fp8
-    from seedvr2.loading.quantized import PackedWeight
+    from seedvr2.loading.packed_layers import PackedWeight
 
     if fmt.startswith("float8"):
         data, scale = quantize_fp8(torch.randn(shape, device=device) * 0.02, getattr(torch, fmt))
@@ -769,7 +769,7 @@ def _random_packed(fmt: str, shape: tuple, device: torch.device):
 
 def check_dequant(run: Run):
     from seedvr2.loading.lowp import compute_path
-    from seedvr2.loading.quantized import can_pack
+    from seedvr2.loading.packed_layers import can_pack
 
     scale = run.scale
     with torch.device("meta"):
@@ -825,7 +825,7 @@ def _quantised_dit(run: Run, target: str):
     """The lowp section's random 3B (same seed, so the same weights every call) in bf16, its
     block linears packed in ``target`` as ``seedvr2 quantize`` writes them."""
     from seedvr2.loading.quantize import pack_weight, should_quantize
-    from seedvr2.loading.quantized import attach_packed_weight
+    from seedvr2.loading.packed_layers import attach_packed_weight
 
     torch.manual_seed(1)
     dit = random_model(build_dit, run.scale.dit3b, run.device, torch.bfloat16)
@@ -871,7 +871,7 @@ def check_lowp(run: Run):
 
 def _layer_paths(run: Run, dit, capability) -> tuple:
     from seedvr2.loading.lowp import compute_path
-    from seedvr2.loading.quantized import packed_modules
+    from seedvr2.loading.packed_layers import packed_modules
 
     with lowp_stand_in(run, capability):
         return tuple(compute_path(p, torch.bfloat16, run.device, "auto")
@@ -879,7 +879,7 @@ def _layer_paths(run: Run, dit, capability) -> tuple:
 
 
 def _lowp_row(run: Run, dit, target, precision, capability, inputs, reference, measured):
-    from seedvr2.loading.quantized import packed_modules, set_compute_precision
+    from seedvr2.loading.packed_layers import packed_modules, set_compute_precision
 
     set_compute_precision(dit, precision)
     scale = run.scale

@@ -213,15 +213,15 @@ def checked_products(log: Optional[KernelLog] = None):
     """Every layer's low-precision product checked against its definition (see the module
     doc), on whatever device computes: inside :func:`capable_gpu` on the CPU, alone on a GPU
     (bench/gpu_checks.py's lowp section). Yields the :class:`KernelLog` counting them."""
-    from seedvr2.loading import quantized
+    from seedvr2.loading import packed_layers
 
     log = log if log is not None else KernelLog(Platform("(this device)"))
-    original = quantized.low_precision_linear
-    quantized.low_precision_linear = _checked_product(original, log)
+    original = packed_layers.low_precision_linear
+    packed_layers.low_precision_linear = _checked_product(original, log)
     try:
         yield log
     finally:
-        quantized.low_precision_linear = original
+        packed_layers.low_precision_linear = original
 
 
 def _checked_product(original, log: KernelLog):

@@ -18,7 +18,7 @@ import torch
 
 from seedvr2.cli import main
 from seedvr2.io import open_media
-from seedvr2.loading.schemes import bytes_per_weight
+from seedvr2.loading.format_table import bytes_per_weight
 from seedvr2.memory import budget as mem
 from seedvr2.memory.budget import GIB, Budget, BudgetError, BatchShape, Placement, Weights
 from seedvr2.memory.tiling import TileSettings

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import seedvr2
-from seedvr2.loading.formats import CheckpointError
+from seedvr2.loading.weight_files import CheckpointError
 from seedvr2.loading.text import BUNDLED_TEXT_EMBEDDINGS, load_text_embeddings
 from seedvr2.models import build_dit
 

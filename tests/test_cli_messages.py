@@ -16,7 +16,7 @@ import pytest
 
 from seedvr2.cli import _PlainProgress, main
 from seedvr2.loading import registry
-from seedvr2.loading.formats import CheckpointError
+from seedvr2.loading.weight_files import CheckpointError
 from seedvr2.options import AREAS, OPTIONS, OptionError, resolve_options
 
 from conftest import REPO

@@ -19,7 +19,7 @@ from seedvr2.kernels import Platform
 from seedvr2.loading import load_dit
 from seedvr2.loading.lowp import compute_path, weight_path
 from seedvr2.loading.quantize import quantize_file
-from seedvr2.loading.quantized import (PackedWeight, attach_packed_weight, packed_modules,
+from seedvr2.loading.packed_layers import (PackedWeight, attach_packed_weight, packed_modules,
                                        set_compute_precision)
 
 from conftest import (float_step_error, integer_step_error, load_case, quantization_bound,
@@ -132,7 +132,7 @@ def test_kitchen_lookup_without_the_package():
 
 
 def test_importing_the_pack_does_not_import_comfy_kitchen():
-    code = ("import sys, seedvr2, seedvr2.loading.quantized, seedvr2.pipeline.job\n"
+    code = ("import sys, seedvr2, seedvr2.loading.packed_layers, seedvr2.pipeline.job\n"
             "print(sys.modules.get('comfy_kitchen') is not None)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -368,7 +368,7 @@ def test_low_precision_dit_within_the_format_bound(target, tiny_fp32, monkeypatc
     dequantised = _bf16_output(model, case)
     taken = []
     real = compute_path
-    monkeypatch.setattr(sys.modules["seedvr2.loading.quantized"], "compute_path",
+    monkeypatch.setattr(sys.modules["seedvr2.loading.packed_layers"], "compute_path",
                         lambda *a, **k: taken.append(real(*a, **k)) or taken[-1])
     set_compute_precision(model, "auto")
     with capable_gpu((12, 0)) as log:  # every layer's product also checked by its definition

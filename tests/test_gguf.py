@@ -17,7 +17,7 @@ from seedvr2.loading import CheckpointError, describe, load_dit, load_vae  # noq
 from seedvr2.loading import gguf as gguf_loader  # noqa: E402
 from seedvr2.loading.gguf import BLOCK_SIZES, dequantize_blocks  # noqa: E402
 from seedvr2.loading.quantize import quantize_file  # noqa: E402
-from seedvr2.loading.quantized import PackedWeightMixin, packed_modules  # noqa: E402
+from seedvr2.loading.packed_layers import PackedWeightMixin, packed_modules  # noqa: E402
 
 from conftest import (constructor_kwargs, dit_bound, dit_output, integer_step_error,  # noqa: E402
                       load_case, quantization_bound, relative_error)

@@ -13,7 +13,7 @@ import torch
 from seedvr2.memory import budget as mem
 from seedvr2.memory.budget import GIB, Budget, BudgetError, BatchShape, Placement, Weights
 from seedvr2.memory.compile import CompileSettings, apply_compile, is_out_of_memory
-from seedvr2.memory.policy import NonFiniteError, check_finite, resolve_dtype
+from seedvr2.memory.device_choice import NonFiniteError, check_finite, resolve_dtype
 from seedvr2.options import OptionError
 
 CUDA = torch.device("cuda", 0)

@@ -145,7 +145,7 @@ def test_host_to_cuda_copies_are_pinned_and_non_blocking(monkeypatch):
     """The CUDA branch of to_device, with the CUDA calls recorded instead of run: the values
     are pinned first and copied without blocking the host (a pageable copy would wait for the
     stream to drain)."""
-    from seedvr2.models.packing import to_device
+    from seedvr2.models.window import to_device
 
     calls = []
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin") or self)

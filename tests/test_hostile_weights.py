@@ -156,8 +156,8 @@ def first_forward(model, precisions=("weights", "auto")) -> None:
     standing in, every kernel call checked): finite, or a weight of extreme magnitude that the
     pipeline's per-batch check stops at cleanly, instead of writing black frames."""
     from kernel_checks import capable_gpu
-    from seedvr2.loading.quantized import set_compute_precision
-    from seedvr2.memory.policy import NonFiniteError, check_finite
+    from seedvr2.loading.packed_layers import set_compute_precision
+    from seedvr2.memory.device_choice import NonFiniteError, check_finite
 
     inputs = [t.to(torch.bfloat16) if t.is_floating_point() and t.dim() == 2 else t
               for t in _inputs()]

@@ -185,7 +185,7 @@ def test_safetensors_with_a_128_byte_header_is_not_taken_for_a_pickle(tmp_path):
     (torch 2.14's torch.load happens to read such a file; torch 2.11 refuses it.)"""
     import struct
 
-    from seedvr2.loading.formats import open_weights, sniff_format
+    from seedvr2.loading.weight_files import open_weights, sniff_format
 
     values = torch.arange(6, dtype=torch.float32)
     header = json.dumps({"pos": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}})

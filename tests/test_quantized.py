@@ -19,7 +19,7 @@ from seedvr2.loading.quantize import quantize_file
 from seedvr2.loading.int8 import regular_hadamard
 from seedvr2.loading.nvfp4 import E2M1_VALUES
 from seedvr2.loading.packed import swizzle_block_scales, unswizzle_block_scales
-from seedvr2.loading.quantized import packed_modules
+from seedvr2.loading.packed_layers import packed_modules
 from seedvr2.loading.text import load_text_embeddings
 
 from conftest import (constructor_kwargs, dit_output, float_step_error, integer_step_error,

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from seedvr2.loading import int8, packed
 from seedvr2.loading.gguf import dequantize_blocks
 from seedvr2.loading.lowp import low_precision_linear
-from seedvr2.loading.quantized import PackedWeight
+from seedvr2.loading.packed_layers import PackedWeight
 from seedvr2.loading.packed import swizzle_block_scales
 
 

@@ -119,7 +119,7 @@ def _job(opts: Options, devices: list[str], models: tuple, model_dir, spawned: b
     if len(devices) == 1:
         _check_one_process(opts)
         return Job.build(opts, *models, model_dir, Faults.from_environment(), make_room, shown)
-    from .distributed.job import check_sequence_parallel
+    from .distributed.rank_work import check_sequence_parallel
 
     if spawned:
         _check_named_models(*models)
@@ -146,7 +146,7 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
     Returns the output path.
     """
     from .distributed import in_distributed_launch, init_from_env
-    from .distributed.job import run_file_job
+    from .distributed.rank_work import run_file_job
     from .distributed.launch import spawn_file_job
     from .io import open_media
 

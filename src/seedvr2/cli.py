@@ -61,7 +61,7 @@ def _inspect(args) -> int:
 
 
 def _quantize(args) -> int:
-    from .loading.formats import CheckpointError
+    from .loading.weight_files import CheckpointError
     from .loading.quantize import quantize_file
 
     bar = None
@@ -98,7 +98,7 @@ _READ_ONLY_VIDEOS = {".avi", ".ts", ".gif"}
 def _output_suffix(src: Path) -> str:
     """The output extension for ``src``: the same one rule for single files and folders.
     Kinds we write keep theirs; other videos (AVI, GIF, TS, ...) become MP4, BMP PNG."""
-    from .io._common import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
+    from .io import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 
     ext = src.suffix.lower()
     if ext in VIDEO_EXTENSIONS or ext in IMAGE_EXTENSIONS and ext != ".bmp":
@@ -122,7 +122,7 @@ def _folder_jobs(src: Path, output: str | None) -> tuple[Path, list[tuple[Path, 
     """The output folder and (input, output) pairs of a folder input; raises ValueError when
     they can't be made (nothing to do, the output folder is a file, two inputs would write
     the same output)."""
-    from .io._common import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
+    from .io import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 
     media = VIDEO_EXTENSIONS.keys() | IMAGE_EXTENSIONS.keys() | _READ_ONLY_VIDEOS
     inputs = sorted(p for p in src.iterdir() if p.suffix.lower() in media
@@ -367,7 +367,7 @@ def _upscale_jobs(args, opts, jobs: list) -> int:
     import time
 
     from .api import check_file_job, load_models, process_devices, upscale_file
-    from .loading.formats import CheckpointError
+    from .loading.weight_files import CheckpointError
 
     bars = _Bars(not args.quiet)
     failed = []

@@ -80,7 +80,7 @@ _WRITER_COUNTS = ("frames", "batches_reused", "batches_total")  # the JobStats i
 def _file_worker(rank: int, devices: list[str], port: int, threads: int, job, file: tuple,
                  report: tuple):
     from ..pipeline.runner import JobStats
-    from .job import STARTED_ENV, run_file_job
+    from .rank_work import STARTED_ENV, run_file_job
 
     log_level, events, previews = report
     # A spawned worker starts without logging set up: show what the parent would, by rank.
@@ -99,7 +99,7 @@ def _file_worker(rank: int, devices: list[str], port: int, threads: int, job, fi
 
 def _tensor_worker(rank: int, devices: list[str], port: int, threads: int, job,
                    tensors: tuple, channel: tuple):
-    from .job import run_tensor_job
+    from .rank_work import run_tensor_job
 
     ctx = _join_group(rank, devices, port, threads, job.opts.dist_timeout)
     events, stop, previews = channel
@@ -282,7 +282,7 @@ def _launched(worker, device_list: list[str], timeout_s: float, args: tuple):
     store and the folder go."""
     import torch.multiprocessing as mp
 
-    from .job import STARTED_ENV
+    from .rank_work import STARTED_ENV
 
     remove_stale_launch_folders()
     with tempfile.TemporaryDirectory(prefix=LAUNCH_PREFIX) as started, \

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..pipeline.plan import Batch, BatchPlan
-from ..pipeline.runner import Upscaler, _Encoded
+from ..pipeline.runner import Upscaler, Encoded
 from .sequence import Meeting
 
 log = logging.getLogger("seedvr2")
@@ -46,7 +46,7 @@ class SharedVaeUpscaler(Upscaler):
 
     def _encode(self, batch: Batch, frames: list, size: tuple[int, int]):
         if not self.owns(batch):
-            return _Encoded(batch, None, None, size)  # its latent arrives before the DiT call
+            return Encoded(batch, None, None, size)  # its latent arrives before the DiT call
         log.debug("VAE of batch %d: encoded and decoded on this rank", batch.index)
         return super()._encode(batch, frames, size)
 

@@ -6,14 +6,15 @@ naming the file. Contracts, an example and what each format keeps: docs/media.md
 Pillow are imported inside the functions that use them, so importing this stays cheap.
 """
 
-from ._common import MediaError, MediaInfo
+from ._common import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError, MediaInfo, refuse_hdr
 from .audio import encode_audio
 from .reader import (AnimationReader, ImageReader, MediaReader, SequenceReader, VideoReader,
                      open_media)
 from .writer import ImageWriter, MediaWriter, SequenceWriter, VideoWriter, open_writer
 
 __all__ = [
-    "MediaError", "MediaInfo", "encode_audio", "open_media", "open_writer",
+    "IMAGE_EXTENSIONS", "VIDEO_EXTENSIONS", "MediaError", "MediaInfo", "encode_audio",
+    "open_media", "open_writer", "refuse_hdr",
     "MediaReader", "VideoReader", "ImageReader", "AnimationReader", "SequenceReader",
     "MediaWriter", "VideoWriter", "ImageWriter", "SequenceWriter",
 ]

@@ -17,9 +17,9 @@ from ..models import build_on_meta, set_tensor
 from ..models.config import ConfigError, DiTConfig, VAEConfig, dit_config, dit_family, vae_config
 from ..models.rope import FrequencyTable, share_equal_tables
 from .detect import describe_unknown, detect_dit, detect_vae, model_kind
-from .formats import CheckpointError, TensorSource, aligned, open_weights
+from .weight_files import CheckpointError, TensorSource, aligned, open_weights
 from .packed import PackedWeight, non_finite_values
-from .quantized import attach_packed_weight, can_pack
+from .packed_layers import attach_packed_weight, can_pack
 
 log = logging.getLogger("seedvr2")
 

@@ -21,7 +21,7 @@ import torch
 
 from .. import kernels
 from .packed import PackedWeight, scheme_of
-from .schemes import SCHEMES  # noqa: F401 -- every format's product registered
+from .format_table import SCHEMES  # noqa: F401 -- every format's product registered
 
 COMPUTE_PRECISIONS = ("auto", "weights")
 WEIGHTS = "weights"

@@ -4,7 +4,7 @@ A :class:`PackedWeight` holds a weight as a file stores it (packed tensors, sche
 shape) and dequantises it in pure torch wherever its tensors live. How each scheme is stored,
 checked, dequantised, multiplied in its own precision and written is one row of
 :data:`FORMATS`, which every format module (``fp8``, ``int8``, ``mxfp8``, ``nvfp4``, ``gguf``)
-registers into with :func:`register`; ``loading.schemes`` imports them all, so that the table
+registers into with :func:`register`; ``loading.format_table`` imports them all, so that the table
 is complete for everything that reads it. docs/models.md, "Quantised weights in memory".
 
 Imports ``errors`` only: the format modules import this one, never the reverse.
@@ -244,7 +244,7 @@ def scheme_of(name: str) -> Scheme:
         return SCHEMES[name]
     except KeyError:
         raise LayoutError(f"unknown storage scheme {name!r} (known: {', '.join(SCHEMES)}); "
-                          f"import seedvr2.loading.schemes to register them all") from None
+                          f"import seedvr2.loading.format_table to register them all") from None
 
 
 def entry_problem(entry: PackedEntry, shapes: Mapping, dtypes: Mapping) -> Optional[str]:

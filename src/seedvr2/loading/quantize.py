@@ -20,12 +20,12 @@ import torch
 
 from ..options import option_ref
 from .detect import describe_unknown, model_kind
-from .formats import SAFETENSORS_DTYPES, CheckpointError, TensorSource, open_weights
+from .weight_files import SAFETENSORS_DTYPES, CheckpointError, TensorSource, open_weights
 from .gguf import CONFIG_KEY, ORIG_SHAPE_KEY, config_json
 from .load import checked_model, finite, finite_parts
 from .packed import PackedWeight
 from .safetensors import scan_safetensors_layout
-from .schemes import TARGETS as LAYER_TARGETS
+from .format_table import TARGETS as LAYER_TARGETS
 
 GGUF_TARGETS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16", "F16")
 SAFETENSORS_TARGETS = tuple(LAYER_TARGETS)  # fp8_e4m3fn, fp8_e5m2, int8, int8_convrot, mxfp8, nvfp4

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..options import option_ref
-from .schemes import bytes_per_weight
+from .format_table import bytes_per_weight
 from .source import CheckpointError
 
 
@@ -70,7 +70,7 @@ KNOWN_FILES: dict[str, KnownFile] = {
 
 # ComfyUI's native SeedVR2 files (Comfy-Org/SeedVR2): the DiT in models/diffusion_models/, the
 # VAE in models/vae/ (as ema_vae_fp16.safetensors, the same file as numz's, or under the
-# name below). Their quantised formats are ComfyUI layouts the loader reads (loading.quantized).
+# name below). Their quantised formats are ComfyUI layouts the loader reads (loading.packed_layers).
 _COMFY_ORG = "Comfy-Org/SeedVR2"
 KNOWN_FILES.update({
     f"seedvr2_{model}_{fmt}.safetensors": KnownFile(

@@ -15,7 +15,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from . import schemes  # noqa: F401 -- every format registered: the table below is complete
+from . import format_table  # noqa: F401 -- every format registered: the table below is complete
 from .packed import FORMATS, MARKERS, LayoutError, PackedEntry, entry_problem
 from .source import COMFY_PREFIX, CheckpointError, TensorSource
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..options import option_ref
-from .formats import CheckpointError, aligned, open_weights, sniff_format
+from .weight_files import CheckpointError, aligned, open_weights, sniff_format
 
 # The official pos/neg embeddings of both released DiT families (txt_in_dim 5120); provenance
 # in seedvr2/data/README.md.

@@ -2,7 +2,7 @@
 torch.compile settings."""
 
 from .cache import MODEL_CACHE, ModelCache, ModelKey
-from .policy import resolve_device, resolve_dtype, resolve_offload
+from .device_choice import resolve_device, resolve_dtype, resolve_offload
 
 __all__ = ["MODEL_CACHE", "ModelCache", "ModelKey", "resolve_device", "resolve_dtype",
            "resolve_offload"]

@@ -18,7 +18,7 @@ from typing import Mapping, Optional, Sequence
 import torch
 
 from ..errors import SeedVR2Error
-from ..loading.schemes import bytes_per_weight
+from ..loading.format_table import bytes_per_weight
 from ..models import build_on_meta
 from ..models.config import DiTConfig, VAEConfig
 from ..models.vae_blocks import SPLIT_ELEMENTS
@@ -130,7 +130,7 @@ class Weights:
         """(sizes, config) of a weight file as the loader would place it with ``dtype``,
         read from the file's header only: packed (quantised) weights at their storage size,
         float tensors converted to ``dtype``."""
-        from ..loading.formats import open_weights
+        from ..loading.weight_files import open_weights
         from ..loading.load import EMBEDDED_TEXT_KEYS
         from ..loading.load import config_for  # the loader's own config detection
 

@@ -17,7 +17,7 @@ import torch
 
 from ..options import Options, option_ref
 from . import budget as mem
-from .policy import resolve_device, resolve_dtype, resolve_offload
+from .device_choice import resolve_device, resolve_dtype, resolve_offload
 from .tiling import settings_from_options
 
 log = logging.getLogger("seedvr2")

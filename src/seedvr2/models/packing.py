@@ -7,25 +7,10 @@ copy from pinned memory (:func:`to_device`), never read back (docs/models.md, "P
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
-from .window import WindowLayout, layout_for
-
-
-def to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A tensor on ``device``; from the host without stalling it (CPU to CUDA: a non-blocking
-    copy from pinned memory, which may be dropped at once; anything else: a plain move).
-    """
-    if device.type == "cuda" and values.device.type == "cpu":
-        return values.pin_memory().to(device, non_blocking=True)
-    return values.to(device)
-
-
-def split_rows(buffer: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
-    """Consecutive views of ``buffer`` of the given lengths (no copies)."""
-    return list(torch.split(buffer, list(lengths)))
+from .window import WindowLayout, layout_for, split_rows, to_device
 
 
 @dataclass

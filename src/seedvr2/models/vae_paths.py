@@ -115,8 +115,8 @@ def kitchen_stats(mean: Tensor, var: Tensor, eps: float) -> Tensor:
     return pair.view(B, G, T, 2).permute(0, 2, 1, 3).reshape(B * T, G, 2)
 
 
-def norm_silu_into(x: Tensor, weight: Tensor, bias: Tensor, groups: int, eps: float,
-                   stats: Tensor, out: Tensor, frames: Optional[int] = None) -> None:
+def kitchen_norm_silu_into(x: Tensor, weight: Tensor, bias: Tensor, groups: int, eps: float,
+                           stats: Tensor, out: Tensor, frames: Optional[int] = None) -> None:
     """``out = silu(group_norm(x))`` through ``group_norm_silu_pad3d`` with the given per-frame
     ``stats`` (:func:`kitchen_stats`), ``frames`` at a time (default: as many as stay under
     :data:`VIEW_ELEMENTS`); ``out`` has ``x``'s shape (a body view of a padded buffer: no

@@ -9,10 +9,25 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
+from typing import Sequence
 
 import torch
 
 Window = tuple[int, int, int, int, int, int]  # (t0, t1, h0, h1, w0, w1), half-open
+
+
+def to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor on ``device``; from the host without stalling it (CPU to CUDA: a non-blocking
+    copy from pinned memory, which may be dropped at once; anything else: a plain move).
+    """
+    if device.type == "cuda" and values.device.type == "cpu":
+        return values.pin_memory().to(device, non_blocking=True)
+    return values.to(device)
+
+
+def split_rows(buffer: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
+    """Consecutive views of ``buffer`` of the given lengths (no copies)."""
+    return list(torch.split(buffer, list(lengths)))
 
 
 def window_sizes(t: int, h: int, w: int, num: tuple[int, int, int]) -> tuple[int, int, int]:
@@ -78,7 +93,7 @@ class WindowLayout:
               txt_lens: list[int], device: torch.device) -> "WindowLayout":
         """The layout's tensors on ``device``: computed on the CPU, concatenated into one
         int64 buffer, sent in one copy (from pinned memory on CUDA, see
-        :func:`~seedvr2.models.packing.to_device`) and split into views there."""
+        :func:`to_device`) and split into views there."""
         by_key: dict[tuple[int, int], list] = {}
         vid_offset = txt_offset = 0
         txt_windows = []
@@ -114,8 +129,6 @@ class WindowLayout:
                         for off in dict.fromkeys(offsets)]
             groups.append(WindowGroup(start, len(members), vid_len, txt_index, segments))
             start += len(members) * vid_len
-
-        from .packing import split_rows, to_device
 
         host = [torch.cat(perm), torch.cat(local).reshape(-1), torch.cat(sizes).reshape(-1),
                 torch.cat(samples), torch.cat(txt_windows).long()]

@@ -19,7 +19,7 @@ from ..io.files import (VIDEO_SUFFIXES, FileOutput, frame_count, input_files,
 from ..loading.registry import default_model_dir
 from ..memory import budget as mem
 from ..memory.fit import JobMemory, MakeRoom, ModelDevices, decide, fit_options
-from ..memory.policy import resolve_device
+from ..memory.device_choice import resolve_device
 from ..options import OptionError, Options
 from .identity import ModelRef, model_refs
 from .model_loading import load_models, resident_bytes

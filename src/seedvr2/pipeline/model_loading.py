@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..loading import load_dit, load_vae
-from ..loading.quantized import set_compute_precision
+from ..loading.packed_layers import set_compute_precision
 from ..loading.registry import default_model_dir
 from ..loading.text import load_text_embeddings
 from ..memory import MODEL_CACHE, ModelKey

@@ -31,8 +31,8 @@ from ..memory import tiling
 from ..memory.blockswap import BlockSwap
 from ..memory.budget import host_rss
 from ..memory.compile import is_compiled
-from ..memory.policy import check_finite
-from ..models.packing import to_device
+from ..memory.device_choice import check_finite
+from ..models.window import to_device
 from ..options import Options
 from .alpha import upscale_alpha
 from .color import color_correct
@@ -334,7 +334,7 @@ class FrameSource:
 
 
 @dataclass
-class _Encoded:
+class Encoded:
     batch: Batch
     latent: torch.Tensor  # (t, h, w, 16) scaled, channels-last
     # (n, H, W, C) input frames in their source precision on the VAE's device: the colour
@@ -471,7 +471,7 @@ class Upscaler:
         """(n, H, W, C) on ``device`` in the frames' source precision. From pinned frames on
         CUDA, each copy is non-blocking (the caching host allocator keeps each pinned frame
         until its copy's event has completed, see
-        :func:`~seedvr2.models.packing.to_device`)."""
+        :func:`~seedvr2.models.window.to_device`)."""
         if device.type == "cpu":
             return torch.stack(frames)
         out = torch.empty((len(frames), *frames[0].shape), dtype=frames[0].dtype, device=device)
@@ -486,7 +486,7 @@ class Upscaler:
         return F.interpolate(rgb, size=size, mode="bicubic", antialias=True,
                              align_corners=False).clamp_(0, 1)
 
-    def _encode(self, batch: Batch, frames: list, size: tuple[int, int]) -> _Encoded:
+    def _encode(self, batch: Batch, frames: list, size: tuple[int, int]) -> Encoded:
         opts, vae, device = self.opts, self.models.vae, self.models.vae_device
         source = self._upload_frames(frames, device)
         reference = self._reference(source, size) * 2 - 1
@@ -507,14 +507,14 @@ class Upscaler:
         # the one back) waits for the device.
         check_finite(latent, "VAE encoder", self.dtype, _batch_name(batch))
         latent = (latent[0].permute(1, 2, 3, 0).float() * LATENT_SCALE).to(self.offload)
-        return _Encoded(batch, latent, source, size)
+        return Encoded(batch, latent, source, size)
 
     def _text_on(self, device: torch.device) -> torch.Tensor:
         if device not in self._text:
             self._text[device] = to_device(self.models.text, device).to(self.dtype)
         return self._text[device]
 
-    def _denoise(self, item: _Encoded):
+    def _denoise(self, item: Encoded):
         opts, dit, device = self.opts, self.models.dit, self.models.dit_device
         latent = item.latent.to(device)
         seed = lambda purpose: batch_seed(opts.seed, item.batch.start, purpose)  # noqa: E731
@@ -534,7 +534,7 @@ class Upscaler:
         item.result = x0_from_velocity(noise, v.float().reshape(noise.shape)).to(self.offload)
         item.latent = None
 
-    def _decode(self, item: _Encoded) -> torch.Tensor:
+    def _decode(self, item: Encoded) -> torch.Tensor:
         device, size = self.models.vae_device, item.size
         z = (item.result.to(device) / LATENT_SCALE).permute(3, 0, 1, 2)[None]
         video = tiling.decode(self.models.vae, z.to(self.dtype), self.decode_tiles,
@@ -546,7 +546,7 @@ class Upscaler:
         del video
         return self._finish(item, frames)
 
-    def _finish(self, item: _Encoded, frames: torch.Tensor) -> torch.Tensor:
+    def _finish(self, item: Encoded, frames: torch.Tensor) -> torch.Tensor:
         """Colour correction against the resized input, gray or alpha put back."""
         device, method = self.models.vae_device, self.opts.color_correction
         self._stops(device)
@@ -608,7 +608,7 @@ class Upscaler:
                 self.stats.add(phase, start.elapsed_time(end) / 1000)
                 self._pending_times.pop(0)
 
-    def _encoded(self, batches: list, plan: BatchPlan, source: FrameSource) -> Iterator[_Encoded]:
+    def _encoded(self, batches: list, plan: BatchPlan, source: FrameSource) -> Iterator[Encoded]:
         """The batches encoded, in order (on a thread of its own when the phases overlap:
         inference mode is per thread, hence entered here)."""
         with torch.inference_mode():
@@ -698,7 +698,7 @@ class Upscaler:
             del out
             self._collect_times()  # the consumer has fetched the frames: these ended
 
-    def _denoise_counted(self, item: _Encoded, counts: "_PhaseCounts"):
+    def _denoise_counted(self, item: Encoded, counts: "_PhaseCounts"):
         self._stops()
         with self._phase("dit"):
             self._denoise(item)

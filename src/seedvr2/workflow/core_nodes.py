@@ -82,8 +82,7 @@ def video_components(video: Video) -> tuple:
         return video.images, video.audio, float(video.fps)
     import torch
 
-    from ..io import open_media
-    from ..io._common import refuse_hdr
+    from ..io import open_media, refuse_hdr
     from ..pipeline.runner import to_float_frame
 
     with open_media(video.path) as reader:

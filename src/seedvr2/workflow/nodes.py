@@ -227,7 +227,7 @@ def _model_input(kind: str) -> Input:
 
 def _input_videos(host: Host) -> list[str]:
     """The videos in the input folder (by extension), for Upscale Video File's list."""
-    from ..io._common import VIDEO_EXTENSIONS
+    from ..io import VIDEO_EXTENSIONS
 
     return sorted(n for n in host.input_names() if Path(n).suffix.lower() in VIDEO_EXTENSIONS)
 
@@ -640,8 +640,7 @@ VIDEO_FILE_PREFIX = "SeedVR2/video"  # Upscale Video File's default filename_pre
 def _upscale_video_file(host: Host, dit: ModelHandle, vae: ModelHandle, video_path: str,
                         filename_prefix: str, codec: str, **inputs) -> NodeResult:
     from ..api import upscale_file
-    from ..io import open_media
-    from ..io._common import IMAGE_EXTENSIONS
+    from ..io import IMAGE_EXTENSIONS, open_media
     from ..pipeline.runner import output_size
 
     if not video_path.strip():

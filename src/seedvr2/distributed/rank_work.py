@@ -341,7 +341,7 @@ def run_file_job(ctx: DistContext, job: Job, src, output, progress=None, should_
     (docs/resume.md). ``stats`` (a ``JobStats``, writer rank) is told the frames and the
     batches reused."""
     from ..io import open_media
-    from ..memory.policy import resolve_dtype
+    from ..memory.device_choice import resolve_dtype
     from ..pipeline.identity import source_digest
     from ..pipeline.job import plan_file
     from ..pipeline.sink import open_sink
