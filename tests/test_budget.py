@@ -516,25 +516,26 @@ def test_exact_tiling_host_ram_check():
     """The exact tiling mode's frame-wide planes are checked against host RAM up front, with
     temporal slices offered when they would fit."""
     from seedvr2.models.config import vae_config
-    cfg = vae_config("vae")
-    need = mem.exact_tiling_host_bytes(cfg, 21, 1080, 1920, 2, None, None)
+    cfg, frames = vae_config("vae"), BatchShape(1080, 1920, 21, 2)
+    need = mem.exact_tiling_host_bytes(cfg, frames)
     assert need == (256 + 2 * 128) * 21 * 1080 * 1920 * 2  # ~42 GiB of bf16 planes
-    sliced = mem.exact_tiling_host_bytes(cfg, 21, 1080, 1920, 2, 4, 4)
+    sliced = mem.exact_tiling_host_bytes(cfg, replace(frames, encode_slice=4,
+                                                        decode_slice=4))
     assert sliced == (256 + 2 * 128) * 7 * 1080 * 1920 * 2
-    assert mem.check_exact_tiling(cfg, 21, 1080, 1920, 2, None, None, 64 * 2**30) == need
+    assert mem.check_exact_tiling(cfg, frames, 64 * 2**30) == need
     with pytest.raises(mem.BudgetError, match=(
             r"^vae_tiling_exact keeps whole-frame activations in host RAM: about 41\.5 GiB for "
             r"1920x1080 frames at batch_size=21, but 24\.0 GiB is available\. Settings that would "
             r"fit: vae_encode_temporal_slice=4 and vae_decode_temporal_slice=4 \(same result, "
             r"about 13\.8 GiB\); or vae_tiling_exact=False \(independent tiles, little memory\)$")):
-        mem.check_exact_tiling(cfg, 21, 1080, 1920, 2, None, None, 24 * 2**30)
+        mem.check_exact_tiling(cfg, frames, 24 * 2**30)
     # The command line is told its own flags.
     from seedvr2.options import spoken_as_cli
     with spoken_as_cli(), pytest.raises(mem.BudgetError, match=(
             r"at --batch-size 21, .* Settings that would fit: --vae-encode-temporal-slice 4 and "
             r"--vae-decode-temporal-slice 4 .*; or --no-vae-tiling-exact \(independent")):
-        mem.check_exact_tiling(cfg, 21, 1080, 1920, 2, None, None, 24 * 2**30)
-    assert mem.check_exact_tiling(cfg, 21, 1080, 1920, 2, None, None, None) == need  # unknown RAM
+        mem.check_exact_tiling(cfg, frames, 24 * 2**30)
+    assert mem.check_exact_tiling(cfg, frames, None) == need  # unknown RAM
 
 
 def test_phase_summary_shows_device_peaks_only_where_measured():

@@ -34,6 +34,21 @@ def test_job_layer_functions_are_short_and_narrow():
     assert (too_long, too_wide) == ([], [])
 
 
+# Over all of src/: issue 41 asks for at most 2 functions past MAX_LINES and 4 past
+# MAX_PARAMETERS (the facade's keywords not counted); these ceilings hold what is left on the
+# way there, and only ever come down.
+SRC_LONG_CEILING, SRC_WIDE_CEILING = 5, 7
+
+
+def test_src_functions_stay_within_the_ceilings():
+    found = [(p.relative_to(SRC), *f) for p in sorted(SRC.rglob("*.py")) for f in _functions(p)]
+    too_long = [f"{p}:{line} {name}" for p, name, line, length, _ in found if length > MAX_LINES]
+    too_wide = [f"{p}:{line} {name}" for p, name, line, _, count in found
+                if count > MAX_PARAMETERS and name not in PUBLIC_KEYWORDS]
+    assert len(too_long) <= SRC_LONG_CEILING, too_long
+    assert len(too_wide) <= SRC_WIDE_CEILING, too_wide
+
+
 def test_the_measure_sees_a_long_wide_function(tmp_path):
     """The check above can fail: a 61-line function of 8 parameters is caught."""
     body = "\n".join(f"    x{i} = {i}" for i in range(59))

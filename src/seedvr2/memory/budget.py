@@ -787,8 +787,7 @@ def auto_batch_size(budget: Budget, shape: BatchShape, place: Placement, availab
 
 
 # ---------------------------------------------------------------------------------------------
-def exact_tiling_host_bytes(cfg: VAEConfig, batch: int, height: int, width: int, itemsize: int,
-                            decode_slice: Optional[int], encode_slice: Optional[int],
+def exact_tiling_host_bytes(cfg: VAEConfig, shape: BatchShape,
                             stages: tuple = ("encode", "decode")) -> int:
     """Host RAM the exact tiling mode holds in frame-wide planes (``state_device`` cpu) for the
     tiled ``stages``: about three full-resolution planes over the frames in flight, in the model
@@ -797,30 +796,28 @@ def exact_tiling_host_bytes(cfg: VAEConfig, batch: int, height: int, width: int,
     c0, c1 = cfg.block_out_channels[0], cfg.block_out_channels[min(1, len(cfg.block_out_channels) - 1)]
 
     def frames(slice_: Optional[int]) -> int:
-        return batch if not slice_ else min(batch, 1 + slice_) + 2
-    decode = (c1 + 2 * c0) * frames(decode_slice) if "decode" in stages else 0
-    encode = 3 * c0 * frames(encode_slice) if "encode" in stages else 0
-    return max(decode, encode) * height * width * itemsize
+        return shape.batch_size if not slice_ else min(shape.batch_size, 1 + slice_) + 2
+    decode = (c1 + 2 * c0) * frames(shape.decode_slice) if "decode" in stages else 0
+    encode = 3 * c0 * frames(shape.encode_slice) if "encode" in stages else 0
+    return max(decode, encode) * shape.height * shape.width * shape.dtype_bytes
 
 
-def check_exact_tiling(cfg: VAEConfig, batch: int, height: int, width: int, itemsize: int,
-                       decode_slice: Optional[int], encode_slice: Optional[int],
-                       available: Optional[int], stages: tuple = ("encode", "decode")) -> int:
+def check_exact_tiling(cfg: VAEConfig, shape: BatchShape, available: Optional[int],
+                       stages: tuple = ("encode", "decode")) -> int:
     """Raise :class:`BudgetError` when the exact tiling mode's planes would not fit the host's
     available RAM (``None``: unknown, no check); returns the estimate."""
-    need = exact_tiling_host_bytes(cfg, batch, height, width, itemsize, decode_slice, encode_slice,
-                                   stages)
+    need = exact_tiling_host_bytes(cfg, shape, stages)
     if available is None or need <= 0.9 * available:
         return need
-    sliced = exact_tiling_host_bytes(cfg, batch, height, width, itemsize, 4, 4, stages)
+    sliced = exact_tiling_host_bytes(cfg, replace(shape, encode_slice=4, decode_slice=4), stages)
     fix = (f"{option_ref('vae_encode_temporal_slice', 4)} and "
            f"{option_ref('vae_decode_temporal_slice', 4)} (same result, "
-           f"about {gib(sliced)}); or " if sliced <= 0.9 * available and (decode_slice, encode_slice) != (4, 4)
-           else "")
+           f"about {gib(sliced)}); or " if sliced <= 0.9 * available
+           and (shape.decode_slice, shape.encode_slice) != (4, 4) else "")
     raise BudgetError(f"{option_ref('vae_tiling_exact')} keeps whole-frame activations in host "
-                      f"RAM: about {gib(need)} for {width}x{height} frames at "
-                      f"{option_ref('batch_size', batch)}, but {gib(available)} is available. "
-                      f"Settings that would fit: {fix}"
+                      f"RAM: about {gib(need)} for {shape.width}x{shape.height} frames at "
+                      f"{option_ref('batch_size', shape.batch_size)}, but {gib(available)} is "
+                      f"available. Settings that would fit: {fix}"
                       f"{option_ref('vae_tiling_exact', False)} (independent tiles, little memory)")
 
 

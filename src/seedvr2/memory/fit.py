@@ -146,9 +146,7 @@ def fit_options(memory: JobMemory, opts: Options, frame_count: int, size: tuple[
                                              ("decode", batch.decode_tiles))
                   if tiles.enabled and tiles.exact)
     if exact:
-        mem.check_exact_tiling(memory.budget.vae, opts.batch_size, size[0], size[1],
-                               memory.devices.dtype.itemsize, batch.decode_slice,
-                               batch.encode_slice, mem.host_available(), exact)
+        mem.check_exact_tiling(memory.budget.vae, batch, mem.host_available(), exact)
     floor = min(mem.smallest_batch(opts.temporal_overlap), opts.batch_size)
     opts, batch, place = _fitted(memory.budget, batch, place, known, opts,
                                  opts.batch_size if fixed_batch else floor)
