@@ -115,7 +115,7 @@ def test_worker_sends_cpu_integers_on_the_frame_group(monkeypatch):
     """The worker's send loop, with torch.distributed replaced by a recorder: every tensor
     it posts is a CPU tensor on the frame group, middle frames as uint8, and the receiving
     side's decode + blend writes what one process writes."""
-    from seedvr2.distributed import job
+    from seedvr2.distributed import rank_work as job
 
     plan = _plan()
     outputs = [(b, torch.rand(b.frames, 4, 6, 3, generator=torch.Generator().manual_seed(b.index)))

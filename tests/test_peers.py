@@ -133,7 +133,7 @@ def test_every_group_of_a_job_has_its_dist_timeout(monkeypatch):
 
     import torch
 
-    from seedvr2.distributed import job
+    from seedvr2.distributed import rank_work as job
     from seedvr2.distributed.groups import DistContext
     from seedvr2.options import resolve_options
 

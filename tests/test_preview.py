@@ -96,7 +96,7 @@ def test_a_spawned_file_jobs_writer_relays_its_frames_and_previews(tiny_options,
     import queue
     import shutil
 
-    from seedvr2.distributed import job as dist_job
+    from seedvr2.distributed import rank_work as dist_job
     from seedvr2.distributed import launch
     from seedvr2.io import open_media
     from seedvr2.options import resolve_options

@@ -487,8 +487,7 @@ def norm_silu_into(norm: FrameGroupNorm, x: Tensor, out: Tensor,
     mean, var = norm.statistics(x, cache)
     stats = vae_paths.kitchen_stats(mean, var, norm.eps)
     frames = 1 if out.data_ptr() == x.data_ptr() else None  # in place: a frame's copy at most
-    vae_paths.kitchen_norm_silu_into(x, norm.weight, norm.bias, norm.num_groups, norm.eps,
-                                     stats, out, frames)
+    vae_paths.kitchen_norm_silu_into(norm, x, stats, out, frames)
 
 
 class ResnetBlock3D(nn.Module):

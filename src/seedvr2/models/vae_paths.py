@@ -115,9 +115,10 @@ def kitchen_stats(mean: Tensor, var: Tensor, eps: float) -> Tensor:
     return pair.view(B, G, T, 2).permute(0, 2, 1, 3).reshape(B * T, G, 2)
 
 
-def kitchen_norm_silu_into(x: Tensor, weight: Tensor, bias: Tensor, groups: int, eps: float,
-                           stats: Tensor, out: Tensor, frames: Optional[int] = None) -> None:
-    """``out = silu(group_norm(x))`` through ``group_norm_silu_pad3d`` with the given per-frame
+def kitchen_norm_silu_into(norm: torch.nn.GroupNorm, x: Tensor, stats: Tensor, out: Tensor,
+                           frames: Optional[int] = None) -> None:
+    """``out = silu(norm(x))`` (a group norm: its ``weight``, ``bias``, ``num_groups`` and
+    ``eps``) through ``group_norm_silu_pad3d`` with the given per-frame
     ``stats`` (:func:`kitchen_stats`), ``frames`` at a time (default: as many as stay under
     :data:`VIEW_ELEMENTS`); ``out`` has ``x``'s shape (a body view of a padded buffer: no
     padding asked of the kernel, which would zero the causal head)."""
@@ -125,11 +126,12 @@ def kitchen_norm_silu_into(x: Tensor, weight: Tensor, bias: Tensor, groups: int,
     B, C, T = x.shape[:3]
     per_frame = x[:, :, :1].numel()
     step = frames or max(1, (VIEW_ELEMENTS - 1) // per_frame)
+    groups = norm.num_groups
     rows = stats.view(B, T, groups, 2)
     for t0 in range(0, T, step):
         t1 = min(t0 + step, T)
-        ck.group_norm_silu_pad3d(x[:, :, t0:t1], weight, bias, groups, eps, (0, 0, 0, 0, 0),
-                                 True, True, out=out[:, :, t0:t1],
+        ck.group_norm_silu_pad3d(x[:, :, t0:t1], norm.weight, norm.bias, groups, norm.eps,
+                                 (0, 0, 0, 0, 0), True, True, out=out[:, :, t0:t1],
                                  stats=rows[:, t0:t1].reshape(B * (t1 - t0), groups, 2))
 
 

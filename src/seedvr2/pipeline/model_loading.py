@@ -14,7 +14,7 @@ from ..loading.registry import default_model_dir
 from ..loading.text import load_text_embeddings
 from ..memory import MODEL_CACHE, ModelKey
 from ..memory.blockswap import BlockSwap
-from ..memory.budget import bytes_on, check_host_copy, host_available
+from ..memory import budget as mem
 from ..memory.compile import CompileSettings, apply_compile
 from ..memory.fit import ModelDevices
 from ..memory.placement import OffloadedModel, default_pin, host_copy_bytes
@@ -37,10 +37,10 @@ def _check_host_copy(model, offload, setting: str):
     """The offloaded model's host copy must fit the host RAM (the model's own tensors already
     there are replaced by it, so they count as available)."""
     if offload is not None and offload.type == "cpu":
-        available = host_available()
+        available = mem.host_available()
         if available is not None:
-            available += bytes_on(model, offload)
-        check_host_copy(host_copy_bytes(model), available, setting)
+            available += mem.bytes_on(model, offload)
+        mem.check_host_copy(host_copy_bytes(model), available, setting)
 
 
 def _placement(model, device, offload, setting: str):
@@ -128,5 +128,5 @@ def resident_bytes(refs: tuple[ModelRef, ModelRef], opts: Options,
                                     _settings_of(opts, ref.kind))
             model = (MODEL_CACHE.peek(key) or (None,))[0]
         for d in found:
-            found[d] += bytes_on(model, torch.device(d))
+            found[d] += mem.bytes_on(model, torch.device(d))
     return found
