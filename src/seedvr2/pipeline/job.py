@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from ..faults import NO_FAULTS, Faults
+from ..io import open_media
 from ..io.files import (VIDEO_SUFFIXES, FileOutput, frame_count, input_files,
                         refuse_input_as_output)
 from ..loading.registry import default_model_dir
@@ -165,8 +166,6 @@ def check_file_job(src, dst, opts: Options, codec: str, overwrite: bool,
     is opened and the output writer is opened (under its temporary name) and discarded. An
     output that is the input, or one of ``other_inputs`` (the other files of a folder job,
     still to be read), is refused."""
-    from ..io import open_media
-
     with open_media(src) as reader:
         refuse_input_as_output([*input_files(reader), *other_inputs], dst)
         file_output(reader, dst, opts, codec, overwrite).open(reader.info).abort()
