@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import signal
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -72,3 +73,23 @@ def run_cli(argv: list[str]) -> CliRun:
     if run.status != 0:
         assert run.stderr.strip(), f"status {run.status} without a message"
     return run
+
+
+class Hang(BaseException):
+    """A call ran past its bound (a BaseException: no ``except Exception`` of ours hides it)."""
+
+
+@contextlib.contextmanager
+def within(seconds: float, what: str):
+    """Fail with :class:`Hang` when the block runs past ``seconds`` (SIGALRM: the main thread,
+    where pytest runs tests; pure-Python loops are interrupted between bytecodes)."""
+    def expire(*_):
+        raise Hang(f"{what}: no answer within {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
