@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import io
-import signal
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from seedvr2.errors import SeedVR2Error
@@ -75,21 +76,7 @@ def run_cli(argv: list[str]) -> CliRun:
     return run
 
 
-class Hang(BaseException):
-    """A call ran past its bound (a BaseException: no ``except Exception`` of ours hides it)."""
-
-
-@contextlib.contextmanager
-def within(seconds: float, what: str):
-    """Fail with :class:`Hang` when the block runs past ``seconds`` (SIGALRM: the main thread,
-    where pytest runs tests; pure-Python loops are interrupted between bytecodes)."""
-    def expire(*_):
-        raise Hang(f"{what}: no answer within {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+# A bound on a call's time: bench/gpu_checks.py's alarm (SIGALRM, the main thread, where pytest
+# runs tests; it raises SectionTimeout, a BaseException no ``except Exception`` of ours hides).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from gpu_checks import time_cap as within  # noqa: E402

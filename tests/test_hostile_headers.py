@@ -152,12 +152,18 @@ def _key(name: str, names) -> str:
     return name[len(PREFIX):] if stripped and name.startswith(PREFIX) else name
 
 
+def described_and_opened(path: Path):
+    """``seedvr2 inspect``'s description and the loaders' source, each within the bound:
+    the source's outcome."""
+    with within(BOUND_S):
+        outcome(lambda: describe(path), str(path))
+    with within(BOUND_S):
+        return outcome(lambda: open_weights(path), str(path))
+
+
 def check_gguf(path: Path, raw: bytes, layout) -> None:
     """Open and describe within the bound; an accepted file's every tensor is its own bytes."""
-    with within(BOUND_S, f"describing {path.name}"):
-        outcome(lambda: describe(path), str(path))
-    with within(BOUND_S, f"opening {path.name}"):
-        opened = outcome(lambda: open_weights(path), str(path))
+    opened = described_and_opened(path)
     if opened.refused:
         return
     with opened.value as source:
@@ -195,7 +201,7 @@ def test_a_gguf_array_longer_than_its_file_is_refused_at_once(tmp_path, declared
     raw = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + _string(b"tokens") + struct.pack("<I", 9) + body
     path = tmp_path / "long.gguf"
     path.write_bytes(raw)
-    with within(BOUND_S, "opening"):
+    with within(BOUND_S):
         refused = outcome(lambda: open_weights(path), str(path), "'tokens'")
     assert refused.refused and "bytes" in refused.message, refused.message
 
@@ -271,10 +277,7 @@ def test_safetensors_headers_from_a_grammar(tmp_path_factory, file):
     raw, entries, header_len = file
     path = tmp_path_factory.mktemp("st") / "grammar.safetensors"
     path.write_bytes(raw)
-    with within(BOUND_S, f"describing {path.name}"):
-        outcome(lambda: describe(path), str(path))
-    with within(BOUND_S, f"opening {path.name}"):
-        opened = outcome(lambda: open_weights(path), str(path))
+    opened = described_and_opened(path)
     if opened.refused:
         return
     with opened.value as source:
