@@ -79,4 +79,14 @@ def run_cli(argv: list[str]) -> CliRun:
 # A bound on a call's time: bench/gpu_checks.py's alarm (SIGALRM, the main thread, where pytest
 # runs tests; it raises SectionTimeout, a BaseException no ``except Exception`` of ours hides).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from gpu_checks import time_cap as within  # noqa: E402
+from gpu_checks import SectionTimeout, time_cap  # noqa: E402
+
+
+def outcome_within(seconds: float, call: Callable[[], Any], *names: str) -> Outcome:
+    """:func:`outcome`, failing (an AssertionError, which Hypothesis shrinks and reports with
+    its example) when the call runs past ``seconds``."""
+    try:
+        with time_cap(seconds):
+            return outcome(call, *names)
+    except SectionTimeout:
+        raise AssertionError(f"no answer within {seconds} s") from None

@@ -27,7 +27,7 @@ from hypothesis import given, settings, strategies as st
 from seedvr2.loading import describe
 from seedvr2.loading.load import open_weights
 
-from hostile import outcome, within
+from hostile import outcome, outcome_within
 
 BOUND_S = 5.0  # "within a second or two" on an idle machine; room for a loaded 2-core one
 PREFIX = "model.diffusion_model."
@@ -155,10 +155,8 @@ def _key(name: str, names) -> str:
 def described_and_opened(path: Path):
     """``seedvr2 inspect``'s description and the loaders' source, each within the bound:
     the source's outcome."""
-    with within(BOUND_S):
-        outcome(lambda: describe(path), str(path))
-    with within(BOUND_S):
-        return outcome(lambda: open_weights(path), str(path))
+    outcome_within(BOUND_S, lambda: describe(path), str(path))
+    return outcome_within(BOUND_S, lambda: open_weights(path), str(path))
 
 
 def check_gguf(path: Path, raw: bytes, layout) -> None:
@@ -201,8 +199,7 @@ def test_a_gguf_array_longer_than_its_file_is_refused_at_once(tmp_path, declared
     raw = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + _string(b"tokens") + struct.pack("<I", 9) + body
     path = tmp_path / "long.gguf"
     path.write_bytes(raw)
-    with within(BOUND_S):
-        refused = outcome(lambda: open_weights(path), str(path), "'tokens'")
+    refused = outcome_within(BOUND_S, lambda: open_weights(path), str(path), "'tokens'")
     assert refused.refused and "bytes" in refused.message, refused.message
 
 
