@@ -560,9 +560,9 @@ def _check_header(path: Path, gguf) -> None:
         for _ in range(n_fields):
             key = string("a metadata key")
             value_type = take("I", f"metadata {key!r}")
-            if key == "general.alignment" and value_type == 4:
-                alignment = struct.unpack_from(order + "I", m, pos)[0]
             skip(value_type, f"metadata {key!r}")
+            if key == "general.alignment" and value_type == 4:
+                alignment = struct.unpack_from(order + "I", m, pos - 4)[0]
         infos = []
         for i in range(n_tensors):
             name = string(f"tensor {i}'s name")
