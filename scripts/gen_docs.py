@@ -46,7 +46,7 @@ def _released_dits() -> dict:
     return groups
 
 
-def _budget_job(options: dict, height: int, width: int):
+def _batch_shape(options: dict, height: int, width: int):
     """The budget's view of a batch of TABLE_BATCH frames with these options (tensors wait on
     the CPU between phases: tensor_offload_device's default)."""
     from seedvr2.memory import budget as mem
@@ -103,7 +103,7 @@ def vram_table() -> str:
     for label, names, weight_bytes, budget in rows:
         cells = []
         for _, height, width in OUTPUT_SIZES:
-            peaks = [mem.estimate(budget, _budget_job(options, height, width), place).peak(GPU)
+            peaks = [mem.estimate(budget, _batch_shape(options, height, width), place).peak(GPU)
                      for _, options, place in _ladder(len(budget.dit_weights.blocks))]
             cells.append(" / ".join(_gib(p) for p in peaks))
         files = "<br>".join(f"`{n}`" for n in names)
@@ -111,7 +111,7 @@ def vram_table() -> str:
     # What the swapped setting leaves is the VAE's and the DiT's full-frame tensors, which
     # scale with the batch: the same at one frame per batch.
     _, height, width = OUTPUT_SIZES[-1]
-    single = [mem.estimate(budget, replace(_budget_job(options, height, width), batch_size=1),
+    single = [mem.estimate(budget, replace(_batch_shape(options, height, width), batch_size=1),
                            place).peak(GPU)
               for *_, budget in rows
               for _, options, place in _ladder(len(budget.dit_weights.blocks))[-1:]]
