@@ -230,7 +230,8 @@ def test_a_fit_proposes_no_batch_at_or_below_the_temporal_overlap(tiny_options, 
         assert "batch_size=5" not in str(refused.value), str(refused.value)
 
 
-def test_two_ranks_fit_as_one_process_does(tiny_options, cap, monkeypatch):
+@pytest.mark.parametrize("torch_threads", [1], indirect=True)  # as each worker runs
+def test_two_ranks_fit_as_one_process_does(tiny_options, cap, monkeypatch, torch_threads):
     """With two CPU ranks, batches of 9 over a cap that fits 5 run batch 5 on every rank,
     the frames of one process's batch-5 job (issue 44: the batch was fixed before fitting
     and each rank refused)."""
@@ -239,12 +240,7 @@ def test_two_ranks_fit_as_one_process_does(tiny_options, cap, monkeypatch):
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     frames = torch.rand(13, 48, 64, 3)
     options = dict(tiny_options, resolution=32, temporal_overlap=1, dist_timeout=30)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each worker runs: the same reduction order, the same bits
-    try:
-        one = seedvr2.upscale(frames, **options, batch_size=5)
-    finally:
-        torch.set_num_threads(threads)
+    one = seedvr2.upscale(frames, **options, batch_size=5)
     two = seedvr2.upscale(frames.clone(), **options, batch_size=9, max_vram=float(cap),
                           devices="cpu,cpu")
     assert torch.equal(two, one)
