@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .errors import InputError, UsageError
 from .faults import Faults
 from .options import OptionError, Options, option_ref, option_value, resolve_options
 from .pipeline.plan import make_plan
@@ -72,7 +73,7 @@ def _module_device(module: torch.nn.Module) -> Optional[torch.device]:
 
 def _check_named_models(dit, vae):
     if isinstance(dit, torch.nn.Module) or isinstance(vae, torch.nn.Module):
-        raise ValueError("several devices need the models by name or path (each worker "
+        raise InputError("several devices need the models by name or path (each worker "
                          "loads its own), not loaded modules")
 
 
@@ -150,8 +151,8 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
     from .pipeline.setup import frame_count
 
     if opts is not None and options:
-        raise TypeError(f"upscale_file: options given both as opts= and as keywords "
-                        f"({', '.join(sorted(options))}); give one")
+        raise UsageError(f"upscale_file: options given both as opts= and as keywords "
+                         f"({', '.join(sorted(options))}); give one")
     opts = resolve_options(**options) if opts is None else opts
     if in_distributed_launch():  # torchrun / Slurm: this process is one rank
         ctx = init_from_env(opts.devices if opts.devices != "auto" else "auto", opts.dist_timeout)

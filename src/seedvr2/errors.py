@@ -13,3 +13,18 @@ from __future__ import annotations
 
 class SeedVR2Error(Exception):
     """An error of ours, raised on purpose; the message names the thing and the fix."""
+
+
+class InputError(SeedVR2Error, ValueError):
+    """An input the library cannot use (frames, a tensor, a node's input, an argument's value);
+    the message names it and what it must be."""
+
+
+class UsageError(SeedVR2Error, TypeError):
+    """The library called the wrong way: an argument of the wrong type, or two that exclude
+    each other."""
+
+
+class OutputExists(SeedVR2Error, FileExistsError):
+    """An output that is already there while ``overwrite`` is off; nothing was replaced, and a
+    finished output that could not be moved into place is kept (the message says where)."""

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .peers import DistributedError
+
 
 @dataclass(frozen=True)
 class DistContext:
@@ -36,8 +38,8 @@ def _env_ranks() -> tuple[int, int, int]:
                 int(os.environ.get("LOCAL_RANK", "0")))
     if "SLURM_PROCID" in os.environ:
         if "MASTER_ADDR" not in os.environ:
-            raise RuntimeError("under Slurm, set MASTER_ADDR (and MASTER_PORT) to the first "
-                               "node's address for the rendezvous")
+            raise DistributedError("under Slurm, set MASTER_ADDR (and MASTER_PORT) to the first "
+                                   "node's address for the rendezvous")
         os.environ.setdefault("MASTER_PORT", "29500")
         return (int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"]),
                 int(os.environ.get("SLURM_LOCALID", "0")))

@@ -29,7 +29,7 @@ from ..pipeline.setup import Job
 from . import frames as wire
 from .assign import assign_batches
 from .groups import DistContext
-from .peers import JobKeys, Lifeline, Liveness, RankLost
+from .peers import DistributedError, JobKeys, Lifeline, Liveness, RankLost
 from .sequence import Meeting, meeting_group, sequence_group, sequence_parallel
 from .vae_share import SharedVaeUpscaler, vae_owners
 
@@ -54,8 +54,8 @@ def check_agreement(ctx: DistContext, identity: dict):
     dist.all_gather_object(digests, identity_digest(identity))
     differing = [r for r, d in enumerate(digests) if d != digests[0]]
     if differing:
-        raise RuntimeError(f"ranks {differing} disagree with rank 0 on options, input or model "
-                           f"files; every rank must run the same command on the same files")
+        raise DistributedError(f"ranks {differing} disagree with rank 0 on options, input or model "
+                               f"files; every rank must run the same command on the same files")
 
 
 def check_sequence_parallel(job: Job, ranks: int):
@@ -264,10 +264,10 @@ def _received(work: RankWork, links: Links, rank: int, b):
         links.handover.receiving(b.index)
         return wire.recv_batch(rank, b.index, (b.frames, *work.frame_shape), links.frames_group)
     except Exception as e:
-        raise RuntimeError(f"rank {rank} did not deliver batch {b.index} "
-                           f"(frames {b.start}-{b.stop - 1}): it failed or timed out "
-                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-                           ) from e
+        raise DistributedError(f"rank {rank} did not deliver batch {b.index} "
+                               f"(frames {b.start}-{b.stop - 1}): it failed or timed out "
+                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                               ) from e
 
 
 def _produce(work: RankWork, consume=None):

@@ -526,7 +526,7 @@ def _tensor_type_ids(path: Path) -> list[tuple[str, int]] | None:
                         for _ in range(count):
                             skip(item)
                 else:
-                    raise ValueError(f"metadata value type {value_type}")
+                    raise CheckpointError(f"metadata value type {value_type}")
 
             n_tensors, n_fields = take("Q"), take("Q")
             for _ in range(n_fields):

@@ -16,6 +16,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
+from ..errors import InputError
 from ..models import set_tensor
 from .arena import ComfyPin, HostArena, PinHook, arena_bytes, cuda_pin, host_pin_ledger
 
@@ -62,7 +63,7 @@ class WeightStore:
         self.names: list[tuple[str, ...]] = [tuple(n) for n in names.values()]
         specs = [(t.shape, t.dtype) for t in first.values()]
         if any(t.is_meta for t in first.values()):
-            raise ValueError("cannot offload a model whose weights are not loaded (on meta)")
+            raise InputError("cannot offload a model whose weights are not loaded (on meta)")
         self.arena = HostArena(specs, self.host)
         # Copy one tensor at a time and point the model at its host view right away, so each
         # original (possibly a converted copy in RAM) can be freed before the next is copied.

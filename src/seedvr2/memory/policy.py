@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from ..options import OptionError
 from ..errors import SeedVR2Error
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -18,10 +19,11 @@ def resolve_device(name: str) -> torch.device:
     device = torch.device(name)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {name!r}: CUDA is not available on this machine; use cpu")
+            raise OptionError(f"device {name!r}: CUDA is not available on this machine; use cpu")
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index >= torch.cuda.device_count():
-            raise ValueError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+            raise OptionError(f"device {name!r}: only {torch.cuda.device_count()} CUDA "
+                              f"device(s) here")
         device = torch.device("cuda", index)
     return device
 

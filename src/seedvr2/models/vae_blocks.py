@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..errors import InputError
 from . import vae_paths
 from .vae_paths import TODAY, PackedTail, VaePaths
 
@@ -380,7 +381,7 @@ class FrameGroupNorm(nn.GroupNorm):
                 cache: Optional[CausalCache] = None) -> Tensor:
         """``cache`` may supply the statistics (:meth:`CausalCache.group_norm_stats`)."""
         if x.ndim != 5:
-            raise ValueError(f"FrameGroupNorm expects (B, C, T, H, W), got shape {tuple(x.shape)}")
+            raise InputError(f"FrameGroupNorm expects (B, C, T, H, W), got shape {tuple(x.shape)}")
         B, C, T = x.shape[:3]
         G = self.num_groups
         compute_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
