@@ -14,7 +14,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from conftest import REPO
+from conftest import REPO, custom_node_import
 
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 PROJECT, COMFY = PYPROJECT["project"], PYPROJECT["tool"]["comfy"]
@@ -144,15 +144,8 @@ def test_the_registry_archive_imports_and_registers_every_node(tmp_path):
     for name in files:
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / name, folder / name)
-    code = textwrap.dedent(f"""
-        import importlib, importlib.util, sys
+    code = custom_node_import(folder) + textwrap.dedent("""
         import torch
-        path = {str(folder)!r}
-        name = path.replace(".", "_x_")  # as ComfyUI's load_custom_node names a folder module
-        spec = importlib.util.spec_from_file_location(name, path + "/__init__.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
         print(sorted(module.NODE_CLASS_MAPPINGS), module.WEB_DIRECTORY)
         models = importlib.import_module(spec.name + ".src.seedvr2.models")
         with torch.device("meta"):
