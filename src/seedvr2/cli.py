@@ -120,7 +120,7 @@ def _default_output(src, resolution: int) -> str:
 
 
 def _folder_jobs(src: Path, output: str | None) -> tuple[Path, list[tuple[Path, Path]]]:
-    """The output folder and (input, output) pairs of a folder input; raises ValueError when
+    """The output folder and (input, output) pairs of a folder input; raises InputError when
     they can't be made (nothing to do, the output folder is a file, two inputs would write
     the same output)."""
     from .io._common import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS

@@ -115,7 +115,7 @@ _PLAIN_FLOAT = re.compile(r" *(-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?|-?
 def plain_number(kind: type, text: str):
     """``text`` as an int or float when it is spelled in plain ASCII decimal (spaces around
     allowed; floats also as ``1e-3``, and ``inf``/``nan`` for the range checks to name); else
-    ValueError. Python's own int()/float() also read ``1_0`` as 10, ``+3``, other scripts'
+    OptionError. Python's own int()/float() also read ``1_0`` as 10, ``+3``, other scripts'
     digits (``١``) and surrounding newlines: a value spelled so is more likely a mistake
     than meant."""
     match = (_PLAIN_INT if kind is int else _PLAIN_FLOAT).fullmatch(text)

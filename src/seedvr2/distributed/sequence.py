@@ -76,7 +76,7 @@ class UlyssesSequenceParallel:
         dist.all_to_all_single(out, send, group=self.group, **kwargs)
 
     def check(self, dit: torch.nn.Module):
-        """Raise ``ValueError`` unless every attention layer's heads divide over the group."""
+        """Raise ``OptionError`` unless every attention layer's heads divide over the group."""
         for block in dit.blocks:
             self.head_range(block.attn.heads)
 

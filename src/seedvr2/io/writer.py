@@ -69,7 +69,7 @@ def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
     MediaInfo, which adds its subtitles) copies audio packet for packet. What each output
     writes, keeps and drops: docs/media.md#writing and "Inputs and outputs".
 
-    Raises :class:`FileExistsError` when the output exists and ``overwrite`` is false, and
+    Raises :class:`~seedvr2.errors.OutputExists` when the output exists and ``overwrite`` is false, and
     :class:`MediaError` for everything else that can be known before writing.
     """
     text = os.fspath(dst)

@@ -216,7 +216,7 @@ class VideoAutoencoder(nn.Module):
     # -- argument checks (public: tiled and sliced runs validate with them) ------------------
 
     def check_video(self, video: Tensor) -> None:
-        """Raise ``TypeError``/``ValueError`` (naming the fix) unless ``video`` is a valid
+        """Raise ``UsageError``/``InputError`` (naming the fix) unless ``video`` is a valid
         input of :meth:`encode`: a 5-D ``(B, in_channels, 4n + 1, H, W)`` tensor with ``H`` and
         ``W`` positive multiples of the spatial factor."""
         if not isinstance(video, Tensor):
@@ -240,7 +240,7 @@ class VideoAutoencoder(nn.Module):
                              f"got H={height}, W={width}")
 
     def check_latent(self, latent: Tensor) -> None:
-        """Raise ``TypeError``/``ValueError`` (naming the fix) unless ``latent`` is a valid
+        """Raise ``UsageError``/``InputError`` (naming the fix) unless ``latent`` is a valid
         input of :meth:`decode`: a non-empty 5-D channels-first ``(B, latent_channels, t, h,
         w)`` tensor."""
         if not isinstance(latent, Tensor):

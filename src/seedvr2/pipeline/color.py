@@ -429,7 +429,7 @@ def color_correct(content: Tensor, style: Tensor, method: str) -> Tensor:
     """Re-colour ``content`` after ``style`` (both (T, 3, H, W) in [-1, 1]) with ``method``.
 
     Returns content's dtype and device with values in [-1, 1]; ``"none"`` returns content
-    itself. Raises ``ValueError`` for an unknown method.
+    itself. Raises ``OptionError`` for an unknown method.
     """
     if method not in COLOR_METHODS:
         raise OptionError(f"color_correction {method!r}: expected one of "

@@ -23,7 +23,7 @@ def confined_input_path(name: str, folders: dict) -> Path:
     outside the host's folders: a prompt may come from anyone who reaches a ComfyUI started with
     ``--listen``. ``name`` is a path inside ``folders["input"]``, or ComfyUI's annotated form
     ``"name [output]"`` (``[temp]``, ``[input]``) for the other folders given; anything else
-    raises ValueError. Checked as written (normalized): links placed in the folder still work."""
+    raises InputError. Checked as written (normalized): links placed in the folder still work."""
     text, folder = name.strip(), "input"
     for tag in ("input", "output", "temp"):
         if text.endswith(f"[{tag}]") and tag in folders:
