@@ -94,6 +94,15 @@ def kitchen_cuda_backend_allowed(torch_cuda: Optional[tuple[int, ...]]) -> bool:
     return torch_cuda is not None and torch_cuda >= KITCHEN_CUDA_NEEDS
 
 
+def kitchen_cuda_missing() -> Optional[str]:
+    """Why comfy-kitchen's CUDA backend does not compute in this process (its compiled kernels
+    did not load, or it is disabled), or None when it does."""
+    backend = kitchen().list_backends().get("cuda", {})
+    if backend.get("available") and not backend.get("disabled"):
+        return None
+    return backend.get("unavailable_reason") or "disabled"
+
+
 def kitchen():
     """comfy-kitchen, imported on first use, with its CUDA backend disabled where ComfyUI
     disables it (torch not built for CUDA 13+); the log says once which backend computes."""

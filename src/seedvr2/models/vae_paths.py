@@ -86,9 +86,12 @@ def choose_paths(device, dtype: torch.dtype, *, channels_last: bool = False,
             return f"the VAE runs in {str(dtype).removeprefix('torch.')}"
         if not kernels.kitchen_installed():
             return "comfy-kitchen is not installed (pip install seedvr2-comfyui[kitchen])"
-        if platform.kind == "cuda" and not kernels.kitchen_cuda_backend_allowed(
-                platform.torch_cuda):  # its eager stand-in would copy whole activations
-            return "comfy-kitchen's CUDA kernels need a torch built for CUDA 13 or newer"
+        if platform.kind == "cuda":  # its eager stand-in would copy whole activations
+            if not kernels.kitchen_cuda_backend_allowed(platform.torch_cuda):
+                return "comfy-kitchen's CUDA kernels need a torch built for CUDA 13 or newer"
+            missing = kernels.kitchen_cuda_missing()
+            if missing:
+                return f"comfy-kitchen's CUDA backend did not load ({missing})"
         return kernels.runs_on([kernel], platform)
 
     fused = usable(NORM_KERNEL, HALF) is None
