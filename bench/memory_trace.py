@@ -21,6 +21,11 @@ layers). bf16, 16:9 output, the input at half the output size in uint8.
 
     python bench/memory_trace.py [--model 3b|7b] [--resolution 720|1080|2160] [--batch-size 5]
                                  [--setting defaults|tiled|swapped] [--json] [--all]
+                                 [--vae-int8-cache off|on|host]
+
+``--vae-int8-cache``: the VAE's causal tails in int8 (the option ``vae_int8_cache``; ``host``
+parks them in host memory, which the trace does not count). The cache exists only when a batch
+is decoded (encoded) in more than one temporal slice: at batch 5 it changes nothing.
 
 ``--all`` traces every cell of the README's table (both models, three resolutions, three
 settings, batch 5, and batch 21 at 1080p) and prints the ratio estimate/trace of each.

@@ -171,22 +171,16 @@ def test_a_parked_tail_is_fetched_on_a_side_stream_while_the_conv_before_it_runs
             assert cache.tail(layer).codes.device == torch.device("cuda:0")
             streams.log.append(("conv", streams.current.name, ""))
             cache.set_tail(layer, tail)
-    assert streams.log == [
-        ("copy to device", "compute", "cuda:0"),  # the first: nothing was ahead of it
-        ("wait_stream", "side", "compute"),
-        ("copy to device", "side", "cuda:0"),  # the second, during the first conv
-        ("record", "side", "event1"),
-        ("conv", "compute", ""),
-        ("wait_event", "compute", "event1"),
-        ("record_stream", "compute", "cuda:0"),
-        ("wait_stream", "side", "compute"),
-        ("copy to device", "side", "cuda:0"),  # the third, during the second conv
-        ("record", "side", "event2"),
-        ("conv", "compute", ""),
-        ("wait_event", "compute", "event2"),
-        ("record_stream", "compute", "cuda:0"),
-        ("conv", "compute", ""),
-    ]
+    def ahead(event):  # the next tail's copy, issued on the side stream
+        return [("wait_stream", "side", "compute"), ("copy to device", "side", "cuda:0"),
+                ("record", "side", event)]
+
+    def read(event):  # the compute stream's use of a tail fetched ahead
+        return [("wait_event", "compute", event), ("record_stream", "compute", "cuda:0")]
+    conv = [("conv", "compute", "")]
+    first = [("copy to device", "compute", "cuda:0")]  # nothing was ahead of it
+    assert streams.log == [*first, *ahead("event1"), *conv, *read("event1"), *ahead("event2"),
+                           *conv, *read("event2"), *conv]
 
 
 # -- the budget ---------------------------------------------------------------------------
