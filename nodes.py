@@ -240,8 +240,8 @@ class ComfyHost:
             return None
         from .src.seedvr2.io import encode_audio
 
-        return encode_audio(audio["waveform"], int(audio["sample_rate"]),
-                            self.temp_file("SeedVR2/audio", ".m4a"))
+        return encode_audio(audio["waveform"], audio["sample_rate"],
+                            self.temp_file("SeedVR2/audio", ".m4a"), "the concatenation's audio")
 
     def video_frames(self, video) -> tuple:
         try:

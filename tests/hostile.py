@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import io
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from seedvr2.errors import SeedVR2Error
@@ -72,3 +74,19 @@ def run_cli(argv: list[str]) -> CliRun:
     if run.status != 0:
         assert run.stderr.strip(), f"status {run.status} without a message"
     return run
+
+
+# A bound on a call's time: bench/gpu_checks.py's alarm (SIGALRM, the main thread, where pytest
+# runs tests; it raises SectionTimeout, a BaseException no ``except Exception`` of ours hides).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from gpu_checks import SectionTimeout, time_cap  # noqa: E402
+
+
+def outcome_within(seconds: float, call: Callable[[], Any], *names: str) -> Outcome:
+    """:func:`outcome`, failing (an AssertionError, which Hypothesis shrinks and reports with
+    its example) when the call runs past ``seconds``."""
+    try:
+        with time_cap(seconds):
+            return outcome(call, *names)
+    except SectionTimeout:
+        raise AssertionError(f"no answer within {seconds} s") from None

@@ -264,8 +264,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "that come with this package) or a path to .safetensors/.pt with 'pos'"),
     Option("device", str, "auto", "compute device: auto (cuda if available, else cpu), cpu, "
            "cuda, cuda:N", check=_device_problem),
-    Option("dtype", str, "auto", "compute precision: auto (bf16 on GPUs of compute capability "
-           "8.0 or newer, else fp16; fp32 on CPU), fp32, fp16, bf16", choices=DTYPE_NAMES),
+    Option("dtype", str, "auto", "compute precision: auto (bf16 on GPUs with native bf16: "
+           "compute capability 8.0 or newer, AMD MI100/RDNA3 or newer; else fp16; fp32 on "
+           "CPU), fp32, fp16, bf16", choices=DTYPE_NAMES),
     # How quantised weights multiply (the paths, their GPUs and bounds): seedvr2.loading.lowp
     # and docs/memory.md.
     Option("compute_precision", str, "auto", "auto: int8/fp8/fp4 matmuls on GPUs with them "

@@ -28,7 +28,7 @@ from ..pipeline.runner import final_frames
 from ..pipeline.setup import Job
 from . import frames as wire
 from .assign import assign_batches
-from .groups import DistContext
+from .groups import DistContext, group_timeout
 from .peers import DistributedError, JobKeys, Lifeline, Liveness, RankLost
 from .sequence import Meeting, meeting_group, sequence_group, sequence_parallel
 from .vae_share import SharedVaeUpscaler, vae_owners
@@ -116,8 +116,9 @@ class RankWork:
 @dataclass(frozen=True)
 class Links:
     """What one rank's job talks over, made once by every rank in the same order: its groups,
-    every one with the job's own ``dist_timeout`` (waits longer than a transfer are polled in
-    the store instead: ``Handover``, ``Meeting``), its keys in the store, its view of the
+    gloo ones with the job's own ``dist_timeout`` (waits longer than a transfer are polled in
+    the store instead: ``Handover``, ``Meeting``), NCCL ones with ``group_timeout``'s longer
+    one, its keys in the store, its view of the
     other ranks, and this rank's sequence group and meeting (None without sequence
     parallelism)."""
 
@@ -131,7 +132,8 @@ class Links:
     @classmethod
     def make(cls, ctx: DistContext, opts) -> "Links":
         k, timeout = opts.sequence_parallel, datetime.timedelta(seconds=opts.dist_timeout)
-        group = sequence_group(k, timeout) if k > 1 else None
+        group = sequence_group(k, group_timeout(dist.get_backend(), opts.dist_timeout)) \
+            if k > 1 else None
         meeting = meeting_group(k, timeout)
         frames = wire.frame_group(timeout)  # every rank, in the same order
         keys = JobKeys()

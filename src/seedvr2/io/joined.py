@@ -31,6 +31,9 @@ def join_videos(parts: Sequence[Path], dst: Path, audio_from: Optional[Path] = N
     refused (:class:`MediaError` naming it). The audio is copied from ``audio_from`` when given
     (a concatenation's own soundtrack), else the parts' audio, one after the other, when every
     part has some. Returns ``dst``."""
+    if not parts:
+        raise MediaError("the joined video has no parts: an empty video (Concatenate Video of "
+                         "nothing) has no frames to upscale")
     with open_media(parts[0]) as first:
         info = first.info
     if audio_from is None:

@@ -519,6 +519,13 @@ class VideoReader(MediaReader):
                     break
                 yield convert(frame, index)
                 index += 1
+            else:  # (an estimated count may be off by a frame or so: said only of a stored one)
+                if self.info.frame_count_exact and index < min(self.info.frame_count,
+                                                               stop or self.info.frame_count):
+                    warnings.warn(f"{self.path}: the container declares "
+                                  f"{self.info.frame_count} frames, decoding gave {index}: the "
+                                  f"file is truncated or damaged, and only those are read",
+                                  stacklevel=2)
         except av.FFmpegError as e:
             raise MediaError(f"{self.path}: cannot read video: {_ffmpeg_message(e)}") from e
         finally:
@@ -643,12 +650,18 @@ class VideoReader(MediaReader):
 def _pick_video_stream(path: Path, container) -> int:
     from av.stream import Disposition
 
-    for stream in container.streams.video:
-        if not stream.disposition & Disposition.attached_pic:
-            if stream.codec_context is None:  # (PyAV gives a stream without a decoder none)
-                raise MediaError(f"{path}: its video stream cannot be decoded: FFmpeg has no "
-                                 f"decoder for it, or the file is damaged or truncated")
-            return stream.index
+    videos = [s for s in container.streams.video if not s.disposition & Disposition.attached_pic]
+    for stream in videos[:1]:
+        if stream.codec_context is None:  # (PyAV gives a stream without a decoder none)
+            raise MediaError(f"{path}: its video stream cannot be decoded: FFmpeg has no "
+                             f"decoder for it, or the file is damaged or truncated")
+        if len(videos) > 1:
+            warnings.warn(f"{path}: has {len(videos)} video streams; reading stream "
+                          f"#{stream.index} ({stream.width}x{stream.height}), the first that "
+                          f"is not a cover picture; the others are left out (ffmpeg -map 0:v:N "
+                          f"-c copy makes a file of the one you want)",
+                          stacklevel=3)
+        return stream.index
     what = "audio only" if container.streams.audio else "no streams FFmpeg can use"
     raise MediaError(f"{path}: has no video stream ({what})")
 

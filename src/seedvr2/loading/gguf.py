@@ -485,73 +485,131 @@ register(Format("gguf", (Scheme(
 
 # GGUF metadata value types -> size in bytes (8: string, 9: array)
 _GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+# Arrays of arrays and of strings are walked an item at a time (by the gguf package too, at
+# ~10 us each): bounded, far above the few a model file holds (tokenizers aside).
+MAX_ARRAY_DEPTH, MAX_WALKED_ITEMS = 4, 1 << 16
 
 
-def _tensor_type_ids(path: Path) -> list[tuple[str, int]] | None:
-    """``(name, GGML type id)`` of every tensor, read from the GGUF header with the file format
-    alone (GGUF v2/v3, either byte order); None if the header cannot be read. For the error
-    message when the gguf package cannot read the file."""
+class _Damaged(Exception):
+    """A header field that cannot be what it declares (caught in _check_header)."""
+
+
+def _check_header(path: Path, gguf) -> None:
+    """Walk the header in Python integers before the gguf package reads it, which trusts every
+    count (an array declaring 2^24 items in 16 bytes is walked item by item) and adds offsets
+    in numpy uint64 (an offset near 2^64 wraps onto other bytes). Refused, naming the field:
+    a count, length or tensor past the end of the file, a tensor type the package does not
+    know, an offset off the alignment, tensors sharing bytes, two names that are one key once
+    the ComfyUI prefix is stripped. GGUF v2/v3, either byte order."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
     try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            if m[:4] != b"GGUF":
-                return None
-            order = "<" if struct.unpack_from("<I", m, 4)[0] & 0xFFFF else ">"
-            pos = 8
+        if bytes(m[:4]) != b"GGUF" or size < 24:
+            raise _Damaged("no GGUF header")
+        order = "<" if struct.unpack_from("<I", m, 4)[0] & 0xFFFF else ">"
+        pos, alignment, walked = 8, 32, 0
 
-            def take(fmt: str) -> int:
-                nonlocal pos
-                (value,) = struct.unpack_from(order + fmt, m, pos)
-                pos += struct.calcsize(fmt)
-                return value
+        def need(n: int, what: str):
+            if n > size - pos:
+                raise _Damaged(f"{what}: {n} bytes declared at byte {pos}, {size - pos} left")
 
-            def string() -> str:
-                nonlocal pos
-                length = take("Q")
-                text = bytes(m[pos:pos + length]).decode("utf-8", "replace")
-                pos += length
-                return text
+        def take(fmt: str, what: str) -> int:
+            nonlocal pos
+            need(struct.calcsize(fmt), what)
+            (value,) = struct.unpack_from(order + fmt, m, pos)
+            pos += struct.calcsize(fmt)
+            return value
 
-            def skip(value_type: int):
-                nonlocal pos
-                if value_type in _GGUF_SCALAR_SIZES:
-                    pos += _GGUF_SCALAR_SIZES[value_type]
-                elif value_type == 8:
-                    length = take("Q")  # (not ``pos += take(...)``: take moves pos first)
-                    pos += length
-                elif value_type == 9:
-                    item, count = take("I"), take("Q")
-                    if item in _GGUF_SCALAR_SIZES:
-                        pos += _GGUF_SCALAR_SIZES[item] * count
-                    else:
-                        for _ in range(count):
-                            skip(item)
-                else:
-                    raise CheckpointError(f"metadata value type {value_type}")
+        def string(what: str) -> str:
+            nonlocal pos
+            length = take("Q", what)
+            need(length, what)
+            pos += length
+            try:
+                return bytes(m[pos - length:pos]).decode("utf-8")
+            except UnicodeDecodeError:
+                raise _Damaged(f"{what}: not UTF-8") from None
 
-            n_tensors, n_fields = take("Q"), take("Q")
-            for _ in range(n_fields):
-                string()
-                skip(take("I"))
-            infos = []
-            for _ in range(n_tensors):
-                name = string()
-                n_dims = take("I")
-                pos += 8 * n_dims  # the dimensions
-                infos.append((name, take("I")))
-                pos += 8  # the data offset
-            return infos
-    except (OSError, ValueError, struct.error, OverflowError, RecursionError):
-        # A damaged count or length points past the file (struct.error) or past what an
-        # offset can hold (OverflowError); nested arrays can recurse without end.
-        return None
+        def skip(value_type: int, what: str, depth: int = 0):
+            nonlocal pos, walked
+            if value_type in _GGUF_SCALAR_SIZES:
+                need(_GGUF_SCALAR_SIZES[value_type], what)
+                pos += _GGUF_SCALAR_SIZES[value_type]
+            elif value_type == 8:
+                string(what)
+            elif value_type == 9 and depth < MAX_ARRAY_DEPTH:
+                item, count = take("I", what), take("Q", what)
+                least = _GGUF_SCALAR_SIZES.get(item, {8: 8, 9: 12}.get(item, 0))
+                need(count * least, f"{what}: an array of {count} items")
+                if item in _GGUF_SCALAR_SIZES:
+                    pos += count * least
+                    return
+                walked += count
+                if walked > MAX_WALKED_ITEMS:
+                    raise _Damaged(f"{what}: more than {MAX_WALKED_ITEMS} strings or arrays in "
+                                   f"arrays (a SeedVR2 model holds a few)")
+                for _ in range(count):
+                    skip(item, what, depth + 1)
+            else:
+                raise _Damaged(f"{what}: value type {value_type}"
+                               f"{' nested too deeply' if value_type == 9 else ''}")
+
+        n_tensors, n_fields = take("Q", "tensor count"), take("Q", "metadata count")
+        need(n_fields * 12 + n_tensors * 24, f"{n_fields} metadata fields, {n_tensors} tensors")
+        for _ in range(n_fields):
+            key = string("a metadata key")
+            value_type = take("I", f"metadata {key!r}")
+            skip(value_type, f"metadata {key!r}")
+            if key == "general.alignment" and value_type == 4:
+                alignment = struct.unpack_from(order + "I", m, pos - 4)[0]
+        infos = []
+        for i in range(n_tensors):
+            name = string(f"tensor {i}'s name")
+            dims = [take("Q", f"tensor {name!r}") for _ in range(take("I", f"tensor {name!r}"))]
+            infos.append((name, dims, take("I", f"tensor {name!r}"), take("Q", f"tensor {name!r}")))
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise _Damaged(f"metadata 'general.alignment': {alignment}, not a power of two")
+        _check_tensors(path, gguf, infos, -(-pos // alignment) * alignment, alignment, size)
+    except _Damaged as e:
+        raise CheckpointError(f"{path}: unreadable GGUF file, truncated or corrupt ({e})") \
+            from None
+    finally:
+        if size:
+            m.close()
 
 
-def _known_type(gguf, type_id: int) -> bool:
-    """Whether the gguf package can read tensors of this GGML type id."""
-    try:
-        return gguf.GGMLQuantizationType(type_id) in gguf.GGML_QUANT_SIZES
-    except ValueError:
-        return False
+def _check_tensors(path: Path, gguf, infos, start: int, alignment: int, size: int) -> None:
+    """Every tensor ``(name, dims, type id, offset)`` of a header whose data starts at byte
+    ``start``: its type known, its bytes aligned, in the file and its own; its key unique."""
+    has_prefix = any(name.startswith(COMFY_PREFIX) for name, *_ in infos)
+    keys, spans = {}, []
+    for name, dims, type_id, offset in infos:
+        key = name[len(COMFY_PREFIX):] if has_prefix and name.startswith(COMFY_PREFIX) else name
+        if key in keys:
+            raise CheckpointError(f"{path}: tensors {keys[key]!r} and {name!r} are both "
+                                  f"{key!r} (a model's tensors are named once)")
+        keys[key] = name
+        try:
+            block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(type_id)]
+        except (ValueError, KeyError):
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has GGML type id {type_id}, which the installed gguf "
+                f"package does not know; update gguf, or re-quantise the file to one of "
+                f"{', '.join(SUPPORTED_TYPES)}") from None
+        begin = start + offset
+        end = begin + math.prod(dims) * type_size // block
+        if end > size:
+            raise CheckpointError(f"{path}: truncated GGUF file (tensor {name!r} ends at byte "
+                                  f"{end}, file has {size})")
+        if offset % alignment:
+            raise CheckpointError(f"{path}: corrupt GGUF file (tensor {name!r} starts at data "
+                                  f"offset {offset}, not a multiple of the alignment {alignment})")
+        spans += [(begin, end, name)] if end > begin else []
+    for (_, end, first), (begin, _, second) in zip(sorted(spans), sorted(spans)[1:]):
+        if begin < end:
+            raise CheckpointError(f"{path}: corrupt GGUF file (tensors {first!r} and {second!r} "
+                                  f"share bytes {begin} to {end}; each tensor has its own)")
 
 
 def open_gguf(path: Path) -> TensorSource:
@@ -585,17 +643,11 @@ def _reader(path: Path):
     except ImportError:
         raise CheckpointError(f"{path}: reading GGUF files needs the 'gguf' package "
                               f"(pip install gguf)") from None
+    _check_header(path, gguf)
     try:
         # Copy-on-write map: tensors are writable views for torch, the file is never changed.
         return gguf.GGUFReader(path, "c")
     except Exception as e:  # the reader raises ValueError/IndexError/struct errors alike
-        # An unknown tensor type fails the whole reader, naming neither tensor nor file.
-        for name, type_id in _tensor_type_ids(path) or ():
-            if not _known_type(gguf, type_id):
-                raise CheckpointError(
-                    f"{path}: tensor {name!r} has GGML type id {type_id}, which the installed "
-                    f"gguf package does not know; update gguf, or re-quantise the file to one "
-                    f"of {', '.join(SUPPORTED_TYPES)}") from None
         detail = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise CheckpointError(f"{path}: unreadable GGUF file, truncated or corrupt "
                               f"({detail[:200]})") from None
@@ -612,7 +664,6 @@ class _Tensors:
 
 def _read_tensors(path: Path, reader) -> _Tensors:
     out = _Tensors()
-    size = path.stat().st_size
     names = [t.name for t in reader.tensors]
     has_prefix = any(n.startswith(COMFY_PREFIX) for n in names)
     for tensor in reader.tensors:
@@ -623,9 +674,6 @@ def _read_tensors(path: Path, reader) -> _Tensors:
             raise CheckpointError(f"{path}: tensor {name!r} has GGML type {qtype}, which this "
                                   f"loader cannot dequantise (supported: "
                                   f"{', '.join(SUPPORTED_TYPES)})")
-        if tensor.data_offset + tensor.n_bytes > size:
-            raise CheckpointError(f"{path}: truncated GGUF file (tensor {name!r} ends at byte "
-                                  f"{tensor.data_offset + tensor.n_bytes}, file has {size})")
         shape = _shape(path, reader.fields, tensor)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch warns about non-writable numpy arrays

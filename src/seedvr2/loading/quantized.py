@@ -30,6 +30,13 @@ log = logging.getLogger("seedvr2")
 _PART_PREFIX = "weight_"
 
 
+# Errors a dequantised layer would not cure: out of memory, and a CUDA error that poisons the
+# context (an illegal address is sticky; every later call fails, often in another layer).
+# Older torch (some ComfyUI installs) has no torch.AcceleratorError: a plain RuntimeError.
+_NOT_THE_KERNELS = (torch.OutOfMemoryError,
+                    *filter(None, [getattr(torch, "AcceleratorError", None)]))
+
+
 class PackedWeightMixin:
     """Mixed into a module's own class by :func:`attach_packed_weight` (see the module doc)."""
 
@@ -58,7 +65,7 @@ class PackedWeightMixin:
             if path != WEIGHTS:
                 try:
                     return low_precision_linear(x, packed, self.bias)
-                except torch.OutOfMemoryError:
+                except _NOT_THE_KERNELS:
                     raise
                 except Exception as error:  # noqa: BLE001 -- any kernel failure: dequantise
                     self._fall_back(path, packed, error)

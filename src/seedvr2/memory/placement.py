@@ -48,6 +48,19 @@ def default_pin(compute: torch.device, host: torch.device) -> Optional[PinHook]:
     return functools.partial(cuda_pin, device=compute)
 
 
+def tail_parking(compute: torch.device):
+    """``park(n)`` for the VAE's causal caches (``vae_int8_cache`` host): a host arena of ``n``
+    int8 codes for one parked tail, pinned as weights are (:func:`default_pin`: inside ComfyUI
+    counted in its pinned-memory budget), unpinned when the cache lets it go."""
+    pin = default_pin(compute, torch.device("cpu"))
+
+    def park(n: int) -> HostArena:
+        arena = HostArena([((n,), torch.int8)])
+        arena.pin(pin)
+        return arena
+    return park
+
+
 class WeightStore:
     """One persistent copy of every tensor of ``model`` on ``host`` (an arena), with the
     names each tensor is referenced by. Entries are numbered in ``model``'s order."""

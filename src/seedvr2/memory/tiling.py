@@ -32,6 +32,7 @@ from ..models.vae_blocks import (
     conv3d,
     group_stats_from_channels,
 )
+from .placement import tail_parking
 
 # Pixels per latent along H and W in every SeedVR2 VAE (spatial_downsample_factor).
 TILE_MULTIPLE = 8
@@ -552,7 +553,8 @@ def _fast(vae: VideoAutoencoder, x: Tensor, tiles: TileSettings,
     for row in rows:
         for col in cols:
             weight = _tile_weight(row, col)
-            cache = vae.new_cache() if len(chunks) > 1 else None  # one per tile
+            # One per tile; int8 tails parked in host memory with vae_int8_cache host.
+            cache = vae.new_cache(tail_parking(x.device)) if len(chunks) > 1 else None
             for a0, a1 in chunks:
                 between()
                 # The slice is a strided view; .contiguous() copies just this piece.

@@ -132,9 +132,10 @@ class VideoAutoencoder(nn.Module):
             if isinstance(module, CausalConv3d):
                 module.paths = paths
 
-    def new_cache(self) -> CausalCache:
-        """A fresh causal cache for one clip and direction, on this VAE's paths."""
-        return CausalCache(paths=self.paths)
+    def new_cache(self, park=None) -> CausalCache:
+        """A fresh causal cache for one clip and direction, on this VAE's paths (``park``:
+        where it parks int8 tails in host memory, see :class:`CausalCache`)."""
+        return CausalCache(paths=self.paths, park=park)
 
     @contextlib.contextmanager
     def conv_settings(self):

@@ -204,6 +204,22 @@ def source_frame(frame, index: int) -> torch.Tensor:
     return frame
 
 
+def _stacked(frames) -> torch.Tensor:
+    """A list of frames (as ComfyUI's VideoComponents may hold them) as one tensor."""
+    if not frames:
+        raise InputError("frames: the input has no frames")
+    try:
+        frames = [torch.as_tensor(frame).detach() for frame in frames]
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise InputError(f"frames: not a list of images ({e})") from None
+    for index, frame in enumerate(frames):
+        if frame.shape != frames[0].shape or frame.dtype != frames[0].dtype:
+            raise InputError(f"frame {index} is {tuple(frame.shape)} {frame.dtype}, frame 0 "
+                             f"{tuple(frames[0].shape)} {frames[0].dtype}: the frames of one "
+                             f"video must have one size")
+    return torch.stack(frames)
+
+
 def input_frames(frames) -> torch.Tensor:
     """In-memory input (ComfyUI's IMAGE convention, or a numpy array) as a checked
     (T, H, W, C) tensor, before any model loads. uint8 / uint16 keep their scale (255 /
@@ -212,7 +228,8 @@ def input_frames(frames) -> torch.Tensor:
     white). Floats outside [0, 1] are clamped, with one warning naming the first such frame
     and the range found (resamplers upstream overshoot a little; refusing would break
     workflows). NaN and infinite values are refused, naming the first such frame."""
-    frames = torch.as_tensor(frames).detach()
+    frames = _stacked(frames) if isinstance(frames, (list, tuple)) else \
+        torch.as_tensor(frames).detach()
     if frames.dim() == 3:
         frames = frames[None]
     shape = tuple(frames.shape)

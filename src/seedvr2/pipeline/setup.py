@@ -141,7 +141,7 @@ def _budget_job(opts: Options, size: tuple[int, int], batch: int, dtype: torch.d
     on_device = waits_on is None or waits_on in compute_devices
     chunk = opts.chunk_size if on_device else None
     return mem.BatchShape(size[0], size[1], batch, dtype.itemsize, text_tokens, encode, decode, chunk,
-                          encode_slice, decode_slice, opts.color_correction)
+                          encode_slice, decode_slice, opts.color_correction, opts.vae_int8_cache)
 
 
 MEMORY_CHECK_ENV = "SEEDVR2_MEMORY_CHECK"  # "warn": a job over budget only logs a warning

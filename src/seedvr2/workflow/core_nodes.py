@@ -138,7 +138,7 @@ def _audio_file(audio: Optional[dict], scratch: Path) -> Optional[Path]:
                          "AUDIO)")
     from ..io import encode_audio
 
-    return encode_audio(audio["waveform"], int(audio["sample_rate"]), scratch / "audio.m4a")
+    return encode_audio(audio["waveform"], audio["sample_rate"], scratch / "audio.m4a")
 
 
 def _input_files(host) -> list:

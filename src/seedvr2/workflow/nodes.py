@@ -678,6 +678,11 @@ def _upscale_video(host: Host, video, dit: ModelHandle, vae: ModelHandle, codec:
         return NodeResult((host.file_video(_run_facade(host, dit, vae, inputs, call_file)),))
     _check_frames_fit(host.video_size(video), plan_job(dit, vae, *_split_inputs(inputs)))
     images, audio, fps = host.video_frames(video)
+    if not 0 < float(fps) < float("inf"):  # (NaN fails too) a VIDEO no player or writer takes
+        from ..pipeline.runner import InputError
+
+        raise InputError(f"video: its frame rate is {fps} frames per second; give it a rate "
+                         f"above 0 (Create Video's fps) and run again")
     frames = _as_comfy_image(_run_facade(host, dit, vae, inputs, partial(upscale, images)))
     return NodeResult((host.frames_video(frames, audio, fps),))
 
