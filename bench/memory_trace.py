@@ -21,6 +21,11 @@ layers). bf16, 16:9 output, the input at half the output size in uint8.
 
     python bench/memory_trace.py [--model 3b|7b] [--resolution 720|1080|2160] [--batch-size 5]
                                  [--setting defaults|tiled|swapped] [--json] [--all]
+                                 [--vae-int8-cache off|on|host]
+
+``--vae-int8-cache``: the VAE's causal tails in int8 (the option ``vae_int8_cache``; ``host``
+parks them in host memory, which the trace does not count). The cache exists only when a batch
+is decoded (encoded) in more than one temporal slice: at batch 5 it changes nothing.
 
 ``--all`` traces every cell of the README's table (both models, three resolutions, three
 settings, batch 5, and batch 21 at 1080p) and prints the ratio estimate/trace of each.
@@ -50,9 +55,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from seedvr2.memory import budget as mem  # noqa: E402
 from seedvr2.memory.placement import named_tensors  # noqa: E402
+from seedvr2.memory import tiling  # noqa: E402
 from seedvr2.memory.tiling import settings_from_options  # noqa: E402
 from seedvr2.models import window  # noqa: E402
 from seedvr2.models.config import dit_config, vae_config  # noqa: E402
+from seedvr2.models.vae_paths import INT8_CACHE_BYTES, VaePaths  # noqa: E402
 from seedvr2.options import resolve_options  # noqa: E402
 from seedvr2.pipeline.plan import Batch  # noqa: E402
 from seedvr2.pipeline.runner import Models, Upscaler  # noqa: E402
@@ -129,12 +136,42 @@ def _host_constant(data, *args, **kwargs):
 class _Stream:
     stream_id = 0
 
+    def __init__(self, device=None):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+
+class _Event:
+    def record(self, stream=None):
+        pass
+
+
+class _HostArena:
+    """A parked tail's host memory (``placement.tail_parking``) as a fake CPU tensor: the
+    trace counts the device, and fake tensors have no address to pin."""
+
+    def __init__(self, n: int):
+        self.views = [torch.empty(n, dtype=torch.int8)]
+
+    def copy_into(self, index: int, out: torch.Tensor):
+        out.copy_(self.views[index], non_blocking=True)
+
 
 @contextlib.contextmanager
 def _traceable():
     """The few places that ask the CUDA runtime (absent here) or read values, stubbed."""
     with mock.patch.object(F, "scaled_dot_product_attention", _fused_attention), \
             mock.patch.object(torch.cuda, "current_stream", lambda device=None: _Stream()), \
+            mock.patch.object(torch.cuda, "Stream", _Stream), \
+            mock.patch.object(torch.cuda, "Event", _Event), \
+            mock.patch.object(torch.cuda, "stream", lambda stream: contextlib.nullcontext()), \
+            mock.patch.object(torch.Tensor, "record_stream", lambda self, stream: None), \
+            mock.patch.object(tiling, "tail_parking", lambda device: _HostArena), \
             mock.patch.object(torch.Tensor, "pin_memory", lambda self, *a, **k: self), \
             mock.patch.object(torch, "tensor", _host_constant):
         try:
@@ -149,6 +186,7 @@ class Cell:
     resolution: int
     batch_size: int
     setting: str
+    int8_cache: str = "off"  # the option vae_int8_cache
 
     @property
     def size(self) -> tuple[int, int]:
@@ -159,7 +197,8 @@ class Cell:
         tiled = {"vae_encode_tiled": True, "vae_decode_tiled": True} if self.setting != "defaults" \
             else {}
         return resolve_options(batch_size=self.batch_size, resolution=self.size[0],
-                               color_correction="wavelet", **tiled)
+                               color_correction="wavelet", vae_int8_cache=self.int8_cache,
+                               **tiled)
 
     def placement(self, blocks: int, device: str) -> mem.Placement:
         if self.setting == "defaults":
@@ -245,13 +284,16 @@ def trace_phases(models: Models, opts, size: tuple[int, int], input_size: tuple[
 
 @functools.lru_cache(maxsize=None)
 def traced_activations(model: str, resolution: int, batch_size: int, tiled: bool,
-                       device: str = "cuda:0") -> dict:
+                       device: str = "cuda:0", int8_cache: str = "off") -> dict:
     """Peak activation bytes per phase of one batch (the settings ``tiled`` and ``swapped``
     differ only in where weights are, so they share this)."""
-    cell = Cell(model, resolution, batch_size, "tiled" if tiled else "defaults")
+    cell = Cell(model, resolution, batch_size, "tiled" if tiled else "defaults", int8_cache)
     size = cell.size
     with FakeTensorMode(allow_non_fake_inputs=True):
         models = build_models(dit_config(model), vae_config("vae"), device, DTYPE)
+        models.vae.set_conv_settings(cudnn_benchmark=False, paths=VaePaths(
+            int8_cache_bytes=None if int8_cache == "off" else INT8_CACHE_BYTES,
+            cache_offload=int8_cache == "host"))
         return trace_phases(models, cell.options(), size, (size[0] // 2, size[1] // 2), device)
 
 
@@ -259,7 +301,7 @@ def trace_cell(cell: Cell, device: str = "cuda:0") -> list[dict]:
     """The rows of one cell: per phase weights, trace and estimate (see the module text)."""
     dit_cfg, vae_cfg = dit_config(cell.model), vae_config("vae")
     peaks = traced_activations(cell.model, cell.resolution, cell.batch_size,
-                               cell.setting != "defaults", device)
+                               cell.setting != "defaults", device, cell.int8_cache)
     dit_w, vae_w = (mem.Weights.from_config(kind, cfg, DTYPE.itemsize)
                     for kind, cfg in (("dit", dit_cfg), ("vae", vae_cfg)))
     place = cell.placement(len(dit_w.blocks), device)
@@ -267,7 +309,8 @@ def trace_cell(cell: Cell, device: str = "cuda:0") -> list[dict]:
     est = estimate_phases(mem.Budget(dit_cfg, vae_cfg, dit_w, vae_w), cell.options(), cell.size,
                           place, device)
     return [{"model": cell.model, "resolution": cell.resolution, "batch_size": cell.batch_size,
-             "setting": cell.setting, "phase": phase, "weights_bytes": weights[phase],
+             "setting": cell.setting, "int8_cache": cell.int8_cache, "phase": phase,
+             "weights_bytes": weights[phase],
              "trace_bytes": weights[phase] + peaks[phase], "estimate_bytes": est[phase]}
             for phase in PHASES]
 
@@ -277,7 +320,8 @@ def budget_job(opts, size: tuple[int, int], dtype_bytes: int) -> mem.BatchShape:
     (encode, encode_slice), (decode, decode_slice) = (settings_from_options(opts, stage)
                                                       for stage in ("encode", "decode"))
     return mem.BatchShape(size[0], size[1], opts.batch_size, dtype_bytes, mem.TEXT_TOKENS,
-                          encode, decode, None, encode_slice, decode_slice)
+                          encode, decode, None, encode_slice, decode_slice,
+                          vae_int8_cache=opts.vae_int8_cache)
 
 
 def estimate_phases(budget: mem.Budget, opts, size, place: mem.Placement, device: str) -> dict:
@@ -296,7 +340,9 @@ def table(rows: list[dict]) -> str:
     lines = ["| model | resolution | batch | setting | phase | weights GiB | trace GiB | "
              "estimate GiB | estimate/trace |", "|---|---:|---:|---|---|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['resolution']}p | {r['batch_size']} | {r['setting']} | "
+        setting = r["setting"] + ("" if r.get("int8_cache", "off") == "off"
+                                  else f", int8 cache {r['int8_cache']}")
+        lines.append(f"| {r['model']} | {r['resolution']}p | {r['batch_size']} | {setting} | "
                      f"{r['phase']} | {r['weights_bytes'] / GIB:.2f} | "
                      f"{r['trace_bytes'] / GIB:.2f} | {r['estimate_bytes'] / GIB:.2f} | "
                      f"{r['estimate_bytes'] / r['trace_bytes']:.3f} |")
@@ -309,13 +355,15 @@ def main(argv=None) -> int:
     parser.add_argument("--resolution", type=int, choices=sorted(RESOLUTIONS), default=1080)
     parser.add_argument("--batch-size", type=int, default=5)
     parser.add_argument("--setting", choices=SETTINGS, default="defaults")
+    parser.add_argument("--vae-int8-cache", choices=("off", "on", "host"), default="off",
+                        help="the option vae_int8_cache (the VAE's causal tails in int8)")
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     parser.add_argument("--all", action="store_true", help="every cell of the README's table")
     args = parser.parse_args(argv)
     if args.batch_size < 1 or args.batch_size % 4 != 1:
         parser.error("--batch-size must be 4n+1 (1, 5, 9, ...)")
     cells = readme_cells() if args.all else \
-        [Cell(args.model, args.resolution, args.batch_size, args.setting)]
+        [Cell(args.model, args.resolution, args.batch_size, args.setting, args.vae_int8_cache)]
     rows = []
     for cell in cells:
         rows += trace_cell(cell)

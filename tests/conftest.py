@@ -17,6 +17,18 @@ from safetensors.torch import load_file
 REPO = Path(__file__).resolve().parents[1]
 
 
+def custom_node_import(folder: Path) -> str:
+    """Python code importing ``folder`` as ComfyUI imports a custom-node folder: the package
+    is ``module``, its name ``spec.name``."""
+    return (f"import importlib, importlib.util, sys\n"
+            f"path = {str(folder)!r}\n"
+            f"name = path.replace('.', '_x_')  # as ComfyUI's load_custom_node names it\n"
+            f"spec = importlib.util.spec_from_file_location(name, path + '/__init__.py')\n"
+            f"module = importlib.util.module_from_spec(spec)\n"
+            f"sys.modules[spec.name] = module\n"
+            f"spec.loader.exec_module(module)\n")
+
+
 VENDORED_CONFORMANCE = REPO / "tests" / "conformance"
 
 

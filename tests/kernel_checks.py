@@ -177,6 +177,7 @@ def capable_gpu(capability=(12, 0), *, platform: str = "cuda", torch_cuda=(13, 0
     try:
         patch(kernels, "platform_of", lambda device: stand_in)
         patch(kernels, "kitchen_installed", lambda: ck is not None)
+        patch(kernels, "kitchen_cuda_missing", lambda: None)  # its CUDA backend, as loaded
         patch(torch.version, "cuda", ".".join(map(str, torch_cuda)) if platform == "cuda"
               else None)
         kernels._configure_kitchen.cache_clear()

@@ -9,7 +9,7 @@ import textwrap
 
 from seedvr2.cli import main
 
-from conftest import REPO
+from conftest import REPO, custom_node_import
 
 
 def test_inspect_prints_family_size_dtype(conformance, capsys):
@@ -59,14 +59,7 @@ def test_pack_loads_as_comfyui_custom_node_folder(tmp_path):
     folder = tmp_path / "custom_nodes" / "ComfyUI-SeedVR2.my-copy"
     folder.parent.mkdir()
     folder.symlink_to(REPO, target_is_directory=True)
-    out = _run_isolated(f"""
-        import importlib.util, sys
-        path = {str(folder)!r}
-        name = path.replace(".", "_x_")  # as ComfyUI's load_custom_node names a folder module
-        spec = importlib.util.spec_from_file_location(name, path + "/__init__.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
+    out = _run_isolated(custom_node_import(folder) + textwrap.dedent("""
         heavy = [m for m in sys.modules if m.split(".")[0] in ("av", "gguf", "huggingface_hub", "torch")
                  or m.endswith("seedvr2.models") or m == "seedvr2"]
         print(type(module.NODE_CLASS_MAPPINGS).__name__, heavy)
@@ -77,7 +70,7 @@ def test_pack_loads_as_comfyui_custom_node_folder(tmp_path):
         with torch.device("meta"):
             print(sum(p.numel() for p in models.build_dit("7b").parameters()),
                   "seedvr2" in sys.modules, torch.cuda.is_initialized())
-    """)
+    """))
     assert out.split("\n")[:3] == [
         "dict []",
         "['SeedVR2LoadDiTModel', 'SeedVR2LoadVAEModel', 'SeedVR2TorchCompileSettings', "

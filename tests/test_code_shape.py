@@ -4,6 +4,7 @@ one module, results never patched into objects (issue 24)."""
 from __future__ import annotations
 
 import ast
+import builtins
 import re
 from pathlib import Path
 
@@ -66,3 +67,54 @@ def test_test_faults_are_read_in_one_module_and_nothing_is_patched_in():
     assert sorted(name for name, text in sources.items() if TEST_SWITCH.search(text)) == \
         ["faults.py"]
     assert [name for name, text in sources.items() if "__dict__.update" in text] == []
+
+
+# Raising these is how Python's protocols speak, not a refusal: the end of an iterator, the
+# exit of a program, and a module's or object's ``__getattr__`` saying "no such attribute".
+PROTOCOL_SIGNALS = {"StopIteration", "StopAsyncIteration", "SystemExit", "GeneratorExit"}
+MAX_BUILTIN_RAISES = 15  # issue 41: each one left is an internal invariant, never a refusal
+BUILTIN_ERRORS = {name for name, value in vars(builtins).items()
+                  if isinstance(value, type) and issubclass(value, BaseException)}
+
+
+def _builtin_raises(root: Path) -> list[str]:
+    """``path:line Name`` for every builtin exception raised by name under ``root``."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        in_getattr = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+                      and f.name in ("__getattr__", "__getattribute__") for n in ast.walk(f)}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Raise) or node.exc is None:
+                continue
+            raised = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+            if not isinstance(raised, ast.Name) or raised.id not in BUILTIN_ERRORS \
+                    or raised.id in PROTOCOL_SIGNALS \
+                    or (raised.id == "AttributeError" and id(node) in in_getattr):
+                continue
+            found.append((path.relative_to(root).as_posix(), node.lineno, raised.id))
+    return [f"{path}:{line} {name}" for path, line, name in sorted(found)]
+
+
+def test_refusals_are_seedvr2_errors_and_few_builtin_raises_are_left():
+    """Every error a caller can cause is a SeedVR2Error subclass (errors.py); a builtin raised
+    by name is left only where it cannot happen (an abstract method, an unreachable branch)."""
+    left = _builtin_raises(SRC)
+    assert len(left) <= MAX_BUILTIN_RAISES, "\n".join(left)
+
+
+def test_the_raise_count_sees_builtins_and_spares_protocols(tmp_path):
+    (tmp_path / "sample.py").write_text(
+        "from errors import InputError\n"
+        "def f(x):\n"
+        "    if x:\n"
+        "        raise ValueError('bad')\n"
+        "    raise KeyError\n"
+        "def g():\n"
+        "    raise InputError('bad')\n"
+        "def __getattr__(name):\n"
+        "    raise AttributeError(name)\n"
+        "class It:\n"
+        "    def __next__(self):\n"
+        "        raise StopIteration\n")
+    assert _builtin_raises(tmp_path) == ["sample.py:4 ValueError", "sample.py:5 KeyError"]

@@ -158,3 +158,27 @@ def test_a_refusal_with_room_left_is_not_called_a_full_budget(model, monkeypatch
     assert not store.arena.pinned and store.arena.staging is not None
     assert ledger.TOTAL_PINNED_MEMORY == 0
     assert "ComfyUI could not pin" in caplog.text and "budget" not in caplog.text
+
+
+def test_parked_vae_tails_pin_through_comfyui_at_their_own_size(monkeypatch):
+    """vae_int8_cache host: each parked causal tail is a host arena pinned through ComfyUI
+    (counted in its budget at its page-rounded size, given back when the cache lets it go),
+    not a block of torch's pinned caching allocator (a 1.07 GB tail pinned 2 GiB there,
+    uncounted, never returned)."""
+    import gc
+
+    from seedvr2.memory.placement import tail_parking
+
+    ledger = ComfyPinnedMemory(1 << 30)
+    _inside_comfyui(monkeypatch, ledger)
+
+    def caching_allocator(*args, **kwargs):
+        raise AssertionError("pinned through torch's caching allocator")
+    monkeypatch.setattr(torch.Tensor, "pin_memory", caching_allocator)
+    n = 3 * 2**20 + 1  # int8 codes of one tail
+    parked = tail_parking(CUDA)(n)
+    assert parked.views[0].shape == (n,) and parked.views[0].dtype == torch.int8
+    assert ledger.TOTAL_PINNED_MEMORY == -(-n // PAGE) * PAGE
+    del parked
+    gc.collect()
+    assert ledger.TOTAL_PINNED_MEMORY == 0

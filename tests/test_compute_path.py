@@ -209,6 +209,22 @@ def test_a_failing_kernel_dequantises_that_layer_for_the_rest_of_the_job(error, 
     assert len(calls) == 2
 
 
+def test_a_cuda_error_that_poisons_the_context_is_raised_not_dequantised(monkeypatch, ck):
+    """An illegal address (torch.AcceleratorError) is sticky: every later CUDA call of the
+    process fails, often in another layer. Dequantising would hide where it came from and fail
+    anyway: it is raised, and the layer is not marked as fallen back."""
+    layer, _ = _int8_layer()
+
+    def poisoned(*args, **kwargs):
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(ck, "int8_linear", poisoned)
+    set_compute_precision(layer, "auto")
+    with capable_gpu((8, 0), check_products=False), \
+            pytest.raises(torch.AcceleratorError, match="illegal memory access"):
+        layer(torch.randn(5, 64, dtype=torch.bfloat16))
+    assert layer._lowp_failure is None
+
+
 def test_mxfp8_activations_are_padded_to_the_quantisers_32_rows(ck):
     """comfy-kitchen's CUDA quantize_mxfp8 asserts num_rows % 32 == 0; the text stream alone
     has 58 tokens. The product pads (pad_32x) and slices, as kitchen's own layout does."""

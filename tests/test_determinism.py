@@ -47,46 +47,9 @@ JOBS = [
                                          vae_offload_device="cpu")),
 ]
 
-# The sources: testsrc2 frames (a filter: the same bits in every process) and, for the file
-# jobs, an H.264 + AAC clip of them, which the test encodes once (see the docstring).
-SOURCES = textwrap.dedent("""
-    from fractions import Fraction
-
-    import av
-    import numpy as np
-
-    def testsrc2(frames, width, height):
-        graph = av.filter.Graph()
-        source = graph.add("testsrc2", f"size={width}x{height}:rate=25")
-        sink = graph.add("buffersink")
-        source.link_to(sink)
-        graph.configure()
-        return [graph.pull().to_ndarray(format="rgb24") for _ in range(frames)]
-
-    def clip(path, frames):
-        with av.open(str(path), "w") as container:
-            video = container.add_stream("libx264", rate=25)
-            video.width, video.height = frames[0].shape[1], frames[0].shape[0]
-            video.pix_fmt = "yuv420p"
-            audio = container.add_stream("aac", rate=44100, layout="mono")
-            for i, array in enumerate(frames):
-                frame = av.VideoFrame.from_ndarray(array, format="rgb24")
-                frame.pts, frame.time_base = i, Fraction(1, 25)
-                container.mux(video.encode(frame))
-            total = len(frames) * 44100 // 25
-            t = np.arange(total) / 44100
-            samples = (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
-            for start in range(0, total, 1024):
-                chunk = av.AudioFrame.from_ndarray(samples[None, start:start + 1024],
-                                                   format="flt", layout="mono")
-                chunk.sample_rate, chunk.pts = 44100, start
-                chunk.time_base = Fraction(1, 44100)
-                container.mux(audio.encode(chunk))
-            container.mux(video.encode(None))
-            container.mux(audio.encode(None))
-""")
-
-WORKER = SOURCES + textwrap.dedent("""
+# One job list run in a fresh process; its in-memory jobs' frames come from
+# determinism_sources.testsrc2, the file jobs' clips were encoded by the test (see the docstring).
+WORKER = textwrap.dedent("""
     import json, sys
     from pathlib import Path
 
@@ -94,6 +57,7 @@ WORKER = SOURCES + textwrap.dedent("""
     import torch
 
     import seedvr2
+    from determinism_sources import testsrc2
     from seedvr2.io import open_media
 
     models, out, jobs = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
@@ -120,12 +84,12 @@ WORKER = SOURCES + textwrap.dedent("""
 
 def _encode_inputs(folder: Path) -> Path:
     """The file jobs' input clips, encoded once in this process: ``folder/<job>.mp4``."""
-    sources: dict = {}
-    exec(SOURCES, sources)
+    from determinism_sources import clip, testsrc2
+
     folder.mkdir()
     for name, (count, width, height), _ in JOBS:
         if name.startswith("file"):
-            sources["clip"](folder / f"{name}.mp4", sources["testsrc2"](count, width, height))
+            clip(folder / f"{name}.mp4", testsrc2(count, width, height))
     return folder
 
 
@@ -134,7 +98,7 @@ def _run(tmp: Path, models: Path, inputs: Path, env_extra: dict) -> dict:
 
     tmp.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_PERTURB_", "PYTHONHASHSEED")}
-    env.update(env_extra, PYTHONPATH=str(REPO / "src"))
+    env.update(env_extra, PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO / "tests")]))
     done = subprocess.run([sys.executable, "-c", WORKER, str(models), str(tmp), json.dumps(JOBS),
                            str(inputs)],
                           env=env, capture_output=True, text=True, timeout=600)

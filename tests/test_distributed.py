@@ -354,3 +354,52 @@ def test_cli_with_a_named_device_loads_the_models_once_in_this_process(monkeypat
     assert reached.value.opts.device == "cuda:1"
     # Loaded by the command itself (then reused for every input), not per file by upscale_file.
     assert reached.traceback[-2].name == "_upscale_jobs"
+
+
+def _recorded_groups(monkeypatch, backend: str, dist_timeout: float):
+    """The (args, kwargs) of every process group a rank makes: the default group
+    (init_from_env on ``backend``'s device) and the job's groups (Links.make, sequence
+    parallelism of 2 in a world of 4), recorded instead of made."""
+    import torch
+    import torch.distributed as dist
+
+    from seedvr2.distributed import groups, job
+
+    made = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: made.append((a, k)))
+    monkeypatch.setattr(dist, "new_group", lambda *a, **k: made.append((a, k)) or object())
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(job, "JobKeys", lambda: None)
+    monkeypatch.setattr(job, "Liveness", lambda keys, timeout_s: None)
+    ctx = groups.init_from_env("cuda:0" if backend == "nccl" else "cpu", dist_timeout, rank=1,
+                               world_size=4, local_rank=1, store=object())
+    job.Links.make(ctx, resolve_options(sequence_parallel=2, dist_timeout=dist_timeout))
+    return made
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_nccl_groups_wait_longer_than_any_forward(monkeypatch, backend):
+    """NCCL's watchdog counts a collective's timeout from when the CPU enqueued it, and the CPU
+    runs up to a whole DiT forward ahead of the GPU: with dist_timeout (60 s) a forward over a
+    minute would abort the group. NCCL groups (the default group, the sequence group, which
+    inherits its backend) wait an hour or more; gloo groups, whose waits start with the call,
+    keep dist_timeout (a lost peer is the Lifeline's and the polled waits' to find)."""
+    import datetime
+
+    minute = datetime.timedelta(seconds=60)
+    made = _recorded_groups(monkeypatch, backend, 60.0)
+    (default_args, default), *job_groups = made
+    assert default_args == (backend,)
+    assert len(job_groups) == 2 + 2 + 1  # sequence groups, meeting groups, the frame group
+    for args, kwargs in [((), default), *job_groups]:
+        gloo = kwargs.get("backend", backend) == "gloo"
+        if gloo:
+            assert kwargs["timeout"] == minute, (args, kwargs)
+        else:
+            assert kwargs["timeout"] >= datetime.timedelta(hours=1), (args, kwargs)
+    assert sum(k.get("backend", backend) == "nccl" for _, k in made) == \
+        (3 if backend == "nccl" else 0)

@@ -35,6 +35,29 @@ def test_auto_dtype_follows_native_bf16_not_emulation(monkeypatch, capability, e
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
 
 
+@pytest.mark.parametrize("arch, capability, expected", [
+    ("gfx803", (8, 0), torch.float16),  # Polaris: ROCm's 8.0 is no Ampere
+    ("gfx906:sramecc+:xnack-", (9, 0), torch.float16),  # MI50, Radeon VII: no bf16 matrices
+    ("gfx1030", (10, 3), torch.float16),  # RDNA2
+    ("gfx908:sramecc+:xnack-", (9, 0), torch.bfloat16),  # MI100
+    ("gfx90a:sramecc+:xnack-", (9, 0), torch.bfloat16),  # MI200
+    ("gfx942:sramecc+:xnack-", (9, 4), torch.bfloat16),  # MI300
+    ("gfx1100", (11, 0), torch.bfloat16),  # RDNA3
+    ("gfx1201", (12, 0), torch.bfloat16),  # RDNA4
+])
+def test_auto_dtype_on_amd_follows_the_gfx_architecture(monkeypatch, arch, capability, expected):
+    """ROCm reports gfx numbers as the capability (gfx906 says 9.0), not NVIDIA's: bf16 is
+    native where the architecture has bf16 matrix instructions."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.version, "hip", "6.2", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(gcnArchName=arch))
+    assert resolve_dtype("auto", CUDA) == expected
+
+
 def test_fp16_overflow_is_reported_with_the_setting_to_change():
     fine = torch.tensor([1.0, 65504.0], dtype=torch.float16)
     check_finite(fine, "DiT", torch.float16)

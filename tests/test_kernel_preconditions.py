@@ -111,6 +111,12 @@ VIOLATIONS = {
                                        "convrot_groupsize 128 is not a power of 4"),
     ("comfy_kitchen.quantize_per_tensor_fp8", 0): (
         {"x": meta(16, 64), "scale": meta((), dtype=torch.float16)}, "scale is torch.float16"),
+    ("comfy_kitchen.quantize_per_tensor_fp8", 1): (
+        {"x": meta(16, 64), "scale": torch.ones((), dtype=torch.float32)},
+        "scale is [] on cpu, not one value on x's device (meta)"),
+    ("comfy_kitchen.quantize_per_tensor_fp8", 2): (
+        {"x": meta(3, 20), "scale": meta((), dtype=torch.float32)},
+        "x has 60 elements, not a multiple of 16"),
     ("torch._scaled_mm", 0): (_mm(mat2=meta(64, 32, dtype=E4M3)),
                               "mat2 has strides [32, 1], not column-major"),
     ("torch._scaled_mm", 1): (_mm(self=meta(16, 40, dtype=E4M3), mat2=meta(32, 40, dtype=E4M3).t()),

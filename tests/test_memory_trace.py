@@ -65,9 +65,9 @@ def test_json_rows_and_calibrated_ratio():
     rows = json.loads(result.stdout)
     assert [r["phase"] for r in rows] == ["encode", "DiT", "decode"]
     for row in rows:
-        assert set(row) == {"model", "resolution", "batch_size", "setting", "phase",
-                            "weights_bytes", "trace_bytes", "estimate_bytes"}
-        assert (row["model"], row["resolution"], row["batch_size"], row["setting"]) == \
-            ("3b", 720, 5, "tiled")
+        assert set(row) == {"model", "resolution", "batch_size", "setting", "int8_cache",
+                            "phase", "weights_bytes", "trace_bytes", "estimate_bytes"}
+        assert (row["model"], row["resolution"], row["batch_size"], row["setting"],
+                row["int8_cache"]) == ("3b", 720, 5, "tiled", "off")
         assert 0 < row["weights_bytes"] < row["trace_bytes"]
         assert 1.0 <= row["estimate_bytes"] / row["trace_bytes"] <= 1.3, row

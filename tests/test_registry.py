@@ -6,6 +6,7 @@ node IDs ComfyUI-Manager's static scan cannot find: ours are built at run time).
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import tomllib
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from conftest import REPO
+from conftest import REPO, custom_node_import
 
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 PROJECT, COMFY = PYPROJECT["project"], PYPROJECT["tool"]["comfy"]
@@ -106,3 +107,54 @@ def test_node_list_names_every_node_the_pack_registers():
     listed = json.loads((REPO / "node_list.json").read_text())
     assert listed == expected, ("node_list.json is stale; write:\n"
                                 + json.dumps(expected, indent=2))
+
+
+def _archive_files() -> list[str]:
+    """The files the registry's archive holds, chosen as ``comfy node pack`` chooses them
+    (comfy-cli 1.23.0, ``file_utils.zip_files``): the git-tracked files that exist, minus
+    .comfyignore's gitignore-style patterns (blank lines and ``#`` comments skipped)."""
+    import warnings
+
+    import pathspec
+
+    tracked = subprocess.run(["git", "-C", str(REPO), "ls-files"], capture_output=True,
+                             text=True, check=True).stdout.splitlines()
+    lines = [line.strip() for line in (REPO / ".comfyignore").read_text().splitlines()]
+    with warnings.catch_warnings():  # comfy-cli's pattern style, deprecated in pathspec 1.x
+        warnings.simplefilter("ignore", DeprecationWarning)
+        ignored = pathspec.PathSpec.from_lines("gitwildmatch",
+                                               [p for p in lines if p and not p.startswith("#")])
+    return [f for f in tracked if not ignored.match_file(f) and (REPO / f).is_file()]
+
+
+def test_the_registry_archive_imports_and_registers_every_node(tmp_path):
+    """What a user installs from the registry: no tests, benchmarks or development scripts,
+    and the rest, in a custom-node folder of another name, imports as ComfyUI imports it,
+    registers every node of node_list.json and builds the models from its own configs."""
+    import shutil
+    import sys
+    import textwrap
+
+    files = _archive_files()
+    left_out = ("tests/", "bench/", "scripts/", ".ci/")
+    assert [f for f in files if f.startswith(left_out)] == []
+    assert {"__init__.py", "nodes.py", "pyproject.toml", "requirements.txt", "web/seedvr2.js",
+            "src/seedvr2/api.py", "configs/dit_3b.json"} <= set(files)
+    folder = tmp_path / "custom_nodes" / "seedvr2-comfyui.registry"
+    for name in files:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, folder / name)
+    code = custom_node_import(folder) + textwrap.dedent("""
+        import torch
+        print(sorted(module.NODE_CLASS_MAPPINGS), module.WEB_DIRECTORY)
+        models = importlib.import_module(spec.name + ".src.seedvr2.models")
+        with torch.device("meta"):
+            print(sum(p.numel() for p in models.build_dit("3b").parameters()),
+                  models.__file__.startswith(path))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr
+    listed = sorted(json.loads((REPO / "node_list.json").read_text()))
+    assert done.stdout.splitlines() == [f"{listed} ./web", "3391475776 True"]

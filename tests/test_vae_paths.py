@@ -207,6 +207,26 @@ def test_paths_are_logged_and_fp16_accumulation_falls_back_with_one_warning(capl
         assert choose_paths("cpu", F16, fp16_accumulation=True) == TODAY  # kitchen's eager
 
 
+def test_paths_need_comfy_kitchens_cuda_backend_loaded(caplog):
+    """A CUDA 13 torch whose comfy-kitchen CUDA kernels failed to load (a missing runtime
+    library) computes through kitchen's eager stand-in, which copies whole activations: the
+    VAE runs today's paths, and says why."""
+    from unittest import mock
+
+    from seedvr2 import kernels
+
+    pytest.importorskip("comfy_kitchen", reason="comfy-kitchen not installed")
+    assert kernels.kitchen_cuda_missing()  # this machine: no CUDA
+    missing = "libcudart.so.13: cannot open shared object file"
+    with capable_gpu((12, 0), check_products=False), \
+            mock.patch.object(kernels, "kitchen_cuda_missing", lambda: missing), \
+            caplog.at_level(logging.WARNING, logger="seedvr2"):
+        assert choose_paths("cpu", F16, fp16_accumulation=True) == TODAY
+    assert [r.message for r in caplog.records] == [
+        f"vae_fp16_accumulation: comfy-kitchen's CUDA backend did not load ({missing}); the "
+        f"VAE's convolutions run as without it"]
+
+
 def test_the_vae_on_every_path_stays_within_two_fp16_runs_of_today(tiny_vae):  # noqa: F811
     """Encode and decode of the tiny VAE in fp16 in temporal chunks (causal caches in int8 above
     a few KiB, in "host" memory) on channels-last buffers, the fused norm and fp16_conv3d, every
@@ -247,7 +267,7 @@ def test_the_vae_on_every_path_stays_within_two_fp16_runs_of_today(tiny_vae):  #
 
 def test_int8_tail_truncated_instead_of_rounded_fails_the_bound(monkeypatch):
     tail = _frames((1, 16, 2, 8, 8), F16)
-    monkeypatch.setattr(vae_paths.torch, "round", lambda t: t)  # the cast then truncates
+    monkeypatch.setattr(torch.Tensor, "round_", lambda t: t)  # the cast then truncates
     back = PackedTail.pack(tail).unpack()
     step = tail.float().abs().max().item() / 127
     eps = torch.finfo(F16).eps

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .errors import InputError, UsageError
 from .faults import Faults
 from .options import OptionError, Options, option_ref, option_value, resolve_options
 from .pipeline.plan import make_plan
@@ -73,7 +74,7 @@ def _module_device(module: torch.nn.Module) -> Optional[torch.device]:
 
 def _check_named_models(dit, vae):
     if isinstance(dit, torch.nn.Module) or isinstance(vae, torch.nn.Module):
-        raise ValueError("several devices need the models by name or path (each worker "
+        raise InputError("several devices need the models by name or path (each worker "
                          "loads its own), not loaded modules")
 
 
@@ -174,8 +175,8 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
 def _options(facade: str, opts: Optional[Options], options: dict) -> Options:
     """The options of a facade call: resolved here, or given resolved (``opts=``)."""
     if opts is not None and options:
-        raise TypeError(f"{facade}: options given both as opts= and as keywords "
-                        f"({', '.join(sorted(options))}); give one")
+        raise UsageError(f"{facade}: options given both as opts= and as keywords "
+                         f"({', '.join(sorted(options))}); give one")
     return resolve_options(**options) if opts is None else opts
 
 

@@ -11,6 +11,7 @@ import signal
 import sys
 from pathlib import Path
 
+from .errors import InputError, SeedVR2Error
 from .options import spoken_as_cli
 
 DESCRIPTION = ("SeedVR2 one-step video and image super-resolution. Also runs as "
@@ -119,7 +120,7 @@ def _default_output(src, resolution: int) -> str:
 
 
 def _folder_jobs(src: Path, output: str | None) -> tuple[Path, list[tuple[Path, Path]]]:
-    """The output folder and (input, output) pairs of a folder input; raises ValueError when
+    """The output folder and (input, output) pairs of a folder input; raises InputError when
     they can't be made (nothing to do, the output folder is a file, two inputs would write
     the same output)."""
     from .io import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
@@ -128,17 +129,17 @@ def _folder_jobs(src: Path, output: str | None) -> tuple[Path, list[tuple[Path, 
     inputs = sorted(p for p in src.iterdir() if p.suffix.lower() in media
                     and not p.name.startswith(".") and p.is_file())  # hidden: our temporaries
     if not inputs:
-        raise ValueError(f"{src}: no video or image files in this folder (for an image "
+        raise InputError(f"{src}: no video or image files in this folder (for an image "
                          f"sequence give a pattern such as {src}{os.sep}%05d.png)")
     out_dir = Path(output) if output else src.with_name(src.name + "_seedvr2")
     if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"{out_dir} is a file; a folder input writes one output per file "
+        raise InputError(f"{out_dir} is a file; a folder input writes one output per file "
                          f"into a folder: give -o a folder path")
     jobs = [(p, out_dir / f"{p.stem}{_output_suffix(p)}") for p in inputs]
     targets: dict[Path, Path] = {}
     for source, target in jobs:
         if target in targets:
-            raise ValueError(f"{targets[target].name} and {source.name} would both be written "
+            raise InputError(f"{targets[target].name} and {source.name} would both be written "
                              f"to {target}; rename one of them")
         targets[target] = source
     return out_dir, jobs
@@ -367,7 +368,6 @@ def _upscale_jobs(args, opts, jobs: list) -> int:
     import time
 
     from .api import check_file_job, load_models, process_devices, upscale_file
-    from .loading.weight_files import CheckpointError
 
     bars = _Bars(not args.quiet)
     failed = []
@@ -412,7 +412,7 @@ def _upscale_jobs(args, opts, jobs: list) -> int:
             if not args.quiet and out is not None:
                 summary = _ranks_summary if several else _summary
                 _say(summary(out, stats, time.perf_counter() - start))
-    except (CheckpointError, ValueError) as e:
+    except (SeedVR2Error, ValueError) as e:
         bars.close()
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -604,7 +604,11 @@ def main(argv=None) -> int:
         # huggingface_hub prints through a handler of its own; passed on to ours as well,
         # every line of it would appear twice.
         logging.getLogger("huggingface_hub").propagate = False
-    if args.command == "run-workflow":  # its messages name node inputs, not our flags
-        return args.run(args)
-    with spoken_as_cli():
-        return args.run(args)
+    try:
+        if args.command == "run-workflow":  # its messages name node inputs, not our flags
+            return args.run(args)
+        with spoken_as_cli():
+            return args.run(args)
+    except SeedVR2Error as e:  # a refusal no command caught on its way: still one line
+        print(f"error: {e}", file=sys.stderr)
+        return 1

@@ -94,6 +94,15 @@ def kitchen_cuda_backend_allowed(torch_cuda: Optional[tuple[int, ...]]) -> bool:
     return torch_cuda is not None and torch_cuda >= KITCHEN_CUDA_NEEDS
 
 
+def kitchen_cuda_missing() -> Optional[str]:
+    """Why comfy-kitchen's CUDA backend does not compute in this process (its compiled kernels
+    did not load, or it is disabled), or None when it does."""
+    backend = kitchen().list_backends().get("cuda", {})
+    if backend.get("available") and not backend.get("disabled"):
+        return None
+    return backend.get("unavailable_reason") or "disabled"
+
+
 def kitchen():
     """comfy-kitchen, imported on first use, with its CUDA backend disabled where ComfyUI
     disables it (torch not built for CUDA 13+); the log says once which backend computes."""
@@ -315,6 +324,26 @@ def _scaled_mm_layout(args):
     return "; ".join(bad) or None
 
 
+def _fp8_scale(args):
+    x, scale = _tensor(args, "x"), _tensor(args, "scale")
+    if x is None or scale is None or (scale.numel() == 1 and scale.device == x.device):
+        return None
+    return f"scale is {list(scale.shape)} on {scale.device}, not one value on x's device " \
+           f"({x.device})"
+
+
+def _fp8_sixteens(args):
+    x = _tensor(args, "x")
+    if x is None:
+        return None
+    if x.numel() % 16:
+        return f"x has {x.numel()} elements, not a multiple of 16"
+    if x.is_contiguous() and x.storage_offset() * x.element_size() % 16:  # else copied
+        return f"x starts {x.storage_offset() * x.element_size()} bytes into its storage, " \
+               f"not on a 16-byte boundary"
+    return None
+
+
 def _scaled_mm_sizes(args):
     a, b = _tensor(args, "self"), _tensor(args, "mat2")
     if a is None or b is None:
@@ -499,6 +528,12 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
         Rule("\"quantize_per_tensor_fp8\": x float32/float16/bfloat16; scale float32; "
              "output_type float8_e4m3fn or float8_e5m2",
              lambda a: _dtype_in("x", _FLOATS)(a) or _dtype_in("scale", (torch.float32,))(a)),
+        Rule("ops/per_tensor_quantize.cu: const float* scale_f = static_cast<const float*>"
+             "(scale.data); ... / *scale_f (each thread reads one float32 on the GPU)",
+             _fp8_scale),
+        Rule("ops/per_tensor_quantize.cu: idx *= kE4M3Alignment; if (idx >= size) return; "
+             "... *reinterpret_cast<const float4*>(src + idx + i * n_src_load) (16 values per "
+             "thread, float4 loads and stores)", _fp8_sixteens),
     ), rocm="kitchen"),
     Kernel("torch._scaled_mm", _TORCH_SCALED_MM, (
         Rule("self must be row_major ... mat2 must be col_major", _scaled_mm_layout),

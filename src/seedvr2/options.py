@@ -115,12 +115,12 @@ _PLAIN_FLOAT = re.compile(r" *(-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?|-?
 def plain_number(kind: type, text: str):
     """``text`` as an int or float when it is spelled in plain ASCII decimal (spaces around
     allowed; floats also as ``1e-3``, and ``inf``/``nan`` for the range checks to name); else
-    ValueError. Python's own int()/float() also read ``1_0`` as 10, ``+3``, other scripts'
+    OptionError. Python's own int()/float() also read ``1_0`` as 10, ``+3``, other scripts'
     digits (``١``) and surrounding newlines: a value spelled so is more likely a mistake
     than meant."""
     match = (_PLAIN_INT if kind is int else _PLAIN_FLOAT).fullmatch(text)
     if match is None:
-        raise ValueError(f"not a plain decimal {kind.__name__}: {text!r}")
+        raise OptionError(f"not a plain decimal {kind.__name__}: {text!r}")
     return kind(match.group(1))
 
 
@@ -177,15 +177,15 @@ def parse_scene_cuts(value):
         cuts = [plain_number(int, v) for v in text.split(",")] if text is not None else \
             [operator.index(v) for v in value]
     except (TypeError, ValueError):
-        raise ValueError("expected auto, off, or frame numbers such as 120,348 (digits 0-9 "
-                         "separated by commas)") from None
+        raise OptionError("expected auto, off, or frame numbers such as 120,348 (digits 0-9 "
+                          "separated by commas)") from None
     if any(v < 1 for v in cuts):
-        raise ValueError("a cut is the first frame of a new shot, so at least 1 (frame 0 "
-                         "starts the video); remove it")
+        raise OptionError("a cut is the first frame of a new shot, so at least 1 (frame 0 "
+                          "starts the video); remove it")
     cuts.sort()
     twice = next((a for a, b in zip(cuts, cuts[1:]) if a == b), None)  # linear once sorted
     if twice is not None:
-        raise ValueError(f"frame {twice} is given twice; give each cut once")
+        raise OptionError(f"frame {twice} is given twice; give each cut once")
     return tuple(cuts)
 
 
@@ -201,17 +201,17 @@ def parse_fps(value: str):
     else:
         number = plain_number(float, text)
         if not math.isfinite(number):  # inf, nan, and 1e400 (which float reads as inf)
-            raise ValueError("must be a finite number")
+            raise OptionError("must be a finite number")
         rate = Fraction(number).limit_denominator(1001)
     if rate <= 0:
-        raise ValueError("must be positive")
+        raise OptionError("must be positive")
     if not MIN_FPS <= rate <= MAX_FPS:
         raise FpsRangeError(f"must be between {MIN_FPS} and {MAX_FPS} frames a second (what "
                             f"video containers and players handle)")
     return rate
 
 
-class FpsRangeError(ValueError):
+class FpsRangeError(OptionError):
     """A well-formed frame rate that no video can have."""
 
 
@@ -264,8 +264,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "that come with this package) or a path to .safetensors/.pt with 'pos'"),
     Option("device", str, "auto", "compute device: auto (cuda if available, else cpu), cpu, "
            "cuda, cuda:N", check=_device_problem),
-    Option("dtype", str, "auto", "compute precision: auto (bf16 on GPUs of compute capability "
-           "8.0 or newer, else fp16; fp32 on CPU), fp32, fp16, bf16", choices=DTYPE_NAMES),
+    Option("dtype", str, "auto", "compute precision: auto (bf16 on GPUs with native bf16: "
+           "compute capability 8.0 or newer, AMD MI100/RDNA3 or newer; else fp16; fp32 on "
+           "CPU), fp32, fp16, bf16", choices=DTYPE_NAMES),
     # How quantised weights multiply (the paths, their GPUs and bounds): seedvr2.loading.lowp
     # and docs/memory.md.
     Option("compute_precision", str, "auto", "auto: int8/fp8/fp4 matmuls on GPUs with them "

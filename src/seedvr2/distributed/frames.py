@@ -16,9 +16,10 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ..errors import InputError
 from ..pipeline.plan import Batch, BatchPlan
 from ..pipeline.runner import integer_frames
-from .peers import JobKeys, Liveness, wait_until
+from .peers import DistributedError, JobKeys, Liveness, wait_until
 
 HEADER_FIELDS = ("magic", "frames", "height", "width", "channels", "bit_depth",
                  "quantized_start", "quantized_stop")
@@ -96,7 +97,7 @@ def encode_batch(frames: torch.Tensor, span: tuple[int, int], bit_depth: Optiona
     n, height, width, channels = frames.shape
     start, stop = span if bit_depth is not None else (0, 0)
     if bit_depth is not None and bit_depth not in _WIRE_DTYPE:
-        raise ValueError(f"frames travel at 8 or 16 bits (or float32 with bit_depth=None), "
+        raise InputError(f"frames travel at 8 or 16 bits (or float32 with bit_depth=None), "
                          f"not {bit_depth}")
     header = torch.tensor([MAGIC, n, height, width, channels, bit_depth or 32, start, stop],
                           dtype=torch.int64)
@@ -114,15 +115,15 @@ def buffers_for(header: torch.Tensor, expected: tuple[int, int, int, int],
     """Receive buffers for the message ``header`` announces; ``expected`` = (frames, H, W, C)."""
     fields = dict(zip(HEADER_FIELDS, header.tolist()))
     if fields["magic"] != MAGIC:
-        raise RuntimeError(f"{source} sent a message that is not a frame batch (header "
-                           f"{header.tolist()}); are two jobs sharing one rendezvous port?")
+        raise DistributedError(f"{source} sent a message that is not a frame batch (header "
+                               f"{header.tolist()}); are two jobs sharing one rendezvous port?")
     shape = (fields["frames"], fields["height"], fields["width"], fields["channels"])
     if shape != tuple(expected):
-        raise RuntimeError(f"{source} sent frames of shape {shape}, the plan expects "
-                           f"{tuple(expected)}; every rank must run the same command")
+        raise DistributedError(f"{source} sent frames of shape {shape}, the plan expects "
+                               f"{tuple(expected)}; every rank must run the same command")
     depth, start, stop = fields["bit_depth"], fields["quantized_start"], fields["quantized_stop"]
     if depth not in (8, 16, 32) or not 0 <= start <= stop <= shape[0]:
-        raise RuntimeError(f"{source} sent an invalid frame header {fields}")
+        raise DistributedError(f"{source} sent an invalid frame header {fields}")
     rest = shape[1:]
     quantized = torch.empty((stop - start, *rest), dtype=_WIRE_DTYPE.get(depth, torch.uint8))
     exact = torch.empty((shape[0] - (stop - start), *rest), dtype=torch.float32)

@@ -1,6 +1,6 @@
 """Process groups: who am I, how many are we (torchrun's variables, Slurm's, or our spawn
 launcher's), and the backend to talk with (NCCL when every rank has its own CUDA device, gloo
-otherwise). Every collective inherits the group's timeout: a dead peer is an error, not a hang.
+otherwise). Every collective inherits its group's timeout (:func:`group_timeout`).
 """
 
 from __future__ import annotations
@@ -11,6 +11,21 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from .peers import DistributedError
+
+
+# NCCL's watchdog counts a collective's timeout from when the CPU enqueued it, and the CPU runs
+# up to a whole DiT forward ahead of the GPU: an NCCL group waits far longer than any forward.
+# A lost peer is found within dist_timeout by the Lifeline and the polled waits (peers.py).
+NCCL_TIMEOUT = datetime.timedelta(hours=1)
+
+
+def group_timeout(backend: str, timeout_s: float) -> datetime.timedelta:
+    """A process group's timeout: ``dist_timeout`` for gloo, whose waits start with the call;
+    at least :data:`NCCL_TIMEOUT` for NCCL."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return max(timeout, NCCL_TIMEOUT) if backend == "nccl" else timeout
 
 
 @dataclass(frozen=True)
@@ -36,8 +51,8 @@ def _env_ranks() -> tuple[int, int, int]:
                 int(os.environ.get("LOCAL_RANK", "0")))
     if "SLURM_PROCID" in os.environ:
         if "MASTER_ADDR" not in os.environ:
-            raise RuntimeError("under Slurm, set MASTER_ADDR (and MASTER_PORT) to the first "
-                               "node's address for the rendezvous")
+            raise DistributedError("under Slurm, set MASTER_ADDR (and MASTER_PORT) to the first "
+                                   "node's address for the rendezvous")
         os.environ.setdefault("MASTER_PORT", "29500")
         return (int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"]),
                 int(os.environ.get("SLURM_LOCALID", "0")))
@@ -62,9 +77,10 @@ def init_from_env(device_spec: str = "auto", timeout_s: float = 60.0,
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
-                                store=store if store is not None else _restart_store(timeout),
+        store = store if store is not None else _restart_store(
+            datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=group_timeout(backend, timeout_s), store=store,
                                 device_id=device if backend == "nccl" else None)
     return DistContext(rank, world_size, local_rank, device)
 

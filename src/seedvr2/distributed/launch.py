@@ -25,8 +25,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..options import OptionError
 from ..io.temporaries import abandoned, hold, remove_stale_temporaries
 from .groups import destroy, init_from_env
+from .peers import DistributedError
 
 log = logging.getLogger("seedvr2")
 
@@ -43,8 +45,8 @@ def parse_devices(spec: str) -> list[str]:
             index = int(d.split(":")[1]) if ":" in d else 0
             available = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if index >= available:
-                raise ValueError(f"devices names {d}, but this machine has {available} CUDA "
-                                 f"device(s); list only existing ones (or use cpu)")
+                raise OptionError(f"devices names {d}, but this machine has {available} CUDA "
+                                  f"device(s); list only existing ones (or use cpu)")
     return devices
 
 
@@ -156,7 +158,7 @@ def _spawn_context():
     return mp.get_context("spawn")
 
 
-def _failure(workers, rank: int) -> RuntimeError:
+def _failure(workers, rank: int) -> DistributedError:
     """The launcher's error: which rank failed and, for a raised exception, its last line
     (the worker's full traceback is on stderr)."""
     process = workers.processes[rank]
@@ -164,11 +166,11 @@ def _failure(workers, rank: int) -> RuntimeError:
         with open(workers.error_files[rank], "rb") as f:
             trace = pickle.load(f)
     except (OSError, EOFError, pickle.UnpicklingError):
-        return RuntimeError(f"distributed upscale failed: rank {rank} exited with code "
-                            f"{process.exitcode}")
+        return DistributedError(f"distributed upscale failed: rank {rank} exited with code "
+                                f"{process.exitcode}")
     lines = [line for line in str(trace).strip().splitlines() if line.strip()]
-    return RuntimeError(f"distributed upscale failed on rank {rank}: "
-                        f"{_in_words(lines[-1].strip()) if lines else trace}")
+    return DistributedError(f"distributed upscale failed on rank {rank}: "
+                            f"{_in_words(lines[-1].strip()) if lines else trace}")
 
 
 def _in_words(last: str) -> str:
@@ -373,8 +375,9 @@ def _join(workers, timeout_s: float, started: Path, tick=None):
         if writer_done is None and processes[0].exitcode is None and writer_mark.exists() and \
                 time.time() - writer_mark.stat().st_mtime > timeout_s:
             _stop(workers)  # SIGKILL reaches a frozen process; SIGTERM would wait
-            raise RuntimeError(f"distributed upscale failed: rank 0 (the writer) has shown no "
-                               f"sign of life for dist_timeout ({timeout_s:g}s): frozen or hung")
+            raise DistributedError(f"distributed upscale failed: rank 0 (the writer) has shown "
+                                   f"no sign of life for dist_timeout ({timeout_s:g}s): frozen "
+                                   f"or hung")
         if writer_done is not None and time.monotonic() - writer_done > timeout_s:
             stuck = [r for r, p in enumerate(processes) if p.is_alive()]
             log.warning("rank(s) %s did not exit within dist_timeout (%gs) of the finished "

@@ -47,7 +47,12 @@ class JobKeys:
         self.store.set(self.key(name), "1")
 
 
-class RankLost(SeedVR2Error, RuntimeError):
+class DistributedError(SeedVR2Error, RuntimeError):
+    """A job over several processes that cannot go on: ranks that disagree, a message that is
+    not the one expected, a rendezvous not set up, a rank that failed."""
+
+
+class RankLost(DistributedError):
     """``rank`` (-1: a rank not known) is lost: exited, frozen, cut off, or its transfer
     failed."""
 

@@ -28,8 +28,8 @@ from ..pipeline.runner import final_frames
 from ..pipeline.job import Job
 from . import frames as wire
 from .assign import assign_batches
-from .groups import DistContext
-from .peers import JobKeys, Lifeline, Liveness, RankLost
+from .groups import DistContext, group_timeout
+from .peers import DistributedError, JobKeys, Lifeline, Liveness, RankLost
 from .sequence import Meeting, meeting_group, sequence_group, sequence_parallel
 from .vae_share import SharedVaeUpscaler, vae_owners
 
@@ -54,8 +54,8 @@ def check_agreement(ctx: DistContext, identity: dict):
     dist.all_gather_object(digests, identity_digest(identity))
     differing = [r for r, d in enumerate(digests) if d != digests[0]]
     if differing:
-        raise RuntimeError(f"ranks {differing} disagree with rank 0 on options, input or model "
-                           f"files; every rank must run the same command on the same files")
+        raise DistributedError(f"ranks {differing} disagree with rank 0 on options, input or model "
+                               f"files; every rank must run the same command on the same files")
 
 
 def check_sequence_parallel(job: Job, ranks: int):
@@ -116,8 +116,9 @@ class RankWork:
 @dataclass(frozen=True)
 class Links:
     """What one rank's job talks over, made once by every rank in the same order: its groups,
-    every one with the job's own ``dist_timeout`` (waits longer than a transfer are polled in
-    the store instead: ``Handover``, ``Meeting``), its keys in the store, its view of the
+    gloo ones with the job's own ``dist_timeout`` (waits longer than a transfer are polled in
+    the store instead: ``Handover``, ``Meeting``), NCCL ones with ``group_timeout``'s longer
+    one, its keys in the store, its view of the
     other ranks, and this rank's sequence group and meeting (None without sequence
     parallelism)."""
 
@@ -131,7 +132,8 @@ class Links:
     @classmethod
     def make(cls, ctx: DistContext, opts) -> "Links":
         k, timeout = opts.sequence_parallel, datetime.timedelta(seconds=opts.dist_timeout)
-        group = sequence_group(k, timeout) if k > 1 else None
+        group = sequence_group(k, group_timeout(dist.get_backend(), opts.dist_timeout)) \
+            if k > 1 else None
         meeting = meeting_group(k, timeout)
         frames = wire.frame_group(timeout)  # every rank, in the same order
         keys = JobKeys()
@@ -264,10 +266,10 @@ def _received(work: RankWork, links: Links, rank: int, b):
         links.handover.receiving(b.index)
         return wire.recv_batch(rank, b.index, (b.frames, *work.frame_shape), links.frames_group)
     except Exception as e:
-        raise RuntimeError(f"rank {rank} did not deliver batch {b.index} "
-                           f"(frames {b.start}-{b.stop - 1}): it failed or timed out "
-                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-                           ) from e
+        raise DistributedError(f"rank {rank} did not deliver batch {b.index} "
+                               f"(frames {b.start}-{b.stop - 1}): it failed or timed out "
+                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                               ) from e
 
 
 def _produce(work: RankWork, consume=None):

@@ -16,8 +16,9 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from ..options import OptionError
 from ..models.packing import Packing, to_device
-from .peers import wait_until
+from .peers import DistributedError, wait_until
 
 
 def shard_bounds(total: int, parts: int) -> list[int]:
@@ -58,8 +59,8 @@ class UlyssesSequenceParallel:
     def __init__(self, group: Optional[dist.ProcessGroup] = None,
                  meeting: Optional["Meeting"] = None):
         if not dist.is_initialized():
-            raise RuntimeError("sequence parallelism needs an initialised torch.distributed "
-                               "process group (see seedvr2.distributed.init_from_env)")
+            raise DistributedError("sequence parallelism needs an initialised torch.distributed "
+                                   "process group (see seedvr2.distributed.init_from_env)")
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -75,7 +76,7 @@ class UlyssesSequenceParallel:
         dist.all_to_all_single(out, send, group=self.group, **kwargs)
 
     def check(self, dit: torch.nn.Module):
-        """Raise ``ValueError`` unless every attention layer's heads divide over the group."""
+        """Raise ``OptionError`` unless every attention layer's heads divide over the group."""
         for block in dit.blocks:
             self.head_range(block.attn.heads)
 
@@ -106,9 +107,9 @@ class UlyssesSequenceParallel:
 
     def head_range(self, heads: int) -> slice:
         if heads % self.size:
-            raise ValueError(f"sequence parallelism over {self.size} ranks needs a head count "
-                             f"divisible by {self.size}; this DiT has {heads} heads (use a group "
-                             f"size that divides {heads})")
+            raise OptionError(f"sequence parallelism over {self.size} ranks needs a head count "
+                              f"divisible by {self.size}; this DiT has {heads} heads (use a group "
+                              f"size that divides {heads})")
         own = heads // self.size
         return slice(self.rank * own, (self.rank + 1) * own)
 
@@ -154,7 +155,7 @@ def sequence_group(size: int, timeout: Optional[datetime.timedelta] = None
     world must call it, with the same ``size``. ``None`` means the default (whole-world) group."""
     world = dist.get_world_size()
     if size < 1 or world % size:
-        raise ValueError(f"sequence_parallel={size} must divide the number of ranks ({world})")
+        raise OptionError(f"sequence_parallel={size} must divide the number of ranks ({world})")
     return None if size == world else _own_group(size, timeout=timeout)
 
 

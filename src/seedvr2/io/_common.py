@@ -25,7 +25,7 @@ IMAGE_EXTENSIONS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WE
 
 class MediaError(SeedVR2Error, ValueError):
     """A media file or folder can't be read or written as asked; the message names the path.
-    Refusing to replace an existing output is a :class:`FileExistsError` instead."""
+    Refusing to replace an existing output is an :class:`~seedvr2.errors.OutputExists` instead."""
 
 # FFmpeg's YUV matrix codes (AVColorSpace) -> the matrix swscale converts with (its codes
 # for BT.601 are 5 and 6, the same coefficients). Others (YCgCo, constant-luminance BT.2020,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import queue
 import threading
 
+from ..errors import InputError
+from ._common import MediaError
 from .writer import FrameOutput
 
 _STOP = object()
@@ -19,7 +21,7 @@ _POLL_S = 0.1  # how often a blocked put looks whether the encoding thread has d
 class BackgroundWriter(FrameOutput):
     def __init__(self, writer, max_pending: int = 8):
         if max_pending < 1:
-            raise ValueError(f"max_pending must be at least 1, got {max_pending}")
+            raise InputError(f"max_pending must be at least 1, got {max_pending}")
         self.writer = writer
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._error: BaseException | None = None
@@ -71,7 +73,7 @@ class BackgroundWriter(FrameOutput):
     def write(self, frame) -> None:
         """Queue one frame (blocks while ``max_pending`` frames wait)."""
         if self._finished:
-            raise RuntimeError(f"{self.path}: background writer is already closed")
+            raise MediaError(f"{self.path}: background writer is already closed")
         self._put(frame)
 
     def _stop_thread(self):

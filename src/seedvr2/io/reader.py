@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import InputError
 from ._common import (ARRAY_FORMATS, IMAGE_EXTENSIONS, PRINTF, Colour, MediaError, MediaInfo,
                       fspath, printf_pattern, sniff_image, with_channels)
 from ._images import ImageProbe, animation_frames, load_image, probe_image, scan_animation
@@ -90,7 +91,7 @@ class MediaReader:
     def frames(self, start: int = 0, stop: int | None = None) -> Iterator[np.ndarray]:
         """Frames ``start`` .. ``stop - 1`` (``stop=None``: to the end) as (H, W, C) arrays."""
         if start < 0 or (stop is not None and stop < 0):
-            raise ValueError(f"frame indices must be >= 0, got start={start}, stop={stop}")
+            raise InputError(f"frame indices must be >= 0, got start={start}, stop={stop}")
         return self._frames(start, stop)
 
     def __iter__(self) -> Iterator[np.ndarray]:

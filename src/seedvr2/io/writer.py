@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import OutputExists
 from ..options import option_ref
 from .temporaries import hold, remove_stale_temporaries, temporary_path
 from ._common import (IMAGE_EXTENSIONS, PRINTF, VIDEO_EXTENSIONS, Colour, DisplayTransform,
@@ -68,7 +69,7 @@ def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
     MediaInfo, which adds its subtitles) copies audio packet for packet. What each output
     writes, keeps and drops: docs/media.md#writing and "Inputs and outputs".
 
-    Raises :class:`FileExistsError` when the output exists and ``overwrite`` is false, and
+    Raises :class:`~seedvr2.errors.OutputExists` when the output exists and ``overwrite`` is false, and
     :class:`MediaError` for everything else that can be known before writing.
     """
     text = os.fspath(dst)
@@ -354,8 +355,8 @@ class MediaWriter(FrameOutput):
 
     def _refuse_existing(self, target: Path) -> None:
         if (target.exists() or target.is_symlink()) and not self.overwrite:
-            raise FileExistsError(f"{target} already exists; pass {option_ref('overwrite', True)} "
-                                  f"to replace it, or choose another output name")
+            raise OutputExists(f"{target} already exists; pass {option_ref('overwrite', True)} "
+                               f"to replace it, or choose another output name")
 
     def _claim_temp(self, folder: bool = False) -> None:
         """Create and hold the temporary the output is written to: a folder (image outputs,
@@ -391,14 +392,14 @@ class MediaWriter(FrameOutput):
         try:
             os.link(temp, final)  # atomic, and fails if ``final`` appeared meanwhile
         except FileExistsError:
-            raise FileExistsError(
+            raise OutputExists(
                 f"{final} appeared while writing and overwrite is off; the finished output is "
                 f"kept at {temp} -- rename it yourself, or pass "
                 f"{option_ref('overwrite', True)}") from None
         except OSError:  # no hard links on this filesystem (FAT, some network mounts)
             if final.exists():
-                raise FileExistsError(f"{final} appeared while writing and overwrite is off; "
-                                      f"the finished output is kept at {temp}") from None
+                raise OutputExists(f"{final} appeared while writing and overwrite is off; "
+                                   f"the finished output is kept at {temp}") from None
             os.rename(temp, final)
         else:
             os.unlink(temp)
@@ -757,7 +758,7 @@ class ImageWriter(_ImageFilesWriter):
             if not self.overwrite:
                 taken = [t for t in targets if t.exists()]
                 if taken:
-                    raise FileExistsError(
+                    raise OutputExists(
                         f"{taken[0]} already exists; the finished frames are kept in "
                         f"{self._temp} -- pass {option_ref('overwrite', True)} or choose "
                         f"another name")
@@ -807,9 +808,9 @@ class SequenceWriter(_ImageFilesWriter):
         if path.exists() and not path.is_dir():
             raise MediaError(f"{path} exists and is not a folder; a frame sequence needs one")
         if path.is_dir() and any(path.iterdir()) and not self.overwrite:
-            raise FileExistsError(f"{path} already exists and is not empty; pass "
-                                  f"{option_ref('overwrite', True)} to replace its frames, or "
-                                  f"choose another output folder")
+            raise OutputExists(f"{path} already exists and is not empty; pass "
+                               f"{option_ref('overwrite', True)} to replace its frames, or "
+                               f"choose another output folder")
         self._claim_temp(folder=True)
 
     def _finish(self) -> None:
@@ -823,8 +824,8 @@ class SequenceWriter(_ImageFilesWriter):
         except OSError:  # the folder appeared (and filled) meanwhile
             pass
         if not self.overwrite:
-            raise FileExistsError(f"{self.path} appeared while writing; the finished frames "
-                                  f"are kept in {self._temp}")
+            raise OutputExists(f"{self.path} appeared while writing; the finished frames "
+                               f"are kept in {self._temp}")
         new = {f.name for f in self._temp.iterdir()}
         for name in sorted(new):
             os.replace(self._temp / name, self.path / name)

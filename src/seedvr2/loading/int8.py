@@ -29,7 +29,7 @@ def regular_hadamard(size: int, device=None, dtype=torch.float32) -> torch.Tenso
     the result is symmetric and orthonormal: it is its own inverse.
     """
     if not is_power_of_4(size):
-        raise ValueError(f"a regular Hadamard matrix needs a power of 4 as size, got {size}")
+        raise LayoutError(f"a regular Hadamard matrix needs a power of 4 as size, got {size}")
     h4 = torch.tensor([[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]],
                       dtype=dtype, device=device)
     h = h4

@@ -16,6 +16,8 @@ import logging
 import torch
 from torch import nn
 
+from ..options import OptionError
+from ..errors import UsageError
 from .lowp import COMPUTE_PRECISIONS, WEIGHTS, compute_path, low_precision_linear
 from .packed import PackedWeight
 
@@ -26,6 +28,13 @@ log = logging.getLogger("seedvr2")
 # modules whose weight stays packed
 
 _PART_PREFIX = "weight_"
+
+
+# Errors a dequantised layer would not cure: out of memory, and a CUDA error that poisons the
+# context (an illegal address is sticky; every later call fails, often in another layer).
+# Older torch (some ComfyUI installs) has no torch.AcceleratorError: a plain RuntimeError.
+_NOT_THE_KERNELS = (torch.OutOfMemoryError,
+                    *filter(None, [getattr(torch, "AcceleratorError", None)]))
 
 
 class PackedWeightMixin:
@@ -56,7 +65,7 @@ class PackedWeightMixin:
             if path != WEIGHTS:
                 try:
                     return low_precision_linear(x, packed, self.bias)
-                except torch.OutOfMemoryError:
+                except _NOT_THE_KERNELS:
                     raise
                 except Exception as error:  # noqa: BLE001 -- any kernel failure: dequantise
                     self._fall_back(path, packed, error)
@@ -118,7 +127,7 @@ def attach_packed_weight(module: nn.Module, packed: PackedWeight, compute_dtype:
     """Make ``module.weight`` the dequantisation of ``packed`` (in ``compute_dtype``);
     ``name``, the module's name in its model, names it in messages."""
     if not can_pack(module, "weight"):
-        raise TypeError(f"{type(module).__name__} cannot hold a packed weight")
+        raise UsageError(f"{type(module).__name__} cannot hold a packed weight")
     if not isinstance(module, PackedWeightMixin):
         module.__class__ = _packed_class(type(module))
     module._parameters.pop("weight", None)
@@ -142,8 +151,8 @@ def set_compute_precision(model: nn.Module, precision: str):
     backend, so a cached model runs with each job's. A layer whose product failed in an
     earlier job tries it again."""
     if precision not in COMPUTE_PRECISIONS:
-        raise ValueError(f"compute_precision {precision!r}: expected one of "
-                         f"{', '.join(COMPUTE_PRECISIONS)}")
+        raise OptionError(f"compute_precision {precision!r}: expected one of "
+                          f"{', '.join(COMPUTE_PRECISIONS)}")
     for module in model.modules():
         if isinstance(module, PackedWeightMixin):
             module.compute_precision = precision

@@ -18,7 +18,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..options import option_ref
+from ..errors import InputError, OutputExists
+from ..options import OptionError, option_ref
 from .detect import describe_unknown, model_kind
 from .weight_files import SAFETENSORS_DTYPES, CheckpointError, TensorSource, open_weights
 from .gguf import CONFIG_KEY, ORIG_SHAPE_KEY, config_json
@@ -84,15 +85,15 @@ def quantize_file(source, output, target: str, keep: Sequence[str] = (), overwri
                   progress: Optional[Callable[[int, int], None]] = None) -> QuantizeSummary:
     """Convert ``source`` (any format the loader reads) to ``target`` at ``output``."""
     if target not in TARGETS:
-        raise ValueError(f"{option_ref('target', repr(target), flag='--type')}: expected one of "
-                         f"{', '.join(TARGETS)}")
+        raise OptionError(f"{option_ref('target', repr(target), flag='--type')}: expected one of "
+                          f"{', '.join(TARGETS)}")
     output = Path(output)
     want = ".gguf" if target in GGUF_TARGETS else ".safetensors"
     if output.suffix.lower() != want:
-        raise ValueError(f"{output}: a {target} file is written as {want}; name it "
+        raise InputError(f"{output}: a {target} file is written as {want}; name it "
                          f"{output.with_suffix(want).name}")
     if output.exists() and not overwrite:
-        raise FileExistsError(f"{output} exists; pass {option_ref('overwrite', True)} to replace it")
+        raise OutputExists(f"{output} exists; pass {option_ref('overwrite', True)} to replace it")
     tmp = output.with_name(output.name + ".partial")
     with open_weights(source) as src:
         kind, config = _model_config(src)

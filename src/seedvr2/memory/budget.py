@@ -206,6 +206,7 @@ class BatchShape:
     encode_slice: Optional[int] = None  # VAE causal temporal slice (video frames), None = whole
     decode_slice: Optional[int] = None
     color_correction: str = "wavelet"  # the option: what colour correction holds after decode
+    vae_int8_cache: str = "off"  # the option: the VAE's large causal tails in int8 (off/on/host)
 
     @property
     def padded(self) -> tuple[int, int]:
@@ -390,15 +391,25 @@ def _core_scale(cfg: VAEConfig, frames: int, height: int, width: int, decode: bo
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _causal_cache_bytes(cfg: VAEConfig, height: int, width: int, b: int) -> int:
+def _causal_cache_bytes(cfg: VAEConfig, height: int, width: int, b: int,
+                        int8_cache: str = "off") -> int:
     """Frames a temporal slice carries to the next (two per causal 3x3x3 conv), summed over
-    the levels: each level's convs at that level's width and resolution."""
+    the levels: each level's convs at that level's width and resolution. ``int8_cache`` (the
+    option vae_int8_cache): tails from ``INT8_CACHE_BYTES`` on at one byte per value, and with
+    ``host`` parked off the device but the one read and the one fetched ahead."""
+    from ..models.vae_paths import INT8_CACHE_BYTES
+
     convs_per_level = 2 * (cfg.layers_per_block + 1) + 2
-    total, h, w = 0, height, width
+    total, in_flight, h, w = 0, 0, height, width
     for c in cfg.block_out_channels:
-        total += 2 * convs_per_level * c * h * w * b
+        tail = 2 * c * h * w * b
+        if int8_cache != "off" and tail >= INT8_CACHE_BYTES:
+            tail //= b
+            if int8_cache == "host":
+                in_flight, tail = max(in_flight, 2 * tail), 0
+        total += convs_per_level * tail
         h, w = -(-h // 2), -(-w // 2)
-    return total
+    return total + in_flight
 
 
 def _vae_phase(cfg: VAEConfig, shape: BatchShape, decode: bool) -> int:
@@ -413,7 +424,7 @@ def _vae_phase(cfg: VAEConfig, shape: BatchShape, decode: bool) -> int:
     th, tw = (min(tiles.tile_size + 2 * context, hp), min(tiles.tile_size + 2 * context, wp)) \
         if tiles.enabled else (hp, wp)
     piece = min(frames, 1 + temporal) if temporal else frames
-    cache = _causal_cache_bytes(cfg, th, tw, b) if piece < frames else 0
+    cache = _causal_cache_bytes(cfg, th, tw, b, job.vae_int8_cache) if piece < frames else 0
     pieced = piece < frames or (th, tw) != (hp, wp)
     pixels = frames * hp * wp
     if tiles.enabled and getattr(tiles, "exact", False) and getattr(tiles, "state_device", "cpu") is None:

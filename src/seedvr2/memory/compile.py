@@ -33,7 +33,8 @@ class CompileSettings:
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
-            raise ValueError(f"compile backend {self.backend!r}: expected one of {', '.join(BACKENDS)}")
+            raise OptionError(f"compile backend {self.backend!r}: expected one of "
+                              f"{', '.join(BACKENDS)}")
         if self.backend == "cudagraphs" or (self.backend == "inductor" and self.mode in CUDA_GRAPH_MODES):
             what = "compile_backend cudagraphs" if self.backend == "cudagraphs" else \
                 f"compile_mode {self.mode}"

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from .. import kernels
 from ..errors import SeedVR2Error
+from ..options import OptionError
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -18,10 +20,11 @@ def resolve_device(name: str) -> torch.device:
     device = torch.device(name)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {name!r}: CUDA is not available on this machine; use cpu")
+            raise OptionError(f"device {name!r}: CUDA is not available on this machine; use cpu")
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index >= torch.cuda.device_count():
-            raise ValueError(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+            raise OptionError(f"device {name!r}: only {torch.cuda.device_count()} CUDA "
+                              f"device(s) here")
         device = torch.device("cuda", index)
     return device
 
@@ -29,16 +32,26 @@ def resolve_device(name: str) -> torch.device:
 # bf16 runs natively from compute capability 8.0 (Ampere). torch.cuda.is_bf16_supported()
 # also says yes on 7.x (T4, V100, RTX 20xx), where bf16 is emulated and several times slower.
 NATIVE_BF16_CAPABILITY = (8, 0)
+# On AMD, the gfx architectures with bf16 matrix instructions: CDNA (MI100 gfx908, MI200
+# gfx90a, MI300 gfx94x, MI350 gfx950) and RDNA3 on (gfx11, gfx12). ROCm's capability is the gfx
+# number (gfx906, no bf16, says 9.0), not an NVIDIA generation.
+ROCM_NATIVE_BF16 = ("gfx908", "gfx90a", "gfx94", "gfx95", "gfx11", "gfx12")
+
+
+def native_bf16(device: torch.device) -> bool:
+    if kernels.platform_of(device).kind == "rocm":
+        return torch.cuda.get_device_properties(device).gcnArchName.startswith(ROCM_NATIVE_BF16)
+    return torch.cuda.get_device_capability(device) >= NATIVE_BF16_CAPABILITY
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto`` = bf16 on GPUs with native bf16 (compute capability 8.0 and up), fp16 on older
-    GPUs (checked for overflow: see :func:`check_finite`), fp32 on the CPU."""
+    """``auto`` = bf16 on GPUs with native bf16 (:func:`native_bf16`: NVIDIA compute
+    capability 8.0 and up, AMD by architecture), fp16 on older GPUs (checked for overflow: see
+    :func:`check_finite`), fp32 on the CPU."""
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cuda":
-        native = torch.cuda.get_device_capability(device) >= NATIVE_BF16_CAPABILITY
-        return torch.bfloat16 if native else torch.float16
+        return torch.bfloat16 if native_bf16(device) else torch.float16
     return torch.float32
 
 

@@ -87,7 +87,8 @@ def batch_shape(opts: Options, size: tuple[int, int], batch: int, dtype: torch.d
         str(resolve_device(opts.tensor_offload_device))
     chunk = opts.chunk_size if waits_on is None or waits_on in compute_devices else None
     return mem.BatchShape(size[0], size[1], batch, dtype.itemsize, text_tokens, encode, decode,
-                          chunk, encode_slice, decode_slice, opts.color_correction)
+                          chunk, encode_slice, decode_slice, opts.color_correction,
+                          opts.vae_int8_cache)
 
 
 def plan_frames_of(frame_count: int, opts: Options) -> int:

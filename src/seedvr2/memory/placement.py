@@ -16,6 +16,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
+from ..errors import InputError
 from ..models import set_tensor
 from .arena import ComfyPin, HostArena, PinHook, arena_bytes, cuda_pin, host_pin_ledger
 
@@ -47,6 +48,19 @@ def default_pin(compute: torch.device, host: torch.device) -> Optional[PinHook]:
     return functools.partial(cuda_pin, device=compute)
 
 
+def tail_parking(compute: torch.device):
+    """``park(n)`` for the VAE's causal caches (``vae_int8_cache`` host): a host arena of ``n``
+    int8 codes for one parked tail, pinned as weights are (:func:`default_pin`: inside ComfyUI
+    counted in its pinned-memory budget), unpinned when the cache lets it go."""
+    pin = default_pin(compute, torch.device("cpu"))
+
+    def park(n: int) -> HostArena:
+        arena = HostArena([((n,), torch.int8)])
+        arena.pin(pin)
+        return arena
+    return park
+
+
 class WeightStore:
     """One persistent copy of every tensor of ``model`` on ``host`` (an arena), with the
     names each tensor is referenced by. Entries are numbered in ``model``'s order."""
@@ -62,7 +76,7 @@ class WeightStore:
         self.names: list[tuple[str, ...]] = [tuple(n) for n in names.values()]
         specs = [(t.shape, t.dtype) for t in first.values()]
         if any(t.is_meta for t in first.values()):
-            raise ValueError("cannot offload a model whose weights are not loaded (on meta)")
+            raise InputError("cannot offload a model whose weights are not loaded (on meta)")
         self.arena = HostArena(specs, self.host)
         # Copy one tensor at a time and point the model at its host view right away, so each
         # original (possibly a converted copy in RAM) can be freed before the next is copied.

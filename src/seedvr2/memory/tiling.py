@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..options import OptionError
+from ..errors import InputError, UsageError
 from ..models.vae import LOGVAR_MAX, LOGVAR_MIN, Decoder, Encoder, VideoAutoencoder
 from ..models.vae_blocks import (
     ATTENTION_SCORE_BUDGET,
@@ -30,6 +32,7 @@ from ..models.vae_blocks import (
     conv3d,
     group_stats_from_channels,
 )
+from .placement import tail_parking
 
 # Pixels per latent along H and W in every SeedVR2 VAE (spatial_downsample_factor).
 TILE_MULTIPLE = 8
@@ -67,29 +70,29 @@ class TileSettings:
         for name in ("tile_size", "tile_overlap"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name} must be an int number of pixels, got {value!r}")
+                raise OptionError(f"{name} must be an int number of pixels, got {value!r}")
         m = TILE_MULTIPLE
         if self.tile_size <= 0 or self.tile_size % m:
-            raise ValueError(f"tile_size = {self.tile_size}: must be a positive multiple of {m} "
-                             f"pixels (the VAE's spatial factor); use "
-                             f"{_nearest_multiples(self.tile_size, m)}")
+            raise OptionError(f"tile_size = {self.tile_size}: must be a positive multiple of {m} "
+                              f"pixels (the VAE's spatial factor); use "
+                              f"{_nearest_multiples(self.tile_size, m)}")
         if self.tile_overlap < 0 or self.tile_overlap % m:
             fix = _nearest_multiples(self.tile_overlap, m, True) if self.tile_overlap > 0 else "0"
-            raise ValueError(f"tile_overlap = {self.tile_overlap}: must be a multiple of {m} "
-                             f"pixels >= 0 (the VAE's spatial factor); use {fix}")
+            raise OptionError(f"tile_overlap = {self.tile_overlap}: must be a multiple of {m} "
+                              f"pixels >= 0 (the VAE's spatial factor); use {fix}")
         if self.tile_overlap >= self.tile_size:
-            raise ValueError(f"tile_overlap = {self.tile_overlap} must be smaller than "
-                             f"tile_size = {self.tile_size}; lower the overlap (e.g. "
-                             f"{max(self.tile_size // 8 // m * m, 0)}) or raise the tile size")
+            raise OptionError(f"tile_overlap = {self.tile_overlap} must be smaller than "
+                              f"tile_size = {self.tile_size}; lower the overlap (e.g. "
+                              f"{max(self.tile_size // 8 // m * m, 0)}) or raise the tile size")
         if not isinstance(self.exact, bool):
-            raise ValueError(f"exact must be True or False, got {self.exact!r}")
+            raise OptionError(f"exact must be True or False, got {self.exact!r}")
         if self.state_device is not None:
             try:
                 torch.device(self.state_device)
             except (RuntimeError, TypeError):
-                raise ValueError(f"state_device = {self.state_device!r}: expected a device "
-                                 f"such as 'cpu' or 'cuda:0', or None for the VAE's device"
-                                 ) from None
+                raise OptionError(f"state_device = {self.state_device!r}: expected a device "
+                                  f"such as 'cpu' or 'cuda:0', or None for the VAE's device"
+                                  ) from None
 
 
 def settings_from_options(opts, stage: str) -> Tuple[TileSettings, Optional[int]]:
@@ -97,7 +100,7 @@ def settings_from_options(opts, stage: str) -> Tuple[TileSettings, Optional[int]
     resolved option set (``seedvr2.options``): ``vae_<stage>_tiled``, ``_tile_size``,
     ``_tile_overlap`` and ``vae_<stage>_temporal_slice`` (0 = no slicing -> ``None``)."""
     if stage not in ("encode", "decode"):
-        raise ValueError(f"stage must be 'encode' or 'decode', got {stage!r}")
+        raise InputError(f"stage must be 'encode' or 'decode', got {stage!r}")
     get = lambda name: getattr(opts, f"vae_{stage}_{name}")  # noqa: E731
     tiles = TileSettings(get("tiled"), get("tile_size"), get("tile_overlap"),
                          exact=opts.vae_tiling_exact)
@@ -109,18 +112,18 @@ def settings_from_options(opts, stage: str) -> Tuple[TileSettings, Optional[int]
 def _check_settings(vae: VideoAutoencoder, tiles: TileSettings,
                     temporal_chunk: Optional[int]) -> None:
     if not isinstance(tiles, TileSettings):
-        raise TypeError(f"tiles must be a TileSettings, got {type(tiles).__name__}")
+        raise UsageError(f"tiles must be a TileSettings, got {type(tiles).__name__}")
     s = vae.spatial_factor
     if tiles.tile_size % s or tiles.tile_overlap % s:
-        raise ValueError(f"tile_size = {tiles.tile_size} and tile_overlap = {tiles.tile_overlap} "
-                         f"must be multiples of this VAE's spatial factor {s}")
+        raise OptionError(f"tile_size = {tiles.tile_size} and tile_overlap = {tiles.tile_overlap} "
+                          f"must be multiples of this VAE's spatial factor {s}")
     if temporal_chunk is not None:
         f = vae.temporal_factor
         if isinstance(temporal_chunk, bool) or not isinstance(temporal_chunk, int) \
                 or temporal_chunk <= 0 or temporal_chunk % f:
-            raise ValueError(f"temporal_chunk = {temporal_chunk!r}: must be a positive multiple "
-                             f"of {f} video frames (the VAE's temporal factor; chunks are "
-                             f"1 + {f}k frames, then {f}k), or None for no temporal slicing")
+            raise OptionError(f"temporal_chunk = {temporal_chunk!r}: must be a positive multiple "
+                              f"of {f} video frames (the VAE's temporal factor; chunks are "
+                              f"1 + {f}k frames, then {f}k), or None for no temporal slicing")
 
 
 def _chunks(count: int, first: int, rest: int) -> List[Tuple[int, int]]:
@@ -550,7 +553,8 @@ def _fast(vae: VideoAutoencoder, x: Tensor, tiles: TileSettings,
     for row in rows:
         for col in cols:
             weight = _tile_weight(row, col)
-            cache = vae.new_cache() if len(chunks) > 1 else None  # one per tile
+            # One per tile; int8 tails parked in host memory with vae_int8_cache host.
+            cache = vae.new_cache(tail_parking(x.device)) if len(chunks) > 1 else None
             for a0, a1 in chunks:
                 between()
                 # The slice is a strided view; .contiguous() copies just this piece.

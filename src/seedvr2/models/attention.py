@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import InputError
 from .norm import RMSNorm, rms_norm
 from .packing import Packing
 from .rope import apply_rotary
@@ -77,7 +78,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if backend == "sdpa":
         return _sdpa(q, k, v)
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
-        raise RuntimeError(f"{backend} needs CUDA tensors in fp16/bf16")
+        raise InputError(f"{backend} needs CUDA tensors in fp16/bf16")
     return BACKENDS[backend](q, k, v)
 
 

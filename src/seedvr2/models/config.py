@@ -221,7 +221,7 @@ def configs_dir() -> Path:
     for candidate in (here.parents[1] / "configs", here.parents[3] / "configs"):
         if candidate.is_dir():
             return candidate
-    raise FileNotFoundError(f"shipped configs/ folder not found near {here.parents[1]}")
+    raise ConfigError(f"shipped configs/ folder not found near {here.parents[1]}")
 
 
 def shipped_config(name: str) -> dict:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import InputError
 from .attention import ATTENTION_BACKENDS, SequenceParallel
 from .block import MMDiTBlock
 from .config import DIT_3B, DiTConfig
@@ -63,7 +64,8 @@ class NaDiT(nn.Module):
     def set_attention_backend(self, backend: str):
         """``auto`` / ``sdpa`` / ``flash_attn_2`` / ``flash_attn_3`` / ``sageattn_2``."""
         if backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend {backend!r}: expected one of {list(ATTENTION_BACKENDS)}")
+            raise InputError(f"attention_backend {backend!r}: expected one of "
+                             f"{list(ATTENTION_BACKENDS)}")
         for block in self.blocks:
             block.attn.backend = backend
 
@@ -103,19 +105,19 @@ class NaDiT(nn.Module):
     def _check_inputs(self, vid, txt, vid_shape, txt_shape, timestep):
         cfg = self.config
         if vid.dim() != 2 or vid.shape[1] != cfg.vid_in_channels:
-            raise ValueError(f"vid: expected shape (tokens, {cfg.vid_in_channels}), "
+            raise InputError(f"vid: expected shape (tokens, {cfg.vid_in_channels}), "
                              f"got {tuple(vid.shape)}")
         if txt.dim() != 2 or txt.shape[1] != cfg.txt_in_dim:
-            raise ValueError(f"txt: expected shape (tokens, txt_in_dim={cfg.txt_in_dim}), got "
+            raise InputError(f"txt: expected shape (tokens, txt_in_dim={cfg.txt_in_dim}), got "
                              f"{tuple(txt.shape)}; text embeddings must match the DiT's width")
         if vid_shape.dim() != 2 or vid_shape.shape[1] != 3:
-            raise ValueError(f"vid_shape: expected (batch, 3) rows [T, H, W], "
+            raise InputError(f"vid_shape: expected (batch, 3) rows [T, H, W], "
                              f"got {tuple(vid_shape.shape)}")
         if txt_shape.dim() != 2 or txt_shape.shape[1] != 1 or txt_shape.shape[0] != vid_shape.shape[0]:
-            raise ValueError(f"txt_shape: expected ({vid_shape.shape[0]}, 1) to match vid_shape, "
+            raise InputError(f"txt_shape: expected ({vid_shape.shape[0]}, 1) to match vid_shape, "
                              f"got {tuple(txt_shape.shape)}")
         if timestep.numel() not in (1, vid_shape.shape[0]):
-            raise ValueError(f"timestep: expected 1 or {vid_shape.shape[0]} values, "
+            raise InputError(f"timestep: expected 1 or {vid_shape.shape[0]} values, "
                              f"got {timestep.numel()}")
         # Shapes are host facts: pass them as CPU tensors (on a GPU each .tolist() would wait
         # for the device to drain; the pipeline passes CPU tensors).
@@ -123,12 +125,12 @@ class NaDiT(nn.Module):
         txt_lens = [r[0] for r in txt_shape.tolist()]
         for i, (t, h, w) in enumerate(thw):
             if min(t, h, w) < 1 or h % PATCH or w % PATCH:
-                raise ValueError(f"vid_shape[{i}] = {[t, h, w]}: latent T, H, W must be positive "
+                raise InputError(f"vid_shape[{i}] = {[t, h, w]}: latent T, H, W must be positive "
                                  f"and H, W even (the DiT patches 1x2x2)")
         if sum(t * h * w for t, h, w in thw) != vid.shape[0]:
-            raise ValueError(f"vid has {vid.shape[0]} rows but vid_shape describes "
+            raise InputError(f"vid has {vid.shape[0]} rows but vid_shape describes "
                              f"{sum(t * h * w for t, h, w in thw)} latent positions")
         if min(txt_lens) < 1 or sum(txt_lens) != txt.shape[0]:
-            raise ValueError(f"txt has {txt.shape[0]} rows but txt_shape describes "
+            raise InputError(f"txt has {txt.shape[0]} rows but txt_shape describes "
                              f"{sum(txt_lens)} tokens (each sample needs at least one)")
         return thw, txt_lens

@@ -17,6 +17,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from ..errors import InputError, UsageError
 from .config import VAEConfig
 from .vae_paths import TODAY, VaePaths
 from .vae_blocks import (
@@ -131,9 +132,10 @@ class VideoAutoencoder(nn.Module):
             if isinstance(module, CausalConv3d):
                 module.paths = paths
 
-    def new_cache(self) -> CausalCache:
-        """A fresh causal cache for one clip and direction, on this VAE's paths."""
-        return CausalCache(paths=self.paths)
+    def new_cache(self, park=None) -> CausalCache:
+        """A fresh causal cache for one clip and direction, on this VAE's paths (``park``:
+        where it parks int8 tails in host memory, see :class:`CausalCache`)."""
+        return CausalCache(paths=self.paths, park=park)
 
     @contextlib.contextmanager
     def conv_settings(self):
@@ -189,7 +191,7 @@ class VideoAutoencoder(nn.Module):
             noise = torch.randn(mean.shape, generator=generator, device=device,
                                 dtype=torch.float32)
         if noise.shape != mean.shape:
-            raise ValueError(f"noise must have the shape of mean {tuple(mean.shape)}, "
+            raise InputError(f"noise must have the shape of mean {tuple(mean.shape)}, "
                              f"got {tuple(noise.shape)}")
         return mean + torch.exp(0.5 * logvar) * noise.to(device=mean.device, dtype=mean.dtype)
 
@@ -215,45 +217,45 @@ class VideoAutoencoder(nn.Module):
     # -- argument checks (public: tiled and sliced runs validate with them) ------------------
 
     def check_video(self, video: Tensor) -> None:
-        """Raise ``TypeError``/``ValueError`` (naming the fix) unless ``video`` is a valid
+        """Raise ``UsageError``/``InputError`` (naming the fix) unless ``video`` is a valid
         input of :meth:`encode`: a 5-D ``(B, in_channels, 4n + 1, H, W)`` tensor with ``H`` and
         ``W`` positive multiples of the spatial factor."""
         if not isinstance(video, Tensor):
-            raise TypeError(f"video must be a torch.Tensor, got {type(video).__name__}")
+            raise UsageError(f"video must be a torch.Tensor, got {type(video).__name__}")
         if video.ndim != 5:
             hint = " (for single images add a time axis: video.unsqueeze(2))" \
                 if video.ndim == 4 else ""
-            raise ValueError(f"video must be 5-D (B, C, T, H, W), got shape "
+            raise InputError(f"video must be 5-D (B, C, T, H, W), got shape "
                              f"{tuple(video.shape)}{hint}")
         _, channels, frames, height, width = video.shape
         if channels != self.config.in_channels:
-            raise ValueError(f"video must have {self.config.in_channels} channels at dim 1 of "
+            raise InputError(f"video must have {self.config.in_channels} channels at dim 1 of "
                              f"(B, C, T, H, W), got {channels} (shape {tuple(video.shape)})")
         f = self.temporal_factor
         if frames < 1 or (frames - 1) % f:
-            raise ValueError(f"video frame count T must be {f}n+1 (1, {f + 1}, {2 * f + 1}, "
+            raise InputError(f"video frame count T must be {f}n+1 (1, {f + 1}, {2 * f + 1}, "
                              f"...), got T={frames}")
         s = self.spatial_factor
         if height % s or width % s or height == 0 or width == 0:
-            raise ValueError(f"video height and width must be positive multiples of {s}, "
+            raise InputError(f"video height and width must be positive multiples of {s}, "
                              f"got H={height}, W={width}")
 
     def check_latent(self, latent: Tensor) -> None:
-        """Raise ``TypeError``/``ValueError`` (naming the fix) unless ``latent`` is a valid
+        """Raise ``UsageError``/``InputError`` (naming the fix) unless ``latent`` is a valid
         input of :meth:`decode`: a non-empty 5-D channels-first ``(B, latent_channels, t, h,
         w)`` tensor."""
         if not isinstance(latent, Tensor):
-            raise TypeError(f"latent must be a torch.Tensor, got {type(latent).__name__}")
+            raise UsageError(f"latent must be a torch.Tensor, got {type(latent).__name__}")
         if latent.ndim != 5:
-            raise ValueError(f"latent must be 5-D (B, C, t, h, w) channels-first, got shape "
+            raise InputError(f"latent must be 5-D (B, C, t, h, w) channels-first, got shape "
                              f"{tuple(latent.shape)}")
         if latent.shape[1] != self.latent_channels:
-            raise ValueError(f"latent must have {self.latent_channels} channels at dim 1 of "
+            raise InputError(f"latent must have {self.latent_channels} channels at dim 1 of "
                              f"(B, C, t, h, w), got {latent.shape[1]} (shape "
                              f"{tuple(latent.shape)}; channels-last latents need "
                              f"permute(0, 4, 1, 2, 3))")
         if 0 in latent.shape[2:]:
-            raise ValueError(f"latent must have non-empty t, h, w, got shape "
+            raise InputError(f"latent must have non-empty t, h, w, got shape "
                              f"{tuple(latent.shape)}")
 
 

@@ -11,14 +11,15 @@ from __future__ import annotations
 import itertools
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..errors import InputError
 from . import vae_paths
-from .vae_paths import TODAY, PackedTail, VaePaths
+from .vae_paths import TODAY, PackedTail, VaePaths, copy_tail
 
 _int3 = Union[int, Tuple[int, int, int]]
 
@@ -223,33 +224,63 @@ class CausalCache:
     One fresh cache per clip and direction, chunks in order (``1 + 4k`` frames first when
     encoding, then multiples of 4). ``temporal=False`` carries nothing between calls: for
     subclasses that only override :meth:`group_norm_stats`. ``paths.int8_cache_bytes``: tails
-    of at least that many bytes are kept in int8 (``vae_paths.PackedTail``), in host memory with
-    ``paths.cache_offload``, each fetched back while the conv before it runs.
+    of at least that many bytes are kept in int8 (``vae_paths.PackedTail``); with
+    ``paths.cache_offload`` and ``park`` (``park(n)``: host memory for ``n`` int8 codes, a
+    ``PackedTail.parked``; given by the caller, which knows the host) those of a GPU are parked
+    there, each fetched back on a side stream while the conv before it runs.
     """
 
-    def __init__(self, temporal: bool = True, paths: VaePaths = TODAY) -> None:
+    def __init__(self, temporal: bool = True, paths: VaePaths = TODAY,
+                 park: Optional[Callable[[int], object]] = None) -> None:
         self.temporal = temporal
         self.paths = paths
+        self.park = park if paths.cache_offload else None
         self._tails: Dict[nn.Module, Union[Tensor, PackedTail]] = {}
-        self._ahead: Dict[nn.Module, PackedTail] = {}  # tails on their way back to the GPU
+        self._parking: Dict[nn.Module, object] = {}  # each parked tail's host memory, reused
+        self._ahead: Dict[nn.Module, Tuple[PackedTail, object]] = {}  # (on its way, done event)
+        self._streams: Dict[torch.device, object] = {}  # the side stream of each device
         self._seen: set = set()
 
-    def tail(self, module: nn.Module) -> Optional[Tensor]:
+    def tail(self, module: nn.Module) -> Optional[Union[Tensor, PackedTail]]:
+        """The tail kept for ``module``, on its device: a tensor, or int8 codes to unpack
+        with ``vae_paths.copy_tail`` (a parked tail fetched, the next one's fetch started)."""
         kept = self._tails.get(module)
-        if not isinstance(kept, PackedTail):
+        if not isinstance(kept, PackedTail) or kept.parked is None:
             return kept
-        ready = self._ahead.pop(module, None) or kept.fetch(module.weight.device)
+        ready = self._arrived(module) or kept.fetch(module.weight.device)
         self._prefetch_after(module)
-        return ready.unpack()
+        return ready
+
+    def _arrived(self, module: nn.Module) -> Optional[PackedTail]:
+        """The tail fetched ahead for ``module``, once the compute stream waits for its copy
+        (None: none was)."""
+        ahead = self._ahead.pop(module, None)
+        if ahead is None:
+            return None
+        fetched, done = ahead
+        compute = torch.cuda.current_stream(fetched.codes.device)
+        compute.wait_event(done)
+        fetched.codes.record_stream(compute)  # made on the side stream, freed after this use
+        return fetched
 
     def _prefetch_after(self, module: nn.Module) -> None:
         """Start copying the next parked tail (layer order: the order tails were first set)
-        from pinned host memory to its device, so it is there when its conv asks."""
+        to its device on a side stream, which overlaps the conv about to run."""
         modules = list(self._tails)
         for following in modules[modules.index(module) + 1:]:
             kept = self._tails[following]
-            if isinstance(kept, PackedTail) and kept.codes.device != following.weight.device:
-                self._ahead[following] = kept.fetch(following.weight.device)
+            if isinstance(kept, PackedTail) and kept.parked is not None:
+                if following not in self._ahead:
+                    device = following.weight.device
+                    if device not in self._streams:
+                        self._streams[device] = torch.cuda.Stream(device)
+                    side = self._streams[device]
+                    side.wait_stream(torch.cuda.current_stream(device))  # its packing is done
+                    with torch.cuda.stream(side):
+                        fetched = kept.fetch(device)
+                        done = torch.cuda.Event()
+                        done.record(side)
+                    self._ahead[following] = (fetched, done)
                 return
 
     def tail_length(self, module: nn.Module) -> Optional[int]:
@@ -262,11 +293,21 @@ class CausalCache:
         if not self.temporal:
             return
         limit = self.paths.int8_cache_bytes
-        self._ahead.pop(module, None)
+        self._arrived(module)  # a fetch not used: done before its host memory is rewritten
         if limit is not None and frames.numel() * frames.element_size() >= limit:
-            self._tails[module] = PackedTail.pack(frames.detach(), self.paths.cache_offload)
+            self._tails[module] = PackedTail.pack(frames.detach(), self._parked(module, frames))
         else:
             self._tails[module] = frames.detach() if fresh else frames.detach().clone()
+
+    def _parked(self, module: nn.Module, frames: Tensor):
+        """Host memory for ``module``'s packed tail when it is parked (its own, reused from
+        chunk to chunk), else None."""
+        if self.park is None or frames.device.type != "cuda":
+            return None
+        parked = self._parking.get(module)
+        if parked is None or parked.views[0].numel() != frames.numel():
+            parked = self._parking[module] = self.park(frames.numel())
+        return parked
 
     def first_visit(self, module: nn.Module) -> bool:
         """True the first time ``module`` asks, i.e. while it processes the first chunk
@@ -323,6 +364,8 @@ class CausalConv3d(nn.Conv3d):
             x = F.pad(x, self.spatial_pad)
         # A cached tail was stored after padding, so it already has the padded spatial size.
         head = cache.tail(self) if cache is not None else None
+        if isinstance(head, PackedTail):
+            head = head.unpack()
         if head is None and self.head_frames:
             head = x[:, :, :1].expand(-1, -1, self.head_frames, -1, -1)
         if head is not None:
@@ -349,7 +392,7 @@ class CausalConv3d(nn.Conv3d):
         n = self.head_length(cache)
         if n:
             tail = cache.tail(self) if cache is not None else None
-            buf[:, :, :n].copy_(buf[:, :, n:n + 1] if tail is None else tail)
+            copy_tail(buf[:, :, :n], buf[:, :, n:n + 1] if tail is None else tail)
         return self._conv(buf, cache, residual)
 
     def head_length(self, cache: Optional[CausalCache]) -> int:
@@ -380,7 +423,7 @@ class FrameGroupNorm(nn.GroupNorm):
                 cache: Optional[CausalCache] = None) -> Tensor:
         """``cache`` may supply the statistics (:meth:`CausalCache.group_norm_stats`)."""
         if x.ndim != 5:
-            raise ValueError(f"FrameGroupNorm expects (B, C, T, H, W), got shape {tuple(x.shape)}")
+            raise InputError(f"FrameGroupNorm expects (B, C, T, H, W), got shape {tuple(x.shape)}")
         B, C, T = x.shape[:3]
         G = self.num_groups
         compute_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -656,7 +699,10 @@ class Upsample3D(nn.Module):
             _depth_to_space(y, rows[:, :, n:], (C, r, z), drop)
             del y
             head = rows[:, :, :n]
-            head.copy_(rows[:, :, n:n + 1] if tail is None else tail[..., s0 * r:s1 * r, :])
+            if tail is None:
+                head.copy_(rows[:, :, n:n + 1])
+            else:
+                copy_tail(head, tail, (s0 * r, s1 * r))
             if next_tail is not None:
                 next_tail[..., s0 * r:s1 * r, :].copy_(rows[:, :, padded[2] - conv.tail_frames:])
             return rows[..., a - s0 * r:b - s0 * r, :]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -86,9 +86,12 @@ def choose_paths(device, dtype: torch.dtype, *, channels_last: bool = False,
             return f"the VAE runs in {str(dtype).removeprefix('torch.')}"
         if not kernels.kitchen_installed():
             return "comfy-kitchen is not installed (pip install seedvr2-comfyui[kitchen])"
-        if platform.kind == "cuda" and not kernels.kitchen_cuda_backend_allowed(
-                platform.torch_cuda):  # its eager stand-in would copy whole activations
-            return "comfy-kitchen's CUDA kernels need a torch built for CUDA 13 or newer"
+        if platform.kind == "cuda":  # its eager stand-in would copy whole activations
+            if not kernels.kitchen_cuda_backend_allowed(platform.torch_cuda):
+                return "comfy-kitchen's CUDA kernels need a torch built for CUDA 13 or newer"
+            missing = kernels.kitchen_cuda_missing()
+            if missing:
+                return f"comfy-kitchen's CUDA backend did not load ({missing})"
         return kernels.runs_on([kernel], platform)
 
     fused = usable(NORM_KERNEL, HALF) is None
@@ -151,39 +154,85 @@ def fp16_conv3d(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride, pad,
 
 # -- int8 causal tails ------------------------------------------------------------------------
 
+# Tails are packed and unpacked a piece at a time (rows of one frame), so the float32 values
+# in between are at most this many elements (64 MiB), not two float32 copies of the tail.
+PIECE_ELEMENTS = 1 << 24
+
+
+def _pieces(shape: torch.Size):
+    """``(frame, first row, end row, offset)`` of each piece of a ``(B, C, T, H, W)`` tail:
+    rows of one frame, kept one after another in the flat codes."""
+    B, C, T, H, W = shape
+    rows = max(1, min(H, PIECE_ELEMENTS // max(1, B * C * W)))
+    offset = 0
+    for frame in range(T):
+        for h0 in range(0, H, rows):
+            h1 = min(h0 + rows, H)
+            yield frame, h0, h1, offset
+            offset += B * C * (h1 - h0) * W
+
+
 @dataclass(frozen=True)
 class PackedTail:
-    """A causal tail in int8 with one float32 scale (``absmax / 127``); ``dtype`` and
-    ``channels_last`` say how to unpack it."""
+    """A causal tail ``(B, C, T, H, W)`` in int8 with one float32 scale (``absmax / 127``):
+    ``codes`` flat, piece after piece (:func:`_pieces`), on the tail's device or parked in a
+    host arena (``parked``: an object with ``views[0]``, the codes, and ``copy_into(0, out)``,
+    an asynchronous copy to the device on the current stream, such as
+    ``memory.arena.HostArena``). ``dtype``: the tail's."""
 
     codes: Tensor
     scale: Tensor
     dtype: torch.dtype
-    channels_last: bool
+    shape: torch.Size
+    parked: object = None
 
     @staticmethod
-    def pack(frames: Tensor, host: bool = False) -> "PackedTail":
-        scale = frames.abs().amax().float().clamp_min(torch.finfo(torch.float32).tiny) / 127
-        codes = torch.round(frames.float() / scale).clamp_(-127, 127).to(torch.int8)
-        layout = frames.dim() == 5 and frames.is_contiguous(memory_format=torch.channels_last_3d) \
-            and not frames.is_contiguous()
-        if host and codes.device.type != "cpu":
-            parked = torch.empty(codes.shape, dtype=torch.int8, pin_memory=True)
-            codes = parked.copy_(codes, non_blocking=True)
-        return PackedTail(codes, scale, frames.dtype, layout)
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.codes.shape
+    def pack(frames: Tensor, parked=None) -> "PackedTail":
+        """``frames`` in int8, into ``parked``'s codes when given (copied there
+        asynchronously), else into new codes on their device."""
+        low, high = torch.aminmax(frames)  # one reduction, no |frames| made
+        scale = torch.maximum(-low.float(), high.float())
+        scale = scale.clamp_min(torch.finfo(torch.float32).tiny) / 127
+        codes = parked.views[0] if parked is not None else \
+            torch.empty(frames.numel(), dtype=torch.int8, device=frames.device)
+        for frame, h0, h1, offset in _pieces(frames.shape):
+            piece = frames[:, :, frame, h0:h1].to(torch.float32, copy=True)
+            piece.div_(scale).round_().clamp_(-127, 127)
+            codes[offset:offset + piece.numel()].view(piece.shape).copy_(piece, non_blocking=True)
+            del piece  # before the next is made
+        return PackedTail(codes, scale, frames.dtype, frames.shape, parked)
 
     def fetch(self, device: torch.device) -> "PackedTail":
-        """The codes on ``device``, copied asynchronously from pinned memory (a prefetch)."""
-        if self.codes.device == device:
+        """The codes on ``device``, copied on the current stream (asynchronously from pinned
+        memory)."""
+        if self.parked is None:
             return self
-        return PackedTail(self.codes.to(device, non_blocking=True), self.scale, self.dtype,
-                          self.channels_last)
+        codes = torch.empty(self.codes.shape, dtype=torch.int8, device=device)
+        self.parked.copy_into(0, codes)
+        return PackedTail(codes, self.scale, self.dtype, self.shape)
+
+    def unpack_into(self, out: Tensor, rows: Optional[Tuple[int, int]] = None) -> None:
+        """Write the values (rows ``[a, b)`` of every frame; default all) into ``out``, a
+        piece at a time."""
+        B, C, _, H, W = self.shape
+        a, b = rows or (0, H)
+        for frame, h0, h1, offset in _pieces(self.shape):
+            lo, hi = max(h0, a), min(h1, b)
+            if lo < hi:
+                codes = self.codes[offset:offset + B * C * (h1 - h0) * W].view(B, C, h1 - h0, W)
+                out[:, :, frame, lo - a:hi - a].copy_(
+                    codes[:, :, lo - h0:hi - h0].float().mul_(self.scale))
 
     def unpack(self) -> Tensor:
-        values = (self.codes.float() * self.scale.to(self.codes.device)).to(self.dtype)
-        return values.contiguous(memory_format=torch.channels_last_3d) if self.channels_last \
-            else values
+        values = torch.empty(self.shape, dtype=self.dtype, device=self.codes.device)
+        self.unpack_into(values)
+        return values
+
+
+def copy_tail(out: Tensor, tail, rows: Optional[Tuple[int, int]] = None) -> None:
+    """``out`` = a kept causal tail (a tensor or a device :class:`PackedTail`), rows ``[a, b)``
+    of it when given."""
+    if isinstance(tail, PackedTail):
+        tail.unpack_into(out, rows)
+    else:
+        out.copy_(tail if rows is None else tail[..., rows[0]:rows[1], :])

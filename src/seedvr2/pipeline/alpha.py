@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..errors import InputError
+
 GUIDED_EPS = 3e-4
 MAX_RADIUS = 8
 RANGE_WINDOW = 3
@@ -103,9 +105,9 @@ def upscale_alpha(alpha: Tensor, rgb: Tensor) -> Tensor:
     aligned with the RGB edges and, for hard mattes, sharpened (docs/library.md).
     """
     if alpha.ndim != 4 or alpha.shape[1] != 1:
-        raise ValueError(f"alpha must be (T, 1, h, w), got {tuple(alpha.shape)}")
+        raise InputError(f"alpha must be (T, 1, h, w), got {tuple(alpha.shape)}")
     if rgb.ndim != 4 or rgb.shape[1] != 3 or rgb.shape[0] != alpha.shape[0]:
-        raise ValueError(f"rgb must be (T, 3, H, W) with T = {alpha.shape[0]} like alpha, "
+        raise InputError(f"rgb must be (T, 3, H, W) with T = {alpha.shape[0]} like alpha, "
                          f"got {tuple(rgb.shape)}")
     frames, _, height, width = rgb.shape
     src = alpha.to(device=rgb.device, dtype=torch.float32).clamp(0.0, 1.0)

@@ -79,7 +79,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..options import COLOR_CORRECTIONS
+from ..errors import InputError
+from ..options import COLOR_CORRECTIONS, OptionError
 
 COLOR_METHODS = COLOR_CORRECTIONS  # defined once, with the other options
 
@@ -113,9 +114,9 @@ _CHUNK_PIXELS = 1 << 22  # per-pixel stages process about this many pixels at a 
 def _prepare(content: Tensor, style: Tensor) -> tuple[Tensor, Tensor]:
     """float32 versions of both (no copy when already float32), style resized if needed."""
     if content.ndim != 4 or content.shape[1] != 3:
-        raise ValueError(f"content must be (T, 3, H, W), got {tuple(content.shape)}")
+        raise InputError(f"content must be (T, 3, H, W), got {tuple(content.shape)}")
     if style.ndim != 4 or style.shape[1] != 3 or style.shape[0] != content.shape[0]:
-        raise ValueError(f"style must be (T, 3, H, W) with T = {content.shape[0]} like content, "
+        raise InputError(f"style must be (T, 3, H, W) with T = {content.shape[0]} like content, "
                          f"got {tuple(style.shape)}")
     content = content.float()
     style = style.to(device=content.device, dtype=torch.float32)
@@ -428,10 +429,11 @@ def color_correct(content: Tensor, style: Tensor, method: str) -> Tensor:
     """Re-colour ``content`` after ``style`` (both (T, 3, H, W) in [-1, 1]) with ``method``.
 
     Returns content's dtype and device with values in [-1, 1]; ``"none"`` returns content
-    itself. Raises ``ValueError`` for an unknown method.
+    itself. Raises ``OptionError`` for an unknown method.
     """
     if method not in COLOR_METHODS:
-        raise ValueError(f"color_correction {method!r}: expected one of {', '.join(COLOR_METHODS)}")
+        raise OptionError(f"color_correction {method!r}: expected one of "
+                          f"{', '.join(COLOR_METHODS)}")
     if method == "none":
         return content
     if method == "wavelet":

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InputError, UsageError
 from ..options import Options
 
 
@@ -82,11 +83,11 @@ def make_plan(source_frames: int, opts: Options) -> BatchPlan:
     :func:`~seedvr2.pipeline.cuts.resolve_scene_cuts`): each shot is planned on its own, so no
     batch, cross-fade or prepended frame crosses a cut; with no cuts, one shot is the clip."""
     if source_frames < 1:
-        raise ValueError("the input has no frames")
+        raise InputError("the input has no frames")
     cuts = opts.scene_cuts
     if not isinstance(cuts, tuple):
-        raise TypeError(f"scene_cuts = {cuts!r} must be resolved before the batch plan is made "
-                        f"(seedvr2.pipeline.cuts.resolve_scene_cuts)")
+        raise UsageError(f"scene_cuts = {cuts!r} must be resolved before the batch plan is made "
+                         f"(seedvr2.pipeline.cuts.resolve_scene_cuts)")
     # The prepended frames copy frames 1..P of the first shot: they stay inside it.
     prepend = min(opts.prepend_frames, (cuts[0] if cuts else source_frames) - 1)
     bounds = [0, *(c + prepend for c in cuts), source_frames + prepend]

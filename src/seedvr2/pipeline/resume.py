@@ -26,6 +26,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..io import MediaError
 from ..errors import SeedVR2Error
 from ..io.segments import SegmentConcat, sync_file
 from ..io.temporaries import RESUME_JOURNAL, lock_folder, resume_folder
@@ -323,7 +324,7 @@ class ResumeState:
         try:
             data = (self.folder / name).read_bytes() if name else b""
             if hashlib.sha256(data).hexdigest() != tail.get("sha256"):
-                raise ValueError("differs from the SHA-256 the journal recorded")
+                raise MediaError("differs from the SHA-256 the journal recorded")
             return torch.from_numpy(np.load(io.BytesIO(data), allow_pickle=False))
         except (OSError, ValueError) as e:
             log.warning("resume: the blend tail %s in %s cannot be used (%s); the last kept "
@@ -463,7 +464,7 @@ class ResumeState:
                 yield np.frombuffer(data, self.dtype).reshape(shape)[None]
             digest.update(f.read())
         if digest.hexdigest() != part.sha256:
-            raise RuntimeError(self._changed(part.name))
+            raise MediaError(self._changed(part.name))
 
     def _changed(self, name: str) -> str:
         return (f"{name} in {self.folder} changed since it was checked; run the same command "
@@ -473,7 +474,7 @@ class ResumeState:
         """Right before the assembly: every segment is still the one recorded."""
         for piece in self.pieces:
             if _problem(self.folder / piece.name, piece.sha256):
-                raise RuntimeError(self._changed(piece.name))
+                raise MediaError(self._changed(piece.name))
 
     # -- the end ------------------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..errors import SeedVR2Error
+from ..errors import InputError
 from ..memory import tiling
 from ..memory.blockswap import BlockSwap
 from ..memory.budget import host_rss
@@ -50,10 +50,6 @@ _LUMA = torch.tensor([0.299, 0.587, 0.114])  # ITU-R BT.601, to return grayscale
 class Interrupted(Exception):
     """The job was stopped by its interrupt check; batches not finished are not kept (a
     resumable file job keeps the segments already written)."""
-
-
-class InputError(SeedVR2Error, ValueError):
-    """Input frames that cannot be upscaled; the message names the frame and the problem."""
 
 
 @dataclass

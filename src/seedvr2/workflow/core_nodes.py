@@ -15,6 +15,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Optional
 
+from ..errors import InputError
 from .nodes import Input, NodeDef, NodeResult, Output, output_prefix
 
 _CORE = "core (headless)"
@@ -37,7 +38,7 @@ def _load_image(host, image: str) -> NodeResult:
 
     path = host.input_path(image)
     if not path.is_file():
-        raise ValueError(f"image {image!r}: no such file in the input folder {path.parent}")
+        raise InputError(f"image {image!r}: no such file in the input folder {path.parent}")
     with Image.open(path) as im:
         im = ImageOps.exif_transpose(im)
         rgb = np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0
@@ -72,7 +73,7 @@ def _preview_images(host, images) -> NodeResult:
 def _load_video(host, file: str) -> NodeResult:
     path = host.input_path(file)
     if not path.is_file():
-        raise ValueError(f"file {file!r}: no such video in the input folder {path.parent}")
+        raise InputError(f"file {file!r}: no such video in the input folder {path.parent}")
     return NodeResult((Video(path=path),))
 
 
@@ -128,11 +129,11 @@ def _audio_file(audio: Optional[dict], scratch: Path) -> Optional[Path]:
     if audio is None:
         return None
     if not isinstance(audio, dict):
-        raise ValueError(f"audio: expected an AUDIO value, not {type(audio).__name__}")
+        raise InputError(f"audio: expected an AUDIO value, not {type(audio).__name__}")
     if "source" in audio:
         return Path(audio["source"])
     if "waveform" not in audio or "sample_rate" not in audio:
-        raise ValueError("audio: expected {'waveform': tensor, 'sample_rate': int} (ComfyUI's "
+        raise InputError("audio: expected {'waveform': tensor, 'sample_rate': int} (ComfyUI's "
                          "AUDIO)")
     from ..io import encode_audio
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from ..errors import InputError, SeedVR2Error
 from .core_nodes import CORE_NODES
 from .errors import WorkflowError, WorkflowInterrupted
 from .nodes import Input, NodeDef, NodeResult, build_nodes
@@ -33,37 +34,37 @@ def coerce(inp: Input, value, host):
     try:
         if kind == "INT":
             if isinstance(value, bool) or isinstance(value, float) and not value.is_integer():
-                raise ValueError
+                raise InputError
             value = int(value)
         elif kind == "FLOAT":
             if isinstance(value, bool):
-                raise ValueError
+                raise InputError
             value = float(value)
         elif kind == "BOOLEAN":
             if isinstance(value, str) and value.lower() in ("true", "false"):
                 value = value.lower() == "true"
             elif not isinstance(value, bool):
-                raise ValueError
+                raise InputError
         elif kind in ("STRING", "COMBO") and not isinstance(value, str):
             if kind == "STRING" or inp.accepts_unlisted or isinstance(value, bool) \
                     or not isinstance(value, (int, float)):
-                raise ValueError  # a COMBO of numbers takes a number
+                raise InputError  # a COMBO of numbers takes a number
     except (TypeError, ValueError, OverflowError):
         expected = kind.lower() if kind != "COMBO" else "one of the choices"
-        raise ValueError(f"{inp.name} = {shown(value)}: expected {expected}") from None
+        raise InputError(f"{inp.name} = {shown(value)}: expected {expected}") from None
     if kind == "FLOAT" and not math.isfinite(value):
-        raise ValueError(f"{inp.name} = {shown(value)}: expected a finite number")
+        raise InputError(f"{inp.name} = {shown(value)}: expected a finite number")
     if isinstance(value, str) and "\x00" in value:
-        raise ValueError(f"{inp.name} = {shown(value)}: a NUL character is in the text")
+        raise InputError(f"{inp.name} = {shown(value)}: a NUL character is in the text")
     if inp.min is not None and value < inp.min:
-        raise ValueError(f"{inp.name} = {shown(value)}: below the minimum {inp.min}")
+        raise InputError(f"{inp.name} = {shown(value)}: below the minimum {inp.min}")
     if inp.max is not None and value > inp.max:
-        raise ValueError(f"{inp.name} = {shown(value)}: above the maximum {inp.max}")
+        raise InputError(f"{inp.name} = {shown(value)}: above the maximum {inp.max}")
     if kind == "COMBO" and not inp.accepts_unlisted:
         options = inp.options(host)
         if value not in options:
             listed = ", ".join(map(str, options[:12])) + (", ..." if len(options) > 12 else "")
-            raise ValueError(f"{inp.name} = {shown(value)}: not one of the choices "
+            raise InputError(f"{inp.name} = {shown(value)}: not one of the choices "
                              f"({listed or 'none'})")
     return value
 
@@ -143,28 +144,28 @@ def _by_text_id(prompt: dict) -> dict:
 
 def _check_input(inp: Input, value, prompt: dict, nodes: dict[str, NodeDef],
                  host) -> Optional[str]:
-    """Check one input's value (a ValueError says what is wrong); returns the node it links to."""
+    """Check one input's value (an InputError says what is wrong); returns the node it links to."""
     if value is None:
         if not inp.optional:
-            raise ValueError(f"missing required input {inp.name!r}")
+            raise InputError(f"missing required input {inp.name!r}")
         return None
     if not is_link(value):
         if not inp.is_widget:
-            raise ValueError(f"input {inp.name!r} takes {inp.type} and must be linked to another "
+            raise InputError(f"input {inp.name!r} takes {inp.type} and must be linked to another "
                              f"node's output, not given the value {shown(value)}")
         coerce(inp, value, host)
         return None
     source_id, slot = str(value[0]), value[1]
     if source_id not in prompt:
-        raise ValueError(f"input {inp.name!r} is linked to node {node_label(source_id)}, which is "
+        raise InputError(f"input {inp.name!r} is linked to node {node_label(source_id)}, which is "
                          f"not in the workflow")
     source = nodes[prompt[source_id]["class_type"]]
     if not 0 <= slot < len(source.outputs):
-        raise ValueError(f"input {inp.name!r} is linked to output {slot} of node {source_id} "
+        raise InputError(f"input {inp.name!r} is linked to output {slot} of node {source_id} "
                          f"({source.id}), which has {len(source.outputs)} outputs")
     produced = source.outputs[slot].type
     if produced != inp.type and "*" not in (produced, inp.type):
-        raise ValueError(f"input {inp.name!r} takes {inp.type} but is linked to {source.id} "
+        raise InputError(f"input {inp.name!r} takes {inp.type} but is linked to {source.id} "
                          f"output {slot} ({produced})")
     return source_id
 
@@ -207,5 +208,5 @@ def execute(prompt: dict, host, nodes: Optional[dict[str, NodeDef]] = None) -> d
 
 def _message(e: Exception) -> str:
     text = str(e) or type(e).__name__
-    return text if isinstance(e, (ValueError, FileExistsError, OSError)) else \
+    return text if isinstance(e, (SeedVR2Error, ValueError, OSError)) else \
         f"{type(e).__name__}: {text}"

@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 from typing import Optional
 
+from ..errors import InputError
 from .core_nodes import Video, video_components
 from .errors import WorkflowInterrupted
 
@@ -22,7 +23,7 @@ def confined_input_path(name: str, folders: dict) -> Path:
     outside the host's folders: a prompt may come from anyone who reaches a ComfyUI started with
     ``--listen``. ``name`` is a path inside ``folders["input"]``, or ComfyUI's annotated form
     ``"name [output]"`` (``[temp]``, ``[input]``) for the other folders given; anything else
-    raises ValueError. Checked as written (normalized): links placed in the folder still work."""
+    raises InputError. Checked as written (normalized): links placed in the folder still work."""
     text, folder = name.strip(), "input"
     for tag in ("input", "output", "temp"):
         if text.endswith(f"[{tag}]") and tag in folders:
@@ -32,7 +33,7 @@ def confined_input_path(name: str, folders: dict) -> Path:
     target = os.path.normpath(os.path.join(base, text))
     if (not text or os.path.isabs(text) or text.startswith("~")
             or os.path.commonpath([base, target]) != base or target == base):
-        raise ValueError(
+        raise InputError(
             f"{name!r} is not a file name in the {folder} folder: only files inside it are "
             f"read (subfolders allowed; 'name [output]' for the output folder), never an "
             f"absolute path, '~' or '..'. Upload the file or copy it into "
@@ -90,7 +91,7 @@ class HeadlessHost:
         subfolder, name = os.path.split(os.path.normpath(prefix))
         folder = (self.output_dir / subfolder).resolve()
         if os.path.commonpath([self.output_dir.resolve(), folder]) != str(self.output_dir.resolve()):
-            raise ValueError(f"filename_prefix {prefix!r}: saving outside the output folder is "
+            raise InputError(f"filename_prefix {prefix!r}: saving outside the output folder is "
                              f"not allowed")
         folder.mkdir(parents=True, exist_ok=True)
         pattern = re.compile(re.escape(name) + r"_(\d+)_")

@@ -19,6 +19,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol, Union
 
+from ..errors import InputError
 from ..faults import Faults
 from ..options import OPTIONS, Option, OptionError, Options, resolve_options
 from .shape import shown
@@ -453,12 +454,12 @@ def _check_loader_settings(kind: str, settings: dict) -> None:
         message = str(e)
         for s in sorted(named, key=lambda s: -len(s.option)):  # dit_offload_device first
             message = message.replace(s.option, s.input)
-        raise ValueError(message) from None
+        raise OptionError(message) from None
     swapping = given.get("blocks_to_swap", 0) > 0 or given.get("swap_io_components") is True
     if kind == "dit" and swapping and given.get("dit_offload_device", "none") == "none":
-        raise ValueError(f"blocks_to_swap = {given.get('blocks_to_swap', 0)}, swap_io_components "
-                         f"= {given.get('swap_io_components', False)}: the swapped blocks need "
-                         f"an offload device: set offload_device (cpu)")
+        raise OptionError(f"blocks_to_swap = {given.get('blocks_to_swap', 0)}, swap_io_components "
+                          f"= {given.get('swap_io_components', False)}: the swapped blocks need "
+                          f"an offload device: set offload_device (cpu)")
 
 
 def _torch_compile_settings(host: Host, **args) -> NodeResult:
@@ -629,7 +630,7 @@ def output_prefix(prefix: str, default: str) -> str:
         return default
     if any(len(part.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES
            for part in normal.split(os.sep)):
-        raise ValueError(f"filename_prefix = {shown(prefix)}: a file or folder name in it is "
+        raise InputError(f"filename_prefix = {shown(prefix)}: a file or folder name in it is "
                          f"longer than {MAX_NAME_BYTES} bytes")
     return prefix
 
@@ -644,13 +645,13 @@ def _upscale_video_file(host: Host, dit: ModelHandle, vae: ModelHandle, video_pa
     from ..pipeline.runner import output_size
 
     if not video_path.strip():
-        raise ValueError("video_path is empty: give a video file in the input folder")
+        raise InputError("video_path is empty: give a video file in the input folder")
     try:  # a name outside the folders, or a missing or unreadable input: before any loading
         src = host.input_path(video_path.strip())
         with open_media(src) as reader:
             info = reader.info
     except (ValueError, OSError) as e:  # (MediaError included; OSError: a name too long)
-        raise ValueError(f"video_path = {shown(video_path)}: "
+        raise InputError(f"video_path = {shown(video_path)}: "
                          f"{e.strerror if isinstance(e, OSError) and e.strerror else e}") from None
     opts = _resolved(host, dit, vae, inputs)
     height, width = output_size(info.height, info.width, opts)
