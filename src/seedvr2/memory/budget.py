@@ -424,7 +424,7 @@ def _vae_phase(cfg: VAEConfig, shape: BatchShape, decode: bool) -> int:
     th, tw = (min(tiles.tile_size + 2 * context, hp), min(tiles.tile_size + 2 * context, wp)) \
         if tiles.enabled else (hp, wp)
     piece = min(frames, 1 + temporal) if temporal else frames
-    cache = _causal_cache_bytes(cfg, th, tw, b, job.vae_int8_cache) if piece < frames else 0
+    cache = _causal_cache_bytes(cfg, th, tw, b, shape.vae_int8_cache) if piece < frames else 0
     pieced = piece < frames or (th, tw) != (hp, wp)
     pixels = frames * hp * wp
     if tiles.enabled and getattr(tiles, "exact", False) and getattr(tiles, "state_device", "cpu") is None:
