@@ -17,6 +17,7 @@ from ..faults import NO_FAULTS, Faults
 from ..io import open_media
 from ..io.files import (VIDEO_SUFFIXES, FileOutput, frame_count, input_files,
                         refuse_input_as_output)
+from ..loading import CheckpointError
 from ..loading.registry import default_model_dir
 from ..memory import budget as mem
 from ..memory.fit import JobMemory, MakeRoom, ModelDevices, decide, fit_options
@@ -142,7 +143,12 @@ def fit_for_ranks(job: Job, devices: list[str], frame_count: int, size: tuple[in
         return job  # nothing known here: each rank checks its own device
     if first.type != "cuda" and values:  # CPU ranks share the host's RAM
         values = [min(values) // ranks]
-    job = job.resolved()
+    try:
+        job = job.resolved()
+    except CheckpointError:
+        if opts.batch_size == "auto":
+            raise
+        return job  # a file not found here: each rank reports it, as without a fit
     where = ModelDevices.of(opts.replace(device=str(first)))
     known = {str(first): min(values)} if values else {}
     fitted, _ = fit_options(job.memory(where), opts, frame_count, size, known)
