@@ -14,7 +14,6 @@ is negative, NaN or infinite, whatever the memory report says.
 from __future__ import annotations
 
 import logging
-import math
 import re
 
 import pytest
@@ -33,7 +32,6 @@ from test_fit import _need
 
 HEIGHT, WIDTH, RESOLUTION = 48, 64, 32  # output 32x42, test_fit's SIZE: its _need applies
 CANDIDATES = (1, 5, 9, 13, 17)  # batch sizes whose needs place the drawn caps
-MISSING = object()
 
 # Memory, relative to what the job needs at a batch size (the needs move when the budget's
 # model does; the examples stay the same jobs): ("between", k) lies midway between the needs
