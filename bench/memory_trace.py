@@ -60,7 +60,7 @@ from seedvr2.memory.tiling import settings_from_options  # noqa: E402
 from seedvr2.models import window  # noqa: E402
 from seedvr2.models.config import dit_config, vae_config  # noqa: E402
 from seedvr2.models.vae_paths import INT8_CACHE_BYTES, VaePaths  # noqa: E402
-from seedvr2.options import resolve_options  # noqa: E402
+from seedvr2.options import OptionError, resolve_options, spoken_as_cli  # noqa: E402
 from seedvr2.pipeline.plan import Batch  # noqa: E402
 from seedvr2.pipeline.runner import Models, Upscaler  # noqa: E402
 
@@ -360,8 +360,11 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     parser.add_argument("--all", action="store_true", help="every cell of the README's table")
     args = parser.parse_args(argv)
-    if args.batch_size < 1 or args.batch_size % 4 != 1:
-        parser.error("--batch-size must be 4n+1 (1, 5, 9, ...)")
+    try:  # the option table's bounds and 4n+1 rule, as `seedvr2 upscale` checks them
+        with spoken_as_cli():
+            resolve_options(batch_size=args.batch_size)
+    except OptionError as e:
+        parser.error(str(e))
     cells = readme_cells() if args.all else \
         [Cell(args.model, args.resolution, args.batch_size, args.setting, args.vae_int8_cache)]
     rows = []

@@ -10,6 +10,7 @@ docs/memory.md, "How the estimate is made".
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass, field, replace
@@ -40,6 +41,8 @@ AUTO_MIN_BATCH = 5  # auto keeps temporal context: never fewer frames per batch 
 # frames) a batch gains no longer windows, so 'auto' stops there.
 AUTO_MAX_BATCH = 4 * 29 + 1
 TEXT_TOKENS = 58  # rows of the released positive text embedding (pos_emb.pt)
+
+log = logging.getLogger("seedvr2")
 
 # Top-level DiT modules that BlockSwap's swap_io_components moves.
 _DIT_IO = BlockSwap.INPUT_MODULES + BlockSwap.OUTPUT_MODULES
@@ -838,6 +841,7 @@ def check_exact_tiling(cfg: VAEConfig, batch: int, height: int, width: int, item
     available RAM (``None``: unknown, no check); returns the estimate."""
     need = exact_tiling_host_bytes(cfg, batch, height, width, itemsize, decode_slice, encode_slice,
                                    stages)
+    available = known_size(available, "the host's RAM")
     if available is None or need <= 0.9 * available:
         return need
     sliced = exact_tiling_host_bytes(cfg, batch, height, width, itemsize, 4, 4, stages)
@@ -862,6 +866,7 @@ def check_host_copy(nbytes: int, available: Optional[int], setting: str):
     Offloaded weights are pinned on CUDA machines: pinned pages can never be swapped out, so
     over-committing them stalls the whole machine instead of failing cleanly.
     """
+    available = known_size(available, "the host's RAM")
     if available is None or nbytes <= HOST_COPY_SHARE * available:
         return
     raise BudgetError(f"{option_ref(setting, 'cpu')} keeps a copy of the model's weights in "
@@ -898,16 +903,27 @@ def host_rss() -> Optional[int]:
         return None
 
 
+def known_size(reported, source: str) -> Optional[int]:
+    """A report of free memory as bytes, or None (unknown) when it is no size: NaN, infinite
+    or negative (a broken driver or host report), said in the log; never taken as plenty."""
+    if reported is None or (isinstance(reported, (int, float)) and math.isfinite(reported)
+                            and reported >= 0):
+        return None if reported is None else int(reported)
+    log.warning("%s reported %r bytes free, which is no size: treated as unknown (the memory "
+                "budget is not checked against it; max_vram still caps the job)", source, reported)
+    return None
+
+
 def device_available(device: torch.device, own_bytes: int = 0) -> Optional[int]:
     """Bytes a job can use on ``device``: free memory, plus memory PyTorch has cached but not
     allocated, plus ``own_bytes`` (our models' tensors already there, which the estimate
     counts as part of the job). For the CPU (and other non-CUDA devices) host RAM."""
     device = torch.device(device)
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
+        free = known_size(torch.cuda.mem_get_info(device)[0], str(device))
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return free + cached + own_bytes
-    ram = host_available()
+        return None if free is None else free + cached + own_bytes
+    ram = known_size(host_available(), "the host's RAM")
     return None if ram is None else ram + own_bytes
 
 
@@ -917,4 +933,4 @@ __all__ = ["Budget", "BudgetError", "Estimate", "BatchShape", "Fit", "PhaseNeed"
            "check_host_copy",
            "device_available", "dit_activation_bytes", "estimate", "failing_phases", "fits",
            "host_available",
-           "host_rss", "shortfalls", "vae_decode_bytes", "vae_encode_bytes"]
+           "host_rss", "known_size", "shortfalls", "vae_decode_bytes", "vae_encode_bytes"]
