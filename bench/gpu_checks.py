@@ -61,6 +61,7 @@ import json
 import math
 import os
 import platform
+import re
 import signal
 import sys
 import time
@@ -89,6 +90,8 @@ SECTIONS = ("env", "e2e", "trace", "mfu", "blockswap", "vae", "dequant", "room",
 CAPS = {"env": 15, "e2e": 110, "trace": 60, "mfu": 70, "blockswap": 75, "vae": 95,
         "dequant": 30, "room": 25, "lowp": 150, "vae_paths": 240}
 REHEARSE_CAP = 60
+FAKE_CUDA_CAP = 240  # the fake-CUDA rehearsal's sections: real shapes on fake tensors
+FAKE_NUMBER = "n/a (fake)"
 MIN_SECTION_SECONDS = 5  # a section with less time left is skipped, not started
 TEXT_TOKENS = 58
 # Dense bf16 tensor-core peaks (FLOP/s, no sparsity) from the vendors' data sheets; a GPU not
@@ -163,14 +166,22 @@ def rehearse_scale() -> Scale:
 
 # -- the report ------------------------------------------------------------------------------------
 
+# A number a fake GPU cannot give (a time or a difference of values: NaN there) and its unit.
+_NO_DATA = re.compile(r"-?nan(?:x\)?|%| ?(?:ms|s|frames/s|TFLOP/s|GB/s|dB)\b)?")
+
+
 @dataclass
 class Report:
     out: Optional[Path] = None
     header: str = ""
     rows: list = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
+    fake: bool = False  # rows of the fake-CUDA rehearsal: marked, numbers of data "n/a (fake)"
 
     def add(self, section: str, what: str, value: str, note: str = ""):
+        if self.fake:
+            what += " (fake cuda)"
+            value, note = (_NO_DATA.sub(FAKE_NUMBER, str(text)) for text in (value, note))
         self.rows.append((section, what, value, note))
         print(f"[{time.monotonic() - self.started:6.1f}s] {section}: {what} = {value}  {note}",
               file=sys.stderr, flush=True)
@@ -235,6 +246,7 @@ class Run:
     report: Report
     capabilities: tuple = ((12, 0),)  # the rehearsal's stand-ins (--capability); a GPU: its own
     lines: list = field(default_factory=list)  # the lowp section's summary lines
+    fake: object = None  # the fake GPU (tests/fake_cuda.py) of the fake-CUDA rehearsal
 
     @property
     def cuda(self) -> bool:
@@ -245,6 +257,10 @@ class Run:
             torch.cuda.synchronize(self.device)
 
     def time(self, fn, repeats: Optional[int] = None) -> float:
+        """Best seconds of ``fn``; on a fake GPU, ``fn`` once and NaN (no time to take)."""
+        if self.fake is not None:
+            fn()
+            return float("nan")
         return best_time(fn, self.scale.repeats if repeats is None else repeats, self.sync)
 
     def reset_peaks(self):
@@ -279,20 +295,25 @@ def tensor_bytes(module) -> int:
 # -- models with random weights of the real shapes -------------------------------------------------
 
 def random_model(build, config, device: torch.device, dtype: torch.dtype):
-    """``build(config)`` materialised on ``device`` with N(0, 0.02) weights (biases 0, norm
-    gains 1): built on meta, then ``to_empty`` (the RoPE tables recompute themselves)."""
-    with torch.device("meta"):
-        model = build(config).eval()
-    model.to_empty(device=device)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.zero_()
-            elif p.dim() == 1:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02)
-    return model.to(dtype).requires_grad_(False)
+    """``build(config)`` made on ``device`` in ``dtype`` with N(0, 0.02) weights (biases 0,
+    norm gains 1). Made in its dtype where it runs: float32 weights converted on the device
+    would leave the allocator's cache split around them (issue 42); and fake tensors cannot be
+    swapped in by ``to_empty``."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device), torch.no_grad():
+            model = build(config).eval()
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.zero_()
+                elif p.dim() == 1:
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02)
+    finally:
+        torch.set_default_dtype(default)
+    return model.requires_grad_(False)
 
 
 def random_dit(run: Run, config=None, device=None):
@@ -812,13 +833,26 @@ sys.path.insert(0, str(BENCH.parent / "tests"))  # tests/kernel_checks.py: the C
 
 
 def lowp_stand_in(run: Run, capability):
-    """What the lowp section runs under: on the CPU, the stand-in for a GPU of
-    ``capability`` (every kernel call checked against its preconditions, block-scaled matmuls
-    by their definition; tests/kernel_checks.py); on a GPU, its own kernels. Both check each
-    layer's product against ``dequant(quant(x)) @ dequant(W).T``."""
-    from kernel_checks import capable_gpu, checked_products
+    """What the lowp section's checked pass runs under: every kernel call checked against its
+    preconditions and the quantisers' calls recorded (tests/kernel_checks.py); each layer's
+    product checked against ``dequant(quant(x)) @ dequant(W).T`` where there are values (not
+    on a fake GPU). On the CPU through the stand-in for a GPU of ``capability`` (block-scaled
+    matmuls by their definition); on a GPU, real or fake, through its own kernels."""
+    from kernel_checks import KernelLog, capable_gpu, checked_kernels, checked_products
+    from seedvr2.kernels import platform_of
 
-    return checked_products() if run.cuda or capability is None else capable_gpu(capability)
+    if not run.cuda:
+        return capable_gpu(capability)
+    log = KernelLog(platform_of(run.device))
+    return _stacked(checked_kernels(log, stand_ins=False),
+                    checked_products(log, compare=run.fake is None))
+
+
+@contextlib.contextmanager
+def _stacked(outer, inner):
+    """Both contexts, the inner one's value."""
+    with outer, inner as value:
+        yield value
 
 
 def _quantised_dit(run: Run, target: str):
@@ -909,37 +943,51 @@ def _lowp_row(run: Run, dit, target, precision, capability, inputs, reference, m
             line = (f"lowp {name} capability {capability[0]}.{capability[1]}: {kernel} layers on "
                     f"the kernel, {packed - kernel} dequantised, failed {failed} "
                     f"(relative L2 difference from bf16 {diff:.2e})")
+            if run.fake is not None:
+                line = _NO_DATA.sub(FAKE_NUMBER, line)
             run.lines.append(line)
             print(line, file=sys.stderr, flush=True)
             note += f"; {line}" + (f"; {checked}" if checked else "")
+            if run.fake is not None:
+                _fallbacks_fail(run, dit, line, paths, kernel, failed)
         return f"{seconds:.3f} s", note
     measure(run.report, "lowp", f"3B forward {scale.label('1080p')} x {scale.frames}, {label}", row)
 
 
+def _fallbacks_fail(run: Run, dit, line: str, paths: tuple, kernel: int, failed: int):
+    """On the fake GPU a layer off the kernel its capability has is a failure of the run."""
+    expected = sum(path != "weights" for path in paths)
+    if failed or kernel != expected:
+        why = next((m._lowp_failure for m in dit.modules()
+                    if getattr(m, "_lowp_failure", None) is not None), None)
+        run.fake.violations.append(f"{line.split(' (relative')[0]}, where {expected} layers have "
+                                   f"a kernel" + (f" (first failure: {why})"[:300] if why else ""))
+
+
 def _lowp_forward(run: Run, dit, capability, inputs, reference):
     """(seconds, difference from bf16, layers on the kernel, layers failed, the failed
-    check's message or None) of one forward."""
+    check's message or None) of one forward. On a GPU the checked pass comes first, then an
+    unchecked pass is timed and measured (the checks' float32 products and host reads would
+    count in both); the CPU rehearsal times its one checked pass."""
     from kernel_checks import KernelCheckFailed
 
-    if run.cuda:
-        run.free()
-        run.reset_peaks()
-    out = []
+    out, checked, seconds = [], None, float("nan")
     with lowp_stand_in(run, capability) as log:
         try:
-            if run.cuda:  # after a warm-up run (kernel selection, allocator)
-                seconds = run.time(lambda: out.append(dit(*inputs).float()), 1)
-            else:  # the rehearsal checks the calls; one run is enough
-                start = time.perf_counter()
-                out.append(dit(*inputs).float())
-                seconds = time.perf_counter() - start
-            checked = None
+            start = time.perf_counter()
+            out.append(dit(*inputs).float())
+            seconds = time.perf_counter() - start
         except KernelCheckFailed as e:
-            seconds, checked = float("nan"), str(e)
+            checked = str(e)
+    if run.cuda and checked is None:
+        run.free()
+        run.reset_peaks()
+        out[:] = []
+        seconds = run.time(lambda: out.append(dit(*inputs).float()), 1)
     failed = sum(getattr(m, "_lowp_failure", None) is not None for m in dit.modules()) + \
         (checked is not None)
     diff = float("nan")
-    if out:
+    if out and run.fake is None:
         reference.setdefault("bf16", out[-1])
         diff = ((out[-1] - reference["bf16"]).norm() / reference["bf16"].norm()).item()
     return seconds, diff, len(log.layers), failed, checked
@@ -1081,17 +1129,25 @@ def parse_args(argv):
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rehearse", action="store_true",
                         help="every section on the CPU with tiny models at small sizes")
-    parser.add_argument("--minutes", type=float, default=8.0,
-                        help="start no section after this many minutes (default 8)")
+    parser.add_argument("--fake-cuda", action="store_true",
+                        help="with --rehearse: the GPU run's own branch at real sizes on a fake "
+                             "cuda:0 of each --capability (fake tensors; default 9.0)")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="start no section after this many minutes (default 8; 15 per "
+                             "capability with --fake-cuda)")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated subset of {','.join(SECTIONS)}")
     parser.add_argument("--device", default="cuda:0", help="the GPU to measure (default cuda:0)")
-    parser.add_argument("--capability", default="12.0", metavar="X.Y[,X.Y...]",
+    parser.add_argument("--capability", default=None, metavar="X.Y[,X.Y...]",
                         help="with --rehearse: the compute capabilities whose paths the lowp "
                              "section (vae_paths: the highest) takes on the CPU, every kernel "
                              "call checked against its preconditions (default 12.0)")
     args = parser.parse_args(argv)
-    args.capability = _capabilities(args.capability)
+    if args.fake_cuda and not args.rehearse:
+        raise UsageError("--fake-cuda rehearses a GPU run on the CPU: give it with --rehearse")
+    args.capability = _capabilities(args.capability or ("9.0" if args.fake_cuda else "12.0"))
+    if args.minutes is None:
+        args.minutes = 15.0 if args.fake_cuda else 8.0
     chosen = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = [s for s in chosen if s not in SECTIONS]
     if unknown or not chosen:
@@ -1130,23 +1186,61 @@ def main(argv=None) -> int:
         print(f"gpu_checks: {e}", file=sys.stderr)
         return 2
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    if args.fake_cuda:
+        return _fake_cuda_runs(args, out, started)
     if args.rehearse:
         device, scale = torch.device("cpu"), rehearse_scale()
     else:
         device, scale = torch.device(args.device), full_scale()
         torch.cuda.set_device(device)
-    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     report = Report(out, f"GPU checks ({scale.name}, {device}), started {started}")
     run = Run(device, scale, report, args.capability)
+    run_sections(run, args)
+    for line in run.lines:
+        print(line)
+    print(report.markdown())
+    return 0
+
+
+def _fake_cuda_runs(args, out: Optional[Path], started: str) -> int:
+    """The GPU run's sections at real sizes on a fake cuda:0 of each capability in turn
+    (tests/fake_cuda.py); 1 when anything a GPU would refuse happened."""
+    from fake_cuda import fake_cuda
+
+    report = Report(out, f"GPU checks (fake cuda: {', '.join(map(_dotted, args.capability))}), "
+                    f"started {started}", fake=True)
+    lines, failed = [], False
+    for capability in args.capability:
+        with fake_cuda(capability) as gpu:
+            run = Run(torch.device("cuda", 0), full_scale(), report, (capability,), fake=gpu)
+            failed |= not run_sections(run, args)
+        lines += run.lines
+    for line in lines:
+        print(line)
+    print(report.markdown())
+    return 1 if failed else 0
+
+
+def _dotted(capability) -> str:
+    return f"{capability[0]}.{capability[1]}"
+
+
+def run_sections(run: Run, args) -> bool:
+    """Every chosen section in order, each within its cap; False when the fake GPU saw
+    something a GPU would refuse (a row ``(fake cuda checks)`` names it)."""
+    report, ok = run.report, True
     torch.manual_seed(0)
-    deadline = report.started + args.minutes * 60
+    deadline = time.monotonic() + args.minutes * 60
     for name in args.sections:
         left = deadline - time.monotonic()
-        cap = min(REHEARSE_CAP if args.rehearse else CAPS[name], left)
+        section_cap = FAKE_CUDA_CAP if run.fake is not None else \
+            REHEARSE_CAP if args.rehearse else CAPS[name]
+        cap = min(section_cap, left)
         if cap < MIN_SECTION_SECONDS:
             report.add(name, "(not started)", "skipped", f"past the {args.minutes:g}-minute limit")
             continue
-        rows = len(report.rows)
+        rows, began = len(report.rows), time.monotonic()
         try:
             with time_cap(cap):
                 CHECKS[name](run)
@@ -1159,10 +1253,22 @@ def main(argv=None) -> int:
         if len(report.rows) == rows:
             report.add(name, "(section)", "error", "measured nothing")
         run.free()
-    for line in run.lines:
-        print(line)
-    print(report.markdown())
-    return 0
+        if run.fake is not None:
+            ok &= _fake_checks(run, name, report.rows[rows:], time.monotonic() - began)
+    return ok
+
+
+def _fake_checks(run: Run, section: str, rows: list, wall: float) -> bool:
+    """The section's row ``checks`` on the fake GPU: FAILED naming what a GPU would refuse
+    (tests/fake_cuda.py's violations) and the rows in error, else passed; with its wall time."""
+    seen = [f"{v} (x{n})" if n > 1 else v
+            for v, n in collections.Counter(run.fake.violations).most_common(8)]
+    seen += [f"row '{what}' {value}" for _, what, value, _ in rows
+             if value in ("error", "FAILED")]
+    run.fake.violations.clear()
+    run.report.add(section, "checks", "FAILED" if seen else "passed",
+                   f"wall {wall:.1f} s on this CPU" + "".join(f"; {v}" for v in seen))
+    return not seen
 
 
 if __name__ == "__main__":

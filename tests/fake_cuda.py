@@ -17,7 +17,7 @@ Inside :func:`fake_cuda` (a context manager yielding a :class:`FakeCuda`):
 * every operation on a CUDA tensor, every copy between devices and every stream / event call
   is appended to :attr:`FakeCuda.log` as an :class:`Op` ``(kind, stream, detail)``, in issue
   order (kinds: ``op``, ``copy``, ``record``, ``wait_event``, ``wait_stream``, ``sync``,
-  ``record_stream``, ``pin``);
+  ``record_stream``, ``pin``, ``kitchen``: the backend comfy-kitchen's registry chose);
 * what a GPU of that capability would refuse is appended to :attr:`FakeCuda.violations` (and
   the operation still raises where the GPU's would): an operation mixing devices, a product
   in a dtype the capability lacks (:data:`NEEDS`), and inside :meth:`FakeCuda.on_device` any
@@ -46,12 +46,15 @@ from typing import NamedTuple, Optional
 from unittest import mock
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
-from torch.utils._pytree import tree_flatten
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_temporarily
+from torch.utils._pytree import tree_flatten, tree_map
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from memory_trace import LiveBytes  # noqa: E402
+from memory_trace import LiveBytes, _fused_attention  # noqa: E402
+
+_REAL_TENSOR = torch.tensor
 
 GIB = 1 << 30
 
@@ -85,7 +88,7 @@ _NOT_COMPUTE = ("empty", "zeros", "ones", "full", "arange", "_to_copy", "copy_",
 
 
 class Op(NamedTuple):
-    kind: str  # op, copy, record, wait_event, wait_stream, sync, record_stream, pin
+    kind: str  # op, copy, record, wait_event, wait_stream, sync, record_stream, pin, kitchen
     stream: str  # the stream it was issued on ("-" for none)
     detail: str  # the aten op, "cpu->cuda:0 pinned non_blocking 4.0 MiB", the event's name
 
@@ -164,6 +167,17 @@ class _Recorder(LiveBytes):
         flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         name = func.__name__ if hasattr(func, "__name__") else str(func)
         self.gpu._see(func, name, flat, args, kwargs)
+        device = kwargs.get("device")
+        if not any(is_fake(t) for t in flat) and \
+                (device is None or torch.device(device).type == "cpu"):
+            # Host facts on real host tensors (shape rows, metadata bytes) stay real, as on a GPU.
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        # Real host tensors meeting fake ones become fake here (as data, never as constants the
+        # fake mode would fold by running the operation on a real GPU).
+        args, kwargs = tree_map(lambda t: self.gpu.mode.from_tensor(t)
+                                if isinstance(t, torch.Tensor) and not is_fake(t) else t,
+                                (args, kwargs))
         try:
             return super().__torch_dispatch__(func, types, args, kwargs)
         except Exception as e:
@@ -311,6 +325,59 @@ class FakeCuda:
                                multi_processor_count=132, is_integrated=False)
 
 
+def _host_constant(data, *args, device=None, **kwargs):
+    """``torch.tensor``: made real on the host (the code reads host facts as numbers), then
+    moved where asked (a fake copy to the GPU)."""
+    with unset_fake_temporarily():
+        made = _REAL_TENSOR(data, *args, **kwargs)
+    return made if device is None or torch.device(device).type == "cpu" else made.to(device)
+
+
+def _real(factory):
+    def made(*args, **kwargs):
+        with unset_fake_temporarily():
+            return factory(*args, **kwargs)
+    return made
+
+
+@contextlib.contextmanager
+def _kitchen_on_fakes(gpu: FakeCuda):
+    """comfy-kitchen's functions that call a backend directly (``int8_linear``,
+    ``quantize_int8_rowwise``, ...) run on fake tensors as its registered fake implementation of
+    the same op (``torch.ops.comfy_kitchen``); the backend the registry chose for the call (as
+    it chooses on a GPU) is logged as ``Op("kitchen", "-", "NAME: MODULE")``. Ops called
+    through ``torch.ops`` take their fake implementations by themselves."""
+    try:
+        import comfy_kitchen
+        from comfy_kitchen.backends.eager.quantization import DTYPE_TO_CODE
+    except ImportError:
+        yield
+        return
+    registry = comfy_kitchen.registry
+    original = registry.get_implementation
+
+    def get_implementation(func_name, backend=None, kwargs=None):
+        impl = original(func_name, backend=backend, kwargs=kwargs)
+        gpu._append("kitchen", None, f"{func_name}: {getattr(impl, '__module__', impl)}")
+        fakes = [v for v in (kwargs or {}).values() if isinstance(v, torch.Tensor) and is_fake(v)]
+        op = getattr(torch.ops.comfy_kitchen, func_name, None)
+        if not fakes:
+            return impl
+        if op is None:
+            raise RuntimeError(f"fake cuda: comfy-kitchen's {func_name} has no fake "
+                               f"implementation to run on fake tensors")
+        names = [a.name for a in op.default._schema.arguments]
+
+        def fake(**kw):
+            if "out_dtype" in kw and "output_dtype_code" in names:
+                kw["output_dtype_code"] = DTYPE_TO_CODE[kw.pop("out_dtype")]
+            return op(**{k: v for k, v in kw.items() if k in names})
+        return fake
+
+    with mock.patch.object(registry, "get_implementation", get_implementation):
+        yield
+
+
 def _check_device(device=None):
     index = torch.device(device).index if isinstance(device, (str, torch.device)) else device
     if index not in (None, 0):
@@ -326,13 +393,11 @@ def fake_cuda(capability=(9, 0), *, name: Optional[str] = None,
     product, memory = PRODUCTS.get(capability, (f"NVIDIA GPU sm_{capability[0]}{capability[1]}",
                                                  80 * GIB))
     gpu = FakeCuda(capability, name or product, total_memory or memory)
-    pinned_before = torch.Tensor.pin_memory, torch.Tensor.is_pinned
-
     def pin_memory(self, *args, **kwargs):
-        return gpu.pin(self) if is_fake(self) else pinned_before[0](self, *args, **kwargs)
+        return gpu.pin(self)
 
     def is_pinned(self, *args, **kwargs):
-        return gpu._is_pinned(self) if is_fake(self) else False
+        return gpu._is_pinned(self)
 
     def record_stream(self, stream):
         gpu._append("record_stream", stream, f"{self.numel() * self.element_size()} B")
@@ -365,13 +430,20 @@ def fake_cuda(capability=(9, 0), *, name: Optional[str] = None,
     }
     with contextlib.ExitStack() as stack:
         # The fake mode first: made under a patched torch.cuda, it would initialise CUDA.
-        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        gpu.mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         for attr, value in patches.items():
             stack.enter_context(mock.patch.object(torch.cuda, attr, value))
+        # Host facts (shapes, metadata bytes) stay real: the code reads them as numbers.
+        stack.enter_context(mock.patch.object(torch, "tensor", _host_constant))
+        stack.enter_context(mock.patch.object(torch, "frombuffer", _real(torch.frombuffer)))
+        # Attention allocates as the fused GPU kernels do (not as fake tensors' math fallback).
+        stack.enter_context(mock.patch.object(F, "scaled_dot_product_attention",
+                                              _fused_attention))
         stack.enter_context(mock.patch.object(torch.Tensor, "pin_memory", pin_memory))
         stack.enter_context(mock.patch.object(torch.Tensor, "is_pinned", is_pinned))
         stack.enter_context(mock.patch.object(torch.Tensor, "record_stream", record_stream))
         stack.enter_context(mock.patch.object(torch.version, "cuda", torch.version.cuda or
                                               "13.0"))
+        stack.enter_context(_kitchen_on_fakes(gpu))
         stack.enter_context(gpu.recorder)
         yield gpu
