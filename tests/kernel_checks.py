@@ -233,8 +233,9 @@ def checked_products(log: Optional[KernelLog] = None, compare: bool = True):
     """Every layer's low-precision product checked against its definition (see the module
     doc), on whatever device computes: inside :func:`capable_gpu` on the CPU, inside
     :func:`checked_kernels` on a GPU (bench/gpu_checks.py's lowp section: the quantiser's calls
-    are what the definition starts from). ``compare=False`` (fake tensors: no values) only
-    counts each layer's path. Yields the :class:`KernelLog` counting them."""
+    are what the definition starts from). ``compare=False`` (fake tensors: no values) builds
+    the definition all the same (its shapes, dtypes and devices, from the quantiser's recorded
+    call) without comparing values. Yields the :class:`KernelLog` counting them."""
     from seedvr2.loading import quantized
 
     log = log if log is not None else KernelLog(Platform("(this device)"))
@@ -254,6 +255,11 @@ def _checked_product(original, log: KernelLog, compare: bool = True):
         out = original(x, weight, bias)
         path = scheme_of(weight.scheme).product.path
         if not compare:
+            reference = _reference(path, x, weight, bias, log.quantised)[0]
+            if reference.shape != out.shape:
+                raise KernelCheckFailed(f"the {path} product of a {tuple(weight.shape)} layer "
+                                        f"has shape {tuple(out.shape)}, its definition "
+                                        f"{tuple(reference.shape)}")
             log.products[path] += 1
             log.layers[id(weight.parts[next(iter(weight.parts))])] = path
             return out
@@ -276,16 +282,23 @@ def _definition(path: str, x, weight, bias, quantised) -> tuple[torch.Tensor, fl
     product's difference from it: the float32 sums (at most K terms, 4 standard deviations of
     their rounding, u·√K·Σ|x_k w_k|) and the roundings of the output to its dtype (one, and a
     second where a bias is added after it, as the eager backend does)."""
+    reference, x_deq, w = _reference(path, x, weight, bias, quantised)
+    magnitude = (x_deq.abs() @ w.abs().t()).max().item() if x_deq.numel() else 0.0
+    u32, u_out = torch.finfo(torch.float32).eps / 2, torch.finfo(x.dtype).eps / 2
+    roundings = 1 if bias is None else 2
+    bound = 4 * math.sqrt(x_deq.shape[1]) * u32 * magnitude + \
+        roundings * u_out * reference.abs().max().item() + 1e-30
+    return reference, bound
+
+
+def _reference(path: str, x, weight, bias, quantised):
+    """(``dequant(quant(x)) @ dequant(W).T + bias`` in float32 shaped as the product's
+    output, the dequantised activations, the dequantised weight)."""
     x2d = x.reshape(-1, x.shape[-1])
     x_deq = _activations(path, x2d, weight, quantised)
     w = weight.dequantize(torch.float32)
     reference = torch.nn.functional.linear(x_deq, w, None if bias is None else bias.float())
-    magnitude = (x_deq.abs() @ w.abs().t()).max().item() if x_deq.numel() else 0.0
-    u32, u_out = torch.finfo(torch.float32).eps / 2, torch.finfo(x.dtype).eps / 2
-    roundings = 1 if bias is None else 2
-    bound = 4 * math.sqrt(x2d.shape[1]) * u32 * magnitude + \
-        roundings * u_out * reference.abs().max().item() + 1e-30
-    return reference.reshape(*x.shape[:-1], w.shape[0]), bound
+    return reference.reshape(*x.shape[:-1], w.shape[0]), x_deq, w
 
 
 def _activations(path, x2d, weight, quantised) -> torch.Tensor:

@@ -112,13 +112,21 @@ def _configure_kitchen(torch_cuda) -> None:
         ck.disable_backend("cuda")
         built = "without CUDA" if torch_cuda is None else \
             f"for CUDA {'.'.join(map(str, torch_cuda))}"
-        log.info("comfy-kitchen: low-precision products computed by its eager backend (torch "
-                 "ops): torch is built %s, and its CUDA kernels need CUDA 13 or newer (ComfyUI "
-                 "disables them likewise)", built)
+        log.info("comfy-kitchen: low-precision products computed by its %s backend: torch is "
+                 "built %s, and its CUDA kernels need CUDA 13 or newer (ComfyUI disables them "
+                 "likewise)", kitchen_backend(ck), built)
     else:
-        available = ck.list_backends().get("cuda", {}).get("available")
         log.info("comfy-kitchen: low-precision products computed by its %s backend",
-                 "CUDA" if available else "eager")
+                 kitchen_backend(ck))
+
+
+def kitchen_backend(ck) -> str:
+    """The backend comfy-kitchen's registry picks first: the first of its priority order
+    (cuda, triton, eager) that loaded here and is not disabled."""
+    status = ck.list_backends()
+    order = getattr(ck.registry, "_priority", ("cuda", "triton", "eager"))
+    return next((name for name in order if status.get(name, {}).get("available")
+                 and not status[name].get("disabled")), "eager")
 
 
 # ---------------------------------------------------------------------------------------------
