@@ -94,7 +94,7 @@ CAPS = {"env": 10, "e2e": 95, "trace": 50, "mfu": 60, "blockswap": 65, "vae": 85
 SLACK = 7
 DEFAULT_SECTIONS = ("env", "e2e", "trace", "mfu", "blockswap", "vae", "dequant", "room")
 REHEARSE_CAP = 60
-FAKE_CUDA_CAP = 600  # the fake-CUDA rehearsal's sections: real shapes on fake tensors (lowp: 11 forwards)
+FAKE_CUDA_CAP = 600  # the fake-CUDA rehearsal's sections (real shapes on fake tensors)
 FAKE_NUMBER = "n/a (fake)"
 MIN_SECTION_SECONDS = 5  # a section with less time left is skipped, not started
 TEXT_TOKENS = 58
@@ -998,6 +998,8 @@ def _lowp_forward(run: Run, dit, capability, inputs, reference):
             seconds = time.perf_counter() - start
         except KernelCheckFailed as e:
             checked = str(e)
+    if run.fake is not None:
+        seconds = float("nan")  # (the fake tensors' time is no GPU's)
     # (On a fake GPU the checked pass allocates what the unchecked one does: no values to
     # compare; its peaks stand.)
     if run.cuda and run.fake is None and checked is None:

@@ -263,6 +263,13 @@ def _same_k(args):
     return f"a is {list(a.shape)} and b {list(b.shape)}: their K differ"
 
 
+def _has_values(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds values to compare (meta and fake tensors have shapes only)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type != "meta" and not is_fake(t)
+
+
 def _nvfp4_alpha(args):
     alpha = _tensor(args, "alpha")
     sa, sb = _tensor(args, "tensor_scale_a"), _tensor(args, "tensor_scale_b")
@@ -270,7 +277,7 @@ def _nvfp4_alpha(args):
         return "alpha is not given"
     if alpha.dtype != torch.float32 or alpha.numel() != 1:
         return f"alpha is {alpha.dtype} of {alpha.numel()} values, not one float32"
-    if sa is not None and sb is not None and alpha.device.type != "meta" and \
+    if sa is not None and sb is not None and _has_values(alpha) and \
             not torch.allclose((sa.float() * sb.float()).reshape(()), alpha.reshape(()).float(),
                                rtol=0, atol=0, equal_nan=True):
         return "alpha is not tensor_scale_a * tensor_scale_b (the eager backend ignores alpha)"
