@@ -390,6 +390,11 @@ def fake_cuda(capability=(9, 0), *, name: Optional[str] = None,
     """A fake ``cuda:0`` of ``capability`` (see the module doc); yields its :class:`FakeCuda`.
     Tensors made inside are fake; those made before are used as constants."""
     capability = tuple(capability)
+    # Imported as this machine is, before anything is patched: imported inside, comfy-kitchen
+    # would keep fake module-level tables (and register backends for a GPU) for the process.
+    with contextlib.suppress(ImportError):
+        import comfy_kitchen  # noqa: F401
+        import comfy_kitchen.backends.eager.quantization  # noqa: F401
     product, memory = PRODUCTS.get(capability, (f"NVIDIA GPU sm_{capability[0]}{capability[1]}",
                                                  80 * GIB))
     gpu = FakeCuda(capability, name or product, total_memory or memory)
