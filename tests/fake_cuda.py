@@ -23,6 +23,9 @@ Inside :func:`fake_cuda` (a context manager yielding a :class:`FakeCuda`):
   in a dtype the capability lacks (:data:`NEEDS`), and inside :meth:`FakeCuda.on_device` any
   computation on CPU tensors (a CPU-only branch taken on CUDA).
 
+Values cannot be had: a boolean read back (``bool(t.any())``: a check for NaN) reads False,
+``torch.equal`` of fake tensors False; any other read of a value raises.
+
 Numbers that need data (times, errors, PSNR) cannot be had: the values are fake.
 docs/development.md, "The fake-CUDA rehearsal".
 
@@ -151,6 +154,9 @@ class FakeEvent:
         return float("nan")  # times need a GPU
 
 
+_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
+
+
 class _Recorder(LiveBytes):
     """Live bytes on the fake GPU (LiveBytes) and the log of what ran on it."""
 
@@ -167,6 +173,10 @@ class _Recorder(LiveBytes):
         flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         name = func.__name__ if hasattr(func, "__name__") else str(func)
         self.gpu._see(func, name, flat, args, kwargs)
+        if func is torch.ops.aten.equal.default and any(is_fake(t) for t in flat):
+            return False  # no values to compare: equal tables are not found equal (not shared)
+        if func in _READS and flat and is_fake(flat[0]) and flat[0].dtype == torch.bool:
+            return False  # a check read back (any NaN? any overflow?): there is nothing to find
         device = kwargs.get("device")
         if not any(is_fake(t) for t in flat) and \
                 (device is None or torch.device(device).type == "cpu"):

@@ -237,3 +237,43 @@ def test_an_empty_quantiser_log_on_cuda_fails_the_run(monkeypatch):
     assert not ok and rows[-1][2] == "FAILED"
     assert "where 30 layers have a kernel (first failure: ValueError: not enough values to " \
         "unpack" in rows[-1][3], rows[-1]
+
+
+# -- the pipeline's own CUDA branches --------------------------------------------------------------
+
+MEMORY_SETTINGS = {
+    "defaults": {},
+    "offload": dict(dit_offload_device="cpu", vae_offload_device="cpu"),
+    "blockswap": dict(dit_offload_device="cpu", blocks_to_swap=2),
+    "int8 VAE cache, host": dict(vae_int8_cache="host"),
+}
+
+
+@pytest.mark.parametrize("setting", MEMORY_SETTINGS)
+def test_a_tiny_job_takes_the_cuda_branch_of_each_memory_setting(setting, tiny_options):
+    """One tiny job per memory setting on a fake 9.0 GPU: placement, offloading, BlockSwap's
+    prefetch and pinned copies run as on a GPU; nothing meets a tensor on the wrong device, and
+    every copy a side stream makes is ordered: the side stream waits for the compute stream
+    before it, and the compute stream waits for the copy's event before using it."""
+    import seedvr2
+
+    clip = torch.rand(5, 16, 16, 3)
+    options = dict(tiny_options, device="cuda:0", dtype="bf16", resolution=32, batch_size=5,
+                   **MEMORY_SETTINGS[setting])
+    with fake_cuda((9, 0)) as gpu:
+        out = seedvr2.upscale(clip, **options)
+        assert out.shape == (5, 32, 32, 3) and out.device.type == "cpu"
+    assert gpu.violations == []
+    log = [op for op in gpu.log if op.kind != "op"]
+    side = {op.stream for op in log if op.kind == "copy"} - {"default"}
+    assert bool(side) == (setting == "blockswap"), side
+    for i, op in enumerate(log):
+        if op.kind == "copy" and op.stream in side:
+            before = [o for o in log[:i] if o.stream == op.stream]
+            assert before and before[-1].kind in ("wait_event", "copy"), log[max(0, i - 3):i + 1]
+            recorded = next(o for o in log[i:] if o.stream == op.stream and o.kind == "record")
+            assert any(o.kind == "wait_event" and o.detail == recorded.detail and
+                       o.stream == "default" for o in log[i:]), recorded
+    uploads = [op for op in log if op.kind == "copy" and op.detail.startswith("cpu->cuda")]
+    assert uploads and all("pinned non_blocking" in op.detail or "blocking" in op.detail
+                           for op in uploads)
