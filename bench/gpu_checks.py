@@ -368,7 +368,7 @@ HOST_READ_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::masked_sel
 
 def _profile(run: Run, fn):
     activities = [torch.profiler.ProfilerActivity.CPU]
-    if run.cuda:
+    if run.cuda and run.fake is None:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
         fn()
@@ -541,7 +541,7 @@ def check_e2e(run: Run):
             run.sync()
             start = time.perf_counter()
             out = seedvr2.upscale(clip, stats=stats, **options)
-            seconds = time.perf_counter() - start
+            seconds = time.perf_counter() - start if run.fake is None else float("nan")
             phases = ", ".join(f"{name} {p.seconds:.2f} s" for name, p in stats.phases.items())
             note = f"{seconds:.2f} s; per phase: {phases}; output {tuple(out.shape)}"
             if attempt.startswith("steady") and run.cuda:
@@ -612,6 +612,7 @@ def check_trace(run: Run):
             fake = memory_trace.build_models(dit.config, vae.config, str(run.device), scale.dtype)
             traced = memory_trace.trace_phases(fake, opts, (h, w), (h // 2, w // 2),
                                                str(run.device))
+            del fake  # (on a fake GPU its tensors would count as the run's)
         estimate = memory_trace.estimate_phases(budget, opts, (h, w), mem.Placement(
             str(run.device), str(run.device)), str(run.device))
         phase, peaks = _allocator_peaks(run, weights)

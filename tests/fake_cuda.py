@@ -343,6 +343,21 @@ def _host_constant(data, *args, device=None, **kwargs):
     return made if device is None or torch.device(device).type == "cpu" else made.to(device)
 
 
+_SWAP_TENSORS = torch.utils.swap_tensors
+
+
+def _swap_fakes(t1, t2):
+    """``Module.to`` swaps fake parameters, which the fake mode's own weak references forbid:
+    the new tensor's data is set into the old one instead."""
+    try:
+        _SWAP_TENSORS(t1, t2)
+    except RuntimeError:
+        if not (is_fake(t1) or is_fake(t2)):
+            raise
+        with torch.no_grad():
+            t1.data = t2.data
+
+
 def _real(factory):
     def made(*args, **kwargs):
         with unset_fake_temporarily():
@@ -457,6 +472,7 @@ def fake_cuda(capability=(9, 0), *, name: Optional[str] = None,
         stack.enter_context(mock.patch.object(torch.Tensor, "pin_memory", pin_memory))
         stack.enter_context(mock.patch.object(torch.Tensor, "is_pinned", is_pinned))
         stack.enter_context(mock.patch.object(torch.Tensor, "record_stream", record_stream))
+        stack.enter_context(mock.patch.object(torch.utils, "swap_tensors", _swap_fakes))
         stack.enter_context(mock.patch.object(torch.version, "cuda", torch.version.cuda or
                                               "13.0"))
         stack.enter_context(_kitchen_on_fakes(gpu))
