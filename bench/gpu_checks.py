@@ -45,7 +45,11 @@ sizes (real allocations, copies and weights; seconds): CUDA-only quantities are 
 their labelled CPU analogues (host reads instead of stream syncs, host memcpy instead of
 host->device copies, the schedule's resident blocks instead of allocator peaks).
 
-    bench/gpu_checks.sh [--rehearse [--capability 7.5,8.0,8.9,10.0,12.0]] [--minutes 8]
+``--rehearse --fake-cuda`` runs the sections down the GPU run's own branch at the real sizes on
+a fake ``cuda:0`` of each ``--capability`` (tests/fake_cuda.py; docs/development.md, "The
+fake-CUDA rehearsal"): rows marked ``(fake cuda)``, numbers that need data ``n/a (fake)``.
+
+    bench/gpu_checks.sh [--rehearse [--fake-cuda] [--capability 7.5,8.0,8.9,10.0,12.0]] [--minutes 8]
                         [--sections env,e2e,trace,mfu,blockswap,vae,dequant,room,lowp,vae_paths]
 """
 
