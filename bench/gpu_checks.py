@@ -866,7 +866,7 @@ def lowp_stand_in(run: Run, capability):
     from kernel_checks import KernelLog, capable_gpu, checked_kernels, checked_products
     from seedvr2.kernels import platform_of
 
-    if not run.cuda:
+    if not run.cuda and capability is not None:
         return capable_gpu(capability)
     log = KernelLog(platform_of(run.device))
     return _stacked(checked_kernels(log, stand_ins=False),
