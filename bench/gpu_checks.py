@@ -49,7 +49,8 @@ host->device copies, the schedule's resident blocks instead of allocator peaks).
 a fake ``cuda:0`` of each ``--capability`` (tests/fake_cuda.py; docs/development.md, "The
 fake-CUDA rehearsal"): rows marked ``(fake cuda)``, numbers that need data ``n/a (fake)``.
 
-    bench/gpu_checks.sh [--rehearse [--fake-cuda] [--capability 7.5,8.0,8.9,10.0,12.0]] [--minutes 8]
+    bench/gpu_checks.sh [--rehearse [--fake-cuda] [--capability 7.5,8.0,8.9,10.0,12.0]]
+                        [--minutes 8]
                         [--sections env,e2e,trace,mfu,blockswap,vae,dequant,room,lowp,vae_paths]
 """
 

@@ -187,17 +187,24 @@ def _lowp_lines(capability):
     return [line.split(" (relative")[0] for line in run.lines], ok, run.report.rows
 
 
-@pytest.mark.parametrize("capability, kernels", [
-    ((9, 0), ("int8", "int8_convrot", "fp8")),
-    ((10, 0), ("int8", "int8_convrot", "fp8", "mxfp8", "nvfp4"))])
-def test_lowp_layers_run_on_the_kernels_the_capability_has(capability, kernels):
+LOWP_LINES = {"int8": "int8", "int8_convrot": "int8_convrot", "fp8_e4m3fn": "fp8",
+              "mxfp8": "mxfp8", "nvfp4": "nvfp4"}
+
+
+@pytest.mark.parametrize("capability, formats, kernels", [
+    # (9.0: int8's dispatch is int8_convrot's without the rotation, run at 10.0 below)
+    ((9, 0), ("int8_convrot", "fp8_e4m3fn", "mxfp8"), ("int8_convrot", "fp8")),
+    ((10, 0), tuple(LOWP_LINES), ("int8", "int8_convrot", "fp8", "mxfp8", "nvfp4"))])
+def test_lowp_layers_run_on_the_kernels_the_capability_has(capability, formats, kernels,
+                                                           monkeypatch):
     """Section 1's end state on the tiny 3B: on 9.0 int8, int8_convrot and fp8 layers on the
     kernel, on 10.0 mxfp8 and nvfp4 too; no fallback, failed 0, rows marked (fake cuda)."""
     pytest.importorskip("comfy_kitchen")
+    monkeypatch.setattr(gpu_checks, "LOWP_FORMATS", formats)
     lines, ok, rows = _lowp_lines(capability)
     major, minor = capability
     expected = []
-    for fmt in ("int8", "int8_convrot", "fp8", "mxfp8", "nvfp4"):
+    for fmt in (LOWP_LINES[f] for f in formats):
         on = TINY_LAYERS if fmt in kernels else 0
         expected.append(f"lowp {fmt} capability {major}.{minor}: {on} layers on the kernel, "
                         f"{TINY_LAYERS - on} dequantised, failed 0")
