@@ -921,7 +921,9 @@ def device_available(device: torch.device, own_bytes: int = 0) -> Optional[int]:
     device = torch.device(device)
     if device.type == "cuda":
         free = known_size(torch.cuda.mem_get_info(device)[0], str(device))
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        # Cached blocks split by smaller tensors cannot take one large tensor: not free.
+        stranded = torch.cuda.memory_stats(device).get("inactive_split_bytes.all.current", 0)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) - stranded
         return None if free is None else free + cached + own_bytes
     ram = known_size(host_available(), "the host's RAM")
     return None if ram is None else ram + own_bytes
