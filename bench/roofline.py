@@ -374,9 +374,9 @@ def check_models():
 
     from seedvr2.models.config import dit_config, vae_config
 
-    dit_cfg = dit_config("3b")
-    dit_cfg = dc_replace(dit_cfg, num_layers=2, block_type=None, window=None,
-                         window_method=None) if hasattr(dit_cfg, "num_layers") else dit_cfg
+    full = dit_config("3b")
+    dit_cfg = dc_replace(full, num_layers=2, block_type=full.block_type[:2],
+                         window=full.window[:2], window_method=full.window_method[:2])
     models = mt.build_models(dit_cfg, vae_config("vae"), "cpu", torch.float32)
     with torch.no_grad():
         for t in list(models.dit.parameters()) + list(models.vae.parameters()):
