@@ -34,7 +34,6 @@ predicted (best of interleaved repeats).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
@@ -46,14 +45,12 @@ from unittest import mock
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import memory_trace as mt  # noqa: E402  (puts src/ on the path)
 from seedvr2.pipeline.runner import Upscaler  # noqa: E402
+from seedvr2.pipeline.work import OpCounter, Rates, device_rates  # noqa: E402
 
 PHASES = ("encode", "dit", "decode", "colour")
 TRACE_PHASE = {"encode": "encode", "DiT": "dit", "decode": "decode"}  # memory_trace's names
@@ -91,101 +88,7 @@ GPUS = {
                     "accumulate 209.5 TFLOPS, 1792 GB/s"),
 }
 
-_NORM_OPS = {"native_group_norm", "native_layer_norm", "var_mean", "rsqrt", "_fused_rms_norm",
-             "rms_norm", "group_norm_silu_pad3d"}
-_LINEAR_OPS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"}
-_FREE_OPS = {"empty", "empty_like", "empty_strided", "detach", "_local_scalar_dense",
-             "lift_fresh"}
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _kitchen_conv_flops(x, weight, *args, out_val=None, **kwargs) -> int:
-    """comfy-kitchen's ``fp16_conv3d``: a convolution, 2 FLOPs a multiply-add."""
-    return 2 * out_val.numel() * weight[0].numel()
-
-
-# Ops outside torch's registry that do matrix work: their formulas.
-EXTRA_FORMULAS = {"fp16_conv3d": _kitchen_conv_flops}
-
-
-class WorkCounter(TorchDispatchMode):
-    """FLOPs and bytes of every operation it sees, per (phase, op class), each distinct
-    (flops, bytes) pair counted once with its multiplicity so that any GPU's limit can be
-    computed afterwards."""
-
-    def __init__(self):
-        super().__init__()
-        self.phase = "encode"
-        self.ops: Counter = Counter()  # (phase, class, flops, bytes) -> count
-        self._norm_depth = 0
-        self._inside_attention = False
-        self._hooks = []
-
-    # -- op classes ---------------------------------------------------------------------------
-
-    def __enter__(self):
-        def pre(module, args):
-            self._norm_depth += "Norm" in type(module).__name__
-
-        def post(module, args, out):
-            self._norm_depth -= "Norm" in type(module).__name__
-
-        self._hooks = [torch.nn.modules.module.register_module_forward_pre_hook(pre),
-                       torch.nn.modules.module.register_module_forward_hook(post)]
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        for h in self._hooks:
-            h.remove()
-        return super().__exit__(*exc)
-
-    def add(self, cls: str, flops: int, nbytes: int):
-        self.ops[(self.phase, cls, int(flops), int(nbytes))] += 1
-
-    def attention(self, real: Callable) -> Callable:
-        """A stand-in for ``F.scaled_dot_product_attention`` that counts the fused kernel's
-        work (its FLOPs; q, k, v read and the output written once) and calls ``real``."""
-        def attend(q, k, v, *args, **kwargs):
-            self._inside_attention = True
-            try:
-                out = real(q, k, v, *args, **kwargs)
-            finally:
-                self._inside_attention = False
-            self.add("attention", sdpa_flop_count(q.shape, k.shape, v.shape),
-                     sum(map(_nbytes, (q, k, v, out))))
-            return out
-        return attend
-
-    def _class(self, name: str, args) -> str:
-        if name in ("convolution", "_convolution", "cudnn_convolution", "fp16_conv3d"):
-            return f"conv3d {args[1].shape[0]}"
-        if name in _LINEAR_OPS:
-            return "linear"
-        if name in _NORM_OPS or self._norm_depth > 0:
-            return "norms"
-        return "elementwise"
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if self._inside_attention:
-            return out
-        name = func._overloadpacket.__name__
-        returns = func._schema.returns
-        if name in _FREE_OPS or (returns and returns[0].alias_info is not None
-                                 and not returns[0].alias_info.is_write):
-            return out  # a view or an allocation: no data moves
-        formula = flop_registry.get(func._overloadpacket) or EXTRA_FORMULAS.get(name)
-        flops = formula(*args, **kwargs, out_val=out) if formula else 0
-        tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
-        self.add(self._class(name, args), flops, sum(map(_nbytes, tensors)))
-        return out
-
-
-def _phase_switch(counter: WorkCounter):
+def _phase_switch(counter: OpCounter):
     """``phase(name, function)`` for ``memory_trace.run_phases``: the counter's phase while
     the function runs; colour correction (``Upscaler._finish``) counted as ``colour``."""
     def phase(name: str, function: Callable):
@@ -201,7 +104,7 @@ def _phase_switch(counter: WorkCounter):
 
 def count_work(models, opts, size, input_size, attention: Callable) -> Counter:
     """The counted ops of one batch of ``opts`` through the pipeline's phase functions."""
-    counter = WorkCounter()
+    counter = OpCounter()
     phase, colour = _phase_switch(counter)
     with torch.no_grad(), colour, counter, mock.patch.object(
             F, "scaled_dot_product_attention", counter.attention(attention)):
@@ -227,22 +130,8 @@ def cell_work(model: str, resolution: int, batch_size: int, tiled: bool,
 
 # -- summaries ------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Rates:
-    """What a device does at most: tensor FLOP/s (matmul and attention, convolution) and
-    memory bytes/s."""
-
-    matmul: float
-    conv: float
-    bandwidth: float
-
-    @staticmethod
-    def of(gpu: Gpu) -> "Rates":
-        return Rates(gpu.tensor_flops, gpu.tensor_flops, gpu.bandwidth)
-
-    def seconds(self, cls: str, flops: int, nbytes: int) -> float:
-        rate = self.conv if cls.startswith("conv") else self.matmul
-        return max(flops / rate, nbytes / self.bandwidth)
+def rates_of(gpu: Gpu) -> Rates:
+    return Rates(gpu.tensor_flops, gpu.tensor_flops, gpu.bandwidth)
 
 
 def phase_totals(ops: Counter, rates: Rates) -> dict:
@@ -285,7 +174,7 @@ def waste_shares(cell: mt.Cell, totals: dict, untiled: Optional[dict]) -> dict:
 
 def cell_rows(cell: mt.Cell, gpu: str) -> list[dict]:
     tiled = cell.setting != "defaults"
-    rates = Rates.of(GPUS[gpu])
+    rates = rates_of(GPUS[gpu])
     totals = phase_totals(cell_work(cell.model, cell.resolution, cell.batch_size, tiled), rates)
     untiled = phase_totals(cell_work(cell.model, cell.resolution, cell.batch_size, False),
                            rates) if tiled else None
@@ -343,40 +232,14 @@ def limit_table(cells: list[mt.Cell]) -> str:
 CHECK_SIZE, CHECK_INPUT = (64, 112), (32, 56)  # a mid-size job: a few seconds a phase
 
 
-def _best(fn: Callable, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def probe_cpu(repeats: int = 5) -> Rates:
-    """This CPU's float32 matrix-product and 3-D convolution rates and its copy bandwidth,
-    each the best of ``repeats`` short runs (the spread of shared machines is one-sided)."""
-    a, b = torch.randn(512, 512), torch.randn(512, 512)
-    x, w = torch.randn(1, 128, 4, 32, 32), torch.randn(128, 128, 3, 3, 3)
-    src = torch.empty(32 << 20, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    with torch.no_grad():
-        F.conv3d(x, w, padding=1)
-        matmul = 2 * 512 ** 3 / _best(lambda: a @ b, repeats)
-        conv = 2 * 128 * 27 * x.numel() / _best(lambda: F.conv3d(x, w, padding=1), repeats)
-        bandwidth = 2 * src.numel() / _best(lambda: dst.copy_(src), repeats)
-    return Rates(matmul, conv, bandwidth)
-
-
 def check_models():
     """A mid-size DiT (the 3B's width, 2 blocks) and the real VAE, random weights, float32
     on the CPU."""
-    from dataclasses import replace as dc_replace
-
     from seedvr2.models.config import dit_config, vae_config
 
     full = dit_config("3b")
-    dit_cfg = dc_replace(full, num_layers=2, block_type=full.block_type[:2],
-                         window=full.window[:2], window_method=full.window_method[:2])
+    dit_cfg = replace(full, num_layers=2, block_type=full.block_type[:2],
+                         window=full.window[:2], window_method=full.window_method[:2], mm_layers=1)
     models = mt.build_models(dit_cfg, vae_config("vae"), "cpu", torch.float32)
     with torch.no_grad():
         for t in list(models.dit.parameters()) + list(models.vae.parameters()):
@@ -394,7 +257,8 @@ def check_cpu(threads: int, repeats: int = 3) -> list[dict]:
     measured = {p: float("inf") for p in PHASES}
     rates = []
     for _ in range(repeats):
-        rates.append(probe_cpu())
+        device_rates.cache_clear()
+        rates.append(device_rates("cpu", torch.float32)[0])
         times = {}
         clock = [time.perf_counter()]
 

@@ -48,7 +48,7 @@ def test_counts_agree_with_torchs_flop_counter(tiny_options, tiled):
                            vae_decode_tile_overlap=16)
     window._layouts.clear()
     ops = roofline.count_work(models, opts, SIZE, INPUT, _math_attention)
-    ours = roofline.phase_totals(ops, roofline.Rates.of(roofline.GPUS["H100"]))
+    ours = roofline.phase_totals(ops, roofline.rates_of(roofline.GPUS["H100"]))
     theirs = {}
 
     def phase(name, function):

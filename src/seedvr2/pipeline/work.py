@@ -155,3 +155,112 @@ def seconds_at(ops: Counter, rates: Rates) -> dict:
     for (phase, cls, flops, nbytes), n in ops.items():
         out[phase] = out.get(phase, 0.0) + n * rates.seconds(cls, flops, nbytes)
     return out
+
+
+# -- a job's work, counted before it runs ------------------------------------------------------
+
+_UNIT = (5, 32, 32)  # frames, height, width of the VAE's small counted run
+
+
+class _ByText:
+    """A configuration (a dataclass holding lists) as a cache key: by its text."""
+
+    def __init__(self, config):
+        self.config, self.text = config, repr(config)
+
+    def __hash__(self):
+        return hash(self.text)
+
+    def __eq__(self, other):
+        return isinstance(other, _ByText) and other.text == self.text
+
+
+@functools.lru_cache(maxsize=4)
+def _vae_unit(config: _ByText, dtype: torch.dtype) -> Counter:
+    """The VAE's ops encoding and decoding ``_UNIT`` on meta tensors."""
+    from ..models import build_on_meta
+
+    vae = build_on_meta("vae", config.config).to(dtype).eval()
+    counter, (t, h, w) = OpCounter(), _UNIT
+    s, f = vae.spatial_factor, vae.temporal_factor
+    with torch.no_grad(), counter, torch.device("meta"):
+        counter.phase = "encode"
+        vae.encode_posterior(torch.empty(1, 3, t, h, w, dtype=dtype))
+        counter.phase = "decode"
+        vae.decode(torch.empty(1, vae.latent_channels, (t - 1) // f + 1, h // s, w // s,
+                               dtype=dtype))
+    return counter.ops
+
+
+def _dit_ops(dit: torch.nn.Module, thw: tuple[int, int, int], txt: int, itemsize: int,
+             counter: OpCounter):
+    """The DiT's matrix products over ``t*h*w`` video tokens (every 2-D weight that is not
+    the text stream's: 2 FLOPs a token and weight) and its windowed attention."""
+    from ..models.window import make_windows
+
+    tokens = thw[0] * thw[1] * thw[2]
+    counter.phase = "dit"
+    for name, p in dit.named_parameters():
+        if p.dim() == 2 and "txt" not in name:
+            counter.add("linear", 2 * tokens * p.numel(),
+                        itemsize * (p.numel() + tokens * sum(p.shape)))
+    cfg, inner = dit.config, dit.config.heads * dit.config.head_dim
+    for method, num in zip(cfg.window_method, cfg.window):
+        for t0, t1, h0, h1, w0, w1 in make_windows(method, thw, num):
+            n = (t1 - t0) * (h1 - h0) * (w1 - w0)
+            counter.add("attention", 4 * n * (n + txt) * inner, itemsize * 4 * (n + txt) * inner)
+
+
+@dataclass(frozen=True)
+class JobWork:
+    """The counted ops of a whole job and the frames it makes."""
+
+    ops: Counter
+    frames: int
+
+    @property
+    def flops(self) -> float:
+        return sum(flops * n for (_, _, flops, _), n in self.ops.items())
+
+    def seconds(self, device: str, dtype: torch.dtype) -> tuple[float, float]:
+        """The time range on ``device`` at its probed best and worst rates."""
+        return tuple(sum(seconds_at(self.ops, r).values()) for r in device_rates(device, dtype))
+
+    def describe(self, device: str, dtype: torch.dtype) -> str:
+        lo, hi = self.seconds(device, dtype)
+        return (f"{self.flops / 1e12:.1f} TFLOP, {self.flops / 1e12 / self.frames:.2f} TFLOP a "
+                f"frame; about {_duration(lo)} to {_duration(hi)} on {device} (from a probe of "
+                f"its {str(dtype).removeprefix('torch.')} throughput)")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
+def job_work(dit: torch.nn.Module, vae_config, plan, opts, size: tuple[int, int],
+             dtype: torch.dtype) -> JobWork:
+    """The work of ``plan``'s batches at output ``size`` (H, W): the VAE's small counted run
+    scaled to each batch's padded frames and tiles, the DiT's counted per batch."""
+    from ..memory.tiling import settings_from_options, tile_layout
+    from ..memory.budget import TEXT_TOKENS
+    from .runner import MODEL_MULTIPLE
+
+    H, W = (-(-n // MODEL_MULTIPLE) * MODEL_MULTIPLE for n in size)
+    unit = _vae_unit(_ByText(vae_config), dtype)
+    grow = {}
+    for stage in ("encode", "decode"):
+        tiles, _ = settings_from_options(opts, stage)
+        grow[stage] = 1.0
+        if tiles.enabled and not tiles.exact:
+            for n in (H // 8, W // 8):
+                starts, edge = tile_layout(n, tiles.tile_size // 8, tiles.tile_overlap // 8)
+                grow[stage] *= len(starts) * edge / n
+    counter = OpCounter()
+    for b in plan.batches:
+        scale = b.length * H * W / (_UNIT[0] * _UNIT[1] * _UNIT[2])
+        for (phase, cls, flops, nbytes), n in unit.items():
+            counter.phase = phase
+            counter.add(cls, flops, nbytes, n * scale * grow[phase])
+        _dit_ops(dit, ((b.length - 1) // 4 + 1, H // 16, W // 16), TEXT_TOKENS, dtype.itemsize,
+                 counter)
+    return JobWork(counter.ops, plan.plan_frames)
