@@ -15,6 +15,7 @@ the counted work at those rates, a range from the probe's best and worst rounds.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+
+log = logging.getLogger(__name__)
 
 _CONV_OPS = {"convolution", "_convolution", "cudnn_convolution", "fp16_conv3d"}
 _LINEAR_OPS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"}
@@ -264,3 +267,11 @@ def job_work(dit: torch.nn.Module, vae_config, plan, opts, size: tuple[int, int]
         _dit_ops(dit, ((b.length - 1) // 4 + 1, H // 16, W // 16), TEXT_TOKENS, dtype.itemsize,
                  counter)
     return JobWork(counter.ops, plan.plan_frames)
+
+
+def log_work(models, plan, opts, size: tuple[int, int]) -> None:
+    """The plan's log line of work and time (only when INFO is logged: the probe takes a
+    second, once per device and dtype)."""
+    if log.isEnabledFor(logging.INFO):
+        work = job_work(models.dit, models.vae.config, plan, opts, size, models.dtype)
+        log.info("work: %s", work.describe(str(models.dit_device), models.dtype))
