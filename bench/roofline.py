@@ -138,6 +138,8 @@ def phase_totals(ops: Counter, rates: Rates) -> dict:
     """Per phase: flops, bytes, seconds at the limit, and per class flops, bytes, seconds."""
     out = {p: {"flops": 0, "bytes": 0, "seconds": 0.0, "classes": {}} for p in PHASES}
     for (phase, cls, flops, nbytes), n in ops.items():
+        if phase not in out:
+            continue  # set-up before the first phase (the input frames made for the run)
         row, s = out[phase], rates.seconds(cls, flops, nbytes) * n
         c = row["classes"].setdefault(cls, {"flops": 0, "bytes": 0, "seconds": 0.0})
         for r in (row, c):

@@ -523,7 +523,7 @@ def _add_upscale_flags(parser: argparse.ArgumentParser):
                        ".mkv); .webm outputs are always VP9")
     files.add_argument("--overwrite", action="store_true", help="replace an existing output")
     files.add_argument("--dry-plan", action="store_true",
-                       help="print the scene cuts and batches; load no model")
+                       help="print the scene cuts, batches, work and time estimate; load no model")
     models = groups["models"]
     models.description = MODEL_FILES_HELP.format(dit=DEFAULT_DIT, vae=DEFAULT_VAE)
     models.add_argument("--dit", metavar="FILE", help="DiT: registered file name (looked up in "
