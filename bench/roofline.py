@@ -211,22 +211,22 @@ def lines(rows: list[dict], total: dict) -> list[str]:
     return out
 
 
-def limit_table(cells: list[mt.Cell]) -> str:
-    """Markdown: per cell the TFLOP per phase and frames/s at the limit on each GPU."""
-    head = ("| model | res | batch | setting | encode | DiT | decode | colour | TFLOP/frame | "
-            "waste % | " + " | ".join(f"{g} fps" for g in GPUS) + " |")
-    lines_ = [head, "|" + "---|" * (9 + len(GPUS))]
-    for cell in cells:
-        fps = []
-        for gpu in GPUS:
-            rows = cell_rows(cell, gpu)
-            total = total_row(rows, cell.batch_size - cell.options().temporal_overlap)
-            fps.append(f"{total['frames_per_s']:.2f}")
-        t = [f"{r['flops'] / 1e12:.1f}" for r in rows]
-        lines_.append(f"| {cell.model} | {cell.resolution}p | {cell.batch_size} | {cell.setting} | "
-                      + " | ".join(t) + f" | {total['flops_per_frame'] / 1e12:.1f} | "
-                      f"{100 * total['waste']:.1f} | " + " | ".join(fps) + " |")
-    return "\n".join(lines_)
+LIMIT_HEAD = ("| model | res | batch | setting | encode | DiT | decode | colour | TFLOP/frame | "
+              "waste % | " + " | ".join(f"{g} fps" for g in GPUS) + " |\n|"
+              + "---|" * (10 + len(GPUS)))
+
+
+def limit_row(cell: mt.Cell) -> str:
+    """Markdown: the cell's TFLOP per phase and frames/s at the limit on each GPU."""
+    fps = []
+    for gpu in GPUS:
+        rows = cell_rows(cell, gpu)
+        total = total_row(rows, cell.batch_size - cell.options().temporal_overlap)
+        fps.append(f"{total['frames_per_s']:.2f}")
+    return (f"| {cell.model} | {cell.resolution}p | {cell.batch_size} | {cell.setting} | "
+            + " | ".join(f"{r['flops'] / 1e12:.1f}" for r in rows)
+            + f" | {total['flops_per_frame'] / 1e12:.1f} | {100 * total['waste']:.1f} | "
+            + " | ".join(fps) + " |")
 
 
 # -- check on this CPU --------------------------------------------------------------------------
@@ -316,7 +316,9 @@ def main(argv=None) -> int:
     if args.batch_size < 1 or args.batch_size % 4 != 1:
         parser.error("--batch-size must be 4n+1 (1, 5, 9, ...)")
     if args.all:
-        print(limit_table(mt.readme_cells()))
+        print(LIMIT_HEAD, flush=True)
+        for cell in mt.readme_cells():
+            print(limit_row(cell), flush=True)
         return 0
     cell = mt.Cell(args.model, args.resolution, args.batch_size, args.setting)
     rows = cell_rows(cell, args.gpu)

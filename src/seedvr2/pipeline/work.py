@@ -197,21 +197,31 @@ def _vae_unit(config: _ByText, dtype: torch.dtype) -> Counter:
 
 def _dit_ops(dit: torch.nn.Module, thw: tuple[int, int, int], txt: int, itemsize: int,
              counter: OpCounter):
-    """The DiT's matrix products over ``t*h*w`` video tokens (every 2-D weight that is not
-    the text stream's: 2 FLOPs a token and weight) and its windowed attention."""
+    """The DiT's matrix products (2 FLOPs a token and weight: video weights over the video
+    tokens, text ones over the text, shared ones over both, the timestep's over one; a
+    video-only block's text outputs are not computed) and its windowed attention (each
+    window's video tokens and the text, against themselves)."""
     from ..models.window import make_windows
 
     tokens = thw[0] * thw[1] * thw[2]
     counter.phase = "dit"
     for name, p in dit.named_parameters():
-        if p.dim() == 2 and "txt" not in name:
-            counter.add("linear", 2 * tokens * p.numel(),
-                        itemsize * (p.numel() + tokens * sum(p.shape)))
-    cfg, inner = dit.config, dit.config.heads * dit.config.head_dim
-    for method, num in zip(cfg.window_method, cfg.window):
-        for t0, t1, h0, h1, w0, w1 in make_windows(method, thw, num):
-            n = (t1 - t0) * (h1 - h0) * (w1 - w0)
-            counter.add("attention", 4 * n * (n + txt) * inner, itemsize * 4 * (n + txt) * inner)
+        if p.dim() != 2:
+            continue
+        parts = name.split(".")
+        text_out = parts[0] == "blocks" and dit.blocks[int(parts[1])].video_only and \
+            parts[2:4] != ["attn", "proj_qkv"]  # only the text's keys and values are needed
+        stream = "txt" if "txt" in parts or parts[0] == "txt_in" else "all" if "all" in parts \
+            else "emb" if parts[0] == "emb_in" else "vid"
+        n = {"txt": 0 if text_out else txt, "all": tokens + (0 if text_out else txt),
+             "emb": 1, "vid": tokens}[stream]
+        counter.add("linear", 2 * n * p.numel(), itemsize * (p.numel() + n * sum(p.shape)))
+    inner = dit.config.heads * dit.config.head_dim
+    for block in dit.blocks:
+        for t0, t1, h0, h1, w0, w1 in make_windows(block.window_method, thw, block.window):
+            k = (t1 - t0) * (h1 - h0) * (w1 - w0) + txt
+            q = k - txt if block.video_only else k
+            counter.add("attention", 4 * q * k * inner, itemsize * (2 * q + 2 * k) * inner)
 
 
 @dataclass(frozen=True)
