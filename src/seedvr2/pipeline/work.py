@@ -137,9 +137,9 @@ def device_rates(device: str, dtype: torch.dtype) -> tuple[Rates, Rates]:
     (a matrix product, a 3x3x3 convolution as the VAE's, a copy), cached for the process."""
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    n, c, hw = (4096, 256, 64) if dev.type == "cuda" else (512, 128, 24)
+    n, c, hw = (4096, 256, (64, 64)) if dev.type == "cuda" else (512, 128, (32, 48))
     a = torch.randn(n, n, device=dev, dtype=dtype)
-    x = torch.randn(1, c, 4, hw, hw, device=dev, dtype=dtype)
+    x = torch.randn(1, c, 5, *hw, device=dev, dtype=dtype)
     w = torch.randn(c, c, 3, 3, 3, device=dev, dtype=dtype)
     src = torch.empty(n * n * 4, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
