@@ -226,7 +226,7 @@ def _dit_ops(dit: torch.nn.Module, thw: tuple[int, int, int], txt: int, itemsize
 
 @dataclass(frozen=True)
 class JobWork:
-    """The counted ops of a whole job and the frames it makes."""
+    """The counted ops of a whole job and the frames it outputs."""
 
     ops: Counter
     frames: int
@@ -276,7 +276,7 @@ def job_work(dit: torch.nn.Module, vae_config, plan, opts, size: tuple[int, int]
             counter.add(cls, flops, nbytes, n * scale * grow[phase])
         _dit_ops(dit, ((b.length - 1) // 4 + 1, H // 16, W // 16), TEXT_TOKENS, dtype.itemsize,
                  counter)
-    return JobWork(counter.ops, plan.plan_frames)
+    return JobWork(counter.ops, plan.source_frames)
 
 
 def log_work(models, plan, opts, size: tuple[int, int]) -> None:
