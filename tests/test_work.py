@@ -80,3 +80,21 @@ def test_time_estimate_brackets_a_cpu_job(mid_models):
             memory_trace.run_phases(mid_models, opts, SIZE, INPUT, lambda name, f: f())
         measured = min(measured, time.perf_counter() - start)
     assert lo / 1.5 <= measured <= hi * 1.5, (lo, measured, hi)
+
+
+def test_tiled_vae_work_at_1080p_is_at_most_135_percent_of_untiled():
+    """Issue 43's bound: 512-px tiles with a 64-px overlap on 3B 1080p, batch 5 (the README's
+    tiled setting) cost at most 1.35x the untiled VAE work (edge tiles overhanging their
+    neighbours cost 1.84x)."""
+    from seedvr2.models import build_on_meta
+    from seedvr2.models.config import dit_config
+
+    dit = build_on_meta("dit", dit_config("3b"))
+    vae_flops = []
+    for tiled in (False, True):
+        opts = resolve_options(batch_size=5, resolution=1080, scene_cuts="off",
+                               vae_encode_tiled=tiled, vae_decode_tiled=tiled)
+        work = job_work(dit, vae_config("vae"), make_plan(5, opts), opts, (1080, 1920),
+                        torch.bfloat16)
+        vae_flops.append(sum(f * n for (phase, _, f, _), n in work.ops.items() if phase != "dit"))
+    assert 1.2 < vae_flops[1] / vae_flops[0] <= 1.35
