@@ -306,10 +306,10 @@ def main(argv=None) -> int:
         rows = []
         for threads in ([args.threads] if args.threads else [1, 2]):
             rows += check_cpu(threads)
-        for r in rows:
-            print(f"roofline check-cpu {r['phase']}: measured {r['measured_s']:.3f} s, "
-                  f"predicted {r['predicted_s']:.3f} s, ratio {r['ratio']:.2f} "
-                  f"({r['threads']} threads)")
+            for r in rows[-len(PHASES):]:
+                print(f"roofline check-cpu {r['phase']}: measured {r['measured_s']:.3f} s, "
+                      f"predicted {r['predicted_s']:.3f} s, ratio {r['ratio']:.2f} "
+                      f"({r['threads']} threads)", flush=True)
         if args.json:
             print(json.dumps(rows, indent=1))
         return 0 if all(0.67 <= r["ratio"] <= 1.5 for r in rows) else 1
