@@ -26,7 +26,7 @@ from ..models.vae_blocks import SPLIT_ELEMENTS
 from ..options import option_ref
 from .blockswap import BlockSwap
 from .placement import named_tensors
-from .tiling import TileSettings
+from .tiling import TILE_MULTIPLE, TileSettings, tile_layout
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -415,6 +415,15 @@ def _causal_cache_bytes(cfg: VAEConfig, height: int, width: int, b: int,
     return total + in_flight
 
 
+def _laid_tile(pixels: int, tiles: TileSettings) -> int:
+    """The edge of the tiles laid along ``pixels`` (``tiling.tile_layout``: the fewest tiles
+    of the smallest equal size; exact tiles are cut on a grid of ``tile_size``)."""
+    if getattr(tiles, "exact", False):
+        return tiles.tile_size
+    m = TILE_MULTIPLE
+    return tile_layout(pixels // m, tiles.tile_size // m, tiles.tile_overlap // m)[1] * m
+
+
 def _vae_phase(cfg: VAEConfig, job: BatchShape, decode: bool) -> int:
     """Activations of one VAE phase on a batch: the encoder/decoder's peak on one piece (a
     tile with its context, a temporal slice) plus the frame buffers held meanwhile."""
@@ -424,7 +433,7 @@ def _vae_phase(cfg: VAEConfig, job: BatchShape, decode: bool) -> int:
     tiles = job.decode_tiles if decode else job.encode_tiles
     temporal = job.decode_slice if decode else job.encode_slice
     context = getattr(tiles, "context", 0)  # pixels computed around a tile and discarded
-    th, tw = (min(tiles.tile_size + 2 * context, hp), min(tiles.tile_size + 2 * context, wp)) \
+    th, tw = (min(_laid_tile(n, tiles) + 2 * context, n) for n in (hp, wp)) \
         if tiles.enabled else (hp, wp)
     piece = min(frames, 1 + temporal) if temporal else frames
     cache = _causal_cache_bytes(cfg, th, tw, b, job.vae_int8_cache) if piece < frames else 0

@@ -230,12 +230,18 @@ def describe_plan(plan) -> str:
     return "\n".join(lines)
 
 
-def describe_file_plan(src, opts: Options) -> str:
+def describe_file_plan(src, opts: Options, family: str = "3b") -> str:
     """What ``seedvr2 upscale --dry-plan`` prints for one input: its scene cuts (resolved as a
-    job would) and batches, without loading a model."""
+    job would) and batches, then the job's work for the ``family`` DiT (3b, 7b) and its time
+    on the device that would run it, without loading a model."""
     from ..io import open_media
+    from ..memory.policy import resolve_device, resolve_dtype
+    from ..models import build_on_meta
+    from ..models.config import dit_config, vae_config
     from .plan import make_plan
+    from .runner import output_size
     from .setup import frame_count
+    from .work import job_work
 
     if opts.batch_size == "auto":
         raise OptionError(f"{option_value('batch_size', 'auto')} is chosen from the free memory "
@@ -243,4 +249,9 @@ def describe_file_plan(src, opts: Options) -> str:
     with open_media(src) as reader:
         count = frame_count(reader)
         plan = make_plan(count, resolve_scene_cuts(opts, count, reader.frames))
-    return f"{src}: {describe_plan(plan)}"
+        size = output_size(reader.info.height, reader.info.width, opts)
+    device = resolve_device(opts.device)
+    dtype = resolve_dtype(opts.dtype, device)
+    work = job_work(build_on_meta("dit", dit_config(family)), vae_config("vae"), plan, opts,
+                    size, dtype)
+    return f"{src}: {describe_plan(plan)}\nwork: {work.describe(str(device), dtype)}"
