@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..models.pointwise import sigmoid
+
 GUIDED_EPS = 3e-4
 MAX_RADIUS = 8
 RANGE_WINDOW = 3
@@ -58,7 +60,7 @@ def _sharpen(x: Tensor) -> Tensor:
     half = SHARPEN_GAIN / 2.0
     low = 1.0 / (1.0 + math.exp(half))
     high = 1.0 / (1.0 + math.exp(-half))
-    return torch.sigmoid((x - 0.5) * SHARPEN_GAIN).sub_(low).div_(high - low)
+    return sigmoid((x - 0.5) * SHARPEN_GAIN).sub_(low).div_(high - low)
 
 
 def _is_hard_matte(alpha: Tensor) -> bool:
