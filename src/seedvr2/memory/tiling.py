@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from ..options import OptionError
 from ..errors import InputError, UsageError
+from ..models.pointwise import silu
 from ..models.vae import LOGVAR_MAX, LOGVAR_MIN, Decoder, Encoder, VideoAutoencoder
 from ..models.vae_blocks import (
     ATTENTION_SCORE_BUDGET,
@@ -247,7 +248,7 @@ class _ExactRun:
             x = self._fetch(src.data[..., r0:r1, c0:c1])
             if norm is None:
                 return x
-            return F.silu(norm(x, cache=_FixedStats(src.stats)), inplace=True)
+            return silu(norm(x, cache=_FixedStats(src.stats)), inplace=True)
         return produce
 
     # -- layers -----------------------------------------------------------------------------
