@@ -45,7 +45,12 @@ sizes (real allocations, copies and weights; seconds): CUDA-only quantities are 
 their labelled CPU analogues (host reads instead of stream syncs, host memcpy instead of
 host->device copies, the schedule's resident blocks instead of allocator peaks).
 
-    bench/gpu_checks.sh [--rehearse [--capability 7.5,8.0,8.9,10.0,12.0]] [--minutes 8]
+``--rehearse --fake-cuda`` runs the sections down the GPU run's own branch at the real sizes on
+a fake ``cuda:0`` of each ``--capability`` (tests/fake_cuda.py; docs/development.md, "The
+fake-CUDA rehearsal"): rows marked ``(fake cuda)``, numbers that need data ``n/a (fake)``.
+
+    bench/gpu_checks.sh [--rehearse [--fake-cuda] [--capability 7.5,8.0,8.9,10.0,12.0]]
+                        [--minutes 8]
                         [--sections env,e2e,trace,mfu,blockswap,vae,dequant,room,lowp,vae_paths]
 """
 
@@ -61,6 +66,7 @@ import json
 import math
 import os
 import platform
+import re
 import signal
 import sys
 import time
@@ -83,17 +89,32 @@ from seedvr2.models.vae_paths import VaePaths  # noqa: E402
 
 SECTIONS = ("env", "e2e", "trace", "mfu", "blockswap", "vae", "dequant", "room", "lowp",
             "vae_paths")
-# Seconds each section may run on the GPU (its rows then stop); the sections up to room stay
-# under the 8-minute default (lowp and vae_paths run past it: --sections). The rehearsal's
-# sections take seconds; REHEARSE_CAP only bounds a hang.
-CAPS = {"env": 15, "e2e": 110, "trace": 60, "mfu": 70, "blockswap": 75, "vae": 95,
+# Seconds each section may run on the GPU (its rows then stop). The alarm fires between Python
+# steps only (a running kernel, copy or cuDNN benchmark finishes first), so a section may run
+# up to SLACK past its cap: the default sections' caps total at most 420 s, leaving each its
+# slack within the 8-minute default (lowp and vae_paths run past it: --sections). The
+# rehearsal's sections take seconds; REHEARSE_CAP only bounds a hang.
+CAPS = {"env": 10, "e2e": 95, "trace": 50, "mfu": 60, "blockswap": 65, "vae": 85,
         "dequant": 30, "room": 25, "lowp": 150, "vae_paths": 240}
+SLACK = 7
+DEFAULT_SECTIONS = ("env", "e2e", "trace", "mfu", "blockswap", "vae", "dequant", "room")
 REHEARSE_CAP = 60
+FAKE_CUDA_CAP = 600  # the fake-CUDA rehearsal's sections (real shapes on fake tensors)
+FAKE_NUMBER = "n/a (fake)"
 MIN_SECTION_SECONDS = 5  # a section with less time left is skipped, not started
 TEXT_TOKENS = 58
-# Dense bf16 tensor-core peaks (FLOP/s, no sparsity) from the vendors' data sheets; a GPU not
-# listed gets MFU against its measured matmul rate only.
-BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "RTX 4090": 165e12}
+# Dense bf16 tensor-core peaks (FLOP/s, no sparsity) from the vendors' data sheets, per product
+# as torch names it (the first name contained in the device's wins: PCIe and NVL boards run
+# slower clocks and fewer SMs than SXM ones of the same family); a GPU not listed gets MFU
+# against its measured matmul rate only.
+BF16_PEAK = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H200 NVL", 835e12),
+             ("H100", 989e12), ("H200", 989e12), ("A100", 312e12), ("L40S", 362e12),
+             ("RTX 4090", 165e12))
+
+
+def bf16_peak(name: str) -> Optional[float]:
+    """The data-sheet dense bf16 peak of the GPU torch calls ``name``, or None."""
+    return next((peak for product, peak in BF16_PEAK if product in name), None)
 CONFORMANCE = BENCH.parent / "tests" / "conformance"  # the tiny models' configs
 
 
@@ -163,14 +184,22 @@ def rehearse_scale() -> Scale:
 
 # -- the report ------------------------------------------------------------------------------------
 
+# A number a fake GPU cannot give (a time or a difference of values: NaN there) and its unit.
+_NO_DATA = re.compile(r"-?nan(?:x\)?|%| ?(?:ms|s|frames/s|TFLOP/s|GB/s|dB)\b)?")
+
+
 @dataclass
 class Report:
     out: Optional[Path] = None
     header: str = ""
     rows: list = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
+    fake: bool = False  # rows of the fake-CUDA rehearsal: marked, numbers of data "n/a (fake)"
 
     def add(self, section: str, what: str, value: str, note: str = ""):
+        if self.fake:
+            what += " (fake cuda)"
+            value, note = (_NO_DATA.sub(FAKE_NUMBER, str(text)) for text in (value, note))
         self.rows.append((section, what, value, note))
         print(f"[{time.monotonic() - self.started:6.1f}s] {section}: {what} = {value}  {note}",
               file=sys.stderr, flush=True)
@@ -235,6 +264,7 @@ class Run:
     report: Report
     capabilities: tuple = ((12, 0),)  # the rehearsal's stand-ins (--capability); a GPU: its own
     lines: list = field(default_factory=list)  # the lowp section's summary lines
+    fake: object = None  # the fake GPU (tests/fake_cuda.py) of the fake-CUDA rehearsal
 
     @property
     def cuda(self) -> bool:
@@ -244,7 +274,18 @@ class Run:
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
+    def add_line(self, line: str) -> str:
+        """A summary line (printed at the end), numbers of data "n/a (fake)" on a fake GPU."""
+        if self.fake is not None:
+            line = _NO_DATA.sub(FAKE_NUMBER, line)
+        self.lines.append(line)
+        return line
+
     def time(self, fn, repeats: Optional[int] = None) -> float:
+        """Best seconds of ``fn``; on a fake GPU, ``fn`` once and NaN (no time to take)."""
+        if self.fake is not None:
+            fn()
+            return float("nan")
         return best_time(fn, self.scale.repeats if repeats is None else repeats, self.sync)
 
     def reset_peaks(self):
@@ -279,20 +320,25 @@ def tensor_bytes(module) -> int:
 # -- models with random weights of the real shapes -------------------------------------------------
 
 def random_model(build, config, device: torch.device, dtype: torch.dtype):
-    """``build(config)`` materialised on ``device`` with N(0, 0.02) weights (biases 0, norm
-    gains 1): built on meta, then ``to_empty`` (the RoPE tables recompute themselves)."""
-    with torch.device("meta"):
-        model = build(config).eval()
-    model.to_empty(device=device)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.zero_()
-            elif p.dim() == 1:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02)
-    return model.to(dtype).requires_grad_(False)
+    """``build(config)`` made on ``device`` in ``dtype`` with N(0, 0.02) weights (biases 0,
+    norm gains 1). Made in its dtype where it runs: float32 weights converted on the device
+    would leave the allocator's cache split around them (issue 42); and fake tensors cannot be
+    swapped in by ``to_empty``."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device), torch.no_grad():
+            model = build(config).eval()
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.zero_()
+                elif p.dim() == 1:
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02)
+    finally:
+        torch.set_default_dtype(default)
+    return model.requires_grad_(False)
 
 
 def random_dit(run: Run, config=None, device=None):
@@ -327,7 +373,7 @@ HOST_READ_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::masked_sel
 
 def _profile(run: Run, fn):
     activities = [torch.profiler.ProfilerActivity.CPU]
-    if run.cuda:
+    if run.cuda and run.fake is None:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
         fn()
@@ -500,7 +546,7 @@ def check_e2e(run: Run):
             run.sync()
             start = time.perf_counter()
             out = seedvr2.upscale(clip, stats=stats, **options)
-            seconds = time.perf_counter() - start
+            seconds = time.perf_counter() - start if run.fake is None else float("nan")
             phases = ", ".join(f"{name} {p.seconds:.2f} s" for name, p in stats.phases.items())
             note = f"{seconds:.2f} s; per phase: {phases}; output {tuple(out.shape)}"
             if attempt.startswith("steady") and run.cuda:
@@ -571,6 +617,7 @@ def check_trace(run: Run):
             fake = memory_trace.build_models(dit.config, vae.config, str(run.device), scale.dtype)
             traced = memory_trace.trace_phases(fake, opts, (h, w), (h // 2, w // 2),
                                                str(run.device))
+            del fake  # (on a fake GPU its tensors would count as the run's)
         estimate = memory_trace.estimate_phases(budget, opts, (h, w), mem.Placement(
             str(run.device), str(run.device)), str(run.device))
         phase, peaks = _allocator_peaks(run, weights)
@@ -589,7 +636,7 @@ def check_mfu(run: Run):
     scale, r = run.scale, run.report
     dit = random_dit(run)
     name = torch.cuda.get_device_name(run.device) if run.cuda else "cpu"
-    peak = next((v for k, v in BF16_PEAK.items() if k in name), None) if run.cuda else None
+    peak = bf16_peak(name) if run.cuda else None
     n = scale.matmul
     a, b = (torch.randn(n, n, device=run.device, dtype=scale.dtype) for _ in range(2))
     matmul = 2 * n ** 3 / run.time(lambda: a @ b, 5)
@@ -812,13 +859,26 @@ sys.path.insert(0, str(BENCH.parent / "tests"))  # tests/kernel_checks.py: the C
 
 
 def lowp_stand_in(run: Run, capability):
-    """What the lowp section runs under: on the CPU, the stand-in for a GPU of
-    ``capability`` (every kernel call checked against its preconditions, block-scaled matmuls
-    by their definition; tests/kernel_checks.py); on a GPU, its own kernels. Both check each
-    layer's product against ``dequant(quant(x)) @ dequant(W).T``."""
-    from kernel_checks import capable_gpu, checked_products
+    """What the lowp section's checked pass runs under: every kernel call checked against its
+    preconditions and the quantisers' calls recorded (tests/kernel_checks.py); each layer's
+    product checked against ``dequant(quant(x)) @ dequant(W).T`` where there are values (not
+    on a fake GPU). On the CPU through the stand-in for a GPU of ``capability`` (block-scaled
+    matmuls by their definition); on a GPU, real or fake, through its own kernels."""
+    from kernel_checks import KernelLog, capable_gpu, checked_kernels, checked_products
+    from seedvr2.kernels import platform_of
 
-    return checked_products() if run.cuda or capability is None else capable_gpu(capability)
+    if not run.cuda and capability is not None:
+        return capable_gpu(capability)
+    log = KernelLog(platform_of(run.device))
+    return _stacked(checked_kernels(log, stand_ins=False),
+                    checked_products(log, compare=run.fake is None))
+
+
+@contextlib.contextmanager
+def _stacked(outer, inner):
+    """Both contexts, the inner one's value."""
+    with outer, inner as value:
+        yield value
 
 
 def _quantised_dit(run: Run, target: str):
@@ -909,37 +969,54 @@ def _lowp_row(run: Run, dit, target, precision, capability, inputs, reference, m
             line = (f"lowp {name} capability {capability[0]}.{capability[1]}: {kernel} layers on "
                     f"the kernel, {packed - kernel} dequantised, failed {failed} "
                     f"(relative L2 difference from bf16 {diff:.2e})")
-            run.lines.append(line)
+            line = run.add_line(line)
             print(line, file=sys.stderr, flush=True)
             note += f"; {line}" + (f"; {checked}" if checked else "")
+            if run.fake is not None:
+                _fallbacks_fail(run, dit, line, paths, kernel, failed)
         return f"{seconds:.3f} s", note
     measure(run.report, "lowp", f"3B forward {scale.label('1080p')} x {scale.frames}, {label}", row)
 
 
+def _fallbacks_fail(run: Run, dit, line: str, paths: tuple, kernel: int, failed: int):
+    """On the fake GPU a layer off the kernel its capability has is a failure of the run."""
+    expected = sum(path != "weights" for path in paths)
+    if failed or kernel != expected:
+        why = next((m._lowp_failure for m in dit.modules()
+                    if getattr(m, "_lowp_failure", None) is not None), None)
+        run.fake.violations.append(f"{line.split(' (relative')[0]}, where {expected} layers have "
+                                   f"a kernel" + (f" (first failure: {why})"[:300] if why else ""))
+
+
 def _lowp_forward(run: Run, dit, capability, inputs, reference):
     """(seconds, difference from bf16, layers on the kernel, layers failed, the failed
-    check's message or None) of one forward."""
+    check's message or None) of one forward. On a GPU the checked pass comes first, then an
+    unchecked pass is timed and measured (the checks' float32 products and host reads would
+    count in both); the CPU rehearsal times its one checked pass."""
     from kernel_checks import KernelCheckFailed
 
-    if run.cuda:
-        run.free()
-        run.reset_peaks()
-    out = []
+    out, checked, seconds = [], None, float("nan")
+    run.reset_peaks()
     with lowp_stand_in(run, capability) as log:
         try:
-            if run.cuda:  # after a warm-up run (kernel selection, allocator)
-                seconds = run.time(lambda: out.append(dit(*inputs).float()), 1)
-            else:  # the rehearsal checks the calls; one run is enough
-                start = time.perf_counter()
-                out.append(dit(*inputs).float())
-                seconds = time.perf_counter() - start
-            checked = None
+            start = time.perf_counter()
+            out.append(dit(*inputs).float())
+            seconds = time.perf_counter() - start
         except KernelCheckFailed as e:
-            seconds, checked = float("nan"), str(e)
+            checked = str(e)
+    if run.fake is not None:
+        seconds = float("nan")  # (the fake tensors' time is no GPU's)
+    # (On a fake GPU the checked pass allocates what the unchecked one does: no values to
+    # compare; its peaks stand.)
+    if run.cuda and run.fake is None and checked is None:
+        run.free()
+        run.reset_peaks()
+        out[:] = []
+        seconds = run.time(lambda: out.append(dit(*inputs).float()), 1)
     failed = sum(getattr(m, "_lowp_failure", None) is not None for m in dit.modules()) + \
         (checked is not None)
     diff = float("nan")
-    if out:
+    if out and run.fake is None:
         reference.setdefault("bf16", out[-1])
         diff = ((out[-1] - reference["bf16"]).norm() / reference["bf16"].norm()).item()
     return seconds, diff, len(log.layers), failed, checked
@@ -1020,8 +1097,8 @@ def check_vae_paths(run: Run):
     opts = resolve_options()
     (enc_tiles, enc_slices), (dec_tiles, dec_slices) = (
         tiling.settings_from_options(opts, stage) for stage in ("encode", "decode"))
-    stand_in = contextlib.nullcontext() if run.cuda or not _installed("comfy_kitchen") else \
-        vae_stand_in(max(run.capabilities))
+    stand_in = vae_stand_in(run, max(run.capabilities)) if _installed("comfy_kitchen") else \
+        contextlib.nullcontext()
     decoded = {}
     with stand_in, torch.inference_mode():
         table = _vae_path_table(run)
@@ -1029,7 +1106,8 @@ def check_vae_paths(run: Run):
             def work(paths=table[name], name=name):
                 vae.set_conv_settings(cudnn_benchmark=False, paths=paths)
                 latent = tiling.encode(vae, video, enc_tiles, enc_slices)
-                decoded[name] = tiling.decode(vae, latent, dec_tiles, dec_slices)
+                # A copy on the host: kept on the GPU, each video would count in later rows' peaks
+                decoded[name] = tiling.decode(vae, latent, dec_tiles, dec_slices).cpu()
 
             def row(name=name, work=work):
                 return _vae_paths_row(run, name, work, decoded, table[name])
@@ -1038,9 +1116,14 @@ def check_vae_paths(run: Run):
     vae.set_conv_settings(cudnn_benchmark=False)
 
 
-def vae_stand_in(capability):
-    from kernel_checks import capable_gpu
+def vae_stand_in(run: Run, capability):
+    """Every kernel call of the VAE checked against its preconditions: on the CPU through the
+    stand-in for a GPU of ``capability``, on a GPU (real or fake) through its own kernels."""
+    from kernel_checks import KernelLog, capable_gpu, checked_kernels
+    from seedvr2.kernels import platform_of
 
+    if run.cuda:
+        return checked_kernels(KernelLog(platform_of(run.device)), stand_ins=False)
     return capable_gpu(capability, check_products=False)
 
 
@@ -1057,11 +1140,12 @@ def _vae_paths_row(run: Run, name: str, work, decoded: dict, paths) -> tuple:
         with memory_trace.LiveBytes(str(run.device)) as live:
             work()
         seconds, peak = time.perf_counter() - started, live.peak
-    error = (decoded[name].float() - decoded["today"].float()).square().mean().item()
+    error = float("nan") if run.fake is not None else \
+        (decoded[name].float() - decoded["today"].float()).square().mean().item()
     psnr = "inf" if error == 0 else f"{10 * math.log10(4 / error):.1f}"  # range [-1, 1]
     line = (f"vae_paths {name}: time {seconds:.3f} s, peak {peak / 2 ** 30:.3g} GiB, "
             f"PSNR {psnr} dB vs today")
-    run.lines.append(line)
+    run.add_line(line)
     fell_back = name != "today" and paths == VaePaths()
     how = ("today's path: comfy-kitchen or this GPU cannot run it" if fell_back
            else paths.describe())
@@ -1081,17 +1165,25 @@ def parse_args(argv):
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rehearse", action="store_true",
                         help="every section on the CPU with tiny models at small sizes")
-    parser.add_argument("--minutes", type=float, default=8.0,
-                        help="start no section after this many minutes (default 8)")
+    parser.add_argument("--fake-cuda", action="store_true",
+                        help="with --rehearse: the GPU run's own branch at real sizes on a fake "
+                             "cuda:0 of each --capability (fake tensors; default 9.0)")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="start no section after this many minutes (default 8; 15 per "
+                             "capability with --fake-cuda)")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated subset of {','.join(SECTIONS)}")
     parser.add_argument("--device", default="cuda:0", help="the GPU to measure (default cuda:0)")
-    parser.add_argument("--capability", default="12.0", metavar="X.Y[,X.Y...]",
+    parser.add_argument("--capability", default=None, metavar="X.Y[,X.Y...]",
                         help="with --rehearse: the compute capabilities whose paths the lowp "
                              "section (vae_paths: the highest) takes on the CPU, every kernel "
                              "call checked against its preconditions (default 12.0)")
     args = parser.parse_args(argv)
-    args.capability = _capabilities(args.capability)
+    if args.fake_cuda and not args.rehearse:
+        raise UsageError("--fake-cuda rehearses a GPU run on the CPU: give it with --rehearse")
+    args.capability = _capabilities(args.capability or ("9.0" if args.fake_cuda else "12.0"))
+    if args.minutes is None:
+        args.minutes = 15.0 if args.fake_cuda else 8.0
     chosen = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = [s for s in chosen if s not in SECTIONS]
     if unknown or not chosen:
@@ -1130,23 +1222,60 @@ def main(argv=None) -> int:
         print(f"gpu_checks: {e}", file=sys.stderr)
         return 2
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    if args.fake_cuda:
+        return _fake_cuda_runs(args, out, started)
+    caps = dict.fromkeys(SECTIONS, REHEARSE_CAP) if args.rehearse else CAPS
     if args.rehearse:
         device, scale = torch.device("cpu"), rehearse_scale()
     else:
         device, scale = torch.device(args.device), full_scale()
         torch.cuda.set_device(device)
-    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     report = Report(out, f"GPU checks ({scale.name}, {device}), started {started}")
     run = Run(device, scale, report, args.capability)
+    run_sections(run, args, caps)
+    for line in run.lines:
+        print(line)
+    print(report.markdown())
+    return 0
+
+
+def _fake_cuda_runs(args, out: Optional[Path], started: str) -> int:
+    """The GPU run's sections at real sizes on a fake cuda:0 of each capability in turn
+    (tests/fake_cuda.py); 1 when anything a GPU would refuse happened."""
+    from fake_cuda import fake_cuda
+
+    report = Report(out, f"GPU checks (fake cuda: {', '.join(map(_dotted, args.capability))}), "
+                    f"started {started}", fake=True)
+    lines, failed = [], False
+    for capability in args.capability:
+        with fake_cuda(capability) as gpu:
+            run = Run(torch.device("cuda", 0), full_scale(), report, (capability,), fake=gpu)
+            failed |= not run_sections(run, args, dict.fromkeys(SECTIONS, FAKE_CUDA_CAP))
+        lines += run.lines
+    for line in lines:
+        print(line)
+    print(report.markdown())
+    return 1 if failed else 0
+
+
+def _dotted(capability) -> str:
+    return f"{capability[0]}.{capability[1]}"
+
+
+def run_sections(run: Run, args, caps: dict) -> bool:
+    """Every chosen section in order, each within its cap (seconds, ``caps``); False when the
+    fake GPU saw something a GPU would refuse (the section's row ``checks`` names it)."""
+    report, ok = run.report, True
     torch.manual_seed(0)
-    deadline = report.started + args.minutes * 60
+    deadline = time.monotonic() + args.minutes * 60
     for name in args.sections:
         left = deadline - time.monotonic()
-        cap = min(REHEARSE_CAP if args.rehearse else CAPS[name], left)
+        cap = min(caps[name], left)
         if cap < MIN_SECTION_SECONDS:
             report.add(name, "(not started)", "skipped", f"past the {args.minutes:g}-minute limit")
             continue
-        rows = len(report.rows)
+        rows, began = len(report.rows), time.monotonic()
         try:
             with time_cap(cap):
                 CHECKS[name](run)
@@ -1159,10 +1288,22 @@ def main(argv=None) -> int:
         if len(report.rows) == rows:
             report.add(name, "(section)", "error", "measured nothing")
         run.free()
-    for line in run.lines:
-        print(line)
-    print(report.markdown())
-    return 0
+        if run.fake is not None:
+            ok &= _fake_checks(run, name, report.rows[rows:], time.monotonic() - began)
+    return ok
+
+
+def _fake_checks(run: Run, section: str, rows: list, wall: float) -> bool:
+    """The section's row ``checks`` on the fake GPU: FAILED naming what a GPU would refuse
+    (tests/fake_cuda.py's violations) and the rows in error, else passed; with its wall time."""
+    seen = [f"{v} (x{n})" if n > 1 else v
+            for v, n in collections.Counter(run.fake.violations).most_common(8)]
+    seen += [f"row '{what}' {value}" for _, what, value, _ in rows
+             if value in ("error", "FAILED")]
+    run.fake.violations.clear()
+    run.report.add(section, "checks", "FAILED" if seen else "passed",
+                   f"wall {wall:.1f} s on this CPU" + "".join(f"; {v}" for v in seen))
+    return not seen
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@
 #   bench/gpu_checks.sh --rehearse --sections lowp --capability 7.5,8.0,8.9,10.0,12.0
 #     (the lowp section on the CPU through the paths a GPU of each capability takes, every kernel
 #     call checked against its preconditions: one line per format and capability, "failed 0")
+#   bench/gpu_checks.sh --rehearse --fake-cuda [--capability 9.0,10.0] [--sections lowp]
+#     (the GPU run's own branch at real sizes on a fake cuda:0 of each capability: fake tensors,
+#     rows "(fake cuda)", times "n/a (fake)", a row "checks" per section; exit 1 on a failure)
 #   bench/gpu_checks.sh --sections vae_paths    (about 4 minutes; --rehearse --capability 12.0 on
 #     the CPU: one line "vae_paths PATH: time T s, peak P GiB, PSNR D dB vs today" per VAE path)
 #

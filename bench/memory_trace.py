@@ -60,7 +60,7 @@ from seedvr2.memory.tiling import settings_from_options  # noqa: E402
 from seedvr2.models import window  # noqa: E402
 from seedvr2.models.config import dit_config, vae_config  # noqa: E402
 from seedvr2.models.vae_paths import INT8_CACHE_BYTES, VaePaths  # noqa: E402
-from seedvr2.options import resolve_options  # noqa: E402
+from seedvr2.options import OptionError, resolve_options, spoken_as_cli  # noqa: E402
 from seedvr2.pipeline.plan import Batch  # noqa: E402
 from seedvr2.pipeline.runner import Models, Upscaler  # noqa: E402
 
@@ -163,9 +163,10 @@ class _HostArena:
 
 
 @contextlib.contextmanager
-def _traceable():
-    """The few places that ask the CUDA runtime (absent here) or read values, stubbed."""
-    with mock.patch.object(F, "scaled_dot_product_attention", _fused_attention), \
+def traceable(attention: Callable = _fused_attention):
+    """The few places that ask the CUDA runtime (absent here) or read values, stubbed;
+    ``attention`` stands in for ``F.scaled_dot_product_attention``."""
+    with mock.patch.object(F, "scaled_dot_product_attention", attention), \
             mock.patch.object(torch.cuda, "current_stream", lambda device=None: _Stream()), \
             mock.patch.object(torch.cuda, "Stream", _Stream), \
             mock.patch.object(torch.cuda, "Event", _Event), \
@@ -192,6 +193,10 @@ class Cell:
     def size(self) -> tuple[int, int]:
         return RESOLUTIONS[self.resolution] if self.resolution in RESOLUTIONS else \
             (self.resolution, self.resolution * 16 // 9 // 16 * 16)
+
+    @property
+    def input_size(self) -> tuple[int, int]:
+        return self.size[0] // 2, self.size[1] // 2
 
     def options(self):
         tiled = {"vae_encode_tiled": True, "vae_decode_tiled": True} if self.setting != "defaults" \
@@ -243,6 +248,14 @@ def build_models(dit_cfg, vae_cfg, device: str, dtype: torch.dtype) -> Models:
     return Models(dit, vae, text, dev, dev, dtype)
 
 
+@contextlib.contextmanager
+def fake_models(model: str, device: str = "cuda:0", dtype: torch.dtype = DTYPE):
+    """The shipped ``model`` (3b, 7b) and VAE at real size on fake tensors on ``device``, and
+    the fake tensor mode they live in for the phases to run under (with :func:`traceable`)."""
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        yield build_models(dit_config(model), vae_config("vae"), device, dtype)
+
+
 def run_phases(models: Models, opts, size: tuple[int, int], input_size: tuple[int, int],
                phase: Callable[[str, Callable], object]) -> None:
     """One batch through the pipeline's phase functions (frame upload and resize, the VAE
@@ -277,7 +290,7 @@ def trace_phases(models: Models, opts, size: tuple[int, int], input_size: tuple[
 
     # Fake tensors need the stand-ins (no values, no CUDA runtime); real ones run as they are.
     fake = is_fake(next(models.dit.parameters()))
-    with torch.no_grad(), (_traceable() if fake else contextlib.nullcontext()), counter:
+    with torch.no_grad(), (traceable() if fake else contextlib.nullcontext()), counter:
         run_phases(models, opts, size, input_size, traced)
     return peaks
 
@@ -288,13 +301,11 @@ def traced_activations(model: str, resolution: int, batch_size: int, tiled: bool
     """Peak activation bytes per phase of one batch (the settings ``tiled`` and ``swapped``
     differ only in where weights are, so they share this)."""
     cell = Cell(model, resolution, batch_size, "tiled" if tiled else "defaults", int8_cache)
-    size = cell.size
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        models = build_models(dit_config(model), vae_config("vae"), device, DTYPE)
+    with fake_models(model, device) as models:
         models.vae.set_conv_settings(cudnn_benchmark=False, paths=VaePaths(
             int8_cache_bytes=None if int8_cache == "off" else INT8_CACHE_BYTES,
             cache_offload=int8_cache == "host"))
-        return trace_phases(models, cell.options(), size, (size[0] // 2, size[1] // 2), device)
+        return trace_phases(models, cell.options(), cell.size, cell.input_size, device)
 
 
 def trace_cell(cell: Cell, device: str = "cuda:0") -> list[dict]:
@@ -360,8 +371,11 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     parser.add_argument("--all", action="store_true", help="every cell of the README's table")
     args = parser.parse_args(argv)
-    if args.batch_size < 1 or args.batch_size % 4 != 1:
-        parser.error("--batch-size must be 4n+1 (1, 5, 9, ...)")
+    try:  # the option table's bounds and 4n+1 rule, as `seedvr2 upscale` checks them
+        with spoken_as_cli():
+            resolve_options(batch_size=args.batch_size)
+    except OptionError as e:
+        parser.error(str(e))
     cells = readme_cells() if args.all else \
         [Cell(args.model, args.resolution, args.batch_size, args.setting, args.vae_int8_cache)]
     rows = []

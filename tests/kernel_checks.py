@@ -140,7 +140,7 @@ def _bind(spec: Wrapped, original, args, kwargs) -> dict:
     return dict(bound.arguments)
 
 
-def _wrapper(spec: Wrapped, original, log: KernelLog):
+def _wrapper(spec: Wrapped, original, log: KernelLog, stand_ins: bool = True):
     rules = KERNELS[spec.kernel]
 
     def call(*args, **kwargs):
@@ -149,7 +149,8 @@ def _wrapper(spec: Wrapped, original, log: KernelLog):
         if broken:
             raise KernelCheckFailed("; ".join(broken))
         log.calls[spec.kernel] += 1
-        out = spec.stand_in(original, bound) if spec.stand_in else original(*args, **kwargs)
+        out = spec.stand_in(original, bound) if spec.stand_in and stand_ins else \
+            original(*args, **kwargs)
         if spec.kernel.startswith("comfy_kitchen.quantize"):
             log.quantised.append((spec.kernel, bound, out))
         return out
@@ -181,12 +182,8 @@ def capable_gpu(capability=(12, 0), *, platform: str = "cuda", torch_cuda=(13, 0
         patch(torch.version, "cuda", ".".join(map(str, torch_cuda)) if platform == "cuda"
               else None)
         kernels._configure_kitchen.cache_clear()
-        for spec in wrapped:
-            if spec.module == "comfy_kitchen" and ck is None:
-                continue
-            module = importlib.import_module(spec.module)
-            patch(module, spec.attribute, _wrapper(spec, getattr(module, spec.attribute), log))
-        with checked_products(log) if check_products else contextlib.nullcontext(log):
+        with checked_kernels(log, wrapped), \
+                checked_products(log) if check_products else contextlib.nullcontext(log):
             yield log
     finally:
         for obj, name, value in reversed(patches):
@@ -195,6 +192,29 @@ def capable_gpu(capability=(12, 0), *, platform: str = "cuda", torch_cuda=(13, 0
         if ck is not None:
             ck.registry._disabled.clear()
             ck.registry._disabled.update(disabled)
+
+
+@contextlib.contextmanager
+def checked_kernels(log: KernelLog, wrapped: tuple[Wrapped, ...] = WRAPPED,
+                    stand_ins: bool = True):
+    """Every call of the ``wrapped`` kernels checked against its preconditions and counted
+    in ``log``, the quantisers' calls recorded (what :func:`checked_products` compares with);
+    ``stand_ins``: the CPU's stand-ins run where the CPU lacks the kernel (False on a GPU, real
+    or fake, where the kernel itself runs)."""
+    ck = _kitchen_or_none()
+    patches = []
+    try:
+        for spec in wrapped:
+            if spec.module == "comfy_kitchen" and ck is None:
+                continue
+            module = importlib.import_module(spec.module)
+            original = getattr(module, spec.attribute)
+            patches.append((module, spec.attribute, original))
+            setattr(module, spec.attribute, _wrapper(spec, original, log, stand_ins))
+        yield log
+    finally:
+        for obj, name, value in reversed(patches):
+            setattr(obj, name, value)
 
 
 def _kitchen_or_none():
@@ -210,28 +230,40 @@ def _kitchen_or_none():
 
 
 @contextlib.contextmanager
-def checked_products(log: Optional[KernelLog] = None):
+def checked_products(log: Optional[KernelLog] = None, compare: bool = True):
     """Every layer's low-precision product checked against its definition (see the module
-    doc), on whatever device computes: inside :func:`capable_gpu` on the CPU, alone on a GPU
-    (bench/gpu_checks.py's lowp section). Yields the :class:`KernelLog` counting them."""
+    doc), on whatever device computes: inside :func:`capable_gpu` on the CPU, inside
+    :func:`checked_kernels` on a GPU (bench/gpu_checks.py's lowp section: the quantiser's calls
+    are what the definition starts from). ``compare=False`` (fake tensors: no values) builds
+    the definition all the same (its shapes, dtypes and devices, from the quantiser's recorded
+    call) without comparing values. Yields the :class:`KernelLog` counting them."""
     from seedvr2.loading import packed_layers
 
     log = log if log is not None else KernelLog(Platform("(this device)"))
     original = packed_layers.low_precision_linear
-    packed_layers.low_precision_linear = _checked_product(original, log)
+    packed_layers.low_precision_linear = _checked_product(original, log, compare)
     try:
         yield log
     finally:
         packed_layers.low_precision_linear = original
 
 
-def _checked_product(original, log: KernelLog):
+def _checked_product(original, log: KernelLog, compare: bool = True):
     from seedvr2.loading.packed import scheme_of
 
     def product(x, weight, bias):
         log.quantised.clear()
         out = original(x, weight, bias)
         path = scheme_of(weight.scheme).product.path
+        if not compare:
+            reference = _reference(path, x, weight, bias, log.quantised)[0]
+            if reference.shape != out.shape:
+                raise KernelCheckFailed(f"the {path} product of a {tuple(weight.shape)} layer "
+                                        f"has shape {tuple(out.shape)}, its definition "
+                                        f"{tuple(reference.shape)}")
+            log.products[path] += 1
+            log.layers[id(weight.parts[next(iter(weight.parts))])] = path
+            return out
         reference, bound = _definition(path, x, weight, bias, log.quantised)
         error = (out.float() - reference).abs().max().item() if out.numel() else 0.0
         # A definition that overflows float32 (a weight of extreme magnitude) has no digits to
@@ -251,16 +283,23 @@ def _definition(path: str, x, weight, bias, quantised) -> tuple[torch.Tensor, fl
     product's difference from it: the float32 sums (at most K terms, 4 standard deviations of
     their rounding, u·√K·Σ|x_k w_k|) and the roundings of the output to its dtype (one, and a
     second where a bias is added after it, as the eager backend does)."""
+    reference, x_deq, w = _reference(path, x, weight, bias, quantised)
+    magnitude = (x_deq.abs() @ w.abs().t()).max().item() if x_deq.numel() else 0.0
+    u32, u_out = torch.finfo(torch.float32).eps / 2, torch.finfo(x.dtype).eps / 2
+    roundings = 1 if bias is None else 2
+    bound = 4 * math.sqrt(x_deq.shape[1]) * u32 * magnitude + \
+        roundings * u_out * reference.abs().max().item() + 1e-30
+    return reference, bound
+
+
+def _reference(path: str, x, weight, bias, quantised):
+    """(``dequant(quant(x)) @ dequant(W).T + bias`` in float32 shaped as the product's
+    output, the dequantised activations, the dequantised weight)."""
     x2d = x.reshape(-1, x.shape[-1])
     x_deq = _activations(path, x2d, weight, quantised)
     w = weight.dequantize(torch.float32)
     reference = torch.nn.functional.linear(x_deq, w, None if bias is None else bias.float())
-    magnitude = (x_deq.abs() @ w.abs().t()).max().item() if x_deq.numel() else 0.0
-    u32, u_out = torch.finfo(torch.float32).eps / 2, torch.finfo(x.dtype).eps / 2
-    roundings = 1 if bias is None else 2
-    bound = 4 * math.sqrt(x2d.shape[1]) * u32 * magnitude + \
-        roundings * u_out * reference.abs().max().item() + 1e-30
-    return reference.reshape(*x.shape[:-1], w.shape[0]), bound
+    return reference.reshape(*x.shape[:-1], w.shape[0]), x_deq, w
 
 
 def _activations(path, x2d, weight, quantised) -> torch.Tensor:
@@ -292,11 +331,11 @@ def _int8_activations(x2d, weight) -> torch.Tensor:
     x = x2d
     group = int(weight.params.get("group_size", 0))
     if weight.scheme == "int8_convrot":
-        h = regular_hadamard(group, dtype=x.dtype)
+        h = regular_hadamard(group, dtype=x.dtype, device=x.device)
         x = (x.reshape(-1, x.shape[1] // group, group) @ h).reshape(x.shape)
     codes, scale = quantize_int8_rowwise(x)
     deq = codes.float() * scale.float()
     if weight.scheme == "int8_convrot":
-        h = regular_hadamard(group)
+        h = regular_hadamard(group, device=deq.device)
         deq = (deq.reshape(-1, deq.shape[1] // group, group) @ h).reshape(deq.shape)
     return deq

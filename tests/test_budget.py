@@ -430,6 +430,43 @@ def test_prepare_job_checks_cuda_devices_up_front(tiny_options, monkeypatch, cap
         prepare_job(models, opts, 40, (64, 96))
 
 
+@pytest.mark.parametrize("report", [float("nan"), float("inf"), -float("inf"), -2 ** 40, -1])
+def test_a_free_memory_report_that_is_no_size_is_unknown(tiny_options, monkeypatch, caplog,
+                                                         report):
+    """Issue 44 §2.9: a report of NaN or infinity was taken as plenty (NaN even slipped under
+    max_vram), a negative one printed "-1048576 MiB available" or "-0 MiB". Such a report is
+    unknown, and the log says so: the job runs unchecked, or within max_vram when one is set."""
+    from seedvr2.api import load_models, prepare_job
+    from seedvr2.pipeline.runner import JobStats
+
+    opts = resolve_options(device="cpu", dtype="fp32", resolution=32, batch_size=9,
+                           temporal_overlap=1, fit="strict")
+    models = load_models(tiny_options["dit"], tiny_options["vae"], opts=opts,
+                         model_dir=tiny_options["model_dir"])
+    stats = JobStats()
+    prepare_job(models, opts, 13, (32, 42), stats)
+    need = stats.estimated_bytes["cpu"]
+    monkeypatch.setattr(mem, "host_available", lambda: report)
+    with caplog.at_level("WARNING", logger="seedvr2"):
+        assert prepare_job(models, opts, 13, (32, 42)).batch_size == 9
+    assert (f"the host's RAM reported {report!r} bytes free, which is no size: treated as "
+            f"unknown (the memory budget is not checked against it; max_vram still caps the "
+            f"job)") in caplog.text
+    capped = opts.replace(max_vram=(need - mem.MIB) / GIB)
+    with pytest.raises(BudgetError, match=r"^not enough memory on cpu for 42x32 frames at "
+                       r"batch_size=9: .* but \d+ MiB is available\. Settings that would fit: "):
+        prepare_job(models, capped, 13, (32, 42))
+    # The host-RAM checks of offloaded weights and exact tiles: unknown, so not checked.
+    mem.check_host_copy(GIB, report, "dit_offload_device")
+    assert mem.check_exact_tiling(models.vae.config, 9, 32, 42, 4, None, None, report) > 0
+    # The same on a CUDA device (its driver's report faked).
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (report, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
+    assert mem.device_available(torch.device("cuda", 0)) is None
+    assert f"cuda:0 reported {report!r} bytes free, which is no size" in caplog.text
+
+
 class _DynamicVram:
     """A stand-in for ComfyUI under dynamic VRAM on cuda:0: its idle models stay resident, so
     the device shows little free memory until ``make_room`` asks for some (ComfyUI's

@@ -140,7 +140,7 @@ def test_cancel_within_tiles(job, monkeypatch):
         return real_call(decoder, *args, **kwargs)
     monkeypatch.setattr(type(models.vae.decoder), "__call__", slow_tile)
     height, width = (-(-n // 16) * 16 // 8 for n in runner_module.output_size(24, 32, opts))
-    count = len(tiling.tile_starts(height, 8, 4)) * len(tiling.tile_starts(width, 8, 4))
+    count = len(tiling.tile_layout(height, 8, 4)[0]) * len(tiling.tile_layout(width, 8, 4)[0])
     _run_until_interrupted(models, opts, frames, flag)
     assert len(flagged_at_start) < count
     # The flag may be set between the check and the tile's start: then that tile runs.

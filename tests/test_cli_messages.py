@@ -157,6 +157,7 @@ def test_unusable_output_is_reported_before_models_load(tiny_options, image, tmp
 def test_plain_progress_writes_one_line_per_phase_run():
     stream = io.StringIO()
     progress = _PlainProgress(stream)
+    progress.start, progress.clock = 0.0, lambda: 30.0  # every line 30 s into the job
     # Two chunks of two batches each, as the pipeline reports them; frames after each decode.
     for chunk in (1, 2):
         for phase in ("encode", "dit", "decode"):
@@ -166,8 +167,8 @@ def test_plain_progress_writes_one_line_per_phase_run():
                     progress("frames", 9 * done // 4, 9)
     progress.close()
     assert stream.getvalue().splitlines() == [
-        "VAE encode: 2/4 batches", "DiT: 2/4 batches", "VAE decode: 2/4 batches",
-        "VAE encode: 4/4 batches", "DiT: 4/4 batches", "VAE decode: 4/4 batches",
+        "VAE encode: 2/4 batches, about 30 s left", "DiT: 2/4 batches, about 30 s left",
+        "VAE decode: 2/4 batches, about 30 s left", "VAE encode: 4/4 batches", "DiT: 4/4 batches", "VAE decode: 4/4 batches",
         "frames: 9/9 frames"]
 
 

@@ -265,8 +265,8 @@ def test_amd_gpus_are_gated_on_the_platform_before_the_capability(hip, capabilit
 
 
 @pytest.mark.parametrize("torch_cuda, disabled, backend", [
-    ("12.8", True, "eager backend (torch ops): torch is built for CUDA 12.8"),
-    (None, True, "eager backend (torch ops): torch is built without CUDA"),
+    ("12.8", True, "eager backend: torch is built for CUDA 12.8"),
+    (None, True, "eager backend: torch is built without CUDA"),
     ("13.0", False, "backend"),
 ])
 def test_kitchens_cuda_kernels_need_torch_built_for_cuda_13(torch_cuda, disabled, backend, ck,
@@ -281,6 +281,25 @@ def test_kitchens_cuda_kernels_need_torch_built_for_cuda_13(torch_cuda, disabled
             assert kernels.kitchen() is ck
         assert ("cuda" in ck.registry._disabled) == disabled
         assert any(backend in r.getMessage() for r in caplog.records), caplog.text
+    finally:
+        ck.registry._disabled.clear()
+        ck.registry._disabled.update(before)
+        kernels._configure_kitchen.cache_clear()
+
+
+def test_the_log_names_the_backend_that_computes(ck, monkeypatch, caplog):
+    """Where kitchen's CUDA kernels are disabled (torch for CUDA 12.8) but its triton backend
+    loaded, triton computes (it comes before eager in the registry's order): the log says so."""
+    before = set(ck.registry._disabled)
+    status = {name: dict(info) for name, info in ck.list_backends().items()}
+    status["triton"]["available"] = True
+    monkeypatch.setattr(ck, "list_backends", lambda: status)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    kernels._configure_kitchen.cache_clear()
+    try:
+        with caplog.at_level("INFO", "seedvr2"):
+            kernels.kitchen()
+        assert "computed by its triton backend: torch is built for CUDA 12.8" in caplog.text
     finally:
         ck.registry._disabled.clear()
         ck.registry._disabled.update(before)

@@ -32,6 +32,7 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -150,3 +151,107 @@ def test_pointwise_vae_convolutions_do_not_depend_on_the_thread_count():
     assert torch.equal(one, two) and torch.equal(up_one, up_two)
     reference = F.conv3d(x.double(), shortcut.weight.double(), shortcut.bias.double()).float()
     assert (one - reference).abs().max() <= rounding_bound(reference, terms=256)
+
+
+# Pointwise functions: PyTorch's CPU kernels for SiLU, sigmoid, GELU and powers compute most
+# elements with vector code and the end of each thread's share with scalar code, which rounds
+# differently; where the shares meet depends on the thread count (issue 44). models.pointwise
+# gives the same bits on either path: a strided input, which takes the scalar path for every
+# element, gives the same values as a contiguous one, so no split of the work can change them.
+
+@pytest.mark.parametrize("torch_threads", [1, 2], indirect=True)
+def test_pointwise_functions_give_the_same_bits_on_the_vector_and_scalar_paths(torch_threads):
+    import torch
+    import torch.nn.functional as F
+
+    from seedvr2.models.pointwise import gelu_tanh, power, sigmoid, silu
+
+    x = torch.randn(100_003, generator=torch.Generator().manual_seed(0)) * 4
+    wide = torch.empty(2 * len(x))
+    wide[::2] = x
+    strided = wide[::2]
+    assert torch.equal(x, strided) and not F.silu(x).equal(F.silu(strided))  # torch's own differ
+    functions = dict(silu=silu, silu_in_place=lambda v: silu(v.clone(), inplace=True),
+                     sigmoid=sigmoid, gelu_tanh=gelu_tanh,
+                     **{f"power {p:.3g}": lambda v, p=p: power(v.abs(), p) for p in (2.4, 1 / 3)})
+    for name, fn in functions.items():
+        assert torch.equal(fn(x), fn(strided)), name
+    assert torch.equal(silu(x), silu(x.clone(), inplace=True))
+
+
+def test_lab_colour_correction_does_not_depend_on_the_thread_count():
+    """Its sRGB and CIELAB transfer curves are powers (found by 1 vs 2 threads: 47 values of
+    these frames differed)."""
+    import torch
+
+    from seedvr2.pipeline.color import color_correct
+
+    g = torch.Generator().manual_seed(0)
+    content = torch.rand(5, 3, 50, 66, generator=g) * 2 - 1
+    style = (content + 0.1 * torch.randn(content.shape, generator=g)).clamp(-1, 1)
+    results = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(color_correct(content, style, "lab"))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(*results)
+
+
+def test_one_process_and_two_ranks_give_identical_frames_with_default_threads(tiny_options,
+                                                                             tmp_path):
+    """The CLI on a scene-cut clip: one process on the machine's default thread count (2 on
+    2 cores) and two gloo ranks of 1 thread each write the same PNG frames (issue 44). Lab
+    colour correction and an output of 50 x 66 put the threads' shares mid-vector."""
+    import av
+
+    from seedvr2.io import open_media
+    from test_scene_cuts import cut_clip
+
+    (tmp_path / "in").mkdir()
+    for i, frame in enumerate(cut_clip()[:13]):  # a cut at frame 7
+        av.VideoFrame.from_ndarray(frame, format="rgb24").to_image().save(
+            tmp_path / "in" / f"{i:03d}.png")
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")}
+    frames = []
+    for name, devices in (("one", ["--device", "cpu"]), ("two", ["--devices", "cpu,cpu"])):
+        done = subprocess.run(
+            [sys.executable, "-m", "seedvr2", "upscale", str(tmp_path / "in" / "%03d.png"),
+             "-o", f"{tmp_path / name}/", "--quiet", "--dit", tiny_options["dit"], "--vae",
+             tiny_options["vae"], "--model-dir", str(tiny_options["model_dir"]),
+             "--text-embeddings", str(tiny_options["model_dir"] / "text_64.safetensors"),
+             "--dtype", "fp32", "--resolution", "50", "--batch-size", "5",
+             "--color-correction", "lab", "--dist-timeout", "30", *devices],
+            capture_output=True, text=True, cwd=REPO, timeout=300,
+            env=dict(env, GLOO_SOCKET_IFNAME="lo"))
+        assert done.returncode == 0, done.stderr[-3000:]
+        with open_media(f"{tmp_path / name}/%05d.png") as media:
+            frames.append(np.stack(list(media.frames())))
+    one, two = frames
+    assert one.shape == (13, 50, 66, 3)
+    differ = np.argwhere((one != two).reshape(len(one), -1).any(1)).ravel().tolist()
+    assert differ == [], f"frames {differ} differ ({int((one != two).sum())} values)"
+
+
+def test_frames_do_not_depend_on_the_thread_count(tiny_options):
+    """One process on 1 and on 3 threads (3 shares split the tiny VAE's 16 and 32 channels
+    mid-vector): the same frames, bit for bit. Before models.pointwise, 81,641 values
+    differed, 4 of 13 frames by one 8-bit level."""
+    import torch
+
+    import seedvr2
+    from test_scene_cuts import cut_clip
+
+    frames = torch.from_numpy(cut_clip()[:13])
+    results = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            results.append(seedvr2.upscale(frames, **tiny_options, resolution=50, batch_size=5,
+                                           color_correction="lab", seed=3))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(*results)

@@ -40,7 +40,7 @@ def _need(tiny_options, batch: int) -> int:
     dit, dit_cfg = Weights.from_file(tiny_options["dit"], "dit", torch.float32)
     vae, vae_cfg = Weights.from_file(tiny_options["vae"], "vae", torch.float32)
     opts = resolve_options(device="cpu", dtype="fp32", resolution=32, batch_size=batch,
-                           temporal_overlap=1)
+                           temporal_overlap=min(1, batch - 1))
     job = batch_shape(opts, SIZE, batch, torch.float32, mem.TEXT_TOKENS, {"cpu"})
     budget = Budget(dit_cfg, vae_cfg, dit, vae)
     return mem.estimate(budget, job, Placement("cpu", "cpu")).peak("cpu")

@@ -71,3 +71,16 @@ def test_json_rows_and_calibrated_ratio():
                 row["int8_cache"]) == ("3b", 720, 5, "tiled", "off")
         assert 0 < row["weights_bytes"] < row["trace_bytes"]
         assert 1.0 <= row["estimate_bytes"] / row["trace_bytes"] <= 1.3, row
+
+
+@pytest.mark.parametrize("value, problem", [
+    ("0", "must be at least 1"), ("100001", "must be at most 1001"),
+    ("8", "must be 4n+1 (1, 5, 9, 13, 17, 21, ...); nearest valid values: 5 or 9")])
+def test_batch_size_is_refused_as_the_option_table_refuses_it(value, problem, capsys):
+    """Issue 44 §2.8: 100001 passed the 4n+1 test and ended in a traceback; the bench reads
+    --batch-size with the option table's bounds and rule, in argparse's one line."""
+    with pytest.raises(SystemExit) as refused:
+        memory_trace.main(["--batch-size", value])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"error: --batch-size {value}: {problem}")

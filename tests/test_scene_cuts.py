@@ -20,7 +20,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 H, W = 48, 64
 CUTS = (7, 13, 22)  # mid-batch for batches of 5 (and of 9)
-SHORT_SHOTS = 4  # min_scene_length the clip's shots need (the default, 15, would merge them)
+SHORT_SHOTS = 4  # a min_scene_length the clip's shots pass (15 would merge them)
 
 
 def pattern(seed: int, shift: float = 0.0) -> np.ndarray:
@@ -72,10 +72,10 @@ def _faded(frames, gains):
     return [(f.astype(float) * g).round().astype(np.uint8) for f, g in zip(frames, gains)]
 
 
-def _auto_cuts(frames) -> tuple:
-    """The cuts scene_cuts=auto finds with the default options (min_scene_length 15)."""
-    return cuts.resolve_scene_cuts(resolve_options(), len(frames), lambda: iter(frames)) \
-        .scene_cuts
+def _auto_cuts(frames, **options) -> tuple:
+    """The cuts scene_cuts=auto finds with the default options and ``options``."""
+    return cuts.resolve_scene_cuts(resolve_options(**options), len(frames),
+                                   lambda: iter(frames)).scene_cuts
 
 
 def test_a_flash_is_no_cut():
@@ -83,17 +83,41 @@ def test_a_flash_is_no_cut():
     to the shot; cutting there split the shot where nothing changed (issue 33)."""
     shot = [pattern(1, shift=i) for i in range(40)]
     white = shot[:20] + [flat((255, 255, 255))] + shot[21:]
-    assert cuts.detect_cuts(white) == (20, 21)  # each change alone looks like a cut ...
+    features = [cuts.frame_features(f) for f in white[19:22]]
+    assert cuts.is_cut(*features[:2]) and cuts.is_cut(*features[1:])  # each alone a cut ...
     assert _auto_cuts(white) == ()  # ... together they are a flash
     bright = shot[:20] + [np.clip(f.astype(int) + 150, 0, 255).astype(np.uint8)
                           for f in shot[20:22]] + shot[22:]
     assert _auto_cuts(bright) == ()
-    # Two frames of another shot, then a third shot: no return, so a cut; the two-frame
-    # shot is shorter than min_scene_length and joins the third.
+    assert _auto_cuts(white, min_scene_length=15) == ()
+    # Two frames of another shot, then a third shot: no return, so both are cuts (issue 44);
+    # a min_scene_length the user gives joins the two-frame shot to the third.
     other = shot[:20] + [pattern(2, shift=i) for i in range(2)] + [pattern(8, shift=i)
                                                                   for i in range(18)]
-    assert cuts.detect_cuts(other) == (20, 22)
-    assert _auto_cuts(other) == (20,)
+    assert cuts.detect_cuts(other) == _auto_cuts(other) == (20, 22)
+    assert _auto_cuts(other, min_scene_length=15) == (20,)
+    # A cut-away that returns to the shot it left: a flash up to FLASH_FRAMES long, a shot
+    # of its own when longer.
+    for length, found in ((cuts.FLASH_FRAMES, ()), (cuts.FLASH_FRAMES + 1, (20, 27))):
+        away = shot[:20] + [pattern(2, shift=i) for i in range(length)] + shot[20 + length:]
+        assert _auto_cuts(away[:27 + 8]) == found, length
+
+
+def test_short_shots_are_cut_by_default(tmp_path, capsys):
+    """Issue 44: min_scene_length 15 (the old default) cut a clip of 8-frame shots only at 16,
+    and a 12-frame image sequence with a cut at 6 not at all: batches mixed two shots."""
+    import av
+
+    from seedvr2.cli import main
+
+    shots = [[pattern(seed, shift=i) for i in range(8)] for seed in (1, 2, 3)]
+    assert _auto_cuts(sum(shots, [])) == (8, 16)
+    assert _auto_cuts(sum(shots, []), min_scene_length=15) == (16,)  # as the user asks
+    for i, frame in enumerate(shots[0][:6] + shots[1][:6]):
+        av.VideoFrame.from_ndarray(frame, format="rgb24").to_image().save(
+            tmp_path / f"{i:03d}.png")
+    assert main(["upscale", str(tmp_path / "%03d.png"), "--dry-plan", "--batch-size", "5"]) == 0
+    assert "12 frames, 1 scene cut: 6, 4 batches" in capsys.readouterr().out
 
 
 def test_a_fade_is_no_cut_and_a_fade_into_another_shot_cuts_where_it_appears():

@@ -20,6 +20,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
@@ -31,7 +33,7 @@ from seedvr2.memory.tiling import (
     encode,
     encode_posterior,
     settings_from_options,
-    tile_starts,
+    tile_layout,
 )
 from seedvr2.models import build_vae
 from seedvr2.models.vae import VideoAutoencoder
@@ -134,19 +136,32 @@ def test_bad_shapes_are_rejected_like_the_plain_call(tiny_vae):
 # -- tile layout ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("length, tile, overlap, expected", [
-    (5, 8, 2, [0]),                  # smaller than a tile: one tile [0, 5)
-    (8, 8, 2, [0]),                  # exactly one tile
-    (14, 8, 2, [0, 6]),              # tiles fit exactly
-    (15, 8, 2, [0, 6, 7]),           # last tile shifted back inside
-    (25, 8, 6, [0, 2, 4, 6, 8, 10, 12, 14, 16, 17]),  # overlap > tile / 2
-    (17, 4, 0, [0, 4, 8, 12, 13]),   # no overlap
+    (5, 8, 2, ([0], 5)),                 # smaller than a tile: one tile [0, 5)
+    (8, 8, 2, ([0], 8)),                 # exactly one tile
+    (14, 8, 2, ([0, 6], 8)),             # tiles fit exactly
+    (15, 8, 2, ([0, 4, 8], 7)),          # three tiles of 7, not 8 with the last shifted back
+    (25, 8, 6, ([0, 1, 3, 5, 7, 9, 11, 13, 15, 17], 8)),  # overlap > tile / 2
+    (17, 4, 0, ([0, 3, 6, 9, 13], 4)),   # no overlap: 3 or 4 apart
+    (136, 64, 8, ([0, 42, 85], 51)),     # 1080p in latents, 512-px tiles, 64-px overlap
+    (240, 64, 8, ([0, 46, 92, 138, 185], 55)),  # 1920 px
 ])
-def test_tile_starts(length, tile, overlap, expected):
-    starts = tile_starts(length, tile, overlap)
-    assert starts == expected
-    size = min(tile, length)
-    assert starts[0] == 0 and starts[-1] + size == length  # covers exactly, no padding
-    assert all(b - a == tile - overlap for a, b in zip(starts[:-2], starts[1:-1]))
+def test_tile_layout(length, tile, overlap, expected):
+    assert tile_layout(length, tile, overlap) == expected
+
+
+@settings(max_examples=300)
+@given(length=st.integers(1, 400), tile=st.integers(1, 80), overlap=st.integers(0, 79))
+def test_tile_layout_covers_evenly_with_the_least_work(length, tile, overlap):
+    """Tiles cover [0, length) exactly, neighbours share at least the overlap, no tile is
+    larger than asked, and no layout of as few tiles could be smaller (the work a frame
+    costs), nor could fewer tiles do."""
+    assume(overlap < tile)
+    starts, size = tile_layout(length, tile, overlap)
+    n = len(starts)
+    assert size <= tile and starts[0] == 0 and starts[-1] + size == length
+    assert all(0 < b - a <= size - overlap for a, b in zip(starts, starts[1:]))
+    assert n == 1 or (n - 1) * (tile - overlap) + overlap < length  # n - 1 tiles cannot
+    assert n == 1 or (size - 1) * n - (n - 1) * overlap < length  # nor n smaller ones
 
 
 # -- fast mode: the machinery, exact with a local VAE -----------------------------------------

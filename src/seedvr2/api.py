@@ -19,6 +19,7 @@ from .errors import InputError, UsageError
 from .faults import Faults
 from .options import OptionError, Options, option_ref, option_value, resolve_options
 from .pipeline.plan import make_plan
+from .pipeline.work import log_work
 from .pipeline.preview import FramePreview, Show
 from .pipeline.runner import JobStats, Upscaler, input_frames, output_size
 from .io.files import frame_count, open_output
@@ -107,6 +108,7 @@ def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Pr
     upscaler = job.ready_upscaler(len(frames), size, progress=progress,
                                   should_stop=should_stop, stats=stats)
     plan = make_plan(len(frames), upscaler.opts)
+    log_work(upscaler.models, plan, upscaler.opts, size)
     return torch.cat([out for _, out in upscaler.run(iter(frames), plan, job.preview)])
 
 
@@ -213,6 +215,7 @@ def _one_process_file_job(reader, output, job: Job, report: tuple) -> Path:
         job = job.resolved()
         models, opts = job.prepare(count, output.size, stats)
         plan = make_plan(count, opts)
+        log_work(models, plan, opts, output.size)
         identity = job_identity(opts, source_digest(reader), job.models)
     except BaseException:
         writer.abort()

@@ -223,10 +223,15 @@ def _unit(phase: str) -> str:
 
 class _PlainProgress:
     """One line per phase: written when a phase has finished its run of batches (the pipeline
-    runs encode, DiT and decode in turn per chunk), and once when every frame is out."""
+    runs encode, DiT and decode in turn per chunk), and once when every frame is out. Once a
+    batch is done, a line says the time left at the speed measured since the start."""
 
     def __init__(self, stream):
+        import time
+
+        self.clock = time.monotonic
         self.stream, self.pending = stream, None  # pending: the phase running, not yet written
+        self.start = self.clock()
 
     def __call__(self, phase: str, done: int, total: int):
         if phase == "frames":  # interleaved with decode; only the end is worth a line
@@ -244,9 +249,10 @@ class _PlainProgress:
 
     def _line(self, phase: str, done: int, total: int):
         self.pending = None
+        left = (self.clock() - self.start) / done * (total - done) if 0 < done < total else 0
         print(f"{_Bars.LABELS.get(phase, phase)}: {done}/{total} {_unit(phase)}"
-              f"{'es' if _unit(phase) == 'batch' and total != 1 else 's' if total != 1 else ''}",
-              file=self.stream, flush=True)
+              f"{'es' if _unit(phase) == 'batch' and total != 1 else 's' if total != 1 else ''}"
+              f"{f', about {left:.0f} s left' if left else ''}", file=self.stream, flush=True)
 
 
 def _summary(path: Path, stats, seconds: float) -> str:
@@ -321,19 +327,22 @@ def _upscale(args) -> int:
     try:
         with _sigterm_unwinds(), _warnings_as_messages():
             if args.dry_plan:
-                return _dry_plan(opts, jobs)
+                return _dry_plan(opts, jobs, args.dit)
             return _upscale_jobs(args, opts, jobs)
     finally:
         if made_folder is not None:  # every input failed: leave no empty folder behind
             _remove_empty_folders(out_dir, made_folder)
 
 
-def _dry_plan(opts, jobs: list) -> int:
+def _dry_plan(opts, jobs: list, dit) -> int:
+    from .loading.registry import DEFAULT_DIT, KNOWN_FILES
     from .pipeline.cuts import describe_file_plan
 
+    known = KNOWN_FILES.get(Path(dit or DEFAULT_DIT).name)
+    family = known.family if known is not None else "7b" if "7b" in str(dit).lower() else "3b"
     for source, _ in jobs:
         try:
-            _say(describe_file_plan(source, opts))
+            _say(describe_file_plan(source, opts, family))
         except (ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
@@ -514,7 +523,7 @@ def _add_upscale_flags(parser: argparse.ArgumentParser):
                        ".mkv); .webm outputs are always VP9")
     files.add_argument("--overwrite", action="store_true", help="replace an existing output")
     files.add_argument("--dry-plan", action="store_true",
-                       help="print the scene cuts and batches; load no model")
+                       help="print the scene cuts, batches, work and time estimate; load no model")
     models = groups["models"]
     models.description = MODEL_FILES_HELP.format(dit=DEFAULT_DIT, vae=DEFAULT_VAE)
     models.add_argument("--dit", metavar="FILE", help="DiT: registered file name (looked up in "

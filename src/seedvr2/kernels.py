@@ -121,13 +121,21 @@ def _configure_kitchen(torch_cuda) -> None:
         ck.disable_backend("cuda")
         built = "without CUDA" if torch_cuda is None else \
             f"for CUDA {'.'.join(map(str, torch_cuda))}"
-        log.info("comfy-kitchen: low-precision products computed by its eager backend (torch "
-                 "ops): torch is built %s, and its CUDA kernels need CUDA 13 or newer (ComfyUI "
-                 "disables them likewise)", built)
+        log.info("comfy-kitchen: low-precision products computed by its %s backend: torch is "
+                 "built %s, and its CUDA kernels need CUDA 13 or newer (ComfyUI disables them "
+                 "likewise)", kitchen_backend(ck), built)
     else:
-        available = ck.list_backends().get("cuda", {}).get("available")
         log.info("comfy-kitchen: low-precision products computed by its %s backend",
-                 "CUDA" if available else "eager")
+                 kitchen_backend(ck))
+
+
+def kitchen_backend(ck) -> str:
+    """The backend comfy-kitchen's registry picks first: the first of its priority order
+    (cuda, triton, eager) that loaded here and is not disabled."""
+    status = ck.list_backends()
+    order = getattr(ck.registry, "_priority", ("cuda", "triton", "eager"))
+    return next((name for name in order if status.get(name, {}).get("available")
+                 and not status[name].get("disabled")), "eager")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,6 +272,13 @@ def _same_k(args):
     return f"a is {list(a.shape)} and b {list(b.shape)}: their K differ"
 
 
+def _has_values(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds values to compare (meta and fake tensors have shapes only)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type != "meta" and not is_fake(t)
+
+
 def _nvfp4_alpha(args):
     alpha = _tensor(args, "alpha")
     sa, sb = _tensor(args, "tensor_scale_a"), _tensor(args, "tensor_scale_b")
@@ -271,7 +286,7 @@ def _nvfp4_alpha(args):
         return "alpha is not given"
     if alpha.dtype != torch.float32 or alpha.numel() != 1:
         return f"alpha is {alpha.dtype} of {alpha.numel()} values, not one float32"
-    if sa is not None and sb is not None and alpha.device.type != "meta" and \
+    if sa is not None and sb is not None and _has_values(alpha) and \
             not torch.allclose((sa.float() * sb.float()).reshape(()), alpha.reshape(()).float(),
                                rtol=0, atol=0, equal_nan=True):
         return "alpha is not tensor_scale_a * tensor_scale_b (the eager backend ignores alpha)"

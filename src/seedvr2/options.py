@@ -357,10 +357,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     # Added after the first release: last, so saved workflows' widget values keep their places.
     Option("scene_cuts", str, "auto", "scene cuts no batch spans: auto (detected), off, or "
            "the frames that begin new shots, e.g. 120,348", parse=parse_scene_cuts),
-    Option("min_scene_length", int, 15, "shortest shot {scene_cuts} auto makes, in frames "
-           "(PySceneDetect's min_scene_len): a cut closer than this to the previous one or to "
-           "the start is not made, and a flash (frames that return to the shot before them "
-           "within this length) is no cut", min=1, max=1_000_000),
+    Option("min_scene_length", int, 1, "shortest shot {scene_cuts} auto makes, in frames "
+           "(PySceneDetect's min_scene_len; 1: every cut): a closer cut is not made. Frames "
+           "that return to the shot before them within 6 frames (or this) are a flash, no cut",
+           min=1, max=1_000_000),
     Option("fit", str, "auto", "a job that will not fit: auto applies the cheapest change "
            "that does and says so; strict stops, naming it", choices=("auto", "strict")),
     Option("max_vram", float, 0.0, "GiB a job may plan to use per compute device; 0 = all free",

@@ -10,6 +10,7 @@ docs/memory.md, "How the estimate is made".
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass, field, replace
@@ -25,7 +26,7 @@ from ..models.vae_blocks import SPLIT_ELEMENTS
 from ..options import option_ref
 from .blockswap import BlockSwap
 from .placement import named_tensors
-from .tiling import TileSettings
+from .tiling import TILE_MULTIPLE, TileSettings, tile_layout
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -40,6 +41,8 @@ AUTO_MIN_BATCH = 5  # auto keeps temporal context: never fewer frames per batch 
 # frames) a batch gains no longer windows, so 'auto' stops there.
 AUTO_MAX_BATCH = 4 * 29 + 1
 TEXT_TOKENS = 58  # rows of the released positive text embedding (pos_emb.pt)
+
+log = logging.getLogger("seedvr2")
 
 # Top-level DiT modules that BlockSwap's swap_io_components moves.
 _DIT_IO = BlockSwap.INPUT_MODULES + BlockSwap.OUTPUT_MODULES
@@ -412,6 +415,15 @@ def _causal_cache_bytes(cfg: VAEConfig, height: int, width: int, b: int,
     return total + in_flight
 
 
+def _laid_tile(pixels: int, tiles: TileSettings) -> int:
+    """The edge of the tiles laid along ``pixels`` (``tiling.tile_layout``: the fewest tiles
+    of the smallest equal size; exact tiles are cut on a grid of ``tile_size``)."""
+    if getattr(tiles, "exact", False):
+        return tiles.tile_size
+    m = TILE_MULTIPLE
+    return tile_layout(pixels // m, tiles.tile_size // m, tiles.tile_overlap // m)[1] * m
+
+
 def _vae_phase(cfg: VAEConfig, shape: BatchShape, decode: bool) -> int:
     """Activations of one VAE phase on a batch: the encoder/decoder's peak on one piece (a
     tile with its context, a temporal slice) plus the frame buffers held meanwhile."""
@@ -421,7 +433,7 @@ def _vae_phase(cfg: VAEConfig, shape: BatchShape, decode: bool) -> int:
     tiles = shape.decode_tiles if decode else shape.encode_tiles
     temporal = shape.decode_slice if decode else shape.encode_slice
     context = getattr(tiles, "context", 0)  # pixels computed around a tile and discarded
-    th, tw = (min(tiles.tile_size + 2 * context, hp), min(tiles.tile_size + 2 * context, wp)) \
+    th, tw = (min(_laid_tile(n, tiles) + 2 * context, n) for n in (hp, wp)) \
         if tiles.enabled else (hp, wp)
     piece = min(frames, 1 + temporal) if temporal else frames
     cache = _causal_cache_bytes(cfg, th, tw, b, shape.vae_int8_cache) if piece < frames else 0
@@ -818,6 +830,7 @@ def check_exact_tiling(cfg: VAEConfig, shape: BatchShape, available: Optional[in
     """Raise :class:`BudgetError` when the exact tiling mode's planes would not fit the host's
     available RAM (``None``: unknown, no check); returns the estimate."""
     need = exact_tiling_host_bytes(cfg, shape, stages)
+    available = known_size(available, "the host's RAM")
     if available is None or need <= 0.9 * available:
         return need
     sliced = exact_tiling_host_bytes(cfg, replace(shape, encode_slice=4, decode_slice=4), stages)
@@ -842,6 +855,7 @@ def check_host_copy(nbytes: int, available: Optional[int], setting: str):
     Offloaded weights are pinned on CUDA machines: pinned pages can never be swapped out, so
     over-committing them stalls the whole machine instead of failing cleanly.
     """
+    available = known_size(available, "the host's RAM")
     if available is None or nbytes <= HOST_COPY_SHARE * available:
         return
     raise BudgetError(f"{option_ref(setting, 'cpu')} keeps a copy of the model's weights in "
@@ -878,16 +892,29 @@ def host_rss() -> Optional[int]:
         return None
 
 
+def known_size(reported, source: str) -> Optional[int]:
+    """A report of free memory as bytes, or None (unknown) when it is no size: NaN, infinite
+    or negative (a broken driver or host report), said in the log; never taken as plenty."""
+    if reported is None or (isinstance(reported, (int, float)) and math.isfinite(reported)
+                            and reported >= 0):
+        return None if reported is None else int(reported)
+    log.warning("%s reported %r bytes free, which is no size: treated as unknown (the memory "
+                "budget is not checked against it; max_vram still caps the job)", source, reported)
+    return None
+
+
 def device_available(device: torch.device, own_bytes: int = 0) -> Optional[int]:
     """Bytes a job can use on ``device``: free memory, plus memory PyTorch has cached but not
     allocated, plus ``own_bytes`` (our models' tensors already there, which the estimate
     counts as part of the job). For the CPU (and other non-CUDA devices) host RAM."""
     device = torch.device(device)
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return free + cached + own_bytes
-    ram = host_available()
+        free = known_size(torch.cuda.mem_get_info(device)[0], str(device))
+        # Cached blocks split by smaller tensors cannot take one large tensor: not free.
+        stranded = torch.cuda.memory_stats(device).get("inactive_split_bytes.all.current", 0)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) - stranded
+        return None if free is None else free + cached + own_bytes
+    ram = known_size(host_available(), "the host's RAM")
     return None if ram is None else ram + own_bytes
 
 
@@ -897,4 +924,4 @@ __all__ = ["Budget", "BudgetError", "Estimate", "BatchShape", "Fit", "PhaseNeed"
            "check_host_copy",
            "device_available", "dit_activation_bytes", "estimate", "failing_phases", "fits",
            "host_available",
-           "host_rss", "shortfalls", "vae_decode_bytes", "vae_encode_bytes"]
+           "host_rss", "known_size", "shortfalls", "vae_decode_bytes", "vae_encode_bytes"]

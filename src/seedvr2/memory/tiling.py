@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from ..options import OptionError
 from ..errors import InputError, UsageError
+from ..models.pointwise import silu
 from ..models.vae import LOGVAR_MAX, LOGVAR_MIN, Decoder, Encoder, VideoAutoencoder
 from ..models.vae_blocks import (
     ATTENTION_SCORE_BUDGET,
@@ -135,15 +136,16 @@ def _chunks(count: int, first: int, rest: int) -> List[Tuple[int, int]]:
     return bounds
 
 
-def tile_starts(length: int, tile: int, overlap: int) -> List[int]:
-    """First index of each tile covering ``[0, length)`` with tiles of ``tile`` advancing by
-    ``tile - overlap``; the last tile is shifted back to end exactly at ``length`` (no padding
-    beyond the image). A length up to one tile is a single tile ``[0, length)``."""
+def tile_layout(length: int, tile: int, overlap: int) -> Tuple[List[int], int]:
+    """``(starts, size)``: the fewest tiles of at most ``tile`` covering ``[0, length)`` with
+    neighbours sharing at least ``overlap``, all of one ``size`` (the smallest that does it)
+    and spread evenly from 0 to ``length - size``: no tile overhangs the frame or repeats more
+    of it than the overlap needs. A length up to one tile is a single tile ``[0, length)``."""
     if length <= tile:
-        return [0]
-    stride = tile - overlap
-    count = -(-(length - tile) // stride) + 1
-    return [min(i * stride, length - tile) for i in range(count)]
+        return [0], length
+    count = -(-(length - overlap) // (tile - overlap))
+    size = -(-(length + (count - 1) * overlap) // count)
+    return [(length - size) * i // (count - 1) for i in range(count)], size
 
 
 # == exact mode: frame-wide planes, tile-wise layers ==========================================
@@ -246,7 +248,7 @@ class _ExactRun:
             x = self._fetch(src.data[..., r0:r1, c0:c1])
             if norm is None:
                 return x
-            return F.silu(norm(x, cache=_FixedStats(src.stats)), inplace=True)
+            return silu(norm(x, cache=_FixedStats(src.stats)), inplace=True)
         return produce
 
     # -- layers -----------------------------------------------------------------------------
@@ -470,17 +472,16 @@ def _axis_spans(length: int, tile: int, overlap: int, scale: int,
                 dtype: torch.dtype, device: torch.device) -> List[_Span]:
     """Tiles along one axis of ``length`` latents and their weights in output units
     (``scale`` output samples per latent: 1 for encoded latents, 8 for decoded pixels)."""
-    starts = tile_starts(length, tile, overlap)
-    size = min(tile, length)
+    starts, size = tile_layout(length, tile, overlap)
     if len(starts) == 1:
         return [_Span(0, length, None)]
     n = size * scale
     raw = []
     for k, start in enumerate(starts):
         w = torch.ones(n, dtype=torch.float64)
-        # Fade over the *actual* overlap with each neighbour: equal to ``overlap`` between
-        # regular tiles, larger before the shifted last tile; both sides then fade over the
-        # same samples and the blend stays a smooth partition of unity.
+        # Fade over the *actual* overlap with each neighbour (at least ``overlap``, more where
+        # the even spread rounds): both sides then fade over the same samples and the blend
+        # stays a smooth partition of unity.
         if k > 0:
             fade_in = (starts[k - 1] + size - start) * scale
             if fade_in > 0:
@@ -643,5 +644,5 @@ def decode(vae: VideoAutoencoder, latent: Tensor, tiles: TileSettings,
     return _in_pieces(vae, latent, tiles, temporal_chunk, between, encoding=False)
 
 
-__all__ = ["TileSettings", "encode_posterior", "encode", "decode", "tile_starts",
+__all__ = ["TileSettings", "encode_posterior", "encode", "decode", "tile_layout",
            "settings_from_options"]

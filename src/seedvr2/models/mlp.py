@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from .pointwise import gelu_tanh, silu
 
 
 class SwiGLU(nn.Module):
@@ -15,7 +16,7 @@ class SwiGLU(nn.Module):
         self.proj_out = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj_out(F.silu(self.proj_in_gate(x)) * self.proj_in(x))
+        return self.proj_out(silu(self.proj_in_gate(x)) * self.proj_in(x))
 
 
 class GeluMLP(nn.Module):
@@ -25,4 +26,4 @@ class GeluMLP(nn.Module):
         self.proj_out = nn.Linear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj_out(F.gelu(self.proj_in(x), approximate="tanh"))
+        return self.proj_out(gelu_tanh(self.proj_in(x)))

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from ..errors import InputError
 from . import vae_paths
+from .pointwise import silu
 from .vae_paths import TODAY, PackedTail, VaePaths, copy_tail
 
 _int3 = Union[int, Tuple[int, int, int]]
@@ -513,7 +514,7 @@ def norm_act_conv(norm: FrameGroupNorm, conv: CausalConv3d, x: Tensor,
     before conv_out); the residual is added band by band (fused into fp16_conv3d)."""
     buf, body = conv.input_buffer(x, x.shape, cache)
     if _records_graph(x, norm.weight, norm.bias):
-        body.copy_(F.silu(norm(x, cache=cache)))
+        body.copy_(silu(norm(x, cache=cache)))
     else:
         norm_silu_into(norm, x, body, cache, conv.paths)
     return conv.forward_padded(buf, cache, residual)
@@ -525,7 +526,7 @@ def norm_silu_into(norm: FrameGroupNorm, x: Tensor, out: Tensor,
     input) comfy-kitchen's ``group_norm_silu_pad3d`` with the norm's own statistics, in place
     one frame at a time; else the norm into ``out`` and SiLU in place (inference only)."""
     if not (paths.fused_norm and x.dtype in vae_paths.HALF):
-        F.silu(norm(x, out=out, cache=cache), inplace=True)
+        silu(norm(x, out=out, cache=cache), inplace=True)
         return
     mean, var = norm.statistics(x, cache)
     stats = vae_paths.kitchen_stats(mean, var, norm.eps)

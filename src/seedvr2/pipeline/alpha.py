@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import InputError
+from ..models.pointwise import sigmoid
 
 GUIDED_EPS = 3e-4
 MAX_RADIUS = 8
@@ -60,7 +61,7 @@ def _sharpen(x: Tensor) -> Tensor:
     half = SHARPEN_GAIN / 2.0
     low = 1.0 / (1.0 + math.exp(half))
     high = 1.0 / (1.0 + math.exp(-half))
-    return torch.sigmoid((x - 0.5) * SHARPEN_GAIN).sub_(low).div_(high - low)
+    return sigmoid((x - 0.5) * SHARPEN_GAIN).sub_(low).div_(high - low)
 
 
 def _is_hard_matte(alpha: Tensor) -> bool:

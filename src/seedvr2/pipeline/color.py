@@ -80,6 +80,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import InputError
+from ..models.pointwise import power, sigmoid
 from ..options import COLOR_CORRECTIONS, OptionError
 
 COLOR_METHODS = COLOR_CORRECTIONS  # defined once, with the other options
@@ -245,13 +246,13 @@ def adain(content: Tensor, style: Tensor) -> Tensor:
 def _rgb_to_lab(rgb11: Tensor) -> Tensor:
     """(N, 3, H, W) sRGB in [-1, 1] (clamped to [0, 1] first) -> CIELAB, L in [0, 100]."""
     rgb = _to_unit(rgb11)
-    linear = torch.where(rgb > 0.04045, ((rgb + 0.055) / 1.055).pow_(2.4), rgb / 12.92)
+    linear = torch.where(rgb > 0.04045, power((rgb + 0.055) / 1.055, 2.4), rgb / 12.92)
     del rgb
     matrix = torch.tensor(_RGB_TO_XYZ, dtype=linear.dtype, device=linear.device)
     matrix = matrix / torch.tensor(_WHITE_D65, dtype=linear.dtype, device=linear.device)[:, None]
     xyz = torch.einsum("ij,njhw->nihw", matrix, linear)
     del linear
-    f = torch.where(xyz > _LAB_EPS ** 3, xyz.pow(1.0 / 3.0),
+    f = torch.where(xyz > _LAB_EPS ** 3, power(xyz, 1.0 / 3.0),
                     xyz * (_LAB_KAPPA / 116.0) + 16.0 / 116.0)
     del xyz
     fx, fy, fz = f.unbind(1)
@@ -270,8 +271,8 @@ def _lab_to_rgb(lab: Tensor) -> Tensor:
     matrix = matrix * torch.tensor(_WHITE_D65, dtype=lab.dtype, device=lab.device)[None, :]
     linear = torch.einsum("ij,njhw->nihw", matrix, xyz)
     del xyz
-    rgb = torch.where(linear > 0.0031308, linear.clamp(min=0.0).pow(1.0 / 2.4) * 1.055 - 0.055,
-                      linear * 12.92)
+    rgb = torch.where(linear > 0.0031308,
+                      power(linear.clamp(min=0.0), 1.0 / 2.4) * 1.055 - 0.055, linear * 12.92)
     return rgb.clamp_(0.0, 1.0).mul_(2.0).sub_(1.0)
 
 
@@ -414,7 +415,7 @@ def wavelet_adaptive(content: Tensor, style: Tensor) -> Tensor:
     if not bool(still_over.any()):
         return base.to(dtype)
     excess = _saturation(content).sub_(style_sat).sub_(ADAPTIVE_THRESHOLD)
-    weight = torch.sigmoid(excess.mul_(ADAPTIVE_SHARPNESS))
+    weight = sigmoid(excess.mul_(ADAPTIVE_SHARPNESS))
     del style_sat
     weight.mul_(still_over)
     del still_over

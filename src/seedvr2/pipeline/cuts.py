@@ -26,9 +26,12 @@ single frame changes enough), are not found; give those cuts by hand (``scene_cu
 Over the stream (:func:`detect_cuts`): a faint frame (grey deviation under :data:`FADE_STD`)
 next to a flat one is a fade to or from black, not a cut; the first frame with structure after
 flat ones is a cut when its structure differs from the last one before them (a fade through
-black into another shot). No shot is shorter than ``min_scene_length`` (PySceneDetect's
-``min_scene_len``): a cut too close to the previous one is dropped, and when its frame returns
-to the shot before that previous cut, that cut goes too (a flash, two changes that cancel).
+black into another shot). A **flash** is two changes that cancel: when the frame after a cut
+within :data:`FLASH_FRAMES` (or ``min_scene_length``) of the previous one returns to the shot
+before that previous cut, neither is a cut. A short shot whose content does not return is cut
+on both sides (trailers and music videos cut every few frames). ``min_scene_length``
+(PySceneDetect's ``min_scene_len``, 1 by default: no cut is hidden) makes no shot shorter: a
+cut closer than that to the previous one is dropped.
 
 The thresholds were chosen on the clips of tests/test_scene_cuts.py (small frames of smooth
 random patterns, each shot its own palette, and flat colours) and the suite's test clip:
@@ -63,6 +66,7 @@ FLAT_STD = 0.01  # grey standard deviation (0..1 scale) under which a small fram
 FADE_STD = 0.025
 DARK = 0.05  # mean grey under which a flat frame is black: its hue is noise
 MIN_FLAT_HUE_DISTANCE = 0.05  # two flat frames: L1 distance of their mean chromaticities
+FLASH_FRAMES = 6  # longest flash: a camera flash or lightning lasts 1-4 frames
 _BINS = 4  # histogram bins per channel
 _LUMA = np.array([0.299, 0.587, 0.114], np.float32)
 
@@ -158,19 +162,20 @@ class _Detection:
             self.last_structured is not None and _new_structure(self.last_structured, features)
 
     def _add(self, index: int, previous: FrameFeatures, features: FrameFeatures) -> None:
-        last = self.cuts[-1] if self.cuts else (0, None)
-        if index - last[0] >= self.min_length:
-            self.cuts.append((index, previous))
-        elif last[1] is not None and not is_cut(last[1], features):
+        last, before_last = self.cuts[-1] if self.cuts else (0, None)
+        if index - last <= max(FLASH_FRAMES, self.min_length - 1) and \
+                before_last is not None and not is_cut(before_last, features):
             self.cuts.pop()  # a flash: a short excursion back to the shot before it
+        elif index - last >= self.min_length:
+            self.cuts.append((index, previous))
         # else: a shot shorter than min_length; the cut before it stands
 
 
 def detect_cuts(frames: Iterable, min_length: int = 1) -> tuple[int, ...]:
-    """The cuts of a stream of frames, in one pass keeping a few frames' features. No shot
-    is shorter than ``min_length`` frames (the first included): a cut closer than that to the
-    one before it is dropped, and when the frames there return to the shot before that cut
-    (a flash), that cut is dropped too."""
+    """The cuts of a stream of frames, in one pass keeping a few frames' features. A flash
+    (the frames return to the shot before the previous cut, within :data:`FLASH_FRAMES` or
+    ``min_length``) is no cut; no shot is shorter than ``min_length`` frames (the first
+    included): a cut closer than that to the one before it is dropped."""
     detection = _Detection(min_length, [])
     for index, frame in enumerate(frames):
         detection.see(index, frame_features(frame, index))
@@ -230,12 +235,18 @@ def describe_plan(plan) -> str:
     return "\n".join(lines)
 
 
-def describe_file_plan(src, opts: Options) -> str:
+def describe_file_plan(src, opts: Options, family: str = "3b") -> str:
     """What ``seedvr2 upscale --dry-plan`` prints for one input: its scene cuts (resolved as a
-    job would) and batches, without loading a model."""
+    job would) and batches, then the job's work for the ``family`` DiT (3b, 7b) and its time
+    on the device that would run it, without loading a model."""
     from ..io import open_media
-    from .plan import make_plan
     from ..io.files import frame_count
+    from ..memory.device_choice import resolve_device, resolve_dtype
+    from ..models import build_on_meta
+    from ..models.config import dit_config, vae_config
+    from .plan import make_plan
+    from .runner import output_size
+    from .work import job_work
 
     if opts.batch_size == "auto":
         raise OptionError(f"{option_value('batch_size', 'auto')} is chosen from the free memory "
@@ -243,4 +254,9 @@ def describe_file_plan(src, opts: Options) -> str:
     with open_media(src) as reader:
         count = frame_count(reader)
         plan = make_plan(count, resolve_scene_cuts(opts, count, reader.frames))
-    return f"{src}: {describe_plan(plan)}"
+        size = output_size(reader.info.height, reader.info.width, opts)
+    device = resolve_device(opts.device)
+    dtype = resolve_dtype(opts.dtype, device)
+    work = job_work(build_on_meta("dit", dit_config(family)), vae_config("vae"), plan, opts,
+                    size, dtype)
+    return f"{src}: {describe_plan(plan)}\nwork: {work.describe(str(device), dtype)}"

@@ -702,7 +702,7 @@ def _check_frames_fit(size: Optional[tuple], opts: Options) -> None:
     will hold in RAM, and refuse (:class:`~seedvr2.memory.budget.BudgetError`, naming the way
     out) when that is more than the host has available. ``size``: the host's ``video_size``
     (None: not known without decoding, said in the log)."""
-    from ..memory.budget import BudgetError, gib, host_available
+    from ..memory.budget import BudgetError, gib, host_available, known_size
     from ..pipeline.runner import output_size
 
     if size is None:
@@ -713,7 +713,7 @@ def _check_frames_fit(size: Optional[tuple], opts: Options) -> None:
     out_height, out_width = output_size(height, width, opts)
     taken = 0 if in_memory else frames * height * width * 3 * FLOAT_BYTES
     need = taken + frames * out_height * out_width * 3 * FLOAT_BYTES
-    available = host_available()
+    available = known_size(host_available(), "the host's RAM")
     log.info("the VIDEO is upscaled in memory: %d frames of %dx%d %s and %s upscaled to "
              "%dx%d: %s of RAM (%s available)", frames, width, height,
              "already in RAM" if in_memory else f"taken into RAM ({gib(taken)})",
