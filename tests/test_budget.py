@@ -458,7 +458,7 @@ def test_a_free_memory_report_that_is_no_size_is_unknown(tiny_options, monkeypat
         prepare_job(models, capped, 13, (32, 42))
     # The host-RAM checks of offloaded weights and exact tiles: unknown, so not checked.
     mem.check_host_copy(GIB, report, "dit_offload_device")
-    assert mem.check_exact_tiling(models.vae.config, 9, 32, 42, 4, None, None, report) > 0
+    assert mem.check_exact_tiling(models.vae.config, BatchShape(32, 42, 9, 4), report) > 0
     # The same on a CUDA device (its driver's report faked).
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (report, 80 * GIB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
