@@ -214,8 +214,7 @@ def _job_holds(tiny_options, needs, monkeypatch, capfd, caplog, drawn, clip, rep
         logged = caplog.text + capfd.readouterr().err
         assert not BAD_SIZE.search(logged), BAD_SIZE.search(logged).group(0) + "\n" + logged
         if devices:
-            final = dict(_meant(given), batch_size=spy.ranks_batch,
-                         **_rank_changes(logged))
+            final = {**_meant(given), "batch_size": spy.ranks_batch, **_rank_changes(logged)}
         else:
             assert len(spy.final) >= 1
             final = dict(spy.final[-1].values)

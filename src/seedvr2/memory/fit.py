@@ -140,7 +140,8 @@ def fit_options(memory: JobMemory, opts: Options, frame_count: int, size: tuple[
     job runs it), so a fit keeps the batch size."""
     place = memory.devices.placement(opts)
     known = capped(known, memory.devices.compute, opts.max_vram)
-    if opts.batch_size == "auto":
+    auto = opts.batch_size == "auto"
+    if auto:
         opts = opts.replace(batch_size=_auto_batch(memory, opts, frame_count, size, known))
     batch = memory.shape(opts, size, opts.batch_size)
     exact = tuple(stage for stage, tiles in (("encode", batch.encode_tiles),
@@ -151,7 +152,8 @@ def fit_options(memory: JobMemory, opts: Options, frame_count: int, size: tuple[
     floor = min(mem.smallest_batch(opts.temporal_overlap), opts.batch_size)
     opts, batch, place = _fitted(memory.budget, batch, place, known, opts,
                                  opts.batch_size if fixed_batch else floor)
-    return opts, _checked_estimate(memory.budget, batch, place, known, floor)
+    said = f"{option_ref('batch_size', 'auto')} ({batch.batch_size} frames)" if auto else None
+    return opts, _checked_estimate(memory.budget, batch, place, known, floor, said)
 
 
 def _auto_batch(memory: JobMemory, opts: Options, frame_count: int, size: tuple[int, int],
@@ -217,11 +219,11 @@ def _ask_for_room(make_room: MakeRoom, est: mem.Estimate, own: Mapping[str, int]
 
 
 def _checked_estimate(budget: mem.Budget, batch: mem.BatchShape, place: mem.Placement,
-                      known: dict, lowest: int) -> mem.Estimate:
+                      known: dict, lowest: int, batch_text: Optional[str]) -> mem.Estimate:
     """The estimate, checked against the memory available (``known``); the refusal suggests
-    no batch below ``lowest``."""
+    no batch below ``lowest`` and names the batch as the caller gave it (``batch_text``)."""
     try:
-        est = mem.check(budget, batch, place, known, min_batch=lowest)
+        est = mem.check(budget, batch, place, known, min_batch=lowest, batch_text=batch_text)
     except mem.BudgetError as e:
         if os.environ.get(MEMORY_CHECK_ENV, "").strip().lower() != "warn":
             raise mem.BudgetError(f"{e} (to try anyway, set {MEMORY_CHECK_ENV}=warn)") from None
