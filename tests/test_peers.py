@@ -140,6 +140,8 @@ def test_every_group_of_a_job_has_its_dist_timeout(monkeypatch):
     made = []
     monkeypatch.setattr(sequence.dist, "get_world_size", lambda group=None: 4)
     monkeypatch.setattr(sequence.dist, "get_rank", lambda group=None: 3)
+    # a gloo world: NCCL groups wait longer than any forward (test_distributed checks that)
+    monkeypatch.setattr(sequence.dist, "get_backend", lambda group=None: "gloo")
     monkeypatch.setattr(sequence.dist, "new_group",
                         lambda ranks=None, **kwargs: made.append((ranks, kwargs)) or len(made))
     monkeypatch.setattr(peers.dist.distributed_c10d, "_get_default_store", MemoryStore)

@@ -264,9 +264,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "that come with this package) or a path to .safetensors/.pt with 'pos'"),
     Option("device", str, "auto", "compute device: auto (cuda if available, else cpu), cpu, "
            "cuda, cuda:N", check=_device_problem),
-    Option("dtype", str, "auto", "compute precision: auto (bf16 on GPUs with native bf16: "
-           "compute capability 8.0 or newer, AMD MI100/RDNA3 or newer; else fp16; fp32 on "
-           "CPU), fp32, fp16, bf16", choices=DTYPE_NAMES),
+    Option("dtype", str, "auto", "compute precision: auto (bf16 on GPUs with it: NVIDIA "
+           "8.0+, AMD MI100/RDNA3+; else fp16; fp32 on CPU), fp32, fp16, bf16",
+           choices=DTYPE_NAMES),
     # How quantised weights multiply (the paths, their GPUs and bounds): seedvr2.loading.lowp
     # and docs/memory.md.
     Option("compute_precision", str, "auto", "auto: int8/fp8/fp4 matmuls on GPUs with them "
@@ -358,8 +358,8 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("scene_cuts", str, "auto", "scene cuts no batch spans: auto (detected), off, or "
            "the frames that begin new shots, e.g. 120,348", parse=parse_scene_cuts),
     Option("min_scene_length", int, 1, "shortest shot {scene_cuts} auto makes, in frames "
-           "(PySceneDetect's min_scene_len; 1: every cut): a closer cut is not made. Frames "
-           "that return to the shot before them within 6 frames (or this) are a flash, no cut",
+           "(1: every cut): a closer cut is not made. Frames that return to the shot before "
+           "them within 6 frames (or this) are a flash, no cut",
            min=1, max=1_000_000),
     Option("fit", str, "auto", "a job that will not fit: auto applies the cheapest change "
            "that does and says so; strict stops, naming it", choices=("auto", "strict")),
