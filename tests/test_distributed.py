@@ -363,7 +363,8 @@ def _recorded_groups(monkeypatch, backend: str, dist_timeout: float):
     import torch
     import torch.distributed as dist
 
-    from seedvr2.distributed import groups, job
+    from seedvr2.distributed import groups
+    from seedvr2.distributed import rank_work as job
 
     made = []
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
