@@ -97,10 +97,16 @@ def kitchen_cuda_backend_allowed(torch_cuda: Optional[tuple[int, ...]]) -> bool:
 def kitchen_cuda_missing() -> Optional[str]:
     """Why comfy-kitchen's CUDA backend does not compute in this process (its compiled kernels
     did not load, or it is disabled), or None when it does."""
-    backend = kitchen().list_backends().get("cuda", {})
-    if backend.get("available") and not backend.get("disabled"):
+    status = kitchen().list_backends()
+    if _computes(status, "cuda"):
         return None
-    return backend.get("unavailable_reason") or "disabled"
+    return status.get("cuda", {}).get("unavailable_reason") or "disabled"
+
+
+def _computes(status: Mapping[str, Any], backend: str) -> bool:
+    """Whether comfy-kitchen's ``list_backends()`` says ``backend`` loaded and is enabled."""
+    entry = status.get(backend, {})
+    return bool(entry.get("available")) and not entry.get("disabled")
 
 
 def kitchen():
@@ -134,8 +140,7 @@ def kitchen_backend(ck) -> str:
     (cuda, triton, eager) that loaded here and is not disabled."""
     status = ck.list_backends()
     order = getattr(ck.registry, "_priority", ("cuda", "triton", "eager"))
-    return next((name for name in order if status.get(name, {}).get("available")
-                 and not status[name].get("disabled")), "eager")
+    return next((name for name in order if _computes(status, name)), "eager")
 
 
 # ---------------------------------------------------------------------------------------------
