@@ -193,17 +193,32 @@ def _outside_view(state) -> list:
 
 
 def test_templates_list_only_the_editor_examples_each_loading_with_its_thumbnail(browser):
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
 
-    def open_templates():
-        browser.execute_script(
-            "window.app.extensionManager.command.execute('Comfy.BrowseTemplates')")
-        deadline = time.monotonic() + 30
-        while True:
-            cards = browser.find_elements(By.CSS_SELECTOR, "[data-testid^='template-workflow-']")
-            if len(cards) >= len(NAMES) or time.monotonic() > deadline:
-                return cards
-            time.sleep(0.5)
+    def open_templates(name=None):
+        """The template cards, once the dialog lists every example (or the one named).
+
+        The dialog is opened afresh each time; if it does not show the cards (it can still be
+        closing from the last pick), it is closed and opened again."""
+        for _ in range(3):
+            _close_dialogs(browser)
+            browser.execute_script(
+                "window.app.extensionManager.command.execute('Comfy.BrowseTemplates')")
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                cards = browser.find_elements(
+                    By.CSS_SELECTOR, "[data-testid^='template-workflow-']")
+                try:
+                    ids = [c.get_attribute("data-testid") for c in cards]
+                except StaleElementReferenceException:  # the old dialog's, being removed
+                    continue
+                if (name is None and len(cards) >= len(NAMES)) or \
+                        f"template-workflow-{name}" in ids:
+                    return cards
+                time.sleep(0.5)
+        _screenshot(browser, f"templates_missing_{name}")
+        return cards
 
     try:
         _check_templates(browser, open_templates)
@@ -230,8 +245,9 @@ def _check_templates(browser, open_templates):
     assert {t[0] for t in thumbs} == {f"template-workflow-{n}" for n in NAMES}
     # Each one opens as the workflow it is (an API-format file opens an empty canvas).
     for name in NAMES:
-        card = next(c for c in open_templates()
-                    if c.get_attribute("data-testid") == f"template-workflow-{name}")
+        cards = {c.get_attribute("data-testid"): c for c in open_templates(name)}
+        card = cards.get(f"template-workflow-{name}")
+        assert card is not None, (name, sorted(cards))
         card.click()
         deadline = time.monotonic() + 30
         expected = sorted(n["type"] for n in _workflow(name)["nodes"])
