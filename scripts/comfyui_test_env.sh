@@ -27,6 +27,10 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 FRONTEND_VERSION="1.58.1"
+# The suite runs test files in parallel processes: one installer at a time, the others wait and
+# then find it installed.
+exec 9>"$ROOT/.comfyui-test.lock"
+flock 9
 
 if [ "${1:-}" = "frontend" ]; then
   source "$ROOT/scripts/env.sh"
