@@ -3,19 +3,16 @@ replace while they are made and read (a piece at a time, no float32 copy of a wh
 parked tail's fetch overlaps the conv before it (a side stream, waited for before use), and
 the budget counts the cache in every mode.
 
-The stream order is checked on a minimal recording stand-in of ``torch.cuda``'s streams and
-events over fake CUDA tensors (:class:`RecordedStreams`); tests/fake_cuda.py (issue 42 §1)
-is the shared one."""
+The stream order is checked on the shared fake ``cuda:0`` (tests/fake_cuda.py), whose log
+holds every copy, stream and event call in issue order."""
 
 from __future__ import annotations
 
-import contextlib
 import sys
 
 import pytest
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from seedvr2.memory import budget as mem
 from seedvr2.models import vae_paths
@@ -24,6 +21,7 @@ from seedvr2.models.vae_blocks import CausalCache, CausalConv3d
 from seedvr2.models.vae_paths import INT8_CACHE_BYTES, PackedTail, VaePaths
 
 from conftest import REPO
+from fake_cuda import Op, fake_cuda
 
 sys.path.insert(0, str(REPO / "bench"))
 
@@ -84,65 +82,14 @@ def test_a_packed_tail_is_unpacked_straight_into_the_buffer_head(small_pieces, m
 
 # -- the prefetch's stream order --------------------------------------------------------------
 
-class RecordedStreams:
-    """``torch.cuda``'s streams and events as far as the causal cache uses them, each call
-    appended to :attr:`log` as ``(what, stream, detail)`` in issue order; copies to the
-    device from a parked tail log the stream current at the time."""
+class LoggedArena:
+    """A parked tail's host memory (``placement.tail_parking``'s arena): real host bytes, so
+    the fake GPU logs each copy out of it on the stream current at the time."""
 
-    def __init__(self):
-        self.log: list[tuple[str, str, str]] = []
-        self.compute = self.current = RecordedStream(self, "compute")
-        self._events = 0
-
-    @contextlib.contextmanager
-    def installed(self, monkeypatch):
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current)
-        monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: RecordedStream(self, "side"))
-        monkeypatch.setattr(torch.cuda, "Event", lambda: RecordedEvent(self))
-        monkeypatch.setattr(torch.cuda, "stream", self._stream)
-        monkeypatch.setattr(torch.Tensor, "record_stream",
-                            lambda tensor, stream: self.log.append(("record_stream", stream.name,
-                                                                    str(tensor.device))))
-        yield self
-
-    @contextlib.contextmanager
-    def _stream(self, stream):
-        before, self.current = self.current, stream
-        try:
-            yield
-        finally:
-            self.current = before
-
-
-class RecordedStream:
-    def __init__(self, streams: RecordedStreams, name: str):
-        self.streams, self.name = streams, name
-
-    def wait_stream(self, other):
-        self.streams.log.append(("wait_stream", self.name, other.name))
-
-    def wait_event(self, event):
-        self.streams.log.append(("wait_event", self.name, event.name))
-
-
-class RecordedEvent:
-    def __init__(self, streams: RecordedStreams):
-        streams._events += 1
-        self.streams, self.name = streams, f"event{streams._events}"
-
-    def record(self, stream=None):
-        stream = stream or self.streams.current
-        self.streams.log.append(("record", stream.name, self.name))
-
-
-class RecordedArena:
-    """A parked tail's host memory (``placement.tail_parking``'s arena), its copies logged."""
-
-    def __init__(self, streams: RecordedStreams, n: int):
-        self.streams, self.views = streams, [torch.empty(n, dtype=torch.int8)]
+    def __init__(self, n: int):
+        self.views = [torch.empty(n, dtype=torch.int8)]
 
     def copy_into(self, index: int, out: torch.Tensor):
-        self.streams.log.append(("copy to device", self.streams.current.name, str(out.device)))
         out.copy_(self.views[index], non_blocking=True)
 
 
@@ -152,35 +99,43 @@ class Layer(nn.Module):
         self.register_buffer("weight", torch.empty(1, device="cuda:0"))
 
 
-def test_a_parked_tail_is_fetched_on_a_side_stream_while_the_conv_before_it_runs(monkeypatch):
+STREAM_ORDER = ("conv", "copy", "record", "wait_event", "wait_stream", "record_stream")
+
+
+def test_a_parked_tail_is_fetched_on_a_side_stream_while_the_conv_before_it_runs():
     """The next parked tail's copy is issued on a side stream (after the compute stream's
     work so far: its packing), before the current conv; the compute stream waits for its
     event before reading it, and the codes are recorded on the compute stream (made on the
     side stream, freed after this use). Before, the copy was issued on the compute stream:
     it ran after the conv it was meant to overlap."""
-    streams = RecordedStreams()
-    with FakeTensorMode(allow_non_fake_inputs=True), streams.installed(monkeypatch):
+    with fake_cuda() as gpu:
         layers = [Layer() for _ in range(3)]
         cache = CausalCache(paths=VaePaths(int8_cache_bytes=1, cache_offload=True),
-                            park=lambda n: RecordedArena(streams, n))
+                            park=LoggedArena)
         tails = [torch.empty(1, 4, 2, 8, 8, dtype=F16, device="cuda:0") for _ in layers]
         for layer, tail in zip(layers, tails):  # chunk 1: each conv keeps its tail
             cache.set_tail(layer, tail)
-        assert streams.log == []
+        start = len(gpu.log)
         for layer, tail in zip(layers, tails):  # chunk 2: each conv reads, then keeps
             assert cache.tail(layer).codes.device == torch.device("cuda:0")
-            streams.log.append(("conv", streams.current.name, ""))
+            gpu.log.append(Op("conv", gpu.current.name, ""))
             cache.set_tail(layer, tail)
+    log = [(op.kind, op.stream, op.detail.split(" ")[0])
+           for op in gpu.log[start:] if op.kind in STREAM_ORDER]
+    side = next(stream for kind, stream, _ in log if stream != "default")
+    events = iter(detail for kind, _, detail in log if kind == "record")
+
     def ahead(event):  # the next tail's copy, issued on the side stream
-        return [("wait_stream", "side", "compute"), ("copy to device", "side", "cuda:0"),
-                ("record", "side", event)]
+        return [("wait_stream", side, "default"), ("copy", side, "cpu->cuda:0"),
+                ("record", side, event)]
 
     def read(event):  # the compute stream's use of a tail fetched ahead
-        return [("wait_event", "compute", event), ("record_stream", "compute", "cuda:0")]
-    conv = [("conv", "compute", "")]
-    first = [("copy to device", "compute", "cuda:0")]  # nothing was ahead of it
-    assert streams.log == [*first, *ahead("event1"), *conv, *read("event1"), *ahead("event2"),
-                           *conv, *read("event2"), *conv]
+        return [("wait_event", "default", event), ("record_stream", "default", "512")]
+    # each conv, then its new tail parked on the host (codes and scales)
+    conv = [("conv", "default", ""), *[("copy", "default", "cuda->cpu")] * 2]
+    first = [("copy", "default", "cpu->cuda:0")]  # nothing was ahead of it
+    one, two = next(events), next(events)
+    assert log == [*first, *ahead(one), *conv, *read(one), *ahead(two), *conv, *read(two), *conv]
 
 
 # -- the budget ---------------------------------------------------------------------------
