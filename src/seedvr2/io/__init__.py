@@ -10,11 +10,12 @@ from ._common import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, MediaError, MediaInfo, 
 from .audio import encode_audio
 from .reader import (AnimationReader, ImageReader, MediaReader, SequenceReader, VideoReader,
                      open_media)
-from .writer import ImageWriter, MediaWriter, SequenceWriter, VideoWriter, open_writer
+from .writer import (ImageWriter, MediaWriter, OutputSpec, SequenceWriter, VideoWriter,
+                     open_writer)
 
 __all__ = [
     "IMAGE_EXTENSIONS", "VIDEO_EXTENSIONS", "MediaError", "MediaInfo", "encode_audio",
-    "open_media", "open_writer", "refuse_hdr",
+    "open_media", "open_writer", "OutputSpec", "refuse_hdr",
     "MediaReader", "VideoReader", "ImageReader", "AnimationReader", "SequenceReader",
     "MediaWriter", "VideoWriter", "ImageWriter", "SequenceWriter",
 ]

@@ -236,9 +236,9 @@ def as_fraction(fps) -> Fraction:
     return rate
 
 
-def check_frame(frame: np.ndarray, *, width: int, height: int, channels: int, bit_depth: int,
-                where: str) -> np.ndarray:
-    """Validate one frame handed to a writer and return it as (H, W, C).
+def check_frame(frame: np.ndarray, layout, where: str) -> np.ndarray:
+    """Validate one frame handed to a writer (of ``layout``'s width, height, channels and bit
+    depth) and return it as (H, W, C).
 
     A wrong size or dtype is a pipeline bug; saying so here is kinder than a garbled file.
     A 2-D array is accepted for 1-channel frames.
@@ -247,10 +247,11 @@ def check_frame(frame: np.ndarray, *, width: int, height: int, channels: int, bi
         raise MediaError(f"{where}: frames must be numpy arrays, got {type(frame).__name__}")
     if frame.ndim == 2:
         frame = frame[:, :, None]
-    expected_dtype = np.uint16 if bit_depth == 16 else np.uint8
-    if frame.shape != (height, width, channels) or frame.dtype != expected_dtype:
+    expected_dtype = np.uint16 if layout.bit_depth == 16 else np.uint8
+    shape = (layout.height, layout.width, layout.channels)
+    if frame.shape != shape or frame.dtype != expected_dtype:
         raise MediaError(
-            f"{where}: expected a frame of shape ({height}, {width}, {channels}) "
+            f"{where}: expected a frame of shape {shape} "
             f"{np.dtype(expected_dtype).name}, got {frame.shape} {frame.dtype}")
     return frame
 

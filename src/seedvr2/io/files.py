@@ -12,7 +12,7 @@ from typing import Any
 
 from ..options import option_value, parse_fps
 from ._common import IMAGE_EXTENSIONS, PRINTF, MediaError, printf_pattern
-from .writer import open_writer
+from .writer import OutputSpec, open_writer
 
 VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv")
 
@@ -94,15 +94,9 @@ def refuse_input_as_output(inputs, dst) -> None:
                              f"{'folder' if folder_output else 'name'}")
 
 
-
-
 def frame_count(reader) -> int:
     info = reader.info
     return info.frame_count if info.frame_count_exact else reader.count_frames()
-
-
-
-
 
 
 def open_output(info, dst, size: tuple[int, int], bit_depth: int, codec: str, overwrite: bool,
@@ -116,5 +110,6 @@ def open_output(info, dst, size: tuple[int, int], bit_depth: int, codec: str, ov
                       f"its own rate ({float(info.fps):.6g} fps), so its sound stays in sync",
                       stacklevel=2)
         rate = None
-    return open_writer(dst, like=info, width=size[1], height=size[0], bit_depth=bit_depth,
-                       codec=codec, fps=rate, audio_from=info, overwrite=overwrite)
+    spec = OutputSpec(width=size[1], height=size[0], bit_depth=bit_depth, codec=codec, fps=rate,
+                      audio_from=info)
+    return open_writer(dst, spec, like=info, overwrite=overwrite)
