@@ -464,14 +464,13 @@ def test_pattern_input_default_output_and_fps(tiny_options, tmp_path, capsys):
 
 def test_fps_does_not_retime_a_video(tmp_path):
     """A video keeps its own rate (its sound would drift otherwise); --fps says it is ignored."""
-    from seedvr2.io.files import open_output
+    from seedvr2.io.files import FileOutput
 
     src = tmp_path / "clip.mp4"
     _write_video(src, [Fraction(i, 10) for i in range(3)])
     with open_media(src) as reader:
         with pytest.warns(UserWarning, match="fps = '24' ignored.*keeps its own rate"):
-            writer = open_output(reader.info, tmp_path / "out.mp4", (24, 32), 8, "h264",
-                                 False, "24")
+            writer = FileOutput(tmp_path / "out.mp4", (24, 32), 8, fps="24").open(reader.info)
         assert writer.fps == 10
         writer.abort()
 

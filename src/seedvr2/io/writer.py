@@ -23,7 +23,7 @@ from ..errors import OutputExists
 from ..options import option_ref
 from .temporaries import hold, remove_stale_temporaries, temporary_path
 from ._common import (IMAGE_EXTENSIONS, PRINTF, VIDEO_EXTENSIONS, Colour, DisplayTransform,
-                      MediaError, MediaInfo, as_fraction, check_frame, fspath, printf_pattern,
+                      MediaError, MediaInfo, as_fraction, fspath, printf_pattern,
                       refuse_hdr, to_picture, writable_folder)
 
 # Image formats we write (BMP is read only).
@@ -54,6 +54,10 @@ _PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "s
 H265_MIN_WIDTH = 64
 
 
+_LAYOUT = ("width", "height", "channels", "bit_depth")
+_FRAME_DTYPES = {8: np.uint8, 16: np.uint16}
+
+
 @dataclass(frozen=True)
 class OutputSpec:
     """The frames a writer takes and what it makes of them: (H, W, C) arrays of ``height x
@@ -64,8 +68,7 @@ class OutputSpec:
     source's), ``colour`` and ``display`` (tags for players; image outputs apply ``display``
     unless ``upright`` is false). ``audio_from`` (a path, or a MediaInfo, which adds the
     ``subtitle_streams`` the container holds) is copied packet for packet. ``codec``, ``crf``
-    and ``preset`` are a video's, ``quality`` (1-100) the lossy image formats'.
-    """
+    and ``preset`` are a video's, ``quality`` (1-100) the lossy image formats'."""
 
     width: int | None = None
     height: int | None = None
@@ -79,56 +82,45 @@ class OutputSpec:
     audio_from: Path | str | MediaInfo | None = None
     subtitle_streams: tuple[int, ...] = ()
     frame_times: tuple | None = None
-    colour: Colour | None = None
+    colour: Colour | None = None  # None: BT.709 limited range (Colour()) without like
     display: DisplayTransform | None = None
     upright: bool = True
 
     def resolved(self, path: Path, like: MediaInfo | None) -> OutputSpec:
-        """This spec for the output ``path``, the fields left out taken from ``like``, checked."""
-        layout = {}
-        for name in ("width", "height", "channels", "bit_depth"):
-            value = getattr(self, name)
-            if value is None and like is not None:
-                value = getattr(like, name)
-            if value is None:
+        """This spec for the output ``path``, checked: each field left None taken from
+        ``like``, and a MediaInfo ``audio_from`` replaced by the streams a video copies."""
+        video = path.suffix.lower() in VIDEO_EXTENSIONS
+        names = _LAYOUT + (("fps", "frame_times", "colour") if video else ())
+        taken = {name: getattr(like, name) for name in names
+                 if like is not None and getattr(self, name) is None}
+        spec = replace(self, **taken, display=self.display or DisplayTransform.of(like))
+        for name in _LAYOUT:
+            if getattr(spec, name) is None:
                 raise MediaError(f"open_writer: give OutputSpec({name}=...) (or like= a "
                                  f"MediaInfo to copy it from)")
-            layout[name] = value
-        if layout["channels"] not in (1, 3, 4):
-            raise MediaError(f"{path}: frames must have 1, 3 or 4 channels, not "
-                             f"{layout['channels']}")
-        if layout["bit_depth"] not in (8, 16):
-            raise MediaError(f"{path}: bit depth must be 8 or 16, not {layout['bit_depth']}")
-        if layout["width"] <= 0 or layout["height"] <= 0:
-            raise MediaError(f"{path}: invalid frame size {layout['width']}x{layout['height']}")
-        if not 1 <= self.quality <= 100:
-            raise MediaError(f"{path}: quality must be between 1 and 100, got {self.quality}")
-        spec = replace(self, **layout, display=self.display or DisplayTransform.of(like))
-        if path.suffix.lower() not in VIDEO_EXTENSIONS:
-            return spec
-        audio, subtitles = self.audio_from, self.subtitle_streams
-        if isinstance(audio, MediaInfo):  # e.g. like=info, audio_from=info for any source
-            audio, subtitles = _carried_streams(audio, path.suffix.lower())
-        return replace(
-            spec, audio_from=audio, subtitle_streams=subtitles,
-            fps=self.fps if self.fps is not None or like is None else like.fps,
-            frame_times=self.frame_times if self.frame_times is not None or like is None
-            else like.frame_times,
-            colour=self.colour or (like.colour if like is not None else Colour()))
+        if spec.channels not in (1, 3, 4):
+            raise MediaError(f"{path}: frames must have 1, 3 or 4 channels, not {spec.channels}")
+        if spec.bit_depth not in (8, 16):
+            raise MediaError(f"{path}: bit depth must be 8 or 16, not {spec.bit_depth}")
+        if spec.width <= 0 or spec.height <= 0:
+            raise MediaError(f"{path}: invalid frame size {spec.width}x{spec.height}")
+        if not 1 <= spec.quality <= 100:
+            raise MediaError(f"{path}: quality must be between 1 and 100, got {spec.quality}")
+        if video and isinstance(spec.audio_from, MediaInfo):  # e.g. like=info, audio_from=info
+            audio, subtitles = _carried_streams(spec.audio_from, path.suffix.lower())
+            spec = replace(spec, audio_from=audio, subtitle_streams=subtitles)
+        return spec
 
 
 def open_writer(dst, spec: OutputSpec = OutputSpec(), *, like: MediaInfo | None = None,
                 overwrite: bool = False) -> MediaWriter:
     """Open a writer of ``spec``'s frames at ``dst``, any field ``spec`` leaves out taken from
     ``like`` (typically the source's :class:`MediaInfo`; give the upscaled size in ``spec``).
-
     The destination decides the output: a video or image extension, a printf pattern
-    (``out/%05d.png``) or a folder / a path ending in ``/``. What each output writes, keeps
-    and drops: docs/media.md#writing and "Inputs and outputs".
+    (``out/%05d.png``) or a folder / a path ending in ``/`` (docs/media.md#writing).
 
     Raises :class:`~seedvr2.errors.OutputExists` when the output exists and ``overwrite`` is
-    false, and :class:`MediaError` for everything else that can be known before writing.
-    """
+    false, and :class:`MediaError` for everything else that can be known before writing."""
     text, path = os.fspath(dst), fspath(dst)
     spec = spec.resolved(path, like)
     ext = path.suffix.lower()
@@ -138,7 +130,7 @@ def open_writer(dst, spec: OutputSpec = OutputSpec(), *, like: MediaInfo | None 
         refuse_hdr(like, f"{path} (an image output)")
     if text.endswith(("/", os.sep)) or (path.is_dir() and ext not in VIDEO_EXTENSIONS
                                         and ext not in _WRITE_IMAGE_FORMATS):
-        _warn_not_carried(path, like, False, set(), folder=True)
+        _warn_not_carried(path, like, spec, folder=True)
         return SequenceWriter(path, spec, **images)
     if path.is_dir():
         raise MediaError(f"{path} is a folder; give a file name, or end the path with '/' "
@@ -148,17 +140,17 @@ def open_writer(dst, spec: OutputSpec = OutputSpec(), *, like: MediaInfo | None 
             raise MediaError(f"{path}: a numbered pattern names image files, one per frame; "
                              f"give an image extension (e.g. {path.parent / '%05d.png'}), or "
                              f"a file name without %")
-        _warn_not_carried(path, like, False, set())
+        _warn_not_carried(path, like, spec)
         return ImageWriter(path, spec, pattern=printf_pattern(path), **images)
     if ext in VIDEO_EXTENSIONS:
         if spec.fps is None:
             raise MediaError(f"{path}: a video needs a frame rate and images carry none; "
                              f"give one, e.g. {option_ref('fps', 24)} (or 29.97, 30000/1001)")
-        _warn_not_carried(path, like, spec.audio_from is not None, set(spec.subtitle_streams))
+        _warn_not_carried(path, like, spec)
         return VideoWriter(path, spec, overwrite=overwrite)
     if ext in _WRITE_IMAGE_FORMATS:
         animation = _animation_of(path, like, spec.fps)
-        _warn_not_carried(path, like, False, set(), animation)
+        _warn_not_carried(path, like, spec, animation)
         return ImageWriter(path, spec, animation=animation, **images)
     raise MediaError(
         f"{path}: can't tell what to write from the extension {ext or '(none)'!r}; use a video "
@@ -207,11 +199,10 @@ def _animation_of(path: Path, like: MediaInfo | None, fps) -> tuple | None:
     return durations, like.loop or 0
 
 
-def _warn_not_carried(path: Path, like: MediaInfo | None, audio_copied: bool,
-                      subtitles_copied: set[int], animation: tuple | None = None,
-                      folder: bool = False) -> None:
-    """One warning naming every stream of ``like``'s source that the output leaves out
-    (``folder``: the output is a folder of numbered PNGs)."""
+def _warn_not_carried(path: Path, like: MediaInfo | None, spec: OutputSpec,
+                      animation: tuple | None = None, folder: bool = False) -> None:
+    """One warning naming every stream of ``like``'s source that the output of ``spec``
+    leaves out (``folder``: the output is a folder of numbered PNGs)."""
     if like is None:
         return
     dropped = []
@@ -224,11 +215,11 @@ def _warn_not_carried(path: Path, like: MediaInfo | None, audio_copied: bool,
         elif animation[0] is None and like.frame_durations is not None:
             dropped.append("its frame durations (TIFF pages have no timing; write .png, .webp "
                            "or a video to keep them)")
-    if like.has_audio and not audio_copied:
+    if like.has_audio and not (video and spec.audio_from is not None):
         dropped.append("its audio" if video else
                        "its audio (images hold none; write a video to keep it)")
     for index, kind, codec in like.other_streams:
-        if index in subtitles_copied:
+        if video and index in spec.subtitle_streams:
             continue
         if kind == "subtitle":
             holders = [e for e, codecs in _SUBTITLE_CODECS.items() if codec in codecs]
@@ -279,7 +270,7 @@ class MediaWriter(FrameOutput):
         """Append one (H, W, C) frame."""
         if self._state != "open":
             raise MediaError(f"{self.path}: writer is already {self._state}")
-        frame = check_frame(frame, self.spec, where=f"{self.path} frame {self.frames_written}")
+        frame = self._checked(frame)
         try:
             self._write(frame)
         except MediaError:
@@ -289,11 +280,24 @@ class MediaWriter(FrameOutput):
                              f"{e}") from e
         self.frames_written += 1
 
-    def close(self) -> None:
-        """Finish the output and move it to its final name. A no-op once closed.
+    def _checked(self, frame) -> np.ndarray:
+        """``frame`` as (H, W, C) (a 2-D array is one channel), or a MediaError: a wrong size
+        or dtype is a pipeline bug, and saying so here is kinder than a garbled file."""
+        where = f"{self.path} frame {self.frames_written}"
+        if not isinstance(frame, np.ndarray):
+            raise MediaError(f"{where}: frames must be numpy arrays, got {type(frame).__name__}")
+        if frame.ndim == 2:
+            frame = frame[:, :, None]
+        spec = self.spec
+        shape, dtype = (spec.height, spec.width, spec.channels), _FRAME_DTYPES[spec.bit_depth]
+        if frame.shape != shape or frame.dtype != dtype:
+            raise MediaError(f"{where}: expected a frame of shape {shape} {np.dtype(dtype).name}, "
+                             f"got {frame.shape} {frame.dtype}")
+        return frame
 
-        With no frames written this is an error and the partial output is removed.
-        """
+    def close(self) -> None:
+        """Finish the output and move it to its final name; a no-op once closed. With no
+        frames written this is an error and the partial output is removed."""
         if self._state == "closed":
             return
         if self._state != "open":
@@ -433,7 +437,7 @@ class VideoWriter(MediaWriter):
 
         super().__init__(path, spec, overwrite=overwrite)
         self._container = self._audio = self._last_pts = None
-        self.fps = as_fraction(spec.fps)
+        self.fps, self._colour = as_fraction(spec.fps), spec.colour or Colour()
         key = self._choose_codec()
         self._claim_temp()
         try:
@@ -493,8 +497,8 @@ class VideoWriter(MediaWriter):
             raise MediaError(f"{path}: unknown preset {preset!r} for {key.upper()}; "
                              + ("VP9 has none" if key == "vp9" else
                                 f"use one of {', '.join(_PRESETS)}"))
-        if spec.colour.hdr and not self._pix_fmt.endswith("10le"):
-            raise MediaError(f"{path}: the source is HDR video ({spec.colour.hdr}), which needs "
+        if self._colour.hdr and not self._pix_fmt.endswith("10le"):
+            raise MediaError(f"{path}: the source is HDR video ({self._colour.hdr}), which needs "
                              f"10 bits, and {key.upper()} is written in 8 bits here; give codec "
                              f"h265 (10-bit) and a .mkv, .mp4 or .mov name")
         if spec.channels == 4 and key == "vp9" and ext in (".webm", ".mkv"):
@@ -529,7 +533,7 @@ class VideoWriter(MediaWriter):
             stream.codec_tag = "hvc1"  # Apple players only accept HEVC tagged hvc1
         # The source's colour description (BT.709 limited range for sources without one):
         # _write converts with its matrix and range, so players agree.
-        cc, colour, display = stream.codec_context, spec.colour, spec.display
+        cc, colour, display = stream.codec_context, self._colour, spec.display
         cc.colorspace, cc.color_primaries = colour.matrix, colour.primaries
         cc.color_trc, cc.color_range = colour.transfer, colour.range
         # The source's orientation and pixel shape travel as tags: players apply them, and
@@ -550,8 +554,8 @@ class VideoWriter(MediaWriter):
         # (No transfer or primaries here: swscale would convert the values between them, and
         # the frames are already in the source's.)
         picture = self._reformatter.reformat(
-            picture, format=self._pix_fmt, dst_colorspace=spec.colour.conversion_matrix,
-            dst_color_range=spec.colour.range,
+            picture, format=self._pix_fmt, dst_colorspace=self._colour.conversion_matrix,
+            dst_color_range=self._colour.range,
             threads=0 if spec.width * spec.height >= 640 * 480 else 1)
         pts = round(self._time_of(self.frames_written) / self._frame_time_base)
         if self._last_pts is not None and pts <= self._last_pts:
