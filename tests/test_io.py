@@ -236,6 +236,25 @@ def test_writer_open_errors(tmp_path, dst, kwargs, message):
     assert _visible(tmp_path) == []
 
 
+def test_output_spec_takes_what_it_leaves_out_from_like(tmp_path):
+    """Given fields win; the rest come from ``like`` (a video's rate, times and colour too);
+    a layout field neither gives is refused, naming it."""
+    like = MediaInfo(kind="video", path=str(tmp_path / "in.mkv"), frame_count=3, width=W,
+                     height=H, channels=4, bit_depth=16, fps=Fraction(25),
+                     frame_times=(Fraction(0), Fraction(1, 25), Fraction(3, 25)), rotation=90)
+    video = OutputSpec(width=2 * W, height=2 * H, bit_depth=8).resolved(tmp_path / "o.mkv", like)
+    assert (video.width, video.height, video.channels, video.bit_depth, video.fps) == \
+        (2 * W, 2 * H, 4, 8, 25)
+    assert video.frame_times == like.frame_times and video.colour == like.colour
+    assert video.display.rotation == 90
+    image = OutputSpec(fps=10).resolved(tmp_path / "o.png", like)
+    assert (image.fps, image.frame_times, image.colour) == (10, None, None)
+    with pytest.raises(MediaError, match=r"^open_writer: give OutputSpec\(height=\.\.\.\) \(or "
+                                         r"like= a MediaInfo to copy it from\)$"):
+        open_writer(tmp_path / "o.png", OutputSpec(width=W, channels=3, bit_depth=8))
+    assert _visible(tmp_path) == []
+
+
 # --------------------------------------------------------------------------------------------
 # Never lose work, never clobber
 
