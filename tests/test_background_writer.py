@@ -9,8 +9,10 @@ import time
 import numpy as np
 import pytest
 
-from seedvr2.io import open_media, open_writer
+from seedvr2.io import OutputSpec, open_media, open_writer
 from seedvr2.io.background import BackgroundWriter
+
+PNG_SPEC = OutputSpec(width=8, height=8, channels=3, bit_depth=8)
 
 
 class FakeWriter:
@@ -95,7 +97,7 @@ def test_a_failure_in_the_caller_discards_queued_frames():
 
 def test_real_writer_failure_leaves_no_partial_files(tmp_path, monkeypatch):
     frames = np.zeros((4, 8, 8, 3), np.uint8)
-    writer = open_writer(f"{tmp_path}/out/", width=8, height=8, bit_depth=8, channels=3)
+    writer = open_writer(f"{tmp_path}/out/", PNG_SPEC)
     calls = []
     real = type(writer)._write
 
@@ -113,8 +115,7 @@ def test_real_writer_failure_leaves_no_partial_files(tmp_path, monkeypatch):
 
 def test_real_writer_output_is_complete(tmp_path):
     frames = (np.arange(5)[:, None, None, None] * 40 + np.zeros((5, 8, 8, 3))).astype(np.uint8)
-    with BackgroundWriter(open_writer(f"{tmp_path}/out/", width=8, height=8, bit_depth=8,
-                                      channels=3)) as out:
+    with BackgroundWriter(open_writer(f"{tmp_path}/out/", PNG_SPEC)) as out:
         out.write_many(frames)
     with open_media(f"{tmp_path}/out/%05d.png") as media:
         assert np.array_equal(np.stack(list(media.frames())), frames)

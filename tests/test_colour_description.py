@@ -11,7 +11,7 @@ import av
 import numpy as np
 import pytest
 
-from seedvr2.io import MediaError, open_media, open_writer
+from seedvr2.io import MediaError, OutputSpec, open_media, open_writer
 
 W, H = 128, 96  # four 64x48 patches
 PATCHES = np.array([[200, 40, 30], [30, 180, 60], [40, 60, 210], [128, 128, 128]]) / 255
@@ -87,7 +87,7 @@ def test_the_colour_description_and_the_colours_survive(tmp_path, name):
     with open_media(source) as media:
         info, frames = media.info, list(media.frames())
     codec = "h265" if SOURCES[name][4] == 10 else "h264"
-    with open_writer(output, like=info, codec=codec, crf=0) as writer:
+    with open_writer(output, OutputSpec(codec=codec, crf=0), like=info) as writer:
         writer.write_many(frames)
     assert stream_tags(output) == stream_tags(source) == SOURCES[name][:4]
     bound = rounding_bound(name, info.bit_depth)
@@ -112,7 +112,7 @@ def _pq_source(tmp_path):
 def test_hdr_is_never_written_in_8_bits(tmp_path, name, codec, written):
     info = _pq_source(tmp_path)
     with pytest.raises(MediaError) as caught:
-        open_writer(tmp_path / name, like=info, codec=codec)
+        open_writer(tmp_path / name, OutputSpec(codec=codec), like=info)
     assert str(caught.value) == (
         f"{tmp_path / name}: the source is HDR video (PQ, SMPTE ST 2084), which needs 10 bits, "
         f"and {written} is written in 8 bits here; give codec h265 (10-bit) and a .mkv, .mp4 "

@@ -60,8 +60,8 @@ def test_killed_writer_rank_leaves_no_temporary(clip, tiny_options, tmp_path):
 _WRITE_AND_DIE = """
 import os, signal, sys
 import numpy as np
-from seedvr2.io import open_writer
-writer = open_writer(sys.argv[1], width=32, height=32, channels=3, bit_depth=8, fps=25)
+from seedvr2.io import OutputSpec, open_writer
+writer = open_writer(sys.argv[1], OutputSpec(width=32, height=32, channels=3, bit_depth=8, fps=25))
 writer.write(np.zeros((32, 32, 3), np.uint8))
 print("written", flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
@@ -72,7 +72,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 def test_next_run_removes_temporaries_of_a_killed_one(tmp_path, name):
     """Under torchrun no launcher of ours survives a killed rank 0; the next writer of the same
     output removes what it left, and never a temporary that a live writer holds."""
-    from seedvr2.io import open_writer
+    from seedvr2.io import OutputSpec, open_writer
     from seedvr2.io.temporaries import temporaries_of
 
     dst = f"{tmp_path}/{name}"  # a trailing "/" (a frame folder) must stay
@@ -82,10 +82,11 @@ def test_next_run_removes_temporaries_of_a_killed_one(tmp_path, name):
     stale = temporaries_of(dst)
     assert len(stale) == 1 and stale[0].name.startswith(".up" if name != "frames/" else ".frames")
 
-    live = open_writer(dst, width=32, height=32, channels=3, bit_depth=8, fps=25)
+    spec = OutputSpec(width=32, height=32, channels=3, bit_depth=8, fps=25)
+    live = open_writer(dst, spec)
     assert not stale[0].exists()  # the killed run's temporary is gone
     assert temporaries_of(dst) == [live._temp]
-    second = open_writer(dst, width=32, height=32, channels=3, bit_depth=8, fps=25)
+    second = open_writer(dst, spec)
     assert live._temp.exists()  # held by a live writer: left alone
     second.abort()
     live.abort()

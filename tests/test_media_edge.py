@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from seedvr2.cli import main
-from seedvr2.io import MediaError, open_media, open_writer
+from seedvr2.io import MediaError, OutputSpec, open_media, open_writer
 
 from conftest import REPO, make_clip
 
@@ -141,7 +141,7 @@ def test_alpha_into_h264_names_the_reason(tmp_path):
         with pytest.warns(UserWarning, match="no alpha channel; alpha is dropped.*\\.webm"):
             open_writer(tmp_path / "o.mp4", like=reader.info).abort()
         with pytest.warns(UserWarning, match="MP4 can't store VP9's alpha"):
-            open_writer(tmp_path / "o.mp4", like=reader.info, codec="vp9").abort()
+            open_writer(tmp_path / "o.mp4", OutputSpec(codec="vp9"), like=reader.info).abort()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,7 +295,7 @@ def _with_extra_streams(path: Path, tmp_path: Path):
 
 def _copy(src: Path, dst: Path):
     with open_media(src) as reader:
-        with open_writer(dst, like=reader.info, audio_from=reader.info) as writer:
+        with open_writer(dst, OutputSpec(audio_from=reader.info), like=reader.info) as writer:
             writer.write_many(reader.frames())
 
 
@@ -353,7 +353,7 @@ def test_opus_into_mov_names_codec_and_a_container_that_holds_it(tmp_path):
     with open_media(src) as reader:
         with pytest.raises(MediaError, match=r"\.mov files can't hold the Opus audio.*"
                                              r"write \.mp4 or \.mkv"):
-            open_writer(tmp_path / "out.mov", like=reader.info, audio_from=reader.info)
+            open_writer(tmp_path / "out.mov", OutputSpec(audio_from=reader.info), like=reader.info)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["opus.webm"]
 
 
@@ -464,14 +464,13 @@ def test_pattern_input_default_output_and_fps(tiny_options, tmp_path, capsys):
 
 def test_fps_does_not_retime_a_video(tmp_path):
     """A video keeps its own rate (its sound would drift otherwise); --fps says it is ignored."""
-    from seedvr2.io.files import open_output
+    from seedvr2.io.files import FileOutput
 
     src = tmp_path / "clip.mp4"
     _write_video(src, [Fraction(i, 10) for i in range(3)])
     with open_media(src) as reader:
         with pytest.warns(UserWarning, match="fps = '24' ignored.*keeps its own rate"):
-            writer = open_output(reader.info, tmp_path / "out.mp4", (24, 32), 8, "h264",
-                                 False, "24")
+            writer = FileOutput(tmp_path / "out.mp4", (24, 32), 8, fps="24").open(reader.info)
         assert writer.fps == 10
         writer.abort()
 

@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 from seedvr2.cli import main
-from seedvr2.io import MediaError, MediaInfo, open_media, open_writer
+from seedvr2.io import MediaError, MediaInfo, OutputSpec, open_media, open_writer
 
 from conftest import make_clip
 
@@ -169,7 +169,7 @@ def test_untimed_pages_into_a_timed_animation_need_a_rate(tmp_path):
         assert str(refused.value) == (
             f"{tmp_path / 'out.webp'}: an animated WEBP needs a duration for each frame and "
             f"the pages of {src} have none; give a frame rate, e.g. fps=10, or write .tiff")
-        with open_writer(tmp_path / "out.webp", like=reader.info, fps=10) as writer:
+        with open_writer(tmp_path / "out.webp", OutputSpec(fps=10), like=reader.info) as writer:
             writer.write_many(reader.frames())
     assert open_media(tmp_path / "out.webp").info.frame_durations == (Fraction(1, 10),) * 5
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.webp", "pages.tiff"]
@@ -382,7 +382,7 @@ def test_image_writer_left_as_stored_when_asked(tmp_path):
     like = MediaInfo(kind="video", path="x", frame_count=1, width=48, height=32, channels=3,
                      bit_depth=8, fps=Fraction(24), rotation=90, pixel_aspect=Fraction(2))
     frame = _stored_frames(1)[0]
-    with open_writer(f"{tmp_path / 'raw'}/", like=like, upright=False) as writer:
+    with open_writer(f"{tmp_path / 'raw'}/", OutputSpec(upright=False), like=like) as writer:
         writer.write(frame)
     assert np.array_equal(next(iter(open_media(tmp_path / "raw").frames())), frame)
     with open_writer(f"{tmp_path / 'shown'}/", like=dataclasses.replace(like, pixel_aspect=1)) \

@@ -22,14 +22,14 @@ from .pipeline.plan import make_plan
 from .pipeline.work import log_work
 from .pipeline.preview import FramePreview, Show
 from .pipeline.runner import JobStats, Upscaler, input_frames, output_size
-from .io.files import frame_count, open_output
+from .io.files import frame_count
 from .memory.fit import MEMORY_CHECK_ENV, MakeRoom
 from .pipeline.job import (Job, check_file_job, file_output, fit_for_ranks, plan_file,
                            prepare_job)
 from .pipeline.model_loading import load_models
 
 # The set-up steps are the library's too (custom pipelines, the CLI, tests).
-__all__ = ["MEMORY_CHECK_ENV", "check_file_job", "fit_for_ranks", "load_models", "open_output",
+__all__ = ["MEMORY_CHECK_ENV", "check_file_job", "fit_for_ranks", "load_models",
            "plan_file", "prepare_job", "process_devices", "upscale", "upscale_file"]
 
 Progress = Callable[[str, int, int], None]

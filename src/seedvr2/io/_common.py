@@ -82,8 +82,7 @@ class MediaInfo:
     """What a reader found, or what a writer should produce; writers given ``like=`` reproduce
     it (:func:`~seedvr2.io.writer.open_writer`). Each field: docs/media.md#reading.
     ``frame_count`` is exact when ``frame_count_exact`` (:meth:`VideoReader.count_frames`
-    makes it so); ``frame_times`` is None at a constant rate (frame ``i`` at ``i / fps``).
-    """
+    makes it so); ``frame_times`` is None at a constant rate (frame ``i`` at ``i / fps``)."""
 
     kind: str
     path: str
@@ -107,22 +106,6 @@ class MediaInfo:
     frame_durations: tuple[Fraction, ...] | None = field(default=None, repr=False)
     loop: int | None = None
     colour: Colour = Colour()
-
-    @property
-    def dtype(self) -> np.dtype:
-        """The numpy dtype of frames: uint8 for 8-bit, uint16 for 16-bit."""
-        return np.dtype(np.uint16 if self.bit_depth == 16 else np.uint8)
-
-    @property
-    def duration(self) -> float | None:
-        """Seconds of video (frame_count / fps), or None without a frame rate."""
-        if self.frame_durations and self.fps:
-            return float(sum(self.frame_durations))
-        if self.frame_times:
-            last_interval = self.frame_times[-1] - self.frame_times[-2] \
-                if len(self.frame_times) > 1 else (1 / self.fps if self.fps else 0)
-            return float(self.frame_times[-1] + last_interval)
-        return float(self.frame_count / self.fps) if self.fps else None
 
 
 @dataclass(frozen=True)
@@ -194,8 +177,7 @@ def sniff_image(path: Path) -> str | None:
     a MediaError naming ``path`` when it can't be read.
 
     Content beats extension so a PNG named ``.jpg`` or a video named ``.png`` still opens
-    with the right decoder.
-    """
+    with the right decoder."""
     try:
         with open(path, "rb") as f:
             head = f.read(16)
@@ -218,8 +200,7 @@ def as_fraction(fps) -> Fraction:
     """An exact frame rate from an int, Fraction, ``"30000/1001"`` or float.
 
     Floats are snapped to the nearest rate with a small denominator so 29.97 becomes
-    30000/1001 and 23.976 becomes 24000/1001, as every tool means by them.
-    """
+    30000/1001 and 23.976 becomes 24000/1001, as every tool means by them."""
     if isinstance(fps, Fraction):
         rate = fps
     elif isinstance(fps, (int, str)):
@@ -234,25 +215,6 @@ def as_fraction(fps) -> Fraction:
     if rate <= 0:
         raise MediaError(f"frame rate must be positive, got {fps!r}")
     return rate
-
-
-def check_frame(frame: np.ndarray, *, width: int, height: int, channels: int, bit_depth: int,
-                where: str) -> np.ndarray:
-    """Validate one frame handed to a writer and return it as (H, W, C).
-
-    A wrong size or dtype is a pipeline bug; saying so here is kinder than a garbled file.
-    A 2-D array is accepted for 1-channel frames.
-    """
-    if not isinstance(frame, np.ndarray):
-        raise MediaError(f"{where}: frames must be numpy arrays, got {type(frame).__name__}")
-    if frame.ndim == 2:
-        frame = frame[:, :, None]
-    expected_dtype = np.uint16 if bit_depth == 16 else np.uint8
-    if frame.shape != (height, width, channels) or frame.dtype != expected_dtype:
-        raise MediaError(
-            f"{where}: expected a frame of shape ({height}, {width}, {channels}) "
-            f"{np.dtype(expected_dtype).name}, got {frame.shape} {frame.dtype}")
-    return frame
 
 
 def to_8bit(frame: np.ndarray) -> np.ndarray:

@@ -16,7 +16,7 @@ AAC_RATES = (96000, 88200, 64000, 48000, 44100, 32000, 24000, 22050, 16000, 1200
 def encode_audio(waveform, sample_rate: int, path: Path, name: str = "audio") -> Path | None:
     """Write a waveform ((batch, channels, samples) as ComfyUI's AUDIO holds it, or
     (channels, samples); float in [-1, 1]; batch items one after the other) as AAC in an MP4
-    container at ``path``, ready to be copied into a video by ``open_writer(audio_from=...)``;
+    container at ``path``, ready to be copied into a video by ``OutputSpec(audio_from=...)``;
     None for a waveform of no samples (no audio). ``name``: the audio, in refusals."""
     import av
     import numpy as np

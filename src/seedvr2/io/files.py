@@ -12,7 +12,7 @@ from typing import Any
 
 from ..options import option_value, parse_fps
 from ._common import IMAGE_EXTENSIONS, PRINTF, MediaError, printf_pattern
-from .writer import open_writer
+from .writer import OutputSpec, open_writer
 
 VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv")
 
@@ -33,9 +33,18 @@ class FileOutput:
         return Path(str(self.dst)).suffix.lower() in VIDEO_SUFFIXES
 
     def open(self, info):
-        """The writer of the output (:func:`open_output`)."""
-        return open_output(info, self.dst, self.size, self.bit_depth, self.codec,
-                           self.overwrite, self.fps)
+        """The writer of the output: audio and subtitles copied from the source ``info``
+        where the output holds them, a variable-rate source's frame times kept. ``fps`` (the
+        option) gives images a rate; a video keeps its own."""
+        rate = parse_fps(self.fps)
+        if rate is not None and info.fps is not None:
+            warnings.warn(f"{option_value('fps', self.fps)} ignored: {info.path} is a video and "
+                          f"keeps its own rate ({float(info.fps):.6g} fps), so its sound stays "
+                          f"in sync", stacklevel=2)
+            rate = None
+        spec = OutputSpec(width=self.size[1], height=self.size[0], bit_depth=self.bit_depth,
+                          codec=self.codec, fps=rate, audio_from=info)
+        return open_writer(self.dst, spec, like=info, overwrite=self.overwrite)
 
 
 def input_files(reader) -> list[Path]:
@@ -94,27 +103,6 @@ def refuse_input_as_output(inputs, dst) -> None:
                              f"{'folder' if folder_output else 'name'}")
 
 
-
-
 def frame_count(reader) -> int:
     info = reader.info
     return info.frame_count if info.frame_count_exact else reader.count_frames()
-
-
-
-
-
-
-def open_output(info, dst, size: tuple[int, int], bit_depth: int, codec: str, overwrite: bool,
-                fps: str = "auto"):
-    """The writer for a file job's output: audio and subtitles copied from the source where
-    the output holds them, a variable-rate source's frame times kept. ``fps`` (the option)
-    gives images a rate; a video keeps its own."""
-    rate = parse_fps(fps)
-    if rate is not None and info.fps is not None:
-        warnings.warn(f"{option_value('fps', fps)} ignored: {info.path} is a video and keeps "
-                      f"its own rate ({float(info.fps):.6g} fps), so its sound stays in sync",
-                      stacklevel=2)
-        rate = None
-    return open_writer(dst, like=info, width=size[1], height=size[0], bit_depth=bit_depth,
-                       codec=codec, fps=rate, audio_from=info, overwrite=overwrite)

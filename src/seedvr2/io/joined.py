@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 from ._common import MediaError
 from .audio import AUDIO_LAYOUTS, encode_audio
 from .reader import open_media
-from .writer import open_writer
+from .writer import OutputSpec, open_writer
 
 log = logging.getLogger("seedvr2")
 
@@ -39,10 +39,10 @@ def join_videos(parts: Sequence[Path], dst: Path, audio_from: Optional[Path] = N
     if audio_from is None:
         audio_from = _joined_audio(parts, dst.with_name(dst.stem + "_audio.m4a"))
     codec = "h265" if info.bit_depth > 8 else "h264"
-    with open_writer(dst, width=info.width, height=info.height, channels=info.channels,
-                     bit_depth=info.bit_depth, fps=info.fps or Fraction(24), codec=codec,
-                     crf=JOIN_CRF, preset=JOIN_PRESET, audio_from=audio_from,
-                     overwrite=True) as writer:
+    spec = OutputSpec(width=info.width, height=info.height, channels=info.channels,
+                      bit_depth=info.bit_depth, fps=info.fps or Fraction(24), codec=codec,
+                      crf=JOIN_CRF, preset=JOIN_PRESET, audio_from=audio_from)
+    with open_writer(dst, spec, overwrite=True) as writer:
         for number, part in enumerate(parts):
             with open_media(part) as reader:
                 size = (reader.info.width, reader.info.height, reader.info.channels)

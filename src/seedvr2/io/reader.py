@@ -44,8 +44,7 @@ def is_sequence_pattern(path) -> bool:
 def open_media(path) -> MediaReader:
     """Open a video, an image, a folder of numbered images or a pattern like ``f/%05d.png``,
     telling them apart by content (docs/media.md#reading). Raises :class:`MediaError` naming
-    the path when it is missing, unreadable, empty, or not something we can decode.
-    """
+    the path when it is missing, unreadable, empty, or not something we can decode."""
     p = fspath(path)
     if p.is_dir():
         return SequenceReader.from_directory(p)
@@ -115,11 +114,8 @@ class MediaReader:
 
 
 class ImageReader(MediaReader):
-    """One still image, decoded once at open (so a corrupt file fails before any work).
-
-    Image files with several frames are read by :class:`AnimationReader` (animated GIFs open
-    as videos).
-    """
+    """One still image, decoded once at open (so a corrupt file fails before any work); files
+    of several frames are :class:`AnimationReader`'s (animated GIFs open as videos)."""
 
     def __init__(self, path: Path, fmt: str, probe: ImageProbe | None = None):
         self.path = path
@@ -210,11 +206,9 @@ class SequenceReader(MediaReader):
 
     @classmethod
     def from_directory(cls, folder: Path) -> SequenceReader:
-        """Images in ``folder`` sharing one name pattern; the last number in a name orders it.
-
-        Hidden files and non-image files are ignored. Names following several patterns
-        (``a_001.png`` and ``b_001.png``) are an error asking for an explicit pattern.
-        """
+        """Images in ``folder`` sharing one name pattern, ordered by the last number in a name;
+        hidden and non-image files are ignored. Several patterns (``a_001.png`` and
+        ``b_001.png``) are refused, asking for an explicit pattern."""
         try:
             names = [f for f in folder.iterdir() if not f.name.startswith(".")
                      and f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file()]
@@ -328,8 +322,7 @@ def _describe(probe: ImageProbe) -> str:
 class VideoReader(MediaReader):
     """A video file through FFmpeg (PyAV): the first video stream that is not cover art,
     decoded at open up to its first frame. ``frames(start)`` seeks by timestamp only where
-    that gives the same frames as decoding from the start (docs/media.md#reading).
-    """
+    that gives the same frames as decoding from the start (docs/media.md#reading)."""
 
     def __init__(self, path: Path):
         import av
@@ -708,8 +701,7 @@ def _orientation(path: Path, frame) -> tuple[int, bool]:
     The rotation angle alone misreads a flip: FFmpeg reports a left-right mirror as a
     180-degree turn. So the matrix is matched against the eight quarter-turn-and-mirror
     matrices FFmpeg writes (``av_display_rotation_set``, then ``av_display_matrix_flip``
-    negating the first column), the same reading the ffmpeg tool's autorotation makes.
-    """
+    negating the first column), the same reading the ffmpeg tool's autorotation makes."""
     import struct
 
     from av.sidedata.sidedata import Type
@@ -743,8 +735,7 @@ def _frame_rate(stream) -> Fraction | None:
 
     The average rate is the honest one; FFmpeg's r_frame_rate (base_rate) is usually the same
     number as a cleaner fraction (30000/1001 rather than 1798200/60001 from rounded MKV
-    timestamps), so prefer it when the two agree.
-    """
+    timestamps), so prefer it when the two agree."""
     if _rates_agree(stream):
         return Fraction(stream.base_rate)
     rate = stream.average_rate or stream.guessed_rate or stream.base_rate
@@ -793,8 +784,7 @@ def _pixel_layout(fmt) -> tuple[int, int]:
     """(channels, bit depth) for frames of FFmpeg pixel format ``fmt``.
 
     Alpha -> 4 channels (gray+alpha too: it becomes RGBA); one luma plane, no chroma -> gray;
-    anything else -> RGB. More than 8 bits per component -> 16-bit frames.
-    """
+    anything else -> RGB. More than 8 bits per component -> 16-bit frames."""
     components = list(fmt.components)
     alpha = any(c.is_alpha for c in components)
     colour = [c for c in components if not c.is_alpha]
@@ -808,8 +798,7 @@ def _source_colour_kwargs(frame) -> dict:
     """YUV->RGB matrix for untagged video: BT.709 for HD, BT.601 below, as players assume.
 
     Tagged frames are converted by their own tags (PyAV's default). swscale would use BT.601
-    for every untagged frame, which shifts colours of untagged HD video.
-    """
+    for every untagged frame, which shifts colours of untagged HD video."""
     fmt = frame.format
     # 2 is "unspecified"; 0 ("RGB") on a YUV format is a bogus tag, so treat it the same.
     if fmt.is_rgb or len(fmt.components) < 3 or frame.colorspace not in (0, 2):

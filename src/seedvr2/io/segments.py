@@ -11,8 +11,8 @@ import os
 from fractions import Fraction
 from pathlib import Path
 
-from ._common import VIDEO_EXTENSIONS, MediaError, fspath
-from .writer import MediaWriter, _AudioCopy, shift_times
+from ._common import VIDEO_EXTENSIONS, MediaError, as_fraction, fspath
+from .writer import MediaWriter, OutputSpec, _AudioCopy, shift_times
 
 
 def sync_file(path: Path):
@@ -26,26 +26,22 @@ def sync_file(path: Path):
 
 
 class SegmentConcat(MediaWriter):
-    """Writes ``dst`` from ``segments`` (video files of ``counts`` frames each, in order).
+    """Writes ``dst`` from ``segments`` (video files of ``counts`` frames each, in order), as
+    ``spec`` (resolved: :meth:`OutputSpec.resolved`) describes it.
 
     Each segment's timestamps start at 0 and are shifted by the time of its first frame:
-    ``frame_times[first]`` for a variable-rate video (the source's frame times, seconds from
-    its first frame), else ``first / fps``. ``audio_from`` is the file whose audio streams
-    (and ``subtitle_streams``) are copied in; ``after_segment(n)`` is told that the first n
-    segments are in (the tests' kill point, ``seedvr2.faults``)."""
+    ``spec.frame_times[first]`` for a variable-rate video (the source's frame times, seconds
+    from its first frame), else ``first / fps``. ``spec.audio_from`` is the file whose audio
+    streams (and ``subtitle_streams``) are copied in; ``after_segment(n)`` is told that the
+    first n segments are in (the tests' kill point, ``seedvr2.faults``)."""
 
-    def __init__(self, dst, segments: list[Path], counts: list[int], *, fps: Fraction,
-                 width: int, height: int, channels: int, bit_depth: int, audio_from=None,
-                 subtitle_streams=(), frame_times=None,
+    def __init__(self, dst, segments: list[Path], counts: list[int], spec: OutputSpec, *,
                  overwrite: bool = False, after_segment=None):
         path = fspath(dst)
-        super().__init__(path, width=width, height=height, channels=channels,
-                         bit_depth=bit_depth, overwrite=overwrite)
+        super().__init__(path, spec, overwrite=overwrite)
         if path.suffix.lower() not in VIDEO_EXTENSIONS:
             raise MediaError(f"{path}: segments are joined into videos only")
         self._segments, self._counts = list(segments), list(counts)
-        self._fps, self._audio_from = fps, audio_from
-        self._subtitles, self._frame_times = list(subtitle_streams), frame_times
         self._after_segment = after_segment or (lambda segments: None)
         self._claim_temp()
         self.frames_written = sum(self._counts)
@@ -60,8 +56,9 @@ class SegmentConcat(MediaWriter):
                 # The template carries the segments' display matrix (rotation and mirror)
                 # and sample aspect ratio: setting a rotation here would drop a mirror.
                 video = out.add_stream_from_template(template)
-            audio = _AudioCopy(fspath(self._audio_from), out, self.path, self._subtitles) \
-                if self._audio_from is not None else None
+            source = self.spec.audio_from
+            audio = _AudioCopy(fspath(source), out, self.path, self.spec.subtitle_streams) \
+                if source is not None else None
             try:
                 frames_before = 0
                 for number, (segment, count) in enumerate(zip(self._segments, self._counts)):
@@ -81,8 +78,9 @@ class SegmentConcat(MediaWriter):
 
         with av.open(str(segment)) as source:
             stream = source.streams.video[0]
-            start = Fraction(self._frame_times[frames_before]) if self._frame_times \
-                else Fraction(frames_before) / self._fps
+            times = self.spec.frame_times
+            start = Fraction(times[frames_before]) if times \
+                else Fraction(frames_before) / as_fraction(self.spec.fps)
             shift = round(start / stream.time_base)
             leading = []  # packets before the first one with a decode time (see _decode_times)
 

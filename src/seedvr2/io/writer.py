@@ -13,6 +13,7 @@ import re
 import shutil
 import warnings
 from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from ..errors import OutputExists
 from ..options import option_ref
 from .temporaries import hold, remove_stale_temporaries, temporary_path
 from ._common import (IMAGE_EXTENSIONS, PRINTF, VIDEO_EXTENSIONS, Colour, DisplayTransform,
-                      MediaError, MediaInfo, as_fraction, check_frame, fspath, printf_pattern,
+                      MediaError, MediaInfo, as_fraction, fspath, printf_pattern,
                       refuse_hdr, to_picture, writable_folder)
 
 # Image formats we write (BMP is read only).
@@ -53,40 +54,84 @@ _PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "s
 H265_MIN_WIDTH = 64
 
 
-def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
-                height: int | None = None, channels: int | None = None,
-                bit_depth: int | None = None, fps=None, codec: str = "h264",
-                crf: int | None = None, preset: str | None = None, quality: int = 95,
-                audio_from=None, frame_times=None, overwrite: bool = False,
-                upright: bool = True) -> MediaWriter:
-    """Open a writer for frames of ``height x width x channels`` at ``bit_depth`` bits: (H, W, C)
-    arrays of uint8 (8-bit) or uint16 (16-bit); (H, W) is accepted for one channel.
+_LAYOUT = ("width", "height", "channels", "bit_depth")
+_FRAME_DTYPES = {8: np.uint8, 16: np.uint16}
 
-    Any of ``width``, ``height``, ``channels``, ``bit_depth`` and ``fps`` left out is taken from
-    ``like`` (typically the source's :class:`MediaInfo`; pass the upscaled size explicitly). The
-    destination decides the output: a video or image extension, a printf pattern
-    (``out/%05d.png``) or a folder / a path ending in ``/``. ``audio_from`` (a path, or a
-    MediaInfo, which adds its subtitles) copies audio packet for packet. What each output
-    writes, keeps and drops: docs/media.md#writing and "Inputs and outputs".
 
-    Raises :class:`~seedvr2.errors.OutputExists` when the output exists and ``overwrite`` is false, and
-    :class:`MediaError` for everything else that can be known before writing.
-    """
-    text = os.fspath(dst)
-    path = fspath(dst)
-    common = dict(_frame_layout(path, like, width=width, height=height, channels=channels,
-                                bit_depth=bit_depth), overwrite=overwrite)
-    if not 1 <= quality <= 100:
-        raise MediaError(f"{path}: quality must be between 1 and 100, got {quality}")
-    expected = like.frame_count if like is not None else None
+@dataclass(frozen=True)
+class OutputSpec:
+    """The frames a writer takes and what it makes of them: (H, W, C) arrays of ``height x
+    width x channels`` at ``bit_depth`` bits (uint8 or uint16; (H, W) for one channel).
+
+    :func:`open_writer` takes each field left None from ``like`` (the source's
+    :class:`MediaInfo`): the layout, and for a video ``fps``, ``frame_times`` (a variable-rate
+    source's), ``colour`` and ``display`` (tags for players; image outputs apply ``display``
+    unless ``upright`` is false). ``audio_from`` (a path, or a MediaInfo, which adds the
+    ``subtitle_streams`` the container holds) is copied packet for packet. ``codec``, ``crf``
+    and ``preset`` are a video's, ``quality`` (1-100) the lossy image formats'."""
+
+    width: int | None = None
+    height: int | None = None
+    channels: int | None = None
+    bit_depth: int | None = None
+    fps: Fraction | float | str | None = None
+    codec: str = "h264"
+    crf: int | None = None
+    preset: str | None = None
+    quality: int = 95
+    audio_from: Path | str | MediaInfo | None = None
+    subtitle_streams: tuple[int, ...] = ()
+    frame_times: tuple | None = None
+    colour: Colour | None = None  # None: BT.709 limited range (Colour()) without like
+    display: DisplayTransform | None = None
+    upright: bool = True
+
+    def resolved(self, path: Path, like: MediaInfo | None) -> OutputSpec:
+        """This spec for the output ``path``, checked: each field left None taken from
+        ``like``, and a MediaInfo ``audio_from`` replaced by the streams a video copies."""
+        video = path.suffix.lower() in VIDEO_EXTENSIONS
+        names = _LAYOUT + (("fps", "frame_times", "colour") if video else ())
+        taken = {name: getattr(like, name) for name in names
+                 if like is not None and getattr(self, name) is None}
+        spec = replace(self, **taken, display=self.display or DisplayTransform.of(like))
+        for name in _LAYOUT:
+            if getattr(spec, name) is None:
+                raise MediaError(f"open_writer: give OutputSpec({name}=...) (or like= a "
+                                 f"MediaInfo to copy it from)")
+        if spec.channels not in (1, 3, 4):
+            raise MediaError(f"{path}: frames must have 1, 3 or 4 channels, not {spec.channels}")
+        if spec.bit_depth not in (8, 16):
+            raise MediaError(f"{path}: bit depth must be 8 or 16, not {spec.bit_depth}")
+        if spec.width <= 0 or spec.height <= 0:
+            raise MediaError(f"{path}: invalid frame size {spec.width}x{spec.height}")
+        if not 1 <= spec.quality <= 100:
+            raise MediaError(f"{path}: quality must be between 1 and 100, got {spec.quality}")
+        if video and isinstance(spec.audio_from, MediaInfo):  # e.g. like=info, audio_from=info
+            audio, subtitles = _carried_streams(spec.audio_from, path.suffix.lower())
+            spec = replace(spec, audio_from=audio, subtitle_streams=subtitles)
+        return spec
+
+
+def open_writer(dst, spec: OutputSpec = OutputSpec(), *, like: MediaInfo | None = None,
+                overwrite: bool = False) -> MediaWriter:
+    """Open a writer of ``spec``'s frames at ``dst``, any field ``spec`` leaves out taken from
+    ``like`` (typically the source's :class:`MediaInfo`; give the upscaled size in ``spec``).
+    The destination decides the output: a video or image extension, a printf pattern
+    (``out/%05d.png``) or a folder / a path ending in ``/`` (docs/media.md#writing).
+
+    Raises :class:`~seedvr2.errors.OutputExists` when the output exists and ``overwrite`` is
+    false, and :class:`MediaError` for everything else that can be known before writing."""
+    text, path = os.fspath(dst), fspath(dst)
+    spec = spec.resolved(path, like)
     ext = path.suffix.lower()
-    known = ext in VIDEO_EXTENSIONS or ext in _WRITE_IMAGE_FORMATS
-    display = DisplayTransform.of(like) if upright else None
+    images = dict(overwrite=overwrite,
+                  expected_frames=like.frame_count if like is not None else None)
     if ext not in VIDEO_EXTENSIONS:
         refuse_hdr(like, f"{path} (an image output)")
-    if text.endswith(("/", os.sep)) or (path.is_dir() and not known):
-        _warn_not_carried(path, like, False, set(), folder=True)
-        return SequenceWriter(path, expected_frames=expected, display=display, **common)
+    if text.endswith(("/", os.sep)) or (path.is_dir() and ext not in VIDEO_EXTENSIONS
+                                        and ext not in _WRITE_IMAGE_FORMATS):
+        _warn_not_carried(path, like, spec, folder=True)
+        return SequenceWriter(path, spec, **images)
     if path.is_dir():
         raise MediaError(f"{path} is a folder; give a file name, or end the path with '/' "
                          f"to write a PNG sequence into the folder")
@@ -95,30 +140,18 @@ def open_writer(dst, *, like: MediaInfo | None = None, width: int | None = None,
             raise MediaError(f"{path}: a numbered pattern names image files, one per frame; "
                              f"give an image extension (e.g. {path.parent / '%05d.png'}), or "
                              f"a file name without %")
-        _warn_not_carried(path, like, False, set())
-        return ImageWriter(path, quality=quality, expected_frames=expected, display=display,
-                           pattern=printf_pattern(path), **common)
+        _warn_not_carried(path, like, spec)
+        return ImageWriter(path, spec, pattern=printf_pattern(path), **images)
     if ext in VIDEO_EXTENSIONS:
-        if fps is None:
-            fps = like.fps if like is not None else None
-        if fps is None:
+        if spec.fps is None:
             raise MediaError(f"{path}: a video needs a frame rate and images carry none; "
                              f"give one, e.g. {option_ref('fps', 24)} (or 29.97, 30000/1001)")
-        audio, subtitles = audio_from, ()
-        if isinstance(audio_from, MediaInfo):  # e.g. like=info, audio_from=info for any source
-            audio, subtitles = carried_streams(audio_from, ext)
-        if frame_times is None and like is not None:
-            frame_times = like.frame_times
-        _warn_not_carried(path, like, audio is not None, {index for index, _ in subtitles})
-        return VideoWriter(path, fps=as_fraction(fps), codec=codec, crf=crf, preset=preset,
-                           audio_from=audio, subtitle_streams=[i for i, _ in subtitles],
-                           frame_times=frame_times, display=DisplayTransform.of(like),
-                           colour=like.colour if like is not None else Colour(), **common)
+        _warn_not_carried(path, like, spec)
+        return VideoWriter(path, spec, overwrite=overwrite)
     if ext in _WRITE_IMAGE_FORMATS:
-        animation = _animation_of(path, like, fps)
-        _warn_not_carried(path, like, False, set(), animation)
-        return ImageWriter(path, quality=quality, expected_frames=expected, display=display,
-                           animation=animation, **common)
+        animation = _animation_of(path, like, spec.fps)
+        _warn_not_carried(path, like, spec, animation)
+        return ImageWriter(path, spec, animation=animation, **images)
     raise MediaError(
         f"{path}: can't tell what to write from the extension {ext or '(none)'!r}; use a video "
         f"extension ({', '.join(VIDEO_EXTENSIONS)}), an image one "
@@ -136,11 +169,11 @@ _AUDIO_REFUSED = {".mov": {"opus": ".mp4 or .mkv", "vorbis": ".mkv"},
                   ".mp4": {"vorbis": ".mkv"}, ".m4v": {"vorbis": ".mkv"}}
 
 
-def carried_streams(source: MediaInfo, ext: str) -> tuple[Path | None, list[tuple[int, str]]]:
+def _carried_streams(source: MediaInfo, ext: str) -> tuple[Path | None, tuple[int, ...]]:
     """What a video output ``ext`` copies from ``source``: the file to copy streams from
-    (None: nothing to copy) and its subtitle streams the container holds, as (index, codec)."""
-    subtitles = [(index, codec) for index, kind, codec in source.other_streams
-                 if kind == "subtitle" and codec in _SUBTITLE_CODECS.get(ext, ())]
+    (None: nothing to copy) and the indices of its subtitle streams the container holds."""
+    subtitles = tuple(index for index, kind, codec in source.other_streams
+                      if kind == "subtitle" and codec in _SUBTITLE_CODECS.get(ext, ()))
     return (source.path if source.has_audio or subtitles else None), subtitles
 
 
@@ -166,11 +199,10 @@ def _animation_of(path: Path, like: MediaInfo | None, fps) -> tuple | None:
     return durations, like.loop or 0
 
 
-def _warn_not_carried(path: Path, like: MediaInfo | None, audio_copied: bool,
-                      subtitles_copied: set[int], animation: tuple | None = None,
-                      folder: bool = False) -> None:
-    """One warning naming every stream of ``like``'s source that the output leaves out
-    (``folder``: the output is a folder of numbered PNGs)."""
+def _warn_not_carried(path: Path, like: MediaInfo | None, spec: OutputSpec,
+                      animation: tuple | None = None, folder: bool = False) -> None:
+    """One warning naming every stream of ``like``'s source that the output of ``spec``
+    leaves out (``folder``: the output is a folder of numbered PNGs)."""
     if like is None:
         return
     dropped = []
@@ -183,11 +215,11 @@ def _warn_not_carried(path: Path, like: MediaInfo | None, audio_copied: bool,
         elif animation[0] is None and like.frame_durations is not None:
             dropped.append("its frame durations (TIFF pages have no timing; write .png, .webp "
                            "or a video to keep them)")
-    if like.has_audio and not audio_copied:
+    if like.has_audio and not (video and spec.audio_from is not None):
         dropped.append("its audio" if video else
                        "its audio (images hold none; write a video to keep it)")
     for index, kind, codec in like.other_streams:
-        if index in subtitles_copied:
+        if video and index in spec.subtitle_streams:
             continue
         if kind == "subtitle":
             holders = [e for e, codecs in _SUBTITLE_CODECS.items() if codec in codecs]
@@ -201,25 +233,6 @@ def _warn_not_carried(path: Path, like: MediaInfo | None, audio_copied: bool,
     if dropped:
         warnings.warn(f"{path}: not carried over from {like.path}: {', '.join(dropped)}",
                       stacklevel=3)
-
-
-def _frame_layout(path: Path, like: MediaInfo | None, **given) -> dict:
-    """``width``, ``height``, ``channels`` and ``bit_depth``: each given or taken from ``like``,
-    and checked."""
-    layout = {}
-    for name, value in given.items():
-        if value is None and like is not None:
-            value = getattr(like, name)
-        if value is None:
-            raise MediaError(f"open_writer: pass {name}= (or like= a MediaInfo to copy it from)")
-        layout[name] = value
-    if layout["channels"] not in (1, 3, 4):
-        raise MediaError(f"{path}: frames must have 1, 3 or 4 channels, not {layout['channels']}")
-    if layout["bit_depth"] not in (8, 16):
-        raise MediaError(f"{path}: bit depth must be 8 or 16, not {layout['bit_depth']}")
-    if layout["width"] <= 0 or layout["height"] <= 0:
-        raise MediaError(f"{path}: invalid frame size {layout['width']}x{layout['height']}")
-    return layout
 
 
 class FrameOutput:
@@ -245,12 +258,8 @@ class FrameOutput:
 class MediaWriter(FrameOutput):
     """Base class: frame checks, the temporary -> final protocol and context management."""
 
-    def __init__(self, path: Path, *, width: int, height: int, channels: int, bit_depth: int,
-                 overwrite: bool):
-        self.path = path
-        self.width, self.height = width, height
-        self.channels, self.bit_depth = channels, bit_depth
-        self.overwrite = overwrite
+    def __init__(self, path: Path, spec: OutputSpec, *, overwrite: bool):
+        self.path, self.spec, self.overwrite = path, spec, overwrite
         self.frames_written = 0
         self._state = "open"  # -> "closed" | "aborted" | "kept" (finished but not moved)
         self._temp: Path | None = None  # the partial file or folder we own
@@ -261,9 +270,7 @@ class MediaWriter(FrameOutput):
         """Append one (H, W, C) frame."""
         if self._state != "open":
             raise MediaError(f"{self.path}: writer is already {self._state}")
-        frame = check_frame(frame, width=self.width, height=self.height,
-                            channels=self.channels, bit_depth=self.bit_depth,
-                            where=f"{self.path} frame {self.frames_written}")
+        frame = self._checked(frame)
         try:
             self._write(frame)
         except MediaError:
@@ -273,11 +280,24 @@ class MediaWriter(FrameOutput):
                              f"{e}") from e
         self.frames_written += 1
 
-    def close(self) -> None:
-        """Finish the output and move it to its final name. A no-op once closed.
+    def _checked(self, frame) -> np.ndarray:
+        """``frame`` as (H, W, C) (a 2-D array is one channel), or a MediaError: a wrong size
+        or dtype is a pipeline bug, and saying so here is kinder than a garbled file."""
+        where = f"{self.path} frame {self.frames_written}"
+        if not isinstance(frame, np.ndarray):
+            raise MediaError(f"{where}: frames must be numpy arrays, got {type(frame).__name__}")
+        if frame.ndim == 2:
+            frame = frame[:, :, None]
+        spec = self.spec
+        shape, dtype = (spec.height, spec.width, spec.channels), _FRAME_DTYPES[spec.bit_depth]
+        if frame.shape != shape or frame.dtype != dtype:
+            raise MediaError(f"{where}: expected a frame of shape {shape} {np.dtype(dtype).name}, "
+                             f"got {frame.shape} {frame.dtype}")
+        return frame
 
-        With no frames written this is an error and the partial output is removed.
-        """
+    def close(self) -> None:
+        """Finish the output and move it to its final name; a no-op once closed. With no
+        frames written this is an error and the partial output is removed."""
         if self._state == "closed":
             return
         if self._state != "open":
@@ -412,26 +432,24 @@ class MediaWriter(FrameOutput):
 class VideoWriter(MediaWriter):
     """H.264 / H.265 / VP9 through PyAV, with optional audio packet copy (:func:`open_writer`)."""
 
-    def __init__(self, path: Path, *, fps: Fraction, codec: str, crf: int | None = None,
-                 preset: str | None = None, audio_from=None, subtitle_streams=(),
-                 frame_times=None, display: DisplayTransform | None = None,
-                 colour: Colour = Colour(), **common):
+    def __init__(self, path: Path, spec: OutputSpec, *, overwrite: bool = False):
         import av
 
-        super().__init__(path, **common)
+        super().__init__(path, spec, overwrite=overwrite)
         self._container = self._audio = self._last_pts = None
-        self.fps, self._colour = fps, colour
-        key = self._choose_codec(codec, crf, preset)
+        self.fps, self._colour = as_fraction(spec.fps), spec.colour or Colour()
+        key = self._choose_codec()
         self._claim_temp()
         try:
-            self._frame_times = tuple(Fraction(t) for t in frame_times) if frame_times else None
-            self._frame_time_base = _time_base_for(fps, self._frame_times)
-            self._stream = self._open_stream(key, crf, preset, display)
+            times = spec.frame_times
+            self._frame_times = tuple(Fraction(t) for t in times) if times else None
+            self._frame_time_base = _time_base_for(self.fps, self._frame_times)
+            self._stream = self._open_stream(key)
             # One swscale context for all frames (frame.reformat() would make one per frame).
             self._reformatter = av.video.reformatter.VideoReformatter()
-            if audio_from is not None:
-                self._audio = _AudioCopy(fspath(audio_from), self._container, path,
-                                         subtitle_streams)
+            if spec.audio_from is not None:
+                self._audio = _AudioCopy(fspath(spec.audio_from), self._container, path,
+                                         spec.subtitle_streams)
             # Write the header now: encoder and muxer problems surface here, not at the end.
             try:
                 self._container.start_encoding()
@@ -440,7 +458,7 @@ class VideoWriter(MediaWriter):
                 if not copied:
                     raise
                 raise MediaError(f"{path}: {path.suffix.lower()} files can't hold the streams "
-                                 f"copied from {audio_from} ({copied}): FFmpeg says "
+                                 f"copied from {spec.audio_from} ({copied}): FFmpeg says "
                                  f"{e.strerror or e}; write .mkv, which holds most codecs") from e
         except BaseException as e:
             self.abort()
@@ -448,10 +466,11 @@ class VideoWriter(MediaWriter):
                 raise MediaError(f"{path}: cannot start writing video: {e}") from e
             raise
 
-    def _choose_codec(self, codec: str, crf: int | None, preset: str | None) -> str:
+    def _choose_codec(self) -> str:
         """The codec key (h264/h265/vp9) and pixel format for this output, refusing what the
         codec or container can't do before anything is written."""
-        path, ext = self.path, self.path.suffix.lower()
+        path, ext, spec = self.path, self.path.suffix.lower(), self.spec
+        codec, crf, preset = spec.codec, spec.crf, spec.preset
         key = _CODEC_ALIASES.get(str(codec).lower())
         if key is None:
             raise MediaError(f"{path}: unknown video codec {codec!r}; use 'h264', 'h265' or "
@@ -462,14 +481,14 @@ class VideoWriter(MediaWriter):
                                  f".mkv or .mp4 for H.265, or leave the codec for WebM's VP9")
             key = "vp9"  # WebM's codec: the default H.264 can't go there
         _, _, self._pix_fmt, _, max_crf, _ = _VIDEO_CODECS[key]
-        if self.width % 2 or self.height % 2:
+        if spec.width % 2 or spec.height % 2:
             raise MediaError(
                 f"{path}: {key.upper()} in yuv420 needs an even width and height, got "
-                f"{self.width}x{self.height}; choose an even output size (or write PNGs)")
-        if key == "h265" and self.width < H265_MIN_WIDTH:
+                f"{spec.width}x{spec.height}; choose an even output size (or write PNGs)")
+        if key == "h265" and spec.width < H265_MIN_WIDTH:
             raise MediaError(
                 f"{path}: H.265 output must be at least {H265_MIN_WIDTH} px wide, got "
-                f"{self.width}x{self.height} (libx265 corrupts memory and aborts on narrower "
+                f"{spec.width}x{spec.height} (libx265 corrupts memory and aborts on narrower "
                 f"frames); use codec h264 or vp9, or a larger resolution")
         if crf is not None and not 0 <= crf <= max_crf:
             raise MediaError(f"{path}: crf must be between 0 and {max_crf} for "
@@ -482,22 +501,21 @@ class VideoWriter(MediaWriter):
             raise MediaError(f"{path}: the source is HDR video ({self._colour.hdr}), which needs "
                              f"10 bits, and {key.upper()} is written in 8 bits here; give codec "
                              f"h265 (10-bit) and a .mkv, .mp4 or .mov name")
-        if self.channels == 4 and key == "vp9" and ext in (".webm", ".mkv"):
+        if spec.channels == 4 and key == "vp9" and ext in (".webm", ".mkv"):
             self._pix_fmt = "yuva420p"  # Matroska/WebM store VP9's alpha beside each frame
-        elif self.channels == 4:
+        elif spec.channels == 4:
             reason = "MP4 can't store VP9's alpha" if key == "vp9" else \
                 f"{key.upper()} video has no alpha channel"
             warnings.warn(f"{path}: {reason}; alpha is dropped (write .webm, which keeps it as "
                           f"VP9, or a PNG sequence)", stacklevel=4)
         return key
 
-    def _open_stream(self, key: str, crf: int | None, preset: str | None,
-                     display: DisplayTransform | None):
+    def _open_stream(self, key: str):
         """Open the container on the temporary and add the video stream, tagged with the
         source's colour description, orientation and pixel shape."""
         import av
 
-        path, ext = self.path, self.path.suffix.lower()
+        path, ext, spec = self.path, self.path.suffix.lower(), self.spec
         encoder, codec_name, _, default_crf, _, options = _VIDEO_CODECS[key]
         self._container = av.open(str(self._temp), "w", format=VIDEO_EXTENSIONS[ext])
         if codec_name not in self._container.supported_codecs:
@@ -505,17 +523,17 @@ class VideoWriter(MediaWriter):
         if encoder not in av.codecs_available:
             raise MediaError(f"{path}: this FFmpeg build has no {encoder} encoder")
         stream = self._container.add_stream(encoder, rate=self.fps)
-        stream.width, stream.height, stream.pix_fmt = self.width, self.height, self._pix_fmt
+        stream.width, stream.height, stream.pix_fmt = spec.width, spec.height, self._pix_fmt
         # The encoder counts time in this base too: at 1/fps, variable-rate timestamps
         # would collide.
         stream.time_base = stream.codec_context.time_base = self._frame_time_base
-        stream.options = {"crf": str(default_crf if crf is None else crf), **options,
-                          **({} if preset is None else {"preset": str(preset)})}
+        stream.options = {"crf": str(default_crf if spec.crf is None else spec.crf), **options,
+                          **({} if spec.preset is None else {"preset": str(spec.preset)})}
         if key == "h265" and ext in (".mp4", ".mov", ".m4v"):
             stream.codec_tag = "hvc1"  # Apple players only accept HEVC tagged hvc1
         # The source's colour description (BT.709 limited range for sources without one):
         # _write converts with its matrix and range, so players agree.
-        cc, colour = stream.codec_context, self._colour
+        cc, colour, display = stream.codec_context, self._colour, spec.display
         cc.colorspace, cc.color_primaries = colour.matrix, colour.primaries
         cc.color_trc, cc.color_range = colour.transfer, colour.range
         # The source's orientation and pixel shape travel as tags: players apply them, and
@@ -527,18 +545,18 @@ class VideoWriter(MediaWriter):
         return stream
 
     def _write(self, frame: np.ndarray) -> None:
-        if self.channels == 4 and self._pix_fmt != "yuva420p":
+        spec = self.spec
+        if spec.channels == 4 and self._pix_fmt != "yuva420p":
             frame = frame[:, :, :3]
         picture = to_picture(frame)
         # Convert to YUV ourselves with the matrix and range the stream is tagged with; the
         # encoder's own conversion would use BT.601 limited range whatever the tags say.
         # (No transfer or primaries here: swscale would convert the values between them, and
         # the frames are already in the source's.)
-        colour = self._colour
         picture = self._reformatter.reformat(
-            picture, format=self._pix_fmt, dst_colorspace=colour.conversion_matrix,
-            dst_color_range=colour.range,
-            threads=0 if self.width * self.height >= 640 * 480 else 1)
+            picture, format=self._pix_fmt, dst_colorspace=self._colour.conversion_matrix,
+            dst_color_range=self._colour.range,
+            threads=0 if spec.width * spec.height >= 640 * 480 else 1)
         pts = round(self._time_of(self.frames_written) / self._frame_time_base)
         if self._last_pts is not None and pts <= self._last_pts:
             pts = self._last_pts + 1  # timestamps must increase; rounding must not collide
@@ -687,12 +705,11 @@ class _ImageFilesWriter(MediaWriter):
 
     _fmt: str
     _ext: str
-    _quality: int = 95
 
-    def __init__(self, path: Path, *, expected_frames: int | None,
-                 display: DisplayTransform | None, **common):
-        super().__init__(path, **common)
-        self._display = display
+    def __init__(self, path: Path, spec: OutputSpec, *, overwrite: bool,
+                 expected_frames: int | None):
+        super().__init__(path, spec, overwrite=overwrite)
+        self._display = spec.display if spec.upright else None
         self._digits = max(5, len(str((expected_frames or 1) - 1)))
 
     def _frame_file(self, index: int) -> Path:
@@ -703,7 +720,7 @@ class _ImageFilesWriter(MediaWriter):
 
         if self._display is not None:
             frame = self._display.apply(frame)
-        save_image(self._frame_file(self.frames_written), frame, self._fmt, self._quality)
+        save_image(self._frame_file(self.frames_written), frame, self._fmt, self.spec.quality)
 
 
 class ImageWriter(_ImageFilesWriter):
@@ -711,24 +728,23 @@ class ImageWriter(_ImageFilesWriter):
     given ``animation`` (frame durations or None, loop count), one animated file of them all,
     encoded at close from frames waiting in the partial folder as PNGs."""
 
-    def __init__(self, path: Path, *, quality: int, expected_frames: int | None,
-                 display: DisplayTransform | None = None, animation: tuple | None = None,
-                 pattern: tuple[str, str, str] | None = None, **common):
+    def __init__(self, path: Path, spec: OutputSpec, *, overwrite: bool,
+                 expected_frames: int | None, animation: tuple | None = None,
+                 pattern: tuple[str, str, str] | None = None):
         if animation is not None:
             expected_frames = None  # one file: only ``path`` must be free
-        super().__init__(path, expected_frames=expected_frames, display=display, **common)
+        super().__init__(path, spec, overwrite=overwrite, expected_frames=expected_frames)
         self._ext = path.suffix
         self._fmt = _WRITE_IMAGE_FORMATS[path.suffix.lower()]
-        self._quality = quality
         self._animation = animation
         self._pattern = pattern  # (prefix, %d spec, suffix): every frame numbered by it
         if animation is not None:
             self._ext, self._fmt = ".png", "PNG"  # the waiting frames
-        if self.channels == 4 and path.suffix.lower() in (".jpg", ".jpeg"):
+        if spec.channels == 4 and path.suffix.lower() in (".jpg", ".jpeg"):
             warnings.warn(f"{path}: JPEG has no alpha channel; alpha is dropped (use .png or "
                           f".webp to keep it)", stacklevel=3)
         final_fmt = _WRITE_IMAGE_FORMATS[path.suffix.lower()]
-        if self.bit_depth == 16 and (final_fmt in ("JPEG", "WEBP") or animation is not None):
+        if spec.bit_depth == 16 and (final_fmt in ("JPEG", "WEBP") or animation is not None):
             what = "an animation" if animation is not None else final_fmt
             warnings.warn(f"{path}: {what} is 8-bit here; 16-bit frames are rounded to 8 bits "
                           f"(use single .png or .tiff files to keep 16 bits)", stacklevel=3)
@@ -781,13 +797,13 @@ class ImageWriter(_ImageFilesWriter):
         encoded = self._temp / f"animation{self.path.suffix}"
         durations, loop = self._animation
         if self.frames_written == 1:
-            save_image(encoded, next(self._waiting_frames()), final_fmt, self._quality)
+            save_image(encoded, next(self._waiting_frames()), final_fmt, self.spec.quality)
         else:
             if durations is not None:  # as many as frames were written
                 durations = (tuple(durations) + durations[-1:] * self.frames_written)[
                     :self.frames_written]
             save_animation(encoded, self._waiting_frames(), final_fmt, durations, loop,
-                           self._quality)
+                           self.spec.quality)
         self._state = "kept"
         self._place(encoded, self.path)
         for index in range(self.frames_written):
@@ -802,9 +818,9 @@ class SequenceWriter(_ImageFilesWriter):
 
     _fmt, _ext = "PNG", ".png"
 
-    def __init__(self, path: Path, *, expected_frames: int | None,
-                 display: DisplayTransform | None = None, **common):
-        super().__init__(path, expected_frames=expected_frames, display=display, **common)
+    def __init__(self, path: Path, spec: OutputSpec, *, overwrite: bool,
+                 expected_frames: int | None):
+        super().__init__(path, spec, overwrite=overwrite, expected_frames=expected_frames)
         if path.exists() and not path.is_dir():
             raise MediaError(f"{path} exists and is not a folder; a frame sequence needs one")
         if path.is_dir() and any(path.iterdir()) and not self.overwrite:

@@ -579,8 +579,7 @@ def _restored_blender(state: ResumeState, outputs):
 def _assemble(state: ResumeState, info, output):
     """The final output from the complete segments: a video by stream copy with the source's
     audio muxed in, images through the ordinary image writer. Returns its path."""
-    from ..io import open_media
-    from ..io.writer import carried_streams
+    from ..io import OutputSpec, open_media
 
     segments, size = state.segments, output.size
     if state.ext == "/":
@@ -589,12 +588,10 @@ def _assemble(state: ResumeState, info, output):
                 with open_media(state.segment_path(s)) as pngs:
                     writer.write_many(pngs.frames())
         return writer.path
-    carried, subtitles = carried_streams(info, Path(str(output.dst)).suffix.lower())
+    spec = OutputSpec(width=size[1], height=size[0], bit_depth=output.bit_depth,
+                      audio_from=info).resolved(Path(str(output.dst)), info)
     final = SegmentConcat(output.dst, [state.segment_path(s) for s in segments],
-                          [s.frames for s in segments], fps=info.fps, width=size[1],
-                          height=size[0], channels=info.channels, bit_depth=output.bit_depth,
-                          audio_from=carried, subtitle_streams=[i for i, _ in subtitles],
-                          frame_times=info.frame_times, overwrite=output.overwrite,
+                          [s.frames for s in segments], spec, overwrite=output.overwrite,
                           after_segment=state.faults.assembled)
     final.close()
     return final.path
@@ -602,25 +599,24 @@ def _assemble(state: ResumeState, info, output):
 
 def _segment_writer(segment: Segment, state: ResumeState, info, output):
     """The writer of one segment file (video) or folder (lossless PNGs)."""
-    from ..io import open_writer
+    from ..io import OutputSpec, open_writer
 
     path, video = state.segment_path(segment), state.ext != "/"
     # Image segments stay as stored: the final writer turns them upright (rotation, pixel
     # aspect) when it reads them back; video segments carry the tags either way.
-    kwargs = dict(like=info, width=output.size[1], height=output.size[0],
-                  channels=info.channels, bit_depth=output.bit_depth, overwrite=True,
-                  upright=False)
-    if video:
-        kwargs.update(codec=output.codec)
-        if info.frame_times:  # variable rate: this segment's frames at their own times
-            first = info.frame_times[segment.first_frame]
-            kwargs.update(frame_times=[t - first for t in info.frame_times[
-                segment.first_frame: segment.first_frame + segment.frames]])
+    times = None
+    if video and info.frame_times:  # variable rate: this segment's frames at their own times
+        first = info.frame_times[segment.first_frame]
+        times = tuple(t - first for t in info.frame_times[
+            segment.first_frame: segment.first_frame + segment.frames])
+    spec = OutputSpec(width=output.size[1], height=output.size[0], channels=info.channels,
+                      bit_depth=output.bit_depth, codec=output.codec, frame_times=times,
+                      upright=False)
     with warnings.catch_warnings():
         # A segment carries no audio or subtitles by design (the assembly adds the audio);
         # what the final output cannot hold was said when it was checked at the start.
         warnings.simplefilter("ignore", UserWarning)
-        return open_writer(str(path) if video else f"{path}/", **kwargs)
+        return open_writer(str(path) if video else f"{path}/", spec, like=info, overwrite=True)
 
 
 def _write_segment(segment: Segment, outputs, blender, state: ResumeState, info, output,

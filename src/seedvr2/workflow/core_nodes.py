@@ -106,7 +106,7 @@ def _save_video(host, video: Video, filename_prefix: str = "video/ComfyUI", form
                 codec: str = "auto") -> NodeResult:
     import numpy as np
 
-    from ..io import open_writer
+    from ..io import OutputSpec, open_writer
 
     images, audio, fps = video_components(video)
     height, width = images.shape[1:3]
@@ -115,8 +115,9 @@ def _save_video(host, video: Video, filename_prefix: str = "video/ComfyUI", form
     rate = Fraction(fps).limit_denominator(1001)
     with tempfile.TemporaryDirectory(prefix="seedvr2_audio_") as scratch:
         audio_from = _audio_file(audio, Path(scratch))
-        with open_writer(path, width=width, height=height, channels=3, bit_depth=8, fps=rate,
-                         codec="h264", audio_from=audio_from, overwrite=True) as writer:
+        spec = OutputSpec(width=width, height=height, channels=3, bit_depth=8, fps=rate,
+                          audio_from=audio_from)
+        with open_writer(path, spec, overwrite=True) as writer:
             for frame in images:
                 writer.write(np.clip(frame[..., :3].cpu().numpy() * 255.0 + 0.5, 0, 255)
                              .astype(np.uint8))
