@@ -198,12 +198,9 @@ class Kernel:
 def kitchen_runs_on_rocm(function: str) -> bool:
     """Whether comfy-kitchen registered a backend other than eager (hip, triton) that
     implements ``function``: what it reports available on this AMD GPU."""
-    ck = kitchen()
-    for name, backend in ck.list_backends().items():
-        if name != "eager" and backend["available"] and not backend["disabled"] and \
-                function in backend["capabilities"]:
-            return True
-    return False
+    status = kitchen().list_backends()
+    return any(name != "eager" and _computes(status, name) and function in backend["capabilities"]
+               for name, backend in status.items())
 
 
 def _tensor(args, name) -> Optional[torch.Tensor]:
@@ -248,8 +245,18 @@ def _padded_rows(multiple: int, flag: str):
     return problem
 
 
-def _roundup(n: int, m: int) -> int:
-    return -(-n // m) * m
+def tiled_scales_shape(rows: int, blocks: int) -> tuple[int, int]:
+    """The block-scale matrix of ``rows`` x ``blocks`` scales in cuBLAS' 128x4 tiles."""
+    return -(-rows // 128) * 128, -(-blocks // 4) * 4
+
+
+def is_power_of_4(size) -> bool:
+    """Whether ``size`` is 4, 16, 64, ... (an int; a bool is not a size)."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 4:
+        return False
+    while size % 4 == 0:
+        size //= 4
+    return size == 1
 
 
 def _block_scales(block: int, packed: bool):
@@ -263,7 +270,7 @@ def _block_scales(block: int, packed: bool):
         k = a.shape[1] * (2 if packed else 1)
         bad = []
         for name, rows, scale in (("block_scale_a", a.shape[0], sa), ("block_scale_b", b.shape[0], sb)):
-            want = (_roundup(rows, 128), _roundup(-(-k // block), 4))
+            want = tiled_scales_shape(rows, -(-k // block))
             if tuple(scale.shape) != want:
                 bad.append(f"{name} is {list(scale.shape)}, not {list(want)}")
         return "; ".join(bad) or None
@@ -313,23 +320,11 @@ def _convrot_group(args):
     if not args.get("convrot"):
         return None
     group, x = args.get("convrot_groupsize"), _tensor(args, "x")
-    if not isinstance(group, int) or isinstance(group, bool) or group < 4 or \
-            4 ** round(math.log(group, 4)) != group:
+    if not is_power_of_4(group):
         return f"convrot_groupsize {group!r} is not a power of 4"
     if x is not None and x.shape[-1] % group:
         return f"convrot_groupsize {group} does not divide the {x.shape[-1]} input features"
     return None
-
-
-def _float_scale(name):
-    def problem(args):
-        t = _tensor(args, name)
-        if t is None:
-            return None
-        if t.dtype != torch.float32 or t.numel() != 1:
-            return f"{name} is {t.dtype} of {t.numel()} values, not one float32"
-        return None
-    return problem
 
 
 def _scaled_mm_layout(args):

@@ -43,8 +43,6 @@ def _product_fits(w: PackedWeight) -> Optional[str]:
     scale = w.parts.get("scale")
     if scale is not None and scale.numel() != 1:
         return "a per-channel weight scale (the product takes one scale per tensor)"
-    if len(w.shape) != 2:
-        return "not a linear layer's weight"
     return product_rules(w.shape)
 
 

@@ -28,15 +28,6 @@ WEIGHTS = "weights"
 _HALF_FLOATS = (torch.float16, torch.bfloat16)
 
 
-def weight_path(weight: PackedWeight) -> Optional[str]:
-    """The low-precision path a packed weight's layout could take on a capable GPU (None:
-    dequantise): its format's product, when the weight fits the product's kernels."""
-    product = scheme_of(weight.scheme).product
-    if product is None or product.fits(weight) is not None:
-        return None
-    return product.path
-
-
 def compute_path(weight: PackedWeight, x_dtype: torch.dtype, device: torch.device,
                  precision: str) -> str:
     """The path a linear layer with packed ``weight`` takes for activations of ``x_dtype`` on
@@ -48,7 +39,7 @@ def compute_path(weight: PackedWeight, x_dtype: torch.dtype, device: torch.devic
         return WEIGHTS
     if kernels.runs_on(product.kernels, kernels.platform_of(device)) is not None:
         return WEIGHTS
-    if product.fits(weight) is not None:
+    if len(weight.shape) != 2 or product.fits(weight) is not None:
         return WEIGHTS
     return product.path
 

@@ -104,10 +104,6 @@ class PackedEntry:
 # the table
 
 
-def _no_non_finite(tensor, params):  # noqa: ARG001 -- codes that cannot be NaN or inf
-    return None
-
-
 def non_finite_values(tensor: torch.Tensor, params: Mapping = None) -> torch.Tensor:  # noqa: ARG001
     """A bool tensor: where ``tensor``'s values are NaN or infinite, by its dtype's encoding
     (the fp8 formats by their bit patterns; torch has no isfinite for them everywhere)."""
@@ -152,8 +148,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 class Product:
     """A scheme's low-precision product (``loading.lowp``): the compute ``path`` it is
     reported as, the external ``kernels`` it calls (keys of ``seedvr2.kernels.KERNELS``, whose
-    rules and capabilities gate it), why a weight's layout does not fit them (``fits``: None
-    when it does), and ``run(ck, x2d, weight, bias)``."""
+    rules and capabilities gate it), why a linear (2-D) weight's layout does not fit them
+    (``fits``: None when it does), and ``run(ck, x2d, weight, bias)``."""
 
     path: str
     kernels: tuple[str, ...]
@@ -305,15 +301,6 @@ def row_scale(scale: torch.Tensor, rows: int, ndim: int) -> torch.Tensor:
     return scale.reshape(rows, *([1] * (ndim - 1)))
 
 
-def _roundup(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def tiled_scales_shape(rows: int, blocks: int) -> tuple[int, int]:
-    """The swizzled block-scale matrix of ``rows`` x ``blocks`` scales (128 x 4 tiles)."""
-    return _roundup(rows, 128), _roundup(blocks, 4)
-
-
 def unswizzle_block_scales(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """cuBLAS' block-scaling tile layout -> the plain ``(rows, cols)`` scale matrix.
 
@@ -338,6 +325,17 @@ def swizzle_block_scales(plain: torch.Tensor) -> torch.Tensor:
 
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def block_scaled_weight(layer: str, shapes: Mapping, divisor: int,
+                        expected: str) -> tuple[str, tuple[int, ...]]:
+    """The key and stored shape of a block-scaled layer's weight: 2-D, its columns a multiple
+    of ``divisor``; else a :class:`LayoutError` saying what was ``expected``."""
+    key = f"{layer}.weight"
+    shape = tuple(shapes[key])
+    if len(shape) != 2 or shape[1] % divisor:
+        raise LayoutError(f"tensor {key!r}: expected {expected}; found {list(shape)}")
+    return key, shape
 
 
 def conf_value(conf: Mapping, name: str, default):
