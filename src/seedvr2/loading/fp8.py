@@ -15,7 +15,7 @@ import torch
 
 from ..kernels import violations
 from .packed import (E4M3_MAX, FLOAT_SCALES, Format, LayoutError, Part, PackedEntry,
-                     PackedWeight, Product, Scheme, Target, register, row_scale,
+                     PackedWeight, Product, Scheme, Target, dtype_name, register, row_scale,
                      row_scale_shapes)
 
 FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
@@ -33,7 +33,7 @@ def _dequantize(w: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _label(params, dtypes) -> str:
-    return str(dtypes["data"]).replace("torch.", "") + ("_scaled" if "scale" in dtypes else "")
+    return dtype_name(dtypes["data"]) + ("_scaled" if "scale" in dtypes else "")
 
 
 def _product_fits(w: PackedWeight) -> Optional[str]:
@@ -83,7 +83,7 @@ def _read_marker(layer: str, conf: Mapping, shapes, dtypes) -> PackedEntry:
     key = f"{layer}.weight"
     if dtypes[key] != FP8[fmt]:
         raise LayoutError(f"tensor {key!r}: the layer is marked {fmt}; found "
-                          f"{str(dtypes[key]).replace('torch.', '')}")
+                          f"{dtype_name(dtypes[key])}")
     scale = f"{layer}.weight_scale"
     return PackedEntry("float", tuple(shapes[key]),
                        {"data": key, **({"scale": scale} if scale in shapes else {})})

@@ -45,14 +45,6 @@ class PackedWeight:
         return scheme_of(self.scheme).label(self.params, {k: v.dtype for k, v in
                                                           self.parts.items()})
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.parts.values())
-
-    @property
-    def device(self) -> torch.device:
-        return next(iter(self.parts.values())).device
-
     def to(self, device) -> "PackedWeight":
         """The same packed bytes on ``device`` (never a dtype change)."""
         parts = {k: v.to(device) for k, v in self.parts.items()}
@@ -135,12 +127,13 @@ class Part:
         allowed = [tuple(s) for s in self.shapes(logical, params)]
         if dtype in self.dtypes and tuple(shape) in allowed:
             return None
-        dtypes = " or ".join(_dtype_name(d) for d in self.dtypes)
+        dtypes = " or ".join(dtype_name(d) for d in self.dtypes)
         shapes = " or ".join(str(list(s)) for s in allowed)
-        return f"expected {dtypes} of shape {shapes}; found {_dtype_name(dtype)} {list(shape)}"
+        return f"expected {dtypes} of shape {shapes}; found {dtype_name(dtype)} {list(shape)}"
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float8_e4m3fn`` for ``torch.float8_e4m3fn``: a dtype as messages and labels name it."""
     return str(dtype).replace("torch.", "")
 
 

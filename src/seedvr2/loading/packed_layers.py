@@ -19,7 +19,7 @@ from torch import nn
 from ..options import OptionError
 from ..errors import UsageError
 from .lowp import COMPUTE_PRECISIONS, WEIGHTS, compute_path, low_precision_linear
-from .packed import PackedWeight
+from .packed import PackedWeight, dtype_name
 
 log = logging.getLogger("seedvr2")
 
@@ -79,7 +79,7 @@ class PackedWeightMixin:
         self._lowp_failure = f"{type(error).__name__}{': ' if detail else ''}{detail}"
         log.warning("%s (%s weights): the %s low-precision product failed (%s); this layer "
                     "dequantises to %s for the rest of the job", self._packed_name, packed.label,
-                    path, self._lowp_failure, str(self.compute_dtype).replace("torch.", ""))
+                    path, self._lowp_failure, dtype_name(self.compute_dtype))
 
     def _apply(self, fn, recurse=True):
         # Packed tensors keep their storage dtype: fn sees their bytes (a uint8 view, which
@@ -100,7 +100,7 @@ class PackedWeightMixin:
     def extra_repr(self) -> str:
         base = super().extra_repr()
         label = self.packed_weight.label
-        return f"{base}, packed={label}, compute_dtype={str(self.compute_dtype)[6:]}"
+        return f"{base}, packed={label}, compute_dtype={dtype_name(self.compute_dtype)}"
 
 
 def _apply_to_bytes(fn, tensor: torch.Tensor) -> torch.Tensor:
