@@ -15,7 +15,7 @@ import mmap
 import struct
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -640,25 +640,40 @@ def _check_tensors(path: Path, gguf, infos, start: int, alignment: int, size: in
 def open_gguf(path: Path) -> TensorSource:
     """A GGUF file as a :class:`TensorSource` (quantised tensors stay packed)."""
     reader = _reader(path)
-    tensors = _read_tensors(path, reader)
-    packed, blocks = tensors.packed, tensors.blocks
+    shapes, dtypes, packed = {}, {}, {}
+    stored = {}  # key -> F32/F16/BF16 tensor, or the (n_blocks, type_size) uint8 GGML blocks
+    for tensor in reader.tensors:
+        name, qtype = tensor.name, tensor.tensor_type.name
+        key = name.removeprefix(COMFY_PREFIX)
+        if qtype not in SUPPORTED_TYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has GGML type {qtype}, which this "
+                                  f"loader cannot dequantise (supported: "
+                                  f"{', '.join(SUPPORTED_TYPES)})")
+        shapes[key] = _shape(path, reader.fields, tensor)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns about non-writable numpy arrays
+            data = torch.from_numpy(tensor.data)
+        if qtype in PLAIN_TYPES:
+            if qtype == "BF16":  # the reader gives BF16 as raw bytes
+                data = data.view(torch.uint8).reshape(-1).view(torch.bfloat16)
+            stored[key] = data.reshape(shapes[key])
+            dtypes[key] = PLAIN_TYPES[qtype]
+        else:
+            stored[key] = data.view(torch.uint8).reshape(-1, BLOCK_SIZES[qtype][1])
+            dtypes[key] = torch.uint8
+            packed[key] = PackedEntry("gguf", shapes[key], {"blocks": key}, params={"qtype": qtype})
+
+    def read_packed(key: str) -> PackedWeight:
+        return packed[key].read(stored.__getitem__)
 
     def get(key: str) -> torch.Tensor:
-        if key in packed:
-            return packed[key].read(blocks.__getitem__).dequantize(torch.float32) \
-                .reshape(tensors.shapes[key])
-        return tensors.plain[key]
+        return read_packed(key).dequantize(torch.float32) if key in packed else stored[key]
 
-    def close():
-        tensors.plain.clear()
-        blocks.clear()
-
-    return TensorSource(path, "gguf", shapes=tensors.shapes, dtypes=tensors.dtypes,
+    return TensorSource(path, "gguf", shapes=shapes, dtypes=dtypes,
                         metadata=_metadata(path, reader.fields),
-                        packed={k: v.label(tensors.dtypes) for k, v in packed.items()},
+                        packed={k: v.label(dtypes) for k, v in packed.items()},
                         part_keys={k: dict(v.files) for k, v in packed.items()},
-                        _get=get, _get_packed=lambda key: packed[key].read(blocks.__getitem__),
-                        _close=close)
+                        _get=get, _get_packed=read_packed, _close=stored.clear)
 
 
 def _reader(path: Path):
@@ -676,42 +691,6 @@ def _reader(path: Path):
         detail = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise CheckpointError(f"{path}: unreadable GGUF file, truncated or corrupt "
                               f"({detail[:200]})") from None
-
-
-@dataclass
-class _Tensors:
-    shapes: dict = field(default_factory=dict)
-    dtypes: dict = field(default_factory=dict)
-    plain: dict = field(default_factory=dict)  # key -> tensor (F32/F16/BF16)
-    packed: dict = field(default_factory=dict)  # key -> PackedEntry of GGML blocks
-    blocks: dict = field(default_factory=dict)  # key -> (n_blocks, type_size) uint8
-
-
-def _read_tensors(path: Path, reader) -> _Tensors:
-    out = _Tensors()
-    for tensor in reader.tensors:
-        name = tensor.name
-        key = name.removeprefix(COMFY_PREFIX)
-        qtype = tensor.tensor_type.name
-        if qtype not in SUPPORTED_TYPES:
-            raise CheckpointError(f"{path}: tensor {name!r} has GGML type {qtype}, which this "
-                                  f"loader cannot dequantise (supported: "
-                                  f"{', '.join(SUPPORTED_TYPES)})")
-        shape = _shape(path, reader.fields, tensor)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch warns about non-writable numpy arrays
-            data = torch.from_numpy(tensor.data)
-        out.shapes[key] = shape
-        if qtype in PLAIN_TYPES:
-            if qtype == "BF16":  # the reader gives BF16 as raw bytes
-                data = data.view(torch.uint8).reshape(-1).view(torch.bfloat16)
-            out.plain[key] = data.reshape(shape)
-            out.dtypes[key] = PLAIN_TYPES[qtype]
-        else:
-            out.blocks[key] = data.view(torch.uint8).reshape(-1, BLOCK_SIZES[qtype][1])
-            out.packed[key] = PackedEntry("gguf", shape, {"blocks": key}, params={"qtype": qtype})
-            out.dtypes[key] = torch.uint8
-    return out
 
 
 def _shape(path: Path, fields, tensor) -> tuple[int, ...]:
