@@ -172,12 +172,9 @@ class Kernel:
 
     def violations(self, args: Mapping[str, Any]) -> list[str]:
         """What the call with ``args`` (parameter name -> value) breaks, each with its rule."""
-        found = []
-        for rule in self.rules:
-            problem = rule.problem(args)
-            if problem:
-                found.append(f"{self.name}: {problem} ({self.source}: \"{rule.quote}\")")
-        return found
+        problems = ((rule, rule.problem(args)) for rule in self.rules)
+        return [f"{self.name}: {problem} ({self.source}: \"{rule.quote}\")"
+                for rule, problem in problems if problem]
 
     def runs_on(self, platform: Platform) -> Optional[str]:
         """Why this kernel does not run on ``platform``, or None."""
@@ -589,9 +586,9 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
 )}
 
 
-def violations(name: str, args: Mapping[str, Any]) -> list[str]:
-    """What a call of the kernel ``name`` with ``args`` breaks (empty: none)."""
-    return KERNELS[name].violations(args)
+def first_violation(name: str, args: Mapping[str, Any]) -> Optional[str]:
+    """The first rule a call of the kernel ``name`` with ``args`` breaks, or None."""
+    return next(iter(KERNELS[name].violations(args)), None)
 
 
 def runs_on(names, platform: Platform) -> Optional[str]:

@@ -13,7 +13,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from ..kernels import violations
+from ..kernels import first_violation
 from .packed import (E4M3_MAX, FLOAT_SCALES, Format, LayoutError, Part, PackedEntry,
                      PackedWeight, Product, Scheme, Target, dtype_name, register, row_scale,
                      row_scale_shapes)
@@ -52,9 +52,8 @@ def product_rules(shape: tuple[int, ...]) -> Optional[str]:
     meta = torch.empty(16, cols, dtype=torch.float8_e4m3fn, device="meta")
     weight = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device="meta")
     scale = torch.empty((), dtype=torch.float32, device="meta")
-    found = violations("torch._scaled_mm", {"self": meta, "mat2": weight.t(), "scale_a": scale,
-                                            "scale_b": scale})
-    return found[0] if found else None
+    return first_violation("torch._scaled_mm", {"self": meta, "mat2": weight.t(),
+                                                "scale_a": scale, "scale_b": scale})
 
 
 def _product(ck, x2d, weight: PackedWeight, bias):

@@ -591,7 +591,8 @@ def _check_header(path: Path, gguf) -> None:
             raise _Damaged("no GGUF header")
         walk = _HeaderWalk(m, size, "<" if struct.unpack_from("<I", m, 4)[0] & 0xFFFF else ">")
         n_tensors, n_fields = walk.take("Q", "tensor count"), walk.take("Q", "metadata count")
-        walk.need(n_fields * 12 + n_tensors * 24, f"{n_fields} metadata fields, {n_tensors} tensors")
+        walk.need(n_fields * 12 + n_tensors * 24,
+                  f"{n_fields} metadata fields, {n_tensors} tensors")
         alignment = walk.alignment(n_fields)
         infos = walk.tensor_infos(n_tensors)
         if alignment <= 0 or alignment & (alignment - 1):

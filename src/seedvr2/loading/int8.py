@@ -16,7 +16,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from ..kernels import is_power_of_4, violations
+from ..kernels import first_violation, is_power_of_4
 from .packed import (FLOAT_SCALES, Format, LayoutError, Part, PackedEntry, PackedWeight,
                      Product, Scheme, Target, conf_value, register, row_scale,
                      row_scale_shapes)
@@ -69,12 +69,11 @@ def _dequantize_convrot(w: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
 def _kernel_rules(shape: tuple, scale_numel: int, convrot: bool, group) -> Optional[str]:
     rows, cols = shape
     meta = dict(device="meta")
-    found = violations("comfy_kitchen.int8_linear", {
+    return first_violation("comfy_kitchen.int8_linear", {
         "x": torch.empty(16, cols, dtype=torch.bfloat16, **meta),
         "weight": torch.empty(rows, cols, dtype=torch.int8, **meta),
         "weight_scale": torch.empty(scale_numel, dtype=torch.float32, **meta),
         "convrot": convrot, "convrot_groupsize": group})
-    return found[0] if found else None
 
 
 def _product_fits(w: PackedWeight) -> Optional[str]:

@@ -1,16 +1,13 @@
-"""Which arithmetic a quantised linear layer multiplies in, decided in one place per layer and
-device: ``weights`` (dequantise to the compute dtype) or, with ``compute_precision auto``, the
-low-precision product of the weights' format through comfy-kitchen (each format's
-:class:`~.packed.Product`).
+"""Which arithmetic a quantised linear layer multiplies in, decided per layer and device:
+``weights`` (dequantise to the compute dtype) or, with ``compute_precision auto``, its format's
+low-precision product through comfy-kitchen (each format's :class:`~.packed.Product`).
 
-The decision reads the platform first (NVIDIA or AMD: ROCm reports SM-shaped capabilities that
-are not NVIDIA's), then the compute capability each kernel states, or on AMD what
-comfy-kitchen registers there (``seedvr2.kernels``), then whether the weight's layout fits the
-kernels' rules. Each product quantises the activations inside the call (per call, from their
-own absolute maxima, on the device: no host sync) and multiplies the stored codes and scales as
-they are. A product that fails (a kernel's assertion, a cuBLAS error, a call comfy-kitchen
-declines) is the caller's to fall back from (``quantized.PackedWeightMixin``). Paths, GPUs and
-error bounds: docs/memory.md, "Quantised weights: compute_precision".
+The platform decides first (ROCm reports SM-shaped capabilities that are not NVIDIA's), then
+the compute capability each kernel states, or on AMD what comfy-kitchen registers there
+(``seedvr2.kernels``), then whether the weight fits the kernels' rules. Each product quantises
+the activations inside the call (from their own absolute maxima, on the device: no host sync).
+A product that fails is the caller's to fall back from (``packed_layers.PackedWeightMixin``).
+Paths, GPUs and error bounds: docs/memory.md, "Quantised weights: compute_precision".
 """
 
 from __future__ import annotations

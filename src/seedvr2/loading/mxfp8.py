@@ -15,7 +15,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from ..kernels import tiled_scales_shape, violations
+from ..kernels import first_violation, tiled_scales_shape
 from .packed import (E4M3_MAX, Format, Part, PackedEntry, PackedWeight, Product, Scheme, Target,
                      block_scaled_weight, register, swizzle_block_scales, unswizzle_block_scales)
 
@@ -47,10 +47,9 @@ def _kernel_rules(shape: tuple) -> Optional[str]:
     b = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, **meta)
     scales = lambda n, k: torch.empty(tiled_scales_shape(n, -(-k // BLOCK)),  # noqa: E731
                                       dtype=torch.float8_e8m0fnu, **meta)
-    found = violations("comfy_kitchen.scaled_mm_mxfp8", {
+    return first_violation("comfy_kitchen.scaled_mm_mxfp8", {
         "a": a, "b": b, "block_scale_a": scales(32, padded), "block_scale_b": scales(rows, cols),
         "out_dtype": torch.bfloat16})
-    return found[0] if found else None
 
 
 def _product(ck, x2d, weight: PackedWeight, bias):

@@ -14,7 +14,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from ..kernels import tiled_scales_shape, violations
+from ..kernels import first_violation, tiled_scales_shape
 from .packed import (E4M3_MAX, FLOAT_SCALES, Format, Part, PackedEntry, PackedWeight,
                      Product, Scheme, Target, block_scaled_weight, device_constant, register,
                      swizzle_block_scales, unswizzle_block_scales)
@@ -47,12 +47,11 @@ def _kernel_rules(shape: tuple) -> Optional[str]:
     scales = lambda n: torch.empty(tiled_scales_shape(n, cols // BLOCK),  # noqa: E731
                                    dtype=torch.float8_e4m3fn, **meta)
     one = torch.empty((), dtype=torch.float32, **meta)
-    found = violations("comfy_kitchen.scaled_mm_nvfp4", {
+    return first_violation("comfy_kitchen.scaled_mm_nvfp4", {
         "a": torch.empty(16, cols // 2, dtype=torch.uint8, **meta),
         "b": torch.empty(rows, cols // 2, dtype=torch.uint8, **meta),
         "tensor_scale_a": one, "tensor_scale_b": one, "alpha": one,
         "block_scale_a": scales(16), "block_scale_b": scales(rows), "out_dtype": torch.bfloat16})
-    return found[0] if found else None
 
 
 def _product_fits(w: PackedWeight) -> Optional[str]:
