@@ -9,6 +9,7 @@ with a per-tensor scale multiply through ``torch._scaled_mm``.
 
 from __future__ import annotations
 
+import functools
 from typing import Mapping, Optional
 
 import torch
@@ -43,10 +44,11 @@ def _product_fits(w: PackedWeight) -> Optional[str]:
     scale = w.parts.get("scale")
     if scale is not None and scale.numel() != 1:
         return "a per-channel weight scale (the product takes one scale per tensor)"
-    return product_rules(w.shape)
+    return _kernel_rules(tuple(w.shape))
 
 
-def product_rules(shape: tuple[int, ...]) -> Optional[str]:
+@functools.lru_cache(maxsize=256)
+def _kernel_rules(shape: tuple) -> Optional[str]:
     """``torch._scaled_mm``'s rules for a weight of ``shape`` (N, K), activations of any rows."""
     rows, cols = shape
     meta = torch.empty(16, cols, dtype=torch.float8_e4m3fn, device="meta")

@@ -33,10 +33,6 @@ def _dequantize(w: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
     return out.view(rows, cols)[: w.shape[0], : w.shape[1]].to(dtype)
 
 
-def _scale_shapes(shape, params=None):  # noqa: ARG001
-    return [tiled_scales_shape(shape[0], shape[1] // BLOCK)]
-
-
 @functools.lru_cache(maxsize=256)
 def _kernel_rules(shape: tuple) -> Optional[str]:
     rows, cols = shape
@@ -65,7 +61,8 @@ def _product(ck, x2d, weight: PackedWeight, bias):
 MXFP8 = Scheme(
     "mxfp8",
     parts={"data": Part((torch.float8_e4m3fn,), lambda shape, params: [tuple(shape)]),
-           "scale": Part((torch.uint8, torch.float8_e8m0fnu), _scale_shapes)},
+           "scale": Part((torch.uint8, torch.float8_e8m0fnu),
+                         lambda shape, params: [tiled_scales_shape(shape[0], shape[1] // BLOCK)])},
     dequantize=_dequantize,
     product=Product("mxfp8", ("comfy_kitchen.quantize_mxfp8", "comfy_kitchen.scaled_mm_mxfp8"),
                     lambda w: _kernel_rules(tuple(w.shape)), _product))
