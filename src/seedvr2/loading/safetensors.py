@@ -28,9 +28,10 @@ SAFETENSORS_DTYPES = {
 
 def read_safetensors_header(path: Path) -> tuple[dict, dict, int]:
     """The tensor entries (name -> dtype, shape, data_offsets), the metadata and the byte where
-    the tensor data starts of a safetensors file, checked as the safetensors library would check them, so that a damaged or
-    hostile header is one :class:`CheckpointError` naming the file and the problem (the
-    library raises KeyError, TypeError or its own error without the file's name)."""
+    the tensor data starts of a safetensors file, checked as the safetensors library would
+    check them, so that a damaged or hostile header is one :class:`CheckpointError` naming the
+    file and the problem (the library raises KeyError, TypeError or its own error without the
+    file's name)."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
