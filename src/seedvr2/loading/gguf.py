@@ -674,7 +674,7 @@ def open_gguf(path: Path) -> TensorSource:
                         metadata=_metadata(path, reader.fields),
                         packed={k: v.label(dtypes) for k, v in packed.items()},
                         part_keys={k: dict(v.files) for k, v in packed.items()},
-                        _get=get, _get_packed=read_packed, _close=stored.clear)
+                        get=get, get_packed=read_packed, close=stored.clear)
 
 
 def _reader(path: Path):

@@ -253,5 +253,5 @@ def open_safetensors(path: Path) -> TensorSource:
         path, "safetensors", shapes=layout.shapes, dtypes=layout.dtypes,
         metadata=dict(metadata), packed={k: e.label(stored) for k, e in layout.packed.items()},
         part_keys={k: dict(e.files) for k, e in layout.packed.items()},
-        _get=get, _get_packed=lambda key: layout.packed[key].read(read),
-        _close=lambda: handle.__exit__(None, None, None))
+        get=get, get_packed=lambda key: layout.packed[key].read(read),
+        close=lambda: handle.__exit__(None, None, None))

@@ -71,4 +71,4 @@ def _open_pickle(path: Path) -> TensorSource:
     return TensorSource(path, "pickle",
                         shapes={k: tuple(v.shape) for k, v in state.items()},
                         dtypes={k: v.dtype for k, v in state.items()},
-                        _get=state.__getitem__, _close=state.clear)
+                        get=state.__getitem__, close=state.clear)
