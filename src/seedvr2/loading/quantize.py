@@ -51,8 +51,10 @@ VAE_LAYOUTS_REFUSED = (
     "loader")
 
 
-def _stored_float(dtype: torch.dtype) -> torch.dtype:
-    """The dtype an unquantised tensor keeps: its own float dtype, fp16 for narrower ones."""
+def _kept_dtype(src: TensorSource, key: str) -> torch.dtype:
+    """The dtype a tensor left unquantised is written in: its own float dtype, fp16 for
+    narrower ones and for packed weights."""
+    dtype = torch.float16 if key in src.packed else src.dtypes[key]
     return dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float16
 
 
@@ -136,8 +138,7 @@ def _gguf_plan(src: TensorSource, target: str, keep) -> list[_GGUFPlan]:
         if quantize:
             qtype = target
         else:
-            qtype = _ST_DTYPE[_stored_float(src.dtypes[key]) if key not in src.packed
-                              else torch.float16]
+            qtype = _ST_DTYPE[_kept_dtype(src, key)]
             # GGUF holds at most 4 dimensions.
             stored = (shape[0], numel // shape[0]) if len(shape) > 4 else shape
         plans.append(_GGUFPlan(key, qtype, stored, shape if stored != shape else None))
@@ -239,8 +240,7 @@ def _safetensors_plan(src: TensorSource, target: str, keep):
             layout[f"{key[: -len('.weight')]}.comfy_quant"] = (torch.uint8, (len(raw),))
             plans.append((key, layout, marker))
         else:
-            dtype = torch.float16 if key in src.packed else _stored_float(src.dtypes[key])
-            plans.append((key, {key: (dtype, shape)}, None))
+            plans.append((key, {key: (_kept_dtype(src, key), shape)}, None))
     return plans
 
 
