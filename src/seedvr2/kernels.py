@@ -123,16 +123,15 @@ def _configure_kitchen(torch_cuda) -> None:
     """Once per process (per CUDA version torch reports: the tests change it)."""
     import comfy_kitchen as ck
 
+    why = ""
     if not kitchen_cuda_backend_allowed(torch_cuda):
         ck.disable_backend("cuda")
         built = "without CUDA" if torch_cuda is None else \
             f"for CUDA {'.'.join(map(str, torch_cuda))}"
-        log.info("comfy-kitchen: low-precision products computed by its %s backend: torch is "
-                 "built %s, and its CUDA kernels need CUDA 13 or newer (ComfyUI disables them "
-                 "likewise)", kitchen_backend(ck), built)
-    else:
-        log.info("comfy-kitchen: low-precision products computed by its %s backend",
-                 kitchen_backend(ck))
+        why = f": torch is built {built}, and its CUDA kernels need CUDA 13 or newer (ComfyUI " \
+              f"disables them likewise)"
+    log.info("comfy-kitchen: low-precision products computed by its %s backend%s",
+             kitchen_backend(ck), why)
 
 
 def kitchen_backend(ck) -> str:
