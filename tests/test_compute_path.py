@@ -17,10 +17,11 @@ import seedvr2
 from seedvr2 import kernels
 from seedvr2.kernels import Platform
 from seedvr2.loading import load_dit
-from seedvr2.loading.lowp import compute_path, weight_path
+from seedvr2.loading.lowp import compute_path
 from seedvr2.loading.quantize import quantize_file
+from seedvr2.loading.packed import scheme_of
 from seedvr2.loading.packed_layers import (PackedWeight, attach_packed_weight, packed_modules,
-                                       set_compute_precision)
+                                           set_compute_precision)
 
 from conftest import (float_step_error, integer_step_error, load_case, quantization_bound,
                       relative_error)
@@ -99,6 +100,13 @@ def test_without_comfy_kitchen_every_layer_dequantises(monkeypatch):
     monkeypatch.setattr(kernels, "kitchen_installed", lambda: False)
     _capable(monkeypatch, (12, 0))
     assert {compute_path(_weight(s), torch.bfloat16, CUDA, "auto") for s in EXPECTED} == {"weights"}
+
+
+def weight_path(weight: PackedWeight):
+    """The low-precision path a packed weight's layout could take on a capable GPU (None:
+    dequantise): its format's product, when the weight fits the product's kernels."""
+    product = scheme_of(weight.scheme).product
+    return None if product is None or product.fits(weight) is not None else product.path
 
 
 @pytest.mark.parametrize("weight, reason", [

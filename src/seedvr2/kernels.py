@@ -123,16 +123,15 @@ def _configure_kitchen(torch_cuda) -> None:
     """Once per process (per CUDA version torch reports: the tests change it)."""
     import comfy_kitchen as ck
 
+    why = ""
     if not kitchen_cuda_backend_allowed(torch_cuda):
         ck.disable_backend("cuda")
         built = "without CUDA" if torch_cuda is None else \
             f"for CUDA {'.'.join(map(str, torch_cuda))}"
-        log.info("comfy-kitchen: low-precision products computed by its %s backend: torch is "
-                 "built %s, and its CUDA kernels need CUDA 13 or newer (ComfyUI disables them "
-                 "likewise)", kitchen_backend(ck), built)
-    else:
-        log.info("comfy-kitchen: low-precision products computed by its %s backend",
-                 kitchen_backend(ck))
+        why = f": torch is built {built}, and its CUDA kernels need CUDA 13 or newer (ComfyUI " \
+              f"disables them likewise)"
+    log.info("comfy-kitchen: low-precision products computed by its %s backend%s",
+             kitchen_backend(ck), why)
 
 
 def kitchen_backend(ck) -> str:
@@ -172,12 +171,9 @@ class Kernel:
 
     def violations(self, args: Mapping[str, Any]) -> list[str]:
         """What the call with ``args`` (parameter name -> value) breaks, each with its rule."""
-        found = []
-        for rule in self.rules:
-            problem = rule.problem(args)
-            if problem:
-                found.append(f"{self.name}: {problem} ({self.source}: \"{rule.quote}\")")
-        return found
+        problems = ((rule, rule.problem(args)) for rule in self.rules)
+        return [f"{self.name}: {problem} ({self.source}: \"{rule.quote}\")"
+                for rule, problem in problems if problem]
 
     def runs_on(self, platform: Platform) -> Optional[str]:
         """Why this kernel does not run on ``platform``, or None."""
@@ -198,12 +194,9 @@ class Kernel:
 def kitchen_runs_on_rocm(function: str) -> bool:
     """Whether comfy-kitchen registered a backend other than eager (hip, triton) that
     implements ``function``: what it reports available on this AMD GPU."""
-    ck = kitchen()
-    for name, backend in ck.list_backends().items():
-        if name != "eager" and backend["available"] and not backend["disabled"] and \
-                function in backend["capabilities"]:
-            return True
-    return False
+    status = kitchen().list_backends()
+    return any(name != "eager" and _computes(status, name) and function in backend["capabilities"]
+               for name, backend in status.items())
 
 
 def _tensor(args, name) -> Optional[torch.Tensor]:
@@ -211,35 +204,43 @@ def _tensor(args, name) -> Optional[torch.Tensor]:
     return value if isinstance(value, torch.Tensor) else None
 
 
-def _contiguous(*names):
-    def problem(args):
-        bad = [n for n in names if _tensor(args, n) is not None
-               and not _tensor(args, n).is_contiguous()]
-        return f"{', '.join(bad)} not contiguous" if bad else None
+def _given(*names):
+    """A rule's check of the call's tensors ``names``, ``check(args, *tensors)``: it applies
+    only when the call passes them all (None, nothing to say, otherwise)."""
+    def wrap(check):
+        def problem(args):
+            tensors = [_tensor(args, name) for name in names]
+            return None if any(t is None for t in tensors) else check(args, *tensors)
+        return problem
+    return wrap
+
+
+def _contiguous(name):
+    @_given(name)
+    def problem(args, t):
+        return None if t.is_contiguous() else f"{name} not contiguous"
     return problem
 
 
 def _dtype_in(name, dtypes):
-    def problem(args):
-        t = _tensor(args, name)
-        if t is None or t.dtype in dtypes:
-            return None
-        return f"{name} is {t.dtype}, not one of {', '.join(str(d) for d in dtypes)}"
+    @_given(name)
+    def problem(args, t):
+        return None if t.dtype in dtypes else \
+            f"{name} is {t.dtype}, not one of {', '.join(str(d) for d in dtypes)}"
     return problem
 
 
 def _dims(name, ndim):
-    def problem(args):
-        t = _tensor(args, name)
-        return None if t is None or t.dim() == ndim else \
-            f"{name} has {t.dim()} dimensions, not {ndim}"
+    @_given(name)
+    def problem(args, t):
+        return None if t.dim() == ndim else f"{name} has {t.dim()} dimensions, not {ndim}"
     return problem
 
 
 def _padded_rows(multiple: int, flag: str):
-    def problem(args):
-        x = _tensor(args, "x")
-        if x is None or args.get(flag) or x.dim() != 2:
+    @_given("x")
+    def problem(args, x):
+        if args.get(flag) or x.dim() != 2:
             return None
         rows, cols = x.shape
         if rows % multiple or cols % multiple:
@@ -248,33 +249,39 @@ def _padded_rows(multiple: int, flag: str):
     return problem
 
 
-def _roundup(n: int, m: int) -> int:
-    return -(-n // m) * m
+def tiled_scales_shape(rows: int, blocks: int) -> tuple[int, int]:
+    """The block-scale matrix of ``rows`` x ``blocks`` scales in cuBLAS' 128x4 tiles."""
+    return -(-rows // 128) * 128, -(-blocks // 4) * 4
+
+
+def is_power_of_4(size) -> bool:
+    """Whether ``size`` is 4, 16, 64, ... (an int; a bool is not a size)."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 4:
+        return False
+    while size % 4 == 0:
+        size //= 4
+    return size == 1
 
 
 def _block_scales(block: int, packed: bool):
     """Scales of a (rows, K) operand in cuBLAS' 128x4 tiles: (roundup(rows, 128),
     roundup(K / block, 4))."""
-    def problem(args):
-        a, b = _tensor(args, "a"), _tensor(args, "b")
-        sa, sb = _tensor(args, "block_scale_a"), _tensor(args, "block_scale_b")
-        if any(t is None for t in (a, b, sa, sb)):
-            return None
+    @_given("a", "b", "block_scale_a", "block_scale_b")
+    def problem(args, a, b, sa, sb):
         k = a.shape[1] * (2 if packed else 1)
         bad = []
         for name, rows, scale in (("block_scale_a", a.shape[0], sa), ("block_scale_b", b.shape[0], sb)):
-            want = (_roundup(rows, 128), _roundup(-(-k // block), 4))
+            want = tiled_scales_shape(rows, -(-k // block))
             if tuple(scale.shape) != want:
                 bad.append(f"{name} is {list(scale.shape)}, not {list(want)}")
         return "; ".join(bad) or None
     return problem
 
 
-def _same_k(args):
-    a, b = _tensor(args, "a"), _tensor(args, "b")
-    if a is None or b is None or a.shape[1] == b.shape[1]:
-        return None
-    return f"a is {list(a.shape)} and b {list(b.shape)}: their K differ"
+@_given("a", "b")
+def _same_k(args, a, b):
+    return None if a.shape[1] == b.shape[1] else \
+        f"a is {list(a.shape)} and b {list(b.shape)}: their K differ"
 
 
 def _has_values(t: torch.Tensor) -> bool:
@@ -298,10 +305,9 @@ def _nvfp4_alpha(args):
     return None
 
 
-def _int8_weight(args):
-    weight, x, scale = _tensor(args, "weight"), _tensor(args, "x"), _tensor(args, "weight_scale")
-    if weight is None or x is None:
-        return None
+@_given("weight", "x")
+def _int8_weight(args, weight, x):
+    scale = _tensor(args, "weight_scale")
     if x.shape[-1] != weight.shape[1]:
         return f"x has {x.shape[-1]} input features, the weight {weight.shape[1]}"
     if scale is not None and scale.numel() not in (1, weight.shape[0]):
@@ -313,29 +319,15 @@ def _convrot_group(args):
     if not args.get("convrot"):
         return None
     group, x = args.get("convrot_groupsize"), _tensor(args, "x")
-    if not isinstance(group, int) or isinstance(group, bool) or group < 4 or \
-            4 ** round(math.log(group, 4)) != group:
+    if not is_power_of_4(group):
         return f"convrot_groupsize {group!r} is not a power of 4"
     if x is not None and x.shape[-1] % group:
         return f"convrot_groupsize {group} does not divide the {x.shape[-1]} input features"
     return None
 
 
-def _float_scale(name):
-    def problem(args):
-        t = _tensor(args, name)
-        if t is None:
-            return None
-        if t.dtype != torch.float32 or t.numel() != 1:
-            return f"{name} is {t.dtype} of {t.numel()} values, not one float32"
-        return None
-    return problem
-
-
-def _scaled_mm_layout(args):
-    a, b = _tensor(args, "self"), _tensor(args, "mat2")
-    if a is None or b is None:
-        return None
+@_given("self", "mat2")
+def _scaled_mm_layout(args, a, b):
     bad = []
     if a.dim() == 2 and not (a.stride(1) == 1 and a.stride(0) >= a.shape[1]) and a.numel():
         bad.append(f"self has strides {list(a.stride())}, not row-major")
@@ -344,18 +336,16 @@ def _scaled_mm_layout(args):
     return "; ".join(bad) or None
 
 
-def _fp8_scale(args):
-    x, scale = _tensor(args, "x"), _tensor(args, "scale")
-    if x is None or scale is None or (scale.numel() == 1 and scale.device == x.device):
+@_given("x", "scale")
+def _fp8_scale(args, x, scale):
+    if scale.numel() == 1 and scale.device == x.device:
         return None
     return f"scale is {list(scale.shape)} on {scale.device}, not one value on x's device " \
            f"({x.device})"
 
 
-def _fp8_sixteens(args):
-    x = _tensor(args, "x")
-    if x is None:
-        return None
+@_given("x")
+def _fp8_sixteens(args, x):
     if x.numel() % 16:
         return f"x has {x.numel()} elements, not a multiple of 16"
     if x.is_contiguous() and x.storage_offset() * x.element_size() % 16:  # else copied
@@ -364,10 +354,8 @@ def _fp8_sixteens(args):
     return None
 
 
-def _scaled_mm_sizes(args):
-    a, b = _tensor(args, "self"), _tensor(args, "mat2")
-    if a is None or b is None:
-        return None
+@_given("self", "mat2")
+def _scaled_mm_sizes(args, a, b):
     if a.shape[1] % 16:
         return f"self is {list(a.shape)}: size(1) not divisible by 16"
     if b.shape[0] % 16 or b.shape[1] % 16:
@@ -375,22 +363,20 @@ def _scaled_mm_sizes(args):
     return None
 
 
-def _scaled_mm_tensorwise(args):
-    sa, sb = _tensor(args, "scale_a"), _tensor(args, "scale_b")
-    if sa is None or sb is None or sa.numel() != 1 or sb.numel() != 1:
+@_given("scale_a", "scale_b")
+def _scaled_mm_tensorwise(args, sa, sb):
+    if sa.numel() != 1 or sb.numel() != 1:
         return None
     if sa.dtype != torch.float32 or sb.dtype != torch.float32:
         return f"scales are {sa.dtype} and {sb.dtype}, not float32"
     return None
 
 
-def _sdpa_fused(args):
+@_given("query", "key", "value")
+def _sdpa_fused(args, q, k, v):
     """Flash (fp16/bf16) or memory-efficient attention can run: one head dimension for q, k
     and v, at most 256, a multiple of the GEMM alignment (8 for fp16/bf16, 4 for fp32 on
     compute capability 8.0+), and no mask."""
-    q, k, v = (_tensor(args, n) for n in ("query", "key", "value"))
-    if q is None or k is None or v is None:
-        return None
     dims = {q.shape[-1], k.shape[-1], v.shape[-1]}
     if len(dims) != 1:
         return f"q, k, v have head dimensions {sorted(dims)}"
@@ -408,10 +394,9 @@ def _sdpa_fused(args):
 _INT32_ELEMENTS = 2 ** 31
 
 
-def _conv_index(args):
-    x, weight = _tensor(args, "input"), _tensor(args, "weight")
-    if x is None:
-        return None
+@_given("input")
+def _conv_index(args, x):
+    weight = _tensor(args, "weight")
     if x.numel() >= _INT32_ELEMENTS:
         return f"the input has {x.numel()} elements, 2^31 or more"
     if weight is not None and x.dim() == 5 and weight.dim() == 5:
@@ -425,9 +410,9 @@ _HALF = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float32, *_HALF)
 
 
-def _norm_stats(args):
-    x, stats = _tensor(args, "x"), _tensor(args, "stats")
-    if x is None or stats is None or x.dim() != 5:
+@_given("x", "stats")
+def _norm_stats(args, x, stats):
+    if x.dim() != 5:
         return None
     b, _, t = x.shape[:3]
     want = (b * t, args.get("num_groups"), 2)
@@ -436,9 +421,10 @@ def _norm_stats(args):
     return None
 
 
-def _norm_out(args):
-    x, out, pad = _tensor(args, "x"), _tensor(args, "out"), args.get("pad") or (0,) * 5
-    if x is None or x.dim() != 5:
+@_given("x")
+def _norm_out(args, x):
+    out, pad = _tensor(args, "out"), args.get("pad") or (0,) * 5
+    if x.dim() != 5:
         return None
     if min(pad) < 0:
         return f"pad {list(pad)} has a negative entry"
@@ -452,10 +438,9 @@ def _norm_out(args):
     return None
 
 
-def _conv_operands(args):
-    x, weight, residual = (_tensor(args, n) for n in ("x", "weight", "residual"))
-    if x is None or weight is None:
-        return None
+@_given("x", "weight")
+def _conv_operands(args, x, weight):
+    residual = _tensor(args, "residual")
     if x.shape[1] != weight.shape[1]:
         return f"x has {x.shape[1]} channels, the weight {weight.shape[1]}"
     bias = _tensor(args, "bias")
@@ -474,11 +459,10 @@ def _conv_operands(args):
 _VIEW_ELEMENTS = 2 ** 30  # our own bound on one fused-kernel input view (issue #36)
 
 
-def _view_size(args):
-    x = _tensor(args, "x")
-    if x is not None and x.numel() >= _VIEW_ELEMENTS:
-        return f"x has {x.numel()} elements, 2^30 or more"
-    return None
+@_given("x")
+def _view_size(args, x):
+    return f"x has {x.numel()} elements, 2^30 or more" if x.numel() >= _VIEW_ELEMENTS else None
+
 
 KERNELS: dict[str, Kernel] = {k.name: k for k in (
     Kernel("comfy_kitchen.quantize_mxfp8", _KITCHEN_CUDA, (
@@ -500,9 +484,8 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
              _block_scales(32, packed=False)),
         Rule("mat1 and mat2 shapes cannot be multiplied", _same_k),
         Rule("Expected self.size(1) to be divisible by 16 ... both dimensions of mat2",
-             lambda a: None if _tensor(a, "b") is None or _tensor(a, "a") is None
-             or (_tensor(a, "a").shape[1] % 16 == 0 and _tensor(a, "b").shape[0] % 16 == 0)
-             else "K or N not divisible by 16"),
+             _given("a", "b")(lambda args, a, b: None if a.shape[1] % 16 == 0 and
+                              b.shape[0] % 16 == 0 else "K or N not divisible by 16")),
     ), capability=(10, 0), capability_quote=f"comfy-kitchen {KITCHEN_VERSION}, "
        f"comfy_kitchen/tensor/mxfp8.py TensorCoreMXFP8Layout: \"Requires SM >= 10.0 (Blackwell) "
        f"for hardware-accelerated matmul.\" MIN_SM_VERSION = (10, 0)", rocm=False),
@@ -524,8 +507,8 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
              or _dtype_in("block_scale_b", (torch.float8_e4m3fn,))(a)
              or (None if a.get("out_dtype") in _HALF else "out_dtype not float16/bfloat16")),
         Rule("assert n % 8 == 0, \"B tensor must have 8 alignment in N dimension\"",
-             lambda a: None if _tensor(a, "b") is None or _tensor(a, "b").shape[0] % 8 == 0
-             else f"N = {_tensor(a, 'b').shape[0]} is not a multiple of 8"),
+             _given("b")(lambda args, b: None if b.shape[0] % 8 == 0
+                         else f"N = {b.shape[0]} is not a multiple of 8")),
         Rule("assert block_scale_a.size() == (roundup_m, roundup_sk), \"Invalid A scale shape\"",
              _block_scales(16, packed=True)),
         Rule("assert k_a == k_b, \"Matrix dimensions do not match\"", _same_k),
@@ -602,9 +585,9 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
 )}
 
 
-def violations(name: str, args: Mapping[str, Any]) -> list[str]:
-    """What a call of the kernel ``name`` with ``args`` breaks (empty: none)."""
-    return KERNELS[name].violations(args)
+def first_violation(name: str, args: Mapping[str, Any]) -> Optional[str]:
+    """The first rule a call of the kernel ``name`` with ``args`` breaks, or None."""
+    return next(iter(KERNELS[name].violations(args)), None)
 
 
 def runs_on(names, platform: Platform) -> Optional[str]:

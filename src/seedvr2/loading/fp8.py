@@ -9,13 +9,14 @@ with a per-tensor scale multiply through ``torch._scaled_mm``.
 
 from __future__ import annotations
 
+import functools
 from typing import Mapping, Optional
 
 import torch
 
-from ..kernels import violations
+from ..kernels import first_violation
 from .packed import (E4M3_MAX, FLOAT_SCALES, Format, LayoutError, Part, PackedEntry,
-                     PackedWeight, Product, Scheme, Target, register, row_scale,
+                     PackedWeight, Product, Scheme, Target, dtype_name, register, row_scale,
                      row_scale_shapes)
 
 FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
@@ -33,7 +34,7 @@ def _dequantize(w: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _label(params, dtypes) -> str:
-    return str(dtypes["data"]).replace("torch.", "") + ("_scaled" if "scale" in dtypes else "")
+    return dtype_name(dtypes["data"]) + ("_scaled" if "scale" in dtypes else "")
 
 
 def _product_fits(w: PackedWeight) -> Optional[str]:
@@ -43,20 +44,18 @@ def _product_fits(w: PackedWeight) -> Optional[str]:
     scale = w.parts.get("scale")
     if scale is not None and scale.numel() != 1:
         return "a per-channel weight scale (the product takes one scale per tensor)"
-    if len(w.shape) != 2:
-        return "not a linear layer's weight"
-    return product_rules(w.shape)
+    return _kernel_rules(tuple(w.shape))
 
 
-def product_rules(shape: tuple[int, ...]) -> Optional[str]:
+@functools.lru_cache(maxsize=256)
+def _kernel_rules(shape: tuple) -> Optional[str]:
     """``torch._scaled_mm``'s rules for a weight of ``shape`` (N, K), activations of any rows."""
     rows, cols = shape
     meta = torch.empty(16, cols, dtype=torch.float8_e4m3fn, device="meta")
     weight = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device="meta")
     scale = torch.empty((), dtype=torch.float32, device="meta")
-    found = violations("torch._scaled_mm", {"self": meta, "mat2": weight.t(), "scale_a": scale,
-                                            "scale_b": scale})
-    return found[0] if found else None
+    return first_violation("torch._scaled_mm", {"self": meta, "mat2": weight.t(),
+                                                "scale_a": scale, "scale_b": scale})
 
 
 def _product(ck, x2d, weight: PackedWeight, bias):
@@ -85,7 +84,7 @@ def _read_marker(layer: str, conf: Mapping, shapes, dtypes) -> PackedEntry:
     key = f"{layer}.weight"
     if dtypes[key] != FP8[fmt]:
         raise LayoutError(f"tensor {key!r}: the layer is marked {fmt}; found "
-                          f"{str(dtypes[key]).replace('torch.', '')}")
+                          f"{dtype_name(dtypes[key])}")
     scale = f"{layer}.weight_scale"
     return PackedEntry("float", tuple(shapes[key]),
                        {"data": key, **({"scale": scale} if scale in shapes else {})})

@@ -15,7 +15,7 @@ import mmap
 import struct
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -496,6 +496,86 @@ class _Damaged(Exception):
     """A header field that cannot be what it declares (caught in _check_header)."""
 
 
+@dataclass
+class _HeaderWalk:
+    """A cursor over a GGUF header, in Python integers: every read checked against the end of
+    the file first."""
+
+    data: object  # the mapped file
+    size: int
+    order: str  # struct's byte order, "<" or ">"
+    pos: int = 8
+    walked: int = 0  # strings and arrays walked inside arrays so far
+
+    def need(self, n: int, what: str):
+        if n > self.size - self.pos:
+            raise _Damaged(f"{what}: {n} bytes declared at byte {self.pos}, "
+                           f"{self.size - self.pos} left")
+
+    def take(self, fmt: str, what: str) -> int:
+        self.need(struct.calcsize(fmt), what)
+        (value,) = struct.unpack_from(self.order + fmt, self.data, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self, what: str) -> str:
+        length = self.take("Q", what)
+        self.need(length, what)
+        self.pos += length
+        try:
+            return bytes(self.data[self.pos - length:self.pos]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise _Damaged(f"{what}: not UTF-8") from None
+
+    def skip(self, value_type: int, what: str, depth: int = 0):
+        """Past one metadata value of ``value_type``."""
+        if value_type in _GGUF_SCALAR_SIZES:
+            self.need(_GGUF_SCALAR_SIZES[value_type], what)
+            self.pos += _GGUF_SCALAR_SIZES[value_type]
+        elif value_type == 8:
+            self.string(what)
+        elif value_type == 9 and depth < MAX_ARRAY_DEPTH:
+            self.skip_array(what, depth)
+        else:
+            raise _Damaged(f"{what}: value type {value_type}"
+                           f"{' nested too deeply' if value_type == 9 else ''}")
+
+    def skip_array(self, what: str, depth: int):
+        item, count = self.take("I", what), self.take("Q", what)
+        least = _GGUF_SCALAR_SIZES.get(item, {8: 8, 9: 12}.get(item, 0))
+        self.need(count * least, f"{what}: an array of {count} items")
+        if item in _GGUF_SCALAR_SIZES:
+            self.pos += count * least
+            return
+        self.walked += count
+        if self.walked > MAX_WALKED_ITEMS:
+            raise _Damaged(f"{what}: more than {MAX_WALKED_ITEMS} strings or arrays in arrays "
+                           f"(a SeedVR2 model holds a few)")
+        for _ in range(count):
+            self.skip(item, what, depth + 1)
+
+    def alignment(self, n_fields: int) -> int:
+        """Past the metadata: its ``general.alignment`` (32 when absent)."""
+        alignment = 32
+        for _ in range(n_fields):
+            key = self.string("a metadata key")
+            value_type = self.take("I", f"metadata {key!r}")
+            self.skip(value_type, f"metadata {key!r}")
+            if key == "general.alignment" and value_type == 4:
+                alignment = struct.unpack_from(self.order + "I", self.data, self.pos - 4)[0]
+        return alignment
+
+    def tensor_infos(self, n_tensors: int) -> list[tuple[str, list[int], int, int]]:
+        """Past the tensor infos: each tensor's ``(name, dims, type id, offset)``."""
+        infos = []
+        for i in range(n_tensors):
+            name = self.string(f"tensor {i}'s name")
+            what = f"tensor {name!r}"
+            dims = [self.take("Q", what) for _ in range(self.take("I", what))]
+            infos.append((name, dims, self.take("I", what), self.take("Q", what)))
+        return infos
+
+
 def _check_header(path: Path, gguf) -> None:
     """Walk the header in Python integers before the gguf package reads it, which trusts every
     count (an array declaring 2^24 items in 16 bytes is walked item by item) and adds offsets
@@ -509,70 +589,15 @@ def _check_header(path: Path, gguf) -> None:
     try:
         if bytes(m[:4]) != b"GGUF" or size < 24:
             raise _Damaged("no GGUF header")
-        order = "<" if struct.unpack_from("<I", m, 4)[0] & 0xFFFF else ">"
-        pos, alignment, walked = 8, 32, 0
-
-        def need(n: int, what: str):
-            if n > size - pos:
-                raise _Damaged(f"{what}: {n} bytes declared at byte {pos}, {size - pos} left")
-
-        def take(fmt: str, what: str) -> int:
-            nonlocal pos
-            need(struct.calcsize(fmt), what)
-            (value,) = struct.unpack_from(order + fmt, m, pos)
-            pos += struct.calcsize(fmt)
-            return value
-
-        def string(what: str) -> str:
-            nonlocal pos
-            length = take("Q", what)
-            need(length, what)
-            pos += length
-            try:
-                return bytes(m[pos - length:pos]).decode("utf-8")
-            except UnicodeDecodeError:
-                raise _Damaged(f"{what}: not UTF-8") from None
-
-        def skip(value_type: int, what: str, depth: int = 0):
-            nonlocal pos, walked
-            if value_type in _GGUF_SCALAR_SIZES:
-                need(_GGUF_SCALAR_SIZES[value_type], what)
-                pos += _GGUF_SCALAR_SIZES[value_type]
-            elif value_type == 8:
-                string(what)
-            elif value_type == 9 and depth < MAX_ARRAY_DEPTH:
-                item, count = take("I", what), take("Q", what)
-                least = _GGUF_SCALAR_SIZES.get(item, {8: 8, 9: 12}.get(item, 0))
-                need(count * least, f"{what}: an array of {count} items")
-                if item in _GGUF_SCALAR_SIZES:
-                    pos += count * least
-                    return
-                walked += count
-                if walked > MAX_WALKED_ITEMS:
-                    raise _Damaged(f"{what}: more than {MAX_WALKED_ITEMS} strings or arrays in "
-                                   f"arrays (a SeedVR2 model holds a few)")
-                for _ in range(count):
-                    skip(item, what, depth + 1)
-            else:
-                raise _Damaged(f"{what}: value type {value_type}"
-                               f"{' nested too deeply' if value_type == 9 else ''}")
-
-        n_tensors, n_fields = take("Q", "tensor count"), take("Q", "metadata count")
-        need(n_fields * 12 + n_tensors * 24, f"{n_fields} metadata fields, {n_tensors} tensors")
-        for _ in range(n_fields):
-            key = string("a metadata key")
-            value_type = take("I", f"metadata {key!r}")
-            skip(value_type, f"metadata {key!r}")
-            if key == "general.alignment" and value_type == 4:
-                alignment = struct.unpack_from(order + "I", m, pos - 4)[0]
-        infos = []
-        for i in range(n_tensors):
-            name = string(f"tensor {i}'s name")
-            dims = [take("Q", f"tensor {name!r}") for _ in range(take("I", f"tensor {name!r}"))]
-            infos.append((name, dims, take("I", f"tensor {name!r}"), take("Q", f"tensor {name!r}")))
+        walk = _HeaderWalk(m, size, "<" if struct.unpack_from("<I", m, 4)[0] & 0xFFFF else ">")
+        n_tensors, n_fields = walk.take("Q", "tensor count"), walk.take("Q", "metadata count")
+        walk.need(n_fields * 12 + n_tensors * 24,
+                  f"{n_fields} metadata fields, {n_tensors} tensors")
+        alignment = walk.alignment(n_fields)
+        infos = walk.tensor_infos(n_tensors)
         if alignment <= 0 or alignment & (alignment - 1):
             raise _Damaged(f"metadata 'general.alignment': {alignment}, not a power of two")
-        _check_tensors(path, gguf, infos, -(-pos // alignment) * alignment, alignment, size)
+        _check_tensors(path, gguf, infos, -(-walk.pos // alignment) * alignment, alignment, size)
     except _Damaged as e:
         raise CheckpointError(f"{path}: unreadable GGUF file, truncated or corrupt ({e})") \
             from None
@@ -584,10 +609,9 @@ def _check_header(path: Path, gguf) -> None:
 def _check_tensors(path: Path, gguf, infos, start: int, alignment: int, size: int) -> None:
     """Every tensor ``(name, dims, type id, offset)`` of a header whose data starts at byte
     ``start``: its type known, its bytes aligned, in the file and its own; its key unique."""
-    has_prefix = any(name.startswith(COMFY_PREFIX) for name, *_ in infos)
     keys, spans = {}, []
     for name, dims, type_id, offset in infos:
-        key = name[len(COMFY_PREFIX):] if has_prefix and name.startswith(COMFY_PREFIX) else name
+        key = name.removeprefix(COMFY_PREFIX)
         if key in keys:
             raise CheckpointError(f"{path}: tensors {keys[key]!r} and {name!r} are both "
                                   f"{key!r} (a model's tensors are named once)")
@@ -617,25 +641,40 @@ def _check_tensors(path: Path, gguf, infos, start: int, alignment: int, size: in
 def open_gguf(path: Path) -> TensorSource:
     """A GGUF file as a :class:`TensorSource` (quantised tensors stay packed)."""
     reader = _reader(path)
-    tensors = _read_tensors(path, reader)
-    packed, blocks = tensors.packed, tensors.blocks
+    shapes, dtypes, packed = {}, {}, {}
+    stored = {}  # key -> F32/F16/BF16 tensor, or the (n_blocks, type_size) uint8 GGML blocks
+    for tensor in reader.tensors:
+        name, qtype = tensor.name, tensor.tensor_type.name
+        key = name.removeprefix(COMFY_PREFIX)
+        if qtype not in SUPPORTED_TYPES:
+            raise CheckpointError(f"{path}: tensor {name!r} has GGML type {qtype}, which this "
+                                  f"loader cannot dequantise (supported: "
+                                  f"{', '.join(SUPPORTED_TYPES)})")
+        shapes[key] = _shape(path, reader.fields, tensor)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns about non-writable numpy arrays
+            data = torch.from_numpy(tensor.data)
+        if qtype in PLAIN_TYPES:
+            if qtype == "BF16":  # the reader gives BF16 as raw bytes
+                data = data.view(torch.uint8).reshape(-1).view(torch.bfloat16)
+            stored[key] = data.reshape(shapes[key])
+            dtypes[key] = PLAIN_TYPES[qtype]
+        else:
+            stored[key] = data.view(torch.uint8).reshape(-1, BLOCK_SIZES[qtype][1])
+            dtypes[key] = torch.uint8
+            packed[key] = PackedEntry("gguf", shapes[key], {"blocks": key}, params={"qtype": qtype})
+
+    def read_packed(key: str) -> PackedWeight:
+        return packed[key].read(stored.__getitem__)
 
     def get(key: str) -> torch.Tensor:
-        if key in packed:
-            return packed[key].read(blocks.__getitem__).dequantize(torch.float32) \
-                .reshape(tensors.shapes[key])
-        return tensors.plain[key]
+        return read_packed(key).dequantize(torch.float32) if key in packed else stored[key]
 
-    def close():
-        tensors.plain.clear()
-        blocks.clear()
-
-    return TensorSource(path, "gguf", shapes=tensors.shapes, dtypes=tensors.dtypes,
+    return TensorSource(path, "gguf", shapes=shapes, dtypes=dtypes,
                         metadata=_metadata(path, reader.fields),
-                        packed={k: v.label(tensors.dtypes) for k, v in packed.items()},
+                        packed={k: v.label(dtypes) for k, v in packed.items()},
                         part_keys={k: dict(v.files) for k, v in packed.items()},
-                        _get=get, _get_packed=lambda key: packed[key].read(blocks.__getitem__),
-                        _close=close)
+                        get=get, get_packed=read_packed, close=stored.clear)
 
 
 def _reader(path: Path):
@@ -653,44 +692,6 @@ def _reader(path: Path):
         detail = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise CheckpointError(f"{path}: unreadable GGUF file, truncated or corrupt "
                               f"({detail[:200]})") from None
-
-
-@dataclass
-class _Tensors:
-    shapes: dict = field(default_factory=dict)
-    dtypes: dict = field(default_factory=dict)
-    plain: dict = field(default_factory=dict)  # key -> tensor (F32/F16/BF16)
-    packed: dict = field(default_factory=dict)  # key -> PackedEntry of GGML blocks
-    blocks: dict = field(default_factory=dict)  # key -> (n_blocks, type_size) uint8
-
-
-def _read_tensors(path: Path, reader) -> _Tensors:
-    out = _Tensors()
-    names = [t.name for t in reader.tensors]
-    has_prefix = any(n.startswith(COMFY_PREFIX) for n in names)
-    for tensor in reader.tensors:
-        name = tensor.name
-        key = name[len(COMFY_PREFIX):] if has_prefix and name.startswith(COMFY_PREFIX) else name
-        qtype = tensor.tensor_type.name
-        if qtype not in SUPPORTED_TYPES:
-            raise CheckpointError(f"{path}: tensor {name!r} has GGML type {qtype}, which this "
-                                  f"loader cannot dequantise (supported: "
-                                  f"{', '.join(SUPPORTED_TYPES)})")
-        shape = _shape(path, reader.fields, tensor)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch warns about non-writable numpy arrays
-            data = torch.from_numpy(tensor.data)
-        out.shapes[key] = shape
-        if qtype in PLAIN_TYPES:
-            if qtype == "BF16":  # the reader gives BF16 as raw bytes
-                data = data.view(torch.uint8).reshape(-1).view(torch.bfloat16)
-            out.plain[key] = data.reshape(shape)
-            out.dtypes[key] = PLAIN_TYPES[qtype]
-        else:
-            out.blocks[key] = data.view(torch.uint8).reshape(-1, BLOCK_SIZES[qtype][1])
-            out.packed[key] = PackedEntry("gguf", shape, {"blocks": key}, params={"qtype": qtype})
-            out.dtypes[key] = torch.uint8
-    return out
 
 
 def _shape(path: Path, fields, tensor) -> tuple[int, ...]:

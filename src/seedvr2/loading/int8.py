@@ -16,7 +16,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from ..kernels import violations
+from ..kernels import first_violation, is_power_of_4
 from .packed import (FLOAT_SCALES, Format, LayoutError, Part, PackedEntry, PackedWeight,
                      Product, Scheme, Target, conf_value, register, row_scale,
                      row_scale_shapes)
@@ -36,15 +36,6 @@ def regular_hadamard(size: int, device=None, dtype=torch.float32) -> torch.Tenso
     for _ in range(round(math.log(size, 4)) - 1):
         h = torch.kron(h, h4)
     return h / (size ** 0.5)
-
-
-def is_power_of_4(size) -> bool:
-    """Whether ``size`` is 4, 16, 64, ... (an int; a bool is not a size)."""
-    if not isinstance(size, int) or isinstance(size, bool) or size < 4:
-        return False
-    while size % 4 == 0:
-        size //= 4
-    return size == 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,17 +69,14 @@ def _dequantize_convrot(w: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
 def _kernel_rules(shape: tuple, scale_numel: int, convrot: bool, group) -> Optional[str]:
     rows, cols = shape
     meta = dict(device="meta")
-    found = violations("comfy_kitchen.int8_linear", {
+    return first_violation("comfy_kitchen.int8_linear", {
         "x": torch.empty(16, cols, dtype=torch.bfloat16, **meta),
         "weight": torch.empty(rows, cols, dtype=torch.int8, **meta),
         "weight_scale": torch.empty(scale_numel, dtype=torch.float32, **meta),
         "convrot": convrot, "convrot_groupsize": group})
-    return found[0] if found else None
 
 
 def _product_fits(w: PackedWeight) -> Optional[str]:
-    if len(w.shape) != 2:
-        return "not a linear layer's weight"
     convrot = w.scheme == "int8_convrot"
     return _kernel_rules(tuple(w.shape), w.parts["scale"].numel(), convrot,
                          w.params.get("group_size") if convrot else 256)

@@ -17,8 +17,9 @@ from ..models import build_on_meta, set_tensor
 from ..models.config import ConfigError, DiTConfig, VAEConfig, dit_config, dit_family, vae_config
 from ..models.rope import FrequencyTable, share_equal_tables
 from .detect import describe_unknown, detect_dit, detect_vae, model_kind
-from .weight_files import CheckpointError, TensorSource, aligned, open_weights
-from .packed import PackedWeight, non_finite_values
+from .source import CheckpointError, TensorSource, aligned
+from .weight_files import open_weights
+from .packed import PackedWeight, dtype_name, non_finite_values
 from .packed_layers import attach_packed_weight, can_pack
 
 log = logging.getLogger("seedvr2")
@@ -120,7 +121,7 @@ def finite(src: TensorSource, key: str, tensor: torch.Tensor) -> torch.Tensor:
     if tensor.dtype == src.dtypes.get(key) or bool(non_finite_values(src.get(key)).any()):
         raise CheckpointError(f"{src.path}: tensor {key!r} holds NaN or infinite values; the "
                               f"file is damaged (re-download or re-convert it)")
-    raise CheckpointError(f"{src.path}: tensor {key!r} overflows {_name(tensor.dtype)} (largest "
+    raise CheckpointError(f"{src.path}: tensor {key!r} overflows {dtype_name(tensor.dtype)} (largest "
                           f"finite value {torch.finfo(tensor.dtype).max:g}); load the model in "
                           f"bfloat16 or float32 (--dtype bf16 or fp32)")
 
@@ -134,10 +135,6 @@ def finite_parts(src: TensorSource, key: str, packed: PackedWeight) -> PackedWei
     stored = src.part_keys.get(key, {}).get(part, key)
     raise CheckpointError(f"{src.path}: tensor {stored!r} holds NaN or infinite values; the file "
                           f"is damaged (re-download or re-convert it)")
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def checked_model(src: TensorSource, kind: str) -> tuple[nn.Module, list[str]]:
@@ -206,7 +203,7 @@ def describe(path) -> dict:
         if kind is None:
             raise CheckpointError(f"{src.path}: {describe_unknown(src.shapes)}")
         cfg = config_for(src, kind)
-        dtypes = sorted({src.packed.get(k) or str(d).replace("torch.", "")
+        dtypes = sorted({src.packed.get(k) or dtype_name(d)
                          for k, d in src.dtypes.items()})
         count = sum(math.prod(shape) for key, shape in src.shapes.items()
                     if not key.endswith("rope.rope.freqs") and key not in EMBEDDED_TEXT_KEYS)

@@ -1,16 +1,13 @@
-"""Which arithmetic a quantised linear layer multiplies in, decided in one place per layer and
-device: ``weights`` (dequantise to the compute dtype) or, with ``compute_precision auto``, the
-low-precision product of the weights' format through comfy-kitchen (each format's
-:class:`~.packed.Product`).
+"""Which arithmetic a quantised linear layer multiplies in, decided per layer and device:
+``weights`` (dequantise to the compute dtype) or, with ``compute_precision auto``, its format's
+low-precision product through comfy-kitchen (each format's :class:`~.packed.Product`).
 
-The decision reads the platform first (NVIDIA or AMD: ROCm reports SM-shaped capabilities that
-are not NVIDIA's), then the compute capability each kernel states, or on AMD what
-comfy-kitchen registers there (``seedvr2.kernels``), then whether the weight's layout fits the
-kernels' rules. Each product quantises the activations inside the call (per call, from their
-own absolute maxima, on the device: no host sync) and multiplies the stored codes and scales as
-they are. A product that fails (a kernel's assertion, a cuBLAS error, a call comfy-kitchen
-declines) is the caller's to fall back from (``quantized.PackedWeightMixin``). Paths, GPUs and
-error bounds: docs/memory.md, "Quantised weights: compute_precision".
+The platform decides first (ROCm reports SM-shaped capabilities that are not NVIDIA's), then
+the compute capability each kernel states, or on AMD what comfy-kitchen registers there
+(``seedvr2.kernels``), then whether the weight fits the kernels' rules. Each product quantises
+the activations inside the call (from their own absolute maxima, on the device: no host sync).
+A product that fails is the caller's to fall back from (``packed_layers.PackedWeightMixin``).
+Paths, GPUs and error bounds: docs/memory.md, "Quantised weights: compute_precision".
 """
 
 from __future__ import annotations
@@ -28,15 +25,6 @@ WEIGHTS = "weights"
 _HALF_FLOATS = (torch.float16, torch.bfloat16)
 
 
-def weight_path(weight: PackedWeight) -> Optional[str]:
-    """The low-precision path a packed weight's layout could take on a capable GPU (None:
-    dequantise): its format's product, when the weight fits the product's kernels."""
-    product = scheme_of(weight.scheme).product
-    if product is None or product.fits(weight) is not None:
-        return None
-    return product.path
-
-
 def compute_path(weight: PackedWeight, x_dtype: torch.dtype, device: torch.device,
                  precision: str) -> str:
     """The path a linear layer with packed ``weight`` takes for activations of ``x_dtype`` on
@@ -48,7 +36,7 @@ def compute_path(weight: PackedWeight, x_dtype: torch.dtype, device: torch.devic
         return WEIGHTS
     if kernels.runs_on(product.kernels, kernels.platform_of(device)) is not None:
         return WEIGHTS
-    if product.fits(weight) is not None:
+    if len(weight.shape) != 2 or product.fits(weight) is not None:
         return WEIGHTS
     return product.path
 

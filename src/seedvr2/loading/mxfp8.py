@@ -15,9 +15,9 @@ from typing import Mapping, Optional
 
 import torch
 
-from ..kernels import violations
-from .packed import (E4M3_MAX, Format, LayoutError, Part, PackedEntry, PackedWeight, Product, Scheme, Target,
-                     register, swizzle_block_scales, tiled_scales_shape, unswizzle_block_scales)
+from ..kernels import first_violation, tiled_scales_shape
+from .packed import (E4M3_MAX, Format, Part, PackedEntry, PackedWeight, Product, Scheme, Target,
+                     block_scaled_weight, register, swizzle_block_scales, unswizzle_block_scales)
 
 BLOCK = 32
 
@@ -33,14 +33,6 @@ def _dequantize(w: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
     return out.view(rows, cols)[: w.shape[0], : w.shape[1]].to(dtype)
 
 
-def _e8m0_non_finite(tensor: torch.Tensor, params=None) -> torch.Tensor:  # noqa: ARG001
-    return tensor.view(torch.uint8) == 0xFF  # E8M0's NaN
-
-
-def _scale_shapes(shape, params=None):  # noqa: ARG001
-    return [tiled_scales_shape(shape[0], shape[1] // BLOCK)]
-
-
 @functools.lru_cache(maxsize=256)
 def _kernel_rules(shape: tuple) -> Optional[str]:
     rows, cols = shape
@@ -51,16 +43,9 @@ def _kernel_rules(shape: tuple) -> Optional[str]:
     b = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, **meta)
     scales = lambda n, k: torch.empty(tiled_scales_shape(n, -(-k // BLOCK)),  # noqa: E731
                                       dtype=torch.float8_e8m0fnu, **meta)
-    found = violations("comfy_kitchen.scaled_mm_mxfp8", {
+    return first_violation("comfy_kitchen.scaled_mm_mxfp8", {
         "a": a, "b": b, "block_scale_a": scales(32, padded), "block_scale_b": scales(rows, cols),
         "out_dtype": torch.bfloat16})
-    return found[0] if found else None
-
-
-def _product_fits(w: PackedWeight) -> Optional[str]:
-    if len(w.shape) != 2:
-        return "not a linear layer's weight"
-    return _kernel_rules(tuple(w.shape))
 
 
 def _product(ck, x2d, weight: PackedWeight, bias):
@@ -76,21 +61,16 @@ def _product(ck, x2d, weight: PackedWeight, bias):
 MXFP8 = Scheme(
     "mxfp8",
     parts={"data": Part((torch.float8_e4m3fn,), lambda shape, params: [tuple(shape)]),
-           "scale": Part((torch.uint8, torch.float8_e8m0fnu), _scale_shapes,
-                         non_finite=_e8m0_non_finite)},
+           "scale": Part((torch.uint8, torch.float8_e8m0fnu),
+                         lambda shape, params: [tiled_scales_shape(shape[0], shape[1] // BLOCK)])},
     dequantize=_dequantize,
     product=Product("mxfp8", ("comfy_kitchen.quantize_mxfp8", "comfy_kitchen.scaled_mm_mxfp8"),
-                    _product_fits, _product))
+                    lambda w: _kernel_rules(tuple(w.shape)), _product))
 
 
 def _read_marker(layer: str, conf: Mapping, shapes, dtypes) -> PackedEntry:
-    key = f"{layer}.weight"
-    shape = tuple(shapes[key])
-    if len(shape) != 2 or shape[1] % BLOCK:
-        raise LayoutError(f"tensor {key!r}: expected an mxfp8 weight of shape (rows, 32·k); "
-                          f"found {list(shape)}")
-    return PackedEntry("mxfp8", tuple(shapes[key]),
-                       {"data": key, "scale": f"{layer}.weight_scale"},
+    key, shape = block_scaled_weight(layer, shapes, BLOCK, "an mxfp8 weight of shape (rows, 32·k)")
+    return PackedEntry("mxfp8", shape, {"data": key, "scale": f"{layer}.weight_scale"},
                        {"scale": torch.float8_e8m0fnu})
 
 

@@ -14,10 +14,10 @@ from typing import Mapping, Optional
 
 import torch
 
-from ..kernels import violations
-from .packed import (E4M3_MAX, FLOAT_SCALES, Format, LayoutError, Part, PackedEntry,
-                     PackedWeight, Product, Scheme, Target, device_constant, register,
-                     swizzle_block_scales, tiled_scales_shape, unswizzle_block_scales)
+from ..kernels import first_violation, tiled_scales_shape
+from .packed import (E4M3_MAX, FLOAT_SCALES, Format, Part, PackedEntry, PackedWeight,
+                     Product, Scheme, Target, block_scaled_weight, device_constant, register,
+                     swizzle_block_scales, unswizzle_block_scales)
 
 BLOCK = 16
 E2M1_MAX = 6.0  # largest e2m1 value
@@ -40,10 +40,6 @@ def _dequantize(w: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
     return out.view(rows, cols)[: w.shape[0], : w.shape[1]].to(dtype)
 
 
-def _e4m3_non_finite(tensor: torch.Tensor, params=None) -> torch.Tensor:  # noqa: ARG001
-    return (tensor.view(torch.uint8) & 0x7F) == 0x7F  # e4m3fn's NaN (it has no inf)
-
-
 @functools.lru_cache(maxsize=256)
 def _kernel_rules(shape: tuple) -> Optional[str]:
     rows, cols = shape
@@ -51,17 +47,14 @@ def _kernel_rules(shape: tuple) -> Optional[str]:
     scales = lambda n: torch.empty(tiled_scales_shape(n, cols // BLOCK),  # noqa: E731
                                    dtype=torch.float8_e4m3fn, **meta)
     one = torch.empty((), dtype=torch.float32, **meta)
-    found = violations("comfy_kitchen.scaled_mm_nvfp4", {
+    return first_violation("comfy_kitchen.scaled_mm_nvfp4", {
         "a": torch.empty(16, cols // 2, dtype=torch.uint8, **meta),
         "b": torch.empty(rows, cols // 2, dtype=torch.uint8, **meta),
         "tensor_scale_a": one, "tensor_scale_b": one, "alpha": one,
         "block_scale_a": scales(16), "block_scale_b": scales(rows), "out_dtype": torch.bfloat16})
-    return found[0] if found else None
 
 
 def _product_fits(w: PackedWeight) -> Optional[str]:
-    if len(w.shape) != 2:
-        return "not a linear layer's weight"
     if w.shape[0] % 16:  # torch's block-scaled matmul (the eager backend): N % 16
         return f"{w.shape[0]} output channels, not a multiple of 16"
     return _kernel_rules(tuple(w.shape))
@@ -84,8 +77,7 @@ NVFP4 = Scheme(
     parts={"data": Part((torch.uint8,), lambda shape, params: [(shape[0], shape[1] // 2)],
                         non_finite=None),
            "scale": Part((torch.float8_e4m3fn, torch.uint8),
-                         lambda shape, params: [tiled_scales_shape(shape[0], shape[1] // BLOCK)],
-                         non_finite=_e4m3_non_finite),
+                         lambda shape, params: [tiled_scales_shape(shape[0], shape[1] // BLOCK)]),
            "scale_2": Part(FLOAT_SCALES, lambda shape, params: [(), (1,)])},
     dequantize=_dequantize,
     product=Product("nvfp4", ("comfy_kitchen.quantize_nvfp4", "comfy_kitchen.scaled_mm_nvfp4"),
@@ -93,11 +85,8 @@ NVFP4 = Scheme(
 
 
 def _read_marker(layer: str, conf: Mapping, shapes, dtypes) -> PackedEntry:
-    key = f"{layer}.weight"
-    shape = tuple(shapes[key])
-    if len(shape) != 2 or (2 * shape[1]) % BLOCK:
-        raise LayoutError(f"tensor {key!r}: expected nvfp4 packed pairs of shape (rows, 8·k); "
-                          f"found {list(shape)}")
+    key, shape = block_scaled_weight(layer, shapes, BLOCK // 2,
+                                     "nvfp4 packed pairs of shape (rows, 8·k)")
     return PackedEntry("nvfp4", (shape[0], 2 * shape[1]),
                        {"data": key, "scale": f"{layer}.weight_scale",
                         "scale_2": f"{layer}.weight_scale_2"},

@@ -45,14 +45,6 @@ class PackedWeight:
         return scheme_of(self.scheme).label(self.params, {k: v.dtype for k, v in
                                                           self.parts.items()})
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.parts.values())
-
-    @property
-    def device(self) -> torch.device:
-        return next(iter(self.parts.values())).device
-
     def to(self, device) -> "PackedWeight":
         """The same packed bytes on ``device`` (never a dtype change)."""
         parts = {k: v.to(device) for k, v in self.parts.items()}
@@ -104,10 +96,6 @@ class PackedEntry:
 # the table
 
 
-def _no_non_finite(tensor, params):  # noqa: ARG001 -- codes that cannot be NaN or inf
-    return None
-
-
 def non_finite_values(tensor: torch.Tensor, params: Mapping = None) -> torch.Tensor:  # noqa: ARG001
     """A bool tensor: where ``tensor``'s values are NaN or infinite, by its dtype's encoding
     (the fp8 formats by their bit patterns; torch has no isfinite for them everywhere)."""
@@ -139,12 +127,13 @@ class Part:
         allowed = [tuple(s) for s in self.shapes(logical, params)]
         if dtype in self.dtypes and tuple(shape) in allowed:
             return None
-        dtypes = " or ".join(_dtype_name(d) for d in self.dtypes)
+        dtypes = " or ".join(dtype_name(d) for d in self.dtypes)
         shapes = " or ".join(str(list(s)) for s in allowed)
-        return f"expected {dtypes} of shape {shapes}; found {_dtype_name(dtype)} {list(shape)}"
+        return f"expected {dtypes} of shape {shapes}; found {dtype_name(dtype)} {list(shape)}"
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float8_e4m3fn`` for ``torch.float8_e4m3fn``: a dtype as messages and labels name it."""
     return str(dtype).replace("torch.", "")
 
 
@@ -152,8 +141,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 class Product:
     """A scheme's low-precision product (``loading.lowp``): the compute ``path`` it is
     reported as, the external ``kernels`` it calls (keys of ``seedvr2.kernels.KERNELS``, whose
-    rules and capabilities gate it), why a weight's layout does not fit them (``fits``: None
-    when it does), and ``run(ck, x2d, weight, bias)``."""
+    rules and capabilities gate it), why a linear (2-D) weight's layout does not fit them
+    (``fits``: None when it does), and ``run(ck, x2d, weight, bias)``."""
 
     path: str
     kernels: tuple[str, ...]
@@ -305,15 +294,6 @@ def row_scale(scale: torch.Tensor, rows: int, ndim: int) -> torch.Tensor:
     return scale.reshape(rows, *([1] * (ndim - 1)))
 
 
-def _roundup(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def tiled_scales_shape(rows: int, blocks: int) -> tuple[int, int]:
-    """The swizzled block-scale matrix of ``rows`` x ``blocks`` scales (128 x 4 tiles)."""
-    return _roundup(rows, 128), _roundup(blocks, 4)
-
-
 def unswizzle_block_scales(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """cuBLAS' block-scaling tile layout -> the plain ``(rows, cols)`` scale matrix.
 
@@ -338,6 +318,17 @@ def swizzle_block_scales(plain: torch.Tensor) -> torch.Tensor:
 
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def block_scaled_weight(layer: str, shapes: Mapping, divisor: int,
+                        expected: str) -> tuple[str, tuple[int, ...]]:
+    """The key and stored shape of a block-scaled layer's weight: 2-D, its columns a multiple
+    of ``divisor``; else a :class:`LayoutError` saying what was ``expected``."""
+    key = f"{layer}.weight"
+    shape = tuple(shapes[key])
+    if len(shape) != 2 or shape[1] % divisor:
+        raise LayoutError(f"tensor {key!r}: expected {expected}; found {list(shape)}")
+    return key, shape
 
 
 def conf_value(conf: Mapping, name: str, default):

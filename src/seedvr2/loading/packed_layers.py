@@ -1,17 +1,15 @@
-"""Modules whose weight stays packed: a linear or convolution keeps its weight in its storage
-format on the device and dequantises it per forward, or multiplies in the weights' own
-precision (``loading.lowp``).
-
-:func:`attach_packed_weight` gives a linear or convolution a ``weight`` property that
-dequantises its :class:`~.packed.PackedWeight` in the module's ``compute_dtype``, so the models
-are not touched. Storage formats: ``loading.packed`` and docs/models.md, "Quantised weights in
-memory".
+"""Linear and convolution layers whose weight stays packed on the device: dequantised per
+forward in the module's ``compute_dtype``, or multiplied in the weights' own precision
+(``loading.lowp``). :func:`attach_packed_weight` gives the module a ``weight`` property, so the
+models are not touched. Storage formats: ``loading.packed`` and docs/models.md, "Quantised
+weights in memory".
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -19,15 +17,11 @@ from torch import nn
 from ..options import OptionError
 from ..errors import UsageError
 from .lowp import COMPUTE_PRECISIONS, WEIGHTS, compute_path, low_precision_linear
-from .packed import PackedWeight
+from .packed import PackedWeight, dtype_name
 
 log = logging.getLogger("seedvr2")
 
-
-# ---------------------------------------------------------------------------------------------
-# modules whose weight stays packed
-
-_PART_PREFIX = "weight_"
+_PART_PREFIX = "weight_"  # a packed part's buffer: weight_data, weight_scale, ...
 
 
 # Errors a dequantised layer would not cure: out of memory, and a CUDA error that poisons the
@@ -40,9 +34,7 @@ _NOT_THE_KERNELS = (torch.OutOfMemoryError,
 class PackedWeightMixin:
     """Mixed into a module's own class by :func:`attach_packed_weight` (see the module doc)."""
 
-    _packed_scheme: str
-    _packed_shape: tuple[int, ...]
-    _packed_params: dict
+    _packed_layout: PackedWeight  # scheme, shape and params (its parts are the buffers)
     _packed_parts: tuple[str, ...]
     _packed_name: str  # the module's name in its model, for messages
     compute_dtype: torch.dtype
@@ -52,7 +44,7 @@ class PackedWeightMixin:
     @property
     def packed_weight(self) -> PackedWeight:
         parts = {name: self._buffers[_PART_PREFIX + name] for name in self._packed_parts}
-        return PackedWeight(self._packed_scheme, self._packed_shape, parts, self._packed_params)
+        return replace(self._packed_layout, parts=parts)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -79,7 +71,7 @@ class PackedWeightMixin:
         self._lowp_failure = f"{type(error).__name__}{': ' if detail else ''}{detail}"
         log.warning("%s (%s weights): the %s low-precision product failed (%s); this layer "
                     "dequantises to %s for the rest of the job", self._packed_name, packed.label,
-                    path, self._lowp_failure, str(self.compute_dtype).replace("torch.", ""))
+                    path, self._lowp_failure, dtype_name(self.compute_dtype))
 
     def _apply(self, fn, recurse=True):
         # Packed tensors keep their storage dtype: fn sees their bytes (a uint8 view, which
@@ -100,7 +92,7 @@ class PackedWeightMixin:
     def extra_repr(self) -> str:
         base = super().extra_repr()
         label = self.packed_weight.label
-        return f"{base}, packed={label}, compute_dtype={str(self.compute_dtype)[6:]}"
+        return f"{base}, packed={label}, compute_dtype={dtype_name(self.compute_dtype)}"
 
 
 def _apply_to_bytes(fn, tensor: torch.Tensor) -> torch.Tensor:
@@ -135,9 +127,8 @@ def attach_packed_weight(module: nn.Module, packed: PackedWeight, compute_dtype:
         module._buffers.pop(_PART_PREFIX + part, None)
     for part, tensor in packed.parts.items():
         module._buffers[_PART_PREFIX + part] = tensor.contiguous()
-    module._packed_scheme = packed.scheme
-    module._packed_shape = tuple(packed.shape)
-    module._packed_params = dict(packed.params)
+    module._packed_layout = PackedWeight(packed.scheme, tuple(packed.shape), {},
+                                         dict(packed.params))
     module._packed_parts = tuple(packed.parts)
     module._packed_name = name or getattr(module, "_packed_name", "") or type(module).__name__
     module.compute_dtype = compute_dtype

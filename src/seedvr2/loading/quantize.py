@@ -21,11 +21,12 @@ import torch
 from ..errors import InputError, OutputExists
 from ..options import OptionError, option_ref
 from .detect import describe_unknown, model_kind
-from .weight_files import SAFETENSORS_DTYPES, CheckpointError, TensorSource, open_weights
 from .gguf import CONFIG_KEY, ORIG_SHAPE_KEY, config_json
 from .load import checked_model, finite, finite_parts
 from .packed import PackedWeight
-from .safetensors import scan_safetensors_layout
+from .safetensors import SAFETENSORS_DTYPES, scan_safetensors_layout
+from .source import CheckpointError, TensorSource
+from .weight_files import open_weights
 from .format_table import TARGETS as LAYER_TARGETS
 
 GGUF_TARGETS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "BF16", "F16")
@@ -50,8 +51,10 @@ VAE_LAYOUTS_REFUSED = (
     "loader")
 
 
-def _stored_float(dtype: torch.dtype) -> torch.dtype:
-    """The dtype an unquantised tensor keeps: its own float dtype, fp16 for narrower ones."""
+def _kept_dtype(src: TensorSource, key: str) -> torch.dtype:
+    """The dtype a tensor left unquantised is written in: its own float dtype, fp16 for
+    narrower ones and for packed weights."""
+    dtype = torch.float16 if key in src.packed else src.dtypes[key]
     return dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float16
 
 
@@ -126,27 +129,19 @@ class _GGUFPlan:
 def _gguf_plan(src: TensorSource, target: str, keep) -> list[_GGUFPlan]:
     plans = []
     for key, shape in src.shapes.items():
-        shape = tuple(shape)
-        numel = math.prod(shape)
-        quantize = should_quantize(key, shape, keep)
-        block = _BLOCK[target]
+        shape, numel, block = tuple(shape), math.prod(shape), _BLOCK[target]
+        quantize, stored = should_quantize(key, shape, keep), shape
         if quantize and (len(shape) > 2 or shape[-1] % block):
             # Rows must tile into blocks: store flat in rows of 256 (or of one block).
             rows = 256 if numel % 256 == 0 else block if numel % block == 0 else None
-            if rows is None:
-                quantize = False
-            else:
-                plans.append(_GGUFPlan(key, target, (numel // rows, rows), shape))
-                continue
+            quantize, stored = rows is not None, (numel // rows, rows) if rows else shape
         if quantize:
-            plans.append(_GGUFPlan(key, target, shape, None))
-            continue
-        float_type = _ST_DTYPE[_stored_float(src.dtypes[key]) if key not in src.packed
-                               else torch.float16]
-        if len(shape) > 4:  # GGUF holds at most 4 dimensions
-            plans.append(_GGUFPlan(key, float_type, (shape[0], numel // shape[0]), shape))
+            qtype = target
         else:
-            plans.append(_GGUFPlan(key, float_type, shape, None))
+            qtype = _ST_DTYPE[_kept_dtype(src, key)]
+            # GGUF holds at most 4 dimensions.
+            stored = (shape[0], numel // shape[0]) if len(shape) > 4 else shape
+        plans.append(_GGUFPlan(key, qtype, stored, shape if stored != shape else None))
     return plans
 
 
@@ -174,8 +169,7 @@ def _write_gguf(src: TensorSource, path: Path, target: str, config: dict, keep, 
     writer = gguf.GGUFWriter(path, arch="seedvr2")
     try:
         writer.add_string(CONFIG_KEY, config_json(config))
-        writer.add_file_type({"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8,
-                              "Q5_1": 9, "BF16": 32}[target])
+        writer.add_file_type(getattr(gguf.LlamaFileType, f"MOSTLY_{target}"))
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         for plan in plans:
             if plan.orig is not None:
@@ -246,8 +240,7 @@ def _safetensors_plan(src: TensorSource, target: str, keep):
             layout[f"{key[: -len('.weight')]}.comfy_quant"] = (torch.uint8, (len(raw),))
             plans.append((key, layout, marker))
         else:
-            dtype = torch.float16 if key in src.packed else _stored_float(src.dtypes[key])
-            plans.append((key, {key: (dtype, shape)}, None))
+            plans.append((key, {key: (_kept_dtype(src, key), shape)}, None))
     return plans
 
 

@@ -169,21 +169,14 @@ def _locate(spec, model_dir: Path, kind: str, allow_paths: bool) -> Path:
     """The file for ``spec``, or :class:`MissingModelFile` for a registered name that can be
     downloaded, or :class:`CheckpointError` for anything else."""
     spec_str = str(spec)
-    if allow_paths:
-        path = Path(spec_str).expanduser()
-        if path.is_file():
-            return path
-    else:
-        inside = model_path_in(model_dir, spec_str)
-        if inside.is_file():
-            return inside
+    path = Path(spec_str).expanduser() if allow_paths else model_path_in(model_dir, spec_str)
+    if path.is_file():
+        return path
+    candidate = model_dir / spec_str
+    if candidate.is_file() and (spec_str in KNOWN_FILES or Path(spec_str).name == spec_str):
+        return candidate
     if spec_str in KNOWN_FILES:
-        candidate = model_dir / spec_str
-        if candidate.is_file():
-            return candidate
         raise MissingModelFile(spec_str, kind, model_dir)
-    if (model_dir / spec_str).is_file() and Path(spec_str).name == spec_str:
-        return model_dir / spec_str
     known = ", ".join(n for n, k in KNOWN_FILES.items() if k.kind == kind)
     raise CheckpointError(f"{kind.upper()} model {spec_str!r} not found: not a file, and not a "
                           f"registered name (registered: {known}) nor a file in {model_dir}")

@@ -26,11 +26,12 @@ SAFETENSORS_DTYPES = {
     "F8_E8M0": torch.float8_e8m0fnu,  # MXFP8 block scales
 }
 
-def read_safetensors_header(path: Path) -> tuple[dict, dict]:
-    """The tensor entries (name -> dtype, shape, data_offsets) and the metadata of a
-    safetensors file, checked as the safetensors library would check them, so that a damaged or
-    hostile header is one :class:`CheckpointError` naming the file and the problem (the
-    library raises KeyError, TypeError or its own error without the file's name)."""
+def read_safetensors_header(path: Path) -> tuple[dict, dict, int]:
+    """The tensor entries (name -> dtype, shape, data_offsets), the metadata and the byte where
+    the tensor data starts of a safetensors file, checked as the safetensors library would
+    check them, so that a damaged or hostile header is one :class:`CheckpointError` naming the
+    file and the problem (the library raises KeyError, TypeError or its own error without the
+    file's name)."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
@@ -83,7 +84,7 @@ def read_safetensors_header(path: Path) -> tuple[dict, dict]:
     if position < data_size:
         raise CheckpointError(f"{path}: corrupt safetensors file ({data_size - position} bytes "
                               f"after the last tensor)")
-    return header, metadata
+    return header, metadata, 8 + header_len
 
 
 def _is_count(value) -> bool:
@@ -220,13 +221,12 @@ def scan_safetensors_layout(shapes: Mapping[str, tuple], dtypes: Mapping[str, to
 
 
 def open_safetensors(path: Path) -> TensorSource:
-    header, metadata = read_safetensors_header(path)
+    header, metadata, data_start = read_safetensors_header(path)
     from safetensors import safe_open
 
     # Keys as the model names them: a ComfyUI prefix is dropped when every key has it.
     prefix = COMFY_PREFIX if header and all(k.startswith(COMFY_PREFIX) for k in header) else ""
     file_key = {k[len(prefix):]: k for k in header}
-    data_start = 8 + struct.unpack("<Q", _first_bytes(path))[0]
 
     def read_bytes(key: str) -> bytes:
         begin, end = header[file_key[key]]["data_offsets"]
@@ -253,10 +253,5 @@ def open_safetensors(path: Path) -> TensorSource:
         path, "safetensors", shapes=layout.shapes, dtypes=layout.dtypes,
         metadata=dict(metadata), packed={k: e.label(stored) for k, e in layout.packed.items()},
         part_keys={k: dict(e.files) for k, e in layout.packed.items()},
-        _get=get, _get_packed=lambda key: layout.packed[key].read(read),
-        _close=lambda: handle.__exit__(None, None, None))
-
-
-def _first_bytes(path: Path) -> bytes:
-    with open(path, "rb") as f:
-        return f.read(8)
+        get=get, get_packed=lambda key: layout.packed[key].read(read),
+        close=lambda: handle.__exit__(None, None, None))

@@ -24,7 +24,10 @@ COMFY_PREFIX = "model.diffusion_model."
 
 @dataclass
 class TensorSource:
-    """One weight file's tensors: shapes/dtypes up front, data on request (mmap where possible)."""
+    """One weight file's tensors: shapes/dtypes up front, data on request (mmap where possible)
+    through its reader's functions: ``get(key)``, the tensor as a plain float (packed weights
+    dequantised to fp32); ``get_packed(key)``, a packed weight (``key in packed``) as a
+    :class:`~.packed.PackedWeight`; ``close()``."""
 
     path: Path
     format: str  # "safetensors", "pickle" or "gguf"
@@ -33,23 +36,11 @@ class TensorSource:
     metadata: dict[str, str] = field(default_factory=dict)
     # Weights stored quantised (GGUF blocks, fp8, int8, ...): key -> storage label ("Q4_K").
     packed: dict[str, str] = field(default_factory=dict)
-    _get: Callable[[str], torch.Tensor] | None = None
-    _close: Callable[[], None] | None = None
-    _get_packed: Callable[[str], object] | None = None
     # A packed weight's stored tensors by role, for messages: key -> {part: file key}.
     part_keys: dict[str, dict[str, str]] = field(default_factory=dict)
-
-    def get(self, key: str) -> torch.Tensor:
-        """The tensor as a plain float (packed weights dequantised to fp32)."""
-        return self._get(key)
-
-    def get_packed(self, key: str):
-        """A packed weight (``key in self.packed``) as a :class:`~.packed.PackedWeight`."""
-        return self._get_packed(key)
-
-    def close(self):
-        if self._close:
-            self._close()
+    get: Callable[[str], torch.Tensor] = None
+    get_packed: Callable[[str], object] = None
+    close: Callable[[], None] = lambda: None
 
     def __enter__(self):
         return self

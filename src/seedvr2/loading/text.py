@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from ..options import option_ref
-from .weight_files import CheckpointError, aligned, open_weights, sniff_format
+from .source import CheckpointError, aligned
+from .weight_files import open_weights, sniff_format
 
 # The official pos/neg embeddings of both released DiT families (txt_in_dim 5120); provenance
 # in seedvr2/data/README.md.
@@ -83,12 +84,14 @@ def load_text_embeddings(spec: str, txt_in_dim: int, model_dir: Path,
             raise CheckpointError(f"{path}: text embeddings file not found")
         return _check(_read_pos(path), path, txt_in_dim)
     model_dir = Path(model_dir)
-    candidates = [model_dir / "pos_emb.pt"] + sorted(model_dir.glob("*.safetensors"))
+    candidates = [model_dir / "pos_emb.pt", *sorted(model_dir.glob("*.safetensors")),
+                  BUNDLED_TEXT_EMBEDDINGS]
     widths = []
     for path in candidates:
         if not path.is_file():
             continue
-        if path.suffix == ".safetensors":
+        name = "the bundled official embeddings" if path == BUNDLED_TEXT_EMBEDDINGS else path.name
+        if path.suffix == ".safetensors" and path != BUNDLED_TEXT_EMBEDDINGS:
             try:
                 with open_weights(path) as src:
                     shape = src.shapes.get(_positive_key(src.shapes) or "pos")
@@ -96,18 +99,13 @@ def load_text_embeddings(spec: str, txt_in_dim: int, model_dir: Path,
                 continue
             if shape is None:
                 continue
-            widths.append(f"{path.name} ({shape[-1]})")
+            widths.append(f"{name} ({shape[-1]})")
             if shape[-1] != txt_in_dim:
                 continue
         pos = _read_pos(path)
         if pos.shape[-1] == txt_in_dim:
             return _check(pos, path, txt_in_dim)
-        widths.append(f"{path.name} ({pos.shape[-1]})")
-    if BUNDLED_TEXT_EMBEDDINGS.is_file():
-        pos = _read_pos(BUNDLED_TEXT_EMBEDDINGS)
-        if pos.shape[-1] == txt_in_dim:
-            return _check(pos, BUNDLED_TEXT_EMBEDDINGS, txt_in_dim)
-        widths.append(f"the bundled official embeddings ({pos.shape[-1]})")
+        widths.append(f"{name} ({pos.shape[-1]})")
     found = f"; found {', '.join(widths)}" if widths else ""
     raise CheckpointError(f"no text embeddings of width {txt_in_dim} in {model_dir}: put the "
                           f"model's pos_emb.pt there or pass {option_ref('text_embeddings', 'PATH')}"

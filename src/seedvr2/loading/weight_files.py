@@ -14,11 +14,10 @@ from pathlib import Path
 import torch
 
 from .gguf import open_gguf
-from .safetensors import SAFETENSORS_DTYPES, open_safetensors, read_safetensors_header
-from .source import COMFY_PREFIX, CheckpointError, TensorSource, aligned
+from .safetensors import open_safetensors
+from .source import CheckpointError, TensorSource
 
-__all__ = ["COMFY_PREFIX", "CheckpointError", "SAFETENSORS_DTYPES", "TensorSource", "aligned",
-           "open_weights", "read_safetensors_header", "sniff_format"]
+__all__ = ["CheckpointError", "open_weights", "sniff_format"]
 
 
 def sniff_format(path: Path) -> str:
@@ -72,4 +71,4 @@ def _open_pickle(path: Path) -> TensorSource:
     return TensorSource(path, "pickle",
                         shapes={k: tuple(v.shape) for k, v in state.items()},
                         dtypes={k: v.dtype for k, v in state.items()},
-                        _get=state.__getitem__, _close=state.clear)
+                        get=state.__getitem__, close=state.clear)
