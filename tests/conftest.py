@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from fractions import Fraction
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))  # example_workflows: the examples, described once
 
 
 def custom_node_import(folder: Path) -> str:

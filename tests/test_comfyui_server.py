@@ -25,11 +25,11 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
+from example_workflows import EXAMPLE_IMAGE, EXAMPLE_VIDEO
 from test_workflows import (API_DIR, CLIP_FRAMES, EXAMPLES_DIR, IMAGE_OUT, VIDEO_OUT,
                             make_inputs, probe_video, tiny_sets)
 
 from seedvr2.workflow.errors import WorkflowError, WorkflowInterrupted
-from seedvr2.workflow.examples import EXAMPLE_IMAGE, EXAMPLE_VIDEO
 from seedvr2.workflow.host import HeadlessHost
 from seedvr2.workflow.server import ComfyServer
 

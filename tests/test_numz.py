@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from example_workflows import EXAMPLE_IMAGE
 from test_workflows import IMAGE_OUT, inputs, make_inputs  # noqa: F401 (fixture)
 
 from seedvr2.cli import main
 from seedvr2.workflow.convert import ui_to_api
 from seedvr2.workflow.errors import WorkflowError
-from seedvr2.workflow.examples import EXAMPLE_IMAGE
 from seedvr2.workflow.host import HeadlessHost
 from seedvr2.workflow.numz import clashing_packs, translate_prompt
 from seedvr2.workflow.run import builtin_object_info, run_workflow
@@ -652,7 +652,7 @@ def test_numz_august_2025_examples_run_headless(tiny_model_dir, inputs, tmp_path
 
     from test_workflows import CLIP_FRAMES, probe_video
 
-    from seedvr2.workflow.examples import EXAMPLE_VIDEO
+    from example_workflows import EXAMPLE_VIDEO
 
     for name, workflow in (("image", old_ui_workflow("2025-08-15", NUMZ_AUGUST_VALUES)),
                            ("video", numz_august_video_workflow(EXAMPLE_VIDEO))):
