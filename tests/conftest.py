@@ -264,6 +264,20 @@ def quantization_bound(weight_errors) -> float:
     return sum(e * e for e in weight_errors) ** 0.5
 
 
+def import_pack(name: str):
+    """The pack's nodes.py, imported in this process as ComfyUI imports the folder (a package
+    named ``name``), outside ComfyUI."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "__init__.py",
+                                                  submodule_search_locations=[str(REPO)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return sys.modules[f"{name}.nodes"]
+
+
 def import_pack_beside(tmp_path: Path, registered: str, other_dirs: dict = None):
     """Import the pack as ComfyUI's classic path does (no comfy_api), from
     ``custom_nodes/ComfyUI-SeedVR2``, after ComfyUI has registered nodes: ``registered`` is

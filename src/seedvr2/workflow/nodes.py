@@ -342,8 +342,7 @@ def _file_kind(path: Path) -> Optional[str]:
 
 @functools.lru_cache(maxsize=None)
 def _kind_of_file(path: str, size: int, mtime_ns: int) -> Optional[str]:
-    """The header read once per file version (size and time are part of the key)."""
-    from ..loading import CheckpointError, describe
+    from ..loading import CheckpointError, describe  # a header read once per size and time
 
     try:
         return describe(Path(path))["kind"]
@@ -352,8 +351,7 @@ def _kind_of_file(path: str, size: int, mtime_ns: int) -> Optional[str]:
 
 
 def _local_models(host: Host, kind: str) -> list[str]:
-    """The files of this kind in the model folders, sorted (header read once per file;
-    released files are known by name)."""
+    """The files of this kind in the model folders, sorted (released files known by name)."""
     from ..loading.registry import KNOWN_FILES
 
     found = []
@@ -472,8 +470,7 @@ def _torch_compile_settings(host: Host, **args) -> NodeResult:
 
 @dataclass
 class FacadeRequest:
-    """A node's facade options for one run, and what the library cannot honour yet (reported
-    once)."""
+    """A node's facade options for one run, and what the library cannot honour yet."""
 
     options: dict = field(default_factory=dict)
     unsupported: list = field(default_factory=list)
@@ -541,7 +538,9 @@ def _stop_check(host: Host) -> Callable[[], bool]:
 def _resolved(host: Host, dit: ModelHandle, vae: ModelHandle, inputs: dict) -> Options:
     """The node's options, resolved once (bad values fail here, before anything is loaded);
     what the library cannot honour yet is reported."""
-    request = facade_request(dit, vae, *_split_inputs(inputs))
+    upscaler = {s.input: inputs[s.input] for s in UPSCALER_SETTINGS if s.input in inputs}
+    pipeline = {name: v for name, v in inputs.items() if name not in upscaler}
+    request = facade_request(dit, vae, upscaler, pipeline)
     for message in request.unsupported + request.notes:
         host.warn(message)
     return resolve_options(**request.options)
@@ -555,11 +554,11 @@ def _run_facade(host: Host, dit: ModelHandle, vae: ModelHandle, opts: Options, c
     that shows its result itself: the editor (frontend 1.32 to 1.58, useNodeOutputStore's
     getNodeImageUrls) draws a node's previews instead of its outputs until the node runs
     again, so the finished video would never show."""
+    import torch
+
     from ..pipeline.runner import Interrupted
 
     model_dir = Path(dit.path).parent  # text embeddings "auto" look next to the DiT
-    import torch
-
     host.before_load((dit.path, vae.path), opts.dit_device)
     try:
         # ComfyUI runs nodes under torch.inference_mode(); models loaded there would hold
@@ -580,12 +579,6 @@ def _run_facade(host: Host, dit: ModelHandle, vae: ModelHandle, opts: Options, c
 def _as_comfy_image(frames):
     """ComfyUI IMAGEs are RGB or RGBA: gray results come back as three equal channels."""
     return frames.expand(-1, -1, -1, 3).contiguous() if frames.shape[-1] == 1 else frames
-
-
-def _split_inputs(inputs: dict) -> tuple[dict, dict]:
-    """(the upscaler's own settings, its pipeline inputs)."""
-    upscaler = {s.input: inputs[s.input] for s in UPSCALER_SETTINGS if s.input in inputs}
-    return upscaler, {name: v for name, v in inputs.items() if name not in upscaler}
 
 
 def _upscale_images(host: Host, image, dit: ModelHandle, vae: ModelHandle, **inputs) -> NodeResult:

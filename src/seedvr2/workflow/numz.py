@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 from .errors import WorkflowError
 from .execute import is_link
@@ -476,36 +476,6 @@ def _numz_prompt_node(table: NumzNode, inputs: dict, widgets: dict[str, _Widget]
             or bool(table.ours_only) and not any(n in inputs for n in table.ours_only)
             or any(isinstance(v, bool) and n in widgets and widgets[n].choices is not None
                    for n, v in inputs.items()))
-
-
-# ---------------------------------------------------------------------------------------------
-# Another pack with the same node IDs
-
-
-def clashing_packs(our_ids, class_mappings: dict, module_dirs: dict, our_module: str,
-                   registered_by: Callable[[object], Optional[str]], *, loading: bool) -> list[str]:
-    """Log lines for each other pack that registers one of ``our_ids`` in ComfyUI's
-    ``NODE_CLASS_MAPPINGS`` (a class's pack: ``registered_by``; folders: ``module_dirs``).
-    ``loading``: asked while this pack registers its nodes (ours replace the other's), else
-    after every pack loaded (the other replaced ours). Empty when no other pack has our IDs."""
-    def folder(module: str) -> str:
-        return module_dirs.get(module.rpartition(".")[2], module)
-
-    others: dict[str, list[str]] = {}
-    for node_id in our_ids:
-        cls = class_mappings.get(node_id)
-        module = registered_by(cls) if cls is not None else None
-        if module and module != our_module:
-            others.setdefault(module, []).append(node_id)
-    lines = []
-    for module, ids in others.items():
-        winner = f"this pack's replace {module}'s" if loading else \
-            f"{module}'s replaced this pack's"
-        lines.append(f"two packs register the node IDs {', '.join(ids)}: {folder(module)} "
-                     f"registers {', '.join(ids)}; this pack, {folder(our_module)}, registers "
-                     f"{', '.join(our_ids)}. ComfyUI keeps the pack loaded last: {winner}. "
-                     f"Remove one of them (this pack also opens numz's workflows).")
-    return lines
 
 
 # ---------------------------------------------------------------------------------------------
