@@ -354,7 +354,7 @@ def test_interrupt_ends_a_run_cleanly(comfyui):
     while not waiting.exists():
         assert time.monotonic() < deadline, comfyui.log_tail()
         time.sleep(0.1)
-    comfyui.client.interrupt()
+    comfyui.client.request("/interrupt", {})
     with pytest.raises(WorkflowInterrupted) as error:
         comfyui.client.wait(prompt_id, timeout=RUN_TIMEOUT)
     assert error.value.node_id == "4"
@@ -478,7 +478,8 @@ def test_unload_models_releases_our_cached_models(comfyui):
     assert entry["status"]["status_str"] == "success" and entry["outputs"]["4"]["images"]
     assert _cache_state(comfyui) == both
     assert "ComfyUI unloaded the cached" not in comfyui.log.read_text()
-    comfyui.client.free(unload_models=True)
+    # The editor's "Unload models" button:
+    comfyui.client.request("/free", {"unload_models": True, "free_memory": False})
     deadline = time.monotonic() + 60
     while _cache_state(comfyui) != {"cached": [], "registered": []}:
         assert time.monotonic() < deadline, (_cache_state(comfyui), comfyui.log_tail())

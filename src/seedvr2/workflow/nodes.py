@@ -283,24 +283,18 @@ UPSCALER_SETTINGS: tuple = (
     Setting("offload_device", "tensor_offload_device", choices=_offload_choices),
 )
 
-# The settings inputs of the first release are required; every setting added later is an
-# optional input with its option's default, so workflows saved before it keep validating (as
-# FIRST_RELEASE_OPTIONS does for the upscaler's pipeline options).
-FIRST_RELEASE_SETTINGS = {
-    "dit": frozenset(("device", "offload_device", "cache_model", "blocks_to_swap",
-                      "swap_io_components", "attention_backend", "dtype", "text_embeddings")),
-    "vae": frozenset(("device", "offload_device", "cache_model", "encode_tiled",
-                      "encode_tile_size", "encode_tile_overlap", "decode_tiled",
-                      "decode_tile_size", "decode_tile_overlap", "dtype")),
-    "upscaler": frozenset(("devices", "offload_device")),
-}
+# The first release's settings inputs (the first N of each group) are required; every setting
+# added later (appended: the editor saves widget values by position) is an optional input with
+# its option's default, so workflows saved before it keep validating (as FIRST_RELEASE_OPTIONS
+# does for the upscaler's pipeline options).
+FIRST_RELEASE_SETTINGS = {"dit": 8, "vae": 10, "upscaler": 2}
 
 
 def settings_inputs(group: str) -> tuple:
     """The node inputs of a settings group ("dit", "vae" or "upscaler")."""
     settings = UPSCALER_SETTINGS if group == "upscaler" else LOADER_SETTINGS[group]
-    return tuple(s.node_input(optional=s.input not in FIRST_RELEASE_SETTINGS[group])
-                 for s in settings)
+    return tuple(s.node_input(optional=index >= FIRST_RELEASE_SETTINGS[group])
+                 for index, s in enumerate(settings))
 
 
 # Library options set through the loaders or the upscaler's own settings, not as pipeline inputs.
