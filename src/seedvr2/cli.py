@@ -210,7 +210,7 @@ class _Bars:
         if bar is None or bar.total != total:
             bar = self.bars[phase] = tqdm(total=total, desc=f"{self.LABELS.get(phase, phase):>10}",
                                           position=len(self.bars), leave=phase == "frames",
-                                          unit=_unit(phase))
+                                          unit=_unit(phase, 1))
         bar.update(done - bar.n)
 
     def close(self):
@@ -221,8 +221,9 @@ class _Bars:
             self.plain.close()
 
 
-def _unit(phase: str) -> str:
-    return "frame" if phase == "frames" else "batch"
+def _unit(phase: str, count: int) -> str:
+    return ("frame" if phase == "frames" else "batch") + \
+        ("" if count == 1 else "s" if phase == "frames" else "es")
 
 
 class _PlainProgress:
@@ -254,8 +255,7 @@ class _PlainProgress:
     def _line(self, phase: str, done: int, total: int):
         self.pending = None
         left = (self.clock() - self.start) / done * (total - done) if 0 < done < total else 0
-        print(f"{_Bars.LABELS.get(phase, phase)}: {done}/{total} {_unit(phase)}"
-              f"{'es' if _unit(phase) == 'batch' and total != 1 else 's' if total != 1 else ''}"
+        print(f"{_Bars.LABELS.get(phase, phase)}: {done}/{total} {_unit(phase, total)}"
               f"{f', about {left:.0f} s left' if left else ''}", file=self.stream, flush=True)
 
 
@@ -350,14 +350,12 @@ def _dry_plan(opts, jobs: list, dit) -> int:
 
 def _remove_empty_folders(folder: Path, top: Path) -> None:
     """Remove ``folder`` and its parents up to ``top`` (all created by this run) while empty."""
-    while True:
-        try:
-            folder.rmdir()  # fails on a folder that holds anything
-        except OSError:
-            return
-        if folder == top:
-            return
-        folder = folder.parent
+    with contextlib.suppress(OSError):  # rmdir fails on a folder that holds anything
+        while True:
+            folder.rmdir()
+            if folder == top:
+                return
+            folder = folder.parent
 
 
 def _what_was_kept(target) -> str:
@@ -365,8 +363,7 @@ def _what_was_kept(target) -> str:
     written; a file job's verified pieces, if it closed any, wait for the same command."""
     from .io.temporaries import RESUME_JOURNAL, resume_folder
 
-    kept = target is not None and (resume_folder(target) / RESUME_JOURNAL).is_file()
-    if kept:
+    if target is not None and (resume_folder(target) / RESUME_JOURNAL).is_file():
         return (f"the output was not written; its finished pieces are kept in "
                 f"{resume_folder(target)}: run the same command again to continue")
     return "the output was not written and nothing was kept"

@@ -137,11 +137,9 @@ def _from_widget(name: str, value):
     return "auto" if opt is not None and opt.accepts_auto and value == AUTO_INT else value
 
 
-def option_input(opt: Option, name: Optional[str] = None, tooltip: Optional[str] = None,
-                 optional: bool = False) -> Input:
+def option_input(opt: Option, name: Optional[str] = None, optional: bool = False) -> Input:
     """A node input for a library option: same type, default, range, choices; help = tooltip."""
-    kw = dict(name=name or opt.name, tooltip=tooltip or opt.help, default=opt.default,
-              optional=optional)
+    kw = dict(name=name or opt.name, tooltip=opt.help, default=opt.default, optional=optional)
     if opt.choices is not None:
         return Input(type="COMBO", choices=tuple(opt.choices), **kw)
     if opt.type is bool:
@@ -297,13 +295,12 @@ def settings_inputs(group: str) -> tuple:
                  for index, s in enumerate(settings))
 
 
-# Library options set through the loaders or the upscaler's own settings, not as pipeline inputs.
+# Library options set through the loaders or the upscaler's own settings, not as pipeline inputs;
+# and fps, a rate for image files written as video: the command line's only (the nodes get
+# frames with their own fps, or a video file that has one).
 _CLAIMED = ({s.option for group in LOADER_SETTINGS.values() for s in group}
             | {s.option for s in UPSCALER_SETTINGS}
-            | {"device", "compile", *COMPILE_FIELDS.values()}
-            # A rate for image files written as video: the nodes get frames with their own
-            # fps (or a video file that has one), so it is the command line's only.
-            | {"fps"})
+            | {"device", "compile", "fps", *COMPILE_FIELDS.values()})
 
 
 def pipeline_options() -> list[Option]:
@@ -363,10 +360,9 @@ def _local_models(host: Host, kind: str) -> list[str]:
 
 
 def model_downloads(host: Host, kind: str) -> dict[str, Optional[int]]:
-    """The released files of this kind not in the model folders: name -> approximate size in bytes
-    (None when the registry cannot say). Choosing one downloads it when the node runs. ComfyUI's
-    native files are listed when present (they live in its own folders), never offered: the
-    same models are offered in our packaging."""
+    """The released files of this kind not in the model folders: name -> approximate bytes
+    (None: unknown), downloaded when the node runs. ComfyUI's native files are listed when
+    present (in its own folders), never offered: our packaging offers the same models."""
     from ..loading.registry import COMFY_FOLDER, KNOWN_FILES, approximate_bytes
 
     local = set(host.model_names())
@@ -375,9 +371,8 @@ def model_downloads(host: Host, kind: str) -> dict[str, Optional[int]]:
 
 
 def model_choices(host: Host, kind: str) -> list[str]:
-    """The model dropdown: the files the user has first (so the first choice, the default of a
-    new node, is one that runs without a download), then the released files still to download
-    (the editor marks those: :data:`DOWNLOADS_KEY`)."""
+    """The model dropdown: the user's files first (a new node's default then runs without a
+    download), then the released files to download (marked by the editor: :data:`DOWNLOADS_KEY`)."""
     return _local_models(host, kind) + list(model_downloads(host, kind))
 
 
