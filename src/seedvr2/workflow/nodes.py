@@ -668,8 +668,6 @@ def _upscale_video(host: Host, video, dit: ModelHandle, vae: ModelHandle, codec:
     _check_frames_fit(host.video_size(video), opts)
     images, audio, fps = host.video_frames(video)
     if not 0 < float(fps) < float("inf"):  # (NaN fails too) a VIDEO no player or writer takes
-        from ..pipeline.runner import InputError
-
         raise InputError(f"video: its frame rate is {fps} frames per second; give it a rate "
                          f"above 0 (Create Video's fps) and run again")
     frames = _as_comfy_image(_run_facade(host, dit, vae, opts, partial(upscale, images)))

@@ -154,6 +154,8 @@ def run_workflow(workflow: Union[str, Path, dict], sets: Iterable[str] = (), *,
 
 def _run_on_server(workflow: dict, sets: Iterable[str], client: ComfyServer,
                    host: HeadlessHost, timeout: Optional[float]) -> RunResult:
+    uploads = []  # (local file, name on the server)
+
     def say(text):
         if not host.quiet:
             print(text, file=sys.stderr, flush=True)
@@ -164,7 +166,6 @@ def _run_on_server(workflow: dict, sets: Iterable[str], client: ComfyServer,
 
     info = client.object_info()
     prompt = apply_sets(to_api(workflow, info, lambda note: say(f"note: {note}")), sets, info)
-    uploads = []
     prompt = upload_inputs(client, prompt, info, host.input_dir, on_upload=uploaded)
     printer = None if host.quiet else ProgressPrinter(prompt)
     try:
