@@ -23,8 +23,8 @@ from typing import Optional
 from .src.seedvr2.workflow.nodes import (CONTROL_MODE_KEY, NodeDef, NodeResult, build_nodes,
                                           input_spec, object_info, widget_default)
 from .src.seedvr2.workflow.errors import WorkflowError
-from .src.seedvr2.workflow.numz import (NUMZ_NODES, clashing_packs, has_numz_nodes,
-                                         translate_prompt, translate_workflow)
+from .src.seedvr2.workflow.numz import (NUMZ_NODES, has_numz_nodes, translate_prompt,
+                                         translate_workflow)
 
 log = logging.getLogger("seedvr2")
 # seedvr2.loading.registry.COMFY_FOLDER, spelled out: importing the registry loads torch.
@@ -511,8 +511,34 @@ def _log_clashes(loading: bool) -> None:
         log.warning(f"SeedVR2: {_core_clash(core)}")
     others = {i: cls for i, cls in mappings.items() if i not in core}
     for line in clashing_packs(our_ids, others, getattr(comfy, "LOADED_MODULE_DIRS", {}),
-                               OUR_MODULE, _registered_by, loading=loading):
+                               OUR_MODULE, loading=loading):
         log.warning(f"SeedVR2: {line}")
+
+
+def clashing_packs(our_ids, class_mappings: dict, module_dirs: dict, our_module: str, *,
+                   loading: bool) -> list[str]:
+    """Log lines for each other pack that registers one of ``our_ids`` in ComfyUI's
+    ``NODE_CLASS_MAPPINGS`` (folders: ``module_dirs``, ComfyUI's ``LOADED_MODULE_DIRS``).
+    ``loading``: asked while this pack registers its nodes (ours replace the other's), else
+    after every pack loaded (the other replaced ours). Empty when no other pack has our IDs."""
+    def folder(module: str) -> str:
+        return module_dirs.get(module.rpartition(".")[2], module)
+
+    others: dict[str, list[str]] = {}
+    for node_id in our_ids:
+        cls = class_mappings.get(node_id)
+        module = _registered_by(cls) if cls is not None else None
+        if module and module != our_module:
+            others.setdefault(module, []).append(node_id)
+    lines = []
+    for module, ids in others.items():
+        winner = f"this pack's replace {module}'s" if loading else \
+            f"{module}'s replaced this pack's"
+        lines.append(f"two packs register the node IDs {', '.join(ids)}: {folder(module)} "
+                     f"registers {', '.join(ids)}; this pack, {folder(our_module)}, registers "
+                     f"{', '.join(our_ids)}. ComfyUI keeps the pack loaded last: {winner}. "
+                     f"Remove one of them (this pack also opens numz's workflows).")
+    return lines
 
 
 def _is_core(cls) -> bool:

@@ -1,5 +1,5 @@
 """Write the example workflows into example_workflows/ (editor format, API twins in api/) from
-``seedvr2.workflow.examples``; with ``--thumbnails`` also each template's ``<name>.jpg``.
+``example_workflows.py`` beside it; with ``--thumbnails`` also each template's ``<name>.jpg``.
 
     .venv/bin/python scripts/gen_examples.py                 # the workflows (after node changes)
     .venv/bin/python scripts/gen_examples.py --thumbnails    # and the thumbnails (minutes)
@@ -7,7 +7,7 @@
 A thumbnail is the result of running its workflow in process, with the conformance kit's tiny
 models (the released weights are multi-GB downloads) at THUMB_RESOLUTION on the CPU, on a
 synthetic input drawn here, so the same command gives the same pictures anywhere; its JPEG
-comment is ``examples.thumbnail_stamp`` (tests find thumbnails older than their workflow).
+comment is ``example_workflows.thumbnail_stamp`` (tests find thumbnails older than their workflow).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from seedvr2.workflow.examples import (EXAMPLE_IMAGE, EXAMPLE_VIDEO, EXAMPLES, THUMB_WIDTH,
-                                       Example, files, thumbnail_stamp, ui_workflow)
+from example_workflows import (EXAMPLE_IMAGE, EXAMPLE_VIDEO, EXAMPLES, THUMB_WIDTH, Example,
+                               files, thumbnail_stamp, ui_workflow)
 
 ROOT = Path(__file__).resolve().parent.parent
 THUMB_RESOLUTION = 192

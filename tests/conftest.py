@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from fractions import Fraction
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))  # example_workflows: the examples, described once
 
 
 def custom_node_import(folder: Path) -> str:
@@ -260,6 +262,20 @@ def quantization_bound(weight_errors) -> float:
     half of one layer's (the residual stream dilutes each layer's share), so the bound is loose
     but derived; a decoding bug (wrong scale, nibble order, block layout) gives O(1)."""
     return sum(e * e for e in weight_errors) ** 0.5
+
+
+def import_pack(name: str):
+    """The pack's nodes.py, imported in this process as ComfyUI imports the folder (a package
+    named ``name``), outside ComfyUI."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "__init__.py",
+                                                  submodule_search_locations=[str(REPO)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return sys.modules[f"{name}.nodes"]
 
 
 def import_pack_beside(tmp_path: Path, registered: str, other_dirs: dict = None):

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
+import example_workflows as examples
 from conftest import REPO
 from test_comfyui_server import NATIVE_VAES, serve_comfyui
 from test_comfyui_server import comfyui  # noqa: F401  (the module's ComfyUI server)
 from test_workflows import EXAMPLES_DIR, IMAGE_OUT, NAMES
 
-from seedvr2.workflow import examples
 
 SKIP_ENV = "SEEDVR2_SKIP_BROWSER_TESTS"
 ARTIFACTS = Path(os.environ.get("SEEDVR2_TEST_ARTIFACTS") or REPO / "test-artifacts") / "browser"

@@ -25,11 +25,12 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
+from example_workflows import EXAMPLE_IMAGE, EXAMPLE_VIDEO
 from test_workflows import (API_DIR, CLIP_FRAMES, EXAMPLES_DIR, IMAGE_OUT, VIDEO_OUT,
                             make_inputs, probe_video, tiny_sets)
 
 from seedvr2.workflow.errors import WorkflowError, WorkflowInterrupted
-from seedvr2.workflow.examples import EXAMPLE_IMAGE, EXAMPLE_VIDEO
+from seedvr2.workflow.host import HeadlessHost
 from seedvr2.workflow.server import ComfyServer
 
 INSTALL_TIMEOUT = 1200  # first install downloads ComfyUI's requirements
@@ -205,7 +206,6 @@ def _tiny(name: str, extra_sets=()) -> dict:
 
 
 def test_pack_loads_with_v3_schema_and_our_inputs(comfyui):
-    from seedvr2.workflow.host import HeadlessHost
     from seedvr2.workflow.nodes import build_nodes
     from seedvr2.workflow.run import builtin_object_info
 
@@ -354,7 +354,7 @@ def test_interrupt_ends_a_run_cleanly(comfyui):
     while not waiting.exists():
         assert time.monotonic() < deadline, comfyui.log_tail()
         time.sleep(0.1)
-    comfyui.client.interrupt()
+    comfyui.client.request("/interrupt", {})
     with pytest.raises(WorkflowInterrupted) as error:
         comfyui.client.wait(prompt_id, timeout=RUN_TIMEOUT)
     assert error.value.node_id == "4"
@@ -440,20 +440,20 @@ def test_server_runs_upload_local_videos(comfyui, tmp_path):
     for name, node, value in (("video_upscale", "1.file", "loaded_clip.mp4"),
                               ("video_file_streaming", "4.video_path", "streamed_clip.mp4")):
         prompt = json.loads((API_DIR / f"{name}.json").read_text())
+        host = HeadlessHost(input_dir=local, output_dir=tmp_path / name, quiet=True)
         result = run_workflow(EXAMPLES_DIR / f"{name}.json",
-                              [*tiny_sets(prompt), f"{node}={value}"], server=comfyui.url,
-                              input_dir=local, output_dir=tmp_path / name, quiet=True,
-                              timeout=RUN_TIMEOUT)
+                              [*tiny_sets(prompt), f"{node}={value}"], host=host,
+                              server=comfyui.url, timeout=RUN_TIMEOUT)
         assert result.uploads == [(local / value, value)]
         assert (comfyui.base / "input" / value).read_bytes() == (local / value).read_bytes()
         videos = [p for p in result.files if p.suffix == ".mp4"]
         assert len(videos) == 1 and probe_video(videos[0]) == (CLIP_FRAMES, VIDEO_OUT, True)
     # Now the server lists both: a second run uploads nothing.
     prompt = json.loads((API_DIR / "video_upscale.json").read_text())
+    host = HeadlessHost(input_dir=local, output_dir=tmp_path / "again", quiet=True)
     result = run_workflow(EXAMPLES_DIR / "video_upscale.json",
-                          [*tiny_sets(prompt), "1.file=loaded_clip.mp4"], server=comfyui.url,
-                          input_dir=local, output_dir=tmp_path / "again", quiet=True,
-                          timeout=RUN_TIMEOUT)
+                          [*tiny_sets(prompt), "1.file=loaded_clip.mp4"], host=host,
+                          server=comfyui.url, timeout=RUN_TIMEOUT)
     assert result.uploads == []
 
 
@@ -478,7 +478,8 @@ def test_unload_models_releases_our_cached_models(comfyui):
     assert entry["status"]["status_str"] == "success" and entry["outputs"]["4"]["images"]
     assert _cache_state(comfyui) == both
     assert "ComfyUI unloaded the cached" not in comfyui.log.read_text()
-    comfyui.client.free(unload_models=True)
+    # The editor's "Unload models" button:
+    comfyui.client.request("/free", {"unload_models": True, "free_memory": False})
     deadline = time.monotonic() + 60
     while _cache_state(comfyui) != {"cached": [], "registered": []}:
         assert time.monotonic() < deadline, (_cache_state(comfyui), comfyui.log_tail())

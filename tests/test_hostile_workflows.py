@@ -347,18 +347,11 @@ def test_run_workflow_sets_any_value_to_a_run_or_one_error_line(target, value, t
 
 @pytest.fixture(scope="module")
 def pack(info):
-    """The pack's nodes.py, imported as ComfyUI imports the folder (a package of its own
-    name), outside ComfyUI; its numz table is our nodes' /object_info."""
-    import importlib.util
-    import sys
+    """The pack's nodes.py (:func:`conftest.import_pack`); its numz table is our nodes'
+    /object_info."""
+    from conftest import import_pack
 
-    name = "seedvr2_pack_hostile"
-    spec = importlib.util.spec_from_file_location(name, REPO / "__init__.py",
-                                                  submodule_search_locations=[str(REPO)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    nodes = sys.modules[f"{name}.nodes"]
+    nodes = import_pack("seedvr2_pack_hostile")
     numz_info = {kind: info[kind] for kind in nodes.NUMZ_NODES}
     nodes._numz_object_info = lambda: numz_info
     return nodes

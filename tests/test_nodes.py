@@ -128,11 +128,23 @@ def test_loader_and_setting_inputs_come_from_the_option_table():
             assert inp.default == defs.COMPILE_LIMIT_DEFAULTS[field]
 
 
+FIRST_RELEASE_SETTINGS = {  # in widget order (saved workflows hold their values by position)
+    "dit": ["device", "offload_device", "cache_model", "blocks_to_swap", "swap_io_components",
+            "attention_backend", "dtype", "text_embeddings"],
+    "vae": ["device", "offload_device", "cache_model", "encode_tiled", "encode_tile_size",
+            "encode_tile_overlap", "decode_tiled", "decode_tile_size", "decode_tile_overlap",
+            "dtype"],
+}
+
+
 def test_settings_added_after_the_first_release_are_optional(monkeypatch):
     nodes = _by_id()
     for kind, node_id in (("dit", "SeedVR2LoadDiTModel"), ("vae", "SeedVR2LoadVAEModel")):
-        for inp in nodes[node_id].inputs[1:]:
-            first = inp.name in defs.FIRST_RELEASE_SETTINGS[kind]
+        settings = nodes[node_id].inputs[1:]
+        assert [i.name for i in settings[:defs.FIRST_RELEASE_SETTINGS[kind]]] == \
+            FIRST_RELEASE_SETTINGS[kind]
+        for index, inp in enumerate(settings):
+            first = index < defs.FIRST_RELEASE_SETTINGS[kind]
             assert inp.optional is (not first or inp.name == "torch_compile_args"), inp.name
     # A new loader setting: an optional input with its option's default, left out of old
     # workflows (and of their handles) without a complaint.

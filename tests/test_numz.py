@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from example_workflows import EXAMPLE_IMAGE
 from test_workflows import IMAGE_OUT, inputs, make_inputs  # noqa: F401 (fixture)
 
 from seedvr2.cli import main
 from seedvr2.workflow.convert import ui_to_api
 from seedvr2.workflow.errors import WorkflowError
-from seedvr2.workflow.examples import EXAMPLE_IMAGE
 from seedvr2.workflow.host import HeadlessHost
-from seedvr2.workflow.numz import clashing_packs, translate_prompt
+from seedvr2.workflow.numz import translate_prompt
 from seedvr2.workflow.run import builtin_object_info, run_workflow
 
 # numz v2.5.24 (src/interfaces/*.py): node -> inputs in declaration order as (name, type,
@@ -361,6 +361,10 @@ def test_numz_api_prompt_runs_headless_with_every_value_in_its_place(tiny_model_
 
 
 def test_another_pack_with_our_node_ids_is_named_with_both_folders():
+    from conftest import import_pack
+
+    clashing_packs = import_pack("seedvr2_pack_clashes").clashing_packs
+
     class Theirs:
         RELATIVE_PYTHON_MODULE = "custom_nodes.ComfyUI-SeedVR2_VideoUpscaler"
 
@@ -372,11 +376,7 @@ def test_another_pack_with_our_node_ids_is_named_with_both_folders():
     dirs = {"ComfyUI-SeedVR2_VideoUpscaler": "/c/custom_nodes/ComfyUI-SeedVR2_VideoUpscaler",
             "ComfyUI-SeedVR2": "/c/custom_nodes/ComfyUI-SeedVR2"}
 
-    def module(cls):
-        return cls.RELATIVE_PYTHON_MODULE
-
-    assert clashing_packs(ids, mappings, dirs, Ours.RELATIVE_PYTHON_MODULE, module,
-                          loading=False) == [
+    assert clashing_packs(ids, mappings, dirs, Ours.RELATIVE_PYTHON_MODULE, loading=False) == [
         "two packs register the node IDs SeedVR2LoadDiTModel: "
         "/c/custom_nodes/ComfyUI-SeedVR2_VideoUpscaler registers SeedVR2LoadDiTModel; this "
         "pack, /c/custom_nodes/ComfyUI-SeedVR2, registers SeedVR2LoadDiTModel, "
@@ -384,7 +384,7 @@ def test_another_pack_with_our_node_ids_is_named_with_both_folders():
         "custom_nodes.ComfyUI-SeedVR2_VideoUpscaler's replaced this pack's. Remove one of them "
         "(this pack also opens numz's workflows)."]
     assert clashing_packs(ids, {"SeedVR2LoadDiTModel": Ours}, dirs, Ours.RELATIVE_PYTHON_MODULE,
-                          module, loading=True) == []
+                          loading=True) == []
 
 
 def test_numz_pack_loaded_first_is_named_in_the_log_when_ours_load(tmp_path):
@@ -652,7 +652,7 @@ def test_numz_august_2025_examples_run_headless(tiny_model_dir, inputs, tmp_path
 
     from test_workflows import CLIP_FRAMES, probe_video
 
-    from seedvr2.workflow.examples import EXAMPLE_VIDEO
+    from example_workflows import EXAMPLE_VIDEO
 
     for name, workflow in (("image", old_ui_workflow("2025-08-15", NUMZ_AUGUST_VALUES)),
                            ("video", numz_august_video_workflow(EXAMPLE_VIDEO))):

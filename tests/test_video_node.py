@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from example_workflows import EXAMPLE_VIDEO
 from test_workflows import CLIP_FRAMES, VIDEO_OUT, inputs, probe_video  # noqa: F401 (fixture)
 
-from seedvr2.workflow.examples import EXAMPLE_VIDEO
 from seedvr2.workflow.host import HeadlessHost
 from seedvr2.workflow.run import run_workflow
 

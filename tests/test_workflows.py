@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import example_workflows as examples
 from conftest import REPO
 
 from seedvr2.cli import main
-from seedvr2.workflow import examples
 from seedvr2.workflow.convert import ui_to_api
 from seedvr2.workflow.errors import WorkflowError
 from seedvr2.workflow.host import HeadlessHost

@@ -32,6 +32,12 @@ def _say(text: str) -> None:
         os.close(devnull)
 
 
+def _fail(message, status: int = 1) -> int:
+    """An error line on stderr; returns the exit status to give."""
+    print(f"error: {message}", file=sys.stderr)
+    return status
+
+
 def _inspect(args) -> int:
     from .loading import CheckpointError, describe
 
@@ -40,8 +46,7 @@ def _inspect(args) -> int:
         try:
             info = describe(path)
         except CheckpointError as e:
-            print(f"error: {e}", file=sys.stderr)
-            status = 1
+            status = _fail(e)
             continue
         if args.json:
             _say(json.dumps(info))
@@ -80,8 +85,7 @@ def _quantize(args) -> int:
         summary = quantize_file(args.input, args.output, args.type, keep=args.keep,
                                 overwrite=args.overwrite, progress=progress)
     except (CheckpointError, ValueError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return _fail(e)
     finally:
         if bar is not None:
             bar.close()
@@ -206,7 +210,7 @@ class _Bars:
         if bar is None or bar.total != total:
             bar = self.bars[phase] = tqdm(total=total, desc=f"{self.LABELS.get(phase, phase):>10}",
                                           position=len(self.bars), leave=phase == "frames",
-                                          unit=_unit(phase))
+                                          unit=_unit(phase, 1))
         bar.update(done - bar.n)
 
     def close(self):
@@ -217,8 +221,9 @@ class _Bars:
             self.plain.close()
 
 
-def _unit(phase: str) -> str:
-    return "frame" if phase == "frames" else "batch"
+def _unit(phase: str, count: int) -> str:
+    return ("frame" if phase == "frames" else "batch") + \
+        ("" if count == 1 else "s" if phase == "frames" else "es")
 
 
 class _PlainProgress:
@@ -250,8 +255,7 @@ class _PlainProgress:
     def _line(self, phase: str, done: int, total: int):
         self.pending = None
         left = (self.clock() - self.start) / done * (total - done) if 0 < done < total else 0
-        print(f"{_Bars.LABELS.get(phase, phase)}: {done}/{total} {_unit(phase)}"
-              f"{'es' if _unit(phase) == 'batch' and total != 1 else 's' if total != 1 else ''}"
+        print(f"{_Bars.LABELS.get(phase, phase)}: {done}/{total} {_unit(phase, total)}"
               f"{f', about {left:.0f} s left' if left else ''}", file=self.stream, flush=True)
 
 
@@ -300,16 +304,14 @@ def _upscale(args) -> int:
         opts = resolve_options(**{name: getattr(args, name) for name in OPTIONS
                                   if getattr(args, name) is not None})
     except OptionError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _fail(e, 2)
     src = Path(args.input)
     made_folder = None  # the topmost folder this run created: removed again if left empty
     if src.is_dir():
         try:
             out_dir, jobs = _folder_jobs(src, args.output)
         except (ValueError, OSError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+            return _fail(e, 2)
         if not out_dir.is_dir():
             made_folder = out_dir
             while not made_folder.parent.exists():
@@ -318,9 +320,7 @@ def _upscale(args) -> int:
                 out_dir.mkdir(parents=True)
             except OSError as e:
                 _remove_empty_folders(out_dir, made_folder)
-                print(f"error: cannot create the output folder {out_dir}: "
-                      f"{e.strerror or e}", file=sys.stderr)
-                return 1
+                return _fail(f"cannot create the output folder {out_dir}: {e.strerror or e}")
     else:
         # A string keeps a trailing "/" (a PNG sequence folder), which Path would drop.
         jobs = [(src, args.output or _default_output(src, opts.resolution))]
@@ -344,21 +344,18 @@ def _dry_plan(opts, jobs: list, dit) -> int:
         try:
             _say(describe_file_plan(source, opts, family))
         except (ValueError, OSError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
+            return _fail(e)
     return 0
 
 
 def _remove_empty_folders(folder: Path, top: Path) -> None:
     """Remove ``folder`` and its parents up to ``top`` (all created by this run) while empty."""
-    while True:
-        try:
-            folder.rmdir()  # fails on a folder that holds anything
-        except OSError:
-            return
-        if folder == top:
-            return
-        folder = folder.parent
+    with contextlib.suppress(OSError):  # rmdir fails on a folder that holds anything
+        while True:
+            folder.rmdir()
+            if folder == top:
+                return
+            folder = folder.parent
 
 
 def _what_was_kept(target) -> str:
@@ -366,74 +363,83 @@ def _what_was_kept(target) -> str:
     written; a file job's verified pieces, if it closed any, wait for the same command."""
     from .io.temporaries import RESUME_JOURNAL, resume_folder
 
-    kept = target is not None and (resume_folder(target) / RESUME_JOURNAL).is_file()
-    if kept:
+    if target is not None and (resume_folder(target) / RESUME_JOURNAL).is_file():
         return (f"the output was not written; its finished pieces are kept in "
                 f"{resume_folder(target)}: run the same command again to continue")
     return "the output was not written and nothing was kept"
 
 
 def _upscale_jobs(args, opts, jobs: list) -> int:
-    import time
-
-    from .api import check_file_job, load_models, process_devices, upscale_file
-
     bars = _Bars(not args.quiet)
-    failed = []
-    target = None  # the output being written when a signal stops the job
+    reached = []  # the outputs in turn: a signal stops the job of the last one
     try:
-        # Files first: a wrong path should not cost the seconds models take to load. A bad
-        # file in a folder is reported here and the others still run.
-        runnable = []
-        for source, target in jobs:
-            try:
-                check_file_job(source, target, opts, args.codec, args.overwrite,
-                               [s for s, _ in jobs])
-            except (ValueError, OSError) as e:
-                print(f"error: {e}", file=sys.stderr)
-                failed.append(source)
-            else:
-                runnable.append((source, target))
-        if not runnable:
-            return _report_failures(failed, jobs)
-        from .distributed import in_distributed_launch
-        from .pipeline.runner import JobStats
-
-        # One process: models load once for all inputs. Several: each worker loads its own.
-        several = in_distributed_launch() or \
-            len(process_devices(opts, args.dit, args.vae)[0]) > 1
-        dit, vae = args.dit, args.vae
-        if not several:
-            models = load_models(dit, vae, opts=opts, model_dir=args.model_dir)
-            dit, vae = models.dit, models.vae
-        for source, target in runnable:
-            stats, start = JobStats(), time.perf_counter()
-            try:
-                out = upscale_file(source, target, dit, vae, model_dir=args.model_dir,
-                                   overwrite=args.overwrite, codec=args.codec, progress=bars,
-                                   stats=stats, opts=opts)
-            except (ValueError, OSError, RuntimeError) as e:
-                bars.close()
-                print(f"error: {e}", file=sys.stderr)
-                failed.append(source)
-                continue
-            bars.close()
-            if not args.quiet and out is not None:
-                summary = _ranks_summary if several else _summary
-                _say(summary(out, stats, time.perf_counter() - start))
+        runnable, failed = _checked_jobs(args, opts, jobs, reached)
+        if runnable:
+            failed += _run_jobs(args, opts, runnable, bars, reached)
     except (SeedVR2Error, ValueError) as e:
         bars.close()
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
+        return _fail(e)
+    except (KeyboardInterrupt, _Terminated) as e:
         bars.close()
-        print(f"interrupted; {_what_was_kept(target)}", file=sys.stderr)
-        return 130
-    except _Terminated:
-        bars.close()
-        print(f"terminated (SIGTERM); {_what_was_kept(target)}", file=sys.stderr)
-        return 128 + signal.SIGTERM
+        interrupted = isinstance(e, KeyboardInterrupt)
+        print(f"{'interrupted' if interrupted else 'terminated (SIGTERM)'}; "
+              f"{_what_was_kept(reached[-1] if reached else None)}", file=sys.stderr)
+        return 130 if interrupted else 128 + signal.SIGTERM
     return _report_failures(failed, jobs)
+
+
+def _checked_jobs(args, opts, jobs: list, reached: list) -> tuple[list, list]:
+    """(the jobs that can run, the inputs that cannot). Files first: a wrong path should not
+    cost the seconds models take to load; a bad file in a folder is reported here and the
+    others still run."""
+    from .api import check_file_job
+
+    runnable, failed = [], []
+    for source, target in jobs:
+        reached.append(target)
+        try:
+            check_file_job(source, target, opts, args.codec, args.overwrite,
+                           [s for s, _ in jobs])
+        except (ValueError, OSError) as e:
+            _fail(e)
+            failed.append(source)
+        else:
+            runnable.append((source, target))
+    return runnable, failed
+
+
+def _run_jobs(args, opts, runnable: list, bars, reached: list) -> list:
+    """Upscale the checked jobs in turn, a summary line each; returns the inputs that failed."""
+    import time
+
+    from .api import load_models, process_devices, upscale_file
+    from .distributed import in_distributed_launch
+    from .pipeline.runner import JobStats
+
+    # One process: models load once for all inputs. Several: each worker loads its own.
+    several = in_distributed_launch() or len(process_devices(opts, args.dit, args.vae)[0]) > 1
+    dit, vae = args.dit, args.vae
+    if not several:
+        models = load_models(dit, vae, opts=opts, model_dir=args.model_dir)
+        dit, vae = models.dit, models.vae
+    failed = []
+    for source, target in runnable:
+        reached.append(target)
+        stats, start = JobStats(), time.perf_counter()
+        try:
+            out = upscale_file(source, target, dit, vae, model_dir=args.model_dir,
+                               overwrite=args.overwrite, codec=args.codec, progress=bars,
+                               stats=stats, opts=opts)
+        except (ValueError, OSError, RuntimeError) as e:
+            bars.close()
+            _fail(e)
+            failed.append(source)
+            continue
+        bars.close()
+        if not args.quiet and out is not None:
+            summary = _ranks_summary if several else _summary
+            _say(summary(out, stats, time.perf_counter() - start))
+    return failed
 
 
 def _report_failures(failed: list, jobs: list) -> int:
@@ -447,18 +453,18 @@ def _report_failures(failed: list, jobs: list) -> int:
 
 def _run_workflow(args) -> int:
     from .workflow.errors import WorkflowError, WorkflowInterrupted
+    from .workflow.host import HeadlessHost
     from .workflow.run import run_workflow
 
+    host = HeadlessHost(model_dir=args.model_dir, input_dir=args.input_dir,
+                        output_dir=args.output_dir, quiet=args.quiet)
     try:
-        result = run_workflow(args.workflow, args.set or (), server=args.server,
-                              model_dir=args.model_dir, input_dir=args.input_dir,
-                              output_dir=args.output_dir, quiet=args.quiet, timeout=args.timeout)
+        result = run_workflow(args.workflow, args.set or (), host=host, server=args.server,
+                              timeout=args.timeout)
     except WorkflowInterrupted as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 130
+        return _fail(e, 130)
     except WorkflowError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return _fail(e)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -539,11 +545,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="seedvr2", description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add_command in (_add_inspect, _add_quantize, _add_upscale, _add_run_workflow):
+        add_command(sub)
+    return parser
+
+
+def _add_quiet_verbose(p: argparse.ArgumentParser, quiet_help: str) -> None:
+    p.add_argument("-q", "--quiet", action="store_true", help=quiet_help)
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="debug logging")
+
+
+def _add_inspect(sub) -> None:
     p = sub.add_parser("inspect", help="show the model family, size and dtype of weight files")
     p.add_argument("files", nargs="+", help="safetensors or .pth/.pt weight files")
     p.add_argument("--json", action="store_true", help="one JSON object per file")
     p.set_defaults(run=_inspect)
 
+
+def _add_quantize(sub) -> None:
     p = sub.add_parser("quantize", help="convert a weight file to GGUF, fp8, int8, mxfp8 or nvfp4 "
                        "(small tensors, norms, biases and in/out projections stay unquantised)",
                        description="Convert a weight file to GGUF, fp8, int8, mxfp8 or nvfp4. "
@@ -567,6 +587,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
     p.set_defaults(run=_quantize)
 
+
+def _add_upscale(sub) -> None:
     summary = ("upscale a video, an image, an image sequence (pattern like frames/%05d.png) "
                "or every media file in a folder")
     # The help line is %-formatted by argparse, the description is not.
@@ -574,12 +596,12 @@ def build_parser() -> argparse.ArgumentParser:
                        usage="%(prog)s [options] input",
                        description=summary[0].upper() + summary[1:] + ". The flags are grouped "
                        "by area; 'models' says which files are needed and where they go.")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars or summary")
-    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                   help="debug logging")
+    _add_quiet_verbose(p, "no progress bars or summary")
     _add_upscale_flags(p)
     p.set_defaults(run=_upscale)
 
+
+def _add_run_workflow(sub) -> None:
     p = sub.add_parser("run-workflow", help="run a ComfyUI workflow (editor or API format) "
                        "without the editor: in this process, or on a running ComfyUI server")
     p.add_argument("workflow", help="workflow .json (as saved by the editor, or API format)")
@@ -596,11 +618,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default="output", help="where outputs are saved or "
                    "downloaded (default: ./output)")
     p.add_argument("--timeout", type=float, help="with --server: give up after this many seconds")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars or file list")
-    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                   help="debug logging")
+    _add_quiet_verbose(p, "no progress bars or file list")
     p.set_defaults(run=_run_workflow)
-    return parser
 
 
 def main(argv=None) -> int:
@@ -619,5 +638,4 @@ def main(argv=None) -> int:
         with spoken_as_cli():
             return args.run(args)
     except SeedVR2Error as e:  # a refusal no command caught on its way: still one line
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return _fail(e)

@@ -61,48 +61,11 @@ def ui_to_api(workflow: dict, object_info: dict,
     """Convert an editor workflow; ``object_info`` is ``/object_info`` (or our built-in table).
     ``warn`` gets a note for each value of a numz-layout node that has no place in ours."""
     workflow, notes = translate_workflow(workflow, object_info)  # (checks its shape first)
-    for note in notes:
-        if warn is not None:
-            warn(note)
+    for note in notes if warn is not None else ():
+        warn(note)
     nodes = {str(node["id"]): node for node in workflow["nodes"]}  # ids are unique as text
     links = _links(workflow)
     subgraphs = {g["id"] for g in (workflow.get("definitions") or {}).get("subgraphs") or []}
-
-    def source_of(node_id, link_id) -> Optional[list]:
-        """[node id, slot], a literal value (from a PrimitiveNode), or None (muted). Reroutes
-        and bypassed nodes are followed in a loop: a chain of any length is no recursion."""
-        seen = set()
-        while True:
-            if link_id not in links:
-                raise WorkflowError(f"link {shown(link_id)} is missing from the workflow's "
-                                    f"links", node_label(node_id), nodes[node_id]["type"])
-            origin, slot, _, _, kind = links[link_id]
-            origin = str(origin)
-            node = nodes.get(origin)
-            if node is None:
-                raise WorkflowError(f"link {shown(link_id)} comes from node {node_label(origin)}, "
-                                    f"which does not exist", node_label(node_id),
-                                    nodes[node_id]["type"])
-            if origin in seen:
-                raise WorkflowError(f"link {shown(link_id)}: Reroute/bypass nodes form a loop",
-                                    node_label(node_id), nodes[node_id]["type"])
-            seen.add(origin)
-            if node["type"] == "Reroute" or node.get("mode") == BYPASSED:
-                wanted = kind or _slot_type(node, slot)
-                link_id = next((inp["link"] for inp in node.get("inputs") or []
-                                if inp.get("link") is not None and (
-                                    node["type"] == "Reroute" or
-                                    inp.get("type") in (wanted, "*"))), None)
-                if link_id is None:
-                    return None
-                continue
-            if node["type"] == "PrimitiveNode":
-                values = node.get("widgets_values")
-                return ("literal", values[0] if isinstance(values, list) and values else None)
-            if node.get("mode") == MUTED:
-                return None
-            return [origin, slot]
-
     prompt = {}
     for node_id, node in nodes.items():
         kind = node["type"]
@@ -120,14 +83,49 @@ def ui_to_api(workflow: dict, object_info: dict,
         for inp in node.get("inputs") or []:
             if inp.get("link") is None:
                 continue
-            source = source_of(node_id, inp["link"])
+            source = _source_of(node_id, inp["link"], nodes, links)
             name = (inp.get("widget") or {}).get("name") or inp["name"]
             if source is None:
                 inputs.pop(name, None)
-            elif isinstance(source, tuple):
-                inputs[name] = source[1]
             else:
-                inputs[name] = source
+                inputs[name] = source[1] if isinstance(source, tuple) else source
         title = node.get("title") or info.get("display_name") or kind
         prompt[node_id] = {"inputs": inputs, "class_type": kind, "_meta": {"title": title}}
     return prompt
+
+
+def _source_of(node_id: str, link_id, nodes: dict, links: dict):
+    """What a link into ``node_id`` carries: [node id, slot], ("literal", value) from a
+    PrimitiveNode, or None (muted). Reroutes and bypassed nodes are followed in a loop: a chain
+    of any length is no recursion."""
+    seen = set()
+    while True:
+        if link_id not in links:
+            raise WorkflowError(f"link {shown(link_id)} is missing from the workflow's links",
+                                node_label(node_id), nodes[node_id]["type"])
+        origin, slot, _, _, kind = links[link_id]
+        origin = str(origin)
+        node = nodes.get(origin)
+        if node is None:
+            raise WorkflowError(f"link {shown(link_id)} comes from node {node_label(origin)}, "
+                                f"which does not exist", node_label(node_id),
+                                nodes[node_id]["type"])
+        if origin in seen:
+            raise WorkflowError(f"link {shown(link_id)}: Reroute/bypass nodes form a loop",
+                                node_label(node_id), nodes[node_id]["type"])
+        seen.add(origin)
+        if node["type"] == "Reroute" or node.get("mode") == BYPASSED:
+            wanted = kind or _slot_type(node, slot)
+            link_id = next((inp["link"] for inp in node.get("inputs") or []
+                            if inp.get("link") is not None and (
+                                node["type"] == "Reroute" or inp.get("type") in (wanted, "*"))),
+                           None)
+            if link_id is None:
+                return None
+            continue
+        if node["type"] == "PrimitiveNode":
+            values = node.get("widgets_values")
+            return ("literal", values[0] if isinstance(values, list) and values else None)
+        if node.get("mode") == MUTED:
+            return None
+        return [origin, slot]

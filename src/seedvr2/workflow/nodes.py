@@ -137,11 +137,9 @@ def _from_widget(name: str, value):
     return "auto" if opt is not None and opt.accepts_auto and value == AUTO_INT else value
 
 
-def option_input(opt: Option, name: Optional[str] = None, tooltip: Optional[str] = None,
-                 optional: bool = False) -> Input:
+def option_input(opt: Option, name: Optional[str] = None, optional: bool = False) -> Input:
     """A node input for a library option: same type, default, range, choices; help = tooltip."""
-    kw = dict(name=name or opt.name, tooltip=tooltip or opt.help, default=opt.default,
-              optional=optional)
+    kw = dict(name=name or opt.name, tooltip=opt.help, default=opt.default, optional=optional)
     if opt.choices is not None:
         return Input(type="COMBO", choices=tuple(opt.choices), **kw)
     if opt.type is bool:
@@ -283,33 +281,26 @@ UPSCALER_SETTINGS: tuple = (
     Setting("offload_device", "tensor_offload_device", choices=_offload_choices),
 )
 
-# The settings inputs of the first release are required; every setting added later is an
-# optional input with its option's default, so workflows saved before it keep validating (as
-# FIRST_RELEASE_OPTIONS does for the upscaler's pipeline options).
-FIRST_RELEASE_SETTINGS = {
-    "dit": frozenset(("device", "offload_device", "cache_model", "blocks_to_swap",
-                      "swap_io_components", "attention_backend", "dtype", "text_embeddings")),
-    "vae": frozenset(("device", "offload_device", "cache_model", "encode_tiled",
-                      "encode_tile_size", "encode_tile_overlap", "decode_tiled",
-                      "decode_tile_size", "decode_tile_overlap", "dtype")),
-    "upscaler": frozenset(("devices", "offload_device")),
-}
+# The first release's settings inputs (the first N of each group) are required; every setting
+# added later (appended: the editor saves widget values by position) is an optional input with
+# its option's default, so workflows saved before it keep validating (as FIRST_RELEASE_OPTIONS
+# does for the upscaler's pipeline options).
+FIRST_RELEASE_SETTINGS = {"dit": 8, "vae": 10, "upscaler": 2}
 
 
 def settings_inputs(group: str) -> tuple:
     """The node inputs of a settings group ("dit", "vae" or "upscaler")."""
     settings = UPSCALER_SETTINGS if group == "upscaler" else LOADER_SETTINGS[group]
-    return tuple(s.node_input(optional=s.input not in FIRST_RELEASE_SETTINGS[group])
-                 for s in settings)
+    return tuple(s.node_input(optional=index >= FIRST_RELEASE_SETTINGS[group])
+                 for index, s in enumerate(settings))
 
 
-# Library options set through the loaders or the upscaler's own settings, not as pipeline inputs.
+# Library options set through the loaders or the upscaler's own settings, not as pipeline inputs;
+# and fps, a rate for image files written as video: the command line's only (the nodes get
+# frames with their own fps, or a video file that has one).
 _CLAIMED = ({s.option for group in LOADER_SETTINGS.values() for s in group}
             | {s.option for s in UPSCALER_SETTINGS}
-            | {"device", "compile", *COMPILE_FIELDS.values()}
-            # A rate for image files written as video: the nodes get frames with their own
-            # fps (or a video file that has one), so it is the command line's only.
-            | {"fps"})
+            | {"device", "compile", "fps", *COMPILE_FIELDS.values()})
 
 
 def pipeline_options() -> list[Option]:
@@ -342,8 +333,7 @@ def _file_kind(path: Path) -> Optional[str]:
 
 @functools.lru_cache(maxsize=None)
 def _kind_of_file(path: str, size: int, mtime_ns: int) -> Optional[str]:
-    """The header read once per file version (size and time are part of the key)."""
-    from ..loading import CheckpointError, describe
+    from ..loading import CheckpointError, describe  # a header read once per size and time
 
     try:
         return describe(Path(path))["kind"]
@@ -352,8 +342,7 @@ def _kind_of_file(path: str, size: int, mtime_ns: int) -> Optional[str]:
 
 
 def _local_models(host: Host, kind: str) -> list[str]:
-    """The files of this kind in the model folders, sorted (header read once per file;
-    released files are known by name)."""
+    """The files of this kind in the model folders, sorted (released files known by name)."""
     from ..loading.registry import KNOWN_FILES
 
     found = []
@@ -371,10 +360,9 @@ def _local_models(host: Host, kind: str) -> list[str]:
 
 
 def model_downloads(host: Host, kind: str) -> dict[str, Optional[int]]:
-    """The released files of this kind not in the model folders: name -> approximate size in bytes
-    (None when the registry cannot say). Choosing one downloads it when the node runs. ComfyUI's
-    native files are listed when present (they live in its own folders), never offered: the
-    same models are offered in our packaging."""
+    """The released files of this kind not in the model folders: name -> approximate bytes
+    (None: unknown), downloaded when the node runs. ComfyUI's native files are listed when
+    present (in its own folders), never offered: our packaging offers the same models."""
     from ..loading.registry import COMFY_FOLDER, KNOWN_FILES, approximate_bytes
 
     local = set(host.model_names())
@@ -383,9 +371,8 @@ def model_downloads(host: Host, kind: str) -> dict[str, Optional[int]]:
 
 
 def model_choices(host: Host, kind: str) -> list[str]:
-    """The model dropdown: the files the user has first (so the first choice, the default of a
-    new node, is one that runs without a download), then the released files still to download
-    (the editor marks those: :data:`DOWNLOADS_KEY`)."""
+    """The model dropdown: the user's files first (a new node's default then runs without a
+    download), then the released files to download (marked by the editor: :data:`DOWNLOADS_KEY`)."""
     return _local_models(host, kind) + list(model_downloads(host, kind))
 
 
@@ -472,8 +459,7 @@ def _torch_compile_settings(host: Host, **args) -> NodeResult:
 
 @dataclass
 class FacadeRequest:
-    """A node's facade options for one run, and what the library cannot honour yet (reported
-    once)."""
+    """A node's facade options for one run, and what the library cannot honour yet."""
 
     options: dict = field(default_factory=dict)
     unsupported: list = field(default_factory=list)
@@ -541,7 +527,9 @@ def _stop_check(host: Host) -> Callable[[], bool]:
 def _resolved(host: Host, dit: ModelHandle, vae: ModelHandle, inputs: dict) -> Options:
     """The node's options, resolved once (bad values fail here, before anything is loaded);
     what the library cannot honour yet is reported."""
-    request = facade_request(dit, vae, *_split_inputs(inputs))
+    upscaler = {s.input: inputs[s.input] for s in UPSCALER_SETTINGS if s.input in inputs}
+    pipeline = {name: v for name, v in inputs.items() if name not in upscaler}
+    request = facade_request(dit, vae, upscaler, pipeline)
     for message in request.unsupported + request.notes:
         host.warn(message)
     return resolve_options(**request.options)
@@ -555,11 +543,11 @@ def _run_facade(host: Host, dit: ModelHandle, vae: ModelHandle, opts: Options, c
     that shows its result itself: the editor (frontend 1.32 to 1.58, useNodeOutputStore's
     getNodeImageUrls) draws a node's previews instead of its outputs until the node runs
     again, so the finished video would never show."""
+    import torch
+
     from ..pipeline.runner import Interrupted
 
     model_dir = Path(dit.path).parent  # text embeddings "auto" look next to the DiT
-    import torch
-
     host.before_load((dit.path, vae.path), opts.dit_device)
     try:
         # ComfyUI runs nodes under torch.inference_mode(); models loaded there would hold
@@ -580,12 +568,6 @@ def _run_facade(host: Host, dit: ModelHandle, vae: ModelHandle, opts: Options, c
 def _as_comfy_image(frames):
     """ComfyUI IMAGEs are RGB or RGBA: gray results come back as three equal channels."""
     return frames.expand(-1, -1, -1, 3).contiguous() if frames.shape[-1] == 1 else frames
-
-
-def _split_inputs(inputs: dict) -> tuple[dict, dict]:
-    """(the upscaler's own settings, its pipeline inputs)."""
-    upscaler = {s.input: inputs[s.input] for s in UPSCALER_SETTINGS if s.input in inputs}
-    return upscaler, {name: v for name, v in inputs.items() if name not in upscaler}
 
 
 def _upscale_images(host: Host, image, dit: ModelHandle, vae: ModelHandle, **inputs) -> NodeResult:
@@ -686,8 +668,6 @@ def _upscale_video(host: Host, video, dit: ModelHandle, vae: ModelHandle, codec:
     _check_frames_fit(host.video_size(video), opts)
     images, audio, fps = host.video_frames(video)
     if not 0 < float(fps) < float("inf"):  # (NaN fails too) a VIDEO no player or writer takes
-        from ..pipeline.runner import InputError
-
         raise InputError(f"video: its frame rate is {fps} frames per second; give it a rate "
                          f"above 0 (Create Video's fps) and run again")
     frames = _as_comfy_image(_run_facade(host, dit, vae, opts, partial(upscale, images)))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 from .errors import WorkflowError
 from .execute import is_link
@@ -109,10 +109,6 @@ def widget_inputs(info: dict) -> list[_Widget]:
     return found
 
 
-def _input_type(spec) -> str:
-    return "COMBO" if isinstance(spec[0], list) else spec[0]
-
-
 def is_ours(node_type: str, info: Optional[dict]) -> bool:
     """Is this /object_info entry our node (and not numz's, on a server that has numz)?"""
     table = NUMZ_NODES.get(node_type)
@@ -165,7 +161,7 @@ def read_widget_values(values: list, names: list, controls: set) -> tuple[list, 
 
 
 def _read(values: list, names: list, controls: set) -> Optional[tuple[dict, dict]]:
-    """Saved widget values by name, and the control values; None when the count does not match."""
+    """(values by name, control values); None when the count does not match."""
     pairs, control, used = read_widget_values(values, names, controls)
     return (dict(pairs), control) if len(pairs) == len(names) and used == len(values) else None
 
@@ -282,6 +278,10 @@ def _link_id(link):
     return link_field(link, "id")
 
 
+def _drop_link(links: list, link_id) -> None:
+    links[:] = [l for l in links if _link_id(l) != link_id]
+
+
 def _set_link(links: list, link_id, **changes) -> None:
     for link in (l for l in links if _link_id(l) == link_id):
         if isinstance(link, dict):
@@ -358,10 +358,6 @@ def _editor_values(ours: dict, control: dict, widgets: list[_Widget]) -> list:
     return values
 
 
-def _drop_link(links: list, link_id) -> None:
-    links[:] = [l for l in links if _link_id(l) != link_id]
-
-
 def _translate_graph(graph: dict, object_info: dict, notes: list) -> None:
     links = graph.get("links") or []
     for node in graph["nodes"]:
@@ -412,11 +408,10 @@ def _knows_old_nodes(object_info: dict) -> bool:
 
 
 def translate_prompt(prompt: dict, object_info: dict) -> tuple[dict, list[str]]:
-    """A copy of an API-format prompt whose nodes with numz's input names take ours; our inputs
-    numz has no counterpart for get their defaults. Any other node, well formed or not, is left
-    as it is (the prompt's validation names what is wrong with it); a numz node's value that no
-    numz node could have saved (a list) is a :class:`WorkflowError` naming it. The nodes
-    rewritten are new objects, the prompt given is not changed."""
+    """A copy of an API-format prompt (the one given is not changed) whose nodes with numz's
+    input names take ours, our inputs numz lacks their defaults; any other node is left as it
+    is, for the validation to name what is wrong. A numz value no numz node could have saved (a
+    list) is a :class:`WorkflowError` naming it."""
     notes: list[str] = []
     if not isinstance(prompt, dict) or not any(
             _class_type(n) in (*NUMZ_NODES, *OLD_LAYOUTS) for n in prompt.values()):
@@ -476,36 +471,6 @@ def _numz_prompt_node(table: NumzNode, inputs: dict, widgets: dict[str, _Widget]
             or bool(table.ours_only) and not any(n in inputs for n in table.ours_only)
             or any(isinstance(v, bool) and n in widgets and widgets[n].choices is not None
                    for n, v in inputs.items()))
-
-
-# ---------------------------------------------------------------------------------------------
-# Another pack with the same node IDs
-
-
-def clashing_packs(our_ids, class_mappings: dict, module_dirs: dict, our_module: str,
-                   registered_by: Callable[[object], Optional[str]], *, loading: bool) -> list[str]:
-    """Log lines for each other pack that registers one of ``our_ids`` in ComfyUI's
-    ``NODE_CLASS_MAPPINGS`` (a class's pack: ``registered_by``; folders: ``module_dirs``).
-    ``loading``: asked while this pack registers its nodes (ours replace the other's), else
-    after every pack loaded (the other replaced ours). Empty when no other pack has our IDs."""
-    def folder(module: str) -> str:
-        return module_dirs.get(module.rpartition(".")[2], module)
-
-    others: dict[str, list[str]] = {}
-    for node_id in our_ids:
-        cls = class_mappings.get(node_id)
-        module = registered_by(cls) if cls is not None else None
-        if module and module != our_module:
-            others.setdefault(module, []).append(node_id)
-    lines = []
-    for module, ids in others.items():
-        winner = f"this pack's replace {module}'s" if loading else \
-            f"{module}'s replaced this pack's"
-        lines.append(f"two packs register the node IDs {', '.join(ids)}: {folder(module)} "
-                     f"registers {', '.join(ids)}; this pack, {folder(our_module)}, registers "
-                     f"{', '.join(our_ids)}. ComfyUI keeps the pack loaded last: {winner}. "
-                     f"Remove one of them (this pack also opens numz's workflows).")
-    return lines
 
 
 # ---------------------------------------------------------------------------------------------
@@ -735,7 +700,7 @@ def _editor_sockets(info: dict, saved: dict, links: list) -> list:
     widgets = {w.name for w in widget_inputs(info)}
     slots = []
     for name, spec in _inputs(info):
-        kind = _input_type(spec)
+        kind = "COMBO" if isinstance(spec[0], list) else spec[0]
         old, entry = saved.get(name, (name, None))
         if entry is None:
             if name in widgets:

@@ -70,9 +70,8 @@ def to_api(workflow: dict, object_info: dict,
                             "\"inputs\": {...}}})")
     check_prompt(workflow)  # names the entry that is no node
     prompt, notes = translate_prompt(workflow, object_info)
-    for note in notes:
-        if warn is not None:
-            warn(note)
+    for note in notes if warn is not None else ():
+        warn(note)
     return prompt
 
 
@@ -132,44 +131,46 @@ def apply_sets(prompt: dict, sets: Iterable[str], object_info: dict) -> dict:
 
 
 def run_workflow(workflow: Union[str, Path, dict], sets: Iterable[str] = (), *,
-                 server: Optional[str] = None, model_dir=None, input_dir=".",
-                 output_dir="output", quiet: bool = False, timeout: Optional[float] = None,
-                 host=None) -> RunResult:
+                 host: Optional[HeadlessHost] = None, server: Optional[str] = None,
+                 timeout: Optional[float] = None) -> RunResult:
     """Run ``workflow`` (a path or a parsed workflow) with ``--set``-style overrides, in this
-    process (models from ``model_dir``, inputs from ``input_dir``, files saved under
-    ``output_dir``) or on the ComfyUI at ``server`` (inputs it lacks uploaded from ``input_dir``,
-    outputs downloaded into ``output_dir``; docs/comfyui.md). Raises :class:`WorkflowError`
-    naming the failing node."""
+    process on ``host`` (default: a :class:`HeadlessHost` of the default folders), or on the
+    ComfyUI at ``server``: inputs it lacks uploaded from the host's input folder, outputs
+    downloaded into its output folder (docs/comfyui.md). Raises :class:`WorkflowError` naming
+    the failing node."""
     if isinstance(workflow, (str, Path)):
         workflow = load_workflow(workflow)
     elif not isinstance(workflow, dict):
         raise WorkflowError(f"not a workflow: {shown(workflow)} (give a file's path, or the "
                             f"workflow as a dict)")
+    host = host or HeadlessHost()
     if server is not None:
-        client = ComfyServer(server)
-        info = client.object_info()
-
-        def say(text):
-            if not quiet:
-                print(text, file=sys.stderr, flush=True)
-        prompt = apply_sets(to_api(workflow, info, lambda note: say(f"note: {note}")), sets, info)
-        uploads = []
-
-        def uploaded(local, name):
-            uploads.append((local, name))
-            say(f"uploaded {local} to the server's input folder as {name!r}")
-        prompt = upload_inputs(client, prompt, info, input_dir, on_upload=uploaded)
-        printer = None if quiet else ProgressPrinter(prompt)
-        try:
-            entry = client.run(prompt, timeout=timeout, on_event=printer)
-        finally:
-            if printer is not None:
-                printer.close()
-        return RunResult(prompt, client.download(entry, Path(output_dir)), uploads=uploads)
-
-    host = host or HeadlessHost(model_dir=model_dir, input_dir=input_dir, output_dir=output_dir,
-                                quiet=quiet)
+        return _run_on_server(workflow, sets, ComfyServer(server), host, timeout)
     info = builtin_object_info(host)
     prompt = apply_sets(to_api(workflow, info, host.warn), sets, info)
     execute(prompt, host)
     return RunResult(prompt, list(host.saved), list(host.warnings))
+
+
+def _run_on_server(workflow: dict, sets: Iterable[str], client: ComfyServer,
+                   host: HeadlessHost, timeout: Optional[float]) -> RunResult:
+    uploads = []  # (local file, name on the server)
+
+    def say(text):
+        if not host.quiet:
+            print(text, file=sys.stderr, flush=True)
+
+    def uploaded(local, name):
+        uploads.append((local, name))
+        say(f"uploaded {local} to the server's input folder as {name!r}")
+
+    info = client.object_info()
+    prompt = apply_sets(to_api(workflow, info, lambda note: say(f"note: {note}")), sets, info)
+    prompt = upload_inputs(client, prompt, info, host.input_dir, on_upload=uploaded)
+    printer = None if host.quiet else ProgressPrinter(prompt)
+    try:
+        entry = client.run(prompt, timeout=timeout, on_event=printer)
+    finally:
+        if printer is not None:
+            printer.close()
+    return RunResult(prompt, client.download(entry, host.output_dir), uploads=uploads)

@@ -37,7 +37,7 @@ class ComfyServer:
         self.client_id = uuid.uuid4().hex
         self.websocket = websocket  # follow runs on /ws (else: poll /history)
 
-    def _request(self, path: str, data: Optional[dict] = None, body=None,
+    def request(self, path: str, data: Optional[dict] = None, body=None,
                  headers: Optional[dict] = None):
         if data is not None:
             body, headers = json.dumps(data).encode(), {"Content-Type": "application/json"}
@@ -52,14 +52,14 @@ class ComfyServer:
             raise WorkflowError(f"cannot reach the ComfyUI server at {self.url}: {reason}") from None
 
     def get_json(self, path: str):
-        return json.loads(self._request(path))
+        return json.loads(self.request(path))
 
     def object_info(self) -> dict:
         return self.get_json("/object_info")
 
     def submit(self, prompt: dict) -> str:
         try:
-            reply = json.loads(self._request("/prompt", {"prompt": prompt,
+            reply = json.loads(self.request("/prompt", {"prompt": prompt,
                                                          "client_id": self.client_id}))
         except _HTTPError as e:
             raise prompt_error(e.body) from None
@@ -157,22 +157,14 @@ class ComfyServer:
                 on_event(kind, body)
         return self._poll(prompt_id, deadline, timeout, 0.1)
 
-    def interrupt(self, prompt_id: Optional[str] = None) -> None:
-        """Interrupt the running prompt (only if it is ``prompt_id``, when given)."""
-        self._request("/interrupt", {"prompt_id": prompt_id} if prompt_id else {})
-
     def cancel(self, prompt_id: str) -> None:
         """Take ``prompt_id`` off the queue, or interrupt it if it runs (best effort)."""
         for path, data in (("/queue", {"delete": [prompt_id]}),
                            ("/interrupt", {"prompt_id": prompt_id})):
             try:
-                self._request(path, data)
+                self.request(path, data)
             except (WorkflowError, _HTTPError):
                 pass
-
-    def free(self, unload_models: bool = True, free_memory: bool = False) -> None:
-        """What the editor's "Unload models" / "Free memory" buttons ask (done between prompts)."""
-        self._request("/free", {"unload_models": unload_models, "free_memory": free_memory})
 
     def upload(self, path: Path, subfolder: str = "") -> str:
         """Upload a file into the server's input folder (POST /upload/image, never overwriting:
@@ -202,7 +194,7 @@ class ComfyServer:
         headers = {"Content-Type": f"multipart/form-data; boundary={boundary}",
                    "Content-Length": str(len(head) + size + len(tail))}
         try:
-            reply = json.loads(self._request("/upload/image", body=body(), headers=headers))
+            reply = json.loads(self.request("/upload/image", body=body(), headers=headers))
         except _HTTPError as e:
             raise WorkflowError(f"uploading {path} to {self.url} failed: HTTP {e.code} "
                                 f"{e.body[:200]!r}") from None
@@ -233,7 +225,7 @@ class ComfyServer:
             target.parent.mkdir(parents=True, exist_ok=True)
             partial = temporary_path(target, keep_suffix=False)
             try:
-                partial.write_bytes(self._request(f"/view?{query}"))
+                partial.write_bytes(self.request(f"/view?{query}"))
                 os.replace(partial, target)
             finally:
                 partial.unlink(missing_ok=True)

@@ -4,7 +4,8 @@ Each example is a small graph (:class:`Example`, its nodes in layout columns): :
 writes what the editor saves, :func:`api_prompt` its API twin into ``api/`` (docs/comfyui.md,
 "Example workflows"). ``scripts/gen_examples.py`` writes the files and the thumbnails; tests
 check the committed files are what this module writes, and that converting each UI file gives
-its API twin.
+its API twin. A development tool beside its generator (the library never reads it; the
+published archive leaves ``scripts/`` out): ComfyUI reads the written files.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .execute import registry
+from seedvr2.workflow.execute import registry
 
 EXAMPLE_IMAGE, EXAMPLE_VIDEO = "example.png", "seedvr2_example.mp4"  # example.png: stock ComfyUI's
 DIT_FP16, DIT_GGUF, VAE = ("seedvr2_ema_3b_fp16.safetensors", "seedvr2_ema_3b-Q4_K_M.gguf",
@@ -247,7 +248,7 @@ def _declared_models(definition, values: dict) -> dict:
     """``properties.models`` for a node whose widgets name registered model files: what the
     editor's missing-models dialog reads (name, download URL, models/ folder) to offer each
     download the user lacks."""
-    from ..loading.registry import KNOWN_FILES, download_url
+    from seedvr2.loading.registry import KNOWN_FILES, download_url
 
     names = [v for v in (_widget_value(i, values) for i in definition.inputs if i.is_widget)
              if isinstance(v, str) and v in KNOWN_FILES]
