@@ -1,10 +1,8 @@
 """GGUF weight files: read with the ``gguf`` package, dequantised in torch on the device.
 
 Every tensor is a view of the memory-mapped file; quantised ones stay raw GGML blocks in a
-:class:`~.packed.PackedWeight` (scheme ``gguf``, registered here), with ComfyUI-GGUF's conventions (``comfy.gguf.orig_shape``
-for flattened weights, a stripped ``model.diffusion_model.`` prefix). :func:`dequantize_blocks`
-follows ``gguf.quants``' float operations, bit-for-bit in fp32. See docs/models.md, "GGUF".
-"""
+:class:`~.packed.PackedWeight` (scheme ``gguf``). :func:`dequantize_blocks` follows
+``gguf.quants``' float operations, bit-for-bit in fp32. docs/models.md, "GGUF"."""
 
 from __future__ import annotations
 
@@ -38,11 +36,8 @@ CONFIG_KEY = "seedvr2.config"
 
 
 # ---------------------------------------------------------------------------------------------
-# dequantisation: blocks (n, type_size) uint8 -> out (n, block_size) float32
-#
-# Every type applies gguf.quants' fp32 operations in the same order (in place), and on the
-# CPU decodes chunks small enough to stay in cache, unpacking codes by integer ops over long
-# contiguous rows: docs/models.md, "GGUF", for the layout and why.
+# dequantisation: blocks (n, type_size) uint8 -> out (n, block_size) float32, in gguf.quants'
+# order of fp32 operations; the CPU layout and why: docs/models.md, "GGUF".
 
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -105,10 +100,8 @@ def _shifts(values: tuple[int, ...], shape: tuple[int, ...], dtype: torch.dtype,
 
 
 def _fields(b, start: int, stop: int) -> torch.Tensor:
-    """Bytes ``start:stop`` of every block, compact ``(n, stop - start)`` (a copy).
-
-    The per-block scale fields are a few bytes every 84-210: one copy reads each block's cache
-    line once, and the scale arithmetic then runs on the compact copy."""
+    """Bytes ``start:stop`` of every block, compact ``(n, stop - start)``: one copy reads each
+    block's cache line once, and the scale arithmetic runs on the copy."""
     return b[:, start:stop].clone(memory_format=torch.contiguous_format)
 
 
@@ -117,11 +110,10 @@ def _transposed(x: torch.Tensor) -> torch.Tensor:
     return torch.empty(x.shape[::-1], dtype=x.dtype, device=x.device).copy_(x.t())
 
 
-# Every type is a pair of functions. ``scales(b)`` computes the per-block (per-sub-block) scale
-# tensors of blocks ``b``, each with the block as first axis (None: the type has none);
-# ``decode(b, out, scales, scratch)`` writes blocks ``b`` into ``out``, a contiguous fp32
-# ``(n, block_size)`` tensor, given those scales (sliced to the same blocks), using ``scratch``
-# (a :class:`_Scratch` of the calling thread) for its temporaries.
+# Every type is a pair: ``scales(b)``, the per-block (per-sub-block) scale tensors of blocks
+# ``b``, block first (None: the type has none); ``decode(b, out, scales, scratch)`` writes
+# blocks ``b`` into ``out`` (contiguous fp32 ``(n, block_size)``) given those scales (sliced to
+# the same blocks), temporaries in ``scratch`` (the calling thread's :class:`_Scratch`).
 
 
 def _q4_0(b, out, scales, scratch):
@@ -303,8 +295,7 @@ def _q3_k_scales(b):
 
 def _q3_k(b, out, scales, scratch):
     # Two halves of 128 values; in half k, row r (32 values) is: bits 2r, 2r + 1 of qs byte
-    # 32 k + j, minus 4 unless bit 4 k + r of hmask byte j is set. 110-byte blocks: 16-bit
-    # words.
+    # 32 k + j, minus 4 unless bit 4 k + r of hmask byte j is set (16-bit words: 110 bytes).
     c = b.shape[0]
 
     def make():
@@ -347,8 +338,7 @@ def _q2_k_scales(b):
 
 
 def _q2_k(b, out, scales, scratch):
-    # Two halves of 128 values; in half k, row r (32 values) is bits 2r, 2r + 1 of qs byte
-    # 32 k + j.
+    # Two halves of 128 values; in half k, row r is bits 2r, 2r + 1 of qs byte 32 k + j.
     c = b.shape[0]
 
     def make():
@@ -374,9 +364,8 @@ KERNELS = {
     "IQ4_NL": (None, _iq4_nl), "IQ4_XS": (None, _iq4_xs),
 }
 
-# CPU scheduling: one thread decodes cache-sized chunks; several share chunks out to Python
-# threads with every op under torch's grain size, so no OpenMP barrier runs (docs/models.md,
-# "GGUF"). A GPU decodes everything at once.
+# CPU scheduling: one thread decodes cache-sized chunks; several share them out to Python
+# threads, every op under torch's grain size (no OpenMP barrier). A GPU decodes all at once.
 CPU_CHUNK_VALUES = 1 << 17
 THREAD_CHUNK_VALUES = 32768 - 256  # a multiple of 256, below the grain size
 MAX_SCALES_PER_BLOCK = 32  # elements per block in the largest op of a ``scales`` function
@@ -401,8 +390,7 @@ def dequantize_blocks(blocks: torch.Tensor, qtype: str, dtype: torch.dtype = tor
     """GGML blocks of type ``qtype`` -> the flat float values, in ``dtype``, on their device.
 
     ``blocks`` is uint8, ``(n_blocks, type_size)`` or any shape with that many bytes. ``out``
-    (optional, contiguous, ``n_blocks * block_size`` values of ``dtype``) receives the result.
-    """
+    (optional, contiguous, ``n_blocks * block_size`` values of ``dtype``) receives the result."""
     block_size, type_size = BLOCK_SIZES[qtype]
     blocks = blocks.reshape(-1, type_size)
     if not blocks.is_contiguous() or blocks.storage_offset() % 4:
@@ -498,8 +486,7 @@ class _Damaged(Exception):
 
 @dataclass
 class _HeaderWalk:
-    """A cursor over a GGUF header, in Python integers: every read checked against the end of
-    the file first."""
+    """A cursor over a GGUF header in Python integers, every read checked against the file's end."""
 
     data: object  # the mapped file
     size: int
@@ -578,11 +565,9 @@ class _HeaderWalk:
 
 def _check_header(path: Path, gguf) -> None:
     """Walk the header in Python integers before the gguf package reads it, which trusts every
-    count (an array declaring 2^24 items in 16 bytes is walked item by item) and adds offsets
-    in numpy uint64 (an offset near 2^64 wraps onto other bytes). Refused, naming the field:
-    a count, length or tensor past the end of the file, a tensor type the package does not
-    know, an offset off the alignment, tensors sharing bytes, two names that are one key once
-    the ComfyUI prefix is stripped. GGUF v2/v3, either byte order."""
+    count (2^24 array items declared in 16 bytes are walked one by one) and adds offsets in
+    numpy uint64 (near 2^64 they wrap onto other bytes). GGUF v2/v3, either byte order; what
+    is refused, naming the field: docs/models.md, "GGUF"."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
@@ -695,8 +680,8 @@ def _reader(path: Path):
 
 
 def _shape(path: Path, fields, tensor) -> tuple[int, ...]:
-    """A tensor's logical shape: its dimensions, or ComfyUI-GGUF's ``orig_shape``; checked
-    against its number of values."""
+    """A tensor's logical shape (its dims, or ComfyUI-GGUF's ``orig_shape``), checked against
+    its number of values."""
     name = tensor.name
     shape = tuple(int(v) for v in reversed(tensor.shape.tolist()))
     if ORIG_SHAPE_KEY + name in fields:
