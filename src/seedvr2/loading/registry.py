@@ -1,10 +1,5 @@
-"""Known released SeedVR2 files, where model files live on this machine, and downloads.
-
-A model is a registered file name (looked up in the model folder) or a path; names from
-workflows cannot leave the model folder (:func:`model_path_in`). :func:`download` fetches a
-registered file with ``huggingface_hub`` and checks its sha256; :func:`resolve_model_files`
-looks for every file a job needs before it downloads any.
-"""
+"""Known released SeedVR2 files, where model files live on this machine, and downloads
+(``huggingface_hub``, sha256-checked). Names from workflows cannot leave the model folder."""
 
 from __future__ import annotations
 
@@ -69,8 +64,7 @@ KNOWN_FILES: dict[str, KnownFile] = {
 }
 
 # ComfyUI's native SeedVR2 files (Comfy-Org/SeedVR2): the DiT in models/diffusion_models/, the
-# VAE in models/vae/ (as ema_vae_fp16.safetensors, the same file as numz's, or under the
-# name below). Their quantised formats are ComfyUI layouts the loader reads (loading.packed_layers).
+# VAE in models/vae/ (as numz's ema_vae_fp16.safetensors, or under the name below).
 _COMFY_ORG = "Comfy-Org/SeedVR2"
 KNOWN_FILES.update({
     f"seedvr2_{model}_{fmt}.safetensors": KnownFile(
@@ -134,11 +128,9 @@ def approximate_size(name: str) -> Optional[str]:
 
 
 def model_path_in(model_dir, name: str) -> Path:
-    """``model_dir / name`` for a model name from a workflow or a node: relative, no ``..``.
-
-    Sub-folders are allowed (ComfyUI lists ``sub/file.safetensors``); absolute paths, drive
-    letters, ``~`` and ``..`` components are refused, so a name cannot leave the folder.
-    """
+    """``model_dir / name`` for a model name from a workflow or a node. Sub-folders are allowed
+    (ComfyUI lists ``sub/file.safetensors``); absolute paths, drive letters, ``~`` and ``..``
+    are refused, so a name cannot leave the folder."""
     text = str(name)
     parts = text.replace("\\", "/").split("/")
     if not text or text.startswith(("/", "\\", "~")) or ":" in text or \
@@ -166,8 +158,8 @@ _KIND_NAMES = {"dit": "DiT", "vae": "VAE", "text": "text embeddings"}
 
 
 def _locate(spec, model_dir: Path, kind: str, allow_paths: bool) -> Path:
-    """The file for ``spec``, or :class:`MissingModelFile` for a registered name that can be
-    downloaded, or :class:`CheckpointError` for anything else."""
+    """The file for ``spec``; else :class:`MissingModelFile` (a registered name) or
+    :class:`CheckpointError`."""
     spec_str = str(spec)
     path = Path(spec_str).expanduser() if allow_paths else model_path_in(model_dir, spec_str)
     if path.is_file():
@@ -186,13 +178,11 @@ def resolve_model_files(wanted, model_dir=None, *, allow_paths: bool = True,
                         download_missing: bool = False) -> list[Path]:
     """The files for ``wanted`` (pairs of model spec and kind), in order.
 
-    A spec is a registered file name (looked up in the model folder) or, with
-    ``allow_paths=True``, a path; ``allow_paths=False`` (names from workflows) accepts only
-    names inside ``model_dir``. Every spec is checked before anything is downloaded: with
-    ``download_missing=True`` the missing registered files are fetched when the hub answers;
-    otherwise (or offline) one error names every missing file, its size, its URL and the
-    folder it goes in.
-    """
+    A spec is a registered file name (looked up in the model folder) or, with ``allow_paths``,
+    a path (without: names from workflows, only inside ``model_dir``). Every spec is checked
+    before anything is downloaded: ``download_missing`` fetches the missing registered files
+    when the hub answers; otherwise (or offline) one error names each, its size, its URL and
+    the folder it goes in."""
     model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
     found: list[Optional[Path]] = []
     missing: list[MissingModelFile] = []
@@ -233,11 +223,9 @@ HUB_PROBE_SECONDS = 3.0
 
 
 def hub_unreachable() -> Optional[str]:
-    """Why the Hugging Face hub (``$HF_ENDPOINT`` or huggingface.co) cannot be reached, or None.
-
-    One connection attempt with a short timeout, so that an offline machine is told at once
-    instead of after huggingface_hub's retries (about 25 s).
-    """
+    """Why the Hugging Face hub (``$HF_ENDPOINT`` or huggingface.co) cannot be reached, or None:
+    one short connection attempt, so an offline machine is told at once, not after
+    huggingface_hub's retries (about 25 s)."""
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
         return "HF_HUB_OFFLINE is set"
     endpoint = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
@@ -291,11 +279,8 @@ def verify_file(path, name: str) -> None:
 
 def download(name: str, model_dir=None) -> Path:
     """Fetch the registered file ``name`` into ``model_dir`` and verify its sha256.
-
     ``huggingface_hub`` resumes an interrupted download (its partial file stays in
-    ``model_dir/.cache``). Without a connection the error names the file, its URL and the
-    folder to put it in.
-    """
+    ``model_dir/.cache``)."""
     if name not in KNOWN_FILES:
         known = ", ".join(KNOWN_FILES)
         raise CheckpointError(f"{name!r} is not a released SeedVR2 file (known: {known})")
