@@ -1,14 +1,7 @@
-"""Weights kept in their storage format, and the one table of storage formats.
-
-A :class:`PackedWeight` holds a weight as a file stores it (packed tensors, scheme, logical
-shape) and dequantises it in pure torch wherever its tensors live. How each scheme is stored,
-checked, dequantised, multiplied in its own precision and written is one row of
-:data:`FORMATS`, which every format module (``fp8``, ``int8``, ``mxfp8``, ``nvfp4``, ``gguf``)
-registers into with :func:`register`; ``loading.format_table`` imports them all, so that the table
-is complete for everything that reads it. docs/models.md, "Quantised weights in memory".
-
-Imports ``errors`` only: the format modules import this one, never the reverse.
-"""
+"""Weights kept in their storage format (:class:`PackedWeight`, dequantised in pure torch
+wherever its tensors live), and :data:`FORMATS`, the one table of storage formats, into which
+each format module registers its row (docs/models.md, "Quantised weights in memory").
+Imports ``errors`` only: the format modules import this one, never the reverse."""
 
 from __future__ import annotations
 
@@ -27,12 +20,9 @@ class LayoutError(SeedVR2Error, ValueError):
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """One weight in its storage format.
-
-    ``shape`` is the logical (torch) shape the weight dequantises to; ``parts`` the stored
-    tensors by role (``data``, ``scale``, ``scale_2``, ``blocks``); ``params`` the static
-    parameters of the scheme (``qtype`` for GGUF, ``group_size`` for ConvRot).
-    """
+    """One weight in its storage format: ``shape``, the logical shape it dequantises to;
+    ``parts``, the stored tensors by role (``data``, ``scale``, ``scale_2``, ``blocks``);
+    ``params``, the scheme's static parameters (``qtype`` for GGUF, ``group_size`` for ConvRot)."""
 
     scheme: str
     shape: tuple[int, ...]
@@ -266,13 +256,10 @@ def entry_problem(entry: PackedEntry, shapes: Mapping, dtypes: Mapping) -> Optio
 
 @functools.lru_cache(maxsize=None)
 def device_constant(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small constant table on ``device``, made once per (values, dtype, device).
-
-    Built per call it was a host→device copy (which waits for the GPU stream) in every
-    quantised layer of every forward. Kept for the process: a few bytes per table and device;
-    never freed, so no stream can see its memory handed to another allocation. Made outside
-    inference mode, so autograd may read it later.
-    """
+    """A small constant table on ``device``, made once per (values, dtype, device): built per
+    call it was a host→device copy (which waits for the GPU stream) in every quantised layer of
+    every forward. Never freed (a few bytes), so no stream sees its memory handed to another
+    allocation; made outside inference mode, so autograd may read it later."""
     with torch.inference_mode(False):
         return torch.tensor(values, dtype=dtype, device=device)
 
@@ -298,9 +285,7 @@ def unswizzle_block_scales(blocked: torch.Tensor, rows: int, cols: int) -> torch
     """cuBLAS' block-scaling tile layout -> the plain ``(rows, cols)`` scale matrix.
 
     The stored matrix is ``(ceil(rows/128)·128, ceil(cols/4)·4)``; each 128x4 tile of the plain
-    matrix is stored as 32 lines of 16, line ``r`` holding rows ``r, r+32, r+64, r+96`` (4
-    scales each).
-    """
+    matrix is 32 lines of 16, line ``r`` holding rows ``r, r+32, r+64, r+96`` (4 scales each)."""
     row_tiles, col_tiles = -(-rows // 128), -(-cols // 4)
     tiles = blocked.reshape(row_tiles, col_tiles, 32, 4, 4)  # (rt, ct, r, quarter, col)
     plain = tiles.permute(0, 3, 2, 1, 4).reshape(row_tiles * 128, col_tiles * 4)
@@ -332,7 +317,6 @@ def block_scaled_weight(layer: str, shapes: Mapping, divisor: int,
 
 
 def conf_value(conf: Mapping, name: str, default):
-    """A ``comfy_quant`` parameter, given at the top level or under ``params`` (ComfyUI reads
-    both)."""
+    """A ``comfy_quant`` parameter, at the top level or under ``params`` (ComfyUI reads both)."""
     params = conf.get("params") if isinstance(conf.get("params"), Mapping) else {}
     return conf.get(name, params.get(name, default))
