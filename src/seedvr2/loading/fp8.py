@@ -1,11 +1,6 @@
-"""fp8 weights (e4m3fn, e5m2), plain casts or times a per-tensor or per-channel scale.
-
-Read from numz's plain fp8 files (by dtype alone), ComfyUI's ``float8_e4m3fn`` /
-``float8_e5m2`` layouts (``comfy_quant`` marker, optional ``weight_scale``) and the legacy
-``scale_weight``; written by ``seedvr2 quantize --type fp8_e4m3fn/fp8_e5m2`` with a
-per-tensor fp32 scale. With ``compute_precision auto`` on a GPU with fp8 units, e4m3 weights
-with a per-tensor scale multiply through ``torch._scaled_mm``.
-"""
+"""fp8 weights (e4m3fn, e5m2), plain casts or times a per-tensor or per-channel scale: numz's
+plain fp8 files, ComfyUI's ``float8_*`` layouts and the legacy ``scale_weight``. e4m3 weights
+with a per-tensor scale may multiply through ``torch._scaled_mm`` (docs/models.md)."""
 
 from __future__ import annotations
 
@@ -26,8 +21,7 @@ TARGETS = {"fp8_e4m3fn": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 def _dequantize(w: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
     data = w.parts["data"]
     scale = w.parts.get("scale")
-    if scale is None:
-        # fp8 e4m3fn/e5m2 values are exact in fp16, bf16 and fp32: one cast.
+    if scale is None:  # fp8 values are exact in fp16, bf16 and fp32: one cast
         return data.to(dtype).reshape(w.shape)
     scale = row_scale(scale, data.shape[0], data.dim())
     return (data.to(torch.float32) * scale).to(dtype).reshape(w.shape)

@@ -1,12 +1,7 @@
 """int8 weights: codes times a per-output-channel (or per-tensor) scale, optionally of the
-weight rotated by a block-diagonal regular Hadamard matrix (comfy-kitchen's "ConvRot").
-
-Read from ComfyUI's ``int8_tensorwise`` layout (``comfy_quant`` marker, ``convrot`` and
-``convrot_groupsize``, ``weight_scale``) and from any int8 weight with a ``weight_scale``;
-written by ``seedvr2 quantize --type int8/int8_convrot``. With ``compute_precision auto`` on a
-GPU of compute capability 7.5 or newer, a linear layer multiplies through comfy-kitchen's
-``int8_linear``.
-"""
+weight rotated by a block-diagonal regular Hadamard matrix (comfy-kitchen's "ConvRot"), as
+ComfyUI's ``int8_tensorwise`` layout stores them; a linear layer may multiply through
+comfy-kitchen's ``int8_linear`` (docs/models.md, "Quantised weights in memory")."""
 
 from __future__ import annotations
 
@@ -23,11 +18,8 @@ from .packed import (FLOAT_SCALES, Format, LayoutError, Part, PackedEntry, Packe
 
 
 def regular_hadamard(size: int, device=None, dtype=torch.float32) -> torch.Tensor:
-    """The normalised regular Hadamard matrix ``H4^{(x)k} / sqrt(size)`` (``size = 4^k``).
-
-    ``H4 = [[1,1,1,-1],[1,1,-1,1],[1,-1,1,1],[-1,1,1,1]]`` is symmetric with orthogonal rows, so
-    the result is symmetric and orthonormal: it is its own inverse.
-    """
+    """The normalised regular Hadamard matrix ``H4^{(x)k} / sqrt(size)`` (``size = 4^k``), ``H4``
+    symmetric with orthogonal rows: the result is symmetric and orthonormal, its own inverse."""
     if not is_power_of_4(size):
         raise LayoutError(f"a regular Hadamard matrix needs a power of 4 as size, got {size}")
     h4 = torch.tensor([[1, 1, 1, -1], [1, 1, -1, 1], [1, -1, 1, 1], [-1, 1, 1, 1]],
@@ -47,8 +39,7 @@ def cached_hadamard(size: int, device: torch.device) -> torch.Tensor:
 
 
 def _dequantize_rows(w: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
-    data = w.parts["data"]
-    # int8 times fp32 promotes to fp32 in one kernel (int8 -> fp32 is exact).
+    data = w.parts["data"]  # int8 times fp32 is one exact fp32 kernel
     out = torch.mul(data, row_scale(w.parts["scale"], data.shape[0], data.dim()))
     return out.to(dtype).reshape(w.shape)
 
@@ -58,8 +49,7 @@ def _dequantize_convrot(w: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
     rows, cols = data.shape
     group = int(w.params["group_size"])
     rotated = torch.mul(data, row_scale(w.parts["scale"], rows, 2))
-    # The file holds W·H (H per group of input channels); H is symmetric and orthonormal, so
-    # (W·H)·H = W.
+    # The file holds W·H (H per group of input channels), and H·H = I.
     h = cached_hadamard(group, data.device)
     out = torch.matmul(rotated.view(rows, cols // group, group), h)
     return out.reshape(w.shape).to(dtype)

@@ -1,12 +1,7 @@
 """mxfp8 weights: e4m3 values with one power-of-two (E8M0) scale per 32 along a row, the
-scales in cuBLAS' 128x4 tiles (comfy-kitchen's ``TensorCoreMXFP8Layout``).
-
-Read from ComfyUI's ``mxfp8`` layout, whose ``weight_scale`` holds the E8M0 bytes as ``U8``
-(the published converters' choice: ComfyUI's safetensors reader knows no ``F8_E8M0``) or as
-``F8_E8M0``; written by ``seedvr2 quantize --type mxfp8`` as ``U8``. With ``compute_precision
-auto`` on a GPU of compute capability 10.0 or newer, a linear layer multiplies through
-comfy-kitchen's ``quantize_mxfp8`` + ``scaled_mm_mxfp8``.
-"""
+scales in cuBLAS' 128x4 tiles (comfy-kitchen's ``TensorCoreMXFP8Layout``), read as ``U8`` or
+``F8_E8M0`` and written as ``U8`` (ComfyUI's safetensors reader knows no ``F8_E8M0``). A linear
+layer may multiply through comfy-kitchen's ``scaled_mm_mxfp8`` (docs/models.md)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""nvfp4 weights: E2M1 pairs with one e4m3 scale per 16 values (in cuBLAS' 128x4 tiles) and
-one fp32 scale per tensor (comfy-kitchen's ``TensorCoreNVFP4Layout``).
-
-Read from ComfyUI's ``nvfp4`` layout (``weight`` as packed ``U8`` pairs, first value in the
-high nibble; ``weight_scale`` ``F8_E4M3``; ``weight_scale_2``); written by ``seedvr2 quantize
---type nvfp4``. With ``compute_precision auto`` on a GPU of compute capability 10.0 or newer, a
-linear layer multiplies through comfy-kitchen's ``quantize_nvfp4`` + ``scaled_mm_nvfp4``.
-"""
+"""nvfp4 weights: E2M1 pairs (``U8``, first value in the high nibble) with one e4m3 scale per
+16 values (in cuBLAS' 128x4 tiles) and one fp32 scale per tensor (comfy-kitchen's
+``TensorCoreNVFP4Layout``). A linear layer may multiply through comfy-kitchen's
+``scaled_mm_nvfp4`` (docs/models.md)."""
 
 from __future__ import annotations
 
@@ -29,7 +25,6 @@ def _dequantize(w: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
     packed = w.parts["data"]
     rows, half = packed.shape
     cols = 2 * half
-    # Two E2M1 codes per byte, the first value in the high nibble.
     codes = torch.stack([packed >> 4, packed & 0x0F], dim=-1).view(-1)
     # int32 indices: half the bytes of int64 for a gather over every weight value.
     table = device_constant(E2M1_VALUES, torch.float32, packed.device)
