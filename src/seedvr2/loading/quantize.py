@@ -1,10 +1,6 @@
-"""``seedvr2 quantize``: any supported weight file -> GGUF, fp8, int8, mxfp8 or nvfp4 weights.
-
-Targets, their layouts (Comfy-Org's for int8_convrot/mxfp8/nvfp4) and what stays
-unquantised (:data:`SMALL_TENSOR`, the models' input/output layers, ``keep`` prefixes):
-docs/models.md, "Writing". Tensors are converted one at a time into a temporary file that is
-renamed when complete.
-"""
+"""``seedvr2 quantize``: any supported weight file -> GGUF, fp8, int8, mxfp8 or nvfp4 weights,
+one tensor at a time into a temporary file renamed when complete. Targets, layouts and what
+stays unquantised: docs/models.md, "Writing"."""
 
 from __future__ import annotations
 
@@ -39,11 +35,8 @@ ALWAYS_KEEP = ("vid_in.", "txt_in.", "emb_in.", "vid_out.", "encoder.conv_in.",
                "positive_conditioning", "negative_conditioning")
 _BLOCK = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "BF16": 1, "F16": 1}
 _ST_DTYPE = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}  # the header's names
-_ST_DTYPE[torch.uint8] = "U8"  # (F8_E8M0 bytes are written as U8: ComfyUI's reader knows no F8_E8M0)
+_ST_DTYPE[torch.uint8] = "U8"  # F8_E8M0 bytes as U8: ComfyUI's reader knows no F8_E8M0
 
-# Why the VAE is not written in ComfyUI's layouts: ComfyUI builds the SeedVR2 VAE with
-# comfy.ops.manual_cast, which reads no comfy_quant marker (its quantised layouts are computed
-# in the DiT's linear layers only), so such a VAE would not load right there.
 VAE_LAYOUTS_REFUSED = (
     "the VAE is not written in ComfyUI's quantised layouts: ComfyUI builds the SeedVR2 VAE "
     "with manual_cast, which reads no comfy_quant marker, so such a file would not load right "
@@ -52,8 +45,7 @@ VAE_LAYOUTS_REFUSED = (
 
 
 def _kept_dtype(src: TensorSource, key: str) -> torch.dtype:
-    """The dtype a tensor left unquantised is written in: its own float dtype, fp16 for
-    narrower ones and for packed weights."""
+    """A tensor left unquantised is written in its own float dtype (fp16 if narrower or packed)."""
     dtype = torch.float16 if key in src.packed else src.dtypes[key]
     return dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float16
 
@@ -139,8 +131,7 @@ def _gguf_plan(src: TensorSource, target: str, keep) -> list[_GGUFPlan]:
             qtype = target
         else:
             qtype = _ST_DTYPE[_kept_dtype(src, key)]
-            # GGUF holds at most 4 dimensions.
-            stored = (shape[0], numel // shape[0]) if len(shape) > 4 else shape
+            stored = (shape[0], numel // shape[0]) if len(shape) > 4 else shape  # GGUF: <= 4-D
         plans.append(_GGUFPlan(key, qtype, stored, shape if stored != shape else None))
     return plans
 
@@ -199,8 +190,8 @@ def _write_gguf(src: TensorSource, path: Path, target: str, config: dict, keep, 
 
 
 def _source_tensor(src: TensorSource, key: str) -> torch.Tensor:
-    """The source's tensor ``key`` in float, refused (naming the stored tensor) when it holds NaN
-    or infinite values: quantising them would write NaN scales."""
+    """The source's tensor ``key`` in float, refused (naming the stored tensor) when it holds
+    NaN or infinite values: quantising them would write NaN scales."""
     if key in src.packed:
         finite_parts(src, key, src.get_packed(key))
     return finite(src, key, src.get(key))

@@ -1,8 +1,6 @@
-"""safetensors files: the header checked as the safetensors library would check it, and
-each quantised layer's tensors (``comfy_quant`` markers, ``_quantization_metadata``, or dtypes
-alone) folded into one packed weight by the formats' table (``loading.packed.FORMATS``), every
-part's dtype and shape checked against its format at open.
-"""
+"""safetensors files: the header checked as the safetensors library would check it, and each
+quantised layer's tensors folded into one packed weight checked against its row of
+``loading.packed.FORMATS`` (docs/models.md, "Quantised weights in memory")."""
 
 from __future__ import annotations
 
@@ -27,11 +25,10 @@ SAFETENSORS_DTYPES = {
 }
 
 def read_safetensors_header(path: Path) -> tuple[dict, dict, int]:
-    """The tensor entries (name -> dtype, shape, data_offsets), the metadata and the byte where
-    the tensor data starts of a safetensors file, checked as the safetensors library would
-    check them, so that a damaged or hostile header is one :class:`CheckpointError` naming the
-    file and the problem (the library raises KeyError, TypeError or its own error without the
-    file's name)."""
+    """A safetensors file's tensor entries (name -> dtype, shape, data_offsets), metadata and
+    the byte its tensor data starts at, checked so that a damaged or hostile header is one
+    :class:`CheckpointError` naming the file (the library raises KeyError, TypeError or its own
+    error without the file's name)."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
@@ -115,7 +112,6 @@ def _tensor_entry_problem(entry) -> str | None:
     return None
 
 
-
 # ---------------------------------------------------------------------------------------------
 # quantised layouts
 
@@ -190,10 +186,8 @@ def scan_safetensors_layout(shapes: Mapping[str, tuple], dtypes: Mapping[str, to
                             metadata: Mapping[str, str],
                             read_bytes: Callable[[str], bytes]) -> SafetensorsLayout:
     """Fold each quantised weight's sibling tensors (scales, configs) into one packed entry,
-    each checked against its format's rules (:func:`~.packed.entry_problem`).
-
-    ``read_bytes(key)`` returns a small tensor's raw bytes (the ``comfy_quant`` configs).
-    """
+    checked by :func:`~.packed.entry_problem`; ``read_bytes(key)`` gives a small tensor's raw
+    bytes (the ``comfy_quant`` configs)."""
     configs = _layer_configs(shapes, metadata, read_bytes)
     packed: dict[str, PackedEntry] = {}
     for layer, (where, conf) in configs.items():
