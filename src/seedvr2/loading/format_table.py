@@ -1,8 +1,6 @@
 """Every storage format of ``loading/``, imported so that each registers its row of
-:data:`~.packed.FORMATS`. Whatever reads the table (the safetensors reader, the loader, the
-low-precision dispatch, ``seedvr2 quantize``) imports this module first; a new format is one
-module that registers its row, and one name below.
-"""
+:data:`~.packed.FORMATS`: whatever reads the table imports this module first. A new format is
+one module that registers its row, and one name below."""
 
 from __future__ import annotations
 

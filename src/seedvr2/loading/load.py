@@ -169,8 +169,7 @@ def _load(path, kind: str, dtype: torch.dtype | None, device, keep_packed: bool 
                 table.freqs = table.defining_values().to(device)
     if kind == "dit":
         share_equal_tables(model)
-    # Text embeddings shipped inside the weight file (ComfyUI repackages): {"pos", "neg"} in
-    # fp32 on the CPU, empty when the file has none; see loading.text.load_text_embeddings.
+    # {"pos", "neg"} from a ComfyUI repackage, fp32 on the CPU; see loading.text.
     model.embedded_text_embeddings = embedded
     # Where the weights came from: a resumed job compares models by this file's content.
     model.weights_file = str(Path(path).resolve())
@@ -183,10 +182,9 @@ def load_dit(path, dtype: torch.dtype | None = None, device="cpu", keep_packed: 
     """A NaDiT (3B or 7B family, detected) from a safetensors, .pth/.pt or GGUF file.
 
     ``dtype`` converts floating tensors (RoPE frequency tables stay fp32); None keeps the
-    file's dtype (fp16 for quantised files). Quantised weights (GGUF, fp8, int8, ComfyUI
-    layouts) of linear and convolution layers stay packed on ``device`` and are dequantised
-    to ``dtype`` inside each forward; ``keep_packed=False`` expands them once at load.
-    """
+    file's dtype (fp16 for quantised files). Quantised weights of linear and convolution layers
+    stay packed on ``device``, dequantised to ``dtype`` inside each forward;
+    ``keep_packed=False`` expands them once at load."""
     return _load(path, "dit", dtype, torch.device(device), keep_packed)
 
 

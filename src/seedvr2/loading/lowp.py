@@ -3,12 +3,10 @@
 low-precision product through comfy-kitchen (each format's :class:`~.packed.Product`).
 
 The platform decides first (ROCm reports SM-shaped capabilities that are not NVIDIA's), then
-the compute capability each kernel states, or on AMD what comfy-kitchen registers there
-(``seedvr2.kernels``), then whether the weight fits the kernels' rules. Each product quantises
-the activations inside the call (from their own absolute maxima, on the device: no host sync).
-A product that fails is the caller's to fall back from (``packed_layers.PackedWeightMixin``).
-Paths, GPUs and error bounds: docs/memory.md, "Quantised weights: compute_precision".
-"""
+each kernel's compute capability, or on AMD what comfy-kitchen registers (``seedvr2.kernels``),
+then the weight's fit. Products quantise the activations from their absolute maxima on the
+device (no host sync); a failed one is the caller's to fall back from (``packed_layers``).
+Paths, GPUs and error bounds: docs/memory.md, "Quantised weights: compute_precision"."""
 
 from __future__ import annotations
 
@@ -43,8 +41,7 @@ def compute_path(weight: PackedWeight, x_dtype: torch.dtype, device: torch.devic
 
 def low_precision_linear(x: torch.Tensor, weight: PackedWeight,
                          bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``x @ W.T + bias`` through the low-precision product of ``weight``'s format. Raises
-    what the kernels raise."""
+    """``x @ W.T + bias`` through the low-precision product of ``weight``'s format."""
     ck = kernels.kitchen()
     x2d = x.reshape(-1, x.shape[-1]).contiguous()  # the quantisers read rows of K values
     if bias is not None:

@@ -1,12 +1,8 @@
 """Text embeddings for the DiT: SeedVR2 conditions on one fixed positive prompt embedding.
 
 The official download ships ``pos_emb.pt`` (58 x 5120) and ``neg_emb.pt``; with guidance
-scale 1 only ``pos`` is used. This package ships both unchanged (``seedvr2/data``), so ``auto``
-needs no file of its own for the released 3B and 7B DiTs: it picks the embedding inside the DiT
-file, else one in the model folder whose width matches the DiT's ``txt_in_dim``, else the
-bundled one when its width matches. A path to a .safetensors/.pt file with a ``pos`` tensor (or
-a .pt holding one bare tensor) overrides it.
-"""
+scale 1 only ``pos`` is used. This package ships both unchanged (``seedvr2/data``); how
+``auto`` picks one, or a path overrides it: docs/options.md, ``text_embeddings``."""
 
 from __future__ import annotations
 
@@ -71,11 +67,9 @@ def load_text_embeddings(spec: str, txt_in_dim: int, model_dir: Path,
                          embedded: torch.Tensor | None = None, source=None) -> torch.Tensor:
     """The positive text embedding (tokens, txt_in_dim) in fp32.
 
-    ``embedded``: the positive embedding that came inside the DiT's weight file (ComfyUI's
-    repackaged files carry ``positive_conditioning``; the loader returns it as
-    ``dit.embedded_text_embeddings["pos"]``). With ``spec="auto"`` it is used before the model
-    folder is searched; ``source`` (the DiT file) names it in errors.
-    """
+    ``embedded``: the one inside the DiT's weight file (``dit.embedded_text_embeddings["pos"]``,
+    from ComfyUI's ``positive_conditioning``), used first by ``spec="auto"``; ``source`` (the DiT
+    file) names it in errors."""
     if spec == "auto" and embedded is not None:
         return _check(embedded, Path(source or "the DiT file's positive_conditioning"), txt_in_dim)
     if spec != "auto":
