@@ -1,8 +1,7 @@
 """Architecture detection from tensor names and shapes alone.
 
 What the weights cannot tell (window settings, the VAE's GroupNorm group count) takes the
-official default; a JSON ``config`` entry in the file's metadata overrides everything.
-"""
+official default; a JSON ``config`` entry in the file's metadata overrides everything."""
 
 from __future__ import annotations
 
@@ -15,11 +14,9 @@ Shapes = dict[str, tuple[int, ...]]
 
 
 def model_kind(shapes: Shapes) -> str | None:
-    """"dit", "vae" or None for a file that is neither.
-
-    ComfyUI's diffusion_models/ and vae/ folders hold other families' files beside SeedVR2's:
-    ``vid_in`` (the video patch embedding) is SeedVR2's alone, and image VAEs (SD, SDXL, Flux)
-    share the VAE's tensor names but not its 3-D (5-dimensional) convolutions."""
+    """"dit", "vae" or None for a file that is neither (ComfyUI's folders hold other families'
+    files): ``vid_in`` is SeedVR2's alone, and image VAEs (SD, SDXL, Flux) share the VAE's
+    tensor names but not its 3-D (5-dimensional) convolutions."""
     if "vid_in.proj.weight" in shapes and any(k.startswith("blocks.") for k in shapes):
         return "dit"
     if len(shapes.get("encoder.conv_in.weight", ())) == 5 and "decoder.conv_out.weight" in shapes:

@@ -1,8 +1,7 @@
 """One loader for every weight file: open, detect, build on meta, check, assign tensor by tensor.
 
 The model is never materialised twice: parameters are created on ``meta`` and replaced by the
-file's tensors (converted one at a time), so peak memory is about one copy of the weights.
-"""
+file's tensors (converted one at a time), so peak memory is about one copy of the weights."""
 
 from __future__ import annotations
 

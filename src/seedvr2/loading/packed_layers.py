@@ -1,9 +1,7 @@
 """Linear and convolution layers whose weight stays packed on the device: dequantised per
 forward in the module's ``compute_dtype``, or multiplied in the weights' own precision
 (``loading.lowp``). :func:`attach_packed_weight` gives the module a ``weight`` property, so the
-models are not touched. Storage formats: ``loading.packed`` and docs/models.md, "Quantised
-weights in memory".
-"""
+models are not touched (docs/models.md, "Quantised weights in memory")."""
 
 from __future__ import annotations
 
@@ -75,8 +73,7 @@ class PackedWeightMixin:
 
     def _apply(self, fn, recurse=True):
         # Packed tensors keep their storage dtype: fn sees their bytes (a uint8 view, which
-        # .to(dtype)/.half() leave alone) and device moves still apply. The dtype fn would give
-        # a float tensor becomes the compute dtype.
+        # .to(dtype)/.half() leave alone); the dtype fn gives a float becomes the compute dtype.
         names = [_PART_PREFIX + n for n in self._packed_parts]
         packed = {n: self._buffers.pop(n) for n in names}
         try:
@@ -137,10 +134,9 @@ def attach_packed_weight(module: nn.Module, packed: PackedWeight, compute_dtype:
 
 
 def set_compute_precision(model: nn.Module, precision: str):
-    """How ``model``'s packed linear layers multiply from now on (``compute_precision``:
-    ``auto`` or ``weights``, see ``loading.lowp``); a per-run setting, like the attention
-    backend, so a cached model runs with each job's. A layer whose product failed in an
-    earlier job tries it again."""
+    """How ``model``'s packed linear layers multiply from now on (``compute_precision``, per
+    run like the attention backend, so a cached model runs with each job's); a layer whose
+    product failed in an earlier job tries it again."""
     if precision not in COMPUTE_PRECISIONS:
         raise OptionError(f"compute_precision {precision!r}: expected one of "
                           f"{', '.join(COMPUTE_PRECISIONS)}")

@@ -77,9 +77,8 @@ KNOWN_FILES["seedvr2_ema_vae_fp16.safetensors"] = KnownFile(
 
 # Parameters per model (the conformance kit's manifests of the official models).
 _PARAMETERS = {"3b": 3_391_475_776, "7b": 8_239_607_872, "vae": 250_648_227}
-# Bytes per weight of the registered files that mix storage formats (each single format's
-# is in its row of packed.FORMATS): the mixed 7B files keep the last of 36 blocks in fp16
-# (1 + 1/36); Q4_K_M mixes Q4_K with a few Q6_K tensors: about 4.5 bits per weight.
+# Bytes per weight of the files that mix formats: the mixed 7B files keep the last of 36 blocks
+# in fp16 (1 + 1/36); Q4_K_M mixes Q4_K with a few Q6_K tensors, about 4.5 bits per weight.
 _MIXED_BYTES = {"fp8_e4m3fn_mixed_block35_fp16": 1 + 1 / 36, "Q4_K_M": 4.5 / 8}
 
 DEFAULT_DIT = "seedvr2_ema_3b_fp16.safetensors"

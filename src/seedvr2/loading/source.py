@@ -1,6 +1,5 @@
-"""What every file format's reader returns: a :class:`TensorSource`, and the error every
-reader raises (:class:`CheckpointError`). The bottom of ``loading/``: imports ``errors`` only.
-"""
+"""What every file format's reader returns (:class:`TensorSource`) and raises
+(:class:`CheckpointError`). The bottom of ``loading/``: imports ``errors`` only."""
 
 from __future__ import annotations
 
@@ -69,11 +68,9 @@ class TensorSource:
 
 
 # CPU kernels choose code paths by operand alignment: a matrix-vector product with an 8-byte
-# aligned weight differs in the last bit from the same product with a 64-byte aligned one.
-# Tensors read from a file (mmap) sit wherever the file put them, while every tensor PyTorch
-# allocates is 64-byte aligned (and the offload arena 512-byte aligned). Copying misaligned
-# file tensors makes results independent of the file's layout and of where placement code
-# moves the weights.
+# aligned weight differs in the last bit from one with a 64-byte aligned weight. PyTorch
+# allocates 64-byte aligned (the offload arena 512), mmap'ed file tensors sit anywhere: copying
+# misaligned ones makes results independent of the file's layout and of weight placement.
 ALIGNMENT = 64
 
 

@@ -1,9 +1,6 @@
-"""Weight files, opened lazily: keys, shapes and dtypes without reading tensor data.
-
-The format is told by the file's first bytes, never by its name; each has its own reader
-(``safetensors``, ``gguf``, and torch pickles here), all returning a
-:class:`~.source.TensorSource`.
-"""
+"""Weight files, opened lazily: keys, shapes and dtypes without reading tensor data. The format
+is told by the first bytes, never the name; each reader (``safetensors``, ``gguf``, torch
+pickles here) returns a :class:`~.source.TensorSource`."""
 
 from __future__ import annotations
 
