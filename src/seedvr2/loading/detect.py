@@ -1,7 +1,6 @@
-"""Architecture detection from tensor names and shapes alone.
-
-What the weights cannot tell (window settings, the VAE's GroupNorm group count) takes the
-official default; a JSON ``config`` entry in the file's metadata overrides everything."""
+"""Architecture detection from tensor names and shapes alone. What the weights cannot tell (window
+settings, the VAE's GroupNorm group count) takes the official default; a JSON ``config`` entry in
+the file's metadata overrides everything."""
 
 from __future__ import annotations
 

@@ -388,7 +388,6 @@ def _schedule(n: int, block_size: int, device: torch.device) -> tuple[int, int, 
 def dequantize_blocks(blocks: torch.Tensor, qtype: str, dtype: torch.dtype = torch.float32,
                       out: torch.Tensor | None = None) -> torch.Tensor:
     """GGML blocks of type ``qtype`` -> the flat float values, in ``dtype``, on their device.
-
     ``blocks`` is uint8, ``(n_blocks, type_size)`` or any shape with that many bytes. ``out``
     (optional, contiguous, ``n_blocks * block_size`` values of ``dtype``) receives the result."""
     block_size, type_size = BLOCK_SIZES[qtype]

@@ -1,7 +1,6 @@
 """One loader for every weight file: open, detect, build on meta, check, assign tensor by tensor.
-
-The model is never materialised twice: parameters are created on ``meta`` and replaced by the
-file's tensors (converted one at a time), so peak memory is about one copy of the weights."""
+The model is never materialised twice: parameters are created on ``meta`` and replaced by the file's
+tensors (converted one at a time), so peak memory is about one copy of the weights."""
 
 from __future__ import annotations
 
@@ -178,12 +177,11 @@ def _load(path, kind: str, dtype: torch.dtype | None, device, keep_packed: bool 
 
 def load_dit(path, dtype: torch.dtype | None = None, device="cpu", keep_packed: bool = True
              ) -> nn.Module:
-    """A NaDiT (3B or 7B family, detected) from a safetensors, .pth/.pt or GGUF file.
-
-    ``dtype`` converts floating tensors (RoPE frequency tables stay fp32); None keeps the
-    file's dtype (fp16 for quantised files). Quantised weights of linear and convolution layers
-    stay packed on ``device``, dequantised to ``dtype`` inside each forward;
-    ``keep_packed=False`` expands them once at load."""
+    """A NaDiT (3B or 7B family, detected) from a safetensors, .pth/.pt or GGUF file. ``dtype``
+    converts floating tensors (RoPE frequency tables stay fp32); None keeps the file's dtype (fp16
+    for quantised files). Quantised weights of linear and convolution layers stay packed on
+    ``device``, dequantised to ``dtype`` inside each forward; ``keep_packed=False`` expands them
+    once at load."""
     return _load(path, "dit", dtype, torch.device(device), keep_packed)
 
 

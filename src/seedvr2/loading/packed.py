@@ -282,10 +282,9 @@ def row_scale(scale: torch.Tensor, rows: int, ndim: int) -> torch.Tensor:
 
 
 def unswizzle_block_scales(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """cuBLAS' block-scaling tile layout -> the plain ``(rows, cols)`` scale matrix.
-
-    The stored matrix is ``(ceil(rows/128)·128, ceil(cols/4)·4)``; each 128x4 tile of the plain
-    matrix is 32 lines of 16, line ``r`` holding rows ``r, r+32, r+64, r+96`` (4 scales each)."""
+    """cuBLAS' block-scaling tile layout -> the plain ``(rows, cols)`` scale matrix. The stored
+    matrix is ``(ceil(rows/128)·128, ceil(cols/4)·4)``; each 128x4 tile of the plain matrix is 32
+    lines of 16, line ``r`` holding rows ``r, r+32, r+64, r+96`` (4 scales each)."""
     row_tiles, col_tiles = -(-rows // 128), -(-cols // 4)
     tiles = blocked.reshape(row_tiles, col_tiles, 32, 4, 4)  # (rt, ct, r, quarter, col)
     plain = tiles.permute(0, 3, 2, 1, 4).reshape(row_tiles * 128, col_tiles * 4)

@@ -175,13 +175,11 @@ def _locate(spec, model_dir: Path, kind: str, allow_paths: bool) -> Path:
 
 def resolve_model_files(wanted, model_dir=None, *, allow_paths: bool = True,
                         download_missing: bool = False) -> list[Path]:
-    """The files for ``wanted`` (pairs of model spec and kind), in order.
-
-    A spec is a registered file name (looked up in the model folder) or, with ``allow_paths``,
-    a path (without: names from workflows, only inside ``model_dir``). Every spec is checked
-    before anything is downloaded: ``download_missing`` fetches the missing registered files
-    when the hub answers; otherwise (or offline) one error names each, its size, its URL and
-    the folder it goes in."""
+    """The files for ``wanted`` (pairs of model spec and kind), in order. A spec is a registered
+    file name (looked up in the model folder) or, with ``allow_paths``, a path (without: names from
+    workflows, only inside ``model_dir``). Every spec is checked before anything is downloaded:
+    ``download_missing`` fetches the missing registered files when the hub answers; otherwise (or
+    offline) one error names each, its size, its URL and the folder it goes in."""
     model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
     found: list[Optional[Path]] = []
     missing: list[MissingModelFile] = []
