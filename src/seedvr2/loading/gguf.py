@@ -247,9 +247,8 @@ def _q6_k_scales(b):
 
 
 def _q6_k(b, out, scales, scratch):
-    # Two halves of 128 values; in half k, row r (32 values) is: nibble r // 2 of ql bytes
-    # 64 k + 32 (r % 2) + j, plus bits 2r, 2r + 1 of qh byte 32 k + j as bits 4-5; minus 32.
-    # The block is 210 bytes, so the fields are viewed as 16-bit words.
+    # Halves of 128 values; in half k, row r is nibble r // 2 of ql bytes 64 k + 32 (r % 2) + j,
+    # plus bits 2r, 2r + 1 of qh byte 32 k + j as bits 4-5, minus 32 (16-bit words: 210-byte block).
     c = b.shape[0]
 
     def make():
@@ -439,8 +438,7 @@ def dequantize_blocks(blocks: torch.Tensor, qtype: str, dtype: torch.dtype = tor
     return out.view(-1)
 
 
-# Byte offsets of the fp16 scale fields in each block type: the only values of a block that
-# can be NaN or infinite (the codes are integers).
+# Byte offsets of each type's fp16 scale fields: a block's only values that can be NaN or inf.
 FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
                "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
                "IQ4_NL": (0,), "IQ4_XS": (0,)}

@@ -1,12 +1,11 @@
 """Which arithmetic a quantised linear layer multiplies in, decided per layer and device:
 ``weights`` (dequantise to the compute dtype) or, with ``compute_precision auto``, its format's
-low-precision product through comfy-kitchen (each format's :class:`~.packed.Product`).
-
-The platform decides first (ROCm reports SM-shaped capabilities that are not NVIDIA's), then
-each kernel's compute capability, or on AMD what comfy-kitchen registers (``seedvr2.kernels``),
-then the weight's fit. Products quantise the activations from their absolute maxima on the
-device (no host sync); a failed one is the caller's to fall back from (``packed_layers``).
-Paths, GPUs and error bounds: docs/memory.md, "Quantised weights: compute_precision"."""
+low-precision product through comfy-kitchen (each format's :class:`~.packed.Product`). The platform
+decides first (ROCm reports SM-shaped capabilities that are not NVIDIA's), then each kernel's
+compute capability, or on AMD what comfy-kitchen registers (``seedvr2.kernels``), then the weight's
+fit. Products quantise the activations from their absolute maxima on the device (no host sync); a
+failed one is the caller's to fall back from (``packed_layers``). Paths, GPUs and error bounds:
+docs/memory.md, "Quantised weights: compute_precision"."""
 
 from __future__ import annotations
 

@@ -129,10 +129,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class Product:
-    """A scheme's low-precision product (``loading.lowp``): the compute ``path`` it is
-    reported as, the external ``kernels`` it calls (keys of ``seedvr2.kernels.KERNELS``, whose
-    rules and capabilities gate it), why a linear (2-D) weight's layout does not fit them
-    (``fits``: None when it does), and ``run(ck, x2d, weight, bias)``."""
+    """A scheme's low-precision product (``loading.lowp``): the compute ``path`` it is reported
+    as, the ``kernels`` it calls (keys of ``seedvr2.kernels.KERNELS``, whose rules gate it), why
+    a 2-D weight's layout does not fit them (``fits``: None when it does), and ``run``."""
 
     path: str
     kernels: tuple[str, ...]
@@ -184,8 +183,7 @@ class Format:
     markers: Mapping[str, MarkerReader] = field(default_factory=dict)
     by_dtype: Optional[DtypeReader] = None
     targets: tuple[Target, ...] = ()
-    # Bytes per weight of each label and target name it stores, block scales included (what
-    # the memory budget and the registry's file sizes count).
+    # Bytes per weight of each label and target name, block scales included (for memory and sizes).
     bytes_per_weight: Mapping[str, float] = field(default_factory=dict)
 
 

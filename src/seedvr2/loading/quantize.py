@@ -106,10 +106,6 @@ def quantize_file(source, output, target: str, keep: Sequence[str] = (), overwri
                            Path(source).stat().st_size, output.stat().st_size)
 
 
-# ---------------------------------------------------------------------------------------------
-# GGUF
-
-
 @dataclass
 class _GGUFPlan:
     key: str
@@ -195,10 +191,6 @@ def _source_tensor(src: TensorSource, key: str) -> torch.Tensor:
     if key in src.packed:
         finite_parts(src, key, src.get_packed(key))
     return finite(src, key, src.get(key))
-
-
-# ---------------------------------------------------------------------------------------------
-# safetensors: each quantised layer in its target's layout (loading.packed.TARGETS)
 
 
 def pack_weight(weight: torch.Tensor, target: str) -> Optional[PackedWeight]:

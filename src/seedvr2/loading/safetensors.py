@@ -112,12 +112,7 @@ def _tensor_entry_problem(entry) -> str | None:
     return None
 
 
-# ---------------------------------------------------------------------------------------------
-# quantised layouts
-
-
-# Sibling tensors of a quantised layer that belong to its weight (or to activation
-# quantisation, which weight-only dequantisation ignores).
+# A quantised layer's tensors beside its weight (activation quantisation's are ignored).
 _AUX_SUFFIXES = ("weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale",
                  "comfy_quant", "scale_weight", "scale_input")
 

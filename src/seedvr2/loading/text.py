@@ -14,8 +14,7 @@ from ..options import option_ref
 from .source import CheckpointError, aligned
 from .weight_files import open_weights, sniff_format
 
-# The official pos/neg embeddings of both released DiT families (txt_in_dim 5120); provenance
-# in seedvr2/data/README.md.
+# The official pos/neg embeddings of both DiT families (txt_in_dim 5120): seedvr2/data/README.md.
 BUNDLED_TEXT_EMBEDDINGS = Path(__file__).resolve().parents[1] / "data" / \
     "official_text_embeddings.safetensors"
 
