@@ -31,8 +31,7 @@ def describe_unknown(shapes: Shapes) -> str:
 
 
 def _shape_of(shapes: Shapes, kind: str):
-    """``shape(key, ndim)``: the shape of a tensor the architecture is read from, checked for
-    its number of dimensions (and no zero-sized dimension)."""
+    """``shape(key, ndim)``: a tensor's shape, checked to have ``ndim`` non-zero dimensions."""
     def shape(key: str, ndim: int) -> tuple[int, ...]:
         if key not in shapes:
             raise CheckpointError(f"missing tensor {key!r}, which every SeedVR2 {kind} has")

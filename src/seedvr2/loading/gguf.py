@@ -177,7 +177,6 @@ def _q8_0(b, out, scales, scratch):
 
 def _k_scales(b):
     """Q4_K/Q5_K: d * scale and dmin * min of every 32-value sub-block, ``(n, 8, 1)`` each.
-
     Bytes 4-15 hold 8 six-bit scales and 8 six-bit mins: scale i < 4 is the low 6 bits of byte
     i, min i < 4 those of byte i + 4; for i >= 4 the low (scale) or high (min) nibble of byte
     i + 4, with bits 4-5 from the top 2 bits of byte i - 4 (scale) or i (min). Computed on

@@ -32,8 +32,7 @@ def regular_hadamard(size: int, device=None, dtype=torch.float32) -> torch.Tenso
 
 @functools.lru_cache(maxsize=None)
 def cached_hadamard(size: int, device: torch.device) -> torch.Tensor:
-    """:func:`regular_hadamard` in float32 on ``device``, made once (size² · 4 bytes: 256 KB
-    for the largest ConvRot group, 256)."""
+    """:func:`regular_hadamard` in float32 on ``device``, made once (256 KB for a group of 256)."""
     with torch.inference_mode(False):
         return regular_hadamard(size, device=device)
 
@@ -49,8 +48,7 @@ def _dequantize_convrot(w: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
     rows, cols = data.shape
     group = int(w.params["group_size"])
     rotated = torch.mul(data, row_scale(w.parts["scale"], rows, 2))
-    # The file holds W·H (H per group of input channels), and H·H = I.
-    h = cached_hadamard(group, data.device)
+    h = cached_hadamard(group, data.device)  # the file holds W·H per group, and H·H = I
     out = torch.matmul(rotated.view(rows, cols // group, group), h)
     return out.reshape(w.shape).to(dtype)
 

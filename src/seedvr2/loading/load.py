@@ -178,10 +178,9 @@ def _load(path, kind: str, dtype: torch.dtype | None, device, keep_packed: bool 
 def load_dit(path, dtype: torch.dtype | None = None, device="cpu", keep_packed: bool = True
              ) -> nn.Module:
     """A NaDiT (3B or 7B family, detected) from a safetensors, .pth/.pt or GGUF file. ``dtype``
-    converts floating tensors (RoPE frequency tables stay fp32); None keeps the file's dtype (fp16
-    for quantised files). Quantised weights of linear and convolution layers stay packed on
-    ``device``, dequantised to ``dtype`` inside each forward; ``keep_packed=False`` expands them
-    once at load."""
+    converts floating tensors (RoPE tables stay fp32); None keeps the file's (fp16 if quantised).
+    Quantised linear and convolution weights stay packed on ``device``, dequantised to ``dtype``
+    in each forward; ``keep_packed=False`` expands them once at load."""
     return _load(path, "dit", dtype, torch.device(device), keep_packed)
 
 

@@ -168,8 +168,8 @@ class Target:
 
 # A marker reader: (layer, comfy_quant config, shapes, dtypes) -> the layer's PackedEntry.
 MarkerReader = Callable[[str, Mapping[str, Any], Mapping, Mapping], PackedEntry]
-# A dtype reader, for files that declare the layout by dtypes alone (plain fp8, int8 with a
-# weight_scale): (weight key, shapes, dtypes) -> PackedEntry or None.
+# A dtype reader, for layouts told by dtypes alone (plain fp8, int8 + weight_scale):
+# (weight key, shapes, dtypes) -> PackedEntry or None.
 DtypeReader = Callable[[str, Mapping, Mapping], Optional[PackedEntry]]
 
 

@@ -275,9 +275,8 @@ def verify_file(path, name: str) -> None:
 
 
 def download(name: str, model_dir=None) -> Path:
-    """Fetch the registered file ``name`` into ``model_dir`` and verify its sha256.
-    ``huggingface_hub`` resumes an interrupted download (its partial file stays in
-    ``model_dir/.cache``)."""
+    """Fetch the registered file ``name`` into ``model_dir`` and verify its sha256 (an interrupted
+    download resumes: ``huggingface_hub`` keeps its partial file in ``model_dir/.cache``)."""
     if name not in KNOWN_FILES:
         known = ", ".join(KNOWN_FILES)
         raise CheckpointError(f"{name!r} is not a released SeedVR2 file (known: {known})")

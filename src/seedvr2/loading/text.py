@@ -63,10 +63,9 @@ def _check(pos: torch.Tensor, path: Path, txt_in_dim: int) -> torch.Tensor:
 
 def load_text_embeddings(spec: str, txt_in_dim: int, model_dir: Path,
                          embedded: torch.Tensor | None = None, source=None) -> torch.Tensor:
-    """The positive text embedding (tokens, txt_in_dim) in fp32. ``embedded``: the one inside the
-    DiT's weight file (``dit.embedded_text_embeddings["pos"]``, from ComfyUI's
-    ``positive_conditioning``), used first by ``spec="auto"``; ``source`` (the DiT file) names it in
-    errors."""
+    """The positive text embedding (tokens, txt_in_dim) in fp32. ``embedded``, the one inside the
+    DiT's file (``dit.embedded_text_embeddings["pos"]``, ComfyUI's ``positive_conditioning``), is
+    used first by ``spec="auto"``; ``source`` (the DiT file) names it in errors."""
     if spec == "auto" and embedded is not None:
         return _check(embedded, Path(source or "the DiT file's positive_conditioning"), txt_in_dim)
     if spec != "auto":
