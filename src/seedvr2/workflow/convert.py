@@ -1,8 +1,7 @@
 """UI-format (editor) workflow -> API-format prompt, with ``/object_info`` (a server's, or our
 own table) naming the widget values in order. The editor's extra values, frontend-only nodes,
 muted and bypassed nodes: docs/comfyui.md ("Without the editor"). Our nodes saved by the numz
-pack are rewritten to our layout first (:mod:`.numz`).
-"""
+pack are rewritten to our layout first (:mod:`.numz`)."""
 
 from __future__ import annotations
 
@@ -45,8 +44,7 @@ def _map_widget_values(node: dict, info: dict) -> dict:
 
 
 def _links(workflow: dict) -> dict:
-    """link id -> (origin node id, origin slot, target node id, target slot, type); the shape
-    of each link is checked (:func:`.shape.check_editor_graph`)."""
+    """link id -> (origin node, origin slot, target node, target slot, type), shapes checked."""
     return {link_field(link, "id"): tuple(link_field(link, key) for key in LINK_FIELDS[1:])
             for link in workflow.get("links") or []}
 
@@ -96,8 +94,7 @@ def ui_to_api(workflow: dict, object_info: dict,
 
 def _source_of(node_id: str, link_id, nodes: dict, links: dict):
     """What a link into ``node_id`` carries: [node id, slot], ("literal", value) from a
-    PrimitiveNode, or None (muted). Reroutes and bypassed nodes are followed in a loop: a chain
-    of any length is no recursion."""
+    PrimitiveNode, or None (muted). Reroutes and bypassed nodes are followed in a loop."""
     seen = set()
     while True:
         if link_id not in links:

@@ -21,9 +21,9 @@ log = logging.getLogger("seedvr2")
 def confined_input_path(name: str, folders: dict) -> Path:
     """The file a prompt's input name (LoadImage, LoadVideo, Upscale Video File) means, never
     outside the host's folders: a prompt may come from anyone who reaches a ComfyUI started with
-    ``--listen``. ``name`` is a path inside ``folders["input"]``, or ComfyUI's annotated form
-    ``"name [output]"`` (``[temp]``, ``[input]``) for the other folders given; anything else
-    raises InputError. Checked as written (normalized): links placed in the folder still work."""
+    ``--listen``. A path inside ``folders["input"]``, or ComfyUI's ``"name [output]"`` (``[temp]``,
+    ``[input]``) for the other folders given; else InputError. Checked as written (normalized):
+    links placed in the folder still work."""
     text, folder = name.strip(), "input"
     for tag in ("input", "output", "temp"):
         if text.endswith(f"[{tag}]") and tag in folders:
@@ -87,7 +87,7 @@ class HeadlessHost:
         return confined_input_path(name, {"input": self.input_dir, "output": self.output_dir})
 
     def output_file(self, prefix: str, suffix: str, width: int, height: int) -> tuple[Path, dict]:
-        """Next free ``<prefix>_NNNNN_<suffix>`` in the output folder, as ComfyUI numbers files."""
+        """The next ``<prefix>_NNNNN_<suffix>`` in the output folder, numbered as ComfyUI does."""
         prefix = prefix.replace("%width%", str(width)).replace("%height%", str(height))
         subfolder, name = os.path.split(os.path.normpath(prefix))
         folder = (self.output_dir / subfolder).resolve()

@@ -1,12 +1,11 @@
 """The shape of a workflow, checked once where it enters (``run-workflow``, the UI -> API
-conversion, the numz rewriting): after these checks the readers may trust every field they
-read, and every malformed field is one :class:`WorkflowError` naming its node.
+conversion, the numz rewriting): after these checks the readers may trust every field they read,
+and every malformed field is one :class:`WorkflowError` naming its node.
 
-Nothing here recurses: values are walked with a list, and a value (a node's input, widget
-values, any other field) nested past :data:`MAX_DEPTH` levels is refused, naming its node: no
-workflow the editor saves comes near it, and what reads a workflow afterwards (copies, JSON
-text) may then recurse safely; Python's recursion limit is a few hundred levels further.
-"""
+Nothing here recurses: values are walked with a list, and a value nested past :data:`MAX_DEPTH`
+levels is refused, naming its node: no workflow the editor saves comes near it, and what reads a
+workflow afterwards (copies, JSON text) may then recurse safely; Python's recursion limit is a
+few hundred levels further."""
 
 from __future__ import annotations
 
@@ -62,8 +61,8 @@ def is_index(value) -> bool:
 
 
 def nesting_problem(value) -> Optional[str]:
-    """What makes ``value`` unreadable: nesting past :data:`MAX_DEPTH` levels, or a number
-    too long to write; None when it is fine. Walked level by level, not recursively."""
+    """What makes ``value`` unreadable (nesting past MAX_DEPTH, a number too long to write), or
+    None; walked level by level."""
     level, items = 0, [value]
     while items:
         if level > MAX_DEPTH:
@@ -80,8 +79,7 @@ def nesting_problem(value) -> Optional[str]:
     return None
 
 
-# ---------------------------------------------------------------------------------------------
-# Editor (UI) workflows
+# Editor (UI) workflows -----------------------------------------------------------------------
 
 
 def _node_error(node: dict, index: int, message: str) -> WorkflowError:
@@ -160,8 +158,8 @@ LINK_FIELDS = ("id", "origin_id", "origin_slot", "target_id", "target_slot", "ty
 
 
 def _check_link(link, nodes: dict) -> None:
-    """A saved link; a malformed one is its target node's error, when it names one of
-    ``nodes`` (node id as text -> (index, node))."""
+    """A malformed link is its target's error when it names one of ``nodes`` (id as text ->
+    (index, node))."""
     fields = (dict(zip(LINK_FIELDS, link)) if isinstance(link, list)
               else link if isinstance(link, dict) else {})
     ok = (not isinstance(link, list) or len(link) >= 5) and is_link_id(fields.get("id")) and \
@@ -178,8 +176,8 @@ def _check_link(link, nodes: dict) -> None:
 
 
 def check_editor_graph(graph, where: str = "the workflow") -> None:
-    """An editor graph (the workflow, or one of its subgraphs): nodes and links of the shape
-    the editor saves, node and link ids unique."""
+    """An editor graph (the workflow, or a subgraph): nodes and links as the editor saves them,
+    with unique ids."""
     if not isinstance(graph, dict) or not isinstance(graph.get("nodes"), list):
         raise WorkflowError(f"{where}: expected an object with a list of nodes, not "
                             f"{shown(graph)}")
@@ -228,8 +226,7 @@ def check_editor_workflow(workflow) -> None:
         raise WorkflowError(f"the workflow's definitions {problem}")
 
 
-# ---------------------------------------------------------------------------------------------
-# API prompts
+# API prompts ---------------------------------------------------------------------------------
 
 
 def check_prompt(prompt) -> None:
