@@ -26,8 +26,7 @@ OVERRIDDEN = ("partially_load", "partially_unload", "model_size", "loaded_size",
 
 @functools.cache
 def patcher_class() -> type:
-    """``SeedVR2CachedModelPatcher`` on the installed ComfyUI's ModelPatcher (imported here:
-    this module is imported outside ComfyUI too)."""
+    """``SeedVR2CachedModelPatcher`` on ComfyUI's ModelPatcher (imported here: not at import)."""
     import torch
     from comfy.model_patcher import ModelPatcher
 
@@ -97,8 +96,7 @@ def our_entries(mm, cache) -> list:
 
 
 def sync(mm, cache) -> list:
-    """Hand ComfyUI each model of ``cache`` it does not hold yet; returns our entries. (Models
-    the cache evicted itself need nothing: their patchers went with them.)"""
+    """Hand ComfyUI each cached model it lacks (evicted ones took their patchers); our entries."""
     fresh = []
     for key in cache.keys():
         if cache.attached(key) is not None or _module_of(cache.peek(key)) is None:
@@ -120,9 +118,8 @@ def sync(mm, cache) -> list:
 
 
 def _register(mm, patchers) -> None:
-    """Enter ``patchers`` in ComfyUI's list as ``load_models_gpu`` enters a model it loaded,
-    without its ``free_memory`` call: ours are already where they run, and that call would
-    claim pinned host memory ours never take (docs/comfyui.md)."""
+    """Enter ``patchers`` in ComfyUI's list as ``load_models_gpu`` does, minus its ``free_memory``
+    call: ours are where they run, and it would claim pinned host memory ours never take."""
     for patcher in patchers:
         entry = mm.LoadedModel(patcher)
         entry.model_load()
@@ -130,17 +127,15 @@ def _register(mm, patchers) -> None:
 
 
 def room_needed(model_files, cache, device: str) -> int:
-    """Bytes our next run adds on ``device`` before any activation: the model files it loads
-    there that our cache does not hold there yet."""
+    """Bytes the next run adds on ``device`` before activations: model files not cached there."""
     cached = {(k.path, k.device) for k in cache.keys()}
     return sum(Path(path).stat().st_size for path in model_files
                if (str(Path(path).resolve()), str(device)) not in cached and Path(path).is_file())
 
 
 def unload_comfy_models(mm, cache, required_bytes: int, device=None) -> None:
-    """Ask ComfyUI for ``required_bytes`` free on ``device`` (default: its torch device), keeping
-    our cached models: it unloads its own, least recently used first, until that much (plus its
-    reserve) is free."""
+    """Ask ComfyUI for ``required_bytes`` free on ``device`` (default: its own), keeping ours: it
+    unloads its models, least recently used first, until that much (plus its reserve) is free."""
     import torch
 
     ours = sync(mm, cache)

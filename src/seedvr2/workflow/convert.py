@@ -56,8 +56,7 @@ def _slot_type(node: dict, slot: int):
 
 def ui_to_api(workflow: dict, object_info: dict,
               warn: Optional[Callable[[str], None]] = None) -> dict:
-    """Convert an editor workflow; ``object_info`` is ``/object_info`` (or our built-in table).
-    ``warn`` gets a note for each value of a numz-layout node that has no place in ours."""
+    """An editor workflow as a prompt; ``warn`` gets a note per numz-layout value with no place."""
     workflow, notes = translate_workflow(workflow, object_info)  # (checks its shape first)
     for note in notes if warn is not None else ():
         warn(note)

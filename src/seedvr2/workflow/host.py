@@ -20,10 +20,9 @@ log = logging.getLogger("seedvr2")
 
 def confined_input_path(name: str, folders: dict) -> Path:
     """The file a prompt's input name (LoadImage, LoadVideo, Upscale Video File) means, never
-    outside the host's folders: a prompt may come from anyone who reaches a ComfyUI started with
-    ``--listen``. A path inside ``folders["input"]``, or ComfyUI's ``"name [output]"`` (``[temp]``,
-    ``[input]``) for the other folders given; else InputError. Checked as written (normalized):
-    links placed in the folder still work."""
+    outside the host's folders: anyone who reaches a ComfyUI started with ``--listen`` may send
+    one. A path in ``folders["input"]``, or ComfyUI's ``"name [output]"`` (``[temp]``, ``[input]``)
+    for the others; else InputError. Checked as written (normalized): links in a folder work."""
     text, folder = name.strip(), "input"
     for tag in ("input", "output", "temp"):
         if text.endswith(f"[{tag}]") and tag in folders:

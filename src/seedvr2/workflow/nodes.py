@@ -422,8 +422,7 @@ def _load_model_node(kind: str):
 
 
 def _check_loader_settings(kind: str, settings: dict) -> None:
-    """A loader's settings checked on the loader, in its input names (the upscaler, which
-    resolves every option, would name the library's options)."""
+    """Checked on the loader, in its input names (the upscaler would name the library's options)."""
     named = [s for s in LOADER_SETTINGS[kind] if s.to_options is None]
     given = {s.option: _from_widget(s.option, settings[s.input]) for s in named
              if settings.get(s.input) is not None and s.input != "text_embeddings"}
@@ -592,10 +591,9 @@ MAX_NAME_BYTES = 200  # of a name in a filename_prefix: file systems hold 255, w
 
 
 def output_prefix(prefix: str, default: str) -> str:
-    """The ``filename_prefix`` a node saves under: ``default`` (the node's) for a prefix that is
-    blank or names no file (``"."``, ``"sub/.."``), where ComfyUI's numbering (``folder_paths.
-    get_save_image_path``, and ours) would save a hidden ``._00001_`` file. A name no file
-    system holds is refused before anything runs."""
+    """The ``filename_prefix`` a node saves under: ``default`` (the node's) for one blank or naming
+    no file (``"."``, ``"sub/.."``), where ComfyUI's numbering (``get_save_image_path``, and ours)
+    would save a hidden ``._00001_`` file; a name no file system holds is refused at once."""
     normal = os.path.normpath(prefix.strip() or ".")
     if os.path.basename(normal) == ".":
         return default

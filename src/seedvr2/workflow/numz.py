@@ -211,11 +211,10 @@ def _check_widget_value(node_label: str, name: str, value) -> None:
 def _as_numz_ran(kind: str, label: str, ours: dict, widgets: dict[str, _Widget],
                  notes: list, numz_names: Optional[dict] = None) -> dict:
     """``ours`` with what numz's node did by itself, where ours refuses the values, made explicit
-    (with a note, in numz's input names: ``numz_names``, ours -> numz's, where they differ): its
-    upscaler ran a temporal_overlap not smaller than batch_size as no overlap (numz's
-    generation_phases: "temporal_overlap >= batch_size, resetting to 0"); its VAE tiling clamped
-    a tile overlap to one latent pixel (8 pixels) less than the tile (attn_video_vae's
-    tiled_encode and tiled_decode)."""
+    (noted in numz's input names: ``numz_names``, ours -> numz's): its upscaler ran a
+    temporal_overlap not smaller than batch_size as none (generation_phases: "temporal_overlap >=
+    batch_size, resetting to 0"); its VAE tiling clamped a tile overlap to one latent pixel (8
+    pixels) less than the tile (attn_video_vae's tiled_encode and tiled_decode)."""
     def value(name):
         return ours.get(name, widgets[name].default) if name in widgets else None
 
@@ -292,8 +291,7 @@ def _saved_widget_names(node: dict) -> list:
 
 
 def _translate_node(node: dict, info: dict, links: list, notes: list) -> None:
-    """One saved node of a numz layout rewritten to ours in place (widget values, input slots,
-    the links into them); a node saved by our pack is left as it is."""
+    """A numz-layout node rewritten to ours in place (values, slots, their links); ours left be."""
     table = NUMZ_NODES[node["type"]]
     values = node.get("widgets_values")
     if not isinstance(values, list):
@@ -369,9 +367,8 @@ def _translate_graph(graph: dict, object_info: dict, notes: list) -> None:
 
 
 def translate_workflow(workflow: dict, object_info: dict) -> tuple[dict, list[str]]:
-    """A copy of an editor workflow with each of our nodes saved in a numz layout rewritten to
-    ours (subgraphs included), and notes on the values left out. A malformed workflow is a
-    :class:`WorkflowError` naming the node (:func:`.shape.check_editor_workflow`)."""
+    """A copy of an editor workflow, our nodes saved in a numz layout (subgraphs too) in ours, and
+    notes on the values left out; malformed: WorkflowError (shape.check_editor_workflow)."""
     check_editor_workflow(workflow)
     try:  # JSON's own copy: fast, and safe at the depth checked (shape.MAX_DEPTH)
         workflow = json.loads(json.dumps(workflow))
@@ -544,8 +541,7 @@ def _is_positive(value) -> bool:
 
 
 def _old_layout(node: dict) -> Optional[tuple[dict, dict]]:
-    """(values by name, control values) of an old editor node: by the widget names it saved,
-    else by the one release layout its value count fits."""
+    """(values, control values) of an old editor node: by its saved widget names, else count."""
     values = node.get("widgets_values")
     if not isinstance(values, list):
         return None

@@ -98,8 +98,7 @@ class ComfyServer:
     def wait(self, prompt_id: str, timeout: Optional[float] = None,
              on_event: Optional[Events] = None, poll: float = 0.25,
              events: Optional["EventStream"] = None) -> dict:
-        """The finished prompt's history entry, followed on ``events`` (opened before queueing)
-        or, without it or when it fails, by polling."""
+        """The finished prompt's history entry, on ``events``, else (or on failing) polled."""
         deadline = None if timeout is None else time.monotonic() + timeout
         if events is not None:
             try:
@@ -398,8 +397,7 @@ def upload_inputs(client: ComfyServer, prompt: dict, object_info: dict, input_di
 
 
 class ProgressPrinter:
-    """``on_event`` for :meth:`ComfyServer.run`: on stderr a line per node as it starts (or is
-    cached), and a bar per node that reports progress."""
+    """``on_event`` of ComfyServer.run: on stderr a line per started or cached node, progress bars."""
 
     def __init__(self, prompt: dict, stream=None):
         self.prompt = prompt

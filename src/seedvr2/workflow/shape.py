@@ -61,8 +61,7 @@ def is_index(value) -> bool:
 
 
 def nesting_problem(value) -> Optional[str]:
-    """What makes ``value`` unreadable (nesting past MAX_DEPTH, a number too long to write), or
-    None; walked level by level."""
+    """What makes ``value`` unreadable (too deep, a number too long to write), or None."""
     level, items = 0, [value]
     while items:
         if level > MAX_DEPTH:
@@ -158,8 +157,7 @@ LINK_FIELDS = ("id", "origin_id", "origin_slot", "target_id", "target_slot", "ty
 
 
 def _check_link(link, nodes: dict) -> None:
-    """A malformed link is its target's error when it names one of ``nodes`` (id as text ->
-    (index, node))."""
+    """A malformed link is its target's error when in ``nodes`` (id text -> (index, node))."""
     fields = (dict(zip(LINK_FIELDS, link)) if isinstance(link, list)
               else link if isinstance(link, dict) else {})
     ok = (not isinstance(link, list) or len(link) >= 5) and is_link_id(fields.get("id")) and \
@@ -176,8 +174,7 @@ def _check_link(link, nodes: dict) -> None:
 
 
 def check_editor_graph(graph, where: str = "the workflow") -> None:
-    """An editor graph (the workflow, or a subgraph): nodes and links as the editor saves them,
-    with unique ids."""
+    """An editor graph (the workflow or a subgraph): nodes and links as saved, ids unique."""
     if not isinstance(graph, dict) or not isinstance(graph.get("nodes"), list):
         raise WorkflowError(f"{where}: expected an object with a list of nodes, not "
                             f"{shown(graph)}")
