@@ -397,7 +397,7 @@ def upload_inputs(client: ComfyServer, prompt: dict, object_info: dict, input_di
 
 
 class ProgressPrinter:
-    """``on_event`` of ComfyServer.run: on stderr a line per started or cached node, progress bars."""
+    """``on_event`` of ComfyServer.run: on stderr a line per node run or cached, progress bars."""
 
     def __init__(self, prompt: dict, stream=None):
         self.prompt = prompt
