@@ -62,8 +62,6 @@ class HeadlessHost:
         self._temp = None  # the temporary folder of in-graph results (VIDEO files)
         self.label = ""
 
-    # -- files -----------------------------------------------------------------------------
-
     def model_names(self) -> list[str]:
         if not self.model_dir.is_dir():
             return []
@@ -99,8 +97,6 @@ class HeadlessHost:
         path = folder / f"{name}_{max(used, default=0) + 1:05}_{suffix}"
         self.saved.append(path)
         return path, {"filename": path.name, "subfolder": subfolder, "type": "output"}
-
-    # -- progress, interruption, memory ------------------------------------------------------
 
     def progress(self, value: int, total: int) -> None:
         if self.quiet:
@@ -146,8 +142,6 @@ class HeadlessHost:
     def warn(self, message: str) -> None:
         self.warnings.append(message)
         log.warning(message)
-
-    # -- VIDEO values (core_nodes.Video) -----------------------------------------------------
 
     def video_file(self, video) -> Optional[Path]:
         return video.path

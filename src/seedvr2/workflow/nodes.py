@@ -32,9 +32,6 @@ MODEL_SUFFIXES = (".safetensors", ".gguf", ".pth", ".pt")
 ATTENTION_BACKENDS = OPTIONS["attention_backend"].choices
 
 
-# What a node looks like ----------------------------------------------------------------------
-
-
 Choices = Union[tuple, Callable[["Host"], list]]
 
 
@@ -120,9 +117,6 @@ class Host(Protocol):
     def file_video(self, path: Path): ...  # a VIDEO playing this file
     def frames_video(self, images, audio, fps): ...  # a VIDEO of these frames, audio and rate
     def temp_file(self, prefix: str, suffix: str) -> Path: ...  # where an in-graph result goes
-
-
-# Inputs generated from the option table ------------------------------------------------------
 
 
 AUTO_INT = 0  # the INT widget value of options that also accept "auto" (batch_size)
@@ -303,9 +297,6 @@ def pipeline_options() -> list[Option]:
     return [opt for name, opt in OPTIONS.items() if name not in _CLAIMED]
 
 
-# Model files ---------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class ModelHandle:
     """What a loader node outputs: which file, and the loader's settings (the upscaler loads)."""
@@ -442,9 +433,6 @@ def _check_loader_settings(kind: str, settings: dict) -> None:
 
 def _torch_compile_settings(host: Host, **args) -> NodeResult:
     return NodeResult((dict(args),))
-
-
-# Upscaling -----------------------------------------------------------------------------------
 
 
 @dataclass
@@ -694,9 +682,6 @@ def _check_frames_fit(size: Optional[tuple], opts: Options) -> None:
             f"File): a file is streamed, any length fits; or upscale fewer frames")
 
 
-# The nodes -----------------------------------------------------------------------------------
-
-
 def _loader_inputs(kind: str) -> tuple:
     return (_model_input(kind), *settings_inputs(kind))
 
@@ -794,9 +779,6 @@ def build_nodes() -> tuple:
                         "frame rate"),),
                 _upscale_video),
     )
-
-
-# The same nodes described as ComfyUI's /object_info describes them ---------------------------
 
 
 def widget_default(inp: Input, options: list):

@@ -59,9 +59,6 @@ NUMZ_NODES = {
 }
 
 
-# Our side, read from an /object_info entry ---------------------------------------------------
-
-
 @dataclass(frozen=True)
 class _Widget:
     name: str
@@ -116,9 +113,6 @@ def is_ours(node_type: str, info: Optional[dict]) -> bool:
         return False
     wanted = {table.renamed.get(n, n) for n in table.widgets if n not in table.dropped}
     return wanted <= names and set(table.ours_only) <= names
-
-
-# Values --------------------------------------------------------------------------------------
 
 
 # Choices that depend on the machine (files, devices): a value missing there is the user's to fix,
@@ -252,9 +246,6 @@ def _out_of_range(value, widget: _Widget) -> bool:
         return False
     low, high = widget.extra.get("min"), widget.extra.get("max")
     return low is not None and value < low or high is not None and value > high
-
-
-# Editor workflows ----------------------------------------------------------------------------
 
 
 def link_field(link, key: str):
@@ -391,9 +382,6 @@ def _knows_old_nodes(object_info: dict) -> bool:
     return all(is_ours(kind, object_info.get(kind)) for kind in OLD_TARGETS.values())
 
 
-# API prompts ---------------------------------------------------------------------------------
-
-
 def translate_prompt(prompt: dict, object_info: dict) -> tuple[dict, list[str]]:
     """A copy of an API-format prompt whose nodes with numz's input names take ours, our inputs
     numz lacks their defaults; any other node is left as it is, for the validation to name what
@@ -456,7 +444,6 @@ def _numz_prompt_node(table: NumzNode, inputs: dict, widgets: dict[str, _Widget]
                    for n, v in inputs.items()))
 
 
-# ---------------------------------------------------------------------------------------------
 # numz v2.0-2.4 (August to early October 2025): one SeedVR2 node held the model and the upscale
 # settings; SeedVR2BlockSwap and SeedVR2ExtraArgs fed it their settings through links. Each
 # becomes our DiT loader, VAE loader and upscaler, every value on the input of the same meaning.

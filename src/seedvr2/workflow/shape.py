@@ -78,9 +78,6 @@ def nesting_problem(value) -> Optional[str]:
     return None
 
 
-# Editor (UI) workflows -----------------------------------------------------------------------
-
-
 def _node_error(node: dict, index: int, message: str) -> WorkflowError:
     node_id = node.get("id")
     kind = node.get("type")
@@ -221,9 +218,6 @@ def check_editor_workflow(workflow) -> None:
     problem = nesting_problem(definitions)  # (what is not a subgraph's node)
     if problem:
         raise WorkflowError(f"the workflow's definitions {problem}")
-
-
-# API prompts ---------------------------------------------------------------------------------
 
 
 def check_prompt(prompt) -> None:
