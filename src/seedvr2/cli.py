@@ -254,8 +254,7 @@ class _PlainProgress:
 
 
 def _summary(path: Path, stats, seconds: float) -> str:
-    """Frames, speed, batch size, per phase time and memory peaks (device allocated/reserved, n/a
-    on the CPU; host RSS), overall peaks and the budget's estimate."""
+    """Frames, speed, batch size, per phase time and memory peaks, overall peaks, the estimate."""
     import resource
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
@@ -353,8 +352,7 @@ def _remove_empty_folders(folder: Path, top: Path) -> None:
 
 
 def _what_was_kept(target) -> str:
-    """How a job stopped from outside ends: never a half-written output; a file job's verified
-    pieces, if it closed any, wait for the same command."""
+    """A stopped job's message end: no half-written output; a file job's verified pieces kept."""
     from .io.temporaries import RESUME_JOURNAL, resume_folder
 
     if target is not None and (resume_folder(target) / RESUME_JOURNAL).is_file():

@@ -1,14 +1,12 @@
-"""Our model cache inside ComfyUI's memory management, through ComfyUI's own classes.
-
-Each model kept with ``cache_model`` (:data:`seedvr2.memory.cache.MODEL_CACHE`) is handed to
-ComfyUI as a subclass of the installed ComfyUI's ``ModelPatcher`` (wrapping a weightless stand-in)
-in ComfyUI's own ``LoadedModel`` entry, so ComfyUI evicts it like its own models. ComfyUI relied
-on (0.3.75 and the current release): ``comfy.model_patcher.ModelPatcher(model, load_device,
-offload_device, size)``, ``comfy.model_management.LoadedModel(patcher)`` and its
-``model_load()``, ``free_memory(memory_required, device, keep_loaded)``, ``get_torch_device()``,
-``soft_empty_cache()`` and ``current_loaded_models``. What the subclass changes and why:
-docs/comfyui.md ("Loading, the model cache and ComfyUI's memory"). The tests follow the cache and
-ComfyUI's list through a file (:mod:`seedvr2.faults`)."""
+"""Our model cache inside ComfyUI's memory management: each model kept with ``cache_model``
+(:data:`seedvr2.memory.cache.MODEL_CACHE`) is handed to ComfyUI as a subclass of its
+``ModelPatcher`` (wrapping a weightless stand-in) in its own ``LoadedModel`` entry, so ComfyUI
+evicts it like its own models. Relied on (0.3.75 and the current release): ``comfy.model_patcher.
+ModelPatcher(model, load_device, offload_device, size)``, ``comfy.model_management.LoadedModel(
+patcher)`` and its ``model_load()``, ``free_memory(memory_required, device, keep_loaded)``,
+``get_torch_device()``, ``soft_empty_cache()``, ``current_loaded_models``. What the subclass
+changes and why: docs/comfyui.md ("Loading, the model cache and ComfyUI's memory"). The tests
+follow the cache and ComfyUI's list through a file (:mod:`seedvr2.faults`)."""
 
 from __future__ import annotations
 

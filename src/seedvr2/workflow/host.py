@@ -42,9 +42,8 @@ def confined_input_path(name: str, folders: dict) -> Path:
 
 class HeadlessHost:
     """Runs nodes outside ComfyUI: models from ``model_dir`` (default: ``$SEEDVR2_MODEL_DIR``,
-    ComfyUI's models/SEEDVR2 when importable, else the user cache folder), input file names
-    looked up in ``input_dir``, files saved in ``output_dir``. A run on a ComfyUI server
-    (:func:`.run.run_workflow`) uploads from and downloads into the same two folders."""
+    ComfyUI's models/SEEDVR2 when importable, else the user cache), inputs from ``input_dir``,
+    outputs to ``output_dir``; a run on a ComfyUI server uploads from and downloads into these."""
 
     def __init__(self, model_dir=None, input_dir=".", output_dir="output", quiet: bool = False):
         if model_dir is None:

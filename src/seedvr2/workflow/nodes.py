@@ -46,13 +46,9 @@ class Input:
     max: Optional[float] = None
     step: Optional[float] = None
     optional: bool = False
-    # The mode ("fixed", "increment", "decrement", "randomize") of the "control after generate"
-    # widget the editor adds after this INT.
-    control_after_generate: Optional[str] = None
+    control_after_generate: Optional[str] = None  # the editor's control widget's first mode
     upload: Optional[str] = None  # "image_upload" / "video_upload": the editor adds an upload widget
-    # Choices that are a convenience (the input folder's files): other values (a path typed by
-    # hand) are accepted, and checked when the node runs.
-    accepts_unlisted: bool = False
+    accepts_unlisted: bool = False  # choices are a convenience: others are checked when it runs
     # More keys of the input's spec (/object_info), read by the pack's editor extension.
     extras: Optional[Callable[["Host"], dict]] = None
 
@@ -284,9 +280,8 @@ def settings_inputs(group: str) -> tuple:
                  for index, s in enumerate(settings))
 
 
-# Library options set through the loaders or the upscaler's own settings, not as pipeline inputs;
-# and fps, a rate for image files written as video: the command line's only (the nodes get
-# frames with their own fps, or a video file that has one).
+# Options set through the loaders or the upscaler's settings, not as pipeline inputs; and fps,
+# for images written as video: the command line's only (nodes get frames or files with a rate).
 _CLAIMED = ({s.option for group in LOADER_SETTINGS.values() for s in group}
             | {s.option for s in UPSCALER_SETTINGS}
             | {"device", "compile", "fps", *COMPILE_FIELDS.values()})
@@ -356,8 +351,7 @@ def model_downloads(host: Host, kind: str) -> dict[str, Optional[int]]:
 
 
 def model_choices(host: Host, kind: str) -> list[str]:
-    """The user's files first (a new node's default then runs without a download), then the
-    released files to download (marked by the editor: :data:`DOWNLOADS_KEY`)."""
+    """The user's files first (a new node's default then needs no download), then downloads."""
     return _local_models(host, kind) + list(model_downloads(host, kind))
 
 
@@ -382,8 +376,7 @@ def _resolve_model(host: Host, kind: str, name: str) -> str:
 
 
 def _resolve_text_embeddings(host: Host, name) -> str:
-    """The DiT loader's ``text_embeddings``: ``auto``, or a file name inside the model folder
-    (the rules of model names: no absolute path, ``~`` or ``..``), as its path."""
+    """``auto``, or a file in the model folder (model names' rules: no absolute path, ~ or ..)."""
     from ..loading import CheckpointError
     from ..loading.registry import model_path_in
 
@@ -617,8 +610,7 @@ def _upscale_video_file(host: Host, dit: ModelHandle, vae: ModelHandle, video_pa
                                   width, height)
     out = _run_facade(host, dit, vae, opts, partial(upscale_file, src, dst, codec=codec),
                       live_preview=False)  # the finished video plays on the node
-    # The editor draws a node's "images" (with "animated" set, as a video player), as it does
-    # for ComfyUI's Save Video.
+    # The editor plays a node's "images" with "animated" set, as for ComfyUI's Save Video.
     ui = {"images": [saved]}
     if suffix == ".mp4":
         ui["animated"] = [True]
@@ -627,10 +619,9 @@ def _upscale_video_file(host: Host, dit: ModelHandle, vae: ModelHandle, video_pa
 
 def _upscale_video(host: Host, video, dit: ModelHandle, vae: ModelHandle, codec: str,
                    **inputs) -> NodeResult:
-    """VIDEO in, VIDEO out. A video that is a file (or that the host streams into one) is
-    streamed (any length fits) into a new file in the host's temporary folder, its audio and
-    exact frame rate copied; a video of frames (Create Video, or edits only frames can show) is
-    upscaled in memory, with its audio and rate, once it is known to fit (_check_frames_fit)."""
+    """A video file (or one the host streams into) is streamed, any length, to a temporary file,
+    its audio and exact rate copied; a video of frames (Create Video, or edits only frames can
+    show) is upscaled in memory, with its audio and rate, once it is known to fit."""
     from ..api import upscale, upscale_file
 
     opts = _resolved(host, dit, vae, inputs)
@@ -693,8 +684,7 @@ FIRST_RELEASE_OPTIONS = frozenset((
     "latent_noise_scale", "text_embeddings", "device", "dtype"))
 
 
-# Options that only mean something when the node writes a file (resume keeps a file job's
-# finished segments); the in-memory upscaler does not show them.
+# Options that mean something only when the node writes a file (resume): not on the others.
 FILE_JOB_OPTIONS = frozenset(("resume",))
 
 

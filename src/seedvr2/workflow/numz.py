@@ -1,10 +1,9 @@
-"""Workflows saved with the numz pack (ComfyUI-SeedVR2_VideoUpscaler), rewritten to our layout.
-
-Four of our node IDs are numz's own, with another input layout (:data:`NUMZ_NODES`); numz
+"""Workflows saved with the numz pack (ComfyUI-SeedVR2_VideoUpscaler), rewritten to our layout:
+four of our node IDs are numz's own, with another input layout (:data:`NUMZ_NODES`); numz
 v2.0-2.4's ``SeedVR2`` node becomes our loaders and upscaler (:data:`OLD_INPUTS`). Editor
-workflows and API prompts alike, from ``/object_info`` entries (ours or a server's), with a note
-for each value that has no place here. How a layout is recognised, and what users see:
-docs/comfyui.md ("Workflows from the numz pack")."""
+workflows and API prompts, from ``/object_info`` entries (ours or a server's), with a note per
+value that has no place here. How a layout is recognised, what users see: docs/comfyui.md
+("Workflows from the numz pack")."""
 
 from __future__ import annotations
 
@@ -28,12 +27,8 @@ class NumzNode:
 
     widgets: tuple  # its widget inputs in the order the editor saves them (required, optional)
     renamed: dict = field(default_factory=dict)  # numz input -> our input of the same meaning
-    # numz inputs with nothing here that means the same -> their default (off: dropping that
-    # loses nothing, so it is not worth a note)
-    dropped: dict = field(default_factory=dict)
-    # Inputs ours has had since its first release and numz's never had: a prompt without any of
-    # them is numz's.
-    ours_only: tuple = ()
+    dropped: dict = field(default_factory=dict)  # numz-only input -> off value (no note)
+    ours_only: tuple = ()  # ours since release 1, never numz's: a prompt with none is numz's
 
 
 NUMZ_NODES = {
@@ -492,8 +487,7 @@ OLD_TARGETS = {"dit": "SeedVR2LoadDiTModel", "vae": "SeedVR2LoadVAEModel",
 
 
 def _old_settings(label: str, named: dict, infos: dict, notes: list) -> dict[str, dict]:
-    """numz's values by name (the SeedVR2 node's and its config nodes') -> our three nodes'
-    inputs by name; what has no place here is noted and left out."""
+    """numz's values by name (SeedVR2's and its config nodes') -> our three nodes'; rest noted."""
     spread: dict[str, dict] = {role: {} for role in OLD_TARGETS}
     for name, value in named.items():
         _check_widget_value(label, name, value)

@@ -130,10 +130,9 @@ def apply_sets(prompt: dict, sets: Iterable[str], object_info: dict) -> dict:
 def run_workflow(workflow: Union[str, Path, dict], sets: Iterable[str] = (), *,
                  host: Optional[HeadlessHost] = None, server: Optional[str] = None,
                  timeout: Optional[float] = None) -> RunResult:
-    """Run ``workflow`` (a path or a parsed workflow) with ``--set``-style overrides, in this
-    process on ``host`` (default: a :class:`HeadlessHost` of the default folders), or on the
-    ComfyUI at ``server``: inputs it lacks uploaded from the host's input folder, outputs
-    downloaded into its output folder. Raises :class:`WorkflowError` naming the failing node."""
+    """Run ``workflow`` (a path or a parsed workflow) with ``--set``-style overrides on ``host``
+    (default: a HeadlessHost of the default folders), or on the ComfyUI at ``server`` (inputs it
+    lacks uploaded from the host's folders, outputs downloaded). WorkflowError names the node."""
     if isinstance(workflow, (str, Path)):
         workflow = load_workflow(workflow)
     elif not isinstance(workflow, dict):

@@ -1,11 +1,8 @@
 """The shape of a workflow, checked once where it enters (``run-workflow``, the UI -> API
-conversion, the numz rewriting): after these checks the readers may trust every field they read,
-and every malformed field is one :class:`WorkflowError` naming its node.
-
-Nothing here recurses: values are walked with a list, and a value nested past :data:`MAX_DEPTH`
-levels is refused, naming its node: no workflow the editor saves comes near it, and what reads a
-workflow afterwards (copies, JSON text) may then recurse safely; Python's recursion limit is a
-few hundred levels further."""
+conversion, the numz rewriting): after it readers may trust every field they read, and every
+malformed field is one :class:`WorkflowError` naming its node. Nothing here recurses: values are
+walked with a list, and one nested past :data:`MAX_DEPTH` levels (far past any saved workflow;
+Python's recursion limit is a few hundred further) is refused, so later readers may recurse."""
 
 from __future__ import annotations
 
