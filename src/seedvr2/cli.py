@@ -110,8 +110,7 @@ def _output_suffix(src: Path) -> str:
 
 
 def _default_output(src, resolution: int) -> str:
-    """``NAME_seedvr2_<resolution>p.EXT`` next to the input; for a sequence pattern, a PNG
-    sequence folder named after the sequence's folder (the pattern itself is no name)."""
+    """NAME_seedvr2_<resolution>p.EXT by the input; a sequence: a PNG folder beside its folder."""
     from .io.reader import is_sequence_pattern
 
     src = Path(src)
@@ -222,8 +221,7 @@ def _unit(phase: str, count: int) -> str:
 
 
 class _PlainProgress:
-    """A line per phase when it finished its run of batches (encode, DiT and decode take turns
-    per chunk), one when every frame is out; with the time left at the speed so far."""
+    """A line per phase as its run of batches ends, one when all frames are out, with time left."""
 
     def __init__(self, stream):
         import time

@@ -1,7 +1,6 @@
-"""UI-format (editor) workflow -> API-format prompt, with ``/object_info`` (a server's, or our
-own table) naming the widget values in order. The editor's extra values, frontend-only nodes,
-muted and bypassed nodes: docs/comfyui.md ("Without the editor"). Our nodes saved by the numz
-pack are rewritten to our layout first (:mod:`.numz`)."""
+"""UI-format (editor) workflow -> API-format prompt, ``/object_info`` (a server's, or ours) naming
+the widget values in order; our nodes saved by the numz pack take our layout first (:mod:`.numz`).
+Extra values, frontend-only, muted and bypassed nodes: docs/comfyui.md ("Without the editor")."""
 
 from __future__ import annotations
 

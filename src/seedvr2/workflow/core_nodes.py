@@ -1,8 +1,7 @@
 """Headless equivalents of the ComfyUI core nodes our example workflows use (docs/comfyui.md,
-"Without the editor"): ComfyUI's node types, input names, order, defaults and outputs (a test
-compares them with a real server's ``/object_info``), so an example runs with or without ComfyUI.
-VIDEO values are :class:`Video`; AUDIO is ComfyUI's ``{"waveform", "sample_rate"}``, or
-``{"source": path}`` for a video file's track, which SaveVideo copies unchanged."""
+"Without the editor"), with ComfyUI's types, input names, order, defaults and outputs (a test
+compares a server's ``/object_info``). VIDEO values are :class:`Video`; AUDIO is ComfyUI's
+``{"waveform", "sample_rate"}``, or ``{"source": path}``: a file's track, SaveVideo copies it."""
 
 from __future__ import annotations
 

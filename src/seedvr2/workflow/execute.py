@@ -1,8 +1,7 @@
 """Run an API-format prompt (node id -> ``{"class_type", "inputs"}``; a link is ``[source node
-id, output index]``) in this process: our nodes plus the headless core nodes. Like ComfyUI, the
-whole prompt is checked first (node types, links, every value against its input's type, range and
-choices), then the output nodes and what they need run in dependency order. Every problem is a
-:class:`WorkflowError` naming the node."""
+id, output index]``) in this process with our nodes and the headless core nodes. As in ComfyUI,
+the whole prompt is checked first (node types, links, each value against its input), then the
+output nodes and what they need run in dependency order; each problem: a WorkflowError, named."""
 
 from __future__ import annotations
 

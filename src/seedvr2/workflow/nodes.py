@@ -1,12 +1,10 @@
-"""Our ComfyUI nodes, defined once and independent of ComfyUI.
-
-Each :class:`NodeDef` says what a node takes (:class:`Input`), returns and does (``run(host,
-**inputs)``); the ComfyUI pack (top-level ``nodes.py``) turns them into V3 or classic nodes with a
-ComfyUI :class:`Host`, the headless runner gives them its own. Nodes stay thin: they parse inputs,
-call the facade (:mod:`seedvr2.api`) and report progress. Option inputs come from the option
-table (:mod:`seedvr2.options`); :data:`LOADER_SETTINGS` / :data:`UPSCALER_SETTINGS` name those
-under another name. What users see: docs/comfyui.md. Import cost: only :mod:`seedvr2.options`;
-torch and the models load when a node runs."""
+"""Our ComfyUI nodes, defined once and independent of ComfyUI: each :class:`NodeDef` says what a
+node takes (:class:`Input`), returns and does (``run(host, **inputs)``); the ComfyUI pack
+(top-level ``nodes.py``) turns them into V3 or classic nodes with a ComfyUI :class:`Host`, the
+headless runner gives them its own. Nodes stay thin: they parse inputs, call the facade
+(:mod:`seedvr2.api`) and report progress. Option inputs come from the option table
+(:mod:`seedvr2.options`); :data:`LOADER_SETTINGS` / :data:`UPSCALER_SETTINGS` rename some. What
+users see: docs/comfyui.md. Imports only seedvr2.options; torch loads when a node runs."""
 
 from __future__ import annotations
 
@@ -267,9 +265,8 @@ UPSCALER_SETTINGS: tuple = (
     Setting("offload_device", "tensor_offload_device", choices=_offload_choices),
 )
 
-# The first release's settings inputs (the first N of each group) are required; every setting
-# added later (appended: the editor saves widget values by position) is optional, with its
-# option's default, so workflows saved before it keep validating (see FIRST_RELEASE_OPTIONS).
+# The first release's settings (the first N per group) are required; later ones, appended (the
+# editor saves widget values by position), are optional with their defaults: old workflows validate.
 FIRST_RELEASE_SETTINGS = {"dit": 8, "vae": 10, "upscaler": 2}
 
 
@@ -507,11 +504,10 @@ def _resolved(host: Host, dit: ModelHandle, vae: ModelHandle, inputs: dict) -> O
 
 def _run_facade(host: Host, dit: ModelHandle, vae: ModelHandle, opts: Options, call: Callable,
                 live_preview: bool = True):
-    """Run ``call(dit path, vae path, model_dir=, progress=, should_stop=, opts=)``: one facade
-    call, which loads the models (or takes them from the model cache). ``live_preview``: show the
-    newest finished frame while it runs. Off for a node that shows its result itself: the editor
-    (frontend 1.32 to 1.58, useNodeOutputStore's getNodeImageUrls) draws a node's previews
-    instead of its outputs until the node runs again, so the finished video would never show."""
+    """One facade ``call(dit path, vae path, model_dir=, progress=, should_stop=, opts=)``, which
+    loads the models or takes them from the cache. ``live_preview`` (the newest finished frame) is
+    off for a node showing its result: the editor (frontend 1.32 to 1.58, useNodeOutputStore's
+    getNodeImageUrls) draws previews instead of outputs until the node reruns, hiding the video."""
     import torch
 
     from ..pipeline.runner import Interrupted

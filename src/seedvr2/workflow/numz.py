@@ -378,9 +378,8 @@ def _knows_old_nodes(object_info: dict) -> bool:
 
 
 def translate_prompt(prompt: dict, object_info: dict) -> tuple[dict, list[str]]:
-    """A copy of an API-format prompt whose nodes with numz's input names take ours, our inputs
-    numz lacks their defaults; any other node is left as it is, for the validation to name what
-    is wrong. A value no numz node could have saved (a list) is a WorkflowError naming it."""
+    """A copy of a prompt whose nodes with numz's input names take ours (and our defaults); others
+    are left for the validation to name. A value no numz node saved (a list): WorkflowError."""
     notes: list[str] = []
     if not isinstance(prompt, dict) or not any(
             _class_type(n) in (*NUMZ_NODES, *OLD_LAYOUTS) for n in prompt.values()):

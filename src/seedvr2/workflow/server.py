@@ -1,7 +1,6 @@
-"""Run a prompt on a running ComfyUI server (``seedvr2 run-workflow --server``; docs/comfyui.md):
-upload its input files, POST /prompt, follow it, fetch the outputs. The websocket is opened before
-the prompt is queued so no event is missed; ``/history/<prompt id>`` is polled when it fails, and
-its entry is the result either way."""
+"""Run a prompt on a ComfyUI server (``run-workflow --server``; docs/comfyui.md): upload its inputs,
+POST /prompt, follow it on the websocket (opened before queueing, so no event is missed; if it
+fails, by polling ``/history/<prompt id>``, whose entry is the result either way), fetch outputs."""
 
 from __future__ import annotations
 
