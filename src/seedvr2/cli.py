@@ -20,13 +20,12 @@ DESCRIPTION = ("SeedVR2 one-step video and image super-resolution. Also runs as 
 
 def _say(text: str) -> None:
     """One line of results on stdout. Printing never fails a job that succeeded: a reader that
-    went away (``| head``) silences the rest of the output, as well-behaved Unix tools do, and
-    characters stdout's encoding lacks (``PYTHONIOENCODING=ascii``) print as '?'."""
+    went away (``| head``) silences the rest (later lines and the flush at exit), as Unix tools
+    do, and characters stdout's encoding lacks (``PYTHONIOENCODING=ascii``) print as '?'."""
     encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
     try:
         print(text.encode(encoding, "replace").decode(encoding), flush=True)
     except BrokenPipeError:
-        # Later lines, and the flush at exit, go nowhere instead of raising again.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
@@ -101,8 +100,7 @@ _READ_ONLY_VIDEOS = {".avi", ".ts", ".gif"}
 
 
 def _output_suffix(src: Path) -> str:
-    """The output extension for ``src``: the same one rule for single files and folders.
-    Kinds we write keep theirs; other videos (AVI, GIF, TS, ...) become MP4, BMP PNG."""
+    """One rule for files and folders: kinds we write keep theirs; other videos MP4, BMP PNG."""
     from .io import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 
     ext = src.suffix.lower()
@@ -112,8 +110,7 @@ def _output_suffix(src: Path) -> str:
 
 
 def _default_output(src, resolution: int) -> str:
-    """``NAME_seedvr2_<resolution>p.EXT`` next to the input; for a sequence pattern, a PNG
-    sequence folder named after the sequence's folder (the pattern itself is no name)."""
+    """NAME_seedvr2_<resolution>p.EXT by the input; a sequence: a PNG folder beside its folder."""
     from .io.reader import is_sequence_pattern
 
     src = Path(src)
@@ -124,9 +121,8 @@ def _default_output(src, resolution: int) -> str:
 
 
 def _folder_jobs(src: Path, output: str | None) -> tuple[Path, list[tuple[Path, Path]]]:
-    """The output folder and (input, output) pairs of a folder input; raises InputError when
-    they can't be made (nothing to do, the output folder is a file, two inputs would write
-    the same output)."""
+    """The output folder and (input, output) pairs of a folder input; InputError when there is
+    nothing to do, the output folder is a file, or two inputs would write one output."""
     from .io import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 
     media = VIDEO_EXTENSIONS.keys() | IMAGE_EXTENSIONS.keys() | _READ_ONLY_VIDEOS
@@ -151,9 +147,8 @@ def _folder_jobs(src: Path, output: str | None) -> tuple[Path, list[tuple[Path, 
 
 @contextlib.contextmanager
 def _warnings_as_messages():
-    """Library warnings (alpha dropped, streams not carried over) shown as one line each,
-    like the errors, instead of Python's file:line and source excerpt; each text once, though
-    the files are checked before the models load and then opened again for the work."""
+    """Library warnings as one line each, like the errors (not Python's file:line and source);
+    each text once, though the files are checked before the models load and opened again."""
     import warnings
 
     shown = set()
@@ -188,9 +183,8 @@ def _sigterm_unwinds():
 
 
 class _Bars:
-    """tqdm bars per phase plus overall frames; silent with --quiet. When stderr is not a
-    terminal (a log file, a pipe) the bars' cursor movements would be garbage there, so the
-    progress is written as plain lines instead (:class:`_PlainProgress`)."""
+    """tqdm bars per phase plus overall frames; silent with --quiet. When stderr is no terminal
+    (a log file, a pipe), where cursor movements are garbage, plain lines (_PlainProgress)."""
 
     LABELS = {"encode": "VAE encode", "dit": "DiT", "decode": "VAE decode", "frames": "frames"}
 
@@ -227,9 +221,7 @@ def _unit(phase: str, count: int) -> str:
 
 
 class _PlainProgress:
-    """One line per phase: written when a phase has finished its run of batches (the pipeline
-    runs encode, DiT and decode in turn per chunk), and once when every frame is out. Once a
-    batch is done, a line says the time left at the speed measured since the start."""
+    """A line per phase as its run of batches ends, one when all frames are out, with time left."""
 
     def __init__(self, stream):
         import time
@@ -260,8 +252,7 @@ class _PlainProgress:
 
 
 def _summary(path: Path, stats, seconds: float) -> str:
-    """One line: frames, speed, batch size used, per phase time and memory peaks (device
-    allocated/reserved, n/a on the CPU; host RSS), overall peaks and the budget's estimate."""
+    """Frames, speed, batch size, per phase time and memory peaks, overall peaks, the estimate."""
     import resource
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
@@ -359,8 +350,7 @@ def _remove_empty_folders(folder: Path, top: Path) -> None:
 
 
 def _what_was_kept(target) -> str:
-    """The end of the message for a job stopped from outside: an output is never left half
-    written; a file job's verified pieces, if it closed any, wait for the same command."""
+    """A stopped job's message end: no half-written output; a file job's verified pieces kept."""
     from .io.temporaries import RESUME_JOURNAL, resume_folder
 
     if target is not None and (resume_folder(target) / RESUME_JOURNAL).is_file():
@@ -389,9 +379,8 @@ def _upscale_jobs(args, opts, jobs: list) -> int:
 
 
 def _checked_jobs(args, opts, jobs: list, reached: list) -> tuple[list, list]:
-    """(the jobs that can run, the inputs that cannot). Files first: a wrong path should not
-    cost the seconds models take to load; a bad file in a folder is reported here and the
-    others still run."""
+    """(the jobs that can run, the inputs that cannot), before the models load (a wrong path
+    costs no loading); a bad file in a folder is reported and the others still run."""
     from .api import check_file_job
 
     runnable, failed = [], []
@@ -475,8 +464,7 @@ def _run_workflow(args) -> int:
 
 
 def _number(kind, auto: bool = False):
-    """An argparse type: a number of ``kind`` in plain decimal (options.plain_number), or
-    with ``auto`` also the word auto."""
+    """An argparse type: a plain decimal ``kind`` (options.plain_number), or with ``auto`` auto."""
     from .options import plain_number
 
     def parse(text: str):
@@ -514,8 +502,7 @@ def _option_flag(group, opt):
 
 
 def _add_upscale_flags(parser: argparse.ArgumentParser):
-    """The upscale command's flags, grouped by the option table's areas; the flags that are
-    not options (files, models, codec) join the group they belong to."""
+    """By the option table's areas; the flags that are no option join theirs (files, models)."""
     from .loading.registry import DEFAULT_DIT, DEFAULT_VAE
     from .options import AREAS, OPTIONS
 

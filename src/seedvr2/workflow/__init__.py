@@ -1,5 +1,3 @@
 """Our ComfyUI nodes defined once (:mod:`.nodes`), and running workflows without the editor
-(:mod:`.run`, behind ``seedvr2 run-workflow``); the package's map: docs/development.md.
-
-Importing this package is cheap: nothing here imports torch, PyAV or the models at import time.
-"""
+(:mod:`.run`, behind ``seedvr2 run-workflow``); the package's map: docs/development.md. Importing
+it is cheap: nothing here imports torch, PyAV or the models at import time."""

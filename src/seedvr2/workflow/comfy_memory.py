@@ -1,15 +1,12 @@
-"""Our model cache inside ComfyUI's memory management, through ComfyUI's own classes.
-
-Each model kept with ``cache_model`` (:data:`seedvr2.memory.cache.MODEL_CACHE`) is handed to
-ComfyUI as a subclass of the installed ComfyUI's ``ModelPatcher`` (wrapping a weightless
-stand-in) in ComfyUI's own ``LoadedModel`` entry, so ComfyUI evicts it like its own models.
-ComfyUI relied on (0.3.75 and the current release): ``comfy.model_patcher.ModelPatcher(model,
-load_device, offload_device, size)``, ``comfy.model_management.LoadedModel(patcher)`` and its
-``model_load()``, ``free_memory(memory_required, device, keep_loaded)``,
-``get_torch_device()``, ``soft_empty_cache()`` and ``current_loaded_models``. What the subclass
+"""Our model cache inside ComfyUI's memory management: each model kept with ``cache_model``
+(:data:`seedvr2.memory.cache.MODEL_CACHE`) is handed to ComfyUI as a subclass of its
+``ModelPatcher`` (wrapping a weightless stand-in) in its own ``LoadedModel`` entry, so ComfyUI
+evicts it like its own models. Relied on (0.3.75 and the current release): ``comfy.model_patcher.
+ModelPatcher(model, load_device, offload_device, size)``, ``comfy.model_management.LoadedModel(
+patcher)`` and its ``model_load()``, ``free_memory(memory_required, device, keep_loaded)``,
+``get_torch_device()``, ``soft_empty_cache()``, ``current_loaded_models``. What the subclass
 changes and why: docs/comfyui.md ("Loading, the model cache and ComfyUI's memory"). The tests
-follow the cache and ComfyUI's list through a file (:mod:`seedvr2.faults`).
-"""
+follow the cache and ComfyUI's list through a file (:mod:`seedvr2.faults`)."""
 
 from __future__ import annotations
 
@@ -27,17 +24,15 @@ OVERRIDDEN = ("partially_load", "partially_unload", "model_size", "loaded_size",
 
 @functools.cache
 def patcher_class() -> type:
-    """``SeedVR2CachedModelPatcher``, built on the installed ComfyUI's ModelPatcher (imported
-    here: this module is imported outside ComfyUI too)."""
+    """``SeedVR2CachedModelPatcher`` on ComfyUI's ModelPatcher (imported here: not at import)."""
     import torch
     from comfy.model_patcher import ModelPatcher
 
     from ..memory.budget import bytes_on
 
     class SeedVR2CachedModel(torch.nn.Module):
-        """What the patcher wraps: a weightless stand-in for one cached model of ours, so
-        the weights can die with our cache entry while the module ComfyUI's finalizer watches
-        outlives its unloading loop (docs/comfyui.md)."""
+        """A weightless stand-in for one cached model, so the weights can die with our cache
+        entry while the module ComfyUI's finalizer watches outlives its unloading loop."""
 
         def __init__(self):
             super().__init__()
@@ -69,8 +64,7 @@ def patcher_class() -> type:
             return 0
 
         def detach(self, unpatch_all=True, **kwargs):
-            # Also reached from ModelPatcher.__del__ once our cache dropped us: then there
-            # is nothing left to release.
+            # Also reached from ModelPatcher.__del__ once our cache dropped us: nothing to release.
             if self.cache.attached(self.key) is not self:
                 return self.model
             # The stand-in lives on (a cycle, weightless, collected later) past ComfyUI's
@@ -100,9 +94,7 @@ def our_entries(mm, cache) -> list:
 
 
 def sync(mm, cache) -> list:
-    """Hand ComfyUI each model of ``cache`` it does not hold yet; returns our entries.
-
-    Models the cache evicted itself need nothing here: their patchers went with them."""
+    """Hand ComfyUI each cached model it lacks (evicted ones took their patchers); our entries."""
     fresh = []
     for key in cache.keys():
         if cache.attached(key) is not None or _module_of(cache.peek(key)) is None:
@@ -124,9 +116,8 @@ def sync(mm, cache) -> list:
 
 
 def _register(mm, patchers) -> None:
-    """Enter ``patchers`` in ComfyUI's list as ``load_models_gpu`` enters a model it loaded,
-    without its ``free_memory`` call: ours are already where they run, and that call would
-    claim pinned host memory ours never take (docs/comfyui.md)."""
+    """Enter ``patchers`` in ComfyUI's list as ``load_models_gpu`` does, minus its ``free_memory``
+    call: ours are where they run, and it would claim pinned host memory ours never take."""
     for patcher in patchers:
         entry = mm.LoadedModel(patcher)
         entry.model_load()
@@ -134,17 +125,15 @@ def _register(mm, patchers) -> None:
 
 
 def room_needed(model_files, cache, device: str) -> int:
-    """Bytes our next run adds on ``device`` before any activation: the model files it will
-    load there (those our cache already holds on that device cost nothing more)."""
+    """Bytes the next run adds on ``device`` before activations: model files not cached there."""
     cached = {(k.path, k.device) for k in cache.keys()}
     return sum(Path(path).stat().st_size for path in model_files
                if (str(Path(path).resolve()), str(device)) not in cached and Path(path).is_file())
 
 
 def unload_comfy_models(mm, cache, required_bytes: int, device=None) -> None:
-    """Ask ComfyUI for ``required_bytes`` free on ``device`` (default: its torch device),
-    keeping our cached models. ComfyUI unloads its models, least recently used first, only
-    until that much is free (plus its own reserve), not every model it holds."""
+    """Ask ComfyUI for ``required_bytes`` free on ``device`` (default: its own), keeping ours: it
+    unloads its models, least recently used first, until that much (plus its reserve) is free."""
     import torch
 
     ours = sync(mm, cache)

@@ -1,8 +1,6 @@
-"""UI-format (editor) workflow -> API-format prompt, with ``/object_info`` (a server's, or our
-own table) naming the widget values in order. The editor's extra values, frontend-only nodes,
-muted and bypassed nodes: docs/comfyui.md ("Without the editor"). Our nodes saved by the numz
-pack are rewritten to our layout first (:mod:`.numz`).
-"""
+"""UI-format (editor) workflow -> API-format prompt, ``/object_info`` (a server's, or ours) naming
+the widget values in order; our nodes saved by the numz pack take our layout first (:mod:`.numz`).
+Extra values, frontend-only, muted and bypassed nodes: docs/comfyui.md ("Without the editor")."""
 
 from __future__ import annotations
 
@@ -45,8 +43,7 @@ def _map_widget_values(node: dict, info: dict) -> dict:
 
 
 def _links(workflow: dict) -> dict:
-    """link id -> (origin node id, origin slot, target node id, target slot, type); the shape
-    of each link is checked (:func:`.shape.check_editor_graph`)."""
+    """link id -> (origin node, origin slot, target node, target slot, type), shapes checked."""
     return {link_field(link, "id"): tuple(link_field(link, key) for key in LINK_FIELDS[1:])
             for link in workflow.get("links") or []}
 
@@ -58,8 +55,7 @@ def _slot_type(node: dict, slot: int):
 
 def ui_to_api(workflow: dict, object_info: dict,
               warn: Optional[Callable[[str], None]] = None) -> dict:
-    """Convert an editor workflow; ``object_info`` is ``/object_info`` (or our built-in table).
-    ``warn`` gets a note for each value of a numz-layout node that has no place in ours."""
+    """An editor workflow as a prompt; ``warn`` gets a note per numz-layout value with no place."""
     workflow, notes = translate_workflow(workflow, object_info)  # (checks its shape first)
     for note in notes if warn is not None else ():
         warn(note)
@@ -96,8 +92,7 @@ def ui_to_api(workflow: dict, object_info: dict,
 
 def _source_of(node_id: str, link_id, nodes: dict, links: dict):
     """What a link into ``node_id`` carries: [node id, slot], ("literal", value) from a
-    PrimitiveNode, or None (muted). Reroutes and bypassed nodes are followed in a loop: a chain
-    of any length is no recursion."""
+    PrimitiveNode, or None (muted). Reroutes and bypassed nodes are followed in a loop."""
     seen = set()
     while True:
         if link_id not in links:

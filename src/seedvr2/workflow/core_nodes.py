@@ -1,11 +1,7 @@
-"""Headless equivalents of the ComfyUI core nodes our example workflows use (the list and
-their audio handling: docs/comfyui.md, "Without the editor").
-
-Same node types, input names, order, defaults and outputs as ComfyUI's (a test compares them
-with a real server's ``/object_info``), so an example runs unchanged with or without ComfyUI.
-VIDEO values are :class:`Video`; AUDIO is ComfyUI's ``{"waveform", "sample_rate"}``, or
-``{"source": path}`` for a video file's track, which SaveVideo copies unchanged.
-"""
+"""Headless equivalents of the ComfyUI core nodes our example workflows use (docs/comfyui.md,
+"Without the editor"), with ComfyUI's types, input names, order, defaults and outputs (a test
+compares a server's ``/object_info``). VIDEO values are :class:`Video`; AUDIO is ComfyUI's
+``{"waveform", "sample_rate"}``, or ``{"source": path}``: a file's track, SaveVideo copies it."""
 
 from __future__ import annotations
 
@@ -125,8 +121,7 @@ def _save_video(host, video: Video, filename_prefix: str = "video/ComfyUI", form
 
 
 def _audio_file(audio: Optional[dict], scratch: Path) -> Optional[Path]:
-    """The file whose audio SaveVideo copies: the source file, or in-memory audio encoded to
-    AAC in ``scratch``."""
+    """The file whose audio SaveVideo copies: the source, or in-memory audio as AAC in scratch."""
     if audio is None:
         return None
     if not isinstance(audio, dict):

@@ -1,9 +1,7 @@
 """Run an API-format prompt (node id -> ``{"class_type", "inputs"}``; a link is ``[source node
-id, output index]``) in this process: our nodes plus the headless core nodes. Like ComfyUI, the
-whole prompt is checked first (node types, links, every value against its input's type, range and
-choices), then the output nodes and what they need run in dependency order. Every problem is a
-:class:`WorkflowError` naming the node.
-"""
+id, output index]``) in this process with our nodes and the headless core nodes. As in ComfyUI,
+the whole prompt is checked first (node types, links, each value against its input), then the
+output nodes and what they need run in dependency order; each problem: a WorkflowError, named."""
 
 from __future__ import annotations
 
@@ -28,8 +26,8 @@ def is_link(value) -> bool:
 
 
 def coerce(inp: Input, value, host):
-    """A widget value checked against its input; returns it in the input's Python type. Text
-    is read as ComfyUI reads it ("5" for an INT); numbers must be finite, text free of NUL."""
+    """A widget value checked against its input, in the input's Python type. Text is read as
+    ComfyUI reads it ("5" for an INT); numbers must be finite, text free of NUL."""
     kind = inp.type
     try:
         if kind == "INT":
@@ -92,8 +90,8 @@ def validate(prompt: dict, nodes: dict[str, NodeDef], host) -> list[str]:
 
 def _visit(start: str, prompt: dict, nodes: dict[str, NodeDef], host, done: set,
            order: list) -> None:
-    """Check ``start`` and every node it needs, depth first with a stack of its own (a chain of
-    thousands of nodes is no recursion), appending each to ``order`` after what it needs."""
+    """Check ``start`` and what it needs, depth first on a stack of its own (a chain of
+    thousands of nodes is no recursion), each appended to ``order`` after its sources."""
     if start in done:
         return
     path, on_path = [start], {start}  # the nodes being visited, each waiting for its sources
@@ -131,8 +129,7 @@ def _sources(node_id: str, prompt: dict, nodes: dict[str, NodeDef], host) -> lis
 
 
 def _by_text_id(prompt: dict) -> dict:
-    """The prompt keyed by text ids (a Python caller may use numbers); two keys that read the
-    same ("1" and 1) are refused."""
+    """Keyed by text ids (a Python caller may use numbers); "1" and 1 together are refused."""
     by_text = {}
     for node_id, node in prompt.items():
         if str(node_id) in by_text:
@@ -144,7 +141,7 @@ def _by_text_id(prompt: dict) -> dict:
 
 def _check_input(inp: Input, value, prompt: dict, nodes: dict[str, NodeDef],
                  host) -> Optional[str]:
-    """Check one input's value (an InputError says what is wrong); returns the node it links to."""
+    """One input's value checked (InputError); returns the node it links to."""
     if value is None:
         if not inp.optional:
             raise InputError(f"missing required input {inp.name!r}")

@@ -20,10 +20,9 @@ log = logging.getLogger("seedvr2")
 
 def confined_input_path(name: str, folders: dict) -> Path:
     """The file a prompt's input name (LoadImage, LoadVideo, Upscale Video File) means, never
-    outside the host's folders: a prompt may come from anyone who reaches a ComfyUI started with
-    ``--listen``. ``name`` is a path inside ``folders["input"]``, or ComfyUI's annotated form
-    ``"name [output]"`` (``[temp]``, ``[input]``) for the other folders given; anything else
-    raises InputError. Checked as written (normalized): links placed in the folder still work."""
+    outside the host's folders: anyone who reaches a ComfyUI started with ``--listen`` may send
+    one. A path in ``folders["input"]``, or ComfyUI's ``"name [output]"`` (``[temp]``, ``[input]``)
+    for the others; else InputError. Checked as written (normalized): links in a folder work."""
     text, folder = name.strip(), "input"
     for tag in ("input", "output", "temp"):
         if text.endswith(f"[{tag}]") and tag in folders:
@@ -43,9 +42,8 @@ def confined_input_path(name: str, folders: dict) -> Path:
 
 class HeadlessHost:
     """Runs nodes outside ComfyUI: models from ``model_dir`` (default: ``$SEEDVR2_MODEL_DIR``,
-    ComfyUI's models/SEEDVR2 when importable, else the user cache folder), input file names
-    looked up in ``input_dir``, files saved in ``output_dir``. A run on a ComfyUI server
-    (:func:`.run.run_workflow`) uploads from and downloads into the same two folders."""
+    ComfyUI's models/SEEDVR2 when importable, else the user cache), inputs from ``input_dir``,
+    outputs to ``output_dir``; a run on a ComfyUI server uploads from and downloads into these."""
 
     def __init__(self, model_dir=None, input_dir=".", output_dir="output", quiet: bool = False):
         if model_dir is None:
@@ -62,8 +60,6 @@ class HeadlessHost:
         self._bar = None
         self._temp = None  # the temporary folder of in-graph results (VIDEO files)
         self.label = ""
-
-    # -- files -----------------------------------------------------------------------------
 
     def model_names(self) -> list[str]:
         if not self.model_dir.is_dir():
@@ -87,7 +83,7 @@ class HeadlessHost:
         return confined_input_path(name, {"input": self.input_dir, "output": self.output_dir})
 
     def output_file(self, prefix: str, suffix: str, width: int, height: int) -> tuple[Path, dict]:
-        """Next free ``<prefix>_NNNNN_<suffix>`` in the output folder, as ComfyUI numbers files."""
+        """The next ``<prefix>_NNNNN_<suffix>`` in the output folder, numbered as ComfyUI does."""
         prefix = prefix.replace("%width%", str(width)).replace("%height%", str(height))
         subfolder, name = os.path.split(os.path.normpath(prefix))
         folder = (self.output_dir / subfolder).resolve()
@@ -100,8 +96,6 @@ class HeadlessHost:
         path = folder / f"{name}_{max(used, default=0) + 1:05}_{suffix}"
         self.saved.append(path)
         return path, {"filename": path.name, "subfolder": subfolder, "type": "output"}
-
-    # -- progress, interruption, memory ------------------------------------------------------
 
     def progress(self, value: int, total: int) -> None:
         if self.quiet:
@@ -147,8 +141,6 @@ class HeadlessHost:
     def warn(self, message: str) -> None:
         self.warnings.append(message)
         log.warning(message)
-
-    # -- VIDEO values (core_nodes.Video) -----------------------------------------------------
 
     def video_file(self, video) -> Optional[Path]:
         return video.path

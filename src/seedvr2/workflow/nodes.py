@@ -1,13 +1,10 @@
-"""Our ComfyUI nodes, defined once and independent of ComfyUI.
-
-Each :class:`NodeDef` says what a node takes (:class:`Input`), returns and does
-(``run(host, **inputs)``); the ComfyUI pack (top-level ``nodes.py``) turns them into V3 or
-classic nodes with a ComfyUI :class:`Host`, the headless runner gives them its own. Nodes stay
-thin: they parse inputs, call the facade (:mod:`seedvr2.api`) and report progress. Every option
-input comes from the option table (:mod:`seedvr2.options`); :data:`LOADER_SETTINGS` /
-:data:`UPSCALER_SETTINGS` name those under another name. What users see: docs/comfyui.md.
-Import cost: only :mod:`seedvr2.options`; torch and the models load when a node runs.
-"""
+"""Our ComfyUI nodes, defined once and independent of ComfyUI: each :class:`NodeDef` says what a
+node takes (:class:`Input`), returns and does (``run(host, **inputs)``); the ComfyUI pack
+(top-level ``nodes.py``) turns them into V3 or classic nodes with a ComfyUI :class:`Host`, the
+headless runner gives them its own. Nodes stay thin: they parse inputs, call the facade
+(:mod:`seedvr2.api`) and report progress. Option inputs come from the option table
+(:mod:`seedvr2.options`); :data:`LOADER_SETTINGS` / :data:`UPSCALER_SETTINGS` rename some. What
+users see: docs/comfyui.md. Imports only seedvr2.options; torch loads when a node runs."""
 
 from __future__ import annotations
 
@@ -33,10 +30,6 @@ MODEL_SUFFIXES = (".safetensors", ".gguf", ".pth", ".pt")
 ATTENTION_BACKENDS = OPTIONS["attention_backend"].choices
 
 
-# ---------------------------------------------------------------------------------------------
-# What a node looks like
-
-
 Choices = Union[tuple, Callable[["Host"], list]]
 
 
@@ -51,13 +44,9 @@ class Input:
     max: Optional[float] = None
     step: Optional[float] = None
     optional: bool = False
-    # The editor adds a "control after generate" widget after this INT, starting at this mode
-    # ("fixed", "increment", "decrement" or "randomize").
-    control_after_generate: Optional[str] = None
+    control_after_generate: Optional[str] = None  # the editor's control widget's first mode
     upload: Optional[str] = None  # "image_upload" / "video_upload": the editor adds an upload widget
-    # A COMBO whose choices are a convenience (the input folder's files): other values, such as
-    # a path typed by hand, are accepted here and checked when the node runs.
-    accepts_unlisted: bool = False
+    accepts_unlisted: bool = False  # choices are a convenience: others are checked when it runs
     # More keys of the input's spec (/object_info), read by the pack's editor extension.
     extras: Optional[Callable[["Host"], dict]] = None
 
@@ -124,10 +113,6 @@ class Host(Protocol):
     def temp_file(self, prefix: str, suffix: str) -> Path: ...  # where an in-graph result goes
 
 
-# ---------------------------------------------------------------------------------------------
-# Inputs generated from the option table
-
-
 AUTO_INT = 0  # the INT widget value of options that also accept "auto" (batch_size)
 
 
@@ -173,17 +158,16 @@ def _offload_choices(host) -> list:
 
 @dataclass(frozen=True)
 class Setting:
-    """A node input that is a library option under another name: all but how the editor shows
-    it (``choices``: a device dropdown of this machine's; ``step``) comes from the option. An
-    input that is not one option (``torch_compile_args``) gives ``input_def`` and ``to_options``.
-    """
+    """A node input that is a library option under another name: all but how the editor shows it
+    (``choices``: a device dropdown of this machine's; ``step``) comes from the option. An input
+    that is not one option (``torch_compile_args``) gives ``input_def`` and ``to_options``."""
 
     input: str
     option: str
     choices: Optional[Callable[["Host"], list]] = None
     step: Optional[float] = None
     to_options: Optional[Callable[[Any], dict]] = None  # value -> {library option: value}
-    input_def: Optional[Input] = None  # for inputs that are not one option
+    input_def: Optional[Input] = None
 
     def node_input(self, optional: bool = False) -> Input:
         if self.input_def is not None:
@@ -281,10 +265,8 @@ UPSCALER_SETTINGS: tuple = (
     Setting("offload_device", "tensor_offload_device", choices=_offload_choices),
 )
 
-# The first release's settings inputs (the first N of each group) are required; every setting
-# added later (appended: the editor saves widget values by position) is an optional input with
-# its option's default, so workflows saved before it keep validating (as FIRST_RELEASE_OPTIONS
-# does for the upscaler's pipeline options).
+# The first release's settings (the first N per group) are required; later ones, appended (the
+# editor saves widget values by position), are optional with their defaults: old workflows validate.
 FIRST_RELEASE_SETTINGS = {"dit": 8, "vae": 10, "upscaler": 2}
 
 
@@ -295,9 +277,8 @@ def settings_inputs(group: str) -> tuple:
                  for index, s in enumerate(settings))
 
 
-# Library options set through the loaders or the upscaler's own settings, not as pipeline inputs;
-# and fps, a rate for image files written as video: the command line's only (the nodes get
-# frames with their own fps, or a video file that has one).
+# Options set through the loaders or the upscaler's settings, not as pipeline inputs; and fps,
+# for images written as video: the command line's only (nodes get frames or files with a rate).
 _CLAIMED = ({s.option for group in LOADER_SETTINGS.values() for s in group}
             | {s.option for s in UPSCALER_SETTINGS}
             | {"device", "compile", "fps", *COMPILE_FIELDS.values()})
@@ -306,10 +287,6 @@ _CLAIMED = ({s.option for group in LOADER_SETTINGS.values() for s in group}
 def pipeline_options() -> list[Option]:
     """The options the upscaler nodes take directly, in table order."""
     return [opt for name, opt in OPTIONS.items() if name not in _CLAIMED]
-
-
-# ---------------------------------------------------------------------------------------------
-# Model files
 
 
 @dataclass(frozen=True)
@@ -371,14 +348,12 @@ def model_downloads(host: Host, kind: str) -> dict[str, Optional[int]]:
 
 
 def model_choices(host: Host, kind: str) -> list[str]:
-    """The model dropdown: the user's files first (a new node's default then runs without a
-    download), then the released files to download (marked by the editor: :data:`DOWNLOADS_KEY`)."""
+    """The user's files first (a new node's default then needs no download), then downloads."""
     return _local_models(host, kind) + list(model_downloads(host, kind))
 
 
-# The key of an INT input's spec that gives the mode its "control after generate" widget starts
-# at, for editors that only know true/false under control_after_generate (they start at
-# "randomize"); the pack's editor extension applies it.
+# The key of an INT input's spec giving the mode its "control after generate" widget starts at,
+# for editors that know only true/false there (and start at "randomize"): web/seedvr2.js.
 CONTROL_MODE_KEY = "seedvr2_control_mode"
 
 # The key of a model input's spec that lists the choices still to download, with their sizes;
@@ -392,15 +367,13 @@ def _resolve_model(host: Host, kind: str, name: str) -> str:
     path = host.model_path(name)
     if path is not None and path.is_file():
         return str(path)
-    # Raises the registry's message: where to download a released file, or what is known.
-    # Names from workflows never reach outside the model folder.
+    # The registry's message: where to download it; names never reach outside the model folder.
     return str(resolve_model_file(name, host.model_folder(), kind, allow_paths=False,
                                   download_missing=True))
 
 
 def _resolve_text_embeddings(host: Host, name) -> str:
-    """The DiT loader's ``text_embeddings``: ``auto``, or a file name inside the model folder
-    (the rules of model names: no absolute path, ``~`` or ``..``), as its path."""
+    """``auto``, or a file in the model folder (model names' rules: no absolute path, ~ or ..)."""
     from ..loading import CheckpointError
     from ..loading.registry import model_path_in
 
@@ -430,8 +403,7 @@ def _load_model_node(kind: str):
 
 
 def _check_loader_settings(kind: str, settings: dict) -> None:
-    """A loader's settings checked on the loader, the node that has them, in its input names
-    (the upscaler, which resolves every option, would name the library's options)."""
+    """Checked on the loader, in its input names (the upscaler would name the library's options)."""
     named = [s for s in LOADER_SETTINGS[kind] if s.to_options is None]
     given = {s.option: _from_widget(s.option, settings[s.input]) for s in named
              if settings.get(s.input) is not None and s.input != "text_embeddings"}
@@ -451,10 +423,6 @@ def _check_loader_settings(kind: str, settings: dict) -> None:
 
 def _torch_compile_settings(host: Host, **args) -> NodeResult:
     return NodeResult((dict(args),))
-
-
-# ---------------------------------------------------------------------------------------------
-# Upscaling
 
 
 @dataclass
@@ -525,8 +493,7 @@ def _stop_check(host: Host) -> Callable[[], bool]:
 
 
 def _resolved(host: Host, dit: ModelHandle, vae: ModelHandle, inputs: dict) -> Options:
-    """The node's options, resolved once (bad values fail here, before anything is loaded);
-    what the library cannot honour yet is reported."""
+    """The node's options, resolved once, before anything loads; what cannot be honoured: warned."""
     upscaler = {s.input: inputs[s.input] for s in UPSCALER_SETTINGS if s.input in inputs}
     pipeline = {name: v for name, v in inputs.items() if name not in upscaler}
     request = facade_request(dit, vae, upscaler, pipeline)
@@ -537,12 +504,10 @@ def _resolved(host: Host, dit: ModelHandle, vae: ModelHandle, inputs: dict) -> O
 
 def _run_facade(host: Host, dit: ModelHandle, vae: ModelHandle, opts: Options, call: Callable,
                 live_preview: bool = True):
-    """Run ``call(dit path, vae path, model_dir=, progress=, should_stop=, opts=)``: one
-    facade call, which loads the models (or takes them from the library's model cache).
-    ``live_preview``: the node shows the newest finished frame while it runs. Off for a node
-    that shows its result itself: the editor (frontend 1.32 to 1.58, useNodeOutputStore's
-    getNodeImageUrls) draws a node's previews instead of its outputs until the node runs
-    again, so the finished video would never show."""
+    """One facade ``call(dit path, vae path, model_dir=, progress=, should_stop=, opts=)``, which
+    loads the models or takes them from the cache. ``live_preview`` (the newest finished frame) is
+    off for a node showing its result: the editor (frontend 1.32 to 1.58, useNodeOutputStore's
+    getNodeImageUrls) draws previews instead of outputs until the node reruns, hiding the video."""
     import torch
 
     from ..pipeline.runner import Interrupted
@@ -603,10 +568,9 @@ MAX_NAME_BYTES = 200  # of a name in a filename_prefix: file systems hold 255, w
 
 
 def output_prefix(prefix: str, default: str) -> str:
-    """The ``filename_prefix`` a node saves under: ``default`` (the node's) for a prefix that
-    is blank or names no file (``"."``, ``"sub/.."``), where ComfyUI's numbering
-    (``folder_paths.get_save_image_path``, and ours) would save a hidden ``._00001_`` file. A
-    name no file system holds is refused before anything runs."""
+    """The ``filename_prefix`` a node saves under: ``default`` (the node's) for one blank or naming
+    no file (``"."``, ``"sub/.."``), where ComfyUI's numbering (``get_save_image_path``, and ours)
+    would save a hidden ``._00001_`` file; a name no file system holds is refused at once."""
     normal = os.path.normpath(prefix.strip() or ".")
     if os.path.basename(normal) == ".":
         return default
@@ -642,8 +606,7 @@ def _upscale_video_file(host: Host, dit: ModelHandle, vae: ModelHandle, video_pa
                                   width, height)
     out = _run_facade(host, dit, vae, opts, partial(upscale_file, src, dst, codec=codec),
                       live_preview=False)  # the finished video plays on the node
-    # The editor draws a node's "images" (with "animated" set, as a video player), as it does
-    # for ComfyUI's Save Video.
+    # The editor plays a node's "images" with "animated" set, as for ComfyUI's Save Video.
     ui = {"images": [saved]}
     if suffix == ".mp4":
         ui["animated"] = [True]
@@ -652,11 +615,9 @@ def _upscale_video_file(host: Host, dit: ModelHandle, vae: ModelHandle, video_pa
 
 def _upscale_video(host: Host, video, dit: ModelHandle, vae: ModelHandle, codec: str,
                    **inputs) -> NodeResult:
-    """VIDEO in, VIDEO out. A video that is a file (or that the host streams into one) is
-    streamed (any length fits in memory) into a new file in the host's temporary folder, its
-    audio and exact frame rate copied; a video made of frames (Create Video, or edits only
-    frames can show) is upscaled in memory, with its audio and rate, once its size is known to
-    fit (:func:`_check_frames_fit`)."""
+    """A video file (or one the host streams into) is streamed, any length, to a temporary file,
+    its audio and exact rate copied; a video of frames (Create Video, or edits only frames can
+    show) is upscaled in memory, with its audio and rate, once it is known to fit."""
     from ..api import upscale, upscale_file
 
     opts = _resolved(host, dit, vae, inputs)
@@ -678,10 +639,9 @@ FLOAT_BYTES = 4  # ComfyUI's IMAGE frames are float32
 
 
 def _check_frames_fit(size: Optional[tuple], opts: Options) -> None:
-    """Before a VIDEO's frames are taken into memory: log what they and the upscaled frames
-    will hold in RAM, and refuse (:class:`~seedvr2.memory.budget.BudgetError`, naming the way
-    out) when that is more than the host has available. ``size``: the host's ``video_size``
-    (None: not known without decoding, said in the log)."""
+    """Before a VIDEO's frames are taken into memory: log the RAM they and the upscaled frames
+    will hold, and refuse (BudgetError, naming the way out) more than the host has available.
+    ``size``: the host's ``video_size`` (None: not known without decoding, said in the log)."""
     from ..memory.budget import BudgetError, gib, host_available, known_size
     from ..pipeline.runner import output_size
 
@@ -709,24 +669,18 @@ def _check_frames_fit(size: Optional[tuple], opts: Options) -> None:
             f"File): a file is streamed, any length fits; or upscale fewer frames")
 
 
-# ---------------------------------------------------------------------------------------------
-# The nodes
-
-
 def _loader_inputs(kind: str) -> tuple:
     return (_model_input(kind), *settings_inputs(kind))
 
 
-# The upscaler's options of the first release are required inputs; every option added later is
-# an optional input with its default, so workflows saved before it keep validating.
+# The upscaler's options of the first release are required inputs; later ones optional (above).
 FIRST_RELEASE_OPTIONS = frozenset((
     "seed", "resolution", "max_resolution", "batch_size", "uniform_batch_size",
     "temporal_overlap", "prepend_frames", "chunk_size", "color_correction", "input_noise_scale",
     "latent_noise_scale", "text_embeddings", "device", "dtype"))
 
 
-# Options that only mean something when the node writes a file (resume keeps a file job's
-# finished segments); the in-memory upscaler does not show them.
+# Options that mean something only when the node writes a file (resume): not on the others.
 FILE_JOB_OPTIONS = frozenset(("resume",))
 
 
@@ -742,8 +696,7 @@ _VAE_IN = Input("vae", VAE_TYPE, "the VAE from a SeedVR2 Load VAE Model node")
 
 
 def _compile_settings_inputs() -> tuple:
-    """The compile settings node: its fields are the compile options (COMPILE_FIELDS), but for
-    the dynamo cache limits, which the library has no option for yet."""
+    """The compile options (COMPILE_FIELDS), and the dynamo cache limits (no option yet)."""
     return (
         *(option_input(OPTIONS[COMPILE_FIELDS[field]], name=field)
           for field in ("backend", "mode", "fullgraph", "dynamic")),
@@ -814,13 +767,8 @@ def build_nodes() -> tuple:
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# The same nodes described as ComfyUI's /object_info describes them
-
-
 def widget_default(inp: Input, options: list):
-    """The default a new node shows: a dropdown without one starts at its first choice (the
-    editor's search preview shows no value otherwise)."""
+    """A new node's default; a dropdown without one: its first choice (for the search preview)."""
     if inp.default is None and inp.type == "COMBO" and options:
         return options[0]
     return inp.default

@@ -1,11 +1,9 @@
-"""Workflows saved with the numz pack (ComfyUI-SeedVR2_VideoUpscaler), rewritten to our layout.
-
-Four of our node IDs are numz's own, with another input layout (:data:`NUMZ_NODES`); numz
+"""Workflows saved with the numz pack (ComfyUI-SeedVR2_VideoUpscaler), rewritten to our layout:
+four of our node IDs are numz's own, with another input layout (:data:`NUMZ_NODES`); numz
 v2.0-2.4's ``SeedVR2`` node becomes our loaders and upscaler (:data:`OLD_INPUTS`). Editor
-workflows and API prompts alike, from ``/object_info`` entries (ours or a server's), with a note
-for each value that has no place here. How a layout is recognised, and what users see:
-docs/comfyui.md ("Workflows from the numz pack").
-"""
+workflows and API prompts, from ``/object_info`` entries (ours or a server's), with a note per
+value that has no place here. How a layout is recognised, what users see: docs/comfyui.md
+("Workflows from the numz pack")."""
 
 from __future__ import annotations
 
@@ -27,15 +25,10 @@ NUMZ_COMPILE_TYPE = "TORCH_COMPILE_ARGS"  # numz's type for the compile settings
 class NumzNode:
     """What numz v2.5.24's node of the same ID takes."""
 
-    # Its widget inputs in the order the editor saves their values (required, then optional)
-    widgets: tuple
+    widgets: tuple  # its widget inputs in the order the editor saves them (required, optional)
     renamed: dict = field(default_factory=dict)  # numz input -> our input of the same meaning
-    # numz inputs with nothing here that means the same -> their default (off: dropping that
-    # loses nothing, so it is not worth a note)
-    dropped: dict = field(default_factory=dict)
-    # Inputs ours has had since its first release and numz's never had: a prompt without any of
-    # them is numz's.
-    ours_only: tuple = ()
+    dropped: dict = field(default_factory=dict)  # numz-only input -> off value (no note)
+    ours_only: tuple = ()  # ours since release 1, never numz's: a prompt with none is numz's
 
 
 NUMZ_NODES = {
@@ -59,10 +52,6 @@ NUMZ_NODES = {
         renamed={"new_resolution": "resolution"}, dropped={"enable_debug": False},
         ours_only=("devices",)),
 }
-
-
-# ---------------------------------------------------------------------------------------------
-# Our side, read from an /object_info entry
 
 
 @dataclass(frozen=True)
@@ -121,10 +110,6 @@ def is_ours(node_type: str, info: Optional[dict]) -> bool:
     return wanted <= names and set(table.ours_only) <= names
 
 
-# ---------------------------------------------------------------------------------------------
-# Values
-
-
 # Choices that depend on the machine (files, devices): a value missing there is the user's to fix,
 # and validation names it; other choices are fixed lists, and a numz value not in one is noted.
 _MACHINE_CHOICES = ("model", "device", "offload_device")
@@ -145,9 +130,8 @@ def _fits(value, kind: str) -> bool:
 
 
 def read_widget_values(values: list, names: list, controls: set) -> tuple[list, dict, int]:
-    """Saved widget values walked in ``names`` order while they last: the (name, value) pairs,
-    the "control after generate" values the editor saves after each name in ``controls``, and
-    how many values were read."""
+    """Saved widget values walked in ``names`` order while they last: the (name, value) pairs, the
+    "control after generate" values saved after each name in ``controls``, how many were read."""
     pairs, control, i = [], {}, 0
     for name in names:
         if i >= len(values):
@@ -167,8 +151,7 @@ def _read(values: list, names: list, controls: set) -> Optional[tuple[dict, dict
 
 
 def _our_layout(values: list, widgets: list[_Widget]) -> bool:
-    """Values saved by our node: each fits its widget, in our order (a workflow saved before
-    later inputs existed has fewer)."""
+    """Values saved by our node: each fits its widget, in our order (older workflows: fewer)."""
     pairs, _, used = read_widget_values(values, [w.name for w in widgets],
                                         {w.name for w in widgets if w.control})
     return used == len(values) and all(_fits(v, w.kind) for w, (_, v) in zip(widgets, pairs))
@@ -207,8 +190,7 @@ def _to_ours(node_label: str, table: NumzNode, named: dict, widgets: dict[str, _
 
 
 def _check_widget_value(node_label: str, name: str, value) -> None:
-    """A saved widget value is a number, a text, a switch or null; a list or an object there is
-    no value numz's node could have saved, and is refused naming numz's node and input."""
+    """A list or an object is no widget value numz's node could have saved: refused, named."""
     if isinstance(value, (list, dict)):
         kind = "a list" if isinstance(value, list) else "an object"
         raise WorkflowError(f"{node_label}: numz's {name} = {shown(value)}: a widget value is "
@@ -217,12 +199,11 @@ def _check_widget_value(node_label: str, name: str, value) -> None:
 
 def _as_numz_ran(kind: str, label: str, ours: dict, widgets: dict[str, _Widget],
                  notes: list, numz_names: Optional[dict] = None) -> dict:
-    """``ours`` with what numz's node did by itself, where ours refuses the values, made
-    explicit (with a note, in numz's input names: ``numz_names``, ours -> numz's, where they
-    differ): its upscaler ran a temporal_overlap not smaller than batch_size as no overlap
-    (numz's generation_phases: "temporal_overlap >= batch_size, resetting to 0"); its VAE
-    tiling clamped a tile overlap to one latent pixel (8 pixels) less than the tile
-    (attn_video_vae's tiled_encode and tiled_decode)."""
+    """``ours`` with what numz's node did by itself, where ours refuses the values, made explicit
+    (noted in numz's input names: ``numz_names``, ours -> numz's): its upscaler ran a
+    temporal_overlap not smaller than batch_size as none (generation_phases: "temporal_overlap >=
+    batch_size, resetting to 0"); its VAE tiling clamped a tile overlap to one latent pixel (8
+    pixels) less than the tile (attn_video_vae's tiled_encode and tiled_decode)."""
     def value(name):
         return ours.get(name, widgets[name].default) if name in widgets else None
 
@@ -262,10 +243,6 @@ def _out_of_range(value, widget: _Widget) -> bool:
     return low is not None and value < low or high is not None and value > high
 
 
-# ---------------------------------------------------------------------------------------------
-# Editor workflows
-
-
 def link_field(link, key: str):
     """A field of a saved link: links are ``{"id": ...}`` objects or ``[id, origin, ...]`` lists."""
     if isinstance(link, dict):
@@ -300,8 +277,7 @@ def _saved_widget_names(node: dict) -> list:
 
 
 def _translate_node(node: dict, info: dict, links: list, notes: list) -> None:
-    """Rewrite one saved node of a numz layout to ours, in place (widget values, input slots and
-    the links into them); a node saved by our pack is left as it is."""
+    """A numz-layout node rewritten to ours in place (values, slots, their links); ours left be."""
     table = NUMZ_NODES[node["type"]]
     values = node.get("widgets_values")
     if not isinstance(values, list):
@@ -345,8 +321,8 @@ def _translate_node(node: dict, info: dict, links: list, notes: list) -> None:
 
 
 def _editor_values(ours: dict, control: dict, widgets: list[_Widget]) -> list:
-    """Widget values in our order, as the editor saves them: ``ours`` by name, our defaults
-    for the rest, and after each seed its control value (saved, else the declared one)."""
+    """Widget values in our order, as the editor saves them: ``ours`` by name, our defaults for
+    the rest, and after each seed its control value (saved, else the declared one)."""
     values = []
     for widget in widgets:
         values.append(ours.get(widget.name, widget.default))
@@ -377,12 +353,10 @@ def _translate_graph(graph: dict, object_info: dict, notes: list) -> None:
 
 
 def translate_workflow(workflow: dict, object_info: dict) -> tuple[dict, list[str]]:
-    """A copy of an editor workflow with each of our nodes saved in a numz layout rewritten to
-    ours (subgraphs included), and notes on the values left out. A malformed workflow is a
-    :class:`WorkflowError` naming the node (:func:`.shape.check_editor_workflow`)."""
+    """A copy of an editor workflow, our nodes saved in a numz layout (subgraphs too) in ours, and
+    notes on the values left out; malformed: WorkflowError (shape.check_editor_workflow)."""
     check_editor_workflow(workflow)
-    # A copy (JSON's own: fast, and safe at the depth checked, shape.MAX_DEPTH)
-    try:
+    try:  # JSON's own copy: fast, and safe at the depth checked (shape.MAX_DEPTH)
         workflow = json.loads(json.dumps(workflow))
     except (TypeError, ValueError) as e:  # a Python caller's object that is no JSON value
         raise WorkflowError(f"not a workflow: {e}") from None
@@ -403,15 +377,9 @@ def _knows_old_nodes(object_info: dict) -> bool:
     return all(is_ours(kind, object_info.get(kind)) for kind in OLD_TARGETS.values())
 
 
-# ---------------------------------------------------------------------------------------------
-# API prompts
-
-
 def translate_prompt(prompt: dict, object_info: dict) -> tuple[dict, list[str]]:
-    """A copy of an API-format prompt (the one given is not changed) whose nodes with numz's
-    input names take ours, our inputs numz lacks their defaults; any other node is left as it
-    is, for the validation to name what is wrong. A numz value no numz node could have saved (a
-    list) is a :class:`WorkflowError` naming it."""
+    """A copy of a prompt whose nodes with numz's input names take ours (and our defaults); others
+    are left for the validation to name. A value no numz node saved (a list): WorkflowError."""
     notes: list[str] = []
     if not isinstance(prompt, dict) or not any(
             _class_type(n) in (*NUMZ_NODES, *OLD_LAYOUTS) for n in prompt.values()):
@@ -439,7 +407,6 @@ def translate_prompt(prompt: dict, object_info: dict) -> tuple[dict, list[str]]:
                 notes.append(f"{label}: the link into numz's {name} has no input here; removed")
             else:
                 ours[table.renamed.get(name, name)] = value
-        # what numz lacks, or was dropped, takes our default
         prompt[node_id] = {**node, "inputs": _with_defaults(ours, info)}
     return prompt, notes
 
@@ -450,9 +417,8 @@ def _class_type(node) -> Optional[str]:
 
 
 def has_numz_nodes(prompt) -> bool:
-    """Does an API prompt hold a node in numz's layout (cheap: no /object_info needed)? A node
-    of numz v2.0-2.4, with numz's input names, or with none of ours, or a bool for compile's
-    ``dynamic``."""
+    """Does an API prompt hold a node in numz's layout (cheap: no /object_info needed)? One of
+    numz v2.0-2.4, with numz's input names, or none of ours, or a bool for compile's dynamic."""
     for node in prompt.values() if isinstance(prompt, dict) else ():
         if _class_type(node) in OLD_LAYOUTS:
             return True
@@ -465,15 +431,13 @@ def has_numz_nodes(prompt) -> bool:
 
 
 def _numz_prompt_node(table: NumzNode, inputs: dict, widgets: dict[str, _Widget]) -> bool:
-    """numz's input names, none of our own since the first release, or a numz switch where
-    ours is a choice."""
+    """numz's input names, none of ours since the first release, or a switch for our choice."""
     return (any(n in inputs for n in (*table.renamed, *table.dropped))
             or bool(table.ours_only) and not any(n in inputs for n in table.ours_only)
             or any(isinstance(v, bool) and n in widgets and widgets[n].choices is not None
                    for n, v in inputs.items()))
 
 
-# ---------------------------------------------------------------------------------------------
 # numz v2.0-2.4 (August to early October 2025): one SeedVR2 node held the model and the upscale
 # settings; SeedVR2BlockSwap and SeedVR2ExtraArgs fed it their settings through links. Each
 # becomes our DiT loader, VAE loader and upscaler, every value on the input of the same meaning.
@@ -522,8 +486,7 @@ OLD_TARGETS = {"dit": "SeedVR2LoadDiTModel", "vae": "SeedVR2LoadVAEModel",
 
 
 def _old_settings(label: str, named: dict, infos: dict, notes: list) -> dict[str, dict]:
-    """numz's values by name (the SeedVR2 node's and its config nodes') -> our three nodes'
-    inputs by name; what has no place here is noted and left out."""
+    """numz's values by name (SeedVR2's and its config nodes') -> our three nodes'; rest noted."""
     spread: dict[str, dict] = {role: {} for role in OLD_TARGETS}
     for name, value in named.items():
         _check_widget_value(label, name, value)
@@ -558,8 +521,7 @@ def _is_positive(value) -> bool:
 
 
 def _old_layout(node: dict) -> Optional[tuple[dict, dict]]:
-    """(values by name, control values) of an old node saved by the editor: by the widget names
-    it saved, else by the one release layout its value count fits."""
+    """(values, control values) of an old editor node: by its saved widget names, else count."""
     values = node.get("widgets_values")
     if not isinstance(values, list):
         return None
@@ -578,8 +540,8 @@ def _with_defaults(ours: dict, info: dict) -> dict:
 
 
 def _expand_old_prompt(prompt: dict, object_info: dict, notes: list) -> None:
-    """Each SeedVR2 node of an API prompt, in place: our upscaler under its ID, fed by a new
-    DiT and VAE loader; the config nodes linked into it are read and removed."""
+    """Each SeedVR2 node of an API prompt, in place: our upscaler under its ID, fed by a new DiT
+    and VAE loader; the config nodes linked into it are read and removed."""
     next_id = max((int(str(k)) for k in prompt if _is_number_id(k)), default=0) + 1
     consumed = set()
     for node_id, node in list(prompt.items()):
@@ -611,8 +573,7 @@ def _expand_old_prompt(prompt: dict, object_info: dict, notes: list) -> None:
 
 
 def _is_number_id(node_id) -> bool:
-    """A prompt's node id written in ASCII digits ("12"; not "²", which is a digit to
-    ``str.isdigit`` but no number to ``int``)."""
+    """ASCII digits ("12"; not "²", a digit to ``str.isdigit`` but no number to ``int``)."""
     text = str(node_id)
     return text.isascii() and text.isdigit()
 
@@ -695,8 +656,7 @@ def _expand_old_graph(graph: dict, object_info: dict, notes: list) -> None:
 
 def _editor_sockets(info: dict, saved: dict, links: list) -> list:
     """A node's input slots in our order: its sockets, and the widget inputs given as slots;
-    ``saved``: our input name -> (the name it was saved under, the saved slot). Each link into
-    the node follows its input to the new slot."""
+    ``saved``: our input name -> (its saved name, the saved slot). Links follow their inputs."""
     widgets = {w.name for w in widget_inputs(info)}
     slots = []
     for name, spec in _inputs(info):

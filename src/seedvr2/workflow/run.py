@@ -57,8 +57,7 @@ def builtin_object_info(host) -> dict:
 def to_api(workflow: dict, object_info: dict,
            warn: Optional[Callable[[str], None]] = None) -> dict:
     """The API-format prompt of a workflow in either format; our nodes saved by the numz pack
-    take our layout (``warn`` gets a note for each value left out). A malformed workflow is a
-    :class:`WorkflowError` naming the node (:mod:`.shape`)."""
+    take our layout (``warn``: a note per value left out). Malformed: WorkflowError (.shape)."""
     if is_ui_format(workflow):
         return ui_to_api(workflow, object_info, warn)
     if isinstance(workflow, dict) and isinstance(workflow.get("prompt"), dict):
@@ -85,8 +84,7 @@ def _parse_value(item: str, text: str):
 
 
 def _said(text: str) -> str:
-    """Command-line text for a one-line message: as typed, or quoted when it has line breaks
-    or other unprintable characters, or is long."""
+    """Command-line text for a one-line message: as typed, or quoted if unprintable or long."""
     return text if text.isprintable() and len(text) <= 200 else shown(text)
 
 
@@ -109,8 +107,7 @@ def _find_node(prompt: dict, key: str) -> str:
 
 
 def apply_sets(prompt: dict, sets: Iterable[str], object_info: dict) -> dict:
-    """``NODE.INPUT=VALUE`` overrides; NODE is a node id, title or (unique) type; VALUE is
-    JSON when it parses as JSON, else a string."""
+    """``NODE.INPUT=VALUE`` overrides; NODE: node id, title or unique type; VALUE: JSON or text."""
     prompt = json.loads(json.dumps(prompt))
     for item in sets:
         target, sep, raw = item.partition("=")
@@ -133,11 +130,9 @@ def apply_sets(prompt: dict, sets: Iterable[str], object_info: dict) -> dict:
 def run_workflow(workflow: Union[str, Path, dict], sets: Iterable[str] = (), *,
                  host: Optional[HeadlessHost] = None, server: Optional[str] = None,
                  timeout: Optional[float] = None) -> RunResult:
-    """Run ``workflow`` (a path or a parsed workflow) with ``--set``-style overrides, in this
-    process on ``host`` (default: a :class:`HeadlessHost` of the default folders), or on the
-    ComfyUI at ``server``: inputs it lacks uploaded from the host's input folder, outputs
-    downloaded into its output folder (docs/comfyui.md). Raises :class:`WorkflowError` naming
-    the failing node."""
+    """Run ``workflow`` (a path or a parsed workflow) with ``--set``-style overrides on ``host``
+    (default: a HeadlessHost of the default folders), or on the ComfyUI at ``server`` (inputs it
+    lacks uploaded from the host's folders, outputs downloaded). WorkflowError names the node."""
     if isinstance(workflow, (str, Path)):
         workflow = load_workflow(workflow)
     elif not isinstance(workflow, dict):

@@ -1,8 +1,6 @@
-"""Run a prompt on a running ComfyUI server: upload its input files, POST /prompt, follow it,
-fetch the outputs (``seedvr2 run-workflow --server``; what users see, and which paths are
-refused: docs/comfyui.md). The websocket is opened before the prompt is queued so no event is
-missed; ``/history/<prompt id>`` is polled when it fails, and its entry is the result either way.
-"""
+"""Run a prompt on a ComfyUI server (``run-workflow --server``; docs/comfyui.md): upload its inputs,
+POST /prompt, follow it on the websocket (opened before queueing, so no event is missed; if it
+fails, by polling ``/history/<prompt id>``, whose entry is the result either way), fetch outputs."""
 
 from __future__ import annotations
 
@@ -23,9 +21,8 @@ from .numz import widget_inputs
 
 log = logging.getLogger("seedvr2")
 Events = Callable[[str, dict], None]  # on_event(type, data) with ComfyUI's event names
-# Input names of node types whose value is a file in the server's input folder; listed here
-# too for servers whose /object_info shows no upload button on it (inputs with one are found
-# from /object_info).
+# Inputs whose value is a file in the server's input folder, for servers whose /object_info
+# shows no upload button on them (inputs with one are found there).
 FILE_INPUTS = {"SeedVR2UpscaleVideoFile": "video_path"}
 UPLOAD_FLAGS = ("image_upload", "video_upload", "animated_image_upload", "audio_upload")
 
@@ -81,8 +78,7 @@ class ComfyServer:
 
     def run(self, prompt: dict, timeout: Optional[float] = None,
             on_event: Optional[Events] = None) -> dict:
-        """Queue ``prompt`` and wait for it, following it on the websocket when possible;
-        returns its history entry (raises with the node's error on failure)."""
+        """Queue ``prompt`` and wait for its history entry (raises with the node's error)."""
         events = self.events()
         try:
             prompt_id = self.submit(prompt)
@@ -101,8 +97,7 @@ class ComfyServer:
     def wait(self, prompt_id: str, timeout: Optional[float] = None,
              on_event: Optional[Events] = None, poll: float = 0.25,
              events: Optional["EventStream"] = None) -> dict:
-        """The history entry of the finished prompt (raises with the node's error), followed on
-        ``events`` (opened before queueing) or, without it or when it fails, by polling."""
+        """The finished prompt's history entry, on ``events``, else (or on failing) polled."""
         deadline = None if timeout is None else time.monotonic() + timeout
         if events is not None:
             try:
@@ -136,8 +131,7 @@ class ComfyServer:
             self._check_deadline(deadline, prompt_id, timeout)
             left = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
             text = events.recv(timeout=left)
-            if time.monotonic() - last_check > 5.0:
-                # Every few seconds: did it end without our hearing (a lost event)?
+            if time.monotonic() - last_check > 5.0:  # did it end unheard (a lost event)?
                 last_check = time.monotonic()
                 entry = self._history(prompt_id)
                 if entry is not None:
@@ -167,9 +161,8 @@ class ComfyServer:
                 pass
 
     def upload(self, path: Path, subfolder: str = "") -> str:
-        """Upload a file into the server's input folder (POST /upload/image, never overwriting:
-        the server keeps an identical file's name, or gives a new name); returns the name to
-        use as the input value."""
+        """POST /upload/image into the server's input folder, never overwriting (an identical
+        file keeps its name, another gets a new one); returns the name for the input value."""
         boundary = uuid.uuid4().hex
         path = Path(path)
         fields = b"".join(f"--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"\r\n"
@@ -202,9 +195,8 @@ class ComfyServer:
         return f"{reply['subfolder']}/{name}" if reply.get("subfolder") else name
 
     def download(self, entry: dict, folder: Path) -> list[Path]:
-        """Every saved output file of a finished prompt, copied into ``folder`` (each written
-        under a temporary name and renamed when complete). Paths the server gives that lead
-        outside ``folder`` refuse the download before anything is fetched."""
+        """A finished prompt's saved outputs, copied into ``folder`` (each renamed once complete).
+        Paths the server gives that lead outside ``folder`` refuse it before any is fetched."""
         from ..io.temporaries import temporary_path
 
         folder = Path(folder)
@@ -245,8 +237,8 @@ def _saved_files(entry: dict) -> list[dict]:
 
 
 def output_path_in(folder: Path, subfolder: str, filename: str) -> Optional[Path]:
-    """``folder / subfolder / filename`` when that file is inside ``folder`` (after following
-    ``..`` and links; absolute parts, which would replace ``folder``, are outside), else None."""
+    """``folder / subfolder / filename`` when inside ``folder`` (after following ``..`` and links;
+    absolute parts, which would replace ``folder``, are outside), else None."""
     if not filename or os.path.isabs(subfolder) or os.path.isabs(filename) or \
             "\0" in subfolder + filename:
         return None
@@ -263,9 +255,8 @@ class EventsFailed(OSError):
 
 
 class EventStream:
-    """ComfyUI's event stream for one client: ``recv(timeout)`` is the next text message (a
-    JSON event) or None when none arrived in time; binary messages (previews) are skipped.
-    Pings are answered by ``websocket-client`` itself."""
+    """ComfyUI's events for one client: ``recv(timeout)`` is the next text message (JSON) or None
+    in time; previews (binary) are skipped. ``websocket-client`` itself answers pings."""
 
     def __init__(self, url: str, timeout: float = 30.0):
         try:
@@ -347,8 +338,7 @@ def check_history(entry: dict) -> dict:
 
 
 def _server_files(object_info: dict) -> tuple[dict, set]:
-    """(node type -> input names whose value is a server input file, every file name the
-    server lists in its input folder)."""
+    """(node type -> inputs whose value is a server input file, the files its input folder has)."""
     file_inputs: dict = {kind: {name} for kind, name in FILE_INPUTS.items()}
     listed: set = set()
     for kind, info in object_info.items():
@@ -369,8 +359,8 @@ def _is_file(path: Path) -> bool:
 
 def upload_inputs(client: ComfyServer, prompt: dict, object_info: dict, input_dir,
                   on_upload: Optional[Callable[[Path, str], None]] = None) -> dict:
-    """``prompt`` with files of ``input_dir`` the server lacks uploaded and renamed. Every name
-    is checked before the first upload: one leading outside ``input_dir`` refuses the run."""
+    """``prompt`` with the files of ``input_dir`` the server lacks uploaded and renamed; a name
+    leading outside ``input_dir`` refuses the run before the first upload."""
     file_inputs, listed = _server_files(object_info)
     prompt = json.loads(json.dumps(prompt))
     root = Path(input_dir).resolve()
@@ -382,9 +372,8 @@ def upload_inputs(client: ComfyServer, prompt: dict, object_info: dict, input_di
             if not isinstance(value, str) or not value.strip() or value in listed:
                 continue
             raw = value.strip()
-            # The server resolves names inside its own input folder only (absolute paths are
-            # refused there too), so an absolute name is a local file or nothing: uploaded
-            # when it lies inside input_dir, refused otherwise. (No file name holds a NUL.)
+            # The server resolves names inside its input folder only (absolute ones refused), so
+            # an absolute name is a local file inside input_dir or refused. (No name holds NUL.)
             local = (root / raw.replace("\x00", "")).resolve()
             if raw.startswith("~") or "\x00" in raw or not local.is_relative_to(root):
                 raise WorkflowError(
@@ -407,8 +396,7 @@ def upload_inputs(client: ComfyServer, prompt: dict, object_info: dict, input_di
 
 
 class ProgressPrinter:
-    """``on_event`` for :meth:`ComfyServer.run`: a line per node as it starts (or is cached)
-    and a progress bar per node that reports progress, on stderr."""
+    """``on_event`` of ComfyServer.run: on stderr a line per node run or cached, progress bars."""
 
     def __init__(self, prompt: dict, stream=None):
         self.prompt = prompt

@@ -1,12 +1,8 @@
 """The shape of a workflow, checked once where it enters (``run-workflow``, the UI -> API
-conversion, the numz rewriting): after these checks the readers may trust every field they
-read, and every malformed field is one :class:`WorkflowError` naming its node.
-
-Nothing here recurses: values are walked with a list, and a value (a node's input, widget
-values, any other field) nested past :data:`MAX_DEPTH` levels is refused, naming its node: no
-workflow the editor saves comes near it, and what reads a workflow afterwards (copies, JSON
-text) may then recurse safely; Python's recursion limit is a few hundred levels further.
-"""
+conversion, the numz rewriting): after it readers may trust every field they read, and every
+malformed field is one :class:`WorkflowError` naming its node. Nothing here recurses: values are
+walked with a list, and one nested past :data:`MAX_DEPTH` levels (far past any saved workflow;
+Python's recursion limit is a few hundred further) is refused, so later readers may recurse."""
 
 from __future__ import annotations
 
@@ -62,8 +58,7 @@ def is_index(value) -> bool:
 
 
 def nesting_problem(value) -> Optional[str]:
-    """What makes ``value`` unreadable: nesting past :data:`MAX_DEPTH` levels, or a number
-    too long to write; None when it is fine. Walked level by level, not recursively."""
+    """What makes ``value`` unreadable (too deep, a number too long to write), or None."""
     level, items = 0, [value]
     while items:
         if level > MAX_DEPTH:
@@ -78,10 +73,6 @@ def nesting_problem(value) -> Optional[str]:
                 return f"holds {shown(item)}: numbers past 4000 digits cannot be read"
         items, level = inner, level + 1
     return None
-
-
-# ---------------------------------------------------------------------------------------------
-# Editor (UI) workflows
 
 
 def _node_error(node: dict, index: int, message: str) -> WorkflowError:
@@ -160,8 +151,7 @@ LINK_FIELDS = ("id", "origin_id", "origin_slot", "target_id", "target_slot", "ty
 
 
 def _check_link(link, nodes: dict) -> None:
-    """A saved link; a malformed one is its target node's error, when it names one of
-    ``nodes`` (node id as text -> (index, node))."""
+    """A malformed link is its target's error when in ``nodes`` (id text -> (index, node))."""
     fields = (dict(zip(LINK_FIELDS, link)) if isinstance(link, list)
               else link if isinstance(link, dict) else {})
     ok = (not isinstance(link, list) or len(link) >= 5) and is_link_id(fields.get("id")) and \
@@ -178,8 +168,7 @@ def _check_link(link, nodes: dict) -> None:
 
 
 def check_editor_graph(graph, where: str = "the workflow") -> None:
-    """An editor graph (the workflow, or one of its subgraphs): nodes and links of the shape
-    the editor saves, node and link ids unique."""
+    """An editor graph (the workflow or a subgraph): nodes and links as saved, ids unique."""
     if not isinstance(graph, dict) or not isinstance(graph.get("nodes"), list):
         raise WorkflowError(f"{where}: expected an object with a list of nodes, not "
                             f"{shown(graph)}")
@@ -226,10 +215,6 @@ def check_editor_workflow(workflow) -> None:
     problem = nesting_problem(definitions)  # (what is not a subgraph's node)
     if problem:
         raise WorkflowError(f"the workflow's definitions {problem}")
-
-
-# ---------------------------------------------------------------------------------------------
-# API prompts
 
 
 def check_prompt(prompt) -> None:
