@@ -5,8 +5,7 @@ CPU/gloo; ``sequence.py`` spreads one DiT call over a group of ranks. See docs/m
 
 from .assign import assign_batches
 from .groups import DistContext, init_from_env, in_distributed_launch
-from .sequence import (UlyssesSequenceParallel, sequence_group, sequence_parallel,
-                       sequence_parallel_forward)
+from .sequence import UlyssesSequenceParallel, sequence_group, sequence_parallel
 
 __all__ = ["DistContext", "UlyssesSequenceParallel", "assign_batches", "in_distributed_launch",
-           "init_from_env", "sequence_group", "sequence_parallel", "sequence_parallel_forward"]
+           "init_from_env", "sequence_group", "sequence_parallel"]

@@ -220,13 +220,3 @@ def sequence_parallel(dit: torch.nn.Module, group: Optional[dist.ProcessGroup] =
         yield strategy
     finally:
         dit.set_sequence_parallel(previous)
-
-
-def sequence_parallel_forward(dit: torch.nn.Module, vid: torch.Tensor, txt: torch.Tensor,
-                              vid_shape: torch.Tensor, txt_shape: torch.Tensor,
-                              timestep: torch.Tensor,
-                              group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
-    """One DiT call spread over ``group``; every rank passes the same inputs and gets the
-    whole output."""
-    with sequence_parallel(dit, group):
-        return dit(vid, txt, vid_shape, txt_shape, timestep)
