@@ -1,11 +1,9 @@
 """The facade every interface calls: ``upscale`` (frames in memory) and ``upscale_file``.
 
-Here a job is built once (``seedvr2.pipeline.job.Job``: options validated, models given
-loaded, by registered name or by path, the tests' faults read) and run in this process or
-over several ranks (``seedvr2.distributed``: spawned here, or this process is one rank of a
-torchrun/Slurm launch). Both load models and check the memory budget through ``Job.prepare``
-before any frame, and a file job writes through the same sinks (``seedvr2.pipeline.sink``).
-See docs/architecture.md.
+A job is built once (``seedvr2.pipeline.job.Job``) and run in this process or over several
+ranks (``seedvr2.distributed``: spawned here, or this process is one rank of a torchrun/Slurm
+launch); either way ``Job.prepare`` checks the memory budget and loads the models before any
+frame, and a file job writes through ``seedvr2.pipeline.sink``. See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -44,12 +42,9 @@ def _check_one_process(opts: Options):
 
 def process_devices(opts: Options, dit, vae) -> tuple[list[str], Options]:
     """The devices to run on, one process each, and the options of a single process.
-
-    ``devices=auto`` spreads the job over every visible GPU only when nothing ties it to one:
-    an explicit ``device``, ``dit_device`` or ``vae_device`` means one process there, and
-    models given loaded mean one process on their device (the modules cannot travel to
-    worker processes). A device list given explicitly is obeyed as it is.
-    """
+    ``devices=auto`` spreads over every visible GPU unless something ties the job to one: an
+    explicit ``device``, ``dit_device`` or ``vae_device``, or models given loaded (modules
+    cannot travel to workers). A device list given explicitly is obeyed as it is."""
     from .distributed.launch import parse_devices
 
     if opts.devices == "auto":
@@ -71,12 +66,6 @@ def process_devices(opts: Options, dit, vae) -> tuple[list[str], Options]:
 def _module_device(module: torch.nn.Module) -> Optional[torch.device]:
     first = next(iter(module.parameters()), None)
     return None if first is None else first.device
-
-
-def _check_named_models(dit, vae):
-    if isinstance(dit, torch.nn.Module) or isinstance(vae, torch.nn.Module):
-        raise InputError("several devices need the models by name or path (each worker "
-                         "loads its own), not loaded modules")
 
 
 def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Progress] = None,
@@ -114,18 +103,18 @@ def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Pr
 
 def _job(opts: Options, devices: list[str], models: tuple, model_dir, spawned: bool = True,
          make_room: Optional[MakeRoom] = None, preview: Optional[Show] = None) -> Job:
-    """The job, after the checks that need no model file: spawned ranks need models by name
-    or path (each resolves them itself), and several ranks a ``sequence_parallel`` they can
-    split. Only one process asks ``make_room`` (the host's memory is this process's); the
-    process that blends the frames (this one, unless ranks are spawned) shows ``preview``."""
+    """The job, after the checks that need no model file (spawned ranks need models by name
+    or path; several ranks a ``sequence_parallel`` they can split). Only one process asks
+    ``make_room``; the process that blends the frames shows ``preview``."""
     shown = FramePreview(preview) if preview is not None else None
     if len(devices) == 1:
         _check_one_process(opts)
         return Job.build(opts, *models, model_dir, Faults.from_environment(), make_room, shown)
     from .distributed.rank_work import check_sequence_parallel
 
-    if spawned:
-        _check_named_models(*models)
+    if spawned and any(isinstance(m, torch.nn.Module) for m in models):
+        raise InputError("several devices need the models by name or path (each worker "
+                         "loads its own), not loaded modules")
     job = Job.build(opts, *models, model_dir, Faults.from_environment(),
                     preview=None if spawned else shown)
     check_sequence_parallel(job, len(devices))
@@ -142,11 +131,9 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
 
     Video keeps its exact frame rate (variable-rate video: every frame's time) and its audio
     and subtitles where the output holds them (copied, not re-encoded); ``fps`` gives images
-    and sequences a rate for a video output. The output is
-    written under a temporary name and appears at ``dst`` only when complete; an existing
-    ``dst`` is replaced only with ``overwrite=True``. ``stats``, ``make_room`` and
-    ``preview`` as in :func:`upscale`; ``opts``: options already resolved (the CLI's), instead of ``**options``.
-    Returns the output path.
+    and sequences a rate for a video output. The output appears at ``dst`` only when complete;
+    an existing ``dst`` is replaced only with ``overwrite=True``. The other keywords as in
+    :func:`upscale`. Returns the output path.
     """
     from .distributed import in_distributed_launch, init_from_env
     from .distributed.rank_work import run_file_job
@@ -204,7 +191,7 @@ def _gather_over_ranks(ctx):
 
 def _one_process_file_job(reader, output, job: Job, report: tuple) -> Path:
     """The file job in this process: the output opened first (an unwritable or existing one
-    fails before any model loads), then the models, then the sink fed by the upscaler."""
+    fails before any model loads), then the models, then the sink."""
     from .pipeline.identity import job_identity, source_digest
     from .pipeline.sink import DirectSink, open_sink
 
@@ -221,14 +208,9 @@ def _one_process_file_job(reader, output, job: Job, report: tuple) -> Path:
         writer.abort()
         raise
     with open_sink(writer, reader, output, plan, identity, models.dtype, job) as sink:
-        # A direct sink's frames are rounded to integers on the device: the copy to the host
-        # is then 4x (uint8) or 2x (uint16) smaller than float32 frames.
-        upscaler = Upscaler(models, opts, job.faults.with_kill_points(progress or _silent),
+        # A direct sink's frames are rounded to integers on the device (a smaller copy to the host).
+        upscaler = Upscaler(models, opts, job.faults.with_kill_points(progress),
                             should_stop, stats=stats, frames_on_device=isinstance(sink, DirectSink))
         return sink.consume(lambda batches: upscaler.batch_outputs(
             reader.frames(start=plan.read_start(batches)), plan, batches),
             upscaler.progress, upscaler.stats, upscaler.check_stop, job.preview)
-
-
-def _silent(phase: str, done: int, total: int):
-    pass

@@ -88,14 +88,15 @@ class Faults:
         if self.kill_at and self.kill_at == f"{point}:{count}":
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def with_kill_points(self, progress: Callable[[str, int, int], None]):
-        """``progress`` that first reaches the kill point of each phase step it is told."""
+    def with_kill_points(self, progress: Optional[Callable[[str, int, int], None]]):
+        """``progress`` (None: none) that first reaches the kill point of each phase step."""
         if not self.kill_at:
             return progress
 
         def report(phase: str, done: int, total: int):
             self.kill_point(phase, done)
-            progress(phase, done, total)
+            if progress is not None:
+                progress(phase, done, total)
         return report
 
     def assembled(self, segments: int):

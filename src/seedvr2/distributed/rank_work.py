@@ -165,7 +165,7 @@ class TakenChunks:
             work = self.work
             progress = work.progress
             if work.ctx.is_writer:
-                progress = work.job.faults.with_kill_points(progress or (lambda *a: None))
+                progress = work.job.faults.with_kill_points(progress)
             # This rank's device against the budget, keeping every rank's batch_size.
             self.upscaler = work.job.ready_upscaler(work.plan.source_frames, work.frame_shape[:2],
                                                     fixed_batch=True, progress=progress,

@@ -29,15 +29,14 @@ def vae_owners(plan: BatchPlan, size: int) -> dict[int, int]:
 
 
 class SharedVaeUpscaler(Upscaler):
-    """An :class:`Upscaler` for one rank of a sequence-parallel group: the VAE phases run
-    only this rank's batches (``vae_owners``; the others come out with ``None`` frames), the
-    DiT phase every batch of the group. ``seat``: this rank's place in its group and the
-    global rank of the group's rank 0; ``meeting``: the group's :class:`Meeting`."""
+    """An :class:`Upscaler` for one rank of a sequence-parallel group: the VAE phases run only
+    its own batches (the others come out with ``None`` frames), the DiT every batch. ``seat``:
+    its place in the group and the global rank of the group's first."""
 
     def __init__(self, models, opts, progress, should_stop, *, owners: dict[int, int],
                  seat: tuple[int, int], meeting: Meeting):
         super().__init__(models, opts, progress, should_stop)
-        self.owners = owners  # vae_owners of the plan
+        self.owners = owners
         self.group_rank, self.first_rank = seat
         self.meeting = meeting
 
@@ -61,9 +60,8 @@ class SharedVaeUpscaler(Upscaler):
         return None
 
     def _share_latent(self, item):
-        """The owner's latent of ``item`` to every rank of the group (in the same order on
-        every rank: the DiT phase walks the chunk's batches in plan order), once all are
-        there: the owner may have encoded it long before the others are done encoding."""
+        """The owner's latent of ``item`` to every rank of the group (in plan order on every
+        rank), once all are there: the owner may have encoded it long before the others."""
         owner = self.first_rank + self.owners[item.batch.index]
         header = torch.zeros(_HEADER, dtype=torch.int64)
         if self.owns(item.batch):

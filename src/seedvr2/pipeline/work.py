@@ -152,14 +152,6 @@ def device_rates(device: str, dtype: torch.dtype) -> tuple[Rates, Rates]:
                  for pick in (min, max))
 
 
-def seconds_at(ops: Counter, rates: Rates) -> dict:
-    """Per phase: the counted ops' time at ``rates``."""
-    out: dict = {}
-    for (phase, cls, flops, nbytes), n in ops.items():
-        out[phase] = out.get(phase, 0.0) + n * rates.seconds(cls, flops, nbytes)
-    return out
-
-
 # -- a job's work, counted before it runs ------------------------------------------------------
 
 _UNIT = (5, 32, 32)  # frames, height, width of the VAE's small counted run
@@ -237,7 +229,9 @@ class JobWork:
 
     def seconds(self, device: str, dtype: torch.dtype) -> tuple[float, float]:
         """The time range on ``device`` at its probed best and worst rates."""
-        return tuple(sum(seconds_at(self.ops, r).values()) for r in device_rates(device, dtype))
+        return tuple(sum(n * r.seconds(cls, flops, nbytes)
+                         for (_, cls, flops, nbytes), n in self.ops.items())
+                     for r in device_rates(device, dtype))
 
     def describe(self, device: str, dtype: torch.dtype) -> str:
         lo, hi = self.seconds(device, dtype)
