@@ -16,11 +16,15 @@ import torch
 from .errors import InputError, UsageError
 from .faults import Faults
 from .options import OptionError, Options, option_ref, option_value, resolve_options
+from .io import open_media
+from .io.files import frame_count, open_output
+from .pipeline.cuts import resolve_scene_cuts
+from .pipeline.identity import job_identity, source_digest
 from .pipeline.plan import make_plan
-from .pipeline.work import log_work
 from .pipeline.preview import FramePreview, Show
 from .pipeline.runner import JobStats, Upscaler, input_frames, output_size
-from .io.files import frame_count, open_output
+from .pipeline.sink import DirectSink, open_sink
+from .pipeline.work import log_work
 from .memory.fit import MEMORY_CHECK_ENV, MakeRoom
 from .pipeline.job import (Job, check_file_job, file_output, fit_for_ranks, plan_file,
                            prepare_job)
@@ -138,7 +142,6 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
     from .distributed import in_distributed_launch, init_from_env
     from .distributed.rank_work import run_file_job
     from .distributed.launch import spawn_file_job
-    from .io import open_media
 
     opts = _options("upscale_file", opts, options)
     if in_distributed_launch():  # torchrun / Slurm: this process is one rank
@@ -171,8 +174,6 @@ def _options(facade: str, opts: Optional[Options], options: dict) -> Options:
 
 def _scene_cuts(opts: Options, count: int, frames, stats: Optional[JobStats]) -> Options:
     """``opts`` with the scene cuts resolved (:mod:`.pipeline.cuts`), told to ``stats``."""
-    from .pipeline.cuts import resolve_scene_cuts
-
     opts = resolve_scene_cuts(opts, count, frames)
     if stats is not None:
         stats.scene_cuts = opts.scene_cuts
@@ -192,9 +193,6 @@ def _gather_over_ranks(ctx):
 def _one_process_file_job(reader, output, job: Job, report: tuple) -> Path:
     """The file job in this process: the output opened first (an unwritable or existing one
     fails before any model loads), then the models, then the sink."""
-    from .pipeline.identity import job_identity, source_digest
-    from .pipeline.sink import DirectSink, open_sink
-
     progress, should_stop, stats = report
     count = frame_count(reader)
     writer = output.open(reader.info)

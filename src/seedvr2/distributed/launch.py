@@ -25,10 +25,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..options import OptionError
 from ..io.temporaries import abandoned, hold, remove_stale_temporaries
+from ..options import OptionError
+from ..pipeline.preview import FramePreview
+from ..pipeline.runner import Interrupted, JobStats
 from .groups import destroy, init_from_env
 from .peers import DistributedError
+from .rank_work import STARTED_ENV, run_file_job, run_tensor_job
 
 log = logging.getLogger("seedvr2")
 
@@ -80,9 +83,6 @@ _WRITER_COUNTS = ("frames", "batches_reused", "batches_total")  # the JobStats i
 
 def _file_worker(rank: int, devices: list[str], port: int, threads: int, job, file: tuple,
                  report: tuple):
-    from ..pipeline.runner import JobStats
-    from .rank_work import STARTED_ENV, run_file_job
-
     log_level, events, previews = report
     # A spawned worker starts without logging set up: show what the parent would, by rank.
     logging.basicConfig(level=log_level, format=f"%(levelname)s %(name)s rank {rank}: %(message)s")
@@ -100,8 +100,6 @@ def _file_worker(rank: int, devices: list[str], port: int, threads: int, job, fi
 
 def _tensor_worker(rank: int, devices: list[str], port: int, threads: int, job,
                    tensors: tuple, channel: tuple):
-    from .rank_work import run_tensor_job
-
     ctx = _join_group(rank, devices, port, threads, job.opts.dist_timeout)
     events, stop, previews = channel
     try:
@@ -125,8 +123,6 @@ def _relay_preview(events, thumbnail):
 
 def _relaying(job, events, previews: bool):
     """The job with a preview that goes to the launcher, when the launcher shows previews."""
-    from ..pipeline.preview import FramePreview
-
     if not previews:
         return job
     return dataclasses.replace(job, preview=FramePreview(functools.partial(_relay_preview,
@@ -278,8 +274,6 @@ def _launched(worker, device_list: list[str], timeout_s: float, args: tuple):
     ended (:func:`_stop`), then the store and the folder go."""
     import torch.multiprocessing as mp
 
-    from .rank_work import STARTED_ENV
-
     remove_stale_launch_folders()
     with tempfile.TemporaryDirectory(prefix=LAUNCH_PREFIX) as started, \
             _hosted_store(timeout_s) as port, contextlib.ExitStack() as held:
@@ -411,8 +405,6 @@ def spawn_tensor_job(device_list: list[str], job, frames: torch.Tensor, out_shap
                      progress=None, should_stop=None, preview=None) -> torch.Tensor:
     """Run ``upscale`` over several local devices, spawned (the parent may have initialised
     CUDA), the frames both ways in shared memory; ``should_stop`` is relayed to every worker."""
-    from ..pipeline.runner import Interrupted
-
     if frames.device.type != "cpu":
         frames = frames.cpu()
     if not frames.is_shared():

@@ -21,16 +21,19 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from ..io import open_media
+from ..memory.device_choice import resolve_dtype
 from ..options import OptionError
-from ..pipeline.identity import identity_digest, job_identity
+from ..pipeline.identity import identity_digest, job_identity, source_digest
+from ..pipeline.job import Job, plan_file
 from ..pipeline.plan import BatchPlan, make_plan
 from ..pipeline.runner import final_frames
-from ..pipeline.job import Job
+from ..pipeline.sink import open_sink
 from . import frames as wire
-from .assign import assign_batches
 from .groups import DistContext, group_timeout
 from .peers import DistributedError, JobKeys, Lifeline, Liveness, RankLost
 from .sequence import Meeting, meeting_group, sequence_group, sequence_parallel
+from .taking import ChunkCollector, ChunkCounter, assign_batches, chunk_outputs
 from .vae_share import SharedVaeUpscaler, vae_owners
 
 log = logging.getLogger("seedvr2")
@@ -144,8 +147,6 @@ class TakenChunks:
     everyone's batches in plan order."""
 
     def __init__(self, work: RankWork, links: Links):
-        from .taking import ChunkCounter
-
         self.work, self.links = work, links
         self.counter = ChunkCounter(links.keys, len(work.plan.chunks), work.first_chunk)
         self.upscaler = None
@@ -176,15 +177,11 @@ class TakenChunks:
         return self.work.compute(self._ready(), batches)
 
     def outputs(self, batches: list[int]):
-        from .taking import ChunkCollector
-
         plan = self.work.plan
         assert batches == [b for c in plan.chunks[self.work.first_chunk:] for b in c], batches
         return ChunkCollector(self.work, self.links, self.counter, self._compute).outputs()
 
     def send_all(self):
-        from .taking import chunk_outputs
-
         work = self.work
         _send_all(work, self.links, chunk_outputs(work.ctx.rank, self.counter, work.plan,
                                                   self._compute, work.job.faults))
@@ -330,12 +327,6 @@ def run_file_job(ctx: DistContext, job: Job, src, output, progress=None, should_
                  stats=None) -> Path | None:
     """This rank's share of ``upscale_file``; returns the output path on rank 0, which keeps
     the resume journal as one process would (docs/resume.md) and tells ``stats``."""
-    from ..io import open_media
-    from ..memory.device_choice import resolve_dtype
-    from ..pipeline.identity import source_digest
-    from ..pipeline.job import plan_file
-    from ..pipeline.sink import open_sink
-
     _terminate_cleanly()
     job = _on_rank(ctx, job)
     with open_media(src) as reader:

@@ -1,7 +1,9 @@
 """Chunks taken, not dealt: each rank takes the plan's next chunk when it is ready for one (a
 counter in the process group's store), so a slow rank takes fewer chunks instead of setting
 everyone's pace. The writer receives them in plan order, computing chunks ahead while it
-waits, and computes a lost rank's undelivered batches itself (docs/multi-gpu.md).
+waits, and computes a lost rank's undelivered batches itself (docs/multi-gpu.md). Only
+sequence-parallel groups, which must meet in every batch, are dealt theirs
+(:func:`assign_batches`).
 """
 
 from __future__ import annotations
@@ -11,12 +13,23 @@ import threading
 import time
 from collections import Counter
 
+from ..pipeline.plan import BatchPlan
 from . import frames as wire
 from .peers import JobKeys, Liveness, RankLost, first_line, wait_until
 
 log = logging.getLogger("seedvr2")
 
 LOOKAHEAD_CHUNKS = 2  # chunks the writer may compute ahead while waiting for an earlier one
+
+
+def assign_batches(plan: BatchPlan, world_size: int, first_chunk: int = 0) -> list[list[int]]:
+    """Batch indices per rank (or group): the plan's chunks from ``first_chunk`` on (those
+    before are complete in a resumed job) dealt out in turn, so the writer takes batches in
+    order as they finish and ranks get equal work to within a chunk."""
+    shares: list[list[int]] = [[] for _ in range(world_size)]
+    for i, chunk in enumerate(plan.chunks[first_chunk:]):
+        shares[i % world_size].extend(chunk)
+    return shares
 
 
 class ChunkCounter:

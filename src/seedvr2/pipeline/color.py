@@ -117,12 +117,10 @@ def _prepare(content: Tensor, style: Tensor) -> tuple[Tensor, Tensor]:
     return content, style
 
 
-def _framewise(fn: Callable, *inputs: Tensor):
-    """``fn`` applied to a few frames at a time, results gathered in preallocated tensors.
-
-    ``fn`` maps (frames, ...) slices to a tensor or a tuple of tensors with the same leading
-    frame axis. Bounds the temporaries of per-pixel work to one chunk.
-    """
+def framewise(fn: Callable, *inputs: Tensor):
+    """``fn`` over a few frames of ``inputs`` at a time (as many as the first's pixels
+    allow), its tensor (or tuple of tensors) gathered in preallocated outputs: per-pixel
+    work's temporaries stay those of one chunk."""
     frames = inputs[0].shape[0]
     chunk = max(1, _CHUNK_PIXELS // max(1, inputs[0][0, 0].numel())) if frames else 1
     if chunk >= frames:
@@ -275,8 +273,8 @@ def lab_transfer(content: Tensor, style: Tensor,
     """Wavelet result with a*, b* histogram-matched to the style and L partly matched."""
     dtype = content.dtype
     content, style = _prepare(content, style)
-    content_lab = _framewise(lambda c, s: _rgb_to_lab(wavelet_reconstruction(c, s)), content, style)
-    style_lab = _framewise(_rgb_to_lab, style)
+    content_lab = framewise(lambda c, s: _rgb_to_lab(wavelet_reconstruction(c, s)), content, style)
+    style_lab = framewise(_rgb_to_lab, style)
     for channel in (1, 2):
         content_lab[:, channel] = match_histogram(content_lab[:, channel], style_lab[:, channel])
     if luminance_weight < 1.0:
@@ -284,7 +282,7 @@ def lab_transfer(content: Tensor, style: Tensor,
         content_lab[:, 0].mul_(luminance_weight).add_(matched, alpha=1.0 - luminance_weight)
         del matched
     del style_lab
-    return _framewise(_lab_to_rgb, content_lab).to(dtype)
+    return framewise(_lab_to_rgb, content_lab).to(dtype)
 
 
 def _saturation(x11: Tensor) -> Tensor:
@@ -362,11 +360,11 @@ def hsv_match(content: Tensor, style: Tensor) -> Tensor:
     """Content with its saturation matched to the style's per hue sector; hue and value kept."""
     dtype = content.dtype
     content, style = _prepare(content, style)
-    key = _framewise(_hsv_key, content)
-    ref_key = _framewise(_hsv_key, style)
+    key = framewise(_hsv_key, content)
+    ref_key = framewise(_hsv_key, style)
     new_sat = _hue_conditional_match(key, ref_key).reshape(key.shape)
     del key, ref_key
-    return _framewise(_rescale_chroma, content, new_sat).to(dtype)
+    return framewise(_rescale_chroma, content, new_sat).to(dtype)
 
 
 def wavelet_adaptive(content: Tensor, style: Tensor) -> Tensor:

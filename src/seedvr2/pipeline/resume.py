@@ -26,15 +26,17 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..io import MediaError
 from ..errors import SeedVR2Error
+from ..io import MediaError, open_media, open_writer
 from ..io.segments import SegmentConcat, sync_file
+from ..io.writer import carried_streams
 from ..io.temporaries import RESUME_JOURNAL, lock_folder, resume_folder
 from ..faults import NO_FAULTS, Faults
 from ..version import __version__
 from ..loading.registry import sha256_of
 from .identity import files_digest
 from .plan import BatchPlan
+from .runner import OverlapBlender, to_integer_frames
 
 log = logging.getLogger("seedvr2")
 
@@ -550,8 +552,6 @@ def run_resumable(compute, state: ResumeState, info, output, progress=None, stat
 def _restored_blender(state: ResumeState, outputs):
     """The blend state after the last kept piece: its tail, or the chunk computed again for
     it (taken from ``outputs``)."""
-    from .runner import OverlapBlender
-
     blender = OverlapBlender(state.plan)
     for expected in state.context:  # computed again for its blend tail only
         batch, out = next(outputs)
@@ -567,9 +567,6 @@ def _restored_blender(state: ResumeState, outputs):
 def _assemble(state: ResumeState, info, output):
     """The final output's path, from the complete segments: a video by stream copy with the
     source's audio muxed in, images through the ordinary image writer."""
-    from ..io import open_media
-    from ..io.writer import carried_streams
-
     segments, size = state.segments, output.size
     if state.ext == "/":
         with output.open(info) as writer:
@@ -590,8 +587,6 @@ def _assemble(state: ResumeState, info, output):
 
 def _segment_writer(segment: Segment, state: ResumeState, info, output):
     """The writer of one segment file (video) or folder (lossless PNGs)."""
-    from ..io import open_writer
-
     path, video = state.segment_path(segment), state.ext != "/"
     # Image segments stay as stored: the final writer turns them upright (rotation, pixel
     # aspect) when it reads them back; video segments carry the tags either way.
@@ -615,8 +610,6 @@ def _write_segment(segment: Segment, outputs, blender, state: ResumeState, info,
                    frames_done):
     """Write ``segment``: its kept parts' frames, then its other chunks', closing a part at a
     chunk's end when a checkpoint is due; ``frames_done(done, total, newest)`` after each."""
-    from .runner import to_integer_frames
-
     written = 0
     writer = _segment_writer(segment, state, info, output)
     first_batch = max(segment.batches[0], state.next_batch)

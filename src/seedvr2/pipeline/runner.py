@@ -28,7 +28,6 @@ import torch.nn.functional as F
 
 from ..errors import InputError
 from ..memory import tiling
-from ..memory.blockswap import BlockSwap
 from ..memory.budget import host_rss
 from ..memory.compile import is_compiled
 from ..memory.device_choice import check_finite
@@ -69,11 +68,6 @@ class Models:
     # between its offload and compute devices; None: the model stays on its device.
     dit_placement: Optional[object] = None
     vae_placement: Optional[object] = None
-
-    @property
-    def blockswap(self):
-        """The DiT's BlockSwap when it swaps (on CUDA), else None."""
-        return self.dit_placement if isinstance(self.dit_placement, BlockSwap) else None
 
     def activate(self, kind: str):
         placement = self.dit_placement if kind == "dit" else self.vae_placement

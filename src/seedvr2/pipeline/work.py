@@ -27,6 +27,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
+from ..memory.budget import TEXT_TOKENS
+from ..memory.tiling import settings_from_options, tile_layout
+from ..models import build_on_meta
+from ..models.window import make_windows
+from .runner import MODEL_MULTIPLE
+
 log = logging.getLogger(__name__)
 
 _CONV_OPS = {"convolution", "_convolution", "cudnn_convolution", "fp16_conv3d"}
@@ -173,8 +179,6 @@ class _ByText:
 @functools.lru_cache(maxsize=4)
 def _vae_unit(config: _ByText, dtype: torch.dtype) -> Counter:
     """The VAE's ops encoding and decoding ``_UNIT`` on meta tensors."""
-    from ..models import build_on_meta
-
     vae = build_on_meta("vae", config.config).to(dtype).eval()
     counter, (t, h, w) = OpCounter(), _UNIT
     s, f = vae.spatial_factor, vae.temporal_factor
@@ -193,8 +197,6 @@ def _dit_ops(dit: torch.nn.Module, thw: tuple[int, int, int], txt: int, itemsize
     tokens, text ones over the text, shared ones over both, the timestep's over one; a
     video-only block's text outputs are not computed) and its windowed attention (each
     window's video tokens and the text, against themselves)."""
-    from ..models.window import make_windows
-
     tokens = thw[0] * thw[1] * thw[2]
     counter.phase = "dit"
     for name, p in dit.named_parameters():
@@ -248,10 +250,6 @@ def job_work(dit: torch.nn.Module, vae_config, plan, opts, size: tuple[int, int]
              dtype: torch.dtype) -> JobWork:
     """The work of ``plan``'s batches at output ``size`` (H, W): the VAE's small counted run
     scaled to each batch's padded frames and tiles, the DiT's counted per batch."""
-    from ..memory.tiling import settings_from_options, tile_layout
-    from ..memory.budget import TEXT_TOKENS
-    from .runner import MODEL_MULTIPLE
-
     H, W = (-(-n // MODEL_MULTIPLE) * MODEL_MULTIPLE for n in size)
     unit = _vae_unit(_ByText(vae_config), dtype)
     grow = {}
