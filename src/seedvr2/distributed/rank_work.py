@@ -32,7 +32,7 @@ from ..pipeline.sink import open_sink
 from . import frames as wire
 from .groups import DistContext, group_timeout
 from .peers import DistributedError, JobKeys, Lifeline, Liveness, RankLost
-from .sequence import Meeting, meeting_group, sequence_group, sequence_parallel
+from .sequence import Meeting, heads_problem, meeting_group, sequence_group, sequence_parallel
 from .taking import ChunkCollector, ChunkCounter, assign_batches, chunk_outputs
 from .vae_share import SharedVaeUpscaler, vae_owners
 
@@ -77,10 +77,8 @@ def check_sequence_parallel(job: Job, ranks: int):
 
         heads = {describe(dit.model)["heads"]}
     for count in heads:
-        if count % k:
-            raise OptionError(f"sequence_parallel = {k}: sequence parallelism over {k} ranks "
-                              f"needs a head count divisible by {k}; this DiT has {count} "
-                              f"heads (use a group size that divides {count})")
+        if problem := heads_problem(count, k):
+            raise OptionError(f"sequence_parallel = {k}: {problem}")
 
 
 def _on_rank(ctx: DistContext, job: Job) -> Job:

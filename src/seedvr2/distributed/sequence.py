@@ -101,10 +101,8 @@ class UlyssesSequenceParallel:
         return out
 
     def head_range(self, heads: int) -> slice:
-        if heads % self.size:
-            raise OptionError(f"sequence parallelism over {self.size} ranks needs a head count "
-                              f"divisible by {self.size}; this DiT has {heads} heads (use a group "
-                              f"size that divides {heads})")
+        if problem := heads_problem(heads, self.size):
+            raise OptionError(problem)
         own = heads // self.size
         return slice(self.rank * own, (self.rank + 1) * own)
 
@@ -137,6 +135,13 @@ class UlyssesSequenceParallel:
         vid_out = out[:, :n].transpose(0, 1).reshape(n, width)
         txt_out = None if txt is None else out[:, n:].transpose(0, 1).reshape(nt, width)
         return vid_out, txt_out
+
+
+def heads_problem(heads: int, size: int) -> Optional[str]:
+    """Why ``heads`` attention heads cannot be split over ``size`` ranks, or None."""
+    return None if heads % size == 0 else (
+        f"sequence parallelism over {size} ranks needs a head count divisible by {size}; this "
+        f"DiT has {heads} heads (use a group size that divides {heads})")
 
 
 def _counts(bounds: list[int]) -> list[int]:

@@ -9,8 +9,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
-import torch
-
 from ..faults import NO_FAULTS, Faults
 from ..io import open_media
 from ..io.files import (VIDEO_SUFFIXES, FileOutput, frame_count, input_files,
@@ -104,11 +102,8 @@ def prepare_job(models: Models, opts: Options, frame_count: int, size: tuple[int
     the caller to load it again placed that way."""
     where = ModelDevices(models.dit_device, models.vae_device, models.dtype, models.dit_offload,
                          models.vae_offload)
-    budget = mem.Budget(models.dit.config, models.vae.config,
-                        mem.Weights.of_module(models.dit), mem.Weights.of_module(models.vae))
-    own = {d: mem.bytes_on(models.dit, torch.device(d)) + mem.bytes_on(models.vae, torch.device(d))
-           for d in where.compute}
-    ready, est = decide(JobMemory(budget, where, models.text.shape[0], own), opts, frame_count,
+    memory = Job.build(opts, models.dit, models.vae).memory(where)
+    ready, est = decide(replace(memory, text_tokens=models.text.shape[0]), opts, frame_count,
                         size, make_room, fixed_batch)
     _record(stats, ready, opts.batch_size == "auto", est)
     return ready

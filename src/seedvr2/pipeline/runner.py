@@ -1,13 +1,10 @@
 """One process's upscaling job, streaming: frames in, upscaled frames out.
 
-Per chunk of the batch plan the phases run over all of the chunk's batches in turn —
-encode every batch, then the DiT on every latent, then decode every batch — so the models
-are switched once per chunk rather than once per batch. Decoded batches are colour-corrected
+Per chunk of the batch plan each phase runs over all of the chunk's batches (encode, DiT,
+decode), so the models are switched once per chunk. Decoded batches are colour-corrected
 against their resized input, blended where batches overlap, and yielded as soon as no later
-batch can change them. Nothing holds the whole video.
-
-Every random draw of a batch comes from generators seeded by (seed, the batch's first plan
-frame, purpose), drawn on the CPU: the same seed gives the same frames whatever the chunking,
+batch can change them; nothing holds the whole video. Every random draw is seeded by (seed,
+the batch's first plan frame, purpose) on the CPU: the same frames whatever the chunking,
 the device, or which process runs the batch.
 """
 
@@ -83,10 +80,8 @@ class Models:
 
 @dataclass
 class PhaseStats:
-    """One phase over the whole job: time, calls, and memory peaks. Device peaks are
-    ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` of the phase's device, reset
-    at the start of every call (None when the phase runs on the CPU); ``host_rss`` is the
-    process's resident set at the end of a call, the largest seen."""
+    """One phase over the whole job: time, calls, and memory peaks (the CUDA allocator's,
+    reset every call; None on the CPU), ``host_rss`` the largest resident set after a call."""
 
     seconds: float = 0.0
     calls: int = 0
@@ -106,8 +101,7 @@ class PhaseStats:
 
 @dataclass
 class JobStats:
-    """Time and peak memory per phase, the batch size used and the memory estimate, for the
-    end summary."""
+    """Time and peak memory per phase, the batch size and memory estimate, for the summary."""
 
     frames: int = 0
     peak_device_bytes: int = 0

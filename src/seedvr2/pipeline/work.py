@@ -1,15 +1,13 @@
 """The work of a job before it runs (FLOPs and bytes per phase) and its time on the device.
 
-:class:`OpCounter` counts every operation it sees: FLOPs by torch's formulas
-(``torch.utils.flop_counter``; the fused attention by ``sdpa_flop_count``; comfy-kitchen's
-``fp16_conv3d`` as a convolution) and bytes read and written as if nothing were fused (views
-move nothing). ``bench/roofline.py`` runs it over a whole batch at real size on fake tensors; a
+:class:`OpCounter` counts every operation it sees: FLOPs by torch's formulas (the fused
+attention by ``sdpa_flop_count``, comfy-kitchen's ``fp16_conv3d`` as a convolution) and bytes
+moved as if nothing were fused. ``bench/roofline.py`` runs it at real size on fake tensors; a
 job's estimate (:func:`job_work`) runs the models on ``meta`` tensors at a small size and
-scales: the VAE's convolutions are local (work per output pixel and frame; its attention, a
-few % at 1080p, at that size's share), the DiT's work per video token plus its windowed
-attention (each window's tokens against themselves and the text). :func:`device_rates` probes
-the device for about a second (cached per device and dtype); :meth:`JobWork.seconds` is then
-the counted work at those rates, a range from the probe's best and worst rounds.
+scales: the VAE's work per output pixel and frame (its attention, a few % at 1080p, at that
+size's share), the DiT's per video token plus its windowed attention. :func:`device_rates`
+probes the device for about a second (cached); :meth:`JobWork.seconds` is the counted work at
+the probe's best and worst rates.
 """
 
 from __future__ import annotations
