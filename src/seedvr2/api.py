@@ -55,8 +55,8 @@ def process_devices(opts: Options, dit, vae) -> tuple[list[str], Options]:
         chosen = [getattr(opts, name) for name in ("device", "dit_device", "vae_device")]
         if any(d != "auto" for d in chosen):
             return [next(d for d in chosen if d != "auto")], opts
-        on_gpu = [_module_device(m) for m in (dit, vae) if isinstance(m, torch.nn.Module)]
-        on_gpu = [d for d in on_gpu if d is not None and d.type == "cuda"]
+        firsts = [next(m.parameters(), None) for m in (dit, vae) if isinstance(m, torch.nn.Module)]
+        on_gpu = [p.device for p in firsts if p is not None and p.device.type == "cuda"]
         if on_gpu:
             return [str(on_gpu[0])], opts.replace(device=str(on_gpu[0]))
         if isinstance(dit, torch.nn.Module) or isinstance(vae, torch.nn.Module):
@@ -65,11 +65,6 @@ def process_devices(opts: Options, dit, vae) -> tuple[list[str], Options]:
     if len(devices) == 1 and opts.device == "auto" and opts.devices != "auto":
         opts = opts.replace(device=devices[0])
     return devices, opts
-
-
-def _module_device(module: torch.nn.Module) -> Optional[torch.device]:
-    first = next(iter(module.parameters()), None)
-    return None if first is None else first.device
 
 
 def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Progress] = None,
@@ -158,7 +153,7 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
         if len(devices) == 1:
             return _one_process_file_job(reader, output, job, (progress, should_stop, stats))
         job = fit_for_ranks(job, devices[:1] if ctx else devices, frame_count(reader),
-                            output.size, _gather_over_ranks(ctx) if ctx else None)
+                            output.size, ctx.gather if ctx else None)
     if ctx is not None:
         return run_file_job(ctx, job, src, output, progress, should_stop, stats)
     return spawn_file_job(devices, job, src, output, stats, progress, preview)
@@ -178,16 +173,6 @@ def _scene_cuts(opts: Options, count: int, frames, stats: Optional[JobStats]) ->
     if stats is not None:
         stats.scene_cuts = opts.scene_cuts
     return opts
-
-
-def _gather_over_ranks(ctx):
-    def gather(value):
-        import torch.distributed as dist
-
-        values = [None] * ctx.world_size
-        dist.all_gather_object(values, value)
-        return values
-    return gather
 
 
 def _one_process_file_job(reader, output, job: Job, report: tuple) -> Path:

@@ -39,6 +39,12 @@ class DistContext:
     def is_writer(self) -> bool:
         return self.rank == 0
 
+    def gather(self, value) -> list:
+        """Every rank's ``value``, in rank order (collective)."""
+        values = [None] * self.world_size
+        dist.all_gather_object(values, value)
+        return values
+
 
 def in_distributed_launch() -> bool:
     """True inside a multi-process launch (torchrun or Slurm with several tasks)."""

@@ -52,8 +52,7 @@ def _terminate_cleanly():
 
 def check_agreement(ctx: DistContext, identity: dict):
     """Refuse to start when ranks disagree on the job's identity (:func:`job_identity`)."""
-    digests = [None] * ctx.world_size
-    dist.all_gather_object(digests, identity_digest(identity))
+    digests = ctx.gather(identity_digest(identity))
     differing = [r for r, d in enumerate(digests) if d != digests[0]]
     if differing:
         raise DistributedError(f"ranks {differing} disagree with rank 0 on options, input or model "

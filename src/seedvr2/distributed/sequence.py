@@ -1,9 +1,8 @@
-"""Sequence parallelism: one DiT call spread over the ranks of a group (Ulysses all-to-all),
+"""Sequence parallelism: one DiT call spread over the ranks of a group (Ulysses all-to-all)
 for a batch whose tokens do not fit one device: token shards outside attention, head shards
-inside, so the result equals the one-process forward. The DiT knows nothing of processes:
-:class:`UlyssesSequenceParallel` implements ``seedvr2.models.attention.SequenceParallel``.
-Inference only. How, and why ranks meet before the first exchanges:
-docs/multi-gpu.md#sequence-parallelism.
+inside, so the result equals the one-process forward. The DiT knows nothing of processes
+(:class:`UlyssesSequenceParallel` implements ``seedvr2.models.attention.SequenceParallel``).
+Inference only; docs/multi-gpu.md#sequence-parallelism.
 """
 
 from __future__ import annotations

@@ -17,10 +17,6 @@ from .sequence import Meeting
 
 log = logging.getLogger("seedvr2")
 
-# Latent dtypes a header can name (by position).
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_HEADER = 8  # ndim, dtype, then up to 6 sizes
-
 
 def vae_owners(plan: BatchPlan, size: int) -> dict[int, int]:
     """Rank within its group (0 .. size-1) that encodes and decodes each batch: a chunk's
@@ -63,18 +59,16 @@ class SharedVaeUpscaler(Upscaler):
         """The owner's latent of ``item`` to every rank of the group (in plan order on every
         rank), once all are there: the owner may have encoded it long before the others."""
         owner = self.first_rank + self.owners[item.batch.index]
-        header = torch.zeros(_HEADER, dtype=torch.int64)
+        shape = [None]  # (size, dtype) of the latent, from its owner
         if self.owns(item.batch):
             # On the host for gloo: with tensor_offload_device cpu (the default) it is there
             # already; otherwise this copy waits for the encode, which is finished anyway.
             latent = item.latent.cpu().contiguous()
-            header[:2] = torch.tensor([latent.dim(), _DTYPES.index(latent.dtype)])
-            header[2: 2 + latent.dim()] = torch.tensor(latent.shape)
+            shape = [(tuple(latent.shape), latent.dtype)]
         self.meeting.meet()
-        dist.broadcast(header, src=owner, group=self.meeting.group)
+        dist.broadcast_object_list(shape, src=owner, group=self.meeting.group)
         if not self.owns(item.batch):
-            ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
-            latent = torch.empty(header[2: 2 + ndim].tolist(), dtype=dtype)
+            latent = torch.empty(shape[0][0], dtype=shape[0][1])
         dist.broadcast(latent, src=owner, group=self.meeting.group)
         if not self.owns(item.batch):
             # Where the owner keeps it too; to a GPU (tensor_offload_device none) this is a

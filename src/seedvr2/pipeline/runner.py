@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 import warnings
-from collections import deque
+from collections import Counter, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Optional, Sequence
@@ -407,18 +407,6 @@ class StopPoints:
         return handles
 
 
-class _PhaseCounts:
-    """Batches done per phase, told to ``progress`` as they finish."""
-
-    def __init__(self, progress: Progress, total: int):
-        self.progress, self.total = progress, total
-        self.counts = {"encode": 0, "dit": 0, "decode": 0}
-
-    def done(self, phase: str):
-        self.counts[phase] += 1
-        self.progress(phase, self.counts[phase], self.total)
-
-
 class Upscaler:
     """Runs a batch plan over a frame stream with loaded models."""
 
@@ -623,7 +611,11 @@ class Upscaler:
         source = FrameSource(reader, plan, plan.read_start(chosen), needed,
                              pin=self.models.vae_device.type == "cuda")
         encoded = self._encoded([i for chunk in chunks for i in chunk], plan, source)
-        hooks, counts = [], _PhaseCounts(self.progress, len(chosen))
+        hooks, finished = [], Counter()
+
+        def done(phase: str):  # batches finished per phase, told to progress
+            finished[phase] += 1
+            self.progress(phase, finished[phase], len(chosen))
         try:
             hooks = self._stops.attach(self.models)
             if self.overlap_phases:
@@ -631,7 +623,7 @@ class Upscaler:
                 self.models.activate("dit")
                 encoded = ReadAhead(encoded, max(len(c) for c in chunks))
             for chunk in chunks:
-                yield from self._chunk_outputs(chunk, encoded, counts)
+                yield from self._chunk_outputs(chunk, encoded, done)
         finally:
             # Also after an error or interrupt: nothing stays on the device, no thread runs on.
             self._stops.abandon()
@@ -639,7 +631,7 @@ class Upscaler:
             reader.close()
             self._wind_down(hooks)
 
-    def _chunk_outputs(self, chunk: list[int], encoded, counts: "_PhaseCounts"):
+    def _chunk_outputs(self, chunk: list[int], encoded, done: Callable[[str], None]):
         """One chunk's phases: encode every batch, the DiT on each (as each is encoded when
         the phases overlap), decode each."""
         overlap = self.overlap_phases
@@ -648,30 +640,30 @@ class Upscaler:
             self.models.activate("vae")
         for _ in chunk:
             items.append(next(encoded))
-            counts.done("encode")
+            done("encode")
             if overlap:
-                self._denoise_counted(items[-1], counts)
+                self._denoise_counted(items[-1], done)
         if not overlap:
             self.models.park("vae")
             self.models.activate("dit")
             for item in items:
-                self._denoise_counted(item, counts)
+                self._denoise_counted(item, done)
             self.models.park("dit")
             self.models.activate("vae")
         for item in items:
             self._stops()
             with self._vae_lock, self._phase("decode"):
                 out = self._decode(item)
-            counts.done("decode")
+            done("decode")
             yield item.batch, out
             del out
             self._collect_times()  # the consumer has fetched the frames: these ended
 
-    def _denoise_counted(self, item: Encoded, counts: "_PhaseCounts"):
+    def _denoise_counted(self, item: Encoded, done: Callable[[str], None]):
         self._stops()
         with self._phase("dit"):
             self._denoise(item)
-        counts.done("dit")
+        done("dit")
 
     def _wind_down(self, hooks: list):
         for hook in hooks:
