@@ -37,13 +37,6 @@ __all__ = ["MEMORY_CHECK_ENV", "check_file_job", "fit_for_ranks", "load_models",
 Progress = Callable[[str, int, int], None]
 
 
-def _check_one_process(opts: Options):
-    if opts.sequence_parallel > 1:
-        raise OptionError(f"{option_value('sequence_parallel', opts.sequence_parallel)} needs as "
-                          f"many ranks: list the devices ({option_ref('devices', 'cuda:0,cuda:1')}) "
-                          f"or launch with torchrun")
-
-
 def process_devices(opts: Options, dit, vae) -> tuple[list[str], Options]:
     """The devices to run on, one process each, and the options of a single process.
     ``devices=auto`` spreads over every visible GPU unless something ties the job to one: an
@@ -107,7 +100,10 @@ def _job(opts: Options, devices: list[str], models: tuple, model_dir, spawned: b
     ``make_room``; the process that blends the frames shows ``preview``."""
     shown = FramePreview(preview) if preview is not None else None
     if len(devices) == 1:
-        _check_one_process(opts)
+        if opts.sequence_parallel > 1:
+            raise OptionError(f"{option_value('sequence_parallel', opts.sequence_parallel)} needs "
+                              f"as many ranks: list the devices "
+                              f"({option_ref('devices', 'cuda:0,cuda:1')}) or launch with torchrun")
         return Job.build(opts, *models, model_dir, Faults.from_environment(), make_room, shown)
     from .distributed.rank_work import check_sequence_parallel
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from ..io.temporaries import abandoned, hold, remove_stale_temporaries
 from ..options import OptionError
@@ -146,12 +147,6 @@ def _relayer(events, progress, preview):
     return relay
 
 
-def _spawn_context():
-    import torch.multiprocessing as mp
-
-    return mp.get_context("spawn")
-
-
 def _failure(workers, rank: int) -> DistributedError:
     """Which rank failed and, for a raised exception, its last line (the full traceback is
     on the worker's stderr)."""
@@ -272,8 +267,6 @@ def _launched(worker, device_list: list[str], timeout_s: float, args: tuple):
     """Spawn one ``worker(rank, device_list, port, threads, *args)`` per device; yields the
     workers and the launch folder (``rank_work._mark_started``). On leaving, every worker has
     ended (:func:`_stop`), then the store and the folder go."""
-    import torch.multiprocessing as mp
-
     remove_stale_launch_folders()
     with tempfile.TemporaryDirectory(prefix=LAUNCH_PREFIX) as started, \
             _hosted_store(timeout_s) as port, contextlib.ExitStack() as held:
@@ -305,7 +298,7 @@ def spawn_file_job(device_list: list[str], job, src, output, stats=None, progres
     ``stats`` is told the writer's counts and the ranks lost; ``progress`` and ``preview`` the
     writer's finished frames."""
     timeout_s = job.opts.dist_timeout
-    events = _spawn_context().Queue()
+    events = mp.get_context("spawn").Queue()
     relay = _relayer(events, progress, preview)
     with _launched(_file_worker, device_list, timeout_s,
                    (_portable(job), _portable((src, output)),
@@ -410,7 +403,8 @@ def spawn_tensor_job(device_list: list[str], job, frames: torch.Tensor, out_shap
     if not frames.is_shared():
         frames.share_memory_()  # in place, no second copy
     out = torch.empty(out_shape, dtype=torch.float32).share_memory_()
-    events, stop = _spawn_context().Queue(), _spawn_context().Event()
+    spawning = mp.get_context("spawn")
+    events, stop = spawning.Queue(), spawning.Event()
     relay = _relayer(events, progress, preview)
 
     def tick():
