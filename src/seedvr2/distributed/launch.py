@@ -118,16 +118,12 @@ def _relay_frames(events, phase: str, done: int, total: int):
         events.put((phase, done, total))
 
 
-def _relay_preview(events, thumbnail):
-    events.put(("preview", thumbnail.numpy()))
-
-
 def _relaying(job, events, previews: bool):
     """The job with a preview that goes to the launcher, when the launcher shows previews."""
     if not previews:
         return job
-    return dataclasses.replace(job, preview=FramePreview(functools.partial(_relay_preview,
-                                                                           events)))
+    return dataclasses.replace(job, preview=FramePreview(
+        lambda thumbnail: events.put(("preview", thumbnail.numpy()))))
 
 
 def _relayer(events, progress, preview):
