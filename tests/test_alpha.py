@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from seedvr2.pipeline import alpha as alpha_module
+from seedvr2.pipeline import color as color_module
 from seedvr2.pipeline.alpha import upscale_alpha
 
 FG = torch.tensor([0.9, 0.3, 0.2]).view(1, 3, 1, 1)
@@ -112,6 +112,6 @@ def test_deterministic(monkeypatch):
     # A frame's result does not depend on the frames processed with it, nor on chunking.
     both = upscale_alpha(alpha.expand(2, -1, -1, -1), rgb.expand(2, -1, -1, -1))
     assert torch.equal(both[0:1], single) and torch.equal(both[1:2], single)
-    monkeypatch.setattr(alpha_module, "_CHUNK_PIXELS", 1)
+    monkeypatch.setattr(color_module, "_CHUNK_PIXELS", 1)  # alpha chunks as colour does
     chunked = upscale_alpha(alpha.expand(2, -1, -1, -1), rgb.expand(2, -1, -1, -1))
     assert torch.equal(chunked, both)

@@ -116,8 +116,7 @@ PEER_TIMEOUT = datetime.timedelta(seconds=120)
 def _worker(rank: int, world: int, out_dir: str):
     import torch.distributed as dist
 
-    from seedvr2.distributed.sequence import (sequence_group, sequence_parallel,
-                                              sequence_parallel_forward)
+    from seedvr2.distributed.sequence import sequence_group, sequence_parallel
     from seedvr2.loading import load_dit
 
     torch.set_num_threads(1)
@@ -159,8 +158,8 @@ def _worker(rank: int, world: int, out_dir: str):
                 exchange = dist.all_to_all_single
                 dist.all_to_all_single = lambda *a, **k: (seen.append("a2a"), exchange(*a, **k))[1]
                 try:
-                    with torch.no_grad():
-                        out = sequence_parallel_forward(model, *_inputs(case))
+                    with torch.no_grad(), sequence_parallel(model):  # the whole world's group
+                        out = model(*_inputs(case))
                 finally:
                     dist.all_to_all_single = exchange
                     hook.remove()

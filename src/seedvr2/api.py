@@ -1,11 +1,9 @@
 """The facade every interface calls: ``upscale`` (frames in memory) and ``upscale_file``.
 
-Here a job is built once (``seedvr2.pipeline.job.Job``: options validated, models given
-loaded, by registered name or by path, the tests' faults read) and run in this process or
-over several ranks (``seedvr2.distributed``: spawned here, or this process is one rank of a
-torchrun/Slurm launch). Both load models and check the memory budget through ``Job.prepare``
-before any frame, and a file job writes through the same sinks (``seedvr2.pipeline.sink``).
-See docs/architecture.md.
+A job is built once (``seedvr2.pipeline.job.Job``) and run in this process or over several
+ranks (``seedvr2.distributed``: spawned here, or this process is one rank of a torchrun/Slurm
+launch); either way ``Job.prepare`` checks the memory budget and loads the models before any
+frame, and a file job writes through ``seedvr2.pipeline.sink``. See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -18,11 +16,15 @@ import torch
 from .errors import InputError, UsageError
 from .faults import Faults
 from .options import OptionError, Options, option_ref, option_value, resolve_options
+from .io import open_media
+from .io.files import frame_count
+from .pipeline.cuts import resolve_scene_cuts
+from .pipeline.identity import job_identity, source_digest
 from .pipeline.plan import make_plan
-from .pipeline.work import log_work
 from .pipeline.preview import FramePreview, Show
 from .pipeline.runner import JobStats, Upscaler, input_frames, output_size
-from .io.files import frame_count
+from .pipeline.sink import DirectSink, open_sink
+from .pipeline.work import log_work
 from .memory.fit import MEMORY_CHECK_ENV, MakeRoom
 from .pipeline.job import (Job, check_file_job, file_output, fit_for_ranks, plan_file,
                            prepare_job)
@@ -35,29 +37,19 @@ __all__ = ["MEMORY_CHECK_ENV", "check_file_job", "fit_for_ranks", "load_models",
 Progress = Callable[[str, int, int], None]
 
 
-def _check_one_process(opts: Options):
-    if opts.sequence_parallel > 1:
-        raise OptionError(f"{option_value('sequence_parallel', opts.sequence_parallel)} needs as "
-                          f"many ranks: list the devices ({option_ref('devices', 'cuda:0,cuda:1')}) "
-                          f"or launch with torchrun")
-
-
 def process_devices(opts: Options, dit, vae) -> tuple[list[str], Options]:
     """The devices to run on, one process each, and the options of a single process.
-
-    ``devices=auto`` spreads the job over every visible GPU only when nothing ties it to one:
-    an explicit ``device``, ``dit_device`` or ``vae_device`` means one process there, and
-    models given loaded mean one process on their device (the modules cannot travel to
-    worker processes). A device list given explicitly is obeyed as it is.
-    """
+    ``devices=auto`` spreads over every visible GPU unless something ties the job to one: an
+    explicit ``device``, ``dit_device`` or ``vae_device``, or models given loaded (modules
+    cannot travel to workers). A device list given explicitly is obeyed as it is."""
     from .distributed.launch import parse_devices
 
     if opts.devices == "auto":
         chosen = [getattr(opts, name) for name in ("device", "dit_device", "vae_device")]
         if any(d != "auto" for d in chosen):
             return [next(d for d in chosen if d != "auto")], opts
-        on_gpu = [_module_device(m) for m in (dit, vae) if isinstance(m, torch.nn.Module)]
-        on_gpu = [d for d in on_gpu if d is not None and d.type == "cuda"]
+        firsts = [next(m.parameters(), None) for m in (dit, vae) if isinstance(m, torch.nn.Module)]
+        on_gpu = [p.device for p in firsts if p is not None and p.device.type == "cuda"]
         if on_gpu:
             return [str(on_gpu[0])], opts.replace(device=str(on_gpu[0]))
         if isinstance(dit, torch.nn.Module) or isinstance(vae, torch.nn.Module):
@@ -66,17 +58,6 @@ def process_devices(opts: Options, dit, vae) -> tuple[list[str], Options]:
     if len(devices) == 1 and opts.device == "auto" and opts.devices != "auto":
         opts = opts.replace(device=devices[0])
     return devices, opts
-
-
-def _module_device(module: torch.nn.Module) -> Optional[torch.device]:
-    first = next(iter(module.parameters()), None)
-    return None if first is None else first.device
-
-
-def _check_named_models(dit, vae):
-    if isinstance(dit, torch.nn.Module) or isinstance(vae, torch.nn.Module):
-        raise InputError("several devices need the models by name or path (each worker "
-                         "loads its own), not loaded modules")
 
 
 def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Progress] = None,
@@ -114,18 +95,21 @@ def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Pr
 
 def _job(opts: Options, devices: list[str], models: tuple, model_dir, spawned: bool = True,
          make_room: Optional[MakeRoom] = None, preview: Optional[Show] = None) -> Job:
-    """The job, after the checks that need no model file: spawned ranks need models by name
-    or path (each resolves them itself), and several ranks a ``sequence_parallel`` they can
-    split. Only one process asks ``make_room`` (the host's memory is this process's); the
-    process that blends the frames (this one, unless ranks are spawned) shows ``preview``."""
+    """The job, after the checks that need no model file (spawned ranks need models by name
+    or path; several ranks a ``sequence_parallel`` they can split). Only one process asks
+    ``make_room``; the process that blends the frames shows ``preview``."""
     shown = FramePreview(preview) if preview is not None else None
     if len(devices) == 1:
-        _check_one_process(opts)
+        if opts.sequence_parallel > 1:
+            raise OptionError(f"{option_value('sequence_parallel', opts.sequence_parallel)} needs "
+                              f"as many ranks: list the devices "
+                              f"({option_ref('devices', 'cuda:0,cuda:1')}) or launch with torchrun")
         return Job.build(opts, *models, model_dir, Faults.from_environment(), make_room, shown)
     from .distributed.rank_work import check_sequence_parallel
 
-    if spawned:
-        _check_named_models(*models)
+    if spawned and any(isinstance(m, torch.nn.Module) for m in models):
+        raise InputError("several devices need the models by name or path (each worker "
+                         "loads its own), not loaded modules")
     job = Job.build(opts, *models, model_dir, Faults.from_environment(),
                     preview=None if spawned else shown)
     check_sequence_parallel(job, len(devices))
@@ -142,16 +126,13 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
 
     Video keeps its exact frame rate (variable-rate video: every frame's time) and its audio
     and subtitles where the output holds them (copied, not re-encoded); ``fps`` gives images
-    and sequences a rate for a video output. The output is
-    written under a temporary name and appears at ``dst`` only when complete; an existing
-    ``dst`` is replaced only with ``overwrite=True``. ``stats``, ``make_room`` and
-    ``preview`` as in :func:`upscale`; ``opts``: options already resolved (the CLI's), instead of ``**options``.
-    Returns the output path.
+    and sequences a rate for a video output. The output appears at ``dst`` only when complete;
+    an existing ``dst`` is replaced only with ``overwrite=True``. The other keywords as in
+    :func:`upscale`. Returns the output path.
     """
     from .distributed import in_distributed_launch, init_from_env
     from .distributed.rank_work import run_file_job
     from .distributed.launch import spawn_file_job
-    from .io import open_media
 
     opts = _options("upscale_file", opts, options)
     if in_distributed_launch():  # torchrun / Slurm: this process is one rank
@@ -168,7 +149,7 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
         if len(devices) == 1:
             return _one_process_file_job(reader, output, job, (progress, should_stop, stats))
         job = fit_for_ranks(job, devices[:1] if ctx else devices, frame_count(reader),
-                            output.size, _gather_over_ranks(ctx) if ctx else None)
+                            output.size, ctx.gather if ctx else None)
     if ctx is not None:
         return run_file_job(ctx, job, src, output, progress, should_stop, stats)
     return spawn_file_job(devices, job, src, output, stats, progress, preview)
@@ -184,30 +165,15 @@ def _options(facade: str, opts: Optional[Options], options: dict) -> Options:
 
 def _scene_cuts(opts: Options, count: int, frames, stats: Optional[JobStats]) -> Options:
     """``opts`` with the scene cuts resolved (:mod:`.pipeline.cuts`), told to ``stats``."""
-    from .pipeline.cuts import resolve_scene_cuts
-
     opts = resolve_scene_cuts(opts, count, frames)
     if stats is not None:
         stats.scene_cuts = opts.scene_cuts
     return opts
 
 
-def _gather_over_ranks(ctx):
-    def gather(value):
-        import torch.distributed as dist
-
-        values = [None] * ctx.world_size
-        dist.all_gather_object(values, value)
-        return values
-    return gather
-
-
 def _one_process_file_job(reader, output, job: Job, report: tuple) -> Path:
     """The file job in this process: the output opened first (an unwritable or existing one
-    fails before any model loads), then the models, then the sink fed by the upscaler."""
-    from .pipeline.identity import job_identity, source_digest
-    from .pipeline.sink import DirectSink, open_sink
-
+    fails before any model loads), then the models, then the sink."""
     progress, should_stop, stats = report
     count = frame_count(reader)
     writer = output.open(reader.info)
@@ -221,14 +187,9 @@ def _one_process_file_job(reader, output, job: Job, report: tuple) -> Path:
         writer.abort()
         raise
     with open_sink(writer, reader, output, plan, identity, models.dtype, job) as sink:
-        # A direct sink's frames are rounded to integers on the device: the copy to the host
-        # is then 4x (uint8) or 2x (uint16) smaller than float32 frames.
-        upscaler = Upscaler(models, opts, job.faults.with_kill_points(progress or _silent),
+        # A direct sink's frames are rounded to integers on the device (a smaller copy to the host).
+        upscaler = Upscaler(models, opts, job.faults.with_kill_points(progress),
                             should_stop, stats=stats, frames_on_device=isinstance(sink, DirectSink))
         return sink.consume(lambda batches: upscaler.batch_outputs(
             reader.frames(start=plan.read_start(batches)), plan, batches),
             upscaler.progress, upscaler.stats, upscaler.check_stop, job.preview)
-
-
-def _silent(phase: str, done: int, total: int):
-    pass

@@ -1,10 +1,10 @@
 """Fault injection for the tests, in one place: kills, freezes and slow ranks at named points.
 
 The multi-process and resume tests need a job to die (or hang, or lag) at an exact instant,
-and short clips to be cut into several resume segments. They say so through environment
-variables, which only :meth:`Faults.from_environment` reads; the facade calls it once per job
-and hands the result down explicitly (spawned workers receive it pickled). ``Faults()``, the
-default everywhere below the facade, injects nothing: production sets none of these.
+and short clips cut into several resume segments. They say so through environment variables,
+read only by :meth:`Faults.from_environment`, which the facade calls once per job and hands
+down (spawned workers receive it pickled). ``Faults()``, the default below the facade,
+injects nothing.
 
 * ``SEEDVR2_KILL_AT=POINT:N``: SIGKILL at the N-th POINT (``encode``/``dit``/``decode``: that
   batch's phase is done; ``write``: a segment has frames in it; ``segment``: a segment is
@@ -88,14 +88,15 @@ class Faults:
         if self.kill_at and self.kill_at == f"{point}:{count}":
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def with_kill_points(self, progress: Callable[[str, int, int], None]):
-        """``progress`` that first reaches the kill point of each phase step it is told."""
+    def with_kill_points(self, progress: Optional[Callable[[str, int, int], None]]):
+        """``progress`` (None: none) that first reaches the kill point of each phase step."""
         if not self.kill_at:
             return progress
 
         def report(phase: str, done: int, total: int):
             self.kill_point(phase, done)
-            progress(phase, done, total)
+            if progress is not None:
+                progress(phase, done, total)
         return report
 
     def assembled(self, segments: int):
@@ -111,9 +112,8 @@ class Faults:
         return int(point.partition("=")[2] or 0)
 
     def fault_point(self, rank: int, batches_done: int):
-        """``rank`` has delivered ``batches_done`` batches (the writer: written them): its
-        fault fires here when that is its count (dies without any cleanup as a crash would,
-        or stops itself as a hung driver would)."""
+        """``rank`` has delivered (the writer: written) ``batches_done`` batches: its fault
+        fires at its count (dies without cleanup as a crash would, or stops as a hung driver)."""
         after = self.rank_fault_after(rank)
         if after is None or batches_done < after:
             return

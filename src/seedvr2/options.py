@@ -1,12 +1,10 @@
 """Every user-facing option, defined once: name, type, default, range/choices, help.
 
-The CLI flags (kebab-case), the ComfyUI node inputs and the workflow inputs are generated from
-or checked against this table. ``resolve_options(**given)`` validates a set of options and
-returns them complete, with defaults filled in; errors name the option and the fix.
-
-Messages name an option in the caller's own words: ``text_embeddings=PATH`` for Python callers,
-``--text-embeddings PATH`` on the command line. Code that writes a message calls
-:func:`option_ref`; the ``seedvr2`` command runs inside :func:`spoken_as_cli`.
+The CLI flags, the ComfyUI node inputs and the workflow inputs are generated from or checked
+against this table. ``resolve_options(**given)`` validates options and fills in defaults;
+errors name the option and the fix, in the caller's own words (``text_embeddings=PATH`` in
+Python, ``--text-embeddings PATH`` on the command line: :func:`option_ref`, and the
+``seedvr2`` command runs inside :func:`spoken_as_cli`).
 """
 
 from __future__ import annotations
@@ -44,13 +42,10 @@ def spoken_as_cli():
 
 
 def option_ref(name: str, value=None, *, flag: Optional[str] = None) -> str:
-    """How the caller writes option ``name`` (set to ``value`` when given).
-
-    Python: ``name`` / ``name=value``; command line: ``--name`` / ``--name value``, a boolean
-    ``True`` as the bare flag and ``False`` as ``--no-name``. Names outside :data:`OPTIONS`
-    (``overwrite``, ``model_dir``) follow the same rule; ``flag`` names a command-line flag
-    that is not spelled like the keyword (``quantize --type`` for ``target``).
-    """
+    """How the caller writes option ``name`` (set to ``value`` when given): ``name`` /
+    ``name=value`` in Python; ``--name`` / ``--name value`` on the command line, ``True`` as
+    the bare flag and ``False`` as ``--no-name``. ``flag``: a command-line flag not spelled
+    like the keyword (``quantize --type`` for ``target``)."""
     if _CALLER.get() == "python":
         return name if value is None else f"{name}={value}"
     flag = flag or "--" + name.replace("_", "-")
@@ -65,9 +60,8 @@ MAX_QUOTED = 80  # characters of a value an error message quotes
 
 
 def option_value(name: str, value) -> str:
-    """An option and the value given for it, as the subject of an error message:
-    ``batch_size = 8`` for Python callers, ``--batch-size 8`` on the command line. A long value
-    (a list of 100,000 cuts) is quoted by its beginning and its length."""
+    """An option and its value as an error's subject: ``batch_size = 8`` in Python,
+    ``--batch-size 8`` on the command line; a long value by its beginning and length."""
     shown = repr(value) if _CALLER.get() == "python" else str(value)
     if len(shown) > MAX_QUOTED:
         shown = f"{shown[:MAX_QUOTED - 20]}... ({len(shown)} characters)"
@@ -113,11 +107,10 @@ _PLAIN_FLOAT = re.compile(r" *(-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?|-?
 
 
 def plain_number(kind: type, text: str):
-    """``text`` as an int or float when it is spelled in plain ASCII decimal (spaces around
-    allowed; floats also as ``1e-3``, and ``inf``/``nan`` for the range checks to name); else
-    OptionError. Python's own int()/float() also read ``1_0`` as 10, ``+3``, other scripts'
-    digits (``١``) and surrounding newlines: a value spelled so is more likely a mistake
-    than meant."""
+    """``text`` as an int or float spelled in plain ASCII decimal (spaces around allowed;
+    floats also ``1e-3``, ``inf``/``nan`` for the range checks to name); else OptionError.
+    Python's int()/float() also read ``1_0``, ``+3``, other scripts' digits (``١``) and
+    newlines: a value spelled so is more likely a mistake than meant."""
     match = (_PLAIN_INT if kind is int else _PLAIN_FLOAT).fullmatch(text)
     if match is None:
         raise OptionError(f"not a plain decimal {kind.__name__}: {text!r}")
@@ -154,20 +147,19 @@ def _even_problem(value: int) -> Optional[str]:
         f"must be even (outputs have even sizes); nearest valid values: {value - 1} or {value + 1}"
 
 
-def _tile_problem(value: int) -> Optional[str]:
-    return None if value % 8 == 0 else f"must be a multiple of 8 pixels (e.g. {value - value % 8 or 8})"
+def _multiple_of(n: int, unit: str, alternative: str = "") -> Callable[[int], Optional[str]]:
+    return lambda value: None if value % n == 0 else \
+        f"must be a multiple of {n} {unit} (e.g. {value - value % n or n}){alternative}"
 
 
-def _slice_problem(value: int) -> Optional[str]:
-    return None if value % 4 == 0 else \
-        f"must be a multiple of 4 frames (e.g. {value - value % 4 or 4}), or 0 for no slicing"
+_tile_problem = _multiple_of(8, "pixels")
+_slice_problem = _multiple_of(4, "frames", ", or 0 for no slicing")
 
 
 def parse_scene_cuts(value):
-    """The scene_cuts option as ``"auto"`` or a sorted tuple of cut frames (``off`` is ``()``):
-    from ``auto``, ``off``, text such as ``120, 348`` (plain decimal frame numbers, spaces
-    around them allowed) or a list of frame numbers. Empty text is refused: it may be a
-    variable that was never set, and ``off`` says what is meant."""
+    """The scene_cuts option as ``"auto"`` or a sorted tuple of cut frames (``off``: ``()``),
+    from ``auto``, ``off``, text such as ``120, 348`` or a list of frame numbers. Empty text
+    is refused: it may be a variable never set, and ``off`` says what is meant."""
     import operator
 
     text = value.strip(" ").lower() if isinstance(value, str) else None
@@ -324,7 +316,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("devices", str, "auto", "devices to split the video's batches over: auto (every "
            "visible GPU, else one CPU process; a named device means one process there), or a "
            "list such as cuda:0,cuda:1 or cpu,cpu",
-           check=lambda v: _devices_problem(v)),
+           check=_devices_problem),
     Option("dist_timeout", float, 60.0, "seconds a rank waits for another before the job "
            "stops with an error naming it", min=1.0, max=86400.0),
     Option("sequence_parallel", int, 1, "ranks that share each batch's DiT call (Ulysses "

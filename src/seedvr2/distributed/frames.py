@@ -30,22 +30,19 @@ _SCALE = {8: 255.0, 16: 65535.0}
 
 
 def frame_group(timeout: datetime.timedelta, new_group: Callable = None):
-    """The gloo group frames travel over, whatever the default group's backend (NCCL on
-    GPUs), with the job's timeout like every group: its waits last one transfer
-    (:class:`Handover`). Every rank must call this, in the same order as other group
-    creations."""
+    """The gloo group frames travel over, whatever the default group's backend, with the
+    job's timeout (its waits last one transfer: :class:`Handover`). Every rank calls this, in
+    the same order as other group creations."""
     new_group = new_group or dist.new_group
     return new_group(backend="gloo", timeout=timeout)
 
 
 class Handover:
     """A batch changes hands when both ends are there: the sender marks ``sent/I`` in the
-    job's store once its message is posted, the writer ``receiving/I`` once it receives. Each
-    waits for the other's mark there, polled and watching that the other lives
-    (:func:`~.peers.wait_until`), never inside gloo: a gloo wait then lasts one transfer, so
-    the frame group keeps the job's dist_timeout however long a batch takes to compute (a
-    batch is computed long after the writer could post its receive), and a peer gone silent
-    is noticed by its heartbeat, not by a two-hour timeout."""
+    store once its message is posted, the writer ``receiving/I`` once it receives; each waits
+    for the other's mark polled there, watching that the other lives (:func:`~.peers.wait_until`),
+    never inside gloo. So a gloo wait lasts one transfer and the frame group keeps the job's
+    dist_timeout however long a batch computes; a silent peer is noticed by its heartbeat."""
 
     def __init__(self, keys: JobKeys, liveness: Liveness):
         self.keys, self.liveness = keys, liveness
@@ -55,8 +52,7 @@ class Handover:
 
     def wait_posted(self, index: int, sender: int,
                     meanwhile: Callable[[], bool] = lambda: False):
-        """Until ``sender`` has posted batch ``index``; raises :class:`RankLost` when it is
-        lost first. ``meanwhile()``: work done while waiting."""
+        """Until ``sender`` has posted batch ``index`` (:class:`RankLost` if lost first)."""
         wait_until(lambda: self.keys.exists(f"sent/{index}"),
                    lambda: self.liveness.check(sender), meanwhile)
 
@@ -64,15 +60,13 @@ class Handover:
         self.keys.mark(f"receiving/{index}")
 
     def wait_receiving(self, index: int, writer: int = 0):
-        """Until the writer receives batch ``index``; raises :class:`RankLost` when it is
-        lost first."""
+        """Until the writer receives batch ``index`` (:class:`RankLost` if lost first)."""
         wait_until(lambda: self.keys.exists(f"receiving/{index}"),
                    lambda: self.liveness.check(writer))
 
 
 def quantized_span(plan: BatchPlan, batch: Batch) -> tuple[int, int]:
-    """Frames [start, stop) of ``batch`` (batch-relative) that no cross-fade touches: after
-    the leading ``overlap`` frames, before the next batch's start (empty when they meet)."""
+    """Frames [start, stop) of ``batch`` (batch-relative) that no cross-fade touches."""
     start = batch.overlap
     stop = plan.emit_stop(batch) - batch.start
     return (start, stop) if start < stop else (0, 0)
@@ -89,11 +83,9 @@ class BatchMessage:
 
 
 def encode_batch(frames: torch.Tensor, span: tuple[int, int], bit_depth: Optional[int]) -> BatchMessage:
-    """``frames`` (n, H, W, C) float32 in [0, 1], on any device, as a message of CPU tensors.
-
-    ``bit_depth`` 8 or 16: frames in ``span`` go as the writer's integers; ``None``: all
-    float32. The rounding runs where the frames are (on a GPU: only the integers are copied).
-    """
+    """``frames`` (n, H, W, C) float32 in [0, 1], any device, as CPU tensors: with
+    ``bit_depth`` 8 or 16 those in ``span`` as the writer's integers (rounded where the frames
+    are), the rest (all for ``None``) float32."""
     n, height, width, channels = frames.shape
     start, stop = span if bit_depth is not None else (0, 0)
     if bit_depth is not None and bit_depth not in _WIRE_DTYPE:
@@ -131,13 +123,9 @@ def buffers_for(header: torch.Tensor, expected: tuple[int, int, int, int],
 
 
 def decode_batch(message: BatchMessage) -> torch.Tensor:
-    """The float32 frames (n, H, W, C) for the blender.
-
-    Integers come back as ``q / scale`` in float32. The writer's rounding,
-    ``round(x * scale)``, then gives back exactly ``q``: each of the two float32 operations
-    errs by at most half an ulp, so ``(q / scale) * scale`` is within ``q · 2⁻²³`` of ``q`` —
-    under 0.008 for q ≤ 65535, far from the 0.5 that would change the rounding.
-    """
+    """The float32 frames (n, H, W, C) for the blender. Integers come back as ``q / scale``,
+    which the writer's ``round(x * scale)`` turns back into exactly ``q``: two float32
+    operations err by at most ``q · 2⁻²³`` (< 0.008 for q ≤ 65535), far from 0.5."""
     fields = dict(zip(HEADER_FIELDS, message.header.tolist()))
     start, stop, depth = fields["quantized_start"], fields["quantized_stop"], fields["bit_depth"]
     if stop == start:
@@ -156,8 +144,8 @@ def tags(batch_index: int) -> tuple[int, int, int]:
 
 
 def send_batch(message: BatchMessage, dst: int, batch_index: int, group) -> list:
-    """Posts the message's sends without waiting; the caller keeps ``message`` alive and
-    waits on the returned works before reusing or dropping it."""
+    """Posts the message's sends; the caller keeps ``message`` alive until the returned works
+    are waited on."""
     works = []
     for tensor, tag in zip(message.tensors(), tags(batch_index)):
         if tensor.numel():

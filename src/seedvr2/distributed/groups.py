@@ -39,6 +39,12 @@ class DistContext:
     def is_writer(self) -> bool:
         return self.rank == 0
 
+    def gather(self, value) -> list:
+        """Every rank's ``value``, in rank order (collective)."""
+        values = [None] * self.world_size
+        dist.all_gather_object(values, value)
+        return values
+
 
 def in_distributed_launch() -> bool:
     """True inside a multi-process launch (torchrun or Slurm with several tasks)."""
@@ -62,8 +68,8 @@ def _env_ranks() -> tuple[int, int, int]:
 def init_from_env(device_spec: str = "auto", timeout_s: float = 60.0,
                   rank: int | None = None, world_size: int | None = None,
                   local_rank: int | None = None, store: dist.Store | None = None) -> DistContext:
-    """Join (or create) the default process group and pick this rank's device. The group
-    meets in ``store`` when given (our launcher's), else as torchrun or Slurm say."""
+    """Join (or create) the default process group, meeting in ``store`` when given (our
+    launcher's) else as torchrun or Slurm say, and pick this rank's device."""
     env_rank, env_world, env_local = _env_ranks()
     rank = env_rank if rank is None else rank
     world_size = env_world if world_size is None else world_size

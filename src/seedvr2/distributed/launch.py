@@ -24,11 +24,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from ..options import OptionError
 from ..io.temporaries import abandoned, hold, remove_stale_temporaries
+from ..options import OptionError
+from ..pipeline.preview import FramePreview
+from ..pipeline.runner import Interrupted, JobStats
 from .groups import destroy, init_from_env
 from .peers import DistributedError
+from .rank_work import STARTED_ENV, run_file_job, run_tensor_job
 
 log = logging.getLogger("seedvr2")
 
@@ -52,9 +56,8 @@ def parse_devices(spec: str) -> list[str]:
 
 @contextlib.contextmanager
 def _hosted_store(timeout_s: float):
-    """The job's rendezvous store, hosted by the launcher for as long as the job runs (so it
-    outlives any rank); yields its port, which the OS picked when the store bound it: no port
-    picked free beforehand that another process could take meanwhile."""
+    """The job's rendezvous store, hosted by the launcher (it outlives any rank); yields the
+    port the OS picked as it bound (none picked beforehand that another could take)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
     try:
@@ -81,9 +84,6 @@ _WRITER_COUNTS = ("frames", "batches_reused", "batches_total")  # the JobStats i
 
 def _file_worker(rank: int, devices: list[str], port: int, threads: int, job, file: tuple,
                  report: tuple):
-    from ..pipeline.runner import JobStats
-    from .rank_work import STARTED_ENV, run_file_job
-
     log_level, events, previews = report
     # A spawned worker starts without logging set up: show what the parent would, by rank.
     logging.basicConfig(level=log_level, format=f"%(levelname)s %(name)s rank {rank}: %(message)s")
@@ -101,8 +101,6 @@ def _file_worker(rank: int, devices: list[str], port: int, threads: int, job, fi
 
 def _tensor_worker(rank: int, devices: list[str], port: int, threads: int, job,
                    tensors: tuple, channel: tuple):
-    from .rank_work import run_tensor_job
-
     ctx = _join_group(rank, devices, port, threads, job.opts.dist_timeout)
     events, stop, previews = channel
     try:
@@ -113,31 +111,24 @@ def _tensor_worker(rank: int, devices: list[str], port: int, threads: int, job,
         destroy()
 
 
-# What a worker tells the launcher, on its events queue: ("frames", done, total) and
-# ("preview", (h, w, 3) uint8 array), both only from the writer rank, which blends the frames.
+# What the writer rank (which blends the frames) tells the launcher on its events queue:
+# ("frames", done, total) and ("preview", (h, w, 3) uint8 array).
 def _relay_frames(events, phase: str, done: int, total: int):
-    if phase == "frames":  # only the writer rank counts finished frames
+    if phase == "frames":
         events.put((phase, done, total))
 
 
-def _relay_preview(events, thumbnail):
-    events.put(("preview", thumbnail.numpy()))
-
-
 def _relaying(job, events, previews: bool):
-    """The job with a preview that goes to the launcher (already small and at most about
-    once a second), when the launcher shows previews."""
-    from ..pipeline.preview import FramePreview
-
+    """The job with a preview that goes to the launcher, when the launcher shows previews."""
     if not previews:
         return job
-    return dataclasses.replace(job, preview=FramePreview(functools.partial(_relay_preview,
-                                                                           events)))
+    return dataclasses.replace(job, preview=FramePreview(
+        lambda thumbnail: events.put(("preview", thumbnail.numpy()))))
 
 
 def _relayer(events, progress, preview):
     """The launcher's side: every event waiting on ``events`` told to ``progress`` or shown
-    to ``preview`` (as the tensor the library's ``preview`` takes)."""
+    to ``preview``."""
     def relay():
         while True:
             try:
@@ -152,15 +143,9 @@ def _relayer(events, progress, preview):
     return relay
 
 
-def _spawn_context():
-    import torch.multiprocessing as mp
-
-    return mp.get_context("spawn")
-
-
 def _failure(workers, rank: int) -> DistributedError:
-    """The launcher's error: which rank failed and, for a raised exception, its last line
-    (the worker's full traceback is on stderr)."""
+    """Which rank failed and, for a raised exception, its last line (the full traceback is
+    on the worker's stderr)."""
     process = workers.processes[rank]
     try:
         with open(workers.error_files[rank], "rb") as f:
@@ -174,8 +159,8 @@ def _failure(workers, rank: int) -> DistributedError:
 
 
 def _in_words(last: str) -> str:
-    """A traceback's last line as a person reads it: our errors' messages say what is wrong
-    (the class path goes), another exception keeps its short name."""
+    """A traceback's last line for a person: our errors' messages alone, another exception
+    with its short name."""
     name, colon, message = last.partition(": ")
     if not colon or " " in name:
         return last
@@ -228,11 +213,9 @@ def _portable(value):
 
 @contextlib.contextmanager
 def _spawnable():
-    """While workers start: hide the parent's ``__main__`` (inside ComfyUI that is ``main.py``,
-    whose top level runs every custom node's prestartup script; the workers need nothing from
-    it), and when the library is not importable as ``seedvr2`` (a ComfyUI custom-node folder),
-    give the children's ``sys.path`` — a copy of ours taken at start — the library's folder,
-    appended last and removed again as soon as they have started."""
+    """While workers start: hide the parent's ``__main__`` (inside ComfyUI ``main.py``, whose
+    top level runs every prestartup script), and when the library is not importable as
+    ``seedvr2`` (a custom-node folder) append its folder to the ``sys.path`` the children copy."""
     main = sys.modules.get("__main__")
     sys.modules["__main__"] = types.ModuleType("__main__")
     library_root = str(Path(__file__).resolve().parents[2])
@@ -254,9 +237,8 @@ LAUNCH_FOLDER_GRACE_S = 60.0
 
 
 def remove_stale_launch_folders() -> list[Path]:
-    """Remove the launch folders of launchers that are gone (killed before their cleanup);
-    returns them. A live launcher holds a lock on its folder (:func:`hold`, dropped by the
-    kernel when it dies), so a folder that can be locked is abandoned."""
+    """Remove (and return) the launch folders of launchers killed before their cleanup: a live
+    launcher holds a lock on its folder (:func:`hold`, dropped by the kernel when it dies)."""
     removed = []
     for folder in Path(tempfile.gettempdir()).glob(f"{LAUNCH_PREFIX}*"):
         try:
@@ -279,13 +261,8 @@ def remove_stale_launch_folders() -> list[Path]:
 @contextlib.contextmanager
 def _launched(worker, device_list: list[str], timeout_s: float, args: tuple):
     """Spawn one ``worker(rank, device_list, port, threads, *args)`` per device; yields the
-    workers and the launch folder, in which each marks itself once the job can go on without
-    it (``job._mark_started``). On leaving, every worker has ended (:func:`_stop`), then the
-    store and the folder go."""
-    import torch.multiprocessing as mp
-
-    from .rank_work import STARTED_ENV
-
+    workers and the launch folder (``rank_work._mark_started``). On leaving, every worker has
+    ended (:func:`_stop`), then the store and the folder go."""
     remove_stale_launch_folders()
     with tempfile.TemporaryDirectory(prefix=LAUNCH_PREFIX) as started, \
             _hosted_store(timeout_s) as port, contextlib.ExitStack() as held:
@@ -314,10 +291,10 @@ def _launched(worker, device_list: list[str], timeout_s: float, args: tuple):
 def spawn_file_job(device_list: list[str], job, src, output, stats=None, progress=None,
                    preview=None) -> Path:
     """Run ``upscale_file`` over several local devices; raises naming the failed rank.
-    ``stats`` (a ``JobStats``) is told the writer's frame and batch counts and the ranks the
-    job went on without; the writer's finished frames reach ``progress`` and ``preview``."""
+    ``stats`` is told the writer's counts and the ranks lost; ``progress`` and ``preview`` the
+    writer's finished frames."""
     timeout_s = job.opts.dist_timeout
-    events = _spawn_context().Queue()
+    events = mp.get_context("spawn").Queue()
     relay = _relayer(events, progress, preview)
     with _launched(_file_worker, device_list, timeout_s,
                    (_portable(job), _portable((src, output)),
@@ -342,10 +319,9 @@ def spawn_file_job(device_list: list[str], job, src, output, stats=None, progres
 
 def _join(workers, timeout_s: float, started: Path, tick=None):
     """Wait for the job; returns the ranks it went on without (rank -> exit code). Raises
-    naming the rank, once the others are stopped, when the writer (rank 0) fails or freezes
-    (its mark's time stops moving for ``timeout_s``) or any rank fails before it has started
-    the job (``job._mark_started``). A rank still running ``timeout_s`` after the output is
-    complete is stopped. See docs/multi-gpu.md#when-a-rank-is-lost."""
+    naming the rank when the writer (rank 0) fails or freezes (its mark stops moving for
+    ``timeout_s``) or a rank fails before it has started; a rank still running ``timeout_s``
+    after the output is complete is stopped. docs/multi-gpu.md#when-a-rank-is-lost."""
     processes = workers.processes
     lost: dict[int, int] = {}  # rank -> exit code: the ranks the job went on without
     ended: set[int] = set()  # ranks whose failure is dealt with
@@ -403,8 +379,7 @@ STOP_GRACE_S = 2.0
 
 
 def _stop(workers):
-    """Ends every worker still running (an error here, or in a callback, must not orphan
-    them) and waits for them: SIGTERM, then SIGKILL for those that ignore it."""
+    """End every worker still running (an error must not orphan them): SIGTERM, then SIGKILL."""
     alive = [p for p in workers.processes if p.is_alive()]
     for process in alive:
         process.terminate()
@@ -417,18 +392,15 @@ def _stop(workers):
 
 def spawn_tensor_job(device_list: list[str], job, frames: torch.Tensor, out_shape: tuple,
                      progress=None, should_stop=None, preview=None) -> torch.Tensor:
-    """Run ``upscale`` on frames in memory over several local devices, spawned (not forked:
-    the parent may have initialised CUDA), the frames both ways in shared memory; the writer's
-    finished frames reach ``progress`` and ``preview`` here, and ``should_stop`` is relayed to
-    every worker."""
-    from ..pipeline.runner import Interrupted
-
+    """Run ``upscale`` over several local devices, spawned (the parent may have initialised
+    CUDA), the frames both ways in shared memory; ``should_stop`` is relayed to every worker."""
     if frames.device.type != "cpu":
         frames = frames.cpu()
     if not frames.is_shared():
-        frames.share_memory_()  # moves the storage into shared memory in place, no second copy
+        frames.share_memory_()  # in place, no second copy
     out = torch.empty(out_shape, dtype=torch.float32).share_memory_()
-    events, stop = _spawn_context().Queue(), _spawn_context().Event()
+    spawning = mp.get_context("spawn")
+    events, stop = spawning.Queue(), spawning.Event()
     relay = _relayer(events, progress, preview)
 
     def tick():

@@ -30,8 +30,7 @@ CUT_OFF_EXIT_CODE = 3  # a rank that lost the job ends with this status
 
 
 class JobKeys:
-    """The job's keys in the process group's store, under a prefix of this job's own (made
-    by every rank in the same order)."""
+    """The job's keys in the process group's store, under this job's own prefix."""
 
     def __init__(self, store: Optional[dist.Store] = None):
         self.store = store if store is not None else dist.distributed_c10d._get_default_store()
@@ -48,13 +47,12 @@ class JobKeys:
 
 
 class DistributedError(SeedVR2Error, RuntimeError):
-    """A job over several processes that cannot go on: ranks that disagree, a message that is
-    not the one expected, a rendezvous not set up, a rank that failed."""
+    """A job over several processes that cannot go on (ranks disagree, a stray message, no
+    rendezvous, a rank failed)."""
 
 
 class RankLost(DistributedError):
-    """``rank`` (-1: a rank not known) is lost: exited, frozen, cut off, or its transfer
-    failed."""
+    """``rank`` (-1: not known) is lost: exited, frozen, cut off, or its transfer failed."""
 
     def __init__(self, rank: int, reason: str):
         super().__init__(f"{'a rank' if rank < 0 else f'rank {rank}'} {reason}")
@@ -77,12 +75,11 @@ def store_address(store) -> str:
 class Lifeline:
     """While a rank works, one thread counts up its key in the store every :data:`PERIOD_S`
     (a frozen rank stops counting, a slow one does not) and another watches the answers. A
-    store that has not answered for ``timeout_s`` — silent (a node cut off: no error, ever)
-    or failing (its host gone) — means this rank is cut off from the job: it says so and ends
-    with :data:`CUT_OFF_EXIT_CODE` at once. Only a thread can: the main thread may be blocked
-    in a store call or a collective that nothing interrupts. Ending without cleanup is as
-    safe as a kill: outputs are written under temporary names and the resume journal names
-    closed pieces only (docs/resume.md). The rank also publishes where it runs."""
+    store silent or failing for ``timeout_s`` means this rank is cut off: it says so and ends
+    with :data:`CUT_OFF_EXIT_CODE` at once, from a thread, since the main thread may be
+    blocked in a call nothing interrupts. That is as safe as a kill: outputs are written under
+    temporary names, the resume journal names closed pieces only. It also publishes where
+    the rank runs."""
 
     PERIOD_S = 1.0
 
@@ -131,8 +128,8 @@ class Lifeline:
 
 
 def _process_here() -> str:
-    """Where this process runs, comparable between ranks: a pid means the same process only
-    in the same pid namespace of the same running kernel (containers share a host name)."""
+    """Where this process runs, comparable between ranks: a pid names one process only in
+    one pid namespace of one running kernel (containers share a host name)."""
     try:
         boot = open("/proc/sys/kernel/random/boot_id").read().strip()
         namespace = os.stat("/proc/self/ns/pid").st_ino
@@ -152,15 +149,14 @@ def _stat(pid: int) -> list[str] | None:
 
 
 def where(pid: int) -> str:
-    """Where a process runs and which one it is: its machine (:func:`_process_here`), pid and
-    start time (so that a pid the kernel has given to a later process is not taken for it)."""
+    """A process's machine (:func:`_process_here`), pid and start time (a pid reused by a
+    later process is not taken for it)."""
     fields = _stat(pid)
     return f"{_process_here()}|{pid}|{fields[19] if fields else ''}"
 
 
 def _running(pid: int, start: str) -> bool:
-    """Whether the process ``pid`` started at ``start`` still runs (a zombie does not: it
-    will never run again)."""
+    """Whether the process ``pid`` started at ``start`` still runs (a zombie does not)."""
     fields = _stat(pid)
     if fields is not None:
         return fields[0] not in ("Z", "X") and (not start or fields[19] == start)
@@ -185,8 +181,7 @@ class Liveness:
         self._here = _process_here()
 
     def local_process(self, rank: int) -> tuple[int, str] | None:
-        """The rank's (pid, start time) when it runs on this machine (pid namespace
-        included), else None."""
+        """The rank's (pid, start time) when it runs on this machine, else None."""
         if not self.keys.exists(f"where/{rank}"):
             return None
         place = self.keys.store.get(self.keys.key(f"where/{rank}")).decode()
@@ -208,9 +203,9 @@ class Liveness:
                                  f"({self.timeout_s:g}s): frozen, hung or cut off")
 
     def stop(self, rank: int) -> bool:
-        """Kill ``rank`` if it runs on this machine: a frozen rank must not wake up later and
-        take chunks, and its death ends any receive blocked on it. False when it cannot be.
-        Only the very process is killed: once it has exited, its pid may name another."""
+        """Kill ``rank`` if it runs on this machine (False if not): a frozen rank must not wake
+        later and take chunks, and its death ends any receive blocked on it. Only that very
+        process: once it has exited, its pid may name another."""
         process = self.local_process(rank)
         if process is None:
             return False
@@ -227,10 +222,9 @@ WATCH_EVERY_S = 0.5  # how often a polled wait checks that its peers live
 
 def wait_until(ready: Callable[[], bool], watch: Callable[[], None],
                meanwhile: Callable[[], bool] = lambda: False):
-    """Return once ``ready()``. Between polls: ``meanwhile()`` (work done while waiting; it
-    returns whether it did any), else a sleep of 1 ms growing to 50 ms; every
-    :data:`WATCH_EVERY_S`, ``watch()``, which raises when a peer waited for is lost. So the
-    wait ends when the peer is lost (within dist_timeout) or this rank is (its Lifeline)."""
+    """Return once ``ready()``. Between polls ``meanwhile()`` (whether it did any work), else a
+    sleep of 1 ms growing to 50 ms; every :data:`WATCH_EVERY_S` ``watch()``, which raises when
+    a peer waited for is lost (within dist_timeout; this rank's own loss: its Lifeline)."""
     pause, watched = 0.001, time.monotonic()
     while not ready():
         if time.monotonic() - watched >= WATCH_EVERY_S:

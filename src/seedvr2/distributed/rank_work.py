@@ -21,16 +21,19 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from ..io import open_media
+from ..memory.device_choice import resolve_dtype
 from ..options import OptionError
-from ..pipeline.identity import identity_digest, job_identity
+from ..pipeline.identity import identity_digest, job_identity, source_digest
+from ..pipeline.job import Job, plan_file
 from ..pipeline.plan import BatchPlan, make_plan
 from ..pipeline.runner import final_frames
-from ..pipeline.job import Job
+from ..pipeline.sink import open_sink
 from . import frames as wire
-from .assign import assign_batches
 from .groups import DistContext, group_timeout
 from .peers import DistributedError, JobKeys, Lifeline, Liveness, RankLost
-from .sequence import Meeting, meeting_group, sequence_group, sequence_parallel
+from .sequence import Meeting, heads_problem, meeting_group, sequence_group, sequence_parallel
+from .taking import ChunkCollector, ChunkCounter, assign_batches, chunk_outputs
 from .vae_share import SharedVaeUpscaler, vae_owners
 
 log = logging.getLogger("seedvr2")
@@ -48,10 +51,8 @@ def _terminate_cleanly():
 
 
 def check_agreement(ctx: DistContext, identity: dict):
-    """Refuse to start when ranks disagree on the job's identity: options that shape the
-    output, input or model files (by content)."""
-    digests = [None] * ctx.world_size
-    dist.all_gather_object(digests, identity_digest(identity))
+    """Refuse to start when ranks disagree on the job's identity (:func:`job_identity`)."""
+    digests = ctx.gather(identity_digest(identity))
     differing = [r for r, d in enumerate(digests) if d != digests[0]]
     if differing:
         raise DistributedError(f"ranks {differing} disagree with rank 0 on options, input or model "
@@ -59,9 +60,8 @@ def check_agreement(ctx: DistContext, identity: dict):
 
 
 def check_sequence_parallel(job: Job, ranks: int):
-    """Refuse ``sequence_parallel`` that cannot split the ranks into groups or the DiT's
-    attention heads over a group, from the weight file's header: before any worker starts
-    (the launcher) or loads a model (torchrun)."""
+    """Refuse a ``sequence_parallel`` that cannot split the ranks or the DiT's heads (from the
+    weight file's header), before any worker starts or loads a model."""
     k = job.opts.sequence_parallel
     if k == 1:
         return
@@ -76,10 +76,8 @@ def check_sequence_parallel(job: Job, ranks: int):
 
         heads = {describe(dit.model)["heads"]}
     for count in heads:
-        if count % k:
-            raise OptionError(f"sequence_parallel = {k}: sequence parallelism over {k} ranks "
-                              f"needs a head count divisible by {k}; this DiT has {count} "
-                              f"heads (use a group size that divides {count})")
+        if problem := heads_problem(count, k):
+            raise OptionError(f"sequence_parallel = {k}: {problem}")
 
 
 def _on_rank(ctx: DistContext, job: Job) -> Job:
@@ -94,9 +92,8 @@ def _on_rank(ctx: DistContext, job: Job) -> Job:
 
 @dataclass
 class RankWork:
-    """One rank's part of a job: who it is, the job and its plan, where its source frames
-    come from (``read_from(first)``: the frames from index ``first`` on) and the shape
-    (H, W, C) and wire format (``bit_depth`` 8, 16, or None for float32) of its output."""
+    """One rank's part of a job: ``read_from(first)`` gives the source frames from ``first``
+    on; its output frames are (H, W, C) and travel at ``bit_depth`` 8, 16, or None (float32)."""
 
     ctx: DistContext
     job: Job
@@ -115,12 +112,10 @@ class RankWork:
 
 @dataclass(frozen=True)
 class Links:
-    """What one rank's job talks over, made once by every rank in the same order: its groups,
-    gloo ones with the job's own ``dist_timeout`` (waits longer than a transfer are polled in
-    the store instead: ``Handover``, ``Meeting``), NCCL ones with ``group_timeout``'s longer
-    one, its keys in the store, its view of the
-    other ranks, and this rank's sequence group and meeting (None without sequence
-    parallelism)."""
+    """What one rank's job talks over, made by every rank in the same order: gloo groups with
+    the job's ``dist_timeout`` (longer waits are polled in the store: ``Handover``,
+    ``Meeting``), NCCL ones with ``group_timeout``'s, its keys, its view of the other ranks,
+    and its sequence group and meeting (None without sequence parallelism)."""
 
     frames_group: object
     keys: JobKeys
@@ -145,20 +140,17 @@ class Links:
 
 
 class TakenChunks:
-    """Every rank takes the plan's next chunk when it is ready (``taking.py``); the writer
-    receives the others' batches and yields them in plan order."""
+    """Every rank takes the plan's next chunk when ready (``taking.py``); the writer yields
+    everyone's batches in plan order."""
 
     def __init__(self, work: RankWork, links: Links):
-        from .taking import ChunkCounter
-
         self.work, self.links = work, links
         self.counter = ChunkCounter(links.keys, len(work.plan.chunks), work.first_chunk)
         self.upscaler = None
 
     def __enter__(self):
-        # Loaded before taking any chunk, unless none is left (a resumed job with every batch
-        # kept, more ranks than chunks): then only if this rank must compute after all (the
-        # writer, for a lost rank's batches).
+        # Loaded before taking any chunk; when none is left, only if this rank must compute
+        # after all (the writer, for a lost rank's batches).
         if not self.counter.all_taken():
             self._ready()
         return self
@@ -171,9 +163,8 @@ class TakenChunks:
             work = self.work
             progress = work.progress
             if work.ctx.is_writer:
-                progress = work.job.faults.with_kill_points(progress or (lambda *a: None))
-            # This rank's own device against the budget, before any frame (batch_size is
-            # already the one every rank uses).
+                progress = work.job.faults.with_kill_points(progress)
+            # This rank's device against the budget, keeping every rank's batch_size.
             self.upscaler = work.job.ready_upscaler(work.plan.source_frames, work.frame_shape[:2],
                                                     fixed_batch=True, progress=progress,
                                                     should_stop=work.should_stop)
@@ -183,15 +174,11 @@ class TakenChunks:
         return self.work.compute(self._ready(), batches)
 
     def outputs(self, batches: list[int]):
-        from .taking import ChunkCollector
-
         plan = self.work.plan
         assert batches == [b for c in plan.chunks[self.work.first_chunk:] for b in c], batches
         return ChunkCollector(self.work, self.links, self.counter, self._compute).outputs()
 
     def send_all(self):
-        from .taking import chunk_outputs
-
         work = self.work
         _send_all(work, self.links, chunk_outputs(work.ctx.rank, self.counter, work.plan,
                                                   self._compute, work.job.faults))
@@ -200,9 +187,9 @@ class TakenChunks:
 
 
 class SharedBatches:
-    """With ``sequence_parallel`` = k, consecutive groups of k ranks share each batch's DiT
-    call; chunks are dealt to the groups, and each batch's VAE work is done, and its frames
-    delivered, by one rank of its group (``vae_share.py``)."""
+    """With ``sequence_parallel`` = k, groups of k consecutive ranks share each batch's DiT
+    call; chunks are dealt to the groups, one rank of which does a batch's VAE work and
+    delivers it (``vae_share.py``)."""
 
     def __init__(self, work: RankWork, links: Links):
         ctx, plan, k = work.ctx, work.plan, work.job.opts.sequence_parallel
@@ -238,9 +225,8 @@ class SharedBatches:
         self.stack.close()
 
     def outputs(self, batches: list[int]):
-        """The writer's side: ``(batch, frames)`` of ``batches`` in plan order, those it
-        decoded itself computed here, the others received from the rank of their group
-        that decoded them."""
+        """The writer's side: ``(batch, frames)`` of ``batches`` in plan order, computed here or
+        received from the rank that decoded them."""
         work, k = self.work, self.k
         plan, local = work.plan, iter(self.local)
         decoder = vae_owners(plan, k)
@@ -273,11 +259,10 @@ def _received(work: RankWork, links: Links, rank: int, b):
 
 
 def _produce(work: RankWork, consume=None):
-    """Upscale this rank's batches of chunks ``work.first_chunk``…; the writer rank also
-    gathers everyone's: ``consume(outputs_from)`` finishes the job (``outputs_from(batches)``
-    yields every rank's ``(batch, frames)`` of those batches in plan order) and its result
-    is returned. ``consume`` is None elsewhere: this rank sends its batches to the writer.
-    Throughout, the rank's ``Lifeline`` ends it should it be cut off from the job."""
+    """Upscale this rank's batches of chunks ``work.first_chunk``…. The writer returns
+    ``consume(outputs_from)``, ``outputs_from(batches)`` yielding every rank's ``(batch,
+    frames)`` in plan order; the others (``consume`` None) send theirs to the writer. The
+    rank's ``Lifeline`` ends it should it be cut off from the job."""
     ctx, opts = work.ctx, work.job.opts
     check_sequence_parallel(work.job, ctx.world_size)
     links = Links.make(ctx, opts)
@@ -291,8 +276,8 @@ def _produce(work: RankWork, consume=None):
 
 
 def _first_chunk(ctx: DistContext, plan, remaining: Optional[list[int]]) -> int:
-    """The writer's resume journal decides where every rank starts: the first chunk with a
-    batch still to compute (the journal lives on the writer's disk only)."""
+    """The first chunk with a batch still to compute, from the writer's resume journal (on
+    its disk only)."""
     first = [0]
     if remaining is not None:
         first[0] = next((i for i, c in enumerate(plan.chunks) if c[0] == remaining[0]),
@@ -307,10 +292,9 @@ LAUNCH_BEAT_S = 1.0
 
 
 def _mark_started(ctx: DistContext):
-    """Tell the spawn launcher that this rank is past the job's last collective: from here on
-    the job can finish without it, so its death is not fatal (``launch.py``). The file's
-    modification time then moves every :data:`LAUNCH_BEAT_S` while the process runs, so the
-    launcher can tell a frozen writer from a busy one."""
+    """Tell the spawn launcher that this rank is past the job's last collective, so its death
+    is no longer fatal (``launch.py``); the mark's mtime then moves every
+    :data:`LAUNCH_BEAT_S`, so the launcher tells a frozen writer from a busy one."""
     folder = os.environ.get(STARTED_ENV)
     if not folder:
         return
@@ -328,8 +312,8 @@ def _mark_started(ctx: DistContext):
 
 
 def _mark_done(ctx: DistContext, job: Job):
-    """The writer tells the spawn launcher that the output is complete: what follows (leaving
-    the process group, which with NCCL and a lost peer may never return) cannot lose it."""
+    """The writer tells the spawn launcher that the output is complete: leaving the group
+    (with NCCL and a lost peer perhaps never) cannot lose it."""
     folder = os.environ.get(STARTED_ENV)
     if folder and ctx.is_writer:
         Path(folder, "done").touch()
@@ -338,16 +322,8 @@ def _mark_done(ctx: DistContext, job: Job):
 
 def run_file_job(ctx: DistContext, job: Job, src, output, progress=None, should_stop=None,
                  stats=None) -> Path | None:
-    """This rank's share of ``upscale_file`` (``output``: the facade's ``FileOutput``);
-    returns the output path on rank 0, which keeps the resume journal as one process would
-    (docs/resume.md). ``stats`` (a ``JobStats``, writer rank) is told the frames and the
-    batches reused."""
-    from ..io import open_media
-    from ..memory.device_choice import resolve_dtype
-    from ..pipeline.identity import source_digest
-    from ..pipeline.job import plan_file
-    from ..pipeline.sink import open_sink
-
+    """This rank's share of ``upscale_file``; returns the output path on rank 0, which keeps
+    the resume journal as one process would (docs/resume.md) and tells ``stats``."""
     _terminate_cleanly()
     job = _on_rank(ctx, job)
     with open_media(src) as reader:
@@ -389,8 +365,8 @@ def run_tensor_job(ctx: DistContext, job: Job, frames: torch.Tensor, out: torch.
 
 
 def _send_all(work: RankWork, links: Links, outputs):
-    """Send each finished batch to the writer, one message in flight: posted, then waited for
-    once the writer receives it (``links.handover``), after the next batch is computed."""
+    """Send each finished batch to the writer, one message in flight: posted, and completed
+    (``links.handover``) after the next batch is computed."""
     rank, faults = work.ctx.rank, work.job.faults
     fault_after = faults.rank_fault_after(rank)
     pending = None  # (batch index, works, message): the message must live until it is sent

@@ -1,9 +1,8 @@
-"""Sequence parallelism: one DiT call spread over the ranks of a group (Ulysses all-to-all),
+"""Sequence parallelism: one DiT call spread over the ranks of a group (Ulysses all-to-all)
 for a batch whose tokens do not fit one device: token shards outside attention, head shards
-inside, so the result equals the one-process forward. The DiT knows nothing of processes:
-:class:`UlyssesSequenceParallel` implements ``seedvr2.models.attention.SequenceParallel``.
-Inference only. How, and why ranks meet before the first exchanges:
-docs/multi-gpu.md#sequence-parallelism.
+inside, so the result equals the one-process forward. The DiT knows nothing of processes
+(:class:`UlyssesSequenceParallel` implements ``seedvr2.models.attention.SequenceParallel``).
+Inference only; docs/multi-gpu.md#sequence-parallelism.
 """
 
 from __future__ import annotations
@@ -22,8 +21,8 @@ from .peers import DistributedError, wait_until
 
 
 def shard_bounds(total: int, parts: int) -> list[int]:
-    """Row offsets of ``parts`` contiguous shards of ``total`` rows, the first ones one longer
-    when ``parts`` does not divide ``total``: shard r is ``[bounds[r], bounds[r + 1])``."""
+    """Row offsets of ``parts`` contiguous shards of ``total`` rows (the first ones one longer
+    when ``parts`` does not divide it): shard r is ``[bounds[r], bounds[r + 1])``."""
     base, extra = divmod(total, parts)
     return [r * base + min(r, extra) for r in range(parts + 1)]
 
@@ -50,11 +49,8 @@ class ShardedPacking(Packing):
 
 
 class UlyssesSequenceParallel:
-    """Token shards outside attention, head shards inside, over one process group.
-
-    ``group`` is a ``torch.distributed`` group (``None``: the default group). Ranks of the group
-    must make the same DiT calls with the same inputs.
-    """
+    """Token shards outside attention, head shards inside, over ``group`` (None: the default
+    group), whose ranks make the same DiT calls with the same inputs."""
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None,
                  meeting: Optional["Meeting"] = None):
@@ -64,9 +60,7 @@ class UlyssesSequenceParallel:
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        # Where the group meets before the first exchanges at a shape (a Meeting); None: no
-        # meeting (every rank is known to be ready).
-        self.meeting = meeting
+        self.meeting = meeting  # where it meets before a shape's first exchanges (None: never)
         self.shapes_seen: set = set()
         self.meet_before_exchanges = False
 
@@ -106,10 +100,8 @@ class UlyssesSequenceParallel:
         return out
 
     def head_range(self, heads: int) -> slice:
-        if heads % self.size:
-            raise OptionError(f"sequence parallelism over {self.size} ranks needs a head count "
-                              f"divisible by {self.size}; this DiT has {heads} heads (use a group "
-                              f"size that divides {heads})")
+        if problem := heads_problem(heads, self.size):
+            raise OptionError(problem)
         own = heads // self.size
         return slice(self.rank * own, (self.rank + 1) * own)
 
@@ -144,15 +136,21 @@ class UlyssesSequenceParallel:
         return vid_out, txt_out
 
 
+def heads_problem(heads: int, size: int) -> Optional[str]:
+    """Why ``heads`` attention heads cannot be split over ``size`` ranks, or None."""
+    return None if heads % size == 0 else (
+        f"sequence parallelism over {size} ranks needs a head count divisible by {size}; this "
+        f"DiT has {heads} heads (use a group size that divides {heads})")
+
+
 def _counts(bounds: list[int]) -> list[int]:
     return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
 def sequence_group(size: int, timeout: Optional[datetime.timedelta] = None
                    ) -> Optional[dist.ProcessGroup]:
-    """This rank's sequence-parallel group when the world is cut into groups of ``size``
-    consecutive ranks (ranks 0..size-1, size..2·size-1, ...). Collective: every rank of the
-    world must call it, with the same ``size``. ``None`` means the default (whole-world) group."""
+    """This rank's group when the world is cut into groups of ``size`` consecutive ranks
+    (None: the whole world). Collective: every rank calls it, with the same ``size``."""
     world = dist.get_world_size()
     if size < 1 or world % size:
         raise OptionError(f"sequence_parallel={size} must divide the number of ranks ({world})")
@@ -169,20 +167,17 @@ def _own_group(size: int, **group_args) -> dist.ProcessGroup:
 
 def meeting_group(size: int, timeout: Optional[datetime.timedelta] = None
                   ) -> Optional[dist.ProcessGroup]:
-    """A gloo group of this rank's sequence group (as :func:`sequence_group` cuts the world),
-    for what a :class:`Meeting` sends. Collective: every rank of the world calls it, with the
-    same ``size``. ``None`` for a group of one."""
+    """A gloo group of this rank's sequence group, for what a :class:`Meeting` sends (None for
+    a group of one). Collective, as :func:`sequence_group`."""
     return None if size == 1 else _own_group(size, timeout=timeout, backend="gloo")
 
 
 class Meeting:
     """The ranks of one sequence group meet in the job's store before a collective that may
-    wait for the slowest of them (each exchange of a first DiT call at a shape, each latent's
-    broadcast): loading, encoding and compiling can set them minutes apart. The wait is
-    polled there, watching that each of them lives, so the collective that follows waits for
-    its transfer only and every group keeps the job's timeout; a lost peer raises
-    :class:`~.peers.RankLost`. ``group``: the gloo :func:`meeting_group` the latents travel
-    over; ``ranks``: the group's global ranks, ``rank`` this one's."""
+    wait for the slowest (a shape's first DiT exchanges, each latent's broadcast): loading,
+    encoding and compiling can set them minutes apart. The wait is polled there, watching each
+    peer (a lost one raises :class:`~.peers.RankLost`), so the collective waits for its
+    transfer only. ``group``: the gloo :func:`meeting_group`; ``ranks``: the group's ranks."""
 
     def __init__(self, group: Optional[dist.ProcessGroup], ranks: list[int], rank: int, keys,
                  liveness):
@@ -206,9 +201,8 @@ class Meeting:
 def sequence_parallel(dit: torch.nn.Module, group: Optional[dist.ProcessGroup] = None,
                       meeting: Optional[Meeting] = None
                       ) -> Iterator[Optional[UlyssesSequenceParallel]]:
-    """Within the block, ``dit``'s calls run sequence-parallel over ``group`` (its ranks
-    holding a :class:`Meeting` before the first exchanges at each shape); the
-    previous strategy comes back afterwards. A group of one rank leaves the DiT as it is."""
+    """Within the block, ``dit``'s calls run sequence-parallel over ``group`` (a group of one
+    leaves it as it is); the previous strategy comes back afterwards."""
     strategy = UlyssesSequenceParallel(group, meeting)
     if strategy.size == 1:
         yield None
@@ -220,13 +214,3 @@ def sequence_parallel(dit: torch.nn.Module, group: Optional[dist.ProcessGroup] =
         yield strategy
     finally:
         dit.set_sequence_parallel(previous)
-
-
-def sequence_parallel_forward(dit: torch.nn.Module, vid: torch.Tensor, txt: torch.Tensor,
-                              vid_shape: torch.Tensor, txt_shape: torch.Tensor,
-                              timestep: torch.Tensor,
-                              group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
-    """One DiT call spread over ``group``; every rank passes the same inputs and gets the
-    whole output."""
-    with sequence_parallel(dit, group):
-        return dit(vid, txt, vid_shape, txt_shape, timestep)

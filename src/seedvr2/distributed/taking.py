@@ -1,7 +1,9 @@
 """Chunks taken, not dealt: each rank takes the plan's next chunk when it is ready for one (a
 counter in the process group's store), so a slow rank takes fewer chunks instead of setting
 everyone's pace. The writer receives them in plan order, computing chunks ahead while it
-waits, and computes a lost rank's undelivered batches itself (docs/multi-gpu.md).
+waits, and computes a lost rank's undelivered batches itself (docs/multi-gpu.md). Only
+sequence-parallel groups, which must meet in every batch, are dealt theirs
+(:func:`assign_batches`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import threading
 import time
 from collections import Counter
 
+from ..pipeline.plan import BatchPlan
 from . import frames as wire
 from .peers import JobKeys, Liveness, RankLost, first_line, wait_until
 
@@ -19,9 +22,19 @@ log = logging.getLogger("seedvr2")
 LOOKAHEAD_CHUNKS = 2  # chunks the writer may compute ahead while waiting for an earlier one
 
 
+def assign_batches(plan: BatchPlan, world_size: int, first_chunk: int = 0) -> list[list[int]]:
+    """Batch indices per rank (or group): the plan's chunks from ``first_chunk`` on (those
+    before are complete in a resumed job) dealt out in turn, so the writer takes batches in
+    order as they finish and ranks get equal work to within a chunk."""
+    shares: list[list[int]] = [[] for _ in range(world_size)]
+    for i, chunk in enumerate(plan.chunks[first_chunk:]):
+        shares[i % world_size].extend(chunk)
+    return shares
+
+
 class ChunkCounter:
-    """The job's keys for taking chunks: the next chunk to take, and who took each. Chunks
-    before ``first`` (complete in a resumed job) are never handed out."""
+    """The job's keys for taking chunks: the next one, and who took each. Chunks before
+    ``first`` (complete in a resumed job) are never handed out."""
 
     def __init__(self, keys: JobKeys, chunks: int, first: int = 0):
         self.keys, self.store, self.prefix = keys, keys.store, keys.prefix
@@ -49,10 +62,9 @@ class ChunkCounter:
 
 
 class Watchdog:
-    """Around a blocking receive from rank ``rank`` (gloo's cannot be polled or interrupted), a
-    thread watches that rank. Lost and running on this machine, it is killed, so the receive
-    fails at once and the caller carries on without it. A rank on another machine cannot be:
-    the receive then ends at the frame group's timeout (dist_timeout), which closes that group
+    """Around a blocking receive from ``rank`` (gloo's cannot be interrupted), a thread
+    watches it: lost and on this machine, it is killed, so the receive fails at once. On
+    another machine the receive ends at the frame group's timeout, which closes that group
     for every rank (gloo's rule), so the writer computes every later batch itself."""
 
     def __init__(self, liveness: Liveness, rank: int):
@@ -86,16 +98,15 @@ def _slowed(delay: float, outputs):
 
 
 def chunk_outputs(rank: int, counter: ChunkCounter, plan, compute, faults):
-    """A non-writer rank's batches: (batch, frames) of every chunk it takes, in order.
-    ``compute(batches)`` yields the outputs of those plan batch indices."""
+    """A non-writer rank's (batch, frames) of every chunk it takes, through ``compute``."""
     while (chunk := counter.take(rank)) is not None:
         yield from _slowed(faults.slowness(rank), compute(list(plan.chunks[chunk])))
 
 
 class ChunkCollector:
-    """The writer's side: take chunks, receive the others', and yield ``(batch, frames)`` for
-    every batch of chunks ``counter.first``… in plan order (:meth:`outputs`), computing chunks
-    ahead while it waits (``held``) and a lost rank's undelivered batches; the log says so."""
+    """The writer's side: ``(batch, frames)`` of every batch of chunks ``counter.first``… in
+    plan order (:meth:`outputs`), taken here, received, or computed here for a lost rank;
+    while it waits it computes chunks ahead (``held``)."""
 
     def __init__(self, work, links, counter: ChunkCounter, compute):
         self.rank, self.plan, self.faults = work.ctx.rank, work.plan, work.job.faults
@@ -143,8 +154,7 @@ class ChunkCollector:
         return owner
 
     def receive(self, owner: int, batch):
-        """The batch's message from ``owner``; until it is posted, compute chunks ahead
-        (bounded) and watch that ``owner`` is alive (``handover``)."""
+        """The batch's message from ``owner``, computing chunks ahead until it is posted."""
         self.handover.wait_posted(batch.index, owner, meanwhile=self.take_ahead)
         self.handover.receiving(batch.index)
         with Watchdog(self.liveness, owner):
@@ -156,8 +166,8 @@ class ChunkCollector:
                                       f"{batch.start}-{batch.stop - 1}): {first_line(e)}") from e
 
     def chunk(self, index: int):
-        """``(batch, frames)`` of chunk ``index``: computed here (ahead, or now), or received
-        from its owner; from a lost owner's first undelivered batch on, computed here."""
+        """``(batch, frames)`` of chunk ``index``: computed here, or received from its owner
+        up to that owner's loss."""
         batches = list(self.plan.chunks[index])
         owner = self.owner_of(index)
         self.taken[owner] += 1

@@ -17,10 +17,6 @@ from .sequence import Meeting
 
 log = logging.getLogger("seedvr2")
 
-# Latent dtypes a header can name (by position).
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_HEADER = 8  # ndim, dtype, then up to 6 sizes
-
 
 def vae_owners(plan: BatchPlan, size: int) -> dict[int, int]:
     """Rank within its group (0 .. size-1) that encodes and decodes each batch: a chunk's
@@ -29,15 +25,14 @@ def vae_owners(plan: BatchPlan, size: int) -> dict[int, int]:
 
 
 class SharedVaeUpscaler(Upscaler):
-    """An :class:`Upscaler` for one rank of a sequence-parallel group: the VAE phases run
-    only this rank's batches (``vae_owners``; the others come out with ``None`` frames), the
-    DiT phase every batch of the group. ``seat``: this rank's place in its group and the
-    global rank of the group's rank 0; ``meeting``: the group's :class:`Meeting`."""
+    """An :class:`Upscaler` for one rank of a sequence-parallel group: the VAE phases run only
+    its own batches (the others come out with ``None`` frames), the DiT every batch. ``seat``:
+    its place in the group and the global rank of the group's first."""
 
     def __init__(self, models, opts, progress, should_stop, *, owners: dict[int, int],
                  seat: tuple[int, int], meeting: Meeting):
         super().__init__(models, opts, progress, should_stop)
-        self.owners = owners  # vae_owners of the plan
+        self.owners = owners
         self.group_rank, self.first_rank = seat
         self.meeting = meeting
 
@@ -61,22 +56,19 @@ class SharedVaeUpscaler(Upscaler):
         return None
 
     def _share_latent(self, item):
-        """The owner's latent of ``item`` to every rank of the group (in the same order on
-        every rank: the DiT phase walks the chunk's batches in plan order), once all are
-        there: the owner may have encoded it long before the others are done encoding."""
+        """The owner's latent of ``item`` to every rank of the group (in plan order on every
+        rank), once all are there: the owner may have encoded it long before the others."""
         owner = self.first_rank + self.owners[item.batch.index]
-        header = torch.zeros(_HEADER, dtype=torch.int64)
+        shape = [None]  # (size, dtype) of the latent, from its owner
         if self.owns(item.batch):
             # On the host for gloo: with tensor_offload_device cpu (the default) it is there
             # already; otherwise this copy waits for the encode, which is finished anyway.
             latent = item.latent.cpu().contiguous()
-            header[:2] = torch.tensor([latent.dim(), _DTYPES.index(latent.dtype)])
-            header[2: 2 + latent.dim()] = torch.tensor(latent.shape)
+            shape = [(tuple(latent.shape), latent.dtype)]
         self.meeting.meet()
-        dist.broadcast(header, src=owner, group=self.meeting.group)
+        dist.broadcast_object_list(shape, src=owner, group=self.meeting.group)
         if not self.owns(item.batch):
-            ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
-            latent = torch.empty(header[2: 2 + ndim].tolist(), dtype=dtype)
+            latent = torch.empty(shape[0][0], dtype=shape[0][1])
         dist.broadcast(latent, src=owner, group=self.meeting.group)
         if not self.owns(item.batch):
             # Where the owner keeps it too; to a GPU (tensor_offload_device none) this is a

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from ..errors import InputError
 from ..models.pointwise import sigmoid
+from .color import framewise
 
 GUIDED_EPS = 3e-4
 MAX_RADIUS = 8
@@ -23,7 +24,6 @@ RIM_WINDOW = 5
 SHARPEN_GAIN = 12.0
 _CORRELATION_EPS = 1e-4  # variance floor of alpha in the correlation, ~0.01 alpha std
 _LUMA = (0.2126, 0.7152, 0.0722)  # Rec. 709
-_CHUNK_PIXELS = 1 << 22
 
 
 def _box(x: Tensor, radius: int) -> Tensor:
@@ -110,21 +110,16 @@ def upscale_alpha(alpha: Tensor, rgb: Tensor) -> Tensor:
     if rgb.ndim != 4 or rgb.shape[1] != 3 or rgb.shape[0] != alpha.shape[0]:
         raise InputError(f"rgb must be (T, 3, H, W) with T = {alpha.shape[0]} like alpha, "
                          f"got {tuple(rgb.shape)}")
-    frames, _, height, width = rgb.shape
+    height, width = rgb.shape[-2:]
     src = alpha.to(device=rgb.device, dtype=torch.float32).clamp(0.0, 1.0)
     scale = max(height / src.shape[-2], width / src.shape[-1])
     radius = min(MAX_RADIUS, 2 * math.ceil(scale))
     # When shrinking, one output pixel draws on several source pixels: widen the range window.
     window = RANGE_WINDOW if scale >= 1.0 else 2 * math.ceil(1.0 / scale) + 1
     hard = _is_hard_matte(src)
-
-    chunk = max(1, _CHUNK_PIXELS // (height * width))
-    out = torch.empty((frames, 1, height, width), dtype=alpha.dtype, device=rgb.device)
-    for start in range(0, frames, chunk):
-        part = _upscale_chunk(src[start:start + chunk], rgb[start:start + chunk].float(),
-                              radius, window, hard)
-        out[start:start + chunk] = part.clamp_(0.0, 1.0)
-    return out
+    # A few frames at a time, as many as output pixels allow.
+    return framewise(lambda color, a: _upscale_chunk(a, color.float(), radius, window, hard)
+                     .clamp_(0.0, 1.0), rgb, src).to(alpha.dtype)
 
 
 __all__ = ["upscale_alpha"]

@@ -57,18 +57,13 @@ Methods (``COLOR_METHODS``):
 ``none`` returns content unchanged.
 
 Implementation. Everything computes in float32 and returns content's dtype; a style of
-another spatial size is resized bilinearly to content's, as numz does. Per-pixel stages
-(colour-space conversions) run a few frames at a time into preallocated outputs, which
-bounds their temporaries; only histogram matching needs all pixels at once. The dilated
-blur runs as a depthwise ``conv2d`` on accelerators (native depthwise kernels) and as a
-separable sum of three shifted slices on CPU, where dilated convolution falls back to
-im2col (about twice slower and several full-size buffers per call); both give the same
-result to ~1e-7. Histogram matching sorts all ``T·H·W`` values of a channel at once (float32
-values plus int64 indices); hsv sorts one key per pixel that orders by hue sector, then
-saturation, and matches each sector as a contiguous run of the sorted array. Measured peak
-memory beyond the inputs, per pixel of ``T·H·W`` (CPU): wavelet ~24 B, lab ~40 B, hsv ~36 B,
-wavelet_adaptive ~53 B, adain negligible; for 21 frames of 1920×1080 (43.5 M pixels) that is
-about 1.0, 1.8, 1.6 and 2.3 GB.
+another size is resized bilinearly to content's, as numz does. Per-pixel stages run a few
+frames at a time into preallocated outputs; only histogram matching needs all pixels at once
+(hsv sorts one key per pixel, by hue sector then saturation). The dilated blur is a
+depthwise ``conv2d`` on accelerators and a separable sum of shifted slices on CPU, where
+dilated convolution falls back to im2col (twice slower, several full-size buffers); both
+agree to ~1e-7. Measured peak memory beyond the inputs, per pixel of ``T·H·W`` (CPU):
+wavelet ~24 B, lab ~40 B, hsv ~36 B, wavelet_adaptive ~53 B, adain negligible.
 """
 
 from __future__ import annotations
@@ -108,10 +103,6 @@ ADAPTIVE_SHARPNESS = 5.0
 _CHUNK_PIXELS = 1 << 22  # per-pixel stages process about this many pixels at a time
 
 
-# --------------------------------------------------------------------------------------------
-# helpers
-
-
 def _prepare(content: Tensor, style: Tensor) -> tuple[Tensor, Tensor]:
     """float32 versions of both (no copy when already float32), style resized if needed."""
     if content.ndim != 4 or content.shape[1] != 3:
@@ -126,12 +117,10 @@ def _prepare(content: Tensor, style: Tensor) -> tuple[Tensor, Tensor]:
     return content, style
 
 
-def _framewise(fn: Callable, *inputs: Tensor):
-    """``fn`` applied to a few frames at a time, results gathered in preallocated tensors.
-
-    ``fn`` maps (frames, ...) slices to a tensor or a tuple of tensors with the same leading
-    frame axis. Bounds the temporaries of per-pixel work to one chunk.
-    """
+def framewise(fn: Callable, *inputs: Tensor):
+    """``fn`` over a few frames of ``inputs`` at a time (as many as the first's pixels
+    allow), its tensor (or tuple of tensors) gathered in preallocated outputs: per-pixel
+    work's temporaries stay those of one chunk."""
     frames = inputs[0].shape[0]
     chunk = max(1, _CHUNK_PIXELS // max(1, inputs[0][0, 0].numel())) if frames else 1
     if chunk >= frames:
@@ -152,10 +141,6 @@ def _framewise(fn: Callable, *inputs: Tensor):
 def _to_unit(x: Tensor) -> Tensor:
     """[-1, 1] -> [0, 1], clamped; always a new tensor."""
     return x.add(1.0).mul_(0.5).clamp_(0.0, 1.0)
-
-
-# --------------------------------------------------------------------------------------------
-# wavelet
 
 
 def _wavelet_radii(height: int, width: int, levels: int = WAVELET_LEVELS) -> list[int]:
@@ -196,17 +181,6 @@ def wavelet_low(x: Tensor, levels: int = WAVELET_LEVELS) -> Tensor:
     return x
 
 
-def wavelet_decomposition(x: Tensor, levels: int = WAVELET_LEVELS) -> tuple[Tensor, Tensor]:
-    """``(high, low)`` bands of ``x``; ``high`` is the sum of the per-level detail bands."""
-    x = x.float()
-    high = torch.zeros_like(x)
-    for radius in _wavelet_radii(*x.shape[-2:], levels):
-        blurred = _binomial_blur(x, radius)
-        high.add_(x).sub_(blurred)
-        x = blurred
-    return high, x
-
-
 def wavelet_reconstruction(content: Tensor, style: Tensor, clamp: bool = True) -> Tensor:
     """``high(content) + low(style)``, clamped to [-1, 1] unless ``clamp=False``."""
     dtype = content.dtype
@@ -215,10 +189,6 @@ def wavelet_reconstruction(content: Tensor, style: Tensor, clamp: bool = True) -
     if clamp:
         out.clamp_(-1.0, 1.0)
     return out.to(dtype)
-
-
-# --------------------------------------------------------------------------------------------
-# AdaIN
 
 
 def _mean_std(x: Tensor, eps: float = 1e-5) -> tuple[Tensor, Tensor]:
@@ -237,10 +207,6 @@ def adain(content: Tensor, style: Tensor) -> Tensor:
     s_mean, s_std = _mean_std(style)
     out = (content - c_mean).mul_(s_std / c_std).add_(s_mean)
     return out.to(dtype)
-
-
-# --------------------------------------------------------------------------------------------
-# LAB
 
 
 def _rgb_to_lab(rgb11: Tensor) -> Tensor:
@@ -307,8 +273,8 @@ def lab_transfer(content: Tensor, style: Tensor,
     """Wavelet result with a*, b* histogram-matched to the style and L partly matched."""
     dtype = content.dtype
     content, style = _prepare(content, style)
-    content_lab = _framewise(lambda c, s: _rgb_to_lab(wavelet_reconstruction(c, s)), content, style)
-    style_lab = _framewise(_rgb_to_lab, style)
+    content_lab = framewise(lambda c, s: _rgb_to_lab(wavelet_reconstruction(c, s)), content, style)
+    style_lab = framewise(_rgb_to_lab, style)
     for channel in (1, 2):
         content_lab[:, channel] = match_histogram(content_lab[:, channel], style_lab[:, channel])
     if luminance_weight < 1.0:
@@ -316,11 +282,7 @@ def lab_transfer(content: Tensor, style: Tensor,
         content_lab[:, 0].mul_(luminance_weight).add_(matched, alpha=1.0 - luminance_weight)
         del matched
     del style_lab
-    return _framewise(_lab_to_rgb, content_lab).to(dtype)
-
-
-# --------------------------------------------------------------------------------------------
-# HSV
+    return framewise(_lab_to_rgb, content_lab).to(dtype)
 
 
 def _saturation(x11: Tensor) -> Tensor:
@@ -398,11 +360,11 @@ def hsv_match(content: Tensor, style: Tensor) -> Tensor:
     """Content with its saturation matched to the style's per hue sector; hue and value kept."""
     dtype = content.dtype
     content, style = _prepare(content, style)
-    key = _framewise(_hsv_key, content)
-    ref_key = _framewise(_hsv_key, style)
+    key = framewise(_hsv_key, content)
+    ref_key = framewise(_hsv_key, style)
     new_sat = _hue_conditional_match(key, ref_key).reshape(key.shape)
     del key, ref_key
-    return _framewise(_rescale_chroma, content, new_sat).to(dtype)
+    return framewise(_rescale_chroma, content, new_sat).to(dtype)
 
 
 def wavelet_adaptive(content: Tensor, style: Tensor) -> Tensor:
@@ -423,9 +385,6 @@ def wavelet_adaptive(content: Tensor, style: Tensor) -> Tensor:
     return base.lerp_(corrected, weight).to(dtype)
 
 
-# --------------------------------------------------------------------------------------------
-
-
 def color_correct(content: Tensor, style: Tensor, method: str) -> Tensor:
     """Re-colour ``content`` after ``style`` (both (T, 3, H, W) in [-1, 1]) with ``method``.
 
@@ -437,17 +396,11 @@ def color_correct(content: Tensor, style: Tensor, method: str) -> Tensor:
                           f"{', '.join(COLOR_METHODS)}")
     if method == "none":
         return content
-    if method == "wavelet":
-        return wavelet_reconstruction(content, style)
-    if method == "lab":
-        return lab_transfer(content, style)
-    if method == "hsv":
-        return hsv_match(content, style)
-    if method == "wavelet_adaptive":
-        return wavelet_adaptive(content, style)
-    return adain(content, style).clamp_(-1.0, 1.0)
+    if method == "adain":
+        return adain(content, style).clamp_(-1.0, 1.0)
+    return {"wavelet": wavelet_reconstruction, "lab": lab_transfer, "hsv": hsv_match,
+            "wavelet_adaptive": wavelet_adaptive}[method](content, style)
 
 
 __all__ = ["COLOR_METHODS", "adain", "color_correct", "hsv_match", "lab_transfer",
-           "match_histogram", "wavelet_adaptive", "wavelet_decomposition", "wavelet_low",
-           "wavelet_reconstruction"]
+           "match_histogram", "wavelet_adaptive", "wavelet_low", "wavelet_reconstruction"]

@@ -33,13 +33,11 @@ on both sides (trailers and music videos cut every few frames). ``min_scene_leng
 (PySceneDetect's ``min_scene_len``, 1 by default: no cut is hidden) makes no shot shorter: a
 cut closer than that to the previous one is dropped.
 
-The thresholds were chosen on the clips of tests/test_scene_cuts.py (small frames of smooth
-random patterns, each shot its own palette, and flat colours) and the suite's test clip:
-hard cuts gave correlations of -0.1 to 0.1 and histogram distances of 0.25 to 1; pans of
-2 px a frame correlations over 0.9 (histogram distance under 0.02); brightness steps (x1.6,
-clipping highlights) over 0.84 and contrast steps ~1.0, with histogram distances up to 0.9;
-a thin line moving fast over a slowly brightening frame a correlation of 0.08 but a
-histogram distance of 0.05. Both thresholds sit inside those gaps.
+The thresholds sit inside the gaps measured on tests/test_scene_cuts.py's clips and the
+suite's test clip: hard cuts gave correlations of -0.1 to 0.1 and histogram distances of 0.25
+to 1; 2 px/frame pans correlations over 0.9 (distance under 0.02); brightness steps over 0.84
+and contrast steps ~1.0 (distances up to 0.9); a thin line moving fast over a slowly
+brightening frame 0.08 but a distance of 0.05.
 """
 
 from __future__ import annotations
@@ -52,8 +50,15 @@ from typing import Callable, Iterable, Optional
 
 import numpy as np
 
+from ..io import open_media
+from ..io.files import frame_count
+from ..memory.device_choice import resolve_device, resolve_dtype
+from ..models import build_on_meta
+from ..models.config import dit_config, vae_config
 from ..options import Options, OptionError, option_ref, option_value
-from .runner import source_frame
+from .plan import make_plan
+from .runner import output_size, source_frame
+from .work import job_work
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +86,8 @@ class FrameFeatures:
 
 
 def frame_features(frame, index: int = 0) -> FrameFeatures:
-    """The small features of one frame (H, W, C), any precision the pipeline takes. In
-    numpy, on this thread: torch would split even this little work over threads, which costs
-    more than the work on a busy machine."""
+    """The small features of one frame (H, W, C), any precision the pipeline takes; in numpy
+    on this thread (torch would split even this little work over threads)."""
     frame = source_frame(frame, index).cpu().numpy()
     height, width = frame.shape[:2]
     size = (max(1, round(height * min(width, SMALL_WIDTH) / width)), min(width, SMALL_WIDTH))
@@ -119,8 +123,7 @@ def _soft_histogram(rgb: np.ndarray) -> np.ndarray:
 
 
 def is_cut(before: FrameFeatures, after: FrameFeatures) -> bool:
-    """Whether ``after`` starts a new shot next to ``before`` (see the module's
-    description)."""
+    """Whether ``after`` starts a new shot next to ``before`` (the module's description)."""
     if before.grey is None and after.grey is None:
         if min(before.mean, after.mean) < DARK:
             return False  # black is black: the hue of a dark frame is its noise
@@ -172,10 +175,8 @@ class _Detection:
 
 
 def detect_cuts(frames: Iterable, min_length: int = 1) -> tuple[int, ...]:
-    """The cuts of a stream of frames, in one pass keeping a few frames' features. A flash
-    (the frames return to the shot before the previous cut, within :data:`FLASH_FRAMES` or
-    ``min_length``) is no cut; no shot is shorter than ``min_length`` frames (the first
-    included): a cut closer than that to the one before it is dropped."""
+    """The cuts of a stream of frames, in one pass keeping a few frames' features; no flash,
+    and no shot (the first included) shorter than ``min_length`` frames."""
     detection = _Detection(min_length, [])
     for index, frame in enumerate(frames):
         detection.see(index, frame_features(frame, index))
@@ -184,9 +185,8 @@ def detect_cuts(frames: Iterable, min_length: int = 1) -> tuple[int, ...]:
 
 def resolve_scene_cuts(opts: Options, frame_count: int,
                        frames: Callable[[], Iterable]) -> Options:
-    """``opts`` with ``scene_cuts`` a tuple of cut frames: given ones checked against the
-    clip's ``frame_count``; ``auto`` detected on ``frames()`` (not read for one frame, nor
-    for given cuts)."""
+    """``opts`` with ``scene_cuts`` a tuple: given cuts checked against ``frame_count``,
+    ``auto`` detected on ``frames()`` (not read for one frame)."""
     cuts = opts.scene_cuts
     if cuts == "auto":
         cuts = detect_cuts(frames(), opts.min_scene_length) if frame_count > 1 else ()
@@ -201,9 +201,8 @@ def resolve_scene_cuts(opts: Options, frame_count: int,
 
 
 def _warn_if_prepend_shortened(prepend: int, cuts: tuple, frame_count: int):
-    """The plan prepends copies of frames 1..P of the first shot (:func:`.plan.make_plan`), so
-    at most one less than the shot's length: say so in one line when fewer than asked for
-    are."""
+    """The plan prepends copies of frames 1..P of the first shot, so at most one less than
+    its length: say so when fewer than asked for are."""
     length = cuts[0] if cuts else frame_count
     if prepend > length - 1:
         shot = f"the first shot has {length} frames (a scene cut at frame {length})" if cuts \
@@ -236,18 +235,8 @@ def describe_plan(plan) -> str:
 
 
 def describe_file_plan(src, opts: Options, family: str = "3b") -> str:
-    """What ``seedvr2 upscale --dry-plan`` prints for one input: its scene cuts (resolved as a
-    job would) and batches, then the job's work for the ``family`` DiT (3b, 7b) and its time
-    on the device that would run it, without loading a model."""
-    from ..io import open_media
-    from ..io.files import frame_count
-    from ..memory.device_choice import resolve_device, resolve_dtype
-    from ..models import build_on_meta
-    from ..models.config import dit_config, vae_config
-    from .plan import make_plan
-    from .runner import output_size
-    from .work import job_work
-
+    """What ``seedvr2 upscale --dry-plan`` prints for one input, no model loaded: its scene
+    cuts and batches, the work of the ``family`` DiT (3b, 7b) and its time on the device."""
     if opts.batch_size == "auto":
         raise OptionError(f"{option_value('batch_size', 'auto')} is chosen from the free memory "
                           f"once the models load: give a number to see the plan")

@@ -1,14 +1,11 @@
 """What a job is made of, by content: digests of model files and input media.
 
-Two processes (ranks of one job, or a killed run and its re-run) must agree that they use the
-same weights and the same input. Names and sizes do not say that: a copy of a checkpoint with
-one bias changed has both. So files are compared by a full SHA-256 of their content. Hashing
-a 16 GB checkpoint takes seconds, so each digest is remembered in a small cache keyed by the
-file's real path, size, modification time and inode: a file rewritten in place gets a new
-mtime and is hashed again.
-
-The cache is ``$SEEDVR2_CACHE_DIR/file-digests.json`` (default ``~/.cache/seedvr2``, or under
-``$XDG_CACHE_HOME``); a cache that cannot be read or written only costs time.
+Ranks of one job, or a killed run and its re-run, must agree that they use the same weights
+and input; names and sizes do not say that (a checkpoint with one bias changed has both), so
+files are compared by a full SHA-256. Hashing 16 GB takes seconds, so each digest is cached
+by the file's real path, size, mtime and inode in ``$SEEDVR2_CACHE_DIR/file-digests.json``
+(default ``~/.cache/seedvr2``, or under ``$XDG_CACHE_HOME``); a cache that cannot be read or
+written only costs time.
 """
 
 from __future__ import annotations
@@ -82,8 +79,7 @@ def file_digest(path) -> str:
 @dataclass(frozen=True)
 class ModelRef:
     """A model as the caller gave it (None, a registered name, a path, or a loaded module);
-    once resolved (:func:`model_refs`) ``model`` is the module, or the weight file (a
-    ``Path``, found or downloaded)."""
+    once resolved (:func:`model_refs`), the module or the weight file's ``Path``."""
 
     kind: str  # "dit" or "vae"
     model: Any
@@ -125,11 +121,10 @@ def _module_digest(module: torch.nn.Module) -> str:
 
 
 def job_identity(opts: Options, source: str, models: tuple[ModelRef, ModelRef]) -> dict:
-    """The one fingerprint of a job: what its frames depend on. The options that shape the
-    output (not those of :data:`~seedvr2.options.NOT_SHAPING_OUTPUT`), the input
-    (``source``: its content digest) and the weights by content — a copy of a checkpoint with
-    one weight changed, same name and size, differs. Ranks check that they agree on it
-    (:func:`identity_digest`); the resume journal records it (with the plan and output)."""
+    """The one fingerprint of a job, what its frames depend on: the options that shape the
+    output (not :data:`~seedvr2.options.NOT_SHAPING_OUTPUT`), the input (``source``: its
+    digest) and the weights by content. Ranks agree on it (:func:`identity_digest`); the
+    resume journal records it."""
     text = Path(str(opts.text_embeddings))
     # Tuples (the resolved scene_cuts) as lists: the resume journal compares a re-read JSON.
     return {"options": {k: list(v) if isinstance(v, tuple) else v
@@ -143,8 +138,8 @@ def identity_digest(identity: dict) -> str:
 
 
 def source_digest(reader) -> str:
-    """The input of a file job by content: the video or image file, or every file of an
-    image sequence in order (names included: the order is the frames' order)."""
+    """The input of a file job by content: its file, or every file of an image sequence in
+    order (names included: the order is the frames')."""
     files = getattr(reader, "files", None)
     if files is None:
         return file_digest(reader.info.path)

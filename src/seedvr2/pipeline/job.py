@@ -1,8 +1,6 @@
-"""A job and its set-up, the one recipe of one process and of every rank of a distributed
-job: fit the options to this device's memory from the weight files' headers
-(:mod:`seedvr2.memory.fit`), then load each model once, placed as they say
-(:mod:`.model_loading`); a file job's output and plan. The facade (``seedvr2.api``) and
-``seedvr2.distributed`` both call it.
+"""A job and its set-up, the one recipe of one process and of every rank: fit the options to
+this device's memory from the weight files' headers (:mod:`seedvr2.memory.fit`), then load
+each model once, placed as they say (:mod:`.model_loading`); a file job's output and plan.
 """
 
 from __future__ import annotations
@@ -10,8 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
-
-import torch
 
 from ..faults import NO_FAULTS, Faults
 from ..io import open_media
@@ -31,21 +27,18 @@ from .runner import JobStats, Models, Upscaler, output_size
 
 @dataclass(frozen=True)
 class Job:
-    """What one job computes: validated options, both models
-    (:class:`~seedvr2.pipeline.identity.ModelRef`), the model folder, and the tests' faults
-    (none in production). Picklable: spawned ranks receive it as it is and resolve its models
+    """What one job computes: validated options, both models (:class:`.identity.ModelRef`),
+    the model folder and the tests' faults. Picklable: spawned ranks resolve its models
     themselves (:meth:`resolved`: a missing file is then the failing rank's error)."""
 
     opts: Options
     models: tuple[ModelRef, ModelRef]
     model_dir: Path
     faults: Faults = NO_FAULTS
-    # The host's request for free memory (memory.fit.decide); one process only, never
-    # pickled to spawned ranks (the facade gives them none).
+    # The host's request for free memory (memory.fit.decide); one process only, never pickled.
     make_room: Optional[MakeRoom] = field(default=None, compare=False)
-    # Shows the host the newest finished frame (a ``preview.FramePreview``), where frames are
-    # blended: this process, or the writer rank (spawned ranks get one that relays to the
-    # launcher's; never pickled).
+    # A ``preview.FramePreview`` where frames are blended: this process, or the writer rank
+    # (spawned, it relays to the launcher's).
     preview: Optional[Callable] = field(default=None, compare=False)
 
     @classmethod
@@ -67,9 +60,8 @@ class Job:
         return replace(self, opts=opts)
 
     def memory(self, where: ModelDevices) -> JobMemory:
-        """What the memory budget needs of this (resolved) job's models, no model loaded:
-        configs and weight sizes from the files' headers (a given module's own), and the
-        bytes of them a cache or the caller already holds on each device."""
+        """What the memory budget needs of this (resolved) job's models, none loaded: configs
+        and weight sizes from the files' headers, and the bytes already held on each device."""
         sized = [(mem.Weights.of_module(ref.model), ref.model.config) if ref.loaded else
                  mem.Weights.from_file(ref.model, ref.kind, where.dtype) for ref in self.models]
         budget = mem.Budget(sized[0][1], sized[1][1], sized[0][0], sized[1][0])
@@ -78,10 +70,9 @@ class Job:
     def prepare(self, frame_count: int, size: tuple[int, int],
                 stats: Optional[JobStats] = None,
                 fixed_batch: bool = False) -> tuple[Models, Options]:
-        """The set-up of one process or one rank: this device checked against the memory
-        budget before any model loads (``batch_size`` auto resolved, ``fit`` applied;
-        ``stats`` is told them and the estimate), then each model loaded once, placed as the
-        options it runs with say; returns the models and those options."""
+        """This device checked against the memory budget before any model loads (``batch_size``
+        auto resolved, ``fit`` applied, ``stats`` told), then each model loaded once as the
+        resulting options say; returns the models and those options."""
         job = self.resolved()
         opts, est = decide(job.memory(ModelDevices.of(job.opts)), job.opts, frame_count, size,
                            job.make_room, fixed_batch)
@@ -107,16 +98,12 @@ def prepare_job(models: Models, opts: Options, frame_count: int, size: tuple[int
                 stats: Optional[JobStats] = None, make_room: Optional[MakeRoom] = None,
                 fixed_batch: bool = False) -> Options:
     """The memory decision of :meth:`Job.prepare` for models already loaded (custom
-    pipelines): returns the options to run with (raising
-    :class:`~seedvr2.memory.budget.BudgetError`); a fit that moves a model (offload,
-    BlockSwap) asks the caller to load it again placed that way."""
+    pipelines): the options to run with, or ``BudgetError``; a fit that moves a model asks
+    the caller to load it again placed that way."""
     where = ModelDevices(models.dit_device, models.vae_device, models.dtype, models.dit_offload,
                          models.vae_offload)
-    budget = mem.Budget(models.dit.config, models.vae.config,
-                        mem.Weights.of_module(models.dit), mem.Weights.of_module(models.vae))
-    own = {d: mem.bytes_on(models.dit, torch.device(d)) + mem.bytes_on(models.vae, torch.device(d))
-           for d in where.compute}
-    ready, est = decide(JobMemory(budget, where, models.text.shape[0], own), opts, frame_count,
+    memory = Job.build(opts, models.dit, models.vae).memory(where)
+    ready, est = decide(replace(memory, text_tokens=models.text.shape[0]), opts, frame_count,
                         size, make_room, fixed_batch)
     _record(stats, ready, opts.batch_size == "auto", est)
     return ready
@@ -124,13 +111,12 @@ def prepare_job(models: Models, opts: Options, frame_count: int, size: tuple[int
 
 def fit_for_ranks(job: Job, devices: list[str], frame_count: int, size: tuple[int, int],
                   gather=None) -> Job:
-    """The options of a job split over several processes, which all run one batch plan:
-    ``batch_size`` auto resolved and the job fitted as one process's is, once, for the
-    device with the least memory, from the weight files' headers (no model is loaded); each
-    rank then checks its own device keeping that batch. ``gather`` (torchrun: every rank
-    calls this) turns this process's available bytes into every rank's list; without it
-    (our launcher) each listed device is measured from here, a CUDA device only for
-    ``batch_size`` auto (measuring creates a CUDA context on it in this process)."""
+    """The options of a job over several processes, which all run one batch plan: fitted
+    once, as one process's, for the device with the least memory, from the weight files'
+    headers; each rank then checks its own device keeping that batch. ``gather`` (torchrun:
+    every rank calls this) turns this process's available bytes into every rank's; without it
+    each device is measured from here, a CUDA one only for ``batch_size`` auto (measuring
+    creates a CUDA context on it)."""
     opts = job.opts
     first = resolve_device(devices[0])
     measure = opts.batch_size == "auto" or first.type != "cuda"
@@ -157,8 +143,8 @@ def fit_for_ranks(job: Job, devices: list[str], frame_count: int, size: tuple[in
 
 def file_output(reader, dst, opts: Options, codec: str = "h264",
                 overwrite: bool = False) -> FileOutput:
-    """The output of a file job, from the input's header; first of all, an output that would
-    replace the input is refused (:func:`~seedvr2.io.files.refuse_input_as_output`)."""
+    """The output of a file job, from the input's header; an output that would replace the
+    input is refused first."""
     refuse_input_as_output(input_files(reader), dst)
     info, video = reader.info, Path(str(dst)).suffix.lower() in VIDEO_SUFFIXES
     bit_depth = 16 if info.bit_depth == 16 or video and codec == "h265" else 8
@@ -168,19 +154,17 @@ def file_output(reader, dst, opts: Options, codec: str = "h264",
 
 def check_file_job(src, dst, opts: Options, codec: str, overwrite: bool,
                    other_inputs=()) -> None:
-    """Raise what a file job would raise about its files, before any model loads: the input
-    is opened and the output writer is opened (under its temporary name) and discarded. An
-    output that is the input, or one of ``other_inputs`` (the other files of a folder job,
-    still to be read), is refused."""
+    """Raise what a file job would raise about its files, before any model loads (the output
+    writer is opened under its temporary name and discarded). An output that is the input
+    or one of ``other_inputs`` (a folder job's files still to be read) is refused."""
     with open_media(src) as reader:
         refuse_input_as_output([*input_files(reader), *other_inputs], dst)
         file_output(reader, dst, opts, codec, overwrite).open(reader.info).abort()
 
 
 def plan_file(reader, opts: Options):
-    """Batch plan of a file job: the same in one process and on every rank of a distributed
-    one. ``opts.batch_size`` must be a number by now (:meth:`Job.prepare`,
-    :func:`fit_for_ranks`)."""
+    """Batch plan of a file job, the same in one process and on every rank; ``batch_size``
+    must be a number by now."""
     if opts.batch_size == "auto":
         raise OptionError("batch_size = 'auto' must be resolved before the batch plan is made "
                           "(Job.prepare or fit_for_ranks)")

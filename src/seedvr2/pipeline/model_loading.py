@@ -34,8 +34,8 @@ def _settings_of(opts: Options, kind: str) -> tuple:
 
 
 def _check_host_copy(model, offload, setting: str):
-    """The offloaded model's host copy must fit the host RAM (the model's own tensors already
-    there are replaced by it, so they count as available)."""
+    """The offloaded model's host copy must fit the host RAM (its own tensors there count as
+    available: the copy replaces them)."""
     if offload is not None and offload.type == "cpu":
         available = mem.host_available()
         if available is not None:
@@ -116,9 +116,8 @@ def _ready_model(ref: ModelRef, opts: Options, dtype, device, offload):
 
 def resident_bytes(refs: tuple[ModelRef, ModelRef], opts: Options,
                    where: ModelDevices) -> dict[str, int]:
-    """Bytes of a job's models already on each of its compute devices before it loads them:
-    a given module, or the one the model cache holds for these options (the memory budget
-    counts them as available, since the job's estimate counts them as its own)."""
+    """Bytes of a job's models already on each compute device before it loads them (a given
+    module, or the cache's for these options): available to the budget, which counts them."""
     found = dict.fromkeys(where.compute, 0)
     for ref, device in zip(refs, (where.dit, where.vae)):
         if ref.loaded:

@@ -1,7 +1,6 @@
-"""The batch plan: the single source of truth for how a video is cut into temporal batches.
-
-Computed once for the whole video from the frame count and the options, before any frame is
-read; every worker (one process or many) derives the same plan.
+"""The batch plan: the single source of truth for how a video is cut into temporal batches,
+computed from the frame count and the options before any frame is read (every process
+derives the same plan).
 
 Timeline. ``prepend_frames`` P reversed copies of frames 1..P are put in front of the video
 (temporal context for its first frames) and dropped from the output, so plan frame i is
@@ -123,11 +122,8 @@ def _plan_shot(batches: list, start: int, total: int, opts: Options):
 
 
 def blend_weights(overlap: int) -> torch.Tensor:
-    """Weights of the *later* batch across an overlap of n frames (the earlier gets 1 − w).
-
-    A raised cosine rising from 0 to 1 over the n frames (excluding both end points) keeps the
-    cross-fade smooth; under 3 frames a cosine has no room to differ from a line, so it is linear.
-    """
+    """Weights of the *later* batch across an overlap of n frames (the earlier gets 1 − w): a
+    raised cosine from 0 to 1 (end points excluded), linear under 3 frames (no room to differ)."""
     steps = torch.arange(1, overlap + 1, dtype=torch.float64) / (overlap + 1)
     weights = steps if overlap < 3 else 0.5 - 0.5 * torch.cos(math.pi * steps)
     return weights.float()

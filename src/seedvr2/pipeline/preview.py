@@ -1,10 +1,9 @@
 """Live previews: the newest finished frame, small and at most about once a second.
 
-Whoever blends batches into final frames (one process, or the writer rank of several) hands
-each frame to a :class:`FramePreview`; it passes a thumbnail of the newest one to the host's
-``show`` (ComfyUI's progress-bar preview) when :data:`PREVIEW_INTERVAL_S` has passed since the
-last, so a preview costs one small copy a second, never one per frame. docs/comfyui.md,
-"Live previews".
+Whoever blends batches into final frames hands each to a :class:`FramePreview`, which passes a
+thumbnail of the newest to the host's ``show`` (ComfyUI's progress-bar preview) once
+:data:`PREVIEW_INTERVAL_S` has passed: one small copy a second, never one per frame
+(docs/comfyui.md, "Live previews").
 """
 
 from __future__ import annotations
@@ -24,9 +23,8 @@ Show = Callable[[torch.Tensor], None]
 
 def thumbnail(frame: torch.Tensor, max_side: int = PREVIEW_MAX_SIDE) -> torch.Tensor:
     """``frame`` ((H, W, C) or (1, H, W, C), float in [0, 1] or uint8, any device, C = 1, 3
-    or 4) as a (h, w, 3) uint8 CPU tensor with its longest side at most ``max_side``: shrunk
-    on its own device first (area averaging), so only the small picture is copied. Gray comes
-    out as three equal channels; alpha is left out."""
+    or 4) as a (h, w, 3) uint8 CPU tensor, longest side at most ``max_side``: shrunk on its
+    own device first, so only the small picture is copied; gray as three channels, no alpha."""
     image = frame[0] if frame.dim() == 4 else frame
     image = image[..., :3] if image.shape[-1] >= 3 else image[..., :1].expand(-1, -1, 3)
     height, width = image.shape[:2]

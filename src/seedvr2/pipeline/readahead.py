@@ -1,11 +1,8 @@
 """Read input frames ahead on a thread while the device computes: :class:`ReadAhead` wraps any
-frame iterator (a video reader's ``frames()``, a tensor) in a bounded queue, so decoding the
-next batch's frames overlaps the current batch's compute instead of following it.
-
-Only the reading thread advances the wrapped iterator, and it closes it (a generator's
-``finally`` runs) before it ends; ``close()`` waits for that, so the reader's owner (``with
-open_media(...)``) may close the reader once it returns. An exception from the iterator is
-raised to the caller where it occurred, after the items read before it.
+frame iterator in a bounded queue, so decoding the next batch's frames overlaps the current
+batch's compute. Only the reading thread advances the wrapped iterator, and it closes it
+before it ends; ``close()`` waits for that, so the reader's owner may close the reader once it
+returns. An exception from the iterator reaches the caller after the items read before it.
 """
 
 from __future__ import annotations

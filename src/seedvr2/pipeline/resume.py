@@ -26,8 +26,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..io import MediaError
 from ..errors import SeedVR2Error
+from ..io import MediaError, OutputSpec, open_media, open_writer
 from ..io.segments import SegmentConcat, sync_file
 from ..io.temporaries import RESUME_JOURNAL, lock_folder, resume_folder
 from ..faults import NO_FAULTS, Faults
@@ -35,6 +35,7 @@ from ..version import __version__
 from ..loading.registry import sha256_of
 from .identity import files_digest
 from .plan import BatchPlan
+from .runner import OverlapBlender, to_integer_frames
 
 log = logging.getLogger("seedvr2")
 
@@ -162,17 +163,15 @@ def _write_atomically(path: Path, data: bytes):
 
 def content_digest(path: Path) -> str:
     """SHA-256 of a closed piece: a file's bytes, or a folder's files (names and bytes, in
-    name order). Raises OSError when it cannot be read as what it was (a folder inside a
-    folder piece, a folder where a file was). Never the cached digest of :mod:`.identity`:
-    a piece damaged in place may keep its size and modification time."""
+    name order); OSError when it cannot be read as what it was. Never :mod:`.identity`'s
+    cached digest: a piece damaged in place may keep its size and modification time."""
     if not path.is_dir():
         return sha256_of(path)
     return files_digest(sorted(path.iterdir()), sha256_of)
 
 
 def _problem(path: Path, sha256: str) -> Optional[str]:
-    """Why the closed piece at ``path`` cannot be used, or None when its content is the one
-    the journal recorded."""
+    """Why the closed piece at ``path`` cannot be used; None when its content is as recorded."""
     if not path.exists():
         return "is missing"
     try:
@@ -184,8 +183,8 @@ def _problem(path: Path, sha256: str) -> Optional[str]:
 
 
 class _Part:
-    """The raw frames of the segment being written, since the last closed piece: appended as
-    they are final and hashed as they go, so closing it needs no second read."""
+    """The raw frames of the segment being written since the last closed piece, hashed as
+    they are appended: closing it needs no second read."""
 
     def __init__(self, folder: Path, segment: Segment, first_batch: int, first_frame: int):
         self.name = f"part-{first_batch:06d}.raw"
@@ -216,8 +215,7 @@ class _Part:
 
 
 class ResumeState:
-    """The locked state folder of one output: what is complete and verified, and how to
-    continue."""
+    """The locked state folder of one output: what is complete and verified, and how to go on."""
 
     def __init__(self, dst, identity: dict, plan: BatchPlan, segments: list[Segment], *,
                  fresh: bool, dtype: np.dtype, faults: Faults = NO_FAULTS):
@@ -333,9 +331,8 @@ class ResumeState:
             return None
 
     def _context_for_tail(self):
-        """The blend tail after the last good piece is its last batch's own frames when that
-        batch's blended head does not reach them: computing the piece's last chunk again
-        gives it. Otherwise nothing kept can be continued."""
+        """The blend tail after the last good piece (its last batch's own frames) comes from
+        computing that chunk again, unless the batch's blended head reaches into it."""
         plan = self.plan
         last = plan.batches[self.pieces[-1].last_batch]
         chunk = next(c for c in plan.chunks if last.index in c)
@@ -347,8 +344,8 @@ class ResumeState:
         self.pieces = []
 
     def _drop_unnamed(self):
-        """Anything a killed run left that is not a good piece (a half-written segment or
-        part, a damaged piece, a tail not yet recorded) goes."""
+        """Anything a killed run left that is not a good piece (half-written, damaged, a tail
+        not yet recorded) goes."""
         keep = {JOURNAL, OWNER, *(p.name for p in self.pieces)}
         if self.tail is not None:
             keep.add(self._tail_name)
@@ -382,8 +379,8 @@ class ResumeState:
 
     @property
     def remaining_batches(self) -> list[int]:
-        """Plan batch indices still to compute, in order (whole chunks); a chunk computed
-        again only for its blend tail comes first."""
+        """Plan batch indices still to compute (whole chunks), a chunk computed again only for
+        its blend tail first."""
         return [*self.context, *range(self.next_batch, len(self.plan.batches))]
 
     @property
@@ -417,8 +414,7 @@ class ResumeState:
         self.faults.kill_point("part", self.parts_closed)
 
     def complete(self, segment: Segment, tail: torch.Tensor):
-        """Record ``segment`` as complete (its file closed) with the blend tail after it;
-        its parts go."""
+        """Record ``segment`` as complete with the blend tail after it; its parts go."""
         path = self.segment_path(segment)
         for f in path.iterdir() if path.is_dir() else [path]:
             sync_file(f)
@@ -450,8 +446,8 @@ class ResumeState:
         _write_atomically(self.folder / JOURNAL, json.dumps(journal, indent=1).encode())
 
     def read_part(self, part: Piece):
-        """The part's frames, hashed as they are read: a part changed since it was verified
-        fails before its segment is closed."""
+        """The part's frames, hashed as read: one changed since verified fails before its
+        segment is closed."""
         shape = part.shape
         frame_bytes = int(np.prod(shape)) * self.dtype.itemsize
         digest = hashlib.sha256()
@@ -501,13 +497,10 @@ class ResumeState:
 def open_resume_state(reader, output, plan: BatchPlan, identity: dict,
                       compute_dtype: torch.dtype, *, fresh: bool,
                       faults: Faults = NO_FAULTS) -> Optional[ResumeState]:
-    """The resume journal of this job, or None when the job is written directly: a plan of
-    one chunk (nothing to continue from), or a video made from images without a rate.
-    ``output`` is the job's :class:`~seedvr2.io.files.FileOutput`, ``identity`` its
-    fingerprint (:func:`~seedvr2.pipeline.identity.job_identity`: one process or several, the
-    same journal) and ``compute_dtype`` the precision ``dtype`` resolved to on this device
-    (``auto`` differs between GPUs); ``fresh`` discards what was kept. Raises
-    :class:`ResumeFolderInUse` while another job writes the same output."""
+    """The resume journal of this job; None when it is written directly (a plan of one chunk,
+    or a video from images without a rate). ``identity``: :func:`.identity.job_identity`;
+    ``compute_dtype``: ``dtype`` as resolved on this device (``auto`` differs between GPUs);
+    ``fresh`` discards what was kept. :class:`ResumeFolderInUse` while another job writes it."""
     if len(plan.chunks) < 2 or output.is_video and reader.info.fps is None:
         return None
     frames = SEGMENT_FRAMES if faults.segment_frames is None else faults.segment_frames
@@ -520,13 +513,9 @@ def open_resume_state(reader, output, plan: BatchPlan, identity: dict,
 def run_resumable(compute, state: ResumeState, info, output, progress=None, stats=None,
                   preview=None) -> Path:
     """Upscale ``state.plan`` into ``output`` through pieces kept in ``state``; returns the
-    final path.
-
-    ``compute(batches)`` yields ``(batch, frames)`` for the given plan batch indices, in
-    order: this process's upscaler, or the writer rank's gathering of every rank's batches.
-    ``progress(phase, done, total)`` is told the finished frames and ``preview`` (a
-    ``FramePreview``) shown the newest; ``stats`` (a ``JobStats``) the frames and the batches
-    reused."""
+    final path. ``compute(batches)`` yields ``(batch, frames)`` of those plan batches in order
+    (this process's upscaler, or the writer rank's gathering); ``progress``, ``preview`` and
+    ``stats`` are told the finished frames (``stats`` also the batches reused)."""
     plan = state.plan
     if state.pieces:
         log.info("resuming: %d of %d batches are kept in %s; computing the other %d",
@@ -562,8 +551,6 @@ def run_resumable(compute, state: ResumeState, info, output, progress=None, stat
 def _restored_blender(state: ResumeState, outputs):
     """The blend state after the last kept piece: its tail, or the chunk computed again for
     it (taken from ``outputs``)."""
-    from .runner import OverlapBlender
-
     blender = OverlapBlender(state.plan)
     for expected in state.context:  # computed again for its blend tail only
         batch, out = next(outputs)
@@ -577,10 +564,8 @@ def _restored_blender(state: ResumeState, outputs):
 
 
 def _assemble(state: ResumeState, info, output):
-    """The final output from the complete segments: a video by stream copy with the source's
-    audio muxed in, images through the ordinary image writer. Returns its path."""
-    from ..io import OutputSpec, open_media
-
+    """The final output's path, from the complete segments: a video by stream copy with the
+    source's audio muxed in, images through the ordinary image writer."""
     segments, size = state.segments, output.size
     if state.ext == "/":
         with output.open(info) as writer:
@@ -599,8 +584,6 @@ def _assemble(state: ResumeState, info, output):
 
 def _segment_writer(segment: Segment, state: ResumeState, info, output):
     """The writer of one segment file (video) or folder (lossless PNGs)."""
-    from ..io import OutputSpec, open_writer
-
     path, video = state.segment_path(segment), state.ext != "/"
     # Image segments stay as stored: the final writer turns them upright (rotation, pixel
     # aspect) when it reads them back; video segments carry the tags either way.
@@ -621,11 +604,8 @@ def _segment_writer(segment: Segment, state: ResumeState, info, output):
 
 def _write_segment(segment: Segment, outputs, blender, state: ResumeState, info, output,
                    frames_done):
-    """Write ``segment``: its kept parts' frames again, then the frames of its other chunks,
-    closing a part at a chunk's end when a checkpoint is due; ``frames_done(done, total,
-    newest frame)`` after each batch's frames."""
-    from .runner import to_integer_frames
-
+    """Write ``segment``: its kept parts' frames, then its other chunks', closing a part at a
+    chunk's end when a checkpoint is due; ``frames_done(done, total, newest)`` after each."""
     written = 0
     writer = _segment_writer(segment, state, info, output)
     first_batch = max(segment.batches[0], state.next_batch)

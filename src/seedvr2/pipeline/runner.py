@@ -1,13 +1,10 @@
 """One process's upscaling job, streaming: frames in, upscaled frames out.
 
-Per chunk of the batch plan the phases run over all of the chunk's batches in turn —
-encode every batch, then the DiT on every latent, then decode every batch — so the models
-are switched once per chunk rather than once per batch. Decoded batches are colour-corrected
+Per chunk of the batch plan each phase runs over all of the chunk's batches (encode, DiT,
+decode), so the models are switched once per chunk. Decoded batches are colour-corrected
 against their resized input, blended where batches overlap, and yielded as soon as no later
-batch can change them. Nothing holds the whole video.
-
-Every random draw of a batch comes from generators seeded by (seed, the batch's first plan
-frame, purpose), drawn on the CPU: the same seed gives the same frames whatever the chunking,
+batch can change them; nothing holds the whole video. Every random draw is seeded by (seed,
+the batch's first plan frame, purpose) on the CPU: the same frames whatever the chunking,
 the device, or which process runs the batch.
 """
 
@@ -17,7 +14,7 @@ import logging
 import threading
 import time
 import warnings
-from collections import deque
+from collections import Counter, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Optional, Sequence
@@ -28,7 +25,6 @@ import torch.nn.functional as F
 
 from ..errors import InputError
 from ..memory import tiling
-from ..memory.blockswap import BlockSwap
 from ..memory.budget import host_rss
 from ..memory.compile import is_compiled
 from ..memory.device_choice import check_finite
@@ -70,11 +66,6 @@ class Models:
     dit_placement: Optional[object] = None
     vae_placement: Optional[object] = None
 
-    @property
-    def blockswap(self):
-        """The DiT's BlockSwap when it swaps (on CUDA), else None."""
-        return self.dit_placement if isinstance(self.dit_placement, BlockSwap) else None
-
     def activate(self, kind: str):
         placement = self.dit_placement if kind == "dit" else self.vae_placement
         if placement is not None:
@@ -89,10 +80,8 @@ class Models:
 
 @dataclass
 class PhaseStats:
-    """One phase over the whole job: time, calls, and memory peaks. Device peaks are
-    ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` of the phase's device, reset
-    at the start of every call (None when the phase runs on the CPU); ``host_rss`` is the
-    process's resident set at the end of a call, the largest seen."""
+    """One phase over the whole job: time, calls, and memory peaks (the CUDA allocator's,
+    reset every call; None on the CPU), ``host_rss`` the largest resident set after a call."""
 
     seconds: float = 0.0
     calls: int = 0
@@ -112,8 +101,7 @@ class PhaseStats:
 
 @dataclass
 class JobStats:
-    """Time and peak memory per phase, the batch size used and the memory estimate, for the
-    end summary."""
+    """Time and peak memory per phase, the batch size and memory estimate, for the summary."""
 
     frames: int = 0
     peak_device_bytes: int = 0
@@ -279,12 +267,9 @@ def to_float_frame(frame, index: int) -> torch.Tensor:
 
 
 def integer_frames(frames: torch.Tensor, bit_depth: int) -> torch.Tensor:
-    """Float frames in [0, 1] -> uint8 / uint16 tensor on the frames' own device.
-
-    On a GPU this runs there, so only the integers cross to the host (4× / 2× fewer bytes than
-    float32). The result does not depend on the device: a product with a constant, rounding
-    half to even and a clamp are exactly rounded IEEE operations on CPU and CUDA alike.
-    """
+    """Float frames in [0, 1] -> uint8 / uint16 on the frames' own device (on a GPU only the
+    integers cross to the host). Device-independent: a product, rounding half to even and a
+    clamp are exactly rounded IEEE operations on CPU and CUDA alike."""
     scale = 65535.0 if bit_depth == 16 else 255.0
     values = (frames * scale).round_().clamp_(0, scale)
     return values.to(torch.uint16 if bit_depth == 16 else torch.uint8)
@@ -351,9 +336,7 @@ class Encoded:
     batch: Batch
     latent: torch.Tensor  # (t, h, w, 16) scaled, channels-last
     # (n, H, W, C) input frames in their source precision on the VAE's device: the colour
-    # reference and alpha are remade from them at decode (at input resolution and in uint8
-    # they are 4 x (output/input)^2 times smaller than the float32 reference they replace,
-    # and never travel to the host and back).
+    # reference and alpha are remade from them at decode (far smaller than a float32 reference).
     source: torch.Tensor
     size: tuple  # output (H, W)
     result: Optional[torch.Tensor] = None  # x0 latent, then decoded frames
@@ -369,18 +352,13 @@ class StopPoints:
     """Where a running phase reads the stop flag: between batches, DiT blocks, VAE layers
     and tiles, and colour correction.
 
-    The checks reach the models as forward pre-hooks registered for the job (on DiT blocks,
-    and on the VAE's layers) and as the tiling's ``between`` callback:
-    ``models/`` stays pure torch. Hooks run in ``Module.__call__``, outside the module's
-    forward, which is what torch.compile replaces (``memory.compile``: per DiT block, and
-    the VAE's encoder/decoder as a whole); so DiT block hooks stay outside the compiled
-    graphs, while a compiled VAE gets no hooks inside its encoder/decoder (they would break
-    its graph) and is checked between tiles and slices only.
-
-    On CUDA each check records an event on the device's current stream and waits for the
-    event ``CHECKS_IN_FLIGHT`` checks back (never a device-wide or stream-wide sync: work
-    queued since keeps the device busy), which bounds how far the host runs ahead.
-    """
+    The checks reach the models as forward pre-hooks registered for the job and as the
+    tiling's ``between`` callback (``models/`` stays pure torch). Hooks run in
+    ``Module.__call__``, outside what torch.compile replaces (``memory.compile``: per DiT
+    block, the VAE's encoder/decoder whole), so a compiled VAE gets no hooks inside (they
+    would break its graph) and is checked between tiles and slices only. On CUDA each check
+    records an event and waits for the one ``CHECKS_IN_FLIGHT`` checks back (never a device-
+    or stream-wide sync), which bounds how far the host runs ahead."""
 
     def __init__(self, should_stop: Callable[[], bool]):
         self.should_stop = should_stop
@@ -429,18 +407,6 @@ class StopPoints:
         return handles
 
 
-class _PhaseCounts:
-    """Batches done per phase, told to ``progress`` as they finish."""
-
-    def __init__(self, progress: Progress, total: int):
-        self.progress, self.total = progress, total
-        self.counts = {"encode": 0, "dit": 0, "decode": 0}
-
-    def done(self, phase: str):
-        self.counts[phase] += 1
-        self.progress(phase, self.counts[phase], self.total)
-
-
 class Upscaler:
     """Runs a batch plan over a frame stream with loaded models."""
 
@@ -456,20 +422,14 @@ class Upscaler:
         self.encode_tiles, self.encode_slice = tiling.settings_from_options(opts, "encode")
         self.decode_tiles, self.decode_slice = tiling.settings_from_options(opts, "decode")
         self.stats = stats if stats is not None else JobStats()  # this job's, recorded as it runs
-        # A file job's consumer rounds frames to integers: on the device, the copy to the
-        # host is then 4x (uint8) or 2x (uint16) smaller than float32 frames. Only decoded
-        # frames stay; the blender keeps just the overlap frames between batches.
+        # A file job rounds frames to integers on the device: a 4x / 2x smaller copy to the host.
         self.frames_on_device = frames_on_device
-        # DiT and VAE on different devices: batches are encoded on a thread, up to a chunk
-        # ahead, while the DiT runs on those already encoded, so both devices work at once.
-        # The results are those of the phases run one after the other (the same operations
-        # on the same devices).
+        # DiT and VAE on different devices: batches are encoded on a thread up to a chunk ahead
+        # while the DiT runs, with the results of the phases run one after the other.
         self.overlap_phases = models.dit_device != models.vae_device
         self._pending_times: list = []  # (phase, start event, end event) not yet read
         self._clock_lock = threading.Lock()
-        # Encoding (a thread of its own when the phases overlap) and decoding share the VAE:
-        # one at a time.
-        self._vae_lock = threading.Lock()
+        self._vae_lock = threading.Lock()  # encoding (maybe on a thread) and decoding: one at a time
         self._text: dict = {}  # device -> the text embedding there, uploaded once per job
         self._stops = StopPoints(self.should_stop)
         if isinstance(opts.batch_size, int):
@@ -481,10 +441,8 @@ class Upscaler:
         self._stops(self.models.vae_device)
 
     def _upload_frames(self, frames: list, device: torch.device) -> torch.Tensor:
-        """(n, H, W, C) on ``device`` in the frames' source precision. From pinned frames on
-        CUDA, each copy is non-blocking (the caching host allocator keeps each pinned frame
-        until its copy's event has completed, see
-        :func:`~seedvr2.models.window.to_device`)."""
+        """(n, H, W, C) on ``device`` in the frames' source precision; from pinned frames each
+        copy is non-blocking (see :func:`~seedvr2.models.window.to_device`)."""
         if device.type == "cpu":
             return torch.stack(frames)
         out = torch.empty((len(frames), *frames[0].shape), dtype=frames[0].dtype, device=device)
@@ -516,8 +474,6 @@ class Upscaler:
                                               self.encode_slice, self._vae_between)
         eps = _randn(mean.shape, batch_seed(opts.seed, batch.start, EPS), device, mean.dtype)
         latent = vae.sample_posterior(mean, logvar, noise=eps)
-        # A host offload device is the user's choice of memory over speed: that copy (and
-        # the one back) waits for the device.
         check_finite(latent, "VAE encoder", self.dtype, _batch_name(batch))
         latent = (latent[0].permute(1, 2, 3, 0).float() * LATENT_SCALE).to(self.offload)
         return Encoded(batch, latent, source, size)
@@ -582,9 +538,8 @@ class Upscaler:
 
     @contextmanager
     def _phase(self, phase: str):
-        """Time and memory peaks of one phase call. On CUDA the time is taken by two events
-        and read later (:meth:`_collect_times`), not by a host sync per phase: a sync would
-        let the device run dry while the host queues the next phase's work."""
+        """Time and memory peaks of one phase call. On CUDA the time is two events read later
+        (:meth:`_collect_times`): a host sync per phase would let the device run dry."""
         device = self.models.dit_device if phase == "dit" else self.models.vae_device
         cuda = device.type == "cuda"
         start = None
@@ -609,8 +564,7 @@ class Upscaler:
                     torch.cuda.max_memory_reserved(device) if cuda else None, host_rss())
 
     def _collect_times(self, wait: bool = False):
-        """Add the CUDA phase times whose end events have completed (``wait``: all of them,
-        waiting for the last; done once, at the end of the job)."""
+        """Add the CUDA phase times whose end events have completed (``wait``: all of them)."""
         with self._clock_lock:
             while self._pending_times:
                 phase, start, end = self._pending_times[0]
@@ -638,35 +592,30 @@ class Upscaler:
                                       else plan.plan_frames)
                 yield item
 
-    def _read_ahead_depth(self, plan: BatchPlan) -> int:
-        """Frames read ahead: one batch."""
-        return max(b.stop - b.start for b in plan.batches)
-
     @torch.inference_mode()
     def batch_outputs(self, frames: Iterable, plan: BatchPlan,
                       batches: Optional[Sequence[int]] = None) -> Iterator[tuple[Batch, torch.Tensor]]:
         """Decoded, colour-corrected frames (n, H, W, C) of each batch, unblended, in plan order.
 
         ``batches`` (contiguous, ascending) restricts the job to a share of the plan; ``frames``
-        must then start at :meth:`BatchPlan.read_start` of them.
-
-        Per chunk: encode every batch, then the DiT on each, then decode each, so each model
-        is activated once per chunk. With the phases overlapping (DiT and VAE on different
-        devices), both models stay active and the batches are encoded on a thread up to one
-        chunk ahead: the next chunk's encoding runs on the VAE's device while the DiT runs
-        on this chunk's latents (that chunk's latents and input frames are the extra memory).
-        """
+        must then start at :meth:`BatchPlan.read_start` of them. Each model is activated once
+        per chunk; with the phases overlapping both stay active and the next chunk is encoded
+        on a thread while the DiT runs (its latents and input frames are the extra memory)."""
         chosen = list(range(len(plan.batches))) if batches is None else list(batches)
         needed = None if batches is None else {
             plan.source_index(f) for i in chosen for f in range(plan.batches[i].start, plan.batches[i].stop)}
         wanted = set(chosen)
         chunks = [c for c in ([i for i in chunk if i in wanted] for chunk in plan.chunks) if c]
         self._stops = StopPoints(self.should_stop)
-        reader = ReadAhead(frames, self._read_ahead_depth(plan))
+        reader = ReadAhead(frames, max(b.frames for b in plan.batches))  # one batch ahead
         source = FrameSource(reader, plan, plan.read_start(chosen), needed,
                              pin=self.models.vae_device.type == "cuda")
         encoded = self._encoded([i for chunk in chunks for i in chunk], plan, source)
-        hooks, counts = [], _PhaseCounts(self.progress, len(chosen))
+        hooks, finished = [], Counter()
+
+        def done(phase: str):  # batches finished per phase, told to progress
+            finished[phase] += 1
+            self.progress(phase, finished[phase], len(chosen))
         try:
             hooks = self._stops.attach(self.models)
             if self.overlap_phases:
@@ -674,16 +623,15 @@ class Upscaler:
                 self.models.activate("dit")
                 encoded = ReadAhead(encoded, max(len(c) for c in chunks))
             for chunk in chunks:
-                yield from self._chunk_outputs(chunk, encoded, counts)
+                yield from self._chunk_outputs(chunk, encoded, done)
         finally:
-            # Also after an error or interrupt: no weights copies or tensors stay on the
-            # device, and no thread reads or encodes on.
+            # Also after an error or interrupt: nothing stays on the device, no thread runs on.
             self._stops.abandon()
             encoded.close()
             reader.close()
             self._wind_down(hooks)
 
-    def _chunk_outputs(self, chunk: list[int], encoded, counts: "_PhaseCounts"):
+    def _chunk_outputs(self, chunk: list[int], encoded, done: Callable[[str], None]):
         """One chunk's phases: encode every batch, the DiT on each (as each is encoded when
         the phases overlap), decode each."""
         overlap = self.overlap_phases
@@ -692,30 +640,30 @@ class Upscaler:
             self.models.activate("vae")
         for _ in chunk:
             items.append(next(encoded))
-            counts.done("encode")
+            done("encode")
             if overlap:
-                self._denoise_counted(items[-1], counts)
+                self._denoise_counted(items[-1], done)
         if not overlap:
             self.models.park("vae")
             self.models.activate("dit")
             for item in items:
-                self._denoise_counted(item, counts)
+                self._denoise_counted(item, done)
             self.models.park("dit")
             self.models.activate("vae")
         for item in items:
             self._stops()
             with self._vae_lock, self._phase("decode"):
                 out = self._decode(item)
-            counts.done("decode")
+            done("decode")
             yield item.batch, out
             del out
             self._collect_times()  # the consumer has fetched the frames: these ended
 
-    def _denoise_counted(self, item: Encoded, counts: "_PhaseCounts"):
+    def _denoise_counted(self, item: Encoded, done: Callable[[str], None]):
         self._stops()
         with self._phase("dit"):
             self._denoise(item)
-        counts.done("dit")
+        done("dit")
 
     def _wind_down(self, hooks: list):
         for hook in hooks:
@@ -743,22 +691,21 @@ class Upscaler:
 def final_frames(plan: BatchPlan, outputs, progress: Optional[Progress] = None,
                  stats: Optional[JobStats] = None, check_stop=None, preview=None):
     """Each batch's ``outputs`` (in plan order) blended into final frames, yielded one at a
-    time as (first source frame, frames): ``check_stop`` is called before each, so a Cancel
-    while the consumer writes (encoding is often the slowest phase) waits for one frame, not
-    a batch. ``progress`` and ``stats`` are told the frames finished, ``preview`` (a
-    :class:`~seedvr2.pipeline.preview.FramePreview`) is shown each one."""
+    time as (first source frame, frames): ``check_stop`` runs before each, so a Cancel while
+    the consumer writes waits for one frame, not a batch. ``progress`` and ``stats`` are told
+    the frames finished, ``preview`` (a ``FramePreview``) is shown each one."""
     blender = OverlapBlender(plan)
     for batch, out in outputs:
         for first, final in blender.add(batch, out):
             for k in range(final.shape[0]):
+                done = blender.emitted - final.shape[0] + k + 1
                 if check_stop is not None:
                     check_stop()
                 if stats is not None:
-                    stats.frames = blender.emitted - final.shape[0] + k + 1
+                    stats.frames = done
                 yield first + k, final[k:k + 1]
                 if progress is not None:
-                    progress("frames", blender.emitted - final.shape[0] + k + 1,
-                             plan.source_frames)
+                    progress("frames", done, plan.source_frames)
                 if preview is not None:
                     preview(final[k:k + 1])
 

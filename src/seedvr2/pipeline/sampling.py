@@ -41,11 +41,6 @@ def timestep_transform(t: torch.Tensor, latent_thw) -> torch.Tensor:
     return (T * shift * u / (1 + (shift - 1) * u)).to(t.dtype)
 
 
-def sampling_timesteps(steps: int) -> torch.Tensor:
-    """Uniform trailing timesteps, e.g. 4 → [1000, 750, 500, 250] (no shift applied)."""
-    return torch.arange(steps, 0, -1, dtype=torch.float32) * (T / steps)
-
-
 def augment_latent(latent: torch.Tensor, aug_noise: torch.Tensor, noise_scale: float) -> torch.Tensor:
     """Noise augmentation of the low-res latent (T, h, w, 16) at strength ``noise_scale``.
 

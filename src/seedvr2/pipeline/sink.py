@@ -1,9 +1,8 @@
 """Where a file job's batches go: written directly, or through the resume journal's pieces.
 
-One process and the writer rank of several open the same sink (:class:`DirectSink` or
-:class:`ResumableSink`) in one place (:func:`open_sink`) and hand it their producer:
-``sink.consume(outputs_from)``, where ``outputs_from(batches)`` yields ``(batch, frames)`` for
-those plan batches in order; each final frame is told to ``progress`` and shown to ``preview``.
+One process and the writer rank of several open the same sink (:func:`open_sink`) and hand it
+their producer: ``sink.consume(outputs_from)``, ``outputs_from(batches)`` yielding ``(batch,
+frames)`` for those plan batches in order.
 """
 
 from __future__ import annotations
@@ -63,9 +62,8 @@ class ResumableSink:
 
 
 def open_sink(writer, reader, output, plan, identity: dict, compute_dtype, job):
-    """The sink of a file job whose ``writer`` (``output.open``: an existing or unwritable
-    output has failed before any work) is open: the resume state when the job keeps one
-    (the writer is then discarded: the kept segments become the output), else the writer."""
+    """The sink of a file job whose ``writer`` is open (so a bad output failed before any
+    work): the resume state when the job keeps one (the writer is then discarded), else it."""
     try:
         state = open_resume_state(reader, output, plan, identity, compute_dtype,
                                   fresh=not job.opts.resume, faults=job.faults)

@@ -1,15 +1,13 @@
 """The work of a job before it runs (FLOPs and bytes per phase) and its time on the device.
 
-:class:`OpCounter` counts every operation it sees: FLOPs by torch's formulas
-(``torch.utils.flop_counter``; the fused attention by ``sdpa_flop_count``; comfy-kitchen's
-``fp16_conv3d`` as a convolution) and bytes read and written as if nothing were fused (views
-move nothing). ``bench/roofline.py`` runs it over a whole batch at real size on fake tensors; a
+:class:`OpCounter` counts every operation it sees: FLOPs by torch's formulas (the fused
+attention by ``sdpa_flop_count``, comfy-kitchen's ``fp16_conv3d`` as a convolution) and bytes
+moved as if nothing were fused. ``bench/roofline.py`` runs it at real size on fake tensors; a
 job's estimate (:func:`job_work`) runs the models on ``meta`` tensors at a small size and
-scales: the VAE's convolutions are local (work per output pixel and frame; its attention, a
-few % at 1080p, at that size's share), the DiT's work per video token plus its windowed
-attention (each window's tokens against themselves and the text). :func:`device_rates` probes
-the device for about a second (cached per device and dtype); :meth:`JobWork.seconds` is then
-the counted work at those rates, a range from the probe's best and worst rounds.
+scales: the VAE's work per output pixel and frame (its attention, a few % at 1080p, at that
+size's share), the DiT's per video token plus its windowed attention. :func:`device_rates`
+probes the device for about a second (cached); :meth:`JobWork.seconds` is the counted work at
+the probe's best and worst rates.
 """
 
 from __future__ import annotations
@@ -26,6 +24,12 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+
+from ..memory.budget import TEXT_TOKENS
+from ..memory.tiling import settings_from_options, tile_layout
+from ..models import build_on_meta
+from ..models.window import make_windows
+from .runner import MODEL_MULTIPLE
 
 log = logging.getLogger(__name__)
 
@@ -152,14 +156,6 @@ def device_rates(device: str, dtype: torch.dtype) -> tuple[Rates, Rates]:
                  for pick in (min, max))
 
 
-def seconds_at(ops: Counter, rates: Rates) -> dict:
-    """Per phase: the counted ops' time at ``rates``."""
-    out: dict = {}
-    for (phase, cls, flops, nbytes), n in ops.items():
-        out[phase] = out.get(phase, 0.0) + n * rates.seconds(cls, flops, nbytes)
-    return out
-
-
 # -- a job's work, counted before it runs ------------------------------------------------------
 
 _UNIT = (5, 32, 32)  # frames, height, width of the VAE's small counted run
@@ -181,8 +177,6 @@ class _ByText:
 @functools.lru_cache(maxsize=4)
 def _vae_unit(config: _ByText, dtype: torch.dtype) -> Counter:
     """The VAE's ops encoding and decoding ``_UNIT`` on meta tensors."""
-    from ..models import build_on_meta
-
     vae = build_on_meta("vae", config.config).to(dtype).eval()
     counter, (t, h, w) = OpCounter(), _UNIT
     s, f = vae.spatial_factor, vae.temporal_factor
@@ -201,8 +195,6 @@ def _dit_ops(dit: torch.nn.Module, thw: tuple[int, int, int], txt: int, itemsize
     tokens, text ones over the text, shared ones over both, the timestep's over one; a
     video-only block's text outputs are not computed) and its windowed attention (each
     window's video tokens and the text, against themselves)."""
-    from ..models.window import make_windows
-
     tokens = thw[0] * thw[1] * thw[2]
     counter.phase = "dit"
     for name, p in dit.named_parameters():
@@ -237,7 +229,9 @@ class JobWork:
 
     def seconds(self, device: str, dtype: torch.dtype) -> tuple[float, float]:
         """The time range on ``device`` at its probed best and worst rates."""
-        return tuple(sum(seconds_at(self.ops, r).values()) for r in device_rates(device, dtype))
+        return tuple(sum(n * r.seconds(cls, flops, nbytes)
+                         for (_, cls, flops, nbytes), n in self.ops.items())
+                     for r in device_rates(device, dtype))
 
     def describe(self, device: str, dtype: torch.dtype) -> str:
         lo, hi = self.seconds(device, dtype)
@@ -254,10 +248,6 @@ def job_work(dit: torch.nn.Module, vae_config, plan, opts, size: tuple[int, int]
              dtype: torch.dtype) -> JobWork:
     """The work of ``plan``'s batches at output ``size`` (H, W): the VAE's small counted run
     scaled to each batch's padded frames and tiles, the DiT's counted per batch."""
-    from ..memory.tiling import settings_from_options, tile_layout
-    from ..memory.budget import TEXT_TOKENS
-    from .runner import MODEL_MULTIPLE
-
     H, W = (-(-n // MODEL_MULTIPLE) * MODEL_MULTIPLE for n in size)
     unit = _vae_unit(_ByText(vae_config), dtype)
     grow = {}
