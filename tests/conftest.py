@@ -174,7 +174,6 @@ def constructor_kwargs(family_dir: Path) -> dict:
 def tiny_model_dir(conformance, tmp_path_factory) -> Path:
     """A model folder holding the tiny 3B DiT, the tiny VAE (with their configs in the metadata)
     and 64-wide text embeddings: what the pipeline tests load by path."""
-    import torch
     from safetensors.torch import save_file
 
     folder = tmp_path_factory.mktemp("models")

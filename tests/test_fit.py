@@ -21,7 +21,7 @@ from hypothesis import given, strategies as st
 from seedvr2.memory import budget as mem
 from seedvr2.memory.budget import GIB, Budget, Placement, Weights
 from seedvr2.models.config import dit_config, vae_config
-from seedvr2.options import OptionError, resolve_options
+from seedvr2.options import resolve_options
 
 from conftest import REPO, make_clip
 from hostile import outcome

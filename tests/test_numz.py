@@ -9,7 +9,6 @@ names newer editors write into ``inputs``) and the API's (inputs by numz's names
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 

@@ -10,7 +10,6 @@ import os
 import re
 import subprocess
 import tomllib
-from pathlib import Path
 
 from PIL import Image
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from seedvr2.models import vae_blocks, vae_paths
+from seedvr2.models import vae_paths
 from seedvr2.models.vae_blocks import (
     CausalCache,
     CausalConv3d,

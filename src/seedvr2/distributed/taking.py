@@ -15,7 +15,7 @@ from collections import Counter
 
 from ..pipeline.plan import BatchPlan
 from . import frames as wire
-from .peers import JobKeys, Liveness, RankLost, first_line, wait_until
+from .peers import JobKeys, Liveness, RankLost, first_line
 
 log = logging.getLogger("seedvr2")
 
