@@ -1,12 +1,10 @@
 """The facade every interface calls: ``upscale`` (frames in memory) and ``upscale_file``.
 
-Here a job is built once (``seedvr2.pipeline.job.Job``: options validated, models given
-loaded, by registered name or by path, the tests' faults read) and run in this process or
-over several ranks (``seedvr2.distributed``: spawned here, or this process is one rank of a
-torchrun/Slurm launch). Both load models and check the memory budget through ``Job.prepare``
-before any frame, and a file job writes through the same sinks (``seedvr2.pipeline.sink``).
-See docs/architecture.md.
-"""
+Here a job is built once (``seedvr2.pipeline.job.Job``: options validated, models given loaded, by
+registered name or by path, the tests' faults read) and run in this process or over several ranks
+(``seedvr2.distributed``: spawned here, or this process is one rank of a torchrun/Slurm launch).
+Both load models and check the memory budget through ``Job.prepare`` before any frame, and a file
+job writes through the same sinks (``seedvr2.pipeline.sink``). See docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -48,8 +46,7 @@ def process_devices(opts: Options, dit, vae) -> tuple[list[str], Options]:
     ``devices=auto`` spreads the job over every visible GPU only when nothing ties it to one:
     an explicit ``device``, ``dit_device`` or ``vae_device`` means one process there, and
     models given loaded mean one process on their device (the modules cannot travel to
-    worker processes). A device list given explicitly is obeyed as it is.
-    """
+    worker processes). A device list given explicitly is obeyed as it is."""
     from .distributed.launch import parse_devices
 
     if opts.devices == "auto":
@@ -91,8 +88,7 @@ def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Pr
     a host holds memory it frees on demand (ComfyUI), is asked for what the job needs before
     the memory budget measures a device (one process only). ``preview(thumbnail)`` is shown
     the newest finished frame about once a second (:mod:`seedvr2.pipeline.preview`).
-    ``opts``: options already resolved (a node's, the CLI's), instead of ``**options``.
-    """
+    ``opts``: options already resolved (a node's, the CLI's), instead of ``**options``."""
     opts = _options("upscale", opts, options)
     frames = input_frames(frames)
     opts = _scene_cuts(opts, len(frames), lambda: iter(frames), stats)
@@ -140,14 +136,12 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
                  **options) -> Path:
     """Upscale a video, image or image sequence file to ``dst``, streaming frame by frame.
 
-    Video keeps its exact frame rate (variable-rate video: every frame's time) and its audio
-    and subtitles where the output holds them (copied, not re-encoded); ``fps`` gives images
-    and sequences a rate for a video output. The output is
-    written under a temporary name and appears at ``dst`` only when complete; an existing
-    ``dst`` is replaced only with ``overwrite=True``. ``stats``, ``make_room`` and
-    ``preview`` as in :func:`upscale`; ``opts``: options already resolved (the CLI's), instead of ``**options``.
-    Returns the output path.
-    """
+    Video keeps its exact frame rate (variable-rate video: every frame's time) and its audio and
+    subtitles where the output holds them (copied, not re-encoded); ``fps`` gives images and
+    sequences a rate for a video output. The output is written under a temporary name and appears at
+    ``dst`` only when complete; an existing ``dst`` is replaced only with ``overwrite=True``.
+    ``stats``, ``make_room`` and ``preview`` as in :func:`upscale`; ``opts``: options already
+    resolved (the CLI's), instead of ``**options``. Returns the output path."""
     from .distributed import in_distributed_launch, init_from_env
     from .distributed.rank_work import run_file_job
     from .distributed.launch import spawn_file_job

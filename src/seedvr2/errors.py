@@ -6,8 +6,7 @@ prints it as one line and exits non-zero; the ComfyUI nodes show it as the node'
 other exception reaching a user is a defect, and the property-based hostile tests look for
 exactly that. Each subclass also derives from the builtin error it always was (``ValueError``
 for bad input, ``RuntimeError`` for a failure on the way), so callers catching those still do.
-A builtin raised by name is left only where it cannot happen (tests/test_code_shape.py counts).
-"""
+A builtin raised by name is left only where it cannot happen (tests/test_code_shape.py counts)."""
 
 from __future__ import annotations
 

@@ -24,8 +24,7 @@ default everywhere below the facade, injects nothing: production sets none of th
   removes it, writes ``PATH.waiting`` and waits until it is interrupted, so a ComfyUI test
   interrupts a run at a known point instead of racing it.
 * ``SEEDVR2_TEST_CACHE_STATE=PATH``: the kinds of model in our cache and in ComfyUI's list are
-  written to that JSON file whenever they change.
-"""
+  written to that JSON file whenever they change."""
 
 from __future__ import annotations
 

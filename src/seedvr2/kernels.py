@@ -11,8 +11,7 @@ docs/development.md "Kernel preconditions"), and the dispatch (``loading.lowp``)
 same rules to decide what a GPU of a given platform and capability runs.
 
 This module imports torch only: any layer may use it, as ``errors.py``. comfy-kitchen is
-imported by :func:`kitchen` on the first low-precision product, never with the pack.
-"""
+imported by :func:`kitchen` on the first low-precision product, never with the pack."""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ returns them complete, with defaults filled in; errors name the option and the f
 
 Messages name an option in the caller's own words: ``text_embeddings=PATH`` for Python callers,
 ``--text-embeddings PATH`` on the command line. Code that writes a message calls
-:func:`option_ref`; the ``seedvr2`` command runs inside :func:`spoken_as_cli`.
-"""
+:func:`option_ref`; the ``seedvr2`` command runs inside :func:`spoken_as_cli`."""
 
 from __future__ import annotations
 
@@ -49,8 +48,7 @@ def option_ref(name: str, value=None, *, flag: Optional[str] = None) -> str:
     Python: ``name`` / ``name=value``; command line: ``--name`` / ``--name value``, a boolean
     ``True`` as the bare flag and ``False`` as ``--no-name``. Names outside :data:`OPTIONS`
     (``overwrite``, ``model_dir``) follow the same rule; ``flag`` names a command-line flag
-    that is not spelled like the keyword (``quantize --type`` for ``target``).
-    """
+    that is not spelled like the keyword (``quantize --type`` for ``target``)."""
     if _CALLER.get() == "python":
         return name if value is None else f"{name}={value}"
     flag = flag or "--" + name.replace("_", "-")
@@ -113,11 +111,10 @@ _PLAIN_FLOAT = re.compile(r" *(-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?|-?
 
 
 def plain_number(kind: type, text: str):
-    """``text`` as an int or float when it is spelled in plain ASCII decimal (spaces around
-    allowed; floats also as ``1e-3``, and ``inf``/``nan`` for the range checks to name); else
-    OptionError. Python's own int()/float() also read ``1_0`` as 10, ``+3``, other scripts'
-    digits (``١``) and surrounding newlines: a value spelled so is more likely a mistake
-    than meant."""
+    """``text`` as an int or float when it is spelled in plain ASCII decimal (spaces around allowed;
+    floats also as ``1e-3``, and ``inf``/``nan`` for the range checks to name); else OptionError.
+    Python's own int()/float() also read ``1_0`` as 10, ``+3``, other scripts' digits (``١``) and
+    surrounding newlines: a value spelled so is more likely a mistake than meant."""
     match = (_PLAIN_INT if kind is int else _PLAIN_FLOAT).fullmatch(text)
     if match is None:
         raise OptionError(f"not a plain decimal {kind.__name__}: {text!r}")

@@ -1,7 +1,6 @@
 """Still images: probe, decode and encode single files. Pillow handles 8-bit images (and
 EXIF orientation); 16-bit PNG and TIFF go through FFmpeg's png/tiff codecs, as Pillow would cut
-them to 8 bits. Gray + alpha becomes RGBA (the pipeline handles 1, 3 or 4 channels).
-"""
+them to 8 bits. Gray + alpha becomes RGBA (the pipeline handles 1, 3 or 4 channels)."""
 
 from __future__ import annotations
 
@@ -123,10 +122,9 @@ _MODE_OF_CHANNELS = {1: "L", 3: "RGB", 4: "RGBA"}
 
 
 def scan_animation(path: Path, probe: ImageProbe) -> AnimationScan:
-    """Decode every frame of a multi-frame image once: a damaged frame, pages of different
-    sizes and 16-bit pages are refused here, before any work; each frame's duration and
-    the widest channel layout of all frames (one RGBA frame makes every frame RGBA) are
-    learned."""
+    """Decode every frame of a multi-frame image once: a damaged frame, pages of different sizes and
+    16-bit pages are refused here, before any work; each frame's duration and the widest channel
+    layout of all frames (one RGBA frame makes every frame RGBA) are learned."""
     from fractions import Fraction
 
     from PIL import Image

@@ -3,8 +3,7 @@
 A VIDEO that is a concatenation (ComfyUI's ``VideoFromList``, from Concatenate Video) holds no
 single file to stream from; :func:`join_videos` writes its parts, part by part, into one video
 the upscaler then streams, so no part is ever whole in memory (docs/comfyui.md, "VIDEO
-inputs that are not a file").
-"""
+inputs that are not a file")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Readers: a video, an image (one frame, or an animation's every frame) or a numbered image
-sequence, all as a stream of (H, W, C) frames in presentation order: docs/media.md#reading.
-"""
+sequence, all as a stream of (H, W, C) frames in presentation order: docs/media.md#reading."""
 
 from __future__ import annotations
 
@@ -138,9 +137,8 @@ class ImageReader(MediaReader):
 
 
 class AnimationReader(MediaReader):
-    """Every frame of one animated WebP or PNG, or every page of a multi-page TIFF: decoded
-    once at open, then again one at a time as read (never held whole). ``info.kind`` is
-    ``"animation"``."""
+    """Every frame of one animated WebP or PNG, or every page of a multi-page TIFF: decoded once at
+    open, then again one at a time as read (never held whole). ``info.kind`` is ``"animation"``."""
 
     def __init__(self, path: Path, probe: ImageProbe):
         self.path = path

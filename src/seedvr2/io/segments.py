@@ -2,8 +2,7 @@
 
 A resumable job writes its output as consecutive segment files (docs/resume.md);
 :class:`SegmentConcat` joins them, copying the source's audio in alongside, with the writers'
-temporary -> final protocol.
-"""
+temporary -> final protocol."""
 
 from __future__ import annotations
 
@@ -108,13 +107,12 @@ class SegmentConcat(MediaWriter):
 
 
 def _decode_times(packets, known_dts):
-    """Give ``packets`` (the first of a segment, in decode order) the decode times Matroska
-    does not store: with B-frames a segment's first decode times precede its first
-    presentation time, so they are negative, and the demuxer reports none. Joined after
-    another segment, a packet without one is refused. Each gets one tick less than the next,
-    below both the first known decode time and every later presentation time of the group,
-    so decode times increase and never pass presentation times; the gap to the previous
-    segment is at least a frame, more than these few ticks."""
+    """Give ``packets`` (the first of a segment, in decode order) the decode times Matroska does not
+    store: with B-frames a segment's first decode times precede its first presentation time, so they
+    are negative, and the demuxer reports none. Joined after another segment, a packet without one
+    is refused. Each gets one tick less than the next, below both the first known decode time and
+    every later presentation time of the group, so decode times increase and never pass presentation
+    times; the gap to the previous segment is at least a frame, more than these few ticks."""
     bound = known_dts
     for j in range(len(packets) - 1, -1, -1):
         pts = packets[j].pts

@@ -2,8 +2,7 @@
 
 :func:`open_writer` picks the writer from the destination. Every writer builds its output under
 a hidden temporary name and moves it into place at close, replaces an existing output only
-with ``overwrite=True``, and finds problems at open: docs/media.md#writing.
-"""
+with ``overwrite=True``, and finds problems at open: docs/media.md#writing."""
 
 from __future__ import annotations
 
@@ -236,9 +235,8 @@ def _warn_not_carried(path: Path, like: MediaInfo | None, spec: OutputSpec,
 
 
 class FrameOutput:
-    """What every output of frames shares: ``write_many`` over ``write``, and context
-    management: ``close()`` when the block ends normally, ``abort()`` (discard the output)
-    when it raises."""
+    """What every output of frames shares: ``write_many`` over ``write``, and context management:
+    ``close()`` when the block ends normally, ``abort()`` (discard the output) when it raises."""
 
     def write_many(self, frames: Iterable[np.ndarray]) -> None:
         """Append frames from an iterable or a (N, H, W, C) array."""
