@@ -42,11 +42,10 @@ def _check_one_process(opts: Options):
 
 def process_devices(opts: Options, dit, vae) -> tuple[list[str], Options]:
     """The devices to run on, one process each, and the options of a single process.
-
-    ``devices=auto`` spreads the job over every visible GPU only when nothing ties it to one:
-    an explicit ``device``, ``dit_device`` or ``vae_device`` means one process there, and
-    models given loaded mean one process on their device (the modules cannot travel to
-    worker processes). A device list given explicitly is obeyed as it is."""
+    ``devices=auto`` spreads the job over every visible GPU only when nothing ties it to one: an
+    explicit ``device``, ``dit_device`` or ``vae_device`` means one process there, and models given
+    loaded mean one process on their device (the modules cannot travel to worker processes). A
+    device list given explicitly is obeyed as it is."""
     from .distributed.launch import parse_devices
 
     if opts.devices == "auto":

@@ -43,12 +43,11 @@ def spoken_as_cli():
 
 
 def option_ref(name: str, value=None, *, flag: Optional[str] = None) -> str:
-    """How the caller writes option ``name`` (set to ``value`` when given).
-
-    Python: ``name`` / ``name=value``; command line: ``--name`` / ``--name value``, a boolean
-    ``True`` as the bare flag and ``False`` as ``--no-name``. Names outside :data:`OPTIONS`
-    (``overwrite``, ``model_dir``) follow the same rule; ``flag`` names a command-line flag
-    that is not spelled like the keyword (``quantize --type`` for ``target``)."""
+    """How the caller writes option ``name`` (set to ``value`` when given). Python: ``name`` /
+    ``name=value``; command line: ``--name`` / ``--name value``, a boolean ``True`` as the bare flag
+    and ``False`` as ``--no-name``. Names outside :data:`OPTIONS` (``overwrite``, ``model_dir``)
+    follow the same rule; ``flag`` names a command-line flag that is not spelled like the keyword
+    (``quantize --type`` for ``target``)."""
     if _CALLER.get() == "python":
         return name if value is None else f"{name}={value}"
     flag = flag or "--" + name.replace("_", "-")

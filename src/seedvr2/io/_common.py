@@ -172,11 +172,9 @@ def resize(frame: np.ndarray, width: int, height: int) -> np.ndarray:
 
 
 def sniff_image(path: Path) -> str | None:
-    """Pillow format name if the file's first bytes are a still-image signature, else None;
-    a MediaError naming ``path`` when it can't be read.
-
-    Content beats extension so a PNG named ``.jpg`` or a video named ``.png`` still opens
-    with the right decoder."""
+    """Pillow format name if the file's first bytes are a still-image signature, else None; a
+    MediaError naming ``path`` when it can't be read. Content beats extension so a PNG named
+    ``.jpg`` or a video named ``.png`` still opens with the right decoder."""
     try:
         with open(path, "rb") as f:
             head = f.read(16)
@@ -196,10 +194,9 @@ def sniff_image(path: Path) -> str | None:
 
 
 def as_fraction(fps) -> Fraction:
-    """An exact frame rate from an int, Fraction, ``"30000/1001"`` or float.
-
-    Floats are snapped to the nearest rate with a small denominator so 29.97 becomes
-    30000/1001 and 23.976 becomes 24000/1001, as every tool means by them."""
+    """An exact frame rate from an int, Fraction, ``"30000/1001"`` or float. Floats are snapped to
+    the nearest rate with a small denominator so 29.97 becomes 30000/1001 and 23.976 becomes
+    24000/1001, as every tool means by them."""
     if isinstance(fps, Fraction):
         rate = fps
     elif isinstance(fps, (int, str)):

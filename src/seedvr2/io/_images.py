@@ -242,11 +242,10 @@ def _load_ffmpeg(path: Path, probe: ImageProbe) -> np.ndarray:
 
 
 def save_image(path: Path, frame: np.ndarray, fmt: str, quality: int) -> None:
-    """Encode (H, W, C) ``frame`` as Pillow format ``fmt`` to ``path``.
-
-    16-bit frames stay 16-bit in PNG and TIFF (via FFmpeg's encoders); JPEG and WebP are
-    8-bit formats, so 16-bit frames are rounded to 8 bits. JPEG has no alpha: it is dropped
-    (the writer warns when it is opened). WebP has no gray: gray is stored as RGB."""
+    """Encode (H, W, C) ``frame`` as Pillow format ``fmt`` to ``path``. 16-bit frames stay 16-bit in
+    PNG and TIFF (via FFmpeg's encoders); JPEG and WebP are 8-bit formats, so 16-bit frames are
+    rounded to 8 bits. JPEG has no alpha: it is dropped (the writer warns when it is opened). WebP
+    has no gray: gray is stored as RGB."""
     if frame.dtype == np.uint16 and fmt in ("PNG", "TIFF"):
         _save_ffmpeg(path, frame, fmt)
         return

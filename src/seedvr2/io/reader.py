@@ -694,12 +694,11 @@ def _other_streams(container, video_index: int) -> tuple[tuple[int, str, str], .
 
 
 def _orientation(path: Path, frame) -> tuple[int, bool]:
-    """(rotation in degrees counter-clockwise, mirrored) from the frame's display matrix.
-
-    The rotation angle alone misreads a flip: FFmpeg reports a left-right mirror as a
-    180-degree turn. So the matrix is matched against the eight quarter-turn-and-mirror
-    matrices FFmpeg writes (``av_display_rotation_set``, then ``av_display_matrix_flip``
-    negating the first column), the same reading the ffmpeg tool's autorotation makes."""
+    """(rotation in degrees counter-clockwise, mirrored) from the frame's display matrix. The
+    rotation angle alone misreads a flip: FFmpeg reports a left-right mirror as a 180-degree turn.
+    So the matrix is matched against the eight quarter-turn-and-mirror matrices FFmpeg writes
+    (``av_display_rotation_set``, then ``av_display_matrix_flip`` negating the first column), the
+    same reading the ffmpeg tool's autorotation makes."""
     import struct
 
     from av.sidedata.sidedata import Type
@@ -729,11 +728,9 @@ def _pixel_aspect(stream) -> Fraction:
 
 
 def _frame_rate(stream) -> Fraction | None:
-    """The stream's frame rate as an exact fraction.
-
-    The average rate is the honest one; FFmpeg's r_frame_rate (base_rate) is usually the same
-    number as a cleaner fraction (30000/1001 rather than 1798200/60001 from rounded MKV
-    timestamps), so prefer it when the two agree."""
+    """The stream's frame rate as an exact fraction. The average rate is the honest one; FFmpeg's
+    r_frame_rate (base_rate) is usually the same number as a cleaner fraction (30000/1001 rather
+    than 1798200/60001 from rounded MKV timestamps), so prefer it when the two agree."""
     if _rates_agree(stream):
         return Fraction(stream.base_rate)
     rate = stream.average_rate or stream.guessed_rate or stream.base_rate
@@ -748,10 +745,9 @@ def _rates_agree(stream) -> bool:
 
 
 def _estimate_frame_count(stream, container, fps: Fraction) -> tuple[int, bool]:
-    """(count, exact): the container's count (MP4/MOV store it), else duration x rate.
-
-    Other containers' counts are estimates too: AVI's counts the empty chunks that stand for
-    dropped frames."""
+    """(count, exact): the container's count (MP4/MOV store it), else duration x rate. Other
+    containers' counts are estimates too: AVI's counts the empty chunks that stand for dropped
+    frames."""
     if stream.frames and stream.frames > 0 and "mp4" in container.format.name.split(","):
         return int(stream.frames), True
     if stream.frames and stream.frames > 0:
@@ -779,10 +775,9 @@ def _video_duration(stream, container) -> Fraction | None:
 
 
 def _pixel_layout(fmt) -> tuple[int, int]:
-    """(channels, bit depth) for frames of FFmpeg pixel format ``fmt``.
-
-    Alpha -> 4 channels (gray+alpha too: it becomes RGBA); one luma plane, no chroma -> gray;
-    anything else -> RGB. More than 8 bits per component -> 16-bit frames."""
+    """(channels, bit depth) for frames of FFmpeg pixel format ``fmt``. Alpha -> 4 channels
+    (gray+alpha too: it becomes RGBA); one luma plane, no chroma -> gray; anything else -> RGB. More
+    than 8 bits per component -> 16-bit frames."""
     components = list(fmt.components)
     alpha = any(c.is_alpha for c in components)
     colour = [c for c in components if not c.is_alpha]
@@ -793,10 +788,9 @@ def _pixel_layout(fmt) -> tuple[int, int]:
 
 
 def _source_colour_kwargs(frame) -> dict:
-    """YUV->RGB matrix for untagged video: BT.709 for HD, BT.601 below, as players assume.
-
-    Tagged frames are converted by their own tags (PyAV's default). swscale would use BT.601
-    for every untagged frame, which shifts colours of untagged HD video."""
+    """YUV->RGB matrix for untagged video: BT.709 for HD, BT.601 below, as players assume. Tagged
+    frames are converted by their own tags (PyAV's default). swscale would use BT.601 for every
+    untagged frame, which shifts colours of untagged HD video."""
     fmt = frame.format
     # 2 is "unspecified"; 0 ("RGB") on a YUV format is a bogus tag, so treat it the same.
     if fmt.is_rgb or len(fmt.components) < 3 or frame.colorspace not in (0, 2):

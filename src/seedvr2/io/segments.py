@@ -26,13 +26,12 @@ def sync_file(path: Path):
 
 class SegmentConcat(MediaWriter):
     """Writes ``dst`` from ``segments`` (video files of ``counts`` frames each, in order), as
-    ``spec`` (resolved: :meth:`OutputSpec.resolved`) describes it.
-
-    Each segment's timestamps start at 0 and are shifted by the time of its first frame:
-    ``spec.frame_times[first]`` for a variable-rate video (the source's frame times, seconds
-    from its first frame), else ``first / fps``. ``spec.audio_from`` is the file whose audio
-    streams (and ``subtitle_streams``) are copied in; ``after_segment(n)`` is told that the
-    first n segments are in (the tests' kill point, ``seedvr2.faults``)."""
+    ``spec`` (resolved: :meth:`OutputSpec.resolved`) describes it. Each segment's timestamps start
+    at 0 and are shifted by the time of its first frame: ``spec.frame_times[first]`` for a
+    variable-rate video (the source's frame times, seconds from its first frame), else
+    ``first / fps``. ``spec.audio_from`` is the file whose audio streams (and ``subtitle_streams``)
+    are copied in; ``after_segment(n)`` is told that the first n segments are in (the tests' kill
+    point, ``seedvr2.faults``)."""
 
     def __init__(self, dst, segments: list[Path], counts: list[int], spec: OutputSpec, *,
                  overwrite: bool = False, after_segment=None):

@@ -59,15 +59,14 @@ _FRAME_DTYPES = {8: np.uint8, 16: np.uint16}
 
 @dataclass(frozen=True)
 class OutputSpec:
-    """The frames a writer takes and what it makes of them: (H, W, C) arrays of ``height x
-    width x channels`` at ``bit_depth`` bits (uint8 or uint16; (H, W) for one channel).
-
-    :func:`open_writer` takes each field left None from ``like`` (the source's
-    :class:`MediaInfo`): the layout, and for a video ``fps``, ``frame_times`` (a variable-rate
-    source's), ``colour`` and ``display`` (tags for players; image outputs apply ``display``
-    unless ``upright`` is false). ``audio_from`` (a path, or a MediaInfo, which adds the
-    ``subtitle_streams`` the container holds) is copied packet for packet. ``codec``, ``crf``
-    and ``preset`` are a video's, ``quality`` (1-100) the lossy image formats'."""
+    """The frames a writer takes and what it makes of them: (H, W, C) arrays of
+    ``height x width x channels`` at ``bit_depth`` bits (uint8 or uint16; (H, W) for one channel).
+    :func:`open_writer` takes each field left None from ``like`` (the source's :class:`MediaInfo`):
+    the layout, and for a video ``fps``, ``frame_times`` (a variable-rate source's), ``colour`` and
+    ``display`` (tags for players; image outputs apply ``display`` unless ``upright`` is false).
+    ``audio_from`` (a path, or a MediaInfo, which adds the ``subtitle_streams`` the container holds)
+    is copied packet for packet. ``codec``, ``crf`` and ``preset`` are a video's, ``quality``
+    (1-100) the lossy image formats'."""
 
     width: int | None = None
     height: int | None = None
@@ -114,12 +113,11 @@ class OutputSpec:
 def open_writer(dst, spec: OutputSpec = OutputSpec(), *, like: MediaInfo | None = None,
                 overwrite: bool = False) -> MediaWriter:
     """Open a writer of ``spec``'s frames at ``dst``, any field ``spec`` leaves out taken from
-    ``like`` (typically the source's :class:`MediaInfo`; give the upscaled size in ``spec``).
-    The destination decides the output: a video or image extension, a printf pattern
-    (``out/%05d.png``) or a folder / a path ending in ``/`` (docs/media.md#writing).
-
-    Raises :class:`~seedvr2.errors.OutputExists` when the output exists and ``overwrite`` is
-    false, and :class:`MediaError` for everything else that can be known before writing."""
+    ``like`` (typically the source's :class:`MediaInfo`; give the upscaled size in ``spec``). The
+    destination decides the output: a video or image extension, a printf pattern (``out/%05d.png``)
+    or a folder / a path ending in ``/`` (docs/media.md#writing). Raises
+    :class:`~seedvr2.errors.OutputExists` when the output exists and ``overwrite`` is false, and
+    :class:`MediaError` for everything else that can be known before writing."""
     text, path = os.fspath(dst), fspath(dst)
     spec = spec.resolved(path, like)
     ext = path.suffix.lower()
