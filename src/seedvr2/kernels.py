@@ -35,10 +35,6 @@ _TORCH_SDPA = "torch 2.11-2.14, aten/src/ATen/native/transformers/cuda/sdp_utils
 _TORCH_CONV = "torch 2.11-2.14, aten/src/ATen/native/Convolution.cpp (cuDNN path)"
 
 
-# ---------------------------------------------------------------------------------------------
-# where a device computes
-
-
 @dataclass(frozen=True)
 class Platform:
     """What decides which kernels a device runs: NVIDIA (``cuda``) with its compute capability
@@ -139,10 +135,6 @@ def kitchen_backend(ck) -> str:
     status = ck.list_backends()
     order = getattr(ck.registry, "_priority", ("cuda", "triton", "eager"))
     return next((name for name in order if _computes(status, name)), "eager")
-
-
-# ---------------------------------------------------------------------------------------------
-# preconditions
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,6 @@ class BackgroundWriter(FrameOutput):
     def frames_written(self) -> int:
         return self.writer.frames_written
 
-    # -- the encoding thread ------------------------------------------------------------------
-
     def _encode(self):
         while True:
             frame = self._queue.get()
@@ -51,8 +49,6 @@ class BackgroundWriter(FrameOutput):
             except BaseException as e:  # noqa: BLE001 -- handed to the caller's thread
                 self._error = e
                 self._discard.set()
-
-    # -- the caller's side --------------------------------------------------------------------
 
     def _raise_if_failed(self):
         if self._error is not None:

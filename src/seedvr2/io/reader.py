@@ -108,10 +108,6 @@ class MediaReader:
         return f"{type(self).__name__}({self.info!r})"
 
 
-# --------------------------------------------------------------------------------------------
-# Images and sequences
-
-
 class ImageReader(MediaReader):
     """One still image, decoded once at open (so a corrupt file fails before any work); files
     of several frames are :class:`AnimationReader`'s (animated GIFs open as videos)."""
@@ -313,10 +309,6 @@ def _describe(probe: ImageProbe) -> str:
     return f"{probe.width}x{probe.height} {kind} {probe.bit_depth}-bit"
 
 
-# --------------------------------------------------------------------------------------------
-# Videos
-
-
 class VideoReader(MediaReader):
     """A video file through FFmpeg (PyAV): the first video stream that is not cover art,
     decoded at open up to its first frame. ``frames(start)`` seeks by timestamp only where
@@ -484,8 +476,6 @@ class VideoReader(MediaReader):
         for iterator in list(self._iterators):
             iterator.close()  # runs its finally: closes its container
         self._iterators.clear()
-
-    # -- internals ------------------------------------------------------------------------
 
     def _iterate(self, start: int, stop: int | None) -> Iterator[np.ndarray]:
         import av

@@ -260,8 +260,6 @@ class MediaWriter(FrameOutput):
         self._state = "open"  # -> "closed" | "aborted" | "kept" (finished but not moved)
         self._temp: Path | None = None  # the partial file or folder we own
 
-    # -- public API -------------------------------------------------------------------------
-
     def write(self, frame: np.ndarray) -> None:
         """Append one (H, W, C) frame."""
         if self._state != "open":
@@ -356,8 +354,6 @@ class MediaWriter(FrameOutput):
         return f"{type(self).__name__}({str(self.path)!r}, {self._state}, " \
                f"{self.frames_written} frames)"
 
-    # -- for subclasses ---------------------------------------------------------------------
-
     def _write(self, frame: np.ndarray) -> None:
         raise NotImplementedError
 
@@ -419,10 +415,6 @@ class MediaWriter(FrameOutput):
             os.rename(temp, final)
         else:
             os.unlink(temp)
-
-
-# --------------------------------------------------------------------------------------------
-# Video
 
 
 class VideoWriter(MediaWriter):
@@ -689,10 +681,6 @@ def shift_times(packet, ticks: int) -> None:
 def _codec_title(name: str) -> str:
     return {"opus": "Opus", "vorbis": "Vorbis", "aac": "AAC", "mp3": "MP3", "flac": "FLAC",
             "ac3": "AC-3", "eac3": "E-AC-3", "alac": "ALAC"}.get(name, name)
-
-
-# --------------------------------------------------------------------------------------------
-# Images
 
 
 class _ImageFilesWriter(MediaWriter):
