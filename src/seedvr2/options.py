@@ -1,12 +1,11 @@
 """Every user-facing option, defined once: name, type, default, range/choices, help.
 
-The CLI flags (kebab-case), the ComfyUI node inputs and the workflow inputs are generated from
-or checked against this table. ``resolve_options(**given)`` validates a set of options and
-returns them complete, with defaults filled in; errors name the option and the fix.
-
-Messages name an option in the caller's own words: ``text_embeddings=PATH`` for Python callers,
-``--text-embeddings PATH`` on the command line. Code that writes a message calls
-:func:`option_ref`; the ``seedvr2`` command runs inside :func:`spoken_as_cli`."""
+The CLI flags (kebab-case), the ComfyUI node inputs and the workflow inputs are generated from or
+checked against this table. ``resolve_options(**given)`` validates a set of options and returns them
+complete, with defaults filled in; errors name the option and the fix. Messages name an option in
+the caller's own words: ``text_embeddings=PATH`` for Python callers, ``--text-embeddings PATH`` on
+the command line. Code that writes a message calls :func:`option_ref`; the ``seedvr2`` command runs
+inside :func:`spoken_as_cli`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Shared pieces of :mod:`seedvr2.io`: the error type, :class:`MediaInfo`, file-type tables and
-small helpers used by both the readers and the writers.
-
-Nothing here imports PyAV or Pillow; those load inside the functions that need them."""
+small helpers of the readers and the writers. Nothing here imports PyAV or Pillow; those load inside
+the functions that need them."""
 
 from __future__ import annotations
 

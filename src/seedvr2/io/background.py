@@ -1,8 +1,6 @@
-"""Encode on a thread while the GPU computes the next frames.
-
-:class:`BackgroundWriter` wraps any writer from :func:`~seedvr2.io.open_writer`; an exception
-while encoding is raised by the caller's next ``write`` or ``close``, and the output is
-aborted (docs/media.md#writing)."""
+"""Encode on a thread while the GPU computes the next frames: :class:`BackgroundWriter` wraps any
+writer from :func:`~seedvr2.io.open_writer`; an exception while encoding is raised by the caller's
+next ``write`` or ``close``, and the output is aborted (docs/media.md#writing)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """Hidden temporaries next to an output: how they are named, held and cleaned up.
 
 The one place that names them (``.NAME.partial-TOKEN`` for folders and images,
-``.STEM.partial-TOKEN.EXT`` for videos), so the writer that makes them and whoever cleans up
-after a crash look for the same names. A live writer holds an exclusive ``flock`` on its
-temporary, which the kernel drops however the process ends: one nobody can lock is in use,
-one that can be locked is stale (docs/multi-gpu.md#temporary-files)."""
+``.STEM.partial-TOKEN.EXT`` for videos), so the writer that makes them and whoever cleans up after a
+crash look for the same names. A live writer holds an exclusive ``flock`` on its temporary, which
+the kernel drops however the process ends: one nobody can lock is in use, one that can be locked is
+stale (docs/multi-gpu.md#temporary-files)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Writers: frames in, a video / an image / numbered images out, without ever losing work.
 
-:func:`open_writer` picks the writer from the destination. Every writer builds its output under
-a hidden temporary name and moves it into place at close, replaces an existing output only
-with ``overwrite=True``, and finds problems at open: docs/media.md#writing."""
+:func:`open_writer` picks the writer from the destination. Every writer builds its output under a
+hidden temporary name and moves it into place at close, replaces an existing output only with
+``overwrite=True``, and finds problems at open: docs/media.md#writing."""
 
 from __future__ import annotations
 
