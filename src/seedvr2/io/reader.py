@@ -20,15 +20,13 @@ from ._common import (ARRAY_FORMATS, IMAGE_EXTENSIONS, PRINTF, Colour, MediaErro
                       fspath, printf_pattern, sniff_image, with_channels)
 from ._images import ImageProbe, animation_frames, load_image, probe_image, scan_animation
 
-# Counting packets makes an inexact frame count exact; it reads the whole file, so only do it
-# up front for files small enough that this is quick.
+# Counting packets makes an inexact frame count exact but reads the whole file: up front, only
+# in files this small.
 _COUNT_PACKETS_MAX_BYTES = 256 * 2**20
-# Damaged packets skipped in one pass before decoding is given up as hopeless.
-_MAX_DECODE_FAILURES = 100
-# Give up waiting for a keyframe after a seek (then decode from the start) after this many.
-_KEYFRAME_SEARCH_LIMIT = 1000
-# Decoded frame timestamps of the last few variable-rate videos counted, by (path, size,
-# mtime, stream, decoder): a few integers per frame.
+_MAX_DECODE_FAILURES = 100  # damaged packets skipped in one pass before decoding gives up
+_KEYFRAME_SEARCH_LIMIT = 1000  # frames decoded after a seek in search of a keyframe
+# Decoded timestamps of the last variable-rate videos counted, by (path, size, mtime, stream,
+# decoder): a few integers per frame.
 _DECODED_STAMPS: dict[tuple, list] = {}
 _DECODED_STAMPS_KEPT = 8
 
@@ -62,9 +60,8 @@ def open_media(path) -> MediaReader:
         return AnimationReader(p, probe) if probe.frames > 1 else ImageReader(p, fmt, probe)
     if p.suffix.lower() not in IMAGE_EXTENSIONS:
         return VideoReader(p)
-    # Named like an image but without an image's signature: most likely not an image at all
-    # (a text file, a failed download). A video with the wrong extension still opens, but
-    # FFmpeg's complaints about a non-video are noise beside "this is not an image".
+    # Named like an image without an image's signature: a text file or a failed download, most
+    # likely. A video so named still opens; FFmpeg's complaints are noise beside "not an image".
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -351,10 +348,9 @@ class VideoReader(MediaReader):
                 pixel_aspect=_pixel_aspect(stream),
                 other_streams=_other_streams(container, self._stream_index),
                 colour=_colour(first))
-            # A timestamp-based frame index needs a constant rate.
             base = stream.base_rate
             self._base_rate = Fraction(base) if base else None
-            self._constant_rate = first.pts is not None and _rates_agree(stream)
+            self._constant_rate = first.pts is not None and _rates_agree(stream)  # pts -> index
         finally:
             container.close()
         if not self._constant_rate or not self._count_matches_duration() or \
@@ -376,11 +372,10 @@ class VideoReader(MediaReader):
         return abs(self.info.frame_count - expected) <= Fraction(1, 2)
 
     def _update_seekable(self) -> None:
-        """Seek only if the count agrees with duration x fps: a shortfall means dropped
-        frames, after which timestamps and frame indices part ways."""
+        """Seek on the constant-rate grid only if the count agrees with duration x fps (a
+        shortfall means dropped frames: timestamps and frame indices part ways), or where every
+        frame's timestamp is known from decoding, which names its frame exactly."""
         consistent = self._count_matches_duration()
-        # Variable rate with every frame's timestamp known from decoding: a timestamp names
-        # its frame exactly, so seeking is as safe as on the constant-rate grid.
         self._seekable = (self._constant_rate and consistent) or self._pts_index is not None
 
     def count_frames(self) -> int:
@@ -647,8 +642,7 @@ def _pick_video_stream(path: Path, container) -> int:
     raise MediaError(f"{path}: has no video stream ({what})")
 
 
-# FFmpeg's native VP8/VP9 decoders ignore the alpha plane WebM stores beside each frame;
-# libvpx's decoders read it.
+# FFmpeg's own VP8/VP9 decoders ignore the alpha plane WebM stores by each frame; libvpx's read it.
 _ALPHA_DECODERS = {"vp8": "libvpx", "vp9": "libvpx-vp9"}
 
 
@@ -676,8 +670,7 @@ def _other_streams(container, video_index: int) -> tuple[tuple[int, str, str], .
             continue
         context = getattr(stream, "codec_context", None)
         codec = getattr(context, "name", None) if context is not None else None
-        # Data streams (timecode, phone camera metadata) have no codec; their handler says
-        # what they are.
+        # Data streams (timecode, camera metadata) have no codec; their handler says what they are.
         codec = codec or stream.metadata.get("handler_name") or "unknown codec"
         others.append((stream.index, stream.type, codec))
     return tuple(others)
