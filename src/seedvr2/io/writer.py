@@ -46,13 +46,9 @@ _CODEC_ALIASES = {"h264": "h264", "avc": "h264", "libx264": "h264", "x264": "h26
                   "vp9": "vp9", "libvpx-vp9": "vp9"}
 _PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow",
             "slower", "veryslow", "placebo")  # the same names in x264 and x265
-
-
 # libx265 (PyAV 18.1's build) corrupts the heap encoding frames under 64 px wide: glibc
 # aborts the process, 3 runs in 4 for three 42x32 clips in one process, never at 64x32.
 H265_MIN_WIDTH = 64
-
-
 _LAYOUT = ("width", "height", "channels", "bit_depth")
 _FRAME_DTYPES = {8: np.uint8, 16: np.uint16}
 
@@ -342,8 +338,7 @@ class MediaWriter(FrameOutput):
                     self._temp.unlink(missing_ok=True)
 
     def __del__(self):
-        # Dropped without close(): the output is unfinished, so discard it rather than leave
-        # a partial file behind. close() is the only way to produce a final file.
+        # Dropped without close(), the only way to a final file: discard the unfinished output.
         try:
             if getattr(self, "_state", None) == "open":
                 self.abort()
@@ -512,8 +507,7 @@ class VideoWriter(MediaWriter):
             raise MediaError(f"{path}: this FFmpeg build has no {encoder} encoder")
         stream = self._container.add_stream(encoder, rate=self.fps)
         stream.width, stream.height, stream.pix_fmt = spec.width, spec.height, self._pix_fmt
-        # The encoder counts time in this base too: at 1/fps, variable-rate timestamps
-        # would collide.
+        # The encoder counts time in this base too: at 1/fps, variable-rate timestamps collide.
         stream.time_base = stream.codec_context.time_base = self._frame_time_base
         stream.options = {"crf": str(default_crf if spec.crf is None else spec.crf), **options,
                           **({} if spec.preset is None else {"preset": str(spec.preset)})}
