@@ -158,8 +158,7 @@ def scan_animation(path: Path, probe: ImageProbe) -> AnimationScan:
     except MediaError:
         raise
     except Exception as e:  # Pillow raises several types for damaged frames
-        raise MediaError(f"{path}: cannot decode frame {len(durations)} of this {what}: "
-                         f"{e}") from e
+        raise MediaError(f"{path}: cannot decode frame {len(durations)} of this {what}: {e}") from e
     timed = probe.fmt != "TIFF" and None not in durations
     return AnimationScan(probe.width, probe.height, channels,
                          tuple(durations) if timed else None,

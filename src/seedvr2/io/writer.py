@@ -266,8 +266,7 @@ class MediaWriter(FrameOutput):
         except MediaError:
             raise
         except Exception as e:  # name the file; the caller decides whether to abort
-            raise MediaError(f"{self.path}: writing frame {self.frames_written} failed: "
-                             f"{e}") from e
+            raise MediaError(f"{self.path}: writing frame {self.frames_written} failed: {e}") from e
         self.frames_written += 1
 
     def _checked(self, frame) -> np.ndarray:
@@ -456,8 +455,7 @@ class VideoWriter(MediaWriter):
         codec, crf, preset = spec.codec, spec.crf, spec.preset
         key = _CODEC_ALIASES.get(str(codec).lower())
         if key is None:
-            raise MediaError(f"{path}: unknown video codec {codec!r}; use 'h264', 'h265' or "
-                             f"'vp9'")
+            raise MediaError(f"{path}: unknown video codec {codec!r}; use 'h264', 'h265' or 'vp9'")
         if ext == ".webm":
             if key == "h265":
                 raise MediaError(f"{path}: WebM holds VP8/VP9/AV1 video, not H.265; write "
@@ -753,9 +751,8 @@ class ImageWriter(_ImageFilesWriter):
                 taken = [t for t in targets if t.exists()]
                 if taken:
                     raise OutputExists(
-                        f"{taken[0]} already exists; the finished frames are kept in "
-                        f"{self._temp} -- pass {option_ref('overwrite', True)} or choose "
-                        f"another name")
+                        f"{taken[0]} already exists; the finished frames are kept in {self._temp} "
+                        f"-- pass {option_ref('overwrite', True)} or choose another name")
             for i, target in enumerate(targets):
                 self._place(self._frame_file(i), target)
         self._temp.rmdir()
