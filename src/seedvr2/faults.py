@@ -1,28 +1,10 @@
 """Fault injection for the tests, in one place: kills, freezes and slow ranks at named points.
 
 The multi-process and resume tests need a job to die (or hang, or lag) at an exact instant, and
-short clips cut into several resume segments. They say so in these environment variables, read only
-by :meth:`Faults.from_environment` (once per job, in the facade; handed down, pickled to spawned
-workers). ``Faults()``, the default below the facade, injects nothing.
-
-* ``SEEDVR2_KILL_AT=POINT:N``: SIGKILL at the N-th POINT (``encode``/``dit``/``decode``: that
-  batch's phase is done; ``write``: a segment has frames in it; ``segment``: a segment is closed but
-  the journal does not name it yet; ``journal``: the journal names it; ``part``: the journal names
-  the N-th part).
-* ``SEEDVR2_KILL_IN_ASSEMBLY=N``: SIGKILL once the final video holds N segments.
-* ``SEEDVR2_SEGMENT_FRAMES`` / ``SEEDVR2_CHECKPOINT_SECONDS``: smaller resume segments, and a part
-  at every chunk's end (0).
-* ``SEEDVR2_FAULT=RANK:ACTION=N``: that rank dies (``after_batches``) or freezes
-  (``freeze_after_batches``) once it has delivered N batches; with ``SEEDVR2_FAULT_MARK=FILE`` only
-  once (the file records the fault's wall time). ``cut_off_after_batches`` (needs the mark) waits
-  there (at most :data:`CUT_OFF_WAIT_S`) until the test, having cut its node off the network,
-  creates ``FILE.cut``; the rank then meets its lost job in whatever it does next.
-* ``SEEDVR2_SLOW=RANK:SECONDS``: that rank sleeps this long per batch.
-* ``SEEDVR2_TEST_HOLD_UNTIL_INTERRUPT=PATH``: while a file exists there, the next node run removes
-  it, writes ``PATH.waiting`` and waits until it is interrupted, so a ComfyUI test interrupts a run
-  at a known point instead of racing it.
-* ``SEEDVR2_TEST_CACHE_STATE=PATH``: the kinds of model in our cache and in ComfyUI's list are
-  written to that JSON file whenever they change."""
+short clips cut into several resume segments. They say so in ``SEEDVR2_*`` environment variables,
+read only by :meth:`Faults.from_environment` (once per job, in the facade; handed down, pickled to
+spawned workers). ``Faults()``, the default below the facade, injects nothing. Each variable and
+what it does: docs/development.md, "Fault injection in tests"."""
 
 from __future__ import annotations
 
