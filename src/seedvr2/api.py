@@ -214,8 +214,7 @@ def _one_process_file_job(reader, output, job: Job, report: tuple) -> Path:
         writer.abort()
         raise
     with open_sink(writer, reader, output, plan, identity, models.dtype, job) as sink:
-        # A direct sink's frames are rounded to integers on the device: the copy to the host
-        # is then 4x (uint8) or 2x (uint16) smaller than float32 frames.
+        # Direct sink: frames rounded on the device, so copies are 4x (uint8) / 2x (uint16) smaller.
         upscaler = Upscaler(models, opts, job.faults.with_kill_points(progress or _silent),
                             should_stop, stats=stats, frames_on_device=isinstance(sink, DirectSink))
         return sink.consume(lambda batches: upscaler.batch_outputs(

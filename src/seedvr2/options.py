@@ -258,8 +258,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "cuda, cuda:N", check=_device_problem),
     Option("dtype", str, "auto", "compute precision: auto (bf16 on GPUs with it: NVIDIA 8.0+, AMD "
            "MI100/RDNA3+; else fp16; fp32 on CPU), fp32, fp16, bf16", choices=DTYPE_NAMES),
-    # How quantised weights multiply (the paths, their GPUs and bounds): seedvr2.loading.lowp
-    # and docs/memory.md.
+    # How quantised weights multiply (paths, GPUs, bounds): seedvr2.loading.lowp, docs/memory.md.
     Option("compute_precision", str, "auto", "auto: int8/fp8/fp4 matmuls on GPUs with them "
            "(comfy-kitchen); weights: dequantise", choices=("auto", "weights")),
     Option("fps", str, "auto", "frame rate of a video written from images or an image "

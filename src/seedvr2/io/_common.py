@@ -219,8 +219,7 @@ def to_8bit(frame: np.ndarray) -> np.ndarray:
     return ((frame.astype(np.uint32) * 255 + 32767) // 65535).astype(np.uint8)
 
 
-# printf-style frame number in a sequence pattern: %d, %5d, %05d (ASCII digits: re's \d would
-# also take other scripts' digits, which printf does not).
+# printf's frame number in a pattern: %d, %5d, %05d ([0-9]: re's \d matches other scripts' digits).
 PRINTF = re.compile(r"%(0?)([0-9]*)d")
 MAX_NUMBER_WIDTH = 20  # digits of a frame number: 2^64 has 20
 

@@ -196,8 +196,7 @@ def save_animation(path: Path, frames, fmt: str, durations, loop: int, quality: 
     if durations is not None and fmt != "TIFF":
         options.update(duration=[round(d * 1000) for d in durations], loop=loop)
     if fmt == "PNG":
-        # Each frame replaces the last (no blending over it, which would mix the alpha of
-        # two frames), as decoded.
+        # Each frame replaces the last, as decoded (blending over it would mix two frames' alpha).
         options.update(disposal=0, blend=0)
     images[0].save(path, format=fmt, **options)
 

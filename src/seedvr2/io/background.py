@@ -72,8 +72,7 @@ class BackgroundWriter(FrameOutput):
     def _stop_thread(self):
         if not self._thread.is_alive():
             return
-        # The thread drains the queue (dropping frames once _discard is set), so this put
-        # cannot wait for long.
+        # The thread drains the queue (dropping frames once _discard is set): this put is brief.
         self._queue.put(_STOP)
         self._thread.join()
 

@@ -20,15 +20,13 @@ from ._common import (ARRAY_FORMATS, IMAGE_EXTENSIONS, PRINTF, Colour, MediaErro
                       fspath, printf_pattern, sniff_image, with_channels)
 from ._images import ImageProbe, animation_frames, load_image, probe_image, scan_animation
 
-# Counting packets makes an inexact frame count exact but reads the whole file: up front, only
-# in files this small.
+# Packets are counted up front (exact, but the whole file is read) only in files this small.
 _COUNT_PACKETS_MAX_BYTES = 256 * 2**20
 _MAX_DECODE_FAILURES = 100  # damaged packets skipped in one pass before decoding gives up
 _KEYFRAME_SEARCH_LIMIT = 1000  # frames decoded after a seek in search of a keyframe
-# Decoded timestamps of the last variable-rate videos counted, by (path, size, mtime, stream,
-# decoder): a few integers per frame.
+# Decoded timestamps of recent variable-rate videos, by (path, size, mtime, stream, decoder).
 _DECODED_STAMPS: dict[tuple, list] = {}
-_DECODED_STAMPS_KEPT = 8
+_DECODED_STAMPS_KEPT = 8  # videos, of a few integers per frame
 
 
 def is_sequence_pattern(path) -> bool:
@@ -512,8 +510,7 @@ class VideoReader(MediaReader):
         import av
 
         container = av.open(str(self.path), metadata_errors="replace")
-        # Frame + slice threads: several times faster decoding. Only settable before the
-        # decoder opens, i.e. before the first packet.
+        # Frame + slice threads decode several times faster; settable only before the first packet.
         container.streams[self._stream_index].thread_type = "AUTO"
         return container
 
@@ -531,8 +528,7 @@ class VideoReader(MediaReader):
                 try:
                     frames = decoder.decode(packet if packet.size else None)
                 except av.InvalidDataError as e:
-                    # Like the ffmpeg tool, skip a damaged packet rather than give up on the
-                    # whole video; the decoder resyncs at the next keyframe.
+                    # Like ffmpeg, skip a damaged packet: the decoder resyncs at the next keyframe.
                     failures += 1
                     if failures == 1:
                         at = "" if packet.pts is None else \
@@ -578,8 +574,7 @@ class VideoReader(MediaReader):
             except av.FFmpegError:
                 return None  # unseekable input (pipe-like formats): decode from the start
             decoded = self._decode(container)
-            # Frames shown before the first keyframe after a seek (open-GOP leading
-            # pictures) may reference data we skipped, so trust nothing before a keyframe.
+            # Open-GOP leading pictures before a seek's first keyframe may reference skipped data.
             frame = None
             for frame in itertools.islice(decoded, _KEYFRAME_SEARCH_LIMIT):
                 if frame.key_frame:
