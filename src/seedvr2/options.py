@@ -377,11 +377,10 @@ AREAS: dict[str, tuple[str, ...]] = {
 }
 
 
-# Options that choose where or how a job runs, never what it computes: ranks on different
-# devices agree on a job, and a re-run resumes it, whatever these say. Every other option
-# shapes the output (the job's identity, ``pipeline.identity.job_identity``). ``fit`` and
-# ``max_vram`` act only through the settings a fit changes, which are in the identity as run
-# (the same cap fits the same way again, so a re-run resumes).
+# Options that choose where or how a job runs, never what it computes: ranks on different devices
+# agree on a job, and a re-run resumes it, whatever these say; every other option is in the job's
+# identity (``pipeline.identity.job_identity``). ``fit`` and ``max_vram`` act only through the
+# settings a fit changes, which are in the identity as run (docs/memory.md).
 NOT_SHAPING_OUTPUT = frozenset({"device", "dit_device", "vae_device", "devices", "dist_timeout",
                                 "resume", "cache_dit", "cache_vae", "fit", "max_vram"})
 

@@ -95,9 +95,8 @@ class MediaInfo:
     codec: str | None = None
     rotation: int = 0
     frame_times: tuple[Fraction, ...] | None = field(default=None, repr=False)
-    # Streams besides the video stream read and the audio: (index, type, codec), e.g.
-    # (2, "subtitle", "subrip"). Video writers copy the subtitles their container can hold
-    # and name everything else they leave out.
+    # (index, type, codec) of each stream but the video read and audio, e.g. (2, "subtitle",
+    # "subrip"): video writers copy the subtitles their container holds, and name the rest.
     other_streams: tuple[tuple[int, str, str], ...] = ()
     mirrored: bool = False
     pixel_aspect: Fraction = Fraction(1)

@@ -529,10 +529,9 @@ class VideoWriter(MediaWriter):
         if spec.channels == 4 and self._pix_fmt != "yuva420p":
             frame = frame[:, :, :3]
         picture = to_picture(frame)
-        # Convert to YUV ourselves with the matrix and range the stream is tagged with; the
-        # encoder's own conversion would use BT.601 limited range whatever the tags say.
-        # (No transfer or primaries here: swscale would convert the values between them, and
-        # the frames are already in the source's.)
+        # Convert to YUV ourselves by the stream's tagged matrix and range (the encoder's own
+        # conversion would use BT.601 limited range whatever the tags say); not by transfer or
+        # primaries: the frames are already in the source's, and swscale would convert them.
         picture = self._reformatter.reformat(
             picture, format=self._pix_fmt, dst_colorspace=self._colour.conversion_matrix,
             dst_color_range=self._colour.range,
@@ -787,9 +786,8 @@ class ImageWriter(_ImageFilesWriter):
 
 
 class SequenceWriter(_ImageFilesWriter):
-    """Numbered PNGs (``00000.png``...) in the folder ``path``, written to a hidden sibling
-    folder renamed into place at close; replacing a folder that holds files needs
-    ``overwrite=True`` (docs/media.md#writing)."""
+    """Numbered PNGs (``00000.png``...) in the folder ``path``, written to a hidden sibling folder
+    renamed into place at close; replacing a folder that holds files needs ``overwrite=True``."""
 
     _fmt, _ext = "PNG", ".png"
 
