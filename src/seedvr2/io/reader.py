@@ -353,11 +353,10 @@ class VideoReader(MediaReader):
             container.close()
         if not self._constant_rate or not self._count_matches_duration() or \
                 (not exact and path.stat().st_size <= _COUNT_PACKETS_MAX_BYTES):
-            # Variable rate: the stored count and rate x duration both go wrong (an MP4 edit
-            # list can hide a frame that still has a packet), and every frame's time is needed
-            # to keep the audio in sync; only decoding tells both. A stored count that
-            # disagrees with the duration (an edit list trimming a constant-rate video, or
-            # dropped frames) is checked the same way.
+            # Variable rate: the stored count and rate x duration both go wrong (an MP4 edit list
+            # can hide a frame that still has a packet), and the audio's sync needs every frame's
+            # time; only decoding tells both. A stored count that disagrees with the duration (an
+            # edit list trimming a constant-rate video, or dropped frames) is checked likewise.
             self.count_frames()  # also decides seekability
         else:
             self._update_seekable()

@@ -32,9 +32,8 @@ _WRITE_IMAGE_FORMATS = {ext: fmt for ext, fmt in IMAGE_EXTENSIONS.items() if fmt
 # H.265 is written 10-bit: it keeps 16-bit sources' extra precision and bands less.
 # VP9 is what WebM holds, and it keeps alpha (yuva420p): transparent WebM in, transparent out.
 # "b": "0" makes libvpx's crf a pure quality target rather than a cap under a bitrate.
-# x264's macroblock-tree rate control reads memory it never wrote: the same frames encode to
-# different bits from run to run (the first frames' quantisers change; issue 13). It is off,
-# for outputs that repeat exactly; x265's cutree does not have this problem (tested).
+# x264's macroblock-tree rate control reads memory it never wrote, so the first frames' quantisers
+# change from run to run (issue 13): off, for outputs that repeat exactly (x265's cutree is fine).
 _VIDEO_CODECS = {
     "h264": ("libx264", "h264", "yuv420p", 18, 51, {"x264-params": "mbtree=0"}),
     "h265": ("libx265", "hevc", "yuv420p10le", 20, 51, {"x265-params": "log-level=error"}),
@@ -57,12 +56,9 @@ _FRAME_DTYPES = {8: np.uint8, 16: np.uint16}
 class OutputSpec:
     """The frames a writer takes and what it makes of them: (H, W, C) arrays of
     ``height x width x channels`` at ``bit_depth`` bits (uint8 or uint16; (H, W) for one channel).
-    :func:`open_writer` takes each field left None from ``like`` (the source's :class:`MediaInfo`):
-    the layout, and for a video ``fps``, ``frame_times`` (a variable-rate source's), ``colour`` and
-    ``display`` (tags for players; image outputs apply ``display`` unless ``upright`` is false).
-    ``audio_from`` (a path, or a MediaInfo, which adds the ``subtitle_streams`` the container holds)
-    is copied packet for packet. ``codec``, ``crf`` and ``preset`` are a video's, ``quality``
-    (1-100) the lossy image formats'."""
+    :func:`open_writer` takes each field left None from ``like`` (the source's :class:`MediaInfo`);
+    a MediaInfo ``audio_from`` adds the ``subtitle_streams`` the container holds. Every field:
+    docs/media.md#writing."""
 
     width: int | None = None
     height: int | None = None
@@ -109,9 +105,8 @@ class OutputSpec:
 def open_writer(dst, spec: OutputSpec = OutputSpec(), *, like: MediaInfo | None = None,
                 overwrite: bool = False) -> MediaWriter:
     """Open a writer of ``spec``'s frames at ``dst``, any field ``spec`` leaves out taken from
-    ``like`` (typically the source's :class:`MediaInfo`; give the upscaled size in ``spec``). The
-    destination decides the output: a video or image extension, a printf pattern (``out/%05d.png``)
-    or a folder / a path ending in ``/`` (docs/media.md#writing). Raises
+    ``like`` (typically the source's :class:`MediaInfo`; give the upscaled size in ``spec``); the
+    destination picks the writer (docs/media.md#writing). Raises
     :class:`~seedvr2.errors.OutputExists` when the output exists and ``overwrite`` is false, and
     :class:`MediaError` for everything else that can be known before writing."""
     text, path = os.fspath(dst), fspath(dst)
