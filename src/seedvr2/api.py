@@ -81,13 +81,13 @@ def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Pr
             opts: Optional[Options] = None, **options) -> torch.Tensor:
     """Upscale frames in memory: ComfyUI's IMAGE convention in and out.
 
-    ``frames``: float (T, H, W, C) in [0, 1] (or uint8/uint16), C = 1, 3 or 4; a single
-    (H, W, C) image is one frame. Returns float32 (T, H', W', C) in [0, 1] on the CPU.
-    ``stats`` (a ``JobStats``) records the job as it runs. ``make_room(device, bytes)``, where
-    a host holds memory it frees on demand (ComfyUI), is asked for what the job needs before
-    the memory budget measures a device (one process only). ``preview(thumbnail)`` is shown
-    the newest finished frame about once a second (:mod:`seedvr2.pipeline.preview`).
-    ``opts``: options already resolved (a node's, the CLI's), instead of ``**options``."""
+    ``frames``: float (T, H, W, C) in [0, 1] (or uint8/uint16), C = 1, 3 or 4; a single (H, W, C)
+    image is one frame. Returns float32 (T, H', W', C) in [0, 1] on the CPU. ``stats`` (a
+    ``JobStats``) records the job as it runs. ``make_room(device, bytes)``, where a host holds
+    memory it frees on demand (ComfyUI), is asked for what the job needs before the memory budget
+    measures a device (one process only). ``preview(thumbnail)`` is shown the newest finished
+    frame about once a second (:mod:`seedvr2.pipeline.preview`). ``opts``: options already
+    resolved (a node's, the CLI's), instead of ``**options``."""
     opts = _options("upscale", opts, options)
     frames = input_frames(frames)
     opts = _scene_cuts(opts, len(frames), lambda: iter(frames), stats)
@@ -133,14 +133,13 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
                  stats: Optional[JobStats] = None, make_room: Optional[MakeRoom] = None,
                  preview: Optional[Show] = None, opts: Optional[Options] = None,
                  **options) -> Path:
-    """Upscale a video, image or image sequence file to ``dst``, streaming frame by frame.
-
-    Video keeps its exact frame rate (variable-rate video: every frame's time) and its audio and
-    subtitles where the output holds them (copied, not re-encoded); ``fps`` gives images and
-    sequences a rate for a video output. The output is written under a temporary name and appears at
-    ``dst`` only when complete; an existing ``dst`` is replaced only with ``overwrite=True``.
-    ``stats``, ``make_room`` and ``preview`` as in :func:`upscale`; ``opts``: options already
-    resolved (the CLI's), instead of ``**options``. Returns the output path."""
+    """Upscale a video, image or image sequence file to ``dst``, streaming frame by frame. Video
+    keeps its exact frame rate (variable-rate video: every frame's time) and its audio and subtitles
+    where the output holds them (copied, not re-encoded); ``fps`` gives images and sequences a rate
+    for a video output. The output is written under a temporary name and appears at ``dst`` only
+    when complete; an existing ``dst`` is replaced only with ``overwrite=True``. ``stats``,
+    ``make_room`` and ``preview`` as in :func:`upscale`; ``opts``: options already resolved (the
+    CLI's), instead of ``**options``. Returns the output path."""
     from .distributed import in_distributed_launch, init_from_env
     from .distributed.rank_work import run_file_job
     from .distributed.launch import spawn_file_job
