@@ -167,7 +167,6 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
 
 
 def _options(facade: str, opts: Optional[Options], options: dict) -> Options:
-    """The options of a facade call: resolved here, or given resolved (``opts=``)."""
     if opts is not None and options:
         raise UsageError(f"{facade}: options given both as opts= and as keywords "
                          f"({', '.join(sorted(options))}); give one")
@@ -175,7 +174,6 @@ def _options(facade: str, opts: Optional[Options], options: dict) -> Options:
 
 
 def _scene_cuts(opts: Options, count: int, frames, stats: Optional[JobStats]) -> Options:
-    """``opts`` with the scene cuts resolved (:mod:`.pipeline.cuts`), told to ``stats``."""
     from .pipeline.cuts import resolve_scene_cuts
 
     opts = resolve_scene_cuts(opts, count, frames)

@@ -25,9 +25,8 @@ class MediaError(SeedVR2Error, ValueError):
     """A media file or folder can't be read or written as asked; the message names the path.
     Refusing to replace an existing output is an :class:`~seedvr2.errors.OutputExists` instead."""
 
-# FFmpeg's YUV matrix codes (AVColorSpace) -> the matrix swscale converts with (its codes
-# for BT.601 are 5 and 6, the same coefficients). Others (YCgCo, constant-luminance BT.2020,
-# ICtCp) swscale cannot write: such sources are written in BT.709.
+# FFmpeg's YUV matrix code (AVColorSpace) -> the one swscale converts with (BT.601's 5 and 6 have
+# the same coefficients); sources in others (YCgCo, constant-luminance BT.2020, ICtCp) get BT.709.
 _WRITABLE_MATRICES = {1: 1, 4: 4, 5: 5, 6: 5, 7: 7, 9: 9}
 _HDR_TRANSFERS = {16: "PQ, SMPTE ST 2084", 18: "HLG, ARIB STD-B67"}
 
