@@ -21,8 +21,7 @@ class InputError(SeedVR2Error, ValueError):
 
 
 class UsageError(SeedVR2Error, TypeError):
-    """The library called the wrong way: an argument of the wrong type, or two that exclude
-    each other."""
+    """The library called wrongly: an argument of the wrong type, or two that exclude each other."""
 
 
 class OutputExists(SeedVR2Error, FileExistsError):

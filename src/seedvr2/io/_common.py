@@ -1,6 +1,5 @@
-"""Shared pieces of :mod:`seedvr2.io`: the error type, :class:`MediaInfo`, file-type tables and
-small helpers of the readers and the writers. Nothing here imports PyAV or Pillow; those load inside
-the functions that need them."""
+"""Shared pieces of :mod:`seedvr2.io`: the error type, :class:`MediaInfo`, file-type tables and the
+readers' and writers' small helpers. PyAV and Pillow load inside the functions that need them."""
 
 from __future__ import annotations
 

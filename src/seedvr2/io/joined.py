@@ -1,9 +1,8 @@
 """Several videos played one after the other, streamed into one file a frame at a time.
 
 A VIDEO that is a concatenation (ComfyUI's ``VideoFromList``, from Concatenate Video) holds no
-single file to stream from; :func:`join_videos` writes its parts, part by part, into one video the
-upscaler then streams, so no part is ever whole in memory (docs/comfyui.md, "VIDEO inputs that are
-not a file")."""
+single file to stream from; :func:`join_videos` writes its parts one by one into a video the
+upscaler then streams, so no part is ever whole in memory (docs/comfyui.md)."""
 
 from __future__ import annotations
 

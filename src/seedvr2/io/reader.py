@@ -680,8 +680,7 @@ def _orientation(path: Path, frame) -> tuple[int, bool]:
 
     from av.sidedata.sidedata import Type
 
-    # FFmpeg 7 and later put the stream's display matrix on every decoded frame.
-    data = frame.side_data.get(Type.DISPLAYMATRIX)
+    data = frame.side_data.get(Type.DISPLAYMATRIX)  # on every decoded frame since FFmpeg 7
     if data is None or len(bytes(data)) < 36:
         return 0, False
     a, b, _, c, d, *_ = struct.unpack("<9i", bytes(data)[:36])
@@ -722,9 +721,8 @@ def _rates_agree(stream) -> bool:
 
 
 def _estimate_frame_count(stream, container, fps: Fraction) -> tuple[int, bool]:
-    """(count, exact): the container's count (MP4/MOV store it), else duration x rate. Other
-    containers' counts are estimates too: AVI's counts the empty chunks that stand for dropped
-    frames."""
+    """(count, exact): the container's count (exact in MP4/MOV; elsewhere an estimate: AVI's counts
+    the empty chunks of dropped frames), else duration x rate."""
     if stream.frames and stream.frames > 0 and "mp4" in container.format.name.split(","):
         return int(stream.frames), True
     if stream.frames and stream.frames > 0:

@@ -1,6 +1,5 @@
-"""A video assembled from closed segments by stream copy: nothing is decoded or re-encoded.
-
-A resumable job writes its output as consecutive segment files (docs/resume.md);
+"""A video assembled from closed segments by stream copy: nothing is decoded or re-encoded. A
+resumable job writes its output as consecutive segment files (docs/resume.md);
 :class:`SegmentConcat` joins them, copying the source's audio in alongside, with the writers'
 temporary -> final protocol."""
 
@@ -27,11 +26,10 @@ def sync_file(path: Path):
 class SegmentConcat(MediaWriter):
     """Writes ``dst`` from ``segments`` (video files of ``counts`` frames each, in order), as
     ``spec`` (resolved: :meth:`OutputSpec.resolved`) describes it. Each segment's timestamps start
-    at 0 and are shifted by the time of its first frame: ``spec.frame_times[first]`` for a
-    variable-rate video (the source's frame times, seconds from its first frame), else
-    ``first / fps``. ``spec.audio_from`` is the file whose audio streams (and ``subtitle_streams``)
-    are copied in; ``after_segment(n)`` is told that the first n segments are in (the tests' kill
-    point, ``seedvr2.faults``)."""
+    at 0 and are shifted by its first frame's time: ``spec.frame_times[first]`` for variable-rate
+    video (seconds from the source's first frame), else ``first / fps``. ``spec.audio_from``'s audio
+    streams (and ``subtitle_streams``) are copied in; ``after_segment(n)`` is told that the first n
+    segments are in (the tests' kill point)."""
 
     def __init__(self, dst, segments: list[Path], counts: list[int], spec: OutputSpec, *,
                  overwrite: bool = False, after_segment=None):

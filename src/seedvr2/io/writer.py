@@ -165,8 +165,7 @@ def _carried_streams(source: MediaInfo, ext: str) -> tuple[Path | None, tuple[in
     return (source.path if source.has_audio or subtitles else None), subtitles
 
 
-# Image formats that hold several frames in one file: PNG (APNG), WebP, TIFF (pages).
-_ANIMATED_FORMATS = {"PNG", "WEBP", "TIFF"}
+_ANIMATED_FORMATS = {"PNG", "WEBP", "TIFF"}  # several frames in one file (APNG, TIFF pages)
 
 
 def _animation_of(path: Path, like: MediaInfo | None, fps) -> tuple | None:
@@ -366,8 +365,7 @@ class MediaWriter(FrameOutput):
         if not folder:
             self._refuse_existing(self.path)
         writable_folder(self.path.parent)
-        # A run killed outright left its temporaries here; nothing else will remove them.
-        remove_stale_temporaries(self.path)
+        remove_stale_temporaries(self.path)  # a killed run's: nothing else removes them
         temp = temporary_path(self.path, keep_suffix=not folder)
         try:
             if folder:
@@ -511,8 +509,7 @@ class VideoWriter(MediaWriter):
         cc, colour, display = stream.codec_context, self._colour, spec.display
         cc.colorspace, cc.color_primaries = colour.matrix, colour.primaries
         cc.color_trc, cc.color_range = colour.transfer, colour.range
-        # The source's orientation and pixel shape travel as tags: players apply them, and
-        # the frames stay as stored (no resampling of a video). None: shown as stored.
+        # The source's orientation and pixel shape are tags players apply; frames stay as stored.
         if display is not None and (display.rotation or display.mirrored):
             stream.set_display_rotation(display.rotation, hflip=display.mirrored)
         if display is not None and display.pixel_aspect != 1:
