@@ -24,11 +24,10 @@ JOIN_CRF, JOIN_PRESET = 0, "ultrafast"
 
 
 def join_videos(parts: Sequence[Path], dst: Path, audio_from: Optional[Path] = None) -> Path:
-    """Write the videos ``parts`` one after the other into ``dst``, decoding and encoding one
-    frame at a time, at the first part's size, rate and bit depth; a part of another size is
-    refused (:class:`MediaError` naming it). The audio is copied from ``audio_from`` when given
-    (a concatenation's own soundtrack), else the parts' audio, one after the other, when every
-    part has some. Returns ``dst``."""
+    """Write the videos ``parts`` one after the other into ``dst``, a frame at a time, at the first
+    part's size, rate and bit depth (a part of another size: :class:`MediaError` naming it). The
+    audio is copied from ``audio_from`` when given (a concatenation's own soundtrack), else the
+    parts' audio, one after the other, when every part has some. Returns ``dst``."""
     if not parts:
         raise MediaError("the joined video has no parts: an empty video (Concatenate Video of "
                          "nothing) has no frames to upscale")
