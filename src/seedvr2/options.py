@@ -159,10 +159,9 @@ def _slice_problem(value: int) -> Optional[str]:
 
 
 def parse_scene_cuts(value):
-    """The scene_cuts option as ``"auto"`` or a sorted tuple of cut frames (``off`` is ``()``):
-    from ``auto``, ``off``, text such as ``120, 348`` (plain decimal frame numbers, spaces
-    around them allowed) or a list of frame numbers. Empty text is refused: it may be a
-    variable that was never set, and ``off`` says what is meant."""
+    """The scene_cuts option as ``"auto"`` or a sorted tuple of cut frames (``off``: ``()``) from
+    ``auto``, ``off``, text such as ``120, 348`` (plain decimal) or a list of frame numbers. Empty
+    text is refused: it may be a variable never set; ``off`` says what is meant."""
     import operator
 
     text = value.strip(" ").lower() if isinstance(value, str) else None
