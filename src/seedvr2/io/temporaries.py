@@ -85,7 +85,7 @@ def hold(path: Path) -> Hold | None:
 
 def lock_folder(path: Path) -> Hold | None:
     """Make the folder ``path`` if needed and lock it for this process's lifetime (or until
-    released): raises :class:`BlockingIOError` while another process holds it; None without locks."""
+    released): raises :class:`BlockingIOError` while another holds it; ``None`` without locks."""
     for _ in range(3):
         path.mkdir(exist_ok=True)
         try:
