@@ -61,9 +61,8 @@ MAX_QUOTED = 80  # characters of a value an error message quotes
 
 
 def option_value(name: str, value) -> str:
-    """An option and the value given for it, as the subject of an error message:
-    ``batch_size = 8`` for Python callers, ``--batch-size 8`` on the command line. A long value
-    (a list of 100,000 cuts) is quoted by its beginning and its length."""
+    """An option and its given value as a message's subject: ``batch_size = 8`` for Python callers,
+    ``--batch-size 8`` on the command line; a long value is quoted by its start and length."""
     shown = repr(value) if _CALLER.get() == "python" else str(value)
     if len(shown) > MAX_QUOTED:
         shown = f"{shown[:MAX_QUOTED - 20]}... ({len(shown)} characters)"

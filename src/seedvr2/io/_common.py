@@ -64,9 +64,8 @@ class Colour:
 
 
 def refuse_hdr(info: MediaInfo | None, into: str) -> None:
-    """Raise a MediaError when ``info``'s source is HDR and ``into`` (what its frames would
-    become) is SDR: without tone mapping, PQ or HLG code values shown as SDR look washed out
-    and dull, so they are refused rather than converted wrongly."""
+    """Raise a MediaError when ``info``'s source is HDR and ``into`` (what its frames become) is
+    SDR: without tone mapping, PQ or HLG values shown as SDR look washed out."""
     if info is not None and info.colour.hdr:
         raise MediaError(f"{info.path} is HDR video ({info.colour.hdr}) and {into} is SDR; "
                          f"this pack does not tone-map: write a video with codec h265 (.mkv, "
@@ -75,10 +74,9 @@ def refuse_hdr(info: MediaInfo | None, into: str) -> None:
 
 @dataclass(frozen=True)
 class MediaInfo:
-    """What a reader found, or what a writer should produce; writers given ``like=`` reproduce
-    it (:func:`~seedvr2.io.writer.open_writer`). Each field: docs/media.md#reading.
-    ``frame_count`` is exact when ``frame_count_exact`` (:meth:`VideoReader.count_frames`
-    makes it so); ``frame_times`` is None at a constant rate (frame ``i`` at ``i / fps``)."""
+    """What a reader found, or what a writer given ``like=`` reproduces (docs/media.md#reading).
+    ``frame_count`` is exact if ``frame_count_exact`` (:meth:`VideoReader.count_frames` makes it
+    so); ``frame_times`` is None at a constant rate."""
 
     kind: str
     path: str

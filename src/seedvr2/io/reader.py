@@ -195,9 +195,8 @@ class SequenceReader(MediaReader):
 
     @classmethod
     def from_directory(cls, folder: Path) -> SequenceReader:
-        """Images in ``folder`` sharing one name pattern, ordered by the last number in a name;
-        hidden and non-image files are ignored. Several patterns (``a_001.png`` and
-        ``b_001.png``) are refused, asking for an explicit pattern."""
+        """Images in ``folder`` sharing one name pattern, by the last number in a name (hidden and
+        non-image files ignored); several patterns (``a_001.png``, ``b_001.png``) are refused."""
         try:
             names = [f for f in folder.iterdir() if not f.name.startswith(".")
                      and f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file()]
@@ -376,9 +375,8 @@ class VideoReader(MediaReader):
         self._seekable = (self._constant_rate and consistent) or self._pts_index is not None
 
     def count_frames(self) -> int:
-        """Make ``info.frame_count`` exact and, for variable-rate video, fill
-        ``info.frame_times``; returns the count. Counts packets where that is exact, else
-        decodes (docs/media.md#reading)."""
+        """Make ``info.frame_count`` exact (and fill ``info.frame_times`` of variable-rate video) by
+        counting packets where exact, else decoding (docs/media.md#reading); returns the count."""
         import dataclasses
 
         import av
