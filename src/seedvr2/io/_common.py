@@ -13,7 +13,8 @@ import numpy as np
 
 from ..errors import SeedVR2Error
 
-# Extensions decide the *output* kind. For input, content (magic bytes) wins over the extension.
+# Extensions decide the *output* kind. For input, content (magic bytes) wins over the extension:
+# a PNG named .jpg or a video named .png still opens with the right decoder (sniff_image).
 VIDEO_EXTENSIONS = {".mp4": "mp4", ".m4v": "mp4", ".mov": "mov", ".mkv": "matroska",
                     ".webm": "webm"}
 IMAGE_EXTENSIONS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP",
@@ -32,10 +33,9 @@ _HDR_TRANSFERS = {16: "PQ, SMPTE ST 2084", 18: "HLG, ARIB STD-B67"}
 
 @dataclass(frozen=True)
 class Colour:
-    """A video's colour description in FFmpeg's codes: YUV ``matrix`` (AVColorSpace),
-    ``primaries``, ``transfer`` (AVColorTransferCharacteristic) and ``range`` (1 limited,
-    2 full). The defaults, BT.709 limited range, describe outputs of sources that have
-    none (images, untagged video, whose frames the reader converts as players assume)."""
+    """A video's colour description in FFmpeg's codes: YUV ``matrix`` (AVColorSpace), ``primaries``,
+    ``transfer`` (AVColorTransferCharacteristic), ``range`` (1 limited, 2 full). Defaults: BT.709
+    limited range, for sources without one (images; untagged video, converted as players assume)."""
 
     matrix: int = 1
     primaries: int = 1
@@ -76,7 +76,7 @@ def refuse_hdr(info: MediaInfo | None, into: str) -> None:
 class MediaInfo:
     """What a reader found, or what a writer given ``like=`` reproduces (docs/media.md#reading).
     ``frame_count`` is exact if ``frame_count_exact`` (:meth:`VideoReader.count_frames` makes it
-    so); ``frame_times`` is None at a constant rate."""
+    so); ``frame_times`` is None at a constant rate (frame i at i / fps)."""
 
     kind: str
     path: str
@@ -167,8 +167,7 @@ def resize(frame: np.ndarray, width: int, height: int) -> np.ndarray:
 
 def sniff_image(path: Path) -> str | None:
     """Pillow format name if the file's first bytes are a still-image signature, else None; a
-    MediaError naming ``path`` when it can't be read. Content beats extension so a PNG named
-    ``.jpg`` or a video named ``.png`` still opens with the right decoder."""
+    MediaError naming ``path`` when it can't be read."""
     try:
         with open(path, "rb") as f:
             head = f.read(16)
