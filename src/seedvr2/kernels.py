@@ -74,10 +74,9 @@ def kitchen_installed() -> bool:
     return importlib.util.find_spec("comfy_kitchen") is not None
 
 
-# ComfyUI's comfy/quant_ops.py (read for version 0.3.75 and today's main): "if
-# torch.version.cuda is None: ck.registry.disable('cuda') ... if cuda_version < (13,):
-# ck.registry.disable('cuda')": kitchen's compiled CUDA kernels are used with a torch built
-# for CUDA 13 or newer only; below, its eager backend (torch ops) computes.
+# ComfyUI's comfy/quant_ops.py (0.3.75 and main): "if torch.version.cuda is None:
+# ck.registry.disable('cuda') ... if cuda_version < (13,): ck.registry.disable('cuda')": kitchen's
+# compiled CUDA kernels run with a torch built for CUDA 13+ only; below, its eager backend computes.
 KITCHEN_CUDA_NEEDS = (13,)
 
 
