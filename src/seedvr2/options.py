@@ -369,7 +369,8 @@ AREAS: dict[str, tuple[str, ...]] = {
                         "vae_decode_temporal_slice", "vae_int8_cache"),
     "speed and compile": ("attention_backend", "vae_cudnn_benchmark", "vae_channels_last",
                           "vae_fp16_accumulation", "uniform_batch_size", "compile",
-                          "compile_backend", "compile_mode", "compile_fullgraph", "compile_dynamic"),
+                          "compile_backend", "compile_mode", "compile_fullgraph",
+                          "compile_dynamic"),
     "several GPUs": ("devices", "sequence_parallel", "dist_timeout"),
 }
 
