@@ -1,5 +1,4 @@
 """SeedVR2 one-step video/image super-resolution: library behind the ComfyUI nodes and the CLI.
-
 Importing this package is cheap: submodules (and torch) load on first use.
 
     import seedvr2

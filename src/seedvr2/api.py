@@ -66,14 +66,13 @@ def upscale(frames, dit=None, vae=None, *, model_dir=None, progress: Optional[Pr
             opts: Optional[Options] = None, **options) -> torch.Tensor:
     """Upscale frames in memory: ComfyUI's IMAGE convention in and out.
 
-    ``frames``: float (T, H, W, C) in [0, 1] (or uint8/uint16), C = 1, 3 or 4; a single
-    (H, W, C) image is one frame. Returns float32 (T, H', W', C) in [0, 1] on the CPU.
-    ``stats`` (a ``JobStats``) records the job as it runs. ``make_room(device, bytes)``, where
-    a host holds memory it frees on demand (ComfyUI), is asked for what the job needs before
-    the memory budget measures a device (one process only). ``preview(thumbnail)`` is shown
-    the newest finished frame about once a second (:mod:`seedvr2.pipeline.preview`).
-    ``opts``: options already resolved (a node's, the CLI's), instead of ``**options``.
-    """
+    ``frames``: float (T, H, W, C) in [0, 1] (or uint8/uint16), C = 1, 3 or 4; a single (H, W, C)
+    image is one frame. Returns float32 (T, H', W', C) in [0, 1] on the CPU. ``stats`` (a
+    ``JobStats``) records the job as it runs. ``make_room(device, bytes)``, where a host holds
+    memory it frees on demand (ComfyUI), is asked for what the job needs before the memory budget
+    measures a device (one process only). ``preview(thumbnail)`` is shown the newest finished
+    frame about once a second (:mod:`seedvr2.pipeline.preview`). ``opts``: options already
+    resolved (a node's, the CLI's), instead of ``**options``."""
     opts = _options("upscale", opts, options)
     frames = input_frames(frames)
     opts = _scene_cuts(opts, len(frames), lambda: iter(frames), stats)
@@ -156,7 +155,6 @@ def upscale_file(src, dst, dit=None, vae=None, *, model_dir=None, overwrite: boo
 
 
 def _options(facade: str, opts: Optional[Options], options: dict) -> Options:
-    """The options of a facade call: resolved here, or given resolved (``opts=``)."""
     if opts is not None and options:
         raise UsageError(f"{facade}: options given both as opts= and as keywords "
                          f"({', '.join(sorted(options))}); give one")

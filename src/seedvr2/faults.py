@@ -133,7 +133,6 @@ class Faults:
                 time.sleep(0.02)
 
     def slowness(self, rank: int) -> float:
-        """Seconds ``rank`` sleeps per batch."""
         target, _, seconds = self.slow.partition(":")
         return float(seconds) if self.slow and target == str(rank) else 0.0
 

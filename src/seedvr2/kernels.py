@@ -1,18 +1,13 @@
 """The external kernels we call, what each requires, and where each runs.
 
-Every precondition is quoted once, here, with its source and version: comfy-kitchen 0.2.40's
-CUDA backend (``comfy_kitchen/backends/cuda/__init__.py``: its asserts and its
-``_build_constraints``), torch's ``_scaled_mm`` (``torch/_meta_registrations.py``, which
-mirrors ``aten/src/ATen/native/cuda/Blas.cpp``; torch 2.11 to 2.14), SDPA's fused kernels
-(``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``) and the 32-bit index limit of
-cuDNN convolutions. The eager backends run on any device and accept calls the GPU kernels
-refuse, so these rules are what a CPU test checks every call against (tests/kernel_checks.py,
-docs/development.md "Kernel preconditions"), and the dispatch (``loading.lowp``) reads the
-same rules to decide what a GPU of a given platform and capability runs.
-
-This module imports torch only: any layer may use it, as ``errors.py``. comfy-kitchen is
-imported by :func:`kitchen` on the first low-precision product, never with the pack.
-"""
+Every precondition is quoted once, here, with its source and version (``_KITCHEN_CUDA`` and the
+names beside it): comfy-kitchen's CUDA backend (its asserts and its ``_build_constraints``), torch's
+``_scaled_mm``, SDPA's fused kernels and the 32-bit index limit of cuDNN convolutions. The eager
+backends run on any device and accept calls the GPU kernels refuse, so these rules are what a CPU
+test checks every call against (tests/kernel_checks.py, docs/development.md "Kernel preconditions"),
+and the dispatch (``loading.lowp``) reads them to decide what a GPU of a given platform and
+capability runs. This module imports torch only: any layer may use it. comfy-kitchen is imported by
+:func:`kitchen` on the first low-precision product, never with the pack."""
 
 from __future__ import annotations
 
@@ -34,10 +29,6 @@ _TORCH_SCALED_MM = ("torch 2.11-2.14, torch/_meta_registrations.py _check_scaled
                     "aten/src/ATen/native/cuda/Blas.cpp _scaled_mm_out_cuda")
 _TORCH_SDPA = "torch 2.11-2.14, aten/src/ATen/native/transformers/cuda/sdp_utils.cpp"
 _TORCH_CONV = "torch 2.11-2.14, aten/src/ATen/native/Convolution.cpp (cuDNN path)"
-
-
-# ---------------------------------------------------------------------------------------------
-# where a device computes
 
 
 @dataclass(frozen=True)
@@ -83,10 +74,9 @@ def kitchen_installed() -> bool:
     return importlib.util.find_spec("comfy_kitchen") is not None
 
 
-# ComfyUI's comfy/quant_ops.py (read for version 0.3.75 and today's main): "if
-# torch.version.cuda is None: ck.registry.disable('cuda') ... if cuda_version < (13,):
-# ck.registry.disable('cuda')": kitchen's compiled CUDA kernels are used with a torch built
-# for CUDA 13 or newer only; below, its eager backend (torch ops) computes.
+# ComfyUI's comfy/quant_ops.py (0.3.75 and main): "if torch.version.cuda is None:
+# ck.registry.disable('cuda') ... if cuda_version < (13,): ck.registry.disable('cuda')": kitchen's
+# compiled CUDA kernels run with a torch built for CUDA 13+ only; below, its eager backend computes.
 KITCHEN_CUDA_NEEDS = (13,)
 
 
@@ -140,10 +130,6 @@ def kitchen_backend(ck) -> str:
     status = ck.list_backends()
     order = getattr(ck.registry, "_priority", ("cuda", "triton", "eager"))
     return next((name for name in order if _computes(status, name)), "eager")
-
-
-# ---------------------------------------------------------------------------------------------
-# preconditions
 
 
 @dataclass(frozen=True)
@@ -264,8 +250,7 @@ def is_power_of_4(size) -> bool:
 
 
 def _block_scales(block: int, packed: bool):
-    """Scales of a (rows, K) operand in cuBLAS' 128x4 tiles: (roundup(rows, 128),
-    roundup(K / block, 4))."""
+    """Both operands' block scales in cuBLAS' 128x4 tiles (:func:`tiled_scales_shape`)."""
     @_given("a", "b", "block_scale_a", "block_scale_b")
     def problem(args, a, b, sa, sb):
         k = a.shape[1] * (2 if packed else 1)
@@ -374,9 +359,7 @@ def _scaled_mm_tensorwise(args, sa, sb):
 
 @_given("query", "key", "value")
 def _sdpa_fused(args, q, k, v):
-    """Flash (fp16/bf16) or memory-efficient attention can run: one head dimension for q, k
-    and v, at most 256, a multiple of the GEMM alignment (8 for fp16/bf16, 4 for fp32 on
-    compute capability 8.0+), and no mask."""
+    """Flash or memory-efficient attention can run (fp32's alignment 4: compute capability 8.0+)."""
     dims = {q.shape[-1], k.shape[-1], v.shape[-1]}
     if len(dims) != 1:
         return f"q, k, v have head dimensions {sorted(dims)}"

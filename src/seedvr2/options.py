@@ -224,17 +224,15 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("seed", int, 42, "random seed; each batch draws from (seed, its first frame), so "
            "results do not depend on chunking or on which process runs a batch", min=0,
            max=2 ** 63 - 1),
-    Option("resolution", int, 1080, "target short edge of the output in pixels, even "
-           "(outputs have even sizes; padded to a multiple of 16 internally and cropped back)",
-           min=16, max=16384,
-           check=_even_problem),
+    Option("resolution", int, 1080, "target short edge of the output in pixels, even (outputs have "
+           "even sizes; padded to a multiple of 16 internally and cropped back)", min=16,
+           max=16384, check=_even_problem),
     Option("max_resolution", int, 0, "cap on the output's long edge (0 = none); a larger "
            "result is scaled down to fit", min=0, max=16384),
-    Option("batch_size", int, 5, "frames per temporal batch, 4n+1 (1 for single images; "
-           "larger = better temporal consistency, more memory), or auto: the largest 4n+1 "
-           "(at least 5, at most the clip) whose memory estimate fits the GPU's free memory "
-           "(on the CPU: the available RAM)",
-           min=1, max=1001, check=_batch_size_problem, accepts_auto=True),
+    Option("batch_size", int, 5, "frames per temporal batch, 4n+1 (1 for single images; larger = "
+           "better temporal consistency, more memory), or auto: the largest 4n+1 (at least 5, at "
+           "most the clip) whose memory estimate fits the GPU's free memory (on the CPU: the "
+           "available RAM)", min=1, max=1001, check=_batch_size_problem, accepts_auto=True),
     Option("uniform_batch_size", bool, False, "pad the last batch to {batch_size} so every "
            "batch has the same shape (helps torch.compile)"),
     Option("temporal_overlap", int, 0, "frames shared by consecutive batches and cross-faded "
@@ -246,9 +244,8 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            min=0, max=1_000_000),
     Option("color_correction", str, "wavelet", "colour correction of the output against the "
            "resized input", choices=COLOR_CORRECTIONS),
-    Option("input_noise_scale", float, 0.0, "noise blended into the input frames before "
-           "encoding (0-1); can reduce artifacts on very clean or high-resolution inputs",
-           min=0.0, max=1.0),
+    Option("input_noise_scale", float, 0.0, "noise blended into the input frames before encoding "
+           "(0-1); can reduce artifacts on very clean or high-resolution inputs", min=0.0, max=1.0),
     Option("latent_noise_scale", float, 0.0, "noise augmentation of the low-resolution latent "
            "(0-1), with the official resolution-dependent timestep shift", min=0.0, max=1.0),
     Option("text_embeddings", str, "auto", "text embeddings: auto (those inside the DiT file, "
@@ -256,11 +253,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "that come with this package) or a path to .safetensors/.pt with 'pos'"),
     Option("device", str, "auto", "compute device: auto (cuda if available, else cpu), cpu, "
            "cuda, cuda:N", check=_device_problem),
-    Option("dtype", str, "auto", "compute precision: auto (bf16 on GPUs with it: NVIDIA "
-           "8.0+, AMD MI100/RDNA3+; else fp16; fp32 on CPU), fp32, fp16, bf16",
-           choices=DTYPE_NAMES),
-    # How quantised weights multiply (the paths, their GPUs and bounds): seedvr2.loading.lowp
-    # and docs/memory.md.
+    Option("dtype", str, "auto", "compute precision: auto (bf16 on GPUs with it: NVIDIA 8.0+, AMD "
+           "MI100/RDNA3+; else fp16; fp32 on CPU), fp32, fp16, bf16", choices=DTYPE_NAMES),
+    # How quantised weights multiply (paths, GPUs, bounds): seedvr2.loading.lowp, docs/memory.md.
     Option("compute_precision", str, "auto", "auto: int8/fp8/fp4 matmuls on GPUs with them "
            "(comfy-kitchen); weights: dequantise", choices=("auto", "weights")),
     Option("fps", str, "auto", "frame rate of a video written from images or an image "
@@ -322,11 +317,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("sequence_parallel", int, 1, "ranks that share each batch's DiT call (Ulysses "
            "sequence parallelism, for batches too big for one device); must divide the number "
            "of devices and the DiT's attention heads", min=1, max=1024),
-    Option("resume", bool, True, "file jobs: keep finished output in closed segments next to "
-           "the output (.NAME.seedvr2-resume/) so that running the same job again after a "
-           "crash, kill or cancel continues from the last verified piece (segments, and parts "
-           "closed about every minute of work); false (--no-resume) discards them and starts "
-           "over"),
+    Option("resume", bool, True, "file jobs: keep finished output in closed segments next to the "
+           "output (.NAME.seedvr2-resume/) so that running the same job again after a crash, kill "
+           "or cancel continues from the last verified piece (segments, and parts closed about "
+           "every minute of work); false (--no-resume) discards them and starts over"),
     Option("compile", bool, False, "torch.compile each DiT block and the VAE"),
     Option("compile_backend", str, "inductor", "torch.compile backend", choices=(
         "inductor", "cudagraphs", "eager", "aot_eager")),
@@ -337,10 +331,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "change), true, false", choices=("auto", "true", "false")),
     # -- VAE causal temporal slicing (seedvr2.memory.tiling; exact) --
     Option("vae_encode_temporal_slice", int, 4, "encode each batch in causal temporal slices of "
-           "this many frames (a multiple of 4; the first slice has one more): same result, "
-           "memory of one slice instead of the batch (4, the default, is the official "
-           "pipeline's setting; 0 = the whole batch at once)",
-           min=0, max=1_000_000, check=_slice_problem),
+           "this many frames (a multiple of 4; the first slice has one more): same result, memory "
+           "of one slice instead of the batch (4, the default, is the official pipeline's setting; "
+           "0 = the whole batch at once)", min=0, max=1_000_000, check=_slice_problem),
     Option("vae_decode_temporal_slice", int, 4, "decode each batch in causal temporal slices of "
            "this many output frames (a multiple of 4 = that / 4 latent frames; the first slice "
            "has one more): same result, memory of one slice instead of the batch (4, the "
@@ -349,10 +342,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     # Added after the first release: last, so saved workflows' widget values keep their places.
     Option("scene_cuts", str, "auto", "scene cuts no batch spans: auto (detected), off, or "
            "the frames that begin new shots, e.g. 120,348", parse=parse_scene_cuts),
-    Option("min_scene_length", int, 1, "shortest shot {scene_cuts} auto makes, in frames "
-           "(1: every cut): a closer cut is not made. Frames that return to the shot before "
-           "them within 6 frames (or this) are a flash, no cut",
-           min=1, max=1_000_000),
+    Option("min_scene_length", int, 1, "shortest shot {scene_cuts} auto makes, in frames (1: every "
+           "cut): a closer cut is not made. Frames that return to the shot before them within 6 "
+           "frames (or this) are a flash, no cut", min=1, max=1_000_000),
     Option("fit", str, "auto", "a job that will not fit: auto applies the cheapest change "
            "that does and says so; strict stops, naming it", choices=("auto", "strict")),
     Option("max_vram", float, 0.0, "GiB a job may plan to use per compute device; 0 = all free",
@@ -370,24 +362,23 @@ AREAS: dict[str, tuple[str, ...]] = {
                            "input_noise_scale", "latent_noise_scale"),
     "memory and VRAM": ("fit", "max_vram", "chunk_size", "device", "dit_device", "vae_device",
                         "dit_offload_device", "vae_offload_device", "tensor_offload_device",
-                        "cache_dit", "cache_vae",
-                        "blocks_to_swap", "swap_io_components", "vae_encode_tiled",
-                        "vae_encode_tile_size", "vae_encode_tile_overlap", "vae_decode_tiled",
-                        "vae_decode_tile_size", "vae_decode_tile_overlap", "vae_tiling_exact",
-                        "vae_encode_temporal_slice", "vae_decode_temporal_slice",
-                        "vae_int8_cache"),
+                        "cache_dit", "cache_vae", "blocks_to_swap", "swap_io_components",
+                        "vae_encode_tiled", "vae_encode_tile_size", "vae_encode_tile_overlap",
+                        "vae_decode_tiled", "vae_decode_tile_size", "vae_decode_tile_overlap",
+                        "vae_tiling_exact", "vae_encode_temporal_slice",
+                        "vae_decode_temporal_slice", "vae_int8_cache"),
     "speed and compile": ("attention_backend", "vae_cudnn_benchmark", "vae_channels_last",
-                          "vae_fp16_accumulation", "uniform_batch_size", "compile", "compile_backend",
-                          "compile_mode", "compile_fullgraph", "compile_dynamic"),
+                          "vae_fp16_accumulation", "uniform_batch_size", "compile",
+                          "compile_backend", "compile_mode", "compile_fullgraph",
+                          "compile_dynamic"),
     "several GPUs": ("devices", "sequence_parallel", "dist_timeout"),
 }
 
 
-# Options that choose where or how a job runs, never what it computes: ranks on different
-# devices agree on a job, and a re-run resumes it, whatever these say. Every other option
-# shapes the output (the job's identity, ``pipeline.identity.job_identity``). ``fit`` and
-# ``max_vram`` act only through the settings a fit changes, which are in the identity as run
-# (the same cap fits the same way again, so a re-run resumes).
+# Options that choose where or how a job runs, never what it computes: ranks on different devices
+# agree on a job, and a re-run resumes it, whatever these say; every other option is in the job's
+# identity (``pipeline.identity.job_identity``). ``fit`` and ``max_vram`` act only through the
+# settings a fit changes, which are in the identity as run (docs/memory.md).
 NOT_SHAPING_OUTPUT = frozenset({"device", "dit_device", "vae_device", "devices", "dist_timeout",
                                 "resume", "cache_dit", "cache_vae", "fit", "max_vram"})
 

@@ -1,8 +1,5 @@
-"""Shared pieces of :mod:`seedvr2.io`: the error type, :class:`MediaInfo`, file-type tables and
-small helpers used by both the readers and the writers.
-
-Nothing here imports PyAV or Pillow; those load inside the functions that need them.
-"""
+"""Shared pieces of :mod:`seedvr2.io`: the error type, :class:`MediaInfo`, file-type tables and the
+readers' and writers' small helpers. PyAV and Pillow load inside the functions that need them."""
 
 from __future__ import annotations
 
@@ -16,7 +13,8 @@ import numpy as np
 
 from ..errors import SeedVR2Error
 
-# Extensions decide the *output* kind. For input, content (magic bytes) wins over the extension.
+# Extensions decide the *output* kind. For input, content (magic bytes) wins over the extension:
+# a PNG named .jpg or a video named .png still opens with the right decoder (sniff_image).
 VIDEO_EXTENSIONS = {".mp4": "mp4", ".m4v": "mp4", ".mov": "mov", ".mkv": "matroska",
                     ".webm": "webm"}
 IMAGE_EXTENSIONS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP",
@@ -27,19 +25,17 @@ class MediaError(SeedVR2Error, ValueError):
     """A media file or folder can't be read or written as asked; the message names the path.
     Refusing to replace an existing output is an :class:`~seedvr2.errors.OutputExists` instead."""
 
-# FFmpeg's YUV matrix codes (AVColorSpace) -> the matrix swscale converts with (its codes
-# for BT.601 are 5 and 6, the same coefficients). Others (YCgCo, constant-luminance BT.2020,
-# ICtCp) swscale cannot write: such sources are written in BT.709.
+# FFmpeg's YUV matrix code (AVColorSpace) -> the one swscale converts with (BT.601's 5 and 6 have
+# the same coefficients); sources in others (YCgCo, constant-luminance BT.2020, ICtCp) get BT.709.
 _WRITABLE_MATRICES = {1: 1, 4: 4, 5: 5, 6: 5, 7: 7, 9: 9}
 _HDR_TRANSFERS = {16: "PQ, SMPTE ST 2084", 18: "HLG, ARIB STD-B67"}
 
 
 @dataclass(frozen=True)
 class Colour:
-    """A video's colour description in FFmpeg's codes: YUV ``matrix`` (AVColorSpace),
-    ``primaries``, ``transfer`` (AVColorTransferCharacteristic) and ``range`` (1 limited,
-    2 full). The defaults, BT.709 limited range, describe outputs of sources that have
-    none (images, untagged video, whose frames the reader converts as players assume)."""
+    """A video's colour description in FFmpeg's codes: YUV ``matrix`` (AVColorSpace), ``primaries``,
+    ``transfer`` (AVColorTransferCharacteristic), ``range`` (1 limited, 2 full). Defaults: BT.709
+    limited range, for sources without one (images; untagged video, converted as players assume)."""
 
     matrix: int = 1
     primaries: int = 1
@@ -68,9 +64,8 @@ class Colour:
 
 
 def refuse_hdr(info: MediaInfo | None, into: str) -> None:
-    """Raise a MediaError when ``info``'s source is HDR and ``into`` (what its frames would
-    become) is SDR: without tone mapping, PQ or HLG code values shown as SDR look washed out
-    and dull, so they are refused rather than converted wrongly."""
+    """Raise a MediaError when ``info``'s source is HDR and ``into`` (what its frames become) is
+    SDR: without tone mapping, PQ or HLG values shown as SDR look washed out."""
     if info is not None and info.colour.hdr:
         raise MediaError(f"{info.path} is HDR video ({info.colour.hdr}) and {into} is SDR; "
                          f"this pack does not tone-map: write a video with codec h265 (.mkv, "
@@ -79,10 +74,9 @@ def refuse_hdr(info: MediaInfo | None, into: str) -> None:
 
 @dataclass(frozen=True)
 class MediaInfo:
-    """What a reader found, or what a writer should produce; writers given ``like=`` reproduce
-    it (:func:`~seedvr2.io.writer.open_writer`). Each field: docs/media.md#reading.
-    ``frame_count`` is exact when ``frame_count_exact`` (:meth:`VideoReader.count_frames`
-    makes it so); ``frame_times`` is None at a constant rate (frame ``i`` at ``i / fps``)."""
+    """What a reader found, or what a writer given ``like=`` reproduces (docs/media.md#reading).
+    ``frame_count`` is exact if ``frame_count_exact`` (:meth:`VideoReader.count_frames` makes it
+    so); ``frame_times`` is None at a constant rate (frame i at i / fps)."""
 
     kind: str
     path: str
@@ -97,9 +91,8 @@ class MediaInfo:
     codec: str | None = None
     rotation: int = 0
     frame_times: tuple[Fraction, ...] | None = field(default=None, repr=False)
-    # Streams besides the video stream read and the audio: (index, type, codec), e.g.
-    # (2, "subtitle", "subrip"). Video writers copy the subtitles their container can hold
-    # and name everything else they leave out.
+    # (index, type, codec) of each stream but the video read and audio, e.g. (2, "subtitle",
+    # "subrip"): video writers copy the subtitles their container holds, and name the rest.
     other_streams: tuple[tuple[int, str, str], ...] = ()
     mirrored: bool = False
     pixel_aspect: Fraction = Fraction(1)
@@ -173,11 +166,8 @@ def resize(frame: np.ndarray, width: int, height: int) -> np.ndarray:
 
 
 def sniff_image(path: Path) -> str | None:
-    """Pillow format name if the file's first bytes are a still-image signature, else None;
-    a MediaError naming ``path`` when it can't be read.
-
-    Content beats extension so a PNG named ``.jpg`` or a video named ``.png`` still opens
-    with the right decoder."""
+    """Pillow format name if the file's first bytes are a still-image signature, else None; a
+    MediaError naming ``path`` when it can't be read."""
     try:
         with open(path, "rb") as f:
             head = f.read(16)
@@ -197,10 +187,9 @@ def sniff_image(path: Path) -> str | None:
 
 
 def as_fraction(fps) -> Fraction:
-    """An exact frame rate from an int, Fraction, ``"30000/1001"`` or float.
-
-    Floats are snapped to the nearest rate with a small denominator so 29.97 becomes
-    30000/1001 and 23.976 becomes 24000/1001, as every tool means by them."""
+    """An exact frame rate from an int, Fraction, ``"30000/1001"`` or float. Floats are snapped to
+    the nearest rate with a small denominator so 29.97 becomes 30000/1001 and 23.976 becomes
+    24000/1001, as every tool means by them."""
     if isinstance(fps, Fraction):
         rate = fps
     elif isinstance(fps, (int, str)):
@@ -224,8 +213,7 @@ def to_8bit(frame: np.ndarray) -> np.ndarray:
     return ((frame.astype(np.uint32) * 255 + 32767) // 65535).astype(np.uint8)
 
 
-# printf-style frame number in a sequence pattern: %d, %5d, %05d (ASCII digits: re's \d would
-# also take other scripts' digits, which printf does not).
+# printf's frame number in a pattern: %d, %5d, %05d ([0-9]: re's \d matches other scripts' digits).
 PRINTF = re.compile(r"%(0?)([0-9]*)d")
 MAX_NUMBER_WIDTH = 20  # digits of a frame number: 2^64 has 20
 

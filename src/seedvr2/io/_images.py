@@ -1,7 +1,6 @@
 """Still images: probe, decode and encode single files. Pillow handles 8-bit images (and
 EXIF orientation); 16-bit PNG and TIFF go through FFmpeg's png/tiff codecs, as Pillow would cut
-them to 8 bits. Gray + alpha becomes RGBA (the pipeline handles 1, 3 or 4 channels).
-"""
+them to 8 bits. Gray + alpha becomes RGBA (the pipeline handles 1, 3 or 4 channels)."""
 
 from __future__ import annotations
 
@@ -123,10 +122,9 @@ _MODE_OF_CHANNELS = {1: "L", 3: "RGB", 4: "RGBA"}
 
 
 def scan_animation(path: Path, probe: ImageProbe) -> AnimationScan:
-    """Decode every frame of a multi-frame image once: a damaged frame, pages of different
-    sizes and 16-bit pages are refused here, before any work; each frame's duration and
-    the widest channel layout of all frames (one RGBA frame makes every frame RGBA) are
-    learned."""
+    """Decode every frame of a multi-frame image once: a damaged frame, pages of different sizes and
+    16-bit pages are refused here, before any work; each frame's duration and the widest channel
+    layout of all frames (one RGBA frame makes every frame RGBA) are learned."""
     from fractions import Fraction
 
     from PIL import Image
@@ -160,8 +158,7 @@ def scan_animation(path: Path, probe: ImageProbe) -> AnimationScan:
     except MediaError:
         raise
     except Exception as e:  # Pillow raises several types for damaged frames
-        raise MediaError(f"{path}: cannot decode frame {len(durations)} of this {what}: "
-                         f"{e}") from e
+        raise MediaError(f"{path}: cannot decode frame {len(durations)} of this {what}: {e}") from e
     timed = probe.fmt != "TIFF" and None not in durations
     return AnimationScan(probe.width, probe.height, channels,
                          tuple(durations) if timed else None,
@@ -189,18 +186,16 @@ def animation_frames(path: Path, probe: ImageProbe, channels: int, start: int,
 
 
 def save_animation(path: Path, frames, fmt: str, durations, loop: int, quality: int) -> None:
-    """Write 8-bit (H, W, C) ``frames`` as one animated ``fmt`` file: an animated PNG or
-    WebP showing frame ``i`` for ``durations[i]`` seconds (whole milliseconds: what both
-    formats store here) and playing ``loop`` times (0: forever), or a multi-page TIFF (no
-    timing). Encoders merge a frame identical to the one before it into that one, shown
-    for both durations: the animation looks the same."""
+    """Write 8-bit (H, W, C) ``frames`` as one animated ``fmt`` file: a PNG or WebP showing frame
+    ``i`` for ``durations[i]`` seconds (whole milliseconds, as both store them) and playing ``loop``
+    times (0: forever), or a multi-page TIFF (no timing). Encoders merge a frame into an identical
+    one before it, shown for both durations: the animation looks the same."""
     images = [_pillow_image(frame, fmt) for frame in frames]
     options = {"save_all": True, "append_images": images[1:], **_encoder_options(fmt, quality)}
     if durations is not None and fmt != "TIFF":
         options.update(duration=[round(d * 1000) for d in durations], loop=loop)
     if fmt == "PNG":
-        # Each frame replaces the last (no blending over it, which would mix the alpha of
-        # two frames), as decoded.
+        # Each frame replaces the last, as decoded (blending over it would mix two frames' alpha).
         options.update(disposal=0, blend=0)
     images[0].save(path, format=fmt, **options)
 
@@ -244,11 +239,9 @@ def _load_ffmpeg(path: Path, probe: ImageProbe) -> np.ndarray:
 
 
 def save_image(path: Path, frame: np.ndarray, fmt: str, quality: int) -> None:
-    """Encode (H, W, C) ``frame`` as Pillow format ``fmt`` to ``path``.
-
-    16-bit frames stay 16-bit in PNG and TIFF (via FFmpeg's encoders); JPEG and WebP are
-    8-bit formats, so 16-bit frames are rounded to 8 bits. JPEG has no alpha: it is dropped
-    (the writer warns when it is opened). WebP has no gray: gray is stored as RGB."""
+    """Encode (H, W, C) ``frame`` as Pillow format ``fmt`` to ``path``: 16-bit frames stay 16-bit in
+    PNG and TIFF (FFmpeg's encoders); other formats get :func:`_pillow_image`'s frame (the writer
+    warns of what is lost when it is opened)."""
     if frame.dtype == np.uint16 and fmt in ("PNG", "TIFF"):
         _save_ffmpeg(path, frame, fmt)
         return
@@ -264,8 +257,8 @@ def _encoder_options(fmt: str, quality: int) -> dict:
 
 
 def _pillow_image(frame: np.ndarray, fmt: str):
-    """The Pillow image of an (H, W, C) ``frame`` that ``fmt`` can hold: 8 bits, no alpha in
-    JPEG, no gray in WebP."""
+    """The Pillow image of an (H, W, C) ``frame`` that ``fmt`` can hold: 8 bits (16-bit frames
+    rounded), no alpha in JPEG (dropped), no gray in WebP (stored as RGB)."""
     from PIL import Image
 
     frame = to_8bit(frame)

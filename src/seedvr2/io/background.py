@@ -1,9 +1,6 @@
-"""Encode on a thread while the GPU computes the next frames.
-
-:class:`BackgroundWriter` wraps any writer from :func:`~seedvr2.io.open_writer`; an exception
-while encoding is raised by the caller's next ``write`` or ``close``, and the output is
-aborted (docs/media.md#writing).
-"""
+"""Encode on a thread while the GPU computes the next frames: :class:`BackgroundWriter` wraps any
+writer from :func:`~seedvr2.io.open_writer`; an exception while encoding is raised by the caller's
+next ``write`` or ``close``, and the output is aborted (docs/media.md#writing)."""
 
 from __future__ import annotations
 
@@ -38,8 +35,6 @@ class BackgroundWriter(FrameOutput):
     def frames_written(self) -> int:
         return self.writer.frames_written
 
-    # -- the encoding thread ------------------------------------------------------------------
-
     def _encode(self):
         while True:
             frame = self._queue.get()
@@ -52,8 +47,6 @@ class BackgroundWriter(FrameOutput):
             except BaseException as e:  # noqa: BLE001 -- handed to the caller's thread
                 self._error = e
                 self._discard.set()
-
-    # -- the caller's side --------------------------------------------------------------------
 
     def _raise_if_failed(self):
         if self._error is not None:
@@ -79,8 +72,7 @@ class BackgroundWriter(FrameOutput):
     def _stop_thread(self):
         if not self._thread.is_alive():
             return
-        # The thread drains the queue (dropping frames once _discard is set), so this put
-        # cannot wait for long.
+        # The thread drains the queue (dropping frames once _discard is set): this put is brief.
         self._queue.put(_STOP)
         self._thread.join()
 

@@ -33,9 +33,8 @@ class FileOutput:
         return Path(str(self.dst)).suffix.lower() in VIDEO_SUFFIXES
 
     def open(self, info):
-        """The writer of the output: audio and subtitles copied from the source ``info``
-        where the output holds them, a variable-rate source's frame times kept. ``fps`` (the
-        option) gives images a rate; a video keeps its own."""
+        """The writer of the output, copying ``info``'s audio and subtitles where it holds them, and
+        a variable-rate source's frame times; ``fps`` gives images a rate."""
         rate = parse_fps(self.fps)
         if rate is not None and info.fps is not None:
             warnings.warn(f"{option_value('fps', self.fps)} ignored: {info.path} is a video and "

@@ -1,10 +1,8 @@
 """Several videos played one after the other, streamed into one file a frame at a time.
 
 A VIDEO that is a concatenation (ComfyUI's ``VideoFromList``, from Concatenate Video) holds no
-single file to stream from; :func:`join_videos` writes its parts, part by part, into one video
-the upscaler then streams, so no part is ever whole in memory (docs/comfyui.md, "VIDEO
-inputs that are not a file").
-"""
+single file to stream from; :func:`join_videos` writes its parts one by one into a video the
+upscaler then streams, so no part is ever whole in memory (docs/comfyui.md)."""
 
 from __future__ import annotations
 
@@ -26,11 +24,10 @@ JOIN_CRF, JOIN_PRESET = 0, "ultrafast"
 
 
 def join_videos(parts: Sequence[Path], dst: Path, audio_from: Optional[Path] = None) -> Path:
-    """Write the videos ``parts`` one after the other into ``dst``, decoding and encoding one
-    frame at a time, at the first part's size, rate and bit depth; a part of another size is
-    refused (:class:`MediaError` naming it). The audio is copied from ``audio_from`` when given
-    (a concatenation's own soundtrack), else the parts' audio, one after the other, when every
-    part has some. Returns ``dst``."""
+    """Write the videos ``parts`` one after the other into ``dst``, a frame at a time, at the first
+    part's size, rate and bit depth (a part of another size: :class:`MediaError` naming it). The
+    audio is copied from ``audio_from`` when given (a concatenation's own soundtrack), else the
+    parts' audio, one after the other, when every part has some. Returns ``dst``."""
     if not parts:
         raise MediaError("the joined video has no parts: an empty video (Concatenate Video of "
                          "nothing) has no frames to upscale")

@@ -1,6 +1,5 @@
 """Readers: a video, an image (one frame, or an animation's every frame) or a numbered image
-sequence, all as a stream of (H, W, C) frames in presentation order: docs/media.md#reading.
-"""
+sequence, all as a stream of (H, W, C) frames in presentation order: docs/media.md#reading."""
 
 from __future__ import annotations
 
@@ -21,17 +20,13 @@ from ._common import (ARRAY_FORMATS, IMAGE_EXTENSIONS, PRINTF, Colour, MediaErro
                       fspath, printf_pattern, sniff_image, with_channels)
 from ._images import ImageProbe, animation_frames, load_image, probe_image, scan_animation
 
-# Counting packets makes an inexact frame count exact; it reads the whole file, so only do it
-# up front for files small enough that this is quick.
+# Packets are counted up front (exact, but the whole file is read) only in files this small.
 _COUNT_PACKETS_MAX_BYTES = 256 * 2**20
-# Damaged packets skipped in one pass before decoding is given up as hopeless.
-_MAX_DECODE_FAILURES = 100
-# Give up waiting for a keyframe after a seek (then decode from the start) after this many.
-_KEYFRAME_SEARCH_LIMIT = 1000
-# Decoded frame timestamps of the last few variable-rate videos counted, by (path, size,
-# mtime, stream, decoder): a few integers per frame.
+_MAX_DECODE_FAILURES = 100  # damaged packets skipped in one pass before decoding gives up
+_KEYFRAME_SEARCH_LIMIT = 1000  # frames decoded after a seek in search of a keyframe
+# Decoded timestamps of recent variable-rate videos, by (path, size, mtime, stream, decoder).
 _DECODED_STAMPS: dict[tuple, list] = {}
-_DECODED_STAMPS_KEPT = 8
+_DECODED_STAMPS_KEPT = 8  # videos, of a few integers per frame
 
 
 def is_sequence_pattern(path) -> bool:
@@ -63,9 +58,8 @@ def open_media(path) -> MediaReader:
         return AnimationReader(p, probe) if probe.frames > 1 else ImageReader(p, fmt, probe)
     if p.suffix.lower() not in IMAGE_EXTENSIONS:
         return VideoReader(p)
-    # Named like an image but without an image's signature: most likely not an image at all
-    # (a text file, a failed download). A video with the wrong extension still opens, but
-    # FFmpeg's complaints about a non-video are noise beside "this is not an image".
+    # Named like an image without an image's signature: a text file or a failed download, most
+    # likely. A video so named still opens; FFmpeg's complaints are noise beside "not an image".
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -109,10 +103,6 @@ class MediaReader:
         return f"{type(self).__name__}({self.info!r})"
 
 
-# --------------------------------------------------------------------------------------------
-# Images and sequences
-
-
 class ImageReader(MediaReader):
     """One still image, decoded once at open (so a corrupt file fails before any work); files
     of several frames are :class:`AnimationReader`'s (animated GIFs open as videos)."""
@@ -138,9 +128,8 @@ class ImageReader(MediaReader):
 
 
 class AnimationReader(MediaReader):
-    """Every frame of one animated WebP or PNG, or every page of a multi-page TIFF: decoded
-    once at open, then again one at a time as read (never held whole). ``info.kind`` is
-    ``"animation"``."""
+    """Every frame of one animated WebP or PNG, or every page of a multi-page TIFF: decoded once at
+    open, then again one at a time as read (never held whole). ``info.kind`` is ``"animation"``."""
 
     def __init__(self, path: Path, probe: ImageProbe):
         self.path = path
@@ -206,9 +195,8 @@ class SequenceReader(MediaReader):
 
     @classmethod
     def from_directory(cls, folder: Path) -> SequenceReader:
-        """Images in ``folder`` sharing one name pattern, ordered by the last number in a name;
-        hidden and non-image files are ignored. Several patterns (``a_001.png`` and
-        ``b_001.png``) are refused, asking for an explicit pattern."""
+        """Images in ``folder`` sharing one name pattern, by the last number in a name (hidden and
+        non-image files ignored); several patterns (``a_001.png``, ``b_001.png``) are refused."""
         try:
             names = [f for f in folder.iterdir() if not f.name.startswith(".")
                      and f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file()]
@@ -315,10 +303,6 @@ def _describe(probe: ImageProbe) -> str:
     return f"{probe.width}x{probe.height} {kind} {probe.bit_depth}-bit"
 
 
-# --------------------------------------------------------------------------------------------
-# Videos
-
-
 class VideoReader(MediaReader):
     """A video file through FFmpeg (PyAV): the first video stream that is not cover art,
     decoded at open up to its first frame. ``frames(start)`` seeks by timestamp only where
@@ -361,19 +345,17 @@ class VideoReader(MediaReader):
                 pixel_aspect=_pixel_aspect(stream),
                 other_streams=_other_streams(container, self._stream_index),
                 colour=_colour(first))
-            # A timestamp-based frame index needs a constant rate.
             base = stream.base_rate
             self._base_rate = Fraction(base) if base else None
-            self._constant_rate = first.pts is not None and _rates_agree(stream)
+            self._constant_rate = first.pts is not None and _rates_agree(stream)  # pts -> index
         finally:
             container.close()
         if not self._constant_rate or not self._count_matches_duration() or \
                 (not exact and path.stat().st_size <= _COUNT_PACKETS_MAX_BYTES):
-            # Variable rate: the stored count and rate x duration both go wrong (an MP4 edit
-            # list can hide a frame that still has a packet), and every frame's time is needed
-            # to keep the audio in sync; only decoding tells both. A stored count that
-            # disagrees with the duration (an edit list trimming a constant-rate video, or
-            # dropped frames) is checked the same way.
+            # Variable rate: the stored count and rate x duration both go wrong (an MP4 edit list
+            # can hide a frame that still has a packet), and the audio's sync needs every frame's
+            # time; only decoding tells both. A stored count that disagrees with the duration (an
+            # edit list trimming a constant-rate video, or dropped frames) is checked likewise.
             self.count_frames()  # also decides seekability
         else:
             self._update_seekable()
@@ -386,17 +368,15 @@ class VideoReader(MediaReader):
         return abs(self.info.frame_count - expected) <= Fraction(1, 2)
 
     def _update_seekable(self) -> None:
-        """Seek only if the count agrees with duration x fps: a shortfall means dropped
-        frames, after which timestamps and frame indices part ways."""
+        """Seek on the constant-rate grid only if the count agrees with duration x fps (a
+        shortfall means dropped frames: timestamps and frame indices part ways), or where every
+        frame's timestamp is known from decoding, which names its frame exactly."""
         consistent = self._count_matches_duration()
-        # Variable rate with every frame's timestamp known from decoding: a timestamp names
-        # its frame exactly, so seeking is as safe as on the constant-rate grid.
         self._seekable = (self._constant_rate and consistent) or self._pts_index is not None
 
     def count_frames(self) -> int:
-        """Make ``info.frame_count`` exact and, for variable-rate video, fill
-        ``info.frame_times``; returns the count. Counts packets where that is exact, else
-        decodes (docs/media.md#reading)."""
+        """Make ``info.frame_count`` exact (and fill ``info.frame_times`` of variable-rate video) by
+        counting packets where exact, else decoding (docs/media.md#reading); returns the count."""
         import dataclasses
 
         import av
@@ -487,8 +467,6 @@ class VideoReader(MediaReader):
             iterator.close()  # runs its finally: closes its container
         self._iterators.clear()
 
-    # -- internals ------------------------------------------------------------------------
-
     def _iterate(self, start: int, stop: int | None) -> Iterator[np.ndarray]:
         import av
 
@@ -529,8 +507,7 @@ class VideoReader(MediaReader):
         import av
 
         container = av.open(str(self.path), metadata_errors="replace")
-        # Frame + slice threads: several times faster decoding. Only settable before the
-        # decoder opens, i.e. before the first packet.
+        # Frame + slice threads decode several times faster; settable only before the first packet.
         container.streams[self._stream_index].thread_type = "AUTO"
         return container
 
@@ -548,8 +525,7 @@ class VideoReader(MediaReader):
                 try:
                     frames = decoder.decode(packet if packet.size else None)
                 except av.InvalidDataError as e:
-                    # Like the ffmpeg tool, skip a damaged packet rather than give up on the
-                    # whole video; the decoder resyncs at the next keyframe.
+                    # Like ffmpeg, skip a damaged packet: the decoder resyncs at the next keyframe.
                     failures += 1
                     if failures == 1:
                         at = "" if packet.pts is None else \
@@ -595,8 +571,7 @@ class VideoReader(MediaReader):
             except av.FFmpegError:
                 return None  # unseekable input (pipe-like formats): decode from the start
             decoded = self._decode(container)
-            # Frames shown before the first keyframe after a seek (open-GOP leading
-            # pictures) may reference data we skipped, so trust nothing before a keyframe.
+            # Open-GOP leading pictures before a seek's first keyframe may reference skipped data.
             frame = None
             for frame in itertools.islice(decoded, _KEYFRAME_SEARCH_LIMIT):
                 if frame.key_frame:
@@ -659,8 +634,7 @@ def _pick_video_stream(path: Path, container) -> int:
     raise MediaError(f"{path}: has no video stream ({what})")
 
 
-# FFmpeg's native VP8/VP9 decoders ignore the alpha plane WebM stores beside each frame;
-# libvpx's decoders read it.
+# FFmpeg's own VP8/VP9 decoders ignore the alpha plane WebM stores by each frame; libvpx's read it.
 _ALPHA_DECODERS = {"vp8": "libvpx", "vp9": "libvpx-vp9"}
 
 
@@ -688,26 +662,23 @@ def _other_streams(container, video_index: int) -> tuple[tuple[int, str, str], .
             continue
         context = getattr(stream, "codec_context", None)
         codec = getattr(context, "name", None) if context is not None else None
-        # Data streams (timecode, phone camera metadata) have no codec; their handler says
-        # what they are.
+        # Data streams (timecode, camera metadata) have no codec; their handler says what they are.
         codec = codec or stream.metadata.get("handler_name") or "unknown codec"
         others.append((stream.index, stream.type, codec))
     return tuple(others)
 
 
 def _orientation(path: Path, frame) -> tuple[int, bool]:
-    """(rotation in degrees counter-clockwise, mirrored) from the frame's display matrix.
-
-    The rotation angle alone misreads a flip: FFmpeg reports a left-right mirror as a
-    180-degree turn. So the matrix is matched against the eight quarter-turn-and-mirror
-    matrices FFmpeg writes (``av_display_rotation_set``, then ``av_display_matrix_flip``
-    negating the first column), the same reading the ffmpeg tool's autorotation makes."""
+    """(rotation in degrees counter-clockwise, mirrored) from the frame's display matrix. The
+    rotation angle alone misreads a flip: FFmpeg reports a left-right mirror as a 180-degree turn.
+    So the matrix is matched against the eight quarter-turn-and-mirror matrices FFmpeg writes
+    (``av_display_rotation_set``, then ``av_display_matrix_flip`` negating the first column), the
+    same reading the ffmpeg tool's autorotation makes."""
     import struct
 
     from av.sidedata.sidedata import Type
 
-    # FFmpeg 7 and later put the stream's display matrix on every decoded frame.
-    data = frame.side_data.get(Type.DISPLAYMATRIX)
+    data = frame.side_data.get(Type.DISPLAYMATRIX)  # on every decoded frame since FFmpeg 7
     if data is None or len(bytes(data)) < 36:
         return 0, False
     a, b, _, c, d, *_ = struct.unpack("<9i", bytes(data)[:36])
@@ -731,11 +702,9 @@ def _pixel_aspect(stream) -> Fraction:
 
 
 def _frame_rate(stream) -> Fraction | None:
-    """The stream's frame rate as an exact fraction.
-
-    The average rate is the honest one; FFmpeg's r_frame_rate (base_rate) is usually the same
-    number as a cleaner fraction (30000/1001 rather than 1798200/60001 from rounded MKV
-    timestamps), so prefer it when the two agree."""
+    """The stream's frame rate as an exact fraction. The average rate is the honest one; FFmpeg's
+    r_frame_rate (base_rate) is usually the same number as a cleaner fraction (30000/1001 rather
+    than 1798200/60001 from rounded MKV timestamps), so prefer it when the two agree."""
     if _rates_agree(stream):
         return Fraction(stream.base_rate)
     rate = stream.average_rate or stream.guessed_rate or stream.base_rate
@@ -750,10 +719,8 @@ def _rates_agree(stream) -> bool:
 
 
 def _estimate_frame_count(stream, container, fps: Fraction) -> tuple[int, bool]:
-    """(count, exact): the container's count (MP4/MOV store it), else duration x rate.
-
-    Other containers' counts are estimates too: AVI's counts the empty chunks that stand for
-    dropped frames."""
+    """(count, exact): the container's count (exact in MP4/MOV; elsewhere an estimate: AVI's counts
+    the empty chunks of dropped frames), else duration x rate."""
     if stream.frames and stream.frames > 0 and "mp4" in container.format.name.split(","):
         return int(stream.frames), True
     if stream.frames and stream.frames > 0:
@@ -781,10 +748,9 @@ def _video_duration(stream, container) -> Fraction | None:
 
 
 def _pixel_layout(fmt) -> tuple[int, int]:
-    """(channels, bit depth) for frames of FFmpeg pixel format ``fmt``.
-
-    Alpha -> 4 channels (gray+alpha too: it becomes RGBA); one luma plane, no chroma -> gray;
-    anything else -> RGB. More than 8 bits per component -> 16-bit frames."""
+    """(channels, bit depth) for frames of FFmpeg pixel format ``fmt``. Alpha -> 4 channels
+    (gray+alpha too: it becomes RGBA); one luma plane, no chroma -> gray; anything else -> RGB. More
+    than 8 bits per component -> 16-bit frames."""
     components = list(fmt.components)
     alpha = any(c.is_alpha for c in components)
     colour = [c for c in components if not c.is_alpha]
@@ -795,10 +761,9 @@ def _pixel_layout(fmt) -> tuple[int, int]:
 
 
 def _source_colour_kwargs(frame) -> dict:
-    """YUV->RGB matrix for untagged video: BT.709 for HD, BT.601 below, as players assume.
-
-    Tagged frames are converted by their own tags (PyAV's default). swscale would use BT.601
-    for every untagged frame, which shifts colours of untagged HD video."""
+    """YUV->RGB matrix for untagged video: BT.709 for HD, BT.601 below, as players assume. Tagged
+    frames are converted by their own tags (PyAV's default). swscale would use BT.601 for every
+    untagged frame, which shifts colours of untagged HD video."""
     fmt = frame.format
     # 2 is "unspecified"; 0 ("RGB") on a YUV format is a bogus tag, so treat it the same.
     if fmt.is_rgb or len(fmt.components) < 3 or frame.colorspace not in (0, 2):

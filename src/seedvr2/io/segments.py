@@ -1,9 +1,7 @@
-"""A video assembled from closed segments by stream copy: nothing is decoded or re-encoded.
-
-A resumable job writes its output as consecutive segment files (docs/resume.md);
+"""A video assembled from closed segments by stream copy: nothing is decoded or re-encoded. A
+resumable job writes its output as consecutive segment files (docs/resume.md);
 :class:`SegmentConcat` joins them, copying the source's audio in alongside, with the writers'
-temporary -> final protocol.
-"""
+temporary -> final protocol."""
 
 from __future__ import annotations
 
@@ -27,13 +25,11 @@ def sync_file(path: Path):
 
 class SegmentConcat(MediaWriter):
     """Writes ``dst`` from ``segments`` (video files of ``counts`` frames each, in order), as
-    ``spec`` (resolved: :meth:`OutputSpec.resolved`) describes it.
-
-    Each segment's timestamps start at 0 and are shifted by the time of its first frame:
-    ``spec.frame_times[first]`` for a variable-rate video (the source's frame times, seconds
-    from its first frame), else ``first / fps``. ``spec.audio_from`` is the file whose audio
-    streams (and ``subtitle_streams``) are copied in; ``after_segment(n)`` is told that the
-    first n segments are in (the tests' kill point, ``seedvr2.faults``)."""
+    ``spec`` (resolved: :meth:`OutputSpec.resolved`) describes it. Each segment's timestamps start
+    at 0 and are shifted by its first frame's time: ``spec.frame_times[first]`` for variable-rate
+    video (seconds from the source's first frame), else ``first / fps``. ``spec.audio_from``'s audio
+    streams (and ``subtitle_streams``) are copied in; ``after_segment(n)`` is told that the first n
+    segments are in (the tests' kill point)."""
 
     def __init__(self, dst, segments: list[Path], counts: list[int], spec: OutputSpec, *,
                  overwrite: bool = False, after_segment=None):
@@ -108,13 +104,12 @@ class SegmentConcat(MediaWriter):
 
 
 def _decode_times(packets, known_dts):
-    """Give ``packets`` (the first of a segment, in decode order) the decode times Matroska
-    does not store: with B-frames a segment's first decode times precede its first
-    presentation time, so they are negative, and the demuxer reports none. Joined after
-    another segment, a packet without one is refused. Each gets one tick less than the next,
-    below both the first known decode time and every later presentation time of the group,
-    so decode times increase and never pass presentation times; the gap to the previous
-    segment is at least a frame, more than these few ticks."""
+    """Give ``packets`` (the first of a segment, in decode order) the decode times Matroska does not
+    store: with B-frames a segment's first decode times precede its first presentation time, so they
+    are negative, and the demuxer reports none. Joined after another segment, a packet without one
+    is refused. Each gets one tick less than the next, below both the first known decode time and
+    every later presentation time of the group, so decode times increase and never pass presentation
+    times; the gap to the previous segment is at least a frame, more than these few ticks."""
     bound = known_dts
     for j in range(len(packets) - 1, -1, -1):
         pts = packets[j].pts

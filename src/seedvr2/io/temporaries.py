@@ -1,11 +1,10 @@
 """Hidden temporaries next to an output: how they are named, held and cleaned up.
 
 The one place that names them (``.NAME.partial-TOKEN`` for folders and images,
-``.STEM.partial-TOKEN.EXT`` for videos), so the writer that makes them and whoever cleans up
-after a crash look for the same names. A live writer holds an exclusive ``flock`` on its
-temporary, which the kernel drops however the process ends: one nobody can lock is in use,
-one that can be locked is stale (docs/multi-gpu.md#temporary-files).
-"""
+``.STEM.partial-TOKEN.EXT`` for videos), so the writer that makes them and whoever cleans up after a
+crash look for the same names. A live writer holds an exclusive ``flock`` on its temporary, which
+the kernel drops however the process ends: one nobody can lock is in use, one that can be locked is
+stale (docs/multi-gpu.md#temporary-files)."""
 
 from __future__ import annotations
 
@@ -86,8 +85,7 @@ def hold(path: Path) -> Hold | None:
 
 def lock_folder(path: Path) -> Hold | None:
     """Make the folder ``path`` if needed and lock it for this process's lifetime (or until
-    released). Raises :class:`BlockingIOError` while another live process holds it; ``None``
-    where the filesystem has no locks."""
+    released): raises :class:`BlockingIOError` while another holds it; ``None`` without locks."""
     for _ in range(3):
         path.mkdir(exist_ok=True)
         try:
@@ -116,9 +114,8 @@ def abandoned(path: Path) -> bool:
 
 
 def remove_stale_temporaries(final) -> list[Path]:
-    """Remove the temporaries of ``final`` that no live process holds, and its resume folder
-    when no live job holds it and it keeps nothing (no journal: a job killed before its first
-    piece closed); returns them."""
+    """Remove (and return) ``final``'s temporaries no live process holds, and its resume folder when
+    no live job holds it and it keeps nothing (no journal: killed before a piece closed)."""
     removed = []
     resume = resume_folder(final)
     if resume.is_dir() and not (resume / RESUME_JOURNAL).exists() and abandoned(resume):

@@ -1,9 +1,8 @@
 """Writers: frames in, a video / an image / numbered images out, without ever losing work.
 
-:func:`open_writer` picks the writer from the destination. Every writer builds its output under
-a hidden temporary name and moves it into place at close, replaces an existing output only
-with ``overwrite=True``, and finds problems at open: docs/media.md#writing.
-"""
+:func:`open_writer` picks the writer from the destination. Every writer builds its output under a
+hidden temporary name and moves it into place at close, replaces an existing output only with
+``overwrite=True``, and finds problems at open: docs/media.md#writing."""
 
 from __future__ import annotations
 
@@ -33,9 +32,8 @@ _WRITE_IMAGE_FORMATS = {ext: fmt for ext, fmt in IMAGE_EXTENSIONS.items() if fmt
 # H.265 is written 10-bit: it keeps 16-bit sources' extra precision and bands less.
 # VP9 is what WebM holds, and it keeps alpha (yuva420p): transparent WebM in, transparent out.
 # "b": "0" makes libvpx's crf a pure quality target rather than a cap under a bitrate.
-# x264's macroblock-tree rate control reads memory it never wrote: the same frames encode to
-# different bits from run to run (the first frames' quantisers change; issue 13). It is off,
-# for outputs that repeat exactly; x265's cutree does not have this problem (tested).
+# x264's macroblock-tree rate control reads memory it never wrote, so the first frames' quantisers
+# change from run to run (issue 13): off, for outputs that repeat exactly (x265's cutree is fine).
 _VIDEO_CODECS = {
     "h264": ("libx264", "h264", "yuv420p", 18, 51, {"x264-params": "mbtree=0"}),
     "h265": ("libx265", "hevc", "yuv420p10le", 20, 51, {"x265-params": "log-level=error"}),
@@ -47,28 +45,20 @@ _CODEC_ALIASES = {"h264": "h264", "avc": "h264", "libx264": "h264", "x264": "h26
                   "vp9": "vp9", "libvpx-vp9": "vp9"}
 _PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow",
             "slower", "veryslow", "placebo")  # the same names in x264 and x265
-
-
 # libx265 (PyAV 18.1's build) corrupts the heap encoding frames under 64 px wide: glibc
 # aborts the process, 3 runs in 4 for three 42x32 clips in one process, never at 64x32.
 H265_MIN_WIDTH = 64
-
-
 _LAYOUT = ("width", "height", "channels", "bit_depth")
 _FRAME_DTYPES = {8: np.uint8, 16: np.uint16}
 
 
 @dataclass(frozen=True)
 class OutputSpec:
-    """The frames a writer takes and what it makes of them: (H, W, C) arrays of ``height x
-    width x channels`` at ``bit_depth`` bits (uint8 or uint16; (H, W) for one channel).
-
-    :func:`open_writer` takes each field left None from ``like`` (the source's
-    :class:`MediaInfo`): the layout, and for a video ``fps``, ``frame_times`` (a variable-rate
-    source's), ``colour`` and ``display`` (tags for players; image outputs apply ``display``
-    unless ``upright`` is false). ``audio_from`` (a path, or a MediaInfo, which adds the
-    ``subtitle_streams`` the container holds) is copied packet for packet. ``codec``, ``crf``
-    and ``preset`` are a video's, ``quality`` (1-100) the lossy image formats'."""
+    """The frames a writer takes and what it makes of them: (H, W, C) arrays of
+    ``height x width x channels`` at ``bit_depth`` bits (uint8 or uint16; (H, W) for one channel).
+    :func:`open_writer` takes each field left None from ``like`` (the source's :class:`MediaInfo`);
+    a MediaInfo ``audio_from`` adds the ``subtitle_streams`` the container holds. Every field:
+    docs/media.md#writing."""
 
     width: int | None = None
     height: int | None = None
@@ -115,12 +105,10 @@ class OutputSpec:
 def open_writer(dst, spec: OutputSpec = OutputSpec(), *, like: MediaInfo | None = None,
                 overwrite: bool = False) -> MediaWriter:
     """Open a writer of ``spec``'s frames at ``dst``, any field ``spec`` leaves out taken from
-    ``like`` (typically the source's :class:`MediaInfo`; give the upscaled size in ``spec``).
-    The destination decides the output: a video or image extension, a printf pattern
-    (``out/%05d.png``) or a folder / a path ending in ``/`` (docs/media.md#writing).
-
-    Raises :class:`~seedvr2.errors.OutputExists` when the output exists and ``overwrite`` is
-    false, and :class:`MediaError` for everything else that can be known before writing."""
+    ``like`` (typically the source's :class:`MediaInfo`; give the upscaled size in ``spec``); the
+    destination picks the writer (docs/media.md#writing). Raises
+    :class:`~seedvr2.errors.OutputExists` when the output exists and ``overwrite`` is false, and
+    :class:`MediaError` for everything else that can be known before writing."""
     text, path = os.fspath(dst), fspath(dst)
     spec = spec.resolved(path, like)
     ext = path.suffix.lower()
@@ -177,8 +165,7 @@ def _carried_streams(source: MediaInfo, ext: str) -> tuple[Path | None, tuple[in
     return (source.path if source.has_audio or subtitles else None), subtitles
 
 
-# Image formats that hold several frames in one file: PNG (APNG), WebP, TIFF (pages).
-_ANIMATED_FORMATS = {"PNG", "WEBP", "TIFF"}
+_ANIMATED_FORMATS = {"PNG", "WEBP", "TIFF"}  # several frames in one file (APNG, TIFF pages)
 
 
 def _animation_of(path: Path, like: MediaInfo | None, fps) -> tuple | None:
@@ -236,9 +223,8 @@ def _warn_not_carried(path: Path, like: MediaInfo | None, spec: OutputSpec,
 
 
 class FrameOutput:
-    """What every output of frames shares: ``write_many`` over ``write``, and context
-    management: ``close()`` when the block ends normally, ``abort()`` (discard the output)
-    when it raises."""
+    """What every output of frames shares: ``write_many`` over ``write``, and context management:
+    ``close()`` when the block ends normally, ``abort()`` (discard the output) when it raises."""
 
     def write_many(self, frames: Iterable[np.ndarray]) -> None:
         """Append frames from an iterable or a (N, H, W, C) array."""
@@ -264,8 +250,6 @@ class MediaWriter(FrameOutput):
         self._state = "open"  # -> "closed" | "aborted" | "kept" (finished but not moved)
         self._temp: Path | None = None  # the partial file or folder we own
 
-    # -- public API -------------------------------------------------------------------------
-
     def write(self, frame: np.ndarray) -> None:
         """Append one (H, W, C) frame."""
         if self._state != "open":
@@ -276,8 +260,7 @@ class MediaWriter(FrameOutput):
         except MediaError:
             raise
         except Exception as e:  # name the file; the caller decides whether to abort
-            raise MediaError(f"{self.path}: writing frame {self.frames_written} failed: "
-                             f"{e}") from e
+            raise MediaError(f"{self.path}: writing frame {self.frames_written} failed: {e}") from e
         self.frames_written += 1
 
     def _checked(self, frame) -> np.ndarray:
@@ -348,8 +331,7 @@ class MediaWriter(FrameOutput):
                     self._temp.unlink(missing_ok=True)
 
     def __del__(self):
-        # Dropped without close(): the output is unfinished, so discard it rather than leave
-        # a partial file behind. close() is the only way to produce a final file.
+        # Dropped without close(), the only way to a final file: discard the unfinished output.
         try:
             if getattr(self, "_state", None) == "open":
                 self.abort()
@@ -359,8 +341,6 @@ class MediaWriter(FrameOutput):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.path)!r}, {self._state}, " \
                f"{self.frames_written} frames)"
-
-    # -- for subclasses ---------------------------------------------------------------------
 
     def _write(self, frame: np.ndarray) -> None:
         raise NotImplementedError
@@ -385,8 +365,7 @@ class MediaWriter(FrameOutput):
         if not folder:
             self._refuse_existing(self.path)
         writable_folder(self.path.parent)
-        # A run killed outright left its temporaries here; nothing else will remove them.
-        remove_stale_temporaries(self.path)
+        remove_stale_temporaries(self.path)  # a killed run's: nothing else removes them
         temp = temporary_path(self.path, keep_suffix=not folder)
         try:
             if folder:
@@ -423,10 +402,6 @@ class MediaWriter(FrameOutput):
             os.rename(temp, final)
         else:
             os.unlink(temp)
-
-
-# --------------------------------------------------------------------------------------------
-# Video
 
 
 class VideoWriter(MediaWriter):
@@ -473,8 +448,7 @@ class VideoWriter(MediaWriter):
         codec, crf, preset = spec.codec, spec.crf, spec.preset
         key = _CODEC_ALIASES.get(str(codec).lower())
         if key is None:
-            raise MediaError(f"{path}: unknown video codec {codec!r}; use 'h264', 'h265' or "
-                             f"'vp9'")
+            raise MediaError(f"{path}: unknown video codec {codec!r}; use 'h264', 'h265' or 'vp9'")
         if ext == ".webm":
             if key == "h265":
                 raise MediaError(f"{path}: WebM holds VP8/VP9/AV1 video, not H.265; write "
@@ -524,8 +498,7 @@ class VideoWriter(MediaWriter):
             raise MediaError(f"{path}: this FFmpeg build has no {encoder} encoder")
         stream = self._container.add_stream(encoder, rate=self.fps)
         stream.width, stream.height, stream.pix_fmt = spec.width, spec.height, self._pix_fmt
-        # The encoder counts time in this base too: at 1/fps, variable-rate timestamps
-        # would collide.
+        # The encoder counts time in this base too: at 1/fps, variable-rate timestamps collide.
         stream.time_base = stream.codec_context.time_base = self._frame_time_base
         stream.options = {"crf": str(default_crf if spec.crf is None else spec.crf), **options,
                           **({} if spec.preset is None else {"preset": str(spec.preset)})}
@@ -536,8 +509,7 @@ class VideoWriter(MediaWriter):
         cc, colour, display = stream.codec_context, self._colour, spec.display
         cc.colorspace, cc.color_primaries = colour.matrix, colour.primaries
         cc.color_trc, cc.color_range = colour.transfer, colour.range
-        # The source's orientation and pixel shape travel as tags: players apply them, and
-        # the frames stay as stored (no resampling of a video). None: shown as stored.
+        # The source's orientation and pixel shape are tags players apply; frames stay as stored.
         if display is not None and (display.rotation or display.mirrored):
             stream.set_display_rotation(display.rotation, hflip=display.mirrored)
         if display is not None and display.pixel_aspect != 1:
@@ -549,10 +521,9 @@ class VideoWriter(MediaWriter):
         if spec.channels == 4 and self._pix_fmt != "yuva420p":
             frame = frame[:, :, :3]
         picture = to_picture(frame)
-        # Convert to YUV ourselves with the matrix and range the stream is tagged with; the
-        # encoder's own conversion would use BT.601 limited range whatever the tags say.
-        # (No transfer or primaries here: swscale would convert the values between them, and
-        # the frames are already in the source's.)
+        # Convert to YUV ourselves by the stream's tagged matrix and range (the encoder's own
+        # conversion would use BT.601 limited range whatever the tags say); not by transfer or
+        # primaries: the frames are already in the source's, and swscale would convert them.
         picture = self._reformatter.reformat(
             picture, format=self._pix_fmt, dst_colorspace=self._colour.conversion_matrix,
             dst_color_range=self._colour.range,
@@ -695,10 +666,6 @@ def _codec_title(name: str) -> str:
             "ac3": "AC-3", "eac3": "E-AC-3", "alac": "ALAC"}.get(name, name)
 
 
-# --------------------------------------------------------------------------------------------
-# Images
-
-
 class _ImageFilesWriter(MediaWriter):
     """Shared by the image writers: frames go to a hidden partial folder first, numbered
     with at least five digits (more when ``expected_frames`` needs them)."""
@@ -775,9 +742,8 @@ class ImageWriter(_ImageFilesWriter):
                 taken = [t for t in targets if t.exists()]
                 if taken:
                     raise OutputExists(
-                        f"{taken[0]} already exists; the finished frames are kept in "
-                        f"{self._temp} -- pass {option_ref('overwrite', True)} or choose "
-                        f"another name")
+                        f"{taken[0]} already exists; the finished frames are kept in {self._temp} "
+                        f"-- pass {option_ref('overwrite', True)} or choose another name")
             for i, target in enumerate(targets):
                 self._place(self._frame_file(i), target)
         self._temp.rmdir()
@@ -812,9 +778,8 @@ class ImageWriter(_ImageFilesWriter):
 
 
 class SequenceWriter(_ImageFilesWriter):
-    """Numbered PNGs (``00000.png``...) in the folder ``path``, written to a hidden sibling
-    folder renamed into place at close; replacing a folder that holds files needs
-    ``overwrite=True`` (docs/media.md#writing)."""
+    """Numbered PNGs (``00000.png``...) in the folder ``path``, written to a hidden sibling folder
+    renamed into place at close; replacing a folder that holds files needs ``overwrite=True``."""
 
     _fmt, _ext = "PNG", ".png"
 
