@@ -59,26 +59,38 @@ class SwapSchedule:
         return events
 
 
+@dataclass(frozen=True)
+class SwapRuntime:
+    """How BlockSwap reaches the devices. ``force``: active off CUDA too (tests, benches);
+    ``pin`` = "auto": pin where it pays (CPU host, CUDA compute), else a pin hook or None;
+    ``streams``: torch.cuda's Stream, Event, current_stream and stream (a recording stand-in in
+    tests), None for torch.cuda on CUDA and plain synchronous copies elsewhere."""
+
+    force: bool = False
+    pin: object = "auto"
+    streams: object = None
+
+
 class BlockSwap:
     """Attach BlockSwap to a NaDiT. ``detach()`` restores plain placement on ``device``.
 
     Tensors shared by several units (the RoPE table) stay resident with the never-swapped
-    weights. ``pin`` = "auto": pin where it pays (CPU host, CUDA compute); else a pin hook or None.
+    weights.
     """
 
     INPUT_MODULES = ("vid_in", "txt_in", "emb_in")
     OUTPUT_MODULES = ("vid_out_norm", "vid_out_ada", "vid_out")  # in execution order
 
     def __init__(self, model: nn.Module, blocks_to_swap: int, swap_io: bool, device: torch.device,
-                 offload_device: torch.device, prefetch: int = 1, force: bool = False,
-                 pin="auto", streams=None):
+                 offload_device: torch.device, prefetch: int = 1,
+                 runtime: SwapRuntime = SwapRuntime()):
         num_blocks = len(model.blocks)
         if blocks_to_swap > num_blocks:
             log.warning("blocks_to_swap = %d exceeds the model's %d blocks; swapping all %d",
                         blocks_to_swap, num_blocks, num_blocks)
         self.blocks_to_swap = min(blocks_to_swap, num_blocks)
         self.device, self.offload = torch.device(device), torch.device(offload_device)
-        self.active = force or self.device.type == "cuda"
+        self.active = runtime.force or self.device.type == "cuda"
         self.model = model
         if not self.active:
             log.info("BlockSwap inactive: the compute device is %s (it helps only on CUDA)", self.device)
@@ -91,16 +103,15 @@ class BlockSwap:
         swapped = set(range(len(inputs))) | set(range(len(names) - len(outputs), len(names)))
         swapped |= set(range(len(inputs), len(inputs) + self.blocks_to_swap))
         self.schedule = SwapSchedule(len(self.units), frozenset(swapped), prefetch)
-        self.store = WeightStore(model, self.offload,
-                                 default_pin(self.device, self.offload) if pin == "auto" else pin)
+        pin = default_pin(self.device, self.offload) if runtime.pin == "auto" else runtime.pin
+        self.store = WeightStore(model, self.offload, pin)
         self.unit_entries = {i: self.store.entries_under(names[i] + ".") for i in sorted(swapped)}
         swapped_entries = set().union(*self.unit_entries.values()) if swapped else set()
         self.resident_entries = [i for i in range(len(self.store)) if i not in swapped_entries]
         self.copies: dict[int, dict] = {}  # unit -> device copies in flight or in use
         self.ready: dict[int, torch.cuda.Event] = {}
-        # torch.cuda's Stream, Event, current_stream and stream (a recording stand-in in tests);
-        # None: copies are plain synchronous ones (BlockSwap forced on a device without streams).
-        self.streams = streams if streams is not None else \
+        # None: plain synchronous copies (BlockSwap forced on a device without streams).
+        self.streams = runtime.streams if runtime.streams is not None else \
             (torch.cuda if self.device.type == "cuda" else None)
         self.stream = self.streams.Stream(self.device) if self.streams is not None else None
         self.resident_active = False

@@ -68,12 +68,10 @@ def gib(n: float) -> str:
 
 @dataclass(frozen=True)
 class Weights:
-    """Bytes of one model's tensors in memory, split the way BlockSwap moves them.
-
-    ``blocks``: each DiT transformer block (empty for the VAE); ``io``: the DiT's input and
-    output layers; ``other``: everything else (the whole VAE); ``largest_layer``: parameters
-    of the largest linear/convolution weight (a packed weight is dequantised one layer at a
-    time, so one such layer in the compute dtype is transient extra).
+    """Bytes of one model's tensors in memory, split the way BlockSwap moves them: each DiT
+    block (none for the VAE), the DiT's input and output layers, everything else.
+    ``largest_layer``: parameters of the largest linear/conv weight (packed weights are
+    dequantised a layer at a time: one such layer in the compute dtype is transient extra).
     """
 
     blocks: tuple[int, ...] = ()
@@ -111,19 +109,15 @@ class Weights:
     def of_module(cls, module: torch.nn.Module) -> "Weights":
         """Exact sizes of a loaded model, wherever its tensors are (packed weights count as
         stored; tensors shared between modules count once)."""
-        seen, sizes = set(), []
+        unique: dict = {}
         for name, t in named_tensors(module):
-            key = _storage_key(t)
-            if key in seen:
-                continue
-            seen.add(key)
-            sizes.append((name, t.numel() * t.element_size()))
-        return cls._from_sizes(sizes, _largest_layer(module))
+            unique.setdefault(_storage_key(t), (name, t.numel() * t.element_size()))
+        return cls._from_sizes(list(unique.values()), _largest_layer(module))
 
     @classmethod
     def from_config(cls, kind: str, config, bytes_per_param: float) -> "Weights":
-        """Sizes of a model built from ``config`` (DiT or VAE) with every parameter stored at
-        ``bytes_per_param`` (see :func:`~seedvr2.loading.packed.bytes_per_weight`); built on ``meta``, nothing allocated."""
+        """Sizes of a model built on ``meta`` from ``config`` (DiT or VAE), every parameter
+        stored at ``bytes_per_param`` (:func:`~seedvr2.loading.packed.bytes_per_weight`)."""
         model = build_on_meta(kind, config)
         sizes = [(name, math.ceil(t.numel() * bytes_per_param)) for name, t in named_tensors(model)]
         return cls._from_sizes(sizes, _largest_layer(model))
@@ -133,9 +127,8 @@ class Weights:
         """(sizes, config) of a weight file as the loader would place it with ``dtype``,
         read from the file's header only: packed (quantised) weights at their storage size,
         float tensors converted to ``dtype``."""
+        from ..loading.load import EMBEDDED_TEXT_KEYS, config_for  # the loader's detection
         from ..loading.weight_files import open_weights
-        from ..loading.load import EMBEDDED_TEXT_KEYS
-        from ..loading.load import config_for  # the loader's own config detection
 
         with open_weights(path) as src:
             config = config_for(src, kind)
@@ -175,16 +168,12 @@ def bytes_on(module: Optional[torch.nn.Module], device: torch.device) -> int:
     if module is None:
         return 0
     device = torch.device(device)
-    seen, total = set(), 0
+    held: dict = {}  # memory held, so each storage once (an offloaded model's arena is one)
     for _, t in named_tensors(module):
-        if t.device.type != device.type or (device.index is not None and t.device.index != device.index):
-            continue
-        # Memory held, so each storage once (an offloaded model's arena is one storage).
-        key = id(t) if t.device.type == "meta" else t.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
+        if t.device.type == device.type and device.index in (None, t.device.index):
+            key = id(t) if t.device.type == "meta" else t.untyped_storage().data_ptr()
+            held.setdefault(key, t.untyped_storage().nbytes())
+    return sum(held.values())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,9 +286,11 @@ def _resnet_peak(c_hold: int, c_in: int, c_out: int, layers: int, frames: int, b
     return peak * b
 
 
-def _attention_peak(c: int, b: int) -> float:
+def _mid_peak(c: int, frames: int, b: int) -> float:
+    """Peak bytes per voxel of the mid block: its attention (x, tokens, q, k, v, out, sum) or
+    its residual blocks."""
     up = (4 / b) if b < 4 else 0.0
-    return b * (2 * c + 5 * c + c * up)  # x, tokens, q, k, v, out, sum
+    return max(b * (2 * c + 5 * c + c * up), _resnet_peak(c, c, c, 2, frames, b))
 
 
 def vae_encode_bytes(cfg: VAEConfig, frames: int, height: int, width: int, b: int) -> int:
@@ -318,9 +309,7 @@ def vae_encode_bytes(cfg: VAEConfig, frames: int, height: int, width: int, b: in
             if kinds[i] == "time":
                 t = (t - 1) // 2 + 1
         c_in = c_out
-    peak = max(peak, t * h * w * max(_attention_peak(widths[-1], b),
-                                     _resnet_peak(widths[-1], widths[-1], widths[-1], 2, t, b)))
-    return int(peak)
+    return int(max(peak, t * h * w * _mid_peak(widths[-1], t, b)))
 
 
 def vae_decode_bytes(cfg: VAEConfig, frames: int, height: int, width: int, b: int) -> int:
@@ -331,9 +320,7 @@ def vae_decode_bytes(cfg: VAEConfig, frames: int, height: int, width: int, b: in
     kinds = up_kinds(len(widths), cfg.temporal_scale_num)
     s = cfg.spatial_downsample_factor
     t, h, w = (frames - 1) // cfg.temporal_downsample_factor + 1, height // s, width // s
-    voxels = t * h * w
-    peak = voxels * max(_attention_peak(widths[0], b),
-                        _resnet_peak(widths[0], widths[0], widths[0], 2, t, b))
+    peak = t * h * w * _mid_peak(widths[0], t, b)
     c_in = widths[0]
     for i, c_out in enumerate(widths):
         voxels = t * h * w
@@ -365,18 +352,6 @@ _CORE_SCALE = ((_SPLIT // 4, (0.95, 0.97)), (_SPLIT, (0.88, 0.64)), (None, (0.74
 _CACHE_SCALE = (0.50, 1.18)
 
 
-# Bytes per output pixel and frame the pipeline holds around the VAE, with ``b`` bytes per
-# value of the model dtype: while encoding, the resized video (float32, 12) and its copy in the
-# model dtype; while decoding in pieces, the output the pieces are blended into (traced at
-# b = 2: 19 and 8 bytes, here rounded up to 20 and 9).
-def _encode_held(b: int) -> int:
-    return 14 + 3 * b
-
-
-def _decode_held(b: int) -> int:
-    return 3 + 3 * b
-
-
 # After decoding: the frames in float32 (12 bytes), the decoded video, and what colour
 # correction adds per pixel (traced on fake tensors for the methods that do not depend on
 # the pixels' values: wavelet 48, lab 56, here 4 more; hsv and wavelet_adaptive branch on
@@ -388,10 +363,7 @@ _COLOUR_BYTES = {"none": 0, "wavelet": 52, "lab": 60, "adain": 60, "hsv": 192,
 
 def _core_scale(cfg: VAEConfig, frames: int, height: int, width: int, decode: bool) -> float:
     plane = cfg.block_out_channels[0] * frames * height * width
-    for limit, scales in _CORE_SCALE:
-        if limit is None or plane <= limit:
-            return scales[decode]
-    raise AssertionError("unreachable")  # pragma: no cover
+    return next(scales[decode] for limit, scales in _CORE_SCALE if limit is None or plane <= limit)
 
 
 def _causal_cache_bytes(cfg: VAEConfig, height: int, width: int, b: int,
@@ -439,23 +411,25 @@ def _vae_phase(cfg: VAEConfig, shape: BatchShape, decode: bool) -> int:
     cache = _causal_cache_bytes(cfg, th, tw, b, shape.vae_int8_cache) if piece < frames else 0
     pieced = piece < frames or (th, tw) != (hp, wp)
     pixels = frames * hp * wp
-    if tiles.enabled and getattr(tiles, "exact", False) and getattr(tiles, "state_device", "cpu") is None:
-        # Exact tiling with its frame-wide planes on the VAE's device: a layer's input and
-        # output over the whole frame, at the widest full-resolution layer, in float32.
-        widths = cfg.block_out_channels
-        pixels_planes = pixels * 4 * (widths[0] + widths[min(1, len(widths) - 1)])
-    else:
-        pixels_planes = 0
+    # Exact tiling with its frame-wide planes on the VAE's device: a layer's input and output
+    # over the whole frame, at the widest full-resolution layer, in float32.
+    planes_here = tiles.enabled and getattr(tiles, "exact", False) \
+        and getattr(tiles, "state_device", "cpu") is None
+    widths = cfg.block_out_channels
+    pixels_planes = pixels * 4 * (widths[0] + widths[min(1, len(widths) - 1)]) if planes_here else 0
     scale = _core_scale(cfg, piece, th, tw, decode)
     cache = int(cache * _CACHE_SCALE[decode])
+    # Bytes per output pixel and frame the pipeline holds around the VAE, with ``b`` bytes per
+    # value of the model dtype: while encoding, the resized video (float32, 12) and its copy in
+    # the model dtype; while decoding in pieces, the output the pieces are blended into (traced
+    # at b = 2: 19 and 8 bytes, here rounded up to 20 and 9) and one piece's float32 blend.
     if decode:
         core = int(vae_decode_bytes(cfg, piece, th, tw, b) * scale) + cache
-        # The full-frame output of the pieces, and one piece's float32 blend (value, weight).
-        held = pixels * _decode_held(b) + piece * th * tw * 3 * 8 if pieced else 0
+        held = pixels * (3 + 3 * b) + piece * th * tw * 3 * 8 if pieced else 0
         after = pixels * (12 + 3 * b + _COLOUR_BYTES.get(shape.color_correction, 192))
         return max(core + held + pixels_planes, after)
     core = int(vae_encode_bytes(cfg, piece, th, tw, b) * scale) + cache
-    return core + pixels * _encode_held(b) + pixels_planes
+    return core + pixels * (14 + 3 * b) + pixels_planes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -671,10 +645,7 @@ def alternatives(budget: Budget, shape: BatchShape, place: Placement,
     if any(found):
         return [text for _, _, text in filter(None, found)]
     combined = _fit_combined(budget, shape, place, available, min_batch)
-    if combined is None:
-        return []
-    changes, costs = _changes(shape, place, *combined)
-    return ["all of: " + Fit(changes, *combined, costs).describe()]
+    return [] if combined is None else ["all of: " + _fit(shape, place, *combined).describe()]
 
 
 @dataclass(frozen=True)
@@ -698,10 +669,10 @@ _COSTS = {"batch": "smaller batches: less temporal consistency",
           "swap": "DiT blocks stream from host RAM: slower DiT"}
 
 
-def _changes(shape: BatchShape, place: Placement, new_shape: BatchShape,
-             new_place: Placement) -> tuple[tuple[tuple[str, object], ...], tuple[str, ...]]:
-    """The options (name, value) that turn (shape, place) into (new_shape, new_place), and the
-    costs of those changes."""
+def _fit(shape: BatchShape, place: Placement, new_shape: BatchShape,
+         new_place: Placement) -> Fit:
+    """The :class:`Fit` that turns (shape, place) into (new_shape, new_place): the options
+    (name, value) and the costs of those changes."""
     out, costs = [], []
     if new_shape.batch_size != shape.batch_size:
         out.append(("batch_size", new_shape.batch_size))
@@ -726,7 +697,7 @@ def _changes(shape: BatchShape, place: Placement, new_shape: BatchShape,
         if new_place.swap_io != place.swap_io:
             out.append(("swap_io_components", new_place.swap_io))
         costs.append(_COSTS["swap"])
-    return tuple(out), tuple(costs)
+    return Fit(tuple(out), new_shape, new_place, tuple(costs))
 
 
 def fit_job(budget: Budget, shape: BatchShape, place: Placement,
@@ -739,10 +710,7 @@ def fit_job(budget: Budget, shape: BatchShape, place: Placement,
                                _single_changes(budget, shape, place, failing, min_batch))), None)
     found = found[:2] if found is not None else _fit_combined(budget, shape, place, available,
                                                               min_batch)
-    if found is None:
-        return None
-    changes, costs = _changes(shape, place, *found)
-    return Fit(changes, found[0], found[1], costs)
+    return None if found is None else _fit(shape, place, *found)
 
 
 def _fit_combined(budget: Budget, shape: BatchShape, place: Placement,
@@ -791,22 +759,22 @@ def check(budget: Budget, shape: BatchShape, place: Placement, available: Mappin
 
 
 def auto_batch_size(budget: Budget, shape: BatchShape, place: Placement, available: Mapping[str, int],
-                    plan_frames: int, temporal_overlap: int) -> int:
+                    plan_frames: int, temporal_overlap: int, strict: bool = True) -> int:
     """The largest of :func:`batch_candidates` that fits (on CUDA devices, in
-    :data:`AUTO_CUDA_SHARE` of the memory available); :class:`BudgetError` when even the
-    smallest does not fit the whole memory (naming what would fit)."""
+    :data:`AUTO_CUDA_SHARE` of the memory available); nothing known: the smallest. When not
+    even the smallest fits the whole memory, that one (``strict`` False: ``fit`` auto then
+    changes other settings) or :class:`BudgetError` naming what would fit."""
     candidates = batch_candidates(plan_frames, temporal_overlap)
     planned = {d: int(have * AUTO_CUDA_SHARE) if d.startswith("cuda") else have
                for d, have in available.items()}
-    for size in candidates:
+    for size in candidates if available else ():
         if fits(budget, replace(shape, batch_size=size), place, planned):
             return size
-    if fits(budget, replace(shape, batch_size=candidates[-1]), place, available):
-        return candidates[-1]  # only the smallest fits, above the share: still worth a try
-    smallest = replace(shape, batch_size=candidates[-1])
-    check(budget, smallest, place, available, min_batch=smallest_batch(temporal_overlap),
-          batch_text=f"{option_ref('batch_size', 'auto')} (even {candidates[-1]} frames)")
-    return candidates[-1]  # pragma: no cover (check raised)
+    if strict:  # only the smallest fits, above the share: still worth a try; else refused
+        check(budget, replace(shape, batch_size=candidates[-1]), place, available,
+              min_batch=smallest_batch(temporal_overlap),
+              batch_text=f"{option_ref('batch_size', 'auto')} (even {candidates[-1]} frames)")
+    return candidates[-1]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -158,22 +158,13 @@ def fit_options(memory: JobMemory, opts: Options, frame_count: int, size: tuple[
 
 def _auto_batch(memory: JobMemory, opts: Options, frame_count: int, size: tuple[int, int],
                 known: dict) -> int:
-    """``batch_size="auto"`` as a number, said in one line: the largest candidate whose
-    estimate fits the accelerators (else every device) of ``known``; when not even the
-    smallest fits, that one (``fit`` auto then changes other settings) or the error
-    (``fit`` strict); nothing known: the smallest."""
+    """``batch_size="auto"`` as a number (:func:`~.budget.auto_batch_size` on the
+    accelerators of ``known``, else every device; ``fit`` strict refuses), said in one line."""
     plan_frames = plan_frames_of(frame_count, opts)
     limits = {d: a for d, a in known.items() if d != "cpu"} or known
-    candidates = mem.batch_candidates(plan_frames, opts.temporal_overlap)
-    batch = candidates[-1]
-    if limits:
-        try:
-            batch = mem.auto_batch_size(memory.budget, memory.shape(opts, size, 5),
-                                        memory.devices.placement(opts), limits, plan_frames,
-                                        opts.temporal_overlap)
-        except mem.BudgetError:
-            if opts.fit != "auto":
-                raise
+    batch = mem.auto_batch_size(memory.budget, memory.shape(opts, size, 5),
+                                memory.devices.placement(opts), limits, plan_frames,
+                                opts.temporal_overlap, strict=opts.fit != "auto")
     log.info("batch_size auto: %d frames per batch (largest 4n+1 that fits %s for %dx%d "
              "output, %d frames)", batch, ", ".join(
                  f"{mem.gib(v)} on {d}" for d, v in limits.items()) or "the default",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -211,9 +211,9 @@ def _clip(lo: int, hi: int, size: int) -> Tuple[int, int, int, int]:
 
 
 class _ExactRun:
-    """One exact tiled encode or decode: walks the encoder / decoder layer by layer (the
-    same order and maths as ``Encoder.forward`` / ``Decoder.forward``; the tiled-vs-untiled
-    tests check they stay in step), each layer tile by tile."""
+    """One exact tiled encode or decode: the layers ``Encoder.forward`` / ``Decoder.forward``
+    run (their ``layers()``), in the same maths (the tiled-vs-untiled tests check it), each
+    layer tile by tile."""
 
     def __init__(self, vae: VideoAutoencoder, tiles: TileSettings, latent_size: Tuple[int, int],
                  device: torch.device, between: Between = None) -> None:
@@ -370,41 +370,27 @@ class _ExactRun:
 
         return self._conv(up.conv, (B, C, T * z - drop, H * r, W * r), produce)
 
-    def _down(self, conv: CausalConv3d, x: _Plane) -> _Plane:
-        return self._conv(conv, x.data.shape, self._activate(x, None))
-
     def _norm_out(self, norm: FrameGroupNorm, conv: CausalConv3d, x: _Plane,
                   dst: Tensor) -> None:
         self._conv(conv, x.data.shape, self._activate(x, norm), dst=_Plane(dst))
 
     # -- the two halves ---------------------------------------------------------------------
 
-    def encoder(self, enc: Encoder, video: Tensor, out: Tensor) -> None:
-        """``out`` (moments, any device) = ``enc(video)`` for one chunk of frames."""
-        x = self._conv(enc.conv_in, video.shape, self._activate(_Plane(video), None))
-        for block in enc.down_blocks:
-            for resnet in block.resnets:
-                x = self._resnet(resnet, x)
-            if block.downsamplers is not None:
-                x = self._down(block.downsamplers[0].conv, x)
-        x = self._resnet(enc.mid_block.resnets[0], x)
-        x = self._attention(enc.mid_block.attentions[0], x)
-        x = self._resnet(enc.mid_block.resnets[1], x)
-        self._norm_out(enc.conv_norm_out, enc.conv_out, x, out)
-        self.first_chunk = False
-
-    def decoder(self, dec: Decoder, z: Tensor, out: Tensor) -> None:
-        """``out`` (video, any device) = ``dec(z)`` for one chunk of latent frames."""
-        x = self._conv(dec.conv_in, z.shape, self._activate(_Plane(z), None))
-        x = self._resnet(dec.mid_block.resnets[0], x)
-        x = self._attention(dec.mid_block.attentions[0], x)
-        x = self._resnet(dec.mid_block.resnets[1], x)
-        for block in dec.up_blocks:
-            for resnet in block.resnets:
-                x = self._resnet(resnet, x)
-            if block.upsamplers is not None:
-                x = self._upsample(block.upsamplers[0], x)
-        self._norm_out(dec.conv_norm_out, dec.conv_out, x, out)
+    def through(self, coder: Union[Encoder, Decoder], x: Tensor, out: Tensor) -> None:
+        """``out`` (any device) = ``coder(x)`` for one chunk of frames: the encoder's moments
+        or the decoder's video, through the layers ``coder.layers()`` lists."""
+        conv_in, *layers = coder.layers()
+        h = self._conv(conv_in, x.shape, self._activate(_Plane(x), None))
+        for layer in layers:
+            if isinstance(layer, ResnetBlock3D):
+                h = self._resnet(layer, h)
+            elif isinstance(layer, FrameAttention):
+                h = self._attention(layer, h)
+            elif isinstance(layer, Upsample3D):
+                h = self._upsample(layer, h)
+            else:  # Downsample3D
+                h = self._conv(layer.conv, h.data.shape, self._activate(h, None))
+        self._norm_out(coder.conv_norm_out, coder.conv_out, h, out)
         self.first_chunk = False
 
 
@@ -425,7 +411,7 @@ def _exact_encode(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
         run.keep_tails = i + 1 < len(frame_chunks)
         l0 = 0 if f0 == 0 else (f0 - 1) // f + 1
         l1 = (f1 - 1) // f + 1
-        run.encoder(vae.encoder, video[:, :, f0:f1], moments[:, :, l0:l1])
+        run.through(vae.encoder, video[:, :, f0:f1], moments[:, :, l0:l1])
     if vae.quant_conv is not None:  # 1x1x1: pointwise
         moments = vae.quant_conv(moments)
     mean, logvar = moments.chunk(2, dim=1)
@@ -445,7 +431,7 @@ def _exact_decode(vae: VideoAutoencoder, latent: Tensor, tiles: TileSettings,
         if vae.post_quant_conv is not None:  # 1x1x1: pointwise
             z = vae.post_quant_conv(z.to(vae.dtype))
         v0 = 0 if l0 == 0 else f * (l0 - 1) + 1
-        run.decoder(vae.decoder, z, out[:, :, v0:f * (l1 - 1) + 1])
+        run.through(vae.decoder, z, out[:, :, v0:f * (l1 - 1) + 1])
     return out
 
 

@@ -12,7 +12,7 @@ docs/models.md, "The causal video VAE".
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -55,11 +55,14 @@ class Encoder(nn.Module):
         self.conv_norm_out = FrameGroupNorm(groups, widths[-1], eps=NORM_EPS)
         self.conv_out = CausalConv3d(widths[-1], 2 * latent_channels, 3, padding=1)
 
+    def layers(self) -> List[nn.Module]:
+        """The layers before the output norm, in order (exact tiling walks them too)."""
+        return [self.conv_in, *(layer for block in self.down_blocks for layer in block.layers()),
+                *self.mid_block.layers()]
+
     def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
-        layers = [self.conv_in, *(layer for block in self.down_blocks for layer in block.layers()),
-                  *self.mid_block.layers()]
-        return norm_act_conv(self.conv_norm_out, self.conv_out, run_layers(layers, x, cache),
-                             cache)
+        return norm_act_conv(self.conv_norm_out, self.conv_out,
+                             run_layers(self.layers(), x, cache), cache)
 
 
 class Decoder(nn.Module):
@@ -80,11 +83,13 @@ class Decoder(nn.Module):
         self.conv_norm_out = FrameGroupNorm(groups, widths[-1], eps=NORM_EPS)
         self.conv_out = CausalConv3d(widths[-1], out_channels, 3, padding=1)
 
+    def layers(self) -> List[nn.Module]:
+        return [self.conv_in, *self.mid_block.layers(),
+                *(layer for block in self.up_blocks for layer in block.layers())]
+
     def forward(self, z: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
-        layers = [self.conv_in, *self.mid_block.layers(),
-                  *(layer for block in self.up_blocks for layer in block.layers())]
-        return norm_act_conv(self.conv_norm_out, self.conv_out, run_layers(layers, z, cache),
-                             cache)
+        return norm_act_conv(self.conv_norm_out, self.conv_out,
+                             run_layers(self.layers(), z, cache), cache)
 
 
 class VideoAutoencoder(nn.Module):
