@@ -21,12 +21,9 @@ log = logging.getLogger("seedvr2")
 
 @dataclass
 class SwapSchedule:
-    """Which swapped units are resident on the compute device around each forward.
-
-    Units are numbered in execution order; ``swapped`` are those living off-device.
-    ``before(i)`` makes unit i resident and starts prefetching the next ``prefetch`` swapped
-    units; ``after(i)`` releases unit i. Every decision is appended to ``log``.
-    """
+    """Which swapped units (numbered in execution order) are on the compute device around each
+    forward: ``before(i)`` makes unit i resident and prefetches the next ``prefetch`` swapped
+    units, ``after(i)`` releases unit i; every decision is appended to ``log``."""
 
     num_units: int
     swapped: frozenset
@@ -139,11 +136,9 @@ class BlockSwap:
             self.resident_active = False
 
     def _start_copy(self, unit: int, computed):
-        """Start copying ``unit``'s weights; ``computed`` is an event on the compute stream
-        after every unit the schedule has released (None without streams). The copy is allocated
-        from the compute stream's pool (reusing released units' blocks at once) and waits for
-        ``computed`` first: docs/memory.md, "Weights off the GPU".
-        """
+        """Start copying ``unit``'s weights, allocated from the compute stream's pool (reusing
+        released units' blocks at once), after ``computed`` (an event on the compute stream
+        after every released unit; None without streams): docs/memory.md."""
         copies = self.store.allocate(self.unit_entries[unit], self.device)
         self.copies[unit] = copies
         if self.stream is None:
@@ -155,10 +150,14 @@ class BlockSwap:
             self.ready[unit] = self.streams.Event()
             self.ready[unit].record(self.stream)
 
-    def _use(self, unit: int):
+    def _wait_for_copy(self, unit: int):
+        """The compute stream waits for ``unit``'s copy, if one is in flight."""
         event = self.ready.pop(unit, None)
         if event is not None:
             self.streams.current_stream(self.device).wait_event(event)
+
+    def _use(self, unit: int):
+        self._wait_for_copy(unit)
         self.store.place(self.copies[unit])
 
     def _before(self, i: int):
@@ -180,11 +179,9 @@ class BlockSwap:
             self._drop(j)
 
     def _drop(self, unit: int):
-        event = self.ready.pop(unit, None)
-        if event is not None:
-            # Copied but never used (a forward cut short): the compute stream, whose pool
-            # takes the memory back now, must not reuse it while the copy may still write.
-            self.streams.current_stream(self.device).wait_event(event)
+        # Copied but never used (a forward cut short): the compute stream, whose pool takes
+        # the memory back now, must not reuse it while the copy may still write.
+        self._wait_for_copy(unit)
         self.copies.pop(unit, None)
         self.store.to_host(self.unit_entries[unit])
 

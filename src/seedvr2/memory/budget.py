@@ -1,10 +1,9 @@
 """Memory budget: what a job needs on each device, known before any frame is processed.
 
-:func:`estimate` computes, per phase (VAE encode, DiT, VAE decode) and device, the bytes of
-the weights resident there plus the phase's activations, from the model configurations alone
-(a pure function, runs on any machine); :func:`check` raises one :class:`BudgetError` naming
-settings that would fit; :func:`auto_batch_size` picks the largest 4n+1 batch that fits. The
-activation model (tensor by tensor, calibrated on CPU peaks) and its CUDA margins:
+:func:`estimate` (pure, from the model configurations alone) gives per phase (VAE encode, DiT,
+VAE decode) and device the resident weights plus activations; :func:`check` raises one
+:class:`BudgetError` naming settings that would fit; :func:`auto_batch_size` picks the largest
+4n+1 batch that fits. The activation model (calibrated on CPU peaks) and its CUDA margins:
 docs/memory.md, "How the estimate is made".
 """
 
@@ -62,8 +61,7 @@ def gib(n: float) -> str:
     return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / MIB:.0f} MiB"
 
 
-# ---------------------------------------------------------------------------------------------
-# Weights
+# == Weights
 
 
 @dataclass(frozen=True)
@@ -107,8 +105,7 @@ class Weights:
 
     @classmethod
     def of_module(cls, module: torch.nn.Module) -> "Weights":
-        """Exact sizes of a loaded model, wherever its tensors are (packed weights count as
-        stored; tensors shared between modules count once)."""
+        """Exact sizes of a loaded model (packed weights as stored, shared tensors once)."""
         unique: dict = {}
         for name, t in named_tensors(module):
             unique.setdefault(_storage_key(t), (name, t.numel() * t.element_size()))
@@ -124,9 +121,8 @@ class Weights:
 
     @classmethod
     def from_file(cls, path, kind: str, dtype: torch.dtype) -> tuple["Weights", object]:
-        """(sizes, config) of a weight file as the loader would place it with ``dtype``,
-        read from the file's header only: packed (quantised) weights at their storage size,
-        float tensors converted to ``dtype``."""
+        """(sizes, config) of a weight file placed with ``dtype`` (packed weights at their
+        storage size), from its header only."""
         from ..loading.load import EMBEDDED_TEXT_KEYS, config_for  # the loader's detection
         from ..loading.weight_files import open_weights
 
@@ -176,16 +172,14 @@ def bytes_on(module: Optional[torch.nn.Module], device: torch.device) -> int:
     return sum(held.values())
 
 
-# ---------------------------------------------------------------------------------------------
-# The job and where things run
+# == The job and where things run
 
 
 @dataclass(frozen=True)
 class BatchShape:
-    """What one batch of the job looks like: output frame size, frames per batch, precision,
-    VAE tiling. ``chunk_size`` is the option of that name when a chunk's latents and
-    references wait on the compute device between phases (tensor_offload_device none or that
-    device), None when they wait elsewhere (the default)."""
+    """One batch of the job: output frame size, frames per batch, precision, VAE tiling;
+    ``chunk_size``: the option when a chunk's tensors wait on the compute device between
+    phases (tensor_offload_device none or that device), else None (the default)."""
 
     height: int
     width: int
@@ -242,8 +236,7 @@ class Budget:
     vae_weights: Weights
 
 
-# ---------------------------------------------------------------------------------------------
-# Activations
+# == Activations
 
 
 # Calibration on the real-size trace (bench/memory_trace.py): the tensors below are what one
@@ -337,13 +330,11 @@ def vae_decode_bytes(cfg: VAEConfig, frames: int, height: int, width: int, b: in
     return int(peak)
 
 
-# Calibration on the real-size trace (bench/memory_trace.py, table in bench/RESULTS.md): the
-# per-layer model above counts every tensor of the layers' own code at its largest; the code
-# holds less (buffers reused, bands and float32 norm pieces of at most SPLIT_ELEMENTS / 4
-# elements above SPLIT_ELEMENTS), the more so the larger a full-resolution plane is. So the
-# model's figure is scaled by what the trace shows for each size class of the full-resolution
-# planes of one piece (channels x frames x pixels): at most SPLIT_ELEMENTS / 4 (a tile),
-# at most SPLIT_ELEMENTS, more. (encode, decode) per class.
+# Calibration on the real-size trace (bench/memory_trace.py, bench/RESULTS.md): the model above
+# counts every tensor of the layers' code at its largest; the code holds less (buffers reused,
+# bands and float32 norm pieces of SPLIT_ELEMENTS / 4), the more so the larger a full-resolution
+# plane. So it is scaled by the trace per size class of one piece's full-resolution planes
+# (channels x frames x pixels): <= SPLIT_ELEMENTS / 4 (a tile), <= SPLIT_ELEMENTS, more.
 _SPLIT = SPLIT_ELEMENTS  # the real limit the calibration was traced with (tests lower the
 # module attribute; the size classes stay those of the code as shipped)
 _CORE_SCALE = ((_SPLIT // 4, (0.95, 0.97)), (_SPLIT, (0.88, 0.64)), (None, (0.74, 0.58)))
@@ -353,10 +344,8 @@ _CACHE_SCALE = (0.50, 1.18)
 
 
 # After decoding: the frames in float32 (12 bytes), the decoded video, and what colour
-# correction adds per pixel (traced on fake tensors for the methods that do not depend on
-# the pixels' values: wavelet 48, lab 56, here 4 more; hsv and wavelet_adaptive branch on
-# values, so cannot be traced without data, and keep the former allowance of 16 float32
-# frames).
+# correction adds per pixel (traced on fake tensors: wavelet 48, lab 56, here 4 more; hsv and
+# wavelet_adaptive branch on values, untraceable without data: 16 float32 frames).
 _COLOUR_BYTES = {"none": 0, "wavelet": 52, "lab": 60, "adain": 60, "hsv": 192,
                  "wavelet_adaptive": 192}
 
@@ -368,10 +357,9 @@ def _core_scale(cfg: VAEConfig, frames: int, height: int, width: int, decode: bo
 
 def _causal_cache_bytes(cfg: VAEConfig, height: int, width: int, b: int,
                         int8_cache: str = "off") -> int:
-    """Frames a temporal slice carries to the next (two per causal 3x3x3 conv), summed over
-    the levels: each level's convs at that level's width and resolution. ``int8_cache`` (the
-    option vae_int8_cache): tails from ``INT8_CACHE_BYTES`` on at one byte per value, and with
-    ``host`` parked off the device but the one read and the one fetched ahead."""
+    """Frames a temporal slice carries on (two per causal 3x3x3 conv), at each level's width
+    and resolution. ``int8_cache`` (vae_int8_cache): tails from ``INT8_CACHE_BYTES`` on at a
+    byte per value; ``host``: parked off the device but the one read and the one fetched."""
     from ..models.vae_paths import INT8_CACHE_BYTES
 
     convs_per_level = 2 * (cfg.layers_per_block + 1) + 2
@@ -388,8 +376,7 @@ def _causal_cache_bytes(cfg: VAEConfig, height: int, width: int, b: int,
 
 
 def _laid_tile(pixels: int, tiles: TileSettings) -> int:
-    """The edge of the tiles laid along ``pixels`` (``tiling.tile_layout``: the fewest tiles
-    of the smallest equal size; exact tiles are cut on a grid of ``tile_size``)."""
+    """The edge of the tiles laid along ``pixels`` (as ``tiling.tile_layout``; exact: the size)."""
     if getattr(tiles, "exact", False):
         return tiles.tile_size
     m = TILE_MULTIPLE
@@ -432,8 +419,7 @@ def _vae_phase(cfg: VAEConfig, shape: BatchShape, decode: bool) -> int:
     return core + pixels * (14 + 3 * b) + pixels_planes
 
 
-# ---------------------------------------------------------------------------------------------
-# The estimate
+# == The estimate
 
 
 @dataclass(frozen=True)
@@ -520,8 +506,7 @@ def fits(budget: Budget, shape: BatchShape, place: Placement, available: Mapping
     return not shortfalls(estimate(budget, shape, place), available)
 
 
-# ---------------------------------------------------------------------------------------------
-# Settings that fit
+# == Settings that fit
 
 
 def smallest_batch(temporal_overlap: int) -> int:
@@ -611,10 +596,9 @@ def _first_fit(budget: Budget, options: list, available: Mapping[str, int]):
 
 def _single_changes(budget: Budget, shape: BatchShape, place: Placement, failing: set,
                     min_batch: int):
-    """Each kind of single change, cheapest kind first (the README's order, "Out of
-    memory"), as a list of (shape, placement, text) from the least to the most it changes:
-    smaller batches, VAE tiles, offloading the VAE or the DiT or both (text None: a
-    combination, which :func:`alternatives` does not offer alone), the waiting tensors,
+    """Each kind of single change, cheapest first (the README's "Out of memory"), as a list of
+    (shape, placement, text) from the least to the most it changes: smaller batches, VAE tiles,
+    offloading the VAE, the DiT or both (text None: not offered alone), the waiting tensors,
     BlockSwap."""
     yield [(replace(shape, batch_size=n), place, option_ref("batch_size", n))
            for n in range(shape.batch_size - 4, min_batch - 1, -4)]
@@ -636,9 +620,8 @@ def _single_changes(budget: Budget, shape: BatchShape, place: Placement, failing
 
 def alternatives(budget: Budget, shape: BatchShape, place: Placement,
                  available: Mapping[str, int], min_batch: int = 1) -> list[str]:
-    """Settings that would make the job fit: each single change from the current settings
-    that is enough on its own (the least of each kind); when none is, one combination (or an
-    empty list)."""
+    """Settings that would make the job fit: each single change enough on its own (the least
+    of each kind); when none is, one combination (or none)."""
     failing = failing_phases(estimate(budget, shape, place), available)
     found = [_first_fit(budget, [o for o in options if o[2] is not None], available)
              for options in _single_changes(budget, shape, place, failing, min_batch)]
@@ -702,9 +685,8 @@ def _fit(shape: BatchShape, place: Placement, new_shape: BatchShape,
 
 def fit_job(budget: Budget, shape: BatchShape, place: Placement,
             available: Mapping[str, int], min_batch: int = 1) -> Optional[Fit]:
-    """The cheapest settings the budget finds that make the job fit ``available`` (the first
-    single change of :func:`_single_changes` that is enough, else a combination as
-    :func:`alternatives` makes), or None when nothing fits."""
+    """The cheapest settings that make the job fit ``available`` (the first single change that
+    is enough, else the combination :func:`alternatives` offers), or None."""
     failing = failing_phases(estimate(budget, shape, place), available)
     found = next(filter(None, (_first_fit(budget, options, available) for options in
                                _single_changes(budget, shape, place, failing, min_batch))), None)
@@ -777,13 +759,13 @@ def auto_batch_size(budget: Budget, shape: BatchShape, place: Placement, availab
     return candidates[-1]
 
 
-# ---------------------------------------------------------------------------------------------
+# == Host RAM checks
+
+
 def exact_tiling_host_bytes(cfg: VAEConfig, shape: BatchShape,
                             stages: tuple = ("encode", "decode")) -> int:
-    """Host RAM the exact tiling mode holds in frame-wide planes (``state_device`` cpu) for the
-    tiled ``stages``: about three full-resolution planes over the frames in flight, in the model
-    dtype (docs/memory.md, "Exact spatial tiles").
-    """
+    """Host RAM exact tiling holds in frame-wide planes (``state_device`` cpu) for ``stages``:
+    about three full-resolution planes over the frames in flight, in the model dtype."""
     c0, c1 = cfg.block_out_channels[0], cfg.block_out_channels[min(1, len(cfg.block_out_channels) - 1)]
 
     def frames(slice_: Optional[int]) -> int:
@@ -795,8 +777,7 @@ def exact_tiling_host_bytes(cfg: VAEConfig, shape: BatchShape,
 
 def check_exact_tiling(cfg: VAEConfig, shape: BatchShape, available: Optional[int],
                        stages: tuple = ("encode", "decode")) -> int:
-    """Raise :class:`BudgetError` when the exact tiling mode's planes would not fit the host's
-    available RAM (``None``: unknown, no check); returns the estimate."""
+    """Raise :class:`BudgetError` when exact tiling's planes exceed the host RAM; returns them."""
     need = exact_tiling_host_bytes(cfg, shape, stages)
     available = known_size(available, "the host's RAM")
     if available is None or need <= 0.9 * available:
@@ -817,12 +798,9 @@ HOST_COPY_SHARE = 0.9  # of the host RAM available, what persistent (pinned) wei
 
 
 def check_host_copy(nbytes: int, available: Optional[int], setting: str):
-    """Raise :class:`BudgetError` when a model's persistent host copy (``nbytes``, see
-    ``memory.arena``) would not fit the host RAM ``available`` (None: unknown, no check).
-
-    Offloaded weights are pinned on CUDA machines: pinned pages can never be swapped out, so
-    over-committing them stalls the whole machine instead of failing cleanly.
-    """
+    """Raise :class:`BudgetError` when a model's persistent host copy (``nbytes``) would not fit
+    the host RAM ``available`` (None: no check): pinned on CUDA machines, its pages can never be
+    swapped out, so over-committing them stalls the machine instead of failing cleanly."""
     available = known_size(available, "the host's RAM")
     if available is None or nbytes <= HOST_COPY_SHARE * available:
         return
@@ -872,9 +850,8 @@ def known_size(reported, source: str) -> Optional[int]:
 
 
 def device_available(device: torch.device, own_bytes: int = 0) -> Optional[int]:
-    """Bytes a job can use on ``device``: free memory, plus memory PyTorch has cached but not
-    allocated, plus ``own_bytes`` (our models' tensors already there, which the estimate
-    counts as part of the job). For the CPU (and other non-CUDA devices) host RAM."""
+    """Bytes a job can use on ``device``: free plus cached-but-unallocated memory (off CUDA:
+    host RAM), plus ``own_bytes`` (our models' tensors there, counted in the estimate)."""
     device = torch.device(device)
     if device.type == "cuda":
         free = known_size(torch.cuda.mem_get_info(device)[0], str(device))
@@ -884,12 +861,3 @@ def device_available(device: torch.device, own_bytes: int = 0) -> Optional[int]:
         return None if free is None else free + cached + own_bytes
     ram = known_size(host_available(), "the host's RAM")
     return None if ram is None else ram + own_bytes
-
-
-__all__ = ["Budget", "BudgetError", "Estimate", "BatchShape", "Fit", "PhaseNeed", "Placement",
-           "Weights", "fit_job",
-           "alternatives", "auto_batch_size", "batch_candidates", "bytes_on", "check",
-           "check_host_copy",
-           "device_available", "dit_activation_bytes", "estimate", "failing_phases", "fits",
-           "host_available",
-           "host_rss", "known_size", "shortfalls", "vae_decode_bytes", "vae_encode_bytes"]

@@ -1,8 +1,7 @@
-"""A job's memory decision, made before any model loads: ``batch_size`` auto resolved, the
-job fitted to the memory available (``fit`` auto: the cheapest change that fits, said in one
-line), ``max_vram`` applied and the budget checked (``SEEDVR2_MEMORY_CHECK``). It needs the
-models' configs and weight sizes only (from the files' headers, :meth:`Weights.from_file`),
-so a fitted job loads each model once, placed as the fit says. docs/memory.md#the-memory-budget.
+"""A job's memory decision, made before any model loads (from configs and the files'
+headers, :meth:`Weights.from_file`, so a fitted job loads each model once): ``batch_size`` auto
+resolved, the job fitted to the memory available (``fit`` auto: the cheapest change, said in
+one line), ``max_vram`` applied, the budget checked. docs/memory.md#the-memory-budget.
 """
 
 from __future__ import annotations
@@ -134,10 +133,9 @@ def decide(memory: JobMemory, opts: Options, frame_count: int, size: tuple[int, 
 
 def fit_options(memory: JobMemory, opts: Options, frame_count: int, size: tuple[int, int],
                 known: dict, fixed_batch: bool = False) -> tuple[Options, mem.Estimate]:
-    """Resolve ``batch_size="auto"``, fit the job to ``known`` (bytes available per device,
-    capped by ``max_vram``) and check the budget (:class:`~.budget.BudgetError`), before any
-    work starts. ``fixed_batch``: the batch plan is already made (every rank of a distributed
-    job runs it), so a fit keeps the batch size."""
+    """Resolve ``batch_size="auto"``, fit the job to ``known`` (bytes per device, capped by
+    ``max_vram``) and check the budget (:class:`~.budget.BudgetError`). ``fixed_batch``: the
+    batch plan is made (every rank of a distributed job runs it): a fit keeps the batch size."""
     place = memory.devices.placement(opts)
     known = capped(known, memory.devices.compute, opts.max_vram)
     auto = opts.batch_size == "auto"
@@ -174,10 +172,9 @@ def _auto_batch(memory: JobMemory, opts: Options, frame_count: int, size: tuple[
 
 def _fitted(budget: mem.Budget, batch: mem.BatchShape, place: mem.Placement, known: dict,
             opts: Options, lowest: int):
-    """With ``fit`` auto, a job over budget gets the cheapest settings that fit (the batch
-    kept at least :data:`~.budget.AUTO_MIN_BATCH` frames where anything fits so, never below
-    ``lowest``); returns the options, batch shape and placement to run with (unchanged when
-    it fits or nothing does)."""
+    """The options, batch shape and placement to run with: with ``fit`` auto, a job over budget
+    gets the cheapest settings that fit (keeping :data:`~.budget.AUTO_MIN_BATCH` frames where
+    anything fits so, never below ``lowest``); unchanged when it fits or nothing does."""
     short = mem.shortfalls(mem.estimate(budget, batch, place), known)
     if opts.fit != "auto" or not short:
         return opts, batch, place

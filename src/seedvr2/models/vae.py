@@ -93,12 +93,10 @@ class Decoder(nn.Module):
 
 
 class VideoAutoencoder(nn.Module):
-    """The SeedVR2 causal video VAE; state dict keys are the official checkpoint's (``quant_conv``
-    / ``post_quant_conv`` only when the config enables them; the released model does not).
-
-    Inputs are cast to the parameter dtype (not moved) and made contiguous channels-first.
-    Under ``torch.no_grad()`` / ``inference_mode()`` the in-place fast paths run (with autograd,
-    the same maths out of place). Building under ``torch.device("meta")`` allocates nothing.
+    """The SeedVR2 causal video VAE, with the official checkpoint's keys (``quant_conv`` /
+    ``post_quant_conv`` only where the config enables them; the released model does not).
+    Inputs are cast to the parameter dtype (not moved), contiguous channels-first; without
+    autograd the in-place fast paths run (with it, the same maths out of place).
     """
 
     def __init__(self, config: VAEConfig) -> None:
@@ -138,16 +136,14 @@ class VideoAutoencoder(nn.Module):
                 module.paths = paths
 
     def new_cache(self, park=None) -> CausalCache:
-        """A fresh causal cache for one clip and direction, on this VAE's paths (``park``:
-        where it parks int8 tails in host memory, see :class:`CausalCache`)."""
+        """A fresh causal cache for one clip and direction on this VAE's paths (see CausalCache)."""
         return CausalCache(paths=self.paths, park=park)
 
     @contextlib.contextmanager
     def conv_settings(self):
-        """Within this block cuDNN benchmarks when this VAE asks for it; the process-wide flag
-        is restored afterwards, so the DiT and other models keep their own setting (jobs run
-        one at a time per process: nothing else reads the flag meanwhile). Off leaves the
-        flag as it is."""
+        """Within this block cuDNN benchmarks when this VAE asks for it (off: the flag as it is),
+        the process-wide flag restored after, so other models keep their setting (jobs run one
+        at a time per process: nothing else reads it meanwhile)."""
         if not self.cudnn_benchmark:
             yield
             return
@@ -161,16 +157,18 @@ class VideoAutoencoder(nn.Module):
     # -- encoding ---------------------------------------------------------------------------
 
     def encode_posterior(self, video: Tensor) -> Tuple[Tensor, Tensor]:
-        """Posterior moments ``(mean, logvar)`` of ``video``, each ``(B, 16, t, H/8, W/8)``.
-
-        ``video``: ``(B, 3, T, H, W)`` in [-1, 1], ``T = 4n + 1`` (a single image is ``T = 1``),
-        ``H`` and ``W`` multiples of 8; ``t = n + 1``. ``logvar`` is clamped to [-30, 20].
+        """Posterior moments ``(mean, logvar)``, each ``(B, 16, n + 1, H/8, W/8)``, of ``video``
+        ``(B, 3, 4n + 1, H, W)`` in [-1, 1] (an image: ``T = 1``), ``logvar`` clamped to [-30, 20].
         """
         self.check_video(video)
         with self.conv_settings():
-            moments = self.encoder(video.to(self.dtype).contiguous())
-            if self.quant_conv is not None:
-                moments = self.quant_conv(moments)
+            return self.posterior(self.encoder(video.to(self.dtype).contiguous()))
+
+    def posterior(self, moments: Tensor) -> Tuple[Tensor, Tensor]:
+        """``(mean, logvar)`` from the encoder's output (through ``quant_conv``, pointwise),
+        ``logvar`` clamped; tiled encodes clamp each tile (a blend of clamped values stays in)."""
+        if self.quant_conv is not None:
+            moments = self.quant_conv(moments)
         mean, logvar = moments.chunk(2, dim=1)
         return mean.contiguous(), logvar.clamp(LOGVAR_MIN, LOGVAR_MAX)
 
@@ -185,11 +183,9 @@ class VideoAutoencoder(nn.Module):
     def sample_posterior(mean: Tensor, logvar: Tensor,
                          generator: Optional[torch.Generator] = None, *,
                          noise: Optional[Tensor] = None) -> Tensor:
-        """A draw ``mean + exp(logvar / 2) * eps`` from the diagonal Gaussian posterior.
-
-        ``eps`` is ``noise`` when given, else ``torch.randn(mean.shape, generator=generator)``
-        drawn in float32 on the generator's device (so a seed gives the same latent for any
-        model dtype) and moved to ``mean``'s device and dtype.
+        """A draw ``mean + exp(logvar / 2) * eps`` from the diagonal Gaussian posterior: ``eps``
+        is ``noise``, else drawn in float32 on ``generator``'s device (a seed gives the same
+        latent in any model dtype), moved to ``mean``'s device and dtype.
         """
         if noise is None:
             device = generator.device if generator is not None else mean.device
@@ -203,11 +199,8 @@ class VideoAutoencoder(nn.Module):
     # -- decoding ---------------------------------------------------------------------------
 
     def decode(self, latent: Tensor) -> Tensor:
-        """Video ``(B, 3, 4(t - 1) + 1, 8h, 8w)`` from an unscaled latent ``(B, 16, t, h, w)``.
-
-        Always 5-D (a one-frame latent gives a one-frame video). Values are nominally in
-        [-1, 1] but not clamped.
-        """
+        """Video ``(B, 3, 4(t - 1) + 1, 8h, 8w)`` from an unscaled latent ``(B, 16, t, h, w)``,
+        always 5-D, nominally in [-1, 1] (not clamped)."""
         self.check_latent(latent)
         z = latent.to(self.dtype).contiguous()
         with self.conv_settings():

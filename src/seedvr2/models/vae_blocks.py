@@ -191,8 +191,7 @@ def frame_group_stats(x: Tensor, groups: int) -> Tuple[Tensor, Tensor]:
 
 def group_stats_from_channels(mean_c: Tensor, var_c: Tensor,
                               groups: int) -> Tuple[Tensor, Tensor]:
-    """Group mean and variance ``(B, G, 1, T)`` from per-channel ones ``(B, C, T)`` over equal
-    sample counts (law of total variance)."""
+    """Group mean and variance ``(B, G, 1, T)`` from per-channel ones (law of total variance)."""
     B, C, T = mean_c.shape
     mean_c = mean_c.view(B, groups, C // groups, T)
     var_c = var_c.view(B, groups, C // groups, T)
@@ -245,8 +244,7 @@ class CausalCache:
         return fetched
 
     def _prefetch_after(self, module: nn.Module) -> None:
-        """Start copying the next parked tail (in layer order) on a side stream, overlapping
-        the conv about to run."""
+        """Start fetching the next parked tail on a side stream, overlapping the conv to run."""
         modules = list(self._tails)
         for following in modules[modules.index(module) + 1:]:
             kept = self._tails[following]
@@ -385,10 +383,8 @@ class CausalConv3d(nn.Conv3d):
 
 
 class FrameGroupNorm(nn.GroupNorm):
-    """GroupNorm with statistics per frame, in float32 whatever the model dtype: ``nn.GroupNorm``
-    over ``(B*T, C, H, W)`` without the transposing copies, as one fused ``scale * x + shift``
-    pass written to ``out`` when given (docs/models.md, "Causality").
-    """
+    """GroupNorm with statistics per frame in float32: ``nn.GroupNorm`` over ``(B*T, C, H, W)``
+    without transposing copies, one fused ``scale * x + shift`` pass (into ``out`` if given)."""
 
     def forward(self, x: Tensor, out: Optional[Tensor] = None,
                 cache: Optional[CausalCache] = None) -> Tensor:
@@ -432,16 +428,14 @@ class FrameGroupNorm(nn.GroupNorm):
         return (weight * rstd).reshape(B, C, T, 1), (bias - mean_g * weight * rstd).reshape(B, C, T, 1)
 
     def _channel_step(self, x_flat: Tensor) -> int:
-        """Channels per float32 piece: whole groups, a quarter of the limit as the conv bands
-        (a temporary)."""
+        """Channels per float32 piece: whole groups, a quarter of the limit (a temporary)."""
         B, C, T, N = x_flat.shape
         per_group = C // self.num_groups
         return max(1, SPLIT_ELEMENTS // 4 // (B * per_group * T * N)) * per_group
 
     def statistics(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tuple[Tensor, Tensor]:
-        """The per-frame mean and variance ``(B, G, 1, T)`` :meth:`forward` normalises ``x``
-        with (from ``cache`` when it overrides them), in float32 (float64 for float64 input),
-        upcast a channel group at a time."""
+        """The per-frame mean and variance ``(B, G, 1, T)`` :meth:`forward` normalises ``x`` with
+        (``cache``'s when it overrides them), in float32 (float64 input: float64)."""
         B, C, T = x.shape[:3]
         compute_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         if cache is not None and type(cache).group_norm_stats is not CausalCache.group_norm_stats:
@@ -456,11 +450,8 @@ class FrameGroupNorm(nn.GroupNorm):
 
     def _forward_in_channel_groups(self, x: Tensor, out: Optional[Tensor],
                                    compute_dtype: torch.dtype) -> Tensor:
-        """The upcasting path of :meth:`forward` for inputs over ``SPLIT_ELEMENTS``: whole groups
-        of channels at a time (:meth:`statistics`' pieces), so no float32 copy of all of ``x``
-        exists; bit-identical to one piece (the same per-channel moments and the same multiply
-        and add per element).
-        """
+        """:meth:`forward` upcasting an input over ``SPLIT_ELEMENTS`` a piece of channel groups
+        at a time (no float32 copy of all of ``x``), bit-identical to one piece."""
         B, C, T = x.shape[:3]
         scale, shift = self._scale_shift(*self.statistics(x), x.shape, compute_dtype)
         if out is None:
@@ -542,11 +533,9 @@ class ResnetBlock3D(nn.Module):
 
 
 class FrameAttention(nn.Module):
-    """Single-head self-attention over the ``H*W`` positions of each frame, with residual:
-    ``x + to_out(softmax(q k^T / sqrt(C)) v)`` (diffusers' ``Attention`` names). Score matrices
-    stay within ``ATTENTION_SCORE_BUDGET`` elements per SDPA call (frames in groups, a large
-    frame's queries in row blocks); a cache reaches the norm.
-    """
+    """Single-head self-attention over each frame's ``H*W`` positions, with residual: ``x +
+    to_out(softmax(q k^T / sqrt(C)) v)`` (diffusers' names), in SDPA calls within
+    ``ATTENTION_SCORE_BUDGET`` scores (frames in groups, a large frame's queries in blocks)."""
 
     def __init__(self, channels: int, groups: int) -> None:
         super().__init__()
@@ -584,12 +573,9 @@ class FrameAttention(nn.Module):
 
 
 class Downsample3D(nn.Module):
-    """Strided causal conv halving H and W, and T too when ``temporal``.
-
-    Space: zero pad right/bottom by one, then 3x3 stride 2 without padding (H -> H/2).
-    Time (if ``temporal``): kernel 3, stride 2 after prepending two copies of the first frame,
-    so ``T = 2n+1 -> n+1`` and latent frame 0 sees only input frame 0.
-    """
+    """Strided causal conv halving H and W (zero pad right/bottom by one, 3x3 stride 2) and,
+    when ``temporal``, T (kernel 3 stride 2 after two copies of the first frame: ``2n+1 ->
+    n+1``, latent frame 0 sees only input frame 0)."""
 
     def __init__(self, channels: int, temporal: bool) -> None:
         super().__init__()
@@ -639,10 +625,9 @@ class Upsample3D(nn.Module):
 
     def _write(self, x: Tensor, cache: Optional[CausalCache], drop: bool,
                out: Optional[Tensor] = None) -> Tensor:
-        """``conv(depth_to_space(upscale_conv(x)))`` (into ``out`` if given), over bands of
-        output rows when large: each band's padded input rows (and halo) are made from the
-        input rows under them, so neither the ``r``-times-larger ``upscale_conv`` output nor
-        the conv's padded input exists whole (docs/models.md, "Large tensors")."""
+        """``conv(depth_to_space(upscale_conv(x)))`` (into ``out`` if given) in bands of output
+        rows, each band's padded input made from the input rows under it: neither the larger
+        ``upscale_conv`` output nor the padded input exists whole (docs/models.md)."""
         conv = self.conv
         B, _, T, H, W = x.shape
         C, r, z = self.channels, self.space_ratio, self.time_ratio
@@ -658,7 +643,7 @@ class Upsample3D(nn.Module):
                        paths=conv.paths)
             rows, _ = conv.input_buffer(y, (*padded[:2], padded[2] - n, (s1 - s0) * r, W * r),
                                         cache)
-            _depth_to_space(y, rows[:, :, n:], (C, r, z), drop)
+            depth_to_space(y, rows[:, :, n:], (C, r, z), drop)
             del y
             head = rows[:, :, :n]
             if tail is None:
@@ -676,10 +661,9 @@ class Upsample3D(nn.Module):
         return out
 
 
-def _depth_to_space(y: Tensor, out: Tensor, ratios: Tuple[int, int, int], drop: bool) -> None:
-    """``upscale_conv``'s output ``y`` ``(B, x*y*z*C, T, h, w)``, read as ``(B, x, y, z, C, T,
-    h, w)``, into ``out`` ``(B, C, T*z - drop, h*x, w*y)`` (:class:`Upsample3D`), skipping
-    ``(t=0, z=1)`` when ``drop`` instead of cutting it out afterwards."""
+def depth_to_space(y: Tensor, out: Tensor, ratios: Tuple[int, int, int], drop: bool) -> None:
+    """``upscale_conv``'s output ``y`` ``(B, x*y*z*C, T, h, w)`` read as ``(B, x, y, z, C, T, h,
+    w)`` into ``out`` ``(B, C, T*z - drop, h*x, w*y)``, skipping ``(t=0, z=1)`` when ``drop``."""
     C, r, z = ratios
     B, _, T, h, w = y.shape
     src = y.view(B, r, r, z, C, T, h, w).permute(0, 4, 5, 3, 6, 1, 7, 2)
@@ -773,6 +757,5 @@ def down_kinds(num_blocks: int, temporal_scale_num: int) -> Sequence[Optional[st
 
 
 def up_kinds(num_blocks: int, temporal_scale_num: int) -> Sequence[Optional[str]]:
-    """Up-sampling of each decoder block, mirroring :func:`down_kinds`
-    (released model: time, time, space, none)."""
+    """Up-sampling of each decoder block, mirroring :func:`down_kinds`."""
     return list(reversed(down_kinds(num_blocks, temporal_scale_num)))[1:] + [None]

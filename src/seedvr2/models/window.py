@@ -17,9 +17,8 @@ Window = tuple[int, int, int, int, int, int]  # (t0, t1, h0, h1, w0, w1), half-o
 
 
 def to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A tensor on ``device``; from the host without stalling it (CPU to CUDA: a non-blocking
-    copy from pinned memory, which may be dropped at once; anything else: a plain move).
-    """
+    """A tensor on ``device``, from the host without stalling it (CPU to CUDA: a non-blocking
+    copy from pinned memory, which may be dropped at once; else a plain move)."""
     if device.type == "cuda" and values.device.type == "cpu":
         return values.pin_memory().to(device, non_blocking=True)
     return values.to(device)
@@ -60,10 +59,8 @@ def make_windows(method: str, thw: tuple[int, int, int], num: tuple[int, int, in
 
 @dataclass
 class WindowGroup:
-    """Windows of equal video length and equal text length, attended in one batched call.
-
-    Their video tokens are the contiguous rows ``[start, start + count·vid_len)`` of the
-    window-ordered token array (see :attr:`WindowLayout.perm`).
+    """Windows of equal video and text length, attended in one batched call; their video
+    tokens are rows ``[start, start + count·vid_len)`` in window order (:attr:`WindowLayout.perm`).
     """
 
     start: int
@@ -91,9 +88,8 @@ class WindowLayout:
     @staticmethod
     def build(method: str, num: tuple[int, int, int], patched_thw: list[tuple[int, int, int]],
               txt_lens: list[int], device: torch.device) -> "WindowLayout":
-        """The layout's tensors on ``device``: computed on the CPU, concatenated into one
-        int64 buffer, sent in one copy (from pinned memory on CUDA, see
-        :func:`to_device`) and split into views there."""
+        """The layout's tensors computed on the CPU, sent to ``device`` in one int64 buffer
+        (:func:`to_device`) and split into views there."""
         by_key, txt_windows = _windows_by_length(method, num, patched_thw, txt_lens)
         host, groups, extents = _window_order(by_key)
         host += [torch.cat(txt_windows).long(), *(g.txt_index.reshape(-1) for g in groups)]
@@ -178,8 +174,3 @@ def layout_for(method: str, num: tuple[int, int, int], patched_thw: list[tuple[i
     else:
         _layouts.move_to_end(key)
     return replace(layout, cache={})
-
-
-def clear_layouts():
-    """Drop every kept layout (their device memory returns to the caching allocator)."""
-    _layouts.clear()
