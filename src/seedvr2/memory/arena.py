@@ -161,10 +161,6 @@ class ComfyPin:
             return None, 0
         unpin = self(buffer[:room]) if room else None
         pinned = room if unpin is not None else 0
-        self._log_reduced(pinned, nbytes)
-        return unpin, pinned
-
-    def _log_reduced(self, pinned: int, nbytes: int):
         ledger = self.ledger
         log.warning("pinning %s of the %s offloaded weights: ComfyUI's pinned-memory "
                     "budget (%s) has %s left beside the %s it holds; the rest goes to the GPU "
@@ -173,6 +169,7 @@ class ComfyPin:
                     _size(int(ledger.MAX_PINNED_MEMORY)), _size(self.room() + pinned),
                     _size(int(ledger.TOTAL_PINNED_MEMORY) - pinned),
                     _size(STAGING_SLOTS * STAGING_CHUNK_BYTES))
+        return unpin, pinned
 
 
 # Uploads from an arena that could not be pinned go through this many pinned buffers of this

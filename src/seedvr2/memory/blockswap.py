@@ -2,9 +2,8 @@
 
 The first ``blocks_to_swap`` blocks (and, with ``swap_io_components``, the input and output
 layers) live in one pinned host arena; the next swapped block is copied on a side CUDA stream
-while the current one runs, at most ``prefetch`` + 1 swapped units are on the GPU, and a used
-copy is dropped (weights never change). :class:`SwapSchedule` decides, :class:`BlockSwap`
-carries it out with forward hooks. Stream ordering: docs/memory.md, "Weights off the GPU".
+while the current one runs (at most ``prefetch`` + 1 on the GPU), a used copy dropped.
+:class:`SwapSchedule` decides, :class:`BlockSwap`'s hooks act (docs/memory.md).
 """
 
 from __future__ import annotations
@@ -59,9 +58,8 @@ class SwapSchedule:
 @dataclass(frozen=True)
 class SwapRuntime:
     """How BlockSwap reaches the devices. ``force``: active off CUDA too (tests, benches);
-    ``pin`` = "auto": pin where it pays (CPU host, CUDA compute), else a pin hook or None;
-    ``streams``: torch.cuda's Stream, Event, current_stream and stream (a recording stand-in in
-    tests), None for torch.cuda on CUDA and plain synchronous copies elsewhere."""
+    ``pin``: "auto" (where it pays), a pin hook or None; ``streams``: torch.cuda's Stream, Event,
+    current_stream and stream (tests: a stand-in; None: torch.cuda, or synchronous copies)."""
 
     force: bool = False
     pin: object = "auto"
@@ -69,11 +67,8 @@ class SwapRuntime:
 
 
 class BlockSwap:
-    """Attach BlockSwap to a NaDiT. ``detach()`` restores plain placement on ``device``.
-
-    Tensors shared by several units (the RoPE table) stay resident with the never-swapped
-    weights.
-    """
+    """Attach BlockSwap to a NaDiT (``detach()``: plain placement on ``device``); tensors shared
+    by several units (the RoPE table) stay resident with the never-swapped weights."""
 
     INPUT_MODULES = ("vid_in", "txt_in", "emb_in")
     OUTPUT_MODULES = ("vid_out_norm", "vid_out_ada", "vid_out")  # in execution order

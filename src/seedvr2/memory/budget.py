@@ -516,9 +516,8 @@ def smallest_batch(temporal_overlap: int) -> int:
 
 def batch_candidates(plan_frames: int, temporal_overlap: int, lowest: int = AUTO_MIN_BATCH,
                      highest: int = AUTO_MAX_BATCH) -> list[int]:
-    """4n+1 batch sizes 'auto' may pick, largest first: above ``temporal_overlap``, at most
-    the clip (``plan_frames`` rounded up to 4n+1) and ``highest``, at least ``lowest`` unless
-    the clip is shorter."""
+    """4n+1 batch sizes 'auto' may pick, largest first: above ``temporal_overlap``, at most the
+    clip (rounded up to 4n+1) and ``highest``, at least ``lowest`` unless the clip is shorter."""
     floor = smallest_batch(temporal_overlap)
     top = max(min(plan_frames + (1 - plan_frames) % 4, highest), floor)
     bottom = max(floor, min(lowest, top))
@@ -742,10 +741,9 @@ def check(budget: Budget, shape: BatchShape, place: Placement, available: Mappin
 
 def auto_batch_size(budget: Budget, shape: BatchShape, place: Placement, available: Mapping[str, int],
                     plan_frames: int, temporal_overlap: int, strict: bool = True) -> int:
-    """The largest of :func:`batch_candidates` that fits (on CUDA devices, in
-    :data:`AUTO_CUDA_SHARE` of the memory available); nothing known: the smallest. When not
-    even the smallest fits the whole memory, that one (``strict`` False: ``fit`` auto then
-    changes other settings) or :class:`BudgetError` naming what would fit."""
+    """The largest of :func:`batch_candidates` that fits (on CUDA within :data:`AUTO_CUDA_SHARE`);
+    nothing known, or nothing fits and not ``strict`` (``fit`` auto changes other settings):
+    the smallest; else :class:`BudgetError` naming what would fit."""
     candidates = batch_candidates(plan_frames, temporal_overlap)
     planned = {d: int(have * AUTO_CUDA_SHARE) if d.startswith("cuda") else have
                for d, have in available.items()}

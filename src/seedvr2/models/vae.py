@@ -12,7 +12,7 @@ docs/models.md, "The causal video VAE".
 from __future__ import annotations
 
 import contextlib
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -37,59 +37,55 @@ from .vae_blocks import (
 LOGVAR_MIN, LOGVAR_MAX = -30.0, 20.0
 
 
-class Encoder(nn.Module):
-    """Video ``(B, in_channels, T, H, W)`` -> posterior moments ``(B, 2*latent, t, h, w)``."""
-
-    def __init__(self, in_channels: int, latent_channels: int,
-                 block_out_channels: Sequence[int], layers_per_block: int, groups: int,
-                 temporal_scale_num: int) -> None:
-        super().__init__()
-        widths = list(block_out_channels)
-        self.conv_in = CausalConv3d(in_channels, widths[0], 3, padding=1)
-        kinds = down_kinds(len(widths), temporal_scale_num)
-        self.down_blocks = nn.ModuleList(
-            DownEncoderBlock3D(widths[max(i - 1, 0)], widths[i], layers_per_block, groups,
-                               downsample=kinds[i])
-            for i in range(len(widths)))
-        self.mid_block = UNetMidBlock3D(widths[-1], groups)
-        self.conv_norm_out = FrameGroupNorm(groups, widths[-1], eps=NORM_EPS)
-        self.conv_out = CausalConv3d(widths[-1], 2 * latent_channels, 3, padding=1)
-
-    def layers(self) -> List[nn.Module]:
-        """The layers before the output norm, in order (exact tiling walks them too)."""
-        return [self.conv_in, *(layer for block in self.down_blocks for layer in block.layers()),
-                *self.mid_block.layers()]
+class _Coder(nn.Module):
+    """The encoder's and decoder's shared tail: their ``layers()``, then norm, SiLU, conv_out."""
 
     def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
         return norm_act_conv(self.conv_norm_out, self.conv_out,
                              run_layers(self.layers(), x, cache), cache)
 
 
-class Decoder(nn.Module):
+class Encoder(_Coder):
+    """Video ``(B, in_channels, T, H, W)`` -> posterior moments ``(B, 2*latent, t, h, w)``."""
+
+    def __init__(self, config: VAEConfig) -> None:
+        super().__init__()
+        widths, groups = list(config.block_out_channels), config.norm_num_groups
+        self.conv_in = CausalConv3d(config.in_channels, widths[0], 3, padding=1)
+        kinds = down_kinds(len(widths), config.temporal_scale_num)
+        self.down_blocks = nn.ModuleList(
+            DownEncoderBlock3D(widths[max(i - 1, 0)], widths[i], config.layers_per_block, groups,
+                               downsample=kinds[i])
+            for i in range(len(widths)))
+        self.mid_block = UNetMidBlock3D(widths[-1], groups)
+        self.conv_norm_out = FrameGroupNorm(groups, widths[-1], eps=NORM_EPS)
+        self.conv_out = CausalConv3d(widths[-1], 2 * config.latent_channels, 3, padding=1)
+
+    def layers(self) -> List[nn.Module]:
+        """The layers before the output norm, in order (exact tiling walks them too)."""
+        return [self.conv_in, *(layer for block in self.down_blocks for layer in block.layers()),
+                *self.mid_block.layers()]
+
+
+class Decoder(_Coder):
     """Latent ``(B, latent, t, h, w)`` -> video ``(B, out_channels, T, H, W)``."""
 
-    def __init__(self, latent_channels: int, out_channels: int,
-                 block_out_channels: Sequence[int], layers_per_block: int, groups: int,
-                 temporal_scale_num: int) -> None:
+    def __init__(self, config: VAEConfig) -> None:
         super().__init__()
-        widths = list(reversed(block_out_channels))
-        self.conv_in = CausalConv3d(latent_channels, widths[0], 3, padding=1)
+        widths, groups = list(reversed(config.block_out_channels)), config.norm_num_groups
+        self.conv_in = CausalConv3d(config.latent_channels, widths[0], 3, padding=1)
         self.mid_block = UNetMidBlock3D(widths[0], groups)
-        kinds = up_kinds(len(widths), temporal_scale_num)
+        kinds = up_kinds(len(widths), config.temporal_scale_num)
         self.up_blocks = nn.ModuleList(
-            UpDecoderBlock3D(widths[max(i - 1, 0)], widths[i], layers_per_block + 1, groups,
-                             upsample=kinds[i])
+            UpDecoderBlock3D(widths[max(i - 1, 0)], widths[i], config.layers_per_block + 1,
+                             groups, upsample=kinds[i])
             for i in range(len(widths)))
         self.conv_norm_out = FrameGroupNorm(groups, widths[-1], eps=NORM_EPS)
-        self.conv_out = CausalConv3d(widths[-1], out_channels, 3, padding=1)
+        self.conv_out = CausalConv3d(widths[-1], config.out_channels, 3, padding=1)
 
     def layers(self) -> List[nn.Module]:
         return [self.conv_in, *self.mid_block.layers(),
                 *(layer for block in self.up_blocks for layer in block.layers())]
-
-    def forward(self, z: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
-        return norm_act_conv(self.conv_norm_out, self.conv_out,
-                             run_layers(self.layers(), z, cache), cache)
 
 
 class VideoAutoencoder(nn.Module):
@@ -105,11 +101,8 @@ class VideoAutoencoder(nn.Module):
         self.latent_channels = config.latent_channels
         self.spatial_factor = config.spatial_downsample_factor
         self.temporal_factor = config.temporal_downsample_factor
-        common = dict(block_out_channels=config.block_out_channels,
-                      layers_per_block=config.layers_per_block, groups=config.norm_num_groups,
-                      temporal_scale_num=config.temporal_scale_num)
-        self.encoder = Encoder(config.in_channels, config.latent_channels, **common)
-        self.decoder = Decoder(config.latent_channels, config.out_channels, **common)
+        self.encoder = Encoder(config)
+        self.decoder = Decoder(config)
         latent2 = 2 * config.latent_channels
         self.quant_conv = (CausalConv3d(latent2, latent2, 1) if config.use_quant_conv
                            else None)
@@ -216,15 +209,11 @@ class VideoAutoencoder(nn.Module):
 
     def check_video(self, video: Tensor) -> None:
         """Raise ``UsageError``/``InputError`` (naming the fix) unless ``video`` is a valid
-        input of :meth:`encode`: a 5-D ``(B, in_channels, 4n + 1, H, W)`` tensor with ``H`` and
-        ``W`` positive multiples of the spatial factor."""
-        if not isinstance(video, Tensor):
-            raise UsageError(f"video must be a torch.Tensor, got {type(video).__name__}")
-        if video.ndim != 5:
-            hint = " (for single images add a time axis: video.unsqueeze(2))" \
-                if video.ndim == 4 else ""
-            raise InputError(f"video must be 5-D (B, C, T, H, W), got shape "
-                             f"{tuple(video.shape)}{hint}")
+        input of :meth:`encode`: ``(B, in_channels, 4n + 1, H, W)``, ``H`` and ``W`` positive
+        multiples of the spatial factor."""
+        hint = " (for single images add a time axis: video.unsqueeze(2))" \
+            if isinstance(video, Tensor) and video.ndim == 4 else ""
+        _check_5d(video, "video", "(B, C, T, H, W)", hint)
         _, channels, frames, height, width = video.shape
         if channels != self.config.in_channels:
             raise InputError(f"video must have {self.config.in_channels} channels at dim 1 of "
@@ -240,13 +229,8 @@ class VideoAutoencoder(nn.Module):
 
     def check_latent(self, latent: Tensor) -> None:
         """Raise ``UsageError``/``InputError`` (naming the fix) unless ``latent`` is a valid
-        input of :meth:`decode`: a non-empty 5-D channels-first ``(B, latent_channels, t, h,
-        w)`` tensor."""
-        if not isinstance(latent, Tensor):
-            raise UsageError(f"latent must be a torch.Tensor, got {type(latent).__name__}")
-        if latent.ndim != 5:
-            raise InputError(f"latent must be 5-D (B, C, t, h, w) channels-first, got shape "
-                             f"{tuple(latent.shape)}")
+        input of :meth:`decode`: a non-empty channels-first ``(B, latent_channels, t, h, w)``."""
+        _check_5d(latent, "latent", "(B, C, t, h, w) channels-first")
         if latent.shape[1] != self.latent_channels:
             raise InputError(f"latent must have {self.latent_channels} channels at dim 1 of "
                              f"(B, C, t, h, w), got {latent.shape[1]} (shape "
@@ -255,6 +239,14 @@ class VideoAutoencoder(nn.Module):
         if 0 in latent.shape[2:]:
             raise InputError(f"latent must have non-empty t, h, w, got shape "
                              f"{tuple(latent.shape)}")
+
+
+
+def _check_5d(value, name: str, layout: str, hint: str = "") -> None:
+    if not isinstance(value, Tensor):
+        raise UsageError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.ndim != 5:
+        raise InputError(f"{name} must be 5-D {layout}, got shape {tuple(value.shape)}{hint}")
 
 
 __all__ = ["VideoAutoencoder", "Encoder", "Decoder", "CausalCache"]

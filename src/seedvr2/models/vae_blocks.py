@@ -105,12 +105,10 @@ class ConvSpec:
 
 def conv3d_in_bands(x: Tensor, spec: ConvSpec, limit: Optional[int] = None,
                     out: Optional[Tensor] = None, residual: Optional[Tensor] = None) -> Tensor:
-    """``F.conv3d(x, ...)`` with ``spec``'s weights and geometry (plus ``residual``), as
-    several calls on bands of output rows when the input or output has more than ``limit``
-    (default :data:`SPLIT_ELEMENTS`) elements; each band reads exactly its input rows and
-    halo, so every output element is the same sum (docs/models.md, "Large tensors"). Written
-    into ``out`` when given (any strides: a view into a padded buffer); see :func:`conv_rows`.
-    """
+    """``F.conv3d`` of ``x`` with ``spec`` (plus ``residual``), in bands of output rows when the
+    input or output has over ``limit`` (:data:`SPLIT_ELEMENTS`) elements, each reading exactly
+    its rows and halo: every output element the same sum (docs/models.md, "Large tensors").
+    Into ``out`` when given (any strides: a view into a padded buffer)."""
     B, C, T, H, W = x.shape
     rows = RowSource(lambda a, b: x[:, :, :, a:b], (B, C, T, H, W), B * C * T * W)
     return conv_rows(rows, spec, limit, out, residual)
@@ -127,11 +125,10 @@ class RowSource:
 
 def conv_rows(rows: RowSource, spec: ConvSpec, limit: Optional[int] = None,
               out: Optional[Tensor] = None, residual: Optional[Tensor] = None) -> Tensor:
-    """:func:`conv3d_in_bands` on a :class:`RowSource` (the residual fused into fp16_conv3d
-    there). Over ``limit``, bands of at most a quarter of it (their input, output and copies
-    are temporaries); the fp16 path pads its input first, so goes whole up to half the limit
-    (into ``out``: a quarter). An edge band uses the conv's own row padding and drops the rows
-    it adds past the band (stride 1 in H: no padded copy); a strided conv pads a copy."""
+    """:func:`conv3d_in_bands` on a :class:`RowSource`. Over ``limit``, bands of at most a
+    quarter of it (input, output and copies are temporaries; the fp16 path, which pads first,
+    goes whole up to half). An edge band uses the conv's own row padding and drops the rows it
+    adds past the band (stride 1 in H; a strided conv pads a copy)."""
     limit = SPLIT_ELEMENTS if limit is None else limit
     B, C, T, H, W = rows.shape
     O, _, kt, kh, kw = spec.weight.shape
@@ -202,13 +199,12 @@ def group_stats_from_channels(mean_c: Tensor, var_c: Tensor,
 
 
 class CausalCache:
-    """State carried between the temporal chunks of one clip (one fresh cache per clip and
-    direction, chunks in order) and, for a subclass, spatial tiles (docs/models.md, "Temporal
-    chunks and the cache"). ``temporal=False`` carries nothing (a subclass that only overrides
-    :meth:`group_norm_stats`). Tails of ``paths.int8_cache_bytes`` or more are kept in int8
-    (``vae_paths.PackedTail``); with ``paths.cache_offload``, a GPU's are parked in host memory
-    from ``park(n)`` (``n`` int8 codes; the caller knows the host), each fetched back on a side
-    stream while the conv before it runs.
+    """State carried between the temporal chunks of one clip (a fresh cache per clip and
+    direction, chunks in order) and, for a subclass, spatial tiles (docs/models.md). Tails of
+    ``paths.int8_cache_bytes`` or more are kept in int8 (``vae_paths.PackedTail``); with
+    ``paths.cache_offload``, a GPU's are parked in host memory from ``park(n)`` (``n`` codes),
+    each fetched back on a side stream while the conv before it runs. ``temporal=False``
+    carries nothing (a subclass that only overrides :meth:`group_norm_stats`).
     """
 
     def __init__(self, temporal: bool = True, paths: VaePaths = TODAY,
