@@ -62,9 +62,8 @@ class ModelDevices:
 
 @dataclass(frozen=True)
 class JobMemory:
-    """What the memory decision knows of a job besides its options: the models (configs and
-    weight sizes), their devices, the text embedding's rows, and the bytes of our models
-    already on each device (a cached or given model: they count as available)."""
+    """What the memory decision knows besides the options: the models (configs, weight sizes),
+    their devices, the text rows, and our models' bytes on each device (count as available)."""
 
     budget: mem.Budget
     devices: ModelDevices
@@ -96,9 +95,8 @@ def plan_frames_of(frame_count: int, opts: Options) -> int:
 
 
 def capped(known: dict, devices: set, max_vram: float) -> dict:
-    """The memory available on each device, at most ``max_vram`` GiB on each accelerator of
-    ``devices`` (the CPU's RAM only when no accelerator computes: the cap is on VRAM); a
-    device whose memory is unknown plans within the cap. 0: no cap."""
+    """The memory on each device, at most ``max_vram`` GiB (0: no cap) on each accelerator of
+    ``devices`` (the CPU only when none computes), an unknown one planning within the cap."""
     if not max_vram:
         return known
     cap = int(max_vram * mem.GIB)
@@ -107,9 +105,8 @@ def capped(known: dict, devices: set, max_vram: float) -> dict:
 
 
 def measured(memory: JobMemory) -> dict:
-    """Bytes available to the job on each device where that is known (our models' own
-    tensors there count as available). The CPU counts the host's available RAM: a job past
-    it fails in the allocator minutes into its work, naming no setting."""
+    """Bytes available to the job on each device where known (our models' tensors count); the
+    CPU's is the host's RAM (a job past it fails in the allocator, naming no setting)."""
     available = {d: mem.device_available(torch.device(d), memory.own.get(d, 0))
                  for d in sorted(memory.devices.compute)}
     return {d: a for d, a in available.items() if a is not None}
@@ -118,9 +115,8 @@ def measured(memory: JobMemory) -> dict:
 def decide(memory: JobMemory, opts: Options, frame_count: int, size: tuple[int, int],
            make_room: Optional[MakeRoom] = None,
            fixed_batch: bool = False) -> tuple[Options, mem.Estimate]:
-    """The options the job runs with and their estimate: ``make_room`` (a host such as
-    ComfyUI) first asked for what the job's largest batch needs, then this process's devices
-    measured (:func:`fit_options`)."""
+    """The options the job runs with and their estimate: ``make_room`` (a host: ComfyUI) asked
+    for the largest batch's needs, then the devices measured (:func:`fit_options`)."""
     if make_room is not None:
         auto = opts.batch_size == "auto"
         biggest = mem.batch_candidates(plan_frames_of(frame_count, opts),
@@ -195,9 +191,8 @@ def _fitted(budget: mem.Budget, batch: mem.BatchShape, place: mem.Placement, kno
 
 def _ask_for_room(make_room: MakeRoom, est: mem.Estimate, own: Mapping[str, int],
                   auto: bool) -> None:
-    """Ask the host for the bytes ``est`` needs on each device beyond our models' own tensors
-    there, before memory is measured (why: docs/comfyui.md); an automatic batch on CUDA plans
-    within :data:`~seedvr2.memory.budget.AUTO_CUDA_SHARE` of it, so asks for that much more."""
+    """Ask the host for what ``est`` needs on each device beyond our models' tensors there,
+    before measuring (docs/comfyui.md); an automatic CUDA batch asks for the share it plans in."""
     for device in sorted(est.devices):
         need = est.peak(device)
         if auto and device.startswith("cuda"):

@@ -207,9 +207,8 @@ def _clip(lo: int, hi: int, size: int) -> Tuple[int, int, int, int]:
 
 
 class _ExactRun:
-    """One exact tiled encode or decode: the layers ``Encoder.forward`` / ``Decoder.forward``
-    run (their ``layers()``), in the same maths (the tiled-vs-untiled tests check it), each
-    layer tile by tile."""
+    """One exact tiled encode or decode: the coder's ``layers()`` in its forward's maths (the
+    tiled-vs-untiled tests check it), each layer tile by tile."""
 
     def __init__(self, vae: VideoAutoencoder, tiles: TileSettings, latent_size: Tuple[int, int],
                  device: torch.device, between: Between = None) -> None:

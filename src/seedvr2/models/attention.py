@@ -1,7 +1,6 @@
-"""Windowed joint attention of the NaDiT: each window's video tokens followed by all of its
-sample's text tokens, windows of equal length in one SDPA call; a text token's output is the
-mean over its sample's windows. Sequence parallelism (Ulysses) plugs in as a
-:class:`SequenceParallel` strategy. See docs/models.md, "Attention".
+"""Windowed joint attention of the NaDiT: each window's video tokens then its sample's text
+tokens, windows of equal length in one SDPA call, a text token's output the mean over its
+windows; Ulysses sequence parallelism plugs in (:class:`SequenceParallel`). docs/models.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""Attention windows of the NaDiT (~400 tokens each, regular and half-shifted grids) and the
-packed-token bookkeeping built from them: a :class:`WindowLayout` batches windows of equal
-length, built on the CPU, sent in one copy and kept per shape (:func:`layout_for`). See
-docs/models.md, "Windows".
+"""Attention windows of the NaDiT (~400 tokens, regular and half-shifted grids): a
+:class:`WindowLayout` batches windows of equal length, built on the CPU, sent in one copy and
+kept per shape (:func:`layout_for`). See docs/models.md, "Windows".
 """
 
 from __future__ import annotations
