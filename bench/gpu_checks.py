@@ -683,7 +683,7 @@ def check_mfu(run: Run):
 
 
 def check_blockswap(run: Run):
-    from seedvr2.memory.blockswap import BlockSwap
+    from seedvr2.memory.blockswap import BlockSwap, SwapRuntime
 
     scale, r = run.scale, run.report
     host = torch.device("cpu")
@@ -700,7 +700,8 @@ def check_blockswap(run: Run):
                 if blocks:
                     # On the CPU BlockSwap is inactive unless forced (it only pays on CUDA);
                     # the rehearsal forces it to run the same hooks and arena.
-                    swap = BlockSwap(dit, blocks, False, run.device, host, force=not run.cuda)
+                    swap = BlockSwap(dit, blocks, False, run.device, host,
+                                     runtime=SwapRuntime(force=not run.cuda))
                 else:
                     dit.to(run.device)
                 run.reset_peaks()

@@ -35,10 +35,9 @@ def test_job_layer_functions_are_short_and_narrow():
     assert (too_long, too_wide) == ([], [])
 
 
-# Over all of src/: issue 41 asks for at most 2 functions past MAX_LINES and 4 past
-# MAX_PARAMETERS (the facade's keywords not counted); these ceilings hold what is left on the
-# way there, and only ever come down.
-SRC_LONG_CEILING, SRC_WIDE_CEILING = 1, 2
+# Over all of src/: issue 41 asked for at most 2 functions past MAX_LINES and 4 past
+# MAX_PARAMETERS (the facade's keywords not counted); none is left, and none may come back.
+SRC_LONG_CEILING, SRC_WIDE_CEILING = 0, 0
 
 
 def test_src_functions_stay_within_the_ceilings():

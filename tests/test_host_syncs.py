@@ -76,7 +76,7 @@ def test_dit_forward_reads_nothing_back_and_copies_a_constant(conformance, num_l
     per window group, and a readback (repeat_interleave sizing) per modulation; for the 7B,
     a readback of the window extents per axis and rule, and a masked assignment (a sync) per
     extent."""
-    window_module.clear_layouts()
+    window_module._layouts.clear()
     model = _meta_dit(conformance, num_layers, family)
     case = load_case(conformance / family, "batch2_mixed")
     inputs = _inputs(case)
@@ -95,7 +95,7 @@ def test_pixel_rope_positions_are_the_reference_lookup():
     lookup ``linspace(-1, 1, extent)[i]`` token by token, bit for bit."""
     from seedvr2.models.rope import PixelRoPE3d
 
-    window_module.clear_layouts()
+    window_module._layouts.clear()
     layout = window_module.layout_for("720pswin_by_size_bysize", (4, 3, 3),
                                       [(3, 7, 11), (1, 5, 4)], [3, 2], torch.device("cpu"))
     assert len(layout.extents[1]) > 1  # shifted windows: several extents on an axis
@@ -108,7 +108,7 @@ def test_pixel_rope_positions_are_the_reference_lookup():
 
 
 def test_kept_layouts_are_per_shape_and_bounded(monkeypatch):
-    window_module.clear_layouts()
+    window_module._layouts.clear()
     monkeypatch.setattr(window_module, "LAYOUT_CACHE_SIZE", 2)
     cpu = torch.device("cpu")
     rule = ("720pwin_by_size_bysize", (4, 3, 3))
@@ -128,7 +128,7 @@ def test_kept_layouts_are_per_shape_and_bounded(monkeypatch):
 def test_kept_layouts_are_plain_tensors_even_when_made_in_inference_mode():
     """A layout made under inference mode (the pipeline) is kept and may be reused where
     autograd records (tests, training): inference tensors cannot be saved for backward."""
-    window_module.clear_layouts()
+    window_module._layouts.clear()
     rule = ("720pwin_by_size_bysize", (4, 3, 3))
     with torch.inference_mode():
         window_module.layout_for(*rule, [(2, 6, 8)], [3], torch.device("cpu"))

@@ -11,7 +11,7 @@ import seedvr2
 from seedvr2.api import load_models
 from seedvr2.loading import load_dit, load_vae
 from seedvr2.memory import MODEL_CACHE
-from seedvr2.memory.blockswap import BlockSwap, SwapSchedule
+from seedvr2.memory.blockswap import BlockSwap, SwapRuntime, SwapSchedule
 from seedvr2.memory.compile import CompileSettings, apply_compile
 from seedvr2.options import OptionError, resolve_options
 
@@ -42,7 +42,7 @@ def test_blockswap_mechanics_on_cpu_change_nothing(conformance):
     expected = _forward(load_dit(folder / "weights.safetensors"), case)
     model = load_dit(folder / "weights.safetensors")
     swap = BlockSwap(model, blocks_to_swap=3, swap_io=True, device=torch.device("cpu"),
-                     offload_device=torch.device("cpu"), force=True)
+                     offload_device=torch.device("cpu"), runtime=SwapRuntime(force=True))
     out = _forward(model, case)
     assert torch.equal(out, expected)
     assert swap.schedule.max_resident <= 2  # the running unit and the one being prefetched

@@ -12,7 +12,7 @@ import torch
 
 from seedvr2.loading import load_dit, load_vae
 from seedvr2.memory.arena import ALIGNMENT, PAGE, HostArena, aligned_offsets, arena_bytes
-from seedvr2.memory.blockswap import BlockSwap
+from seedvr2.memory.blockswap import BlockSwap, SwapRuntime
 from seedvr2.memory.placement import OffloadedModel, named_tensors
 from seedvr2.models.packing import Packing
 from seedvr2.models.rope import FrequencyTable, MMRoPE3d, PixelRoPE3d
@@ -47,7 +47,7 @@ def test_blockswap_every_tensor_a_unit_reads_is_on_the_compute_device(conformanc
     unit runs, every tensor it reads (shared RoPE tables included) is on that device."""
     model = load_dit(conformance / family / "weights.safetensors")
     pin = RecordingPin()
-    swap = BlockSwap(model, blocks, swap_io, META, CPU, force=True, pin=pin)
+    swap = BlockSwap(model, blocks, swap_io, META, CPU, runtime=SwapRuntime(True, pin))
     # The never-swapped layers are on the device before the first unit runs.
     unit_names = {n for u in swap.units for n, _ in named_tensors(u)}
     outside = [n for n, t in named_tensors(model)
@@ -153,8 +153,8 @@ def test_blockswap_bounds_the_units_on_the_gpu_when_the_host_runs_ahead(
     are on the GPU at any time, and each unit runs after its copy."""
     model = load_dit(conformance / "dit7b_tiny" / "weights.safetensors")  # 4 blocks
     streams = RecordingStreams()
-    swap = BlockSwap(model, blocks, swap_io, META, CPU, prefetch=prefetch, force=True, pin=None,
-                     streams=streams)
+    swap = BlockSwap(model, blocks, swap_io, META, CPU, prefetch,
+                     SwapRuntime(True, None, streams))
     (copy,) = streams.copy_streams
     unit_of = {tuple(entries): unit for unit, entries in swap.unit_entries.items()}
     fill = swap.store.fill
@@ -194,7 +194,7 @@ def test_blockswap_cut_short_keeps_an_unused_copy_until_it_is_written(conformanc
     copy still writing into it."""
     model = load_dit(conformance / "dit7b_tiny" / "weights.safetensors")
     streams = RecordingStreams()
-    swap = BlockSwap(model, 4, True, META, CPU, force=True, pin=None, streams=streams)
+    swap = BlockSwap(model, 4, True, META, CPU, runtime=SwapRuntime(True, None, streams))
     (copy,) = streams.copy_streams
     swap._before(0)  # unit 0 in use (its copy waited for), unit 1 prefetched
     ready = [op[1] for op in copy.queue if op[0] == "record"]
@@ -222,7 +222,7 @@ def test_blockswap_forward_on_cpu_with_distinct_tables(conformance):
             table = block.attn.rope.rope
             table.freqs = table.freqs * (1 + k / 8)
             table.table_id = 1000 + k
-    swap = BlockSwap(swapped, 3, True, CPU, CPU, force=True, pin=None)
+    swap = BlockSwap(swapped, 3, True, CPU, CPU, runtime=SwapRuntime(True, None))
     with torch.no_grad():
         expected = plain(case["inputs.vid"], case["inputs.txt"], case["inputs.vid_shape"],
                          case["inputs.txt_shape"], case["inputs.timestep"])

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from seedvr2.models import vae_blocks
-from seedvr2.models.vae_blocks import CausalConv3d, FrameGroupNorm, conv3d_in_bands
+from seedvr2.models.vae_blocks import CausalConv3d, ConvSpec, FrameGroupNorm, conv3d_in_bands
 
 from conftest import network_bound, rounding_bound
 from test_vae import load_case, tiny_vae  # noqa: F401  (fixture)
@@ -51,7 +51,7 @@ def test_conv_bands_equal_one_call(kernel, stride, padding, monkeypatch):
     whole = F.conv3d(x, weight, bias, stride, padding)
     log = _CallLog(monkeypatch)
     limit = 600  # a few output rows per band: many bands, halos at both ends
-    banded = conv3d_in_bands(x, weight, bias, stride, padding, limit=limit)
+    banded = conv3d_in_bands(x, ConvSpec(weight, bias, stride, padding), limit=limit)
     assert len(log.calls) > 3 and log.within(limit)
     # Same products summed in the same order per output element: float64 bands are expected to
     # match exactly; allow float64 rounding of one 4*27-term sum (conftest.rounding_bound) in

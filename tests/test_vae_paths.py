@@ -15,6 +15,7 @@ from seedvr2.models import vae_paths
 from seedvr2.models.vae_blocks import (
     CausalCache,
     CausalConv3d,
+    ConvSpec,
     FrameGroupNorm,
     ResnetBlock3D,
     conv3d_in_bands,
@@ -107,9 +108,9 @@ def test_fp16_conv_matches_today(limit):
     torch.manual_seed(2)
     x = torch.randn(1, 4, 5, 23, 9).half()
     weight, bias = torch.randn(6, 4, 3, 3, 3).half() * 0.2, torch.randn(6).half()
-    today = conv3d_in_bands(x, weight, bias, 1, (0, 1, 1), limit=limit)
+    today = conv3d_in_bands(x, ConvSpec(weight, bias, (1, 1, 1), (0, 1, 1)), limit=limit)
     with capable_gpu((12, 0), check_products=False) as log:
-        fp16 = conv3d_in_bands(x, weight, bias, 1, (0, 1, 1), limit=limit, paths=FP16)
+        fp16 = conv3d_in_bands(x, ConvSpec(weight, bias, (1, 1, 1), (0, 1, 1), FP16), limit=limit)
     calls = log.calls["comfy_kitchen.fp16_conv3d"]
     assert calls == 1 if limit > 1000 else calls > 3  # one call, or bands
     assert (fp16.float() - today.float()).abs().max().item() <= _conv_bound(weight, x, today)
@@ -120,7 +121,7 @@ def test_fp16_conv_padded_on_the_wrong_side_fails_the_bound(monkeypatch):
     torch.manual_seed(2)
     x = torch.randn(1, 4, 5, 23, 9).half()
     weight, bias = torch.randn(6, 4, 3, 3, 3).half() * 0.2, torch.randn(6).half()
-    today = conv3d_in_bands(x, weight, bias, 1, (0, 1, 1), limit=600)
+    today = conv3d_in_bands(x, ConvSpec(weight, bias, (1, 1, 1), (0, 1, 1)), limit=600)
     real = vae_paths.fp16_conv3d
 
     def swapped(x, weight, bias, stride, pad, residual=None):
@@ -128,7 +129,7 @@ def test_fp16_conv_padded_on_the_wrong_side_fails_the_bound(monkeypatch):
         return real(x, weight, bias, stride, (left, right, bottom, top, front, back), residual)
     monkeypatch.setattr(vae_paths, "fp16_conv3d", swapped)
     with capable_gpu((12, 0), check_products=False):
-        wrong = conv3d_in_bands(x, weight, bias, 1, (0, 1, 1), limit=600, paths=FP16)
+        wrong = conv3d_in_bands(x, ConvSpec(weight, bias, (1, 1, 1), (0, 1, 1), FP16), limit=600)
     assert (wrong.float() - today.float()).abs().max().item() > 10 * _conv_bound(weight, x, today)
 
 

@@ -1,11 +1,10 @@
 """One host allocation holding a model's weights, each tensor a view carved from it.
 
-Sized to the weights and pinned in place (``cudaHostRegister``), unlike per-tensor
-``pin_memory()``, whose caching allocator rounds to powers of two and never gives memory back.
-Pinning is injected (:data:`PinHook`); when it fails, uploads go through a small pinned
-staging buffer (:class:`PinnedStaging`). Inside ComfyUI the pins count in ComfyUI's own
-pinned-memory budget (:class:`ComfyPin`). See docs/memory.md, "Weights off the GPU", and
-docs/comfyui.md, "Pinned memory".
+Sized to the weights and pinned in place (``cudaHostRegister``; ``pin_memory()``'s caching
+allocator rounds to powers of two and never gives memory back). Pinning is injected
+(:data:`PinHook`); where it fails, uploads go through a small pinned :class:`PinnedStaging`;
+inside ComfyUI pins count in its budget (:class:`ComfyPin`). See docs/memory.md, "Weights
+off the GPU", and docs/comfyui.md, "Pinned memory".
 """
 
 from __future__ import annotations
@@ -35,10 +34,8 @@ _CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context (a DiT and VAE
 
 class CudaRuntime:
     """The CUDA runtime calls pinning makes, each returning a ``cudaError_t`` as an int.
-
-    ``cudaGetLastError`` comes from the libcudart torch loaded (found in the process's memory
-    map), so a failed pin's error is reset instead of resurfacing after an unrelated kernel;
-    ``None`` when it cannot be found (docs/memory.md, "Weights off the GPU").
+    ``cudaGetLastError`` (None where not found) is the libcudart torch loaded, from the
+    process's memory map: a failed pin's error is reset, not resurfacing after a later kernel.
     """
 
     def __init__(self):
@@ -66,26 +63,20 @@ def _loaded_runtime_call(name: str) -> Optional[Callable[[], int]]:
     return None
 
 
-def _clear_last_error(runtime: CudaRuntime) -> bool:
-    """Read (and so reset) the runtime's last error; False when that is impossible."""
-    if runtime.cudaGetLastError is None:
-        return False
-    runtime.cudaGetLastError()
-    return True
-
-
 def _not_cleared(runtime: CudaRuntime) -> str:
-    return "" if _clear_last_error(runtime) else \
-        (" (the CUDA runtime's error state could not be reset: a later CUDA error may be "
-         "this one reported again)")
+    """Read (and so reset) the runtime's last error; where impossible, a note for the log."""
+    if runtime.cudaGetLastError is not None:
+        runtime.cudaGetLastError()
+        return ""
+    return (" (the CUDA runtime's error state could not be reset: a later CUDA error may be "
+            "this one reported again)")
 
 
 def cuda_pin(buffer: torch.Tensor, device: Optional[torch.device] = None,
              runtime: Optional[CudaRuntime] = None) -> Optional[Callable[[], None]]:
-    """Page-lock ``buffer`` with ``cudaHostRegister`` (no rounding, no caching allocator); unpinning
-    waits for ``device`` alone (``None``: the current GPU). On failure the runtime's error is reset
-    and ``None`` returned: the arena then uploads through :class:`PinnedStaging`.
-    """
+    """Page-lock ``buffer`` with ``cudaHostRegister``; unpinning waits for ``device`` alone
+    (``None``: the current GPU). On failure the runtime's error is reset and ``None`` returned
+    (the arena then uploads through :class:`PinnedStaging`)."""
     runtime = runtime or CudaRuntime()
     ptr, nbytes = buffer.data_ptr(), buffer.numel() * buffer.element_size()
     status = int(runtime.cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
@@ -119,17 +110,14 @@ def host_pin_ledger():
 
 
 class ComfyPin:
-    """A :data:`PinHook` that pins through ComfyUI, so our arenas count in its pinned-memory
-    budget beside its own models' pins (docs/comfyui.md, "Pinned memory").
-
-    ComfyUI relied on (``comfy.model_management``, 0.3.75 and the current release):
-    ``pin_memory(tensor)``, which page-locks a contiguous CPU tensor with
-    ``cudaHostRegister`` and adds its bytes to ``TOTAL_PINNED_MEMORY`` only while that stays
-    within ``MAX_PINNED_MEMORY`` (current releases first unregister pins of models not in use
-    to make room; 0.3.75 takes only ``Parameter`` tensors, so the buffer is handed over as
-    one); ``unpin_memory(tensor)``, which unregisters it and subtracts it again; and the two
-    numbers (``MAX_PINNED_MEMORY`` <= 0: ComfyUI pins nothing, e.g. ``--disable-pinned-memory``
-    or no NVIDIA/AMD GPU). ``ledger`` is that module (:func:`host_pin_ledger`)."""
+    """A :data:`PinHook` pinning through ComfyUI, so our arenas count in its pinned-memory
+    budget beside its models' pins (docs/comfyui.md, "Pinned memory"). ``ledger``:
+    ``comfy.model_management`` (0.3.75 and the current release), whose ``pin_memory(tensor)``
+    page-locks a contiguous CPU tensor and adds it to ``TOTAL_PINNED_MEMORY`` only within
+    ``MAX_PINNED_MEMORY`` (current releases first unpin models not in use; 0.3.75 takes only
+    ``Parameter`` tensors, so the buffer is handed over as one) and ``unpin_memory(tensor)``
+    undoes it. ``MAX_PINNED_MEMORY`` <= 0: ComfyUI pins nothing (``--disable-pinned-memory``,
+    no NVIDIA/AMD GPU)."""
 
     def __init__(self, ledger, device: torch.device):
         self.ledger, self.device = ledger, device
@@ -173,10 +161,6 @@ class ComfyPin:
             return None, 0
         unpin = self(buffer[:room]) if room else None
         pinned = room if unpin is not None else 0
-        self._log_reduced(pinned, nbytes)
-        return unpin, pinned
-
-    def _log_reduced(self, pinned: int, nbytes: int):
         ledger = self.ledger
         log.warning("pinning %s of the %s offloaded weights: ComfyUI's pinned-memory "
                     "budget (%s) has %s left beside the %s it holds; the rest goes to the GPU "
@@ -185,7 +169,7 @@ class ComfyPin:
                     _size(int(ledger.MAX_PINNED_MEMORY)), _size(self.room() + pinned),
                     _size(int(ledger.TOTAL_PINNED_MEMORY) - pinned),
                     _size(STAGING_SLOTS * STAGING_CHUNK_BYTES))
-
+        return unpin, pinned
 
 
 # Uploads from an arena that could not be pinned go through this many pinned buffers of this
@@ -197,8 +181,7 @@ STAGING_SLOTS = 2
 class PinnedStaging:
     """Host-to-device copies of pageable memory through ``slots`` pinned buffers of
     ``chunk_bytes``: each piece an asynchronous DMA on the current stream, the host waiting only
-    for the copy that last read a buffer (docs/memory.md, "Weights off the GPU"). ``allocate``
-    and ``new_event`` are injectable for tests.
+    for the copy that last read a buffer. ``allocate`` and ``new_event``: injectable for tests.
     """
 
     def __init__(self, chunk_bytes: int = STAGING_CHUNK_BYTES, slots: int = STAGING_SLOTS,
@@ -216,8 +199,7 @@ class PinnedStaging:
         return sum(b.numel() for b in self.buffers)
 
     def copy(self, source: torch.Tensor, out: torch.Tensor):
-        """Copy host ``source`` into the same-shaped device tensor ``out`` on the current
-        stream, piece by piece through the pinned buffers."""
+        """Copy host ``source`` into the device tensor ``out`` through the pinned buffers."""
         src = source.reshape(-1).view(torch.uint8)  # the arena's views are contiguous
         dst = out.view(-1).view(torch.uint8)
         for start in range(0, src.numel(), self.chunk_bytes):
@@ -268,10 +250,8 @@ def arena_bytes(nbytes: Sequence[int]) -> int:
 
 class HostArena:
     """Host memory for tensors of the given shapes and dtypes, one view each (``views[i]``).
-
-    The caller copies its tensors in one at a time (so each original can be freed as soon as
-    it is copied) and calls :meth:`pin` once all are in. ``release()`` (or dropping the
-    arena) unpins; the memory itself is freed when the last view is gone.
+    The caller copies its tensors in one at a time (each original freed at once), then calls
+    :meth:`pin`; ``release()`` (or dropping the arena) unpins; the last view frees the memory.
     """
 
     def __init__(self, specs: Sequence[tuple[torch.Size, torch.dtype]], device="cpu"):
@@ -292,11 +272,9 @@ class HostArena:
         self._unpin: Optional[weakref.finalize] = None
 
     def pin(self, hook: Optional[PinHook]):
-        """Pin the whole arena once through ``hook`` (None: stay pageable). When the hook
-        cannot pin, uploads go through a :class:`PinnedStaging` instead. A :class:`ComfyPin`
-        that cannot pin it all pins the part ComfyUI's budget has room for (the views there
-        upload directly, the others through a staging buffer), and nothing when ComfyUI
-        pins nothing."""
+        """Pin the whole arena once through ``hook`` (None: stay pageable); what is not pinned
+        uploads through a :class:`PinnedStaging`. A :class:`ComfyPin` pins what ComfyUI's budget
+        has room for, and nothing (no staging either) when ComfyUI pins nothing."""
         if hook is None or self.pinned or self.nbytes == 0:
             return
         if isinstance(hook, ComfyPin):
@@ -316,8 +294,7 @@ class HostArena:
 
     @property
     def pinned_bytes(self) -> int:
-        """Page-locked bytes this arena holds: the arena (or the part of it pinned), and its
-        staging buffers."""
+        """Page-locked bytes: the arena (or the part of it pinned) and its staging buffers."""
         staged = self.staging.pinned_bytes if self.staging is not None else 0
         return (self.pinned_upto if self.pinned else 0) + staged
 

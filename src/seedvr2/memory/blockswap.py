@@ -2,9 +2,8 @@
 
 The first ``blocks_to_swap`` blocks (and, with ``swap_io_components``, the input and output
 layers) live in one pinned host arena; the next swapped block is copied on a side CUDA stream
-while the current one runs, at most ``prefetch`` + 1 swapped units are on the GPU, and a used
-copy is dropped (weights never change). :class:`SwapSchedule` decides, :class:`BlockSwap`
-carries it out with forward hooks. Stream ordering: docs/memory.md, "Weights off the GPU".
+while the current one runs (at most ``prefetch`` + 1 on the GPU), a used copy dropped.
+:class:`SwapSchedule` decides, :class:`BlockSwap`'s hooks act (docs/memory.md).
 """
 
 from __future__ import annotations
@@ -21,12 +20,9 @@ log = logging.getLogger("seedvr2")
 
 @dataclass
 class SwapSchedule:
-    """Which swapped units are resident on the compute device around each forward.
-
-    Units are numbered in execution order; ``swapped`` are those living off-device.
-    ``before(i)`` makes unit i resident and starts prefetching the next ``prefetch`` swapped
-    units; ``after(i)`` releases unit i. Every decision is appended to ``log``.
-    """
+    """Which swapped units (numbered in execution order) are on the compute device around each
+    forward: ``before(i)`` makes unit i resident and prefetches the next ``prefetch`` swapped
+    units, ``after(i)`` releases unit i; every decision is appended to ``log``."""
 
     num_units: int
     swapped: frozenset
@@ -59,26 +55,34 @@ class SwapSchedule:
         return events
 
 
-class BlockSwap:
-    """Attach BlockSwap to a NaDiT. ``detach()`` restores plain placement on ``device``.
+@dataclass(frozen=True)
+class SwapRuntime:
+    """How BlockSwap reaches the devices. ``force``: active off CUDA too (tests, benches);
+    ``pin``: "auto" (where it pays), a pin hook or None; ``streams``: torch.cuda's Stream, Event,
+    current_stream and stream (tests: a stand-in; None: torch.cuda, or synchronous copies)."""
 
-    Tensors shared by several units (the RoPE table) stay resident with the never-swapped
-    weights. ``pin`` = "auto": pin where it pays (CPU host, CUDA compute); else a pin hook or None.
-    """
+    force: bool = False
+    pin: object = "auto"
+    streams: object = None
+
+
+class BlockSwap:
+    """Attach BlockSwap to a NaDiT (``detach()``: plain placement on ``device``); tensors shared
+    by several units (the RoPE table) stay resident with the never-swapped weights."""
 
     INPUT_MODULES = ("vid_in", "txt_in", "emb_in")
     OUTPUT_MODULES = ("vid_out_norm", "vid_out_ada", "vid_out")  # in execution order
 
     def __init__(self, model: nn.Module, blocks_to_swap: int, swap_io: bool, device: torch.device,
-                 offload_device: torch.device, prefetch: int = 1, force: bool = False,
-                 pin="auto", streams=None):
+                 offload_device: torch.device, prefetch: int = 1,
+                 runtime: SwapRuntime = SwapRuntime()):
         num_blocks = len(model.blocks)
         if blocks_to_swap > num_blocks:
             log.warning("blocks_to_swap = %d exceeds the model's %d blocks; swapping all %d",
                         blocks_to_swap, num_blocks, num_blocks)
         self.blocks_to_swap = min(blocks_to_swap, num_blocks)
         self.device, self.offload = torch.device(device), torch.device(offload_device)
-        self.active = force or self.device.type == "cuda"
+        self.active = runtime.force or self.device.type == "cuda"
         self.model = model
         if not self.active:
             log.info("BlockSwap inactive: the compute device is %s (it helps only on CUDA)", self.device)
@@ -91,16 +95,15 @@ class BlockSwap:
         swapped = set(range(len(inputs))) | set(range(len(names) - len(outputs), len(names)))
         swapped |= set(range(len(inputs), len(inputs) + self.blocks_to_swap))
         self.schedule = SwapSchedule(len(self.units), frozenset(swapped), prefetch)
-        self.store = WeightStore(model, self.offload,
-                                 default_pin(self.device, self.offload) if pin == "auto" else pin)
+        pin = default_pin(self.device, self.offload) if runtime.pin == "auto" else runtime.pin
+        self.store = WeightStore(model, self.offload, pin)
         self.unit_entries = {i: self.store.entries_under(names[i] + ".") for i in sorted(swapped)}
         swapped_entries = set().union(*self.unit_entries.values()) if swapped else set()
         self.resident_entries = [i for i in range(len(self.store)) if i not in swapped_entries]
         self.copies: dict[int, dict] = {}  # unit -> device copies in flight or in use
         self.ready: dict[int, torch.cuda.Event] = {}
-        # torch.cuda's Stream, Event, current_stream and stream (a recording stand-in in tests);
-        # None: copies are plain synchronous ones (BlockSwap forced on a device without streams).
-        self.streams = streams if streams is not None else \
+        # None: plain synchronous copies (BlockSwap forced on a device without streams).
+        self.streams = runtime.streams if runtime.streams is not None else \
             (torch.cuda if self.device.type == "cuda" else None)
         self.stream = self.streams.Stream(self.device) if self.streams is not None else None
         self.resident_active = False
@@ -128,11 +131,9 @@ class BlockSwap:
             self.resident_active = False
 
     def _start_copy(self, unit: int, computed):
-        """Start copying ``unit``'s weights; ``computed`` is an event on the compute stream
-        after every unit the schedule has released (None without streams). The copy is allocated
-        from the compute stream's pool (reusing released units' blocks at once) and waits for
-        ``computed`` first: docs/memory.md, "Weights off the GPU".
-        """
+        """Start copying ``unit``'s weights, allocated from the compute stream's pool (reusing
+        released units' blocks at once), after ``computed`` (an event on the compute stream
+        after every released unit; None without streams): docs/memory.md."""
         copies = self.store.allocate(self.unit_entries[unit], self.device)
         self.copies[unit] = copies
         if self.stream is None:
@@ -144,10 +145,14 @@ class BlockSwap:
             self.ready[unit] = self.streams.Event()
             self.ready[unit].record(self.stream)
 
-    def _use(self, unit: int):
+    def _wait_for_copy(self, unit: int):
+        """The compute stream waits for ``unit``'s copy, if one is in flight."""
         event = self.ready.pop(unit, None)
         if event is not None:
             self.streams.current_stream(self.device).wait_event(event)
+
+    def _use(self, unit: int):
+        self._wait_for_copy(unit)
         self.store.place(self.copies[unit])
 
     def _before(self, i: int):
@@ -169,11 +174,9 @@ class BlockSwap:
             self._drop(j)
 
     def _drop(self, unit: int):
-        event = self.ready.pop(unit, None)
-        if event is not None:
-            # Copied but never used (a forward cut short): the compute stream, whose pool
-            # takes the memory back now, must not reuse it while the copy may still write.
-            self.streams.current_stream(self.device).wait_event(event)
+        # Copied but never used (a forward cut short): the compute stream, whose pool takes
+        # the memory back now, must not reuse it while the copy may still write.
+        self._wait_for_copy(unit)
         self.copies.pop(unit, None)
         self.store.to_host(self.unit_entries[unit])
 

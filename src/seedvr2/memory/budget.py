@@ -1,10 +1,9 @@
 """Memory budget: what a job needs on each device, known before any frame is processed.
 
-:func:`estimate` computes, per phase (VAE encode, DiT, VAE decode) and device, the bytes of
-the weights resident there plus the phase's activations, from the model configurations alone
-(a pure function, runs on any machine); :func:`check` raises one :class:`BudgetError` naming
-settings that would fit; :func:`auto_batch_size` picks the largest 4n+1 batch that fits. The
-activation model (tensor by tensor, calibrated on CPU peaks) and its CUDA margins:
+:func:`estimate` (pure, from the model configurations alone) gives per phase (VAE encode, DiT,
+VAE decode) and device the resident weights plus activations; :func:`check` raises one
+:class:`BudgetError` naming settings that would fit; :func:`auto_batch_size` picks the largest
+4n+1 batch that fits. The activation model (calibrated on CPU peaks) and its CUDA margins:
 docs/memory.md, "How the estimate is made".
 """
 
@@ -62,18 +61,15 @@ def gib(n: float) -> str:
     return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / MIB:.0f} MiB"
 
 
-# ---------------------------------------------------------------------------------------------
-# Weights
+# == Weights
 
 
 @dataclass(frozen=True)
 class Weights:
-    """Bytes of one model's tensors in memory, split the way BlockSwap moves them.
-
-    ``blocks``: each DiT transformer block (empty for the VAE); ``io``: the DiT's input and
-    output layers; ``other``: everything else (the whole VAE); ``largest_layer``: parameters
-    of the largest linear/convolution weight (a packed weight is dequantised one layer at a
-    time, so one such layer in the compute dtype is transient extra).
+    """Bytes of one model's tensors in memory, split the way BlockSwap moves them: each DiT
+    block (none for the VAE), the DiT's input and output layers, everything else.
+    ``largest_layer``: parameters of the largest linear/conv weight (packed weights are
+    dequantised a layer at a time: one such layer in the compute dtype is transient extra).
     """
 
     blocks: tuple[int, ...] = ()
@@ -109,33 +105,26 @@ class Weights:
 
     @classmethod
     def of_module(cls, module: torch.nn.Module) -> "Weights":
-        """Exact sizes of a loaded model, wherever its tensors are (packed weights count as
-        stored; tensors shared between modules count once)."""
-        seen, sizes = set(), []
+        """Exact sizes of a loaded model (packed weights as stored, shared tensors once)."""
+        unique: dict = {}
         for name, t in named_tensors(module):
-            key = _storage_key(t)
-            if key in seen:
-                continue
-            seen.add(key)
-            sizes.append((name, t.numel() * t.element_size()))
-        return cls._from_sizes(sizes, _largest_layer(module))
+            unique.setdefault(_storage_key(t), (name, t.numel() * t.element_size()))
+        return cls._from_sizes(list(unique.values()), _largest_layer(module))
 
     @classmethod
     def from_config(cls, kind: str, config, bytes_per_param: float) -> "Weights":
-        """Sizes of a model built from ``config`` (DiT or VAE) with every parameter stored at
-        ``bytes_per_param`` (see :func:`~seedvr2.loading.packed.bytes_per_weight`); built on ``meta``, nothing allocated."""
+        """Sizes of a model built on ``meta`` from ``config`` (DiT or VAE), every parameter
+        stored at ``bytes_per_param`` (:func:`~seedvr2.loading.packed.bytes_per_weight`)."""
         model = build_on_meta(kind, config)
         sizes = [(name, math.ceil(t.numel() * bytes_per_param)) for name, t in named_tensors(model)]
         return cls._from_sizes(sizes, _largest_layer(model))
 
     @classmethod
     def from_file(cls, path, kind: str, dtype: torch.dtype) -> tuple["Weights", object]:
-        """(sizes, config) of a weight file as the loader would place it with ``dtype``,
-        read from the file's header only: packed (quantised) weights at their storage size,
-        float tensors converted to ``dtype``."""
+        """(sizes, config) of a weight file placed with ``dtype`` (packed weights at their
+        storage size), from its header only."""
+        from ..loading.load import EMBEDDED_TEXT_KEYS, config_for  # the loader's detection
         from ..loading.weight_files import open_weights
-        from ..loading.load import EMBEDDED_TEXT_KEYS
-        from ..loading.load import config_for  # the loader's own config detection
 
         with open_weights(path) as src:
             config = config_for(src, kind)
@@ -175,28 +164,22 @@ def bytes_on(module: Optional[torch.nn.Module], device: torch.device) -> int:
     if module is None:
         return 0
     device = torch.device(device)
-    seen, total = set(), 0
+    held: dict = {}  # memory held, so each storage once (an offloaded model's arena is one)
     for _, t in named_tensors(module):
-        if t.device.type != device.type or (device.index is not None and t.device.index != device.index):
-            continue
-        # Memory held, so each storage once (an offloaded model's arena is one storage).
-        key = id(t) if t.device.type == "meta" else t.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
+        if t.device.type == device.type and device.index in (None, t.device.index):
+            key = id(t) if t.device.type == "meta" else t.untyped_storage().data_ptr()
+            held.setdefault(key, t.untyped_storage().nbytes())
+    return sum(held.values())
 
 
-# ---------------------------------------------------------------------------------------------
-# The job and where things run
+# == The job and where things run
 
 
 @dataclass(frozen=True)
 class BatchShape:
-    """What one batch of the job looks like: output frame size, frames per batch, precision,
-    VAE tiling. ``chunk_size`` is the option of that name when a chunk's latents and
-    references wait on the compute device between phases (tensor_offload_device none or that
-    device), None when they wait elsewhere (the default)."""
+    """One batch of the job: output frame size, frames per batch, precision, VAE tiling;
+    ``chunk_size``: the option when a chunk's tensors wait on the compute device between
+    phases (tensor_offload_device none or that device), else None (the default)."""
 
     height: int
     width: int
@@ -253,8 +236,7 @@ class Budget:
     vae_weights: Weights
 
 
-# ---------------------------------------------------------------------------------------------
-# Activations
+# == Activations
 
 
 # Calibration on the real-size trace (bench/memory_trace.py): the tensors below are what one
@@ -297,9 +279,11 @@ def _resnet_peak(c_hold: int, c_in: int, c_out: int, layers: int, frames: int, b
     return peak * b
 
 
-def _attention_peak(c: int, b: int) -> float:
+def _mid_peak(c: int, frames: int, b: int) -> float:
+    """Peak bytes per voxel of the mid block: its attention (x, tokens, q, k, v, out, sum) or
+    its residual blocks."""
     up = (4 / b) if b < 4 else 0.0
-    return b * (2 * c + 5 * c + c * up)  # x, tokens, q, k, v, out, sum
+    return max(b * (2 * c + 5 * c + c * up), _resnet_peak(c, c, c, 2, frames, b))
 
 
 def vae_encode_bytes(cfg: VAEConfig, frames: int, height: int, width: int, b: int) -> int:
@@ -318,9 +302,7 @@ def vae_encode_bytes(cfg: VAEConfig, frames: int, height: int, width: int, b: in
             if kinds[i] == "time":
                 t = (t - 1) // 2 + 1
         c_in = c_out
-    peak = max(peak, t * h * w * max(_attention_peak(widths[-1], b),
-                                     _resnet_peak(widths[-1], widths[-1], widths[-1], 2, t, b)))
-    return int(peak)
+    return int(max(peak, t * h * w * _mid_peak(widths[-1], t, b)))
 
 
 def vae_decode_bytes(cfg: VAEConfig, frames: int, height: int, width: int, b: int) -> int:
@@ -331,9 +313,7 @@ def vae_decode_bytes(cfg: VAEConfig, frames: int, height: int, width: int, b: in
     kinds = up_kinds(len(widths), cfg.temporal_scale_num)
     s = cfg.spatial_downsample_factor
     t, h, w = (frames - 1) // cfg.temporal_downsample_factor + 1, height // s, width // s
-    voxels = t * h * w
-    peak = voxels * max(_attention_peak(widths[0], b),
-                        _resnet_peak(widths[0], widths[0], widths[0], 2, t, b))
+    peak = t * h * w * _mid_peak(widths[0], t, b)
     c_in = widths[0]
     for i, c_out in enumerate(widths):
         voxels = t * h * w
@@ -350,13 +330,11 @@ def vae_decode_bytes(cfg: VAEConfig, frames: int, height: int, width: int, b: in
     return int(peak)
 
 
-# Calibration on the real-size trace (bench/memory_trace.py, table in bench/RESULTS.md): the
-# per-layer model above counts every tensor of the layers' own code at its largest; the code
-# holds less (buffers reused, bands and float32 norm pieces of at most SPLIT_ELEMENTS / 4
-# elements above SPLIT_ELEMENTS), the more so the larger a full-resolution plane is. So the
-# model's figure is scaled by what the trace shows for each size class of the full-resolution
-# planes of one piece (channels x frames x pixels): at most SPLIT_ELEMENTS / 4 (a tile),
-# at most SPLIT_ELEMENTS, more. (encode, decode) per class.
+# Calibration on the real-size trace (bench/memory_trace.py, bench/RESULTS.md): the model above
+# counts every tensor of the layers' code at its largest; the code holds less (buffers reused,
+# bands and float32 norm pieces of SPLIT_ELEMENTS / 4), the more so the larger a full-resolution
+# plane. So it is scaled by the trace per size class of one piece's full-resolution planes
+# (channels x frames x pixels): <= SPLIT_ELEMENTS / 4 (a tile), <= SPLIT_ELEMENTS, more.
 _SPLIT = SPLIT_ELEMENTS  # the real limit the calibration was traced with (tests lower the
 # module attribute; the size classes stay those of the code as shipped)
 _CORE_SCALE = ((_SPLIT // 4, (0.95, 0.97)), (_SPLIT, (0.88, 0.64)), (None, (0.74, 0.58)))
@@ -365,41 +343,23 @@ _CORE_SCALE = ((_SPLIT // 4, (0.95, 0.97)), (_SPLIT, (0.88, 0.64)), (None, (0.74
 _CACHE_SCALE = (0.50, 1.18)
 
 
-# Bytes per output pixel and frame the pipeline holds around the VAE, with ``b`` bytes per
-# value of the model dtype: while encoding, the resized video (float32, 12) and its copy in the
-# model dtype; while decoding in pieces, the output the pieces are blended into (traced at
-# b = 2: 19 and 8 bytes, here rounded up to 20 and 9).
-def _encode_held(b: int) -> int:
-    return 14 + 3 * b
-
-
-def _decode_held(b: int) -> int:
-    return 3 + 3 * b
-
-
 # After decoding: the frames in float32 (12 bytes), the decoded video, and what colour
-# correction adds per pixel (traced on fake tensors for the methods that do not depend on
-# the pixels' values: wavelet 48, lab 56, here 4 more; hsv and wavelet_adaptive branch on
-# values, so cannot be traced without data, and keep the former allowance of 16 float32
-# frames).
+# correction adds per pixel (traced on fake tensors: wavelet 48, lab 56, here 4 more; hsv and
+# wavelet_adaptive branch on values, untraceable without data: 16 float32 frames).
 _COLOUR_BYTES = {"none": 0, "wavelet": 52, "lab": 60, "adain": 60, "hsv": 192,
                  "wavelet_adaptive": 192}
 
 
 def _core_scale(cfg: VAEConfig, frames: int, height: int, width: int, decode: bool) -> float:
     plane = cfg.block_out_channels[0] * frames * height * width
-    for limit, scales in _CORE_SCALE:
-        if limit is None or plane <= limit:
-            return scales[decode]
-    raise AssertionError("unreachable")  # pragma: no cover
+    return next(scales[decode] for limit, scales in _CORE_SCALE if limit is None or plane <= limit)
 
 
 def _causal_cache_bytes(cfg: VAEConfig, height: int, width: int, b: int,
                         int8_cache: str = "off") -> int:
-    """Frames a temporal slice carries to the next (two per causal 3x3x3 conv), summed over
-    the levels: each level's convs at that level's width and resolution. ``int8_cache`` (the
-    option vae_int8_cache): tails from ``INT8_CACHE_BYTES`` on at one byte per value, and with
-    ``host`` parked off the device but the one read and the one fetched ahead."""
+    """Frames a temporal slice carries on (two per causal 3x3x3 conv), at each level's width
+    and resolution. ``int8_cache`` (vae_int8_cache): tails from ``INT8_CACHE_BYTES`` on at a
+    byte per value; ``host``: parked off the device but the one read and the one fetched."""
     from ..models.vae_paths import INT8_CACHE_BYTES
 
     convs_per_level = 2 * (cfg.layers_per_block + 1) + 2
@@ -416,8 +376,7 @@ def _causal_cache_bytes(cfg: VAEConfig, height: int, width: int, b: int,
 
 
 def _laid_tile(pixels: int, tiles: TileSettings) -> int:
-    """The edge of the tiles laid along ``pixels`` (``tiling.tile_layout``: the fewest tiles
-    of the smallest equal size; exact tiles are cut on a grid of ``tile_size``)."""
+    """The edge of the tiles laid along ``pixels`` (as ``tiling.tile_layout``; exact: the size)."""
     if getattr(tiles, "exact", False):
         return tiles.tile_size
     m = TILE_MULTIPLE
@@ -439,27 +398,28 @@ def _vae_phase(cfg: VAEConfig, shape: BatchShape, decode: bool) -> int:
     cache = _causal_cache_bytes(cfg, th, tw, b, shape.vae_int8_cache) if piece < frames else 0
     pieced = piece < frames or (th, tw) != (hp, wp)
     pixels = frames * hp * wp
-    if tiles.enabled and getattr(tiles, "exact", False) and getattr(tiles, "state_device", "cpu") is None:
-        # Exact tiling with its frame-wide planes on the VAE's device: a layer's input and
-        # output over the whole frame, at the widest full-resolution layer, in float32.
-        widths = cfg.block_out_channels
-        pixels_planes = pixels * 4 * (widths[0] + widths[min(1, len(widths) - 1)])
-    else:
-        pixels_planes = 0
+    # Exact tiling with its frame-wide planes on the VAE's device: a layer's input and output
+    # over the whole frame, at the widest full-resolution layer, in float32.
+    planes_here = tiles.enabled and getattr(tiles, "exact", False) \
+        and getattr(tiles, "state_device", "cpu") is None
+    widths = cfg.block_out_channels
+    pixels_planes = pixels * 4 * (widths[0] + widths[min(1, len(widths) - 1)]) if planes_here else 0
     scale = _core_scale(cfg, piece, th, tw, decode)
     cache = int(cache * _CACHE_SCALE[decode])
+    # Bytes per output pixel and frame the pipeline holds around the VAE, with ``b`` bytes per
+    # value of the model dtype: while encoding, the resized video (float32, 12) and its copy in
+    # the model dtype; while decoding in pieces, the output the pieces are blended into (traced
+    # at b = 2: 19 and 8 bytes, here rounded up to 20 and 9) and one piece's float32 blend.
     if decode:
         core = int(vae_decode_bytes(cfg, piece, th, tw, b) * scale) + cache
-        # The full-frame output of the pieces, and one piece's float32 blend (value, weight).
-        held = pixels * _decode_held(b) + piece * th * tw * 3 * 8 if pieced else 0
+        held = pixels * (3 + 3 * b) + piece * th * tw * 3 * 8 if pieced else 0
         after = pixels * (12 + 3 * b + _COLOUR_BYTES.get(shape.color_correction, 192))
         return max(core + held + pixels_planes, after)
     core = int(vae_encode_bytes(cfg, piece, th, tw, b) * scale) + cache
-    return core + pixels * _encode_held(b) + pixels_planes
+    return core + pixels * (14 + 3 * b) + pixels_planes
 
 
-# ---------------------------------------------------------------------------------------------
-# The estimate
+# == The estimate
 
 
 @dataclass(frozen=True)
@@ -546,8 +506,7 @@ def fits(budget: Budget, shape: BatchShape, place: Placement, available: Mapping
     return not shortfalls(estimate(budget, shape, place), available)
 
 
-# ---------------------------------------------------------------------------------------------
-# Settings that fit
+# == Settings that fit
 
 
 def smallest_batch(temporal_overlap: int) -> int:
@@ -557,9 +516,8 @@ def smallest_batch(temporal_overlap: int) -> int:
 
 def batch_candidates(plan_frames: int, temporal_overlap: int, lowest: int = AUTO_MIN_BATCH,
                      highest: int = AUTO_MAX_BATCH) -> list[int]:
-    """4n+1 batch sizes 'auto' may pick, largest first: above ``temporal_overlap``, at most
-    the clip (``plan_frames`` rounded up to 4n+1) and ``highest``, at least ``lowest`` unless
-    the clip is shorter."""
+    """4n+1 batch sizes 'auto' may pick, largest first: above ``temporal_overlap``, at most the
+    clip (rounded up to 4n+1) and ``highest``, at least ``lowest`` unless the clip is shorter."""
     floor = smallest_batch(temporal_overlap)
     top = max(min(plan_frames + (1 - plan_frames) % 4, highest), floor)
     bottom = max(floor, min(lowest, top))
@@ -637,10 +595,9 @@ def _first_fit(budget: Budget, options: list, available: Mapping[str, int]):
 
 def _single_changes(budget: Budget, shape: BatchShape, place: Placement, failing: set,
                     min_batch: int):
-    """Each kind of single change, cheapest kind first (the README's order, "Out of
-    memory"), as a list of (shape, placement, text) from the least to the most it changes:
-    smaller batches, VAE tiles, offloading the VAE or the DiT or both (text None: a
-    combination, which :func:`alternatives` does not offer alone), the waiting tensors,
+    """Each kind of single change, cheapest first (the README's "Out of memory"), as a list of
+    (shape, placement, text) from the least to the most it changes: smaller batches, VAE tiles,
+    offloading the VAE, the DiT or both (text None: not offered alone), the waiting tensors,
     BlockSwap."""
     yield [(replace(shape, batch_size=n), place, option_ref("batch_size", n))
            for n in range(shape.batch_size - 4, min_batch - 1, -4)]
@@ -662,19 +619,15 @@ def _single_changes(budget: Budget, shape: BatchShape, place: Placement, failing
 
 def alternatives(budget: Budget, shape: BatchShape, place: Placement,
                  available: Mapping[str, int], min_batch: int = 1) -> list[str]:
-    """Settings that would make the job fit: each single change from the current settings
-    that is enough on its own (the least of each kind); when none is, one combination (or an
-    empty list)."""
+    """Settings that would make the job fit: each single change enough on its own (the least
+    of each kind); when none is, one combination (or none)."""
     failing = failing_phases(estimate(budget, shape, place), available)
     found = [_first_fit(budget, [o for o in options if o[2] is not None], available)
              for options in _single_changes(budget, shape, place, failing, min_batch)]
     if any(found):
         return [text for _, _, text in filter(None, found)]
     combined = _fit_combined(budget, shape, place, available, min_batch)
-    if combined is None:
-        return []
-    changes, costs = _changes(shape, place, *combined)
-    return ["all of: " + Fit(changes, *combined, costs).describe()]
+    return [] if combined is None else ["all of: " + _fit(shape, place, *combined).describe()]
 
 
 @dataclass(frozen=True)
@@ -698,10 +651,10 @@ _COSTS = {"batch": "smaller batches: less temporal consistency",
           "swap": "DiT blocks stream from host RAM: slower DiT"}
 
 
-def _changes(shape: BatchShape, place: Placement, new_shape: BatchShape,
-             new_place: Placement) -> tuple[tuple[tuple[str, object], ...], tuple[str, ...]]:
-    """The options (name, value) that turn (shape, place) into (new_shape, new_place), and the
-    costs of those changes."""
+def _fit(shape: BatchShape, place: Placement, new_shape: BatchShape,
+         new_place: Placement) -> Fit:
+    """The :class:`Fit` that turns (shape, place) into (new_shape, new_place): the options
+    (name, value) and the costs of those changes."""
     out, costs = [], []
     if new_shape.batch_size != shape.batch_size:
         out.append(("batch_size", new_shape.batch_size))
@@ -726,23 +679,19 @@ def _changes(shape: BatchShape, place: Placement, new_shape: BatchShape,
         if new_place.swap_io != place.swap_io:
             out.append(("swap_io_components", new_place.swap_io))
         costs.append(_COSTS["swap"])
-    return tuple(out), tuple(costs)
+    return Fit(tuple(out), new_shape, new_place, tuple(costs))
 
 
 def fit_job(budget: Budget, shape: BatchShape, place: Placement,
             available: Mapping[str, int], min_batch: int = 1) -> Optional[Fit]:
-    """The cheapest settings the budget finds that make the job fit ``available`` (the first
-    single change of :func:`_single_changes` that is enough, else a combination as
-    :func:`alternatives` makes), or None when nothing fits."""
+    """The cheapest settings that make the job fit ``available`` (the first single change that
+    is enough, else the combination :func:`alternatives` offers), or None."""
     failing = failing_phases(estimate(budget, shape, place), available)
     found = next(filter(None, (_first_fit(budget, options, available) for options in
                                _single_changes(budget, shape, place, failing, min_batch))), None)
     found = found[:2] if found is not None else _fit_combined(budget, shape, place, available,
                                                               min_batch)
-    if found is None:
-        return None
-    changes, costs = _changes(shape, place, *found)
-    return Fit(changes, found[0], found[1], costs)
+    return None if found is None else _fit(shape, place, *found)
 
 
 def _fit_combined(budget: Budget, shape: BatchShape, place: Placement,
@@ -791,31 +740,30 @@ def check(budget: Budget, shape: BatchShape, place: Placement, available: Mappin
 
 
 def auto_batch_size(budget: Budget, shape: BatchShape, place: Placement, available: Mapping[str, int],
-                    plan_frames: int, temporal_overlap: int) -> int:
-    """The largest of :func:`batch_candidates` that fits (on CUDA devices, in
-    :data:`AUTO_CUDA_SHARE` of the memory available); :class:`BudgetError` when even the
-    smallest does not fit the whole memory (naming what would fit)."""
+                    plan_frames: int, temporal_overlap: int, strict: bool = True) -> int:
+    """The largest of :func:`batch_candidates` that fits (on CUDA within :data:`AUTO_CUDA_SHARE`);
+    nothing known, or nothing fits and not ``strict`` (``fit`` auto changes other settings):
+    the smallest; else :class:`BudgetError` naming what would fit."""
     candidates = batch_candidates(plan_frames, temporal_overlap)
     planned = {d: int(have * AUTO_CUDA_SHARE) if d.startswith("cuda") else have
                for d, have in available.items()}
-    for size in candidates:
+    for size in candidates if available else ():
         if fits(budget, replace(shape, batch_size=size), place, planned):
             return size
-    if fits(budget, replace(shape, batch_size=candidates[-1]), place, available):
-        return candidates[-1]  # only the smallest fits, above the share: still worth a try
-    smallest = replace(shape, batch_size=candidates[-1])
-    check(budget, smallest, place, available, min_batch=smallest_batch(temporal_overlap),
-          batch_text=f"{option_ref('batch_size', 'auto')} (even {candidates[-1]} frames)")
-    return candidates[-1]  # pragma: no cover (check raised)
+    if strict:  # only the smallest fits, above the share: still worth a try; else refused
+        check(budget, replace(shape, batch_size=candidates[-1]), place, available,
+              min_batch=smallest_batch(temporal_overlap),
+              batch_text=f"{option_ref('batch_size', 'auto')} (even {candidates[-1]} frames)")
+    return candidates[-1]
 
 
-# ---------------------------------------------------------------------------------------------
+# == Host RAM checks
+
+
 def exact_tiling_host_bytes(cfg: VAEConfig, shape: BatchShape,
                             stages: tuple = ("encode", "decode")) -> int:
-    """Host RAM the exact tiling mode holds in frame-wide planes (``state_device`` cpu) for the
-    tiled ``stages``: about three full-resolution planes over the frames in flight, in the model
-    dtype (docs/memory.md, "Exact spatial tiles").
-    """
+    """Host RAM exact tiling holds in frame-wide planes (``state_device`` cpu) for ``stages``:
+    about three full-resolution planes over the frames in flight, in the model dtype."""
     c0, c1 = cfg.block_out_channels[0], cfg.block_out_channels[min(1, len(cfg.block_out_channels) - 1)]
 
     def frames(slice_: Optional[int]) -> int:
@@ -827,8 +775,7 @@ def exact_tiling_host_bytes(cfg: VAEConfig, shape: BatchShape,
 
 def check_exact_tiling(cfg: VAEConfig, shape: BatchShape, available: Optional[int],
                        stages: tuple = ("encode", "decode")) -> int:
-    """Raise :class:`BudgetError` when the exact tiling mode's planes would not fit the host's
-    available RAM (``None``: unknown, no check); returns the estimate."""
+    """Raise :class:`BudgetError` when exact tiling's planes exceed the host RAM; returns them."""
     need = exact_tiling_host_bytes(cfg, shape, stages)
     available = known_size(available, "the host's RAM")
     if available is None or need <= 0.9 * available:
@@ -849,12 +796,9 @@ HOST_COPY_SHARE = 0.9  # of the host RAM available, what persistent (pinned) wei
 
 
 def check_host_copy(nbytes: int, available: Optional[int], setting: str):
-    """Raise :class:`BudgetError` when a model's persistent host copy (``nbytes``, see
-    ``memory.arena``) would not fit the host RAM ``available`` (None: unknown, no check).
-
-    Offloaded weights are pinned on CUDA machines: pinned pages can never be swapped out, so
-    over-committing them stalls the whole machine instead of failing cleanly.
-    """
+    """Raise :class:`BudgetError` when a model's persistent host copy (``nbytes``) would not fit
+    the host RAM ``available`` (None: no check): pinned on CUDA machines, its pages can never be
+    swapped out, so over-committing them stalls the machine instead of failing cleanly."""
     available = known_size(available, "the host's RAM")
     if available is None or nbytes <= HOST_COPY_SHARE * available:
         return
@@ -904,9 +848,8 @@ def known_size(reported, source: str) -> Optional[int]:
 
 
 def device_available(device: torch.device, own_bytes: int = 0) -> Optional[int]:
-    """Bytes a job can use on ``device``: free memory, plus memory PyTorch has cached but not
-    allocated, plus ``own_bytes`` (our models' tensors already there, which the estimate
-    counts as part of the job). For the CPU (and other non-CUDA devices) host RAM."""
+    """Bytes a job can use on ``device``: free plus cached-but-unallocated memory (off CUDA:
+    host RAM), plus ``own_bytes`` (our models' tensors there, counted in the estimate)."""
     device = torch.device(device)
     if device.type == "cuda":
         free = known_size(torch.cuda.mem_get_info(device)[0], str(device))
@@ -916,12 +859,3 @@ def device_available(device: torch.device, own_bytes: int = 0) -> Optional[int]:
         return None if free is None else free + cached + own_bytes
     ram = known_size(host_available(), "the host's RAM")
     return None if ram is None else ram + own_bytes
-
-
-__all__ = ["Budget", "BudgetError", "Estimate", "BatchShape", "Fit", "PhaseNeed", "Placement",
-           "Weights", "fit_job",
-           "alternatives", "auto_batch_size", "batch_candidates", "bytes_on", "check",
-           "check_host_copy",
-           "device_available", "dit_activation_bytes", "estimate", "failing_phases", "fits",
-           "host_available",
-           "host_rss", "known_size", "shortfalls", "vae_decode_bytes", "vae_encode_bytes"]

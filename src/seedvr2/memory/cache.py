@@ -1,10 +1,9 @@
 """The model cache: the library's one piece of global mutable state, on purpose.
 
-ComfyUI runs workflow after workflow in one process, and the CLI upscales folder after folder;
-reloading a 7B model each time would waste minutes. ``MODEL_CACHE`` keeps loaded models keyed
-by everything that shaped them — file identity, format, precision, device, BlockSwap and
-compile settings — so a second run with the same settings reuses them and a changed setting
-reloads exactly the model it concerns. ``clear()`` frees everything.
+ComfyUI runs workflow after workflow in one process, the CLI folder after folder: reloading a
+7B model each time would waste minutes. ``MODEL_CACHE`` keys loaded models by everything that
+shaped them (file identity, format, precision, device, BlockSwap and compile settings), so a
+changed setting reloads exactly the model it concerns. ``clear()`` frees everything.
 """
 
 from __future__ import annotations
@@ -45,11 +44,8 @@ class ModelCache:
         self._lock = threading.Lock()
 
     def get_or_load(self, key: ModelKey, load: Callable[[], object], keep: bool):
-        """The cached model for ``key``, else ``load()`` (cached when ``keep``).
-
-        A cached model of the same kind and file with other settings is evicted: it would
-        only hold memory.
-        """
+        """The cached model for ``key``, else ``load()`` (cached when ``keep``); a cached model
+        of the same kind with other settings is evicted first (it would only hold memory)."""
         with self._lock:
             if key in self._models:
                 return self._models[key]
@@ -86,8 +82,7 @@ class ModelCache:
         return bool(gone)  # dropped here, out of the lock (a companion's __del__ may use us)
 
     def _evict(self, match) -> list:
-        """Remove the matching entries; returns what they held, for the caller to drop once
-        out of the lock."""
+        """Remove the matching entries; returns them, to drop out of the lock."""
         gone = []
         for k in [k for k in self._models if match(k)]:
             gone.append((self._models.pop(k), self._attached.pop(k, None)))

@@ -58,9 +58,8 @@ class CompileSettings:
 
 
 def _compile_forward(module: nn.Module, settings: CompileSettings, shared: dict):
-    """Route ``module.forward`` through a compiled copy of its class's forward, compiled once per
-    class (``shared``) so modules of one structure (all DiT blocks alike) share graphs.
-    """
+    """Route ``module.forward`` through its class's forward compiled once per class
+    (``shared``): modules of one structure (the DiT blocks) share graphs."""
     eager = module.forward
     function = type(module).forward
     if function not in shared:
@@ -86,8 +85,7 @@ def _compile_forward(module: nn.Module, settings: CompileSettings, shared: dict)
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """Whether ``error`` is, or wraps, an out-of-memory error (Dynamo and Inductor wrap
-    errors raised while compiling or autotuning in their own exception types)."""
+    """Whether ``error`` is or wraps (as Dynamo and Inductor do) an out-of-memory error."""
     seen = set()
     while error is not None and id(error) not in seen:
         if isinstance(error, torch.OutOfMemoryError):
@@ -123,6 +121,5 @@ def apply_compile(dit: nn.Module | None, vae: nn.Module | None, settings: Compil
 
 
 def is_compiled(module: nn.Module) -> bool:
-    """Whether :func:`apply_compile` routed ``module``'s forward through torch.compile (a
-    Python callback inside it would break its graph: callers keep theirs outside)."""
+    """Whether :func:`apply_compile` compiled ``module``'s forward (callbacks stay outside)."""
     return hasattr(module, "_compile_failed")

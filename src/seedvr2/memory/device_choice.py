@@ -60,11 +60,9 @@ class NonFiniteError(SeedVR2Error, RuntimeError):
 
 
 def check_finite(values: torch.Tensor, phase: str, dtype: torch.dtype, batch: str = ""):
-    """Raise :class:`NonFiniteError` when ``values`` (a phase's output for one batch: the
-    latent, the DiT's output, the decoded frames) hold NaN or inf, naming the phase, the batch
-    and the likely cause; one flag read back per batch and phase (docs/memory.md, ``dtype``
-    auto). In fp16 the cause is its range; weight files are checked at load and input frames
-    when read, so elsewhere it is a weight of extreme magnitude."""
+    """Raise :class:`NonFiniteError` when a phase's output for one batch holds NaN or inf,
+    naming the phase, the batch and the likely cause (in fp16 its range; elsewhere a weight of
+    extreme magnitude: files and frames are checked when read); one flag read back."""
     if values.device.type == "meta" or is_fake(values):
         return  # a traced run (placement, memory): no values to read
     if bool(torch.isfinite(values).all()):

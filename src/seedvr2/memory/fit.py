@@ -1,8 +1,7 @@
-"""A job's memory decision, made before any model loads: ``batch_size`` auto resolved, the
-job fitted to the memory available (``fit`` auto: the cheapest change that fits, said in one
-line), ``max_vram`` applied and the budget checked (``SEEDVR2_MEMORY_CHECK``). It needs the
-models' configs and weight sizes only (from the files' headers, :meth:`Weights.from_file`),
-so a fitted job loads each model once, placed as the fit says. docs/memory.md#the-memory-budget.
+"""A job's memory decision, made before any model loads (from configs and the files'
+headers, :meth:`Weights.from_file`, so a fitted job loads each model once): ``batch_size`` auto
+resolved, the job fitted to the memory available (``fit`` auto: the cheapest change, said in
+one line), ``max_vram`` applied, the budget checked. docs/memory.md#the-memory-budget.
 """
 
 from __future__ import annotations
@@ -63,9 +62,8 @@ class ModelDevices:
 
 @dataclass(frozen=True)
 class JobMemory:
-    """What the memory decision knows of a job besides its options: the models (configs and
-    weight sizes), their devices, the text embedding's rows, and the bytes of our models
-    already on each device (a cached or given model: they count as available)."""
+    """What the memory decision knows besides the options: the models (configs, weight sizes),
+    their devices, the text rows, and our models' bytes on each device (count as available)."""
 
     budget: mem.Budget
     devices: ModelDevices
@@ -97,9 +95,8 @@ def plan_frames_of(frame_count: int, opts: Options) -> int:
 
 
 def capped(known: dict, devices: set, max_vram: float) -> dict:
-    """The memory available on each device, at most ``max_vram`` GiB on each accelerator of
-    ``devices`` (the CPU's RAM only when no accelerator computes: the cap is on VRAM); a
-    device whose memory is unknown plans within the cap. 0: no cap."""
+    """The memory on each device, at most ``max_vram`` GiB (0: no cap) on each accelerator of
+    ``devices`` (the CPU only when none computes), an unknown one planning within the cap."""
     if not max_vram:
         return known
     cap = int(max_vram * mem.GIB)
@@ -108,9 +105,8 @@ def capped(known: dict, devices: set, max_vram: float) -> dict:
 
 
 def measured(memory: JobMemory) -> dict:
-    """Bytes available to the job on each device where that is known (our models' own
-    tensors there count as available). The CPU counts the host's available RAM: a job past
-    it fails in the allocator minutes into its work, naming no setting."""
+    """Bytes available to the job on each device where known (our models' tensors count); the
+    CPU's is the host's RAM (a job past it fails in the allocator, naming no setting)."""
     available = {d: mem.device_available(torch.device(d), memory.own.get(d, 0))
                  for d in sorted(memory.devices.compute)}
     return {d: a for d, a in available.items() if a is not None}
@@ -119,9 +115,8 @@ def measured(memory: JobMemory) -> dict:
 def decide(memory: JobMemory, opts: Options, frame_count: int, size: tuple[int, int],
            make_room: Optional[MakeRoom] = None,
            fixed_batch: bool = False) -> tuple[Options, mem.Estimate]:
-    """The options the job runs with and their estimate: ``make_room`` (a host such as
-    ComfyUI) first asked for what the job's largest batch needs, then this process's devices
-    measured (:func:`fit_options`)."""
+    """The options the job runs with and their estimate: ``make_room`` (a host: ComfyUI) asked
+    for the largest batch's needs, then the devices measured (:func:`fit_options`)."""
     if make_room is not None:
         auto = opts.batch_size == "auto"
         biggest = mem.batch_candidates(plan_frames_of(frame_count, opts),
@@ -134,10 +129,9 @@ def decide(memory: JobMemory, opts: Options, frame_count: int, size: tuple[int, 
 
 def fit_options(memory: JobMemory, opts: Options, frame_count: int, size: tuple[int, int],
                 known: dict, fixed_batch: bool = False) -> tuple[Options, mem.Estimate]:
-    """Resolve ``batch_size="auto"``, fit the job to ``known`` (bytes available per device,
-    capped by ``max_vram``) and check the budget (:class:`~.budget.BudgetError`), before any
-    work starts. ``fixed_batch``: the batch plan is already made (every rank of a distributed
-    job runs it), so a fit keeps the batch size."""
+    """Resolve ``batch_size="auto"``, fit the job to ``known`` (bytes per device, capped by
+    ``max_vram``) and check the budget (:class:`~.budget.BudgetError`). ``fixed_batch``: the
+    batch plan is made (every rank of a distributed job runs it): a fit keeps the batch size."""
     place = memory.devices.placement(opts)
     known = capped(known, memory.devices.compute, opts.max_vram)
     auto = opts.batch_size == "auto"
@@ -158,22 +152,13 @@ def fit_options(memory: JobMemory, opts: Options, frame_count: int, size: tuple[
 
 def _auto_batch(memory: JobMemory, opts: Options, frame_count: int, size: tuple[int, int],
                 known: dict) -> int:
-    """``batch_size="auto"`` as a number, said in one line: the largest candidate whose
-    estimate fits the accelerators (else every device) of ``known``; when not even the
-    smallest fits, that one (``fit`` auto then changes other settings) or the error
-    (``fit`` strict); nothing known: the smallest."""
+    """``batch_size="auto"`` as a number (:func:`~.budget.auto_batch_size` on the
+    accelerators of ``known``, else every device; ``fit`` strict refuses), said in one line."""
     plan_frames = plan_frames_of(frame_count, opts)
     limits = {d: a for d, a in known.items() if d != "cpu"} or known
-    candidates = mem.batch_candidates(plan_frames, opts.temporal_overlap)
-    batch = candidates[-1]
-    if limits:
-        try:
-            batch = mem.auto_batch_size(memory.budget, memory.shape(opts, size, 5),
-                                        memory.devices.placement(opts), limits, plan_frames,
-                                        opts.temporal_overlap)
-        except mem.BudgetError:
-            if opts.fit != "auto":
-                raise
+    batch = mem.auto_batch_size(memory.budget, memory.shape(opts, size, 5),
+                                memory.devices.placement(opts), limits, plan_frames,
+                                opts.temporal_overlap, strict=opts.fit != "auto")
     log.info("batch_size auto: %d frames per batch (largest 4n+1 that fits %s for %dx%d "
              "output, %d frames)", batch, ", ".join(
                  f"{mem.gib(v)} on {d}" for d, v in limits.items()) or "the default",
@@ -183,10 +168,9 @@ def _auto_batch(memory: JobMemory, opts: Options, frame_count: int, size: tuple[
 
 def _fitted(budget: mem.Budget, batch: mem.BatchShape, place: mem.Placement, known: dict,
             opts: Options, lowest: int):
-    """With ``fit`` auto, a job over budget gets the cheapest settings that fit (the batch
-    kept at least :data:`~.budget.AUTO_MIN_BATCH` frames where anything fits so, never below
-    ``lowest``); returns the options, batch shape and placement to run with (unchanged when
-    it fits or nothing does)."""
+    """The options, batch shape and placement to run with: with ``fit`` auto, a job over budget
+    gets the cheapest settings that fit (keeping :data:`~.budget.AUTO_MIN_BATCH` frames where
+    anything fits so, never below ``lowest``); unchanged when it fits or nothing does."""
     short = mem.shortfalls(mem.estimate(budget, batch, place), known)
     if opts.fit != "auto" or not short:
         return opts, batch, place
@@ -207,9 +191,8 @@ def _fitted(budget: mem.Budget, batch: mem.BatchShape, place: mem.Placement, kno
 
 def _ask_for_room(make_room: MakeRoom, est: mem.Estimate, own: Mapping[str, int],
                   auto: bool) -> None:
-    """Ask the host for the bytes ``est`` needs on each device beyond our models' own tensors
-    there, before memory is measured (why: docs/comfyui.md); an automatic batch on CUDA plans
-    within :data:`~seedvr2.memory.budget.AUTO_CUDA_SHARE` of it, so asks for that much more."""
+    """Ask the host for what ``est`` needs on each device beyond our models' tensors there,
+    before measuring (docs/comfyui.md); an automatic CUDA batch asks for the share it plans in."""
     for device in sorted(est.devices):
         need = est.peak(device)
         if auto and device.startswith("cuda"):

@@ -1,10 +1,9 @@
 """Where a model's weights wait and how they reach the compute device.
 
-A model that waits off its compute device (``dit_offload_device`` / ``vae_offload_device``)
-or swaps blocks keeps **one persistent host copy** of every tensor (:class:`WeightStore`, in a
-``memory.arena.HostArena``, pinned on CUDA machines): bringing weights to the device is an
-asynchronous copy from it, sending them back only drops the device tensors. A tensor under
-several names is one entry. Why this is safe on CUDA: docs/memory.md, "Weights off the GPU".
+A model that waits off its compute device or swaps blocks keeps **one persistent host copy**
+of every tensor (:class:`WeightStore`, a ``memory.arena.HostArena``, pinned on CUDA machines):
+to the device is an asynchronous copy, back only drops the device tensors. Why this is safe on
+CUDA: docs/memory.md, "Weights off the GPU".
 """
 
 from __future__ import annotations
@@ -27,19 +26,15 @@ def named_tensors(module: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
                            module.named_buffers(remove_duplicate=False))
 
 
-def unique_tensors(module: nn.Module) -> list[torch.Tensor]:
-    return list({id(t): t for _, t in named_tensors(module)}.values())
-
-
 def host_copy_bytes(module: nn.Module) -> int:
     """Host bytes a :class:`WeightStore` of ``module`` holds (its arena)."""
-    return arena_bytes([t.numel() * t.element_size() for t in unique_tensors(module)])
+    unique = {id(t): t for _, t in named_tensors(module)}.values()
+    return arena_bytes([t.numel() * t.element_size() for t in unique])
 
 
 def default_pin(compute: torch.device, host: torch.device) -> Optional[PinHook]:
-    """Pin host copies only where it pays: CPU memory feeding a CUDA device (whose copies
-    unpinning then waits for, and no other GPU's). Inside ComfyUI through ComfyUI, so the
-    pins count in its pinned-memory budget (:class:`~seedvr2.memory.arena.ComfyPin`)."""
+    """Pin host copies only where it pays: CPU memory feeding a CUDA device (unpinning waits
+    for that GPU alone); inside ComfyUI through its budget (:class:`~.arena.ComfyPin`)."""
     if compute.type != "cuda" or host.type != "cpu":
         return None
     ledger = host_pin_ledger()
@@ -50,8 +45,7 @@ def default_pin(compute: torch.device, host: torch.device) -> Optional[PinHook]:
 
 def tail_parking(compute: torch.device):
     """``park(n)`` for the VAE's causal caches (``vae_int8_cache`` host): a host arena of ``n``
-    int8 codes for one parked tail, pinned as weights are (:func:`default_pin`: inside ComfyUI
-    counted in its pinned-memory budget), unpinned when the cache lets it go."""
+    int8 codes for one parked tail, pinned as weights are (:func:`default_pin`)."""
     pin = default_pin(compute, torch.device("cpu"))
 
     def park(n: int) -> HostArena:
@@ -62,8 +56,7 @@ def tail_parking(compute: torch.device):
 
 
 class WeightStore:
-    """One persistent copy of every tensor of ``model`` on ``host`` (an arena), with the
-    names each tensor is referenced by. Entries are numbered in ``model``'s order."""
+    """One persistent copy of every tensor of ``model`` on ``host`` (an arena), with its names."""
 
     def __init__(self, model: nn.Module, host: torch.device, pin: Optional[PinHook]):
         self.model = model
@@ -144,11 +137,8 @@ class WeightStore:
 
 
 class OffloadedModel:
-    """A model that waits on ``offload`` between its phases and runs on ``device``.
-
-    ``activate()`` copies every weight from the persistent host copy (non-blocking);
-    ``park()`` drops the device copies. Both are idempotent.
-    """
+    """A model that waits on ``offload`` between its phases and runs on ``device``:
+    ``activate()`` uploads every weight (non-blocking), ``park()`` drops the device copies."""
 
     def __init__(self, model: nn.Module, device, offload, pin: Optional[PinHook]):
         self.device, self.offload = torch.device(device), torch.device(offload)

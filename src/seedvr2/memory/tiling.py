@@ -1,18 +1,17 @@
 """Run the causal video VAE in bounded memory: spatial tiles and causal temporal slices.
 
 Causal temporal slices are exact (a ``CausalCache`` carries each conv's last frames). Exact
-spatial tiles (the default) run the network layer by layer over frame-wide planes on
-``state_device``, tile by tile, with whole-frame GroupNorm statistics: untiled up to float
-rounding. Fast tiles (``exact=False``) are independent, overlapping and cross-faded:
-approximate. They combine; with neither, :func:`encode_posterior` and :func:`decode` are the
-plain VAE calls. Design, bounds and costs: docs/memory.md, "VAE tiling and temporal slices".
+spatial tiles (default) run the network layer by layer over frame-wide planes on
+``state_device``, tile by tile, with whole-frame GroupNorm statistics (untiled up to rounding);
+fast tiles (``exact=False``) are independent and cross-faded (approximate). Design, bounds and
+costs: docs/memory.md, "VAE tiling and temporal slices".
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +20,7 @@ from torch import Tensor, nn
 from ..options import OptionError
 from ..errors import InputError, UsageError
 from ..models.pointwise import silu
-from ..models.vae import LOGVAR_MAX, LOGVAR_MIN, Decoder, Encoder, VideoAutoencoder
+from ..models.vae import Decoder, Encoder, VideoAutoencoder
 from ..models.vae_blocks import (
     ATTENTION_SCORE_BUDGET,
     CausalCache,
@@ -31,6 +30,7 @@ from ..models.vae_blocks import (
     ResnetBlock3D,
     Upsample3D,
     conv3d,
+    depth_to_space,
     group_stats_from_channels,
 )
 from .placement import tail_parking
@@ -39,7 +39,7 @@ from .placement import tail_parking
 TILE_MULTIPLE = 8
 
 # Called before every tile and slice, outside the VAE's (possibly compiled) forwards: the
-# pipeline's stop check, so a Cancel takes effect within a tile. None: nothing to call.
+# pipeline's stop check, so a Cancel takes effect within a tile.
 Between = Optional[Callable[[], None]]
 
 
@@ -54,12 +54,10 @@ def _nearest_multiples(value: int, multiple: int, allow_zero: bool = False) -> s
 
 @dataclass(frozen=True)
 class TileSettings:
-    """Spatial tiling of VAE encode or decode (the ``vae_*_tile*`` options), sizes in pixels of the
-    video side: multiples of 8, as tiles are cut on the latent grid; the overlap is smaller than
-    the tile. ``exact`` (default): frame-wide planes on ``state_device`` (``None``: the VAE's
-    device), ``tile_overlap`` unused; ``exact=False``: independent cross-faded tiles, whose
-    overlap should cover the ~48-pixel border error (docs/memory.md, "VAE tiling").
-    """
+    """Spatial tiling of VAE encode or decode (the ``vae_*_tile*`` options) in video pixels,
+    multiples of 8 (the latent grid). ``exact`` (default): frame-wide planes on ``state_device``
+    (``None``: the VAE's device), no overlap; else independent cross-faded tiles, whose overlap
+    should cover the ~48-pixel border error (docs/memory.md, "VAE tiling")."""
 
     enabled: bool = False
     tile_size: int = 512
@@ -97,9 +95,8 @@ class TileSettings:
 
 
 def settings_from_options(opts, stage: str) -> Tuple[TileSettings, Optional[int]]:
-    """``(TileSettings, temporal_chunk)`` for ``stage`` (``"encode"`` or ``"decode"``) from a
-    resolved option set (``seedvr2.options``): ``vae_<stage>_tiled``, ``_tile_size``,
-    ``_tile_overlap`` and ``vae_<stage>_temporal_slice`` (0 = no slicing -> ``None``)."""
+    """``(TileSettings, temporal_chunk)`` of ``stage`` ("encode" or "decode") from resolved
+    options (``vae_<stage>_tiled``, ``_tile_size``, ``_tile_overlap``, ``_temporal_slice``)."""
     if stage not in ("encode", "decode"):
         raise InputError(f"stage must be 'encode' or 'decode', got {stage!r}")
     get = lambda name: getattr(opts, f"vae_{stage}_{name}")  # noqa: E731
@@ -137,10 +134,9 @@ def _chunks(count: int, first: int, rest: int) -> List[Tuple[int, int]]:
 
 
 def tile_layout(length: int, tile: int, overlap: int) -> Tuple[List[int], int]:
-    """``(starts, size)``: the fewest tiles of at most ``tile`` covering ``[0, length)`` with
-    neighbours sharing at least ``overlap``, all of one ``size`` (the smallest that does it)
-    and spread evenly from 0 to ``length - size``: no tile overhangs the frame or repeats more
-    of it than the overlap needs. A length up to one tile is a single tile ``[0, length)``."""
+    """``(starts, size)``: the fewest tiles of at most ``tile`` covering ``[0, length)``, with
+    neighbours sharing at least ``overlap``, of the smallest equal ``size``, spread evenly from
+    0 to ``length - size`` (none overhangs the frame or repeats more than the overlap needs)."""
     if length <= tile:
         return [0], length
     count = -(-(length - overlap) // (tile - overlap))
@@ -211,9 +207,8 @@ def _clip(lo: int, hi: int, size: int) -> Tuple[int, int, int, int]:
 
 
 class _ExactRun:
-    """One exact tiled encode or decode: walks the encoder / decoder layer by layer (the
-    same order and maths as ``Encoder.forward`` / ``Decoder.forward``; the tiled-vs-untiled
-    tests check they stay in step), each layer tile by tile."""
+    """One exact tiled encode or decode: the coder's ``layers()`` in its forward's maths (the
+    tiled-vs-untiled tests check it), each layer tile by tile."""
 
     def __init__(self, vae: VideoAutoencoder, tiles: TileSettings, latent_size: Tuple[int, int],
                  device: torch.device, between: Between = None) -> None:
@@ -255,9 +250,8 @@ class _ExactRun:
 
     def _conv(self, conv: CausalConv3d, shape, produce: Callable, dst: Optional[_Plane] = None,
               residual: Optional[Callable] = None, stats: bool = True) -> _Plane:
-        """``conv`` over an input of ``shape`` whose (activated) regions ``produce`` returns,
-        tile by tile of the output, into ``dst`` (a new plane if None). ``residual(o0, o1,
-        q0, q1)`` is added to each output tile."""
+        """``conv`` over an input of ``shape`` whose regions ``produce`` returns, by output tile,
+        into ``dst`` (None: a new plane), plus ``residual(o0, o1, q0, q1)`` when given."""
         B, _, T, H, W = shape
         kt, kh, kw = conv.kernel_size
         st, sh, sw = conv.stride
@@ -361,17 +355,11 @@ class _ExactRun:
             a0, a1, b0, b1 = r0 // r, -(-r1 // r), c0 // r, -(-c1 // r)
             y = conv3d(self._fetch(x.data[..., a0:a1, b0:b1]), up.upscale_conv.weight,
                        up.upscale_conv.bias, paths=up.conv.paths)
-            h, w = a1 - a0, b1 - b0
-            y = y.view(B, r, r, z, C, T, h, w).permute(0, 4, 5, 3, 6, 1, 7, 2) \
-                .reshape(B, C, T * z, h * r, w * r)
-            if drop:
-                y = torch.cat([y[:, :, :1], y[:, :, 2:]], dim=2)
-            return y[..., r0 - a0 * r:r1 - a0 * r, c0 - b0 * r:c1 - b0 * r]
+            rows = y.new_empty(B, C, T * z - drop, (a1 - a0) * r, (b1 - b0) * r)
+            depth_to_space(y, rows, (C, r, z), drop)
+            return rows[..., r0 - a0 * r:r1 - a0 * r, c0 - b0 * r:c1 - b0 * r]
 
         return self._conv(up.conv, (B, C, T * z - drop, H * r, W * r), produce)
-
-    def _down(self, conv: CausalConv3d, x: _Plane) -> _Plane:
-        return self._conv(conv, x.data.shape, self._activate(x, None))
 
     def _norm_out(self, norm: FrameGroupNorm, conv: CausalConv3d, x: _Plane,
                   dst: Tensor) -> None:
@@ -379,32 +367,21 @@ class _ExactRun:
 
     # -- the two halves ---------------------------------------------------------------------
 
-    def encoder(self, enc: Encoder, video: Tensor, out: Tensor) -> None:
-        """``out`` (moments, any device) = ``enc(video)`` for one chunk of frames."""
-        x = self._conv(enc.conv_in, video.shape, self._activate(_Plane(video), None))
-        for block in enc.down_blocks:
-            for resnet in block.resnets:
-                x = self._resnet(resnet, x)
-            if block.downsamplers is not None:
-                x = self._down(block.downsamplers[0].conv, x)
-        x = self._resnet(enc.mid_block.resnets[0], x)
-        x = self._attention(enc.mid_block.attentions[0], x)
-        x = self._resnet(enc.mid_block.resnets[1], x)
-        self._norm_out(enc.conv_norm_out, enc.conv_out, x, out)
-        self.first_chunk = False
-
-    def decoder(self, dec: Decoder, z: Tensor, out: Tensor) -> None:
-        """``out`` (video, any device) = ``dec(z)`` for one chunk of latent frames."""
-        x = self._conv(dec.conv_in, z.shape, self._activate(_Plane(z), None))
-        x = self._resnet(dec.mid_block.resnets[0], x)
-        x = self._attention(dec.mid_block.attentions[0], x)
-        x = self._resnet(dec.mid_block.resnets[1], x)
-        for block in dec.up_blocks:
-            for resnet in block.resnets:
-                x = self._resnet(resnet, x)
-            if block.upsamplers is not None:
-                x = self._upsample(block.upsamplers[0], x)
-        self._norm_out(dec.conv_norm_out, dec.conv_out, x, out)
+    def through(self, coder: Union[Encoder, Decoder], x: Tensor, out: Tensor) -> None:
+        """``out`` (any device) = ``coder(x)`` for one chunk of frames: the encoder's moments
+        or the decoder's video, through the layers ``coder.layers()`` lists."""
+        conv_in, *layers = coder.layers()
+        h = self._conv(conv_in, x.shape, self._activate(_Plane(x), None))
+        for layer in layers:
+            if isinstance(layer, ResnetBlock3D):
+                h = self._resnet(layer, h)
+            elif isinstance(layer, FrameAttention):
+                h = self._attention(layer, h)
+            elif isinstance(layer, Upsample3D):
+                h = self._upsample(layer, h)
+            else:  # Downsample3D
+                h = self._conv(layer.conv, h.data.shape, self._activate(h, None))
+        self._norm_out(coder.conv_norm_out, coder.conv_out, h, out)
         self.first_chunk = False
 
 
@@ -413,40 +390,33 @@ def _needs_tiles(tiles: TileSettings, h: int, w: int, s: int) -> bool:
     return tiles.enabled and (h > size or w > size)
 
 
-def _exact_encode(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
-                  frame_chunks: List[Tuple[int, int]], between: Between) -> Tuple[Tensor, Tensor]:
-    B, _, T, H, W = video.shape
-    s, f = vae.spatial_factor, vae.temporal_factor
-    t = (T - 1) // f + 1
-    moments = torch.empty((B, 2 * vae.latent_channels, t, H // s, W // s), dtype=vae.dtype,
-                          device=video.device)
-    run = _ExactRun(vae, tiles, (H // s, W // s), video.device, between)
-    for i, (f0, f1) in enumerate(frame_chunks):
-        run.keep_tails = i + 1 < len(frame_chunks)
-        l0 = 0 if f0 == 0 else (f0 - 1) // f + 1
-        l1 = (f1 - 1) // f + 1
-        run.encoder(vae.encoder, video[:, :, f0:f1], moments[:, :, l0:l1])
-    if vae.quant_conv is not None:  # 1x1x1: pointwise
-        moments = vae.quant_conv(moments)
-    mean, logvar = moments.chunk(2, dim=1)
-    return mean.contiguous(), logvar.clamp(LOGVAR_MIN, LOGVAR_MAX)
+def _first_out_frame(frame: int, f: int, encoding: bool) -> int:
+    """The first output frame of input frame ``frame`` (the start of a chunk from it): video
+    frame 0 is latent frame 0, latent frame k > 0 is video frames 4k-3 .. 4k."""
+    return 0 if frame == 0 else (frame - 1) // f + 1 if encoding else f * (frame - 1) + 1
 
 
-def _exact_decode(vae: VideoAutoencoder, latent: Tensor, tiles: TileSettings,
-                  latent_chunks: List[Tuple[int, int]], between: Between) -> Tensor:
-    B, _, t, h, w = latent.shape
+def _exact(vae: VideoAutoencoder, x: Tensor, tiles: TileSettings,
+           chunks: List[Tuple[int, int]], between: Between, encoding: bool):
+    """Encode (``(mean, logvar)``) or decode (video) ``x`` in exact tiles, its temporal chunks
+    in order through one :class:`_ExactRun` (which carries the causal tails)."""
+    B, _, T, H, W = x.shape
     s, f = vae.spatial_factor, vae.temporal_factor
-    out = torch.empty((B, vae.config.out_channels, f * (t - 1) + 1, h * s, w * s),
-                      dtype=vae.dtype, device=latent.device)
-    run = _ExactRun(vae, tiles, (h, w), latent.device, between)
-    for i, (l0, l1) in enumerate(latent_chunks):
-        run.keep_tails = i + 1 < len(latent_chunks)
-        z = latent[:, :, l0:l1]
-        if vae.post_quant_conv is not None:  # 1x1x1: pointwise
-            z = vae.post_quant_conv(z.to(vae.dtype))
-        v0 = 0 if l0 == 0 else f * (l0 - 1) + 1
-        run.decoder(vae.decoder, z, out[:, :, v0:f * (l1 - 1) + 1])
-    return out
+    if encoding:
+        out_shape, latent = (B, 2 * vae.latent_channels, (T - 1) // f + 1, H // s, W // s), \
+            (H // s, W // s)
+    else:
+        out_shape, latent = (B, vae.config.out_channels, f * (T - 1) + 1, H * s, W * s), (H, W)
+    out = torch.empty(out_shape, dtype=vae.dtype, device=x.device)
+    run = _ExactRun(vae, tiles, latent, x.device, between)
+    for i, (a0, a1) in enumerate(chunks):
+        run.keep_tails = i + 1 < len(chunks)
+        piece = x[:, :, a0:a1]
+        if not encoding and vae.post_quant_conv is not None:  # 1x1x1: pointwise
+            piece = vae.post_quant_conv(piece.to(vae.dtype))
+        run.through(vae.encoder if encoding else vae.decoder, piece,
+                    out[:, :, _first_out_frame(a0, f, encoding):_first_out_frame(a1, f, encoding)])
+    return vae.posterior(out) if encoding else out
 
 
 # == fast mode: independent overlapping tiles, cross-faded ====================================
@@ -563,9 +533,7 @@ def _fast(vae: VideoAutoencoder, x: Tensor, tiles: TileSettings,
                           col.start * x_per:col.stop * x_per].to(dtype).contiguous()
                 results = _fast_piece(vae, piece, cache, encoding)
                 del piece
-                # Video frame 0 has latent frame 0; latent frame k > 0 has video frames
-                # 4k-3 .. 4k, so a chunk from video frame 1 + 4k starts at latent frame k + 1.
-                o0 = 0 if a0 == 0 else ((a0 - 1) // f + 1 if encoding else f * (a0 - 1) + 1)
+                o0 = _first_out_frame(a0, f, encoding)
                 region = (slice(None), slice(None), slice(o0, o0 + results[0].shape[2]),
                           slice(row.start * out_per, row.stop * out_per),
                           slice(col.start * out_per, col.stop * out_per))
@@ -577,14 +545,9 @@ def _fast(vae: VideoAutoencoder, x: Tensor, tiles: TileSettings,
 
 def _fast_piece(vae: VideoAutoencoder, piece: Tensor, cache: Optional[CausalCache],
                 encoding: bool) -> Tuple[Tensor, ...]:
-    """One tile's chunk through the encoder, ``(mean, logvar)`` with ``logvar`` clamped per
-    tile as the plain call does (a blend of clamped values stays inside), or the decoder."""
+    """One tile's chunk through the encoder (``(mean, logvar)``) or the decoder."""
     if encoding:
-        moments = vae.encoder(piece, cache)
-        if vae.quant_conv is not None:  # 1x1x1: no temporal state
-            moments = vae.quant_conv(moments)
-        mean, logvar = moments.chunk(2, dim=1)
-        return mean, logvar.clamp(LOGVAR_MIN, LOGVAR_MAX)
+        return vae.posterior(vae.encoder(piece, cache))
     if vae.post_quant_conv is not None:  # 1x1x1: no temporal state
         piece = vae.post_quant_conv(piece)
     return (vae.decoder(piece, cache),)
@@ -594,8 +557,7 @@ def _fast_piece(vae: VideoAutoencoder, piece: Tensor, cache: Optional[CausalCach
 
 def _in_pieces(vae: VideoAutoencoder, x: Tensor, tiles: TileSettings,
                temporal_chunk: Optional[int], between: Between, encoding: bool):
-    """Encode (``encoding``) or decode ``x`` in spatial tiles and/or causal temporal chunks;
-    the plain call when neither applies."""
+    """Encode or decode ``x`` in spatial tiles and/or causal temporal chunks (else plainly)."""
     _check_settings(vae, tiles, temporal_chunk)
     plain = vae.encode_posterior if encoding else vae.decode
     with vae.conv_settings():
@@ -611,8 +573,7 @@ def _in_pieces(vae: VideoAutoencoder, x: Tensor, tiles: TileSettings,
         if not tiled and len(chunks) == 1:
             return plain(x)
         if tiled and tiles.exact:
-            exact = _exact_encode if encoding else _exact_decode
-            return exact(vae, x, tiles, chunks, between or _nothing)
+            return _exact(vae, x, tiles, chunks, between or _nothing, encoding)
         return _fast(vae, x, tiles if tiled else TileSettings(), chunks, between or _nothing,
                      encoding)
 
@@ -620,11 +581,9 @@ def _in_pieces(vae: VideoAutoencoder, x: Tensor, tiles: TileSettings,
 def encode_posterior(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
                      temporal_chunk: Optional[int] = None,
                      between: Between = None) -> Tuple[Tensor, Tensor]:
-    """``vae.encode_posterior(video)`` (same contract) in spatial tiles and/or causal temporal
-    chunks: ``tiles`` in pixels; ``temporal_chunk`` = ``c`` (a multiple of 4) encodes frames in
-    chunks of ``1 + c, c, c, ...`` (exact). Without either this is the plain call. ``between()``
-    is called before every tile and temporal slice (exact mode: every layer's tile).
-    """
+    """``vae.encode_posterior(video)`` in spatial tiles (``tiles``, in pixels) and/or causal
+    temporal chunks of ``1 + c, c, ...`` frames (``temporal_chunk`` = ``c``, a multiple of 4);
+    ``between()`` is called before every tile and slice (exact mode: every layer's tile)."""
     return _in_pieces(vae, video, tiles, temporal_chunk, between, encoding=True)
 
 
@@ -636,13 +595,7 @@ def encode(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
 
 def decode(vae: VideoAutoencoder, latent: Tensor, tiles: TileSettings,
            temporal_chunk: Optional[int] = None, between: Between = None) -> Tensor:
-    """``vae.decode(latent)`` (same contract) in spatial tiles and/or causal temporal chunks:
-    ``tiles`` in pixels (``tile_size / 8`` latents); ``temporal_chunk`` = ``c`` decodes
-    ``1 + c/4, c/4, ...`` latent frames at a time (exact). Without either this is the plain
-    call. ``between()`` is called as in :func:`encode_posterior`.
-    """
+    """``vae.decode(latent)`` in spatial tiles (``tiles``, in pixels) and/or causal temporal
+    chunks of ``1 + c/4, c/4, ...`` latent frames (``temporal_chunk`` = ``c``), as
+    :func:`encode_posterior`."""
     return _in_pieces(vae, latent, tiles, temporal_chunk, between, encoding=False)
-
-
-__all__ = ["TileSettings", "encode_posterior", "encode", "decode", "tile_layout",
-           "settings_from_options"]

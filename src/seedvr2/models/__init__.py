@@ -1,9 +1,8 @@
 """SeedVR2 models in pure torch: the NaDiT (3B and 7B families) and the causal video VAE.
 
-Nothing here knows about weight files, ComfyUI or processes; ``seedvr2.loading`` builds these
-modules from checkpoints. What the models do read: their shipped configs (``configs/*.json``),
-and of the device only what picks a kernel (the attention backend by compute capability) or
-keys a cache (window layouts per CUDA stream).
+Nothing here knows weight files, ComfyUI or processes (``seedvr2.loading`` builds the modules
+from checkpoints); the models read their shipped configs (``configs/*.json``) and, of the
+device, only what picks a kernel (attention backend) or keys a cache (layouts per CUDA stream).
 """
 
 from __future__ import annotations
@@ -14,11 +13,8 @@ from .config import ConfigError, DiTConfig, VAEConfig, dit_config, vae_config
 
 
 def build_dit(config) -> torch.nn.Module:
-    """A NaDiT of either family from a config (dict with official keys, name, or DiTConfig).
-
-    Parameters are created on the current default device; build under
-    ``torch.device("meta")`` to allocate nothing.
-    """
+    """A NaDiT of either family from a config (dict with official keys, name, or DiTConfig),
+    on the current default device (``torch.device("meta")``: nothing allocated)."""
     from .dit import NaDiT
 
     return NaDiT(dit_config(config))
@@ -38,8 +34,7 @@ def build_on_meta(kind: str, config) -> torch.nn.Module:
 
 
 def set_tensor(module: torch.nn.Module, name: str, tensor: torch.Tensor):
-    """Replace the parameter or buffer ``name`` (dotted) of ``module`` by ``tensor``: how a
-    model built on ``meta`` receives its weights, and how placement swaps them."""
+    """Replace the parameter or buffer ``name`` (dotted) of ``module`` by ``tensor``."""
     owner_name, _, attr = name.rpartition(".")
     owner = module.get_submodule(owner_name) if owner_name else module
     if attr in owner._parameters:

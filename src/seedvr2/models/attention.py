@@ -1,7 +1,6 @@
-"""Windowed joint attention of the NaDiT: each window's video tokens followed by all of its
-sample's text tokens, windows of equal length in one SDPA call; a text token's output is the
-mean over its sample's windows. Sequence parallelism (Ulysses) plugs in as a
-:class:`SequenceParallel` strategy. See docs/models.md, "Attention".
+"""Windowed joint attention of the NaDiT: each window's video tokens then its sample's text
+tokens, windows of equal length in one SDPA call, a text token's output the mean over its
+windows; Ulysses sequence parallelism plugs in (:class:`SequenceParallel`). docs/models.md.
 """
 
 from __future__ import annotations
@@ -56,10 +55,9 @@ FLASH_ATTN_3_MODULE = "flash_attn_interface"
 
 
 def auto_backend(q: torch.Tensor) -> str:
-    """What ``auto`` runs for ``q``: FlashAttention-3 on a Hopper GPU (compute capability
-    9.x) for fp16/bf16 when its package is installed (FA3 is built for Hopper only), else
-    SDPA, which picks its own fused kernel. Installed means findable: a package that then
-    fails to import or run falls back to SDPA with a warning (WindowAttention._attend)."""
+    """What ``auto`` runs for ``q``: FlashAttention-3 (built for Hopper only) on compute
+    capability 9.x in fp16/bf16 when its package is findable, else SDPA (which picks its own
+    fused kernel); a package that fails to run falls back to SDPA with a warning."""
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
         return "sdpa"
     if torch.cuda.get_device_capability(q.device)[0] != 9:
@@ -69,10 +67,8 @@ def auto_backend(q: torch.Tensor) -> str:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            backend: str = "sdpa") -> torch.Tensor:
-    """Softmax attention, scale 1/sqrt(head_dim). q/k/v: (batch, seq, heads, head_dim).
-
-    The optional kernels need CUDA and fp16/bf16 and raise where they cannot run.
-    """
+    """Softmax attention, scale 1/sqrt(head_dim), q/k/v (batch, seq, heads, head_dim); the
+    optional kernels need CUDA and fp16/bf16."""
     if backend == "auto":
         backend = auto_backend(q)
     if backend == "sdpa":
@@ -83,11 +79,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class SequenceParallel(Protocol):
-    """What the NaDiT needs from a sequence-parallel strategy (Ulysses all-to-all).
-
-    ``seedvr2.distributed.sequence.UlyssesSequenceParallel`` implements it over
-    ``torch.distributed``; a rank's share of video tokens is one contiguous row range.
-    """
+    """What the NaDiT needs from a sequence-parallel strategy (Ulysses all-to-all; see
+    ``seedvr2.distributed.sequence``): a rank's video tokens are one contiguous row range."""
 
     def shard(self, vid: torch.Tensor, packing: Packing) -> tuple[torch.Tensor, Packing]:
         """All video rows (Nv, dim) -> this rank's rows, and a packing whose ``per_token``
@@ -159,10 +152,8 @@ class WindowAttention(nn.Module):
 
     def forward(self, vid: torch.Tensor, txt: torch.Tensor, packing: Packing,
                 window_rule: tuple, need_txt: bool = True):
-        """vid (Nv, dim), txt (Nt, dim) -> attention outputs (Nv, dim), (Nt, dim) or None.
-
-        ``window_rule`` = (window method, window count) of this block. Under a sequence-parallel
-        strategy ``vid`` and the video output are this rank's rows.
+        """vid (Nv, dim), txt (Nt, dim) -> attention outputs (Nv, dim), (Nt, dim) or None;
+        ``window_rule``: (window method, window count). Sequence-parallel: this rank's vid rows.
         """
         out_v, out_t = self._window_attention(self._project(vid, "vid"), self._project(txt, "txt"),
                                               packing, window_rule, need_txt, vid.dtype)
@@ -171,10 +162,9 @@ class WindowAttention(nn.Module):
             return out_v, None
         return out_v, self.proj_out["txt"](out_t)
 
-    # Kept out of torch.compile graphs: the window layout, RoPE tables and the per-group loop
-    # depend on the resolution through Python values, so tracing them would recompile every
-    # block at every new resolution; the token-wise work around this (projections,
-    # modulation, MLP) is what compiling speeds up, and it stays shape-polymorphic.
+    # Kept out of torch.compile graphs: the layout, RoPE tables and per-group loop depend on
+    # the resolution through Python values (a recompile per block and resolution); the
+    # token-wise work around it is what compiling speeds up, and it stays shape-polymorphic.
     @torch.compiler.disable
     def _window_attention(self, qkv_v: torch.Tensor, qkv_t: torch.Tensor, packing: Packing,
                           window_rule: tuple, need_txt: bool, dtype: torch.dtype):

@@ -7,6 +7,7 @@ an official config verbatim; a key no official config has raises ``ConfigError``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -18,6 +19,12 @@ from ..errors import SeedVR2Error
 
 class ConfigError(SeedVR2Error, ValueError):
     """A model configuration that no official SeedVR2 model has."""
+
+
+def _need(config, kind: str, cond: bool, name: str, expected: str) -> None:
+    if not cond:
+        raise ConfigError(f"{kind} config field {name!r} = {getattr(config, name)!r}: "
+                          f"expected {expected}")
 
 
 DIT_3B = "3b"  # models/dit_v2 in the official repository
@@ -90,10 +97,7 @@ class DiTConfig:
         self._validate()
 
     def _validate(self):
-        def need(cond, name, expected):
-            if not cond:
-                raise ConfigError(f"DiT config field {name!r} = {getattr(self, name)!r}: "
-                                  f"expected {expected}")
+        need = functools.partial(_need, self, "DiT")
         need(self.family in (DIT_3B, DIT_7B), "family", "'3b' or '7b'")
         need(self.txt_dim == self.vid_dim, "txt_dim", f"equal to vid_dim ({self.vid_dim})")
         need(self.emb_dim == 6 * self.vid_dim, "emb_dim", f"6 * vid_dim = {6 * self.vid_dim}")
@@ -182,11 +186,7 @@ class VAEConfig:
         self.up_block_types = tuple(self.up_block_types)
         self.block_out_channels = tuple(self.block_out_channels)
         n = len(self.block_out_channels)
-
-        def need(cond, name, expected):
-            if not cond:
-                raise ConfigError(f"VAE config field {name!r} = {getattr(self, name)!r}: "
-                                  f"expected {expected}")
+        need = functools.partial(_need, self, "VAE")
         need(self.down_block_types == ("DownEncoderBlock3D",) * n, "down_block_types",
              f"{n} x 'DownEncoderBlock3D'")
         need(self.up_block_types == ("UpDecoderBlock3D",) * n, "up_block_types",
@@ -215,8 +215,7 @@ _IGNORED_KEYS = {"__object__"}
 
 
 def configs_dir() -> Path:
-    """The shipped ``configs/`` folder: inside the package when installed from a wheel,
-    at the repository root otherwise (editable install, ComfyUI custom-node folder)."""
+    """The shipped ``configs/`` folder: in the package (wheel) or at the repository root."""
     here = Path(__file__).resolve()
     for candidate in (here.parents[1] / "configs", here.parents[3] / "configs"):
         if candidate.is_dir():

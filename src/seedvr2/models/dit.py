@@ -1,6 +1,6 @@
 """NaDiT: the SeedVR2 diffusion transformer, both released families (docs/models.md).
 
-Samples' latent grids are flattened and concatenated (native-resolution packing, no padding):
+Samples' latent grids flattened and concatenated (native-resolution packing, no padding):
 
     vid (Σ T·H·W, 33) --patchify 1x2x2--> tokens (Σ T·H/2·W/2, dim) ─┐
     txt (Σ L, txt_in_dim) --Linear--> (Σ L, dim) ─────────────────────┤ num_layers × MMDiTBlock
@@ -27,12 +27,9 @@ from .rope import share_equal_tables
 
 
 class OutputModulation(nn.Module):
-    """3B output head modulation (``vid_out_ada``): ``x·(scale_e + out_scale) + shift_e + out_shift``.
-
-    ``shift_e``/``scale_e`` are the embedding's *attention-slot* values: in the reference the
-    output head reads a cached per-token embedding keyed like the blocks' first slot, and the
-    released model was trained that way.
-    """
+    """3B output head modulation (``vid_out_ada``): ``x·(scale_e + out_scale) + shift_e +
+    out_shift`` with the embedding's *attention-slot* values (the reference's output head reads
+    a cached embedding keyed like the blocks' first slot; the released model trained so)."""
 
     def __init__(self, dim: int):
         super().__init__()
@@ -70,9 +67,9 @@ class NaDiT(nn.Module):
             block.attn.backend = backend
 
     def set_sequence_parallel(self, strategy: SequenceParallel | None):
-        """Install (or remove, with ``None``) a sequence-parallel strategy: between the input
-        embeddings and the output projection each rank then holds its shard of the video tokens,
-        and attention exchanges tokens for heads (see ``attention.SequenceParallel``)."""
+        """Install (``None``: remove) a sequence-parallel strategy: between input embeddings
+        and output projection each rank holds its shard of the video tokens, and attention
+        exchanges tokens for heads (``attention.SequenceParallel``)."""
         self.sequence_parallel = strategy
         for block in self.blocks:
             block.attn.sequence_parallel = strategy

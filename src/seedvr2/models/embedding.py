@@ -11,10 +11,8 @@ PATCH = 2  # spatial patch size (the temporal patch size is 1 for every released
 
 
 class PatchIn(nn.Module):
-    """(T, H, W, C) latent grid per sample -> (T, H/2, W/2) tokens of width ``dim``.
-
-    The 4·C patch features are ordered (ph, pw, c), matching ``vid_in.proj``'s columns.
-    """
+    """(T, H, W, C) latent grid per sample -> (T, H/2, W/2) tokens of width ``dim``; the 4·C
+    patch features ordered (ph, pw, c), as ``vid_in.proj``'s columns."""
 
     def __init__(self, in_channels: int, dim: int):
         super().__init__()

@@ -54,8 +54,7 @@ class Packing:
         return self._index("txt_positions")
 
     def layout(self, method: str, num: tuple[int, int, int]) -> WindowLayout:
-        """Window layout for a rule: its index tensors built once per shape and device
-        (:func:`~seedvr2.models.window.layout_for`), a fresh per-call cache every call."""
+        """The window layout for a rule (:func:`~.window.layout_for`), kept for this call."""
         key = (method, tuple(num))
         if key not in self.layouts:
             self.layouts[key] = layout_for(method, tuple(num), self.patched_thw, self.txt_lens,
@@ -63,10 +62,8 @@ class Packing:
         return self.layouts[key]
 
     def per_token(self, values: torch.Tensor, stream: str) -> torch.Tensor:
-        """Expand per-sample rows (B, ...) to per-token rows of a stream (broadcast when B = 1).
-
-        ``output_size`` is given so that CUDA need not read the counts back to size the result.
-        """
+        """Expand per-sample rows (B, ...) to per-token rows of a stream (broadcast when B = 1;
+        ``output_size`` given: CUDA need not read the counts back)."""
         if self.batch == 1:
             return values
         counts = self.vid_counts if stream == "vid" else self.txt_lens

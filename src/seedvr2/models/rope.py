@@ -23,11 +23,9 @@ _TABLE_IDS = itertools.count()
 
 
 class FrequencyTable(nn.Module):
-    """Holds the ``freqs`` buffer under the official key name (``...rope.rope.freqs``).
-
-    ``table_id`` names the table's values for caches (never ``data_ptr()``: placement gives
-    tables fresh copies); ``defining`` recomputes the values of a table built on ``meta``
-    (docs/models.md, "RoPE").
+    """The ``freqs`` buffer under the official key (``...rope.rope.freqs``). ``table_id`` names
+    its values for caches (never ``data_ptr()``: placement gives tables fresh copies);
+    ``defining`` recomputes the values of a table built on ``meta`` (docs/models.md, "RoPE").
     """
 
     def __init__(self, freqs: torch.Tensor, defining: Optional[Callable[[], torch.Tensor]] = None):
@@ -79,11 +77,8 @@ def rotation(angles: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of x (N, heads, D) by ``cis`` from :func:`rotation`; fp32 out.
-
-    A pair (x0, x1) as the complex number x0 + i·x1 times e^{iθ} is exactly
-    (x0·cos − x1·sin, x1·cos + x0·sin).
-    """
+    """Rotate interleaved pairs of x (N, heads, D) by ``cis`` from :func:`rotation`; fp32 out:
+    (x0 + i·x1)·e^{iθ} is exactly (x0·cos − x1·sin, x1·cos + x0·sin)."""
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
     return torch.view_as_real(pairs * cis).flatten(-2)
 

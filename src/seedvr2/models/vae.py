@@ -12,7 +12,7 @@ docs/models.md, "The causal video VAE".
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -37,63 +37,62 @@ from .vae_blocks import (
 LOGVAR_MIN, LOGVAR_MAX = -30.0, 20.0
 
 
-class Encoder(nn.Module):
+class _Coder(nn.Module):
+    """The encoder's and decoder's shared tail: their ``layers()``, then norm, SiLU, conv_out."""
+
+    def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
+        return norm_act_conv(self.conv_norm_out, self.conv_out,
+                             run_layers(self.layers(), x, cache), cache)
+
+
+class Encoder(_Coder):
     """Video ``(B, in_channels, T, H, W)`` -> posterior moments ``(B, 2*latent, t, h, w)``."""
 
-    def __init__(self, in_channels: int, latent_channels: int,
-                 block_out_channels: Sequence[int], layers_per_block: int, groups: int,
-                 temporal_scale_num: int) -> None:
+    def __init__(self, config: VAEConfig) -> None:
         super().__init__()
-        widths = list(block_out_channels)
-        self.conv_in = CausalConv3d(in_channels, widths[0], 3, padding=1)
-        kinds = down_kinds(len(widths), temporal_scale_num)
+        widths, groups = list(config.block_out_channels), config.norm_num_groups
+        self.conv_in = CausalConv3d(config.in_channels, widths[0], 3, padding=1)
+        kinds = down_kinds(len(widths), config.temporal_scale_num)
         self.down_blocks = nn.ModuleList(
-            DownEncoderBlock3D(widths[max(i - 1, 0)], widths[i], layers_per_block, groups,
+            DownEncoderBlock3D(widths[max(i - 1, 0)], widths[i], config.layers_per_block, groups,
                                downsample=kinds[i])
             for i in range(len(widths)))
         self.mid_block = UNetMidBlock3D(widths[-1], groups)
         self.conv_norm_out = FrameGroupNorm(groups, widths[-1], eps=NORM_EPS)
-        self.conv_out = CausalConv3d(widths[-1], 2 * latent_channels, 3, padding=1)
+        self.conv_out = CausalConv3d(widths[-1], 2 * config.latent_channels, 3, padding=1)
 
-    def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
-        layers = [self.conv_in, *(layer for block in self.down_blocks for layer in block.layers()),
-                  *self.mid_block.layers()]
-        return norm_act_conv(self.conv_norm_out, self.conv_out, run_layers(layers, x, cache),
-                             cache)
+    def layers(self) -> List[nn.Module]:
+        """The layers before the output norm, in order (exact tiling walks them too)."""
+        return [self.conv_in, *(layer for block in self.down_blocks for layer in block.layers()),
+                *self.mid_block.layers()]
 
 
-class Decoder(nn.Module):
+class Decoder(_Coder):
     """Latent ``(B, latent, t, h, w)`` -> video ``(B, out_channels, T, H, W)``."""
 
-    def __init__(self, latent_channels: int, out_channels: int,
-                 block_out_channels: Sequence[int], layers_per_block: int, groups: int,
-                 temporal_scale_num: int) -> None:
+    def __init__(self, config: VAEConfig) -> None:
         super().__init__()
-        widths = list(reversed(block_out_channels))
-        self.conv_in = CausalConv3d(latent_channels, widths[0], 3, padding=1)
+        widths, groups = list(reversed(config.block_out_channels)), config.norm_num_groups
+        self.conv_in = CausalConv3d(config.latent_channels, widths[0], 3, padding=1)
         self.mid_block = UNetMidBlock3D(widths[0], groups)
-        kinds = up_kinds(len(widths), temporal_scale_num)
+        kinds = up_kinds(len(widths), config.temporal_scale_num)
         self.up_blocks = nn.ModuleList(
-            UpDecoderBlock3D(widths[max(i - 1, 0)], widths[i], layers_per_block + 1, groups,
-                             upsample=kinds[i])
+            UpDecoderBlock3D(widths[max(i - 1, 0)], widths[i], config.layers_per_block + 1,
+                             groups, upsample=kinds[i])
             for i in range(len(widths)))
         self.conv_norm_out = FrameGroupNorm(groups, widths[-1], eps=NORM_EPS)
-        self.conv_out = CausalConv3d(widths[-1], out_channels, 3, padding=1)
+        self.conv_out = CausalConv3d(widths[-1], config.out_channels, 3, padding=1)
 
-    def forward(self, z: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
-        layers = [self.conv_in, *self.mid_block.layers(),
-                  *(layer for block in self.up_blocks for layer in block.layers())]
-        return norm_act_conv(self.conv_norm_out, self.conv_out, run_layers(layers, z, cache),
-                             cache)
+    def layers(self) -> List[nn.Module]:
+        return [self.conv_in, *self.mid_block.layers(),
+                *(layer for block in self.up_blocks for layer in block.layers())]
 
 
 class VideoAutoencoder(nn.Module):
-    """The SeedVR2 causal video VAE; state dict keys are the official checkpoint's (``quant_conv``
-    / ``post_quant_conv`` only when the config enables them; the released model does not).
-
-    Inputs are cast to the parameter dtype (not moved) and made contiguous channels-first.
-    Under ``torch.no_grad()`` / ``inference_mode()`` the in-place fast paths run (with autograd,
-    the same maths out of place). Building under ``torch.device("meta")`` allocates nothing.
+    """The SeedVR2 causal video VAE, with the official checkpoint's keys (``quant_conv`` /
+    ``post_quant_conv`` only where the config enables them; the released model does not).
+    Inputs are cast to the parameter dtype (not moved), contiguous channels-first; without
+    autograd the in-place fast paths run (with it, the same maths out of place).
     """
 
     def __init__(self, config: VAEConfig) -> None:
@@ -102,11 +101,8 @@ class VideoAutoencoder(nn.Module):
         self.latent_channels = config.latent_channels
         self.spatial_factor = config.spatial_downsample_factor
         self.temporal_factor = config.temporal_downsample_factor
-        common = dict(block_out_channels=config.block_out_channels,
-                      layers_per_block=config.layers_per_block, groups=config.norm_num_groups,
-                      temporal_scale_num=config.temporal_scale_num)
-        self.encoder = Encoder(config.in_channels, config.latent_channels, **common)
-        self.decoder = Decoder(config.latent_channels, config.out_channels, **common)
+        self.encoder = Encoder(config)
+        self.decoder = Decoder(config)
         latent2 = 2 * config.latent_channels
         self.quant_conv = (CausalConv3d(latent2, latent2, 1) if config.use_quant_conv
                            else None)
@@ -133,16 +129,14 @@ class VideoAutoencoder(nn.Module):
                 module.paths = paths
 
     def new_cache(self, park=None) -> CausalCache:
-        """A fresh causal cache for one clip and direction, on this VAE's paths (``park``:
-        where it parks int8 tails in host memory, see :class:`CausalCache`)."""
+        """A fresh causal cache for one clip and direction on this VAE's paths (see CausalCache)."""
         return CausalCache(paths=self.paths, park=park)
 
     @contextlib.contextmanager
     def conv_settings(self):
-        """Within this block cuDNN benchmarks when this VAE asks for it; the process-wide flag
-        is restored afterwards, so the DiT and other models keep their own setting (jobs run
-        one at a time per process: nothing else reads the flag meanwhile). Off leaves the
-        flag as it is."""
+        """Within this block cuDNN benchmarks when this VAE asks for it (off: the flag as it is),
+        the process-wide flag restored after, so other models keep their setting (jobs run one
+        at a time per process: nothing else reads it meanwhile)."""
         if not self.cudnn_benchmark:
             yield
             return
@@ -156,16 +150,18 @@ class VideoAutoencoder(nn.Module):
     # -- encoding ---------------------------------------------------------------------------
 
     def encode_posterior(self, video: Tensor) -> Tuple[Tensor, Tensor]:
-        """Posterior moments ``(mean, logvar)`` of ``video``, each ``(B, 16, t, H/8, W/8)``.
-
-        ``video``: ``(B, 3, T, H, W)`` in [-1, 1], ``T = 4n + 1`` (a single image is ``T = 1``),
-        ``H`` and ``W`` multiples of 8; ``t = n + 1``. ``logvar`` is clamped to [-30, 20].
+        """Posterior moments ``(mean, logvar)``, each ``(B, 16, n + 1, H/8, W/8)``, of ``video``
+        ``(B, 3, 4n + 1, H, W)`` in [-1, 1] (an image: ``T = 1``), ``logvar`` clamped to [-30, 20].
         """
         self.check_video(video)
         with self.conv_settings():
-            moments = self.encoder(video.to(self.dtype).contiguous())
-            if self.quant_conv is not None:
-                moments = self.quant_conv(moments)
+            return self.posterior(self.encoder(video.to(self.dtype).contiguous()))
+
+    def posterior(self, moments: Tensor) -> Tuple[Tensor, Tensor]:
+        """``(mean, logvar)`` from the encoder's output (through ``quant_conv``, pointwise),
+        ``logvar`` clamped; tiled encodes clamp each tile (a blend of clamped values stays in)."""
+        if self.quant_conv is not None:
+            moments = self.quant_conv(moments)
         mean, logvar = moments.chunk(2, dim=1)
         return mean.contiguous(), logvar.clamp(LOGVAR_MIN, LOGVAR_MAX)
 
@@ -180,11 +176,9 @@ class VideoAutoencoder(nn.Module):
     def sample_posterior(mean: Tensor, logvar: Tensor,
                          generator: Optional[torch.Generator] = None, *,
                          noise: Optional[Tensor] = None) -> Tensor:
-        """A draw ``mean + exp(logvar / 2) * eps`` from the diagonal Gaussian posterior.
-
-        ``eps`` is ``noise`` when given, else ``torch.randn(mean.shape, generator=generator)``
-        drawn in float32 on the generator's device (so a seed gives the same latent for any
-        model dtype) and moved to ``mean``'s device and dtype.
+        """A draw ``mean + exp(logvar / 2) * eps`` from the diagonal Gaussian posterior: ``eps``
+        is ``noise``, else drawn in float32 on ``generator``'s device (a seed gives the same
+        latent in any model dtype), moved to ``mean``'s device and dtype.
         """
         if noise is None:
             device = generator.device if generator is not None else mean.device
@@ -198,11 +192,8 @@ class VideoAutoencoder(nn.Module):
     # -- decoding ---------------------------------------------------------------------------
 
     def decode(self, latent: Tensor) -> Tensor:
-        """Video ``(B, 3, 4(t - 1) + 1, 8h, 8w)`` from an unscaled latent ``(B, 16, t, h, w)``.
-
-        Always 5-D (a one-frame latent gives a one-frame video). Values are nominally in
-        [-1, 1] but not clamped.
-        """
+        """Video ``(B, 3, 4(t - 1) + 1, 8h, 8w)`` from an unscaled latent ``(B, 16, t, h, w)``,
+        always 5-D, nominally in [-1, 1] (not clamped)."""
         self.check_latent(latent)
         z = latent.to(self.dtype).contiguous()
         with self.conv_settings():
@@ -218,15 +209,11 @@ class VideoAutoencoder(nn.Module):
 
     def check_video(self, video: Tensor) -> None:
         """Raise ``UsageError``/``InputError`` (naming the fix) unless ``video`` is a valid
-        input of :meth:`encode`: a 5-D ``(B, in_channels, 4n + 1, H, W)`` tensor with ``H`` and
-        ``W`` positive multiples of the spatial factor."""
-        if not isinstance(video, Tensor):
-            raise UsageError(f"video must be a torch.Tensor, got {type(video).__name__}")
-        if video.ndim != 5:
-            hint = " (for single images add a time axis: video.unsqueeze(2))" \
-                if video.ndim == 4 else ""
-            raise InputError(f"video must be 5-D (B, C, T, H, W), got shape "
-                             f"{tuple(video.shape)}{hint}")
+        input of :meth:`encode`: ``(B, in_channels, 4n + 1, H, W)``, ``H`` and ``W`` positive
+        multiples of the spatial factor."""
+        hint = " (for single images add a time axis: video.unsqueeze(2))" \
+            if isinstance(video, Tensor) and video.ndim == 4 else ""
+        _check_5d(video, "video", "(B, C, T, H, W)", hint)
         _, channels, frames, height, width = video.shape
         if channels != self.config.in_channels:
             raise InputError(f"video must have {self.config.in_channels} channels at dim 1 of "
@@ -242,13 +229,8 @@ class VideoAutoencoder(nn.Module):
 
     def check_latent(self, latent: Tensor) -> None:
         """Raise ``UsageError``/``InputError`` (naming the fix) unless ``latent`` is a valid
-        input of :meth:`decode`: a non-empty 5-D channels-first ``(B, latent_channels, t, h,
-        w)`` tensor."""
-        if not isinstance(latent, Tensor):
-            raise UsageError(f"latent must be a torch.Tensor, got {type(latent).__name__}")
-        if latent.ndim != 5:
-            raise InputError(f"latent must be 5-D (B, C, t, h, w) channels-first, got shape "
-                             f"{tuple(latent.shape)}")
+        input of :meth:`decode`: a non-empty channels-first ``(B, latent_channels, t, h, w)``."""
+        _check_5d(latent, "latent", "(B, C, t, h, w) channels-first")
         if latent.shape[1] != self.latent_channels:
             raise InputError(f"latent must have {self.latent_channels} channels at dim 1 of "
                              f"(B, C, t, h, w), got {latent.shape[1]} (shape "
@@ -257,6 +239,14 @@ class VideoAutoencoder(nn.Module):
         if 0 in latent.shape[2:]:
             raise InputError(f"latent must have non-empty t, h, w, got shape "
                              f"{tuple(latent.shape)}")
+
+
+
+def _check_5d(value, name: str, layout: str, hint: str = "") -> None:
+    if not isinstance(value, Tensor):
+        raise UsageError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.ndim != 5:
+        raise InputError(f"{name} must be 5-D {layout}, got shape {tuple(value.shape)}{hint}")
 
 
 __all__ = ["VideoAutoencoder", "Encoder", "Decoder", "CausalCache"]

@@ -1,15 +1,13 @@
 """Building blocks of the causal video VAE on ``(B, C, T, H, W)`` tensors (see ``vae.py``).
 
-Convolutions never look ahead (:class:`CausalConv3d`) and everything else acts per frame
-(:class:`FrameGroupNorm`, :class:`FrameAttention`); a :class:`CausalCache` carries state
-between temporal chunks and hands spatial tiles whole-frame norm statistics. Names follow the
-official checkpoint, so a released state dict loads strictly. See docs/models.md.
+Convolutions never look ahead (:class:`CausalConv3d`), everything else acts per frame; a
+:class:`CausalCache` carries state between temporal chunks and hands spatial tiles whole-frame
+norm statistics. Names follow the official checkpoint (strict loading). See docs/models.md.
 """
 
 from __future__ import annotations
 
 import itertools
-
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -38,8 +36,7 @@ SPLIT_ELEMENTS = 1 << 30
 
 
 def _records_graph(*tensors: Tensor) -> bool:
-    """Whether autograd records ops on ``tensors``; the write-in-place fast paths (``out=``,
-    in-place activations) are taken only when it does not (inference, ``no_grad``)."""
+    """Whether autograd records ops on ``tensors`` (else the in-place fast paths run)."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
@@ -51,11 +48,9 @@ def conv3d(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: _int3 = 1,
            padding: _int3 = 0, paths: VaePaths = TODAY) -> Tensor:
     """``F.conv3d`` on the VAE's kernel paths (``vae_paths``), channels-first out.
 
-    ``paths.channels_last`` runs it on channels-last (NDHWC) input and weight (the layout
-    cuDNN's tensor-core kernels work in; a channels-last padded buffer and its bands need no
-    conversion of the input) and returns the result channels-first again: everything around
-    the convolutions stays in the layout it is written for. ``paths.fp16_accumulation`` (fp16
-    inputs): comfy-kitchen's ``fp16_conv3d`` on the zero-padded input."""
+    ``paths.channels_last``: on NDHWC input and weight (cuDNN's tensor-core layout; padded
+    buffers and their bands are NDHWC already), the result channels-first again for the code
+    around it. ``paths.fp16_accumulation`` (fp16): comfy-kitchen's ``fp16_conv3d``."""
     if paths.fp16_accumulation and x.dtype == torch.float16:
         pt, ph, pw = _triple(padding)
         return vae_paths.fp16_conv3d(x, weight, bias, stride, (pw, pw, ph, ph, pt, pt))
@@ -74,12 +69,10 @@ def _is_pointwise(weight: Tensor, stride: _int3, padding: _int3) -> bool:
 
 
 def _pointwise_conv3d(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
-    """A 1x1x1 convolution as matrix products over the channels, a frame at a time. On the
-    CPU, oneDNN's 1x1x1 kernel splits the channel sum by the thread count, so 1 and 2 threads
-    (one process versus two ranks of one thread each) differ in the last bit; the matrix
-    product sums each output in the same order at any thread count
-    (tests/test_determinism.py). A frame at a time: an input that is a view (a padded
-    buffer's interior) is copied one frame at a time, never whole."""
+    """A 1x1x1 convolution as matrix products over the channels, a frame at a time (a view
+    input is never copied whole). oneDNN's 1x1x1 kernel splits the channel sum by the thread
+    count, so 1 and 2 threads differ in the last bit; the matrix product sums in the same
+    order at any thread count (tests/test_determinism.py)."""
     B, C, T, H, W = x.shape
     matrix = weight.reshape(weight.shape[0], C)
     if _records_graph(x, weight, *(() if bias is None else (bias,))):
@@ -105,31 +98,26 @@ class ConvSpec:
     padding: Tuple[int, int, int] = (0, 0, 0)
     paths: VaePaths = TODAY
 
-    def fp16(self, x) -> bool:
-        """Whether input ``x`` (a tensor or a :class:`RowSource`) goes to fp16_conv3d."""
+    def fp16(self) -> bool:
+        """Whether the conv goes to fp16_conv3d."""
         return self.paths.fp16_accumulation and self.weight.dtype == torch.float16
 
 
-def conv3d_in_bands(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: _int3 = 1,
-                    padding: _int3 = 0, limit: Optional[int] = None,
-                    paths: VaePaths = TODAY, out: Optional[Tensor] = None) -> Tensor:
-    """``F.conv3d(x, weight, bias, stride, padding)``, as several calls on bands of output rows
-    when the input or output has more than ``limit`` (default :data:`SPLIT_ELEMENTS`) elements;
-    each band reads exactly its input rows and halo, so every output element is the same sum
-    (docs/models.md, "Large tensors"). Written into ``out`` when given (any strides: a view
-    into a padded buffer). ``paths``: see :func:`conv3d`.
-    """
+def conv3d_in_bands(x: Tensor, spec: ConvSpec, limit: Optional[int] = None,
+                    out: Optional[Tensor] = None, residual: Optional[Tensor] = None) -> Tensor:
+    """``F.conv3d`` of ``x`` with ``spec`` (plus ``residual``), in bands of output rows when the
+    input or output has over ``limit`` (:data:`SPLIT_ELEMENTS`) elements, each reading exactly
+    its rows and halo: every output element the same sum (docs/models.md, "Large tensors").
+    Into ``out`` when given (any strides: a view into a padded buffer)."""
     B, C, T, H, W = x.shape
     rows = RowSource(lambda a, b: x[:, :, :, a:b], (B, C, T, H, W), B * C * T * W)
-    spec = ConvSpec(weight, bias, _triple(stride), _triple(padding), paths)
-    return conv_rows(rows, spec, limit, out)
+    return conv_rows(rows, spec, limit, out, residual)
 
 
 class RowSource:
-    """An input of shape ``(B, C, T, H, W)`` handed to :func:`conv_rows` as bands of rows:
-    ``band(a, b)`` gives rows ``[a, b)`` (within ``[0, H)``) as a tensor, made on demand (a
-    view, or rows computed from a smaller input); ``row_elements``: the most elements one of
-    its rows makes, so that bands stay within the limit."""
+    """An input ``(B, C, T, H, W)`` for :func:`conv_rows` as bands of rows: ``band(a, b)``
+    makes rows ``[a, b)`` on demand (a view, or computed from a smaller input);
+    ``row_elements``: the most elements one row makes, so that bands stay within the limit."""
 
     def __init__(self, band, shape: Sequence[int], row_elements: int) -> None:
         self.band, self.shape, self.row_elements = band, tuple(shape), row_elements
@@ -137,15 +125,10 @@ class RowSource:
 
 def conv_rows(rows: RowSource, spec: ConvSpec, limit: Optional[int] = None,
               out: Optional[Tensor] = None, residual: Optional[Tensor] = None) -> Tensor:
-    """:func:`conv3d_in_bands` on an input given as a :class:`RowSource`, plus ``residual``
-    when given (fused into fp16_conv3d on that path). Over ``limit``, bands hold at most a
-    quarter of it (each band's input, output and copies are temporaries); on the fp16 path,
-    whose input is padded first, the whole input goes in one call up to half the limit, and
-    into ``out`` up to a quarter.
-
-    A band at the top or bottom edge is convolved with the conv's own zero padding of rows
-    and the output rows that padding adds beyond the band are dropped (stride 1 in H: no padded
-    copy of the band); a strided conv with row padding pads a copy instead."""
+    """:func:`conv3d_in_bands` on a :class:`RowSource`. Over ``limit``, bands of at most a
+    quarter of it (input, output and copies are temporaries; the fp16 path, which pads first,
+    goes whole up to half). An edge band uses the conv's own row padding and drops the rows it
+    adds past the band (stride 1 in H; a strided conv pads a copy)."""
     limit = SPLIT_ELEMENTS if limit is None else limit
     B, C, T, H, W = rows.shape
     O, _, kt, kh, kw = spec.weight.shape
@@ -154,7 +137,7 @@ def conv_rows(rows: RowSource, spec: ConvSpec, limit: Optional[int] = None,
     out_row = B * O * out_t * out_w
     # Into a given buffer, the whole output would be a second full-size tensor beside it: then
     # bands from a quarter of the limit on, as over it.
-    whole = limit // 4 if out is not None else limit // 2 if spec.fp16(rows) else limit
+    whole = limit // 4 if out is not None else limit // 2 if spec.fp16() else limit
     if max(rows.row_elements * H, out_row * out_h) <= whole:
         y = _conv_band(rows, spec, (0, out_h), residual)
         return y if out is None else out.copy_(y)
@@ -179,7 +162,7 @@ def _conv_band(rows: RowSource, spec: ConvSpec, band: Tuple[int, int],
     x = rows.band(max(lo, 0), min(hi, H))
     if residual is not None:
         residual = residual[:, :, :, o0:o1]
-    if spec.fp16(x):  # the kernel pads nothing: the missing rows, columns and frames here
+    if spec.fp16():  # the kernel pads nothing: the missing rows, columns and frames here
         return vae_paths.fp16_conv3d(x, spec.weight, spec.bias, spec.stride,
                                      (pw, pw, max(-lo, 0), max(hi - H, 0), pt, pt), residual)
     if lo == -ph and hi - H == ph or lo >= 0 and hi <= H:  # all rows, or none at an edge
@@ -196,19 +179,16 @@ def _conv_band(rows: RowSource, spec: ConvSpec, band: Tuple[int, int],
 
 
 def frame_group_stats(x: Tensor, groups: int) -> Tuple[Tensor, Tensor]:
-    """Per-frame GroupNorm statistics of ``x`` ``(B, C, T, N)``: mean and (biased) variance of
-    each (sample, group, frame), each ``(B, groups, 1, T)``, in ``x``'s dtype.
-
-    Per-(channel, frame) moments are reduced over the contiguous ``N`` axis and combined
-    exactly into group moments (:func:`group_stats_from_channels`)."""
+    """Per-frame GroupNorm mean and (biased) variance ``(B, groups, 1, T)`` of ``x``
+    ``(B, C, T, N)`` in its dtype: per-channel moments over the contiguous ``N`` axis, combined
+    exactly (:func:`group_stats_from_channels`)."""
     var_c, mean_c = torch.var_mean(x, dim=-1, correction=0)  # (B, C, T) per plane
     return group_stats_from_channels(mean_c, var_c, groups)
 
 
 def group_stats_from_channels(mean_c: Tensor, var_c: Tensor,
                               groups: int) -> Tuple[Tensor, Tensor]:
-    """Group mean and variance ``(B, G, 1, T)`` from per-channel ones ``(B, C, T)`` over equal
-    sample counts (law of total variance)."""
+    """Group mean and variance ``(B, G, 1, T)`` from per-channel ones (law of total variance)."""
     B, C, T = mean_c.shape
     mean_c = mean_c.view(B, groups, C // groups, T)
     var_c = var_c.view(B, groups, C // groups, T)
@@ -219,16 +199,12 @@ def group_stats_from_channels(mean_c: Tensor, var_c: Tensor,
 
 
 class CausalCache:
-    """State carried between the pieces of one clip: consecutive temporal chunks and, for a
-    subclass, spatial tiles (docs/models.md, "Temporal chunks and the cache").
-
-    One fresh cache per clip and direction, chunks in order (``1 + 4k`` frames first when
-    encoding, then multiples of 4). ``temporal=False`` carries nothing between calls: for
-    subclasses that only override :meth:`group_norm_stats`. ``paths.int8_cache_bytes``: tails
-    of at least that many bytes are kept in int8 (``vae_paths.PackedTail``); with
-    ``paths.cache_offload`` and ``park`` (``park(n)``: host memory for ``n`` int8 codes, a
-    ``PackedTail.parked``; given by the caller, which knows the host) those of a GPU are parked
-    there, each fetched back on a side stream while the conv before it runs.
+    """State carried between the temporal chunks of one clip (a fresh cache per clip and
+    direction, chunks in order) and, for a subclass, spatial tiles (docs/models.md). Tails of
+    ``paths.int8_cache_bytes`` or more are kept in int8 (``vae_paths.PackedTail``); with
+    ``paths.cache_offload``, a GPU's are parked in host memory from ``park(n)`` (``n`` codes),
+    each fetched back on a side stream while the conv before it runs. ``temporal=False``
+    carries nothing (a subclass that only overrides :meth:`group_norm_stats`).
     """
 
     def __init__(self, temporal: bool = True, paths: VaePaths = TODAY,
@@ -243,8 +219,8 @@ class CausalCache:
         self._seen: set = set()
 
     def tail(self, module: nn.Module) -> Optional[Union[Tensor, PackedTail]]:
-        """The tail kept for ``module``, on its device: a tensor, or int8 codes to unpack
-        with ``vae_paths.copy_tail`` (a parked tail fetched, the next one's fetch started)."""
+        """The tail kept for ``module`` on its device: a tensor or int8 codes (a parked tail
+        fetched, the next one's fetch started)."""
         kept = self._tails.get(module)
         if not isinstance(kept, PackedTail) or kept.parked is None:
             return kept
@@ -253,8 +229,7 @@ class CausalCache:
         return ready
 
     def _arrived(self, module: nn.Module) -> Optional[PackedTail]:
-        """The tail fetched ahead for ``module``, once the compute stream waits for its copy
-        (None: none was)."""
+        """The tail fetched ahead for ``module`` (None: none), waited for by the compute stream."""
         ahead = self._ahead.pop(module, None)
         if ahead is None:
             return None
@@ -265,8 +240,7 @@ class CausalCache:
         return fetched
 
     def _prefetch_after(self, module: nn.Module) -> None:
-        """Start copying the next parked tail (layer order: the order tails were first set)
-        to its device on a side stream, which overlaps the conv about to run."""
+        """Start fetching the next parked tail on a side stream, overlapping the conv to run."""
         modules = list(self._tails)
         for following in modules[modules.index(module) + 1:]:
             kept = self._tails[following]
@@ -289,8 +263,8 @@ class CausalCache:
         return None if kept is None else kept.shape[2]
 
     def set_tail(self, module: nn.Module, frames: Tensor, fresh: bool = False) -> None:
-        """Keep ``frames`` for ``module``'s next chunk: a copy, so that the (much larger) padded
-        input they are sliced from can be freed; ``fresh``: a tensor of their own, kept as is."""
+        """Keep ``frames`` for ``module``'s next chunk: a copy, freeing the padded input they
+        are sliced from (``fresh``: already their own tensor)."""
         if not self.temporal:
             return
         limit = self.paths.int8_cache_bytes
@@ -301,8 +275,7 @@ class CausalCache:
             self._tails[module] = frames.detach() if fresh else frames.detach().clone()
 
     def _parked(self, module: nn.Module, frames: Tensor):
-        """Host memory for ``module``'s packed tail when it is parked (its own, reused from
-        chunk to chunk), else None."""
+        """Host memory for ``module``'s parked tail (reused chunk to chunk), else None."""
         if self.park is None or frames.device.type != "cuda":
             return None
         parked = self._parking.get(module)
@@ -311,8 +284,7 @@ class CausalCache:
         return parked
 
     def first_visit(self, module: nn.Module) -> bool:
-        """True the first time ``module`` asks, i.e. while it processes the first chunk
-        (always, without temporal state)."""
+        """True while ``module`` processes the first chunk (always, without temporal state)."""
         if not self.temporal:
             return True
         if module in self._seen:
@@ -323,23 +295,19 @@ class CausalCache:
     # -- frame-wide statistics (overridden by spatial tiling) -------------------------------
 
     def group_norm_stats(self, norm: "FrameGroupNorm", x: Tensor) -> Tuple[Tensor, Tensor]:
-        """The per-frame statistics ``norm`` normalises ``x`` with.
-
-        ``x``: the norm's input in its compute dtype, ``(B, C, T, H, W)``. Returns mean and
-        variance ``(B, G, 1, T)`` in that dtype; by default those of ``x`` itself."""
+        """Mean and variance ``(B, G, 1, T)`` ``norm`` normalises ``x`` (its input in the
+        compute dtype) with; by default ``x``'s own."""
         return frame_group_stats(x.flatten(3), norm.num_groups)
 
 
 class CausalConv3d(nn.Conv3d):
-    """A 3-D convolution that is causal in time (docs/models.md, "Causality").
+    """A 3-D convolution causal in time (docs/models.md, "Causality"), ``nn.Conv3d``'s weights.
 
     ``padding`` ``(p_t, p_h, p_w)`` as the official layer: ``2 * p_t`` copies of the first frame
-    (or, with a :class:`CausalCache`, the previous chunk's last frames) are prepended; space is
-    zero padded by ``(p_h, p_w)`` or an explicit ``spatial_pad = (left, right, top, bottom)``.
-    Call ``conv(x)``, or write the input into ``buf, body = conv.input_buffer(...)`` and call
-    ``conv.forward_padded(buf)`` to save the padding copy. Parameters are ``nn.Conv3d``'s
-    ``weight`` ``(out, in, kt, kh, kw)`` and ``bias``; ``paths``: the VAE's kernel paths
-    (:func:`conv3d`; channels-last padded buffers with ``paths.channels_last``).
+    (with a :class:`CausalCache`, the previous chunk's last frames) prepended; space zero
+    padded by ``(p_h, p_w)`` or ``spatial_pad = (left, right, top, bottom)``. Call ``conv(x)``,
+    or fill ``buf, body = conv.input_buffer(...)`` and call ``conv.forward_padded(buf)`` (no
+    padding copy). ``paths``: the VAE's kernel paths (:func:`conv3d`).
     """
 
     paths: VaePaths = TODAY
@@ -375,8 +343,8 @@ class CausalConv3d(nn.Conv3d):
 
     def input_buffer(self, like: Tensor, shape: Sequence[int],
                      cache: Optional[CausalCache] = None) -> Tuple[Tensor, Tensor]:
-        """An uninitialised padded input for an unpadded input of ``shape`` (B, C, T, H, W),
-        and the view of it where that input goes. Same dtype/device as ``like``."""
+        """An empty padded input (``like``'s dtype and device) for an input of ``shape``, and
+        its body view where that input goes."""
         if self.spatial_pad is not None:
             raise NotImplementedError("input_buffer supports symmetric spatial padding only")
         B, C, T, H, W = shape
@@ -388,8 +356,7 @@ class CausalConv3d(nn.Conv3d):
 
     def forward_padded(self, buf: Tensor, cache: Optional[CausalCache] = None,
                        residual: Optional[Tensor] = None) -> Tensor:
-        """Convolve a buffer from :meth:`input_buffer` whose body has been filled (plus
-        ``residual``, an output-shaped tensor, when given)."""
+        """Convolve a filled buffer from :meth:`input_buffer` (plus ``residual``)."""
         n = self.head_length(cache)
         if n:
             tail = cache.tail(self) if cache is not None else None
@@ -397,8 +364,7 @@ class CausalConv3d(nn.Conv3d):
         return self._conv(buf, cache, residual)
 
     def head_length(self, cache: Optional[CausalCache]) -> int:
-        """Frames before the body in this conv's padded input (the cached tail or copies of
-        the first frame)."""
+        """Frames before the body in the padded input (the cached tail or first-frame copies)."""
         cached = cache.tail_length(self) if cache is not None else None
         return self.head_frames if cached is None else cached
 
@@ -409,16 +375,12 @@ class CausalConv3d(nn.Conv3d):
               residual: Optional[Tensor] = None) -> Tensor:
         if cache is not None and self.tail_frames:
             cache.set_tail(self, padded[:, :, padded.shape[2] - self.tail_frames:])
-        B, C, T, H, W = padded.shape
-        rows = RowSource(lambda a, b: padded[:, :, :, a:b], padded.shape, B * C * T * W)
-        return conv_rows(rows, self.spec(), out=None, residual=residual)
+        return conv3d_in_bands(padded, self.spec(), residual=residual)
 
 
 class FrameGroupNorm(nn.GroupNorm):
-    """GroupNorm with statistics per frame, in float32 whatever the model dtype: ``nn.GroupNorm``
-    over ``(B*T, C, H, W)`` without the transposing copies, as one fused ``scale * x + shift``
-    pass written to ``out`` when given (docs/models.md, "Causality").
-    """
+    """GroupNorm with statistics per frame in float32: ``nn.GroupNorm`` over ``(B*T, C, H, W)``
+    without transposing copies, one fused ``scale * x + shift`` pass (into ``out`` if given)."""
 
     def forward(self, x: Tensor, out: Optional[Tensor] = None,
                 cache: Optional[CausalCache] = None) -> Tensor:
@@ -438,12 +400,7 @@ class FrameGroupNorm(nn.GroupNorm):
             mean_g, var_g = frame_group_stats(x_c, G)
         else:
             mean_g, var_g = cache.group_norm_stats(self, x_c.view(x.shape))
-        rstd = torch.rsqrt(var_g + self.eps)
-
-        weight = self.weight.to(compute_dtype).view(1, G, C // G, 1)
-        bias = self.bias.to(compute_dtype).view(1, G, C // G, 1)
-        scale = (weight * rstd).reshape(B, C, T, 1)
-        shift = (bias - mean_g * weight * rstd).reshape(B, C, T, 1)
+        scale, shift = self._scale_shift(mean_g, var_g, x.shape, compute_dtype)
         if _records_graph(x, self.weight, self.bias):
             # out= and in-place ops would break the autograd graph: plain ops, then copy.
             y = torch.addcmul(shift, x_c, scale).view(x.shape).to(x.dtype)
@@ -456,17 +413,31 @@ class FrameGroupNorm(nn.GroupNorm):
             out.view(B, C, T, -1).copy_(x_c.mul_(scale).add_(shift))
         return out
 
+    def _scale_shift(self, mean_g: Tensor, var_g: Tensor, shape: Sequence[int],
+                     dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+        """``scale`` and ``shift`` ``(B, C, T, 1)`` of the fused ``scale * x + shift``."""
+        B, C, T = shape[:3]
+        G = self.num_groups
+        rstd = torch.rsqrt(var_g + self.eps)
+        weight = self.weight.to(dtype).view(1, G, C // G, 1)
+        bias = self.bias.to(dtype).view(1, G, C // G, 1)
+        return (weight * rstd).reshape(B, C, T, 1), (bias - mean_g * weight * rstd).reshape(B, C, T, 1)
+
+    def _channel_step(self, x_flat: Tensor) -> int:
+        """Channels per float32 piece: whole groups, a quarter of the limit (a temporary)."""
+        B, C, T, N = x_flat.shape
+        per_group = C // self.num_groups
+        return max(1, SPLIT_ELEMENTS // 4 // (B * per_group * T * N)) * per_group
+
     def statistics(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tuple[Tensor, Tensor]:
-        """The per-frame mean and variance ``(B, G, 1, T)`` :meth:`forward` normalises ``x``
-        with (from ``cache`` when it overrides them), in float32 (float64 for float64 input),
-        upcast a channel group at a time."""
+        """The per-frame mean and variance ``(B, G, 1, T)`` :meth:`forward` normalises ``x`` with
+        (``cache``'s when it overrides them), in float32 (float64 input: float64)."""
         B, C, T = x.shape[:3]
         compute_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         if cache is not None and type(cache).group_norm_stats is not CausalCache.group_norm_stats:
             return cache.group_norm_stats(self, x.to(compute_dtype))
         x_flat = x.reshape(B, C, T, -1)
-        per_group = C // self.num_groups
-        step = max(1, SPLIT_ELEMENTS // 4 // (B * per_group * T * x_flat.shape[-1])) * per_group
+        step = self._channel_step(x_flat)
         moments = [torch.var_mean(x_flat[:, c:c + step].to(compute_dtype), dim=-1, correction=0)
                    for c in range(0, C, step)]
         return group_stats_from_channels(torch.cat([m for _, m in moments], dim=1),
@@ -475,30 +446,14 @@ class FrameGroupNorm(nn.GroupNorm):
 
     def _forward_in_channel_groups(self, x: Tensor, out: Optional[Tensor],
                                    compute_dtype: torch.dtype) -> Tensor:
-        """The upcasting path of :meth:`forward` for inputs over ``SPLIT_ELEMENTS``: whole groups
-        of channels at a time, so no float32 copy of all of ``x`` exists; bit-identical to one
-        piece (the same per-channel moments and the same multiply and add per element).
-        """
+        """:meth:`forward` upcasting an input over ``SPLIT_ELEMENTS`` a piece of channel groups
+        at a time (no float32 copy of all of ``x``), bit-identical to one piece."""
         B, C, T = x.shape[:3]
-        G = self.num_groups
-        per_group = C // G
-        x_flat = x.reshape(B, C, T, -1)
-        plane_elements = x_flat.shape[0] * per_group * T * x_flat.shape[-1]
-        # Whole groups per piece, a quarter of the limit as the conv bands: a temporary.
-        step = max(1, SPLIT_ELEMENTS // 4 // plane_elements) * per_group
-        moments = [torch.var_mean(x_flat[:, c:c + step].to(compute_dtype), dim=-1, correction=0)
-                   for c in range(0, C, step)]
-        var_c = torch.cat([v for v, _ in moments], dim=1)
-        mean_c = torch.cat([m for _, m in moments], dim=1)
-        mean_g, var_g = group_stats_from_channels(mean_c, var_c, G)
-        rstd = torch.rsqrt(var_g + self.eps)
-        weight = self.weight.to(compute_dtype).view(1, G, per_group, 1)
-        bias = self.bias.to(compute_dtype).view(1, G, per_group, 1)
-        scale = (weight * rstd).reshape(B, C, T, 1)
-        shift = (bias - mean_g * weight * rstd).reshape(B, C, T, 1)
+        scale, shift = self._scale_shift(*self.statistics(x), x.shape, compute_dtype)
         if out is None:
             out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        out_flat = out.view(B, C, T, -1)
+        x_flat, out_flat = x.reshape(B, C, T, -1), out.view(B, C, T, -1)
+        step = self._channel_step(x_flat)
         for c in range(0, C, step):
             piece = x_flat[:, c:c + step].to(compute_dtype)
             out_flat[:, c:c + step].copy_(piece.mul_(scale[:, c:c + step]).add_(shift[:, c:c + step]))
@@ -509,9 +464,8 @@ class FrameGroupNorm(nn.GroupNorm):
 def norm_act_conv(norm: FrameGroupNorm, conv: CausalConv3d, x: Tensor,
                   cache: Optional[CausalCache] = None,
                   residual: Optional[Tensor] = None) -> Tensor:
-    """``conv(silu(norm(x))) (+ residual)`` with the activation written straight into the
-    conv's padded input buffer (the pattern of every conv inside the residual blocks and
-    before conv_out); the residual is added band by band (fused into fp16_conv3d)."""
+    """``conv(silu(norm(x))) (+ residual)``, the activation written straight into the conv's
+    padded input buffer, the residual added band by band (fused into fp16_conv3d)."""
     buf, body = conv.input_buffer(x, x.shape, cache)
     if _records_graph(x, norm.weight, norm.bias):
         body.copy_(silu(norm(x, cache=cache)))
@@ -522,9 +476,9 @@ def norm_act_conv(norm: FrameGroupNorm, conv: CausalConv3d, x: Tensor,
 
 def norm_silu_into(norm: FrameGroupNorm, x: Tensor, out: Tensor,
                    cache: Optional[CausalCache], paths: VaePaths) -> None:
-    """``out = silu(norm(x))`` (``out`` may be ``x`` itself): on the fused path (half-precision
-    input) comfy-kitchen's ``group_norm_silu_pad3d`` with the norm's own statistics, in place
-    one frame at a time; else the norm into ``out`` and SiLU in place (inference only)."""
+    """``out = silu(norm(x))`` (``out`` may be ``x``; inference only): comfy-kitchen's
+    ``group_norm_silu_pad3d`` on the fused path (half precision; in place a frame at a time),
+    else the norm into ``out`` and SiLU in place."""
     if not (paths.fused_norm and x.dtype in vae_paths.HALF):
         silu(norm(x, out=out, cache=cache), inplace=True)
         return
@@ -535,12 +489,9 @@ def norm_silu_into(norm: FrameGroupNorm, x: Tensor, out: Tensor,
 
 
 class ResnetBlock3D(nn.Module):
-    """Pre-norm residual block: ``x + conv2(silu(norm2(conv1(silu(norm1(x))))))``.
-
-    Both convolutions are causal 3x3x3 (the released config uses the "full" temporal
-    receptive field). A causal 1x1x1 ``conv_shortcut`` projects ``x`` when the channel count
-    changes.
-    """
+    """Pre-norm residual block: ``x + conv2(silu(norm2(conv1(silu(norm1(x))))))``, causal 3x3x3
+    convs (the "full" temporal receptive field); a causal 1x1x1 ``conv_shortcut`` projects
+    ``x`` when the channel count changes."""
 
     def __init__(self, in_channels: int, out_channels: int, groups: int) -> None:
         super().__init__()
@@ -559,11 +510,10 @@ class ResnetBlock3D(nn.Module):
         return norm_act_conv(self.norm2, self.conv2, h, cache, residual=shortcut)
 
     def forward_owned(self, owned: List[Tensor], cache: Optional[CausalCache] = None) -> Tensor:
-        """:meth:`forward` on an input handed over inside ``conv1``'s padded input buffer
-        (:meth:`CausalConv3d.input_buffer`, body filled): ``owned`` is a one-element list the
-        block takes the buffer out of, so that nothing else keeps it alive. The shortcut reads
-        the input first, then the norm overwrites it in place: one full-size buffer where
-        :meth:`forward` holds the input and a padded copy. Inference only, with a shortcut."""
+        """:meth:`forward` on an input inside ``conv1``'s filled padded buffer, popped from
+        the one-element list ``owned`` so nothing else keeps it alive. The shortcut reads it,
+        then the norm overwrites it in place: one full-size buffer where :meth:`forward` holds
+        two. Inference only, with a shortcut."""
         buf = owned.pop()
         body = buf[:, :, self.conv1.head_length(cache):]
         shortcut = self.conv_shortcut(body, cache)
@@ -579,11 +529,9 @@ class ResnetBlock3D(nn.Module):
 
 
 class FrameAttention(nn.Module):
-    """Single-head self-attention over the ``H*W`` positions of each frame, with residual:
-    ``x + to_out(softmax(q k^T / sqrt(C)) v)`` (diffusers' ``Attention`` names). Score matrices
-    stay within ``ATTENTION_SCORE_BUDGET`` elements per SDPA call (frames in groups, a large
-    frame's queries in row blocks); a cache reaches the norm.
-    """
+    """Single-head self-attention over each frame's ``H*W`` positions, with residual: ``x +
+    to_out(softmax(q k^T / sqrt(C)) v)`` (diffusers' names), in SDPA calls within
+    ``ATTENTION_SCORE_BUDGET`` scores (frames in groups, a large frame's queries in blocks)."""
 
     def __init__(self, channels: int, groups: int) -> None:
         super().__init__()
@@ -621,12 +569,9 @@ class FrameAttention(nn.Module):
 
 
 class Downsample3D(nn.Module):
-    """Strided causal conv halving H and W, and T too when ``temporal``.
-
-    Space: zero pad right/bottom by one, then 3x3 stride 2 without padding (H -> H/2).
-    Time (if ``temporal``): kernel 3, stride 2 after prepending two copies of the first frame,
-    so ``T = 2n+1 -> n+1`` and latent frame 0 sees only input frame 0.
-    """
+    """Strided causal conv halving H and W (zero pad right/bottom by one, 3x3 stride 2) and,
+    when ``temporal``, T (kernel 3 stride 2 after two copies of the first frame: ``2n+1 ->
+    n+1``, latent frame 0 sees only input frame 0)."""
 
     def __init__(self, channels: int, temporal: bool) -> None:
         super().__init__()
@@ -642,10 +587,9 @@ class Downsample3D(nn.Module):
 
 
 class Upsample3D(nn.Module):
-    """Learned depth-to-space up-sampling (x2 in H, W and, if ``temporal``, in T), then a causal
-    conv: ``upscale_conv`` (1x1x1) makes ``r * C`` channels read as ``(x, y, z, c)``; doubled
-    time drops latent frame 0's second copy, ``t -> 2t - 1`` (first chunk only). See
-    docs/models.md, "The causal video VAE".
+    """Learned depth-to-space (x2 in H, W and, if ``temporal``, T), then a causal conv:
+    ``upscale_conv`` (1x1x1) makes ``r * C`` channels read as ``(x, y, z, c)``; doubled time
+    drops frame 0's second copy, ``t -> 2t - 1`` (first chunk only; docs/models.md).
     """
 
     def __init__(self, channels: int, temporal: bool) -> None:
@@ -662,8 +606,7 @@ class Upsample3D(nn.Module):
 
     def forward_into(self, x: Tensor, following: CausalConv3d,
                      cache: Optional[CausalCache] = None) -> Tensor:
-        """The output written into the body of ``following``'s padded input buffer
-        (:meth:`CausalConv3d.input_buffer`); returns that buffer, head not yet filled."""
+        """The output written into ``following``'s padded input buffer (returned, no head)."""
         drop = self._drops_first_frame(cache)
         B, _, T, H, W = x.shape
         r = self.space_ratio
@@ -678,10 +621,9 @@ class Upsample3D(nn.Module):
 
     def _write(self, x: Tensor, cache: Optional[CausalCache], drop: bool,
                out: Optional[Tensor] = None) -> Tensor:
-        """``conv(depth_to_space(upscale_conv(x)))`` (into ``out`` if given), over bands of
-        output rows when large: each band's padded input rows (and halo) are made from the
-        input rows under them, so neither the ``r``-times-larger ``upscale_conv`` output nor
-        the conv's padded input exists whole (docs/models.md, "Large tensors")."""
+        """``conv(depth_to_space(upscale_conv(x)))`` (into ``out`` if given) in bands of output
+        rows, each band's padded input made from the input rows under it: neither the larger
+        ``upscale_conv`` output nor the padded input exists whole (docs/models.md)."""
         conv = self.conv
         B, _, T, H, W = x.shape
         C, r, z = self.channels, self.space_ratio, self.time_ratio
@@ -697,7 +639,7 @@ class Upsample3D(nn.Module):
                        paths=conv.paths)
             rows, _ = conv.input_buffer(y, (*padded[:2], padded[2] - n, (s1 - s0) * r, W * r),
                                         cache)
-            _depth_to_space(y, rows[:, :, n:], (C, r, z), drop)
+            depth_to_space(y, rows[:, :, n:], (C, r, z), drop)
             del y
             head = rows[:, :, :n]
             if tail is None:
@@ -715,10 +657,9 @@ class Upsample3D(nn.Module):
         return out
 
 
-def _depth_to_space(y: Tensor, out: Tensor, ratios: Tuple[int, int, int], drop: bool) -> None:
-    """``upscale_conv``'s output ``y`` ``(B, x*y*z*C, T, h, w)``, read as ``(B, x, y, z, C, T,
-    h, w)``, into ``out`` ``(B, C, T*z - drop, h*x, w*y)`` (:class:`Upsample3D`), skipping
-    ``(t=0, z=1)`` when ``drop`` instead of cutting it out afterwards."""
+def depth_to_space(y: Tensor, out: Tensor, ratios: Tuple[int, int, int], drop: bool) -> None:
+    """``upscale_conv``'s output ``y`` ``(B, x*y*z*C, T, h, w)`` read as ``(B, x, y, z, C, T, h,
+    w)`` into ``out`` ``(B, C, T*z - drop, h*x, w*y)``, skipping ``(t=0, z=1)`` when ``drop``."""
     C, r, z = ratios
     B, _, T, h, w = y.shape
     src = y.view(B, r, r, z, C, T, h, w).permute(0, 4, 5, 3, 6, 1, 7, 2)
@@ -729,66 +670,63 @@ def _depth_to_space(y: Tensor, out: Tensor, ratios: Tuple[int, int, int], drop: 
         out[:, :, 1:].view(B, C, T - 1, z, h, r, w, r).copy_(src[:, :, 1:])
 
 
-class DownEncoderBlock3D(nn.Module):
+class _Layers(nn.Module):
+    """A block run as the sequence of its ``layers()`` (:func:`run_layers`)."""
+
+    def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
+        return run_layers(self.layers(), x, cache)
+
+
+def _resnets(in_channels: int, out_channels: int, num_layers: int, groups: int) -> nn.ModuleList:
+    return nn.ModuleList(ResnetBlock3D(in_channels if i == 0 else out_channels, out_channels,
+                                       groups) for i in range(num_layers))
+
+
+class DownEncoderBlock3D(_Layers):
     """``num_layers`` residual blocks, then an optional :class:`Downsample3D`."""
 
     def __init__(self, in_channels: int, out_channels: int, num_layers: int, groups: int,
                  downsample: Optional[str]) -> None:
         super().__init__()
-        self.resnets = nn.ModuleList(
-            ResnetBlock3D(in_channels if i == 0 else out_channels, out_channels, groups)
-            for i in range(num_layers))
+        self.resnets = _resnets(in_channels, out_channels, num_layers, groups)
         self.downsamplers = (nn.ModuleList([Downsample3D(out_channels, downsample == "time")])
                              if downsample else None)
 
     def layers(self) -> List[nn.Module]:
         return [*self.resnets, *(self.downsamplers or ())]
 
-    def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
-        return run_layers(self.layers(), x, cache)
 
-
-class UpDecoderBlock3D(nn.Module):
+class UpDecoderBlock3D(_Layers):
     """``num_layers`` residual blocks, then an optional :class:`Upsample3D`."""
 
     def __init__(self, in_channels: int, out_channels: int, num_layers: int, groups: int,
                  upsample: Optional[str]) -> None:
         super().__init__()
-        self.resnets = nn.ModuleList(
-            ResnetBlock3D(in_channels if i == 0 else out_channels, out_channels, groups)
-            for i in range(num_layers))
+        self.resnets = _resnets(in_channels, out_channels, num_layers, groups)
         self.upsamplers = (nn.ModuleList([Upsample3D(out_channels, upsample == "time")])
                            if upsample else None)
 
     def layers(self) -> List[nn.Module]:
         return [*self.resnets, *(self.upsamplers or ())]
 
-    def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
-        return run_layers(self.layers(), x, cache)
 
-
-class UNetMidBlock3D(nn.Module):
+class UNetMidBlock3D(_Layers):
     """Residual block, per-frame self-attention, residual block (at the lowest resolution)."""
 
     def __init__(self, channels: int, groups: int) -> None:
         super().__init__()
-        self.resnets = nn.ModuleList([ResnetBlock3D(channels, channels, groups),
-                                      ResnetBlock3D(channels, channels, groups)])
+        self.resnets = _resnets(channels, channels, 2, groups)
         self.attentions = nn.ModuleList([FrameAttention(channels, groups)])
 
     def layers(self) -> List[nn.Module]:
         return [self.resnets[0], self.attentions[0], self.resnets[1]]
 
-    def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
-        return run_layers(self.layers(), x, cache)
-
 
 def run_layers(layers: Sequence[nn.Module], x: Tensor,
                cache: Optional[CausalCache] = None) -> Tensor:
-    """Each of ``layers`` (called ``layer(x, cache)``) on the output of the one before, with
-    no reference left to an input once its layer is done (a nested ``block(x)`` would hold
-    the block's input through all of its layers). An :class:`Upsample3D` followed by a block
-    with a shortcut writes straight into that block's padded input buffer
+    """Each of ``layers`` (``layer(x, cache)``) on the output of the one before, no input kept
+    once its layer is done (a nested ``block(x)`` would hold it through the block). An
+    :class:`Upsample3D` before a block with a shortcut writes into that block's padded input
     (:meth:`ResnetBlock3D.forward_owned`; docs/models.md, "Large tensors")."""
     i = 0
     while i < len(layers):
@@ -806,17 +744,14 @@ def run_layers(layers: Sequence[nn.Module], x: Tensor,
 
 
 def down_kinds(num_blocks: int, temporal_scale_num: int) -> Sequence[Optional[str]]:
-    """Down-sampling of each encoder block: ``"time"`` (space and time), ``"space"`` or None.
-
-    The last block never down-samples; the ``temporal_scale_num`` blocks before it also halve
-    time, the earlier ones only space (released model: space, time, time, none).
-    """
+    """Down-sampling of each encoder block: ``"time"`` (space and time), ``"space"`` or None:
+    none in the last, time too in the ``temporal_scale_num`` before it (released model: space,
+    time, time, none)."""
     first_temporal = num_blocks - 1 - temporal_scale_num
     return [None if i == num_blocks - 1 else "time" if i >= first_temporal else "space"
             for i in range(num_blocks)]
 
 
 def up_kinds(num_blocks: int, temporal_scale_num: int) -> Sequence[Optional[str]]:
-    """Up-sampling of each decoder block, mirroring :func:`down_kinds`
-    (released model: time, time, space, none)."""
+    """Up-sampling of each decoder block, mirroring :func:`down_kinds`."""
     return list(reversed(down_kinds(num_blocks, temporal_scale_num)))[1:] + [None]

@@ -5,18 +5,14 @@ then SiLU, cuDNN convolutions, causal caches in the model dtype. Four others, ea
 to today's where comfy-kitchen or the GPU's capability is missing (``seedvr2.kernels`` quotes
 their preconditions; the log says once which path runs):
 
-* ``channels_last``: the causal padded input buffers are NDHWC themselves (bands are views of
-  them), so a channels-last convolution reads its input without a conversion;
-* ``fused_norm``: norm -> SiLU -> padded buffer in one pass of comfy-kitchen's
-  ``group_norm_silu_pad3d``, with ``FrameGroupNorm``'s own statistics as ``(mean, rstd)``;
-  the causal head frames are copied from the first frame as today (kitchen zero-pads front
-  frames, so it is asked for none);
-* ``fp16_accumulation`` (option ``vae_fp16_accumulation``, fp16 models only): convolutions
-  through comfy-kitchen's ``fp16_conv3d``, accumulating in fp16, on input views under 2^30
-  elements, the residual block's shortcut fused into its second convolution;
-* ``int8_cache_bytes``: causal cache tails of at least this many bytes packed to int8 with one
-  float32 scale per tensor (as ComfyUI's ``TensorWiseINT8Layout``), optionally parked in
-  (pinned) host memory and fetched back ahead of the chunk that reads them.
+* ``channels_last``: NDHWC padded input buffers (bands are views), read without conversion;
+* ``fused_norm``: norm -> SiLU -> padded buffer in one ``group_norm_silu_pad3d`` pass with
+  ``FrameGroupNorm``'s own statistics; head frames copied as today (kitchen would zero them);
+* ``fp16_accumulation`` (fp16 models): comfy-kitchen's ``fp16_conv3d`` on input views under
+  2^30 elements, the residual block's shortcut fused into its second convolution;
+* ``int8_cache_bytes``: causal tails from this size on in int8 with one float32 scale (as
+  ComfyUI's ``TensorWiseINT8Layout``), optionally parked in pinned host memory and fetched
+  back ahead of the chunk that reads them.
 
 Requirements, costs and error bounds: docs/memory.md, "VAE kernel paths".
 """
@@ -77,8 +73,7 @@ def choose_paths(device, dtype: torch.dtype, *, channels_last: bool = False,
                  fp16_accumulation: bool = False, int8_cache_bytes: Optional[int] = None,
                  cache_offload: bool = False) -> VaePaths:
     """The paths a VAE of ``dtype`` on ``device`` runs: the fused norm wherever comfy-kitchen
-    runs it (half precision), fp16 accumulation where asked for and possible; each path that
-    cannot run is logged with why, and the chosen paths once."""
+    runs it, fp16 accumulation where asked for and possible (else logged with why)."""
     platform = kernels.platform_of(torch.device(device))
 
     def usable(kernel: str, wanted_dtypes) -> Optional[str]:
@@ -120,11 +115,9 @@ def kitchen_stats(mean: Tensor, var: Tensor, eps: float) -> Tensor:
 
 def kitchen_norm_silu_into(norm: torch.nn.GroupNorm, x: Tensor, stats: Tensor, out: Tensor,
                            frames: Optional[int] = None) -> None:
-    """``out = silu(norm(x))`` (a group norm: its ``weight``, ``bias``, ``num_groups`` and
-    ``eps``) through ``group_norm_silu_pad3d`` with the given per-frame
-    ``stats`` (:func:`kitchen_stats`), ``frames`` at a time (default: as many as stay under
-    :data:`VIEW_ELEMENTS`); ``out`` has ``x``'s shape (a body view of a padded buffer: no
-    padding asked of the kernel, which would zero the causal head)."""
+    """``out = silu(norm(x))`` through ``group_norm_silu_pad3d`` with per-frame ``stats``
+    (:func:`kitchen_stats`), ``frames`` at a time (default: within :data:`VIEW_ELEMENTS`);
+    ``out`` is ``x``-shaped (a padded buffer's body: the kernel's padding would zero the head)."""
     ck = kernels.kitchen()
     B, C, T = x.shape[:3]
     per_frame = x[:, :, :1].numel()
@@ -174,11 +167,10 @@ def _pieces(shape: torch.Size):
 
 @dataclass(frozen=True)
 class PackedTail:
-    """A causal tail ``(B, C, T, H, W)`` in int8 with one float32 scale (``absmax / 127``):
-    ``codes`` flat, piece after piece (:func:`_pieces`), on the tail's device or parked in a
-    host arena (``parked``: an object with ``views[0]``, the codes, and ``copy_into(0, out)``,
-    an asynchronous copy to the device on the current stream, such as
-    ``memory.arena.HostArena``). ``dtype``: the tail's."""
+    """A causal tail ``(B, C, T, H, W)`` of ``dtype`` in int8 with one float32 scale (``absmax
+    / 127``): ``codes`` flat, piece after piece (:func:`_pieces`), on the tail's device or
+    ``parked`` in a host arena (``views[0]`` the codes, ``copy_into(0, out)`` an asynchronous
+    upload: ``memory.arena.HostArena``)."""
 
     codes: Tensor
     scale: Tensor
@@ -203,8 +195,7 @@ class PackedTail:
         return PackedTail(codes, scale, frames.dtype, frames.shape, parked)
 
     def fetch(self, device: torch.device) -> "PackedTail":
-        """The codes on ``device``, copied on the current stream (asynchronously from pinned
-        memory)."""
+        """The codes on ``device``, copied on the current stream (asynchronously if pinned)."""
         if self.parked is None:
             return self
         codes = torch.empty(self.codes.shape, dtype=torch.int8, device=device)
@@ -212,8 +203,7 @@ class PackedTail:
         return PackedTail(codes, self.scale, self.dtype, self.shape)
 
     def unpack_into(self, out: Tensor, rows: Optional[Tuple[int, int]] = None) -> None:
-        """Write the values (rows ``[a, b)`` of every frame; default all) into ``out``, a
-        piece at a time."""
+        """Write the values (rows ``[a, b)`` of every frame; all) into ``out``, piece by piece."""
         B, C, _, H, W = self.shape
         a, b = rows or (0, H)
         for frame, h0, h1, offset in _pieces(self.shape):
@@ -230,8 +220,7 @@ class PackedTail:
 
 
 def copy_tail(out: Tensor, tail, rows: Optional[Tuple[int, int]] = None) -> None:
-    """``out`` = a kept causal tail (a tensor or a device :class:`PackedTail`), rows ``[a, b)``
-    of it when given."""
+    """``out`` = a kept causal tail (tensor or device :class:`PackedTail`), rows ``[a, b)``."""
     if isinstance(tail, PackedTail):
         tail.unpack_into(out, rows)
     else:

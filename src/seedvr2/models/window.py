@@ -1,7 +1,6 @@
-"""Attention windows of the NaDiT (~400 tokens each, regular and half-shifted grids) and the
-packed-token bookkeeping built from them: a :class:`WindowLayout` batches windows of equal
-length, built on the CPU, sent in one copy and kept per shape (:func:`layout_for`). See
-docs/models.md, "Windows".
+"""Attention windows of the NaDiT (~400 tokens, regular and half-shifted grids): a
+:class:`WindowLayout` batches windows of equal length, built on the CPU, sent in one copy and
+kept per shape (:func:`layout_for`). See docs/models.md, "Windows".
 """
 
 from __future__ import annotations
@@ -17,9 +16,8 @@ Window = tuple[int, int, int, int, int, int]  # (t0, t1, h0, h1, w0, w1), half-o
 
 
 def to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A tensor on ``device``; from the host without stalling it (CPU to CUDA: a non-blocking
-    copy from pinned memory, which may be dropped at once; anything else: a plain move).
-    """
+    """A tensor on ``device``, from the host without stalling it (CPU to CUDA: a non-blocking
+    copy from pinned memory, which may be dropped at once; else a plain move)."""
     if device.type == "cuda" and values.device.type == "cpu":
         return values.pin_memory().to(device, non_blocking=True)
     return values.to(device)
@@ -60,10 +58,8 @@ def make_windows(method: str, thw: tuple[int, int, int], num: tuple[int, int, in
 
 @dataclass
 class WindowGroup:
-    """Windows of equal video length and equal text length, attended in one batched call.
-
-    Their video tokens are the contiguous rows ``[start, start + count·vid_len)`` of the
-    window-ordered token array (see :attr:`WindowLayout.perm`).
+    """Windows of equal video and text length, attended in one batched call; their video
+    tokens are rows ``[start, start + count·vid_len)`` in window order (:attr:`WindowLayout.perm`).
     """
 
     start: int
@@ -91,48 +87,11 @@ class WindowLayout:
     @staticmethod
     def build(method: str, num: tuple[int, int, int], patched_thw: list[tuple[int, int, int]],
               txt_lens: list[int], device: torch.device) -> "WindowLayout":
-        """The layout's tensors on ``device``: computed on the CPU, concatenated into one
-        int64 buffer, sent in one copy (from pinned memory on CUDA, see
-        :func:`to_device`) and split into views there."""
-        by_key: dict[tuple[int, int], list] = {}
-        vid_offset = txt_offset = 0
-        txt_windows = []
-        for sample, ((t, h, w), txt_len) in enumerate(zip(patched_thw, txt_lens)):
-            grid = torch.arange(t * h * w).view(t, h, w) + vid_offset
-            windows = make_windows(method, (t, h, w), num)
-            for t0, t1, h0, h1, w0, w1 in windows:
-                size = (t1 - t0, h1 - h0, w1 - w0)
-                tokens = grid[t0:t1, h0:h1, w0:w1].reshape(-1)
-                by_key.setdefault((tokens.numel(), txt_len), []).append(
-                    (tokens, size, sample, txt_offset))
-            txt_windows.append(torch.full((txt_len,), float(len(windows))))
-            vid_offset += t * h * w
-            txt_offset += txt_len
-
-        perm, local, sizes, samples, groups = [], [], [], [], []
-        extents: tuple[set, set, set] = (set(), set(), set())
-        start = 0
-        for (vid_len, txt_len), members in by_key.items():
-            for tokens, size, sample, _ in members:
-                perm.append(tokens)
-                st, sh, sw = size
-                for axis, extent in enumerate(size):
-                    extents[axis].add(extent)
-                pos = torch.stack(torch.meshgrid(torch.arange(st), torch.arange(sh),
-                                                 torch.arange(sw), indexing="ij"), -1)
-                local.append(pos.reshape(-1, 3))
-                sizes.append(torch.tensor(size).expand(vid_len, 3))
-                samples.append(torch.full((vid_len,), sample))
-            offsets = [off for *_, off in members]
-            txt_index = torch.stack([torch.arange(txt_len) + off for off in offsets])
-            segments = [(off, offsets.index(off), len(offsets) - offsets[::-1].index(off))
-                        for off in dict.fromkeys(offsets)]
-            groups.append(WindowGroup(start, len(members), vid_len, txt_index, segments))
-            start += len(members) * vid_len
-
-        host = [torch.cat(perm), torch.cat(local).reshape(-1), torch.cat(sizes).reshape(-1),
-                torch.cat(samples), torch.cat(txt_windows).long()]
-        host += [g.txt_index.reshape(-1) for g in groups]
+        """The layout's tensors computed on the CPU, sent to ``device`` in one int64 buffer
+        (:func:`to_device`) and split into views there."""
+        by_key, txt_windows = _windows_by_length(method, num, patched_thw, txt_lens)
+        host, groups, extents = _window_order(by_key)
+        host += [torch.cat(txt_windows).long(), *(g.txt_index.reshape(-1) for g in groups)]
         # Plain tensors even under inference mode: they are kept across calls, and autograd
         # may later index with them (on the CPU, to_device returns the concatenation itself).
         with torch.inference_mode(False):
@@ -142,15 +101,55 @@ class WindowLayout:
         perm_d, local_d, sizes_d, samples_d, windows_d = views[:5]
         for g, txt_index in zip(groups, views[5:]):
             g.txt_index = txt_index.view(g.count, -1)
-        return WindowLayout(
-            perm=perm_d,
-            local_pos=local_d.view(-1, 3),
-            window_size=sizes_d.view(-1, 3),
-            sample_of_token=samples_d,
-            groups=groups,
-            txt_windows=windows_d,
-            extents=tuple(tuple(sorted(e)) for e in extents),
-        )
+        return WindowLayout(perm=perm_d, local_pos=local_d.view(-1, 3),
+                            window_size=sizes_d.view(-1, 3), sample_of_token=samples_d,
+                            groups=groups, txt_windows=windows_d, extents=extents)
+
+
+def _windows_by_length(method: str, num: tuple[int, int, int],
+                       patched_thw: list[tuple[int, int, int]], txt_lens: list[int]):
+    """Every sample's windows as (video tokens, extent, sample, first text row), keyed by
+    (video length, text length); and each text token's window count, per sample."""
+    by_key: dict[tuple[int, int], list] = {}
+    vid_offset = txt_offset = 0
+    txt_windows = []
+    for sample, ((t, h, w), txt_len) in enumerate(zip(patched_thw, txt_lens)):
+        grid = torch.arange(t * h * w).view(t, h, w) + vid_offset
+        windows = make_windows(method, (t, h, w), num)
+        for t0, t1, h0, h1, w0, w1 in windows:
+            tokens = grid[t0:t1, h0:h1, w0:w1].reshape(-1)
+            by_key.setdefault((tokens.numel(), txt_len), []).append(
+                (tokens, (t1 - t0, h1 - h0, w1 - w0), sample, txt_offset))
+        txt_windows.append(torch.full((txt_len,), float(len(windows))))
+        vid_offset += t * h * w
+        txt_offset += txt_len
+    return by_key, txt_windows
+
+
+def _window_order(by_key: dict) -> tuple[list[torch.Tensor], list[WindowGroup], tuple]:
+    """The host tensors in window order (perm, local positions, extents, samples), a
+    :class:`WindowGroup` per key and the extents seen per axis."""
+    perm, local, sizes, samples, groups = [], [], [], [], []
+    extents: tuple[set, set, set] = (set(), set(), set())
+    start = 0
+    for (vid_len, txt_len), members in by_key.items():
+        for tokens, size, sample, _ in members:
+            perm.append(tokens)
+            for axis, extent in enumerate(size):
+                extents[axis].add(extent)
+            pos = torch.stack(torch.meshgrid(*(torch.arange(n) for n in size), indexing="ij"), -1)
+            local.append(pos.reshape(-1, 3))
+            sizes.append(torch.tensor(size).expand(vid_len, 3))
+            samples.append(torch.full((vid_len,), sample))
+        offsets = [off for *_, off in members]
+        txt_index = torch.stack([torch.arange(txt_len) + off for off in offsets])
+        segments = [(off, offsets.index(off), len(offsets) - offsets[::-1].index(off))
+                    for off in dict.fromkeys(offsets)]
+        groups.append(WindowGroup(start, len(members), vid_len, txt_index, segments))
+        start += len(members) * vid_len
+    host = [torch.cat(perm), torch.cat(local).reshape(-1), torch.cat(sizes).reshape(-1),
+            torch.cat(samples)]
+    return host, groups, tuple(tuple(sorted(e)) for e in extents)
 
 
 # Layouts kept per (rule, shapes, device, stream): the batches of one video share them.
@@ -174,8 +173,3 @@ def layout_for(method: str, num: tuple[int, int, int], patched_thw: list[tuple[i
     else:
         _layouts.move_to_end(key)
     return replace(layout, cache={})
-
-
-def clear_layouts():
-    """Drop every kept layout (their device memory returns to the caching allocator)."""
-    _layouts.clear()
