@@ -276,3 +276,21 @@ def test_max_vram_caps_the_accelerators_not_the_host():
         "cpu": 100 * GIB, "cuda:0": GIB}
     assert capped({"cpu": 100 * GIB}, {"cpu"}, 1.0) == {"cpu": GIB}
     assert capped({"cpu": 100 * GIB}, {"cpu"}, 0.0) == {"cpu": 100 * GIB}
+
+
+def test_the_int8_cache_is_offered_where_it_is_enough():
+    """3B 1080p x 21 coded in temporal slices: with room for the VAE's tails in int8 (on
+    the GPU, or parked on the host) ``vae_int8_cache`` is among the single changes that fit,
+    the least of it offered; a fit to it names the option and its cost (before, no fit or
+    suggestion ever proposed the cache the budget counts)."""
+    real = Budget(dit_config("3b"), vae_config("vae"), Weights.from_config("dit", "3b", 2),
+                  Weights.from_config("vae", "vae", 2))
+    job, place = mem.BatchShape(1080, 1920, 21, encode_slice=5, decode_slice=4), Placement()
+    need = {mode: mem.estimate(real, replace(job, vae_int8_cache=mode), place).peak("cuda:0")
+            for mode in ("off", "on", "host")}
+    assert need["off"] > need["on"] > need["host"]
+    for mode in ("on", "host"):
+        offered = mem.alternatives(real, job, place, {"cuda:0": need[mode]}, 21)
+        assert f"vae_int8_cache={mode}" in offered, offered
+    found = mem._fit(job, place, replace(job, vae_int8_cache="host"), place)
+    assert (found.changes, found.costs) == ((("vae_int8_cache", "host"),), (mem._COSTS["int8"],))

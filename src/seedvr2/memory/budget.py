@@ -597,12 +597,15 @@ def _single_changes(budget: Budget, shape: BatchShape, place: Placement, failing
                     min_batch: int):
     """Each kind of single change, cheapest first (the README's "Out of memory"), as a list of
     (shape, placement, text) from the least to the most it changes: smaller batches, VAE tiles,
-    offloading the VAE, the DiT or both (text None: not offered alone), the waiting tensors,
+    the VAE's causal tails in int8, offloading the VAE, the DiT or both (text None: not offered alone), the waiting tensors,
     BlockSwap."""
     yield [(replace(shape, batch_size=n), place, option_ref("batch_size", n))
            for n in range(shape.batch_size - 4, min_batch - 1, -4)]
     yield [(tiled, place, text) for tiled, text in
            _tile_options(shape, [w for w in ("encode", "decode") if w in failing])[1:]]
+    if shape.vae_int8_cache == "off" and failing & {"encode", "decode"}:
+        yield [(replace(shape, vae_int8_cache=mode), place, option_ref("vae_int8_cache", mode))
+               for mode in ("on", "host")]
     if place.one_accelerator:
         vae_off = replace(place, vae_offload=place.vae_offload or "cpu")
         if place.vae_offload is None:
@@ -647,6 +650,7 @@ class Fit:
 # What each kind of change costs, in the README's order of preference ("Out of memory").
 _COSTS = {"batch": "smaller batches: less temporal consistency",
           "tiles": "VAE tiles: slight differences at their seams, a little slower",
+          "int8": "the VAE's large causal tails kept in int8: slight differences",
           "offload": "models wait in host RAM between phases: a copy per chunk",
           "swap": "DiT blocks stream from host RAM: slower DiT"}
 
@@ -667,6 +671,9 @@ def _fit(shape: BatchShape, place: Placement, new_shape: BatchShape,
                 out.append((f"vae_{w}_{option}", getattr(new, attr)))
     if new_shape.encode_tiles != shape.encode_tiles or new_shape.decode_tiles != shape.decode_tiles:
         costs.append(_COSTS["tiles"])
+    if new_shape.vae_int8_cache != shape.vae_int8_cache:
+        out.append(("vae_int8_cache", new_shape.vae_int8_cache))
+        costs.append(_COSTS["int8"])
     moved = [(kind, getattr(new_place, f"{kind}_offload")) for kind in ("vae", "dit")
              if getattr(new_place, f"{kind}_offload") != getattr(place, f"{kind}_offload")]
     out += [(f"{kind}_offload_device", where) for kind, where in moved]
