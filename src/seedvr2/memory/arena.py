@@ -1,11 +1,10 @@
 """One host allocation holding a model's weights, each tensor a view carved from it.
 
-Sized to the weights and pinned in place (``cudaHostRegister``; ``pin_memory()``'s caching
-allocator rounds to powers of two and never gives memory back). Pinning is injected
-(:data:`PinHook`); where it fails, uploads go through a small pinned :class:`PinnedStaging`;
-inside ComfyUI pins count in its budget (:class:`ComfyPin`). See docs/memory.md, "Weights
-off the GPU", and docs/comfyui.md, "Pinned memory".
-"""
+Sized to the weights and pinned in place (``cudaHostRegister``; ``pin_memory()``'s caching allocator
+rounds to powers of two and never gives memory back). Pinning is injected (:data:`PinHook`); where
+it fails, uploads go through a small pinned :class:`PinnedStaging`; inside ComfyUI pins count in its
+budget (:class:`ComfyPin`). See docs/memory.md, "Weights off the GPU", and docs/comfyui.md, "Pinned
+memory"."""
 
 from __future__ import annotations
 
@@ -34,9 +33,8 @@ _CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context (a DiT and VAE
 
 class CudaRuntime:
     """The CUDA runtime calls pinning makes, each returning a ``cudaError_t`` as an int.
-    ``cudaGetLastError`` (None where not found) is the libcudart torch loaded, from the
-    process's memory map: a failed pin's error is reset, not resurfacing after a later kernel.
-    """
+    ``cudaGetLastError`` (None where not found) is the libcudart torch loaded, from the process's
+    memory map: a failed pin's error is reset, not resurfacing after a later kernel."""
 
     def __init__(self):
         cudart = torch.cuda.cudart()
@@ -179,10 +177,9 @@ STAGING_SLOTS = 2
 
 
 class PinnedStaging:
-    """Host-to-device copies of pageable memory through ``slots`` pinned buffers of
-    ``chunk_bytes``: each piece an asynchronous DMA on the current stream, the host waiting only
-    for the copy that last read a buffer. ``allocate`` and ``new_event``: injectable for tests.
-    """
+    """Host-to-device copies of pageable memory through ``slots`` pinned buffers of ``chunk_bytes``:
+    each piece an asynchronous DMA on the current stream, the host waiting only for the copy that
+    last read a buffer. ``allocate`` and ``new_event``: injectable for tests."""
 
     def __init__(self, chunk_bytes: int = STAGING_CHUNK_BYTES, slots: int = STAGING_SLOTS,
                  allocate: Optional[Callable[[int], torch.Tensor]] = None,
@@ -249,10 +246,9 @@ def arena_bytes(nbytes: Sequence[int]) -> int:
 
 
 class HostArena:
-    """Host memory for tensors of the given shapes and dtypes, one view each (``views[i]``).
-    The caller copies its tensors in one at a time (each original freed at once), then calls
-    :meth:`pin`; ``release()`` (or dropping the arena) unpins; the last view frees the memory.
-    """
+    """Host memory for tensors of the given shapes and dtypes, one view each (``views[i]``). The
+    caller copies its tensors in one at a time (each original freed at once), then calls
+    :meth:`pin`; ``release()`` (or dropping the arena) unpins; the last view frees the memory."""
 
     def __init__(self, specs: Sequence[tuple[torch.Size, torch.dtype]], device="cpu"):
         sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size()

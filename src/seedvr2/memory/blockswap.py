@@ -1,10 +1,9 @@
 """BlockSwap: run a DiT whose weights do not fit on the GPU, at close to full speed.
 
-The first ``blocks_to_swap`` blocks (and, with ``swap_io_components``, the input and output
-layers) live in one pinned host arena; the next swapped block is copied on a side CUDA stream
-while the current one runs (at most ``prefetch`` + 1 on the GPU), a used copy dropped.
-:class:`SwapSchedule` decides, :class:`BlockSwap`'s hooks act (docs/memory.md).
-"""
+The first ``blocks_to_swap`` blocks (and, with ``swap_io_components``, the input and output layers)
+live in one pinned host arena; the next swapped block is copied on a side CUDA stream while the
+current one runs (at most ``prefetch`` + 1 on the GPU), a used copy dropped. :class:`SwapSchedule`
+decides, :class:`BlockSwap`'s hooks act (docs/memory.md)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """Memory budget: what a job needs on each device, known before any frame is processed.
 
-:func:`estimate` (pure, from the model configurations alone) gives per phase (VAE encode, DiT,
-VAE decode) and device the resident weights plus activations; :func:`check` raises one
-:class:`BudgetError` naming settings that would fit; :func:`auto_batch_size` picks the largest
-4n+1 batch that fits. The activation model (calibrated on CPU peaks) and its CUDA margins:
-docs/memory.md, "How the estimate is made".
-"""
+:func:`estimate` (pure, from the model configurations alone) gives per phase (VAE encode, DiT, VAE
+decode) and device the resident weights plus activations; :func:`check` raises one
+:class:`BudgetError` naming settings that would fit; :func:`auto_batch_size` picks the largest 4n+1
+batch that fits. The activation model (calibrated on CPU peaks) and its CUDA margins:
+docs/memory.md, "How the estimate is made"."""
 
 from __future__ import annotations
 
@@ -66,11 +65,10 @@ def gib(n: float) -> str:
 
 @dataclass(frozen=True)
 class Weights:
-    """Bytes of one model's tensors in memory, split the way BlockSwap moves them: each DiT
-    block (none for the VAE), the DiT's input and output layers, everything else.
-    ``largest_layer``: parameters of the largest linear/conv weight (packed weights are
-    dequantised a layer at a time: one such layer in the compute dtype is transient extra).
-    """
+    """Bytes of one model's tensors in memory, split the way BlockSwap moves them: each DiT block
+    (none for the VAE), the DiT's input and output layers, everything else. ``largest_layer``:
+    parameters of the largest linear/conv weight (packed weights are dequantised a layer at a time:
+    one such layer in the compute dtype is transient extra)."""
 
     blocks: tuple[int, ...] = ()
     io: int = 0

@@ -1,11 +1,10 @@
 """Run the causal video VAE in bounded memory: spatial tiles and causal temporal slices.
 
-Causal temporal slices are exact (a ``CausalCache`` carries each conv's last frames). Exact
-spatial tiles (default) run the network layer by layer over frame-wide planes on
-``state_device``, tile by tile, with whole-frame GroupNorm statistics (untiled up to rounding);
-fast tiles (``exact=False``) are independent and cross-faded (approximate). Design, bounds and
-costs: docs/memory.md, "VAE tiling and temporal slices".
-"""
+Causal temporal slices are exact (a ``CausalCache`` carries each conv's last frames). Exact spatial
+tiles (default) run the network layer by layer over frame-wide planes on ``state_device``, tile by
+tile, with whole-frame GroupNorm statistics (untiled up to rounding); fast tiles (``exact=False``)
+are independent and cross-faded (approximate). Design, bounds and costs: docs/memory.md, "VAE tiling
+and temporal slices"."""
 
 from __future__ import annotations
 

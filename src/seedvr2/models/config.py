@@ -1,8 +1,6 @@
-"""Model configurations with the official constructor key names, resolved by
-:func:`dit_config` / :func:`vae_config` from a shipped name, a conformance ``config.json`` or
-an official config verbatim; a key no official config has raises ``ConfigError``
-(docs/models.md, "The DiT").
-"""
+"""Model configurations with the official constructor key names, resolved by :func:`dit_config` /
+:func:`vae_config` from a shipped name, a conformance ``config.json`` or an official config
+verbatim; a key no official config has raises ``ConfigError`` (docs/models.md, "The DiT")."""
 
 from __future__ import annotations
 

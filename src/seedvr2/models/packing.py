@@ -1,8 +1,7 @@
 """Bookkeeping for native-resolution packing: several samples' tokens concatenated, no padding.
 
-Everything here is known on the host, so index tensors are built on the CPU and sent in one
-copy from pinned memory (:func:`to_device`), never read back (docs/models.md, "Packing").
-"""
+Everything here is known on the host, so index tensors are built on the CPU and sent in one copy
+from pinned memory (:func:`to_device`), never read back (docs/models.md, "Packing")."""
 
 from __future__ import annotations
 

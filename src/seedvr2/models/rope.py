@@ -1,10 +1,9 @@
 """3-D rotary position embeddings of the two NaDiT families, on window-local positions.
 
-Interleaved pairs (2p, 2p+1) of head dims turn by ``pos·f_k`` in three axis groups (t, h, w);
-3B ("mmrope3d", ``f_k = 1/10000^(2k/a)``) rotates video and text, 7B ("3d pixel",
-``f_k = π·linspace(1, 128, n)``, positions ``linspace(-1, 1, extent)``) video only. Angles in
-fp32 from the ``rope.rope.freqs`` buffer. Positions and families: docs/models.md, "RoPE".
-"""
+Interleaved pairs (2p, 2p+1) of head dims turn by ``pos·f_k`` in three axis groups (t, h, w); 3B
+("mmrope3d", ``f_k = 1/10000^(2k/a)``) rotates video and text, 7B ("3d pixel",
+``f_k = π·linspace(1, 128, n)``, positions ``linspace(-1, 1, extent)``) video only. Angles in fp32
+from the ``rope.rope.freqs`` buffer. Positions and families: docs/models.md, "RoPE"."""
 
 from __future__ import annotations
 
@@ -23,10 +22,9 @@ _TABLE_IDS = itertools.count()
 
 
 class FrequencyTable(nn.Module):
-    """The ``freqs`` buffer under the official key (``...rope.rope.freqs``). ``table_id`` names
-    its values for caches (never ``data_ptr()``: placement gives tables fresh copies);
-    ``defining`` recomputes the values of a table built on ``meta`` (docs/models.md, "RoPE").
-    """
+    """The ``freqs`` buffer under the official key (``...rope.rope.freqs``). ``table_id`` names its
+    values for caches (never ``data_ptr()``: placement gives tables fresh copies); ``defining``
+    recomputes the values of a table built on ``meta`` (docs/models.md, "RoPE")."""
 
     def __init__(self, freqs: torch.Tensor, defining: Optional[Callable[[], torch.Tensor]] = None):
         super().__init__()

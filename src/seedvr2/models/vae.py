@@ -90,10 +90,9 @@ class Decoder(_Coder):
 
 class VideoAutoencoder(nn.Module):
     """The SeedVR2 causal video VAE, with the official checkpoint's keys (``quant_conv`` /
-    ``post_quant_conv`` only where the config enables them; the released model does not).
-    Inputs are cast to the parameter dtype (not moved), contiguous channels-first; without
-    autograd the in-place fast paths run (with it, the same maths out of place).
-    """
+    ``post_quant_conv`` only where the config enables them; the released model does not). Inputs are
+    cast to the parameter dtype (not moved), contiguous channels-first; without autograd the
+    in-place fast paths run (with it, the same maths out of place)."""
 
     def __init__(self, config: VAEConfig) -> None:
         super().__init__()
@@ -176,10 +175,9 @@ class VideoAutoencoder(nn.Module):
     def sample_posterior(mean: Tensor, logvar: Tensor,
                          generator: Optional[torch.Generator] = None, *,
                          noise: Optional[Tensor] = None) -> Tensor:
-        """A draw ``mean + exp(logvar / 2) * eps`` from the diagonal Gaussian posterior: ``eps``
-        is ``noise``, else drawn in float32 on ``generator``'s device (a seed gives the same
-        latent in any model dtype), moved to ``mean``'s device and dtype.
-        """
+        """A draw ``mean + exp(logvar / 2) * eps`` from the diagonal Gaussian posterior: ``eps`` is
+        ``noise``, else drawn in float32 on ``generator``'s device (a seed gives the same latent in
+        any model dtype), moved to ``mean``'s device and dtype."""
         if noise is None:
             device = generator.device if generator is not None else mean.device
             noise = torch.randn(mean.shape, generator=generator, device=device,

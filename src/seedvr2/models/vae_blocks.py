@@ -1,9 +1,8 @@
 """Building blocks of the causal video VAE on ``(B, C, T, H, W)`` tensors (see ``vae.py``).
 
 Convolutions never look ahead (:class:`CausalConv3d`), everything else acts per frame; a
-:class:`CausalCache` carries state between temporal chunks and hands spatial tiles whole-frame
-norm statistics. Names follow the official checkpoint (strict loading). See docs/models.md.
-"""
+:class:`CausalCache` carries state between temporal chunks and hands spatial tiles whole-frame norm
+statistics. Names follow the official checkpoint (strict loading). See docs/models.md."""
 
 from __future__ import annotations
 
@@ -199,13 +198,12 @@ def group_stats_from_channels(mean_c: Tensor, var_c: Tensor,
 
 
 class CausalCache:
-    """State carried between the temporal chunks of one clip (a fresh cache per clip and
-    direction, chunks in order) and, for a subclass, spatial tiles (docs/models.md). Tails of
+    """State carried between the temporal chunks of one clip (a fresh cache per clip and direction,
+    chunks in order) and, for a subclass, spatial tiles (docs/models.md). Tails of
     ``paths.int8_cache_bytes`` or more are kept in int8 (``vae_paths.PackedTail``); with
-    ``paths.cache_offload``, a GPU's are parked in host memory from ``park(n)`` (``n`` codes),
-    each fetched back on a side stream while the conv before it runs. ``temporal=False``
-    carries nothing (a subclass that only overrides :meth:`group_norm_stats`).
-    """
+    ``paths.cache_offload``, a GPU's are parked in host memory from ``park(n)`` (``n`` codes), each
+    fetched back on a side stream while the conv before it runs. ``temporal=False`` carries nothing
+    (a subclass that only overrides :meth:`group_norm_stats`)."""
 
     def __init__(self, temporal: bool = True, paths: VaePaths = TODAY,
                  park: Optional[Callable[[int], object]] = None) -> None:
@@ -304,11 +302,10 @@ class CausalConv3d(nn.Conv3d):
     """A 3-D convolution causal in time (docs/models.md, "Causality"), ``nn.Conv3d``'s weights.
 
     ``padding`` ``(p_t, p_h, p_w)`` as the official layer: ``2 * p_t`` copies of the first frame
-    (with a :class:`CausalCache`, the previous chunk's last frames) prepended; space zero
-    padded by ``(p_h, p_w)`` or ``spatial_pad = (left, right, top, bottom)``. Call ``conv(x)``,
-    or fill ``buf, body = conv.input_buffer(...)`` and call ``conv.forward_padded(buf)`` (no
-    padding copy). ``paths``: the VAE's kernel paths (:func:`conv3d`).
-    """
+    (with a :class:`CausalCache`, the previous chunk's last frames) prepended; space zero padded by
+    ``(p_h, p_w)`` or ``spatial_pad = (left, right, top, bottom)``. Call ``conv(x)``, or fill
+    ``buf, body = conv.input_buffer(...)`` and call ``conv.forward_padded(buf)`` (no padding copy).
+    ``paths``: the VAE's kernel paths (:func:`conv3d`)."""
 
     paths: VaePaths = TODAY
 
@@ -588,9 +585,8 @@ class Downsample3D(nn.Module):
 
 class Upsample3D(nn.Module):
     """Learned depth-to-space (x2 in H, W and, if ``temporal``, T), then a causal conv:
-    ``upscale_conv`` (1x1x1) makes ``r * C`` channels read as ``(x, y, z, c)``; doubled time
-    drops frame 0's second copy, ``t -> 2t - 1`` (first chunk only; docs/models.md).
-    """
+    ``upscale_conv`` (1x1x1) makes ``r * C`` channels read as ``(x, y, z, c)``; doubled time drops
+    frame 0's second copy, ``t -> 2t - 1`` (first chunk only; docs/models.md)."""
 
     def __init__(self, channels: int, temporal: bool) -> None:
         super().__init__()
