@@ -188,8 +188,7 @@ class _FixedStats(CausalCache):
 
 @dataclass
 class _Plane:
-    """A frame-wide activation (on the state device, or any tensor for inputs) and, when it
-    will be normalised, its statistics."""
+    """A frame-wide activation (state device; inputs: any tensor), its statistics if normed."""
 
     data: Tensor
     stats: Optional[_ChannelStats] = None
@@ -220,8 +219,6 @@ class _ExactRun:
         self.tails: Dict[nn.Module, Tensor] = {}  # frame-wide carried frames per causal conv
         self.first_chunk, self.keep_tails = True, False
 
-    # -- helpers ----------------------------------------------------------------------------
-
     def _edges(self, H: int, W: int) -> Tuple[int, int]:
         """Tile edge in samples for a plane of ``H x W`` (``tile_size`` pixels of the video)."""
         return (self.tile_latents * max(H // self.latent_h, 1),
@@ -244,8 +241,6 @@ class _ExactRun:
                 return x
             return silu(norm(x, cache=_FixedStats(src.stats)), inplace=True)
         return produce
-
-    # -- layers -----------------------------------------------------------------------------
 
     def _conv(self, conv: CausalConv3d, shape, produce: Callable, dst: Optional[_Plane] = None,
               residual: Optional[Callable] = None, stats: bool = True) -> _Plane:
@@ -312,9 +307,8 @@ class _ExactRun:
 
         # Without a width change the output overwrites x: each tile reads x only where it
         # writes, after reading it, and conv1 (the only other reader) is done.
-        in_place = shortcut is None and x.data.device == self.state
         dst = None
-        if in_place:
+        if shortcut is None and x.data.device == self.state:
             dst = _Plane(x.data, _ChannelStats(*x.data.shape[:3], self.stats_dtype, self.device))
         out = self._conv(block.conv2, h.data.shape, self._activate(h, block.norm2), dst=dst,
                          residual=residual)
@@ -364,8 +358,6 @@ class _ExactRun:
                   dst: Tensor) -> None:
         self._conv(conv, x.data.shape, self._activate(x, norm), dst=_Plane(dst))
 
-    # -- the two halves ---------------------------------------------------------------------
-
     def through(self, coder: Union[Encoder, Decoder], x: Tensor, out: Tensor) -> None:
         """``out`` (any device) = ``coder(x)`` for one chunk of frames: the encoder's moments
         or the decoder's video, through the layers ``coder.layers()`` lists."""
@@ -397,8 +389,7 @@ def _first_out_frame(frame: int, f: int, encoding: bool) -> int:
 
 def _exact(vae: VideoAutoencoder, x: Tensor, tiles: TileSettings,
            chunks: List[Tuple[int, int]], between: Between, encoding: bool):
-    """Encode (``(mean, logvar)``) or decode (video) ``x`` in exact tiles, its temporal chunks
-    in order through one :class:`_ExactRun` (which carries the causal tails)."""
+    """Encode or decode ``x`` in exact tiles, its chunks in order through one :class:`_ExactRun`."""
     B, _, T, H, W = x.shape
     s, f = vae.spatial_factor, vae.temporal_factor
     if encoding:
@@ -422,8 +413,7 @@ def _exact(vae: VideoAutoencoder, x: Tensor, tiles: TileSettings,
 
 @dataclass(frozen=True)
 class _Span:
-    """One tile along one axis: latent indices ``[start, stop)`` and the normalised blend
-    weight of its output samples (``None``: the only tile on this axis, weight 1)."""
+    """One tile along one axis: latents ``[start, stop)``, its outputs' blend weight (None: 1)."""
 
     start: int
     stop: int
@@ -439,8 +429,7 @@ def _ramp(n: int) -> Tensor:
 
 def _axis_spans(length: int, tile: int, overlap: int, scale: int,
                 dtype: torch.dtype, device: torch.device) -> List[_Span]:
-    """Tiles along one axis of ``length`` latents and their weights in output units
-    (``scale`` output samples per latent: 1 for encoded latents, 8 for decoded pixels)."""
+    """Tiles along an axis of ``length`` latents, weights in output units (``scale`` per latent)."""
     starts, size = tile_layout(length, tile, overlap)
     if len(starts) == 1:
         return [_Span(0, length, None)]
@@ -507,8 +496,7 @@ def _layout(vae: VideoAutoencoder, tiles: TileSettings, h: int, w: int, scale: i
 
 def _fast(vae: VideoAutoencoder, x: Tensor, tiles: TileSettings,
           chunks: List[Tuple[int, int]], between: Between, encoding: bool):
-    """Encode (``(mean, logvar)``) or decode (video) ``x`` in independent overlapping tiles,
-    cross-faded, each tile's temporal chunks through one cache."""
+    """Encode or decode ``x`` in independent cross-faded tiles, a tile's chunks through one cache."""
     B, _, T, H, W = x.shape
     s, f, dtype = vae.spatial_factor, vae.temporal_factor, vae.dtype
     # Tiles are cut on the latent grid: samples per latent of the input and of the output.
@@ -523,7 +511,6 @@ def _fast(vae: VideoAutoencoder, x: Tensor, tiles: TileSettings,
     for row in rows:
         for col in cols:
             weight = _tile_weight(row, col)
-            # One per tile; int8 tails parked in host memory with vae_int8_cache host.
             cache = vae.new_cache(tail_parking(x.device)) if len(chunks) > 1 else None
             for a0, a1 in chunks:
                 between()
@@ -595,6 +582,5 @@ def encode(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
 def decode(vae: VideoAutoencoder, latent: Tensor, tiles: TileSettings,
            temporal_chunk: Optional[int] = None, between: Between = None) -> Tensor:
     """``vae.decode(latent)`` in spatial tiles (``tiles``, in pixels) and/or causal temporal
-    chunks of ``1 + c/4, c/4, ...`` latent frames (``temporal_chunk`` = ``c``), as
-    :func:`encode_posterior`."""
+    chunks of ``1 + c/4, c/4, ...`` latent frames (``temporal_chunk`` = ``c``), as above."""
     return _in_pieces(vae, latent, tiles, temporal_chunk, between, encoding=False)
