@@ -496,7 +496,7 @@ def _layout(vae: VideoAutoencoder, tiles: TileSettings, h: int, w: int, scale: i
 
 def _fast(vae: VideoAutoencoder, x: Tensor, tiles: TileSettings,
           chunks: List[Tuple[int, int]], between: Between, encoding: bool):
-    """Encode or decode ``x`` in independent cross-faded tiles, a tile's chunks through one cache."""
+    """Encode or decode ``x`` in independent cross-faded tiles, a tile's chunks in one cache."""
     B, _, T, H, W = x.shape
     s, f, dtype = vae.spatial_factor, vae.temporal_factor, vae.dtype
     # Tiles are cut on the latent grid: samples per latent of the input and of the output.
