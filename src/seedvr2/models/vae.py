@@ -103,8 +103,7 @@ class VideoAutoencoder(nn.Module):
         self.encoder = Encoder(config)
         self.decoder = Decoder(config)
         latent2 = 2 * config.latent_channels
-        self.quant_conv = (CausalConv3d(latent2, latent2, 1) if config.use_quant_conv
-                           else None)
+        self.quant_conv = CausalConv3d(latent2, latent2, 1) if config.use_quant_conv else None
         self.post_quant_conv = (CausalConv3d(config.latent_channels, config.latent_channels, 1)
                                 if config.use_post_quant_conv else None)
 
@@ -150,8 +149,7 @@ class VideoAutoencoder(nn.Module):
 
     def encode_posterior(self, video: Tensor) -> Tuple[Tensor, Tensor]:
         """Posterior moments ``(mean, logvar)``, each ``(B, 16, n + 1, H/8, W/8)``, of ``video``
-        ``(B, 3, 4n + 1, H, W)`` in [-1, 1] (an image: ``T = 1``), ``logvar`` clamped to [-30, 20].
-        """
+        ``(B, 3, 4n + 1, H, W)`` in [-1, 1] (an image: ``T = 1``); ``logvar`` in [-30, 20]."""
         self.check_video(video)
         with self.conv_settings():
             return self.posterior(self.encoder(video.to(self.dtype).contiguous()))
@@ -167,8 +165,7 @@ class VideoAutoencoder(nn.Module):
     def encode(self, video: Tensor) -> Tensor:
         """The posterior mean (mode) of ``video``: ``(B, 16, n + 1, H/8, W/8)``, channels-first,
         *unscaled* (docs/models.md, "Scaling and names"); arguments as :meth:`encode_posterior`.
-        For the sampled latent the official pipeline uses, see :meth:`sample_posterior`.
-        """
+        The official pipeline samples instead: :meth:`sample_posterior`."""
         return self.encode_posterior(video)[0]
 
     @staticmethod
@@ -237,7 +234,6 @@ class VideoAutoencoder(nn.Module):
         if 0 in latent.shape[2:]:
             raise InputError(f"latent must have non-empty t, h, w, got shape "
                              f"{tuple(latent.shape)}")
-
 
 
 def _check_5d(value, name: str, layout: str, hint: str = "") -> None:

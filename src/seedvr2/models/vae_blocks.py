@@ -97,8 +97,7 @@ class ConvSpec:
     padding: Tuple[int, int, int] = (0, 0, 0)
     paths: VaePaths = TODAY
 
-    def fp16(self) -> bool:
-        """Whether the conv goes to fp16_conv3d."""
+    def fp16(self) -> bool:  # the conv goes to fp16_conv3d
         return self.paths.fp16_accumulation and self.weight.dtype == torch.float16
 
 
@@ -192,9 +191,8 @@ def group_stats_from_channels(mean_c: Tensor, var_c: Tensor,
     mean_c = mean_c.view(B, groups, C // groups, T)
     var_c = var_c.view(B, groups, C // groups, T)
     mean_g = mean_c.mean(dim=2, keepdim=True)  # (B, G, 1, T)
-    var_g = var_c.mean(dim=2, keepdim=True) + (mean_c - mean_g).square().mean(dim=2,
-                                                                               keepdim=True)
-    return mean_g, var_g
+    spread = (mean_c - mean_g).square().mean(dim=2, keepdim=True)
+    return mean_g, var_c.mean(dim=2, keepdim=True) + spread
 
 
 class CausalCache:
@@ -361,7 +359,7 @@ class CausalConv3d(nn.Conv3d):
         return self._conv(buf, cache, residual)
 
     def head_length(self, cache: Optional[CausalCache]) -> int:
-        """Frames before the body in the padded input (the cached tail or first-frame copies)."""
+        """Frames before the body in the padded input (cached tail or first-frame copies)."""
         cached = cache.tail_length(self) if cache is not None else None
         return self.head_frames if cached is None else cached
 
@@ -507,10 +505,10 @@ class ResnetBlock3D(nn.Module):
         return norm_act_conv(self.norm2, self.conv2, h, cache, residual=shortcut)
 
     def forward_owned(self, owned: List[Tensor], cache: Optional[CausalCache] = None) -> Tensor:
-        """:meth:`forward` on an input inside ``conv1``'s filled padded buffer, popped from
-        the one-element list ``owned`` so nothing else keeps it alive. The shortcut reads it,
-        then the norm overwrites it in place: one full-size buffer where :meth:`forward` holds
-        two. Inference only, with a shortcut."""
+        """:meth:`forward` on an input inside ``conv1``'s filled padded buffer, popped from the
+        one-element list ``owned`` so nothing else keeps it alive. The shortcut reads it, then the
+        norm overwrites it in place: one full-size buffer where :meth:`forward` holds two.
+        Inference only, with a shortcut (:meth:`takes_owned`)."""
         buf = owned.pop()
         body = buf[:, :, self.conv1.head_length(cache):]
         shortcut = self.conv_shortcut(body, cache)

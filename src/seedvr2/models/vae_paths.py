@@ -14,8 +14,7 @@ their preconditions; the log says once which path runs):
   ComfyUI's ``TensorWiseINT8Layout``), optionally parked in pinned host memory and fetched
   back ahead of the chunk that reads them.
 
-Requirements, costs and error bounds: docs/memory.md, "VAE kernel paths".
-"""
+Requirements, costs and error bounds: docs/memory.md, "VAE kernel paths"."""
 
 from __future__ import annotations
 
@@ -141,8 +140,7 @@ def fp16_conv3d(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride, pad,
     if any(pad):
         x = torch.nn.functional.pad(x, pad)
     stride = [stride] * 3 if isinstance(stride, int) else list(stride)
-    y = kernels.kitchen().fp16_conv3d(x, weight, bias, residual, stride)
-    return y.contiguous()
+    return kernels.kitchen().fp16_conv3d(x, weight, bias, residual, stride).contiguous()
 
 
 # -- int8 causal tails ------------------------------------------------------------------------
@@ -180,8 +178,7 @@ class PackedTail:
 
     @staticmethod
     def pack(frames: Tensor, parked=None) -> "PackedTail":
-        """``frames`` in int8, into ``parked``'s codes when given (copied there
-        asynchronously), else into new codes on their device."""
+        """``frames`` in int8, into ``parked``'s codes (asynchronously) or new ones beside them."""
         low, high = torch.aminmax(frames)  # one reduction, no |frames| made
         scale = torch.maximum(-low.float(), high.float())
         scale = scale.clamp_min(torch.finfo(torch.float32).tiny) / 127
