@@ -178,7 +178,7 @@ class PackedTail:
 
     @staticmethod
     def pack(frames: Tensor, parked=None) -> "PackedTail":
-        """``frames`` in int8, in ``parked``'s codes (copied asynchronously) or new on their device."""
+        """``frames`` in int8: ``parked``'s codes (filled asynchronously), else new on its device."""
         low, high = torch.aminmax(frames)  # one reduction, no |frames| made
         scale = torch.maximum(-low.float(), high.float())
         scale = scale.clamp_min(torch.finfo(torch.float32).tiny) / 127
