@@ -178,7 +178,7 @@ class PackedTail:
 
     @staticmethod
     def pack(frames: Tensor, parked=None) -> "PackedTail":
-        """``frames`` in int8: ``parked``'s codes (filled asynchronously), else new on its device."""
+        """``frames`` in int8: ``parked``'s codes (asynchronously), else new ones on its device."""
         low, high = torch.aminmax(frames)  # one reduction, no |frames| made
         scale = torch.maximum(-low.float(), high.float())
         scale = scale.clamp_min(torch.finfo(torch.float32).tiny) / 127
