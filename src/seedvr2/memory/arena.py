@@ -255,7 +255,6 @@ class HostArena:
                  for shape, dtype in specs]
         offsets, _ = aligned_offsets(sizes)
         self.nbytes = _pinned_range(sizes)  # the range views live in and pinning covers
-        # One page of slack so the range can start on a page boundary.
         raw = torch.empty(arena_bytes(sizes), dtype=torch.uint8, device=device)
         shift = (-raw.data_ptr()) % PAGE if raw.device.type == "cpu" else 0
         self.buffer = raw[shift: shift + self.nbytes]

@@ -463,14 +463,11 @@ def estimate(budget: Budget, shape: BatchShape, place: Placement) -> Estimate:
     waiting = frames * hp * wp * (12 + 2)
 
     def parked_dit(device: str) -> int:  # the DiT while a VAE phase runs on ``device``
-        if place.dit_device != device or place.swapping or place.dit_offload is not None:
-            return 0
-        return dw.total
+        stays = place.dit_device == device and not place.swapping and place.dit_offload is None
+        return dw.total if stays else 0
 
     def parked_vae(device: str) -> int:
-        if place.vae_device != device or place.vae_offload is not None:
-            return 0
-        return vw.total
+        return vw.total if place.vae_device == device and place.vae_offload is None else 0
 
     def need(phase: str, device: str, weights: list, activations: int) -> PhaseNeed:
         parts = [*weights, ("activations", activations),
@@ -617,8 +614,8 @@ def _single_changes(budget: Budget, shape: BatchShape, place: Placement, failing
 
 def alternatives(budget: Budget, shape: BatchShape, place: Placement,
                  available: Mapping[str, int], min_batch: int = 1) -> list[str]:
-    """Settings that would make the job fit: each single change enough on its own (the least
-    of each kind); when none is, one combination (or none)."""
+    """Settings that would make the job fit: each single change enough on its own (the least of
+    each kind); when none is, one combination (or none)."""
     failing = failing_phases(estimate(budget, shape, place), available)
     found = [_first_fit(budget, [o for o in options if o[2] is not None], available)
              for options in _single_changes(budget, shape, place, failing, min_batch)]

@@ -205,8 +205,7 @@ class VAEConfig:
                 for f in dataclasses.fields(self)}
 
 
-# ---------------------------------------------------------------------------------------------
-# Resolution of user-given configs
+# -- resolution of user-given configs ---------------------------------------------------------
 
 _CONFIG_FILES = {"3b": "dit_3b.json", "7b": "dit_7b.json", "vae": "vae.json"}
 _IGNORED_KEYS = {"__object__"}

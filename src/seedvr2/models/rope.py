@@ -17,7 +17,6 @@ from torch import nn
 
 from .window import WindowLayout
 
-
 _TABLE_IDS = itertools.count()
 
 
@@ -99,8 +98,7 @@ class _RoPE3d(nn.Module):
         """(Nv, 1, head_dim/2) rotations of the video tokens in window order, cached per call
         for blocks sharing one table (the loader shares tables holding equal values)."""
         freqs = self.rope.freqs
-        # Keyed by the table's identity (tables never change during a call), not by its
-        # address: see FrequencyTable.
+        # By the table's identity (constant during a call), not its address: see FrequencyTable.
         key = (type(self).__name__, self.rope.table_id, freqs.device)
         if key not in layout.cache:
             angles = _axis_angles(self.video_positions(layout, txt_lens), freqs)
