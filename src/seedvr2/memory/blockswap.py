@@ -158,9 +158,8 @@ class BlockSwap:
         loads = self.schedule.before(i)
         computed = None
         if loads and self.stream is not None:
-            # The compute-done event of unit i - 1: every kernel queued so far (the copy of
-            # unit i + prefetch waits for the compute of unit i - 1, so at most prefetch + 1
-            # units' copies exist on the GPU at any time).
+            # The compute-done event of unit i - 1 (every kernel queued so far): the copy of
+            # unit i + prefetch waits for it, so at most prefetch + 1 units' copies are on the GPU.
             computed = self.streams.Event()
             computed.record(self.streams.current_stream(self.device))
         for _, j in loads:

@@ -42,8 +42,7 @@ TEXT_TOKENS = 58  # rows of the released positive text embedding (pos_emb.pt)
 
 log = logging.getLogger("seedvr2")
 
-# Top-level DiT modules that BlockSwap's swap_io_components moves.
-_DIT_IO = BlockSwap.INPUT_MODULES + BlockSwap.OUTPUT_MODULES
+_DIT_IO = BlockSwap.INPUT_MODULES + BlockSwap.OUTPUT_MODULES  # what swap_io_components moves
 
 
 class BudgetError(SeedVR2Error, ValueError):

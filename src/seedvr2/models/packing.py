@@ -20,8 +20,7 @@ class Packing:
     txt_lens: list[int]
     device: torch.device
     layouts: dict = field(default_factory=dict)
-    # txt_lens, per-sample video/text counts and text positions on the device, sent together
-    # on first use (see _index).
+    # txt_lens, video counts and text positions on the device, sent together on first use.
     device_index: dict = field(default_factory=dict)
 
     @property

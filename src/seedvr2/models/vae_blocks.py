@@ -390,7 +390,6 @@ class FrameGroupNorm(nn.GroupNorm):
                 and (cache is None or type(cache).group_norm_stats is CausalCache.group_norm_stats)):
             return self._forward_in_channel_groups(x, out, compute_dtype)
         x_c = x.reshape(B, C, T, -1).to(compute_dtype)  # no copy in float32
-
         if cache is None:
             mean_g, var_g = frame_group_stats(x_c, G)
         else:

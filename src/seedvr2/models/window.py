@@ -93,8 +93,7 @@ class WindowLayout:
         # may later index with them (on the CPU, to_device returns the concatenation itself).
         with torch.inference_mode(False):
             views = split_rows(to_device(torch.cat(host), device), [t.numel() for t in host])
-            # Window counts are small integers: exact in float.
-            views[4] = views[4].float()
+            views[4] = views[4].float()  # window counts: small integers, exact in float
         perm_d, local_d, sizes_d, samples_d, windows_d = views[:5]
         for g, txt_index in zip(groups, views[5:]):
             g.txt_index = txt_index.view(g.count, -1)
