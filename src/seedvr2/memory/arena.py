@@ -3,8 +3,7 @@
 Sized to the weights and pinned in place (``cudaHostRegister``; ``pin_memory()``'s caching allocator
 rounds to powers of two and never gives memory back). Pinning is injected (:data:`PinHook`); where
 it fails, uploads go through a small pinned :class:`PinnedStaging`; inside ComfyUI pins count in its
-budget (:class:`ComfyPin`). See docs/memory.md, "Weights off the GPU", and docs/comfyui.md, "Pinned
-memory"."""
+budget (:class:`ComfyPin`). docs/memory.md, "Weights off the GPU"; docs/comfyui.md."""
 
 from __future__ import annotations
 
@@ -108,14 +107,13 @@ def host_pin_ledger():
 
 
 class ComfyPin:
-    """A :data:`PinHook` pinning through ComfyUI, so our arenas count in its pinned-memory
-    budget beside its models' pins (docs/comfyui.md, "Pinned memory"). ``ledger``:
-    ``comfy.model_management`` (0.3.75 and the current release), whose ``pin_memory(tensor)``
-    page-locks a contiguous CPU tensor and adds it to ``TOTAL_PINNED_MEMORY`` only within
-    ``MAX_PINNED_MEMORY`` (current releases first unpin models not in use; 0.3.75 takes only
-    ``Parameter`` tensors, so the buffer is handed over as one) and ``unpin_memory(tensor)``
-    undoes it. ``MAX_PINNED_MEMORY`` <= 0: ComfyUI pins nothing (``--disable-pinned-memory``,
-    no NVIDIA/AMD GPU)."""
+    """A :data:`PinHook` pinning through ComfyUI, so our arenas count in its pinned-memory budget
+    beside its models' pins (docs/comfyui.md). ``ledger``: ``comfy.model_management``
+    (0.3.75 and the current release), whose ``pin_memory(tensor)`` page-locks a contiguous CPU
+    tensor and adds it to ``TOTAL_PINNED_MEMORY`` only within ``MAX_PINNED_MEMORY`` (current
+    releases first unpin models not in use; 0.3.75 takes only ``Parameter`` tensors, so the buffer
+    is handed over as one) and ``unpin_memory(tensor)`` undoes it. ``MAX_PINNED_MEMORY`` <= 0:
+    ComfyUI pins nothing (``--disable-pinned-memory``, no NVIDIA/AMD GPU)."""
 
     def __init__(self, ledger, device: torch.device):
         self.ledger, self.device = ledger, device

@@ -3,8 +3,8 @@
 :func:`estimate` (pure, from the model configurations alone) gives per phase (VAE encode, DiT, VAE
 decode) and device the resident weights plus activations; :func:`check` raises one
 :class:`BudgetError` naming settings that would fit; :func:`auto_batch_size` picks the largest 4n+1
-batch that fits. The activation model (calibrated on CPU peaks) and its CUDA margins:
-docs/memory.md, "How the estimate is made"."""
+batch that fits. The activation model and its CUDA margins: docs/memory.md, "How the estimate is
+made"."""
 
 from __future__ import annotations
 
@@ -118,8 +118,7 @@ class Weights:
 
     @classmethod
     def from_file(cls, path, kind: str, dtype: torch.dtype) -> tuple["Weights", object]:
-        """(sizes, config) of a weight file placed with ``dtype`` (packed weights at their
-        storage size), from its header only."""
+        """(sizes, config) of a weight file in ``dtype`` (packed: as stored), from its header."""
         from ..loading.load import EMBEDDED_TEXT_KEYS, config_for  # the loader's detection
         from ..loading.weight_files import open_weights
 
@@ -198,8 +197,7 @@ class BatchShape:
 
 @dataclass(frozen=True)
 class Placement:
-    """Devices of the models (as strings, e.g. ``cuda:0``), where each waits while the other
-    runs (None: it stays), and BlockSwap."""
+    """Model devices (cuda:0), where each waits while the other runs (None: stays), BlockSwap."""
 
     dit_device: str = "cuda:0"
     vae_device: str = "cuda:0"
@@ -277,8 +275,7 @@ def _resnet_peak(c_hold: int, c_in: int, c_out: int, layers: int, frames: int, b
 
 
 def _mid_peak(c: int, frames: int, b: int) -> float:
-    """Peak bytes per voxel of the mid block: its attention (x, tokens, q, k, v, out, sum) or
-    its residual blocks."""
+    """Peak bytes per voxel of the mid block: attention (x, tokens, q, k, v, out, sum) or resnet."""
     up = (4 / b) if b < 4 else 0.0
     return max(b * (2 * c + 5 * c + c * up), _resnet_peak(c, c, c, 2, frames, b))
 
@@ -591,8 +588,7 @@ def _single_changes(budget: Budget, shape: BatchShape, place: Placement, failing
                     min_batch: int):
     """Each kind of single change, cheapest first (the README's "Out of memory"), as a list of
     (shape, placement, text) from the least to the most it changes: smaller batches, VAE tiles,
-    offloading the VAE, the DiT or both (text None: not offered alone), the waiting tensors,
-    BlockSwap."""
+    offloading the VAE, the DiT or both (text None: never alone), waiting tensors, BlockSwap."""
     yield [(replace(shape, batch_size=n), place, option_ref("batch_size", n))
            for n in range(shape.batch_size - 4, min_batch - 1, -4)]
     yield [(tiled, place, text) for tiled, text in
@@ -647,8 +643,7 @@ _COSTS = {"batch": "smaller batches: less temporal consistency",
 
 def _fit(shape: BatchShape, place: Placement, new_shape: BatchShape,
          new_place: Placement) -> Fit:
-    """The :class:`Fit` that turns (shape, place) into (new_shape, new_place): the options
-    (name, value) and the costs of those changes."""
+    """The :class:`Fit` (option changes and their costs) from (shape, place) to the new pair."""
     out, costs = [], []
     if new_shape.batch_size != shape.batch_size:
         out.append(("batch_size", new_shape.batch_size))

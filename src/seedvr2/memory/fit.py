@@ -28,8 +28,7 @@ MakeRoom = Callable[[str, int], None]
 
 @dataclass(frozen=True)
 class ModelDevices:
-    """Where a job's models compute and where each waits between its phases (None: it
-    stays), and their dtype, as the options say."""
+    """Where a job's models compute and wait between phases (None: stays), and their dtype."""
 
     dit: torch.device
     vae: torch.device

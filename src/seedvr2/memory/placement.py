@@ -2,8 +2,7 @@
 
 A model that waits off its compute device or swaps blocks keeps **one persistent host copy** of
 every tensor (:class:`WeightStore`, a ``memory.arena.HostArena``, pinned on CUDA machines): to the
-device is an asynchronous copy, back only drops the device tensors. Why this is safe on CUDA:
-docs/memory.md, "Weights off the GPU"."""
+device is an asynchronous copy, back only drops the device tensors (why safe: docs/memory.md)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 Causal temporal slices are exact (a ``CausalCache`` carries each conv's last frames). Exact spatial
 tiles (default) run the network layer by layer over frame-wide planes on ``state_device``, tile by
 tile, with whole-frame GroupNorm statistics (untiled up to rounding); fast tiles (``exact=False``)
-are independent and cross-faded (approximate). Design, bounds and costs: docs/memory.md, "VAE tiling
-and temporal slices"."""
+are independent and cross-faded (approximate). Design, bounds and costs: docs/memory.md."""
 
 from __future__ import annotations
 
@@ -437,9 +436,8 @@ def _axis_spans(length: int, tile: int, overlap: int, scale: int,
     raw = []
     for k, start in enumerate(starts):
         w = torch.ones(n, dtype=torch.float64)
-        # Fade over the *actual* overlap with each neighbour (at least ``overlap``, more where
-        # the even spread rounds): both sides then fade over the same samples and the blend
-        # stays a smooth partition of unity.
+        # Fade over the *actual* overlap with each neighbour (at least ``overlap``, more where the
+        # even spread rounds): both fade over the same samples, a smooth partition of unity.
         if k > 0:
             fade_in = (starts[k - 1] + size - start) * scale
             if fade_in > 0:

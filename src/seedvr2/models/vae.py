@@ -6,8 +6,7 @@
 The SD image VAE inflated to 3-D with convolutions causal in time, so frame 0 is encoded like
 a still image and a clip can run in temporal chunks (a :class:`~.vae_blocks.CausalCache`).
 Architecture, causality and the 0.9152 latent scaling (the pipeline's, not this module's):
-docs/models.md, "The causal video VAE".
-"""
+docs/models.md, "The causal video VAE"."""
 
 from __future__ import annotations
 

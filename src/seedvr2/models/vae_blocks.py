@@ -177,9 +177,8 @@ def _conv_band(rows: RowSource, spec: ConvSpec, band: Tuple[int, int],
 
 
 def frame_group_stats(x: Tensor, groups: int) -> Tuple[Tensor, Tensor]:
-    """Per-frame GroupNorm mean and (biased) variance ``(B, groups, 1, T)`` of ``x``
-    ``(B, C, T, N)`` in its dtype: per-channel moments over the contiguous ``N`` axis, combined
-    exactly (:func:`group_stats_from_channels`)."""
+    """Per-frame GroupNorm mean and (biased) variance ``(B, groups, 1, T)`` of ``x`` ``(B, C, T,
+    N)`` in its dtype: per-channel moments over the contiguous ``N`` axis, combined exactly."""
     var_c, mean_c = torch.var_mean(x, dim=-1, correction=0)  # (B, C, T) per plane
     return group_stats_from_channels(mean_c, var_c, groups)
 
@@ -215,8 +214,7 @@ class CausalCache:
         self._seen: set = set()
 
     def tail(self, module: nn.Module) -> Optional[Union[Tensor, PackedTail]]:
-        """The tail kept for ``module`` on its device: a tensor or int8 codes (a parked tail
-        fetched, the next one's fetch started)."""
+        """The tail kept for ``module`` on its device: a tensor or int8 codes (parked: fetched)."""
         kept = self._tails.get(module)
         if not isinstance(kept, PackedTail) or kept.parked is None:
             return kept
@@ -291,8 +289,7 @@ class CausalCache:
     # -- frame-wide statistics (overridden by spatial tiling) -------------------------------
 
     def group_norm_stats(self, norm: "FrameGroupNorm", x: Tensor) -> Tuple[Tensor, Tensor]:
-        """Mean and variance ``(B, G, 1, T)`` ``norm`` normalises ``x`` (its input in the
-        compute dtype) with; by default ``x``'s own."""
+        """Mean, variance ``(B, G, 1, T)`` ``norm`` uses on ``x`` (compute dtype): ``x``'s own."""
         return frame_group_stats(x.flatten(3), norm.num_groups)
 
 
@@ -338,8 +335,7 @@ class CausalConv3d(nn.Conv3d):
 
     def input_buffer(self, like: Tensor, shape: Sequence[int],
                      cache: Optional[CausalCache] = None) -> Tuple[Tensor, Tensor]:
-        """An empty padded input (``like``'s dtype and device) for an input of ``shape``, and
-        its body view where that input goes."""
+        """An empty padded input (``like``'s dtype, device) for input ``shape``, and its body."""
         if self.spatial_pad is not None:
             raise NotImplementedError("input_buffer supports symmetric spatial padding only")
         B, C, T, H, W = shape
@@ -471,8 +467,7 @@ def norm_act_conv(norm: FrameGroupNorm, conv: CausalConv3d, x: Tensor,
 def norm_silu_into(norm: FrameGroupNorm, x: Tensor, out: Tensor,
                    cache: Optional[CausalCache], paths: VaePaths) -> None:
     """``out = silu(norm(x))`` (``out`` may be ``x``; inference only): comfy-kitchen's
-    ``group_norm_silu_pad3d`` on the fused path (half precision; in place a frame at a time),
-    else the norm into ``out`` and SiLU in place."""
+    ``group_norm_silu_pad3d`` on the fused path (half precision; in place a frame at a time)."""
     if not (paths.fused_norm and x.dtype in vae_paths.HALF):
         silu(norm(x, out=out, cache=cache), inplace=True)
         return
@@ -483,9 +478,8 @@ def norm_silu_into(norm: FrameGroupNorm, x: Tensor, out: Tensor,
 
 
 class ResnetBlock3D(nn.Module):
-    """Pre-norm residual block: ``x + conv2(silu(norm2(conv1(silu(norm1(x))))))``, causal 3x3x3
-    convs (the "full" temporal receptive field); a causal 1x1x1 ``conv_shortcut`` projects
-    ``x`` when the channel count changes."""
+    """Pre-norm residual block ``x + conv2(silu(norm2(conv1(silu(norm1(x))))))``, causal 3x3x3 convs
+    ("full" temporal receptive field); a 1x1x1 ``conv_shortcut`` projects ``x`` to a new width."""
 
     def __init__(self, in_channels: int, out_channels: int, groups: int) -> None:
         super().__init__()
@@ -737,9 +731,8 @@ def run_layers(layers: Sequence[nn.Module], x: Tensor,
 
 
 def down_kinds(num_blocks: int, temporal_scale_num: int) -> Sequence[Optional[str]]:
-    """Down-sampling of each encoder block: ``"time"`` (space and time), ``"space"`` or None:
-    none in the last, time too in the ``temporal_scale_num`` before it (released model: space,
-    time, time, none)."""
+    """Down-sampling of each encoder block: ``"time"`` (space and time), ``"space"`` or None: none
+    in the last, time in the ``temporal_scale_num`` before (released: space, time, time, none)."""
     first_temporal = num_blocks - 1 - temporal_scale_num
     return [None if i == num_blocks - 1 else "time" if i >= first_temporal else "space"
             for i in range(num_blocks)]

@@ -165,10 +165,9 @@ def _pieces(shape: torch.Size):
 
 @dataclass(frozen=True)
 class PackedTail:
-    """A causal tail ``(B, C, T, H, W)`` of ``dtype`` in int8 with one float32 scale (``absmax
-    / 127``): ``codes`` flat, piece after piece (:func:`_pieces`), on the tail's device or
-    ``parked`` in a host arena (``views[0]`` the codes, ``copy_into(0, out)`` an asynchronous
-    upload: ``memory.arena.HostArena``)."""
+    """A causal tail ``(B, C, T, H, W)`` of ``dtype`` in int8 with one float32 scale
+    (``absmax / 127``): ``codes`` flat, piece after piece (:func:`_pieces`), on the tail's device
+    or ``parked`` in a ``memory.arena.HostArena`` (``views[0]``; ``copy_into(0, out)`` uploads)."""
 
     codes: Tensor
     scale: Tensor
