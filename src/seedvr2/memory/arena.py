@@ -107,13 +107,10 @@ def host_pin_ledger():
 
 
 class ComfyPin:
-    """A :data:`PinHook` pinning through ComfyUI, so our arenas count in its pinned-memory budget
-    beside its models' pins (docs/comfyui.md). ``ledger``: ``comfy.model_management``
-    (0.3.75 and the current release), whose ``pin_memory(tensor)`` page-locks a contiguous CPU
-    tensor and adds it to ``TOTAL_PINNED_MEMORY`` only within ``MAX_PINNED_MEMORY`` (current
-    releases first unpin models not in use; 0.3.75 takes only ``Parameter`` tensors, so the buffer
-    is handed over as one) and ``unpin_memory(tensor)`` undoes it. ``MAX_PINNED_MEMORY`` <= 0:
-    ComfyUI pins nothing (``--disable-pinned-memory``, no NVIDIA/AMD GPU)."""
+    """A :data:`PinHook` pinning through ComfyUI's ``comfy.model_management`` (``ledger``), so our
+    arenas count in its pinned-memory budget (docs/comfyui.md, "Pinned memory"). Its
+    ``pin_memory(tensor)`` pins only within ``MAX_PINNED_MEMORY`` (<= 0: ComfyUI pins nothing) and
+    in 0.3.75 takes only ``Parameter`` tensors, so the buffer is handed over as one."""
 
     def __init__(self, ledger, device: torch.device):
         self.ledger, self.device = ledger, device

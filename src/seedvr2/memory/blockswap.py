@@ -88,7 +88,6 @@ class BlockSwap:
             return
         present = lambda names: [n for n in names if hasattr(model, n)] if swap_io else []  # noqa: E731
         inputs, outputs = present(self.INPUT_MODULES), present(self.OUTPUT_MODULES)
-        # Units in execution order: input layers, blocks, output layers.
         names = inputs + [f"blocks.{i}" for i in range(num_blocks)] + outputs
         self.units = [model.get_submodule(n) for n in names]
         swapped = set(range(len(inputs))) | set(range(len(names) - len(outputs), len(names)))

@@ -324,11 +324,9 @@ def vae_decode_bytes(cfg: VAEConfig, frames: int, height: int, width: int, b: in
     return int(peak)
 
 
-# Calibration on the real-size trace (bench/memory_trace.py, bench/RESULTS.md): the model above
-# counts every tensor of the layers' code at its largest; the code holds less (buffers reused,
-# bands and float32 norm pieces of SPLIT_ELEMENTS / 4), the more so the larger a full-resolution
-# plane. So it is scaled by the trace per size class of one piece's full-resolution planes
-# (channels x frames x pixels): <= SPLIT_ELEMENTS / 4 (a tile), <= SPLIT_ELEMENTS, more.
+# Calibration on the real-size trace (docs/memory.md, "How the estimate is made"): the model above
+# is scaled per size class of one piece's full-resolution planes (channels x frames x pixels):
+# <= SPLIT_ELEMENTS / 4 (a tile), <= SPLIT_ELEMENTS, more.
 _SPLIT = SPLIT_ELEMENTS  # the real limit the calibration was traced with (tests lower the
 # module attribute; the size classes stay those of the code as shipped)
 _CORE_SCALE = ((_SPLIT // 4, (0.95, 0.97)), (_SPLIT, (0.88, 0.64)), (None, (0.74, 0.58)))
