@@ -6,13 +6,10 @@ to today's where comfy-kitchen or the GPU's capability is missing (``seedvr2.ker
 their preconditions; the log says once which path runs):
 
 * ``channels_last``: NDHWC padded input buffers (bands are views), read without conversion;
-* ``fused_norm``: norm -> SiLU -> padded buffer in one ``group_norm_silu_pad3d`` pass with
-  ``FrameGroupNorm``'s own statistics; head frames copied as today (kitchen would zero them);
-* ``fp16_accumulation`` (fp16 models): comfy-kitchen's ``fp16_conv3d`` on input views under
-  2^30 elements, the residual block's shortcut fused into its second convolution;
+* ``fused_norm``: norm -> SiLU -> padded buffer in one ``group_norm_silu_pad3d`` pass;
+* ``fp16_accumulation`` (fp16 models): ``fp16_conv3d``, the resnet shortcut fused into conv2;
 * ``int8_cache_bytes``: causal tails from this size on in int8 with one float32 scale (as
-  ComfyUI's ``TensorWiseINT8Layout``), optionally parked in pinned host memory and fetched
-  back ahead of the chunk that reads them.
+  ComfyUI's ``TensorWiseINT8Layout``), optionally parked in pinned host memory.
 
 Requirements, costs and error bounds: docs/memory.md, "VAE kernel paths"."""
 
