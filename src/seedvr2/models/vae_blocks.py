@@ -46,7 +46,6 @@ def _triple(value: _int3) -> Tuple[int, int, int]:
 def conv3d(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: _int3 = 1,
            padding: _int3 = 0, paths: VaePaths = TODAY) -> Tensor:
     """``F.conv3d`` on the VAE's kernel paths (``vae_paths``), channels-first out.
-
     ``paths.channels_last``: on NDHWC input and weight (cuDNN's tensor-core layout; padded
     buffers and their bands are NDHWC already), the result channels-first again for the code
     around it. ``paths.fp16_accumulation`` (fp16): comfy-kitchen's ``fp16_conv3d``."""
@@ -295,7 +294,6 @@ class CausalCache:
 
 class CausalConv3d(nn.Conv3d):
     """A 3-D convolution causal in time (docs/models.md, "Causality"), ``nn.Conv3d``'s weights.
-
     ``padding`` ``(p_t, p_h, p_w)`` as the official layer: ``2 * p_t`` copies of the first frame
     (with a :class:`CausalCache`, the previous chunk's last frames) prepended; space zero padded by
     ``(p_h, p_w)`` or ``spatial_pad = (left, right, top, bottom)``. Call ``conv(x)``, or fill
