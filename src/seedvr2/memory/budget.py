@@ -61,7 +61,6 @@ def gib(n: float) -> str:
 
 # == Weights
 
-
 @dataclass(frozen=True)
 class Weights:
     """Bytes of one model's tensors in memory, split the way BlockSwap moves them: each DiT block
@@ -170,7 +169,6 @@ def bytes_on(module: Optional[torch.nn.Module], device: torch.device) -> int:
 
 # == The job and where things run
 
-
 @dataclass(frozen=True)
 class BatchShape:
     """One batch of the job: output frame size, frames per batch, precision, VAE tiling;
@@ -232,7 +230,6 @@ class Budget:
 
 
 # == Activations
-
 
 # Calibration on the real-size trace (bench/memory_trace.py): the tensors below are what one
 # block holds at its peak; the trace of the whole forward (window layouts, RoPE tables, the
@@ -413,7 +410,6 @@ def _vae_phase(cfg: VAEConfig, shape: BatchShape, decode: bool) -> int:
 
 # == The estimate
 
-
 @dataclass(frozen=True)
 class PhaseNeed:
     """Bytes one phase needs on one device, by part (label, bytes)."""
@@ -496,7 +492,6 @@ def fits(budget: Budget, shape: BatchShape, place: Placement, available: Mapping
 
 
 # == Settings that fit
-
 
 def smallest_batch(temporal_overlap: int) -> int:
     """The smallest batch the option check accepts: 4n+1 above ``temporal_overlap``."""
@@ -746,7 +741,6 @@ def auto_batch_size(budget: Budget, shape: BatchShape, place: Placement, availab
 
 # == Host RAM checks
 
-
 def exact_tiling_host_bytes(cfg: VAEConfig, shape: BatchShape,
                             stages: tuple = ("encode", "decode")) -> int:
     """Host RAM exact tiling holds in frame-wide planes (``state_device`` cpu) for ``stages``:
@@ -796,8 +790,7 @@ def check_host_copy(nbytes: int, available: Optional[int], setting: str):
                       f"free host RAM")
 
 
-# What is available here (the impure part)
-
+# == What is available here (the impure part)
 
 def host_available() -> Optional[int]:
     """Bytes of RAM available to new allocations (MemAvailable), or None when unknown."""

@@ -6,8 +6,7 @@ thread's share with scalar code, and the two round differently (in the last bit 
 values, ~65 % of ``pow(x, 2.4)``'s). Where the shares meet depends on the thread count, so one
 process and two ranks of 1 thread each differed by 1/255 in a few frames (issue 44). ``exp``,
 ``log``, ``tanh`` and arithmetic give the same bits on either path, so these compositions of them do
-not depend on the split; they cost a few more passes over the tensor (bench/RESULTS.md). Other
-devices run PyTorch's own kernels."""
+not depend on the split; they cost a few more passes over the tensor (bench/RESULTS.md)."""
 
 from __future__ import annotations
 
