@@ -143,8 +143,7 @@ class BlockSwap:
             self.ready[unit] = self.streams.Event()
             self.ready[unit].record(self.stream)
 
-    def _wait_for_copy(self, unit: int):
-        """The compute stream waits for ``unit``'s copy, if one is in flight."""
+    def _wait_for_copy(self, unit: int):  # on the compute stream, if a copy is in flight
         event = self.ready.pop(unit, None)
         if event is not None:
             self.streams.current_stream(self.device).wait_event(event)

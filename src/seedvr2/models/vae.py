@@ -202,9 +202,8 @@ class VideoAutoencoder(nn.Module):
     # -- argument checks (public: tiled and sliced runs validate with them) ------------------
 
     def check_video(self, video: Tensor) -> None:
-        """Raise ``UsageError``/``InputError`` (naming the fix) unless ``video`` is a valid
-        input of :meth:`encode`: ``(B, in_channels, 4n + 1, H, W)``, ``H`` and ``W`` positive
-        multiples of the spatial factor."""
+        """Raise ``UsageError``/``InputError`` unless ``video`` is a valid input of :meth:`encode`:
+        ``(B, in_channels, 4n + 1, H, W)``, H and W positive multiples of the spatial factor."""
         hint = " (for single images add a time axis: video.unsqueeze(2))" \
             if isinstance(video, Tensor) and video.ndim == 4 else ""
         _check_5d(video, "video", "(B, C, T, H, W)", hint)

@@ -491,8 +491,7 @@ class ResnetBlock3D(nn.Module):
     def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
         h = norm_act_conv(self.norm1, self.conv1, x, cache)
         shortcut = x if self.conv_shortcut is None else self.conv_shortcut(x, cache)
-        # The shortcut is added to conv2's output band by band (on the fp16 path, in its
-        # epilogue): the same single addition per element as adding it afterwards.
+        # Added band by band (fp16: in conv2's epilogue): one addition per element, as afterwards.
         return norm_act_conv(self.norm2, self.conv2, h, cache, residual=shortcut)
 
     def forward_owned(self, owned: List[Tensor], cache: Optional[CausalCache] = None) -> Tensor:
