@@ -634,8 +634,7 @@ _COSTS = {"batch": "smaller batches: less temporal consistency",
           "swap": "DiT blocks stream from host RAM: slower DiT"}
 
 
-def _fit(shape: BatchShape, place: Placement, new_shape: BatchShape,
-         new_place: Placement) -> Fit:
+def _fit(shape: BatchShape, place: Placement, new_shape: BatchShape, new_place: Placement) -> Fit:
     """The :class:`Fit` (option changes and their costs) from (shape, place) to the new pair."""
     out, costs = [], []
     if new_shape.batch_size != shape.batch_size:

@@ -353,8 +353,7 @@ class _ExactRun:
 
         return self._conv(up.conv, (B, C, T * z - drop, H * r, W * r), produce)
 
-    def _norm_out(self, norm: FrameGroupNorm, conv: CausalConv3d, x: _Plane,
-                  dst: Tensor) -> None:
+    def _norm_out(self, norm: FrameGroupNorm, conv: CausalConv3d, x: _Plane, dst: Tensor) -> None:
         self._conv(conv, x.data.shape, self._activate(x, norm), dst=_Plane(dst))
 
     def through(self, coder: Union[Encoder, Decoder], x: Tensor, out: Tensor) -> None:

@@ -176,8 +176,7 @@ class VideoAutoencoder(nn.Module):
         any model dtype), moved to ``mean``'s device and dtype."""
         if noise is None:
             device = generator.device if generator is not None else mean.device
-            noise = torch.randn(mean.shape, generator=generator, device=device,
-                                dtype=torch.float32)
+            noise = torch.randn(mean.shape, generator=generator, device=device, dtype=torch.float32)
         if noise.shape != mean.shape:
             raise InputError(f"noise must have the shape of mean {tuple(mean.shape)}, "
                              f"got {tuple(noise.shape)}")

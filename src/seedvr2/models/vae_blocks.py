@@ -182,8 +182,7 @@ def frame_group_stats(x: Tensor, groups: int) -> Tuple[Tensor, Tensor]:
     return group_stats_from_channels(mean_c, var_c, groups)
 
 
-def group_stats_from_channels(mean_c: Tensor, var_c: Tensor,
-                              groups: int) -> Tuple[Tensor, Tensor]:
+def group_stats_from_channels(mean_c: Tensor, var_c: Tensor, groups: int) -> Tuple[Tensor, Tensor]:
     """Group mean and variance ``(B, G, 1, T)`` from per-channel ones (law of total variance)."""
     B, C, T = mean_c.shape
     mean_c = mean_c.view(B, groups, C // groups, T)

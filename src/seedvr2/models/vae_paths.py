@@ -91,8 +91,7 @@ def choose_paths(device, dtype: torch.dtype, *, channels_last: bool = False,
         why = usable(CONV_KERNEL, (torch.float16,))
         fp16 = why is None
         if why:
-            log.warning("vae_fp16_accumulation: %s; the VAE's convolutions run as without it",
-                        why)
+            log.warning("vae_fp16_accumulation: %s; the VAE's convolutions run as without it", why)
     paths = VaePaths(bool(channels_last), fused, fp16, int8_cache_bytes,
                      bool(cache_offload) and int8_cache_bytes is not None)
     log.info("VAE paths on %s: %s", platform.describe(), paths.describe())
