@@ -19,18 +19,9 @@ from ..options import OptionError
 from ..errors import InputError, UsageError
 from ..models.pointwise import silu
 from ..models.vae import Decoder, Encoder, VideoAutoencoder
-from ..models.vae_blocks import (
-    ATTENTION_SCORE_BUDGET,
-    CausalCache,
-    CausalConv3d,
-    FrameAttention,
-    FrameGroupNorm,
-    ResnetBlock3D,
-    Upsample3D,
-    conv3d,
-    depth_to_space,
-    group_stats_from_channels,
-)
+from ..models.vae_blocks import (ATTENTION_SCORE_BUDGET, CausalCache, CausalConv3d, FrameAttention,
+                                 FrameGroupNorm, ResnetBlock3D, Upsample3D, conv3d, depth_to_space,
+                                 group_stats_from_channels)
 from .placement import tail_parking
 
 # Pixels per latent along H and W in every SeedVR2 VAE (spatial_downsample_factor).

@@ -19,19 +19,9 @@ from torch import Tensor, nn
 from ..errors import InputError, UsageError
 from .config import VAEConfig
 from .vae_paths import TODAY, VaePaths
-from .vae_blocks import (
-    NORM_EPS,
-    CausalCache,
-    CausalConv3d,
-    DownEncoderBlock3D,
-    FrameGroupNorm,
-    UNetMidBlock3D,
-    UpDecoderBlock3D,
-    down_kinds,
-    norm_act_conv,
-    run_layers,
-    up_kinds,
-)
+from .vae_blocks import (NORM_EPS, CausalCache, CausalConv3d, DownEncoderBlock3D, FrameGroupNorm,
+                         UNetMidBlock3D, UpDecoderBlock3D, down_kinds, norm_act_conv, run_layers,
+                         up_kinds)
 
 LOGVAR_MIN, LOGVAR_MAX = -30.0, 20.0
 

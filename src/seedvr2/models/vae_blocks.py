@@ -559,12 +559,9 @@ class Downsample3D(nn.Module):
 
     def __init__(self, channels: int, temporal: bool) -> None:
         super().__init__()
-        self.conv = CausalConv3d(
-            channels, channels,
-            kernel_size=(3 if temporal else 1, 3, 3),
-            stride=(2 if temporal else 1, 2, 2),
-            padding=(1 if temporal else 0, 0, 0),
-            spatial_pad=(0, 1, 0, 1))
+        self.conv = CausalConv3d(channels, channels, kernel_size=(3 if temporal else 1, 3, 3),
+                                 stride=(2 if temporal else 1, 2, 2),
+                                 padding=(1 if temporal else 0, 0, 0), spatial_pad=(0, 1, 0, 1))
 
     def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
         return self.conv(x, cache)
