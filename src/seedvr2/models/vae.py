@@ -44,8 +44,7 @@ class Encoder(_Coder):
         kinds = down_kinds(len(widths), config.temporal_scale_num)
         self.down_blocks = nn.ModuleList(
             DownEncoderBlock3D(widths[max(i - 1, 0)], widths[i], config.layers_per_block, groups,
-                               downsample=kinds[i])
-            for i in range(len(widths)))
+                               downsample=kinds[i]) for i in range(len(widths)))
         self.mid_block = UNetMidBlock3D(widths[-1], groups)
         self.conv_norm_out = FrameGroupNorm(groups, widths[-1], eps=NORM_EPS)
         self.conv_out = CausalConv3d(widths[-1], 2 * config.latent_channels, 3, padding=1)
@@ -67,8 +66,7 @@ class Decoder(_Coder):
         kinds = up_kinds(len(widths), config.temporal_scale_num)
         self.up_blocks = nn.ModuleList(
             UpDecoderBlock3D(widths[max(i - 1, 0)], widths[i], config.layers_per_block + 1,
-                             groups, upsample=kinds[i])
-            for i in range(len(widths)))
+                             groups, upsample=kinds[i]) for i in range(len(widths)))
         self.conv_norm_out = FrameGroupNorm(groups, widths[-1], eps=NORM_EPS)
         self.conv_out = CausalConv3d(widths[-1], config.out_channels, 3, padding=1)
 
@@ -158,9 +156,8 @@ class VideoAutoencoder(nn.Module):
         return self.encode_posterior(video)[0]
 
     @staticmethod
-    def sample_posterior(mean: Tensor, logvar: Tensor,
-                         generator: Optional[torch.Generator] = None, *,
-                         noise: Optional[Tensor] = None) -> Tensor:
+    def sample_posterior(mean: Tensor, logvar: Tensor, generator: Optional[torch.Generator] = None,
+                         *, noise: Optional[Tensor] = None) -> Tensor:
         """A draw ``mean + exp(logvar / 2) * eps`` from the diagonal Gaussian posterior: ``eps`` is
         ``noise``, else drawn in float32 on ``generator``'s device (a seed gives the same latent in
         any model dtype), moved to ``mean``'s device and dtype."""

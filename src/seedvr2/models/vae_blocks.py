@@ -428,8 +428,7 @@ class FrameGroupNorm(nn.GroupNorm):
         moments = [torch.var_mean(x_flat[:, c:c + step].to(compute_dtype), dim=-1, correction=0)
                    for c in range(0, C, step)]
         return group_stats_from_channels(torch.cat([m for _, m in moments], dim=1),
-                                         torch.cat([v for v, _ in moments], dim=1),
-                                         self.num_groups)
+                                         torch.cat([v for v, _ in moments], dim=1), self.num_groups)
 
     def _forward_in_channel_groups(self, x: Tensor, out: Optional[Tensor],
                                    compute_dtype: torch.dtype) -> Tensor:
@@ -449,8 +448,7 @@ class FrameGroupNorm(nn.GroupNorm):
 
 
 def norm_act_conv(norm: FrameGroupNorm, conv: CausalConv3d, x: Tensor,
-                  cache: Optional[CausalCache] = None,
-                  residual: Optional[Tensor] = None) -> Tensor:
+                  cache: Optional[CausalCache] = None, residual: Optional[Tensor] = None) -> Tensor:
     """``conv(silu(norm(x))) (+ residual)``, the activation written straight into the conv's
     padded input buffer, the residual added band by band (fused into fp16_conv3d)."""
     buf, body = conv.input_buffer(x, x.shape, cache)
