@@ -3,8 +3,7 @@
 :func:`estimate` (pure, from the model configurations alone) gives per phase (VAE encode, DiT, VAE
 decode) and device the resident weights plus activations; :func:`check` raises one
 :class:`BudgetError` naming settings that would fit; :func:`auto_batch_size` picks the largest 4n+1
-batch that fits. The activation model and its CUDA margins: docs/memory.md, "How the estimate is
-made"."""
+batch that fits. The activation model and its CUDA margins: docs/memory.md."""
 
 from __future__ import annotations
 
@@ -327,8 +326,7 @@ def vae_decode_bytes(cfg: VAEConfig, frames: int, height: int, width: int, b: in
 _SPLIT = SPLIT_ELEMENTS  # the real limit the calibration was traced with (tests lower the
 # module attribute; the size classes stay those of the code as shipped)
 _CORE_SCALE = ((_SPLIT // 4, (0.95, 0.97)), (_SPLIT, (0.88, 0.64)), (None, (0.74, 0.58)))
-# The causal cache a temporal slice carries (the tails kept per conv), traced against
-# _causal_cache_bytes: (encode, decode).
+# Traced against _causal_cache_bytes, the tails a temporal slice carries: (encode, decode).
 _CACHE_SCALE = (0.50, 1.18)
 
 

@@ -3,10 +3,9 @@
     video (B, 3, 4n+1, H, W) in [-1, 1]  --encoder-->  mean, logvar: (B, 16, n+1, H/8, W/8)
     latent (B, 16, t, h, w)              --decoder-->  video (B, 3, 4(t-1)+1, 8h, 8w)
 
-The SD image VAE inflated to 3-D with convolutions causal in time, so frame 0 is encoded like
-a still image and a clip can run in temporal chunks (a :class:`~.vae_blocks.CausalCache`).
-Architecture, causality and the 0.9152 latent scaling (the pipeline's, not this module's):
-docs/models.md, "The causal video VAE"."""
+The SD image VAE inflated to 3-D with time-causal convolutions, so frame 0 is encoded like a still
+image and a clip can run in temporal chunks (:class:`~.vae_blocks.CausalCache`). Architecture,
+causality, the pipeline's 0.9152 latent scaling: docs/models.md, "The causal video VAE"."""
 
 from __future__ import annotations
 
