@@ -66,8 +66,7 @@ def auto_backend(q: torch.Tensor) -> str:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            backend: str = "sdpa") -> torch.Tensor:
-    """Softmax attention, scale 1/sqrt(head_dim), q/k/v (batch, seq, heads, head_dim); the
-    optional kernels need CUDA and fp16/bf16."""
+    """Softmax attention, scale 1/sqrt(head_dim), of q/k/v (batch, seq, heads, head_dim)."""
     if backend == "auto":
         backend = auto_backend(q)
     if backend == "sdpa":

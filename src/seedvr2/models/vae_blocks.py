@@ -20,7 +20,6 @@ from .pointwise import silu
 from .vae_paths import TODAY, PackedTail, VaePaths, copy_tail
 
 _int3 = Union[int, Tuple[int, int, int]]
-
 NORM_EPS = 1e-6
 
 # Largest attention score matrix (elements) per SDPA call. If no fused kernel takes the shape
