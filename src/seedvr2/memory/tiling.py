@@ -24,8 +24,7 @@ from ..models.vae_blocks import (ATTENTION_SCORE_BUDGET, CausalCache, CausalConv
                                  group_stats_from_channels)
 from .placement import tail_parking
 
-# Pixels per latent along H and W in every SeedVR2 VAE (spatial_downsample_factor).
-TILE_MULTIPLE = 8
+TILE_MULTIPLE = 8  # pixels per latent along H and W in every SeedVR2 VAE (spatial factor)
 
 # Called before every tile and slice, outside the VAE's (possibly compiled) forwards: the
 # pipeline's stop check, so a Cancel takes effect within a tile.
