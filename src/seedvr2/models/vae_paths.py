@@ -32,7 +32,7 @@ CONV_KERNEL = "comfy_kitchen.fp16_conv3d"
 # full-resolution levels' tails (1080p: 256 channels x 2 frames is 2 GiB in fp16), not the
 # small ones, where the scale's cost and the rounding would buy nothing (ComfyUI: 64 MiB).
 INT8_CACHE_BYTES = 64 << 20
-VIEW_ELEMENTS = 1 << 30  # largest input view (elements) of one fused-kernel call: kernels.py
+VIEW_ELEMENTS = 1 << 30  # largest input view (elements) of one fused-kernel call (why: kernels.py)
 HALF = (torch.float16, torch.bfloat16)
 
 
