@@ -1,5 +1,4 @@
-"""Where tensors live and in what precision: device/precision policy, model cache, BlockSwap,
-torch.compile settings."""
+"""Where tensors live and in what precision: devices, model cache, BlockSwap, torch.compile."""
 
 from .cache import MODEL_CACHE, ModelCache, ModelKey
 from .device_choice import resolve_device, resolve_dtype, resolve_offload

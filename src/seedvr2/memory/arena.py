@@ -1,11 +1,9 @@
 """One host allocation holding a model's weights, each tensor a view carved from it.
 
-Sized to the weights and pinned in place (``cudaHostRegister``; ``pin_memory()``'s caching
-allocator rounds to powers of two and never gives memory back). Pinning is injected
-(:data:`PinHook`); where it fails, uploads go through a small pinned :class:`PinnedStaging`;
-inside ComfyUI pins count in its budget (:class:`ComfyPin`). See docs/memory.md, "Weights
-off the GPU", and docs/comfyui.md, "Pinned memory".
-"""
+Sized to the weights and pinned in place (``cudaHostRegister``; ``pin_memory()``'s caching allocator
+rounds to powers of two and never gives memory back). Pinning is injected (:data:`PinHook`); where
+it fails, uploads go through a small pinned :class:`PinnedStaging`; inside ComfyUI pins count in its
+budget (:class:`ComfyPin`). docs/memory.md, "Weights off the GPU"; docs/comfyui.md."""
 
 from __future__ import annotations
 
@@ -34,9 +32,8 @@ _CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context (a DiT and VAE
 
 class CudaRuntime:
     """The CUDA runtime calls pinning makes, each returning a ``cudaError_t`` as an int.
-    ``cudaGetLastError`` (None where not found) is the libcudart torch loaded, from the
-    process's memory map: a failed pin's error is reset, not resurfacing after a later kernel.
-    """
+    ``cudaGetLastError`` (None where not found) is the libcudart torch loaded, from the process's
+    memory map: a failed pin's error is reset, not resurfacing after a later kernel."""
 
     def __init__(self):
         cudart = torch.cuda.cudart()
@@ -110,14 +107,10 @@ def host_pin_ledger():
 
 
 class ComfyPin:
-    """A :data:`PinHook` pinning through ComfyUI, so our arenas count in its pinned-memory
-    budget beside its models' pins (docs/comfyui.md, "Pinned memory"). ``ledger``:
-    ``comfy.model_management`` (0.3.75 and the current release), whose ``pin_memory(tensor)``
-    page-locks a contiguous CPU tensor and adds it to ``TOTAL_PINNED_MEMORY`` only within
-    ``MAX_PINNED_MEMORY`` (current releases first unpin models not in use; 0.3.75 takes only
-    ``Parameter`` tensors, so the buffer is handed over as one) and ``unpin_memory(tensor)``
-    undoes it. ``MAX_PINNED_MEMORY`` <= 0: ComfyUI pins nothing (``--disable-pinned-memory``,
-    no NVIDIA/AMD GPU)."""
+    """A :data:`PinHook` pinning through ComfyUI's ``comfy.model_management`` (``ledger``), so our
+    arenas count in its pinned-memory budget (docs/comfyui.md, "Pinned memory"). Its
+    ``pin_memory(tensor)`` pins only within ``MAX_PINNED_MEMORY`` (<= 0: ComfyUI pins nothing) and
+    in 0.3.75 takes only ``Parameter`` tensors, so the buffer is handed over as one."""
 
     def __init__(self, ledger, device: torch.device):
         self.ledger, self.device = ledger, device
@@ -179,10 +172,9 @@ STAGING_SLOTS = 2
 
 
 class PinnedStaging:
-    """Host-to-device copies of pageable memory through ``slots`` pinned buffers of
-    ``chunk_bytes``: each piece an asynchronous DMA on the current stream, the host waiting only
-    for the copy that last read a buffer. ``allocate`` and ``new_event``: injectable for tests.
-    """
+    """Host-to-device copies of pageable memory through ``slots`` pinned buffers of ``chunk_bytes``:
+    each piece an asynchronous DMA on the current stream, the host waiting only for the copy that
+    last read a buffer. ``allocate`` and ``new_event``: injectable for tests."""
 
     def __init__(self, chunk_bytes: int = STAGING_CHUNK_BYTES, slots: int = STAGING_SLOTS,
                  allocate: Optional[Callable[[int], torch.Tensor]] = None,
@@ -249,17 +241,15 @@ def arena_bytes(nbytes: Sequence[int]) -> int:
 
 
 class HostArena:
-    """Host memory for tensors of the given shapes and dtypes, one view each (``views[i]``).
-    The caller copies its tensors in one at a time (each original freed at once), then calls
-    :meth:`pin`; ``release()`` (or dropping the arena) unpins; the last view frees the memory.
-    """
+    """Host memory for tensors of the given shapes and dtypes, one view each (``views[i]``). The
+    caller copies its tensors in one at a time (each original freed at once), then calls
+    :meth:`pin`; ``release()`` (or dropping the arena) unpins; the last view frees the memory."""
 
     def __init__(self, specs: Sequence[tuple[torch.Size, torch.dtype]], device="cpu"):
         sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size()
                  for shape, dtype in specs]
         offsets, _ = aligned_offsets(sizes)
         self.nbytes = _pinned_range(sizes)  # the range views live in and pinning covers
-        # One page of slack so the range can start on a page boundary.
         raw = torch.empty(arena_bytes(sizes), dtype=torch.uint8, device=device)
         shift = (-raw.data_ptr()) % PAGE if raw.device.type == "cpu" else 0
         self.buffer = raw[shift: shift + self.nbytes]

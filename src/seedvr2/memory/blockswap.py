@@ -1,10 +1,9 @@
 """BlockSwap: run a DiT whose weights do not fit on the GPU, at close to full speed.
 
-The first ``blocks_to_swap`` blocks (and, with ``swap_io_components``, the input and output
-layers) live in one pinned host arena; the next swapped block is copied on a side CUDA stream
-while the current one runs (at most ``prefetch`` + 1 on the GPU), a used copy dropped.
-:class:`SwapSchedule` decides, :class:`BlockSwap`'s hooks act (docs/memory.md).
-"""
+The first ``blocks_to_swap`` blocks (and, with ``swap_io_components``, the input and output layers)
+live in one pinned host arena; the next swapped block is copied on a side CUDA stream while the
+current one runs (at most ``prefetch`` + 1 on the GPU), a used copy dropped. :class:`SwapSchedule`
+decides, :class:`BlockSwap`'s hooks act (docs/memory.md)."""
 
 from __future__ import annotations
 
@@ -89,7 +88,6 @@ class BlockSwap:
             return
         present = lambda names: [n for n in names if hasattr(model, n)] if swap_io else []  # noqa: E731
         inputs, outputs = present(self.INPUT_MODULES), present(self.OUTPUT_MODULES)
-        # Units in execution order: input layers, blocks, output layers.
         names = inputs + [f"blocks.{i}" for i in range(num_blocks)] + outputs
         self.units = [model.get_submodule(n) for n in names]
         swapped = set(range(len(inputs))) | set(range(len(names) - len(outputs), len(names)))
@@ -145,8 +143,7 @@ class BlockSwap:
             self.ready[unit] = self.streams.Event()
             self.ready[unit].record(self.stream)
 
-    def _wait_for_copy(self, unit: int):
-        """The compute stream waits for ``unit``'s copy, if one is in flight."""
+    def _wait_for_copy(self, unit: int):  # on the compute stream, if a copy is in flight
         event = self.ready.pop(unit, None)
         if event is not None:
             self.streams.current_stream(self.device).wait_event(event)
@@ -159,9 +156,8 @@ class BlockSwap:
         loads = self.schedule.before(i)
         computed = None
         if loads and self.stream is not None:
-            # The compute-done event of unit i - 1: every kernel queued so far (the copy of
-            # unit i + prefetch waits for the compute of unit i - 1, so at most prefetch + 1
-            # units' copies exist on the GPU at any time).
+            # The compute-done event of unit i - 1 (every kernel queued so far): the copy of
+            # unit i + prefetch waits for it, so at most prefetch + 1 units' copies are on the GPU.
             computed = self.streams.Event()
             computed.record(self.streams.current_stream(self.device))
         for _, j in loads:

@@ -1,11 +1,9 @@
 """Memory budget: what a job needs on each device, known before any frame is processed.
 
-:func:`estimate` (pure, from the model configurations alone) gives per phase (VAE encode, DiT,
-VAE decode) and device the resident weights plus activations; :func:`check` raises one
-:class:`BudgetError` naming settings that would fit; :func:`auto_batch_size` picks the largest
-4n+1 batch that fits. The activation model (calibrated on CPU peaks) and its CUDA margins:
-docs/memory.md, "How the estimate is made".
-"""
+:func:`estimate` (pure, from the model configurations alone) gives per phase (VAE encode, DiT, VAE
+decode) and device the resident weights plus activations; :func:`check` raises one
+:class:`BudgetError` naming settings that would fit; :func:`auto_batch_size` picks the largest 4n+1
+batch that fits. The activation model and its CUDA margins: docs/memory.md."""
 
 from __future__ import annotations
 
@@ -43,8 +41,7 @@ TEXT_TOKENS = 58  # rows of the released positive text embedding (pos_emb.pt)
 
 log = logging.getLogger("seedvr2")
 
-# Top-level DiT modules that BlockSwap's swap_io_components moves.
-_DIT_IO = BlockSwap.INPUT_MODULES + BlockSwap.OUTPUT_MODULES
+_DIT_IO = BlockSwap.INPUT_MODULES + BlockSwap.OUTPUT_MODULES  # what swap_io_components moves
 
 
 class BudgetError(SeedVR2Error, ValueError):
@@ -63,14 +60,12 @@ def gib(n: float) -> str:
 
 # == Weights
 
-
 @dataclass(frozen=True)
 class Weights:
-    """Bytes of one model's tensors in memory, split the way BlockSwap moves them: each DiT
-    block (none for the VAE), the DiT's input and output layers, everything else.
-    ``largest_layer``: parameters of the largest linear/conv weight (packed weights are
-    dequantised a layer at a time: one such layer in the compute dtype is transient extra).
-    """
+    """Bytes of one model's tensors in memory, split the way BlockSwap moves them: each DiT block
+    (none for the VAE), the DiT's input and output layers, everything else. ``largest_layer``:
+    parameters of the largest linear/conv weight (packed weights are dequantised a layer at a time:
+    one such layer in the compute dtype is transient extra)."""
 
     blocks: tuple[int, ...] = ()
     io: int = 0
@@ -121,8 +116,7 @@ class Weights:
 
     @classmethod
     def from_file(cls, path, kind: str, dtype: torch.dtype) -> tuple["Weights", object]:
-        """(sizes, config) of a weight file placed with ``dtype`` (packed weights at their
-        storage size), from its header only."""
+        """(sizes, config) of a weight file in ``dtype`` (packed: as stored), from its header."""
         from ..loading.load import EMBEDDED_TEXT_KEYS, config_for  # the loader's detection
         from ..loading.weight_files import open_weights
 
@@ -174,7 +168,6 @@ def bytes_on(module: Optional[torch.nn.Module], device: torch.device) -> int:
 
 # == The job and where things run
 
-
 @dataclass(frozen=True)
 class BatchShape:
     """One batch of the job: output frame size, frames per batch, precision, VAE tiling;
@@ -201,8 +194,7 @@ class BatchShape:
 
 @dataclass(frozen=True)
 class Placement:
-    """Devices of the models (as strings, e.g. ``cuda:0``), where each waits while the other
-    runs (None: it stays), and BlockSwap."""
+    """Model devices (cuda:0), where each waits while the other runs (None: stays), BlockSwap."""
 
     dit_device: str = "cuda:0"
     vae_device: str = "cuda:0"
@@ -237,7 +229,6 @@ class Budget:
 
 
 # == Activations
-
 
 # Calibration on the real-size trace (bench/memory_trace.py): the tensors below are what one
 # block holds at its peak; the trace of the whole forward (window layouts, RoPE tables, the
@@ -280,8 +271,7 @@ def _resnet_peak(c_hold: int, c_in: int, c_out: int, layers: int, frames: int, b
 
 
 def _mid_peak(c: int, frames: int, b: int) -> float:
-    """Peak bytes per voxel of the mid block: its attention (x, tokens, q, k, v, out, sum) or
-    its residual blocks."""
+    """Peak bytes per voxel of the mid block: attention (x, tokens, q, k, v, out, sum) or resnet."""
     up = (4 / b) if b < 4 else 0.0
     return max(b * (2 * c + 5 * c + c * up), _resnet_peak(c, c, c, 2, frames, b))
 
@@ -330,16 +320,13 @@ def vae_decode_bytes(cfg: VAEConfig, frames: int, height: int, width: int, b: in
     return int(peak)
 
 
-# Calibration on the real-size trace (bench/memory_trace.py, bench/RESULTS.md): the model above
-# counts every tensor of the layers' code at its largest; the code holds less (buffers reused,
-# bands and float32 norm pieces of SPLIT_ELEMENTS / 4), the more so the larger a full-resolution
-# plane. So it is scaled by the trace per size class of one piece's full-resolution planes
-# (channels x frames x pixels): <= SPLIT_ELEMENTS / 4 (a tile), <= SPLIT_ELEMENTS, more.
+# Calibration on the real-size trace (docs/memory.md, "How the estimate is made"): the model above
+# is scaled per size class of one piece's full-resolution planes (channels x frames x pixels):
+# <= SPLIT_ELEMENTS / 4 (a tile), <= SPLIT_ELEMENTS, more.
 _SPLIT = SPLIT_ELEMENTS  # the real limit the calibration was traced with (tests lower the
 # module attribute; the size classes stay those of the code as shipped)
 _CORE_SCALE = ((_SPLIT // 4, (0.95, 0.97)), (_SPLIT, (0.88, 0.64)), (None, (0.74, 0.58)))
-# The causal cache a temporal slice carries (the tails kept per conv), traced against
-# _causal_cache_bytes: (encode, decode).
+# Traced against _causal_cache_bytes, the tails a temporal slice carries: (encode, decode).
 _CACHE_SCALE = (0.50, 1.18)
 
 
@@ -421,7 +408,6 @@ def _vae_phase(cfg: VAEConfig, shape: BatchShape, decode: bool) -> int:
 
 # == The estimate
 
-
 @dataclass(frozen=True)
 class PhaseNeed:
     """Bytes one phase needs on one device, by part (label, bytes)."""
@@ -465,14 +451,11 @@ def estimate(budget: Budget, shape: BatchShape, place: Placement) -> Estimate:
     waiting = frames * hp * wp * (12 + 2)
 
     def parked_dit(device: str) -> int:  # the DiT while a VAE phase runs on ``device``
-        if place.dit_device != device or place.swapping or place.dit_offload is not None:
-            return 0
-        return dw.total
+        stays = place.dit_device == device and not place.swapping and place.dit_offload is None
+        return dw.total if stays else 0
 
     def parked_vae(device: str) -> int:
-        if place.vae_device != device or place.vae_offload is not None:
-            return 0
-        return vw.total
+        return vw.total if place.vae_device == device and place.vae_offload is None else 0
 
     def need(phase: str, device: str, weights: list, activations: int) -> PhaseNeed:
         parts = [*weights, ("activations", activations),
@@ -507,7 +490,6 @@ def fits(budget: Budget, shape: BatchShape, place: Placement, available: Mapping
 
 
 # == Settings that fit
-
 
 def smallest_batch(temporal_overlap: int) -> int:
     """The smallest batch the option check accepts: 4n+1 above ``temporal_overlap``."""
@@ -597,8 +579,8 @@ def _single_changes(budget: Budget, shape: BatchShape, place: Placement, failing
                     min_batch: int):
     """Each kind of single change, cheapest first (the README's "Out of memory"), as a list of
     (shape, placement, text) from the least to the most it changes: smaller batches, VAE tiles,
-    the VAE's causal tails in int8, offloading the VAE, the DiT or both (text None: not offered alone), the waiting tensors,
-    BlockSwap."""
+    the VAE's tails in int8, offloading the VAE, the DiT or both (text None: never alone),
+    waiting tensors, BlockSwap."""
     yield [(replace(shape, batch_size=n), place, option_ref("batch_size", n))
            for n in range(shape.batch_size - 4, min_batch - 1, -4)]
     yield [(tiled, place, text) for tiled, text in
@@ -622,8 +604,8 @@ def _single_changes(budget: Budget, shape: BatchShape, place: Placement, failing
 
 def alternatives(budget: Budget, shape: BatchShape, place: Placement,
                  available: Mapping[str, int], min_batch: int = 1) -> list[str]:
-    """Settings that would make the job fit: each single change enough on its own (the least
-    of each kind); when none is, one combination (or none)."""
+    """Settings that would make the job fit: each single change enough on its own (the least of
+    each kind); when none is, one combination (or none)."""
     failing = failing_phases(estimate(budget, shape, place), available)
     found = [_first_fit(budget, [o for o in options if o[2] is not None], available)
              for options in _single_changes(budget, shape, place, failing, min_batch)]
@@ -655,10 +637,8 @@ _COSTS = {"batch": "smaller batches: less temporal consistency",
           "swap": "DiT blocks stream from host RAM: slower DiT"}
 
 
-def _fit(shape: BatchShape, place: Placement, new_shape: BatchShape,
-         new_place: Placement) -> Fit:
-    """The :class:`Fit` that turns (shape, place) into (new_shape, new_place): the options
-    (name, value) and the costs of those changes."""
+def _fit(shape: BatchShape, place: Placement, new_shape: BatchShape, new_place: Placement) -> Fit:
+    """The :class:`Fit` (option changes and their costs) from (shape, place) to the new pair."""
     out, costs = [], []
     if new_shape.batch_size != shape.batch_size:
         out.append(("batch_size", new_shape.batch_size))
@@ -766,7 +746,6 @@ def auto_batch_size(budget: Budget, shape: BatchShape, place: Placement, availab
 
 # == Host RAM checks
 
-
 def exact_tiling_host_bytes(cfg: VAEConfig, shape: BatchShape,
                             stages: tuple = ("encode", "decode")) -> int:
     """Host RAM exact tiling holds in frame-wide planes (``state_device`` cpu) for ``stages``:
@@ -816,8 +795,7 @@ def check_host_copy(nbytes: int, available: Optional[int], setting: str):
                       f"free host RAM")
 
 
-# What is available here (the impure part)
-
+# == What is available here (the impure part)
 
 def host_available() -> Optional[int]:
     """Bytes of RAM available to new allocations (MemAvailable), or None when unknown."""

@@ -1,10 +1,9 @@
 """The model cache: the library's one piece of global mutable state, on purpose.
 
-ComfyUI runs workflow after workflow in one process, the CLI folder after folder: reloading a
-7B model each time would waste minutes. ``MODEL_CACHE`` keys loaded models by everything that
-shaped them (file identity, format, precision, device, BlockSwap and compile settings), so a
-changed setting reloads exactly the model it concerns. ``clear()`` frees everything.
-"""
+ComfyUI runs workflow after workflow in one process, the CLI folder after folder: reloading a 7B
+model each time would waste minutes. ``MODEL_CACHE`` keys loaded models by everything that shaped
+them (file identity, format, precision, device, BlockSwap and compile settings), so a changed
+setting reloads exactly the model it concerns. ``clear()`` frees everything."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """torch.compile settings, applied per DiT block and to the VAE's encoder and decoder.
 
-Blocks of one kind share their graphs, and BlockSwap's hooks and the window attention stay
-outside them, so a new resolution recompiles once; ``fullgraph`` applies to the VAE only. A
-failing compile falls back to eager with one warning; running out of memory is re-raised.
-CUDA-graph modes are refused (weights move between calls). See docs/memory.md, ``compile``.
-"""
+Blocks of one kind share their graphs, and BlockSwap's hooks and the window attention stay outside
+them, so a new resolution recompiles once; ``fullgraph`` applies to the VAE only. A failing compile
+falls back to eager with one warning; running out of memory is re-raised. CUDA-graph modes are
+refused (weights move between calls). See docs/memory.md, ``compile``."""
 
 from __future__ import annotations
 

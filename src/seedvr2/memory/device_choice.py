@@ -45,9 +45,8 @@ def native_bf16(device: torch.device) -> bool:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto`` = bf16 on GPUs with native bf16 (:func:`native_bf16`: NVIDIA compute
-    capability 8.0 and up, AMD by architecture), fp16 on older GPUs (checked for overflow: see
-    :func:`check_finite`), fp32 on the CPU."""
+    """``auto`` = bf16 on GPUs with native bf16 (:func:`native_bf16`), fp16 on older GPUs (checked
+    for overflow: :func:`check_finite`), fp32 on the CPU."""
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cuda":

@@ -1,8 +1,7 @@
-"""A job's memory decision, made before any model loads (from configs and the files'
-headers, :meth:`Weights.from_file`, so a fitted job loads each model once): ``batch_size`` auto
-resolved, the job fitted to the memory available (``fit`` auto: the cheapest change, said in
-one line), ``max_vram`` applied, the budget checked. docs/memory.md#the-memory-budget.
-"""
+"""A job's memory decision, made before any model loads (from configs and the files' headers,
+:meth:`Weights.from_file`, so a fitted job loads each model once): ``batch_size`` auto resolved, the
+job fitted to the memory available (``fit`` auto: the cheapest change, said in one line),
+``max_vram`` applied, the budget checked. docs/memory.md#the-memory-budget."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ MakeRoom = Callable[[str, int], None]
 
 @dataclass(frozen=True)
 class ModelDevices:
-    """Where a job's models compute and where each waits between its phases (None: it
-    stays), and their dtype, as the options say."""
+    """Where a job's models compute and wait between phases (None: stays), and their dtype."""
 
     dit: torch.device
     vae: torch.device

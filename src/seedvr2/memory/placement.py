@@ -1,10 +1,8 @@
 """Where a model's weights wait and how they reach the compute device.
 
-A model that waits off its compute device or swaps blocks keeps **one persistent host copy**
-of every tensor (:class:`WeightStore`, a ``memory.arena.HostArena``, pinned on CUDA machines):
-to the device is an asynchronous copy, back only drops the device tensors. Why this is safe on
-CUDA: docs/memory.md, "Weights off the GPU".
-"""
+A model that waits off its compute device or swaps blocks keeps **one persistent host copy** of
+every tensor (:class:`WeightStore`, a ``memory.arena.HostArena``, pinned on CUDA machines): to the
+device is an asynchronous copy, back only drops the device tensors (why safe: docs/memory.md)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """Run the causal video VAE in bounded memory: spatial tiles and causal temporal slices.
 
-Causal temporal slices are exact (a ``CausalCache`` carries each conv's last frames). Exact
-spatial tiles (default) run the network layer by layer over frame-wide planes on
-``state_device``, tile by tile, with whole-frame GroupNorm statistics (untiled up to rounding);
-fast tiles (``exact=False``) are independent and cross-faded (approximate). Design, bounds and
-costs: docs/memory.md, "VAE tiling and temporal slices".
-"""
+Causal temporal slices are exact (a ``CausalCache`` carries each conv's last frames). Exact spatial
+tiles (default) run the network layer by layer over frame-wide planes on ``state_device``, tile by
+tile, with whole-frame GroupNorm statistics (untiled up to rounding); fast tiles (``exact=False``)
+are independent and cross-faded (approximate). Design, bounds and costs: docs/memory.md."""
 
 from __future__ import annotations
 
@@ -21,22 +19,12 @@ from ..options import OptionError
 from ..errors import InputError, UsageError
 from ..models.pointwise import silu
 from ..models.vae import Decoder, Encoder, VideoAutoencoder
-from ..models.vae_blocks import (
-    ATTENTION_SCORE_BUDGET,
-    CausalCache,
-    CausalConv3d,
-    FrameAttention,
-    FrameGroupNorm,
-    ResnetBlock3D,
-    Upsample3D,
-    conv3d,
-    depth_to_space,
-    group_stats_from_channels,
-)
+from ..models.vae_blocks import (ATTENTION_SCORE_BUDGET, CausalCache, CausalConv3d, FrameAttention,
+                                 FrameGroupNorm, ResnetBlock3D, Upsample3D, conv3d, depth_to_space,
+                                 group_stats_from_channels)
 from .placement import tail_parking
 
-# Pixels per latent along H and W in every SeedVR2 VAE (spatial_downsample_factor).
-TILE_MULTIPLE = 8
+TILE_MULTIPLE = 8  # pixels per latent along H and W in every SeedVR2 VAE (spatial factor)
 
 # Called before every tile and slice, outside the VAE's (possibly compiled) forwards: the
 # pipeline's stop check, so a Cancel takes effect within a tile.
@@ -189,8 +177,7 @@ class _FixedStats(CausalCache):
 
 @dataclass
 class _Plane:
-    """A frame-wide activation (on the state device, or any tensor for inputs) and, when it
-    will be normalised, its statistics."""
+    """A frame-wide activation (state device; inputs: any tensor), its statistics if normed."""
 
     data: Tensor
     stats: Optional[_ChannelStats] = None
@@ -221,8 +208,6 @@ class _ExactRun:
         self.tails: Dict[nn.Module, Tensor] = {}  # frame-wide carried frames per causal conv
         self.first_chunk, self.keep_tails = True, False
 
-    # -- helpers ----------------------------------------------------------------------------
-
     def _edges(self, H: int, W: int) -> Tuple[int, int]:
         """Tile edge in samples for a plane of ``H x W`` (``tile_size`` pixels of the video)."""
         return (self.tile_latents * max(H // self.latent_h, 1),
@@ -245,8 +230,6 @@ class _ExactRun:
                 return x
             return silu(norm(x, cache=_FixedStats(src.stats)), inplace=True)
         return produce
-
-    # -- layers -----------------------------------------------------------------------------
 
     def _conv(self, conv: CausalConv3d, shape, produce: Callable, dst: Optional[_Plane] = None,
               residual: Optional[Callable] = None, stats: bool = True) -> _Plane:
@@ -313,9 +296,8 @@ class _ExactRun:
 
         # Without a width change the output overwrites x: each tile reads x only where it
         # writes, after reading it, and conv1 (the only other reader) is done.
-        in_place = shortcut is None and x.data.device == self.state
         dst = None
-        if in_place:
+        if shortcut is None and x.data.device == self.state:
             dst = _Plane(x.data, _ChannelStats(*x.data.shape[:3], self.stats_dtype, self.device))
         out = self._conv(block.conv2, h.data.shape, self._activate(h, block.norm2), dst=dst,
                          residual=residual)
@@ -361,11 +343,8 @@ class _ExactRun:
 
         return self._conv(up.conv, (B, C, T * z - drop, H * r, W * r), produce)
 
-    def _norm_out(self, norm: FrameGroupNorm, conv: CausalConv3d, x: _Plane,
-                  dst: Tensor) -> None:
+    def _norm_out(self, norm: FrameGroupNorm, conv: CausalConv3d, x: _Plane, dst: Tensor) -> None:
         self._conv(conv, x.data.shape, self._activate(x, norm), dst=_Plane(dst))
-
-    # -- the two halves ---------------------------------------------------------------------
 
     def through(self, coder: Union[Encoder, Decoder], x: Tensor, out: Tensor) -> None:
         """``out`` (any device) = ``coder(x)`` for one chunk of frames: the encoder's moments
@@ -398,8 +377,7 @@ def _first_out_frame(frame: int, f: int, encoding: bool) -> int:
 
 def _exact(vae: VideoAutoencoder, x: Tensor, tiles: TileSettings,
            chunks: List[Tuple[int, int]], between: Between, encoding: bool):
-    """Encode (``(mean, logvar)``) or decode (video) ``x`` in exact tiles, its temporal chunks
-    in order through one :class:`_ExactRun` (which carries the causal tails)."""
+    """Encode or decode ``x`` in exact tiles, its chunks in order through one :class:`_ExactRun`."""
     B, _, T, H, W = x.shape
     s, f = vae.spatial_factor, vae.temporal_factor
     if encoding:
@@ -423,8 +401,7 @@ def _exact(vae: VideoAutoencoder, x: Tensor, tiles: TileSettings,
 
 @dataclass(frozen=True)
 class _Span:
-    """One tile along one axis: latent indices ``[start, stop)`` and the normalised blend
-    weight of its output samples (``None``: the only tile on this axis, weight 1)."""
+    """One tile along one axis: latents ``[start, stop)``, its outputs' blend weight (None: 1)."""
 
     start: int
     stop: int
@@ -440,8 +417,7 @@ def _ramp(n: int) -> Tensor:
 
 def _axis_spans(length: int, tile: int, overlap: int, scale: int,
                 dtype: torch.dtype, device: torch.device) -> List[_Span]:
-    """Tiles along one axis of ``length`` latents and their weights in output units
-    (``scale`` output samples per latent: 1 for encoded latents, 8 for decoded pixels)."""
+    """Tiles along an axis of ``length`` latents, weights in output units (``scale`` per latent)."""
     starts, size = tile_layout(length, tile, overlap)
     if len(starts) == 1:
         return [_Span(0, length, None)]
@@ -449,9 +425,8 @@ def _axis_spans(length: int, tile: int, overlap: int, scale: int,
     raw = []
     for k, start in enumerate(starts):
         w = torch.ones(n, dtype=torch.float64)
-        # Fade over the *actual* overlap with each neighbour (at least ``overlap``, more where
-        # the even spread rounds): both sides then fade over the same samples and the blend
-        # stays a smooth partition of unity.
+        # Fade over the *actual* overlap with each neighbour (at least ``overlap``, more where the
+        # even spread rounds): both fade over the same samples, a smooth partition of unity.
         if k > 0:
             fade_in = (starts[k - 1] + size - start) * scale
             if fade_in > 0:
@@ -508,8 +483,7 @@ def _layout(vae: VideoAutoencoder, tiles: TileSettings, h: int, w: int, scale: i
 
 def _fast(vae: VideoAutoencoder, x: Tensor, tiles: TileSettings,
           chunks: List[Tuple[int, int]], between: Between, encoding: bool):
-    """Encode (``(mean, logvar)``) or decode (video) ``x`` in independent overlapping tiles,
-    cross-faded, each tile's temporal chunks through one cache."""
+    """Encode or decode ``x`` in independent cross-faded tiles, a tile's chunks in one cache."""
     B, _, T, H, W = x.shape
     s, f, dtype = vae.spatial_factor, vae.temporal_factor, vae.dtype
     # Tiles are cut on the latent grid: samples per latent of the input and of the output.
@@ -524,7 +498,6 @@ def _fast(vae: VideoAutoencoder, x: Tensor, tiles: TileSettings,
     for row in rows:
         for col in cols:
             weight = _tile_weight(row, col)
-            # One per tile; int8 tails parked in host memory with vae_int8_cache host.
             cache = vae.new_cache(tail_parking(x.device)) if len(chunks) > 1 else None
             for a0, a1 in chunks:
                 between()
@@ -596,6 +569,5 @@ def encode(vae: VideoAutoencoder, video: Tensor, tiles: TileSettings,
 def decode(vae: VideoAutoencoder, latent: Tensor, tiles: TileSettings,
            temporal_chunk: Optional[int] = None, between: Between = None) -> Tensor:
     """``vae.decode(latent)`` in spatial tiles (``tiles``, in pixels) and/or causal temporal
-    chunks of ``1 + c/4, c/4, ...`` latent frames (``temporal_chunk`` = ``c``), as
-    :func:`encode_posterior`."""
+    chunks of ``1 + c/4, c/4, ...`` latent frames (``temporal_chunk`` = ``c``), as above."""
     return _in_pieces(vae, latent, tiles, temporal_chunk, between, encoding=False)

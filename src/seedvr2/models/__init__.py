@@ -1,9 +1,8 @@
 """SeedVR2 models in pure torch: the NaDiT (3B and 7B families) and the causal video VAE.
 
-Nothing here knows weight files, ComfyUI or processes (``seedvr2.loading`` builds the modules
-from checkpoints); the models read their shipped configs (``configs/*.json``) and, of the
-device, only what picks a kernel (attention backend) or keys a cache (layouts per CUDA stream).
-"""
+Nothing here knows weight files, ComfyUI or processes (``seedvr2.loading`` builds the modules from
+checkpoints); the models read their shipped configs (``configs/*.json``) and, of the device, only
+what picks a kernel (attention backend) or keys a cache (layouts per CUDA stream)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Windowed joint attention of the NaDiT: each window's video tokens then its sample's text
-tokens, windows of equal length in one SDPA call, a text token's output the mean over its
-windows; Ulysses sequence parallelism plugs in (:class:`SequenceParallel`). docs/models.md.
-"""
+"""Windowed joint attention of the NaDiT: each window's video tokens then its sample's text tokens,
+windows of equal length in one SDPA call, a text token's output the mean over its windows; Ulysses
+sequence parallelism plugs in (:class:`SequenceParallel`). docs/models.md."""
 
 from __future__ import annotations
 
@@ -67,8 +66,7 @@ def auto_backend(q: torch.Tensor) -> str:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
            backend: str = "sdpa") -> torch.Tensor:
-    """Softmax attention, scale 1/sqrt(head_dim), q/k/v (batch, seq, heads, head_dim); the
-    optional kernels need CUDA and fp16/bf16."""
+    """Softmax attention, scale 1/sqrt(head_dim), of q/k/v (batch, seq, heads, head_dim)."""
     if backend == "auto":
         backend = auto_backend(q)
     if backend == "sdpa":
@@ -153,8 +151,7 @@ class WindowAttention(nn.Module):
     def forward(self, vid: torch.Tensor, txt: torch.Tensor, packing: Packing,
                 window_rule: tuple, need_txt: bool = True):
         """vid (Nv, dim), txt (Nt, dim) -> attention outputs (Nv, dim), (Nt, dim) or None;
-        ``window_rule``: (window method, window count). Sequence-parallel: this rank's vid rows.
-        """
+        ``window_rule``: (window method, window count). Sequence-parallel: this rank's vid rows."""
         out_v, out_t = self._window_attention(self._project(vid, "vid"), self._project(txt, "txt"),
                                               packing, window_rule, need_txt, vid.dtype)
         out_v = self.proj_out["vid"](out_v)

@@ -1,8 +1,6 @@
-"""Model configurations with the official constructor key names, resolved by
-:func:`dit_config` / :func:`vae_config` from a shipped name, a conformance ``config.json`` or
-an official config verbatim; a key no official config has raises ``ConfigError``
-(docs/models.md, "The DiT").
-"""
+"""Model configurations with the official constructor key names, resolved by :func:`dit_config` /
+:func:`vae_config` from a shipped name, a conformance ``config.json`` or an official config
+verbatim; a key no official config has raises ``ConfigError`` (docs/models.md, "The DiT")."""
 
 from __future__ import annotations
 
@@ -207,8 +205,7 @@ class VAEConfig:
                 for f in dataclasses.fields(self)}
 
 
-# ---------------------------------------------------------------------------------------------
-# Resolution of user-given configs
+# -- resolution of user-given configs ---------------------------------------------------------
 
 _CONFIG_FILES = {"3b": "dit_3b.json", "7b": "dit_7b.json", "vae": "vae.json"}
 _IGNORED_KEYS = {"__object__"}

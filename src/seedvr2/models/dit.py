@@ -7,8 +7,7 @@ Samples' latent grids flattened and concatenated (native-resolution packing, no 
     timestep (B,) --sinusoid + MLP--> emb (B, 6·dim) ─────────────────┘
     --> [3B: RMSNorm + output modulation] --> Linear --> unpatchify --> (Σ T·H·W, 16)
 
-Output: the predicted velocity in the same packing.
-"""
+Output: the predicted velocity in the same packing."""
 
 from __future__ import annotations
 

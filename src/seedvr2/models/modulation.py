@@ -1,9 +1,8 @@
 """AdaSingle modulation: one timestep embedding per sample, plus learned vectors per block.
 
-The 6·dim embedding is read as ``[dim, 2, 3]``: channel, then slot (attention, mlp), then
-(shift, scale, gate). "In" modulation is ``x·scale + shift`` (not ``1 + scale``), "out" is
-``x·gate``; each adds the block's own learned vector to the embedding's value.
-"""
+The 6·dim embedding is read as ``[dim, 2, 3]``: channel, then slot (attention, mlp), then (shift,
+scale, gate). "In" modulation is ``x·scale + shift`` (not ``1 + scale``), "out" is ``x·gate``; each
+adds the block's own learned vector to the embedding's value."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Bookkeeping for native-resolution packing: several samples' tokens concatenated, no padding.
 
-Everything here is known on the host, so index tensors are built on the CPU and sent in one
-copy from pinned memory (:func:`to_device`), never read back (docs/models.md, "Packing").
-"""
+Everything here is known on the host, so index tensors are built on the CPU and sent in one copy
+from pinned memory (:func:`to_device`), never read back (docs/models.md, "Packing")."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ class Packing:
     txt_lens: list[int]
     device: torch.device
     layouts: dict = field(default_factory=dict)
-    # txt_lens, per-sample video/text counts and text positions on the device, sent together
-    # on first use (see _index).
+    # txt_lens, video counts and text positions on the device, sent together on first use.
     device_index: dict = field(default_factory=dict)
 
     @property

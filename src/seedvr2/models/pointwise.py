@@ -1,14 +1,12 @@
-"""Pointwise functions whose bits on the CPU do not depend on the thread count: SiLU,
-sigmoid, tanh-GELU and powers.
+"""Pointwise functions whose bits on the CPU do not depend on the thread count: SiLU, sigmoid,
+tanh-GELU and powers.
 
-PyTorch's CPU kernels for these compute most elements with vector code and the last few of
-each thread's share with scalar code, and the two round differently (in the last bit on ~4 %
-of SiLU's values, ~65 % of ``pow(x, 2.4)``'s). Where the shares meet depends on the thread
-count, so one process and two ranks of 1 thread each differed by 1/255 in a few frames
-(issue 44). ``exp``, ``log``, ``tanh`` and arithmetic give the same bits on either path, so
-these compositions of them do not depend on the split; they cost a few more passes over the
-tensor (bench/RESULTS.md). Other devices run PyTorch's own kernels.
-"""
+PyTorch's CPU kernels for these compute most elements with vector code and the last few of each
+thread's share with scalar code, and the two round differently (in the last bit on ~4 % of SiLU's
+values, ~65 % of ``pow(x, 2.4)``'s). Where the shares meet depends on the thread count, so one
+process and two ranks of 1 thread each differed by 1/255 in a few frames (issue 44). ``exp``,
+``log``, ``tanh`` and arithmetic give the same bits on either path, so these compositions of them do
+not depend on the split; they cost a few more passes over the tensor (bench/RESULTS.md)."""
 
 from __future__ import annotations
 

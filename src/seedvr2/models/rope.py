@@ -1,10 +1,9 @@
 """3-D rotary position embeddings of the two NaDiT families, on window-local positions.
 
-Interleaved pairs (2p, 2p+1) of head dims turn by ``pos·f_k`` in three axis groups (t, h, w);
-3B ("mmrope3d", ``f_k = 1/10000^(2k/a)``) rotates video and text, 7B ("3d pixel",
-``f_k = π·linspace(1, 128, n)``, positions ``linspace(-1, 1, extent)``) video only. Angles in
-fp32 from the ``rope.rope.freqs`` buffer. Positions and families: docs/models.md, "RoPE".
-"""
+Interleaved pairs (2p, 2p+1) of head dims turn by ``pos·f_k`` in three axis groups (t, h, w); 3B
+("mmrope3d", ``f_k = 1/10000^(2k/a)``) rotates video and text, 7B ("3d pixel",
+``f_k = π·linspace(1, 128, n)``, positions ``linspace(-1, 1, extent)``) video only. Angles in fp32
+from the ``rope.rope.freqs`` buffer. Positions and families: docs/models.md, "RoPE"."""
 
 from __future__ import annotations
 
@@ -18,15 +17,13 @@ from torch import nn
 
 from .window import WindowLayout
 
-
 _TABLE_IDS = itertools.count()
 
 
 class FrequencyTable(nn.Module):
-    """The ``freqs`` buffer under the official key (``...rope.rope.freqs``). ``table_id`` names
-    its values for caches (never ``data_ptr()``: placement gives tables fresh copies);
-    ``defining`` recomputes the values of a table built on ``meta`` (docs/models.md, "RoPE").
-    """
+    """The ``freqs`` buffer under the official key (``...rope.rope.freqs``). ``table_id`` names its
+    values for caches (never ``data_ptr()``: placement gives tables fresh copies); ``defining``
+    recomputes the values of a table built on ``meta`` (docs/models.md, "RoPE")."""
 
     def __init__(self, freqs: torch.Tensor, defining: Optional[Callable[[], torch.Tensor]] = None):
         super().__init__()
@@ -101,8 +98,7 @@ class _RoPE3d(nn.Module):
         """(Nv, 1, head_dim/2) rotations of the video tokens in window order, cached per call
         for blocks sharing one table (the loader shares tables holding equal values)."""
         freqs = self.rope.freqs
-        # Keyed by the table's identity (tables never change during a call), not by its
-        # address: see FrequencyTable.
+        # By the table's identity (constant during a call), not its address: see FrequencyTable.
         key = (type(self).__name__, self.rope.table_id, freqs.device)
         if key not in layout.cache:
             angles = _axis_angles(self.video_positions(layout, txt_lens), freqs)

@@ -3,11 +3,9 @@
     video (B, 3, 4n+1, H, W) in [-1, 1]  --encoder-->  mean, logvar: (B, 16, n+1, H/8, W/8)
     latent (B, 16, t, h, w)              --decoder-->  video (B, 3, 4(t-1)+1, 8h, 8w)
 
-The SD image VAE inflated to 3-D with convolutions causal in time, so frame 0 is encoded like
-a still image and a clip can run in temporal chunks (a :class:`~.vae_blocks.CausalCache`).
-Architecture, causality and the 0.9152 latent scaling (the pipeline's, not this module's):
-docs/models.md, "The causal video VAE".
-"""
+The SD image VAE inflated to 3-D with time-causal convolutions, so frame 0 is encoded like a still
+image and a clip can run in temporal chunks (:class:`~.vae_blocks.CausalCache`). Architecture,
+causality, the pipeline's 0.9152 latent scaling: docs/models.md, "The causal video VAE"."""
 
 from __future__ import annotations
 
@@ -20,19 +18,9 @@ from torch import Tensor, nn
 from ..errors import InputError, UsageError
 from .config import VAEConfig
 from .vae_paths import TODAY, VaePaths
-from .vae_blocks import (
-    NORM_EPS,
-    CausalCache,
-    CausalConv3d,
-    DownEncoderBlock3D,
-    FrameGroupNorm,
-    UNetMidBlock3D,
-    UpDecoderBlock3D,
-    down_kinds,
-    norm_act_conv,
-    run_layers,
-    up_kinds,
-)
+from .vae_blocks import (NORM_EPS, CausalCache, CausalConv3d, DownEncoderBlock3D, FrameGroupNorm,
+                         UNetMidBlock3D, UpDecoderBlock3D, down_kinds, norm_act_conv, run_layers,
+                         up_kinds)
 
 LOGVAR_MIN, LOGVAR_MAX = -30.0, 20.0
 
@@ -55,8 +43,7 @@ class Encoder(_Coder):
         kinds = down_kinds(len(widths), config.temporal_scale_num)
         self.down_blocks = nn.ModuleList(
             DownEncoderBlock3D(widths[max(i - 1, 0)], widths[i], config.layers_per_block, groups,
-                               downsample=kinds[i])
-            for i in range(len(widths)))
+                               downsample=kinds[i]) for i in range(len(widths)))
         self.mid_block = UNetMidBlock3D(widths[-1], groups)
         self.conv_norm_out = FrameGroupNorm(groups, widths[-1], eps=NORM_EPS)
         self.conv_out = CausalConv3d(widths[-1], 2 * config.latent_channels, 3, padding=1)
@@ -78,8 +65,7 @@ class Decoder(_Coder):
         kinds = up_kinds(len(widths), config.temporal_scale_num)
         self.up_blocks = nn.ModuleList(
             UpDecoderBlock3D(widths[max(i - 1, 0)], widths[i], config.layers_per_block + 1,
-                             groups, upsample=kinds[i])
-            for i in range(len(widths)))
+                             groups, upsample=kinds[i]) for i in range(len(widths)))
         self.conv_norm_out = FrameGroupNorm(groups, widths[-1], eps=NORM_EPS)
         self.conv_out = CausalConv3d(widths[-1], config.out_channels, 3, padding=1)
 
@@ -90,10 +76,9 @@ class Decoder(_Coder):
 
 class VideoAutoencoder(nn.Module):
     """The SeedVR2 causal video VAE, with the official checkpoint's keys (``quant_conv`` /
-    ``post_quant_conv`` only where the config enables them; the released model does not).
-    Inputs are cast to the parameter dtype (not moved), contiguous channels-first; without
-    autograd the in-place fast paths run (with it, the same maths out of place).
-    """
+    ``post_quant_conv`` only where the config enables them; the released model does not). Inputs are
+    cast to the parameter dtype (not moved), contiguous channels-first; without autograd the
+    in-place fast paths run (with it, the same maths out of place)."""
 
     def __init__(self, config: VAEConfig) -> None:
         super().__init__()
@@ -104,8 +89,7 @@ class VideoAutoencoder(nn.Module):
         self.encoder = Encoder(config)
         self.decoder = Decoder(config)
         latent2 = 2 * config.latent_channels
-        self.quant_conv = (CausalConv3d(latent2, latent2, 1) if config.use_quant_conv
-                           else None)
+        self.quant_conv = CausalConv3d(latent2, latent2, 1) if config.use_quant_conv else None
         self.post_quant_conv = (CausalConv3d(config.latent_channels, config.latent_channels, 1)
                                 if config.use_post_quant_conv else None)
 
@@ -151,8 +135,7 @@ class VideoAutoencoder(nn.Module):
 
     def encode_posterior(self, video: Tensor) -> Tuple[Tensor, Tensor]:
         """Posterior moments ``(mean, logvar)``, each ``(B, 16, n + 1, H/8, W/8)``, of ``video``
-        ``(B, 3, 4n + 1, H, W)`` in [-1, 1] (an image: ``T = 1``), ``logvar`` clamped to [-30, 20].
-        """
+        ``(B, 3, 4n + 1, H, W)`` in [-1, 1] (an image: ``T = 1``); ``logvar`` in [-30, 20]."""
         self.check_video(video)
         with self.conv_settings():
             return self.posterior(self.encoder(video.to(self.dtype).contiguous()))
@@ -168,22 +151,18 @@ class VideoAutoencoder(nn.Module):
     def encode(self, video: Tensor) -> Tensor:
         """The posterior mean (mode) of ``video``: ``(B, 16, n + 1, H/8, W/8)``, channels-first,
         *unscaled* (docs/models.md, "Scaling and names"); arguments as :meth:`encode_posterior`.
-        For the sampled latent the official pipeline uses, see :meth:`sample_posterior`.
-        """
+        The official pipeline samples instead: :meth:`sample_posterior`."""
         return self.encode_posterior(video)[0]
 
     @staticmethod
-    def sample_posterior(mean: Tensor, logvar: Tensor,
-                         generator: Optional[torch.Generator] = None, *,
-                         noise: Optional[Tensor] = None) -> Tensor:
-        """A draw ``mean + exp(logvar / 2) * eps`` from the diagonal Gaussian posterior: ``eps``
-        is ``noise``, else drawn in float32 on ``generator``'s device (a seed gives the same
-        latent in any model dtype), moved to ``mean``'s device and dtype.
-        """
+    def sample_posterior(mean: Tensor, logvar: Tensor, generator: Optional[torch.Generator] = None,
+                         *, noise: Optional[Tensor] = None) -> Tensor:
+        """A draw ``mean + exp(logvar / 2) * eps`` from the diagonal Gaussian posterior: ``eps`` is
+        ``noise``, else drawn in float32 on ``generator``'s device (a seed gives the same latent in
+        any model dtype), moved to ``mean``'s device and dtype."""
         if noise is None:
             device = generator.device if generator is not None else mean.device
-            noise = torch.randn(mean.shape, generator=generator, device=device,
-                                dtype=torch.float32)
+            noise = torch.randn(mean.shape, generator=generator, device=device, dtype=torch.float32)
         if noise.shape != mean.shape:
             raise InputError(f"noise must have the shape of mean {tuple(mean.shape)}, "
                              f"got {tuple(noise.shape)}")
@@ -208,9 +187,8 @@ class VideoAutoencoder(nn.Module):
     # -- argument checks (public: tiled and sliced runs validate with them) ------------------
 
     def check_video(self, video: Tensor) -> None:
-        """Raise ``UsageError``/``InputError`` (naming the fix) unless ``video`` is a valid
-        input of :meth:`encode`: ``(B, in_channels, 4n + 1, H, W)``, ``H`` and ``W`` positive
-        multiples of the spatial factor."""
+        """Raise ``UsageError``/``InputError`` unless ``video`` is a valid input of :meth:`encode`:
+        ``(B, in_channels, 4n + 1, H, W)``, H and W positive multiples of the spatial factor."""
         hint = " (for single images add a time axis: video.unsqueeze(2))" \
             if isinstance(video, Tensor) and video.ndim == 4 else ""
         _check_5d(video, "video", "(B, C, T, H, W)", hint)
@@ -239,7 +217,6 @@ class VideoAutoencoder(nn.Module):
         if 0 in latent.shape[2:]:
             raise InputError(f"latent must have non-empty t, h, w, got shape "
                              f"{tuple(latent.shape)}")
-
 
 
 def _check_5d(value, name: str, layout: str, hint: str = "") -> None:

@@ -1,9 +1,8 @@
 """Building blocks of the causal video VAE on ``(B, C, T, H, W)`` tensors (see ``vae.py``).
 
 Convolutions never look ahead (:class:`CausalConv3d`), everything else acts per frame; a
-:class:`CausalCache` carries state between temporal chunks and hands spatial tiles whole-frame
-norm statistics. Names follow the official checkpoint (strict loading). See docs/models.md.
-"""
+:class:`CausalCache` carries state between temporal chunks and hands spatial tiles whole-frame norm
+statistics. Names follow the official checkpoint (strict loading). See docs/models.md."""
 
 from __future__ import annotations
 
@@ -21,7 +20,6 @@ from .pointwise import silu
 from .vae_paths import TODAY, PackedTail, VaePaths, copy_tail
 
 _int3 = Union[int, Tuple[int, int, int]]
-
 NORM_EPS = 1e-6
 
 # Largest attention score matrix (elements) per SDPA call. If no fused kernel takes the shape
@@ -47,7 +45,6 @@ def _triple(value: _int3) -> Tuple[int, int, int]:
 def conv3d(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: _int3 = 1,
            padding: _int3 = 0, paths: VaePaths = TODAY) -> Tensor:
     """``F.conv3d`` on the VAE's kernel paths (``vae_paths``), channels-first out.
-
     ``paths.channels_last``: on NDHWC input and weight (cuDNN's tensor-core layout; padded
     buffers and their bands are NDHWC already), the result channels-first again for the code
     around it. ``paths.fp16_accumulation`` (fp16): comfy-kitchen's ``fp16_conv3d``."""
@@ -98,8 +95,7 @@ class ConvSpec:
     padding: Tuple[int, int, int] = (0, 0, 0)
     paths: VaePaths = TODAY
 
-    def fp16(self) -> bool:
-        """Whether the conv goes to fp16_conv3d."""
+    def fp16(self) -> bool:  # the conv goes to fp16_conv3d
         return self.paths.fp16_accumulation and self.weight.dtype == torch.float16
 
 
@@ -179,33 +175,29 @@ def _conv_band(rows: RowSource, spec: ConvSpec, band: Tuple[int, int],
 
 
 def frame_group_stats(x: Tensor, groups: int) -> Tuple[Tensor, Tensor]:
-    """Per-frame GroupNorm mean and (biased) variance ``(B, groups, 1, T)`` of ``x``
-    ``(B, C, T, N)`` in its dtype: per-channel moments over the contiguous ``N`` axis, combined
-    exactly (:func:`group_stats_from_channels`)."""
+    """Per-frame GroupNorm mean and (biased) variance ``(B, groups, 1, T)`` of ``x`` ``(B, C, T,
+    N)`` in its dtype: per-channel moments over the contiguous ``N`` axis, combined exactly."""
     var_c, mean_c = torch.var_mean(x, dim=-1, correction=0)  # (B, C, T) per plane
     return group_stats_from_channels(mean_c, var_c, groups)
 
 
-def group_stats_from_channels(mean_c: Tensor, var_c: Tensor,
-                              groups: int) -> Tuple[Tensor, Tensor]:
+def group_stats_from_channels(mean_c: Tensor, var_c: Tensor, groups: int) -> Tuple[Tensor, Tensor]:
     """Group mean and variance ``(B, G, 1, T)`` from per-channel ones (law of total variance)."""
     B, C, T = mean_c.shape
     mean_c = mean_c.view(B, groups, C // groups, T)
     var_c = var_c.view(B, groups, C // groups, T)
     mean_g = mean_c.mean(dim=2, keepdim=True)  # (B, G, 1, T)
-    var_g = var_c.mean(dim=2, keepdim=True) + (mean_c - mean_g).square().mean(dim=2,
-                                                                               keepdim=True)
-    return mean_g, var_g
+    spread = (mean_c - mean_g).square().mean(dim=2, keepdim=True)
+    return mean_g, var_c.mean(dim=2, keepdim=True) + spread
 
 
 class CausalCache:
-    """State carried between the temporal chunks of one clip (a fresh cache per clip and
-    direction, chunks in order) and, for a subclass, spatial tiles (docs/models.md). Tails of
+    """State carried between the temporal chunks of one clip (a fresh cache per clip and direction,
+    chunks in order) and, for a subclass, spatial tiles (docs/models.md). Tails of
     ``paths.int8_cache_bytes`` or more are kept in int8 (``vae_paths.PackedTail``); with
-    ``paths.cache_offload``, a GPU's are parked in host memory from ``park(n)`` (``n`` codes),
-    each fetched back on a side stream while the conv before it runs. ``temporal=False``
-    carries nothing (a subclass that only overrides :meth:`group_norm_stats`).
-    """
+    ``paths.cache_offload``, a GPU's are parked in host memory from ``park(n)`` (``n`` codes), each
+    fetched back on a side stream while the conv before it runs. ``temporal=False`` carries nothing
+    (a subclass that only overrides :meth:`group_norm_stats`)."""
 
     def __init__(self, temporal: bool = True, paths: VaePaths = TODAY,
                  park: Optional[Callable[[int], object]] = None) -> None:
@@ -219,8 +211,7 @@ class CausalCache:
         self._seen: set = set()
 
     def tail(self, module: nn.Module) -> Optional[Union[Tensor, PackedTail]]:
-        """The tail kept for ``module`` on its device: a tensor or int8 codes (a parked tail
-        fetched, the next one's fetch started)."""
+        """The tail kept for ``module`` on its device: a tensor or int8 codes (parked: fetched)."""
         kept = self._tails.get(module)
         if not isinstance(kept, PackedTail) or kept.parked is None:
             return kept
@@ -295,20 +286,17 @@ class CausalCache:
     # -- frame-wide statistics (overridden by spatial tiling) -------------------------------
 
     def group_norm_stats(self, norm: "FrameGroupNorm", x: Tensor) -> Tuple[Tensor, Tensor]:
-        """Mean and variance ``(B, G, 1, T)`` ``norm`` normalises ``x`` (its input in the
-        compute dtype) with; by default ``x``'s own."""
+        """Mean, variance ``(B, G, 1, T)`` ``norm`` uses on ``x`` (compute dtype): ``x``'s own."""
         return frame_group_stats(x.flatten(3), norm.num_groups)
 
 
 class CausalConv3d(nn.Conv3d):
     """A 3-D convolution causal in time (docs/models.md, "Causality"), ``nn.Conv3d``'s weights.
-
     ``padding`` ``(p_t, p_h, p_w)`` as the official layer: ``2 * p_t`` copies of the first frame
-    (with a :class:`CausalCache`, the previous chunk's last frames) prepended; space zero
-    padded by ``(p_h, p_w)`` or ``spatial_pad = (left, right, top, bottom)``. Call ``conv(x)``,
-    or fill ``buf, body = conv.input_buffer(...)`` and call ``conv.forward_padded(buf)`` (no
-    padding copy). ``paths``: the VAE's kernel paths (:func:`conv3d`).
-    """
+    (with a :class:`CausalCache`, the previous chunk's last frames) prepended; space zero padded by
+    ``(p_h, p_w)`` or ``spatial_pad = (left, right, top, bottom)``. Call ``conv(x)``, or fill
+    ``buf, body = conv.input_buffer(...)`` and call ``conv.forward_padded(buf)`` (no padding copy).
+    ``paths``: the VAE's kernel paths (:func:`conv3d`)."""
 
     paths: VaePaths = TODAY
 
@@ -343,8 +331,7 @@ class CausalConv3d(nn.Conv3d):
 
     def input_buffer(self, like: Tensor, shape: Sequence[int],
                      cache: Optional[CausalCache] = None) -> Tuple[Tensor, Tensor]:
-        """An empty padded input (``like``'s dtype and device) for an input of ``shape``, and
-        its body view where that input goes."""
+        """An empty padded input (``like``'s dtype, device) for input ``shape``, and its body."""
         if self.spatial_pad is not None:
             raise NotImplementedError("input_buffer supports symmetric spatial padding only")
         B, C, T, H, W = shape
@@ -364,7 +351,7 @@ class CausalConv3d(nn.Conv3d):
         return self._conv(buf, cache, residual)
 
     def head_length(self, cache: Optional[CausalCache]) -> int:
-        """Frames before the body in the padded input (the cached tail or first-frame copies)."""
+        """Frames before the body in the padded input (cached tail or first-frame copies)."""
         cached = cache.tail_length(self) if cache is not None else None
         return self.head_frames if cached is None else cached
 
@@ -395,7 +382,6 @@ class FrameGroupNorm(nn.GroupNorm):
                 and (cache is None or type(cache).group_norm_stats is CausalCache.group_norm_stats)):
             return self._forward_in_channel_groups(x, out, compute_dtype)
         x_c = x.reshape(B, C, T, -1).to(compute_dtype)  # no copy in float32
-
         if cache is None:
             mean_g, var_g = frame_group_stats(x_c, G)
         else:
@@ -441,8 +427,7 @@ class FrameGroupNorm(nn.GroupNorm):
         moments = [torch.var_mean(x_flat[:, c:c + step].to(compute_dtype), dim=-1, correction=0)
                    for c in range(0, C, step)]
         return group_stats_from_channels(torch.cat([m for _, m in moments], dim=1),
-                                         torch.cat([v for v, _ in moments], dim=1),
-                                         self.num_groups)
+                                         torch.cat([v for v, _ in moments], dim=1), self.num_groups)
 
     def _forward_in_channel_groups(self, x: Tensor, out: Optional[Tensor],
                                    compute_dtype: torch.dtype) -> Tensor:
@@ -462,8 +447,7 @@ class FrameGroupNorm(nn.GroupNorm):
 
 
 def norm_act_conv(norm: FrameGroupNorm, conv: CausalConv3d, x: Tensor,
-                  cache: Optional[CausalCache] = None,
-                  residual: Optional[Tensor] = None) -> Tensor:
+                  cache: Optional[CausalCache] = None, residual: Optional[Tensor] = None) -> Tensor:
     """``conv(silu(norm(x))) (+ residual)``, the activation written straight into the conv's
     padded input buffer, the residual added band by band (fused into fp16_conv3d)."""
     buf, body = conv.input_buffer(x, x.shape, cache)
@@ -477,8 +461,7 @@ def norm_act_conv(norm: FrameGroupNorm, conv: CausalConv3d, x: Tensor,
 def norm_silu_into(norm: FrameGroupNorm, x: Tensor, out: Tensor,
                    cache: Optional[CausalCache], paths: VaePaths) -> None:
     """``out = silu(norm(x))`` (``out`` may be ``x``; inference only): comfy-kitchen's
-    ``group_norm_silu_pad3d`` on the fused path (half precision; in place a frame at a time),
-    else the norm into ``out`` and SiLU in place."""
+    ``group_norm_silu_pad3d`` on the fused path (half precision; in place a frame at a time)."""
     if not (paths.fused_norm and x.dtype in vae_paths.HALF):
         silu(norm(x, out=out, cache=cache), inplace=True)
         return
@@ -489,9 +472,8 @@ def norm_silu_into(norm: FrameGroupNorm, x: Tensor, out: Tensor,
 
 
 class ResnetBlock3D(nn.Module):
-    """Pre-norm residual block: ``x + conv2(silu(norm2(conv1(silu(norm1(x))))))``, causal 3x3x3
-    convs (the "full" temporal receptive field); a causal 1x1x1 ``conv_shortcut`` projects
-    ``x`` when the channel count changes."""
+    """Pre-norm residual block ``x + conv2(silu(norm2(conv1(silu(norm1(x))))))``, causal 3x3x3 convs
+    ("full" temporal receptive field); a 1x1x1 ``conv_shortcut`` projects ``x`` to a new width."""
 
     def __init__(self, in_channels: int, out_channels: int, groups: int) -> None:
         super().__init__()
@@ -505,15 +487,14 @@ class ResnetBlock3D(nn.Module):
     def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
         h = norm_act_conv(self.norm1, self.conv1, x, cache)
         shortcut = x if self.conv_shortcut is None else self.conv_shortcut(x, cache)
-        # The shortcut is added to conv2's output band by band (on the fp16 path, in its
-        # epilogue): the same single addition per element as adding it afterwards.
+        # Added band by band (fp16: in conv2's epilogue): one addition per element, as afterwards.
         return norm_act_conv(self.norm2, self.conv2, h, cache, residual=shortcut)
 
     def forward_owned(self, owned: List[Tensor], cache: Optional[CausalCache] = None) -> Tensor:
-        """:meth:`forward` on an input inside ``conv1``'s filled padded buffer, popped from
-        the one-element list ``owned`` so nothing else keeps it alive. The shortcut reads it,
-        then the norm overwrites it in place: one full-size buffer where :meth:`forward` holds
-        two. Inference only, with a shortcut."""
+        """:meth:`forward` on an input inside ``conv1``'s filled padded buffer, popped from the
+        one-element list ``owned`` so nothing else keeps it alive. The shortcut reads it, then the
+        norm overwrites it in place: one full-size buffer where :meth:`forward` holds two.
+        Inference only, with a shortcut (:meth:`takes_owned`)."""
         buf = owned.pop()
         body = buf[:, :, self.conv1.head_length(cache):]
         shortcut = self.conv_shortcut(body, cache)
@@ -575,12 +556,9 @@ class Downsample3D(nn.Module):
 
     def __init__(self, channels: int, temporal: bool) -> None:
         super().__init__()
-        self.conv = CausalConv3d(
-            channels, channels,
-            kernel_size=(3 if temporal else 1, 3, 3),
-            stride=(2 if temporal else 1, 2, 2),
-            padding=(1 if temporal else 0, 0, 0),
-            spatial_pad=(0, 1, 0, 1))
+        self.conv = CausalConv3d(channels, channels, kernel_size=(3 if temporal else 1, 3, 3),
+                                 stride=(2 if temporal else 1, 2, 2),
+                                 padding=(1 if temporal else 0, 0, 0), spatial_pad=(0, 1, 0, 1))
 
     def forward(self, x: Tensor, cache: Optional[CausalCache] = None) -> Tensor:
         return self.conv(x, cache)
@@ -588,9 +566,8 @@ class Downsample3D(nn.Module):
 
 class Upsample3D(nn.Module):
     """Learned depth-to-space (x2 in H, W and, if ``temporal``, T), then a causal conv:
-    ``upscale_conv`` (1x1x1) makes ``r * C`` channels read as ``(x, y, z, c)``; doubled time
-    drops frame 0's second copy, ``t -> 2t - 1`` (first chunk only; docs/models.md).
-    """
+    ``upscale_conv`` (1x1x1) makes ``r * C`` channels read as ``(x, y, z, c)``; doubled time drops
+    frame 0's second copy, ``t -> 2t - 1`` (first chunk only; docs/models.md)."""
 
     def __init__(self, channels: int, temporal: bool) -> None:
         super().__init__()
@@ -744,9 +721,8 @@ def run_layers(layers: Sequence[nn.Module], x: Tensor,
 
 
 def down_kinds(num_blocks: int, temporal_scale_num: int) -> Sequence[Optional[str]]:
-    """Down-sampling of each encoder block: ``"time"`` (space and time), ``"space"`` or None:
-    none in the last, time too in the ``temporal_scale_num`` before it (released model: space,
-    time, time, none)."""
+    """Down-sampling of each encoder block: ``"time"`` (space and time), ``"space"`` or None: none
+    in the last, time in the ``temporal_scale_num`` before (released: space, time, time, none)."""
     first_temporal = num_blocks - 1 - temporal_scale_num
     return [None if i == num_blocks - 1 else "time" if i >= first_temporal else "space"
             for i in range(num_blocks)]

@@ -6,16 +6,12 @@ to today's where comfy-kitchen or the GPU's capability is missing (``seedvr2.ker
 their preconditions; the log says once which path runs):
 
 * ``channels_last``: NDHWC padded input buffers (bands are views), read without conversion;
-* ``fused_norm``: norm -> SiLU -> padded buffer in one ``group_norm_silu_pad3d`` pass with
-  ``FrameGroupNorm``'s own statistics; head frames copied as today (kitchen would zero them);
-* ``fp16_accumulation`` (fp16 models): comfy-kitchen's ``fp16_conv3d`` on input views under
-  2^30 elements, the residual block's shortcut fused into its second convolution;
+* ``fused_norm``: norm -> SiLU -> padded buffer in one ``group_norm_silu_pad3d`` pass;
+* ``fp16_accumulation`` (fp16 models): ``fp16_conv3d``, the resnet shortcut fused into conv2;
 * ``int8_cache_bytes``: causal tails from this size on in int8 with one float32 scale (as
-  ComfyUI's ``TensorWiseINT8Layout``), optionally parked in pinned host memory and fetched
-  back ahead of the chunk that reads them.
+  ComfyUI's ``TensorWiseINT8Layout``), optionally parked in pinned host memory.
 
-Requirements, costs and error bounds: docs/memory.md, "VAE kernel paths".
-"""
+Requirements, costs and error bounds: docs/memory.md, "VAE kernel paths"."""
 
 from __future__ import annotations
 
@@ -36,8 +32,7 @@ CONV_KERNEL = "comfy_kitchen.fp16_conv3d"
 # full-resolution levels' tails (1080p: 256 channels x 2 frames is 2 GiB in fp16), not the
 # small ones, where the scale's cost and the rounding would buy nothing (ComfyUI: 64 MiB).
 INT8_CACHE_BYTES = 64 << 20
-# Largest input view (elements) of one fused-kernel call (kernels.py quotes why).
-VIEW_ELEMENTS = 1 << 30
+VIEW_ELEMENTS = 1 << 30  # largest input view (elements) of one fused-kernel call (why: kernels.py)
 HALF = (torch.float16, torch.bfloat16)
 
 
@@ -95,8 +90,7 @@ def choose_paths(device, dtype: torch.dtype, *, channels_last: bool = False,
         why = usable(CONV_KERNEL, (torch.float16,))
         fp16 = why is None
         if why:
-            log.warning("vae_fp16_accumulation: %s; the VAE's convolutions run as without it",
-                        why)
+            log.warning("vae_fp16_accumulation: %s; the VAE's convolutions run as without it", why)
     paths = VaePaths(bool(channels_last), fused, fp16, int8_cache_bytes,
                      bool(cache_offload) and int8_cache_bytes is not None)
     log.info("VAE paths on %s: %s", platform.describe(), paths.describe())
@@ -141,8 +135,7 @@ def fp16_conv3d(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride, pad,
     if any(pad):
         x = torch.nn.functional.pad(x, pad)
     stride = [stride] * 3 if isinstance(stride, int) else list(stride)
-    y = kernels.kitchen().fp16_conv3d(x, weight, bias, residual, stride)
-    return y.contiguous()
+    return kernels.kitchen().fp16_conv3d(x, weight, bias, residual, stride).contiguous()
 
 
 # -- int8 causal tails ------------------------------------------------------------------------
@@ -167,10 +160,9 @@ def _pieces(shape: torch.Size):
 
 @dataclass(frozen=True)
 class PackedTail:
-    """A causal tail ``(B, C, T, H, W)`` of ``dtype`` in int8 with one float32 scale (``absmax
-    / 127``): ``codes`` flat, piece after piece (:func:`_pieces`), on the tail's device or
-    ``parked`` in a host arena (``views[0]`` the codes, ``copy_into(0, out)`` an asynchronous
-    upload: ``memory.arena.HostArena``)."""
+    """A causal tail ``(B, C, T, H, W)`` of ``dtype`` in int8 with one float32 scale
+    (``absmax / 127``): ``codes`` flat, piece after piece (:func:`_pieces`), on the tail's device
+    or ``parked`` in a ``memory.arena.HostArena`` (``views[0]``; ``copy_into(0, out)`` uploads)."""
 
     codes: Tensor
     scale: Tensor
@@ -180,8 +172,7 @@ class PackedTail:
 
     @staticmethod
     def pack(frames: Tensor, parked=None) -> "PackedTail":
-        """``frames`` in int8, into ``parked``'s codes when given (copied there
-        asynchronously), else into new codes on their device."""
+        """``frames`` in int8: ``parked``'s codes (asynchronously), else new ones on its device."""
         low, high = torch.aminmax(frames)  # one reduction, no |frames| made
         scale = torch.maximum(-low.float(), high.float())
         scale = scale.clamp_min(torch.finfo(torch.float32).tiny) / 127

@@ -1,7 +1,6 @@
 """Attention windows of the NaDiT (~400 tokens, regular and half-shifted grids): a
-:class:`WindowLayout` batches windows of equal length, built on the CPU, sent in one copy and
-kept per shape (:func:`layout_for`). See docs/models.md, "Windows".
-"""
+:class:`WindowLayout` batches windows of equal length, built on the CPU, sent in one copy and kept
+per shape (:func:`layout_for`). See docs/models.md, "Windows"."""
 
 from __future__ import annotations
 
@@ -58,9 +57,8 @@ def make_windows(method: str, thw: tuple[int, int, int], num: tuple[int, int, in
 
 @dataclass
 class WindowGroup:
-    """Windows of equal video and text length, attended in one batched call; their video
-    tokens are rows ``[start, start + count·vid_len)`` in window order (:attr:`WindowLayout.perm`).
-    """
+    """Windows of equal video and text length, attended in one batched call; their video tokens are
+    rows ``[start, start + count·vid_len)`` in window order (:attr:`WindowLayout.perm`)."""
 
     start: int
     count: int
@@ -71,9 +69,8 @@ class WindowGroup:
 
 @dataclass
 class WindowLayout:
-    """All windows of one rule for a packed call: token order (``perm``), window-local positions
-    and extents for RoPE, and ``extents`` as host integers (nothing is read back).
-    """
+    """All windows of one rule for a packed call: token order (``perm``), window-local positions and
+    extents for RoPE, and ``extents`` as host integers (nothing is read back)."""
 
     perm: torch.Tensor  # (Nv,) int64
     local_pos: torch.Tensor  # (Nv, 3) int64, window order
@@ -96,8 +93,7 @@ class WindowLayout:
         # may later index with them (on the CPU, to_device returns the concatenation itself).
         with torch.inference_mode(False):
             views = split_rows(to_device(torch.cat(host), device), [t.numel() for t in host])
-            # Window counts are small integers: exact in float.
-            views[4] = views[4].float()
+            views[4] = views[4].float()  # window counts: small integers, exact in float
         perm_d, local_d, sizes_d, samples_d, windows_d = views[:5]
         for g, txt_index in zip(groups, views[5:]):
             g.txt_index = txt_index.view(g.count, -1)
