@@ -73,13 +73,12 @@ def store_address(store) -> str:
 
 
 class Lifeline:
-    """While a rank works, one thread counts up its key in the store every :data:`PERIOD_S`
-    (a frozen rank stops counting, a slow one does not) and another watches the answers. A
-    store silent or failing for ``timeout_s`` means this rank is cut off: it says so and ends
-    with :data:`CUT_OFF_EXIT_CODE` at once, from a thread, since the main thread may be
-    blocked in a call nothing interrupts. That is as safe as a kill: outputs are written under
-    temporary names, the resume journal names closed pieces only. It also publishes where
-    the rank runs."""
+    """While a rank works, one thread counts up its key in the store every :data:`PERIOD_S` (a
+    frozen rank stops counting, a slow one does not) and another watches the answers. A store
+    silent or failing for ``timeout_s`` means this rank is cut off: it says so and ends with
+    :data:`CUT_OFF_EXIT_CODE` at once, from a thread, since the main thread may be blocked in a
+    call nothing interrupts. That is as safe as a kill: outputs are written under temporary
+    names, the resume journal names closed pieces only. It also publishes where the rank runs."""
 
     PERIOD_S = 1.0
 
