@@ -1,36 +1,17 @@
 """Scene cuts: where one shot ends and the next begins, found before the batch plan is made.
 
 A cut is the first frame of a new shot. The plan (:mod:`.plan`) never puts frames of two shots in
-one batch, cross-fade or prepended context, so nothing of a shot leaks into the next.
+one batch, cross-fade or prepended context, so nothing of a shot leaks into the next. What users
+see (flashes, fades, ``min_scene_length``, limits): docs/media.md#scene-cuts.
 
 Detection compares each frame with the one before on a small copy (at most :data:`SMALL_WIDTH`
-pixels wide, each the mean of 4 x 4 samples over its area; numpy float32); only the previous frame's
-features are kept, so memory does not grow with the length. A cut needs two measures to agree:
-
-* structure: the correlation of the two small grey frames, each normalised to mean 0 and
-  standard deviation 1. A brightness or contrast step leaves it at ~1 (it is invariant to
-  either), a slow pan keeps it high (neighbouring pixels of a small frame are alike); a new
-  shot drops it to about 0.
-* colour: the distance (half the L1 norm, 0..1) between the frames' RGB histograms
-  (4 x 4 x 4 bins, each colour shared between the bins around it). Fast motion in one scene
-  changes the structure but keeps the colours.
-
-A flat frame (no structure: grey standard deviation under :data:`FLAT_STD`) counts as changed
-structure next to any other frame. Between two flat frames colour alone can decide, and it is their
-mean chromaticity (r, g, b over r + g + b) that is compared: the same colour brighter or darker is
-the same shot, another hue is a new one; black (mean grey under :data:`DARK`) has no hue. Limits: a
-cut between two shots of the same colours and layout, and a cross-fade (no single frame changes
-enough), are not found; give those cuts by hand (``scene_cuts=120,348``).
-
-Over the stream (:func:`detect_cuts`): a faint frame (grey deviation under :data:`FADE_STD`) next to
-a flat one is a fade to or from black, not a cut; the first frame with structure after flat ones is
-a cut when its structure differs from the last one before them (a fade through black into another
-shot). A **flash** is two changes that cancel: when the frame after a cut within
-:data:`FLASH_FRAMES` (or ``min_scene_length``) of the previous one returns to the shot before that
-previous cut, neither is a cut. A short shot whose content does not return is cut on both sides
-(trailers and music videos cut every few frames). ``min_scene_length`` (PySceneDetect's
-``min_scene_len``, 1 by default: no cut is hidden) makes no shot shorter: a cut closer than that to
-the previous one is dropped.
+pixels wide, each the mean of 4 x 4 samples over its area; numpy float32), keeping only the
+previous frame's features. A cut needs both: the correlation of the two small grey frames, each
+normalised to mean 0 and deviation 1 (invariant to brightness and contrast steps), has dropped;
+and the distance (half the L1 norm, 0..1) between their RGB histograms (4 x 4 x 4 bins, each colour
+shared between the bins around it) has risen. A flat frame (grey deviation under :data:`FLAT_STD`)
+counts as changed structure next to any other; between two flat frames their mean chromaticity
+(r, g, b over r + g + b) decides, and black (mean grey under :data:`DARK`) has no hue.
 
 The thresholds sit inside the gaps measured on tests/test_scene_cuts.py's clips and the suite's test
 clip: hard cuts gave correlations of -0.1 to 0.1 and histogram distances of 0.25 to 1; 2 px/frame
