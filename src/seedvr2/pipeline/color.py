@@ -183,10 +183,8 @@ def _mean_std(x: Tensor, eps: float = 1e-5) -> tuple[Tensor, Tensor]:
 
 
 def adain(content: Tensor, style: Tensor) -> Tensor:
-    """Per frame and channel: content standardised, then given the style's mean and std.
-
-    Not clamped (the reference is not); :func:`color_correct` clamps.
-    """
+    """Per frame and channel: content standardised, then given the style's mean and std. Not
+    clamped (the reference is not); :func:`color_correct` clamps."""
     dtype = content.dtype
     content, style = _prepare(content, style)
     c_mean, c_std = _mean_std(content)
@@ -229,19 +227,14 @@ def _lab_to_rgb(lab: Tensor) -> Tensor:
 
 
 def _quantile_positions(n_source: int, n_reference: int, rank: Tensor) -> Tensor:
-    """Index into a sorted reference of length m for the rank-th of n sorted source values.
-
-    Integer arithmetic, so equal lengths map every rank to itself (no float linspace drift).
-    """
+    """Index into a sorted reference of length m for the rank-th of n sorted source values;
+    integer arithmetic, so equal lengths map every rank to itself (no float linspace drift)."""
     return rank * max(n_reference - 1, 0) // max(n_source - 1, 1)
 
 
 def match_histogram(source: Tensor, reference: Tensor) -> Tensor:
-    """Exact sort-based histogram matching of all values of ``source`` to ``reference``.
-
-    The i-th smallest source value receives the i-th smallest reference value (quantile
-    mapping when the counts differ). Stable sorts resolve ties by position, reproducibly.
-    """
+    """Exact sort-based histogram matching of all values of ``source`` to ``reference``
+    (quantile mapping when the counts differ; stable sorts resolve ties by position)."""
     src = source.reshape(-1)
     ref_sorted = reference.reshape(-1).sort(stable=True).values
     order = src.sort(stable=True).indices
@@ -280,12 +273,9 @@ def _saturation(x11: Tensor) -> Tensor:
 
 
 def _hsv_key(x11: Tensor) -> Tensor:
-    """Sort key ``sector + s/2`` (N, H, W) of RGB in [-1, 1].
-
-    Sorting the key orders pixels by hue sector, then saturation (s/2 < 1 keeps sectors
-    apart; float32 resolves s to ~2e-6, plenty for a quantile mapping). Sector
-    ``HSV_HUE_BINS`` holds the achromatic pixels.
-    """
+    """Sort key ``sector + s/2`` (N, H, W) of RGB in [-1, 1]: pixels by hue sector, then
+    saturation (s/2 < 1 keeps sectors apart; float32 resolves s to ~2e-6, plenty for a quantile
+    mapping). Sector ``HSV_HUE_BINS`` holds the achromatic pixels."""
     rgb = _to_unit(x11)
     r, g, b = rgb.unbind(1)
     value, argmax = rgb.max(dim=1)
@@ -301,11 +291,8 @@ def _hsv_key(x11: Tensor) -> Tensor:
 
 
 def _hue_conditional_match(key: Tensor, ref_key: Tensor) -> Tensor:
-    """Matched saturation per content pixel (flat), or -1 where it stays as it is.
-
-    One sort per image orders the pixels by sector, then saturation; every sector is then a
-    contiguous run of the sorted arrays, found by binary search, and is matched on its own.
-    """
+    """Matched saturation per content pixel (flat), or -1 where it stays as it is. One sort per
+    image; every sector is a contiguous run of it, found by binary search, matched on its own."""
     ref_sorted = ref_key.reshape(-1).sort(stable=True).values
     sorted_key, order = key.reshape(-1).sort(stable=True)
     edges = torch.arange(HSV_HUE_BINS + 1, dtype=sorted_key.dtype, device=sorted_key.device)
@@ -372,11 +359,8 @@ def wavelet_adaptive(content: Tensor, style: Tensor) -> Tensor:
 
 
 def color_correct(content: Tensor, style: Tensor, method: str) -> Tensor:
-    """Re-colour ``content`` after ``style`` (both (T, 3, H, W) in [-1, 1]) with ``method``.
-
-    Returns content's dtype and device with values in [-1, 1]; ``"none"`` returns content
-    itself. Raises ``OptionError`` for an unknown method.
-    """
+    """Re-colour ``content`` after ``style`` (both (T, 3, H, W) in [-1, 1]) with ``method``:
+    content's dtype and device, values in [-1, 1]; ``"none"`` returns content itself."""
     if method not in COLOR_METHODS:
         raise OptionError(f"color_correction {method!r}: expected one of "
                           f"{', '.join(COLOR_METHODS)}")
