@@ -90,8 +90,7 @@ class PhaseStats:
     host_rss: Optional[int] = None
 
     def describe(self, name: str) -> str:
-        """``encode 1.2s (device peak 3 MiB allocated, 4 MiB reserved; host RSS 900 MiB)``;
-        without a CUDA device only the host RSS."""
+        """``encode 1.2s (device peak 3 MiB allocated, 4 MiB reserved; host RSS 900 MiB)``."""
         mib = lambda n: "n/a" if n is None else f"{n / 2**20:,.0f} MiB"  # noqa: E731
         device = "" if self.device_allocated is None and self.device_reserved is None else \
             (f"device peak {mib(self.device_allocated)} allocated, "
@@ -164,8 +163,6 @@ def _randn(shape, seed: int, device, dtype=torch.float32) -> torch.Tensor:
 
 
 EPS, NOISE, AUG_NOISE, INPUT_NOISE = range(4)
-
-
 _INTEGER_SCALE = {torch.uint8: 255.0, torch.uint16: 65535.0}
 
 
@@ -257,6 +254,8 @@ def input_frames(frames) -> torch.Tensor:
 def unit_float(frames: torch.Tensor) -> torch.Tensor:
     """Source frames (any device) as float32 in [0, 1]; uint8/uint16 keep their full
     precision. The division is exactly rounded, so the values do not depend on the device."""
+
+
     scale = _INTEGER_SCALE.get(frames.dtype)
     return frames.float() if scale is None else frames.float() / scale
 
@@ -267,9 +266,8 @@ def to_float_frame(frame, index: int) -> torch.Tensor:
 
 
 def integer_frames(frames: torch.Tensor, bit_depth: int) -> torch.Tensor:
-    """Float frames in [0, 1] -> uint8 / uint16 on the frames' own device (on a GPU only the
-    integers cross to the host). Device-independent: a product, rounding half to even and a
-    clamp are exactly rounded IEEE operations on CPU and CUDA alike."""
+    """Float frames in [0, 1] -> uint8 / uint16 on their own device (only integers cross to the
+    host), device-independent: product, round half to even and clamp are exact IEEE ops."""
     scale = 65535.0 if bit_depth == 16 else 255.0
     values = (frames * scale).round_().clamp_(0, scale)
     return values.to(torch.uint16 if bit_depth == 16 else torch.uint8)
@@ -282,8 +280,7 @@ def to_integer_frames(frames: torch.Tensor, bit_depth: int):
 
 class FrameSource:
     """Plan frames on demand from a forward-only frame iterator, keeping only what is still
-    needed, each in its source precision (:func:`source_frame`); ``pin``: in pinned memory,
-    for copies to a CUDA device that do not block the host."""
+    needed, in source precision; ``pin``: pinned, so copies to a CUDA device do not block."""
 
     def __init__(self, frames: Iterable, plan: BatchPlan, first_source: int = 0,
                  needed: Optional[set] = None, pin: bool = False):
@@ -349,16 +346,12 @@ CHECKS_IN_FLIGHT = 2
 
 
 class StopPoints:
-    """Where a running phase reads the stop flag: between batches, DiT blocks, VAE layers
-    and tiles, and colour correction.
-
-    The checks reach the models as forward pre-hooks registered for the job and as the
-    tiling's ``between`` callback (``models/`` stays pure torch). Hooks run in
-    ``Module.__call__``, outside what torch.compile replaces (``memory.compile``: per DiT
-    block, the VAE's encoder/decoder whole), so a compiled VAE gets no hooks inside (they
-    would break its graph) and is checked between tiles and slices only. On CUDA each check
-    records an event and waits for the one ``CHECKS_IN_FLIGHT`` checks back (never a device-
-    or stream-wide sync), which bounds how far the host runs ahead."""
+    """Where a running phase reads the stop flag (docs/comfyui.md#progress-and-cancel): forward
+    pre-hooks registered for the job and the tiling's ``between`` callback (``models/`` stays pure
+    torch). Hooks run in ``Module.__call__``, outside what torch.compile replaces
+    (``memory.compile``: per DiT block, the VAE's encoder/decoder whole), so a compiled VAE gets no
+    hooks inside (they would break its graph). On CUDA each check waits for the event of the one
+    ``CHECKS_IN_FLIGHT`` checks back, never a device- or stream-wide sync."""
 
     def __init__(self, should_stop: Callable[[], bool]):
         self.should_stop = should_stop
@@ -401,8 +394,6 @@ class StopPoints:
         for half in (vae.encoder, vae.decoder):
             if is_compiled(half):
                 continue
-            # Every layer called as a module: residual blocks, their norms (each before a
-            # convolution), attentions, samplers, the outer convolutions.
             handles += [m.register_forward_pre_hook(self._hook) for m in half.modules()]
         return handles
 
@@ -434,8 +425,6 @@ class Upscaler:
         self._stops = StopPoints(self.should_stop)
         if isinstance(opts.batch_size, int):
             self.stats.batch_size = opts.batch_size
-
-    # -- phases ---------------------------------------------------------------------------
 
     def _vae_between(self):
         self._stops(self.models.vae_device)
@@ -534,8 +523,6 @@ class Upscaler:
         item.source = None
         return out.permute(0, 2, 3, 1).to(device if self.frames_on_device else self.offload)
 
-    # -- the job --------------------------------------------------------------------------
-
     @contextmanager
     def _phase(self, phase: str):
         """Time and memory peaks of one phase call. On CUDA the time is two events read later
@@ -596,11 +583,9 @@ class Upscaler:
     def batch_outputs(self, frames: Iterable, plan: BatchPlan,
                       batches: Optional[Sequence[int]] = None) -> Iterator[tuple[Batch, torch.Tensor]]:
         """Decoded, colour-corrected frames (n, H, W, C) of each batch, unblended, in plan order.
-
         ``batches`` (contiguous, ascending) restricts the job to a share of the plan; ``frames``
-        must then start at :meth:`BatchPlan.read_start` of them. Each model is activated once
-        per chunk; with the phases overlapping both stay active and the next chunk is encoded
-        on a thread while the DiT runs (its latents and input frames are the extra memory)."""
+        must then start at :meth:`BatchPlan.read_start` of them. With the phases overlapping both
+        models stay active and the next chunk is encoded on a thread while the DiT runs."""
         chosen = list(range(len(plan.batches))) if batches is None else list(batches)
         needed = None if batches is None else {
             plan.source_index(f) for i in chosen for f in range(plan.batches[i].start, plan.batches[i].stop)}
@@ -690,10 +675,9 @@ class Upscaler:
 
 def final_frames(plan: BatchPlan, outputs, progress: Optional[Progress] = None,
                  stats: Optional[JobStats] = None, check_stop=None, preview=None):
-    """Each batch's ``outputs`` (in plan order) blended into final frames, yielded one at a
-    time as (first source frame, frames): ``check_stop`` runs before each, so a Cancel while
-    the consumer writes waits for one frame, not a batch. ``progress`` and ``stats`` are told
-    the frames finished, ``preview`` (a ``FramePreview``) is shown each one."""
+    """Each batch's ``outputs`` (in plan order) blended into final frames, yielded one at a time
+    as (first source frame, frames): ``check_stop`` runs before each, so a Cancel while the consumer
+    writes waits for one frame, not a batch; ``progress``, ``stats`` and ``preview`` see each."""
     blender = OverlapBlender(plan)
     for batch, out in outputs:
         for first, final in blender.add(batch, out):
@@ -711,9 +695,8 @@ def final_frames(plan: BatchPlan, outputs, progress: Optional[Progress] = None,
 
 
 class OverlapBlender:
-    """Turns per-batch outputs, given in plan order, into final frames: cross-fades each
-    overlap and drops the prepended frames. Whoever gathers batches (one process or the
-    writer rank of many) blends through this one class, so results are identical."""
+    """Per-batch outputs, in plan order, into final frames: each overlap cross-faded, the
+    prepended frames dropped. One process and the writer rank of many both blend through it."""
 
     def __init__(self, plan: BatchPlan):
         self.plan = plan
