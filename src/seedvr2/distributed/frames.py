@@ -4,8 +4,7 @@ the wire format (the writer's integers where no cross-fade mixes frames, float32
 does). Why: docs/multi-gpu.md#how-frames-travel.
 
 Message for one batch: an int64 header (``HEADER_FIELDS``), then the integer frames (possibly
-none), then the float32 frames (possibly none), each under its own tag.
-"""
+none), then the float32 frames (possibly none), each under its own tag."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Process groups: who am I, how many are we (torchrun's variables, Slurm's, or our spawn
 launcher's), and the backend to talk with (NCCL when every rank has its own CUDA device, gloo
-otherwise). Every collective inherits its group's timeout (:func:`group_timeout`).
-"""
+otherwise). Every collective inherits its group's timeout (:func:`group_timeout`)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@ heartbeat the others watch (:class:`Liveness`), and the rule that a rank the sto
 answered for ``dist_timeout`` is cut off and ends itself, whatever it is blocked in. Waits on
 another rank are polled in the store, watching that it lives (:func:`wait_until`), never left
 to a collective: a gloo wait then lasts only a transfer, so every group keeps the job's own
-timeout. Why and what each side does: docs/multi-gpu.md#when-a-rank-is-lost.
-"""
+timeout. Why and what each side does: docs/multi-gpu.md#when-a-rank-is-lost."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """One rank's part of a distributed file upscale: the same plan on every rank, the chunks it
 takes (``taking.py``) or its sequence-parallel group is dealt, sent to rank 0, which blends
 them in plan order with the same :class:`OverlapBlender` as one process and writes. A send is
-posted without waiting and completed before the next, so the next batch's compute overlaps it.
-"""
+posted without waiting and completed before the next, so the next batch's compute overlaps it."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 counter in the process group's store), so a slow rank takes fewer chunks instead of setting
 everyone's pace. The writer receives them in plan order, computing chunks ahead while it waits, and
 computes a lost rank's undelivered batches itself (docs/multi-gpu.md). Only sequence-parallel
-groups, which must meet in every batch, are dealt theirs (:func:`assign_batches`).
-"""
+groups, which must meet in every batch, are dealt theirs (:func:`assign_batches`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The VAE side of sequence parallelism: the ranks of a group share each chunk's VAE work. A
 batch's owner (:func:`vae_owners`) alone encodes it, sends the latent to the group before the
-joint DiT call, and decodes and delivers it (docs/multi-gpu.md#sequence-parallelism).
-"""
+joint DiT call, and decodes and delivers it (docs/multi-gpu.md#sequence-parallelism)."""
 
 from __future__ import annotations
 

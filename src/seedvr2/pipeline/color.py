@@ -49,8 +49,7 @@ histogram matching needs all pixels at once. The dilated blur is a depthwise ``c
 accelerators and a separable sum of shifted slices on CPU, where dilated convolution falls back to
 im2col (twice slower, several full-size buffers); both agree to ~1e-7. Measured peak memory beyond
 the inputs, per pixel of ``T·H·W`` (CPU): wavelet ~24 B, lab ~40 B, hsv ~36 B, wavelet_adaptive
-~53 B, adain negligible.
-"""
+~53 B, adain negligible."""
 
 from __future__ import annotations
 

@@ -17,8 +17,7 @@ The thresholds sit inside the gaps measured on tests/test_scene_cuts.py's clips 
 clip: hard cuts gave correlations of -0.1 to 0.1 and histogram distances of 0.25 to 1; 2 px/frame
 pans correlations over 0.9 (distance under 0.02); brightness steps over 0.84 and contrast steps ~1.0
 (distances up to 0.9); a thin line moving fast over a slowly brightening frame 0.08 but a distance
-of 0.05.
-"""
+of 0.05."""
 
 from __future__ import annotations
 

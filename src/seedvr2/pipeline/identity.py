@@ -5,8 +5,7 @@ and input; names and sizes do not say that (a checkpoint with one bias changed h
 files are compared by a full SHA-256. Hashing 16 GB takes seconds, so each digest is cached
 by the file's real path, size, mtime and inode in ``$SEEDVR2_CACHE_DIR/file-digests.json``
 (default ``~/.cache/seedvr2``, or under ``$XDG_CACHE_HOME``); a cache that cannot be read or
-written only costs time.
-"""
+written only costs time."""
 
 from __future__ import annotations
 

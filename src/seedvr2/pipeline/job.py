@@ -1,7 +1,6 @@
 """A job and its set-up, the one recipe of one process and of every rank: fit the options to
 this device's memory from the weight files' headers (:mod:`seedvr2.memory.fit`), then load
-each model once, placed as they say (:mod:`.model_loading`); a file job's output and plan.
-"""
+each model once, placed as they say (:mod:`.model_loading`); a file job's output and plan."""
 
 from __future__ import annotations
 

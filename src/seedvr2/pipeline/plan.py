@@ -15,8 +15,7 @@ on its own: no batch holds frames of two shots, the first batch of a shot shares
 one before, and the prepended frames come from the first shot only.
 
 Chunks. Batches are grouped into chunks of about ``chunk_size`` new frames; the pipeline runs encode
-→ DiT → decode phase by phase over a chunk, so at most a chunk's frames are in flight.
-"""
+→ DiT → decode phase by phase over a chunk, so at most a chunk's frames are in flight."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 The output is kept beside it, in ``.NAME.seedvr2-resume/``, as closed pieces (segments of
 whole plan chunks, parts of the segment being written), the blend tail and a journal naming
 each with its SHA-256; the same job run again verifies them and computes only what is
-missing, so the file is that of an uninterrupted run. How, and its limits: docs/resume.md.
-"""
+missing, so the file is that of an uninterrupted run. How, and its limits: docs/resume.md."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ decode), so the models are switched once per chunk. Decoded batches are colour-c
 against their resized input, blended where batches overlap, and yielded as soon as no later
 batch can change them; nothing holds the whole video. Every random draw is seeded by (seed,
 the batch's first plan frame, purpose) on the CPU: the same frames whatever the chunking,
-the device, or which process runs the batch.
-"""
+the device, or which process runs the batch."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 One process and the writer rank of several open the same sink (:func:`open_sink`) and hand it
 their producer: ``sink.consume(outputs_from)``, ``outputs_from(batches)`` yielding ``(batch,
-frames)`` for those plan batches in order.
-"""
+frames)`` for those plan batches in order."""
 
 from __future__ import annotations
 

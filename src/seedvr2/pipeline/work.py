@@ -6,8 +6,7 @@ were fused. ``bench/roofline.py`` runs it at real size on fake tensors; a job's 
 (:func:`job_work`) runs the models on ``meta`` tensors at a small size and scales: the VAE's work
 per output pixel and frame (its attention, a few % at 1080p, at that size's share), the DiT's per
 video token plus its windowed attention. :func:`device_rates` probes the device for about a second
-(cached); :meth:`JobWork.seconds` is the counted work at the probe's best and worst rates.
-"""
+(cached); :meth:`JobWork.seconds` is the counted work at the probe's best and worst rates."""
 
 from __future__ import annotations
 
