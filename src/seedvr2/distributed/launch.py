@@ -127,8 +127,7 @@ def _relaying(job, events, previews: bool):
 
 
 def _relayer(events, progress, preview):
-    """The launcher's side: every event waiting on ``events`` told to ``progress`` or shown
-    to ``preview``."""
+    """The launcher's side: each event waiting on ``events`` told to ``progress`` or ``preview``."""
     def relay():
         while True:
             try:
@@ -144,8 +143,7 @@ def _relayer(events, progress, preview):
 
 
 def _failure(workers, rank: int) -> DistributedError:
-    """Which rank failed and, for a raised exception, its last line (the full traceback is
-    on the worker's stderr)."""
+    """Which rank failed and, for a raised exception, its last line (the traceback: its stderr)."""
     process = workers.processes[rank]
     try:
         with open(workers.error_files[rank], "rb") as f:
@@ -159,8 +157,7 @@ def _failure(workers, rank: int) -> DistributedError:
 
 
 def _in_words(last: str) -> str:
-    """A traceback's last line for a person: our errors' messages alone, another exception
-    with its short name."""
+    """A traceback's last line for a person: our errors' message alone, others with their short name."""
     name, colon, message = last.partition(": ")
     if not colon or " " in name:
         return last
@@ -290,9 +287,9 @@ def _launched(worker, device_list: list[str], timeout_s: float, args: tuple):
 
 def spawn_file_job(device_list: list[str], job, src, output, stats=None, progress=None,
                    preview=None) -> Path:
-    """Run ``upscale_file`` over several local devices; raises naming the failed rank.
-    ``stats`` is told the writer's counts and the ranks lost; ``progress`` and ``preview`` the
-    writer's finished frames."""
+    """Run ``upscale_file`` over several local devices; raises naming the failed rank. ``stats``
+    is told the writer's counts and the ranks lost, ``progress`` and ``preview`` its frames."""
+
     timeout_s = job.opts.dist_timeout
     events = mp.get_context("spawn").Queue()
     relay = _relayer(events, progress, preview)

@@ -28,7 +28,6 @@ _video_shift = _lin(256 * 256 * 37, 1.0, 1280 * 720 * 145, 5.0)
 
 def timestep_transform(t: torch.Tensor, latent_thw) -> torch.Tensor:
     """Resolution-dependent timestep shift: larger inputs spend longer at high noise.
-
     ``latent_thw`` = (T, h, w) of the latent; the shift is linear in the pixel count (times the
     frame count for videos), ``t' = T·s·u / (1 + (s − 1)·u)`` with ``u = t/T``."""
     lt, lh, lw = (float(v) for v in latent_thw)
@@ -41,8 +40,8 @@ def timestep_transform(t: torch.Tensor, latent_thw) -> torch.Tensor:
 
 def augment_latent(latent: torch.Tensor, aug_noise: torch.Tensor, noise_scale: float) -> torch.Tensor:
     """Noise augmentation of the low-res latent (T, h, w, 16) at strength ``noise_scale``.
-
     Follows the official script, including its quirk: the timestep shift is computed from
+
     ``latent.shape[1:]`` — (h, w, 16) read as (T, h, w) — rather than the latent's (T, h, w)."""
     if noise_scale == 0:
         return latent
