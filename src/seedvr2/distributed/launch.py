@@ -157,7 +157,8 @@ def _failure(workers, rank: int) -> DistributedError:
 
 
 def _in_words(last: str) -> str:
-    """A traceback's last line for a person: our errors' message alone, others with their short name."""
+    """A traceback's last line for a person: our errors' messages alone, another exception
+    with its short name."""
     name, colon, message = last.partition(": ")
     if not colon or " " in name:
         return last
