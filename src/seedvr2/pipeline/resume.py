@@ -233,8 +233,6 @@ class ResumeState:
             self.release()
             raise
 
-    # -- opening ----------------------------------------------------------------------------
-
     def _open(self, fresh: bool):
         journal = self._read()
         if journal is not None and fresh:
@@ -362,8 +360,6 @@ class ResumeState:
     def _tail_name(self) -> str:
         return f"tail-{self.pieces[-1].last_batch:06d}.npy" if self.pieces else ""
 
-    # -- where to continue --------------------------------------------------------------------
-
     @property
     def next_batch(self) -> int:
         return self.pieces[-1].last_batch + 1 if self.pieces else 0
@@ -398,8 +394,6 @@ class ResumeState:
     def segment_path(self, segment: Segment) -> Path:
         name = f"seg-{segment.number:05d}"
         return self.folder / (name if self.ext == "/" else name + self.ext)
-
-    # -- closing pieces -----------------------------------------------------------------------
 
     def checkpoint_due(self) -> bool:
         interval = self.faults.checkpoint_seconds
@@ -470,8 +464,6 @@ class ResumeState:
         for piece in self.pieces:
             if _problem(self.folder / piece.name, piece.sha256):
                 raise MediaError(self._changed(piece.name))
-
-    # -- the end ------------------------------------------------------------------------------
 
     def release(self):
         if self._lock is not None:
