@@ -37,11 +37,10 @@ def frame_group(timeout: datetime.timedelta, new_group: Callable = None):
 
 
 class Handover:
-    """A batch changes hands when both ends are there: the sender marks ``sent/I`` in the
-    store once its message is posted, the writer ``receiving/I`` once it receives; each waits
-    for the other's mark polled there, watching that the other lives (:func:`~.peers.wait_until`),
-    never inside gloo. So a gloo wait lasts one transfer and the frame group keeps the job's
-    dist_timeout however long a batch computes; a silent peer is noticed by its heartbeat."""
+    """A batch changes hands when both ends are there: the sender marks ``sent/I`` in the store
+    once its message is posted, the writer ``receiving/I`` once it receives; each polls for the
+    other's mark there, watching that the other lives (:func:`~.peers.wait_until`), never inside
+    gloo, so a gloo wait lasts one transfer (docs/multi-gpu.md#how-frames-travel)."""
 
     def __init__(self, keys: JobKeys, liveness: Liveness):
         self.keys, self.liveness = keys, liveness

@@ -14,9 +14,8 @@ import torch.distributed as dist
 from .peers import DistributedError
 
 
-# NCCL's watchdog counts a collective's timeout from when the CPU enqueued it, and the CPU runs
-# up to a whole DiT forward ahead of the GPU: an NCCL group waits far longer than any forward.
-# A lost peer is found within dist_timeout by the Lifeline and the polled waits (peers.py).
+# NCCL's watchdog counts a collective's timeout from its enqueue, up to a whole DiT forward ahead of
+# the GPU: an NCCL group waits far longer than any forward (a lost peer is found by peers.py).
 NCCL_TIMEOUT = datetime.timedelta(hours=1)
 
 

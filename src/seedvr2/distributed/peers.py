@@ -73,11 +73,10 @@ def store_address(store) -> str:
 
 class Lifeline:
     """While a rank works, one thread counts up its key in the store every :data:`PERIOD_S` (a
-    frozen rank stops counting, a slow one does not) and another watches the answers. A store
-    silent or failing for ``timeout_s`` means this rank is cut off: it says so and ends with
-    :data:`CUT_OFF_EXIT_CODE` at once, from a thread, since the main thread may be blocked in a
-    call nothing interrupts. That is as safe as a kill: outputs are written under temporary
-    names, the resume journal names closed pieces only. It also publishes where the rank runs."""
+    frozen rank stops counting, a slow one does not) and another watches the answers: a store
+    silent or failing for ``timeout_s`` ends this rank with :data:`CUT_OFF_EXIT_CODE`, from a
+    thread, since the main thread may be blocked in a call nothing interrupts (as safe as a kill:
+    docs/multi-gpu.md#a-node-cut-off-the-network). It also publishes where the rank runs."""
 
     PERIOD_S = 1.0
 

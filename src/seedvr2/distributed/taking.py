@@ -60,10 +60,9 @@ class ChunkCounter:
 
 
 class Watchdog:
-    """Around a blocking receive from ``rank`` (gloo's cannot be interrupted), a thread
-    watches it: lost and on this machine, it is killed, so the receive fails at once. On
-    another machine the receive ends at the frame group's timeout, which closes that group
-    for every rank (gloo's rule), so the writer computes every later batch itself."""
+    """Around a blocking receive from ``rank`` (gloo's cannot be interrupted), a thread watches
+    it: lost and on this machine, it is killed, so the receive fails at once; elsewhere the
+    receive ends at the frame group's timeout (docs/multi-gpu.md#a-node-cut-off-the-network)."""
 
     def __init__(self, liveness: Liveness, rank: int):
         self.liveness, self.rank = liveness, rank
