@@ -1,55 +1,18 @@
 """Colour correction of upscaled frames against the (resized) input video.
 
-A one-step diffusion upscaler reproduces structure well but lets global colour drift (the VAE round
-trip and the DiT shift hue, saturation and brightness slightly, differently per batch). Every
-method takes ``content`` (the upscaled frames, carrying the detail) and ``style`` (the input resized
-to the output size, carrying the colours we trust), both ``(T, 3, H, W)`` in [-1, 1], and returns
-content re-coloured after style; all frames of one call are treated together.
-
-Methods (``COLOR_METHODS``):
-
-``wavelet`` -- frequency split (the official SeedVR2 post-process, numz variant).
-    A five-level undecimated ("à trous") pyramid: level *i* blurs with the 3×3 binomial kernel
-    ``[1 2 1]ᵀ[1 2 1]/16`` dilated by ``r_i = 2^i`` (capped like numz at ``max(1, min(H, W) //
-    8)``) with replicate padding; the last blur is the *low* band (~64 px wide), ``x − low(x)``
-    the *high* band. Colour drift is low-frequency and texture high, so ``high(content) +
-    low(style)``, clamped to [-1, 1], keeps both; it is computed as ``content + low(style −
-    content)``, one pyramid instead of two, equal up to float rounding (~1e-7).
-
-``adain`` -- adaptive instance normalisation (Huang & Belongie, 2017).
-    Per frame and channel ``(c − μ_c)/σ_c · σ_s + μ_s`` with ``σ = sqrt(unbiased var + 1e-5)``.
-    Global and cheap, but blind to spatially varying drift.
-
-``lab`` -- perceptual histogram matching (numz's default, luminance weight 0.8).
-    The wavelet result and the style in CIELAB (sRGB, D65 white); a*, b* take the style's
-    distribution by exact histogram matching over all pixels of all frames (stable sort, so ties
-    are reproducible); lightness only blends, ``L = 0.8·L_content + 0.2·L_matched``, so the
-    content's shading and detail survive.
-
-``hsv`` -- hue-conditional saturation matching (after Neumann & Neumann, 2005).
-    Upscalers over-saturate particular hues (reds, typically). In each of twelve 30° hue sectors
-    centred on 0°, 30°, …, 330° (red, straddling 0°/360°, is one) holding over 100 pixels in both
-    images, the content's saturation is quantile-matched to the style's; hue and value are kept,
-    the new colour being ``v − (v − c)·s'/s`` (every channel is ``v − v·s·w(hue)``). Achromatic
-    pixels (chroma < 1e-3) are left alone and out of the histograms. numz instead starts sectors
-    at 0° with an enlarged red sector ``[0°, 30°) ∪ [330°, 360°)`` and files grey pixels under red.
-
-``wavelet_adaptive`` -- wavelet plus targeted desaturation (numz).
-    The wavelet result keeps over-saturation carried by the content's detail band. Where the
-    content is more saturated than the style (``Δs = s_content − s_style``) the hsv result is
-    blended in with weight ``sigmoid(5·(Δs − 0.15))``, but only where the wavelet result is still
-    over-saturated (``s_wavelet − s_style > 0.075``); elsewhere the output is exactly the wavelet
-    result, and the hsv pass is skipped when no pixel qualifies.
-
-``none`` returns content unchanged.
+Every method takes ``content`` (the upscaled frames, carrying the detail) and ``style`` (the input
+resized to the output size, carrying the colours we trust), both ``(T, 3, H, W)`` in [-1, 1], and
+returns content re-coloured after style; all frames of one call are treated together. The methods
+(``COLOR_METHODS``), their sources (official SeedVR2, numz, papers) and where we differ from numz:
+docs/library.md (Colour correction).
 
 Implementation: float32 throughout, content's dtype returned; a style of another size is resized
 bilinearly (as numz). Per-pixel stages run a few frames at a time into preallocated outputs; only
 histogram matching needs all pixels at once. The dilated blur is a depthwise ``conv2d`` on
-accelerators and a separable sum of shifted slices on CPU, where dilated convolution falls back to
-im2col (twice slower, several full-size buffers); both agree to ~1e-7. Measured peak memory beyond
-the inputs, per pixel of ``T·H·W`` (CPU): wavelet ~24 B, lab ~40 B, hsv ~36 B, wavelet_adaptive
-~53 B, adain negligible."""
+accelerators and a separable sum of shifted slices on CPU, where dilated convolution falls back
+to im2col (twice slower, several full-size buffers); both agree to ~1e-7. Measured peak memory
+beyond the inputs, per pixel of ``T·H·W`` (CPU): wavelet ~24 B, lab ~40 B, hsv ~36 B,
+wavelet_adaptive ~53 B, adain negligible."""
 
 from __future__ import annotations
 
@@ -167,7 +130,8 @@ def wavelet_low(x: Tensor, levels: int = WAVELET_LEVELS) -> Tensor:
 
 
 def wavelet_reconstruction(content: Tensor, style: Tensor, clamp: bool = True) -> Tensor:
-    """``high(content) + low(style)``, clamped to [-1, 1] unless ``clamp=False``."""
+    """``high(content) + low(style)``, clamped to [-1, 1] unless ``clamp=False``; computed as
+    ``content + low(style − content)`` (the blur is linear, ``high(x) = x − low(x)``)."""
     dtype = content.dtype
     content, style = _prepare(content, style)
     out = wavelet_low(style - content).add_(content)
