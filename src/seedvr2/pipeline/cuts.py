@@ -1,23 +1,16 @@
 """Scene cuts: where one shot ends and the next begins, found before the batch plan is made.
 
 A cut is the first frame of a new shot. The plan (:mod:`.plan`) never puts frames of two shots in
-one batch, cross-fade or prepended context, so nothing of a shot leaks into the next. What users
-see (flashes, fades, ``min_scene_length``, limits): docs/media.md#scene-cuts.
+one batch, cross-fade or prepended context, so nothing of a shot leaks into the next. What a cut is
+to ``auto`` (flashes, fades, ``min_scene_length``, limits): docs/media.md#scene-cuts. Detection
+keeps only the previous frame's features (:class:`FrameFeatures`, of a copy at most
+:data:`SMALL_WIDTH` pixels wide, in numpy float32), so memory does not grow with the length.
 
-Detection compares each frame with the one before on a small copy (at most :data:`SMALL_WIDTH`
-pixels wide, each the mean of 4 x 4 samples over its area; numpy float32), keeping only the
-previous frame's features. A cut needs both: the correlation of the two small grey frames, each
-normalised to mean 0 and deviation 1 (invariant to brightness and contrast steps), has dropped;
-and the distance (half the L1 norm, 0..1) between their RGB histograms (4 x 4 x 4 bins, each colour
-shared between the bins around it) has risen. A flat frame (grey deviation under :data:`FLAT_STD`)
-counts as changed structure next to any other; between two flat frames their mean chromaticity
-(r, g, b over r + g + b) decides, and black (mean grey under :data:`DARK`) has no hue.
-
-The thresholds sit inside the gaps measured on tests/test_scene_cuts.py's clips and the suite's test
-clip: hard cuts gave correlations of -0.1 to 0.1 and histogram distances of 0.25 to 1; 2 px/frame
-pans correlations over 0.9 (distance under 0.02); brightness steps over 0.84 and contrast steps ~1.0
-(distances up to 0.9); a thin line moving fast over a slowly brightening frame 0.08 but a distance
-of 0.05."""
+The thresholds sit inside the gaps measured on tests/test_scene_cuts.py's clips and the suite's
+test clip: hard cuts gave correlations of -0.1 to 0.1 and histogram distances of 0.25 to 1; 2
+px/frame pans correlations over 0.9 (distance under 0.02); brightness steps over 0.84 and
+contrast steps ~1.0 (distances up to 0.9); a thin line moving fast over a slowly brightening
+frame 0.08 but a distance of 0.05."""
 
 from __future__ import annotations
 
@@ -102,7 +95,10 @@ def _soft_histogram(rgb: np.ndarray) -> np.ndarray:
 
 
 def is_cut(before: FrameFeatures, after: FrameFeatures) -> bool:
-    """Whether ``after`` starts a new shot next to ``before`` (the module's description)."""
+    """Whether ``after`` starts a new shot next to ``before``: a grey correlation (invariant to
+    brightness and contrast) under :data:`MAX_CORRELATION`, a flat frame's structure differing from
+    any other's, and a histogram distance (half the L1 norm) over :data:`MIN_HISTOGRAM_DISTANCE`;
+    between two flat frames their mean chromaticity alone, black having no hue."""
     if before.grey is None and after.grey is None:
         if min(before.mean, after.mean) < DARK:
             return False  # black is black: the hue of a dark frame is its noise
