@@ -142,8 +142,7 @@ def tags(batch_index: int) -> tuple[int, int, int]:
 
 
 def send_batch(message: BatchMessage, dst: int, batch_index: int, group) -> list:
-    """Posts the message's sends; the caller keeps ``message`` alive until the returned works
-    are waited on."""
+    """Posts the message's sends; keep ``message`` alive until the returned works are waited on."""
     works = []
     for tensor, tag in zip(message.tensors(), tags(batch_index)):
         if tensor.numel():

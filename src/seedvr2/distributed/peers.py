@@ -146,8 +146,7 @@ def _stat(pid: int) -> list[str] | None:
 
 
 def where(pid: int) -> str:
-    """A process's machine (:func:`_process_here`), pid and start time (a pid reused by a
-    later process is not taken for it)."""
+    """A process's machine (:func:`_process_here`), pid and start time (a reused pid differs)."""
     fields = _stat(pid)
     return f"{_process_here()}|{pid}|{fields[19] if fields else ''}"
 

@@ -214,8 +214,7 @@ class SharedBatches:
             self.stack.enter_context(sequence_parallel(upscaler.models.dit,
                                                        self.links.sequence_group,
                                                        self.links.meeting))
-            # Each rank delivers the batches it decoded (vae_share.py); the others it only
-            # helped to compute come out without frames.
+            # Each rank delivers the batches it decoded (vae_share.py); others come out frameless.
             self.local = ((b, out) for b, out in work.compute(upscaler, self.mine)
                           if out is not None)
         return self
@@ -275,8 +274,7 @@ def _produce(work: RankWork, consume=None):
 
 
 def _first_chunk(ctx: DistContext, plan, remaining: Optional[list[int]]) -> int:
-    """The first chunk with a batch still to compute, from the writer's resume journal (on
-    its disk only)."""
+    """The first chunk with a batch to compute, from the writer's resume journal (its disk only)."""
     first = [0]
     if remaining is not None:
         first[0] = next((i for i, c in enumerate(plan.chunks) if c[0] == remaining[0]),

@@ -141,8 +141,7 @@ class ChunkCollector:
                 if chunk is not None and chunk != index:
                     self.held[chunk] = list(self.own(list(self.plan.chunks[chunk])))
                 continue
-            # Taken, but the taker has not recorded itself: it is about to, or it died in
-            # between. Meanwhile compute ahead, bounded.
+            # Taken, its taker not recorded yet (about to be, or died): compute ahead, bounded.
             waited = waited or time.monotonic()
             if time.monotonic() - waited > self.timeout_s:
                 return -1
