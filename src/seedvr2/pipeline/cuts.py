@@ -63,8 +63,7 @@ def frame_features(frame, index: int = 0) -> FrameFeatures:
     frame = source_frame(frame, index).cpu().numpy()
     height, width = frame.shape[:2]
     size = (max(1, round(height * min(width, SMALL_WIDTH) / width)), min(width, SMALL_WIDTH))
-    # 4 x 4 samples spread evenly over each small pixel's area, averaged: an area average of
-    # a large frame at 1/100 of its reads.
+    # 4 x 4 evenly spread samples per small pixel, averaged: an area average at 1/100 of the reads.
     rows, cols = (np.linspace(0, n - 1, 4 * k).round().astype(int) for n, k in zip(
         (height, width), size))
     sample = frame[rows[:, None], cols[None, :], :3].astype(np.float32)  # alpha dropped

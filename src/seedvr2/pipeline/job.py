@@ -142,8 +142,7 @@ def fit_for_ranks(job: Job, devices: list[str], frame_count: int, size: tuple[in
 
 def file_output(reader, dst, opts: Options, codec: str = "h264",
                 overwrite: bool = False) -> FileOutput:
-    """The output of a file job, from the input's header; an output that would replace the
-    input is refused first."""
+    """A file job's output, from the input's header; one that would replace the input is refused."""
     refuse_input_as_output(input_files(reader), dst)
     info, video = reader.info, Path(str(dst)).suffix.lower() in VIDEO_SUFFIXES
     bit_depth = 16 if info.bit_depth == 16 or video and codec == "h265" else 8
@@ -162,8 +161,7 @@ def check_file_job(src, dst, opts: Options, codec: str, overwrite: bool,
 
 
 def plan_file(reader, opts: Options):
-    """Batch plan of a file job, the same in one process and on every rank; ``batch_size``
-    must be a number by now."""
+    """A file job's batch plan, the same in every process (``batch_size`` a number by now)."""
     if opts.batch_size == "auto":
         raise OptionError("batch_size = 'auto' must be resolved before the batch plan is made "
                           "(Job.prepare or fit_for_ranks)")

@@ -374,8 +374,7 @@ class ResumeState:
 
     @property
     def remaining_batches(self) -> list[int]:
-        """Plan batch indices still to compute (whole chunks), a chunk computed again only for
-        its blend tail first."""
+        """Batches still to compute (whole chunks), a chunk recomputed for its blend tail first."""
         return [*self.context, *range(self.next_batch, len(self.plan.batches))]
 
     @property
@@ -540,8 +539,7 @@ def run_resumable(compute, state: ResumeState, info, output, progress=None, stat
 
 
 def _restored_blender(state: ResumeState, outputs):
-    """The blend state after the last kept piece: its tail, or the chunk computed again for
-    it (taken from ``outputs``)."""
+    """The blend state after the last kept piece: its tail, or its chunk again from ``outputs``."""
     blender = OverlapBlender(state.plan)
     for expected in state.context:  # computed again for its blend tail only
         batch, out = next(outputs)

@@ -384,9 +384,8 @@ class StopPoints:
         """Register the checks on the models; returns the handles (``remove()`` each)."""
         handles = []
         dit = models.dit
-        # Sequence parallelism: the ranks of a group meet in collectives inside every block;
-        # a rank leaving mid-forward would leave the others waiting, so they stop between
-        # batches, together.
+        # Sequence parallelism: a group's ranks meet in collectives inside every block; one leaving
+        # mid-forward would strand the others, so they stop between batches, together.
         if getattr(dit, "sequence_parallel", None) is None:
             handles += [block.register_forward_pre_hook(self._hook) for block in dit.blocks]
         vae = models.vae
