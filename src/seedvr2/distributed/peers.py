@@ -136,8 +136,7 @@ def _process_here() -> str:
 
 
 def _stat(pid: int) -> list[str] | None:
-    """The fields of ``/proc/PID/stat`` after the command name (state first); None when the
-    process is gone or there is no /proc."""
+    """Fields of ``/proc/PID/stat`` after the command (state first); None: gone, or no /proc."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rpartition(")")[2].split()

@@ -139,8 +139,7 @@ class Links:
 
 
 class TakenChunks:
-    """Every rank takes the plan's next chunk when ready (``taking.py``); the writer yields
-    everyone's batches in plan order."""
+    """Ranks take the next chunk when ready (``taking.py``); the writer yields all in plan order."""
 
     def __init__(self, work: RankWork, links: Links):
         self.work, self.links = work, links

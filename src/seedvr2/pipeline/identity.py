@@ -98,8 +98,7 @@ class ModelRef:
 
 
 def model_refs(dit, vae, model_dir: Path) -> tuple[ModelRef, ModelRef]:
-    """Both models resolved: files found or downloaded before either loads, so one error
-    names every missing file."""
+    """Both models resolved before either loads, so one error names every missing file."""
     specs = {"dit": dit, "vae": vae}
     wanted = [(spec or default, kind) for (kind, spec), default in
               zip(specs.items(), (DEFAULT_DIT, DEFAULT_VAE))

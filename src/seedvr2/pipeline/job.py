@@ -36,8 +36,7 @@ class Job:
     faults: Faults = NO_FAULTS
     # The host's request for free memory (memory.fit.decide); one process only, never pickled.
     make_room: Optional[MakeRoom] = field(default=None, compare=False)
-    # A ``preview.FramePreview`` where frames are blended: this process, or the writer rank
-    # (spawned, it relays to the launcher's).
+    # A ``preview.FramePreview`` where frames are blended: here, or the writer rank (relaying it).
     preview: Optional[Callable] = field(default=None, compare=False)
 
     @classmethod

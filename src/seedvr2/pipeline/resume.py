@@ -438,8 +438,7 @@ class ResumeState:
         _write_atomically(self.folder / JOURNAL, json.dumps(journal, indent=1).encode())
 
     def read_part(self, part: Piece):
-        """The part's frames, hashed as read: one changed since verified fails before its
-        segment is closed."""
+        """The part's frames, hashed as read: a change since verification fails before closing."""
         shape = part.shape
         frame_bytes = int(np.prod(shape)) * self.dtype.itemsize
         digest = hashlib.sha256()

@@ -268,8 +268,7 @@ def job_work(dit: torch.nn.Module, vae_config, plan, opts, size: tuple[int, int]
 
 
 def log_work(models, plan, opts, size: tuple[int, int]) -> None:
-    """The plan's log line of work and time (only when INFO is logged: the probe takes a
-    second, once per device and dtype)."""
+    """Log the plan's work and time, at INFO only: the probe takes a second per device and dtype."""
     if log.isEnabledFor(logging.INFO):
         work = job_work(models.dit, models.vae.config, plan, opts, size, models.dtype)
         log.info("work: %s", work.describe(str(models.dit_device), models.dtype))
