@@ -109,12 +109,11 @@ def prepare_job(models: Models, opts: Options, frame_count: int, size: tuple[int
 
 def fit_for_ranks(job: Job, devices: list[str], frame_count: int, size: tuple[int, int],
                   gather=None) -> Job:
-    """The options of a job over several processes, which all run one batch plan: fitted
-    once, as one process's, for the device with the least memory, from the weight files'
-    headers; each rank then checks its own device keeping that batch. ``gather`` (torchrun:
-    every rank calls this) turns this process's available bytes into every rank's; without it
-    each device is measured from here, a CUDA one only for ``batch_size`` auto (measuring
-    creates a CUDA context on it)."""
+    """The options of a job over several processes, which all run one batch plan: fitted once, as
+    one process's, for the device with the least memory, from the weight files' headers; each rank
+    then checks its own device keeping that batch. ``gather`` (torchrun: every rank calls this)
+    turns this process's available bytes into every rank's; without it each device is measured from
+    here, a CUDA one only for ``batch_size`` auto (measuring creates a CUDA context on it)."""
     opts = job.opts
     first = resolve_device(devices[0])
     measure = opts.batch_size == "auto" or first.type != "cuda"
