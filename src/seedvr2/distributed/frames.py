@@ -29,9 +29,8 @@ _SCALE = {8: 255.0, 16: 65535.0}
 
 
 def frame_group(timeout: datetime.timedelta, new_group: Callable = None):
-    """The gloo group frames travel over, whatever the default group's backend, with the
-    job's timeout (its waits last one transfer: :class:`Handover`). Every rank calls this, in
-    the same order as other group creations."""
+    """The gloo group frames travel over, whatever the default backend, with the job's timeout (its
+    waits last one transfer: :class:`Handover`); every rank calls this, in group-creation order."""
     new_group = new_group or dist.new_group
     return new_group(backend="gloo", timeout=timeout)
 

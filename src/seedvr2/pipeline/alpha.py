@@ -99,9 +99,8 @@ def _upscale_chunk(alpha: Tensor, rgb: Tensor, radius: int, window: int, hard: b
 
 
 def upscale_alpha(alpha: Tensor, rgb: Tensor) -> Tensor:
-    """Alpha (T, 1, h, w) in [0, 1] resized to the upscaled RGB (T, 3, H, W) in [0, 1]: (T, 1, H,
-    W) with alpha's dtype on rgb's device, transitions aligned with the RGB edges and, for hard
-    mattes, sharpened (docs/library.md)."""
+    """Alpha (T, 1, h, w) in [0, 1] resized to the upscaled RGB (T, 3, H, W) in [0, 1], in alpha's
+    dtype on rgb's device: edges aligned with the RGB's, hard mattes sharpened (docs/library.md)."""
 
     if alpha.ndim != 4 or alpha.shape[1] != 1:
         raise InputError(f"alpha must be (T, 1, h, w), got {tuple(alpha.shape)}")

@@ -66,9 +66,8 @@ def _prepare(content: Tensor, style: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def framewise(fn: Callable, *inputs: Tensor):
-    """``fn`` over a few frames of ``inputs`` at a time (as many as the first's pixels
-    allow), its tensor (or tuple of tensors) gathered in preallocated outputs: per-pixel
-    work's temporaries stay those of one chunk."""
+    """``fn`` over a few frames of ``inputs`` at a time (as the first's pixels allow), its tensor(s)
+    gathered in preallocated outputs: per-pixel work's temporaries stay one chunk's."""
     frames = inputs[0].shape[0]
     chunk = max(1, _CHUNK_PIXELS // max(1, inputs[0][0, 0].numel())) if frames else 1
     if chunk >= frames:

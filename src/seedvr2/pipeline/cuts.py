@@ -79,9 +79,8 @@ def frame_features(frame, index: int = 0) -> FrameFeatures:
 
 
 def _soft_histogram(rgb: np.ndarray) -> np.ndarray:
-    """(n, 3) colours in [0, 1] -> (64,) histogram, each colour shared between the 8 bin
-    centres around it (trilinear): a colour drifting across a bin edge moves the histogram
-    by as much as it drifts, not all at once."""
+    """(n, 3) colours in [0, 1] -> (64,) histogram, each shared trilinearly between the 8 bin
+    centres around it: a colour drifting across a bin edge moves it gradually, not all at once."""
     position = np.clip(rgb, 0, 1) * (_BINS - 1)
     low = np.minimum(np.floor(position), _BINS - 2)
     frac, low = position - low, low.astype(int)

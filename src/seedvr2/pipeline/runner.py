@@ -166,9 +166,8 @@ _INTEGER_SCALE = {torch.uint8: 255.0, torch.uint16: 65535.0}
 
 
 def source_frame(frame, index: int) -> torch.Tensor:
-    """One input frame (H, W, C) as a CPU tensor in its own precision, checked: uint8 and
-    uint16 stay integers (converted on the compute device, so 4x / 2x fewer bytes cross to
-    it than float32), anything else becomes float32 in [0, 1]."""
+    """One input frame (H, W, C) as a checked CPU tensor: uint8 / uint16 stay integers (converted on
+    the compute device: 4x / 2x fewer bytes cross than float32), the rest float32 in [0, 1]."""
     if isinstance(frame, np.ndarray):
         if frame.dtype in (np.uint8, np.uint16):
             frame = torch.from_numpy(np.ascontiguousarray(frame))
