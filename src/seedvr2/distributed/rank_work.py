@@ -185,9 +185,8 @@ class TakenChunks:
 
 
 class SharedBatches:
-    """With ``sequence_parallel`` = k, groups of k consecutive ranks share each batch's DiT
-    call; chunks are dealt to the groups, one rank of which does a batch's VAE work and
-    delivers it (``vae_share.py``)."""
+    """Groups of ``sequence_parallel`` consecutive ranks share each batch's DiT call; chunks go to
+    the groups, one rank of which does a batch's VAE work and delivers it (``vae_share.py``)."""
 
     def __init__(self, work: RankWork, links: Links):
         ctx, plan, k = work.ctx, work.plan, work.job.opts.sequence_parallel

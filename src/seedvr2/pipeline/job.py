@@ -95,9 +95,8 @@ def _record(stats: Optional[JobStats], opts: Options, auto: bool, est: mem.Estim
 def prepare_job(models: Models, opts: Options, frame_count: int, size: tuple[int, int],
                 stats: Optional[JobStats] = None, make_room: Optional[MakeRoom] = None,
                 fixed_batch: bool = False) -> Options:
-    """The memory decision of :meth:`Job.prepare` for models already loaded (custom
-    pipelines): the options to run with, or ``BudgetError``; a fit that moves a model asks
-    the caller to load it again placed that way."""
+    """The memory decision of :meth:`Job.prepare` for loaded models (custom pipelines): the options
+    to run with, or ``BudgetError``; a fit that moves a model asks for it reloaded so."""
     where = ModelDevices(models.dit_device, models.vae_device, models.dtype, models.dit_offload,
                          models.vae_offload)
     memory = Job.build(opts, models.dit, models.vae).memory(where)
