@@ -1,16 +1,11 @@
 """Scene cuts: where one shot ends and the next begins, found before the batch plan is made.
 
 A cut is the first frame of a new shot. The plan (:mod:`.plan`) never puts frames of two shots in
-one batch, cross-fade or prepended context, so nothing of a shot leaks into the next. What a cut is
-to ``auto`` (flashes, fades, ``min_scene_length``, limits): docs/media.md#scene-cuts. Detection
-keeps only the previous frame's features (:class:`FrameFeatures`, of a copy at most
-:data:`SMALL_WIDTH` pixels wide, in numpy float32), so memory does not grow with the length.
-
-The thresholds sit inside the gaps measured on tests/test_scene_cuts.py's clips and the suite's
-test clip: hard cuts gave correlations of -0.1 to 0.1 and histogram distances of 0.25 to 1; 2
-px/frame pans correlations over 0.9 (distance under 0.02); brightness steps over 0.84 and
-contrast steps ~1.0 (distances up to 0.9); a thin line moving fast over a slowly brightening
-frame 0.08 but a distance of 0.05."""
+one batch, cross-fade or prepended context, so nothing of a shot leaks into the next. What a cut
+is to ``auto`` (flashes, fades, ``min_scene_length``, limits) and the measurements the thresholds
+sit between: docs/media.md#scene-cuts. Detection keeps only the previous frame's features
+(:class:`FrameFeatures`, of a copy at most :data:`SMALL_WIDTH` pixels wide, in numpy float32), so
+memory does not grow with the length."""
 
 from __future__ import annotations
 

@@ -119,10 +119,9 @@ def _module_digest(module: torch.nn.Module) -> str:
 
 
 def job_identity(opts: Options, source: str, models: tuple[ModelRef, ModelRef]) -> dict:
-    """The one fingerprint of a job, what its frames depend on: the options that shape the
-    output (not :data:`~seedvr2.options.NOT_SHAPING_OUTPUT`), the input (``source``: its
-    digest) and the weights by content. Ranks agree on it (:func:`identity_digest`); the
-    resume journal records it."""
+    """A job's one fingerprint, what its frames depend on: the options that shape the output (not
+    :data:`~seedvr2.options.NOT_SHAPING_OUTPUT`), the input (``source``: its digest) and the weights
+    by content. Ranks agree on it (:func:`identity_digest`); the resume journal records it."""
     text = Path(str(opts.text_embeddings))
     # Tuples (the resolved scene_cuts) as lists: the resume journal compares a re-read JSON.
     return {"options": {k: list(v) if isinstance(v, tuple) else v
