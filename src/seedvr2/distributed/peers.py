@@ -1,9 +1,7 @@
-"""Who is still in the job. Every rank keeps a :class:`Lifeline` to the job's store: a
-heartbeat the others watch (:class:`Liveness`), and the rule that a rank the store has not
-answered for ``dist_timeout`` is cut off and ends itself, whatever it is blocked in. Waits on
-another rank are polled in the store, watching that it lives (:func:`wait_until`), never left
-to a collective: a gloo wait then lasts only a transfer, so every group keeps the job's own
-timeout. Why and what each side does: docs/multi-gpu.md#when-a-rank-is-lost."""
+"""Who is still in the job. Every rank keeps a :class:`Lifeline` to the job's store: a heartbeat
+the others watch (:class:`Liveness`); a rank the store has not answered for ``dist_timeout`` ends
+itself. Waits on another rank are polled in the store (:func:`wait_until`), never left to a
+collective, so every group keeps the job's timeout (docs/multi-gpu.md#when-a-rank-is-lost)."""
 
 from __future__ import annotations
 
