@@ -147,8 +147,7 @@ class TakenChunks:
         self.upscaler = None
 
     def __enter__(self):
-        # Loaded before taking any chunk; when none is left, only if this rank must compute
-        # after all (the writer, for a lost rank's batches).
+        # Loaded before taking a chunk; none left: only if this rank must compute (a lost one's).
         if not self.counter.all_taken():
             self._ready()
         return self

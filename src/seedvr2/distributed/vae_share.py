@@ -18,8 +18,7 @@ log = logging.getLogger("seedvr2")
 
 
 def vae_owners(plan: BatchPlan, size: int) -> dict[int, int]:
-    """Rank within its group (0 .. size-1) that encodes and decodes each batch: a chunk's
-    batches dealt in turn, from the chunk's first batch."""
+    """Rank in its group (0 .. size-1) encoding and decoding each batch: a chunk's dealt in turn."""
     return {b: position % size for chunk in plan.chunks for position, b in enumerate(chunk)}
 
 

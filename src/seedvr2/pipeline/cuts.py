@@ -169,8 +169,7 @@ def resolve_scene_cuts(opts: Options, frame_count: int,
 
 
 def _warn_if_prepend_shortened(prepend: int, cuts: tuple, frame_count: int):
-    """The plan prepends copies of frames 1..P of the first shot, so at most one less than
-    its length: say so when fewer than asked for are."""
+    """At most the first shot's length - 1 frames are prepended (1..P of it): say when fewer are."""
     length = cuts[0] if cuts else frame_count
     if prepend > length - 1:
         shot = f"the first shot has {length} frames (a scene cut at frame {length})" if cuts \

@@ -233,8 +233,7 @@ def input_frames(frames) -> torch.Tensor:
                              f"frames must be 0..255 (8-bit) or 0..65535 (16-bit); give float32 "
                              f"in [0, 1] for anything else")
         return frames.to(fits[0])
-    # Per-frame reductions: no temporary the size of the input. Both propagate NaN, and an
-    # infinity is its frame's minimum or maximum.
+    # Per-frame reductions (no input-sized temporary) propagate NaN; an infinity is a min or max.
     low, high = frames.amin(dim=(1, 2, 3)), frames.amax(dim=(1, 2, 3))
     finite = torch.isfinite(low) & torch.isfinite(high)
     if not finite.all():
