@@ -147,7 +147,7 @@ class TakenChunks:
         self.upscaler = None
 
     def __enter__(self):
-        # Loaded before taking a chunk; none left: only if this rank must compute (a lost one's).
+        # Loaded before taking a chunk; if none is left, only for a lost rank's batches.
         if not self.counter.all_taken():
             self._ready()
         return self

@@ -573,8 +573,7 @@ def _assemble(state: ResumeState, info, output):
 def _segment_writer(segment: Segment, state: ResumeState, info, output):
     """The writer of one segment file (video) or folder (lossless PNGs)."""
     path, video = state.segment_path(segment), state.ext != "/"
-    # Image segments stay as stored: the final writer turns them upright (rotation, pixel
-    # aspect) when it reads them back; video segments carry the tags either way.
+    # Image segments stay as stored (the final writer turns them upright); video ones carry tags.
     times = None
     if video and info.frame_times:  # variable rate: this segment's frames at their own times
         first = info.frame_times[segment.first_frame]
@@ -584,8 +583,7 @@ def _segment_writer(segment: Segment, state: ResumeState, info, output):
                       bit_depth=output.bit_depth, codec=output.codec, frame_times=times,
                       upright=False)
     with warnings.catch_warnings():
-        # A segment carries no audio or subtitles by design (the assembly adds the audio);
-        # what the final output cannot hold was said when it was checked at the start.
+        # Segments hold no audio or subtitles (added at assembly, or warned of at the start).
         warnings.simplefilter("ignore", UserWarning)
         return open_writer(str(path) if video else f"{path}/", spec, like=info, overwrite=True)
 
