@@ -60,8 +60,7 @@ class Models:
     dtype: torch.dtype = torch.float32
     dit_offload: Optional[torch.device] = None
     vae_offload: Optional[torch.device] = None
-    # memory.placement.OffloadedModel or memory.blockswap.BlockSwap: moves the model's weights
-    # between its offload and compute devices; None: the model stays on its device.
+    # OffloadedModel or BlockSwap (memory/): moves weights between offload and compute; None: stays.
     dit_placement: Optional[object] = None
     vae_placement: Optional[object] = None
 
@@ -336,9 +335,8 @@ class Encoded:
     result: Optional[torch.Tensor] = None  # x0 latent, then decoded frames
 
 
-# Stop checks on CUDA wait until the device has finished the work queued this many checks
-# ago: without that the host runs ahead of the device by the whole launch queue (a DiT
-# forward, a VAE pass), and a Cancel would wait for all of it.
+# On CUDA a stop check waits for the work queued this many checks ago: else the host runs a whole
+# launch queue (a DiT forward, a VAE pass) ahead, and a Cancel waits for all of it.
 CHECKS_IN_FLIGHT = 2
 
 
@@ -411,8 +409,7 @@ class Upscaler:
         self.stats = stats if stats is not None else JobStats()  # this job's, recorded as it runs
         # A file job rounds frames to integers on the device: a 4x / 2x smaller copy to the host.
         self.frames_on_device = frames_on_device
-        # DiT and VAE on different devices: batches are encoded on a thread up to a chunk ahead
-        # while the DiT runs, with the results of the phases run one after the other.
+        # DiT and VAE on different devices: encoding runs a chunk ahead on a thread, same results.
         self.overlap_phases = models.dit_device != models.vae_device
         self._pending_times: list = []  # (phase, start event, end event) not yet read
         self._clock_lock = threading.Lock()
