@@ -69,6 +69,5 @@ class SharedVaeUpscaler(Upscaler):
             latent = torch.empty(shape[0][0], dtype=shape[0][1])
         dist.broadcast(latent, src=owner, group=self.meeting.group)
         if not self.owns(item.batch):
-            # Where the owner keeps it too; to a GPU (tensor_offload_device none) this is a
-            # pageable copy of a few MB, waited for once per batch: negligible beside the DiT.
+            # Kept where the owner keeps it; to a GPU a few MB a batch: negligible beside the DiT.
             item.latent = latent.to(self.offload)
