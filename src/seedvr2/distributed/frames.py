@@ -4,8 +4,7 @@ the wire format (the writer's integers where no cross-fade mixes frames, float32
 does). Why: docs/multi-gpu.md#how-frames-travel.
 
 Message for one batch: an int64 header (``HEADER_FIELDS``), then the integer frames (possibly
-none), then the float32 frames (possibly none), each under its own tag.
-"""
+none), then the float32 frames (possibly none), each under its own tag."""
 
 from __future__ import annotations
 
@@ -30,19 +29,17 @@ _SCALE = {8: 255.0, 16: 65535.0}
 
 
 def frame_group(timeout: datetime.timedelta, new_group: Callable = None):
-    """The gloo group frames travel over, whatever the default group's backend, with the
-    job's timeout (its waits last one transfer: :class:`Handover`). Every rank calls this, in
-    the same order as other group creations."""
+    """The gloo group frames travel over, whatever the default backend, with the job's timeout (its
+    waits last one transfer: :class:`Handover`); every rank calls this, in group-creation order."""
     new_group = new_group or dist.new_group
     return new_group(backend="gloo", timeout=timeout)
 
 
 class Handover:
-    """A batch changes hands when both ends are there: the sender marks ``sent/I`` in the
-    store once its message is posted, the writer ``receiving/I`` once it receives; each waits
-    for the other's mark polled there, watching that the other lives (:func:`~.peers.wait_until`),
-    never inside gloo. So a gloo wait lasts one transfer and the frame group keeps the job's
-    dist_timeout however long a batch computes; a silent peer is noticed by its heartbeat."""
+    """A batch changes hands when both ends are there: the sender marks ``sent/I`` in the store
+    once its message is posted, the writer ``receiving/I`` once it receives; each polls for the
+    other's mark there, watching that the other lives (:func:`~.peers.wait_until`), never inside
+    gloo, so a gloo wait lasts one transfer (docs/multi-gpu.md#how-frames-travel)."""
 
     def __init__(self, keys: JobKeys, liveness: Liveness):
         self.keys, self.liveness = keys, liveness
@@ -144,8 +141,7 @@ def tags(batch_index: int) -> tuple[int, int, int]:
 
 
 def send_batch(message: BatchMessage, dst: int, batch_index: int, group) -> list:
-    """Posts the message's sends; the caller keeps ``message`` alive until the returned works
-    are waited on."""
+    """Posts the message's sends; keep ``message`` alive until the returned works are waited on."""
     works = []
     for tensor, tag in zip(message.tensors(), tags(batch_index)):
         if tensor.numel():

@@ -1,7 +1,6 @@
 """Process groups: who am I, how many are we (torchrun's variables, Slurm's, or our spawn
 launcher's), and the backend to talk with (NCCL when every rank has its own CUDA device, gloo
-otherwise). Every collective inherits its group's timeout (:func:`group_timeout`).
-"""
+otherwise). Every collective inherits its group's timeout (:func:`group_timeout`)."""
 
 from __future__ import annotations
 
@@ -15,9 +14,8 @@ import torch.distributed as dist
 from .peers import DistributedError
 
 
-# NCCL's watchdog counts a collective's timeout from when the CPU enqueued it, and the CPU runs
-# up to a whole DiT forward ahead of the GPU: an NCCL group waits far longer than any forward.
-# A lost peer is found within dist_timeout by the Lifeline and the polled waits (peers.py).
+# NCCL's watchdog counts a collective's timeout from its enqueue, up to a whole DiT forward ahead of
+# the GPU: an NCCL group waits far longer than any forward (a lost peer is found by peers.py).
 NCCL_TIMEOUT = datetime.timedelta(hours=1)
 
 

@@ -69,8 +69,7 @@ def _hosted_store(timeout_s: float):
 def _join_group(rank: int, devices: list[str], port: int, threads: int, timeout_s: float):
     store = dist.TCPStore("127.0.0.1", port, is_master=False,
                           timeout=datetime.timedelta(seconds=timeout_s))  # _hosted_store's
-    # Every rank is on this machine: gloo (the whole group on CPUs, the frame group on GPUs
-    # too) connects over the loopback, whatever the host name resolves to.
+    # All ranks are on this machine: gloo connects over the loopback, whatever the host's name.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if devices[rank] == "cpu":
         torch.set_num_threads(threads)
@@ -111,8 +110,7 @@ def _tensor_worker(rank: int, devices: list[str], port: int, threads: int, job,
         destroy()
 
 
-# What the writer rank (which blends the frames) tells the launcher on its events queue:
-# ("frames", done, total) and ("preview", (h, w, 3) uint8 array).
+# The writer's events for the launcher: ("frames", done, total), ("preview", (h, w, 3) uint8).
 def _relay_frames(events, phase: str, done: int, total: int):
     if phase == "frames":
         events.put((phase, done, total))
@@ -127,8 +125,7 @@ def _relaying(job, events, previews: bool):
 
 
 def _relayer(events, progress, preview):
-    """The launcher's side: every event waiting on ``events`` told to ``progress`` or shown
-    to ``preview``."""
+    """The launcher's side: each event waiting on ``events`` told to ``progress`` or ``preview``."""
     def relay():
         while True:
             try:
@@ -144,8 +141,7 @@ def _relayer(events, progress, preview):
 
 
 def _failure(workers, rank: int) -> DistributedError:
-    """Which rank failed and, for a raised exception, its last line (the full traceback is
-    on the worker's stderr)."""
+    """Which rank failed and, for a raised exception, its last line (the traceback: its stderr)."""
     process = workers.processes[rank]
     try:
         with open(workers.error_files[rank], "rb") as f:
@@ -231,8 +227,7 @@ def _spawnable():
 
 
 LAUNCH_PREFIX = "seedvr2-ranks-"  # launch folders, in the system's temporary folder
-# A launch folder is locked by its launcher from a moment after it is made: one younger than
-# this may be a live launcher's that is not locked yet.
+# A launch folder is locked a moment after it is made: a younger one may be a live launcher's.
 LAUNCH_FOLDER_GRACE_S = 60.0
 
 
@@ -290,9 +285,9 @@ def _launched(worker, device_list: list[str], timeout_s: float, args: tuple):
 
 def spawn_file_job(device_list: list[str], job, src, output, stats=None, progress=None,
                    preview=None) -> Path:
-    """Run ``upscale_file`` over several local devices; raises naming the failed rank.
-    ``stats`` is told the writer's counts and the ranks lost; ``progress`` and ``preview`` the
-    writer's finished frames."""
+    """Run ``upscale_file`` over several local devices; raises naming the failed rank. ``stats``
+    is told the writer's counts and the ranks lost, ``progress`` and ``preview`` its frames."""
+
     timeout_s = job.opts.dist_timeout
     events = mp.get_context("spawn").Queue()
     relay = _relayer(events, progress, preview)

@@ -1,10 +1,7 @@
-"""Who is still in the job. Every rank keeps a :class:`Lifeline` to the job's store: a
-heartbeat the others watch (:class:`Liveness`), and the rule that a rank the store has not
-answered for ``dist_timeout`` is cut off and ends itself, whatever it is blocked in. Waits on
-another rank are polled in the store, watching that it lives (:func:`wait_until`), never left
-to a collective: a gloo wait then lasts only a transfer, so every group keeps the job's own
-timeout. Why and what each side does: docs/multi-gpu.md#when-a-rank-is-lost.
-"""
+"""Who is still in the job. Every rank keeps a :class:`Lifeline` to the job's store: a heartbeat
+the others watch (:class:`Liveness`); a rank the store has not answered for ``dist_timeout`` ends
+itself. Waits on another rank are polled in the store (:func:`wait_until`), never left to a
+collective, so every group keeps the job's timeout (docs/multi-gpu.md#when-a-rank-is-lost)."""
 
 from __future__ import annotations
 
@@ -73,13 +70,11 @@ def store_address(store) -> str:
 
 
 class Lifeline:
-    """While a rank works, one thread counts up its key in the store every :data:`PERIOD_S`
-    (a frozen rank stops counting, a slow one does not) and another watches the answers. A
-    store silent or failing for ``timeout_s`` means this rank is cut off: it says so and ends
-    with :data:`CUT_OFF_EXIT_CODE` at once, from a thread, since the main thread may be
-    blocked in a call nothing interrupts. That is as safe as a kill: outputs are written under
-    temporary names, the resume journal names closed pieces only. It also publishes where
-    the rank runs."""
+    """While a rank works, one thread counts up its key in the store every :data:`PERIOD_S` (a
+    frozen rank stops counting, a slow one does not) and another watches the answers: a store
+    silent or failing for ``timeout_s`` ends this rank with :data:`CUT_OFF_EXIT_CODE`, from a
+    thread, since the main thread may be blocked in a call nothing interrupts (as safe as a kill:
+    docs/multi-gpu.md#a-node-cut-off-the-network). It also publishes where the rank runs."""
 
     PERIOD_S = 1.0
 
@@ -139,8 +134,7 @@ def _process_here() -> str:
 
 
 def _stat(pid: int) -> list[str] | None:
-    """The fields of ``/proc/PID/stat`` after the command name (state first); None when the
-    process is gone or there is no /proc."""
+    """Fields of ``/proc/PID/stat`` after the command (state first); None: gone, or no /proc."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rpartition(")")[2].split()
@@ -149,8 +143,7 @@ def _stat(pid: int) -> list[str] | None:
 
 
 def where(pid: int) -> str:
-    """A process's machine (:func:`_process_here`), pid and start time (a pid reused by a
-    later process is not taken for it)."""
+    """A process's machine (:func:`_process_here`), pid and start time (a reused pid differs)."""
     fields = _stat(pid)
     return f"{_process_here()}|{pid}|{fields[19] if fields else ''}"
 

@@ -1,8 +1,7 @@
 """One rank's part of a distributed file upscale: the same plan on every rank, the chunks it
 takes (``taking.py``) or its sequence-parallel group is dealt, sent to rank 0, which blends
 them in plan order with the same :class:`OverlapBlender` as one process and writes. A send is
-posted without waiting and completed before the next, so the next batch's compute overlaps it.
-"""
+posted without waiting and completed before the next, so the next batch's compute overlaps it."""
 
 from __future__ import annotations
 
@@ -140,8 +139,7 @@ class Links:
 
 
 class TakenChunks:
-    """Every rank takes the plan's next chunk when ready (``taking.py``); the writer yields
-    everyone's batches in plan order."""
+    """Ranks take the next chunk when ready (``taking.py``); the writer yields all in plan order."""
 
     def __init__(self, work: RankWork, links: Links):
         self.work, self.links = work, links
@@ -149,8 +147,7 @@ class TakenChunks:
         self.upscaler = None
 
     def __enter__(self):
-        # Loaded before taking any chunk; when none is left, only if this rank must compute
-        # after all (the writer, for a lost rank's batches).
+        # Loaded before taking a chunk; if none is left, only for a lost rank's batches.
         if not self.counter.all_taken():
             self._ready()
         return self
@@ -187,9 +184,8 @@ class TakenChunks:
 
 
 class SharedBatches:
-    """With ``sequence_parallel`` = k, groups of k consecutive ranks share each batch's DiT
-    call; chunks are dealt to the groups, one rank of which does a batch's VAE work and
-    delivers it (``vae_share.py``)."""
+    """Groups of ``sequence_parallel`` consecutive ranks share each batch's DiT call; chunks go to
+    the groups, one rank of which does a batch's VAE work and delivers it (``vae_share.py``)."""
 
     def __init__(self, work: RankWork, links: Links):
         ctx, plan, k = work.ctx, work.plan, work.job.opts.sequence_parallel
@@ -215,8 +211,7 @@ class SharedBatches:
             self.stack.enter_context(sequence_parallel(upscaler.models.dit,
                                                        self.links.sequence_group,
                                                        self.links.meeting))
-            # Each rank delivers the batches it decoded (vae_share.py); the others it only
-            # helped to compute come out without frames.
+            # Each rank delivers the batches it decoded (vae_share.py); others come out frameless.
             self.local = ((b, out) for b, out in work.compute(upscaler, self.mine)
                           if out is not None)
         return self
@@ -276,8 +271,7 @@ def _produce(work: RankWork, consume=None):
 
 
 def _first_chunk(ctx: DistContext, plan, remaining: Optional[list[int]]) -> int:
-    """The first chunk with a batch still to compute, from the writer's resume journal (on
-    its disk only)."""
+    """The first chunk with a batch to compute, from the writer's resume journal (its disk only)."""
     first = [0]
     if remaining is not None:
         first[0] = next((i for i, c in enumerate(plan.chunks) if c[0] == remaining[0]),

@@ -2,8 +2,7 @@
 for a batch whose tokens do not fit one device: token shards outside attention, head shards
 inside, so the result equals the one-process forward. The DiT knows nothing of processes
 (:class:`UlyssesSequenceParallel` implements ``seedvr2.models.attention.SequenceParallel``).
-Inference only; docs/multi-gpu.md#sequence-parallelism.
-"""
+Inference only; docs/multi-gpu.md#sequence-parallelism."""
 
 from __future__ import annotations
 

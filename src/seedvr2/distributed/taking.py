@@ -1,10 +1,8 @@
 """Chunks taken, not dealt: each rank takes the plan's next chunk when it is ready for one (a
 counter in the process group's store), so a slow rank takes fewer chunks instead of setting
-everyone's pace. The writer receives them in plan order, computing chunks ahead while it
-waits, and computes a lost rank's undelivered batches itself (docs/multi-gpu.md). Only
-sequence-parallel groups, which must meet in every batch, are dealt theirs
-(:func:`assign_batches`).
-"""
+everyone's pace. The writer receives them in plan order, computing chunks ahead while it waits, and
+computes a lost rank's undelivered batches itself (docs/multi-gpu.md). Only sequence-parallel
+groups, which must meet in every batch, are dealt theirs (:func:`assign_batches`)."""
 
 from __future__ import annotations
 
@@ -62,10 +60,9 @@ class ChunkCounter:
 
 
 class Watchdog:
-    """Around a blocking receive from ``rank`` (gloo's cannot be interrupted), a thread
-    watches it: lost and on this machine, it is killed, so the receive fails at once. On
-    another machine the receive ends at the frame group's timeout, which closes that group
-    for every rank (gloo's rule), so the writer computes every later batch itself."""
+    """Around a blocking receive from ``rank`` (gloo's cannot be interrupted), a thread watches
+    it: lost and on this machine, it is killed, so the receive fails at once; elsewhere the
+    receive ends at the frame group's timeout (docs/multi-gpu.md#a-node-cut-off-the-network)."""
 
     def __init__(self, liveness: Liveness, rank: int):
         self.liveness, self.rank = liveness, rank
@@ -144,8 +141,7 @@ class ChunkCollector:
                 if chunk is not None and chunk != index:
                     self.held[chunk] = list(self.own(list(self.plan.chunks[chunk])))
                 continue
-            # Taken, but the taker has not recorded itself: it is about to, or it died in
-            # between. Meanwhile compute ahead, bounded.
+            # Taken, its taker not recorded yet (about to be, or died): compute ahead, bounded.
             waited = waited or time.monotonic()
             if time.monotonic() - waited > self.timeout_s:
                 return -1

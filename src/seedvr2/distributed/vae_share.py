@@ -1,7 +1,6 @@
 """The VAE side of sequence parallelism: the ranks of a group share each chunk's VAE work. A
 batch's owner (:func:`vae_owners`) alone encodes it, sends the latent to the group before the
-joint DiT call, and decodes and delivers it (docs/multi-gpu.md#sequence-parallelism).
-"""
+joint DiT call, and decodes and delivers it (docs/multi-gpu.md#sequence-parallelism)."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ log = logging.getLogger("seedvr2")
 
 
 def vae_owners(plan: BatchPlan, size: int) -> dict[int, int]:
-    """Rank within its group (0 .. size-1) that encodes and decodes each batch: a chunk's
-    batches dealt in turn, from the chunk's first batch."""
+    """Rank in its group (0 .. size-1) encoding and decoding each batch: a chunk's dealt in turn."""
     return {b: position % size for chunk in plan.chunks for position, b in enumerate(chunk)}
 
 
@@ -71,6 +69,5 @@ class SharedVaeUpscaler(Upscaler):
             latent = torch.empty(shape[0][0], dtype=shape[0][1])
         dist.broadcast(latent, src=owner, group=self.meeting.group)
         if not self.owns(item.batch):
-            # Where the owner keeps it too; to a GPU (tensor_offload_device none) this is a
-            # pageable copy of a few MB, waited for once per batch: negligible beside the DiT.
+            # Kept where the owner keeps it; to a GPU a few MB a batch: negligible beside the DiT.
             item.latent = latent.to(self.offload)

@@ -1,7 +1,6 @@
 """Alpha-channel upscaling for RGBA inputs, guided by the upscaled colour image: a bicubic
 base limited to the input's local range, a guided filter on the RGB's luminance used where it
-explains alpha, hard mattes sharpened. The steps and their reasons: docs/library.md (Alpha).
-"""
+explains alpha, hard mattes sharpened. The steps and their reasons: docs/library.md (Alpha)."""
 
 from __future__ import annotations
 
@@ -100,11 +99,9 @@ def _upscale_chunk(alpha: Tensor, rgb: Tensor, radius: int, window: int, hard: b
 
 
 def upscale_alpha(alpha: Tensor, rgb: Tensor) -> Tensor:
-    """Alpha (T, 1, h, w) in [0, 1] resized to the upscaled RGB (T, 3, H, W) in [0, 1].
+    """Alpha (T, 1, h, w) in [0, 1] resized to the upscaled RGB (T, 3, H, W) in [0, 1], in alpha's
+    dtype on rgb's device: edges aligned with the RGB's, hard mattes sharpened (docs/library.md)."""
 
-    Returns (T, 1, H, W) in [0, 1] with alpha's dtype, on rgb's device; transitions are
-    aligned with the RGB edges and, for hard mattes, sharpened (docs/library.md).
-    """
     if alpha.ndim != 4 or alpha.shape[1] != 1:
         raise InputError(f"alpha must be (T, 1, h, w), got {tuple(alpha.shape)}")
     if rgb.ndim != 4 or rgb.shape[1] != 3 or rgb.shape[0] != alpha.shape[0]:

@@ -1,70 +1,18 @@
 """Colour correction of upscaled frames against the (resized) input video.
 
-A one-step diffusion upscaler reproduces structure well but lets global colour drift: the
-VAE round trip and the DiT shift hue, saturation and brightness slightly, and the drift
-differs from batch to batch. Every method here takes ``content`` (the upscaled frames,
-carrying the detail we want) and ``style`` (the input resized to the output size, carrying
-the colours we trust), both ``(T, 3, H, W)`` in [-1, 1], and returns content re-coloured
-after style. All frames of one call are treated together.
+Every method takes ``content`` (the upscaled frames, carrying the detail) and ``style`` (the input
+resized to the output size, carrying the colours we trust), both ``(T, 3, H, W)`` in [-1, 1], and
+returns content re-coloured after style; all frames of one call are treated together. The methods
+(``COLOR_METHODS``), their sources (official SeedVR2, numz, papers) and where we differ from numz:
+docs/library.md (Colour correction).
 
-Methods (``COLOR_METHODS``):
-
-``wavelet`` -- frequency split (the official SeedVR2 post-process, numz variant).
-    A five-level undecimated ("à trous") pyramid: level *i* blurs with the 3×3 binomial
-    kernel ``[1 2 1]ᵀ[1 2 1]/16`` dilated by ``r_i = 2^i`` with replicate padding, and the
-    detail band of that level is ``image − blur``. The sum of the detail bands is the *high*
-    band, the last blur the *low* band (a smoothing about 64 px wide). Colour drift is a
-    low-frequency error and texture is high frequency, so ``high(content) + low(style)``
-    keeps the upscaler's detail and the input's colours; the result is clamped to [-1, 1].
-    Like numz, the dilation is capped at ``max(1, min(H, W) // 8)`` (only frames under
-    256 px are affected). The blur is linear and the detail bands telescope
-    (``high(x) = x − low(x)``), so the result is computed as ``content + low(style − content)``:
-    one pyramid instead of two, equal up to float rounding (~1e-7).
-
-``adain`` -- adaptive instance normalisation (Huang & Belongie, 2017).
-    Per frame and channel, content is standardised and given the style's mean and standard
-    deviation, ``(c − μ_c)/σ_c · σ_s + μ_s`` with ``σ = sqrt(unbiased var + 1e-5)``. Global
-    and cheap, but blind to spatially varying drift.
-
-``lab`` -- perceptual histogram matching (numz's default, luminance weight 0.8).
-    Starts from the wavelet result, converts it and the style to CIELAB (sRGB, D65 white)
-    and gives each channel the style's distribution by exact histogram matching over all
-    pixels of all frames: the *i*-th smallest content value receives the *i*-th smallest
-    style value. The chroma channels a*, b* are taken over completely; lightness is only
-    blended, ``L = 0.8·L_content + 0.2·L_matched``, so that the content's shading and detail
-    survive. Ties make the sort order matter; a stable sort makes it reproducible.
-
-``hsv`` -- hue-conditional saturation matching (after Neumann & Neumann, 2005).
-    Upscalers tend to over-saturate particular hues (reds, typically). Pixels are grouped
-    into twelve 30° hue sectors centred on 0°, 30°, …, 330° (so red, which straddles
-    0°/360°, is one sector); inside every sector holding more than 100 pixels in both images
-    the content's saturation distribution is matched to the style's (quantile mapping, joint
-    over all frames). Hue and value (the max channel) of the content are kept. For a fixed
-    hue and value every channel equals ``v − v·s·w(hue)``, so the new colour follows without
-    an HSV round trip as ``v − (v − c)·s'/s``. Achromatic pixels (chroma < 1e-3, hue
-    meaningless) are left alone and kept out of the histograms. numz, by contrast, uses
-    sectors starting at 0° with an enlarged red sector ``[0°, 30°) ∪ [330°, 360°)`` that
-    overlaps the last one, and files grey pixels under red.
-
-``wavelet_adaptive`` -- wavelet plus targeted desaturation (numz).
-    The wavelet result restores low-frequency colour but keeps any over-saturation carried
-    by the content's detail band. Where the content is clearly more saturated than the style
-    (``Δs = s_content − s_style``) the hsv result is blended in with weight
-    ``sigmoid(5·(Δs − 0.15))``, but only where the wavelet result itself is still
-    over-saturated (``s_wavelet − s_style > 0.075``). Everywhere else the output is exactly the
-    wavelet result, and the hsv pass is skipped when no pixel qualifies.
-
-``none`` returns content unchanged.
-
-Implementation. Everything computes in float32 and returns content's dtype; a style of
-another size is resized bilinearly to content's, as numz does. Per-pixel stages run a few
-frames at a time into preallocated outputs; only histogram matching needs all pixels at once
-(hsv sorts one key per pixel, by hue sector then saturation). The dilated blur is a
-depthwise ``conv2d`` on accelerators and a separable sum of shifted slices on CPU, where
-dilated convolution falls back to im2col (twice slower, several full-size buffers); both
-agree to ~1e-7. Measured peak memory beyond the inputs, per pixel of ``T·H·W`` (CPU):
-wavelet ~24 B, lab ~40 B, hsv ~36 B, wavelet_adaptive ~53 B, adain negligible.
-"""
+Implementation: float32 throughout, content's dtype returned; a style of another size is resized
+bilinearly (as numz). Per-pixel stages run a few frames at a time into preallocated outputs; only
+histogram matching needs all pixels at once. The dilated blur is a depthwise ``conv2d`` on
+accelerators and a separable sum of shifted slices on CPU, where dilated convolution falls back
+to im2col (twice slower, several full-size buffers); both agree to ~1e-7. Measured peak memory
+beyond the inputs, per pixel of ``T·H·W`` (CPU): wavelet ~24 B, lab ~40 B, hsv ~36 B,
+wavelet_adaptive ~53 B, adain negligible."""
 
 from __future__ import annotations
 
@@ -118,9 +66,8 @@ def _prepare(content: Tensor, style: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def framewise(fn: Callable, *inputs: Tensor):
-    """``fn`` over a few frames of ``inputs`` at a time (as many as the first's pixels
-    allow), its tensor (or tuple of tensors) gathered in preallocated outputs: per-pixel
-    work's temporaries stay those of one chunk."""
+    """``fn`` over a few frames of ``inputs`` at a time (as the first's pixels allow), its tensor(s)
+    gathered in preallocated outputs: per-pixel work's temporaries stay one chunk's."""
     frames = inputs[0].shape[0]
     chunk = max(1, _CHUNK_PIXELS // max(1, inputs[0][0, 0].numel())) if frames else 1
     if chunk >= frames:
@@ -182,7 +129,8 @@ def wavelet_low(x: Tensor, levels: int = WAVELET_LEVELS) -> Tensor:
 
 
 def wavelet_reconstruction(content: Tensor, style: Tensor, clamp: bool = True) -> Tensor:
-    """``high(content) + low(style)``, clamped to [-1, 1] unless ``clamp=False``."""
+    """``high(content) + low(style)``, clamped to [-1, 1] unless ``clamp=False``; computed as
+    ``content + low(style − content)`` (the blur is linear, ``high(x) = x − low(x)``)."""
     dtype = content.dtype
     content, style = _prepare(content, style)
     out = wavelet_low(style - content).add_(content)
@@ -197,10 +145,8 @@ def _mean_std(x: Tensor, eps: float = 1e-5) -> tuple[Tensor, Tensor]:
 
 
 def adain(content: Tensor, style: Tensor) -> Tensor:
-    """Per frame and channel: content standardised, then given the style's mean and std.
-
-    Not clamped (the reference is not); :func:`color_correct` clamps.
-    """
+    """Per frame and channel: content standardised, then given the style's mean and std. Not
+    clamped (the reference is not); :func:`color_correct` clamps."""
     dtype = content.dtype
     content, style = _prepare(content, style)
     c_mean, c_std = _mean_std(content)
@@ -243,19 +189,14 @@ def _lab_to_rgb(lab: Tensor) -> Tensor:
 
 
 def _quantile_positions(n_source: int, n_reference: int, rank: Tensor) -> Tensor:
-    """Index into a sorted reference of length m for the rank-th of n sorted source values.
-
-    Integer arithmetic, so equal lengths map every rank to itself (no float linspace drift).
-    """
+    """Index into a sorted reference of length m for the rank-th of n sorted source values;
+    integer arithmetic, so equal lengths map every rank to itself (no float linspace drift)."""
     return rank * max(n_reference - 1, 0) // max(n_source - 1, 1)
 
 
 def match_histogram(source: Tensor, reference: Tensor) -> Tensor:
-    """Exact sort-based histogram matching of all values of ``source`` to ``reference``.
-
-    The i-th smallest source value receives the i-th smallest reference value (quantile
-    mapping when the counts differ). Stable sorts resolve ties by position, reproducibly.
-    """
+    """Exact sort-based histogram matching of all values of ``source`` to ``reference``
+    (quantile mapping when the counts differ; stable sorts resolve ties by position)."""
     src = source.reshape(-1)
     ref_sorted = reference.reshape(-1).sort(stable=True).values
     order = src.sort(stable=True).indices
@@ -294,12 +235,9 @@ def _saturation(x11: Tensor) -> Tensor:
 
 
 def _hsv_key(x11: Tensor) -> Tensor:
-    """Sort key ``sector + s/2`` (N, H, W) of RGB in [-1, 1].
-
-    Sorting the key orders pixels by hue sector, then saturation (s/2 < 1 keeps sectors
-    apart; float32 resolves s to ~2e-6, plenty for a quantile mapping). Sector
-    ``HSV_HUE_BINS`` holds the achromatic pixels.
-    """
+    """Sort key ``sector + s/2`` (N, H, W) of RGB in [-1, 1]: pixels by hue sector, then
+    saturation (s/2 < 1 keeps sectors apart; float32 resolves s to ~2e-6, plenty for a quantile
+    mapping). Sector ``HSV_HUE_BINS`` holds the achromatic pixels."""
     rgb = _to_unit(x11)
     r, g, b = rgb.unbind(1)
     value, argmax = rgb.max(dim=1)
@@ -315,11 +253,8 @@ def _hsv_key(x11: Tensor) -> Tensor:
 
 
 def _hue_conditional_match(key: Tensor, ref_key: Tensor) -> Tensor:
-    """Matched saturation per content pixel (flat), or -1 where it stays as it is.
-
-    One sort per image orders the pixels by sector, then saturation; every sector is then a
-    contiguous run of the sorted arrays, found by binary search, and is matched on its own.
-    """
+    """Matched saturation per content pixel (flat), or -1 where it stays as it is. One sort per
+    image; every sector is a contiguous run of it, found by binary search, matched on its own."""
     ref_sorted = ref_key.reshape(-1).sort(stable=True).values
     sorted_key, order = key.reshape(-1).sort(stable=True)
     edges = torch.arange(HSV_HUE_BINS + 1, dtype=sorted_key.dtype, device=sorted_key.device)
@@ -386,11 +321,8 @@ def wavelet_adaptive(content: Tensor, style: Tensor) -> Tensor:
 
 
 def color_correct(content: Tensor, style: Tensor, method: str) -> Tensor:
-    """Re-colour ``content`` after ``style`` (both (T, 3, H, W) in [-1, 1]) with ``method``.
-
-    Returns content's dtype and device with values in [-1, 1]; ``"none"`` returns content
-    itself. Raises ``OptionError`` for an unknown method.
-    """
+    """Re-colour ``content`` after ``style`` (both (T, 3, H, W) in [-1, 1]) with ``method``:
+    content's dtype and device, values in [-1, 1]; ``"none"`` returns content itself."""
     if method not in COLOR_METHODS:
         raise OptionError(f"color_correction {method!r}: expected one of "
                           f"{', '.join(COLOR_METHODS)}")

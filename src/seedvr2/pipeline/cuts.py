@@ -1,44 +1,11 @@
 """Scene cuts: where one shot ends and the next begins, found before the batch plan is made.
 
-A cut is the first frame of a new shot. The plan (:mod:`.plan`) never puts frames of two shots
-in one batch, cross-fade or prepended context, so nothing of a shot leaks into the next.
-
-Detection compares each frame with the one before on a small copy (at most
-:data:`SMALL_WIDTH` pixels wide, each the mean of 4 x 4 samples over its area; numpy float32);
-only the previous frame's features are kept, so memory does not grow with the length. A cut
-needs two measures to agree:
-
-* structure: the correlation of the two small grey frames, each normalised to mean 0 and
-  standard deviation 1. A brightness or contrast step leaves it at ~1 (it is invariant to
-  either), a slow pan keeps it high (neighbouring pixels of a small frame are alike); a new
-  shot drops it to about 0.
-* colour: the distance (half the L1 norm, 0..1) between the frames' RGB histograms
-  (4 x 4 x 4 bins, each colour shared between the bins around it). Fast motion in one scene
-  changes the structure but keeps the colours.
-
-A flat frame (no structure: grey standard deviation under :data:`FLAT_STD`) counts as changed
-structure next to any other frame. Between two flat frames colour alone can decide, and it is
-their mean chromaticity (r, g, b over r + g + b) that is compared: the same colour brighter or
-darker is the same shot, another hue is a new one; black (mean grey under :data:`DARK`) has no
-hue. Limits: a cut between two shots of the same colours and layout, and a cross-fade (no
-single frame changes enough), are not found; give those cuts by hand (``scene_cuts=120,348``).
-
-Over the stream (:func:`detect_cuts`): a faint frame (grey deviation under :data:`FADE_STD`)
-next to a flat one is a fade to or from black, not a cut; the first frame with structure after
-flat ones is a cut when its structure differs from the last one before them (a fade through
-black into another shot). A **flash** is two changes that cancel: when the frame after a cut
-within :data:`FLASH_FRAMES` (or ``min_scene_length``) of the previous one returns to the shot
-before that previous cut, neither is a cut. A short shot whose content does not return is cut
-on both sides (trailers and music videos cut every few frames). ``min_scene_length``
-(PySceneDetect's ``min_scene_len``, 1 by default: no cut is hidden) makes no shot shorter: a
-cut closer than that to the previous one is dropped.
-
-The thresholds sit inside the gaps measured on tests/test_scene_cuts.py's clips and the
-suite's test clip: hard cuts gave correlations of -0.1 to 0.1 and histogram distances of 0.25
-to 1; 2 px/frame pans correlations over 0.9 (distance under 0.02); brightness steps over 0.84
-and contrast steps ~1.0 (distances up to 0.9); a thin line moving fast over a slowly
-brightening frame 0.08 but a distance of 0.05.
-"""
+A cut is the first frame of a new shot. The plan (:mod:`.plan`) never puts frames of two shots in
+one batch, cross-fade or prepended context, so nothing of a shot leaks into the next. What a cut
+is to ``auto`` (flashes, fades, ``min_scene_length``, limits) and the measurements the thresholds
+sit between: docs/media.md#scene-cuts. Detection keeps only the previous frame's features
+(:class:`FrameFeatures`, of a copy at most :data:`SMALL_WIDTH` pixels wide, in numpy float32), so
+memory does not grow with the length."""
 
 from __future__ import annotations
 
@@ -91,8 +58,7 @@ def frame_features(frame, index: int = 0) -> FrameFeatures:
     frame = source_frame(frame, index).cpu().numpy()
     height, width = frame.shape[:2]
     size = (max(1, round(height * min(width, SMALL_WIDTH) / width)), min(width, SMALL_WIDTH))
-    # 4 x 4 samples spread evenly over each small pixel's area, averaged: an area average of
-    # a large frame at 1/100 of its reads.
+    # 4 x 4 evenly spread samples per small pixel, averaged: an area average at 1/100 of the reads.
     rows, cols = (np.linspace(0, n - 1, 4 * k).round().astype(int) for n, k in zip(
         (height, width), size))
     sample = frame[rows[:, None], cols[None, :], :3].astype(np.float32)  # alpha dropped
@@ -108,9 +74,8 @@ def frame_features(frame, index: int = 0) -> FrameFeatures:
 
 
 def _soft_histogram(rgb: np.ndarray) -> np.ndarray:
-    """(n, 3) colours in [0, 1] -> (64,) histogram, each colour shared between the 8 bin
-    centres around it (trilinear): a colour drifting across a bin edge moves the histogram
-    by as much as it drifts, not all at once."""
+    """(n, 3) colours in [0, 1] -> (64,) histogram, each shared trilinearly between the 8 bin
+    centres around it: a colour drifting across a bin edge moves it gradually, not all at once."""
     position = np.clip(rgb, 0, 1) * (_BINS - 1)
     low = np.minimum(np.floor(position), _BINS - 2)
     frac, low = position - low, low.astype(int)
@@ -123,7 +88,10 @@ def _soft_histogram(rgb: np.ndarray) -> np.ndarray:
 
 
 def is_cut(before: FrameFeatures, after: FrameFeatures) -> bool:
-    """Whether ``after`` starts a new shot next to ``before`` (the module's description)."""
+    """Whether ``after`` starts a new shot next to ``before``: a grey correlation (invariant to
+    brightness and contrast) under :data:`MAX_CORRELATION`, a flat frame's structure differing from
+    any other's, and a histogram distance (half the L1 norm) over :data:`MIN_HISTOGRAM_DISTANCE`;
+    between two flat frames their mean chromaticity alone, black having no hue."""
     if before.grey is None and after.grey is None:
         if min(before.mean, after.mean) < DARK:
             return False  # black is black: the hue of a dark frame is its noise
@@ -201,8 +169,7 @@ def resolve_scene_cuts(opts: Options, frame_count: int,
 
 
 def _warn_if_prepend_shortened(prepend: int, cuts: tuple, frame_count: int):
-    """The plan prepends copies of frames 1..P of the first shot, so at most one less than
-    its length: say so when fewer than asked for are."""
+    """At most the first shot's length - 1 frames are prepended (1..P of it): say when fewer are."""
     length = cuts[0] if cuts else frame_count
     if prepend > length - 1:
         shot = f"the first shot has {length} frames (a scene cut at frame {length})" if cuts \

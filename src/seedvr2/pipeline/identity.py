@@ -5,8 +5,7 @@ and input; names and sizes do not say that (a checkpoint with one bias changed h
 files are compared by a full SHA-256. Hashing 16 GB takes seconds, so each digest is cached
 by the file's real path, size, mtime and inode in ``$SEEDVR2_CACHE_DIR/file-digests.json``
 (default ``~/.cache/seedvr2``, or under ``$XDG_CACHE_HOME``); a cache that cannot be read or
-written only costs time.
-"""
+written only costs time."""
 
 from __future__ import annotations
 
@@ -99,8 +98,7 @@ class ModelRef:
 
 
 def model_refs(dit, vae, model_dir: Path) -> tuple[ModelRef, ModelRef]:
-    """Both models resolved: files found or downloaded before either loads, so one error
-    names every missing file."""
+    """Both models resolved before either loads, so one error names every missing file."""
     specs = {"dit": dit, "vae": vae}
     wanted = [(spec or default, kind) for (kind, spec), default in
               zip(specs.items(), (DEFAULT_DIT, DEFAULT_VAE))
@@ -121,10 +119,9 @@ def _module_digest(module: torch.nn.Module) -> str:
 
 
 def job_identity(opts: Options, source: str, models: tuple[ModelRef, ModelRef]) -> dict:
-    """The one fingerprint of a job, what its frames depend on: the options that shape the
-    output (not :data:`~seedvr2.options.NOT_SHAPING_OUTPUT`), the input (``source``: its
-    digest) and the weights by content. Ranks agree on it (:func:`identity_digest`); the
-    resume journal records it."""
+    """A job's one fingerprint, what its frames depend on: the options that shape the output (not
+    :data:`~seedvr2.options.NOT_SHAPING_OUTPUT`), the input (``source``: its digest) and the weights
+    by content. Ranks agree on it (:func:`identity_digest`); the resume journal records it."""
     text = Path(str(opts.text_embeddings))
     # Tuples (the resolved scene_cuts) as lists: the resume journal compares a re-read JSON.
     return {"options": {k: list(v) if isinstance(v, tuple) else v

@@ -1,7 +1,6 @@
 """A job and its set-up, the one recipe of one process and of every rank: fit the options to
 this device's memory from the weight files' headers (:mod:`seedvr2.memory.fit`), then load
-each model once, placed as they say (:mod:`.model_loading`); a file job's output and plan.
-"""
+each model once, placed as they say (:mod:`.model_loading`); a file job's output and plan."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ class Job:
     faults: Faults = NO_FAULTS
     # The host's request for free memory (memory.fit.decide); one process only, never pickled.
     make_room: Optional[MakeRoom] = field(default=None, compare=False)
-    # A ``preview.FramePreview`` where frames are blended: this process, or the writer rank
-    # (spawned, it relays to the launcher's).
+    # A ``preview.FramePreview`` where frames are blended: here, or the writer rank (relaying it).
     preview: Optional[Callable] = field(default=None, compare=False)
 
     @classmethod
@@ -97,9 +95,8 @@ def _record(stats: Optional[JobStats], opts: Options, auto: bool, est: mem.Estim
 def prepare_job(models: Models, opts: Options, frame_count: int, size: tuple[int, int],
                 stats: Optional[JobStats] = None, make_room: Optional[MakeRoom] = None,
                 fixed_batch: bool = False) -> Options:
-    """The memory decision of :meth:`Job.prepare` for models already loaded (custom
-    pipelines): the options to run with, or ``BudgetError``; a fit that moves a model asks
-    the caller to load it again placed that way."""
+    """The memory decision of :meth:`Job.prepare` for loaded models (custom pipelines): the options
+    to run with, or ``BudgetError``; a fit that moves a model asks for it reloaded so."""
     where = ModelDevices(models.dit_device, models.vae_device, models.dtype, models.dit_offload,
                          models.vae_offload)
     memory = Job.build(opts, models.dit, models.vae).memory(where)
@@ -111,12 +108,11 @@ def prepare_job(models: Models, opts: Options, frame_count: int, size: tuple[int
 
 def fit_for_ranks(job: Job, devices: list[str], frame_count: int, size: tuple[int, int],
                   gather=None) -> Job:
-    """The options of a job over several processes, which all run one batch plan: fitted
-    once, as one process's, for the device with the least memory, from the weight files'
-    headers; each rank then checks its own device keeping that batch. ``gather`` (torchrun:
-    every rank calls this) turns this process's available bytes into every rank's; without it
-    each device is measured from here, a CUDA one only for ``batch_size`` auto (measuring
-    creates a CUDA context on it)."""
+    """The options of a job over several processes, which all run one batch plan: fitted once, as
+    one process's, for the device with the least memory, from the weight files' headers; each rank
+    then checks its own device keeping that batch. ``gather`` (torchrun: every rank calls this)
+    turns this process's available bytes into every rank's; without it each device is measured from
+    here, a CUDA one only for ``batch_size`` auto (measuring creates a CUDA context on it)."""
     opts = job.opts
     first = resolve_device(devices[0])
     measure = opts.batch_size == "auto" or first.type != "cuda"
@@ -143,8 +139,7 @@ def fit_for_ranks(job: Job, devices: list[str], frame_count: int, size: tuple[in
 
 def file_output(reader, dst, opts: Options, codec: str = "h264",
                 overwrite: bool = False) -> FileOutput:
-    """The output of a file job, from the input's header; an output that would replace the
-    input is refused first."""
+    """A file job's output, from the input's header; one that would replace the input is refused."""
     refuse_input_as_output(input_files(reader), dst)
     info, video = reader.info, Path(str(dst)).suffix.lower() in VIDEO_SUFFIXES
     bit_depth = 16 if info.bit_depth == 16 or video and codec == "h265" else 8
@@ -163,8 +158,7 @@ def check_file_job(src, dst, opts: Options, codec: str, overwrite: bool,
 
 
 def plan_file(reader, opts: Options):
-    """Batch plan of a file job, the same in one process and on every rank; ``batch_size``
-    must be a number by now."""
+    """A file job's batch plan, the same in every process (``batch_size`` a number by now)."""
     if opts.batch_size == "auto":
         raise OptionError("batch_size = 'auto' must be resolved before the batch plan is made "
                           "(Job.prepare or fit_for_ranks)")

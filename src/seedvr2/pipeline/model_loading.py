@@ -84,8 +84,7 @@ def load_models(dit=None, vae=None, *, opts: Options, model_dir=None) -> Models:
     dit_ref, vae_ref = model_refs(dit, vae, model_dir)
     dit, dit_placement = _ready_model(dit_ref, opts, dtype, dit_device, dit_offload)
     vae, vae_placement = _ready_model(vae_ref, opts, dtype, vae_device, vae_offload)
-    # Per run, not per load: they change how the VAE runs, not what it holds (a cached or
-    # given VAE runs with this job's settings).
+    # Per run, not per load: how the VAE runs, not what it holds (cached or given VAEs too).
     vae.set_conv_settings(cudnn_benchmark=opts.vae_cudnn_benchmark, paths=choose_paths(
         vae_device, vae.dtype, channels_last=opts.vae_channels_last,
         fp16_accumulation=opts.vae_fp16_accumulation,
@@ -101,8 +100,7 @@ def load_models(dit=None, vae=None, *, opts: Options, model_dir=None) -> Models:
 
 
 def _ready_model(ref: ModelRef, opts: Options, dtype, device, offload):
-    """One model and its placement: a loaded module moved where the options say, a file
-    loaded through the model cache."""
+    """A model and its placement: a given module moved as the options say, a file via the cache."""
     setting = f"{ref.kind}_offload_device"
     if ref.loaded:
         model = ref.model.to(device=device if offload is None else offload, dtype=dtype)

@@ -1,23 +1,21 @@
-"""The batch plan: the single source of truth for how a video is cut into temporal batches,
-computed from the frame count and the options before any frame is read (every process
-derives the same plan).
+"""The batch plan: the single source of truth for how a video is cut into temporal batches, computed
+from the frame count and the options before any frame is read (every process derives the same plan).
 
 Timeline. ``prepend_frames`` P reversed copies of frames 1..P are put in front of the video
-(temporal context for its first frames) and dropped from the output, so plan frame i is
-source frame ``P - i`` for i < P and ``i - P`` after.
+(temporal context for its first frames) and dropped from the output, so plan frame i is source frame
+``P - i`` for i < P and ``i - P`` after.
 
 Batches. Consecutive windows of ``batch_size`` plan frames, each starting ``temporal_overlap``
-frames before the previous one ends. The VAE needs 4n+1 frames: a short last batch is padded
-by repeating its last frame, to the next 4n+1 length or, with ``uniform_batch_size``, to
+frames before the previous one ends. The VAE needs 4n+1 frames: a short last batch is padded by
+repeating its last frame, to the next 4n+1 length or, with ``uniform_batch_size``, to
 ``batch_size``. Frames shared by two batches are cross-faded (see :func:`blend_weights`).
 
-Shots. Scene cuts (``scene_cuts``, :mod:`.cuts`) split the video into shots, each planned as
-above on its own: no batch holds frames of two shots, the first batch of a shot shares no
-frames with the one before, and the prepended frames come from the first shot only.
+Shots. Scene cuts (``scene_cuts``, :mod:`.cuts`) split the video into shots, each planned as above
+on its own: no batch holds frames of two shots, the first batch of a shot shares no frames with the
+one before, and the prepended frames come from the first shot only.
 
-Chunks. Batches are grouped into chunks of about ``chunk_size`` new frames; the pipeline runs
-encode → DiT → decode phase by phase over a chunk, so at most a chunk's frames are in flight.
-"""
+Chunks. Batches are grouped into chunks of about ``chunk_size`` new frames; the pipeline runs encode
+→ DiT → decode phase by phase over a chunk, so at most a chunk's frames are in flight."""
 
 from __future__ import annotations
 

@@ -2,9 +2,7 @@
 
 Whoever blends batches into final frames hands each to a :class:`FramePreview`, which passes a
 thumbnail of the newest to the host's ``show`` (ComfyUI's progress-bar preview) once
-:data:`PREVIEW_INTERVAL_S` has passed: one small copy a second, never one per frame
-(docs/comfyui.md, "Live previews").
-"""
+:data:`PREVIEW_INTERVAL_S` has passed, never one per frame (docs/comfyui.md, "Live previews")."""
 
 from __future__ import annotations
 

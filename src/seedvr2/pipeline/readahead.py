@@ -2,8 +2,7 @@
 frame iterator in a bounded queue, so decoding the next batch's frames overlaps the current
 batch's compute. Only the reading thread advances the wrapped iterator, and it closes it
 before it ends; ``close()`` waits for that, so the reader's owner may close the reader once it
-returns. An exception from the iterator reaches the caller after the items read before it.
-"""
+returns. An exception from the iterator reaches the caller after the items read before it."""
 
 from __future__ import annotations
 

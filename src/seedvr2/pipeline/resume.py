@@ -3,8 +3,7 @@
 The output is kept beside it, in ``.NAME.seedvr2-resume/``, as closed pieces (segments of
 whole plan chunks, parts of the segment being written), the blend tail and a journal naming
 each with its SHA-256; the same job run again verifies them and computes only what is
-missing, so the file is that of an uninterrupted run. How, and its limits: docs/resume.md.
-"""
+missing, so the file is that of an uninterrupted run. How, and its limits: docs/resume.md."""
 
 from __future__ import annotations
 
@@ -234,8 +233,6 @@ class ResumeState:
             self.release()
             raise
 
-    # -- opening ----------------------------------------------------------------------------
-
     def _open(self, fresh: bool):
         journal = self._read()
         if journal is not None and fresh:
@@ -363,8 +360,6 @@ class ResumeState:
     def _tail_name(self) -> str:
         return f"tail-{self.pieces[-1].last_batch:06d}.npy" if self.pieces else ""
 
-    # -- where to continue --------------------------------------------------------------------
-
     @property
     def next_batch(self) -> int:
         return self.pieces[-1].last_batch + 1 if self.pieces else 0
@@ -379,8 +374,7 @@ class ResumeState:
 
     @property
     def remaining_batches(self) -> list[int]:
-        """Plan batch indices still to compute (whole chunks), a chunk computed again only for
-        its blend tail first."""
+        """Batches still to compute (whole chunks), a chunk recomputed for its blend tail first."""
         return [*self.context, *range(self.next_batch, len(self.plan.batches))]
 
     @property
@@ -399,8 +393,6 @@ class ResumeState:
     def segment_path(self, segment: Segment) -> Path:
         name = f"seg-{segment.number:05d}"
         return self.folder / (name if self.ext == "/" else name + self.ext)
-
-    # -- closing pieces -----------------------------------------------------------------------
 
     def checkpoint_due(self) -> bool:
         interval = self.faults.checkpoint_seconds
@@ -446,8 +438,7 @@ class ResumeState:
         _write_atomically(self.folder / JOURNAL, json.dumps(journal, indent=1).encode())
 
     def read_part(self, part: Piece):
-        """The part's frames, hashed as read: one changed since verified fails before its
-        segment is closed."""
+        """The part's frames, hashed as read: a change since verification fails before closing."""
         shape = part.shape
         frame_bytes = int(np.prod(shape)) * self.dtype.itemsize
         digest = hashlib.sha256()
@@ -471,8 +462,6 @@ class ResumeState:
         for piece in self.pieces:
             if _problem(self.folder / piece.name, piece.sha256):
                 raise MediaError(self._changed(piece.name))
-
-    # -- the end ------------------------------------------------------------------------------
 
     def release(self):
         if self._lock is not None:
@@ -549,8 +538,7 @@ def run_resumable(compute, state: ResumeState, info, output, progress=None, stat
 
 
 def _restored_blender(state: ResumeState, outputs):
-    """The blend state after the last kept piece: its tail, or the chunk computed again for
-    it (taken from ``outputs``)."""
+    """The blend state after the last kept piece: its tail, or its chunk again from ``outputs``."""
     blender = OverlapBlender(state.plan)
     for expected in state.context:  # computed again for its blend tail only
         batch, out = next(outputs)
@@ -585,8 +573,7 @@ def _assemble(state: ResumeState, info, output):
 def _segment_writer(segment: Segment, state: ResumeState, info, output):
     """The writer of one segment file (video) or folder (lossless PNGs)."""
     path, video = state.segment_path(segment), state.ext != "/"
-    # Image segments stay as stored: the final writer turns them upright (rotation, pixel
-    # aspect) when it reads them back; video segments carry the tags either way.
+    # Image segments stay as stored (the final writer turns them upright); video ones carry tags.
     times = None
     if video and info.frame_times:  # variable rate: this segment's frames at their own times
         first = info.frame_times[segment.first_frame]
@@ -596,8 +583,7 @@ def _segment_writer(segment: Segment, state: ResumeState, info, output):
                       bit_depth=output.bit_depth, codec=output.codec, frame_times=times,
                       upright=False)
     with warnings.catch_warnings():
-        # A segment carries no audio or subtitles by design (the assembly adds the audio);
-        # what the final output cannot hold was said when it was checked at the start.
+        # Segments hold no audio or subtitles (added at assembly, or warned of at the start).
         warnings.simplefilter("ignore", UserWarning)
         return open_writer(str(path) if video else f"{path}/", spec, like=info, overwrite=True)
 

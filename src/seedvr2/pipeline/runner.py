@@ -5,8 +5,7 @@ decode), so the models are switched once per chunk. Decoded batches are colour-c
 against their resized input, blended where batches overlap, and yielded as soon as no later
 batch can change them; nothing holds the whole video. Every random draw is seeded by (seed,
 the batch's first plan frame, purpose) on the CPU: the same frames whatever the chunking,
-the device, or which process runs the batch.
-"""
+the device, or which process runs the batch."""
 
 from __future__ import annotations
 
@@ -61,8 +60,7 @@ class Models:
     dtype: torch.dtype = torch.float32
     dit_offload: Optional[torch.device] = None
     vae_offload: Optional[torch.device] = None
-    # memory.placement.OffloadedModel or memory.blockswap.BlockSwap: moves the model's weights
-    # between its offload and compute devices; None: the model stays on its device.
+    # OffloadedModel or BlockSwap (memory/): moves weights between offload and compute; None: stays.
     dit_placement: Optional[object] = None
     vae_placement: Optional[object] = None
 
@@ -90,8 +88,7 @@ class PhaseStats:
     host_rss: Optional[int] = None
 
     def describe(self, name: str) -> str:
-        """``encode 1.2s (device peak 3 MiB allocated, 4 MiB reserved; host RSS 900 MiB)``;
-        without a CUDA device only the host RSS."""
+        """``encode 1.2s (device peak 3 MiB allocated, 4 MiB reserved; host RSS 900 MiB)``."""
         mib = lambda n: "n/a" if n is None else f"{n / 2**20:,.0f} MiB"  # noqa: E731
         device = "" if self.device_allocated is None and self.device_reserved is None else \
             (f"device peak {mib(self.device_allocated)} allocated, "
@@ -164,15 +161,12 @@ def _randn(shape, seed: int, device, dtype=torch.float32) -> torch.Tensor:
 
 
 EPS, NOISE, AUG_NOISE, INPUT_NOISE = range(4)
-
-
 _INTEGER_SCALE = {torch.uint8: 255.0, torch.uint16: 65535.0}
 
 
 def source_frame(frame, index: int) -> torch.Tensor:
-    """One input frame (H, W, C) as a CPU tensor in its own precision, checked: uint8 and
-    uint16 stay integers (converted on the compute device, so 4x / 2x fewer bytes cross to
-    it than float32), anything else becomes float32 in [0, 1]."""
+    """One input frame (H, W, C) as a checked CPU tensor: uint8 / uint16 stay integers (converted on
+    the compute device: 4x / 2x fewer bytes cross than float32), the rest float32 in [0, 1]."""
     if isinstance(frame, np.ndarray):
         if frame.dtype in (np.uint8, np.uint16):
             frame = torch.from_numpy(np.ascontiguousarray(frame))
@@ -238,8 +232,7 @@ def input_frames(frames) -> torch.Tensor:
                              f"frames must be 0..255 (8-bit) or 0..65535 (16-bit); give float32 "
                              f"in [0, 1] for anything else")
         return frames.to(fits[0])
-    # Per-frame reductions: no temporary the size of the input. Both propagate NaN, and an
-    # infinity is its frame's minimum or maximum.
+    # Per-frame reductions (no input-sized temporary) propagate NaN; an infinity is a min or max.
     low, high = frames.amin(dim=(1, 2, 3)), frames.amax(dim=(1, 2, 3))
     finite = torch.isfinite(low) & torch.isfinite(high)
     if not finite.all():
@@ -257,6 +250,8 @@ def input_frames(frames) -> torch.Tensor:
 def unit_float(frames: torch.Tensor) -> torch.Tensor:
     """Source frames (any device) as float32 in [0, 1]; uint8/uint16 keep their full
     precision. The division is exactly rounded, so the values do not depend on the device."""
+
+
     scale = _INTEGER_SCALE.get(frames.dtype)
     return frames.float() if scale is None else frames.float() / scale
 
@@ -267,9 +262,8 @@ def to_float_frame(frame, index: int) -> torch.Tensor:
 
 
 def integer_frames(frames: torch.Tensor, bit_depth: int) -> torch.Tensor:
-    """Float frames in [0, 1] -> uint8 / uint16 on the frames' own device (on a GPU only the
-    integers cross to the host). Device-independent: a product, rounding half to even and a
-    clamp are exactly rounded IEEE operations on CPU and CUDA alike."""
+    """Float frames in [0, 1] -> uint8 / uint16 on their own device (only integers cross to the
+    host), device-independent: product, round half to even and clamp are exact IEEE ops."""
     scale = 65535.0 if bit_depth == 16 else 255.0
     values = (frames * scale).round_().clamp_(0, scale)
     return values.to(torch.uint16 if bit_depth == 16 else torch.uint8)
@@ -282,8 +276,7 @@ def to_integer_frames(frames: torch.Tensor, bit_depth: int):
 
 class FrameSource:
     """Plan frames on demand from a forward-only frame iterator, keeping only what is still
-    needed, each in its source precision (:func:`source_frame`); ``pin``: in pinned memory,
-    for copies to a CUDA device that do not block the host."""
+    needed, in source precision; ``pin``: pinned, so copies to a CUDA device do not block."""
 
     def __init__(self, frames: Iterable, plan: BatchPlan, first_source: int = 0,
                  needed: Optional[set] = None, pin: bool = False):
@@ -342,23 +335,18 @@ class Encoded:
     result: Optional[torch.Tensor] = None  # x0 latent, then decoded frames
 
 
-# Stop checks on CUDA wait until the device has finished the work queued this many checks
-# ago: without that the host runs ahead of the device by the whole launch queue (a DiT
-# forward, a VAE pass), and a Cancel would wait for all of it.
+# On CUDA a stop check waits for the work queued this many checks ago: else the host runs a whole
+# launch queue (a DiT forward, a VAE pass) ahead, and a Cancel waits for all of it.
 CHECKS_IN_FLIGHT = 2
 
 
 class StopPoints:
-    """Where a running phase reads the stop flag: between batches, DiT blocks, VAE layers
-    and tiles, and colour correction.
-
-    The checks reach the models as forward pre-hooks registered for the job and as the
-    tiling's ``between`` callback (``models/`` stays pure torch). Hooks run in
-    ``Module.__call__``, outside what torch.compile replaces (``memory.compile``: per DiT
-    block, the VAE's encoder/decoder whole), so a compiled VAE gets no hooks inside (they
-    would break its graph) and is checked between tiles and slices only. On CUDA each check
-    records an event and waits for the one ``CHECKS_IN_FLIGHT`` checks back (never a device-
-    or stream-wide sync), which bounds how far the host runs ahead."""
+    """Where a running phase reads the stop flag (docs/comfyui.md#progress-and-cancel): forward
+    pre-hooks registered for the job and the tiling's ``between`` callback (``models/`` stays pure
+    torch). Hooks run in ``Module.__call__``, outside what torch.compile replaces
+    (``memory.compile``: per DiT block, the VAE's encoder/decoder whole), so a compiled VAE gets no
+    hooks inside (they would break its graph). On CUDA each check waits for the event of the one
+    ``CHECKS_IN_FLIGHT`` checks back, never a device- or stream-wide sync."""
 
     def __init__(self, should_stop: Callable[[], bool]):
         self.should_stop = should_stop
@@ -392,17 +380,14 @@ class StopPoints:
         """Register the checks on the models; returns the handles (``remove()`` each)."""
         handles = []
         dit = models.dit
-        # Sequence parallelism: the ranks of a group meet in collectives inside every block;
-        # a rank leaving mid-forward would leave the others waiting, so they stop between
-        # batches, together.
+        # Sequence parallelism: a group's ranks meet in collectives inside every block; one leaving
+        # mid-forward would strand the others, so they stop between batches, together.
         if getattr(dit, "sequence_parallel", None) is None:
             handles += [block.register_forward_pre_hook(self._hook) for block in dit.blocks]
         vae = models.vae
         for half in (vae.encoder, vae.decoder):
             if is_compiled(half):
                 continue
-            # Every layer called as a module: residual blocks, their norms (each before a
-            # convolution), attentions, samplers, the outer convolutions.
             handles += [m.register_forward_pre_hook(self._hook) for m in half.modules()]
         return handles
 
@@ -424,8 +409,7 @@ class Upscaler:
         self.stats = stats if stats is not None else JobStats()  # this job's, recorded as it runs
         # A file job rounds frames to integers on the device: a 4x / 2x smaller copy to the host.
         self.frames_on_device = frames_on_device
-        # DiT and VAE on different devices: batches are encoded on a thread up to a chunk ahead
-        # while the DiT runs, with the results of the phases run one after the other.
+        # DiT and VAE on different devices: encoding runs a chunk ahead on a thread, same results.
         self.overlap_phases = models.dit_device != models.vae_device
         self._pending_times: list = []  # (phase, start event, end event) not yet read
         self._clock_lock = threading.Lock()
@@ -434,8 +418,6 @@ class Upscaler:
         self._stops = StopPoints(self.should_stop)
         if isinstance(opts.batch_size, int):
             self.stats.batch_size = opts.batch_size
-
-    # -- phases ---------------------------------------------------------------------------
 
     def _vae_between(self):
         self._stops(self.models.vae_device)
@@ -534,8 +516,6 @@ class Upscaler:
         item.source = None
         return out.permute(0, 2, 3, 1).to(device if self.frames_on_device else self.offload)
 
-    # -- the job --------------------------------------------------------------------------
-
     @contextmanager
     def _phase(self, phase: str):
         """Time and memory peaks of one phase call. On CUDA the time is two events read later
@@ -596,11 +576,9 @@ class Upscaler:
     def batch_outputs(self, frames: Iterable, plan: BatchPlan,
                       batches: Optional[Sequence[int]] = None) -> Iterator[tuple[Batch, torch.Tensor]]:
         """Decoded, colour-corrected frames (n, H, W, C) of each batch, unblended, in plan order.
-
         ``batches`` (contiguous, ascending) restricts the job to a share of the plan; ``frames``
-        must then start at :meth:`BatchPlan.read_start` of them. Each model is activated once
-        per chunk; with the phases overlapping both stay active and the next chunk is encoded
-        on a thread while the DiT runs (its latents and input frames are the extra memory)."""
+        must then start at :meth:`BatchPlan.read_start` of them. With the phases overlapping both
+        models stay active and the next chunk is encoded on a thread while the DiT runs."""
         chosen = list(range(len(plan.batches))) if batches is None else list(batches)
         needed = None if batches is None else {
             plan.source_index(f) for i in chosen for f in range(plan.batches[i].start, plan.batches[i].stop)}
@@ -690,10 +668,9 @@ class Upscaler:
 
 def final_frames(plan: BatchPlan, outputs, progress: Optional[Progress] = None,
                  stats: Optional[JobStats] = None, check_stop=None, preview=None):
-    """Each batch's ``outputs`` (in plan order) blended into final frames, yielded one at a
-    time as (first source frame, frames): ``check_stop`` runs before each, so a Cancel while
-    the consumer writes waits for one frame, not a batch. ``progress`` and ``stats`` are told
-    the frames finished, ``preview`` (a ``FramePreview``) is shown each one."""
+    """Each batch's ``outputs`` (in plan order) blended into final frames, yielded one at a time
+    as (first source frame, frames): ``check_stop`` runs before each, so a Cancel while the consumer
+    writes waits for one frame, not a batch; ``progress``, ``stats`` and ``preview`` see each."""
     blender = OverlapBlender(plan)
     for batch, out in outputs:
         for first, final in blender.add(batch, out):
@@ -711,9 +688,8 @@ def final_frames(plan: BatchPlan, outputs, progress: Optional[Progress] = None,
 
 
 class OverlapBlender:
-    """Turns per-batch outputs, given in plan order, into final frames: cross-fades each
-    overlap and drops the prepended frames. Whoever gathers batches (one process or the
-    writer rank of many) blends through this one class, so results are identical."""
+    """Per-batch outputs, in plan order, into final frames: each overlap cross-faded, the
+    prepended frames dropped. One process and the writer rank of many both blend through it."""
 
     def __init__(self, plan: BatchPlan):
         self.plan = plan

@@ -6,8 +6,7 @@ schedule is pure noise, so ``x_0 = noise − v``; classifier-free guidance is of
 so only the positive text embedding is used.
 
 The DiT input per latent position is ``[x_t (16) | low-res latent (16) | mask (1) = 1]``.
-The low-res latent is the VAE posterior of the resized input, scaled by 0.9152, channels-last.
-"""
+The low-res latent is the VAE posterior of the resized input, scaled by 0.9152, channels-last."""
 
 from __future__ import annotations
 
@@ -29,10 +28,8 @@ _video_shift = _lin(256 * 256 * 37, 1.0, 1280 * 720 * 145, 5.0)
 
 def timestep_transform(t: torch.Tensor, latent_thw) -> torch.Tensor:
     """Resolution-dependent timestep shift: larger inputs spend longer at high noise.
-
     ``latent_thw`` = (T, h, w) of the latent; the shift is linear in the pixel count (times the
-    frame count for videos), ``t' = T·s·u / (1 + (s − 1)·u)`` with ``u = t/T``.
-    """
+    frame count for videos), ``t' = T·s·u / (1 + (s − 1)·u)`` with ``u = t/T``."""
     lt, lh, lw = (float(v) for v in latent_thw)
     frames = (lt - 1) * TEMPORAL_FACTOR + 1
     pixels = lh * SPATIAL_FACTOR * lw * SPATIAL_FACTOR
@@ -43,10 +40,9 @@ def timestep_transform(t: torch.Tensor, latent_thw) -> torch.Tensor:
 
 def augment_latent(latent: torch.Tensor, aug_noise: torch.Tensor, noise_scale: float) -> torch.Tensor:
     """Noise augmentation of the low-res latent (T, h, w, 16) at strength ``noise_scale``.
-
     Follows the official script, including its quirk: the timestep shift is computed from
-    ``latent.shape[1:]`` — (h, w, 16) read as (T, h, w) — rather than the latent's (T, h, w).
-    """
+
+    ``latent.shape[1:]`` — (h, w, 16) read as (T, h, w) — rather than the latent's (T, h, w)."""
     if noise_scale == 0:
         return latent
     t = timestep_transform(torch.tensor(T * noise_scale), latent.shape[1:]).item() / T

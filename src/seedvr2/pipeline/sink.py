@@ -1,9 +1,7 @@
-"""Where a file job's batches go: written directly, or through the resume journal's pieces.
-
-One process and the writer rank of several open the same sink (:func:`open_sink`) and hand it
-their producer: ``sink.consume(outputs_from)``, ``outputs_from(batches)`` yielding ``(batch,
-frames)`` for those plan batches in order.
-"""
+"""Where a file job's batches go: written directly, or through the resume journal's pieces. One
+process and the writer rank of several open the same sink (:func:`open_sink`) and hand it their
+producer: ``sink.consume(outputs_from)``, ``outputs_from(batches)`` yielding ``(batch, frames)``
+for those plan batches in order."""
 
 from __future__ import annotations
 

@@ -1,14 +1,12 @@
 """The work of a job before it runs (FLOPs and bytes per phase) and its time on the device.
 
-:class:`OpCounter` counts every operation it sees: FLOPs by torch's formulas (the fused
-attention by ``sdpa_flop_count``, comfy-kitchen's ``fp16_conv3d`` as a convolution) and bytes
-moved as if nothing were fused. ``bench/roofline.py`` runs it at real size on fake tensors; a
-job's estimate (:func:`job_work`) runs the models on ``meta`` tensors at a small size and
-scales: the VAE's work per output pixel and frame (its attention, a few % at 1080p, at that
-size's share), the DiT's per video token plus its windowed attention. :func:`device_rates`
-probes the device for about a second (cached); :meth:`JobWork.seconds` is the counted work at
-the probe's best and worst rates.
-"""
+:class:`OpCounter` counts every operation it sees: FLOPs by torch's formulas (the fused attention by
+``sdpa_flop_count``, comfy-kitchen's ``fp16_conv3d`` as a convolution) and bytes moved as if nothing
+were fused. ``bench/roofline.py`` runs it at real size on fake tensors; a job's estimate
+(:func:`job_work`) runs the models on ``meta`` tensors at a small size and scales: the VAE's work
+per output pixel and frame (its attention, a few % at 1080p, at that size's share), the DiT's per
+video token plus its windowed attention. :func:`device_rates` probes the device for about a second
+(cached); :meth:`JobWork.seconds` is the counted work at the probe's best and worst rates."""
 
 from __future__ import annotations
 
@@ -270,8 +268,7 @@ def job_work(dit: torch.nn.Module, vae_config, plan, opts, size: tuple[int, int]
 
 
 def log_work(models, plan, opts, size: tuple[int, int]) -> None:
-    """The plan's log line of work and time (only when INFO is logged: the probe takes a
-    second, once per device and dtype)."""
+    """Log the plan's work and time, at INFO only: the probe takes a second per device and dtype."""
     if log.isEnabledFor(logging.INFO):
         work = job_work(models.dit, models.vae.config, plan, opts, size, models.dtype)
         log.info("work: %s", work.describe(str(models.dit_device), models.dtype))
