@@ -353,7 +353,7 @@ def test_cli_with_a_named_device_loads_the_models_once_in_this_process(monkeypat
                   "--quiet"])
     assert reached.value.opts.device == "cuda:1"
     # Loaded by the command itself (then reused for every input), not per file by upscale_file.
-    assert reached.traceback[-2].name == "_upscale_jobs"
+    assert reached.traceback[-2].name == "_run_jobs"
 
 
 def _recorded_groups(monkeypatch, backend: str, dist_timeout: float):

@@ -7,6 +7,7 @@ runs. The jobs run through the command line, killed by the harness of test_resum
 from __future__ import annotations
 
 import re
+import sys
 import shutil
 import signal
 
@@ -230,7 +231,7 @@ def test_second_job_on_the_same_output_is_refused(clip, tiny_options, tmp_path):
         assert second.returncode == 1, second.stderr[-2000:]
         assert re.search(
             rf"error: another job is writing {re.escape(str(out))} \(process {os.getpid()} on "
-            rf"\S+, started [0-9T:+-]+: .*pytest.*\): its resume folder "
+            rf"\S+, started [0-9T:+-]+: {re.escape(' '.join(sys.argv))}\): its resume folder "
             rf"{re.escape(str(first.folder))} is in use\. Wait for it to finish \(or stop it\), "
             rf"or choose another output name", second.stderr), second.stderr[-2000:]
         assert first.folder.is_dir() and (first.folder / "owner.json").is_file()
