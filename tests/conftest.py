@@ -50,6 +50,19 @@ def pytest_configure(config):
             f"conformance kit not found at {path} ({source}; expected index.json there). "
             f"A complete checkout has it in tests/conformance; unset SEEDVR2_CONFORMANCE or "
             f"point it at a kit folder")
+    _share_the_cores()
+
+
+def _share_the_cores():
+    """In one of several test processes (pytest-xdist), torch here gets its share of the cores:
+    two processes of two threads on two cores spin against each other. Only this process: the
+    jobs tests spawn keep torch's default threads (test_determinism relies on that), and tests
+    that compare thread counts pin them (``torch_threads``)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, torch.get_num_threads() // workers))
 
 
 @pytest.fixture(scope="session")
