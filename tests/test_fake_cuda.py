@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import REPO
 
@@ -172,6 +173,16 @@ def test_vae_paths_keep_each_decoded_video_on_the_host(monkeypatch):
     peaks = [re.search(r"peak (\S+) GiB", line)[1] for line in run.lines]
     assert len(peaks) == len(gpu_checks.VAE_PATHS) and len(set(peaks)) == 1, run.lines
     assert all(line.endswith("PSNR n/a (fake) vs today") for line in run.lines), run.lines
+
+
+def test_the_vae_attention_may_take_the_math_kernel_on_a_gpu():
+    """The VAE's mid-block attention is one head of 512 channels: the fused kernels refuse it
+    and PyTorch's math kernel runs it (the VAE splits its scores for that). The vae_paths
+    section's kernel checks on a GPU stopped the full-size fake-CUDA rehearsal there
+    (2026-12-07), as they would have stopped a real GPU's run."""
+    with fake_run((9, 0)) as run, gpu_checks.vae_stand_in(run, (9, 0)):
+        q = torch.empty(2, 1, 64, 512, device="cuda", dtype=torch.float16)
+        assert F.scaled_dot_product_attention(q, q, q).shape == q.shape
 
 
 # -- the lowp section on the fake GPU --------------------------------------------------------------
