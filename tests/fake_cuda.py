@@ -13,7 +13,8 @@ Inside :func:`fake_cuda` (a context manager yielding a :class:`FakeCuda`):
   ``bench/memory_trace.py``'s :class:`LiveBytes`; the reserved pool grows with the peak and
   shrinks at ``empty_cache``, its unused part counted as ``inactive_split_bytes``: the
   worst case of a caching allocator), ``synchronize``, ``empty_cache``, streams and events;
-  ``Tensor.pin_memory`` / ``is_pinned`` / ``record_stream`` and ``cudart().cudaHostRegister``;
+  ``Tensor.pin_memory`` / ``is_pinned`` / ``record_stream``, ``torch.empty(pin_memory=True)``
+  and ``cudart().cudaHostRegister``;
 * every operation on a CUDA tensor, every copy between devices and every stream / event call
   is appended to :attr:`FakeCuda.log` as an :class:`Op` ``(kind, stream, detail)``, in issue
   order (kinds: ``op``, ``copy``, ``record``, ``wait_event``, ``wait_stream``, ``sync``,
@@ -429,6 +430,12 @@ def fake_cuda(capability=(9, 0), *, name: Optional[str] = None,
     def is_pinned(self, *args, **kwargs):
         return gpu._is_pinned(self)
 
+    real_empty = torch.empty
+
+    def empty(*args, pin_memory=False, **kwargs):  # pinned host memory asks the real driver
+        made = real_empty(*args, **kwargs)
+        return gpu.pin(made) if pin_memory else made
+
     def record_stream(self, stream):
         gpu._append("record_stream", stream, f"{self.numel() * self.element_size()} B")
 
@@ -470,6 +477,7 @@ def fake_cuda(capability=(9, 0), *, name: Optional[str] = None,
         stack.enter_context(mock.patch.object(F, "scaled_dot_product_attention",
                                               _fused_attention))
         stack.enter_context(mock.patch.object(torch.Tensor, "pin_memory", pin_memory))
+        stack.enter_context(mock.patch.object(torch, "empty", empty))
         stack.enter_context(mock.patch.object(torch.Tensor, "is_pinned", is_pinned))
         stack.enter_context(mock.patch.object(torch.Tensor, "record_stream", record_stream))
         stack.enter_context(mock.patch.object(torch.utils, "swap_tensors", _swap_fakes))

@@ -175,6 +175,20 @@ def test_vae_paths_keep_each_decoded_video_on_the_host(monkeypatch):
     assert all(line.endswith("PSNR n/a (fake) vs today") for line in run.lines), run.lines
 
 
+def test_pinned_host_memory_is_made_without_the_driver():
+    """Pinned staging buffers (``memory.arena.PinnedStaging``: pageable host memory copied to
+    the GPU a piece at a time) are made with ``torch.empty(pin_memory=True)``, which asked the
+    real CUDA driver: the full-size rehearsal's trace section stopped on "Found no NVIDIA
+    driver"."""
+    from seedvr2.memory.arena import PinnedStaging
+
+    with fake_cuda() as gpu:
+        made = torch.empty(64, dtype=torch.uint8, pin_memory=True)
+        assert made.is_pinned() and not torch.empty(8).is_pinned()
+        assert PinnedStaging().allocate(1024).is_pinned()
+    assert [op.kind for op in gpu.log if op.kind == "pin"] == ["pin", "pin"]
+
+
 def test_the_vae_attention_may_take_the_math_kernel_on_a_gpu():
     """The VAE's mid-block attention is one head of 512 channels: the fused kernels refuse it
     and PyTorch's math kernel runs it (the VAE splits its scores for that). The vae_paths
