@@ -70,6 +70,7 @@ import re
 import signal
 import sys
 import time
+import traceback
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1293,6 +1294,7 @@ def run_sections(run: Run, args, caps: dict) -> bool:
         except ModuleNotFoundError as e:
             report.add(name, "(section)", "skipped", f"needs {e.name}, which is not installed here")
         except Exception as e:  # noqa: BLE001 -- the table is the product: keep it
+            traceback.print_exc()  # on stderr, with the progress: where it failed
             report.add(name, "(section)", "error", f"{type(e).__name__}: {e}"[:400])
         if len(report.rows) == rows:
             report.add(name, "(section)", "error", "measured nothing")

@@ -51,6 +51,7 @@ from unittest import mock
 
 import torch
 import torch.nn.functional as F
+import torch.utils._device
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_temporarily
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -477,6 +478,10 @@ def fake_cuda(capability=(9, 0), *, name: Optional[str] = None,
         stack.enter_context(mock.patch.object(F, "scaled_dot_product_attention",
                                               _fused_attention))
         stack.enter_context(mock.patch.object(torch.Tensor, "pin_memory", pin_memory))
+        # torch.device(...)'s factory table is cached on first use: filled now, it holds the
+        # real torch.empty (filled under the patch, it would hold the wrapper and ignore
+        # ``with torch.device("cuda")`` for every later torch.empty).
+        torch.utils._device._device_constructors()
         stack.enter_context(mock.patch.object(torch, "empty", empty))
         stack.enter_context(mock.patch.object(torch.Tensor, "is_pinned", is_pinned))
         stack.enter_context(mock.patch.object(torch.Tensor, "record_stream", record_stream))
