@@ -80,9 +80,11 @@ import torch
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))  # bench/common.py, bench/dit_forward.py
+sys.path.insert(0, str(BENCH.parent / "tests"))  # tests/kernel_checks.py: the CPU stand-in
 
 from common import best_time  # noqa: E402
 from dit_forward import count_flops  # noqa: E402
+from kernel_checks import KernelCheckFailed  # noqa: E402
 
 from seedvr2.models import build_dit, build_vae, dit_config, vae_config  # noqa: E402
 from seedvr2.models.config import shipped_config  # noqa: E402
@@ -232,7 +234,8 @@ def measure(report: Report, section: str, what: str, fn: Callable[[], tuple]):
         value, note = fn()
     except ModuleNotFoundError as e:
         report.add(section, what, "skipped", f"needs {e.name}, which is not installed here")
-    except Exception as e:  # noqa: BLE001 -- the table is the product
+    # A kernel check is a BaseException (the code under test cannot swallow it): here a row.
+    except (Exception, KernelCheckFailed) as e:  # noqa: BLE001 -- the table is the product
         report.add(section, what, "error", f"{type(e).__name__}: {e}"[:400])
     else:
         report.add(section, what, value, note)
@@ -857,8 +860,6 @@ KITCHEN_WHEEL = ("comfy-kitchen is not installed here: pip install seedvr2-comfy
                  "kernels, 37 MB, travels in .whl)")
 
 
-sys.path.insert(0, str(BENCH.parent / "tests"))  # tests/kernel_checks.py: the CPU stand-in
-
 
 def lowp_stand_in(run: Run, capability):
     """What the lowp section's checked pass runs under: every kernel call checked against its
@@ -995,8 +996,6 @@ def _lowp_forward(run: Run, dit, capability, inputs, reference):
     check's message or None) of one forward. On a GPU the checked pass comes first, then an
     unchecked pass is timed and measured (the checks' float32 products and host reads would
     count in both); the CPU rehearsal times its one checked pass."""
-    from kernel_checks import KernelCheckFailed
-
     out, checked, seconds = [], None, float("nan")
     run.reset_peaks()
     with lowp_stand_in(run, capability) as log:
@@ -1112,12 +1111,7 @@ def check_vae_paths(run: Run):
                 decoded[name] = tiling.decode(vae, latent, dec_tiles, dec_slices).cpu()
 
             def row(name=name, work=work):
-                from kernel_checks import KernelCheckFailed
-
-                try:
-                    return _vae_paths_row(run, name, work, decoded, table[name])
-                except KernelCheckFailed as e:  # a BaseException: a row, not the end of the run
-                    raise RuntimeError(f"kernel check failed: {e}") from None
+                return _vae_paths_row(run, name, work, decoded, table[name])
             measure(run.report, "vae_paths", f"{name}: encode + decode {h}x{w} x {frames}, "
                     f"fp16", row)
     vae.set_conv_settings(cudnn_benchmark=False)
@@ -1293,7 +1287,7 @@ def run_sections(run: Run, args, caps: dict) -> bool:
             report.add(name, "(rest of the section)", "skipped", f"stopped at its {cap:.0f} s cap")
         except ModuleNotFoundError as e:
             report.add(name, "(section)", "skipped", f"needs {e.name}, which is not installed here")
-        except Exception as e:  # noqa: BLE001 -- the table is the product: keep it
+        except (Exception, KernelCheckFailed) as e:  # noqa: BLE001 -- the table is the product
             traceback.print_exc()  # on stderr, with the progress: where it failed
             report.add(name, "(section)", "error", f"{type(e).__name__}: {e}"[:400])
         if len(report.rows) == rows:

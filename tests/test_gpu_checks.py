@@ -252,3 +252,18 @@ def test_copy_overlap_counts_copy_time_under_kernels(monkeypatch):
     ])
     seconds, share = gpu_checks.copy_overlap(trace)
     assert seconds == pytest.approx(300e-6) and share == pytest.approx(100 / 300)
+
+
+def test_a_failed_kernel_check_is_an_error_row_not_the_end_of_the_run():
+    """A kernel check is a BaseException, so the code under test cannot swallow it; the table
+    keeps it as that row's error (the full-size fake-CUDA rehearsal's vae_paths section ended
+    the whole run on one)."""
+    from kernel_checks import KernelCheckFailed
+
+    def refused():
+        raise KernelCheckFailed("head dimension 512 is over 256")
+
+    report = gpu_checks.Report()
+    gpu_checks.measure(report, "vae_paths", "today", refused)
+    assert [row[1:3] for row in report.rows] == [("today", "error")]
+    assert "KernelCheckFailed: head dimension 512" in report.rows[0][3]
