@@ -25,10 +25,11 @@ is 0 by construction.
                              [--setting defaults|tiled|swapped] [--gpu H100] [--json] [--all]
     python bench/roofline.py --check-cpu [--threads N]
 
-``--check-cpu`` runs a mid-size DiT and VAE for real on this CPU (float32), measures the
-CPU's matrix-product and convolution rate and its memory bandwidth with a short probe,
-predicts each phase's time from the counted work the same way, and prints measured against
-predicted (best of interleaved repeats).
+``--check-cpu`` runs two mid-size jobs for real on this CPU (float32; ``CHECK_JOBS``: the
+released VAE's phases at 64 x 112, the DiT's and colour correction's at 192 x 336), measures
+the CPU's matrix-product and convolution rate and its memory bandwidth with a short probe
+(``seedvr2.pipeline.work.device_rates``), predicts each phase's time from the counted work the
+same way, and prints measured against predicted (best of interleaved repeats; about 3 min).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import memory_trace as mt  # noqa: E402  (puts src/ on the path)
+from seedvr2.models.rope import FrequencyTable  # noqa: E402
 from seedvr2.pipeline.runner import Upscaler  # noqa: E402
 from seedvr2.pipeline.work import OpCounter, Rates, device_rates  # noqa: E402
 
@@ -231,61 +233,83 @@ def limit_row(cell: mt.Cell) -> str:
 
 # -- check on this CPU --------------------------------------------------------------------------
 
-CHECK_SIZE, CHECK_INPUT = (64, 112), (32, 56)  # a mid-size job: a few seconds a phase
+# Two mid-size jobs, each measuring the phases whose work it makes representative:
+# (output size, VAE narrowed, the phases it measures). The released VAE at 64 x 112 takes a
+# few seconds a phase; the DiT there would see 56 video tokens, products so skinny that a CPU
+# runs them at half its matrix rate on 2 threads, far from any real job's thousands of tokens,
+# so the DiT (and colour correction, a few ms at 64 x 112: per-call costs) is measured in a
+# job of 504 tokens, 192 x 336, whose VAE is narrowed to a quarter of its widths to stay cheap.
+CHECK_JOBS = (((64, 112), False, ("encode", "decode")), ((192, 336), True, ("dit", "colour")))
 
 
-def check_models():
-    """A mid-size DiT (the 3B's width, 2 blocks) and the real VAE, random weights, float32
-    on the CPU."""
+def check_models(narrow_vae: bool):
+    """A mid-size DiT (the 3B's width, 2 blocks) and the released VAE's architecture (its
+    widths quartered if ``narrow_vae``), random weights, float32 on the CPU."""
     from seedvr2.models.config import dit_config, vae_config
 
     full = dit_config("3b")
     dit_cfg = replace(full, num_layers=2, block_type=full.block_type[:2],
-                         window=full.window[:2], window_method=full.window_method[:2], mm_layers=1)
-    models = mt.build_models(dit_cfg, vae_config("vae"), "cpu", torch.float32)
+                      window=full.window[:2], window_method=full.window_method[:2], mm_layers=1)
+    vae_cfg = vae_config("vae")
+    if narrow_vae:
+        vae_cfg = replace(vae_cfg, block_out_channels=tuple(c // 4 for c in
+                                                            vae_cfg.block_out_channels))
+    models = mt.build_models(dit_cfg, vae_cfg, "cpu", torch.float32)
     with torch.no_grad():
         for t in list(models.dit.parameters()) + list(models.vae.parameters()):
             t.normal_(0, 0.02)
+        for table in models.dit.modules():  # built empty: uninitialised memory, NaN at times
+            if isinstance(table, FrequencyTable):
+                table.freqs.copy_(table.defining_values())
     return models
+
+
+def timed_phases(models, opts, size, input_size) -> dict:
+    """Seconds per phase of one real run through the pipeline's phase functions (colour
+    correction, inside the decode, counted apart from it)."""
+    times = {}
+
+    def phase(name, function):
+        start = time.perf_counter()
+        out = function()
+        times[TRACE_PHASE[name]] = time.perf_counter() - start - times.get("colour", 0)
+        return out
+    finish = Upscaler._finish
+
+    def colour(self, item, frames):
+        start = time.perf_counter()
+        out = finish(self, item, frames)
+        times["colour"] = time.perf_counter() - start
+        return out
+    with torch.no_grad(), mock.patch.object(Upscaler, "_finish", colour):
+        mt.run_phases(models, opts, size, input_size, phase)
+    return times
 
 
 def check_cpu(threads: int, repeats: int = 3) -> list[dict]:
     """Measured (best of ``repeats`` interleaved runs) against predicted time per phase."""
     torch.set_num_threads(threads)
-    models = check_models()
-    opts = mt.resolve_options(device="cpu", dtype="fp32", batch_size=5,
-                              resolution=CHECK_SIZE[0], color_correction="wavelet")
-    ops = count_work(models, opts, CHECK_SIZE, CHECK_INPUT, F.scaled_dot_product_attention)
-    measured = {p: float("inf") for p in PHASES}
-    rates = []
+    jobs = []
+    for size, narrow, phases in CHECK_JOBS:
+        models, input_size = check_models(narrow), (size[0] // 2, size[1] // 2)
+        opts = mt.resolve_options(device="cpu", dtype="fp32", batch_size=5, resolution=size[0],
+                                  color_correction="wavelet")
+        ops = count_work(models, opts, size, input_size, F.scaled_dot_product_attention)
+        jobs.append((models, opts, size, input_size, phases, ops))
+    measured, rates = {}, []
     for _ in range(repeats):
         device_rates.cache_clear()
         rates.append(device_rates("cpu", torch.float32)[0])
-        times = {}
-        clock = [time.perf_counter()]
-
-        def phase(name, function):
-            clock[0] = time.perf_counter()
-            out = function()
-            times[TRACE_PHASE[name]] = time.perf_counter() - clock[0] - times.get("colour", 0)
-            return out
-        finish = Upscaler._finish
-
-        def colour(self, item, frames):
-            start = time.perf_counter()
-            out = finish(self, item, frames)
-            times["colour"] = time.perf_counter() - start
-            return out
-        with torch.no_grad(), mock.patch.object(Upscaler, "_finish", colour):
-            mt.run_phases(models, opts, CHECK_SIZE, CHECK_INPUT, phase)
-        for p in PHASES:
-            measured[p] = min(measured[p], times[p])
+        for models, opts, size, input_size, phases, _ in jobs:
+            times = timed_phases(models, opts, size, input_size)
+            for p in phases:
+                measured[p] = min(measured.get(p, float("inf")), times[p])
     best = Rates(max(r.matmul for r in rates), max(r.conv for r in rates),
                  max(r.bandwidth for r in rates))
-    predicted = phase_totals(ops, best)
+    predicted = {p: phase_totals(ops, best)[p]["seconds"]
+                 for *_, phases, ops in jobs for p in phases}
     return [{"threads": threads, "phase": p, "measured_s": measured[p],
-             "predicted_s": predicted[p]["seconds"],
-             "ratio": measured[p] / predicted[p]["seconds"]} for p in PHASES]
+             "predicted_s": predicted[p], "ratio": measured[p] / predicted[p]} for p in PHASES]
 
 
 def main(argv=None) -> int:

@@ -135,21 +135,24 @@ def _rounds(fn: Callable, sync: Callable, seconds: float) -> list[float]:
 
 @functools.lru_cache(maxsize=None)
 def device_rates(device: str, dtype: torch.dtype) -> tuple[Rates, Rates]:
-    """(best, worst) rates of ``device`` in ``dtype`` over about a second of short rounds
-    (a matrix product, a 3x3x3 convolution as the VAE's, a copy), cached for the process."""
+    """(best, worst) rates of ``device`` in ``dtype`` over about a second of short rounds,
+    cached for the process: a square matrix product; a 3x3x3 convolution as the VAE convolves
+    (padded causally beforehand, none inside: oneDNN picks a slow kernel for some padded
+    small shapes, at half the VAE's rate); a copy larger than the caches (a copy that fits in a
+    CPU's cache runs several times faster than the full-size planes the VAE streams)."""
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     n, c, hw = (4096, 256, (64, 64)) if dev.type == "cuda" else (512, 128, (32, 48))
     a = torch.randn(n, n, device=dev, dtype=dtype)
-    x = torch.randn(1, c, 5, *hw, device=dev, dtype=dtype)
+    x = F.pad(torch.randn(1, c, 5, *hw, device=dev, dtype=dtype), (1, 1, 1, 1, 2, 0))
     w = torch.randn(c, c, 3, 3, 3, device=dev, dtype=dtype)
-    src = torch.empty(n * n * 4, dtype=torch.uint8, device=dev)
+    src = torch.empty((256 if dev.type == "cuda" else 128) << 20, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
     with torch.no_grad():
         mm = _rounds(lambda: a @ a, sync, 0.3)
-        conv = _rounds(lambda: F.conv3d(x, w, padding=1), sync, 0.4)
+        conv = _rounds(lambda: F.conv3d(x, w), sync, 0.4)
         copy = _rounds(lambda: dst.copy_(src), sync, 0.3)
-    work = (2 * n ** 3, 2 * c * 27 * x.numel(), 2 * src.numel())
+    work = (2 * n ** 3, 2 * c * 27 * c * 5 * hw[0] * hw[1], 2 * src.numel())
     return tuple(Rates(*(w_ / pick(t) for w_, t in zip(work, (mm, conv, copy))))
                  for pick in (min, max))
 
