@@ -159,6 +159,13 @@ class FakeEvent:
 _READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
 
 
+def _target_device(args, kwargs):
+    """The device an operation makes its result on, where it names one: a keyword (factories,
+    ``_to_copy``) or, under ``torch.inference_mode`` where ``Tensor.to`` reaches the mode
+    undecomposed (``aten.to.device``), a positional ``torch.device``."""
+    return kwargs.get("device") or next((a for a in args if isinstance(a, torch.device)), None)
+
+
 class _Recorder(LiveBytes):
     """Live bytes on the fake GPU (LiveBytes) and the log of what ran on it."""
 
@@ -179,7 +186,7 @@ class _Recorder(LiveBytes):
             return False  # no values to compare: equal tables are not found equal (not shared)
         if func in _READS and flat and is_fake(flat[0]) and flat[0].dtype == torch.bool:
             return False  # a check read back (any NaN? any overflow?): there is nothing to find
-        device = kwargs.get("device")
+        device = _target_device(args, kwargs)
         if not any(is_fake(t) for t in flat) and \
                 (device is None or torch.device(device).type == "cpu"):
             # Host facts on real host tensors (shape rows, metadata bytes) stay real, as on a GPU.
@@ -283,7 +290,7 @@ class FakeCuda:
     def _see(self, func, name: str, tensors: list, args, kwargs):
         cuda = [t for t in tensors if t.device.type == "cuda"]
         base = name.split(".")[0]
-        if base in ("copy_", "_to_copy") and tensors and self._log_copy(base, args, kwargs):
+        if base in ("copy_", "_to_copy", "to") and tensors and self._log_copy(base, args, kwargs):
             return
         if cuda:
             self._append("op", self.current, name)
@@ -305,7 +312,7 @@ class FakeCuda:
             src, to = args[1], args[0].device
         else:
             src = args[0]
-            to = kwargs.get("device") or src.device
+            to = _target_device(args, kwargs) or src.device
         to = torch.device(to)
         if to.type == "cuda" and to.index is None:
             to = torch.device("cuda", 0)
