@@ -315,3 +315,22 @@ def test_a_tiny_job_takes_the_cuda_branch_of_each_memory_setting(setting, tiny_o
     uploads = [op for op in log if op.kind == "copy" and op.detail.startswith("cpu->cuda")]
     assert uploads and all("pinned non_blocking" in op.detail or "blocking" in op.detail
                            for op in uploads)
+
+
+def test_the_budget_weighs_a_model_on_the_fake_gpu_as_on_the_cpu():
+    """A fake tensor's address reads 0, and the budget told tensors apart by address: it took
+    a model on the fake GPU for one tensor per size, so the full-size rehearsal's budget rows
+    read 6.8 GiB low (e2e decode: 36.16 GiB traced against a 35.12 GiB budget)."""
+    from dataclasses import replace
+
+    from seedvr2.models import build_vae
+    from seedvr2.models.config import vae_config
+
+    config = replace(vae_config("vae"), block_out_channels=(32, 32, 64, 64))
+    on_cpu = build_vae(config)
+    expected = sum(t.numel() * t.element_size() for t in on_cpu.state_dict().values())
+    assert mem.Weights.of_module(on_cpu).total == expected
+    with fake_cuda((9, 0)):
+        on_gpu = build_vae(config).to("cuda")
+        assert mem.Weights.of_module(on_gpu).total == expected
+        assert mem.bytes_on(on_gpu, torch.device("cuda:0")) == expected

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ..errors import SeedVR2Error
 from ..loading.format_table import bytes_per_weight
@@ -136,8 +137,10 @@ class Weights:
 
 def _storage_key(t: torch.Tensor):
     """Tensors with one key hold the same bytes. By the view's own address, not its
-    storage's: an offloaded model's tensors are views of one host arena (memory.arena)."""
-    if t.device.type == "meta":
+    storage's: an offloaded model's tensors are views of one host arena (memory.arena).
+    Tensors without memory (``meta``; the fake tensors of a rehearsal, whose addresses all
+    read 0) by their object: shared tensors are one object."""
+    if t.device.type == "meta" or is_fake(t):
         return id(t)
     return (t.device, t.data_ptr(), t.nbytes)
 
@@ -161,7 +164,8 @@ def bytes_on(module: Optional[torch.nn.Module], device: torch.device) -> int:
     held: dict = {}  # memory held, so each storage once (an offloaded model's arena is one)
     for _, t in named_tensors(module):
         if t.device.type == device.type and device.index in (None, t.device.index):
-            key = id(t) if t.device.type == "meta" else t.untyped_storage().data_ptr()
+            key = id(t) if t.device.type == "meta" else t.untyped_storage()._cdata \
+                if is_fake(t) else t.untyped_storage().data_ptr()  # (a fake one's reads 0)
             held.setdefault(key, t.untyped_storage().nbytes())
     return sum(held.values())
 

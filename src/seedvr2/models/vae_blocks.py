@@ -467,7 +467,8 @@ def norm_silu_into(norm: FrameGroupNorm, x: Tensor, out: Tensor,
         return
     mean, var = norm.statistics(x, cache)
     stats = vae_paths.kitchen_stats(mean, var, norm.eps)
-    frames = 1 if out.data_ptr() == x.data_ptr() else None  # in place: a frame's copy at most
+    frames = 1 if out is x else None  # in place: a frame's copy at most (fake tensors
+    # of a rehearsal have no addresses to compare)
     vae_paths.kitchen_norm_silu_into(norm, x, stats, out, frames)
 
 
