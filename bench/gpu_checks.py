@@ -385,6 +385,15 @@ def _profile(run: Run, fn):
     return prof
 
 
+def _fake_ops(run: Run, fn) -> collections.Counter:
+    """The operations ``fn`` ran on the fake GPU, from its log, named as the profiler names
+    them (``aten::op``): the profiler sees none of a fake tensor's operations."""
+    start = len(run.fake.log)
+    fn()
+    return collections.Counter("aten::" + op.detail.split(".")[0]
+                               for op in run.fake.log[start:] if op.kind == "op")
+
+
 def _device_events(prof):
     return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
@@ -392,6 +401,12 @@ def _device_events(prof):
 def host_syncs(run: Run, fn) -> tuple[str, str]:
     """(value, note) of a row counting the host syncs of ``fn``: on CUDA the stream syncs
     torch's sync debug mode reports; everywhere the device->host reads in a profiler trace."""
+    if run.fake is not None:
+        ops = _fake_ops(run, fn)
+        reads = collections.Counter({n: c for n, c in ops.items() if n in HOST_READ_OPS})
+        detail = ", ".join(f"{n.removeprefix('aten::')} x{c}" for n, c in reads.most_common())
+        return (f"{sum(reads.values())} host reads",
+                f"device->host reads in the fake GPU's log ({detail or 'none'})")
     syncs = None
     if run.cuda:
         torch.cuda.set_sync_debug_mode("warn")
@@ -433,7 +448,12 @@ def _attention_family(name: str) -> Optional[str]:
 
 def attention_kernel(run: Run, fn) -> tuple[str, str]:
     """(value, note): which attention kernel ``fn`` ran, from the profiler: the device kernels
-    (by time) on CUDA, the aten ops on the CPU; the raw names in the note."""
+    (by time) on CUDA, the aten ops on the CPU; the raw names in the note. On a fake GPU none:
+    the profiler sees no fake operation, and the fake computes attention by a stand-in."""
+    if run.fake is not None:
+        fn()
+        return FAKE_NUMBER, ("SDPA's kernel is torch's choice on the CUDA runtime; the fake GPU "
+                             "computes attention with a stand-in (bench/memory_trace.py)")
     prof = _profile(run, fn)
     ops = collections.Counter(e.name for e in prof.events()
                               if e.device_type == torch.autograd.DeviceType.CPU

@@ -334,3 +334,22 @@ def test_the_budget_weighs_a_model_on_the_fake_gpu_as_on_the_cpu():
         on_gpu = build_vae(config).to("cuda")
         assert mem.Weights.of_module(on_gpu).total == expected
         assert mem.bytes_on(on_gpu, torch.device("cuda:0")) == expected
+
+
+def test_the_mfu_rows_on_the_fake_gpu_say_what_it_cannot_see_and_count_its_reads():
+    """The profiler sees none of a fake tensor's operations: on the fake GPU the mfu section's
+    rows read "none found" (attention kernel) and "0 stream syncs" whatever the forward did.
+    Host reads now come from the fake GPU's log; the kernel SDPA picks is torch's choice on
+    the CUDA runtime, which the fake has not: "n/a (fake)"."""
+    with fake_run((9, 0)) as run:
+        q = torch.empty(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
+
+        def forward():
+            out = F.scaled_dot_product_attention(q, q, q)
+            torch.empty(3, device="cuda").isnan().any().item()  # (a check read back)
+            return out
+        family, _ = gpu_checks.attention_kernel(run, forward)
+        reads, note = gpu_checks.host_syncs(run, forward)
+    assert family == gpu_checks.FAKE_NUMBER
+    assert (reads, note) == ("1 host reads",
+                             "device->host reads in the fake GPU's log (_local_scalar_dense x1)")
