@@ -706,6 +706,16 @@ def check_mfu(run: Run):
             syncs_7b)
 
 
+def swap_bytes(dit, blocks: int) -> tuple[int, int]:
+    """(bytes resident on the device with the first ``blocks`` DiT blocks swapped, two of them
+    in flight; bytes copied to it per forward), as the budget counts them: blocks differ in
+    size (a 3B's video-only blocks are half its others)."""
+    from seedvr2.memory import budget as mem
+
+    weights = mem.Weights.of_module(dit)
+    return weights.resident(blocks), sum(weights.blocks[:blocks])
+
+
 def check_blockswap(run: Run):
     from seedvr2.memory.blockswap import BlockSwap, SwapRuntime
 
@@ -715,7 +725,6 @@ def check_blockswap(run: Run):
     run.free()
     inputs, _ = dit_inputs(run, "720p", dit.config.txt_in_dim)
     total = tensor_bytes(dit)
-    block = max(tensor_bytes(b) for b in dit.blocks)
     base = {}
     for blocks in scale.swaps:
         def swap_row(blocks=blocks):
@@ -734,14 +743,13 @@ def check_blockswap(run: Run):
                     prof = _profile(run, lambda: dit(*inputs))
                 base.setdefault("seconds", seconds)
                 peaks = run.peaks()
+                resident, moved = swap_bytes(dit, blocks)
                 if blocks:
-                    resident = total - blocks * block
-                    note = [f"{peaks}; resident weights + 2 blocks = {gib(resident + 2 * block)} "
-                            f"(all weights {gib(total)}, one block {gib(block)})"]
+                    note = [f"{peaks}; resident weights + 2 blocks in flight = {gib(resident)} "
+                            f"(all weights {gib(total)}, swapped {gib(moved)})"]
                 else:
                     note = [f"{peaks}; all weights resident = {gib(total)}"]
                 if swap is not None:
-                    moved = blocks * block  # every swapped block is copied once per forward
                     most = getattr(swap.schedule, "max_resident", "n/a")
                     note.append(f"swapped blocks resident at most: {most} (schedule)")
                     if run.cuda:

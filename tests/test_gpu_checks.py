@@ -267,3 +267,20 @@ def test_a_failed_kernel_check_is_an_error_row_not_the_end_of_the_run():
     gpu_checks.measure(report, "vae_paths", "today", refused)
     assert [row[1:3] for row in report.rows] == [("today", "error")]
     assert "KernelCheckFailed: head dimension 512" in report.rows[0][3]
+
+
+def test_blockswap_rows_weigh_each_swapped_block_as_it_is():
+    """The 3B's blocks differ in size (its video-only blocks are half the others): counted as
+    the largest times the number swapped, the fake rehearsal's row for 32 of 32 swapped read
+    "resident weights + 2 blocks = -2.55 GiB" and 9.46 GiB copied per forward of a 6.32 GiB
+    model."""
+    from seedvr2.models import build_on_meta
+    from seedvr2.models.config import dit_config
+
+    dit = build_on_meta("dit", dit_config("3b")).to(torch.bfloat16)
+    sizes = [gpu_checks.tensor_bytes(b) for b in dit.blocks]
+    total = gpu_checks.tensor_bytes(dit)
+    assert len(set(sizes)) > 1
+    resident, moved = gpu_checks.swap_bytes(dit, len(sizes))
+    assert moved == sum(sizes) < total
+    assert resident == total - sum(sizes) + sum(sorted(sizes)[-2:])
