@@ -284,3 +284,13 @@ def test_blockswap_rows_weigh_each_swapped_block_as_it_is():
     resident, moved = gpu_checks.swap_bytes(dit, len(sizes))
     assert moved == sum(sizes) < total
     assert resident == total - sum(sizes) + sum(sorted(sizes)[-2:])
+
+
+def test_a_fake_rows_numbers_of_data_read_na_with_their_brackets_kept():
+    """The blockswap row's value "12.3 ms (1.50x)" read "n/a (fake) (n/a (fake)" on the fake
+    GPU: the ratio's closing bracket went with the NaN."""
+    report = gpu_checks.Report(fake=True)
+    report.add("blockswap", "row", f"{float('nan'):.1f} ms ({float('nan'):.2f}x)",
+               f"{float('nan'):.1f} GB/s, {float('nan'):.0%} overlapping")
+    assert report.rows[-1][2:] == ("n/a (fake) (n/a (fake))",
+                                   "n/a (fake), n/a (fake) overlapping")
