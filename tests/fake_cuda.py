@@ -22,7 +22,10 @@ Inside :func:`fake_cuda` (a context manager yielding a :class:`FakeCuda`):
 * what a GPU of that capability would refuse is appended to :attr:`FakeCuda.violations` (and
   the operation still raises where the GPU's would): an operation mixing devices, a product
   in a dtype the capability lacks (:data:`NEEDS`), and inside :meth:`FakeCuda.on_device` any
-  computation on CPU tensors (a CPU-only branch taken on CUDA).
+  computation on CPU tensors (a CPU-only branch taken on CUDA);
+* comfy-kitchen answers as on such a GPU with a torch built for CUDA 13: its CUDA backend
+  loaded (``list_backends``), so the code takes the branches that need it (the VAE's fused
+  norm, fp16 accumulation), and its ops run as their registered fake implementations.
 
 Values cannot be had: a boolean read back (``bool(t.any())``: a check for NaN) reads False,
 ``torch.equal`` of fake tensors False; any other read of a value raises.
@@ -408,7 +411,16 @@ def _kitchen_on_fakes(gpu: FakeCuda):
             return op(**{k: v for k, v in kw.items() if k in names})
         return fake
 
-    with mock.patch.object(registry, "get_implementation", get_implementation):
+    status = comfy_kitchen.list_backends()
+
+    def list_backends():  # as on a GPU with a torch built for CUDA 13: its CUDA backend loaded
+        cuda = {**status.get("cuda", {}), "available": True, "disabled": False,
+                "unavailable_reason": None,
+                "capabilities": status.get("eager", {}).get("capabilities", [])}
+        return {**status, "cuda": cuda}
+
+    with mock.patch.object(registry, "get_implementation", get_implementation), \
+            mock.patch.object(comfy_kitchen, "list_backends", list_backends):
         yield
 
 

@@ -315,6 +315,10 @@ def test_a_tiny_job_takes_the_cuda_branch_of_each_memory_setting(setting, tiny_o
     uploads = [op for op in log if op.kind == "copy" and op.detail.startswith("cpu->cuda")]
     assert uploads and all("pinned non_blocking" in op.detail or "blocking" in op.detail
                            for op in uploads)
+    # The VAE in bf16 on a GPU with comfy-kitchen's CUDA backend takes the fused norm (its GPU
+    # branch; the fake answered "backend not loaded" and the branch never ran here).
+    assert any("group_norm_silu_pad3d" in op.detail for op in gpu.log), \
+        {op.detail for op in gpu.log if "norm" in op.detail}
 
 
 def test_the_budget_weighs_a_model_on_the_fake_gpu_as_on_the_cpu():
