@@ -357,3 +357,43 @@ def test_the_mfu_rows_on_the_fake_gpu_say_what_it_cannot_see_and_count_its_reads
     assert family == gpu_checks.FAKE_NUMBER
     assert (reads, note) == ("1 host reads",
                              "device->host reads in the fake GPU's log (_local_scalar_dense x1)")
+
+
+def test_models_passed_in_run_as_placed_as_their_files_would_be(tiny_options):
+    """Modules passed in (the CLI loads its models once and passes them to each input's job; a
+    library caller may load its own) were placed again per job with plain offloading: the
+    BlockSwap asked for, or attached at their load, was dropped or stacked under a second host
+    copy, and on the GPU every DiT block sat there at once (3B on a fake 8 GiB card, fitted to
+    blocks_to_swap 7: the DiT phase at 7.86 GiB). Now each runs with the DiT phase's peak of the
+    same job given the files, a second job reusing the placement."""
+    import seedvr2
+    from seedvr2.api import load_models
+    from seedvr2.loading import load_dit
+    from seedvr2.options import resolve_options
+    from seedvr2.pipeline.runner import JobStats
+
+    clip = torch.rand(5, 16, 16, 3)
+    given = dict(tiny_options, device="cuda:0", dtype="bf16", resolution=32, batch_size=5,
+                 dit_offload_device="cpu", blocks_to_swap=4)
+    dit_file, vae_file, model_dir = (given.pop(k) for k in ("dit", "vae", "model_dir"))
+    opts = resolve_options(**given)
+
+    def dit_peak(dit, vae):
+        stats = JobStats()
+        seedvr2.upscale(clip, dit, vae, model_dir=model_dir, opts=opts, stats=stats)
+        return stats.phases["dit"].device_allocated
+    with fake_cuda((9, 0)):
+        from_files = dit_peak(dit_file, vae_file)
+        loaded = load_models(dit_file, vae_file, opts=opts, model_dir=model_dir)
+        passed_back = [dit_peak(loaded.dit, loaded.vae) for _ in range(2)]
+        del loaded  # (its VAE stays on the GPU while it lives)
+        gc.collect()
+        own = load_dit(str(dit_file), torch.bfloat16, "cpu")
+        own_module = [dit_peak(own, vae_file) for _ in range(2)]
+        block = min(sum(t.numel() * t.element_size() for t in b.parameters())
+                    for b in own.blocks)  # (a block resident beyond BlockSwap's own shows)
+        del own
+        gc.collect()  # (host copies unpinned while the fake GPU answers)
+    assert passed_back[0] == passed_back[1] and own_module[0] == own_module[1]
+    assert all(abs(peak - from_files) < block // 4 for peak in passed_back + own_module), \
+        (from_files, passed_back, own_module, block)

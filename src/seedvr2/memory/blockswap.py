@@ -184,6 +184,15 @@ class BlockSwap:
             self.schedule.after(i)
             self._drop(i)
 
+    def leave(self):
+        """Undo BlockSwap: hooks removed, every weight left on the offload device."""
+        if not self.active:
+            return
+        self.park()
+        for h in self.hooks:
+            h.remove()
+        self.active = False
+
     def detach(self):
         if not self.active:
             return

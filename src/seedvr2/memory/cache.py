@@ -3,12 +3,15 @@
 ComfyUI runs workflow after workflow in one process, the CLI folder after folder: reloading a 7B
 model each time would waste minutes. ``MODEL_CACHE`` keys loaded models by everything that shaped
 them (file identity, format, precision, device, BlockSwap and compile settings), so a changed
-setting reloads exactly the model it concerns. ``clear()`` frees everything."""
+setting reloads exactly the model it concerns. ``clear()`` frees everything. A loaded module
+passed in (the CLI's once-loaded models, a library caller's own) keeps the placement made for
+it under the same settings (``placement_of``), weakly: it goes with the module."""
 
 from __future__ import annotations
 
 import gc
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -40,6 +43,11 @@ class ModelCache:
         # One object per cached model that lives exactly as long as the model stays cached
         # (inside ComfyUI: the ModelPatcher through which ComfyUI can evict it).
         self._attached: dict[ModelKey, object] = {}
+        # A loaded module passed in (not a file): the settings its placement was made under and
+        # the placement, both weakly (a placement holds its module; BlockSwap lives as long as
+        # its hooks on the module). A module carries one placement: two would each keep a host
+        # copy, and BlockSwap's hooks would stack.
+        self._placed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
     def get_or_load(self, key: ModelKey, load: Callable[[], object], keep: bool):
@@ -57,6 +65,24 @@ class ModelCache:
             with self._lock:
                 self._models[key] = model
         return model
+
+    def placement_of(self, module: torch.nn.Module, settings: tuple, place: Callable[[], object]):
+        """The placement of a caller's loaded ``module`` under ``settings``: the one made
+        before under the same settings, else ``place()``'s (the earlier one undone first)."""
+        with self._lock:
+            settings_before, placed = self._placed.get(module, (None, lambda: None))
+        before = placed()
+        if before is not None and settings_before == settings:
+            return before
+        if before is not None:
+            before.leave()
+        placement = place()
+        with self._lock:
+            if placement is None:  # none to keep: placed again next time (a move at most)
+                self._placed.pop(module, None)
+            else:
+                self._placed[module] = (settings, weakref.ref(placement))
+        return placement
 
     def peek(self, key: ModelKey):
         """The cached model for ``key`` or None, never loading."""

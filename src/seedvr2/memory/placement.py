@@ -159,3 +159,7 @@ class OffloadedModel:
 
     def release_all(self):
         self.park()
+
+    def leave(self):
+        """Undo the placement: the model left plain, its weights on the offload device."""
+        self.park()

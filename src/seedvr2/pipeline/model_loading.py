@@ -33,6 +33,11 @@ def _settings_of(opts: Options, kind: str) -> tuple:
             opts.attention_backend)
 
 
+def _placed_as(opts: Options, kind: str, dtype, device, offload) -> tuple:
+    """What a model's placement depends on: a module placed under these is reused as placed."""
+    return (str(dtype), str(device), str(offload), _settings_of(opts, kind))
+
+
 def _check_host_copy(model, offload, setting: str):
     """The offloaded model's host copy must fit the host RAM (its own tensors there count as
     available: the copy replaces them)."""
@@ -52,26 +57,41 @@ def _placement(model, device, offload, setting: str):
     return OffloadedModel(model, device, offload, default_pin(device, offload))
 
 
-def _load_file(ref: ModelRef, opts: Options, dtype, device, offload):
-    """A model file loaded, placed (a DiT with BlockSwap when asked) and compiled."""
-    dit = ref.kind == "dit"
-    swapping = dit and (opts.blocks_to_swap > 0 or opts.swap_io_components)
+def _swapping(kind: str, opts: Options, offload) -> bool:
+    swapping = kind == "dit" and (opts.blocks_to_swap > 0 or opts.swap_io_components)
     if swapping and offload is None:
         raise OptionError(f"{option_ref('blocks_to_swap')}/{option_ref('swap_io_components')} need "
                           f"an offload device for the swapped weights: set "
                           f"{option_ref('dit_offload_device', 'cpu')} (or another device)")
-    # An offloaded model loads on its offload device; only what runs reaches the GPU.
-    model = (load_dit if dit else load_vae)(ref.model, dtype,
-                                           offload if offload is not None else device)
-    placement = None
-    if dit:
+    return swapping
+
+
+def _place(model, kind: str, opts: Options, device, offload):
+    """A model on its offload device (else its device) placed as the options say: a DiT with
+    BlockSwap when asked (on CUDA), an offloaded model in its host copy, else none."""
+    if kind == "dit":
         model.set_attention_backend(opts.attention_backend)
-    if swapping:
+    placement = None
+    if _swapping(kind, opts, offload):
         _check_host_copy(model, offload, "dit_offload_device")
         placement = BlockSwap(model, opts.blocks_to_swap, opts.swap_io_components, device, offload)
     if placement is None or not placement.active:  # no CUDA: plain offloading
-        placement = _placement(model, device, offload, f"{ref.kind}_offload_device")
-    apply_compile(*((model, None) if dit else (None, model)), CompileSettings.from_options(opts))
+        placement = _placement(model, device, offload, f"{kind}_offload_device")
+    return placement
+
+
+def _load_file(ref: ModelRef, opts: Options, dtype, device, offload):
+    """A model file loaded, placed and compiled."""
+    _swapping(ref.kind, opts, offload)  # (refused before a long load)
+    # An offloaded model loads on its offload device; only what runs reaches the GPU.
+    model = (load_dit if ref.kind == "dit" else load_vae)(
+        ref.model, dtype, offload if offload is not None else device)
+    placement = _place(model, ref.kind, opts, device, offload)
+    # The same module passed back in (the CLI's once-loaded models) keeps this placement.
+    MODEL_CACHE.placement_of(model, _placed_as(opts, ref.kind, dtype, device, offload),
+                             lambda: placement)
+    apply_compile(*((model, None) if ref.kind == "dit" else (None, model)),
+                  CompileSettings.from_options(opts))
     return model, placement
 
 
@@ -101,12 +121,14 @@ def load_models(dit=None, vae=None, *, opts: Options, model_dir=None) -> Models:
 
 def _ready_model(ref: ModelRef, opts: Options, dtype, device, offload):
     """A model and its placement: a given module moved as the options say, a file via the cache."""
-    setting = f"{ref.kind}_offload_device"
-    if ref.loaded:
-        model = ref.model.to(device=device if offload is None else offload, dtype=dtype)
-        if ref.kind == "dit":
-            model.set_attention_backend(opts.attention_backend)  # a loaded file's is set at load
-        return model, _placement(model, device, offload, setting)
+    if ref.loaded:  # placed as a file's model would be, once per module and settings
+        model = ref.model
+
+        def place():
+            model.to(device=device if offload is None else offload, dtype=dtype)
+            return _place(model, ref.kind, opts, device, offload)
+        return model, MODEL_CACHE.placement_of(
+            model, _placed_as(opts, ref.kind, dtype, device, offload), place)
     key = ModelKey.for_file(ref.kind, ref.model, dtype, device, _settings_of(opts, ref.kind))
     return MODEL_CACHE.get_or_load(key, lambda: _load_file(ref, opts, dtype, device, offload),
                                    opts.cache_dit if ref.kind == "dit" else opts.cache_vae)
