@@ -397,3 +397,26 @@ def test_models_passed_in_run_as_placed_as_their_files_would_be(tiny_options):
     assert passed_back[0] == passed_back[1] and own_module[0] == own_module[1]
     assert all(abs(peak - from_files) < block // 4 for peak in passed_back + own_module), \
         (from_files, passed_back, own_module, block)
+
+
+def test_a_swapped_dit_waits_off_the_gpu_until_its_phase(tiny_options, monkeypatch):
+    """BlockSwap brought the DiT's resident weights to the GPU when the model loaded, so they
+    sat there through the first encode, which the budget plans without them (3B on a fake
+    8 GiB card: the first encode at 6.08 GiB against 1.84 for the others)."""
+    import seedvr2
+    from seedvr2.pipeline.runner import Upscaler
+
+    seen = []
+    encode = Upscaler._encode
+
+    def counted(self, *args, **kwargs):
+        seen.append(sum(t.numel() * t.element_size() for t in self.models.dit.parameters()
+                        if t.device.type == "cuda"))
+        return encode(self, *args, **kwargs)
+    monkeypatch.setattr(Upscaler, "_encode", counted)
+    options = dict(tiny_options, device="cuda:0", dtype="bf16", resolution=32, batch_size=5,
+                   dit_offload_device="cpu", blocks_to_swap=2)
+    with fake_cuda((9, 0)):
+        seedvr2.upscale(torch.rand(9, 16, 16, 3), **options)
+        gc.collect()
+    assert seen == [0, 0]

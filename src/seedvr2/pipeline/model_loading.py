@@ -75,6 +75,9 @@ def _place(model, kind: str, opts: Options, device, offload):
     if _swapping(kind, opts, offload):
         _check_host_copy(model, offload, "dit_offload_device")
         placement = BlockSwap(model, opts.blocks_to_swap, opts.swap_io_components, device, offload)
+        # Parked until its phase, as an offloaded model waits: BlockSwap brings the resident
+        # weights to the GPU at once, where they sat through the first encode (3B: 4.25 GiB).
+        placement.park()
     if placement is None or not placement.active:  # no CUDA: plain offloading
         placement = _placement(model, device, offload, f"{kind}_offload_device")
     return placement
