@@ -5,7 +5,9 @@ or installed. Sections, in order of value (``--sections`` picks some):
 
 * env       the GPU, torch, what ``dtype=auto`` and ``attention_backend=auto`` choose here
 * e2e       ``seedvr2.upscale`` of a synthetic 21-frame clip to 1080p with the 3B, run twice:
-            frames/s of the second (steady state) run, seconds per phase, peaks vs the budget
+            frames/s of the second (steady state) run, seconds per phase, peaks vs the budget;
+            then 9 frames within max_vram 8 and 12 GiB (the fit's choice; the models given
+            from host memory): the allocated peak must stay within the cap
 * trace     the pipeline's phases of one 3B batch at 720p untiled and 1080p with 512-pixel VAE
             tiles: torch.cuda.max_memory_allocated and max_memory_reserved per phase beside
             the fake-tensor trace of the same job (bench/memory_trace.py) and the budget's
@@ -97,7 +99,7 @@ SECTIONS = ("env", "e2e", "trace", "mfu", "blockswap", "vae", "dequant", "room",
 # up to SLACK past its cap: the default sections' caps total at most 420 s, leaving each its
 # slack within the 8-minute default (lowp and vae_paths run past it: --sections). The
 # rehearsal's sections take seconds; REHEARSE_CAP only bounds a hang.
-CAPS = {"env": 10, "e2e": 95, "trace": 50, "mfu": 60, "blockswap": 65, "vae": 85,
+CAPS = {"env": 10, "e2e": 115, "trace": 50, "mfu": 60, "blockswap": 65, "vae": 65,
         "dequant": 30, "room": 25, "lowp": 150, "vae_paths": 240}
 SLACK = 7
 DEFAULT_SECTIONS = ("env", "e2e", "trace", "mfu", "blockswap", "vae", "dequant", "room")
@@ -580,6 +582,56 @@ def check_e2e(run: Run):
                     f"{gib(estimate.get(name))}" for name, p in stats.phases.items())
             return f"{scale.frames / seconds:.2f} frames/s", note
         measure(run.report, "e2e", f"{label}, {attempt}", one_run)
+    del dit, vae, options
+    run.free()
+    check_cards(run)
+
+
+# The cards users ask about ("which file fits my card"), as max_vram caps: the fit plans each
+# job within the cap, and the allocator's peak must stay within it.
+CARD_CAPS_GIB = (8, 12)
+CARD_FRAMES = 9
+
+
+def check_cards(run: Run):
+    """3B at the e2e size within each ``max_vram`` cap (``fit auto`` choosing tiles, offload,
+    BlockSwap), the models given from host memory as a user's loaded ones: a row is an error
+    when the allocated peak of a phase passes the cap the job was planned within."""
+    import memory_trace
+    import seedvr2
+    from seedvr2.pipeline.runner import JobStats
+
+    scale, host = run.scale, torch.device("cpu")
+    dit, vae = random_dit(run, device=host), random_model(build_vae, scale.vae, host, scale.dtype)
+    clip = _synthetic_clip(CARD_FRAMES, *scale.e2e_input)
+    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[scale.dtype]
+    for cap in CARD_CAPS_GIB:
+        def card_row(cap=cap):
+            stats = JobStats()
+            run.free()
+            # The job's own: what else the device holds is not the job's (max_vram caps its use).
+            before = torch.cuda.memory_allocated(run.device) if run.cuda else 0
+            # (On the CPU the analogue: the live tensor bytes, as the trace section counts them.)
+            live = contextlib.nullcontext() if run.cuda else memory_trace.LiveBytes("cpu")
+            with live:
+                seedvr2.upscale(clip, dit, vae, stats=stats, device=str(run.device), dtype=dtype,
+                                resolution=scale.e2e_resolution, max_vram=cap)
+            allocated = [p.device_allocated - before for p in stats.phases.values()
+                         if p.device_allocated is not None] if run.cuda else [live.peak]
+            reserved = [p.device_reserved for p in stats.phases.values()
+                        if p.device_reserved is not None]
+            estimate = stats.estimated_bytes.get(str(run.device))
+            if allocated and max(allocated) > cap << 30:
+                raise RuntimeError(f"the job allocated {gib(max(allocated))} planned within "
+                                   f"max_vram {cap} GiB (estimate {gib(estimate)})")
+            value = f"{gib(max(allocated))} " + (
+                "allocated" if run.cuda else "live tensor bytes (CPU: no allocator)")
+            return value, (f"reserved {gib(max(reserved)) if reserved else 'n/a'} (all the "
+                           f"device's); the budget's estimate {gib(estimate)}; batch "
+                           f"{stats.batch_size}")
+        model = "3B" if scale.name == "GPU" else "tiny 3B stand-in"
+        measure(run.report, "e2e", f"{model} {dtype} {scale.e2e_resolution}p x {CARD_FRAMES} within "
+                f"max_vram {cap} GiB (fit auto, models given from host memory)", card_row)
 
 
 # (size, VAE tiled) of the trace section's cells; the 3B, the scale's frames, bf16 on a GPU.
