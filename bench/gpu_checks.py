@@ -7,7 +7,8 @@ or installed. Sections, in order of value (``--sections`` picks some):
 * e2e       ``seedvr2.upscale`` of a synthetic 21-frame clip to 1080p with the 3B, run twice:
             frames/s of the second (steady state) run, seconds per phase, peaks vs the budget;
             then 9 frames within max_vram 8 and 12 GiB (the fit's choice; the models given
-            from host memory): the allocated peak must stay within the cap
+            from host memory): the allocated peak must stay within the cap less the
+            budget's allowance
 * trace     the pipeline's phases of one 3B batch at 720p untiled and 1080p with 512-pixel VAE
             tiles: torch.cuda.max_memory_allocated and max_memory_reserved per phase beside
             the fake-tensor trace of the same job (bench/memory_trace.py) and the budget's
@@ -596,9 +597,11 @@ CARD_FRAMES = 9
 def check_cards(run: Run):
     """3B at the e2e size within each ``max_vram`` cap (``fit auto`` choosing tiles, offload,
     BlockSwap), the models given from host memory as a user's loaded ones: a row is an error
-    when the allocated peak of a phase passes the cap the job was planned within."""
+    when the allocated peak of a phase passes the cap the job was planned within, less the
+    budget's fixed allowance for what a GPU holds beside tensors."""
     import memory_trace
     import seedvr2
+    from seedvr2.memory import budget as mem
     from seedvr2.pipeline.runner import JobStats
 
     scale, host = run.scale, torch.device("cpu")
@@ -621,9 +624,13 @@ def check_cards(run: Run):
             reserved = [p.device_reserved for p in stats.phases.values()
                         if p.device_reserved is not None]
             estimate = stats.estimated_bytes.get(str(run.device))
-            if allocated and max(allocated) > cap << 30:
+            # The plan keeps its fixed allowance (CUDA context, workspaces: not allocated
+            # tensors) within the cap, so the tensors have the cap less that.
+            tensors = (cap << 30) - mem.fixed_overhead(str(run.device))
+            if max(allocated) > tensors:
                 raise RuntimeError(f"the job allocated {gib(max(allocated))} planned within "
-                                   f"max_vram {cap} GiB (estimate {gib(estimate)})")
+                                   f"max_vram {cap} GiB: {gib(tensors)} for tensors beside the "
+                                   f"allowance (estimate {gib(estimate)})")
             value = f"{gib(max(allocated))} " + (
                 "allocated" if run.cuda else "live tensor bytes (CPU: no allocator)")
             return value, (f"reserved {gib(max(reserved)) if reserved else 'n/a'} (all the "
