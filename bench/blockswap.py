@@ -62,7 +62,7 @@ def main():
         print(f"blocks_to_swap {blocks:3d}: {seconds * 1e3:8.1f} ms, peak {peak:6.2f} GiB, "
               f"time ratio vs {min(times)} swapped {ratio:.3f}")
         if swap is not None:
-            swap.detach()
+            swap.leave()
         model.to("cpu")
     if 0 in times and 32 in times:
         print(f"32 swapped / 0 swapped: {times[32] / times[0]:.3f}  (goal <= 1.15)")

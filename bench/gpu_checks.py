@@ -831,7 +831,7 @@ def check_blockswap(run: Run):
                         "; ".join(note))
             finally:
                 if swap is not None:
-                    swap.detach()
+                    swap.leave()
                 dit.to(host)
                 del swap
                 run.free()

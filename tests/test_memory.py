@@ -50,7 +50,7 @@ def test_blockswap_mechanics_on_cpu_change_nothing(conformance):
     assert swap.copies == {}
     loads = [u for e, u in swap.schedule.log if e == "load"]
     assert loads == sorted(swap.schedule.swapped)  # each swapped unit loaded once, in order
-    swap.detach()
+    swap.leave()
     assert torch.equal(_forward(model, case), expected)
 
 

@@ -66,7 +66,7 @@ class SwapRuntime:
 
 
 class BlockSwap:
-    """Attach BlockSwap to a NaDiT (``detach()``: plain placement on ``device``); tensors shared
+    """Attach BlockSwap to a NaDiT (``leave()``: plain again, on the offload device); tensors shared
     by several units (the RoPE table) stay resident with the never-swapped weights."""
 
     INPUT_MODULES = ("vid_in", "txt_in", "emb_in")
@@ -193,11 +193,3 @@ class BlockSwap:
             h.remove()
         self.active = False
 
-    def detach(self):
-        if not self.active:
-            return
-        self.release_all()
-        for h in self.hooks:
-            h.remove()
-        self.store.place(self.store.copy_to(range(len(self.store)), self.device))
-        self.active = False
