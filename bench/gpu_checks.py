@@ -155,6 +155,11 @@ class Scale:
     paths_clip: tuple = (21, 1088, 1920)  # the vae_paths clip: frames, H, W
 
     @property
+    def dtype_option(self) -> str:
+        """The ``dtype`` option naming this scale's precision."""
+        return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[self.dtype]
+
+    @property
     def blocks_3b(self) -> int:
         return self.dit3b.num_layers
 
@@ -561,7 +566,7 @@ def check_e2e(run: Run):
     scale = run.scale
     dit, vae = random_dit(run), random_vae(run)
     clip = _synthetic_clip(scale.frames, *scale.e2e_input)
-    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[scale.dtype]
+    dtype = scale.dtype_option
     options = dict(dit=dit, vae=vae, device=str(run.device), devices=str(run.device), dtype=dtype,
                    resolution=scale.e2e_resolution, batch_size=scale.frames)
     label = f"3B {dtype} {scale.e2e_resolution}p x {scale.frames}"
@@ -607,7 +612,7 @@ def check_cards(run: Run):
     scale, host = run.scale, torch.device("cpu")
     dit, vae = random_dit(run, device=host), random_model(build_vae, scale.vae, host, scale.dtype)
     clip = _synthetic_clip(CARD_FRAMES, *scale.e2e_input)
-    dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[scale.dtype]
+    dtype = scale.dtype_option
     for cap in CARD_CAPS_GIB:
         def card_row(cap=cap):
             stats = JobStats()
@@ -1121,8 +1126,7 @@ def check_room(run: Run):
 
     scale = run.scale
     opts = resolve_options(device=str(run.device), resolution=scale.e2e_resolution,
-                           batch_size="auto", dtype={torch.bfloat16: "bf16", torch.float16: "fp16",
-                                                     torch.float32: "fp32"}[scale.dtype])
+                           batch_size="auto", dtype=scale.dtype_option)
     models = load_models(random_dit(run), random_vae(run), opts=opts)
     size, frames = scale.sizes["1080p"], 121
     auto = lambda make_room=None: prepare_job(models, opts, frames, size, None,  # noqa: E731
